@@ -1,0 +1,3 @@
+from spmoe.config.parallel import ParallelConfig
+
+__all__ = ["ParallelConfig"]

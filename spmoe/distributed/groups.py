@@ -1,0 +1,104 @@
+"""Process groups: initialise from the torchrun environment, build the TP / DP / EP groups, tear down.
+
+gloo on CPU, NCCL on CUDA. Every collective carries `timeout_s`, so a dead peer turns into an error on the
+surviving ranks instead of a hang.
+"""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from spmoe.config import ParallelConfig
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """This rank's place in the world. The groups are torch ProcessGroups (or WORLD)."""
+
+    config: ParallelConfig
+    rank: int
+    device: torch.device
+    tp_group: dist.ProcessGroup
+    ep_group: dist.ProcessGroup
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def ep_size(self) -> int:
+        return dist.get_world_size(self.ep_group)
+
+    @property
+    def ep_rank(self) -> int:
+        return dist.get_rank(self.ep_group)
+
+
+_STATE: ParallelState | None = None
+
+
+def init_distributed(config: ParallelConfig | None = None, device: str = "cpu",
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelState:
+    """Join the process group described by RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK).
+
+    `config` defaults to pure tensor parallelism over the whole world. Its world size must match WORLD_SIZE.
+    """
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("init_distributed() was already called in this process; call destroy_distributed() first")
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_distributed() needs the torchrun environment; missing {missing}")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    config = config or ParallelConfig(tensor_parallel_size=world)
+    if config.world_size != world:
+        raise ValueError(f"parallel config needs dp*tp = {config.data_parallel_size}*{config.tensor_parallel_size}"
+                         f" = {config.world_size} ranks, but WORLD_SIZE is {world}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' was requested but torch.cuda.is_available() is False")
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local_rank)
+        dev, backend = torch.device("cuda", local_rank), "nccl"
+    elif device == "cpu":
+        dev, backend = torch.device("cpu"), "gloo"
+    else:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                            device_id=dev if backend == "nccl" else None)
+    tp = config.tensor_parallel_size
+    tp_group = dist.group.WORLD
+    if config.data_parallel_size > 1:
+        # new_group must be called by every rank for every group, in the same order.
+        for d in range(config.data_parallel_size):
+            group = dist.new_group(list(range(d * tp, (d + 1) * tp)))
+            if d == rank // tp:
+                tp_group = group
+    _STATE = ParallelState(config=config, rank=rank, device=dev, tp_group=tp_group, ep_group=dist.group.WORLD)
+    return _STATE
+
+
+def get_parallel_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("distributed state is not initialised; call spmoe.distributed.init_distributed() first")
+    return _STATE
+
+
+def destroy_distributed() -> None:
+    global _STATE
+    _STATE = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

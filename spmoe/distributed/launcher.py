@@ -1,0 +1,109 @@
+"""Run a function on N local ranks and collect what each returns.
+
+`spawn(fn, world_size, *args)` starts `world_size` fresh processes, sets the torchrun environment in each,
+initialises the process groups, calls `fn(*args)` and returns the list of per-rank results (rank order).
+If a rank raises, or dies without a result, the other ranks are killed at once and `RankFailed` carries that
+rank's traceback to the caller. It never waits on a dead rank.
+"""
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from spmoe.config import ParallelConfig
+from spmoe.distributed.groups import DEFAULT_TIMEOUT_S, destroy_distributed, init_distributed
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised or died; the message holds which rank and its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, world_size, port, fn, args, config, device, timeout_s, results):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        init_distributed(config, device=device, timeout_s=timeout_s)
+        out = fn(*args)
+        results.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        destroy_distributed()
+
+
+def spawn(fn, world_size: int, *args, config: ParallelConfig | None = None, device: str = "cpu",
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+    """Run `fn(*args)` on `world_size` local ranks; return each rank's result, rank 0 first.
+
+    `fn` must be importable by name (a module-level function). `config` defaults to TP over all ranks.
+    `timeout_s` bounds every collective inside `fn`.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, daemon=True,
+                         args=(r, world_size, port, fn, args, config, device, timeout_s, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs: dict[int, object] = {}
+    errors: dict[int, str] = {}  # rank -> traceback, or why it died
+    try:
+        while len(outputs) < world_size and not errors:
+            try:
+                rank, ok, payload = results.get(timeout=0.1)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in outputs and p.exitcode is not None:
+                        errors[r] = f"exited with code {p.exitcode} without returning a result"
+                continue
+            (outputs if ok else errors)[rank] = pickle.loads(payload) if ok else payload
+        if errors:
+            _settle(procs, results, outputs, errors)
+            raise RankFailed(_describe(errors, world_size))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join()
+    return [outputs[r] for r in range(world_size)]
+
+
+def _settle(procs, results, outputs, errors, grace_s: float = 1.0):
+    """After a first failure, wait briefly for the other ranks' reports: a rank that died often makes its
+    peers fail too, and the dead rank is the one to blame."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            rank, ok, payload = results.get(timeout=0.05)
+            (outputs if ok else errors)[rank] = pickle.loads(payload) if ok else payload
+        except queue.Empty:
+            pass
+    for r, p in enumerate(procs):
+        if r not in outputs and r not in errors and p.exitcode not in (None, 0):
+            errors[r] = f"exited with code {p.exitcode} without returning a result"
+
+
+def _describe(errors: dict[int, str], world_size: int) -> str:
+    """First line: the root cause in one line: a rank that died, else the first rank to report an error
+    (its peers usually fail after it, with connection errors)."""
+    died = [r for r, e in errors.items() if e.startswith("exited with code")]
+    first = died[0] if died else next(iter(errors))
+    reason = errors[first].strip().splitlines()[-1]
+    details = "\n".join(f"--- rank {r} of {world_size}:\n{errors[r].strip()}" for r in sorted(errors))
+    return f"rank {first} of {world_size} failed: {reason}\n{details}"

@@ -1,0 +1,24 @@
+"""Run a per-rank test function on GPUs: in-process under torchrun, else spawned on every local GPU."""
+
+import os
+
+import pytest
+import torch
+
+from spmoe.distributed import destroy_distributed, init_distributed, spawn
+
+
+def requires_gpus(count: int):
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(have < count, reason=f"needs {count} CUDA GPUs, this machine has {have}")
+
+
+def run_on_gpus(fn, *args) -> list:
+    """Returns this process's result under torchrun (a list of one), else every spawned rank's results."""
+    if "WORLD_SIZE" in os.environ:
+        init_distributed(device="cuda")
+        try:
+            return [fn(*args)]
+        finally:
+            destroy_distributed()
+    return spawn(fn, torch.cuda.device_count(), *args, device="cuda")
