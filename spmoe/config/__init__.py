@@ -1,3 +1,4 @@
+from spmoe.config.model import ModelConfig
 from spmoe.config.parallel import ParallelConfig
 
-__all__ = ["ParallelConfig"]
+__all__ = ["ModelConfig", "ParallelConfig"]

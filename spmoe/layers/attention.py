@@ -1,0 +1,100 @@
+"""MLA attention with the DSA lightning indexer, heads split over the TP group.
+
+Runs over all N tokens of a flat batch of sequences (FULL layout). q_a / kv_a projections, their norms and
+the indexer are replicated; q_b and kv_b are column-parallel over heads; o_proj is row-parallel and the
+output is this rank's PARTIAL sum `[N, H]`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spmoe.config import ModelConfig
+from spmoe.layers.linear import Linear
+from spmoe.layers.norm import RMSNorm
+from spmoe.layers.rotary import Rotary
+
+
+@dataclass
+class AttentionBatch:
+    """What attention needs to know about the flat batch of one forward.
+
+    `allowed[i, j]`: query i may attend key j (same sequence, j not after i). `[N, N]` bool.
+    """
+
+    rotary: Rotary
+    allowed: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.allowed.shape[0]
+
+
+class Indexer(nn.Module):
+    """DSA lightning indexer: scores every allowed key per query and keeps the top `index_topk`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.wk = Linear(cfg.hidden_size, cfg.index_head_dim)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
+
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """x `[N, H]`, q_latent `[N, q_lora]` -> selected `[N, N]` bool (top-k allowed keys per query)."""
+        cfg, rope = self.cfg, self.cfg.qk_rope_head_dim
+        q = self.wq_b(q_latent).view(-1, cfg.index_n_heads, cfg.index_head_dim)  # [N, h, d]
+        k = self.k_norm(self.wk(x)).unsqueeze(1)  # [N, 1, d]
+        rotate = batch.rotary.interleaved if cfg.indexer_rope_interleaved else batch.rotary.half_split
+        q = torch.cat([rotate(q[..., :rope]), q[..., rope:]], dim=-1)
+        k = torch.cat([rotate(k[..., :rope]), k[..., rope:]], dim=-1).squeeze(1)  # [N, d]
+        scores = F.relu(torch.einsum("qhd,kd->qhk", q.float(), k.float()) * cfg.index_head_dim ** -0.5)
+        weights = self.weights_proj(x).float() * cfg.index_n_heads ** -0.5  # [N, h]
+        index = torch.einsum("qh,qhk->qk", weights, scores).masked_fill(~batch.allowed, float("-inf"))
+        topk = index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices
+        return torch.zeros_like(batch.allowed).scatter_(1, topk, True) & batch.allowed
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_size: int, has_indexer: bool):
+        super().__init__()
+        if cfg.num_attention_heads % tp_size:
+            raise ValueError(f"num_attention_heads {cfg.num_attention_heads} is not divisible by "
+                             f"tensor_parallel_size {tp_size}")
+        self.cfg = cfg
+        self.local_heads = cfg.num_attention_heads // tp_size
+        heads = cfg.num_attention_heads
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+        self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, tp_dim=0, tp_size=tp_size)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp_dim=0,
+                                tp_size=tp_size)
+        self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size, tp_dim=1, tp_size=tp_size)
+        self.indexer = Indexer(cfg) if has_indexer else None
+
+    def forward(self, x: torch.Tensor, batch: AttentionBatch, selected: torch.Tensor | None):
+        """x FULL `[N, H]` -> (PARTIAL `[N, H]`, selected `[N, N]`).
+
+        `selected` comes from the previous "full" layer on an IndexShare "shared" layer, else None.
+        """
+        cfg, n_tok, heads = self.cfg, x.shape[0], self.local_heads
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [N, q_lora]
+        q = self.q_b_proj(q_latent).view(n_tok, heads, cfg.qk_head_dim)
+        q = torch.cat([q[..., :cfg.qk_nope_head_dim], batch.rotary.interleaved(q[..., cfg.qk_nope_head_dim:])], -1)
+        kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        k_rope = batch.rotary.interleaved(k_rope.unsqueeze(1))  # [N, 1, rope]
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(n_tok, heads, -1)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)  # [N, h, nope], [N, h, v]
+        k = torch.cat([k_nope, k_rope.expand(-1, heads, -1)], dim=-1)  # [N, h, qk_head]
+        if self.indexer is not None:
+            selected = self.indexer(x, q_latent, batch)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * cfg.attention_scale
+        scores = scores.masked_fill(~selected, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        out = torch.einsum("hqk,khd->qhd", probs, v).reshape(n_tok, heads * cfg.v_head_dim)
+        return self.o_proj(out), selected

@@ -1,0 +1,49 @@
+"""Vocab-parallel embedding and LM head: each TP rank holds `vocab / t` rows of the table."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spmoe.distributed import get_parallel_state
+from spmoe.distributed.comm import all_gather_rows
+
+
+def _vocab_shard(vocab_size: int) -> tuple[int, int]:
+    state = get_parallel_state()
+    if vocab_size % state.tp_size:
+        raise ValueError(f"vocab_size {vocab_size} is not divisible by tensor_parallel_size {state.tp_size}")
+    per_rank = vocab_size // state.tp_size
+    return per_rank * state.tp_rank, per_rank
+
+
+class VocabParallelEmbedding(nn.Module):
+    tp_dim = 0
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.start, per_rank = _vocab_shard(vocab_size)
+        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids `[N]` -> PARTIAL `[N, H]`: rows of ids this rank does not own are zero."""
+        local = ids - self.start
+        owned = (local >= 0) & (local < self.weight.shape[0])
+        return F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * owned.unsqueeze(1)
+
+
+class ParallelLMHead(nn.Module):
+    tp_dim = 0
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.start, per_rank = _vocab_shard(vocab_size)
+        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """FULL `[N, H]` -> logits `[N, V]` in float32: local vocab columns, then one all-gather."""
+        state = get_parallel_state()
+        logits = F.linear(x, self.weight).float()  # [N, V/t]
+        if state.tp_size == 1:
+            return logits
+        gathered = all_gather_rows(logits, state.tp_group)  # [t*N, V/t], rank blocks
+        return gathered.view(state.tp_size, *logits.shape).permute(1, 0, 2).reshape(x.shape[0], -1)

@@ -1,0 +1,46 @@
+"""DeepSeek MoE: router + routed experts (EP) + shared experts."""
+
+import torch
+from torch import nn
+
+from spmoe.config import ModelConfig
+from spmoe.distributed import get_parallel_state, shard_rows
+from spmoe.layers.mlp import MLP
+from spmoe.layers.moe.dispatch import allgather_reducescatter
+from spmoe.layers.moe.experts import TorchExperts
+from spmoe.layers.moe.router import Router
+
+
+class MoE(nn.Module):
+    """Routed experts are split over the EP group; the layout is fixed at build time by `sequence_parallel`:
+
+    - False: input FULL `[N, H]` (same on every rank); each rank runs its experts on all N tokens and the
+      TP-sharded shared expert; output PARTIAL `[N, H]`.
+    - True: input SHARDED `[n, H]`; pad rows get no experts; dispatch/combine over the EP group; the shared
+      expert is replicated; output complete SHARDED `[n, H]`.
+    """
+
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool):
+        super().__init__()
+        state = get_parallel_state()
+        if cfg.n_routed_experts % state.ep_size:
+            raise ValueError(f"n_routed_experts {cfg.n_routed_experts} is not divisible by the expert-parallel "
+                             f"size {state.ep_size}")
+        per_rank = cfg.n_routed_experts // state.ep_size
+        self.sequence_parallel = sequence_parallel
+        self.gate = Router(cfg)
+        self.experts = TorchExperts(state.ep_rank * per_rank, per_rank, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                   1 if sequence_parallel else state.tp_size) if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        state = get_parallel_state()
+        if self.sequence_parallel:
+            n = shard_rows(num_tokens, state.tp_size)
+            valid = torch.arange(state.tp_rank * n, (state.tp_rank + 1) * n, device=x.device) < num_tokens
+            ids, weights = self.gate(x, valid)
+            out = allgather_reducescatter(x, ids, weights, self.experts, state.ep_group)
+        else:
+            ids, weights = self.gate(x, torch.ones(x.shape[0], dtype=torch.bool, device=x.device))
+            out = self.experts(x, ids, weights)
+        return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -1,0 +1,37 @@
+"""The DeepSeek router: sigmoid scores, bias-corrected (grouped) top-k selection, renormalised weights."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spmoe.config import ModelConfig
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[m, H]`, valid `[m]` bool -> (ids `[m, k]` int64, weights `[m, k]` float32).
+
+        The correction bias only chooses experts; the weights are the raw sigmoid scores. Invalid rows (SP pad
+        rows) get id -1 and weight 0: no expert ever sees them.
+        """
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [m, E]
+        choice = scores + self.e_score_correction_bias
+        if cfg.n_group > 1:
+            grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [m, groups]
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(cfg.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights * cfg.routed_scaling_factor
+        return ids.masked_fill(~valid.unsqueeze(1), -1), weights.masked_fill(~valid.unsqueeze(1), 0.0)

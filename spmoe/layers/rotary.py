@@ -1,0 +1,54 @@
+"""Rotary position embedding: default and yarn frequencies; interleaved and half-split rotation."""
+
+import math
+
+import torch
+
+from spmoe.config import ModelConfig
+
+
+def inverse_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """`[rope_dim / 2]` inverse frequencies and the cos/sin scale (yarn's attention factor, else 1)."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if cfg.rope_type == "default":
+        return inv_freq, 1.0
+    factor, original_max, beta_fast, beta_slow, mscale, mscale_all_dim, truncate = cfg.rope_scaling
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+    def yarn_mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    scale = yarn_mscale(mscale) / yarn_mscale(mscale_all_dim) if mscale and mscale_all_dim else yarn_mscale(1.0)
+    return inv_freq, scale
+
+
+class Rotary:
+    """cos/sin for the positions of one forward, each `[N, rope_dim / 2]` (already scaled)."""
+
+    def __init__(self, cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
+        inv_freq, scale = inverse_frequencies(cfg)
+        angles = positions.float().unsqueeze(1) * inv_freq.to(positions.device)
+        self.cos = (angles.cos() * scale).to(dtype)
+        self.sin = (angles.sin() * scale).to(dtype)
+
+    def interleaved(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[N, heads, d]`, pairs (x0, x1), (x2, x3)... -> the rotated evens, then the rotated odds."""
+        cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+    def half_split(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[N, heads, d]`, pairs (x_i, x_{i+d/2})."""
+        cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)

@@ -1,0 +1,150 @@
+"""DeepSeek-V3.2 / GLM-5.2 (glm_moe_dsa) with TP attention, EP experts and sequence-parallel MoE.
+
+Notation: N tokens in the flat batch, t = TP size, n = ceil(N/t) rows per rank, H = hidden size.
+
+Each decoder layer declares, when the model is built, the layout its input arrives in (`input_layout`) and
+whether it runs its norms and MLP on the token shard (`use_sequence_parallel_moe`). The forward never looks
+at a shape to decide a layout; it checks the shape against the declared layout and raises on a mismatch.
+
+Per layer (SP = use_sequence_parallel_moe):
+
+    input layout   PARTIAL: all-reduce + add-norm (FULL)   FULL: add-norm   SHARDED: add-norm on shard, gather h
+    attention      FULL [N, H] -> PARTIAL [N, H]
+    SP:            reduce-scatter -> [n, H]; residual chunked locally if it was FULL; add-norm; MLP on shard
+    non-SP:        all-reduce + add-norm; TP MLP -> PARTIAL [N, H]
+
+The model loop does the transitions between layers: the embedding's PARTIAL sum is reduce-scattered when
+layer 0 is SP, and `_all_gather_sp_states` rebuilds FULL (hidden, residual) before a non-SP layer that
+follows an SP one.
+"""
+
+import torch
+from torch import nn
+
+from spmoe.config import ModelConfig, ParallelConfig
+from spmoe.distributed import (Layout, _all_gather_sp_states, get_parallel_state, shard_rows, sp_all_gather,
+                               sp_reduce_scatter, sp_shard)
+from spmoe.distributed.layout import check_rows
+from spmoe.layers.attention import AttentionBatch, MLAttention
+from spmoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from spmoe.layers.mlp import MLP
+from spmoe.layers.moe.moe import MoE
+from spmoe.layers.norm import RMSNorm, fused_allreduce_rms_norm
+from spmoe.layers.rotary import Rotary
+
+
+class DeepseekV32DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, use_sequence_parallel_moe: bool, input_layout: Layout):
+        super().__init__()
+        tp_size = get_parallel_state().tp_size
+        if input_layout is Layout.SHARDED and not use_sequence_parallel_moe:
+            raise ValueError(f"layer {layer_idx}: a non-SP layer cannot take a SHARDED input")
+        self.layer_idx = layer_idx
+        self.tp_size = tp_size
+        self.use_sequence_parallel_moe = use_sequence_parallel_moe
+        self.input_layout = input_layout
+        self.is_moe = cfg.mlp_layer_types[layer_idx] == "sparse"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, tp_size, has_indexer=cfg.indexer_types[layer_idx] == "full")
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.is_moe:
+            self.mlp = MoE(cfg, sequence_parallel=use_sequence_parallel_moe)
+        else:  # replicated on SP layers (they see only their own rows), TP-sharded otherwise
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, 1 if use_sequence_parallel_moe else tp_size)
+
+    @property
+    def output_layout(self) -> Layout:
+        """Layout of the returned MLP output (the residual is FULL or SHARDED to match)."""
+        return Layout.SHARDED if self.use_sequence_parallel_moe else Layout.PARTIAL
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: AttentionBatch,
+                selected: torch.Tensor | None):
+        """hidden (and residual) in `input_layout` -> (mlp output, residual) in `output_layout`, selected."""
+        num_tokens = batch.num_tokens
+        rows = shard_rows(num_tokens, self.tp_size) if self.input_layout is Layout.SHARDED else num_tokens
+        check_rows(hidden, rows, f"layer {self.layer_idx} input ({self.input_layout.name}, N={num_tokens})")
+        if self.input_layout is Layout.PARTIAL:
+            h, residual = fused_allreduce_rms_norm(hidden, residual, self.input_layernorm)
+        else:
+            h, residual = self.input_layernorm(hidden, residual) if residual is not None else (
+                self.input_layernorm(hidden), hidden)
+            if self.input_layout is Layout.SHARDED:
+                h = sp_all_gather(h, num_tokens)
+        attn, selected = self.self_attn(h, batch, selected)  # PARTIAL [N, H]
+        if self.use_sequence_parallel_moe:
+            attn = sp_reduce_scatter(attn)  # [n, H], complete
+            if self.input_layout is not Layout.SHARDED:
+                residual = sp_shard(residual)  # FULL -> SHARDED, no communication
+            h, residual = self.post_attention_layernorm(attn, residual)
+        else:
+            h, residual = fused_allreduce_rms_norm(attn, residual, self.post_attention_layernorm)
+        out = self.mlp(h, num_tokens) if self.is_moe else self.mlp(h)
+        return out, residual, selected
+
+
+class DeepseekV32Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig):
+        super().__init__()
+        state = get_parallel_state()
+        if parallel.tensor_parallel_size != state.tp_size:
+            raise ValueError(f"parallel config has tensor_parallel_size={parallel.tensor_parallel_size} but the "
+                             f"process group has {state.tp_size} TP ranks")
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        layers, previous_sp = [], None
+        for i in range(cfg.num_hidden_layers):
+            sp = parallel.layer_uses_sp(cfg.mlp_layer_types[i] == "sparse")
+            if previous_sp is None:  # layer 0 takes the embedding: reduce-scattered if SP, else PARTIAL
+                input_layout = Layout.SHARDED if sp else Layout.PARTIAL
+            elif previous_sp:
+                input_layout = Layout.SHARDED if sp else Layout.FULL  # FULL: the loop gathers first
+            else:
+                input_layout = Layout.PARTIAL
+            layers.append(DeepseekV32DecoderLayer(cfg, i, sp, input_layout))
+            previous_sp = sp
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        """input_ids, positions `[N]`; seq_lens: lengths of the sequences laid end to end -> FULL `[N, H]`
+        final-normed hidden states, identical on every TP rank."""
+        num_tokens = input_ids.shape[0]
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape or sum(seq_lens) != num_tokens:
+            raise ValueError(f"expected input_ids and positions of shape [N] with N = sum(seq_lens); got "
+                             f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)}, "
+                             f"sum(seq_lens) = {sum(seq_lens)}")
+        hidden = self.embed_tokens(input_ids)  # PARTIAL [N, H]
+        batch = AttentionBatch(Rotary(self.cfg, positions, hidden.dtype), causal_within_sequences(seq_lens, hidden))
+        if self.layers[0].input_layout is Layout.SHARDED:
+            hidden = sp_reduce_scatter(hidden)  # FULL -> SHARDED entry: all-reduce + chunk in one collective
+        residual, selected = None, None
+        for layer in self.layers:
+            if layer.input_layout is Layout.FULL:  # the sharded region ends here
+                hidden, residual = _all_gather_sp_states(hidden, residual, num_tokens)
+            hidden, residual, selected = layer(hidden, residual, batch, selected)
+        if self.layers[-1].output_layout is Layout.SHARDED:  # norm on the shard, then gather H (not 2H)
+            return sp_all_gather(self.norm(hidden, residual)[0], num_tokens)
+        return fused_allreduce_rms_norm(hidden, residual, self.norm)[0]
+
+
+def causal_within_sequences(seq_lens: list[int], like: torch.Tensor) -> torch.Tensor:
+    """`[N, N]` bool: token i may attend token j when both are in the same sequence and j <= i."""
+    seq_id = torch.repeat_interleave(torch.arange(len(seq_lens), device=like.device),
+                                     torch.tensor(seq_lens, device=like.device))
+    idx = torch.arange(seq_id.shape[0], device=like.device)
+    return (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])
+
+
+class DeepseekV32ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig):
+        super().__init__()
+        self.cfg, self.parallel = cfg, parallel
+        self.model = DeepseekV32Model(cfg, parallel)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        """-> logits `[N, vocab]` float32, identical on every TP rank."""
+        return self.lm_head(self.model(input_ids, positions, seq_lens))
+
+
+GlmMoeDsaForCausalLM = DeepseekV32ForCausalLM

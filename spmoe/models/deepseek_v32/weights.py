@@ -1,0 +1,139 @@
+"""Load a Hugging Face safetensors checkpoint into one rank's model.
+
+Each rank reads only its slice of every TP-sharded tensor and only its own experts. FP8 e4m3 weights with a
+`weight_scale_inv` per block are dequantised on load. Missing tensors, unexpected tensors and wrong shapes
+are errors that name the tensor.
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from spmoe.config import ModelConfig, ParallelConfig
+from spmoe.distributed import get_parallel_state
+from spmoe.layers.moe.experts import TorchExperts
+from spmoe.layers.moe.router import Router
+from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
+
+EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def load_model(model_dir: str | Path, parallel: ParallelConfig, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> DeepseekV32ForCausalLM:
+    """Build the model for this rank and fill it from the checkpoint in `model_dir`."""
+    cfg = ModelConfig.from_file(model_dir)
+    with torch.device(device):
+        model = DeepseekV32ForCausalLM(cfg, parallel)
+    load_weights(model, Path(model_dir))
+    model.to(dtype)
+    for module in model.modules():  # the router scores in float32, as the checkpoints keep it
+        if isinstance(module, Router):
+            module.float()
+    return model.eval()
+
+
+class Checkpoint:
+    """The tensors of a checkpoint folder: one `model.safetensors`, or shards listed in the index file."""
+
+    def __init__(self, folder: Path):
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files in {folder}")
+            weight_map = {}
+            for f in files:
+                with safe_open(f, "pt") as handle:
+                    weight_map.update({key: f.name for key in handle.keys()})
+        self.folder, self.weight_map, self._handles = folder, weight_map, {}
+
+    def keys(self) -> set[str]:
+        return set(self.weight_map)
+
+    def _slice(self, key: str):
+        name = self.weight_map[key]
+        if name not in self._handles:
+            self._handles[name] = safe_open(self.folder / name, "pt")
+        return self._handles[name].get_slice(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._slice(key).get_shape())
+
+    def read(self, key: str, dim: int | None, start: int, stop: int, block: tuple[int, int] | None) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) `[start, stop)` of a tensor, or all of it (dim None); FP8 weights
+        are dequantised with their block scales."""
+        view = self._slice(key)
+        index = (slice(None),) if dim is None else (slice(None),) * dim + (slice(start, stop),)
+        tensor = view[index]
+        if tensor.dtype != torch.float8_e4m3fn:
+            return tensor
+        scale_key = key.removesuffix("weight") + "weight_scale_inv"
+        if block is None or scale_key not in self.weight_map:
+            raise ValueError(f"{key} is FP8 but the checkpoint has no {scale_key} / quantization_config block size")
+        row0, col0 = (start, 0) if dim == 0 else (0, start) if dim == 1 else (0, 0)
+        scale = self._slice(scale_key)[(slice(row0 // block[0], None), slice(col0 // block[1], None))]
+        scale = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        r, c = row0 % block[0], col0 % block[1]
+        return tensor.float() * scale[r:r + tensor.shape[0], c:c + tensor.shape[1]]
+
+
+def load_weights(model: DeepseekV32ForCausalLM, folder: Path) -> None:
+    cfg, state = model.cfg, get_parallel_state()
+    ckpt = Checkpoint(folder)
+    plan = _plan(model)  # checkpoint key -> (destination tensor, tp_dim)
+    present = ckpt.keys()
+    missing = sorted(set(plan) - present)
+    if missing:
+        raise ValueError(f"checkpoint {folder} is missing {len(missing)} tensor(s), first: {missing[0]}")
+    mtp_first = cfg.num_hidden_layers
+    for key in sorted(present - set(plan)):
+        if key.endswith("weight_scale_inv") and key.removesuffix("_scale_inv") in present:
+            continue  # read together with its weight
+        expert = EXPERT_KEY.match(key)
+        if expert and int(expert.group(1)) < mtp_first and int(expert.group(2)) < cfg.n_routed_experts:
+            continue  # another EP rank's expert
+        layer = LAYER_KEY.match(key)
+        if layer and mtp_first <= int(layer.group(1)) < mtp_first + cfg.num_nextn_predict_layers:
+            continue  # the MTP layer's weights: not loaded by the main model
+        raise ValueError(f"checkpoint {folder} has an unexpected tensor: {key}")
+    show = state.rank == 0 and len(plan) >= 200
+    for done, (key, (dest, dim)) in enumerate(sorted(plan.items()), 1):
+        full = list(dest.shape)
+        start = 0
+        if dim is not None:
+            full[dim] *= state.tp_size
+            start = dest.shape[dim] * state.tp_rank
+        if ckpt.shape(key) != tuple(full):
+            raise ValueError(f"tensor {key}: checkpoint shape {ckpt.shape(key)} does not match the expected "
+                             f"{tuple(full)}")
+        with torch.no_grad():
+            dest.copy_(ckpt.read(key, dim, start, start + (dest.shape[dim] if dim is not None else 0),
+                                 cfg.fp8_block_size))
+        if show and (done % max(1, len(plan) // 20) == 0 or done == len(plan)):
+            print(f"\rloading weights: {done}/{len(plan)} tensors", end="\n" if done == len(plan) else "",
+                  file=sys.stderr, flush=True)
+
+
+def _plan(model: DeepseekV32ForCausalLM) -> dict:
+    """Checkpoint key -> (this rank's destination tensor, TP dim or None)."""
+    plan = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, TorchExperts):
+            inter = module.down_proj.shape[2]
+            for e in range(module.count):
+                prefix = f"{module_name}.{module.first + e}"
+                plan[f"{prefix}.gate_proj.weight"] = (module.gate_up_proj[e, :inter], None)
+                plan[f"{prefix}.up_proj.weight"] = (module.gate_up_proj[e, inter:], None)
+                plan[f"{prefix}.down_proj.weight"] = (module.down_proj[e], None)
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            dim = getattr(module, "tp_dim", None) if name == "weight" else None
+            plan[f"{module_name}.{name}"] = (param.data, dim)
+    return plan
