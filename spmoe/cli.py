@@ -1,8 +1,10 @@
 """The `spmoe` command line."""
 
 import argparse
+import json
 import sys
 
+from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import RankFailed, spawn
 from spmoe.distributed.selfcheck import layout_selfcheck
 
@@ -24,6 +26,26 @@ def cmd_selfcheck(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_forward(args) -> int:
+    from safetensors.torch import save_file
+
+    from spmoe.forward import read_input_ids, run_forward
+
+    cfg = ModelConfig.from_file(args.model)
+    parallel = ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel_moe=args.sp, sp_scope=args.sp_scope)
+    seqs = read_input_ids(args.input_ids, cfg.vocab_size)
+    print(f"spmoe forward: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, tp={args.tp}, "
+          f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} "
+          f"(--sp {args.sp}, scope {args.sp_scope}), {args.dtype} on {args.device}", file=sys.stderr, flush=True)
+    logits, stats = run_forward(args.model, parallel, seqs, args.dtype, args.device)
+    save_file({"logits": logits.float().contiguous()}, args.save_logits)
+    if args.stats:
+        with open(args.stats, "w") as f:
+            json.dump(stats, f, indent=2)
+    print(f"wrote logits {tuple(logits.shape)} to {args.save_logits}", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="spmoe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -32,10 +54,21 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_selfcheck)
     p = sub.add_parser("demo", help="the main job on the embedded default (for now: the layout self-check, 2 ranks)")
     p.set_defaults(func=cmd_selfcheck, ranks=2)
+    p = sub.add_parser("forward", help="one forward pass of a checkpoint on local ranks; save the logits")
+    p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size (number of local ranks)")
+    p.add_argument("--sp", choices=["on", "off", "auto"], required=True, help="sequence-parallel MoE")
+    p.add_argument("--sp-scope", choices=["moe", "all"], default="moe", help="which layers are SP (default moe)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--input-ids", required=True, help="JSON list of token-id lists, one per sequence")
+    p.add_argument("--save-logits", required=True, help="output .safetensors with one tensor 'logits' [N, V]")
+    p.add_argument("--stats", help="output JSON: rank 0's collectives {kind: {count, bytes}}")
+    p.set_defaults(func=cmd_forward)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (RankFailed, ValueError) as e:
+    except (RankFailed, ValueError, FileNotFoundError, OSError) as e:
         print(f"spmoe {args.command}: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
         return 1
 

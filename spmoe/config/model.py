@@ -66,6 +66,21 @@ class ModelConfig:
                 scale *= m * m
         return scale
 
+    def check_parallel(self, parallel) -> None:
+        """Raise unless every TP/EP-split dimension divides by the sizes of `parallel` (a ParallelConfig)."""
+        t, ep = parallel.tensor_parallel_size, parallel.world_size
+        splits = [("num_attention_heads", self.num_attention_heads, t, "tensor_parallel_size"),
+                  ("vocab_size", self.vocab_size, t, "tensor_parallel_size"),
+                  ("n_routed_experts", self.n_routed_experts, ep, "the expert-parallel size")]
+        if not parallel.use_sequence_parallel_moe or parallel.sp_scope == "moe":  # TP-sharded dense MLPs
+            splits.append(("intermediate_size", self.intermediate_size, t, "tensor_parallel_size"))
+        if not parallel.use_sequence_parallel_moe:  # TP-sharded shared experts
+            splits.append(("moe_intermediate_size * n_shared_experts",
+                           self.moe_intermediate_size * self.n_shared_experts, t, "tensor_parallel_size"))
+        for name, value, size, what in splits:
+            if value % size:
+                raise ValueError(f"{name} = {value} is not divisible by {what} = {size}")
+
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
@@ -81,6 +96,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
+        try:
+            return cls._from_dict(raw)
+        except KeyError as e:
+            raise ValueError(f"model config is missing the required field {e}") from None
+
+    @classmethod
+    def _from_dict(cls, raw: dict) -> "ModelConfig":
         model_type = raw.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")

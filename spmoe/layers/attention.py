@@ -61,9 +61,6 @@ class Indexer(nn.Module):
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_size: int, has_indexer: bool):
         super().__init__()
-        if cfg.num_attention_heads % tp_size:
-            raise ValueError(f"num_attention_heads {cfg.num_attention_heads} is not divisible by "
-                             f"tensor_parallel_size {tp_size}")
         self.cfg = cfg
         self.local_heads = cfg.num_attention_heads // tp_size
         heads = cfg.num_attention_heads

@@ -10,8 +10,6 @@ from spmoe.distributed.comm import all_gather_rows
 
 def _vocab_shard(vocab_size: int) -> tuple[int, int]:
     state = get_parallel_state()
-    if vocab_size % state.tp_size:
-        raise ValueError(f"vocab_size {vocab_size} is not divisible by tensor_parallel_size {state.tp_size}")
     per_rank = vocab_size // state.tp_size
     return per_rank * state.tp_rank, per_rank
 

@@ -23,9 +23,6 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool):
         super().__init__()
         state = get_parallel_state()
-        if cfg.n_routed_experts % state.ep_size:
-            raise ValueError(f"n_routed_experts {cfg.n_routed_experts} is not divisible by the expert-parallel "
-                             f"size {state.ep_size}")
         per_rank = cfg.n_routed_experts // state.ep_size
         self.sequence_parallel = sequence_parallel
         self.gate = Router(cfg)

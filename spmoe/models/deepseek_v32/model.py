@@ -89,6 +89,7 @@ class DeepseekV32Model(nn.Module):
         if parallel.tensor_parallel_size != state.tp_size:
             raise ValueError(f"parallel config has tensor_parallel_size={parallel.tensor_parallel_size} but the "
                              f"process group has {state.tp_size} TP ranks")
+        cfg.check_parallel(parallel)
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         layers, previous_sp = [], None

@@ -1,0 +1,57 @@
+"""One forward pass over a batch of sequences on T local ranks: the job behind `spmoe forward`."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from spmoe.config import ModelConfig, ParallelConfig
+from spmoe.distributed import count_collectives, get_parallel_state, spawn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def read_input_ids(path: str | Path, vocab_size: int) -> list[list[int]]:
+    """A JSON list of token-id lists, one per sequence; every id in [0, vocab_size)."""
+    try:
+        seqs = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"input ids file not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(seqs, list) or not seqs:
+        raise ValueError(f"{path}: expected a non-empty JSON list of token-id lists, got {type(seqs).__name__} "
+                         f"{str(seqs)[:40]}")
+    for i, seq in enumerate(seqs):
+        if not isinstance(seq, list) or not seq:
+            raise ValueError(f"{path}: sequence {i} must be a non-empty list of token ids, got {str(seq)[:40]}")
+        for tok in seq:
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab_size:
+                raise ValueError(f"{path}: sequence {i} has token id {tok!r}, expected an int in [0, {vocab_size})")
+    return seqs
+
+
+def flatten(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """-> input_ids `[N]`, positions `[N]` (restarting at 0 per sequence), seq_lens."""
+    ids = torch.tensor([tok for seq in seqs for tok in seq], dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(len(seq), device=device) for seq in seqs])
+    return ids, positions, [len(seq) for seq in seqs]
+
+
+def _rank_forward(model_dir: str, parallel: ParallelConfig, dtype: str, seqs: list[list[int]]):
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    state = get_parallel_state()
+    model = load_model(model_dir, parallel, DTYPES[dtype], state.device)
+    ids, positions, seq_lens = flatten(seqs, state.device)
+    with torch.no_grad(), count_collectives() as stats:
+        logits = model(ids, positions, seq_lens)
+    return (logits.cpu(), stats.as_dict()) if state.rank == 0 else None
+
+
+def run_forward(model_dir: str, parallel: ParallelConfig, seqs: list[list[int]], dtype: str = "float32",
+                device: str = "cpu") -> tuple[torch.Tensor, dict]:
+    """-> (logits `[total tokens, vocab]` float32, rank 0's collective counts). Validates before spawning."""
+    ModelConfig.from_file(model_dir).check_parallel(parallel)
+    return spawn(_rank_forward, parallel.world_size, model_dir, parallel, dtype, seqs, config=parallel,
+                 device=device)[0]
