@@ -90,6 +90,9 @@ class DeepseekV32Model(nn.Module):
             raise ValueError(f"parallel config has tensor_parallel_size={parallel.tensor_parallel_size} but the "
                              f"process group has {state.tp_size} TP ranks")
         cfg.check_parallel(parallel)
+        if parallel.ep_backend != "allgather_reducescatter":
+            raise ValueError(f"ep_backend {parallel.ep_backend!r} is not implemented yet; expected "
+                             f"'allgather_reducescatter'")
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         layers, previous_sp = [], None
