@@ -8,20 +8,20 @@ from spmoe.distributed import get_parallel_state
 from spmoe.distributed.comm import all_gather_rows
 
 
-def _vocab_shard(vocab_size: int) -> tuple[int, int]:
-    state = get_parallel_state()
-    per_rank = vocab_size // state.tp_size
-    return per_rank * state.tp_rank, per_rank
+class _VocabShard(nn.Module):
+    """This rank's `[vocab / t, H]` rows of the table, starting at vocab id `start`."""
 
-
-class VocabParallelEmbedding(nn.Module):
     tp_dim = 0
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.start, per_rank = _vocab_shard(vocab_size)
+        state = get_parallel_state()
+        per_rank = vocab_size // state.tp_size
+        self.start = per_rank * state.tp_rank
         self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
 
+
+class VocabParallelEmbedding(_VocabShard):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids `[N]` -> PARTIAL `[N, H]`: rows of ids this rank does not own are zero."""
         local = ids - self.start
@@ -29,14 +29,7 @@ class VocabParallelEmbedding(nn.Module):
         return F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * owned.unsqueeze(1)
 
 
-class ParallelLMHead(nn.Module):
-    tp_dim = 0
-
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__()
-        self.start, per_rank = _vocab_shard(vocab_size)
-        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
-
+class ParallelLMHead(_VocabShard):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """FULL `[N, H]` -> logits `[N, V]` in float32: local vocab columns, then one all-gather."""
         state = get_parallel_state()
