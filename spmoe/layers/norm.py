@@ -13,13 +13,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """`norm(x)`; with `residual`: `(norm(x + residual), x + residual)`. Shapes `[m, size]` (any m)."""
-        if residual is not None:
-            x = residual = x + residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`[m, size] -> [m, size]`."""
         xf = x.float()
-        normed = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return normed if residual is None else (normed, residual)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """Fused residual add: `(norm(x + residual), x + residual)`; with no residual yet, `(norm(x), x)`."""
+        if residual is not None:
+            x = x + residual
+        return self(x), x
 
 
 def fused_allreduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
@@ -31,6 +34,4 @@ def fused_allreduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor | Non
     state = get_parallel_state()
     if state.tp_size > 1:
         partial = all_reduce(partial, state.tp_group)
-    if residual is None:
-        return norm(partial), partial
-    return norm(partial, residual)
+    return norm.add_norm(partial, residual)

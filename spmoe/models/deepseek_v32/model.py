@@ -66,8 +66,7 @@ class DeepseekV32DecoderLayer(nn.Module):
         if self.input_layout is Layout.PARTIAL:
             h, residual = fused_allreduce_rms_norm(hidden, residual, self.input_layernorm)
         else:
-            h, residual = self.input_layernorm(hidden, residual) if residual is not None else (
-                self.input_layernorm(hidden), hidden)
+            h, residual = self.input_layernorm.add_norm(hidden, residual)
             if self.input_layout is Layout.SHARDED:
                 h = sp_all_gather(h, num_tokens)
         attn, selected = self.self_attn(h, batch, selected)  # PARTIAL [N, H]
@@ -75,7 +74,7 @@ class DeepseekV32DecoderLayer(nn.Module):
             attn = sp_reduce_scatter(attn)  # [n, H], complete
             if self.input_layout is not Layout.SHARDED:
                 residual = sp_shard(residual)  # FULL -> SHARDED, no communication
-            h, residual = self.post_attention_layernorm(attn, residual)
+            h, residual = self.post_attention_layernorm.add_norm(attn, residual)
         else:
             h, residual = fused_allreduce_rms_norm(attn, residual, self.post_attention_layernorm)
         out = self.mlp(h, num_tokens) if self.is_moe else self.mlp(h)
@@ -127,7 +126,7 @@ class DeepseekV32Model(nn.Module):
                 hidden, residual = _all_gather_sp_states(hidden, residual, num_tokens)
             hidden, residual, selected = layer(hidden, residual, batch, selected)
         if self.layers[-1].output_layout is Layout.SHARDED:  # norm on the shard, then gather H (not 2H)
-            return sp_all_gather(self.norm(hidden, residual)[0], num_tokens)
+            return sp_all_gather(self.norm.add_norm(hidden, residual)[0], num_tokens)
         return fused_allreduce_rms_norm(hidden, residual, self.norm)[0]
 
 
