@@ -66,6 +66,13 @@ class ModelConfig:
                 scale *= m * m
         return scale
 
+    def layer_is_moe(self, layer_idx: int) -> bool:
+        """Layers from `num_hidden_layers` on are MTP blocks, which are MoE with their own indexer."""
+        return layer_idx >= self.num_hidden_layers or self.mlp_layer_types[layer_idx] == "sparse"
+
+    def layer_has_indexer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.num_hidden_layers or self.indexer_types[layer_idx] == "full"
+
     def check_parallel(self, parallel) -> None:
         """Raise unless every TP/EP-split dimension divides by the sizes of `parallel` (a ParallelConfig)."""
         t, ep = parallel.tensor_parallel_size, parallel.world_size

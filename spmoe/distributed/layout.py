@@ -93,3 +93,12 @@ def _all_gather_sp_states(hidden: torch.Tensor, residual: torch.Tensor,
     size = hidden.shape[1]
     both = sp_all_gather(torch.cat([hidden, residual], dim=1), num_tokens)
     return both[:, :size], both[:, size:].contiguous()
+
+
+def _restore_full_token_layout_if_needed(hidden: torch.Tensor, residual: torch.Tensor, num_tokens: int,
+                                         is_sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, residual) -> FULL `[N, H]` each. The caller says whether they are SHARDED `[n, H]` (then one
+    fused gather, `_all_gather_sp_states`) or already in a token-complete layout (returned unchanged)."""
+    if is_sequence_parallel:
+        return _all_gather_sp_states(hidden, residual, num_tokens)
+    return hidden, residual

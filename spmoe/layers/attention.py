@@ -1,11 +1,14 @@
 """MLA attention with the DSA lightning indexer, heads split over the TP group.
 
-Runs over all N tokens of a flat batch of sequences (FULL layout). q_a / kv_a projections, their norms and
-the indexer are replicated; q_b and kv_b are column-parallel over heads; o_proj is row-parallel and the
-output is this rank's PARTIAL sum `[N, H]`.
+Runs over the N new tokens of a flat batch of sequences (FULL layout), which attend K keys: their own
+sequences' cached tokens and themselves. q_a / kv_a projections, their norms and the indexer are replicated;
+q_b and kv_b are column-parallel over heads; o_proj is row-parallel and the output is this rank's PARTIAL sum
+`[N, H]`. Per token and layer the cache keeps MLA's compressed latent with its rotated rope key, and the
+indexer's key.
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,40 +20,55 @@ from spmoe.layers.norm import RMSNorm
 from spmoe.layers.rotary import Rotary
 
 
+class KeyStore(Protocol):
+    """Keys kept across forwards (the engine's KV cache), viewed for one forward of N new tokens."""
+
+    allowed: torch.Tensor  # [N, K] bool
+
+    def store_and_read(self, layer: int, kind: str, new: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class AttentionBatch:
-    """What attention needs to know about the flat batch of one forward.
+    """What attention needs to know about one forward: N new tokens attending K keys.
 
-    `allowed[i, j]`: query i may attend key j (same sequence, j not after i). `[N, N]` bool.
+    rotary: cos/sin at the N query positions. allowed `[N, K]` bool: query i may attend key j (same sequence,
+    j not after i). cache: None when the keys are just this forward's N tokens (K = N).
     """
 
     rotary: Rotary
     allowed: torch.Tensor
+    cache: KeyStore | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.allowed.shape[0]
 
+    def keys(self, layer: int, kind: str, new: torch.Tensor) -> torch.Tensor:
+        """This forward's rows `[N, w]` of one kind of key -> all keys the batch attends `[K, w]`."""
+        return new if self.cache is None else self.cache.store_and_read(layer, kind, new)
+
 
 class Indexer(nn.Module):
     """DSA lightning indexer: scores every allowed key per query and keeps the top `index_topk`."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.layer_idx = cfg, layer_idx
         self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
         self.wk = Linear(cfg.hidden_size, cfg.index_head_dim)
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """x `[N, H]`, q_latent `[N, q_lora]` -> selected `[N, N]` bool (top-k allowed keys per query)."""
+        """x `[N, H]`, q_latent `[N, q_lora]` -> selected `[N, K]` bool (top-k allowed keys per query)."""
         cfg, rope = self.cfg, self.cfg.qk_rope_head_dim
         q = self.wq_b(q_latent).view(-1, cfg.index_n_heads, cfg.index_head_dim)  # [N, h, d]
         k = self.k_norm(self.wk(x)).unsqueeze(1)  # [N, 1, d]
         rotate = batch.rotary.interleaved if cfg.indexer_rope_interleaved else batch.rotary.half_split
         q = torch.cat([rotate(q[..., :rope]), q[..., rope:]], dim=-1)
         k = torch.cat([rotate(k[..., :rope]), k[..., rope:]], dim=-1).squeeze(1)  # [N, d]
+        k = batch.keys(self.layer_idx, "indexer", k)  # [K, d]
         scores = F.relu(torch.einsum("qhd,kd->qhk", q.float(), k.float()) * cfg.index_head_dim ** -0.5)
         weights = self.weights_proj(x).float() * cfg.index_n_heads ** -0.5  # [N, h]
         index = torch.einsum("qh,qhk->qk", weights, scores).masked_fill(~batch.allowed, float("-inf"))
@@ -59,9 +77,9 @@ class Indexer(nn.Module):
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_size: int, has_indexer: bool):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp_size: int, has_indexer: bool):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.layer_idx = cfg, layer_idx
         self.local_heads = cfg.num_attention_heads // tp_size
         heads = cfg.num_attention_heads
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
@@ -72,10 +90,10 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp_dim=0,
                                 tp_size=tp_size)
         self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size, tp_dim=1, tp_size=tp_size)
-        self.indexer = Indexer(cfg) if has_indexer else None
+        self.indexer = Indexer(cfg, layer_idx) if has_indexer else None
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, selected: torch.Tensor | None):
-        """x FULL `[N, H]` -> (PARTIAL `[N, H]`, selected `[N, N]`).
+        """x FULL `[N, H]` -> (PARTIAL `[N, H]`, selected `[N, K]`).
 
         `selected` comes from the previous "full" layer on an IndexShare "shared" layer, else None.
         """
@@ -84,10 +102,12 @@ class MLAttention(nn.Module):
         q = self.q_b_proj(q_latent).view(n_tok, heads, cfg.qk_head_dim)
         q = torch.cat([q[..., :cfg.qk_nope_head_dim], batch.rotary.interleaved(q[..., cfg.qk_nope_head_dim:])], -1)
         kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        k_rope = batch.rotary.interleaved(k_rope.unsqueeze(1))  # [N, 1, rope]
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(n_tok, heads, -1)
-        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)  # [N, h, nope], [N, h, v]
-        k = torch.cat([k_nope, k_rope.expand(-1, heads, -1)], dim=-1)  # [N, h, qk_head]
+        k_rope = batch.rotary.interleaved(k_rope.unsqueeze(1)).squeeze(1)  # [N, rope]
+        latent = batch.keys(self.layer_idx, "mla", torch.cat([self.kv_a_layernorm(kv_latent), k_rope], dim=-1))
+        kv_latent, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)  # [K, c], [K, rope]
+        kv = self.kv_b_proj(kv_latent).view(latent.shape[0], heads, -1)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)  # [K, h, nope], [K, h, v]
+        k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1)], dim=-1)  # [K, h, qk_head]
         if self.indexer is not None:
             selected = self.indexer(x, q_latent, batch)
         scores = torch.einsum("qhd,khd->hqk", q, k) * cfg.attention_scale

@@ -14,18 +14,20 @@ Per layer (SP = use_sequence_parallel_moe):
     non-SP:        all-reduce + add-norm; TP MLP -> PARTIAL [N, H]
 
 The model loop does the transitions between layers: the embedding's PARTIAL sum is reduce-scattered when
-layer 0 is SP, and `_all_gather_sp_states` rebuilds FULL (hidden, residual) before a non-SP layer that
-follows an SP one.
+layer 0 is SP, and `_restore_full_token_layout_if_needed` rebuilds FULL (hidden, residual) with one gather
+before a non-SP layer that follows an SP one.
+
+With a KV cache (`cache`, from the engine) the N new tokens attend their sequences' cached keys as well.
 """
 
 import torch
 from torch import nn
 
 from spmoe.config import ModelConfig, ParallelConfig
-from spmoe.distributed import (Layout, _all_gather_sp_states, get_parallel_state, shard_rows, sp_all_gather,
-                               sp_reduce_scatter, sp_shard)
+from spmoe.distributed import (Layout, _restore_full_token_layout_if_needed, get_parallel_state, shard_rows,
+                               sp_all_gather, sp_reduce_scatter, sp_shard)
 from spmoe.distributed.layout import check_rows
-from spmoe.layers.attention import AttentionBatch, MLAttention
+from spmoe.layers.attention import AttentionBatch, KeyStore, MLAttention
 from spmoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmoe.layers.mlp import MLP
 from spmoe.layers.moe.moe import MoE
@@ -43,9 +45,9 @@ class DeepseekV32DecoderLayer(nn.Module):
         self.tp_size = tp_size
         self.use_sequence_parallel_moe = use_sequence_parallel_moe
         self.input_layout = input_layout
-        self.is_moe = cfg.mlp_layer_types[layer_idx] == "sparse"
+        self.is_moe = cfg.layer_is_moe(layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, tp_size, has_indexer=cfg.indexer_types[layer_idx] == "full")
+        self.self_attn = MLAttention(cfg, layer_idx, tp_size, has_indexer=cfg.layer_has_indexer(layer_idx))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
             self.mlp = MoE(cfg, sequence_parallel=use_sequence_parallel_moe)
@@ -96,7 +98,7 @@ class DeepseekV32Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         layers, previous_sp = [], None
         for i in range(cfg.num_hidden_layers):
-            sp = parallel.layer_uses_sp(cfg.mlp_layer_types[i] == "sparse")
+            sp = parallel.layer_uses_sp(cfg.layer_is_moe(i))
             if previous_sp is None:  # layer 0 takes the embedding: reduce-scattered if SP, else PARTIAL
                 input_layout = Layout.SHARDED if sp else Layout.PARTIAL
             elif previous_sp:
@@ -108,26 +110,53 @@ class DeepseekV32Model(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        """input_ids, positions `[N]`; seq_lens: lengths of the sequences laid end to end -> FULL `[N, H]`
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
+                cache: KeyStore | None = None) -> torch.Tensor:
+        """input_ids, positions `[N]`; seq_lens: new tokens per sequence, laid end to end -> FULL `[N, H]`
         final-normed hidden states, identical on every TP rank."""
         num_tokens = input_ids.shape[0]
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape or sum(seq_lens) != num_tokens:
-            raise ValueError(f"expected input_ids and positions of shape [N] with N = sum(seq_lens); got "
-                             f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)}, "
-                             f"sum(seq_lens) = {sum(seq_lens)}")
+        batch = attention_batch(self.cfg, input_ids, positions, seq_lens, cache, self.norm.weight.dtype)
         hidden = self.embed_tokens(input_ids)  # PARTIAL [N, H]
-        batch = AttentionBatch(Rotary(self.cfg, positions, hidden.dtype), causal_within_sequences(seq_lens, hidden))
         if self.layers[0].input_layout is Layout.SHARDED:
             hidden = sp_reduce_scatter(hidden)  # FULL -> SHARDED entry: all-reduce + chunk in one collective
-        residual, selected = None, None
+        residual, selected, layout = None, None, self.layers[0].input_layout
         for layer in self.layers:
-            if layer.input_layout is Layout.FULL:  # the sharded region ends here
-                hidden, residual = _all_gather_sp_states(hidden, residual, num_tokens)
+            if not layer.use_sequence_parallel_moe:  # a non-SP layer needs every token: end a sharded region
+                hidden, residual = _restore_full_token_layout_if_needed(hidden, residual, num_tokens,
+                                                                        is_sequence_parallel=layout is Layout.SHARDED)
             hidden, residual, selected = layer(hidden, residual, batch, selected)
-        if self.layers[-1].output_layout is Layout.SHARDED:  # norm on the shard, then gather H (not 2H)
-            return sp_all_gather(self.norm.add_norm(hidden, residual)[0], num_tokens)
-        return fused_allreduce_rms_norm(hidden, residual, self.norm)[0]
+            layout = layer.output_layout
+        return final_norm(hidden, residual, self.norm, layout, num_tokens)
+
+
+def final_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, layout: Layout,
+               num_tokens: int) -> torch.Tensor:
+    """The last block's (output, residual) in `layout` -> FULL `[N, H]` normed hidden.
+
+    SHARDED: the output is complete, so add + norm on the shard and gather H columns (not 2H). PARTIAL: reduce
+    the partial sum exactly once, fused with the add + norm.
+    """
+    if layout is Layout.SHARDED:
+        return sp_all_gather(norm.add_norm(hidden, residual)[0], num_tokens)
+    return fused_allreduce_rms_norm(hidden, residual, norm)[0]
+
+
+def attention_batch(cfg: ModelConfig, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
+                    cache: KeyStore | None, dtype: torch.dtype) -> AttentionBatch:
+    """Check the flat batch and describe it to attention. Without a cache each sequence attends only its own
+    new tokens (causally); with one, the cache says which keys each token attends."""
+    num_tokens = input_ids.shape[0]
+    if input_ids.dim() != 1 or positions.shape != input_ids.shape or sum(seq_lens) != num_tokens:
+        raise ValueError(f"expected input_ids and positions of shape [N] with N = sum(seq_lens); got "
+                         f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)}, "
+                         f"sum(seq_lens) = {sum(seq_lens)}")
+    if cache is None:
+        allowed = causal_within_sequences(seq_lens, input_ids)
+    else:
+        allowed = cache.allowed
+        if allowed.shape[0] != num_tokens:
+            raise ValueError(f"the KV cache view is for {allowed.shape[0]} new tokens, the batch has {num_tokens}")
+    return AttentionBatch(Rotary(cfg, positions, dtype), allowed, cache)
 
 
 def causal_within_sequences(seq_lens: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -145,9 +174,10 @@ class DeepseekV32ForCausalLM(nn.Module):
         self.model = DeepseekV32Model(cfg, parallel)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
+                cache: KeyStore | None = None) -> torch.Tensor:
         """-> logits `[N, vocab]` float32, identical on every TP rank."""
-        return self.lm_head(self.model(input_ids, positions, seq_lens))
+        return self.lm_head(self.model(input_ids, positions, seq_lens, cache))
 
 
 GlmMoeDsaForCausalLM = DeepseekV32ForCausalLM
