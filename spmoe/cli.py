@@ -37,7 +37,10 @@ def cmd_forward(args) -> int:
     print(f"spmoe forward: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, tp={args.tp}, "
           f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} "
           f"(--sp {args.sp}, scope {args.sp_scope}), {args.dtype} on {args.device}", file=sys.stderr, flush=True)
-    logits, stats = run_forward(args.model, parallel, seqs, args.dtype, args.device)
+    result = run_forward(args.model, parallel, seqs, args.dtype, args.device)
+    if result is None:  # a torchrun rank other than 0
+        return 0
+    logits, stats = result
     save_file({"logits": logits.float().contiguous()}, args.save_logits)
     if args.stats:
         with open(args.stats, "w") as f:
@@ -46,14 +49,53 @@ def cmd_forward(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from spmoe.engine.sampling import SamplingParams
+    from spmoe.forward import read_input_ids
+    from spmoe.generate import GenerateOptions, run_generate
+
+    cfg = ModelConfig.from_file(args.model)
+    parallel = ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel_moe=args.sp, sp_scope=args.sp_scope)
+    prompts = read_input_ids(args.input_ids, cfg.vocab_size)
+    drafts = args.num_speculative_tokens if args.speculative == "mtp" else 0
+    if args.speculative == "mtp" and drafts < 1:
+        raise ValueError(f"--speculative mtp needs --num-speculative-tokens >= 1, got {drafts}")
+    opts = GenerateOptions(args.max_new_tokens, SamplingParams(args.temperature, args.top_p, args.seed), drafts,
+                           tuple(args.eos_id) if args.eos_id is not None else None, args.max_seqs,
+                           args.max_model_len, args.dtype)
+    print(f"spmoe generate: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens each, tp={args.tp}, "
+          f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} (--sp {args.sp}, scope "
+          f"{args.sp_scope}), {'MTP with %d drafts, ' % drafts if drafts else ''}{args.dtype} on {args.device}",
+          file=sys.stderr, flush=True)
+    gen = run_generate(args.model, parallel, prompts, opts, args.device)
+    if gen is None:  # a torchrun rank other than 0
+        return 0
+    gen.stats["parallel"] = {"tp": args.tp, "sequence_parallel_moe": parallel.use_sequence_parallel_moe,
+                             "sp_scope": args.sp_scope}
+    with open(args.output, "w") as f:
+        json.dump({"outputs": gen.outputs, "stats": gen.stats}, f, indent=2)
+    spec = gen.stats.get("speculative")
+    print(f"wrote {gen.stats['generated_tokens']} tokens to {args.output}: {gen.stats['tokens_per_s']:.1f} tokens/s"
+          + (f", MTP acceptance {spec['acceptance_rate']:.1%}, mean accepted length "
+             f"{spec['mean_accepted_length']:.2f}" if spec else ""), file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from spmoe.demo import run_demo
+
+    return run_demo(args.device)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="spmoe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("selfcheck", help="check the sequence-parallel layout primitives on local ranks")
     p.add_argument("--ranks", type=int, default=2, help="number of local ranks (default 2)")
     p.set_defaults(func=cmd_selfcheck)
-    p = sub.add_parser("demo", help="the main job on the embedded default (for now: the layout self-check, 2 ranks)")
-    p.set_defaults(func=cmd_selfcheck, ranks=2)
+    p = sub.add_parser("demo", help="generate with a built-in tiny GLM-5.2-shaped model on 2 ranks, SP off and on")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.set_defaults(func=cmd_demo)
     p = sub.add_parser("forward", help="one forward pass of a checkpoint on local ranks; save the logits")
     p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel size (number of local ranks)")
@@ -65,6 +107,26 @@ def main(argv=None) -> int:
     p.add_argument("--save-logits", required=True, help="output .safetensors with one tensor 'logits' [N, V]")
     p.add_argument("--stats", help="output JSON: rank 0's collectives {kind: {count, bytes}}")
     p.set_defaults(func=cmd_forward)
+    p = sub.add_parser("generate", help="generate tokens after prompts on local ranks (or under torchrun)")
+    p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size (number of ranks)")
+    p.add_argument("--sp", choices=["on", "off", "auto"], required=True, help="sequence-parallel MoE")
+    p.add_argument("--sp-scope", choices=["moe", "all"], default="moe", help="which layers are SP (default moe)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--input-ids", required=True, help="JSON list of prompts, each a list of token ids")
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--speculative", choices=["mtp"], help="draft tokens with the checkpoint's MTP layer")
+    p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP drafts per step (default 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--eos-id", type=int, action="append", help="stop token (repeatable; default: the config's)")
+    p.add_argument("--max-seqs", type=int, help="KV cache slots, i.e. sequences decoded at once (default: all)")
+    p.add_argument("--max-model-len", type=int,
+                   help="KV cache positions per sequence (default: longest prompt + max new tokens + drafts)")
+    p.add_argument("--output", required=True, help='output JSON: {"outputs": [[ids...], ...], "stats": {...}}')
+    p.set_defaults(func=cmd_generate)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

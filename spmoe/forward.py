@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from spmoe.config import ModelConfig, ParallelConfig
-from spmoe.distributed import count_collectives, get_parallel_state, spawn
+from spmoe.distributed import count_collectives, get_parallel_state, launch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -51,7 +51,8 @@ def _rank_forward(model_dir: str, parallel: ParallelConfig, dtype: str, seqs: li
 
 def run_forward(model_dir: str, parallel: ParallelConfig, seqs: list[list[int]], dtype: str = "float32",
                 device: str = "cpu") -> tuple[torch.Tensor, dict]:
-    """-> (logits `[total tokens, vocab]` float32, rank 0's collective counts). Validates before spawning."""
+    """-> (logits `[total tokens, vocab]` float32, rank 0's collective counts) on rank 0; None on the other
+    ranks under torchrun. Validates before starting any rank."""
     ModelConfig.from_file(model_dir).check_parallel(parallel)
-    return spawn(_rank_forward, parallel.world_size, model_dir, parallel, dtype, seqs, config=parallel,
-                 device=device)[0]
+    return launch(_rank_forward, parallel.world_size, model_dir, parallel, dtype, seqs, config=parallel,
+                  device=device)

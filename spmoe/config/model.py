@@ -45,6 +45,7 @@ class ModelConfig:
     #                             mscale_all_dim, truncate); empty for default
     num_nextn_predict_layers: int
     fp8_block_size: tuple[int, int] | None  # FP8 e4m3 checkpoint with one scale per block, or None
+    eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these
 
     @property
     def qk_head_dim(self) -> int:
@@ -152,12 +153,20 @@ class ModelConfig:
             rms_norm_eps=float(raw["rms_norm_eps"]), mlp_layer_types=tuple(mlp_types),
             indexer_types=tuple(indexer_types), rope_theta=rope_theta, rope_type=rope_type,
             rope_scaling=rope_scaling, num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
-            fp8_block_size=_quantization(raw.get("quantization_config")))
+            fp8_block_size=_quantization(raw.get("quantization_config")),
+            eos_token_ids=_eos(raw.get("eos_token_id")))
 
 
 def _require(raw: dict, key: str, supported) -> None:
     if key in raw and raw[key] != supported:
         raise ValueError(f"{key}={raw[key]!r} is not supported; expected {supported!r}")
+
+
+def _eos(value) -> tuple[int, ...]:
+    ids = [] if value is None else [value] if isinstance(value, int) else value
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+    return tuple(ids)
 
 
 def _mlp_types_from_schedule(raw: dict, layers: int) -> list[str]:

@@ -42,9 +42,10 @@ _ACTIVE: list[CommStats] = []
 
 
 @contextmanager
-def count_collectives():
-    """Count every collective run inside the block (nested blocks each count their own)."""
-    stats = CommStats()
+def count_collectives(stats: CommStats | None = None):
+    """Count every collective run inside the block into `stats` (a new one by default; nested blocks each
+    count their own)."""
+    stats = stats if stats is not None else CommStats()
     _ACTIVE.append(stats)
     try:
         yield stats

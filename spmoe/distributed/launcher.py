@@ -4,6 +4,9 @@
 initialises the process groups, calls `fn(*args)` and returns the list of per-rank results (rank order).
 If a rank raises, or dies without a result, the other ranks are killed at once and `RankFailed` carries that
 rank's traceback to the caller. It never waits on a dead rank.
+
+`launch(fn, world_size, *args)` is what the command line uses: under torchrun (one process per rank, on one
+or many machines) it runs `fn` in this process; otherwise it spawns local ranks.
 """
 
 import os
@@ -107,3 +110,18 @@ def _describe(errors: dict[int, str], world_size: int) -> str:
     reason = errors[first].strip().splitlines()[-1]
     details = "\n".join(f"--- rank {r} of {world_size}:\n{errors[r].strip()}" for r in sorted(errors))
     return f"rank {first} of {world_size} failed: {reason}\n{details}"
+
+
+def launch(fn, world_size: int, *args, config: ParallelConfig | None = None, device: str = "cpu"):
+    """Run `fn(*args)` on every rank; return rank 0's result (None on the other ranks under torchrun)."""
+    if "WORLD_SIZE" not in os.environ:
+        return spawn(fn, world_size, *args, config=config, device=device)[0]
+    if int(os.environ["WORLD_SIZE"]) != world_size:
+        raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; the parallel config needs "
+                         f"{world_size}")
+    init_distributed(config, device=device)
+    try:
+        result = fn(*args)
+    finally:
+        destroy_distributed()
+    return result if int(os.environ["RANK"]) == 0 else None

@@ -173,6 +173,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         self.cfg, self.parallel = cfg, parallel
         self.model = DeepseekV32Model(cfg, parallel)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.mtp = nn.ModuleList()  # DeepseekV32MultiTokenPredictorLayer(s), added by load_model(with_mtp=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
                 cache: KeyStore | None = None) -> torch.Tensor:

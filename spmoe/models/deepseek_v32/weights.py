@@ -3,6 +3,11 @@
 Each rank reads only its slice of every TP-sharded tensor and only its own experts. FP8 e4m3 weights with a
 `weight_scale_inv` per block are dequantised on load. Missing tensors, unexpected tensors and wrong shapes
 are errors that name the tensor.
+
+MTP layers follow the DeepSeek-V3 / GLM convention: checkpoint layer `num_hidden_layers + i` holds `enorm`,
+`hnorm`, `eh_proj`, `shared_head.norm`, the block's attention and MoE, and optionally its own
+`shared_head.head` and `embed_tokens` (otherwise the main model's are used). They are loaded with
+`with_mtp=True` and skipped otherwise.
 """
 
 import json
@@ -12,29 +17,79 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state
 from spmoe.layers.moe.experts import TorchExperts
 from spmoe.layers.moe.router import Router
+from spmoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
+from spmoe.models.deepseek_v32.mtp import DeepseekV32MultiTokenPredictorLayer
 
 EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+MTP_MODULE = re.compile(r"^mtp\.(\d+)\.(mtp_block\.)?")  # our module names -> model.layers.{L}.
 
 
 def load_model(model_dir: str | Path, parallel: ParallelConfig, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> DeepseekV32ForCausalLM:
-    """Build the model for this rank and fill it from the checkpoint in `model_dir`."""
+               device: str | torch.device = "cpu", with_mtp: bool = False) -> DeepseekV32ForCausalLM:
+    """Build the model for this rank (with its MTP layers in `model.mtp` if asked) and fill it from the
+    checkpoint in `model_dir`."""
     cfg = ModelConfig.from_file(model_dir)
+    ckpt = Checkpoint(Path(model_dir))
     with torch.device(device):
-        model = DeepseekV32ForCausalLM(cfg, parallel)
-    load_weights(model, Path(model_dir))
+        model = build_model(cfg, parallel, with_mtp, ckpt.keys())
+    load_weights(model, ckpt)
     model.to(dtype)
     for module in model.modules():  # the router scores in float32, as the checkpoints keep it
         if isinstance(module, Router):
             module.float()
     return model.eval()
+
+
+def build_model(cfg: ModelConfig, parallel: ParallelConfig, with_mtp: bool,
+                checkpoint_keys: set[str]) -> DeepseekV32ForCausalLM:
+    """The model with uninitialised weights; an MTP layer gets its own embedding / head only where the
+    checkpoint has them."""
+    if with_mtp and not cfg.num_nextn_predict_layers:
+        raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers is 0 or missing)")
+    model = DeepseekV32ForCausalLM(cfg, parallel)
+    for i in range(cfg.num_nextn_predict_layers if with_mtp else 0):
+        prefix = f"model.layers.{cfg.num_hidden_layers + i}"
+        embed = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+                 if f"{prefix}.embed_tokens.weight" in checkpoint_keys else model.model.embed_tokens)
+        head = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+                if f"{prefix}.shared_head.head.weight" in checkpoint_keys else model.lm_head)
+        model.mtp.append(DeepseekV32MultiTokenPredictorLayer(cfg, parallel, i, embed, head))
+    return model
+
+
+def write_random_checkpoint(raw_config: dict, folder: Path, seed: int) -> None:
+    """Write `config.json` and a `model.safetensors` of deterministic random weights (main and MTP layers) in
+    the Hugging Face layout, for the demo and tests. Runs on one rank (TP = 1)."""
+    cfg = ModelConfig.from_dict(raw_config)
+    model = build_model(cfg, ParallelConfig(tensor_parallel_size=1), cfg.num_nextn_predict_layers > 0, set())
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key, (dest, _) in sorted(_plan(model).items()):
+        noise = torch.randn(dest.shape, generator=gen)
+        if key.endswith("norm.weight"):
+            tensors[key] = 1.0 + 0.2 * noise
+        elif dest.dim() == 1:  # biases: the router's score correction, the indexer's k_norm
+            tensors[key] = 0.1 * noise
+        elif key.endswith("eh_proj.weight"):
+            hidden_part = 0.3 * noise[:, cfg.hidden_size:] * cfg.hidden_size ** -0.5
+            tensors[key] = torch.cat([torch.eye(cfg.hidden_size), hidden_part], 1)
+        else:
+            tensors[key] = noise * (1.0 if "embed_tokens" in key else dest.shape[1] ** -0.5)
+    # Structure for MTP to find: the LM head is a permutation of the embedding, so each token has a likely
+    # successor (which the layers perturb), and eh_proj passes the next token's embedding through.
+    perm = torch.randperm(cfg.vocab_size, generator=gen)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"][perm] * cfg.hidden_size ** -0.5
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(raw_config, indent=2))
 
 
 class Checkpoint:
@@ -84,24 +139,24 @@ class Checkpoint:
         return tensor.float() * scale[r:r + tensor.shape[0], c:c + tensor.shape[1]]
 
 
-def load_weights(model: DeepseekV32ForCausalLM, folder: Path) -> None:
-    cfg, state = model.cfg, get_parallel_state()
-    ckpt = Checkpoint(folder)
+def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
+    cfg, state, folder = model.cfg, get_parallel_state(), ckpt.folder
     plan = _plan(model)  # checkpoint key -> (destination tensor, tp_dim)
     present = ckpt.keys()
     missing = sorted(set(plan) - present)
     if missing:
         raise ValueError(f"checkpoint {folder} is missing {len(missing)} tensor(s), first: {missing[0]}")
     mtp_first = cfg.num_hidden_layers
+    loaded_layers = mtp_first + len(model.mtp)
     for key in sorted(present - set(plan)):
         if key.endswith("weight_scale_inv") and key.removesuffix("_scale_inv") in present:
             continue  # read together with its weight
         expert = EXPERT_KEY.match(key)
-        if expert and int(expert.group(1)) < mtp_first and int(expert.group(2)) < cfg.n_routed_experts:
+        if expert and int(expert.group(1)) < loaded_layers and int(expert.group(2)) < cfg.n_routed_experts:
             continue  # another EP rank's expert
         layer = LAYER_KEY.match(key)
-        if layer and mtp_first <= int(layer.group(1)) < mtp_first + cfg.num_nextn_predict_layers:
-            continue  # the MTP layer's weights: not loaded by the main model
+        if layer and loaded_layers <= int(layer.group(1)) < mtp_first + cfg.num_nextn_predict_layers:
+            continue  # an MTP layer's weights, not asked for
         raise ValueError(f"checkpoint {folder} has an unexpected tensor: {key}")
     show = state.rank == 0 and len(plan) >= 200
     for done, (key, (dest, dim)) in enumerate(sorted(plan.items()), 1):
@@ -124,7 +179,9 @@ def load_weights(model: DeepseekV32ForCausalLM, folder: Path) -> None:
 def _plan(model: DeepseekV32ForCausalLM) -> dict:
     """Checkpoint key -> (this rank's destination tensor, TP dim or None)."""
     plan = {}
-    for module_name, module in model.named_modules():
+    for module_name, module in model.named_modules():  # shared modules appear once, under their first name
+        module_name = MTP_MODULE.sub(lambda m: f"model.layers.{model.cfg.num_hidden_layers + int(m.group(1))}.",
+                                     module_name)
         if isinstance(module, TorchExperts):
             inter = module.down_proj.shape[2]
             for e in range(module.count):

@@ -114,3 +114,43 @@ def _packed(model, dequantised: dict, original: dict) -> dict:
             prefix, n = key.removesuffix("down_proj"), state[key].shape[0]
             state[key] = torch.stack([weights[f"{prefix}{e}.down_proj.weight"] for e in range(n)])
     return state
+
+
+MTP_MAIN_LAYERS = 3
+MTP_HF_LAYERS = dict(num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+                     indexer_types=["full", "shared", "full", "full"], n_group=1, topk_group=1)
+
+
+@pytest.fixture(scope="session")
+def mtp_checkpoints(tmp_path_factory):
+    """A 4-layer transformers GLM model whose last layer becomes the MTP block of a 3-layer model, as in the
+    DeepSeek-V3 / GLM checkpoints (transformers does not save MTP weights, so the test adds enorm, hnorm,
+    eh_proj and shared_head.norm). -> (transformers model, the added tensors, {"own": folder with the MTP
+    layer's own embedding and head, "shared": folder without them})."""
+    import transformers
+
+    torch.manual_seed(1)
+    hf = transformers.GlmMoeDsaForCausalLM(transformers.GlmMoeDsaConfig(**COMMON, **MTP_HF_LAYERS)).eval()
+    make_nontrivial(hf)
+    base = tmp_path_factory.mktemp("mtp_hf")
+    hf.save_pretrained(base)
+    tensors = load_file(base / "model.safetensors")
+    gen = torch.Generator().manual_seed(5)
+    size, vocab, prefix = COMMON["hidden_size"], COMMON["vocab_size"], f"model.layers.{MTP_MAIN_LAYERS}"
+    added = {f"{prefix}.enorm.weight": 1 + 0.3 * torch.randn(size, generator=gen),
+             f"{prefix}.hnorm.weight": 1 + 0.3 * torch.randn(size, generator=gen),
+             f"{prefix}.eh_proj.weight": torch.randn(size, 2 * size, generator=gen) * (2 * size) ** -0.5,
+             f"{prefix}.shared_head.norm.weight": 1 + 0.3 * torch.randn(size, generator=gen)}
+    own = {f"{prefix}.embed_tokens.weight": torch.randn(vocab, size, generator=gen),
+           f"{prefix}.shared_head.head.weight": torch.randn(vocab, size, generator=gen) * size ** -0.5}
+    config = json.loads((base / "config.json").read_text())
+    config.update(num_hidden_layers=MTP_MAIN_LAYERS, num_nextn_predict_layers=1,
+                  mlp_layer_types=config["mlp_layer_types"][:MTP_MAIN_LAYERS],
+                  indexer_types=config["indexer_types"][:MTP_MAIN_LAYERS])
+    folders = {}
+    for name, extra in (("shared", {}), ("own", own)):
+        folder = tmp_path_factory.mktemp(f"mtp_{name}")
+        save_file({**tensors, **added, **extra}, folder / "model.safetensors")
+        (folder / "config.json").write_text(json.dumps(config))
+        folders[name] = str(folder)
+    return hf, {**added, **own}, folders

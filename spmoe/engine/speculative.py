@@ -1,0 +1,60 @@
+"""Speculative decoding with MTP: draft k tokens per sequence, let the target verify them in one forward.
+
+Per sequence and step (greedy, so the output is exactly the target's own greedy output):
+
+    target forward over [t, d1 .. dk] at positions p .. p+k  -> target choices y0 .. yk
+    accept d1 .. da while d_j == y_(j-1); commit d1 .. da and y_a (a + 1 tokens)
+    MTP catch-up over the a + 1 verified positions, fed (next token, target post-norm hidden) -> draft d1'
+    k - 1 more MTP steps, each fed (its last draft, its own post-norm hidden)           -> d2' .. dk'
+
+Rejected positions need no rollback: the engine only advances a sequence's cached length over verified
+tokens, and later writes overwrite the stale cache rows.
+"""
+
+import torch
+
+from spmoe.engine.kv_cache import KVCache
+from spmoe.models.deepseek_v32.mtp import DeepseekV32MultiTokenPredictorLayer
+
+
+def accept_greedy(drafts: list[int], target_choices: list[int]) -> int:
+    """Number of leading drafts equal to the target's choice at the position before them.
+
+    `target_choices[j]` is the target's greedy token after the j-th fed token (`len(drafts) + 1` of them).
+    """
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == target_choices[accepted]:
+        accepted += 1
+    return accepted
+
+
+class MtpDrafter:
+    """Drafts `k` tokens per sequence with one MTP layer, greedily. Its KV cache rows live in the engine's
+    cache, under the MTP layer's index, in the same slots as the target's."""
+
+    def __init__(self, mtp: DeepseekV32MultiTokenPredictorLayer, cache: KVCache, k: int):
+        self.mtp, self.cache, self.k = mtp, cache, k
+
+    def propose(self, slots: list[int], starts: list[int], next_ids: list[list[int]],
+                hidden: torch.Tensor) -> list[list[int]]:
+        """Catch up on the verified positions of each sequence, then draft.
+
+        Sequence i has `len(next_ids[i])` verified positions from `starts[i]` on; `next_ids[i]` holds the
+        token after each of them and `hidden` `[sum of lengths, H]` the target's post-norm hidden at each.
+        Returns k drafts per sequence.
+        """
+        device, lens = hidden.device, [len(ids) for ids in next_ids]
+        view = self.cache.view(slots, starts, lens)
+        ids = torch.tensor([t for seq in next_ids for t in seq], device=device)
+        last_rows = torch.tensor(lens, device=device).cumsum(0) - 1
+        h = self.mtp(ids, view.positions, hidden, lens, view)[last_rows]  # [S, H]
+        tokens = self.mtp.logits(h).argmax(-1)  # [S]
+        drafts = [tokens.tolist()]
+        positions, ones = [s + n for s, n in zip(starts, lens)], [1] * len(slots)
+        for _ in range(self.k - 1):
+            view = self.cache.view(slots, positions, ones)
+            h = self.mtp(tokens, view.positions, h, ones, view)  # recycle the post-norm hidden
+            tokens = self.mtp.logits(h).argmax(-1)
+            drafts.append(tokens.tolist())
+            positions = [p + 1 for p in positions]
+        return [list(d) for d in zip(*drafts)]

@@ -1,0 +1,67 @@
+"""Generation on T local ranks: the job behind `spmoe generate` and `spmoe demo`."""
+
+import sys
+import time
+from dataclasses import dataclass
+
+from spmoe.config import ModelConfig, ParallelConfig
+from spmoe.distributed import get_parallel_state, launch
+from spmoe.engine.engine import Engine, check_prompts
+from spmoe.engine.kv_cache import KVCache
+from spmoe.engine.sampling import SamplingParams
+from spmoe.forward import DTYPES
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    num_speculative_tokens: int = 0  # MTP drafts per step; 0 = no speculation
+    eos_token_ids: tuple[int, ...] | None = None  # None: the checkpoint's eos_token_id
+    max_seqs: int | None = None  # KV cache slots; None: one per prompt
+    max_model_len: int | None = None  # KV cache positions per sequence; None: what the longest prompt needs
+    dtype: str = "float32"
+    record_logits: bool = False  # return the logits row behind every generated token
+    progress: bool = True  # rank 0 prints a progress line to stderr
+
+    def cache_len(self, prompts: list[list[int]]) -> int:
+        return self.max_model_len or max(map(len, prompts)) + self.max_new_tokens + self.num_speculative_tokens
+
+
+def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions):
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    state = get_parallel_state()
+    model = load_model(model_dir, parallel, DTYPES[opts.dtype], state.device,
+                       with_mtp=opts.num_speculative_tokens > 0)
+    cache = KVCache.for_model(model, opts.max_seqs or len(prompts), opts.cache_len(prompts))
+    eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
+    engine = Engine(model, cache, opts.sampling, eos, opts.num_speculative_tokens)
+    budget, began, last = len(prompts) * opts.max_new_tokens, time.perf_counter(), [0.0]
+    live_terminal = sys.stderr.isatty()
+
+    def show(done: int, live: int) -> None:  # a line rewritten in place on a terminal, else one every 5 s
+        now = time.perf_counter()
+        if now - last[0] >= (0.5 if live_terminal else 5.0) or live == 0:
+            last[0] = now
+            print(f"{chr(13) if live_terminal else ''}generating: {done}/{budget} tokens, {live} live sequences, "
+                  f"{done / (now - began):.1f} tokens/s", end="" if live_terminal and live else "\n",
+                  file=sys.stderr, flush=True)
+
+    gen = engine.generate(prompts, opts.max_new_tokens, opts.record_logits,
+                          on_step=show if opts.progress and state.rank == 0 else None)
+    gen.stats["kv_cache"]["bytes_per_token"] = cache.bytes_per_token
+    return gen if state.rank == 0 else None
+
+
+def run_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions,
+                 device: str = "cpu"):
+    """-> rank 0's `Generation` (outputs, stats, optional logits); None on the other ranks under torchrun.
+    Validates before starting any rank."""
+    cfg = ModelConfig.from_file(model_dir)
+    cfg.check_parallel(parallel)
+    if opts.num_speculative_tokens and not cfg.num_nextn_predict_layers:
+        raise ValueError(f"--speculative mtp needs an MTP layer; {model_dir} has num_nextn_predict_layers = 0")
+    check_prompts(prompts, cfg.vocab_size, opts.max_new_tokens, opts.num_speculative_tokens, opts.cache_len(prompts))
+    return launch(_rank_generate, parallel.world_size, model_dir, parallel, prompts, opts, config=parallel,
+                  device=device)

@@ -1,0 +1,81 @@
+"""`spmoe generate`: the output contract, one-line errors for bad input; `spmoe demo` end to end."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from spmoe.cli import main
+
+
+def generate_cli(tmp_path, model, prompts, *extra):
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(prompts))
+    return main(["generate", "--model", str(model), "--tp", "2", "--sp", "on", "--input-ids", str(ids),
+                 "--output", str(tmp_path / "out.json"), *extra])
+
+
+def test_generate_writes_outputs_and_stats(engine_checkpoint, tmp_path, capsys):
+    prompts = [[3, 14, 15], [79], [38, 1]]
+    assert generate_cli(tmp_path, engine_checkpoint, prompts, "--max-new-tokens", "6", "--speculative", "mtp",
+                        "--num-speculative-tokens", "2") == 0
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert [len(out) for out in result["outputs"]] == [6, 6, 6]
+    stats = result["stats"]
+    assert stats["generated_tokens"] == 18 and stats["tokens_per_s"] > 0
+    assert stats["prefill_s"] > 0 and stats["decode_s"] > 0
+    assert stats["parallel"] == {"tp": 2, "sequence_parallel_moe": True, "sp_scope": "moe"}
+    assert stats["phases"]["decode"]["collectives"]["reduce_scatter"]["count"] > 0
+    assert stats["phases"]["draft"]["collectives"]["all_reduce"]["count"] == 0  # the SP MTP step
+    assert 0 <= stats["speculative"]["acceptance_rate"] <= 1
+    # kv_lora 16 + rope 8 per layer, indexer key 16 on the 3 indexer layers (2 main + MTP), float32
+    assert stats["kv_cache"]["bytes_per_token"] == (4 * 24 + 3 * 16) * 4
+    assert "MTP acceptance" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("token id out of range", "token id 96, expected an int in [0, 96)"),
+    ("prompt longer than the cache", "prompt 0 has 3 tokens; with max_new_tokens=4 and 0 speculative tokens it "
+                                     "needs 7 KV cache positions, the cache holds 5 per sequence"),
+    ("no MTP layer", "--speculative mtp needs an MTP layer"),
+    ("sampling with speculation", "speculative decoding accepts drafts greedily; expected temperature 0"),
+    ("zero new tokens", "max_new_tokens must be >= 1, got 0"),
+])
+def test_bad_input_is_a_one_line_error(case, fragment, engine_checkpoint, tmp_path, capsys):
+    model, prompts, extra = engine_checkpoint, [[1, 2, 3]], ["--max-new-tokens", "4"]
+    if case == "token id out of range":
+        prompts = [[1, 96]]
+    elif case == "prompt longer than the cache":
+        extra += ["--max-model-len", "5"]
+    elif case == "no MTP layer":
+        model = tmp_path / "model"
+        shutil.copytree(engine_checkpoint, model)
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+        extra += ["--speculative", "mtp"]
+    elif case == "sampling with speculation":
+        extra += ["--speculative", "mtp", "--temperature", "0.7"]
+    elif case == "zero new tokens":
+        extra = ["--max-new-tokens", "0"]
+    assert generate_cli(tmp_path, model, prompts, *extra) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("spmoe generate: error: ") and fragment in err[-1], err
+
+
+def test_unknown_option_exits_non_zero(engine_checkpoint, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        generate_cli(tmp_path, engine_checkpoint, [[1]], "--max-new-tokens", "2", "--beam-width", "4")
+    assert exit_info.value.code == 2
+
+
+def test_demo_runs_and_reuses_its_checkpoint(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    for expected in ("written now", "reused"):
+        done = subprocess.run([sys.executable, "-m", "spmoe.cli", "demo"], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert f"({expected})" in done.stdout
+        assert "all 5 modes produced identical tokens" in done.stdout

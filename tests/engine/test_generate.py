@@ -1,0 +1,141 @@
+"""Generation across TP 1, 2, 3 and SP off / on (both scopes): greedy output identical everywhere, with
+sequences that finish at different steps, queued admission, a single live sequence (N < t at TP 3), MTP
+speculation equal to plain greedy decoding with identical acceptance statistics, seeded sampling, and the KV
+cache against a cache-less forward.
+
+One spawned group per TP size runs every case; the comparisons happen here.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from spmoe.config import ParallelConfig
+from spmoe.distributed import RankFailed, get_parallel_state, spawn
+from spmoe.engine.sampling import SamplingParams
+from spmoe.forward import flatten
+
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [79, 32], [38], [46, 26, 43, 38]]
+EOS = (6, 78)  # with this checkpoint the four sequences stop after 5, 10, 4 and 3 tokens
+MAX_NEW = 10
+CASES = {  # name -> (prompts, engine / generate arguments)
+    "greedy": (PROMPTS, dict(eos=EOS, record=True)),
+    "greedy_full": (PROMPTS, dict()),
+    "queued": (PROMPTS, dict(eos=EOS, max_seqs=2)),
+    "single": ([[38]], dict()),
+    "spec1": (PROMPTS, dict(eos=EOS, k=1)),
+    "spec3": (PROMPTS, dict(k=3)),
+    "spec2_queued": (PROMPTS, dict(eos=EOS, k=2, max_seqs=3)),
+    "sampled": (PROMPTS, dict(sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=3))),
+    "sampled_again": (PROMPTS, dict(sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=3))),
+}
+
+
+def run_engine(folder: str, modes: list[tuple[str, str]]):
+    """Every case under every SP mode -> {(sp, scope, case): (outputs, speculative stats, cache error)}."""
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.kv_cache import KVCache
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    state, results = get_parallel_state(), {}
+    for sp, scope in modes:
+        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sequence_parallel_moe=sp, sp_scope=scope)
+        model = load_model(folder, parallel, with_mtp=True)
+        for name, (prompts, kw) in CASES.items():
+            cache = KVCache.for_model(model, kw.get("max_seqs", len(prompts)), 32)
+            engine = Engine(model, cache, kw.get("sampling", SamplingParams()), kw.get("eos", ()), kw.get("k", 0))
+            gen = engine.generate(prompts, MAX_NEW, record_logits=kw.get("record", False))
+            assert cache.free_slots == cache.max_seqs  # every finished sequence gave its slot back
+            results[(sp, scope, name)] = (gen.outputs, gen.stats.get("speculative"),
+                                          cacheless_error(model, prompts, gen) if kw.get("record") else None)
+    return results
+
+
+def cacheless_error(model, prompts, gen) -> float:
+    """Largest relative difference between the logits recorded while generating (KV cache) and one cache-less
+    forward over each prompt plus its output."""
+    seqs = [p + out[:-1] for p, out in zip(prompts, gen.outputs)]
+    with torch.no_grad():
+        logits = model(*flatten(seqs, model.lm_head.weight.device))
+    worst, start = 0.0, 0
+    for prompt, seq, recorded in zip(prompts, seqs, gen.logits):
+        want = logits[start + len(prompt) - 1:start + len(seq)]
+        worst = max(worst, ((recorded - want).abs().max() / want.abs().max()).item())
+        start += len(seq)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def generations(engine_checkpoint):
+    """{tp: per-rank results of run_engine}."""
+    modes = {1: [("off", "moe")], 2: [("off", "moe"), ("on", "moe"), ("on", "all")]}
+    modes[3] = modes[2]
+    return {tp: spawn(run_engine, tp, engine_checkpoint, modes[tp]) for tp in (1, 2, 3)}
+
+
+def test_greedy_identical_across_tp_and_sp(generations):
+    reference = generations[1][0][("off", "moe", "greedy")][0]
+    assert len({len(out) for out in reference}) == 4, f"sequences should finish at different steps: {reference}"
+    assert all(out[-1] in EOS for out in reference if len(out) < MAX_NEW)
+    full = generations[1][0][("off", "moe", "greedy_full")][0]
+    for tp, ranks in generations.items():
+        for (sp, scope, name), (outputs, _, _) in ranks[0].items():
+            if name in ("greedy", "queued", "spec1", "spec2_queued"):
+                assert outputs == reference, (tp, sp, scope, name)
+            elif name in ("greedy_full", "spec3"):
+                assert outputs == full, (tp, sp, scope, name)
+            elif name == "single":
+                assert outputs == generations[1][0][("off", "moe", "single")][0], (tp, sp, scope)
+        assert all(rank == ranks[0] for rank in ranks[1:]), f"tp={tp}: ranks disagree"
+
+
+def test_kv_cache_matches_cacheless_forward(generations):
+    for tp, ranks in generations.items():
+        for (sp, scope, name), (_, _, error) in ranks[0].items():
+            if error is not None:
+                assert error < 1e-4, (tp, sp, scope, error)
+
+
+def test_speculation_statistics_identical_with_sp_on_and_off(generations):
+    reference = generations[1][0][("off", "moe", "spec3")][1]
+    print(f"spec3 acceptance: {reference}")
+    assert 0 < reference["acceptance_rate"] < 1, "the checkpoint should give both accepted and rejected drafts"
+    assert reference["per_position"][0] >= reference["per_position"][1] >= reference["per_position"][2]
+    for tp, ranks in generations.items():
+        for (sp, scope, name), (_, spec, _) in ranks[0].items():
+            if name.startswith("spec"):
+                assert spec == generations[1][0][("off", "moe", name)][1], (tp, sp, scope, name)
+
+
+def test_seeded_sampling(generations):
+    for tp, ranks in generations.items():
+        for sp, scope in {(sp, scope) for sp, scope, _ in ranks[0]}:
+            sampled = ranks[0][(sp, scope, "sampled")][0]
+            assert sampled == ranks[0][(sp, scope, "sampled_again")][0]
+            assert sampled != ranks[0][(sp, scope, "greedy_full")][0]
+            assert sampled == generations[1][0][("off", "moe", "sampled")][0], (tp, sp, scope)
+
+
+def generate_then_die(folder: str):
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.kv_cache import KVCache
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    state = get_parallel_state()
+    model = load_model(folder, ParallelConfig(tensor_parallel_size=2, sequence_parallel_moe="on"))
+
+    def on_step(done: int, live: int) -> None:
+        if state.rank == 1 and done >= 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    Engine(model, KVCache.for_model(model, 1, 64)).generate([[1, 2, 3]], 50, on_step=on_step)
+
+
+def test_killed_rank_ends_the_run(engine_checkpoint):
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1 of 2 failed: exited with code -9"):
+        spawn(generate_then_die, 2, engine_checkpoint)
+    assert time.monotonic() - start < 60
