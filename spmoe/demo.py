@@ -67,7 +67,7 @@ def run_demo(device: str = "cpu") -> int:
             MAX_NEW_TOKENS, num_speculative_tokens=drafts, record_logits=True, progress=False), device=device)
         print(f"  {label:<18} generated in {runs[label].stats['seconds']:.1f} s", flush=True)
     reference = runs[MODES[0][0]]
-    print(f"\n{'':<18}{'':>9}  {'collectives per decode forward, count/KiB':<42}\n"
+    print(f"\n{'':<29}{'collectives per decode forward, count/KiB'}\n"
           f"{'mode':<18}{'tokens/s':>9}  {'all_reduce':>12}{'all_gather':>14}{'reduce_scatter':>16}"
           f"{'max|dlogit|':>13}{'MTP accept':>12}  tokens")
     identical = True
@@ -83,8 +83,8 @@ def run_demo(device: str = "cpu") -> int:
         accept = f"{spec['acceptance_rate']:.0%}" if spec else "-"
         print(f"{label:<18}{gen.stats['tokens_per_s']:>9.1f}  {cells}{diff:>13.1e}{accept:>12}  "
               f"{'identical' if same else 'DIFFERENT'}")
-    print(f"\nPer decode forward: {CONFIG['num_hidden_layers']} decoder layers, the embedding and the LM head; with "
-          f"MTP a decode forward verifies 1 + 2 tokens per sequence. Tokens (SP off):")
+    print(f"\nA decode forward runs {CONFIG['num_hidden_layers']} decoder layers, the embedding and the LM head; with "
+          f"MTP it verifies\n1 + 2 tokens per sequence. max|dlogit|: against SP off. Tokens (SP off):")
     for prompt, out in zip(PROMPTS, reference.outputs):
         print(f"  {prompt} -> {out}")
     if not identical:
