@@ -12,6 +12,7 @@ from dataclasses import dataclass
 SP_MODES = ("auto", "on", "off")
 SP_SCOPES = ("moe", "all")
 EP_BACKENDS = ("allgather_reducescatter", "all_to_all")
+MOE_BACKENDS = ("auto", "torch", "triton", "flashinfer_trtllm")  # see spmoe/layers/moe/experts/selection.py
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class ParallelConfig:
     enable_expert_parallel: bool = True
     sequence_parallel_moe: str = "auto"  # one of SP_MODES
     sp_scope: str = "moe"  # one of SP_SCOPES: only MoE layers are SP, or every layer
-    ep_backend: str = "allgather_reducescatter"  # one of EP_BACKENDS
+    ep_backend: str = "allgather_reducescatter"  # one of EP_BACKENDS: how SP layers dispatch to experts
+    moe_backend: str = "auto"  # one of MOE_BACKENDS: the expert kernels
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
@@ -30,7 +32,7 @@ class ParallelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         for name, allowed in (("sequence_parallel_moe", SP_MODES), ("sp_scope", SP_SCOPES),
-                              ("ep_backend", EP_BACKENDS)):
+                              ("ep_backend", EP_BACKENDS), ("moe_backend", MOE_BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.sequence_parallel_moe == "on":

@@ -20,6 +20,8 @@ before a non-SP layer that follows an SP one.
 With a KV cache (`cache`, from the engine) the N new tokens attend their sequences' cached keys as well.
 """
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -30,13 +32,17 @@ from spmoe.distributed.layout import check_rows
 from spmoe.layers.attention import AttentionBatch, KeyStore, MLAttention
 from spmoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmoe.layers.mlp import MLP
+from spmoe.layers.moe.experts.base import Experts, ExpertsDeployment
+from spmoe.layers.moe.experts.selection import select_experts
 from spmoe.layers.moe.moe import MoE
 from spmoe.layers.norm import RMSNorm, fused_allreduce_rms_norm
 from spmoe.layers.rotary import Rotary
 
 
 class DeepseekV32DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, use_sequence_parallel_moe: bool, input_layout: Layout):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, use_sequence_parallel_moe: bool, input_layout: Layout,
+                 experts: type[Experts], ep_backend: str):
+        """experts, ep_backend: the routed-expert backend and the SP dispatch, used if this is an MoE layer."""
         super().__init__()
         tp_size = get_parallel_state().tp_size
         if input_layout is Layout.SHARDED and not use_sequence_parallel_moe:
@@ -50,7 +56,7 @@ class DeepseekV32DecoderLayer(nn.Module):
         self.self_attn = MLAttention(cfg, layer_idx, tp_size, has_indexer=cfg.layer_has_indexer(layer_idx))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
-            self.mlp = MoE(cfg, sequence_parallel=use_sequence_parallel_moe)
+            self.mlp = MoE(cfg, use_sequence_parallel_moe, experts, ep_backend)
         else:  # replicated on SP layers (they see only their own rows), TP-sharded otherwise
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, 1 if use_sequence_parallel_moe else tp_size)
 
@@ -84,17 +90,17 @@ class DeepseekV32DecoderLayer(nn.Module):
 
 
 class DeepseekV32Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, device: torch.device | str):
+        """dtype and device decide the expert backend (every MoE layer has the same SP flag, so one choice)."""
         super().__init__()
         state = get_parallel_state()
         if parallel.tensor_parallel_size != state.tp_size:
             raise ValueError(f"parallel config has tensor_parallel_size={parallel.tensor_parallel_size} but the "
                              f"process group has {state.tp_size} TP ranks")
         cfg.check_parallel(parallel)
-        if parallel.ep_backend != "allgather_reducescatter":
-            raise ValueError(f"ep_backend {parallel.ep_backend!r} is not implemented yet; expected "
-                             f"'allgather_reducescatter'")
         self.cfg = cfg
+        self.experts_backend = select_experts(ExpertsDeployment.for_layer(
+            cfg, parallel, parallel.use_sequence_parallel_moe, dtype, device), parallel.moe_backend)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         layers, previous_sp = [], None
         for i in range(cfg.num_hidden_layers):
@@ -105,7 +111,8 @@ class DeepseekV32Model(nn.Module):
                 input_layout = Layout.SHARDED if sp else Layout.FULL  # FULL: the loop gathers first
             else:
                 input_layout = Layout.PARTIAL
-            layers.append(DeepseekV32DecoderLayer(cfg, i, sp, input_layout))
+            layers.append(DeepseekV32DecoderLayer(cfg, i, sp, input_layout, self.experts_backend,
+                                                  parallel.ep_backend))
             previous_sp = sp
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -168,12 +175,24 @@ def causal_within_sequences(seq_lens: list[int], like: torch.Tensor) -> torch.Te
 
 
 class DeepseekV32ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", mtp_own_weights: tuple[tuple[bool, bool], ...] = ()):
+        """Built in `dtype` on `device` (FP8 expert weights and router weights keep their own dtypes).
+        mtp_own_weights: one (own embedding, own head) pair per MTP layer to build, none by default."""
+        from spmoe.models.deepseek_v32.mtp import DeepseekV32MultiTokenPredictorLayer  # mtp.py builds on this module
+
         super().__init__()
         self.cfg, self.parallel = cfg, parallel
-        self.model = DeepseekV32Model(cfg, parallel)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        self.mtp = nn.ModuleList()  # DeepseekV32MultiTokenPredictorLayer(s), added by load_model(with_mtp=True)
+        with torch.device(device), _default_dtype(dtype):
+            self.model = DeepseekV32Model(cfg, parallel, dtype, device)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            self.mtp = nn.ModuleList(
+                DeepseekV32MultiTokenPredictorLayer(
+                    cfg, parallel, i,
+                    VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if own_embed else self.model.embed_tokens,
+                    ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if own_head else self.lm_head,
+                    self.model.experts_backend)
+                for i, (own_embed, own_head) in enumerate(mtp_own_weights))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
                 cache: KeyStore | None = None) -> torch.Tensor:
@@ -182,3 +201,13 @@ class DeepseekV32ForCausalLM(nn.Module):
 
 
 GlmMoeDsaForCausalLM = DeepseekV32ForCausalLM
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -32,6 +32,7 @@ from spmoe.distributed.layout import check_rows
 from spmoe.layers.attention import KeyStore
 from spmoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmoe.layers.linear import Linear
+from spmoe.layers.moe.experts.base import Experts
 from spmoe.layers.norm import RMSNorm
 from spmoe.models.deepseek_v32.model import DeepseekV32DecoderLayer, attention_batch, final_norm
 
@@ -45,8 +46,9 @@ class SharedHead(nn.Module):
 
 class DeepseekV32MultiTokenPredictorLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig, index: int, embed_tokens: VocabParallelEmbedding,
-                 head: ParallelLMHead):
-        """`embed_tokens` and `head`: the layer's own (when the checkpoint has them) or the main model's."""
+                 head: ParallelLMHead, experts: type[Experts]):
+        """`embed_tokens` and `head`: the layer's own (when the checkpoint has them) or the main model's;
+        `experts`: the main model's expert backend."""
         super().__init__()
         self.cfg = cfg
         self.layer_idx = cfg.num_hidden_layers + index
@@ -56,7 +58,8 @@ class DeepseekV32MultiTokenPredictorLayer(nn.Module):
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)  # replicated
         self.mtp_block = DeepseekV32DecoderLayer(cfg, self.layer_idx, self.is_sequence_parallel,
-                                                 Layout.SHARDED if self.is_sequence_parallel else Layout.FULL)
+                                                 Layout.SHARDED if self.is_sequence_parallel else Layout.FULL,
+                                                 experts, parallel.ep_backend)
         self.shared_head = SharedHead(cfg, head)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,

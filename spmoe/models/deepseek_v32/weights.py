@@ -21,11 +21,8 @@ from safetensors.torch import save_file
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state
-from spmoe.layers.moe.experts import TorchExperts
-from spmoe.layers.moe.router import Router
-from spmoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from spmoe.layers.moe.experts.base import Experts
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
-from spmoe.models.deepseek_v32.mtp import DeepseekV32MultiTokenPredictorLayer
 
 EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
@@ -38,31 +35,21 @@ def load_model(model_dir: str | Path, parallel: ParallelConfig, dtype: torch.dty
     checkpoint in `model_dir`."""
     cfg = ModelConfig.from_file(model_dir)
     ckpt = Checkpoint(Path(model_dir))
-    with torch.device(device):
-        model = build_model(cfg, parallel, with_mtp, ckpt.keys())
+    model = build_model(cfg, parallel, with_mtp, ckpt.keys(), dtype, device)
     load_weights(model, ckpt)
-    model.to(dtype)
-    for module in model.modules():  # the router scores in float32, as the checkpoints keep it
-        if isinstance(module, Router):
-            module.float()
     return model.eval()
 
 
-def build_model(cfg: ModelConfig, parallel: ParallelConfig, with_mtp: bool,
-                checkpoint_keys: set[str]) -> DeepseekV32ForCausalLM:
+def build_model(cfg: ModelConfig, parallel: ParallelConfig, with_mtp: bool, checkpoint_keys: set[str],
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DeepseekV32ForCausalLM:
     """The model with uninitialised weights; an MTP layer gets its own embedding / head only where the
     checkpoint has them."""
     if with_mtp and not cfg.num_nextn_predict_layers:
         raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers is 0 or missing)")
-    model = DeepseekV32ForCausalLM(cfg, parallel)
-    for i in range(cfg.num_nextn_predict_layers if with_mtp else 0):
-        prefix = f"model.layers.{cfg.num_hidden_layers + i}"
-        embed = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-                 if f"{prefix}.embed_tokens.weight" in checkpoint_keys else model.model.embed_tokens)
-        head = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-                if f"{prefix}.shared_head.head.weight" in checkpoint_keys else model.lm_head)
-        model.mtp.append(DeepseekV32MultiTokenPredictorLayer(cfg, parallel, i, embed, head))
-    return model
+    own = tuple((f"model.layers.{cfg.num_hidden_layers + i}.embed_tokens.weight" in checkpoint_keys,
+                 f"model.layers.{cfg.num_hidden_layers + i}.shared_head.head.weight" in checkpoint_keys)
+                for i in range(cfg.num_nextn_predict_layers if with_mtp else 0))
+    return DeepseekV32ForCausalLM(cfg, parallel, dtype, device, own)
 
 
 def write_random_checkpoint(raw_config: dict, folder: Path, seed: int) -> None:
@@ -72,7 +59,7 @@ def write_random_checkpoint(raw_config: dict, folder: Path, seed: int) -> None:
     model = build_model(cfg, ParallelConfig(tensor_parallel_size=1), cfg.num_nextn_predict_layers > 0, set())
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for key, (dest, _) in sorted(_plan(model).items()):
+    for key, (dest, _, _) in sorted(_plan(model).items()):
         noise = torch.randn(dest.shape, generator=gen)
         if key.endswith("norm.weight"):
             tensors[key] = 1.0 + 0.2 * noise
@@ -121,13 +108,14 @@ class Checkpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
 
-    def read(self, key: str, dim: int | None, start: int, stop: int, block: tuple[int, int] | None) -> torch.Tensor:
+    def read(self, key: str, dim: int | None, start: int, stop: int, block: tuple[int, int] | None,
+             raw: bool = False) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) `[start, stop)` of a tensor, or all of it (dim None); FP8 weights
-        are dequantised with their block scales."""
+        are dequantised with their block scales unless `raw`."""
         view = self._slice(key)
         index = (slice(None),) if dim is None else (slice(None),) * dim + (slice(start, stop),)
         tensor = view[index]
-        if tensor.dtype != torch.float8_e4m3fn:
+        if raw or tensor.dtype != torch.float8_e4m3fn:
             return tensor
         scale_key = key.removesuffix("weight") + "weight_scale_inv"
         if block is None or scale_key not in self.weight_map:
@@ -141,7 +129,7 @@ class Checkpoint:
 
 def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
     cfg, state, folder = model.cfg, get_parallel_state(), ckpt.folder
-    plan = _plan(model)  # checkpoint key -> (destination tensor, tp_dim)
+    plan = _plan(model)  # checkpoint key -> (destination tensor, tp_dim, raw)
     present = ckpt.keys()
     missing = sorted(set(plan) - present)
     if missing:
@@ -159,7 +147,7 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
             continue  # an MTP layer's weights, not asked for
         raise ValueError(f"checkpoint {folder} has an unexpected tensor: {key}")
     show = state.rank == 0 and len(plan) >= 200
-    for done, (key, (dest, dim)) in enumerate(sorted(plan.items()), 1):
+    for done, (key, (dest, dim, raw)) in enumerate(sorted(plan.items()), 1):
         full = list(dest.shape)
         start = 0
         if dim is not None:
@@ -170,27 +158,22 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
                              f"{tuple(full)}")
         with torch.no_grad():
             dest.copy_(ckpt.read(key, dim, start, start + (dest.shape[dim] if dim is not None else 0),
-                                 cfg.fp8_block_size))
+                                 cfg.fp8_block_size, raw))
         if show and (done % max(1, len(plan) // 20) == 0 or done == len(plan)):
             print(f"\rloading weights: {done}/{len(plan)} tensors", end="\n" if done == len(plan) else "",
                   file=sys.stderr, flush=True)
 
 
 def _plan(model: DeepseekV32ForCausalLM) -> dict:
-    """Checkpoint key -> (this rank's destination tensor, TP dim or None)."""
+    """Checkpoint key -> (this rank's destination tensor, TP dim or None, raw: copy FP8 values as stored)."""
     plan = {}
     for module_name, module in model.named_modules():  # shared modules appear once, under their first name
         module_name = MTP_MODULE.sub(lambda m: f"model.layers.{model.cfg.num_hidden_layers + int(m.group(1))}.",
                                      module_name)
-        if isinstance(module, TorchExperts):
-            inter = module.down_proj.shape[2]
-            for e in range(module.count):
-                prefix = f"{module_name}.{module.first + e}"
-                plan[f"{prefix}.gate_proj.weight"] = (module.gate_up_proj[e, :inter], None)
-                plan[f"{prefix}.up_proj.weight"] = (module.gate_up_proj[e, inter:], None)
-                plan[f"{prefix}.down_proj.weight"] = (module.down_proj[e], None)
+        if isinstance(module, Experts):
+            plan |= {key: (dest, None, raw) for key, (dest, raw) in module.checkpoint_plan(module_name).items()}
             continue
         for name, param in module.named_parameters(recurse=False):
             dim = getattr(module, "tp_dim", None) if name == "weight" else None
-            plan[f"{module_name}.{name}"] = (param.data, dim)
+            plan[f"{module_name}.{name}"] = (param.data, dim, False)
     return plan

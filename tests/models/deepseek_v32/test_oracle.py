@@ -15,17 +15,20 @@ from spmoe.models.deepseek_v32.model import DeepseekV32DecoderLayer
 from .conftest import MODELS
 
 TOLERANCE = 1e-4  # relative to the largest |logit|
-SP_MODES = [("off", "moe"), ("on", "moe"), ("on", "all")]
+SP_MODES = [("off", "moe", "allgather_reducescatter"), ("on", "moe", "allgather_reducescatter"),
+            ("on", "all", "allgather_reducescatter"), ("on", "moe", "all_to_all")]
 
 
 def run_cases(cases):
-    """cases: [(folder, sp, scope, batches)] -> [(per-batch logits, per-batch stats, SP flags per layer)]."""
+    """cases: [(folder, sp, scope, ep_backend, batches)] -> [(per-batch logits, per-batch stats, SP flags per
+    layer)]."""
     from spmoe.models.deepseek_v32.weights import load_model
 
     state = get_parallel_state()
     results = []
-    for folder, sp, scope, batches in cases:
-        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sequence_parallel_moe=sp, sp_scope=scope)
+    for folder, sp, scope, ep_backend, batches in cases:
+        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sequence_parallel_moe=sp, sp_scope=scope,
+                                  ep_backend=ep_backend)
         model = load_model(folder, parallel)
         logits, stats = [], []
         for seqs in batches:
@@ -37,7 +40,7 @@ def run_cases(cases):
     return results
 
 
-def expected_counts(mlp_types, sp_flags, t):
+def expected_counts(mlp_types, sp_flags, t, ep_backend="allgather_reducescatter"):
     """Collectives of one forward, derived from the layer pattern alone (the layout contract)."""
     counts = dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter", "all_to_all"), 0)
     if t == 1:
@@ -53,7 +56,9 @@ def expected_counts(mlp_types, sp_flags, t):
         if sp:
             counts["all_gather"] += previous is not False  # SHARDED input: gather the normed hidden
             counts["reduce_scatter"] += 1  # after attention
-            if kind == "sparse":
+            if kind == "sparse" and ep_backend == "all_to_all":
+                counts["all_to_all"] += 3  # row counts, rows with routing, partial outputs back
+            elif kind == "sparse":
                 counts["all_gather"] += 2  # dispatch: routing and hidden
                 counts["reduce_scatter"] += 1  # combine
         else:
@@ -67,20 +72,22 @@ def expected_counts(mlp_types, sp_flags, t):
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
 def test_logits_match_transformers(tp, checkpoints):
     names = ["glm", "dsv32"] + (["glm_fp8"] if tp == 2 else [])
-    modes = SP_MODES if tp > 1 else [("off", "moe")]
-    cases = [(name, sp, scope) for name in names for sp, scope in modes]
-    results = spawn(run_cases, tp, [(checkpoints[n][0], sp, scope, checkpoints[n][1]) for n, sp, scope in cases])[0]
+    modes = SP_MODES if tp > 1 else SP_MODES[:1]
+    cases = [(name, *mode) for name in names for mode in modes]
+    results = spawn(run_cases, tp, [(checkpoints[n][0], sp, scope, ep, checkpoints[n][1])
+                                    for n, sp, scope, ep in cases])[0]
     worst = 0.0
-    for (name, sp, scope), (logits, stats, flags) in zip(cases, results):
+    for (name, sp, scope, ep), (logits, stats, flags) in zip(cases, results):
         mlp_types = MODELS[name.removesuffix("_fp8")][2]["mlp_layer_types"]
         assert flags == [sp == "on" and (kind == "sparse" or scope == "all") for kind in mlp_types]
         for seqs, got, want, counted in zip(checkpoints[name][1], logits, checkpoints[name][2], stats):
             err = ((got - want).abs().max() / want.abs().max()).item()
             worst = max(worst, err)
             assert got.shape == want.shape
-            assert err < TOLERANCE, f"{name} tp={tp} sp={sp}/{scope} lens={list(map(len, seqs))}: rel err {err:.2e}"
-            assert {k: v["count"] for k, v in counted.items()} == expected_counts(mlp_types, flags, tp), \
-                (name, sp, scope, [len(s) for s in seqs])
+            lens = list(map(len, seqs))
+            assert err < TOLERANCE, f"{name} tp={tp} sp={sp}/{scope}/{ep} lens={lens}: rel err {err:.2e}"
+            assert {k: v["count"] for k, v in counted.items()} == expected_counts(mlp_types, flags, tp, ep), \
+                (name, sp, scope, ep, [len(s) for s in seqs])
             if sp == "on" and scope == "all":
                 assert counted["all_reduce"]["count"] == 0
             if sp == "off" and tp > 1:

@@ -1,0 +1,228 @@
+"""Triton kernels for the fused MoE: grouped GEMMs over this rank's experts, gate/up with SiLU-and-mul fused,
+in bfloat16 or FP8 e4m3 with 128 x 128 weight blocks and per-token 128-channel activation groups.
+
+Pipeline for m rows and k routes per row (P = m * k (row, route) pairs), 7 launches:
+
+    align      count pairs per local expert; pad each expert's run to a multiple of BLOCK_M; place
+               each local pair in its expert's run (3 kernels + 2 fills)
+    gate_up    act[r, :] = silu(x[row] @ W_gate[e].T) * (x[row] @ W_up[e].T)                  [R, I]
+    down       out[pair, :] = weight[pair] * act[r, :] @ W_down[e].T                             [P, H]
+    reduce     y[row] = the sum over its local pairs                                              [m, H]
+
+FP8: the GEMMs quantise their activation tiles as they load them (e4m3, one scale per 128 channels of a row,
+BLOCK_K = 128), so FP8 costs no extra launch or pass.
+
+Shapes are static for a given m (R is an upper bound), there are no host syncs, so the path can be captured
+in a CUDA graph. Programs whose block holds no pairs exit at once. The order of pairs within an expert's run
+does not change any result: every row of a tile is computed independently.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from spmoe.layers.moe.experts.base import FP8_MAX
+
+
+@triton.jit
+def _quantize_rows(a, MAX: tl.constexpr):
+    """A `[rows, 128]` tile -> (FP8 e4m3 tile, `[rows, 1]` float32 scales): one scale per row's 128 channels."""
+    a = a.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(a), 1), 1e-10)[:, None] / MAX
+    return (a / scale).to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, pairs_ptr, block_expert_ptr,
+                    num_pairs, top_k, hidden: tl.constexpr, inter: tl.constexpr,
+                    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_am,
+                    FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)  # expert * stride may pass 2**31
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pairs_ptr + rows)
+    valid = pairs < num_pairs
+    tokens = tl.where(valid, pairs // top_k, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    col_ok = cols[None, :] < inter
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = offs_k < hidden - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
+        if FP8:  # the activations quantised here, 128 channels per scale; one weight scale per 128 x 128 block
+            a, a_s = _quantize_rows(a, FP8_MAX)
+            ws = ws_ptr + expert * stride_wse + k0 // BLOCK_K
+            g_s = tl.load(ws + (pid_n * BLOCK_N // 128) * stride_wsn)
+            u_s = tl.load(ws + ((inter + pid_n * BLOCK_N) // 128) * stride_wsn)
+            acc_g += tl.dot(a, g) * (a_s * g_s)
+            acc_u += tl.dot(a, u) * (a_s * u_s)
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(act_ptr + rows[:, None] * stride_am + cols[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok)
+
+
+@triton.jit
+def _down_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, pairs_ptr, block_expert_ptr,
+                 num_pairs, hidden: tl.constexpr, inter: tl.constexpr,
+                 stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                 FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pairs_ptr + rows)
+    valid = pairs < num_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]
+    col_ok = cols[None, :] < hidden
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
+        if FP8:
+            a, a_s = _quantize_rows(a, FP8_MAX)
+            b_s = tl.load(ws_ptr + expert * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn + k0 // BLOCK_K)
+            acc += tl.dot(a, b) * (a_s * b_s)
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    acc *= tl.load(route_w_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + pairs[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok)
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, first, count, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1) - first
+    tl.atomic_add(counts_ptr + expert, 1, mask=(offs < num_pairs) & (expert >= 0) & (expert < count))
+
+
+@triton.jit
+def _blocks_kernel(counts_ptr, start_ptr, block_expert_ptr, num_blocks, count,
+                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Each program recomputes the padded run ends (a few hundred experts) and labels BLOCK_B blocks."""
+    experts = tl.arange(0, BLOCK_E)
+    padded = (tl.load(counts_ptr + experts, mask=experts < count, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(start_ptr + experts, end - padded, mask=(experts < count) & (tl.program_id(0) == 0))
+    blocks = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    before = tl.sum((end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)  # runs ending before
+    tl.store(block_expert_ptr + blocks, tl.where(before < count, before, -1), mask=blocks < num_blocks)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, start_ptr, cursor_ptr, pairs_ptr, num_pairs, first, count, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1) - first
+    local = (offs < num_pairs) & (expert >= 0) & (expert < count)
+    slot = tl.atomic_add(cursor_ptr + expert, 1, mask=local)
+    tl.store(pairs_ptr + tl.load(start_ptr + expert, mask=local, other=0) + slot, offs, mask=local)
+
+
+@triton.jit
+def _reduce_kernel(out_ptr, ids_ptr, y_ptr, first, count, stride_o, stride_y,
+                   TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + row * TOP_K + j) - first
+        local = (expert >= 0) & (expert < count)
+        acc += tl.load(out_ptr + (row * TOP_K + j) * stride_o + cols, mask=(cols < HIDDEN) & local,
+                       other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < HIDDEN)
+
+
+def align_pairs(ids: torch.Tensor, first: int, count: int, block_m: int):
+    """ids `[m, k]` global expert ids (-1 = none) -> (pairs `[R]`, block_expert `[R / block_m]`) for this
+    rank's experts `[first, first + count)`.
+
+    `pairs[r]`: the (row, route) pair `row * k + route` computed at sorted position r, or `m * k` for a pad
+    position; each expert's pairs are contiguous and start at a multiple of `block_m`; `block_expert[b]` is the
+    local expert of block b, -1 past the last one. R is a static upper bound.
+    """
+    num_pairs, device = ids.numel(), ids.device
+    rows_max = triton.cdiv(num_pairs + min(count, num_pairs) * (block_m - 1), block_m) * block_m
+    counters = torch.zeros(2, count, dtype=torch.int32, device=device)  # pairs per expert, placement cursors
+    start = torch.empty(count, dtype=torch.int32, device=device)
+    block_expert = torch.empty(rows_max // block_m, dtype=torch.int32, device=device)
+    pairs = torch.full((rows_max,), num_pairs, dtype=torch.int32, device=device)
+    grid = (triton.cdiv(max(num_pairs, 1), 1024),)
+    _count_kernel[grid](ids, counters[0], num_pairs, first, count, BLOCK=1024)
+    _blocks_kernel[(triton.cdiv(rows_max // block_m, 64),)](counters[0], start, block_expert, rows_max // block_m,
+                                                           count, BLOCK_M=block_m,
+                                                           BLOCK_E=triton.next_power_of_2(count), BLOCK_B=64)
+    _place_kernel[grid](ids, start, counters[1], pairs, num_pairs, first, count, BLOCK=1024)
+    return pairs, block_expert
+
+
+def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, config=None):
+    """x `[m, H]`, ids / weights `[m, k]` (global expert ids, -1 = none), this rank's experts
+    `[first, first + E)`: w13 `[E, 2I, H]`, w2 `[E, H, I]` (FP8 with scales, or x's dtype) -> `[m, H]` in x's
+    dtype. `config`: the tile sizes (`pick_config` by default)."""
+    (m, k), (count, two_inter, hidden) = ids.shape, w13.shape
+    inter, fp8 = two_inter // 2, w13.dtype == torch.float8_e4m3fn
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    y = torch.empty_like(x)
+    if m == 0:
+        return y
+    cfg = config or pick_config(m * k, count, fp8)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    pairs, block_expert = align_pairs(ids, first, count, bm)
+    rows = pairs.shape[0]
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    tiles = dict(FP8=fp8, FP8_MAX=FP8_MAX, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"])
+    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(rows // bm, triton.cdiv(inter, bn))](
+        x, w13, w13_scale if fp8 else w13, act, pairs, block_expert, m * k, k, hidden, inter, x.stride(0),
+        w13.stride(0), w13.stride(1), *_scale_strides(w13_scale), act.stride(0), **tiles, **launch)
+    out = torch.empty(m * k, hidden, dtype=x.dtype, device=x.device)  # rows of non-local pairs stay unwritten
+    _down_kernel[(rows // bm, triton.cdiv(hidden, bn))](
+        act, w2, w2_scale if fp8 else w2, out, weights, pairs, block_expert, m * k, hidden, inter, act.stride(0),
+        w2.stride(0), w2.stride(1), *_scale_strides(w2_scale), out.stride(0), **tiles, **launch)
+    _reduce_kernel[(m, triton.cdiv(hidden, 1024))](out, ids, y, first, count, out.stride(0), y.stride(0),
+                                                     TOP_K=k, HIDDEN=hidden, BLOCK_H=1024)
+    return y
+
+
+def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
+    return (scale.stride(0), scale.stride(1)) if scale is not None else (0, 0)
+
+
+def pick_config(num_pairs: int, num_experts: int, fp8: bool) -> dict:
+    """Tile sizes by the mean pairs per local expert, from `benchmarks/bench_experts.py --sweep` on an H200:
+    small blocks that stream the weights at decode, large ones that reuse them at prefill. FP8 needs
+    BLOCK_K = 128 (one activation scale per step) and BLOCK_N <= 128."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=32 if fp8 else 64, BLOCK_K=128, num_warps=4, num_stages=5)
+    if per_expert <= 64:
+        return dict(BLOCK_M=32 if fp8 else 64, BLOCK_N=64 if fp8 else 128, BLOCK_K=128 if fp8 else 64,
+                    num_warps=4 if fp8 else 8, num_stages=4 if fp8 else 3)
+    if fp8 and per_expert <= 512:
+        return dict(BLOCK_M=64, BLOCK_N=64 if per_expert <= 128 else 128, BLOCK_K=128,
+                    num_warps=4 if per_expert <= 128 else 8, num_stages=4 if per_expert <= 128 else 3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if fp8 else 64, num_warps=8, num_stages=3)
