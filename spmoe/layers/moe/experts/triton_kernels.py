@@ -1,16 +1,17 @@
 """Triton kernels for the fused MoE: grouped GEMMs over this rank's experts, gate/up with SiLU-and-mul fused,
 in bfloat16 or FP8 e4m3 with 128 x 128 weight blocks and per-token 128-channel activation groups.
 
-Pipeline for m rows and k routes per row (P = m * k (row, route) pairs), 7 launches:
+Pipeline for m rows and k routes per row (P = m * k (row, route) pairs), 8 launches (10 with FP8):
 
     align      count pairs per local expert; pad each expert's run to a multiple of BLOCK_M; place
                each local pair in its expert's run (3 kernels + 2 fills)
+    quantize   FP8 only: x to e4m3 with one scale per 128 channels of a row
     gate_up    act[r, :] = silu(x[row] @ W_gate[e].T) * (x[row] @ W_up[e].T)                  [R, I]
+    quantize   FP8 only: act likewise
     down       out[pair, :] = weight[pair] * act[r, :] @ W_down[e].T                             [P, H]
     reduce     y[row] = the sum over its local pairs                                              [m, H]
 
-FP8: the GEMMs quantise their activation tiles as they load them (e4m3, one scale per 128 channels of a row,
-BLOCK_K = 128), so FP8 costs no extra launch or pass.
+(Quantising the activation tiles inside the GEMMs instead was measured slower: every column tile repeats it.)
 
 Shapes are static for a given m (R is an upper bound), there are no host syncs, so the path can be captured
 in a CUDA graph. Programs whose block holds no pairs exit at once. The order of pairs within an expert's run
@@ -21,23 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from spmoe.layers.moe.experts.base import FP8_MAX
+from spmoe.layers.moe.experts.base import FP8_GROUP, FP8_MAX
 
 
 @triton.jit
-def _quantize_rows(a, MAX: tl.constexpr):
-    """A `[rows, 128]` tile -> (FP8 e4m3 tile, `[rows, 1]` float32 scales): one scale per row's 128 channels."""
-    a = a.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(a), 1), 1e-10)[:, None] / MAX
-    return (a / scale).to(tl.float8e4nv), scale
-
-
-@triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, pairs_ptr, block_expert_ptr,
+def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, pairs_ptr, block_expert_ptr,
                     num_pairs, top_k, hidden: tl.constexpr, inter: tl.constexpr,
-                    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_am,
-                    FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_am,
+                    FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)  # expert * stride may pass 2**31
     if expert < 0:
@@ -59,8 +51,8 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, pairs_ptr, block_expert_ptr,
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
-        if FP8:  # the activations quantised here, 128 channels per scale; one weight scale per 128 x 128 block
-            a, a_s = _quantize_rows(a, FP8_MAX)
+        if FP8:  # one scale per 128 channels of the row, one per 128 x 128 weight block
+            a_s = tl.load(xs_ptr + tokens * stride_xsm + k0 // BLOCK_K, mask=valid, other=0.0)[:, None]
             ws = ws_ptr + expert * stride_wse + k0 // BLOCK_K
             g_s = tl.load(ws + (pid_n * BLOCK_N // 128) * stride_wsn)
             u_s = tl.load(ws + ((inter + pid_n * BLOCK_N) // 128) * stride_wsn)
@@ -78,11 +70,10 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, pairs_ptr, block_expert_ptr,
 
 
 @triton.jit
-def _down_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, pairs_ptr, block_expert_ptr,
+def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, pairs_ptr, block_expert_ptr,
                  num_pairs, hidden: tl.constexpr, inter: tl.constexpr,
-                 stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
-                 FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                 FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -101,7 +92,7 @@ def _down_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, pairs_ptr, block_ex
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
         if FP8:
-            a, a_s = _quantize_rows(a, FP8_MAX)
+            a_s = tl.load(as_ptr + rows * stride_asm + k0 // BLOCK_K, mask=valid, other=0.0)[:, None]
             b_s = tl.load(ws_ptr + expert * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn + k0 // BLOCK_K)
             acc += tl.dot(a, b) * (a_s * b_s)
         else:
@@ -143,6 +134,16 @@ def _place_kernel(ids_ptr, start_ptr, cursor_ptr, pairs_ptr, num_pairs, first, c
 
 
 @triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, GROUP: tl.constexpr, MAX: tl.constexpr):
+    row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    v = tl.load(x_ptr + row * stride_x + offs).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(v), 0), 1e-10) / MAX
+    tl.store(q_ptr + row * stride_q + offs, (v / scale).to(q_ptr.dtype.element_ty))
+    tl.store(s_ptr + row * stride_s + group, scale)
+
+
+@triton.jit
 def _reduce_kernel(out_ptr, ids_ptr, y_ptr, first, count, stride_o, stride_y,
                    TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -179,6 +180,15 @@ def align_pairs(ids: torch.Tensor, first: int, count: int, block_m: int):
     return pairs, block_expert
 
 
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[m, K]` -> (FP8 e4m3 `[m, K]`, float32 scales `[m, K / 128]`) in one launch."""
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[0], x.shape[1] // FP8_GROUP, dtype=torch.float32, device=x.device)
+    _quantize_kernel[(x.shape[0], x.shape[1] // FP8_GROUP)](x, q, scale, x.stride(0), q.stride(0), scale.stride(0),
+                                                            GROUP=FP8_GROUP, MAX=FP8_MAX)
+    return q, scale
+
+
 def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, config=None):
     """x `[m, H]`, ids / weights `[m, k]` (global expert ids, -1 = none), this rank's experts
     `[first, first + E)`: w13 `[E, 2I, H]`, w2 `[E, H, I]` (FP8 with scales, or x's dtype) -> `[m, H]` in x's
@@ -194,15 +204,17 @@ def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, co
     pairs, block_expert = align_pairs(ids, first, count, bm)
     rows = pairs.shape[0]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    tiles = dict(FP8=fp8, FP8_MAX=FP8_MAX, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"])
+    tiles = dict(FP8=fp8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"])
+    xq, xs = quantize_fp8(x) if fp8 else (x, x)  # xs is unused without FP8
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(rows // bm, triton.cdiv(inter, bn))](
-        x, w13, w13_scale if fp8 else w13, act, pairs, block_expert, m * k, k, hidden, inter, x.stride(0),
-        w13.stride(0), w13.stride(1), *_scale_strides(w13_scale), act.stride(0), **tiles, **launch)
+        xq, xs, w13, w13_scale if fp8 else w13, act, pairs, block_expert, m * k, k, hidden, inter, xq.stride(0),
+        xs.stride(0), w13.stride(0), w13.stride(1), *_scale_strides(w13_scale), act.stride(0), **tiles, **launch)
+    aq, a_s = quantize_fp8(act) if fp8 else (act, act)
     out = torch.empty(m * k, hidden, dtype=x.dtype, device=x.device)  # rows of non-local pairs stay unwritten
     _down_kernel[(rows // bm, triton.cdiv(hidden, bn))](
-        act, w2, w2_scale if fp8 else w2, out, weights, pairs, block_expert, m * k, hidden, inter, act.stride(0),
-        w2.stride(0), w2.stride(1), *_scale_strides(w2_scale), out.stride(0), **tiles, **launch)
+        aq, a_s, w2, w2_scale if fp8 else w2, out, weights, pairs, block_expert, m * k, hidden, inter, aq.stride(0),
+        a_s.stride(0), w2.stride(0), w2.stride(1), *_scale_strides(w2_scale), out.stride(0), **tiles, **launch)
     _reduce_kernel[(m, triton.cdiv(hidden, 1024))](out, ids, y, first, count, out.stride(0), y.stride(0),
                                                      TOP_K=k, HIDDEN=hidden, BLOCK_H=1024)
     return y
