@@ -5,6 +5,7 @@ import json
 import sys
 
 from spmoe.config import ModelConfig, ParallelConfig
+from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.distributed import RankFailed, spawn
 from spmoe.distributed.selfcheck import layout_selfcheck
 
@@ -32,7 +33,7 @@ def cmd_forward(args) -> int:
     from spmoe.forward import read_input_ids, run_forward
 
     cfg = ModelConfig.from_file(args.model)
-    parallel = ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel_moe=args.sp, sp_scope=args.sp_scope)
+    parallel = parallel_config(args)
     seqs = read_input_ids(args.input_ids, cfg.vocab_size)
     print(f"spmoe forward: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, tp={args.tp}, "
           f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} "
@@ -55,7 +56,7 @@ def cmd_generate(args) -> int:
     from spmoe.generate import GenerateOptions, run_generate
 
     cfg = ModelConfig.from_file(args.model)
-    parallel = ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel_moe=args.sp, sp_scope=args.sp_scope)
+    parallel = parallel_config(args)
     prompts = read_input_ids(args.input_ids, cfg.vocab_size)
     drafts = args.num_speculative_tokens if args.speculative == "mtp" else 0
     if args.speculative == "mtp" and drafts < 1:
@@ -87,6 +88,26 @@ def cmd_demo(args) -> int:
     return run_demo(args.device)
 
 
+def add_model_args(p) -> None:
+    """The options `forward` and `generate` share: the checkpoint, the parallel layout, the kernels, the input."""
+    p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size (number of ranks)")
+    p.add_argument("--sp", choices=SP_MODES, required=True, help="sequence-parallel MoE")
+    p.add_argument("--sp-scope", choices=SP_SCOPES, default="moe", help="which layers are SP (default moe)")
+    p.add_argument("--ep-backend", choices=EP_BACKENDS, default="allgather_reducescatter",
+                   help="how SP layers dispatch tokens to experts (default allgather_reducescatter)")
+    p.add_argument("--moe-backend", choices=MOE_BACKENDS, default="auto",
+                   help="expert kernels (default auto: the first that fits, see the README)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--input-ids", required=True, help="JSON list of token-id lists, one per sequence")
+
+
+def parallel_config(args) -> ParallelConfig:
+    return ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel_moe=args.sp, sp_scope=args.sp_scope,
+                          ep_backend=args.ep_backend, moe_backend=args.moe_backend)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="spmoe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,24 +118,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("forward", help="one forward pass of a checkpoint on local ranks; save the logits")
-    p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size (number of local ranks)")
-    p.add_argument("--sp", choices=["on", "off", "auto"], required=True, help="sequence-parallel MoE")
-    p.add_argument("--sp-scope", choices=["moe", "all"], default="moe", help="which layers are SP (default moe)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--input-ids", required=True, help="JSON list of token-id lists, one per sequence")
+    add_model_args(p)
     p.add_argument("--save-logits", required=True, help="output .safetensors with one tensor 'logits' [N, V]")
     p.add_argument("--stats", help="output JSON: rank 0's collectives {kind: {count, bytes}}")
     p.set_defaults(func=cmd_forward)
     p = sub.add_parser("generate", help="generate tokens after prompts on local ranks (or under torchrun)")
-    p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size (number of ranks)")
-    p.add_argument("--sp", choices=["on", "off", "auto"], required=True, help="sequence-parallel MoE")
-    p.add_argument("--sp-scope", choices=["moe", "all"], default="moe", help="which layers are SP (default moe)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--input-ids", required=True, help="JSON list of prompts, each a list of token ids")
+    add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--speculative", choices=["mtp"], help="draft tokens with the checkpoint's MTP layer")
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP drafts per step (default 1)")

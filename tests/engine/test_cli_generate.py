@@ -43,6 +43,8 @@ def test_generate_writes_outputs_and_stats(engine_checkpoint, tmp_path, capsys):
     ("no MTP layer", "--speculative mtp needs an MTP layer"),
     ("sampling with speculation", "speculative decoding accepts drafts greedily; expected temperature 0"),
     ("zero new tokens", "max_new_tokens must be >= 1, got 0"),
+    ("expert kernel that does not fit", "moe_backend 'triton' does not fit this deployment: triton: needs a CUDA "
+                                        "device, got cpu"),
 ])
 def test_bad_input_is_a_one_line_error(case, fragment, engine_checkpoint, tmp_path, capsys):
     model, prompts, extra = engine_checkpoint, [[1, 2, 3]], ["--max-new-tokens", "4"]
@@ -60,6 +62,8 @@ def test_bad_input_is_a_one_line_error(case, fragment, engine_checkpoint, tmp_pa
         extra += ["--speculative", "mtp", "--temperature", "0.7"]
     elif case == "zero new tokens":
         extra = ["--max-new-tokens", "0"]
+    elif case == "expert kernel that does not fit":
+        extra += ["--moe-backend", "triton"]
     assert generate_cli(tmp_path, model, prompts, *extra) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("spmoe generate: error: ") and fragment in err[-1], err
