@@ -35,7 +35,7 @@ def cmd_forward(args) -> int:
     cfg = ModelConfig.from_file(args.model)
     parallel = parallel_config(args)
     seqs = read_input_ids(args.input_ids, cfg.vocab_size)
-    print(f"spmoe forward: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, tp={args.tp}, "
+    print(f"spmoe forward: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, tp={args.tp}, dp={args.dp}, "
           f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} "
           f"(--sp {args.sp}, scope {args.sp_scope}), {args.dtype} on {args.device}", file=sys.stderr, flush=True)
     result = run_forward(args.model, parallel, seqs, args.dtype, args.device)
@@ -65,14 +65,15 @@ def cmd_generate(args) -> int:
                            tuple(args.eos_id) if args.eos_id is not None else None, args.max_seqs,
                            args.max_model_len, args.dtype)
     print(f"spmoe generate: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens each, tp={args.tp}, "
+          f"dp={args.dp}, "
           f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} (--sp {args.sp}, scope "
           f"{args.sp_scope}), {'MTP with %d drafts, ' % drafts if drafts else ''}{args.dtype} on {args.device}",
           file=sys.stderr, flush=True)
     gen = run_generate(args.model, parallel, prompts, opts, args.device)
     if gen is None:  # a torchrun rank other than 0
         return 0
-    gen.stats["parallel"] = {"tp": args.tp, "sequence_parallel_moe": parallel.use_sequence_parallel_moe,
-                             "sp_scope": args.sp_scope}
+    gen.stats["parallel"] = {"tp": args.tp, "dp": args.dp, "sequence_parallel_moe": parallel.use_sequence_parallel_moe,
+                             "sp_scope": args.sp_scope, "ep_backend": args.ep_backend}
     with open(args.output, "w") as f:
         json.dump({"outputs": gen.outputs, "stats": gen.stats}, f, indent=2)
     spec = gen.stats.get("speculative")
@@ -85,13 +86,16 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from spmoe.demo import run_demo
 
-    return run_demo(args.device)
+    return run_demo(args.device, args.dp)
 
 
 def add_model_args(p) -> None:
     """The options `forward` and `generate` share: the checkpoint, the parallel layout, the kernels, the input."""
     p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size (number of ranks)")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size (ranks per DP group)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel size (default 1): DP groups of --tp ranks each take a share of the batch; "
+                        "the experts are split over all dp * tp ranks")
     p.add_argument("--sp", choices=SP_MODES, required=True, help="sequence-parallel MoE")
     p.add_argument("--sp-scope", choices=SP_SCOPES, default="moe", help="which layers are SP (default moe)")
     p.add_argument("--ep-backend", choices=EP_BACKENDS, default="allgather_reducescatter",
@@ -104,8 +108,8 @@ def add_model_args(p) -> None:
 
 
 def parallel_config(args) -> ParallelConfig:
-    return ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel_moe=args.sp, sp_scope=args.sp_scope,
-                          ep_backend=args.ep_backend, moe_backend=args.moe_backend)
+    return ParallelConfig(tensor_parallel_size=args.tp, data_parallel_size=args.dp, sequence_parallel_moe=args.sp,
+                          sp_scope=args.sp_scope, ep_backend=args.ep_backend, moe_backend=args.moe_backend)
 
 
 def main(argv=None) -> int:
@@ -116,6 +120,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_selfcheck)
     p = sub.add_parser("demo", help="generate with a built-in tiny GLM-5.2-shaped model on 2 ranks, SP off and on")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size: 2 * dp ranks (default 1)")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("forward", help="one forward pass of a checkpoint on local ranks; save the logits")
     add_model_args(p)

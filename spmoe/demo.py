@@ -52,17 +52,19 @@ def ensure_checkpoint(folder: Path) -> bool:
     return True
 
 
-def run_demo(device: str = "cpu") -> int:
+def run_demo(device: str = "cpu", dp: int = 1) -> int:
     folder = checkpoint_dir()
     written = ensure_checkpoint(folder)
     print(f"spmoe demo: tiny GLM-5.2-shaped model, random weights (seed {SEED}): 4 layers (1 dense + 3 MoE, "
           f"16 experts top-4 + 1 shared), MLA + DSA indexer, 1 MTP layer")
     print(f"checkpoint: {folder} ({'written now' if written else 'reused'})")
     print(f"generating {MAX_NEW_TOKENS} tokens after {len(PROMPTS)} prompts of {[len(p) for p in PROMPTS]} tokens "
-          f"on {TP} local ranks ({'gloo, CPU' if device == 'cpu' else 'NCCL, CUDA'}), greedy, float32", flush=True)
+          f"on {TP * dp} local ranks (TP {TP} x DP {dp}, {'gloo, CPU' if device == 'cpu' else 'NCCL, CUDA'}), greedy, "
+          f"float32", flush=True)
     runs = {}
     for label, sp, scope, drafts in MODES:
-        parallel = ParallelConfig(tensor_parallel_size=TP, sequence_parallel_moe=sp, sp_scope=scope)
+        parallel = ParallelConfig(tensor_parallel_size=TP, data_parallel_size=dp, sequence_parallel_moe=sp,
+                                  sp_scope=scope)
         runs[label] = run_generate(str(folder), parallel, PROMPTS, GenerateOptions(
             MAX_NEW_TOKENS, num_speculative_tokens=drafts, record_logits=True, progress=False), device=device)
         print(f"  {label:<18} generated in {runs[label].stats['seconds']:.1f} s", flush=True)

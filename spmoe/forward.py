@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import count_collectives, get_parallel_state, launch
@@ -32,10 +33,33 @@ def read_input_ids(path: str | Path, vocab_size: int) -> list[list[int]]:
 
 
 def flatten(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """-> input_ids `[N]`, positions `[N]` (restarting at 0 per sequence), seq_lens."""
+    """-> input_ids `[N]`, positions `[N]` (restarting at 0 per sequence), seq_lens. No sequences: N = 0."""
     ids = torch.tensor([tok for seq in seqs for tok in seq], dtype=torch.long, device=device)
-    positions = torch.cat([torch.arange(len(seq), device=device) for seq in seqs])
+    positions = torch.cat([torch.zeros(0, dtype=torch.long, device=device)] +
+                          [torch.arange(len(seq), device=device) for seq in seqs])
     return ids, positions, [len(seq) for seq in seqs]
+
+
+def split_for_dp(items: list, dp_rank: int, dp_size: int) -> list:
+    """This DP rank's share of a batch: items dp_rank, dp_rank + dp_size, ... (possibly none)."""
+    return items[dp_rank::dp_size]
+
+
+def gather_from_dp(mine: list, dp_size: int) -> list | None:
+    """Every DP rank's `split_for_dp` share -> the whole batch in its original order, on rank 0 (None on the
+    other ranks). Bookkeeping over all ranks, outside the counted collectives."""
+    state = get_parallel_state()
+    if dp_size == 1:
+        return mine
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
+    if state.rank != 0:
+        return None
+    per_dp = shares[::state.tp_size]  # TP rank 0 of each DP group
+    whole = [None] * sum(len(share) for share in per_dp)
+    for d, share in enumerate(per_dp):
+        whole[d::dp_size] = share
+    return whole
 
 
 def _rank_forward(model_dir: str, parallel: ParallelConfig, dtype: str, seqs: list[list[int]]):
@@ -43,10 +67,13 @@ def _rank_forward(model_dir: str, parallel: ParallelConfig, dtype: str, seqs: li
 
     state = get_parallel_state()
     model = load_model(model_dir, parallel, DTYPES[dtype], state.device)
-    ids, positions, seq_lens = flatten(seqs, state.device)
+    ids, positions, seq_lens = flatten(split_for_dp(seqs, state.dp_rank, state.dp_size), state.device)
     with torch.no_grad(), count_collectives() as stats:
-        logits = model(ids, positions, seq_lens)
-    return (logits.cpu(), stats.as_dict()) if state.rank == 0 else None
+        logits = model(ids, positions, seq_lens).cpu()
+    per_seq = gather_from_dp(list(logits.split(seq_lens)), state.dp_size)
+    if state.rank != 0:
+        return None
+    return torch.cat([logits[:0]] + per_seq), stats.as_dict()
 
 
 def run_forward(model_dir: str, parallel: ParallelConfig, seqs: list[list[int]], dtype: str = "float32",

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, launch
-from spmoe.engine.engine import Engine, check_prompts
+from spmoe.engine.engine import Engine, Generation, check_prompts
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.sampling import SamplingParams
-from spmoe.forward import DTYPES
+from spmoe.forward import DTYPES, gather_from_dp, split_for_dp
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,11 @@ def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[
     state = get_parallel_state()
     model = load_model(model_dir, parallel, DTYPES[opts.dtype], state.device,
                        with_mtp=opts.num_speculative_tokens > 0)
-    cache = KVCache.for_model(model, opts.max_seqs or len(prompts), opts.cache_len(prompts))
+    mine = split_for_dp(prompts, state.dp_rank, state.dp_size)  # this DP rank's prompts (maybe none)
+    cache = KVCache.for_model(model, max(1, opts.max_seqs or len(mine)), opts.cache_len(prompts))
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
     engine = Engine(model, cache, opts.sampling, eos, opts.num_speculative_tokens)
-    budget, began, last = len(prompts) * opts.max_new_tokens, time.perf_counter(), [0.0]
+    budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
     live_terminal = sys.stderr.isatty()
 
     def show(done: int, live: int) -> None:  # a line rewritten in place on a terminal, else one every 5 s
@@ -48,10 +49,16 @@ def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[
                   f"{done / (now - began):.1f} tokens/s", end="" if live_terminal and live else "\n",
                   file=sys.stderr, flush=True)
 
-    gen = engine.generate(prompts, opts.max_new_tokens, opts.record_logits,
+    gen = engine.generate(mine, opts.max_new_tokens, opts.record_logits,
                           on_step=show if opts.progress and state.rank == 0 else None)
-    gen.stats["kv_cache"]["bytes_per_token"] = cache.bytes_per_token
-    return gen if state.rank == 0 else None
+    outputs = gather_from_dp(gen.outputs, state.dp_size)
+    logits = gather_from_dp(gen.logits, state.dp_size) if opts.record_logits else None
+    if state.rank != 0:
+        return None
+    generated = sum(map(len, outputs))  # every DP rank's tokens; the ranks step together, so rank 0's clock
+    gen.stats.update(generated_tokens=generated, tokens_per_s=generated / gen.stats["seconds"],
+                     data_parallel_size=state.dp_size)
+    return Generation(outputs, gen.stats, logits)
 
 
 def run_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions,

@@ -58,10 +58,10 @@ def _record(kind: str, t: torch.Tensor) -> None:
         stats.record(kind, t.numel() * t.element_size())
 
 
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum `x` over `group`, in place. Returns `x`."""
+def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce `x` over `group` (a sum unless `op` says otherwise), in place. Returns `x`."""
     _record("all_reduce", x)
-    dist.all_reduce(x, group=group)
+    dist.all_reduce(x, op=op, group=group)
     return x
 
 

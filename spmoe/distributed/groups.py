@@ -39,6 +39,10 @@ class ParallelState:
         return self.rank // self.tp_size
 
     @property
+    def dp_size(self) -> int:
+        return self.config.data_parallel_size
+
+    @property
     def ep_size(self) -> int:
         return dist.get_world_size(self.ep_group)
 

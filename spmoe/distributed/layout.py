@@ -17,8 +17,9 @@ All primitives run over the TP group of `get_parallel_state()`.
 import enum
 
 import torch
+import torch.distributed as dist
 
-from spmoe.distributed.comm import all_gather_rows, reduce_scatter_rows
+from spmoe.distributed.comm import all_gather_rows, all_reduce, reduce_scatter_rows
 from spmoe.distributed.groups import get_parallel_state
 
 
@@ -102,3 +103,13 @@ def _restore_full_token_layout_if_needed(hidden: torch.Tensor, residual: torch.T
     if is_sequence_parallel:
         return _all_gather_sp_states(hidden, residual, num_tokens)
     return hidden, residual
+
+
+def largest_dp_batch(num_tokens: int) -> int:
+    """The largest N over the data-parallel ranks, agreed once per forward: the expert dispatch spans every
+    DP rank, so all of them pad their rows to the same count. One tiny all-reduce; none when DP = 1."""
+    state = get_parallel_state()
+    if state.dp_size == 1:
+        return num_tokens
+    agreed = torch.tensor([num_tokens], device=state.device)
+    return int(all_reduce(agreed, state.ep_group, op=dist.ReduceOp.MAX).item())

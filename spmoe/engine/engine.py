@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spmoe.distributed import CommStats, count_collectives
+from spmoe.distributed import CommStats, count_collectives, get_parallel_state
+from spmoe.distributed.comm import all_reduce
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.sampling import Sampler, SamplingParams
 from spmoe.engine.speculative import MtpDrafter, accept_greedy
@@ -103,7 +104,7 @@ class Engine:
         self.accepted_per_step: list[int] = []
         start = time.perf_counter()
         with torch.no_grad():
-            while waiting or live:
+            while self._any_rank_busy(bool(waiting or live)):
                 while waiting and self.cache.free_slots:
                     seq = waiting.popleft()
                     seq.slot, seq.pending = self.cache.allocate(), list(seq.prompt)
@@ -117,17 +118,26 @@ class Engine:
         return Generation([s.output for s in seqs], self._stats(seqs, time.perf_counter() - start),
                           [torch.stack(s.logits) for s in seqs] if record_logits else None)
 
+    def _any_rank_busy(self, busy: bool) -> bool:
+        """With DP > 1 every rank runs every step (the MoE dispatch spans all of them), so a DP rank that is
+        done keeps stepping with an empty batch until every rank is done: one tiny all-reduce per step."""
+        state = get_parallel_state()
+        if state.dp_size == 1:
+            return busy
+        flag = torch.tensor([int(busy)], device=state.device)
+        return bool(all_reduce(flag, state.ep_group, op=torch.distributed.ReduceOp.MAX).item())
+
     def _step(self, live: list[Sequence], max_new_tokens: int, record_logits: bool) -> None:
         phase = self.phases["prefill" if any(s.cached == 0 for s in live) else "decode"]
         began = time.perf_counter()
         with count_collectives(phase.collectives):
             lens = [len(s.pending) for s in live]
             view = self.cache.view([s.slot for s in live], [s.cached for s in live], lens)
-            ids = torch.tensor([t for s in live for t in s.pending], device=view.positions.device)
+            ids = torch.tensor([t for s in live for t in s.pending], dtype=torch.long, device=view.positions.device)
             hidden = self.model.model(ids, view.positions, lens, view)  # FULL [N, H]
-            ends = torch.tensor(lens).cumsum(0).tolist()
+            ends = torch.tensor(lens, dtype=torch.long).cumsum(0).tolist()
             rows = [r for s, end in zip(live, ends) for r in range(end - 1 - len(s.drafts), end)]
-            logits = self.model.lm_head(hidden[torch.tensor(rows, device=hidden.device)])  # [rows, V]
+            logits = self.model.lm_head(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
         to_draft, row = [], 0
         for seq, end, n in zip(live, ends, lens):
             seq_logits = logits[row:row + 1 + len(seq.drafts)]
@@ -156,14 +166,15 @@ class Engine:
         phase.forwards += 1
         phase.tokens_fed += sum(lens)
         phase.seconds += time.perf_counter() - began
-        if to_draft:
-            self._draft(to_draft)
+        if self.drafter is not None and (to_draft or get_parallel_state().dp_size > 1):
+            self._draft(to_draft)  # under DP even an empty draft step runs, to keep the ranks in step
 
     def _draft(self, to_draft: list) -> None:
         phase, began = self.phases["draft"], time.perf_counter()
         with count_collectives(phase.collectives):
+            hidden = [h for *_, h in to_draft] or [self.model.lm_head.weight.new_zeros(0, self.model.cfg.hidden_size)]
             drafts = self.drafter.propose([s.slot for s, *_ in to_draft], [start for _, start, _, _ in to_draft],
-                                          [ids for *_, ids, _ in to_draft], torch.cat([h for *_, h in to_draft]))
+                                          [ids for *_, ids, _ in to_draft], torch.cat(hidden))
         for (seq, *_), proposed in zip(to_draft, drafts):
             seq.drafts = proposed
             seq.pending = seq.pending + proposed

@@ -85,11 +85,11 @@ class KVCache:
                                  f"holds {self.max_len} per sequence")
 
         def flat(first: list[int], counts: list[int]):  # (sequence index, position) of each row, rows laid out
-            seq = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-            pos = torch.cat([torch.arange(f, f + c) for f, c in zip(first, counts)])
-            return seq.to(device), pos.to(device)
+            seq = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
+            pos = [torch.zeros(0, dtype=torch.long)] + [torch.arange(f, f + c) for f, c in zip(first, counts)]
+            return seq.to(device), torch.cat(pos).to(device)
 
-        slot_of = torch.tensor(slots, device=device)
+        slot_of = torch.tensor(slots, dtype=torch.long, device=device)
         q_seq, q_pos = flat(starts, lens)
         k_seq, k_pos = flat([0] * len(slots), [s + n for s, n in zip(starts, lens)])
         allowed = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])

@@ -45,8 +45,8 @@ class MtpDrafter:
         """
         device, lens = hidden.device, [len(ids) for ids in next_ids]
         view = self.cache.view(slots, starts, lens)
-        ids = torch.tensor([t for seq in next_ids for t in seq], device=device)
-        last_rows = torch.tensor(lens, device=device).cumsum(0) - 1
+        ids = torch.tensor([t for seq in next_ids for t in seq], dtype=torch.long, device=device)
+        last_rows = torch.tensor(lens, dtype=torch.long, device=device).cumsum(0) - 1
         h = self.mtp(ids, view.positions, hidden, lens, view)[last_rows]  # [S, H]
         tokens = self.mtp.logits(h).argmax(-1)  # [S]
         drafts = [tokens.tolist()]

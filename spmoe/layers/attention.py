@@ -72,7 +72,9 @@ class Indexer(nn.Module):
         scores = F.relu(torch.einsum("qhd,kd->qhk", q.float(), k.float()) * cfg.index_head_dim ** -0.5)
         weights = self.weights_proj(x).float() * cfg.index_n_heads ** -0.5  # [N, h]
         index = torch.einsum("qh,qhk->qk", weights, scores).masked_fill(~batch.allowed, float("-inf"))
-        topk = index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices
+        # a stable sort, so that tied scores (relu makes exact zeros common) pick the earliest positions,
+        # whatever else shares the batch or the cache
+        topk = index.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
         return torch.zeros_like(batch.allowed).scatter_(1, topk, True) & batch.allowed
 
 
@@ -105,7 +107,7 @@ class MLAttention(nn.Module):
         k_rope = batch.rotary.interleaved(k_rope.unsqueeze(1)).squeeze(1)  # [N, rope]
         latent = batch.keys(self.layer_idx, "mla", torch.cat([self.kv_a_layernorm(kv_latent), k_rope], dim=-1))
         kv_latent, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)  # [K, c], [K, rope]
-        kv = self.kv_b_proj(kv_latent).view(latent.shape[0], heads, -1)
+        kv = self.kv_b_proj(kv_latent).view(latent.shape[0], heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)  # [K, h, nope], [K, h, v]
         k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1)], dim=-1)  # [K, h, qk_head]
         if self.indexer is not None:

@@ -37,4 +37,5 @@ class ParallelLMHead(_VocabShard):
         if state.tp_size == 1:
             return logits
         gathered = all_gather_rows(logits, state.tp_group)  # [t*N, V/t], rank blocks
-        return gathered.view(state.tp_size, *logits.shape).permute(1, 0, 2).reshape(x.shape[0], -1)
+        vocab = state.tp_size * logits.shape[1]
+        return gathered.view(state.tp_size, *logits.shape).permute(1, 0, 2).reshape(x.shape[0], vocab)

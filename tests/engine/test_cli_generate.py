@@ -27,7 +27,8 @@ def test_generate_writes_outputs_and_stats(engine_checkpoint, tmp_path, capsys):
     stats = result["stats"]
     assert stats["generated_tokens"] == 18 and stats["tokens_per_s"] > 0
     assert stats["prefill_s"] > 0 and stats["decode_s"] > 0
-    assert stats["parallel"] == {"tp": 2, "sequence_parallel_moe": True, "sp_scope": "moe"}
+    assert stats["parallel"] == {"tp": 2, "dp": 1, "sequence_parallel_moe": True, "sp_scope": "moe",
+                                 "ep_backend": "allgather_reducescatter"}
     assert stats["phases"]["decode"]["collectives"]["reduce_scatter"]["count"] > 0
     assert stats["phases"]["draft"]["collectives"]["all_reduce"]["count"] == 0  # the SP MTP step
     assert 0 <= stats["speculative"]["acceptance_rate"] <= 1

@@ -19,7 +19,7 @@ from spmoe.engine.sampling import SamplingParams
 from spmoe.forward import flatten
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [79, 32], [38], [46, 26, 43, 38]]
-EOS = (6, 78)  # with this checkpoint the four sequences stop after 5, 10, 4 and 3 tokens
+EOS = (51, 74, 39)  # with this checkpoint the four sequences stop after 3, 10, 5 and 7 tokens
 MAX_NEW = 10
 CASES = {  # name -> (prompts, engine / generate arguments)
     "greedy": (PROMPTS, dict(eos=EOS, record=True)),
@@ -139,3 +139,22 @@ def test_killed_rank_ends_the_run(engine_checkpoint):
     with pytest.raises(RankFailed, match="rank 1 of 2 failed: exited with code -9"):
         spawn(generate_then_die, 2, engine_checkpoint)
     assert time.monotonic() - start < 60
+
+
+def test_data_parallel_generation(engine_checkpoint):
+    """TP2 x DP2 (SP off, on, on with MTP) and TP1 x DP2 give TP1's greedy tokens; with a single prompt on
+    two DP groups, the idle group keeps stepping with empty batches (speculation included) until the other
+    is done."""
+    from spmoe.generate import GenerateOptions, run_generate
+
+    def generate(prompts, tp=1, dp=1, sp="off", k=0):
+        parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sequence_parallel_moe=sp)
+        return run_generate(engine_checkpoint, parallel, prompts, GenerateOptions(
+            MAX_NEW, num_speculative_tokens=k, eos_token_ids=EOS, progress=False))
+
+    reference, single = generate(PROMPTS), generate([[38]])
+    for tp, dp, sp, k in [(2, 2, "off", 0), (2, 2, "on", 0), (2, 2, "on", 2), (1, 2, "off", 0)]:
+        got = generate(PROMPTS, tp, dp, sp, k)
+        assert got.outputs == reference.outputs, (tp, dp, sp, k)
+        assert got.stats["generated_tokens"] == sum(map(len, reference.outputs))
+    assert generate([[38]], 2, 2, "on", 2).outputs == single.outputs

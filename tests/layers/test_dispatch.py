@@ -49,7 +49,7 @@ def run_dispatch(dtypes):
                 experts.down_proj.copy_(w2[experts.first:experts.first + per_rank])
                 for name, dispatch in DISPATCH.items():
                     with count_collectives() as counted:
-                        out = dispatch(x[mine], ids[mine], weights[mine], experts, state.ep_group)
+                        out = dispatch(x[mine], ids[mine], weights[mine], experts, state.ep_group, rows)
                     results.append((dtype, rows, name, out, counted.as_dict()))
     return results
 

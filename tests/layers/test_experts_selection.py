@@ -14,17 +14,20 @@ HOPPER, BLACKWELL = (9, 0), (10, 0)
 
 
 def deployment(device="cuda", capability=HOPPER, dtype=torch.bfloat16, fp8_block=(128, 128), sp=False, eplb=False,
-               ep_backend="allgather_reducescatter", flashinfer=True, hidden=6144, inter=2048):
-    return ExpertsDeployment(device, capability if device == "cuda" else None, dtype, fp8_block, hidden, inter, 256,
-                             sp, ep_backend, eplb, flashinfer)
+               ep_backend="allgather_reducescatter", flashinfer=True, hidden=6144, inter=2048, dp=1):
+    return ExpertsDeployment(device=device, capability=capability if device == "cuda" else None, dtype=dtype,
+                             fp8_block=fp8_block, hidden_size=hidden, intermediate_size=inter, num_experts=256,
+                             is_sequence_parallel=sp, ep_backend=ep_backend, data_parallel_size=dp,
+                             enable_eplb=eplb, flashinfer=flashinfer)
 
 
 def expected(d: ExpertsDeployment) -> str:
     """The rule, restated independently of the code: TRT-LLM needs Blackwell + FlashInfer + FP8 block-128
-    in bf16 and no EPLB; the monolithic kernel also needs SP off; both need all-gather / reduce-scatter."""
+    in bf16 and no EPLB; the monolithic kernel also needs SP off and DP = 1; both need all-gather /
+    reduce-scatter."""
     trtllm = (d.device == "cuda" and d.capability[0] == 10 and d.flashinfer and d.fp8_block == (128, 128)
               and d.dtype == torch.bfloat16 and not d.enable_eplb and d.ep_backend == "allgather_reducescatter")
-    if trtllm and not d.is_sequence_parallel:
+    if trtllm and not d.is_sequence_parallel and d.data_parallel_size == 1:
         return "flashinfer_trtllm_monolithic"
     if trtllm:
         return "flashinfer_trtllm_modular"
@@ -41,13 +44,14 @@ MATRIX = list(itertools.product(
     [False, True],  # EPLB
     ["allgather_reducescatter", "all_to_all"],
     [False, True],  # FlashInfer installed
+    [1, 2],  # DP size
 ))
 
 
 def test_auto_selection_matrix():
     chosen = {}
-    for (device, cap), dtype, block, sp, eplb, backend, fi in MATRIX:
-        d = deployment(device, cap, dtype, block, sp, eplb, backend, fi)
+    for (device, cap), dtype, block, sp, eplb, backend, fi, dp in MATRIX:
+        d = deployment(device, cap, dtype, block, sp, eplb, backend, fi, dp=dp)
         name = select_experts(d).name
         assert name == expected(d), d
         chosen[name] = chosen.get(name, 0) + 1
@@ -66,9 +70,9 @@ def test_sequence_parallel_on_blackwell_picks_the_modular_trtllm_kernel():
 
 
 def test_supports_parallel_config():
-    for sp, eplb in itertools.product([False, True], repeat=2):
-        d = deployment(capability=BLACKWELL, sp=sp, eplb=eplb)
-        assert TrtLlmFp8ExpertsBase._supports_parallel_config(d) == (not sp and not eplb)
+    for sp, eplb, dp in itertools.product([False, True], [False, True], [1, 2]):
+        d = deployment(capability=BLACKWELL, sp=sp, eplb=eplb, dp=dp)
+        assert TrtLlmFp8ExpertsBase._supports_parallel_config(d) == (not sp and not eplb and dp == 1)
         assert TrtLlmFp8ExpertsModular._supports_parallel_config(d) == (not eplb)
 
 

@@ -1,5 +1,7 @@
-"""EP dispatch and combine for SP layers: each EP rank holds its own SHARDED `[n, H]` token block and gets
-back the complete routed output of those rows. Two backends, same result:
+"""EP dispatch and combine: each EP rank holds its own block of token rows (its SP shard, or with DP > 1 its
+DP group's tokens) and gets back the complete routed output of those rows. Blocks may differ in size across
+ranks (DP ranks have different batches); `rows_max`, the largest block, is agreed once per step. Two
+backends, same result:
 
 - `allgather_reducescatter`: gather every rank's block (routing and hidden) so each rank runs its local
   experts on all `n * P` rows; reduce-scatter the partial outputs back.
@@ -10,19 +12,26 @@ back the complete routed output of those rows. Two backends, same result:
 import torch
 
 from spmoe.distributed.comm import all_gather_rows, all_to_all_rows, reduce_scatter_rows
+from spmoe.layers.moe.work import run_experts
 
 
-def allgather_reducescatter(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group):
-    """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows, complete."""
-    k = ids.shape[1]
-    routing = all_gather_rows(torch.cat([ids.float(), weights.float()], dim=1), group)  # [n*P, 2k]
-    gathered = all_gather_rows(x, group)  # [n*P, H]
-    partial = experts(gathered, routing[:, :k].long(), routing[:, k:])
-    return reduce_scatter_rows(partial, group)
-
-
-def all_to_all(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group):
+def allgather_reducescatter(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group,
+                            rows_max: int):
     """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows, complete.
+    Blocks are padded to `rows_max` rows with id -1, so every rank gathers the same shape."""
+    (n, k), pad = ids.shape, rows_max - ids.shape[0]
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        ids, weights = torch.cat([ids, ids.new_full((pad, k), -1)]), torch.cat([weights, weights.new_zeros(pad, k)])
+    routing = all_gather_rows(torch.cat([ids.float(), weights.float()], dim=1), group)  # [rows_max*P, 2k]
+    gathered = all_gather_rows(x, group)  # [rows_max*P, H]
+    partial = run_experts(experts, gathered, routing[:, :k].long(), routing[:, k:])
+    return reduce_scatter_rows(partial, group)[:n]
+
+
+def all_to_all(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group, rows_max: int):
+    """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows, complete.
+    Uneven blocks need no padding here (`rows_max` is unused).
 
     Three all-to-alls: the row counts, the rows with their routing packed behind the hidden columns, and the
     partial outputs back. Experts are split evenly: rank r owns ids `[r * E_r, (r + 1) * E_r)`.
@@ -38,7 +47,7 @@ def all_to_all(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
     payload = torch.cat([x[send_row], routing.view(x.dtype)], dim=1)  # routing's bytes ride behind the hidden
     received = all_to_all_rows(payload, sends, recvs, group)  # [R, H + ...]
     got_routing = received[:, size:].contiguous().view(torch.float32)  # [R, 2k]
-    partial = experts(received[:, :size], got_routing[:, :k].long(), got_routing[:, k:])  # [R, H]
+    partial = run_experts(experts, received[:, :size], got_routing[:, :k].long(), got_routing[:, k:])  # [R, H]
     returned = all_to_all_rows(partial, recvs, sends, group)  # [S, H]
     return torch.zeros_like(x).index_add_(0, send_row, returned)
 

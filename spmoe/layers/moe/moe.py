@@ -5,19 +5,26 @@ from torch import nn
 
 from spmoe.config import ModelConfig
 from spmoe.distributed import get_parallel_state, shard_rows
+from spmoe.distributed.layout import check_rows
 from spmoe.layers.mlp import MLP
 from spmoe.layers.moe.dispatch import DISPATCH
 from spmoe.layers.moe.experts.base import Experts
 from spmoe.layers.moe.router import Router
+from spmoe.layers.moe.work import record_dispatched, run_experts
 
 
 class MoE(nn.Module):
-    """Routed experts are split over the EP group; the layout is fixed at build time by `sequence_parallel`:
+    """Routed experts are split over the EP group (all DP x TP ranks); the layout is fixed at build time by
+    `sequence_parallel`. N is this DP rank's token count, t the TP size:
 
-    - False: input FULL `[N, H]` (same on every rank); each rank runs its experts on all N tokens and the
-      TP-sharded shared expert; output PARTIAL `[N, H]`.
-    - True: input SHARDED `[n, H]`; pad rows get no experts; dispatch/combine over the EP group with
-      `ep_backend`; the shared expert is replicated; output complete SHARDED `[n, H]`.
+    - True: input SHARDED `[n, H]`, n = ceil(N / t); pad rows get no experts; dispatch / combine over the
+      EP group with `ep_backend`, so each token is dispatched once; the shared expert is replicated; output
+      complete SHARDED `[n, H]`.
+    - False, DP = 1: input FULL `[N, H]`, the same on every rank, and the EP group is the TP group: each rank
+      runs its experts on all N tokens, no dispatch; with the TP-sharded shared expert, output PARTIAL.
+    - False, DP > 1: the experts live across DP groups, so every TP rank dispatches its group's N tokens (the
+      same tokens t times: the duplication SP removes); only TP rank 0 keeps the complete routed output, so
+      the output is again PARTIAL.
     """
 
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool, experts: type[Experts], ep_backend: str):
@@ -33,16 +40,26 @@ class MoE(nn.Module):
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                    1 if sequence_parallel else state.tp_size) if cfg.n_shared_experts else None)
 
-    def forward(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_tokens: int, max_tokens: int) -> torch.Tensor:
+        """x SHARDED `[n, H]` (SP) or FULL `[N, H]`; num_tokens: N; max_tokens: the largest N over DP ranks."""
         state = get_parallel_state()
         if self.sequence_parallel:
             n = shard_rows(num_tokens, state.tp_size)
-            valid = torch.arange(state.tp_rank * n, (state.tp_rank + 1) * n, device=x.device) < num_tokens
+            check_rows(x, n, f"SP MoE input (N={num_tokens}, t={state.tp_size})")
+            first = state.tp_rank * n
+            valid = torch.arange(first, first + n, device=x.device) < num_tokens
             ids, weights = self.gate(x, valid)
-            out = self.dispatch(x, ids, weights, self.experts, state.ep_group)
+            record_dispatched(min(n, max(0, num_tokens - first)))
+            out = self.dispatch(x, ids, weights, self.experts, state.ep_group, shard_rows(max_tokens, state.tp_size))
         elif self.experts.routes_internally:
             out = self.experts(x, self.gate)
+        elif state.dp_size > 1:
+            ids, weights = self.gate(x, torch.ones(x.shape[0], dtype=torch.bool, device=x.device))
+            record_dispatched(num_tokens)
+            out = self.dispatch(x, ids, weights, self.experts, state.ep_group, max_tokens)
+            if state.tp_rank:  # every TP rank holds the same complete output; keep one copy -> PARTIAL
+                out = torch.zeros_like(out)
         else:
             ids, weights = self.gate(x, torch.ones(x.shape[0], dtype=torch.bool, device=x.device))
-            out = self.experts(x, ids, weights)
+            out = run_experts(self.experts, x, ids, weights)
         return out if self.shared_experts is None else out + self.shared_experts(x)

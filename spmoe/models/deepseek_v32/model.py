@@ -28,7 +28,7 @@ from torch import nn
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import (Layout, _restore_full_token_layout_if_needed, get_parallel_state, shard_rows,
                                sp_all_gather, sp_reduce_scatter, sp_shard)
-from spmoe.distributed.layout import check_rows
+from spmoe.distributed.layout import check_rows, largest_dp_batch
 from spmoe.layers.attention import AttentionBatch, KeyStore, MLAttention
 from spmoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmoe.layers.mlp import MLP
@@ -66,8 +66,9 @@ class DeepseekV32DecoderLayer(nn.Module):
         return Layout.SHARDED if self.use_sequence_parallel_moe else Layout.PARTIAL
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: AttentionBatch,
-                selected: torch.Tensor | None):
-        """hidden (and residual) in `input_layout` -> (mlp output, residual) in `output_layout`, selected."""
+                selected: torch.Tensor | None, max_tokens: int):
+        """hidden (and residual) in `input_layout` -> (mlp output, residual) in `output_layout`, selected.
+        max_tokens: the largest N over the DP ranks (`largest_dp_batch`), for the MoE dispatch."""
         num_tokens = batch.num_tokens
         rows = shard_rows(num_tokens, self.tp_size) if self.input_layout is Layout.SHARDED else num_tokens
         check_rows(hidden, rows, f"layer {self.layer_idx} input ({self.input_layout.name}, N={num_tokens})")
@@ -85,7 +86,7 @@ class DeepseekV32DecoderLayer(nn.Module):
             h, residual = self.post_attention_layernorm.add_norm(attn, residual)
         else:
             h, residual = fused_allreduce_rms_norm(attn, residual, self.post_attention_layernorm)
-        out = self.mlp(h, num_tokens) if self.is_moe else self.mlp(h)
+        out = self.mlp(h, num_tokens, max_tokens) if self.is_moe else self.mlp(h)
         return out, residual, selected
 
 
@@ -123,6 +124,7 @@ class DeepseekV32Model(nn.Module):
         final-normed hidden states, identical on every TP rank."""
         num_tokens = input_ids.shape[0]
         batch = attention_batch(self.cfg, input_ids, positions, seq_lens, cache, self.norm.weight.dtype)
+        max_tokens = largest_dp_batch(num_tokens)
         hidden = self.embed_tokens(input_ids)  # PARTIAL [N, H]
         if self.layers[0].input_layout is Layout.SHARDED:
             hidden = sp_reduce_scatter(hidden)  # FULL -> SHARDED entry: all-reduce + chunk in one collective
@@ -131,7 +133,7 @@ class DeepseekV32Model(nn.Module):
             if not layer.use_sequence_parallel_moe:  # a non-SP layer needs every token: end a sharded region
                 hidden, residual = _restore_full_token_layout_if_needed(hidden, residual, num_tokens,
                                                                         is_sequence_parallel=layout is Layout.SHARDED)
-            hidden, residual, selected = layer(hidden, residual, batch, selected)
+            hidden, residual, selected = layer(hidden, residual, batch, selected, max_tokens)
             layout = layer.output_layout
         return final_norm(hidden, residual, self.norm, layout, num_tokens)
 
@@ -169,7 +171,7 @@ def attention_batch(cfg: ModelConfig, input_ids: torch.Tensor, positions: torch.
 def causal_within_sequences(seq_lens: list[int], like: torch.Tensor) -> torch.Tensor:
     """`[N, N]` bool: token i may attend token j when both are in the same sequence and j <= i."""
     seq_id = torch.repeat_interleave(torch.arange(len(seq_lens), device=like.device),
-                                     torch.tensor(seq_lens, device=like.device))
+                                     torch.tensor(seq_lens, dtype=torch.long, device=like.device))
     idx = torch.arange(seq_id.shape[0], device=like.device)
     return (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])
 

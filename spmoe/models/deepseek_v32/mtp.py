@@ -28,7 +28,7 @@ from torch import nn
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import Layout, get_parallel_state, sp_reduce_scatter, sp_shard
 from spmoe.distributed.comm import all_reduce
-from spmoe.distributed.layout import check_rows
+from spmoe.distributed.layout import check_rows, largest_dp_batch
 from spmoe.layers.attention import KeyStore
 from spmoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmoe.layers.linear import Linear
@@ -76,7 +76,7 @@ class DeepseekV32MultiTokenPredictorLayer(nn.Module):
         elif state.tp_size > 1:
             embeds = all_reduce(embeds, state.tp_group)
         x = self.eh_proj(torch.cat([self.enorm(embeds.masked_fill(at_start, 0.0)), self.hnorm(previous_hidden)], -1))
-        out, residual, _ = self.mtp_block(x, None, batch, None)
+        out, residual, _ = self.mtp_block(x, None, batch, None, largest_dp_batch(num_tokens))
         return final_norm(out, residual, self.shared_head.norm, self.mtp_block.output_layout, num_tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-SEQ_BATCHES = [[17, 1, 2, 3, 5], [1], [1, 1], [3], [5]]  # total N = 28, 1, 2, 3, 5
+SEQ_BATCHES = [[17, 1, 2, 3, 5], [1], [1, 1], [3], [5], [9, 2]]  # total N = 28, 1, 2, 3, 5, 11
 COMMON = dict(vocab_size=96, hidden_size=48, intermediate_size=72, moe_intermediate_size=12,
               num_attention_heads=12, num_key_value_heads=12, n_routed_experts=12, num_experts_per_tok=3,
               kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
@@ -32,8 +32,41 @@ def token_batches(vocab: int) -> list[list[list[int]]]:
 
 
 def hf_logits(model, batches) -> list[torch.Tensor]:
+    """transformers' logits, one `[N, V]` per batch. Rows from a sequence's first tied DSA top-k choice on are
+    NaN: at a tie (relu makes exact zeros common in tiny models) transformers' `topk` picks among equal
+    scores arbitrarily, while spmoe picks the earliest positions, so those rows have no single right answer."""
     with torch.no_grad():
-        return [torch.cat([model(torch.tensor([seq])).logits[0] for seq in seqs]) for seqs in batches]
+        return [torch.cat([_untied_logits(model, seq) for seq in seqs]) for seqs in batches]
+
+
+def _untied_logits(model, seq: list[int]) -> torch.Tensor:
+    scores, topk = [], torch.Tensor.topk
+
+    def recording_topk(self, k, *args, **kwargs):
+        if self.dim() == 3 and self.shape[-2:] == (len(seq), len(seq)):  # the indexer's [1, S, S] scores
+            scores.append((self.detach().clone(), k))
+        return topk(self, k, *args, **kwargs)
+
+    torch.Tensor.topk = recording_topk
+    try:
+        logits = model(torch.tensor([seq])).logits[0]
+    finally:
+        torch.Tensor.topk = topk
+    first_tie = len(seq)
+    for score, k in scores:
+        if score.shape[-1] > k:
+            ranked = score[0].sort(-1, descending=True).values
+            tied = (ranked[:, k - 1] == ranked[:, k]) & (ranked[:, k] > -1e30)  # both allowed keys
+            if tied.any():
+                first_tie = min(first_tie, int(tied.nonzero()[0]))
+    logits[first_tie:] = float("nan")
+    return logits
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| over the rows `hf_logits` did not mark NaN (row 0 never is)."""
+    keep = ~torch.isnan(want).any(-1)
+    return ((got[keep] - want[keep]).abs().max() / want[keep].abs().max()).item()
 
 
 def make_nontrivial(model) -> None:

@@ -36,6 +36,7 @@ class ExpertsDeployment:
     num_experts: int
     is_sequence_parallel: bool
     ep_backend: str
+    data_parallel_size: int = 1
     enable_eplb: bool = False  # spmoe has no EPLB; the field is here so the kernels' rule is stated and tested
     flashinfer: bool = False  # FlashInfer is importable
 
@@ -45,7 +46,7 @@ class ExpertsDeployment:
         device = torch.device(device)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         return cls(device.type, capability, dtype, cfg.fp8_block_size, cfg.hidden_size, cfg.moe_intermediate_size,
-                   cfg.n_routed_experts, is_sequence_parallel, parallel.ep_backend,
+                   cfg.n_routed_experts, is_sequence_parallel, parallel.ep_backend, parallel.data_parallel_size,
                    flashinfer=importlib.util.find_spec("flashinfer") is not None)
 
 
@@ -78,7 +79,7 @@ class Experts(nn.Module):
         reason = cls._device_reason(d) or cls._weights_reason(d)
         if reason is None and not cls._supports_parallel_config(d):
             reason = (f"the parallel config is not supported (sequence parallel: {d.is_sequence_parallel}, "
-                      f"EPLB: {d.enable_eplb}, EP backend: {d.ep_backend})")
+                      f"DP: {d.data_parallel_size}, EPLB: {d.enable_eplb}, EP backend: {d.ep_backend})")
         return reason
 
     @classmethod

@@ -2,7 +2,7 @@
 
 `auto` walks `PRIORITY` and takes the first backend whose `unsupported_reason` is None:
 
-1. `flashinfer_trtllm_monolithic`: Blackwell + FlashInfer, FP8 block-128, not SP, no EPLB;
+1. `flashinfer_trtllm_monolithic`: Blackwell + FlashInfer, FP8 block-128, not SP, DP = 1, no EPLB;
 2. `flashinfer_trtllm_modular`: Blackwell + FlashInfer, FP8 block-128, no EPLB (SP allowed: external routing);
 3. `triton`: CUDA, bfloat16 / float16 or FP8 block-128;
 4. `torch`: anything (the reference; FP8 dequantised).
