@@ -36,7 +36,7 @@ def wrong_layouts(folder):
         batch = AttentionBatch(Rotary(model.cfg, positions, hidden.dtype), causal_within_sequences(seq_lens, hidden))
         layer = model.model.layers[1]  # declared SHARDED input: [ceil(N/t), H]; hand it FULL [N, H]
         try:
-            layer(torch.zeros(num_tokens + 1, model.cfg.hidden_size), None, batch, None)
+            layer(torch.zeros(num_tokens + 1, model.cfg.hidden_size), None, batch, None, num_tokens)
             messages.append(None)
         except ValueError as e:
             messages.append(str(e))
