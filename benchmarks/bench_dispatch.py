@@ -18,8 +18,8 @@ from spmoe.layers.moe.experts.triton_experts import TritonExperts
 
 ROWS = [1, 4, 32, 256, 2048, 8192]
 GLM = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=6144, intermediate_size=12288,
-           moe_intermediate_size=2048, num_hidden_layers=1, num_attention_heads=64, n_routed_experts=256, num_experts_per_tok=8,
-           routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+           moe_intermediate_size=2048, num_hidden_layers=1, num_attention_heads=64, n_routed_experts=256,
+           num_experts_per_tok=8, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
            qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_n_heads=32, index_head_dim=128,
            rms_norm_eps=1e-5)
 
