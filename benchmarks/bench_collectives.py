@@ -9,7 +9,6 @@ graph: 20 calls captured in one graph, time / 20).
 """
 
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import _all_gather_sp_states, get_parallel_state, shard_rows, spawn, sp_all_gather
 from spmoe.distributed import sp_reduce_scatter
 from spmoe.distributed.comm import all_reduce
+from timing import cuda_ms
 
 H = 6144
 ROWS = [1, 8, 64, 256, 1024, 4096, 16384]
@@ -26,18 +26,7 @@ REPS = 20
 
 def measure(fn) -> tuple[float, float]:
     """-> (eager us, graph us) per call."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+    eager = cuda_ms(fn, REPS, warmup=3, barrier=True) * 1e3
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(REPS):
@@ -50,7 +39,7 @@ def measure(fn) -> tuple[float, float]:
     graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return statistics.median(times), start.elapsed_time(end) * 1e3 / REPS
+    return eager, start.elapsed_time(end) * 1e3 / REPS
 
 
 def symm_mem_all_reduce(rows: int):

@@ -6,15 +6,13 @@ top-8, 128 per rank, H 6144, I 2048) and a random router. Per rank: n token rows
     python benchmarks/bench_dispatch.py
 """
 
-import statistics
-
 import torch
-import torch.distributed as dist
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import count_collectives, get_parallel_state, spawn
 from spmoe.layers.moe.dispatch import DISPATCH
 from spmoe.layers.moe.experts.triton_experts import TritonExperts
+from timing import cuda_ms
 
 ROWS = [1, 4, 32, 256, 2048, 8192]
 GLM = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=6144, intermediate_size=12288,
@@ -44,20 +42,10 @@ def run():
             def call():
                 return dispatch(x, ids, weights, experts, state.ep_group)
             with torch.no_grad():
-                for _ in range(3):
-                    call()
                 with count_collectives() as counted:
                     call()
-                times = []
-                for _ in range(10 if rows <= 2048 else 4):
-                    dist.barrier()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    call()
-                    end.record()
-                    torch.cuda.synchronize()
-                    times.append(start.elapsed_time(end))
-            result[name] = (statistics.median(times), sum(v["bytes"] for v in counted.as_dict().values()))
+                ms = cuda_ms(call, 10 if rows <= 2048 else 4, warmup=3, barrier=True)
+            result[name] = (ms, sum(v["bytes"] for v in counted.as_dict().values()))
         rows_out.append(result)
     return rows_out
 

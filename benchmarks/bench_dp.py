@@ -3,16 +3,13 @@ GLM-5.2 widths (H 6144, 64 heads, q_lora 2048, kv_lora 512, DSA indexer, 256 exp
 I 2048), 2 MoE layers, random bf16 weights, Triton experts, the engine's KV cache.
 
 A step processes the same global batch in every layout: TP2 runs it on one DP group; TP1 x DP2 gives each
-DP rank half of the sequences. Reported: ms per step (CUDA-event median over the ranks' step, rank 0),
-tokens/s, and the MoE work per rank (rows dispatched, rows computed by the experts).
+DP rank half of the sequences. Reported: ms per step (CUDA-event median, rank 0),
+tokens/s, and the MoE work per rank (rows dispatched, rows computed by the experts) of one more step.
 
     python benchmarks/bench_dp.py
 """
 
-import statistics
-
 import torch
-import torch.distributed as dist
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
@@ -20,6 +17,7 @@ from spmoe.engine.kv_cache import KVCache
 from spmoe.forward import split_for_dp
 from spmoe.layers.moe.work import count_moe_work
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
+from timing import cuda_ms
 
 GLM = dict(model_type="glm_moe_dsa", vocab_size=4096, hidden_size=6144, intermediate_size=12288,
            moe_intermediate_size=2048, num_hidden_layers=2, mlp_layer_types=["sparse", "sparse"],
@@ -45,25 +43,18 @@ def random_weights(model: torch.nn.Module) -> None:
 
 
 def timed_step(model, cache, seqs, starts):
-    """One forward over this DP rank's share; returns ms (median of 5) and the MoE work of one step."""
+    """One forward over this DP rank's share -> (ms, median of 5 after a warm-up; the MoE work of one
+    more, untimed step: counting it syncs the host)."""
     state = get_parallel_state()
     mine = split_for_dp(list(range(len(seqs))), state.dp_rank, state.dp_size)
     lens = [seqs[i] for i in mine]
     view = cache.view(mine, [starts] * len(mine), lens)
     ids = torch.randint(0, GLM["vocab_size"], (sum(lens),), device="cuda")
-    times = []
     with torch.no_grad():
-        for i in range(6):
-            dist.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            with count_moe_work() as work:
-                model.model(ids, view.positions, lens, view)
-            end.record()
-            torch.cuda.synchronize()
-            if i:
-                times.append(start.elapsed_time(end))
-    return statistics.median(times), work.as_dict()
+        ms = cuda_ms(lambda: model.model(ids, view.positions, lens, view), 5, barrier=True)
+        with count_moe_work() as work:
+            model.model(ids, view.positions, lens, view)
+    return ms, work.as_dict()
 
 
 def run(layouts_for_this_world):

@@ -11,12 +11,12 @@ also replayed from a CUDA graph. Roofline = max(touched expert weight bytes
 """
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 from spmoe.layers.moe.experts.triton_kernels import fused_moe, pick_config
+from timing import cuda_ms
 
 H, I, EXPERTS, LOCAL, TOP_K = 6144, 2048, 256, 128, 8
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -29,20 +29,6 @@ def quantize_blocks(w: torch.Tensor):
     blocks = w.float().view(w.shape[0], w.shape[1] // 128, 128, w.shape[2] // 128, 128)
     scale = blocks.abs().amax((2, 4)) / 448.0
     return (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(w.shape), scale
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def routing(rows: int, gen):
@@ -99,12 +85,12 @@ def table(args, gen, w13, w2, w13_t, w2_t, fp8):
         x = torch.randn(rows, H, generator=gen, device="cuda").bfloat16()
         ids, local, weights = routing(rows, gen)
         reps = 20 if rows <= 1024 else 5
-        t_loop = timed(lambda: torch_loop(x, local, weights, w13, w2), 3 if rows > 256 else 10)
-        t_grouped = timed(lambda: grouped_mm(x, local, weights, w13_t, w2_t), reps)
-        t_bf16 = timed(lambda: fused_moe(x, ids, weights, 0, w13, w2), reps)
-        t_fp8 = timed(lambda: fused_moe(x, ids, weights, 0, *fp8), reps)
-        g_bf16 = timed(graphed(lambda: fused_moe(x, ids, weights, 0, w13, w2)), reps)
-        g_fp8 = timed(graphed(lambda: fused_moe(x, ids, weights, 0, *fp8)), reps)
+        t_loop = cuda_ms(lambda: torch_loop(x, local, weights, w13, w2), 3 if rows > 256 else 10)
+        t_grouped = cuda_ms(lambda: grouped_mm(x, local, weights, w13_t, w2_t), reps)
+        t_bf16 = cuda_ms(lambda: fused_moe(x, ids, weights, 0, w13, w2), reps)
+        t_fp8 = cuda_ms(lambda: fused_moe(x, ids, weights, 0, *fp8), reps)
+        g_bf16 = cuda_ms(graphed(lambda: fused_moe(x, ids, weights, 0, w13, w2)), reps)
+        g_fp8 = cuda_ms(graphed(lambda: fused_moe(x, ids, weights, 0, *fp8)), reps)
         r16, r8 = roofline(local, 2, BF16_FLOPS), roofline(local, 1, 2 * BF16_FLOPS)
         print(f"{rows:>6} {t_loop:>11.3f} {t_grouped:>11.3f} {t_bf16:>12.3f} {t_fp8:>11.3f} {r16:>10.3f} {r8:>9.3f} "
               f"{r16 / t_bf16:>10.0%} {r8 / t_fp8:>10.0%} {t_grouped / t_bf16:>12.2f} {t_bf16 / t_fp8:>9.2f} "
@@ -129,11 +115,11 @@ def sweep(args, gen, w13, w2, fp8):
                 if is_fp8 and (cfg["BLOCK_K"] != 128 or cfg["BLOCK_N"] > 128):
                     continue
                 try:
-                    results.append((timed(lambda: fused_moe(x, ids, weights, 0, *weights_args, config=cfg), 10), cfg))
+                    results.append((cuda_ms(lambda: fused_moe(x, ids, weights, 0, *weights_args, config=cfg), 10), cfg))
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped, and said
                     print(f"  {name} N={rows} {cfg}: {type(e).__name__}")
             best = min(results, key=lambda r: r[0])
-            chosen = timed(lambda: fused_moe(x, ids, weights, 0, *weights_args), 10)
+            chosen = cuda_ms(lambda: fused_moe(x, ids, weights, 0, *weights_args), 10)
             print(f"N={rows:>6} {name}: best {best[0]:.3f} ms {best[1]}; pick_config {chosen:.3f} ms "
                   f"{pick_config(rows * TOP_K, LOCAL, is_fp8)}", flush=True)
 
