@@ -40,7 +40,7 @@ def run():
         result = {"rows": rows}
         for name, dispatch in DISPATCH.items():
             def call():
-                return dispatch(x, ids, weights, experts, state.ep_group)
+                return dispatch(x, ids, weights, experts, state.ep_group, rows)
             with torch.no_grad():
                 with count_collectives() as counted:
                     call()

@@ -42,8 +42,8 @@ def random_weights(model: torch.nn.Module) -> None:
                 p.normal_(0, p.shape[-1] ** -0.5, generator=gen)
 
 
-def timed_step(model, cache, seqs, starts):
-    """One forward over this DP rank's share -> (ms, median of 5 after a warm-up; the MoE work of one
+def timed_step(model, cache, seqs, starts, reps):
+    """One forward over this DP rank's share -> (ms, median of `reps` after a warm-up; the MoE work of one
     more, untimed step: counting it syncs the host)."""
     state = get_parallel_state()
     mine = split_for_dp(list(range(len(seqs))), state.dp_rank, state.dp_size)
@@ -51,7 +51,7 @@ def timed_step(model, cache, seqs, starts):
     view = cache.view(mine, [starts] * len(mine), lens)
     ids = torch.randint(0, GLM["vocab_size"], (sum(lens),), device="cuda")
     with torch.no_grad():
-        ms = cuda_ms(lambda: model.model(ids, view.positions, lens, view), 5, barrier=True)
+        ms = cuda_ms(lambda: model.model(ids, view.positions, lens, view), reps, barrier=True)
         with count_moe_work() as work:
             model.model(ids, view.positions, lens, view)
     return ms, work.as_dict()
@@ -66,10 +66,10 @@ def run(layouts_for_this_world):
         random_weights(model)
         cache = KVCache.for_model(model, 64, 4096 + 8)
         for seqs, tokens in PREFILL:
-            ms, work = timed_step(model, cache, [tokens] * seqs, 0)
+            ms, work = timed_step(model, cache, [tokens] * seqs, 0, reps=5)
             rows.append((label, f"prefill {seqs}x{tokens}", ms, seqs * tokens / ms * 1e3, work))
         for seqs in DECODE:
-            ms, work = timed_step(model, cache, [1] * seqs, 128)
+            ms, work = timed_step(model, cache, [1] * seqs, 128, reps=30)
             rows.append((label, f"decode {seqs}", ms, seqs / ms * 1e3, work))
         del model, cache
         torch.cuda.empty_cache()
