@@ -17,6 +17,7 @@ One step:
 
 import time
 from collections import deque
+from itertools import accumulate
 from dataclasses import dataclass, field
 
 import torch
@@ -135,7 +136,7 @@ class Engine:
             view = self.cache.view([s.slot for s in live], [s.cached for s in live], lens)
             ids = torch.tensor([t for s in live for t in s.pending], dtype=torch.long, device=view.positions.device)
             hidden = self.model.model(ids, view.positions, lens, view)  # FULL [N, H]
-            ends = torch.tensor(lens, dtype=torch.long).cumsum(0).tolist()
+            ends = list(accumulate(lens))
             rows = [r for s, end in zip(live, ends) for r in range(end - 1 - len(s.drafts), end)]
             logits = self.model.lm_head(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
         to_draft, row = [], 0

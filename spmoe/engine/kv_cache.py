@@ -44,7 +44,7 @@ class KVCache:
         if max_seqs < 1 or max_len < 1:
             raise ValueError(f"the KV cache needs max_seqs >= 1 and max_len >= 1, got {max_seqs} and {max_len}")
         widths = {"mla": cfg.kv_lora_rank + cfg.qk_rope_head_dim, "indexer": cfg.index_head_dim}
-        self.max_seqs, self.max_len = max_seqs, max_len
+        self.max_seqs, self.max_len, self.device = max_seqs, max_len, torch.device(device)
         self.buffers = {layer: {kind: torch.zeros(max_seqs * max_len, widths[kind], dtype=dtype, device=device)
                                 for kind in (("mla", "indexer") if has_indexer else ("mla",))}
                         for layer, has_indexer in layers.items()}
@@ -78,7 +78,7 @@ class KVCache:
     def view(self, slots: list[int], starts: list[int], lens: list[int]) -> CacheView:
         """One forward in which sequence i (slot `slots[i]`, `starts[i]` tokens already cached) adds `lens[i]`
         new tokens at positions `starts[i] ...`."""
-        device = next(iter(next(iter(self.buffers.values())).values())).device
+        device = self.device
         for slot, start, n in zip(slots, starts, lens):
             if start + n > self.max_len:
                 raise ValueError(f"the sequence in KV cache slot {slot} needs {start + n} positions; the cache "
