@@ -9,6 +9,8 @@ tokens/s, and the MoE work per rank (rows dispatched, rows computed by the exper
     python benchmarks/bench_dp.py
 """
 
+import zlib
+
 import torch
 
 from spmoe.config import ModelConfig, ParallelConfig
@@ -31,9 +33,11 @@ DECODE = [1, 8, 64]  # sequences, 1 token each, after a 128-token context
 
 
 def random_weights(model: torch.nn.Module) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(get_parallel_state().rank)
+    """Seeded by parameter name, so replicated weights agree across ranks (every rank routes a token the
+    same way) and two builds of the same layer (SP on and off) get the same router, attention and experts."""
     with torch.no_grad():
         for name, p in model.named_parameters():
+            gen = torch.Generator(device=p.device).manual_seed(zlib.crc32(name.encode()))
             if p.dim() == 1 and "norm" in name:
                 p.fill_(1.0)
             elif p.dim() == 1:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from spmoe.layers.moe.experts.triton_kernels import fused_moe, pick_config
-from timing import cuda_ms
+from timing import cuda_ms, graphed
 
 H, I, EXPERTS, LOCAL, TOP_K = 6144, 2048, 256, 128, 8
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -36,16 +36,6 @@ def routing(rows: int, gen):
     and the routing weights."""
     ids = torch.rand(rows, EXPERTS, generator=gen, device="cuda").topk(TOP_K, dim=-1).indices
     return ids, torch.where(ids < LOCAL, ids, -1), torch.rand(rows, TOP_K, generator=gen, device="cuda")
-
-
-def graphed(fn):
-    """fn captured once in a CUDA graph (its inputs are fixed tensors); returns the replay."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def roofline(local_ids, weight_bytes: float, flops_rate: float) -> float:

@@ -23,3 +23,14 @@ def cuda_ms(fn, reps: int, warmup: int = 1, barrier: bool = False) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def graphed(fn):
+    """fn captured once in a CUDA graph (its inputs are fixed tensors) after one eager warm-up call; returns
+    the replay. The graph's memory stays held while the replay is referenced."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

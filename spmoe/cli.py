@@ -63,7 +63,7 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--speculative mtp needs --num-speculative-tokens >= 1, got {drafts}")
     opts = GenerateOptions(args.max_new_tokens, SamplingParams(args.temperature, args.top_p, args.seed), drafts,
                            tuple(args.eos_id) if args.eos_id is not None else None, args.max_seqs,
-                           args.max_model_len, args.dtype)
+                           args.max_model_len, args.dtype, cuda_graphs=args.cuda_graphs)
     print(f"spmoe generate: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens each, tp={args.tp}, "
           f"dp={args.dp}, "
           f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} (--sp {args.sp}, scope "
@@ -139,6 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-seqs", type=int, help="KV cache slots, i.e. sequences decoded at once (default: all)")
     p.add_argument("--max-model-len", type=int,
                    help="KV cache positions per sequence (default: longest prompt + max new tokens + drafts)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)")
     p.add_argument("--output", required=True, help='output JSON: {"outputs": [[ids...], ...], "stats": {...}}')
     p.set_defaults(func=cmd_generate)
     args = parser.parse_args(argv)

@@ -23,6 +23,7 @@ class GenerateOptions:
     dtype: str = "float32"
     record_logits: bool = False  # return the logits row behind every generated token
     progress: bool = True  # rank 0 prints a progress line to stderr
+    cuda_graphs: bool = False  # replay decode steps from CUDA graphs (engine/cuda_graphs.py)
 
     def cache_len(self, prompts: list[list[int]]) -> int:
         return self.max_model_len or max(map(len, prompts)) + self.max_new_tokens + self.num_speculative_tokens
@@ -37,7 +38,7 @@ def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[
     mine = split_for_dp(prompts, state.dp_rank, state.dp_size)  # this DP rank's prompts (maybe none)
     cache = KVCache.for_model(model, max(1, opts.max_seqs or len(mine)), opts.cache_len(prompts))
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
-    engine = Engine(model, cache, opts.sampling, eos, opts.num_speculative_tokens)
+    engine = Engine(model, cache, opts.sampling, eos, opts.num_speculative_tokens, opts.cuda_graphs)
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
     live_terminal = sys.stderr.isatty()
 

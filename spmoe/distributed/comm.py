@@ -34,6 +34,12 @@ class CommStats:
         self.counts[kind]["count"] += 1
         self.counts[kind]["bytes"] += nbytes
 
+    def add(self, other: "CommStats") -> None:
+        """Add `other`'s counts (a CUDA graph's collectives, counted once at capture, on each replay)."""
+        for kind, value in other.counts.items():
+            self.counts[kind]["count"] += value["count"]
+            self.counts[kind]["bytes"] += value["bytes"]
+
     def as_dict(self) -> dict:
         return {k: dict(v) for k, v in self.counts.items()}
 

@@ -13,6 +13,8 @@ One step:
 3. Commit: sample from each sequence's last row, or accept drafts greedily (`speculative.py`).
 4. Finish sequences at an eos id or `max_new_tokens`; free their slots.
 5. When speculating, the drafter proposes the next drafts from the verified positions.
+
+With `cuda_graphs`, plain decode steps replay a captured graph (`cuda_graphs.py`); prefill stays eager.
 """
 
 import time
@@ -24,6 +26,7 @@ import torch
 
 from spmoe.distributed import CommStats, count_collectives, get_parallel_state
 from spmoe.distributed.comm import all_reduce
+from spmoe.engine.cuda_graphs import DecodeGraphs
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.sampling import Sampler, SamplingParams
 from spmoe.engine.speculative import MtpDrafter, accept_greedy
@@ -81,7 +84,7 @@ def check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: int
 
 class Engine:
     def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache, sampling: SamplingParams = SamplingParams(),
-                 eos_token_ids: tuple[int, ...] = (), num_speculative_tokens: int = 0):
+                 eos_token_ids: tuple[int, ...] = (), num_speculative_tokens: int = 0, cuda_graphs: bool = False):
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and not len(model.mtp):
@@ -89,10 +92,14 @@ class Engine:
         if num_speculative_tokens and not sampling.greedy:
             raise ValueError(f"speculative decoding accepts drafts greedily; expected temperature 0, got "
                              f"{sampling.temperature}")
+        if num_speculative_tokens and cuda_graphs:
+            raise ValueError("CUDA graphs capture the plain decode step only; speculative decoding runs eagerly, "
+                             "so pass one or the other")
         self.model, self.cache, self.eos_token_ids = model, cache, set(eos_token_ids)
         self.sampler = Sampler(sampling)
         self.k = num_speculative_tokens
         self.drafter = MtpDrafter(model.mtp[0], cache, num_speculative_tokens) if num_speculative_tokens else None
+        self.graphs = DecodeGraphs(model, cache) if cuda_graphs else None
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, record_logits: bool = False,
                  on_step=None) -> Generation:
@@ -133,12 +140,17 @@ class Engine:
         began = time.perf_counter()
         with count_collectives(phase.collectives):
             lens = [len(s.pending) for s in live]
-            view = self.cache.view([s.slot for s in live], [s.cached for s in live], lens)
-            ids = torch.tensor([t for s in live for t in s.pending], dtype=torch.long, device=view.positions.device)
-            hidden = self.model.model(ids, view.positions, lens, view)  # FULL [N, H]
             ends = list(accumulate(lens))
-            rows = [r for s, end in zip(live, ends) for r in range(end - 1 - len(s.drafts), end)]
-            logits = self.model.lm_head(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
+            if self.graphs is not None and phase is self.phases["decode"]:  # one token per sequence
+                logits = self.graphs.step([s.pending[0] for s in live], [s.slot for s in live],
+                                          [s.cached for s in live], phase.collectives)
+            else:
+                view = self.cache.view([s.slot for s in live], [s.cached for s in live], lens)
+                ids = torch.tensor([t for s in live for t in s.pending], dtype=torch.long,
+                                   device=view.positions.device)
+                hidden = self.model.model(ids, view.positions, lens, view)  # FULL [N, H]
+                rows = [r for s, end in zip(live, ends) for r in range(end - 1 - len(s.drafts), end)]
+                logits = self.model.lm_head(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
         to_draft, row = [], 0
         for seq, end, n in zip(live, ends, lens):
             seq_logits = logits[row:row + 1 + len(seq.drafts)]
@@ -195,6 +207,7 @@ class Engine:
             "phases": {name: phase.as_dict() for name, phase in self.phases.items()},
             "kv_cache": {"bytes_per_token": self.cache.bytes_per_token, "slots": self.cache.max_seqs,
                          "max_len": self.cache.max_len},
+            "cuda_graph_batch_sizes": sorted(self.graphs.steps) if self.graphs else [],
         }
         if self.k:
             steps, accepted = len(self.accepted_per_step), sum(self.accepted_per_step)

@@ -6,7 +6,8 @@ Per token and attention layer it keeps what attention reads back on later steps:
 - "indexer": on layers that run the DSA indexer, the indexer's key, `index_head_dim` values.
 
 Both are replicated on every TP rank (MLA's latent is shared by all heads, the indexer is replicated).
-Buffers are flat `[max_seqs * max_len, width]`; slot s owns rows `[s * max_len, (s + 1) * max_len)`.
+Buffers are flat `[(max_seqs + 1) * max_len, width]`; slot s owns rows `[s * max_len, (s + 1) * max_len)`.
+The extra slot, `scratch_slot`, is never allocated: the pad rows of a CUDA-graph decode step write there.
 """
 
 from dataclasses import dataclass
@@ -45,7 +46,9 @@ class KVCache:
             raise ValueError(f"the KV cache needs max_seqs >= 1 and max_len >= 1, got {max_seqs} and {max_len}")
         widths = {"mla": cfg.kv_lora_rank + cfg.qk_rope_head_dim, "indexer": cfg.index_head_dim}
         self.max_seqs, self.max_len, self.device = max_seqs, max_len, torch.device(device)
-        self.buffers = {layer: {kind: torch.zeros(max_seqs * max_len, widths[kind], dtype=dtype, device=device)
+        self.scratch_slot = max_seqs
+        self.buffers = {layer: {kind: torch.zeros((max_seqs + 1) * max_len, widths[kind], dtype=dtype,
+                                                  device=device)
                                 for kind in (("mla", "indexer") if has_indexer else ("mla",))}
                         for layer, has_indexer in layers.items()}
         self._free = list(range(max_seqs - 1, -1, -1))
@@ -95,3 +98,15 @@ class KVCache:
         allowed = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
         return CacheView(self.buffers, slot_of[q_seq] * self.max_len + q_pos,
                          slot_of[k_seq] * self.max_len + k_pos, q_pos, allowed)
+
+    def decode_view(self, slots: torch.Tensor, positions: torch.Tensor) -> CacheView:
+        """One decode step built on the device from `slots` and `positions` `[B]` (int64): row i adds the token
+        at `positions[i]` to the sequence in slot `slots[i]`. Every shape depends on B alone and nothing is
+        read back to the host, so a CUDA graph can capture it; each row reads all `max_len` rows of its slot
+        (K = B * max_len) and `allowed` keeps positions <= its own."""
+        b, length = slots.shape[0], self.max_len
+        offsets = torch.arange(length, device=slots.device)
+        rows = torch.arange(b, device=slots.device)
+        read_index = (slots[:, None] * length + offsets).flatten()  # [B * max_len]
+        allowed = (rows[:, None, None] == rows[None, :, None]) & (offsets <= positions[:, None, None])
+        return CacheView(self.buffers, slots * length + positions, read_index, positions, allowed.view(b, -1))

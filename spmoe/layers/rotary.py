@@ -7,10 +7,11 @@ import torch
 from spmoe.config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """`[rope_dim / 2]` inverse frequencies and the cos/sin scale (yarn's attention factor, else 1)."""
+def inverse_frequencies(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, float]:
+    """`[rope_dim / 2]` inverse frequencies on `device` (made there: no host copy, so a CUDA graph can capture
+    them) and the cos/sin scale (yarn's attention factor, else 1)."""
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     if cfg.rope_type == "default":
         return inv_freq, 1.0
     factor, original_max, beta_fast, beta_slow, mscale, mscale_all_dim, truncate = cfg.rope_scaling
@@ -22,7 +23,7 @@ def inverse_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     if truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / max(high - low, 0.001)).clamp(0, 1)
     inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
     def yarn_mscale(m: float) -> float:
@@ -36,8 +37,8 @@ class Rotary:
     """cos/sin for the positions of one forward, each `[N, rope_dim / 2]` (already scaled)."""
 
     def __init__(self, cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
-        inv_freq, scale = inverse_frequencies(cfg)
-        angles = positions.float().unsqueeze(1) * inv_freq.to(positions.device)
+        inv_freq, scale = inverse_frequencies(cfg, positions.device)
+        angles = positions.float().unsqueeze(1) * inv_freq
         self.cos = (angles.cos() * scale).to(dtype)
         self.sin = (angles.sin() * scale).to(dtype)
 

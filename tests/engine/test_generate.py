@@ -1,7 +1,8 @@
 """Generation across TP 1, 2, 3 and SP off / on (both scopes): greedy output identical everywhere, with
 sequences that finish at different steps, queued admission, a single live sequence (N < t at TP 3), MTP
-speculation equal to plain greedy decoding with identical acceptance statistics, seeded sampling, and the KV
-cache against a cache-less forward.
+speculation equal to plain greedy decoding with identical acceptance statistics, seeded sampling, the KV
+cache against a cache-less forward, and the static decode view (the CUDA graphs' padded step) against the
+engine's own view.
 
 One spawned group per TP size runs every case; the comparisons happen here.
 """
@@ -51,7 +52,28 @@ def run_engine(folder: str, modes: list[tuple[str, str]]):
             assert cache.free_slots == cache.max_seqs  # every finished sequence gave its slot back
             results[(sp, scope, name)] = (gen.outputs, gen.stats.get("speculative"),
                                           cacheless_error(model, prompts, gen) if kw.get("record") else None)
+        results[(sp, scope, "static_decode")] = (None, None, static_decode_error(model))
     return results
+
+
+def static_decode_error(model) -> float:
+    """Prefill 3 prompts, then one decode step two ways: the engine's view, and `decode_view` padded to 4
+    rows with a pad row in the scratch slot, as a CUDA graph replays it. -> largest relative logit difference
+    over the 3 real rows."""
+    from spmoe.engine.kv_cache import KVCache
+
+    prompts, cache = [[5, 6, 7], [8], [9, 10]], KVCache.for_model(model, 3, 8)
+    slots = [cache.allocate() for _ in prompts]
+    with torch.no_grad():
+        view = cache.view(slots, [0] * 3, [len(p) for p in prompts])
+        model(torch.tensor([t for p in prompts for t in p]), view.positions, [len(p) for p in prompts], view)
+        starts, new = [len(p) for p in prompts], torch.tensor([11, 12, 13])
+        view = cache.view(slots, starts, [1] * 3)
+        want = model(new, view.positions, [1] * 3, view)
+        positions = torch.tensor(starts + [0])
+        padded = cache.decode_view(torch.tensor(slots + [cache.scratch_slot]), positions)
+        got = model(torch.cat([new, torch.zeros(1, dtype=torch.long)]), positions, [1] * 4, padded)[:3]
+    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def cacheless_error(model, prompts, gen) -> float:
@@ -96,7 +118,8 @@ def test_kv_cache_matches_cacheless_forward(generations):
     for tp, ranks in generations.items():
         for (sp, scope, name), (_, _, error) in ranks[0].items():
             if error is not None:
-                assert error < 1e-4, (tp, sp, scope, error)
+                assert error < 1e-4, (tp, sp, scope, name, error)
+    assert all(("off", "moe", "static_decode") in ranks[0] for ranks in generations.values())
 
 
 def test_speculation_statistics_identical_with_sp_on_and_off(generations):

@@ -3,8 +3,8 @@ DP group's tokens) and gets back the complete routed output of those rows. Block
 ranks (DP ranks have different batches); `rows_max`, the largest block, is agreed once per step. Two
 backends, same result:
 
-- `allgather_reducescatter`: gather every rank's block (routing and hidden) so each rank runs its local
-  experts on all `n * P` rows; reduce-scatter the partial outputs back.
+- `allgather_reducescatter`: gather every rank's block (hidden with its routing, in one all-gather) so each
+  rank runs its local experts on all `n * P` rows; reduce-scatter the partial outputs back.
 - `all_to_all`: send each row only to the ranks that own one of its experts, once per rank however many of
   its experts live there; compute there; send the partial outputs back and sum them per row.
 """
@@ -18,14 +18,16 @@ from spmoe.layers.moe.work import run_experts
 def allgather_reducescatter(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group,
                             rows_max: int):
     """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows, complete.
-    Blocks are padded to `rows_max` rows with id -1, so every rank gathers the same shape."""
-    (n, k), pad = ids.shape, rows_max - ids.shape[0]
+    Blocks are padded to `rows_max` rows with id -1, so every rank gathers the same shape. The routing rides
+    behind the hidden columns (its float32 bytes viewed in x's dtype): one all-gather, not two."""
+    (n, k), pad, size = ids.shape, rows_max - ids.shape[0], x.shape[1]
     if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        x = torch.cat([x, x.new_zeros(pad, size)])
         ids, weights = torch.cat([ids, ids.new_full((pad, k), -1)]), torch.cat([weights, weights.new_zeros(pad, k)])
-    routing = all_gather_rows(torch.cat([ids.float(), weights.float()], dim=1), group)  # [rows_max*P, 2k]
-    gathered = all_gather_rows(x, group)  # [rows_max*P, H]
-    partial = run_experts(experts, gathered, routing[:, :k].long(), routing[:, k:])
+    routing = torch.cat([ids.float(), weights.float()], dim=1)  # [rows_max, 2k] float32
+    gathered = all_gather_rows(torch.cat([x, routing.view(x.dtype)], dim=1), group)  # [rows_max*P, H + ...]
+    got = gathered[:, size:].contiguous().view(torch.float32)  # [rows_max*P, 2k]
+    partial = run_experts(experts, gathered[:, :size], got[:, :k].long(), got[:, k:])
     return reduce_scatter_rows(partial, group)[:n]
 
 

@@ -80,8 +80,8 @@ def expected_counts(sp: bool, t: int) -> dict:
     """One MTP step and its logits, from the layout contract."""
     if t == 1:
         return dict(all_reduce=0, all_gather=0, reduce_scatter=0, all_to_all=0)
-    if sp:  # embedding RS; block: gather input, RS attention, dispatch 2 AG + combine RS; exit AG; head AG
-        return dict(all_reduce=0, all_gather=5, reduce_scatter=3, all_to_all=0)
+    if sp:  # embedding RS; block: gather input, RS attention, dispatch AG + combine RS; exit AG; head AG
+        return dict(all_reduce=0, all_gather=4, reduce_scatter=3, all_to_all=0)
     # embedding AR, attention output AR, exit AR (each partial reduced once); head AG
     return dict(all_reduce=3, all_gather=1, reduce_scatter=0, all_to_all=0)
 

@@ -59,7 +59,7 @@ def expected_counts(mlp_types, sp_flags, t, ep_backend="allgather_reducescatter"
             if kind == "sparse" and ep_backend == "all_to_all":
                 counts["all_to_all"] += 3  # row counts, rows with routing, partial outputs back
             elif kind == "sparse":
-                counts["all_gather"] += 2  # dispatch: routing and hidden
+                counts["all_gather"] += 1  # dispatch: hidden with its routing
                 counts["reduce_scatter"] += 1  # combine
         else:
             counts["all_reduce"] += 1  # after attention

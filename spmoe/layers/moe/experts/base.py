@@ -54,6 +54,7 @@ class Experts(nn.Module):
     name: ClassVar[str]
     routes_internally: ClassVar[bool] = False
     keeps_fp8: ClassVar[bool] = False  # holds the checkpoint's FP8 weights instead of dequantising them
+    syncs_host: ClassVar[bool] = False  # reads routing back to the host, so a CUDA graph cannot capture it
 
     def __init__(self, cfg: ModelConfig, first: int, count: int):
         super().__init__()

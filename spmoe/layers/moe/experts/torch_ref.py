@@ -9,6 +9,7 @@ from spmoe.layers.moe.experts.base import Experts
 
 class TorchExperts(Experts):
     name = "torch"
+    syncs_host = True  # loops over the experts present in the batch
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x `[m, H]`, ids / weights `[m, k]` -> `[m, H]`, the weighted sum over this rank's experts."""

@@ -195,7 +195,8 @@ def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, co
     dtype. `config`: the tile sizes (`pick_config` by default)."""
     (m, k), (count, two_inter, hidden) = ids.shape, w13.shape
     inter, fp8 = two_inter // 2, w13.dtype == torch.float8_e4m3fn
-    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (a view of a packed gather)
+    ids, weights = ids.contiguous(), weights.contiguous()
     y = torch.empty_like(x)
     if m == 0:
         return y
