@@ -26,7 +26,7 @@ def allgather_reducescatter(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
         ids, weights = torch.cat([ids, ids.new_full((pad, k), -1)]), torch.cat([weights, weights.new_zeros(pad, k)])
     routing = torch.cat([ids.float(), weights.float()], dim=1)  # [rows_max, 2k] float32
     gathered = all_gather_rows(torch.cat([x, routing.view(x.dtype)], dim=1), group)  # [rows_max*P, H + ...]
-    got = gathered[:, size:].contiguous().view(torch.float32)  # [rows_max*P, 2k]
+    got = gathered[:, size:].view(torch.float32)  # [rows_max*P, 2k], a strided view
     partial = run_experts(experts, gathered[:, :size], got[:, :k].long(), got[:, k:])
     return reduce_scatter_rows(partial, group)[:n]
 

@@ -46,20 +46,19 @@ class MoE(nn.Module):
         if self.sequence_parallel:
             n = shard_rows(num_tokens, state.tp_size)
             check_rows(x, n, f"SP MoE input (N={num_tokens}, t={state.tp_size})")
-            first = state.tp_rank * n
-            valid = torch.arange(first, first + n, device=x.device) < num_tokens
-            ids, weights = self.gate(x, valid)
-            record_dispatched(min(n, max(0, num_tokens - first)))
+            valid_rows = min(n, max(0, num_tokens - state.tp_rank * n))  # pad rows sit at the tail
+            ids, weights = self.gate(x, valid_rows)
+            record_dispatched(valid_rows)
             out = self.dispatch(x, ids, weights, self.experts, state.ep_group, shard_rows(max_tokens, state.tp_size))
         elif self.experts.routes_internally:
             out = self.experts(x, self.gate)
         elif state.dp_size > 1:
-            ids, weights = self.gate(x, torch.ones(x.shape[0], dtype=torch.bool, device=x.device))
+            ids, weights = self.gate(x, x.shape[0])
             record_dispatched(num_tokens)
             out = self.dispatch(x, ids, weights, self.experts, state.ep_group, max_tokens)
             if state.tp_rank:  # every TP rank holds the same complete output; keep one copy -> PARTIAL
                 out = torch.zeros_like(out)
         else:
-            ids, weights = self.gate(x, torch.ones(x.shape[0], dtype=torch.bool, device=x.device))
+            ids, weights = self.gate(x, x.shape[0])
             out = run_experts(self.experts, x, ids, weights)
         return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -14,11 +14,12 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[m, H]`, valid `[m]` bool -> (ids `[m, k]` int64, weights `[m, k]` float32).
+    def forward(self, x: torch.Tensor, valid_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[m, H]`, of which the first `valid_rows` are tokens -> (ids `[m, k]` int64, weights `[m, k]`
+        float32).
 
-        The correction bias only chooses experts; the weights are the raw sigmoid scores. Invalid rows (SP pad
-        rows) get id -1 and weight 0: no expert ever sees them.
+        The correction bias only chooses experts; the weights are the raw sigmoid scores. The rows after
+        `valid_rows` (SP pad rows, always at the tail) get id -1 and weight 0: no expert ever sees them.
         """
         cfg = self.cfg
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [m, E]
@@ -34,4 +35,6 @@ class Router(nn.Module):
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * cfg.routed_scaling_factor
-        return ids.masked_fill(~valid.unsqueeze(1), -1), weights.masked_fill(~valid.unsqueeze(1), 0.0)
+        if valid_rows < x.shape[0]:
+            ids[valid_rows:], weights[valid_rows:] = -1, 0.0
+        return ids, weights
