@@ -1,6 +1,7 @@
 """Our SP layout primitives against raw NCCL on 2 GPUs, at H = 6144, bf16, launched eagerly and replayed from
-a CUDA graph; plus the fused (hidden, residual) gather against one and two gathers of H, and torch's
-symmetric-memory one-shot all-reduce (no NVLink multicast) for the small sizes.
+a CUDA graph; plus the fused (hidden, residual) gather against one and two gathers of H, our one-shot
+kernels (`spmoe/distributed/one_shot.py`) where the input fits their buffer, and torch's symmetric-memory
+one-shot all-reduce (no NVLink multicast) for the small sizes.
 
 N tokens, t = 2 ranks, n = ceil(N / t) rows per rank. Per call, microseconds (CUDA-event median on rank 0;
 graph: 20 calls captured in one graph, time / 20).
@@ -17,6 +18,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import _all_gather_sp_states, get_parallel_state, shard_rows, spawn, sp_all_gather
 from spmoe.distributed import sp_reduce_scatter
 from spmoe.distributed.comm import all_reduce
+from spmoe.distributed.one_shot import BUFFER_BYTES, OneShot, fits
 from timing import cuda_ms
 
 H = 6144
@@ -58,6 +60,7 @@ def run():
     state = get_parallel_state()
     group, t = state.tp_group, state.tp_size
     results = []
+    one_shot = OneShot(group, state.device)
     for rows in ROWS:
         n = shard_rows(rows, t)
         shard, shard2 = torch.randn(n, H, device="cuda").bfloat16(), torch.randn(n, H, device="cuda").bfloat16()
@@ -76,6 +79,10 @@ def run():
             "two gathers of H": lambda: (dist.all_gather_into_tensor(gathered, shard, group=group),
                                          dist.all_gather_into_tensor(gathered, shard2, group=group)),
         }
+        for kind, x, out in (("all_gather", shard, gathered), ("reduce_scatter", full, scattered),
+                             ("all_reduce", full, full)):
+            if fits(kind, x, t, BUFFER_BYTES):
+                cases[f"one-shot {kind}"] = lambda kind=kind, x=x, out=out: one_shot.run(kind, x, out)
         symm = symm_mem_all_reduce(n * t) if rows <= 1024 else "skipped (large)"
         for name, fn in cases.items():
             results.append((rows, name, *measure(fn)))

@@ -6,9 +6,11 @@ steady state of an SP region), SP off PARTIAL `[N, H]`. Attention attends this s
 is N one-token sequences, prefill N is sequences of 1024 tokens; there is no cached context, so SP's share of
 the time is as large as it gets (attention is the same computation with SP on and off).
 
-Per N: ms per layer (CUDA-event median on rank 0) over a chain of 8 calls of the layer, each fed the
-previous call's output as a model's layers are, launched eagerly (up to a few thousand tokens this is the
-host's launch time) and replayed from one CUDA graph of the chain (N <= 4096; the graph's memory is held);
+Per N: ms per layer (CUDA-event median on rank 0) over 8 calls of the layer in a row, as a model's layers
+follow each other (each call takes the same input, so SP on and off route the same tokens to the same
+experts: at small N the time follows how many experts each rank streams), launched eagerly (up to a few
+thousand tokens this is the host's launch time) and replayed from one CUDA graph of the 8 calls (N <= 4096;
+the graph's memory is held);
 the on/off ratios; and, for one eager call, the GPU operations launched (kernels, copies and memsets, from
 the profiler) and the collectives. Then the weight memory per rank of the whole model (78 layers, 3 dense,
 without the MTP layer) for SP off and SP on with each scope.
@@ -38,7 +40,7 @@ PREFILL_SEQ = 1024
 TP = 2
 MODES = {"off": False, "on": True}
 GRAPH_MAX = 4096  # largest N timed from a CUDA graph
-CHAIN = 8  # layer calls per timed chain
+CHAIN = 8  # layer calls per timed run
 
 
 def build_layer(cfg: ModelConfig, sp: bool, device: str) -> DeepseekV32DecoderLayer:
@@ -75,10 +77,9 @@ def measure(layer, cfg, num_tokens: int, sp: bool, decode: bool) -> dict:
     hidden, residual, batch = layer_inputs(cfg, num_tokens, sp, decode)
     call = lambda: layer(hidden, residual, batch, None, num_tokens)  # noqa: E731
 
-    def chain():  # as consecutive layers of a model: SHARDED -> SHARDED (SP on), PARTIAL -> PARTIAL (off)
-        h, r = hidden, residual
+    def chain():
         for _ in range(CHAIN):
-            h, r, _ = layer(h, r, batch, None, num_tokens)
+            call()
     with torch.no_grad():
         try:
             eager = cuda_ms(chain, 10 if decode else 3, warmup=1, barrier=True) / CHAIN

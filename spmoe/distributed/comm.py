@@ -1,7 +1,10 @@
-"""Collectives with accounting.
+"""Collectives with accounting, and the choice between NCCL and the one-shot kernels.
 
 Every collective the project runs goes through one of the four functions here, so `count_collectives()`
-sees all of them. Bytes are the size of the full-length buffer of the call on this rank:
+sees all of them. On groups where `enable_one_shot` succeeded, small all-gathers, reduce-scatters and
+all-reduce sums of floating-point tensors run as one-shot kernels (`one_shot.py`) up to `ONE_SHOT_MAX_BYTES`
+of buffer, the sizes where they beat NCCL inside a CUDA graph (`benchmarks/bench_collectives.py`); NCCL runs
+the rest. Bytes are the size of the full-length buffer of the call on this rank:
 
 | kind           | bytes counted                        |
 |----------------|--------------------------------------|
@@ -45,6 +48,41 @@ class CommStats:
 
 
 _ACTIVE: list[CommStats] = []
+_ONE_SHOT: dict = {}  # group -> OneShot
+# Buffer bytes up to which the one-shot kernel beat NCCL in a CUDA graph on 2 x H200 at H = 6144, bf16
+# (docs/performance.md): all-gather and reduce-scatter up to N = 256 tokens, all-reduce up to N = 64.
+ONE_SHOT_MAX_BYTES = {"all_gather": 4 << 20, "reduce_scatter": 4 << 20, "all_reduce": 2 << 20}
+
+
+def enable_one_shot(group, device: torch.device) -> str | None:
+    """Set up the one-shot kernels on `group` (collective over it). Returns None, or why they are not used;
+    the members agree, so either all of them use the kernels or none does."""
+    from spmoe.distributed.one_shot import OneShot
+
+    reason = None
+    try:
+        one_shot = OneShot(group, device)
+    except Exception as e:  # noqa: BLE001 - any failure means NCCL, with the reason reported
+        reason = f"{type(e).__name__}: {e}"
+    agreed = torch.tensor([reason is None], dtype=torch.int32, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    if not agreed.item():
+        return reason or "another rank of the group could not set them up"
+    _ONE_SHOT[group] = one_shot
+    return None
+
+
+def disable_one_shot() -> None:
+    """Forget every group's one-shot kernels (the groups are being destroyed)."""
+    _ONE_SHOT.clear()
+
+
+def _one_shot(kind: str, x: torch.Tensor, group):
+    """The group's one-shot kernels if they should take this call, else None (NCCL)."""
+    from spmoe.distributed.one_shot import fits
+
+    one_shot = _ONE_SHOT.get(group)
+    return one_shot if one_shot is not None and fits(kind, x, one_shot.world, ONE_SHOT_MAX_BYTES[kind]) else None
 
 
 @contextmanager
@@ -67,6 +105,9 @@ def _record(kind: str, t: torch.Tensor) -> None:
 def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce `x` over `group` (a sum unless `op` says otherwise), in place. Returns `x`."""
     _record("all_reduce", x)
+    one_shot = _one_shot("all_reduce", x, group) if op == dist.ReduceOp.SUM and x.is_contiguous() else None
+    if one_shot is not None:
+        return one_shot.run("all_reduce", x, x)
     dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -75,6 +116,9 @@ def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     """`[m, ...]` on each rank -> `[m * world, ...]`, rank blocks in rank order."""
     out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
     _record("all_gather", out)
+    one_shot = _one_shot("all_gather", x, group)
+    if one_shot is not None:
+        return one_shot.run("all_gather", x.contiguous(), out)
     _all_gather_single(out, x.contiguous(), group=group)
     return out
 
@@ -86,6 +130,9 @@ def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"reduce_scatter_rows needs rows divisible by the group size {world}, got {tuple(x.shape)}")
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     _record("reduce_scatter", x)
+    one_shot = _one_shot("reduce_scatter", x, group)
+    if one_shot is not None:
+        return one_shot.run("reduce_scatter", x.contiguous(), out)
     _reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 

@@ -1,7 +1,8 @@
 """Process groups: initialise from the torchrun environment, build the TP / DP / EP groups, tear down.
 
 gloo on CPU, NCCL on CUDA. Every collective carries `timeout_s`, so a dead peer turns into an error on the
-surviving ranks instead of a hang.
+surviving ranks instead of a hang. On CUDA the TP and EP groups also get the one-shot kernels for small
+collectives where the GPUs support them (`comm.enable_one_shot`).
 """
 
 import os
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from spmoe.config import ParallelConfig
+from spmoe.distributed.comm import disable_one_shot, enable_one_shot
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -92,6 +94,13 @@ def init_distributed(config: ParallelConfig | None = None, device: str = "cpu",
             if d == rank // tp:
                 tp_group = group
     _STATE = ParallelState(config=config, rank=rank, device=dev, tp_group=tp_group, ep_group=dist.group.WORLD)
+    if backend == "nccl":
+        groups = [("TP", tp_group)] + ([("EP", dist.group.WORLD)] if tp_group is not dist.group.WORLD else [])
+        for name, group in groups:
+            reason = enable_one_shot(group, dev) if dist.get_world_size(group) > 1 else None
+            if reason and rank == 0:
+                print(f"spmoe: one-shot collectives unavailable on the {name} group, NCCL runs them all: {reason}",
+                      flush=True)
     return _STATE
 
 
@@ -104,5 +113,6 @@ def get_parallel_state() -> ParallelState:
 def destroy_distributed() -> None:
     global _STATE
     _STATE = None
+    disable_one_shot()
     if dist.is_initialized():
         dist.destroy_process_group()
