@@ -7,12 +7,12 @@ is N one-token sequences, prefill N is sequences of 1024 tokens; there is no cac
 the time is as large as it gets (attention is the same computation with SP on and off).
 
 Per N: ms per layer (CUDA-event median on rank 0) over 8 calls of the layer in a row, as a model's layers
-follow each other (each call takes the same input, so SP on and off route the same tokens to the same
-experts: at small N the time follows how many experts each rank streams), launched eagerly (up to a few
+follow each other (each call takes a copy of the same input, so SP on and off route the same tokens to the
+same experts: at small N the time follows how many experts each rank streams), launched eagerly (up to a few
 thousand tokens this is the host's launch time) and replayed from one CUDA graph of the 8 calls (N <= 4096;
 the graph's memory is held);
 the on/off ratios; and, for one eager call, the GPU operations launched (kernels, copies and memsets, from
-the profiler) and the collectives. Then the weight memory per rank of the whole model (78 layers, 3 dense,
+the profiler, the input copy included) and the collectives. Then the weight memory per rank of the whole model (78 layers, 3 dense,
 without the MTP layer) for SP off and SP on with each scope.
 
     python benchmarks/bench_layer.py [--decode 1 2 4] [--prefill 1024]
@@ -75,7 +75,8 @@ def gpu_ops(fn) -> int:
 
 def measure(layer, cfg, num_tokens: int, sp: bool, decode: bool) -> dict:
     hidden, residual, batch = layer_inputs(cfg, num_tokens, sp, decode)
-    call = lambda: layer(hidden, residual, batch, None, num_tokens)  # noqa: E731
+    # a fresh copy of the input per call: without SP the layer all-reduces its PARTIAL input in place
+    call = lambda: layer(hidden.clone(), residual, batch, None, num_tokens)  # noqa: E731
 
     def chain():
         for _ in range(CHAIN):
