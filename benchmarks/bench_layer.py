@@ -1,5 +1,6 @@
-"""One GLM-5.2 MoE decoder layer on 2 GPUs (TP 2; EP 2: 128 of the 256 experts per rank), random bf16 weights,
-the experts backend `auto` picks (Triton on a Hopper GPU): SP on against SP off, and what `auto` picks.
+"""One GLM-5.2 MoE decoder layer on TP x DP GPUs (default TP 2 x DP 1; EP over all of them: 128 of the 256
+experts per rank on 2), random bf16 weights, the experts backend `auto` picks (Triton on a Hopper GPU): SP on
+against SP off, and what `auto` picks. N is the tokens of each DP rank.
 
 The layer runs as it does inside the model: SP on takes and returns SHARDED (hidden, residual) `[n, H]` (the
 steady state of an SP region), SP off PARTIAL `[N, H]`. Attention attends this step's tokens only: decode N
@@ -15,11 +16,12 @@ the on/off ratios; and, for one eager call, the GPU operations launched (kernels
 the profiler, the input copy included) and the collectives. Then the weight memory per rank of the whole model (78 layers, 3 dense,
 without the MTP layer) for SP off and SP on with each scope.
 
-    python benchmarks/bench_layer.py [--decode 1 2 4] [--prefill 1024]
+    python benchmarks/bench_layer.py [--tp 2] [--dp 1] [--decode 1 2 4] [--prefill 1024]
 """
 
 import argparse
 import os
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -37,14 +39,18 @@ from timing import cuda_ms, graphed
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL = [1024, 4096, 8192, 16384]
 PREFILL_SEQ = 1024
-TP = 2
 MODES = {"off": False, "on": True}
 GRAPH_MAX = 4096  # largest N timed from a CUDA graph
 CHAIN = 8  # layer calls per timed run
 
 
+def with_sp(mode: str, scope: str = "moe") -> ParallelConfig:
+    """This run's TP x DP layout with SP `mode` ("on" / "off") and `scope`."""
+    return replace(get_parallel_state().config, sequence_parallel_moe=mode, sp_scope=scope)
+
+
 def build_layer(cfg: ModelConfig, sp: bool, device: str) -> DeepseekV32DecoderLayer:
-    parallel = ParallelConfig(tensor_parallel_size=TP, sequence_parallel_moe="on" if sp else "off")
+    parallel = with_sp("on" if sp else "off")
     experts = select_experts(ExpertsDeployment.for_layer(cfg, parallel, sp, torch.bfloat16, "cuda"), "auto")
     with torch.device(device), _default_dtype(torch.bfloat16):
         return DeepseekV32DecoderLayer(cfg, 0, sp, Layout.SHARDED if sp else Layout.PARTIAL, experts,
@@ -102,7 +108,7 @@ def measure(layer, cfg, num_tokens: int, sp: bool, decode: bool) -> dict:
 def run(decode: list[int], prefill: list[int]):
     cfg = ModelConfig.from_dict(GLM)
     results = {}
-    for mode, sp in MODES.items():  # one layer at a time: each holds 128 experts, about 9.7 GB
+    for mode, sp in MODES.items():  # one layer at a time: on 2 GPUs each holds 128 experts, about 9.7 GB
         layer = build_layer(cfg, sp, "cuda").eval()
         random_weights(layer)
         for num_tokens in decode + prefill:
@@ -127,7 +133,7 @@ def weight_gib() -> dict[str, float]:
     out = {}
     for label, mode, scope in (("SP off", "off", "moe"), ("SP on, scope moe", "on", "moe"),
                                ("SP on, scope all", "on", "all")):
-        parallel = ParallelConfig(tensor_parallel_size=TP, sequence_parallel_moe=mode, sp_scope=scope)
+        parallel = with_sp(mode, scope)
         total = sum(map(nbytes, vocab))
         for idx, count in ((0, 3), (3, layers - 3)):  # one dense, one MoE layer
             sp = parallel.layer_uses_sp(cfg.layer_is_moe(idx))
@@ -141,15 +147,18 @@ def weight_gib() -> dict[str, float]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1); TP x DP GPUs in all")
     p.add_argument("--decode", type=int, nargs="*", default=DECODE)
     p.add_argument("--prefill", type=int, nargs="*", default=PREFILL)
     args = p.parse_args()
-    results, memory = spawn(run, TP, args.decode, args.prefill, config=ParallelConfig(tensor_parallel_size=TP),
-                    device="cuda")[0]
-    auto = "on" if ParallelConfig(tensor_parallel_size=TP).use_sequence_parallel_moe else "off"
-    print(f"GPU {torch.cuda.get_device_name()} x{TP}, torch {torch.__version__}, "
-          f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}; one GLM-5.2 MoE layer, TP {TP} x DP 1, "
-          f"128 local experts, bf16; auto picks SP {auto} here")
+    layout = ParallelConfig(tensor_parallel_size=args.tp, data_parallel_size=args.dp)
+    results, memory = spawn(run, layout.world_size, args.decode, args.prefill, config=layout, device="cuda")[0]
+    auto = "on" if layout.use_sequence_parallel_moe else "off"
+    print(f"GPU {torch.cuda.get_device_name()} x{layout.world_size}, torch {torch.__version__}, "
+          f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}; one GLM-5.2 MoE layer, TP {args.tp} x DP "
+          f"{args.dp}, {GLM['n_routed_experts'] // layout.world_size} local experts, bf16; auto picks SP {auto} "
+          f"here; N tokens per DP rank")
     print(f"{'N':>6} {'SP off ms':>10} {'SP on ms':>10} {'on/off':>7} {'graph off':>10} {'graph on':>10} "
           f"{'on/off':>7} {'auto/best':>9}   GPU ops off / on, collectives off | on (one eager call)")
     for num_tokens in args.decode + args.prefill:
