@@ -1,4 +1,4 @@
-"""The one-shot collectives on 2 GPUs against NCCL: all-gather, reduce-scatter and all-reduce, bf16 and fp32,
+"""The one-shot collectives against NCCL, on every GPU: all-gather, reduce-scatter and all-reduce, bf16 and fp32,
 from 1 to 256 rows of 6144 (those that fit the buffer), launched eagerly and replayed from a CUDA graph with
 new inputs each replay; and a call too large for the buffer is an error, not a silent overflow."""
 
@@ -14,7 +14,8 @@ H = 6144
 
 
 def compare_with_nccl() -> list[str]:
-    """-> one line per mismatch (empty when every case matches NCCL bit for bit)."""
+    """-> one line per mismatch (empty when every case matches NCCL: bit for bit on 2 ranks, where a sum of
+    two has one order; on more ranks NCCL sums in another order, so within rounding)."""
     from spmoe.distributed.one_shot import BUFFER_BYTES, OneShot, fits
 
     state = get_parallel_state()
@@ -57,10 +58,13 @@ def compare_with_nccl() -> list[str]:
                 else:
                     graph.replay()
                 for kind, want in nccl().items():
-                    if kind in kinds and not torch.equal(outs[kind], want):
+                    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+                    close = torch.equal if t == 2 or kind == "all_gather" else lambda a, b: torch.allclose(
+                        a.float(), b.float(), rtol=tol, atol=tol)
+                    if kind in kinds and not close(outs[kind], want):
                         err = (outs[kind].float() - want.float()).abs().max().item()
                         failures.append(f"{kind} {dtype} rows={rows} {trial}: max |diff| {err:.3e}")
-    too_big = torch.empty(BUFFER_BYTES // 4 + 1, dtype=torch.bfloat16, device=device)  # x 2 ranks x 2 B
+    too_big = torch.empty(BUFFER_BYTES // (2 * t) + 1, dtype=torch.bfloat16, device=device)  # x t ranks x 2 B
     try:
         one_shot.run("all_reduce", too_big, too_big)
         failures.append("an all-reduce larger than the buffer ran")

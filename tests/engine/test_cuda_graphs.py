@@ -1,5 +1,6 @@
-"""CUDA-graph decode on 2 GPUs, TP 2, SP off and on, bfloat16 with the Triton experts: a replayed step equals
-the same step run eagerly, bit for bit, and an engine with graphs generates what the eager engine does."""
+"""CUDA-graph decode with TP over every GPU (2, 4 or 8), SP off and on, bfloat16 with the Triton experts: a
+replayed step equals the same step run eagerly, bit for bit, and an engine with graphs generates what the
+eager engine does."""
 
 import pytest
 import torch
@@ -11,7 +12,9 @@ from ..multigpu import requires_gpus, run_on_gpus
 from .conftest import ENGINE_CONFIG
 from .test_generate import EOS, MAX_NEW, PROMPTS
 
-GRAPH_CONFIG = {**ENGINE_CONFIG, "hidden_size": 256, "moe_intermediate_size": 128}  # Triton needs 128 multiples
+# Triton needs multiples of 128; 8 heads and 16 experts divide over 2, 4 and 8 ranks
+GRAPH_CONFIG = {**ENGINE_CONFIG, "hidden_size": 256, "moe_intermediate_size": 128, "num_attention_heads": 8,
+                "num_key_value_heads": 8, "n_routed_experts": 16}
 
 
 def graph_cases(folder: str) -> dict:
@@ -22,7 +25,7 @@ def graph_cases(folder: str) -> dict:
 
     state, out = get_parallel_state(), {}
     for sp in ("off", "on"):
-        model = load_model(folder, ParallelConfig(tensor_parallel_size=2, sequence_parallel_moe=sp),
+        model = load_model(folder, ParallelConfig(tensor_parallel_size=state.tp_size, sequence_parallel_moe=sp),
                            torch.bfloat16, state.device)
         out[sp, "experts"] = model.model.experts_backend.name
         cache = KVCache.for_model(model, 4, 16)

@@ -1,4 +1,4 @@
-"""The transformers oracle on GPUs: our bfloat16 logits on 2 GPUs (TP 2, NCCL), SP off and on, against
+"""The transformers oracle on GPUs: our bfloat16 logits with TP over every GPU (NCCL), SP off and on, against
 transformers' float32 logits on the CPU.
 
 bfloat16 rounding flips a discrete choice now and then (an expert in the router's top-k, a key in the DSA
@@ -28,8 +28,8 @@ def gpu_logits(cases):
 
     state, out = get_parallel_state(), []
     for folder, sp, batches in cases:
-        model = load_model(folder, ParallelConfig(tensor_parallel_size=2, sequence_parallel_moe=sp), torch.bfloat16,
-                           state.device)
+        model = load_model(folder, ParallelConfig(tensor_parallel_size=state.tp_size, sequence_parallel_moe=sp),
+                           torch.bfloat16, state.device)
         with torch.no_grad():
             out.append([model(*flatten(seqs, state.device)).cpu() for seqs in batches])
     return out
