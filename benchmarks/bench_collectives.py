@@ -18,7 +18,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import _all_gather_sp_states, get_parallel_state, shard_rows, spawn, sp_all_gather
 from spmoe.distributed import sp_reduce_scatter
 from spmoe.distributed.comm import all_reduce
-from spmoe.distributed.one_shot import BUFFER_BYTES, OneShot, fits
+from spmoe.distributed.one_shot import OneShot
 from timing import cuda_ms
 
 H = 6144
@@ -81,7 +81,7 @@ def run():
         }
         for kind, x, out in (("all_gather", shard, gathered), ("reduce_scatter", full, scattered),
                              ("all_reduce", full, full)):
-            if fits(kind, x, t, BUFFER_BYTES):
+            if one_shot.fits(kind, x):
                 cases[f"one-shot {kind}"] = lambda kind=kind, x=x, out=out: one_shot.run(kind, x, out)
         symm = symm_mem_all_reduce(n * t) if rows <= 1024 else "skipped (large)"
         for name, fn in cases.items():

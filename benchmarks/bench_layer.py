@@ -13,8 +13,8 @@ same experts: at small N the time follows how many experts each rank streams), l
 thousand tokens this is the host's launch time) and replayed from one CUDA graph of the 8 calls (N <= 4096;
 the graph's memory is held);
 the on/off ratios; and, for one eager call, the GPU operations launched (kernels, copies and memsets, from
-the profiler, the input copy included) and the collectives. Then the weight memory per rank of the whole model (78 layers, 3 dense,
-without the MTP layer) for SP off and SP on with each scope.
+the profiler, the input copy included) and the collectives. Then the weight memory per rank of the whole
+model (78 layers, 3 dense, without the MTP layer) for SP off and SP on with each scope.
 
     python benchmarks/bench_layer.py [--tp 2] [--dp 1] [--decode 1 2 4] [--prefill 1024]
 """
@@ -128,7 +128,8 @@ def weight_gib() -> dict[str, float]:
                                  "mlp_layer_types": ["dense"] * 3 + ["sparse"] * (layers - 3),
                                  "indexer_types": ["full"] * layers})
     with torch.device("meta"), _default_dtype(torch.bfloat16):
-        vocab = [VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size), ParallelLMHead(cfg.vocab_size, cfg.hidden_size)]
+        vocab = [VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size),
+                 ParallelLMHead(cfg.vocab_size, cfg.hidden_size)]
     nbytes = lambda module: sum(p.numel() * p.element_size() for p in module.parameters())  # noqa: E731
     out = {}
     for label, mode, scope in (("SP off", "off", "moe"), ("SP on, scope moe", "on", "moe"),

@@ -79,10 +79,8 @@ def disable_one_shot() -> None:
 
 def _one_shot(kind: str, x: torch.Tensor, group):
     """The group's one-shot kernels if they should take this call, else None (NCCL)."""
-    from spmoe.distributed.one_shot import fits
-
     one_shot = _ONE_SHOT.get(group)
-    return one_shot if one_shot is not None and fits(kind, x, one_shot.world, ONE_SHOT_MAX_BYTES[kind]) else None
+    return one_shot if one_shot is not None and one_shot.fits(kind, x, ONE_SHOT_MAX_BYTES[kind]) else None
 
 
 @contextmanager

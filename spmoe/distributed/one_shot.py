@@ -104,23 +104,21 @@ class OneShot:
         self.pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
         self.handle = handle  # keeps the mapping alive
 
+    def buffer_bytes(self, kind: str, x: torch.Tensor) -> int:
+        """Buffer bytes per rank a `kind` call on input `x` takes: WORLD per-rank blocks."""
+        return x.numel() * x.element_size() * (1 if kind == "reduce_scatter" else self.world)
+
+    def fits(self, kind: str, x: torch.Tensor, max_bytes: int = BUFFER_BYTES) -> bool:
+        """Whether a `kind` call may take `x`: on a GPU, a dtype it sums, and within `max_bytes` of buffer."""
+        return x.dtype in DTYPES and x.is_cuda and self.buffer_bytes(kind, x) <= min(max_bytes, BUFFER_BYTES)
+
     def run(self, kind: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (contiguous) <- the `kind` collective of `x` (contiguous) over the group."""
+        if self.buffer_bytes(kind, x) > BUFFER_BYTES:
+            raise ValueError(f"one-shot {kind} of {tuple(x.shape)} {x.dtype} needs {self.buffer_bytes(kind, x)} "
+                             f"buffer bytes per rank, the buffer has {BUFFER_BYTES}")
         numel = out.numel() if kind != "all_gather" else x.numel()
-        if buffer_bytes(kind, x, self.world) > BUFFER_BYTES:
-            raise ValueError(f"one-shot {kind} of {tuple(x.shape)} {x.dtype} needs {buffer_bytes(kind, x, self.world)}"
-                             f" buffer bytes per rank, the buffer has {BUFFER_BYTES}")
         programs = min(MAX_PROGRAMS, triton.cdiv(numel, BLOCK))
         _one_shot_kernel[(programs,)](x, out, self.buffers, self.pads, numel, KIND=KINDS[kind], RANK=self.rank,
                                       WORLD=self.world, BLOCK=BLOCK, PROGRAMS=MAX_PROGRAMS, num_warps=8)
         return out
-
-
-def buffer_bytes(kind: str, x: torch.Tensor, world: int) -> int:
-    """Buffer bytes per rank a one-shot `kind` of input `x` takes: WORLD per-rank blocks."""
-    return x.numel() * x.element_size() * (1 if kind == "reduce_scatter" else world)
-
-
-def fits(kind: str, x: torch.Tensor, world: int, max_bytes: int) -> bool:
-    """Whether a one-shot call may take `x`: on a GPU, a dtype it sums, and within `max_bytes` of buffer."""
-    return x.dtype in DTYPES and x.is_cuda and buffer_bytes(kind, x, world) <= min(max_bytes, BUFFER_BYTES)

@@ -16,7 +16,7 @@ H = 6144
 def compare_with_nccl() -> list[str]:
     """-> one line per mismatch (empty when every case matches NCCL: bit for bit on 2 ranks, where a sum of
     two has one order; on more ranks NCCL sums in another order, so within rounding)."""
-    from spmoe.distributed.one_shot import BUFFER_BYTES, OneShot, fits
+    from spmoe.distributed.one_shot import BUFFER_BYTES, OneShot
 
     state = get_parallel_state()
     group, t, device = state.tp_group, state.tp_size, state.device
@@ -30,7 +30,7 @@ def compare_with_nccl() -> list[str]:
                     "all_reduce": torch.empty_like(full)}
 
             inputs = {"all_gather": shard, "reduce_scatter": full, "all_reduce": full}
-            kinds = [k for k, x in inputs.items() if fits(k, x, t, BUFFER_BYTES)]
+            kinds = [k for k, x in inputs.items() if one_shot.fits(k, x)]
             if not kinds:
                 continue
 
