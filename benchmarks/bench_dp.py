@@ -16,7 +16,7 @@ import torch
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
 from spmoe.engine.kv_cache import KVCache
-from spmoe.forward import split_for_dp
+from spmoe.entrypoints.jobs import split_for_dp
 from spmoe.layers.moe.work import count_moe_work
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 from timing import cuda_ms
@@ -55,9 +55,9 @@ def timed_step(model, cache, seqs, starts, reps):
     view = cache.view(mine, [starts] * len(mine), lens)
     ids = torch.randint(0, GLM["vocab_size"], (sum(lens),), device="cuda")
     with torch.no_grad():
-        ms = cuda_ms(lambda: model.model(ids, view.positions, lens, view), reps, barrier=True)
+        ms = cuda_ms(lambda: model.forward_hidden(ids, view.positions, lens, view), reps, barrier=True)
         with count_moe_work() as work:
-            model.model(ids, view.positions, lens, view)
+            model.forward_hidden(ids, view.positions, lens, view)
     return ms, work.as_dict()
 
 

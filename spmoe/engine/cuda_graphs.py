@@ -45,9 +45,10 @@ class DecodeGraphs:
             problems.append(f"data_parallel_size 1 (got {get_parallel_state().dp_size})")
         if model.parallel.ep_backend != "allgather_reducescatter":
             problems.append(f"ep_backend 'allgather_reducescatter' (got {model.parallel.ep_backend!r})")
-        if model.model.experts_backend.syncs_host:
-            problems.append(f"experts that never sync the host (got moe backend "
-                            f"{model.model.experts_backend.name!r}; bfloat16 on a GPU picks triton)")
+        capturable, experts = model.graph_capturable
+        if not capturable:
+            problems.append(f"experts that never sync the host (got moe backend {experts!r}; bfloat16 on a GPU "
+                            f"picks triton)")
         if problems:
             raise ValueError("CUDA graphs for decode need " + "; ".join(problems))
         self.model, self.cache = model, cache
@@ -61,8 +62,7 @@ class DecodeGraphs:
         """The captured step, run eagerly: inputs `[3, B]` (ids, slots, positions) -> logits `[B, V]`."""
         ids, slots, positions = inputs
         view = self.cache.decode_view(slots, positions)
-        hidden = self.model.model(ids, positions, [1] * ids.shape[0], view)
-        return self.model.lm_head(hidden)
+        return self.model.compute_logits(self.model.forward_hidden(ids, positions, [1] * ids.shape[0], view))
 
     def _capture(self, size: int, pool) -> CapturedStep:
         inputs = torch.zeros(3, size, dtype=torch.long, device=self.cache.device)

@@ -87,7 +87,7 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), num_speculative_tokens: int = 0, cuda_graphs: bool = False):
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-        if num_speculative_tokens and not len(model.mtp):
+        if num_speculative_tokens and not model.num_draft_layers:
             raise ValueError("speculative decoding needs the MTP layer: load the model with with_mtp=True")
         if num_speculative_tokens and not sampling.greedy:
             raise ValueError(f"speculative decoding accepts drafts greedily; expected temperature 0, got "
@@ -98,7 +98,7 @@ class Engine:
         self.model, self.cache, self.eos_token_ids = model, cache, set(eos_token_ids)
         self.sampler = Sampler(sampling)
         self.k = num_speculative_tokens
-        self.drafter = MtpDrafter(model.mtp[0], cache, num_speculative_tokens) if num_speculative_tokens else None
+        self.drafter = MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None
         self.graphs = DecodeGraphs(model, cache) if cuda_graphs else None
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, record_logits: bool = False,
@@ -148,9 +148,9 @@ class Engine:
                 view = self.cache.view([s.slot for s in live], [s.cached for s in live], lens)
                 ids = torch.tensor([t for s in live for t in s.pending], dtype=torch.long,
                                    device=view.positions.device)
-                hidden = self.model.model(ids, view.positions, lens, view)  # FULL [N, H]
+                hidden = self.model.forward_hidden(ids, view.positions, lens, view)  # FULL [N, H]
                 rows = [r for s, end in zip(live, ends) for r in range(end - 1 - len(s.drafts), end)]
-                logits = self.model.lm_head(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
+                logits = self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long, device=hidden.device))
         to_draft, row = [], 0
         for seq, end, n in zip(live, ends, lens):
             seq_logits = logits[row:row + 1 + len(seq.drafts)]
@@ -185,7 +185,7 @@ class Engine:
     def _draft(self, to_draft: list) -> None:
         phase, began = self.phases["draft"], time.perf_counter()
         with count_collectives(phase.collectives):
-            hidden = [h for *_, h in to_draft] or [self.model.lm_head.weight.new_zeros(0, self.model.cfg.hidden_size)]
+            hidden = [h for *_, h in to_draft] or [torch.zeros(0, self.model.cfg.hidden_size, dtype=self.cache.dtype, device=self.cache.device)]
             drafts = self.drafter.propose([s.slot for s, *_ in to_draft], [start for _, start, _, _ in to_draft],
                                           [ids for *_, ids, _ in to_draft], torch.cat(hidden))
         for (seq, *_), proposed in zip(to_draft, drafts):

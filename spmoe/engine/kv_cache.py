@@ -45,7 +45,7 @@ class KVCache:
         if max_seqs < 1 or max_len < 1:
             raise ValueError(f"the KV cache needs max_seqs >= 1 and max_len >= 1, got {max_seqs} and {max_len}")
         widths = {"mla": cfg.kv_lora_rank + cfg.qk_rope_head_dim, "indexer": cfg.index_head_dim}
-        self.max_seqs, self.max_len, self.device = max_seqs, max_len, torch.device(device)
+        self.max_seqs, self.max_len, self.dtype, self.device = max_seqs, max_len, dtype, torch.device(device)
         self.scratch_slot = max_seqs
         self.buffers = {layer: {kind: torch.zeros((max_seqs + 1) * max_len, widths[kind], dtype=dtype,
                                                   device=device)

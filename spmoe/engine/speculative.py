@@ -14,7 +14,7 @@ tokens, and later writes overwrite the stale cache rows.
 import torch
 
 from spmoe.engine.kv_cache import KVCache
-from spmoe.models.deepseek_v32.mtp import DeepseekV32MultiTokenPredictorLayer
+from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 
 def accept_greedy(drafts: list[int], target_choices: list[int]) -> int:
@@ -29,11 +29,11 @@ def accept_greedy(drafts: list[int], target_choices: list[int]) -> int:
 
 
 class MtpDrafter:
-    """Drafts `k` tokens per sequence with one MTP layer, greedily. Its KV cache rows live in the engine's
-    cache, under the MTP layer's index, in the same slots as the target's."""
+    """Drafts `k` tokens per sequence with the model's MTP layer, greedily. Its KV cache rows live in the
+    engine's cache, under the MTP layer's index, in the same slots as the target's."""
 
-    def __init__(self, mtp: DeepseekV32MultiTokenPredictorLayer, cache: KVCache, k: int):
-        self.mtp, self.cache, self.k = mtp, cache, k
+    def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache, k: int):
+        self.model, self.cache, self.k = model, cache, k
 
     def propose(self, slots: list[int], starts: list[int], next_ids: list[list[int]],
                 hidden: torch.Tensor) -> list[list[int]]:
@@ -47,14 +47,14 @@ class MtpDrafter:
         view = self.cache.view(slots, starts, lens)
         ids = torch.tensor([t for seq in next_ids for t in seq], dtype=torch.long, device=device)
         last_rows = torch.tensor(lens, dtype=torch.long, device=device).cumsum(0) - 1
-        h = self.mtp(ids, view.positions, hidden, lens, view)[last_rows]  # [S, H]
-        tokens = self.mtp.logits(h).argmax(-1)  # [S]
+        h = self.model.forward_draft_hidden(ids, view.positions, hidden, lens, view)[last_rows]  # [S, H]
+        tokens = self.model.compute_draft_logits(h).argmax(-1)  # [S]
         drafts = [tokens.tolist()]
         positions, ones = [s + n for s, n in zip(starts, lens)], [1] * len(slots)
         for _ in range(self.k - 1):
             view = self.cache.view(slots, positions, ones)
-            h = self.mtp(tokens, view.positions, h, ones, view)  # recycle the post-norm hidden
-            tokens = self.mtp.logits(h).argmax(-1)
+            h = self.model.forward_draft_hidden(tokens, view.positions, h, ones, view)  # recycle the post-norm hidden
+            tokens = self.model.compute_draft_logits(h).argmax(-1)
             drafts.append(tokens.tolist())
             positions = [p + 1 for p in positions]
         return [list(d) for d in zip(*drafts)]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from spmoe.cli import main
+from spmoe.entrypoints.cli import main
 
 
 def generate_cli(tmp_path, model, prompts, *extra):
@@ -79,7 +79,7 @@ def test_unknown_option_exits_non_zero(engine_checkpoint, tmp_path):
 def test_demo_runs_and_reuses_its_checkpoint(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     for expected in ("written now", "reused"):
-        done = subprocess.run([sys.executable, "-m", "spmoe.cli", "demo"], env=env, capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "spmoe", "demo"], env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr
         assert f"({expected})" in done.stdout

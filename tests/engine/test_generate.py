@@ -17,7 +17,7 @@ import torch
 from spmoe.config import ParallelConfig
 from spmoe.distributed import RankFailed, get_parallel_state, spawn
 from spmoe.engine.sampling import SamplingParams
-from spmoe.forward import flatten
+from spmoe.entrypoints.jobs import flatten
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [79, 32], [38], [46, 26, 43, 38]]
 EOS = (51, 74, 39)  # with this checkpoint the four sequences stop after 3, 10, 5 and 7 tokens
@@ -168,7 +168,7 @@ def test_data_parallel_generation(engine_checkpoint):
     """TP2 x DP2 (SP off, on, on with MTP) and TP1 x DP2 give TP1's greedy tokens; with a single prompt on
     two DP groups, the idle group keeps stepping with empty batches (speculation included) until the other
     is done."""
-    from spmoe.generate import GenerateOptions, run_generate
+    from spmoe.entrypoints.generate import GenerateOptions, run_generate
 
     def generate(prompts, tp=1, dp=1, sp="off", k=0):
         parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sequence_parallel_moe=sp)

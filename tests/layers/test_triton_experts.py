@@ -117,7 +117,7 @@ def fp8_checkpoint(folder):
 
 def logits_with(folder, backends):
     from spmoe.config import ParallelConfig
-    from spmoe.forward import flatten
+    from spmoe.entrypoints.jobs import flatten
     from spmoe.models.deepseek_v32.weights import load_model
 
     out = []

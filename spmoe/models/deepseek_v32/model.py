@@ -199,7 +199,40 @@ class DeepseekV32ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
                 cache: KeyStore | None = None) -> torch.Tensor:
         """-> logits `[N, vocab]` float32, identical on every TP rank."""
-        return self.lm_head(self.model(input_ids, positions, seq_lens, cache))
+        return self.compute_logits(self.forward_hidden(input_ids, positions, seq_lens, cache))
+
+    # The API the engine uses; it never reaches into the submodules.
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
+                       cache: KeyStore | None = None) -> torch.Tensor:
+        """input_ids, positions `[N]`; seq_lens: new tokens per sequence, end to end -> FULL `[N, H]` post-norm
+        hidden, identical on every TP rank."""
+        return self.model(input_ids, positions, seq_lens, cache)
+
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """FULL hidden `[N, H]` -> logits `[m, vocab]` float32 of `rows` `[m]` (int64; all N rows if None)."""
+        return self.lm_head(hidden if rows is None else hidden[rows])
+
+    @property
+    def num_draft_layers(self) -> int:
+        """MTP layers built (0 unless loaded with_mtp)."""
+        return len(self.mtp)
+
+    def forward_draft_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
+                             seq_lens: list[int], cache: KeyStore | None = None) -> torch.Tensor:
+        """MTP layer 0: input_ids `[N]` (the token after each position), positions `[N]`, previous_hidden FULL
+        `[N, H]` post-norm -> FULL `[N, H]` post-norm hidden."""
+        return self.mtp[0](input_ids, positions, previous_hidden, seq_lens, cache)
+
+    def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """MTP post-norm hidden `[m, H]` -> draft logits `[m, vocab]` float32."""
+        return self.mtp[0].logits(hidden)
+
+    @property
+    def graph_capturable(self) -> tuple[bool, str]:
+        """(whether a forward can be captured in a CUDA graph as far as the expert kernels go, which backend)."""
+        backend = self.model.experts_backend
+        return not backend.syncs_host, backend.name
 
 
 GlmMoeDsaForCausalLM = DeepseekV32ForCausalLM

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from spmoe.cli import main
+from spmoe.entrypoints.cli import main
 from spmoe.config import ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
 

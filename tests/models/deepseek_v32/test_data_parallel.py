@@ -11,7 +11,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import count_collectives, get_parallel_state, spawn
-from spmoe.forward import flatten, split_for_dp
+from spmoe.entrypoints.jobs import flatten, split_for_dp
 from spmoe.layers.moe.work import count_moe_work
 
 from .conftest import relative_error

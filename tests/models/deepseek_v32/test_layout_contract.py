@@ -6,7 +6,7 @@ import torch
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
-from spmoe.forward import flatten
+from spmoe.entrypoints.jobs import flatten
 from spmoe.layers.attention import AttentionBatch
 from spmoe.layers.moe.router import Router
 from spmoe.layers.rotary import Rotary

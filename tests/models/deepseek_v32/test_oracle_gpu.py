@@ -12,7 +12,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import get_parallel_state
-from spmoe.forward import flatten
+from spmoe.entrypoints.jobs import flatten
 
 from ...multigpu import requires_gpus, run_on_gpus
 

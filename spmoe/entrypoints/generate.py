@@ -9,7 +9,7 @@ from spmoe.distributed import get_parallel_state, launch
 from spmoe.engine.engine import Engine, Generation, check_prompts
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.sampling import SamplingParams
-from spmoe.forward import DTYPES, gather_from_dp, split_for_dp
+from spmoe.entrypoints.jobs import DTYPES, gather_from_dp, split_for_dp
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
-from spmoe.generate import GenerateOptions, run_generate
+from spmoe.entrypoints.generate import GenerateOptions, run_generate
 
 CONFIG = dict(
     model_type="glm_moe_dsa", vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,

@@ -1,4 +1,5 @@
-"""One forward pass over a batch of sequences on T local ranks: the job behind `spmoe forward`."""
+"""What the jobs share: reading token-id input, the dtypes by name, the flat batch, splitting a batch over
+the data-parallel ranks and gathering it back."""
 
 import json
 from pathlib import Path
@@ -6,8 +7,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmoe.config import ModelConfig, ParallelConfig
-from spmoe.distributed import count_collectives, get_parallel_state, launch
+from spmoe.distributed import get_parallel_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -60,26 +60,3 @@ def gather_from_dp(mine: list, dp_size: int) -> list | None:
     for d, share in enumerate(per_dp):
         whole[d::dp_size] = share
     return whole
-
-
-def _rank_forward(model_dir: str, parallel: ParallelConfig, dtype: str, seqs: list[list[int]]):
-    from spmoe.models.deepseek_v32.weights import load_model
-
-    state = get_parallel_state()
-    model = load_model(model_dir, parallel, DTYPES[dtype], state.device)
-    ids, positions, seq_lens = flatten(split_for_dp(seqs, state.dp_rank, state.dp_size), state.device)
-    with torch.no_grad(), count_collectives() as stats:
-        logits = model(ids, positions, seq_lens).cpu()
-    per_seq = gather_from_dp(list(logits.split(seq_lens)), state.dp_size)
-    if state.rank != 0:
-        return None
-    return torch.cat([logits[:0]] + per_seq), stats.as_dict()
-
-
-def run_forward(model_dir: str, parallel: ParallelConfig, seqs: list[list[int]], dtype: str = "float32",
-                device: str = "cpu") -> tuple[torch.Tensor, dict]:
-    """-> (logits `[total tokens, vocab]` float32, rank 0's collective counts) on rank 0; None on the other
-    ranks under torchrun. Validates before starting any rank."""
-    ModelConfig.from_file(model_dir).check_parallel(parallel)
-    return launch(_rank_forward, parallel.world_size, model_dir, parallel, dtype, seqs, config=parallel,
-                  device=device)

@@ -30,7 +30,8 @@ def cmd_selfcheck(args) -> int:
 def cmd_forward(args) -> int:
     from safetensors.torch import save_file
 
-    from spmoe.forward import read_input_ids, run_forward
+    from spmoe.entrypoints.forward import run_forward
+    from spmoe.entrypoints.jobs import read_input_ids
 
     cfg = ModelConfig.from_file(args.model)
     parallel = parallel_config(args)
@@ -52,8 +53,8 @@ def cmd_forward(args) -> int:
 
 def cmd_generate(args) -> int:
     from spmoe.engine.sampling import SamplingParams
-    from spmoe.forward import read_input_ids
-    from spmoe.generate import GenerateOptions, run_generate
+    from spmoe.entrypoints.jobs import read_input_ids
+    from spmoe.entrypoints.generate import GenerateOptions, run_generate
 
     cfg = ModelConfig.from_file(args.model)
     parallel = parallel_config(args)
@@ -84,7 +85,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from spmoe.demo import run_demo
+    from spmoe.entrypoints.demo import run_demo
 
     return run_demo(args.device, args.dp)
 

@@ -1,0 +1,1 @@
+"""The jobs (`forward`, `generate`, `demo`) and the command line that runs them."""
