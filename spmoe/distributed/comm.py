@@ -66,7 +66,7 @@ def enable_one_shot(group, device: torch.device) -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure means NCCL, with the reason reported
         reason = f"{type(e).__name__}: {e}"
     agreed = torch.tensor([reason is None], dtype=torch.int32, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    all_reduce(agreed, group, op="min")
     if not agreed.item():
         return reason or "another rank of the group could not set them up"
     _ONE_SHOT[group] = one_shot
@@ -101,11 +101,11 @@ def _record(kind: str, t: torch.Tensor) -> None:
         stats.record(kind, t.numel() * t.element_size())
 
 
-REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
-    """Reduce `x` over `group` in place (`op`: "sum" or "max"). Returns `x`."""
+    """Reduce `x` over `group` in place (`op`: "sum", "max" or "min"). Returns `x`."""
     _record("all_reduce", x)
     one_shot = _one_shot("all_reduce", x, group) if op == "sum" and x.is_contiguous() else None
     if one_shot is not None:
