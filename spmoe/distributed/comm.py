@@ -1,7 +1,7 @@
 """Collectives with accounting, and the choice between NCCL and the one-shot kernels.
 
-Every collective the project runs goes through one of the four functions here, so `count_collectives()`
-sees all of them. On groups where `enable_one_shot` succeeded, small all-gathers, reduce-scatters and
+Every collective the project runs goes through the functions here, so `count_collectives()` sees all of
+them. On groups where `enable_one_shot` succeeded, small all-gathers, reduce-scatters and
 all-reduce sums of floating-point tensors run as one-shot kernels (`one_shot.py`) up to `ONE_SHOT_MAX_BYTES`
 of buffer, the sizes where they beat NCCL inside a CUDA graph (`benchmarks/bench_collectives.py`); NCCL runs
 the rest. Bytes are the size of the full-length buffer of the call on this rank:
@@ -14,6 +14,7 @@ the rest. Bytes are the size of the full-length buffer of the call on this rank:
 | all_to_all     | the bytes this rank sends            |
 """
 
+import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -65,7 +66,7 @@ def enable_one_shot(group, device: torch.device) -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure means NCCL, with the reason reported
         reason = f"{type(e).__name__}: {e}"
     agreed = torch.tensor([reason is None], dtype=torch.int32, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    all_reduce(agreed, group, op="min")
     if not agreed.item():
         return reason or "another rank of the group could not set them up"
     _ONE_SHOT[group] = one_shot
@@ -100,13 +101,16 @@ def _record(kind: str, t: torch.Tensor) -> None:
         stats.record(kind, t.numel() * t.element_size())
 
 
-def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Reduce `x` over `group` (a sum unless `op` says otherwise), in place. Returns `x`."""
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """Reduce `x` over `group` in place (`op`: "sum", "max" or "min"). Returns `x`."""
     _record("all_reduce", x)
-    one_shot = _one_shot("all_reduce", x, group) if op == dist.ReduceOp.SUM and x.is_contiguous() else None
+    one_shot = _one_shot("all_reduce", x, group) if op == "sum" and x.is_contiguous() else None
     if one_shot is not None:
         return one_shot.run("all_reduce", x, x)
-    dist.all_reduce(x, op=op, group=group)
+    dist.all_reduce(x, op=REDUCE_OPS[op], group=group)
     return x
 
 
@@ -141,3 +145,15 @@ def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[i
     _record("all_to_all", x)
     dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
     return out
+
+
+def all_gather_object(obj, group, device: torch.device) -> list:
+    """Every rank's picklable `obj`, in the group's rank order: host-side results (a job's outputs), not the
+    hot path. The pickled bytes travel as two all-gathers on `device`: their lengths, then the bytes padded to
+    the longest; both are counted."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    sizes = all_gather_rows(torch.tensor([payload.numel()], device=device), group).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[:payload.numel()] = payload
+    gathered = all_gather_rows(padded, group).view(len(sizes), -1).cpu()
+    return [pickle.loads(gathered[r, :size].numpy().tobytes()) for r, size in enumerate(sizes)]

@@ -110,6 +110,16 @@ def get_parallel_state() -> ParallelState:
     return _STATE
 
 
+def group_size(group) -> int:
+    """The number of ranks in `group`."""
+    return dist.get_world_size(group)
+
+
+def is_first_rank() -> bool:
+    """True on global rank 0, and in a process that has joined no process group."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def destroy_distributed() -> None:
     global _STATE
     _STATE = None

@@ -68,20 +68,6 @@ class Generation:
     logits: list[torch.Tensor] | None  # per sequence `[len(output), V]` float32, when recorded
 
 
-def check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: int, drafts: int, max_len: int) -> None:
-    """Raise unless every prompt is valid and fits the KV cache with its new tokens and drafts."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    for i, prompt in enumerate(prompts):
-        if not prompt or any(not 0 <= t < vocab_size for t in prompt):
-            raise ValueError(f"prompt {i} must be a non-empty list of token ids in [0, {vocab_size}), got "
-                             f"{str(prompt)[:60]}")
-        if len(prompt) + max_new_tokens + drafts > max_len:
-            raise ValueError(f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} and "
-                             f"{drafts} speculative tokens it needs {len(prompt) + max_new_tokens + drafts} KV "
-                             f"cache positions, the cache holds {max_len} per sequence")
-
-
 class Engine:
     def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache, sampling: SamplingParams = SamplingParams(),
                  eos_token_ids: tuple[int, ...] = (), num_speculative_tokens: int = 0, cuda_graphs: bool = False):
@@ -104,8 +90,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, record_logits: bool = False,
                  on_step=None) -> Generation:
         """Generate up to `max_new_tokens` after each prompt. `on_step(done_tokens, live_sequences)` is called
-        after every step (for progress output)."""
-        check_prompts(prompts, self.model.cfg.vocab_size, max_new_tokens, self.k, self.cache.max_len)
+        after every step (for progress output). The prompts were checked where the job started."""
         seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
         waiting, live = deque(seqs), []
         self.phases = {name: Phase() for name in PHASES}
@@ -133,7 +118,7 @@ class Engine:
         if state.dp_size == 1:
             return busy
         flag = torch.tensor([int(busy)], device=state.device)
-        return bool(all_reduce(flag, state.ep_group, op=torch.distributed.ReduceOp.MAX).item())
+        return bool(all_reduce(flag, state.ep_group, op="max").item())
 
     def _step(self, live: list[Sequence], max_new_tokens: int, record_logits: bool) -> None:
         phase = self.phases["prefill" if any(s.cached == 0 for s in live) else "decode"]

@@ -6,6 +6,7 @@ from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import count_collectives, get_parallel_state, launch
 from spmoe.entrypoints.jobs import DTYPES, flatten, gather_from_dp, split_for_dp
 
+
 def _rank_forward(model_dir: str, parallel: ParallelConfig, dtype: str, seqs: list[list[int]]):
     from spmoe.models.deepseek_v32.weights import load_model
 
@@ -23,7 +24,8 @@ def _rank_forward(model_dir: str, parallel: ParallelConfig, dtype: str, seqs: li
 def run_forward(model_dir: str, parallel: ParallelConfig, seqs: list[list[int]], dtype: str = "float32",
                 device: str = "cpu") -> tuple[torch.Tensor, dict]:
     """-> (logits `[total tokens, vocab]` float32, rank 0's collective counts) on rank 0; None on the other
-    ranks under torchrun. Validates before starting any rank."""
+    ranks under torchrun. seqs: valid token ids (`jobs.read_input_ids` checks a file's). Validates the
+    parallel config before starting any rank."""
     ModelConfig.from_file(model_dir).check_parallel(parallel)
     return launch(_rank_forward, parallel.world_size, model_dir, parallel, dtype, seqs, config=parallel,
                   device=device)

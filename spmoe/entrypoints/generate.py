@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, launch
-from spmoe.engine.engine import Engine, Generation, check_prompts
+from spmoe.engine.engine import Engine, Generation
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.jobs import DTYPES, gather_from_dp, split_for_dp
@@ -27,6 +27,18 @@ class GenerateOptions:
 
     def cache_len(self, prompts: list[list[int]]) -> int:
         return self.max_model_len or max(map(len, prompts)) + self.max_new_tokens + self.num_speculative_tokens
+
+    def check(self, prompts: list[list[int]]) -> None:
+        """Raise unless every prompt fits the KV cache with its new tokens and drafts."""
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        max_len, drafts = self.cache_len(prompts), self.num_speculative_tokens
+        for i, prompt in enumerate(prompts):
+            if len(prompt) + self.max_new_tokens + drafts > max_len:
+                need = len(prompt) + self.max_new_tokens + drafts
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={self.max_new_tokens} "
+                                 f"and {drafts} speculative tokens it needs {need} KV cache positions, the cache "
+                                 f"holds {max_len} per sequence")
 
 
 def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions):
@@ -65,11 +77,12 @@ def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[
 def run_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions,
                  device: str = "cpu"):
     """-> rank 0's `Generation` (outputs, stats, optional logits); None on the other ranks under torchrun.
-    Validates before starting any rank."""
+    prompts: valid token ids (`jobs.read_input_ids` checks a file's). Validates the configs, and the options
+    against the prompts, before starting any rank."""
     cfg = ModelConfig.from_file(model_dir)
     cfg.check_parallel(parallel)
     if opts.num_speculative_tokens and not cfg.num_nextn_predict_layers:
         raise ValueError(f"--speculative mtp needs an MTP layer; {model_dir} has num_nextn_predict_layers = 0")
-    check_prompts(prompts, cfg.vocab_size, opts.max_new_tokens, opts.num_speculative_tokens, opts.cache_len(prompts))
+    opts.check(prompts)
     return launch(_rank_generate, parallel.world_size, model_dir, parallel, prompts, opts, config=parallel,
                   device=device)

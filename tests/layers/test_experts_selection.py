@@ -21,8 +21,8 @@ def deployment(device="cuda", capability=HOPPER, dtype=torch.bfloat16, fp8_block
                ep_backend="allgather_reducescatter", flashinfer=True, hidden=6144, inter=2048, dp=1, triton=True):
     return ExpertsDeployment(device=device, capability=capability if device == "cuda" else None, dtype=dtype,
                              fp8_block=fp8_block, hidden_size=hidden, intermediate_size=inter, num_experts=256,
-                             is_sequence_parallel=sp, ep_backend=ep_backend, triton=triton, flashinfer=flashinfer,
-                             data_parallel_size=dp, enable_eplb=eplb)
+                             use_sequence_parallel_moe=sp, ep_backend=ep_backend, triton=triton,
+                             flashinfer=flashinfer, data_parallel_size=dp, enable_eplb=eplb)
 
 
 def expected(d: ExpertsDeployment) -> str:
@@ -31,7 +31,7 @@ def expected(d: ExpertsDeployment) -> str:
     reduce-scatter."""
     trtllm = (d.device == "cuda" and d.capability[0] == 10 and d.flashinfer and d.fp8_block == (128, 128)
               and d.dtype == torch.bfloat16 and not d.enable_eplb and d.ep_backend == "allgather_reducescatter")
-    if trtllm and not d.is_sequence_parallel and d.data_parallel_size == 1:
+    if trtllm and not d.use_sequence_parallel_moe and d.data_parallel_size == 1:
         return "flashinfer_trtllm_monolithic"
     if trtllm:
         return "flashinfer_trtllm_modular"

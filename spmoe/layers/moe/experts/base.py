@@ -35,7 +35,7 @@ class ExpertsDeployment:
     hidden_size: int
     intermediate_size: int
     num_experts: int
-    is_sequence_parallel: bool
+    use_sequence_parallel_moe: bool
     ep_backend: str
     # the installed libraries, like the GPU a fact of the deployment (`for_layer` probes them)
     triton: bool  # Triton is importable
@@ -44,12 +44,12 @@ class ExpertsDeployment:
     enable_eplb: bool = False  # spmoe has no EPLB; the field is here so the kernels' rule is stated and tested
 
     @classmethod
-    def for_layer(cls, cfg: ModelConfig, parallel: ParallelConfig, is_sequence_parallel: bool,
+    def for_layer(cls, cfg: ModelConfig, parallel: ParallelConfig, use_sequence_parallel_moe: bool,
                   dtype: torch.dtype, device: torch.device | str) -> "ExpertsDeployment":
         device = torch.device(device)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         return cls(device.type, capability, dtype, cfg.fp8_block_size, cfg.hidden_size, cfg.moe_intermediate_size,
-                   cfg.n_routed_experts, is_sequence_parallel, parallel.ep_backend, triton=_installed("triton"),
+                   cfg.n_routed_experts, use_sequence_parallel_moe, parallel.ep_backend, triton=_installed("triton"),
                    flashinfer=_installed("flashinfer"), data_parallel_size=parallel.data_parallel_size)
 
 
@@ -86,7 +86,7 @@ class Experts(nn.Module):
         dtype, parallel config."""
         reason = cls._device_reason(d) or cls._weights_reason(d)
         if reason is None and not cls._supports_parallel_config(d):
-            reason = (f"the parallel config is not supported (sequence parallel: {d.is_sequence_parallel}, "
+            reason = (f"the parallel config is not supported (sequence parallel: {d.use_sequence_parallel_moe}, "
                       f"DP: {d.data_parallel_size}, EPLB: {d.enable_eplb}, EP backend: {d.ep_backend})")
         return reason
 
