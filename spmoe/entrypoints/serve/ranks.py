@@ -122,7 +122,8 @@ class EngineClient:
         self.num_speculative_tokens = engine.k
         self.error: str | None = None  # why the engine loop stopped, if it failed
         self._closing = False
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", request, loop, queue) / ("abort", id) / ("shutdown",)
+        # ("add", request, event loop, asyncio queue), ("abort", request id) or ("shutdown",)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._metrics = engine.metrics()
         self._open: set[str] = set()  # request ids with a live stream (event loop side)
         self._not_started = 0  # of those, requests that have no output yet (event loop side)
