@@ -2,7 +2,7 @@
 EngineClient from asyncio: concurrent requests get the tokens `generate` gives; one consumer that stops
 iterating and one task that is cancelled free their cache for the waiting requests; a bad request and a full
 queue are errors at once; an idle spell longer than the process group's timeout passes (the heartbeat); the
-shutdown returns every rank.
+shutdown returns every rank. A failing engine loop ends its requests with an error and stops every rank.
 
 One spawned group per layout runs every case; the comparisons happen here.
 """
@@ -10,11 +10,13 @@ One spawned group per layout runs every case; the comparisons happen here.
 import asyncio
 import contextlib
 import time
+from functools import partial
+from pathlib import Path
 
 import pytest
 
 from spmoe.config import ParallelConfig
-from spmoe.distributed import spawn
+from spmoe.distributed import RankFailed, spawn
 from spmoe.engine.request import Request
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.serve.ranks import HEARTBEAT_S, QueueFull, ServeOptions, serve_rank
@@ -134,3 +136,36 @@ def test_serve_on_two_ranks(tp, dp, engine_checkpoint, reference):
     assert got["after_idle"] == got["greedy"][1]
     assert got["final"].generated_tokens >= sum(map(len, greedy)) + len(sampled) + 2 + 10
     assert got["info"] == {"vocab_size": 96, "max_model_len": 32, "num_speculative_tokens": 0}
+
+
+def failing_front_end(report: str, client) -> None:
+    """Breaks rank 0's engine at its third step, then waits on a request as a server would; writes the
+    error output it got to the file `report`."""
+    steps, step = [0], client.engine.step
+
+    def broken_step():
+        steps[0] += 1
+        if steps[0] == 3:
+            raise RuntimeError("injected failure")
+        return step()
+
+    client.engine.step = broken_step
+
+    async def wait() -> None:
+        async for out in client.generate(Request("r", PROMPTS[0], MAX_NEW)):
+            if out.finish_reason == "error":
+                Path(report).write_text(out.error)
+                await asyncio.sleep(60)  # the engine loop's failure must stop the front end
+
+    asyncio.run(wait())
+
+
+def test_engine_failure_stops_every_rank(engine_checkpoint, tmp_path):
+    """A failing engine loop ends its requests with an error, stops the front end and every rank."""
+    began, report = time.monotonic(), tmp_path / "error.txt"
+    with pytest.raises(RankFailed, match="rank 0 of 2 failed: RuntimeError: the engine loop failed: RuntimeError: "
+                                         "injected failure"):
+        spawn(serve_rank, 2, engine_checkpoint, ParallelConfig(tensor_parallel_size=2), OPTIONS,
+              partial(failing_front_end, str(report)))
+    assert report.read_text() == "RuntimeError: injected failure"
+    assert time.monotonic() - began < 40  # not the front end's 60 s wait
