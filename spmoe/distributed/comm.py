@@ -1,7 +1,10 @@
 """Collectives with accounting, and the choice between NCCL and the one-shot kernels.
 
-Every collective the project runs goes through the functions here, so `count_collectives()` sees all of
-them. On groups where `enable_one_shot` succeeded, small all-gathers, reduce-scatters and
+Every collective the project runs goes through this module. The model's go through the four counted
+functions (`all_reduce`, `all_gather_rows`, `reduce_scatter_rows`, `all_to_all_rows`), so `count_collectives()`
+sees all of them. The host objects of the control plane (the serving loop's step plans, gathered outputs and
+job results) go through `broadcast_object` and `gather_object` on the gloo control group: host-only, never on
+the model's path, and not counted. On groups where `enable_one_shot` succeeded, small all-gathers, reduce-scatters and
 all-reduce sums of floating-point tensors run as one-shot kernels (`one_shot.py`) up to `ONE_SHOT_MAX_BYTES`
 of buffer, the sizes where they beat NCCL inside a CUDA graph (`benchmarks/bench_collectives.py`); NCCL runs
 the rest. Bytes are the size of the full-length buffer of the call on this rank:
@@ -14,7 +17,6 @@ the rest. Bytes are the size of the full-length buffer of the call on this rank:
 | all_to_all     | the bytes this rank sends            |
 """
 
-import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -147,13 +149,16 @@ def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[i
     return out
 
 
-def all_gather_object(obj, group, device: torch.device) -> list:
-    """Every rank's picklable `obj`, in the group's rank order: host-side results (a job's outputs), not the
-    hot path. The pickled bytes travel as two all-gathers on `device`: their lengths, then the bytes padded to
-    the longest; both are counted."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    sizes = all_gather_rows(torch.tensor([payload.numel()], device=device), group).tolist()
-    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    padded[:payload.numel()] = payload
-    gathered = all_gather_rows(padded, group).view(len(sizes), -1).cpu()
-    return [pickle.loads(gathered[r, :size].numpy().tobytes()) for r, size in enumerate(sizes)]
+def broadcast_object(obj, group, src: int = 0):
+    """A picklable host object from global rank `src` to every rank of `group` (the gloo control group) ->
+    the object on every rank (`obj` is ignored on the others)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def gather_object(obj, group, dst: int = 0) -> list | None:
+    """Every rank's picklable host object -> on global rank `dst` the list in group rank order, else None."""
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, gathered, dst=dst, group=group)
+    return gathered

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, launch
-from spmoe.engine.engine import Engine, Generation
+from spmoe.engine.engine import Engine, Generation, check_prompts, check_speculation, per_prompt
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.jobs import DTYPES, gather_from_dp, split_for_dp
@@ -28,18 +28,6 @@ class GenerateOptions:
     def cache_len(self, prompts: list[list[int]]) -> int:
         return self.max_model_len or max(map(len, prompts)) + self.max_new_tokens + self.num_speculative_tokens
 
-    def check(self, prompts: list[list[int]]) -> None:
-        """Raise unless every prompt fits the KV cache with its new tokens and drafts."""
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        max_len, drafts = self.cache_len(prompts), self.num_speculative_tokens
-        for i, prompt in enumerate(prompts):
-            if len(prompt) + self.max_new_tokens + drafts > max_len:
-                need = len(prompt) + self.max_new_tokens + drafts
-                raise ValueError(f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={self.max_new_tokens} "
-                                 f"and {drafts} speculative tokens it needs {need} KV cache positions, the cache "
-                                 f"holds {max_len} per sequence")
-
 
 def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions):
     from spmoe.models.deepseek_v32.weights import load_model
@@ -48,9 +36,10 @@ def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[
     model = load_model(model_dir, parallel, DTYPES[opts.dtype], state.device,
                        with_mtp=opts.num_speculative_tokens > 0)
     mine = split_for_dp(prompts, state.dp_rank, state.dp_size)  # this DP rank's prompts (maybe none)
+    sampling = split_for_dp(per_prompt(opts.sampling, len(prompts)), state.dp_rank, state.dp_size)
     cache = KVCache.for_model(model, max(1, opts.max_seqs or len(mine)), opts.cache_len(prompts))
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
-    engine = Engine(model, cache, opts.sampling, eos, opts.num_speculative_tokens, opts.cuda_graphs)
+    engine = Engine(model, cache, opts.num_speculative_tokens, opts.cuda_graphs)
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
     live_terminal = sys.stderr.isatty()
 
@@ -62,7 +51,7 @@ def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[
                   f"{done / (now - began):.1f} tokens/s", end="" if live_terminal and live else "\n",
                   file=sys.stderr, flush=True)
 
-    gen = engine.generate(mine, opts.max_new_tokens, opts.record_logits,
+    gen = engine.generate(mine, opts.max_new_tokens, sampling, eos, opts.record_logits,
                           on_step=show if opts.progress and state.rank == 0 else None)
     outputs = gather_from_dp(gen.outputs, state.dp_size)
     logits = gather_from_dp(gen.logits, state.dp_size) if opts.record_logits else None
@@ -77,12 +66,12 @@ def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[
 def run_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions,
                  device: str = "cpu"):
     """-> rank 0's `Generation` (outputs, stats, optional logits); None on the other ranks under torchrun.
-    prompts: valid token ids (`jobs.read_input_ids` checks a file's). Validates the configs, and the options
-    against the prompts, before starting any rank."""
+    Validates before starting any rank."""
     cfg = ModelConfig.from_file(model_dir)
     cfg.check_parallel(parallel)
     if opts.num_speculative_tokens and not cfg.num_nextn_predict_layers:
         raise ValueError(f"--speculative mtp needs an MTP layer; {model_dir} has num_nextn_predict_layers = 0")
-    opts.check(prompts)
+    check_prompts(prompts, cfg.vocab_size, opts.max_new_tokens, opts.num_speculative_tokens, opts.cache_len(prompts))
+    check_speculation(opts.sampling, opts.num_speculative_tokens)
     return launch(_rank_generate, parallel.world_size, model_dir, parallel, prompts, opts, config=parallel,
                   device=device)

@@ -1,14 +1,12 @@
-"""What the jobs share: reading token-id input and checking it (the one check: the jobs and the engine take
-the ids as valid), the dtypes by name, the flat batch, splitting a batch over the data-parallel ranks and
-gathering it back."""
-
+"""What the jobs share: reading token-id input and checking its ids, the dtypes by name, the flat batch,
+splitting a batch over the data-parallel ranks and gathering it back."""
 import json
 from pathlib import Path
 
 import torch
 
 from spmoe.distributed import get_parallel_state
-from spmoe.distributed.comm import all_gather_object
+from spmoe.distributed.comm import gather_object
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -48,11 +46,11 @@ def split_for_dp(items: list, dp_rank: int, dp_size: int) -> list:
 
 def gather_from_dp(mine: list, dp_size: int) -> list | None:
     """Every DP rank's `split_for_dp` share -> the whole batch in its original order, on rank 0 (None on the
-    other ranks), through the counted collectives (`comm.all_gather_object`)."""
+    other ranks). Host objects over the control group, outside the counted collectives."""
     state = get_parallel_state()
     if dp_size == 1:
         return mine
-    shares = all_gather_object(mine, state.ep_group, state.device)  # the EP group spans every rank
+    shares = gather_object(mine, state.control_group)
     if state.rank != 0:
         return None
     per_dp = shares[::state.tp_size]  # TP rank 0 of each DP group
