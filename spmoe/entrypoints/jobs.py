@@ -1,5 +1,6 @@
 """What the jobs share: reading token-id input and checking its ids, the dtypes by name, the flat batch,
 splitting a batch over the data-parallel ranks and gathering it back."""
+
 import json
 from pathlib import Path
 
