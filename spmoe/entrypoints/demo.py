@@ -15,7 +15,7 @@ from spmoe.distributed import spawn
 from spmoe.entrypoints.generate import GenerateOptions, run_generate
 
 CONFIG = dict(
-    model_type="glm_moe_dsa", vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+    model_type="glm_moe_dsa", vocab_size=264,  # 256 bytes + 8 special tokens (the demo tokenizer) hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
     num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
     indexer_types=["full", "shared", "full", "shared"], num_attention_heads=8, num_key_value_heads=8,
     n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1,
@@ -36,15 +36,42 @@ MODES = [  # (label, --sp, scope, MTP drafts)
 ]
 
 
+SPECIAL_TOKENS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>"] + [f"<|reserved_{i}|>" for i in range(4)]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def write_demo_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer: token b < 256 is byte b (so any text encodes and a character may span several
+    tokens), then SPECIAL_TOKENS from id 256; `<|end|>` ends a chat turn and is the eos token. Written with
+    the `tokenizers` library as `tokenizer.json` + `tokenizer_config.json` (with the chat template)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = iter(range(256, 512))  # byte-level BPE's convention: unprintable bytes map to chr(256 + k)
+    byte_chars = [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+    tokenizer = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(byte_chars)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|end|>", "chat_template": CHAT_TEMPLATE,
+        "model_max_length": CONFIG["max_position_embeddings"]}, indent=2))
+
+
 def checkpoint_dir() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "spmoe" / f"demo-glm-seed{SEED}"
 
 
 def ensure_checkpoint(folder: Path) -> bool:
-    """Write the demo checkpoint unless an identical one is there. Returns whether it was written now."""
+    """Write the demo checkpoint unless an identical one is there (the tokenizer, which takes milliseconds,
+    always). Returns whether the checkpoint was written now."""
     from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 
+    write_demo_tokenizer(folder)
     config = folder / "config.json"
     if config.is_file() and (folder / "model.safetensors").is_file() and json.loads(config.read_text()) == CONFIG:
         return False

@@ -1,0 +1,1 @@
+"""`spmoe serve`: the OpenAI-compatible server."""
