@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP drafts per step (default 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i samples from seed + i)")
     p.add_argument("--eos-id", type=int, action="append", help="stop token (repeatable; default: the config's)")
     p.add_argument("--max-seqs", type=int, help="KV cache slots, i.e. sequences decoded at once (default: all)")
     p.add_argument("--max-model-len", type=int,

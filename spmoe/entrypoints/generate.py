@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, launch
-from spmoe.engine.engine import Engine, Generation, check_prompts
+from spmoe.engine.engine import Engine, Generation, check_prompts, check_speculation, per_prompt
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.jobs import DTYPES, gather_from_dp, split_for_dp
@@ -36,9 +36,10 @@ def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[
     model = load_model(model_dir, parallel, DTYPES[opts.dtype], state.device,
                        with_mtp=opts.num_speculative_tokens > 0)
     mine = split_for_dp(prompts, state.dp_rank, state.dp_size)  # this DP rank's prompts (maybe none)
+    sampling = split_for_dp(per_prompt(opts.sampling, len(prompts)), state.dp_rank, state.dp_size)
     cache = KVCache.for_model(model, max(1, opts.max_seqs or len(mine)), opts.cache_len(prompts))
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
-    engine = Engine(model, cache, opts.sampling, eos, opts.num_speculative_tokens, opts.cuda_graphs)
+    engine = Engine(model, cache, opts.num_speculative_tokens, opts.cuda_graphs)
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
     live_terminal = sys.stderr.isatty()
 
@@ -50,7 +51,7 @@ def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[
                   f"{done / (now - began):.1f} tokens/s", end="" if live_terminal and live else "\n",
                   file=sys.stderr, flush=True)
 
-    gen = engine.generate(mine, opts.max_new_tokens, opts.record_logits,
+    gen = engine.generate(mine, opts.max_new_tokens, sampling, eos, opts.record_logits,
                           on_step=show if opts.progress and state.rank == 0 else None)
     outputs = gather_from_dp(gen.outputs, state.dp_size)
     logits = gather_from_dp(gen.logits, state.dp_size) if opts.record_logits else None
@@ -71,5 +72,6 @@ def run_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[in
     if opts.num_speculative_tokens and not cfg.num_nextn_predict_layers:
         raise ValueError(f"--speculative mtp needs an MTP layer; {model_dir} has num_nextn_predict_layers = 0")
     check_prompts(prompts, cfg.vocab_size, opts.max_new_tokens, opts.num_speculative_tokens, opts.cache_len(prompts))
+    check_speculation(opts.sampling, opts.num_speculative_tokens)
     return launch(_rank_generate, parallel.world_size, model_dir, parallel, prompts, opts, config=parallel,
                   device=device)
