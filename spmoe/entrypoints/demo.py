@@ -1,21 +1,29 @@
 """`spmoe demo`: generate with a tiny GLM-5.2-shaped model on 2 local ranks, with sequence-parallel MoE off and
-on (and with MTP speculation), and show that every mode produces the same tokens.
+on (and with MTP speculation), and show that every mode produces the same tokens; then start `spmoe serve` on
+the same checkpoint, send it one chat request and stop it.
 
 The checkpoint is written once into a cache folder from a fixed seed: random weights in the GLM-5.2 layout
-(MLA + DSA indexer with IndexShare, a dense layer then MoE layers with a shared expert, one MTP layer).
+(MLA + DSA indexer with IndexShare, a dense layer then MoE layers with a shared expert, one MTP layer), and a
+byte-level tokenizer with a chat template.
 """
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
+from spmoe.distributed.launcher import free_port
 from spmoe.entrypoints.generate import GenerateOptions, run_generate
 
-CONFIG = dict(
-    model_type="glm_moe_dsa", vocab_size=264,  # 256 bytes + 8 special tokens (the demo tokenizer) hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+CONFIG = dict(  # vocab_size: the demo tokenizer's 256 bytes + 8 special tokens
+    model_type="glm_moe_dsa", vocab_size=264, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
     num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
     indexer_types=["full", "shared", "full", "shared"], num_attention_heads=8, num_key_value_heads=8,
     n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1,
@@ -36,6 +44,8 @@ MODES = [  # (label, --sp, scope, MTP drafts)
 ]
 
 
+CHAT = [{"role": "user", "content": "Hello! Who are you?"}]
+SERVE_MAX_TOKENS = 24
 SPECIAL_TOKENS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>"] + [f"<|reserved_{i}|>" for i in range(4)]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -120,4 +130,48 @@ def run_demo(device: str = "cpu", dp: int = 1) -> int:
         print("error: the modes produced different tokens", file=sys.stderr)
         return 1
     print(f"all {len(MODES)} modes produced identical tokens")
+    return show_server(device, dp)
+
+
+def show_server(device: str, dp: int) -> int:
+    """Start `spmoe serve` on the demo checkpoint, send it one chat request, print the reply, stop it with
+    SIGTERM."""
+    port = free_port()
+    command = ["spmoe", "serve", "--tp", str(TP), "--dp", str(dp), "--device", device, "--port", str(port)]
+    print(f"\nThe server: {' '.join(command)}", flush=True)
+    server = subprocess.Popen([sys.executable, "-m", *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        ready = _echo_until_ready(server)
+        if ready is None:
+            print(f"error: spmoe serve did not come up (exit code {server.poll()})", file=sys.stderr)
+            return 1
+        threading.Thread(target=_echo_until_ready, args=(server,), daemon=True).start()  # later lines
+        body = {"model": "spmoe-demo", "messages": CHAT, "max_tokens": SERVE_MAX_TOKENS, "temperature": 0}
+        print(f"POST {ready}/chat/completions {json.dumps(body)}", flush=True)
+        began = time.perf_counter()
+        request = urllib.request.Request(f"{ready}/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            reply = json.load(response)
+        choice, usage = reply["choices"][0], reply["usage"]
+        print(f"reply ({time.perf_counter() - began:.1f} s; random weights, so random bytes): "
+              f"{json.dumps(choice['message']['content'], ensure_ascii=False)}\n"
+              f"usage: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens, "
+              f"finish_reason {choice['finish_reason']}", flush=True)
+    finally:
+        began = time.perf_counter()
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=60)
+    print(f"SIGTERM: the server stopped in {time.perf_counter() - began:.1f} s (exit code {code})")
     return 0
+
+
+def _echo_until_ready(server: subprocess.Popen) -> str | None:
+    """Print the server's stderr lines (a progress line: its last state) until it says it is ready. -> its
+    base URL; None if it ended first."""
+    for raw in server.stderr:
+        line = raw.decode(errors="replace").rstrip().rsplit("\r", 1)[-1]
+        print(f"  | {line}", flush=True)
+        if "ready: " in line:
+            return line.split("ready: ", 1)[1].split()[0]
+    return None

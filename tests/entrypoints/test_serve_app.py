@@ -65,7 +65,7 @@ class ScriptedEngineClient:
     max_new_tokens, or `stop` after an eos id), `per_step` at a time; it records the requests it got and those
     whose output iterator was closed before the end (the real client aborts those)."""
 
-    max_model_len, vocab_size, num_speculative_tokens = 64, 264, 1
+    max_model_len, vocab_size, num_speculative_tokens, error = 66, 264, 2, None
 
     def __init__(self, script: list[int], eos_token_ids=(), per_step=1):
         self.script, self.eos_token_ids, self.per_step = script, eos_token_ids, per_step
@@ -127,7 +127,7 @@ def test_completion_and_chat_whole_and_streamed(served, tokenizer):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}])
     assert chat.choices[0].message.content == REPLY and chat.choices[0].message.role == "assistant"
     assert engine.requests[-1].prompt == tokenizer.encode("<|user|>Hello<|end|><|assistant|>")
-    assert engine.requests[-1].max_new_tokens == 64 - chat.usage.prompt_tokens  # default: the room left
+    assert engine.requests[-1].max_new_tokens == 66 - 2 - chat.usage.prompt_tokens  # default: the room left
     stream = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
                                                  stream=True))
     assert stream[0].choices[0].delta.role == "assistant"
@@ -142,6 +142,14 @@ def test_several_tokens_per_step(tokenizer):
                            http_client=TestClient(build_app(engine, tokenizer, "tiny")))
     chunks = list(client.completions.create(model="tiny", prompt=[5, 6], max_tokens=20, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == REPLY.encode()[:20].decode(errors="replace")
+
+
+def test_ignore_eos_generates_max_tokens(served, tokenizer):
+    engine, client, _ = served
+    engine.script = [tokenizer.eos_token_id] * 3 + tokenizer.encode("abc")
+    whole = client.completions.create(model="tiny", prompt="Hi", max_tokens=5, extra_body={"ignore_eos": True})
+    assert engine.requests[-1].eos_token_ids == ()
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == ("ab", "length")
 
 
 def test_stop_string_truncates_and_aborts(served):
@@ -175,8 +183,9 @@ def test_models_health_metrics(served):
     ({"prompt": "Hi"}, 400, "missing required parameter 'model'"),
     ({"model": "tiny"}, 400, "missing required parameter 'prompt'"),
     ({"model": "other", "prompt": "Hi"}, 404, "the model 'other' does not exist"),
-    ({"model": "tiny", "prompt": "x" * 64}, 400, "the prompt has 64 tokens; the server's --max-model-len is 64"),
-    ({"model": "tiny", "prompt": "x" * 60, "max_tokens": 5}, 400, "65 > --max-model-len 64"),
+    ({"model": "tiny", "prompt": "x" * 64}, 400, "the prompt has 64 tokens; the server's --max-model-len is 66, "
+                                                 "which leaves no room for an output token with 2 speculative"),
+    ({"model": "tiny", "prompt": "x" * 60, "max_tokens": 5}, 400, "is 5 with 2 speculative tokens: 67 > --max-model-len 66"),
     ({"model": "tiny", "prompt": [1, 999]}, 400, "prompt token ids must be in [0, 264), got 999"),
     ({"model": "tiny", "prompt": ""}, 400, "the prompt must not be empty"),
     ({"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1"),
@@ -212,3 +221,5 @@ def test_bad_chat_requests_and_a_full_queue(served):
             client.completions.create(model="tiny", prompt="Hi", stream=stream)
         assert e.value.status_code == 503
     assert http.get("/v1/nothing").json()["error"]["code"] == 404
+    engine.error = "RuntimeError: a rank died"
+    assert http.get("/health").status_code == 503

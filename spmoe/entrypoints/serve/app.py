@@ -34,7 +34,7 @@ log = logging.getLogger("spmoe.serve")
 
 def build_app(client, tokenizer, served_model_name: str) -> FastAPI:
     """`client`: an EngineClient (async `generate(request)`, `metrics()`, `max_model_len`, `vocab_size`,
-    `eos_token_ids`, `num_speculative_tokens`); `tokenizer`: a transformers tokenizer."""
+    `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer."""
     app = FastAPI(title="spmoe", docs_url=None, redoc_url=None, openapi_url=None)
     api = OpenAIApi(client, tokenizer, served_model_name)
 
@@ -67,6 +67,8 @@ class OpenAIApi:
         self.created = int(time.time())
 
     async def health(self) -> Response:
+        if self.client.error is not None:
+            raise ApiError(503, f"the engine has stopped: {self.client.error}")
         return Response(status_code=200)
 
     async def metrics_text(self) -> Response:
@@ -108,16 +110,20 @@ class OpenAIApi:
         return prompt
 
     def _max_new_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int:
-        limit = self.client.max_model_len
-        room = limit - prompt_len
+        """The output tokens that fit: the KV cache holds max_model_len positions per request, the prompt,
+        the output and (when speculating) the drafts of the last step."""
+        limit, drafts = self.client.max_model_len, self.client.num_speculative_tokens
+        room = limit - drafts - prompt_len
+        with_drafts = f" with {drafts} speculative tokens" if drafts else ""
         if room < 1:
             raise ApiError(400, f"the prompt has {prompt_len} tokens; the server's --max-model-len is {limit}, "
-                                f"which leaves no room for an output token", "prompt")
+                                f"which leaves no room for an output token{with_drafts}", "prompt")
         if requested is None:
             return min(default or room, room)
         if requested > room:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens and max_tokens is {requested}: "
-                                f"{prompt_len + requested} > --max-model-len {limit}", "max_tokens")
+            raise ApiError(400, f"the prompt has {prompt_len} tokens and max_tokens is {requested}"
+                                f"{with_drafts}: {prompt_len + requested + drafts} > --max-model-len {limit}",
+                           "max_tokens")
         return requested
 
     async def _respond(self, body: SamplingFields, prompt: list[int], max_new: int, id_prefix: str, kind: str,
@@ -128,10 +134,11 @@ class OpenAIApi:
             sampling = SamplingParams(body.temperature, body.top_p, seed)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        request = EngineRequest(request_id, prompt, max_new, sampling, self.eos_token_ids)
+        eos = () if body.ignore_eos else self.eos_token_ids
+        request = EngineRequest(request_id, prompt, max_new, sampling, eos)
         self.metrics.prompt_tokens.inc(len(prompt))
-        generation = TextGeneration(self.client.generate(request), self.tokenizer, prompt, body.stop,
-                                    self.eos_token_ids, self.metrics)
+        generation = TextGeneration(self.client.generate(request), self.tokenizer, prompt, body.stop, eos,
+                                    self.metrics)
         pieces = generation.pieces()
         first = await _first_piece(pieces)
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}

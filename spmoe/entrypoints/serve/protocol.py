@@ -45,6 +45,7 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None  # recorded by OpenAI for abuse monitoring; no effect on the output
+    ignore_eos: bool = False  # an extension (as in vLLM), for benchmarks: generate max_tokens whatever comes
 
     @field_validator("n")
     @classmethod

@@ -16,12 +16,11 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from spmoe.config import ModelConfig, ParallelConfig
+from spmoe.config import ParallelConfig
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.distributed import launch
+from spmoe.entrypoints.serve.ranks import ServeOptions, check_serve, serve_rank
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
-
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -75,13 +74,12 @@ def check_address(host: str, port: int) -> None:
             raise ValueError(f"--host {host} --port {port}: the address {reason}") from None
 
 
-def run_serve(model_dir: str, parallel: ParallelConfig, options, front: FrontEndOptions, device: str) -> None:
-    """Validate, then serve until stopped. `options`: the engine's ServeOptions."""
-    from spmoe.entrypoints.serve.ranks import serve_rank
-
+def run_serve(model_dir: str, parallel: ParallelConfig, options: ServeOptions, front: FrontEndOptions,
+              device: str) -> None:
+    """Validate, then serve until stopped."""
     if not Path(model_dir, "config.json").is_file():
         raise ValueError(f"--model {model_dir}: expected a checkpoint folder with config.json, found none")
-    ModelConfig.from_file(model_dir).check_parallel(parallel)
+    check_serve(model_dir, parallel, options)
     load_tokenizer(model_dir)
     check_address(front.host, front.port)
     print(f"spmoe serve: {model_dir} on {parallel.world_size} local ranks (TP {parallel.tensor_parallel_size} x "
@@ -102,22 +100,23 @@ def add_serve_args(p) -> None:
     p.add_argument("--sp-scope", choices=SP_SCOPES, default="moe", help="which layers are SP (default moe)")
     p.add_argument("--ep-backend", choices=EP_BACKENDS, default="allgather_reducescatter")
     p.add_argument("--moe-backend", choices=MOE_BACKENDS, default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded at once (default 16)")
-    p.add_argument("--max-num-waiting", type=int, default=256,
-                   help="requests that may wait for a slot; one more is answered 503 (default 256)")
-    p.add_argument("--max-model-len", type=int, help="prompt + output tokens per request (default: the "
-                                                      "config's max_position_embeddings)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="KV cache storage (default auto: the model dtype)")
-    p.add_argument("--speculative", choices=["mtp"], help="draft tokens with the checkpoint's MTP layer")
+    defaults = ServeOptions()
+    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                   help=f"requests decoded at once per DP group: KV cache slots (default {defaults.max_num_seqs})")
+    p.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
+                   help=f"requests that may wait to start; one more is answered 503 (default {defaults.max_num_waiting})")
+    p.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
+                   help=f"KV cache positions per request: prompt + output (+ drafts) (default {defaults.max_model_len})")
+    p.add_argument("--speculative", choices=["mtp"], help="draft tokens with the checkpoint's MTP layer (greedy "
+                                                          "requests only)")
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP drafts per step (default 1)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
 
 
 def cmd_serve(args) -> int:
-    from spmoe.entrypoints.serve.ranks import ServeOptions
-
     model = args.model
     if model is None:
         from spmoe.entrypoints.demo import checkpoint_dir, ensure_checkpoint
@@ -129,9 +128,9 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--speculative mtp needs --num-speculative-tokens >= 1, got {drafts}")
     parallel = ParallelConfig(tensor_parallel_size=args.tp, data_parallel_size=args.dp, sequence_parallel_moe=args.sp,
                               sp_scope=args.sp_scope, ep_backend=args.ep_backend, moe_backend=args.moe_backend)
-    options = ServeOptions(max_num_seqs=args.max_num_seqs, max_num_waiting=args.max_num_waiting,
-                           max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
-                           num_speculative_tokens=drafts, dtype=args.dtype)
+    options = ServeOptions(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                           num_speculative_tokens=drafts, max_num_waiting=args.max_num_waiting,
+                           cuda_graphs=args.cuda_graphs)
     name = args.served_model_name or (args.model if args.model is not None else "spmoe-demo")
     run_serve(model, parallel, options, FrontEndOptions(model, name, args.host, args.port), args.device)
     return 0
