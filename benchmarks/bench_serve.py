@@ -99,7 +99,8 @@ def main() -> None:
         results, seconds = asyncio.run(run_level(base, model, concurrency, prompts, args.output_len))
         ttft = [r.ttft_s * 1e3 for r in results]
         tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None] or [float("nan")]
-        print(f"{concurrency:>11}{count:>10}{count / seconds:>8.2f}{sum(r.output_tokens for r in results) / seconds:>11.1f}"
+        output_tokens = sum(r.output_tokens for r in results)
+        print(f"{concurrency:>11}{count:>10}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
               f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}"
               f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}", flush=True)
 

@@ -84,3 +84,5 @@ def test_demo_runs_and_reuses_its_checkpoint(tmp_path):
         assert done.returncode == 0, done.stderr
         assert f"({expected})" in done.stdout
         assert "all 5 modes produced identical tokens" in done.stdout
+        assert "usage: 22 prompt + 24 completion tokens, finish_reason length" in done.stdout  # the server
+        assert "SIGTERM: the server stopped" in done.stdout

@@ -165,9 +165,14 @@ def test_sigterm_stops_every_rank(server):
     proc, base, log = server
     ranks = descendants(proc.pid)
     assert len(ranks) >= 2, ranks  # at least the two ranks
-    holder = threading.Thread(target=lambda: httpx.post(base + "/v1/completions", json={
-        "model": "tiny", "prompt": "a long one", "max_tokens": 80, "stream": True}, timeout=60))
-    holder.start()  # a request in flight when the signal comes
+
+    def in_flight():  # a request under way when the signal comes: the stop cuts its stream
+        with pytest.raises(httpx.TransportError):
+            httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "a long one", "max_tokens": 80,
+                                                       "stream": True}, timeout=60)
+
+    holder = threading.Thread(target=in_flight)
+    holder.start()
     time.sleep(1.0)
     began = time.monotonic()
     proc.send_signal(signal.SIGTERM)

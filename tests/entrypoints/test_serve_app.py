@@ -185,7 +185,8 @@ def test_models_health_metrics(served):
     ({"model": "other", "prompt": "Hi"}, 404, "the model 'other' does not exist"),
     ({"model": "tiny", "prompt": "x" * 64}, 400, "the prompt has 64 tokens; the server's --max-model-len is 66, "
                                                  "which leaves no room for an output token with 2 speculative"),
-    ({"model": "tiny", "prompt": "x" * 60, "max_tokens": 5}, 400, "is 5 with 2 speculative tokens: 67 > --max-model-len 66"),
+    ({"model": "tiny", "prompt": "x" * 60, "max_tokens": 5}, 400,
+     "is 5 with 2 speculative tokens: 67 > --max-model-len 66"),
     ({"model": "tiny", "prompt": [1, 999]}, 400, "prompt token ids must be in [0, 264), got 999"),
     ({"model": "tiny", "prompt": ""}, 400, "the prompt must not be empty"),
     ({"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1"),

@@ -104,9 +104,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
                    help=f"requests decoded at once per DP group: KV cache slots (default {defaults.max_num_seqs})")
     p.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
-                   help=f"requests that may wait to start; one more is answered 503 (default {defaults.max_num_waiting})")
+                   help=f"requests that may wait to start; one more gets 503 (default {defaults.max_num_waiting})")
     p.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
-                   help=f"KV cache positions per request: prompt + output (+ drafts) (default {defaults.max_model_len})")
+                   help=f"KV cache positions per request: prompt + output + drafts (default {defaults.max_model_len})")
     p.add_argument("--speculative", choices=["mtp"], help="draft tokens with the checkpoint's MTP layer (greedy "
                                                           "requests only)")
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP drafts per step (default 1)")
