@@ -140,6 +140,31 @@ def test_concurrent_streams_match_their_text_alone(server):
     assert "spmoe_time_to_first_token_seconds_count" in metrics and "spmoe_num_requests_running 0.0" in metrics
 
 
+def generated_tokens(base: str) -> float:
+    metrics = httpx.get(base + "/metrics").text.splitlines()
+    return float(next(line for line in metrics if line.startswith("spmoe_generation_tokens_total")).split()[1])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_aborts_its_request(server, stream):
+    _, base, _ = server
+    before, max_tokens = generated_tokens(base), MAX_MODEL_LEN - 4
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
+    if stream:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as response:
+            for events, _ in enumerate(response.iter_lines()):
+                if events == 4:
+                    break  # leaving the block closes the connection mid-stream
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while "spmoe_num_requests_running 0.0" not in httpx.get(base + "/metrics").text:
+        assert time.monotonic() < deadline, "the request still runs 10 s after its client went away"
+        time.sleep(0.1)
+    assert generated_tokens(base) - before < max_tokens
+
+
 @pytest.mark.parametrize("path, body, status", [
     ("/v1/completions", "{oops", 400),
     ("/v1/completions", {"prompt": "hi"}, 400),

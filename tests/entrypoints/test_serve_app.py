@@ -128,6 +128,7 @@ def test_completion_and_chat_whole_and_streamed(served, tokenizer):
     assert chat.choices[0].message.content == REPLY and chat.choices[0].message.role == "assistant"
     assert engine.requests[-1].prompt == tokenizer.encode("<|user|>Hello<|end|><|assistant|>")
     assert engine.requests[-1].max_new_tokens == 66 - 2 - chat.usage.prompt_tokens  # default: the room left
+    assert engine.requests[-1].sampling.temperature == 0  # the default on a speculating server
     stream = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
                                                  stream=True))
     assert stream[0].choices[0].delta.role == "assistant"
@@ -142,6 +143,9 @@ def test_several_tokens_per_step(tokenizer):
                            http_client=TestClient(build_app(engine, tokenizer, "tiny")))
     chunks = list(client.completions.create(model="tiny", prompt=[5, 6], max_tokens=20, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == REPLY.encode()[:20].decode(errors="replace")
+    engine.num_speculative_tokens = 0
+    client.completions.create(model="tiny", prompt=[5, 6], max_tokens=2)
+    assert engine.requests[-1].sampling.temperature == 1  # OpenAI's default
 
 
 def test_ignore_eos_generates_max_tokens(served, tokenizer):

@@ -83,7 +83,7 @@ class OpenAIApi:
         self._check_model(body.model)
         prompt = self._prompt_ids(body.prompt)
         max_new = self._max_new_tokens(len(prompt), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
-        return await self._respond(body, prompt, max_new, "cmpl", "text_completion", _completion_choice)
+        return await self._respond(http, body, prompt, max_new, "cmpl", "text_completion", _completion_choice)
 
     async def chat_completions(self, http: Request):
         body = parse(ChatCompletionRequest, await _json_body(http))
@@ -93,7 +93,7 @@ class OpenAIApi:
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, None)
-        return await self._respond(body, prompt, max_new, "chatcmpl", "chat.completion", _chat_choice)
+        return await self._respond(http, body, prompt, max_new, "chatcmpl", "chat.completion", _chat_choice)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -126,28 +126,33 @@ class OpenAIApi:
                            "max_tokens")
         return requested
 
-    async def _respond(self, body: SamplingFields, prompt: list[int], max_new: int, id_prefix: str, kind: str,
-                       choice):
+    async def _respond(self, http: Request, body: SamplingFields, prompt: list[int], max_new: int, id_prefix: str,
+                       kind: str, choice):
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         seed = body.seed if body.seed is not None else secrets.randbits(63)
+        temperature = body.temperature
+        if temperature is None:  # OpenAI's default, except that a speculating server serves greedy requests only
+            temperature = 0.0 if self.client.num_speculative_tokens else 1.0
         try:
-            sampling = SamplingParams(body.temperature, body.top_p, seed)
+            sampling = SamplingParams(temperature, body.top_p, seed)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         eos = () if body.ignore_eos else self.eos_token_ids
         request = EngineRequest(request_id, prompt, max_new, sampling, eos)
-        self.metrics.prompt_tokens.inc(len(prompt))
         generation = TextGeneration(self.client.generate(request), self.tokenizer, prompt, body.stop, eos,
                                     self.metrics)
         pieces = generation.pieces()
         first = await _first_piece(pieces)
+        self.metrics.prompt_tokens.inc(len(prompt))
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
-        if body.stream:
+        if body.stream:  # a client that goes away cancels the stream, which aborts the request
             return StreamingResponse(_events(pieces, first, generation, head, kind, choice, body.include_usage),
                                      media_type="text/event-stream")
         async with aclosing(pieces):
             texts, piece = [first.text], first
             while piece.finish_reason is None:
+                if await http.is_disconnected():  # leaving the loop aborts the request
+                    return Response(status_code=499)
                 piece = await anext(pieces)
                 texts.append(piece.text)
         return {**head, "object": kind, "choices": [choice("".join(texts), piece.finish_reason, stream=False)],

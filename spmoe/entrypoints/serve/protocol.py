@@ -37,7 +37,7 @@ class SamplingFields(Strict):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
+    temperature: float | None = Field(None, ge=0)  # None: 1 (OpenAI's default), or 0 on a speculating server
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
     stop: list[str] = []  # also accepted: one string, or null
