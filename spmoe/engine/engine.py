@@ -220,8 +220,8 @@ class Engine:
     # The batch job.
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 sampling: SamplingParams | list[SamplingParams] = SamplingParams(), eos_token_ids: tuple[int, ...] = (),
-                 record_logits: bool = False, on_step=None) -> Generation:
+                 sampling: SamplingParams | list[SamplingParams] = SamplingParams(),
+                 eos_token_ids: tuple[int, ...] = (), record_logits: bool = False, on_step=None) -> Generation:
         """Generate up to `max_new_tokens` after each prompt, stopping at any of `eos_token_ids`. `sampling`:
         one per prompt, or one for all, prompt i then sampling from seed `sampling.seed + i`.
         `on_step(done_tokens, live_sequences)` is called after every step (for progress output)."""

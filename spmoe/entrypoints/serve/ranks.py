@@ -15,9 +15,9 @@ When nothing is live, rank 0 waits on its inbox for up to `HEARTBEAT_S` and then
 so the other ranks, blocked on the next plan, never reach the process group's timeout.
 """
 
-import _thread
 import asyncio
 import queue
+import signal
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -122,7 +122,8 @@ class EngineClient:
         self.num_speculative_tokens = engine.k
         self.error: str | None = None  # why the engine loop stopped, if it failed
         self._closing = False
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", request, loop, queue) / ("abort", id) / ("shutdown",)
+        # ("add", request, event loop, asyncio queue), ("abort", request id) or ("shutdown",)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._metrics = engine.metrics()
         self._open: set[str] = set()  # request ids with a live stream (event loop side)
         self._not_started = 0  # of those, requests that have no output yet (event loop side)
@@ -189,8 +190,8 @@ class EngineClient:
             self.error = f"{type(e).__name__}: {e}"
             for request_id in list(streams):
                 self._deliver(streams, RequestOutput(request_id, [], "error", error=self.error))
-            if not self._closing:
-                _thread.interrupt_main()  # stops the front end; serve_rank raises the error
+            if not self._closing:  # stop the front end as Ctrl-C would; serve_rank then raises the error
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             return
         for request_id in list(streams):
             self._deliver(streams, RequestOutput(request_id, [], "abort"))
