@@ -159,11 +159,22 @@ def show_server(device: str, dp: int) -> int:
               f"usage: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens, "
               f"finish_reason {choice['finish_reason']}", flush=True)
     finally:
-        began = time.perf_counter()
-        server.send_signal(signal.SIGTERM)
-        code = server.wait(timeout=60)
-    print(f"SIGTERM: the server stopped in {time.perf_counter() - began:.1f} s (exit code {code})")
-    return 0
+        stopped, how = _stop(server)
+    print(f"SIGTERM: {how}", file=sys.stdout if stopped else sys.stderr)
+    return 0 if stopped else 1
+
+
+def _stop(server: subprocess.Popen, grace_s: float = 30.0) -> tuple[bool, str]:
+    """SIGTERM, then SIGKILL after `grace_s`. -> (whether SIGTERM stopped it, what happened)."""
+    began = time.perf_counter()
+    server.send_signal(signal.SIGTERM)
+    try:
+        code = server.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+        return False, f"error: the server did not stop within {grace_s:.0f} s; killed"
+    return True, f"the server stopped in {time.perf_counter() - began:.1f} s (exit code {code})"
 
 
 def _echo_until_ready(server: subprocess.Popen) -> str | None:
