@@ -67,6 +67,7 @@ def check_address(host: str, port: int) -> None:
     if not 0 < port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {port}")
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
         try:
             s.bind((host, port))
         except OSError as e:
