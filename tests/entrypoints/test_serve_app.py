@@ -193,6 +193,7 @@ def test_models_health_metrics(served):
      "is 5 with 2 speculative tokens: 67 > --max-model-len 66"),
     ({"model": "tiny", "prompt": [1, 999]}, 400, "prompt token ids must be in [0, 264), got 999"),
     ({"model": "tiny", "prompt": ""}, 400, "the prompt must not be empty"),
+    ({"model": "tiny", "prompt": ["a", 1]}, 400, "prompt: expected a string or a list of token ids, got ['a', 1]"),
     ({"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1"),
     ({"model": "tiny", "prompt": "Hi", "temperature": -0.5}, 400, "temperature: Input should be greater than"),
     ({"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p: Input should be greater than 0"),

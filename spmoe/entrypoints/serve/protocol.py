@@ -70,9 +70,12 @@ class SamplingFields(Strict):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int]  # text, or token ids
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _not_empty(cls, prompt):
+    def _text_or_ids(cls, prompt):
+        ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        if not (isinstance(prompt, str) or ids):
+            raise ValueError("expected a string or a list of token ids")
         if not prompt:
             raise ValueError("the prompt must not be empty")
         return prompt
