@@ -98,7 +98,8 @@ def add_model_args(p) -> None:
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel size (default 1): DP groups of --tp ranks each take a share of the batch; "
                         "the experts are split over all dp * tp ranks")
-    p.add_argument("--sp", choices=SP_MODES, required=True, help="sequence-parallel MoE")
+    p.add_argument("--sp", choices=SP_MODES, default="auto",
+                   help="sequence-parallel MoE (default auto: on when tp > 1 and dp > 1)")
     p.add_argument("--sp-scope", choices=SP_SCOPES, default="moe", help="which layers are SP (default moe)")
     p.add_argument("--ep-backend", choices=EP_BACKENDS, default="allgather_reducescatter",
                    help="how SP layers dispatch tokens to experts (default allgather_reducescatter)")

@@ -12,7 +12,7 @@ p + 1 and a post-norm hidden state at p, and predicts the token at p + 2:
 
 `hidden` serves both the draft logits (the LM head alone, no second norm) and the next draft step: the
 recycled state is the post-norm one, which is what `hnorm` was trained on (upstream's pre-norm recycle
-lowered acceptance, `docs/upstream-behaviour.md` §5.4).
+lowered acceptance, `docs/upstream-bugs.md` item 8).
 
 Layout, fixed at build time by `is_sequence_parallel` (the config's decision for an MoE layer):
 - SP: the embedding's partial sum is reduce-scattered straight into shards, the previous hidden is chunked

@@ -1,6 +1,6 @@
 """FlashInfer's TRT-LLM FP8 block-scale MoE kernels (Blackwell, the SM100 family only).
 
-Two classes, as in the upstream change (`docs/upstream-behaviour.md` §7):
+Two classes, as in the upstream change (the reasons: `docs/upstream-bugs.md`, item 7):
 
 - `TrtLlmFp8ExpertsMonolithic` routes inside the kernel from the router logits. It never sees our -1 ids,
   so it cannot skip SP pad rows, and it would need the full logits dispatched; `_supports_parallel_config`
