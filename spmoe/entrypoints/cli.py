@@ -8,6 +8,7 @@ from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.distributed import RankFailed, spawn
 from spmoe.distributed.selfcheck import layout_selfcheck
+from spmoe.entrypoints.serve.server import add_serve_args, cmd_serve
 
 
 def cmd_selfcheck(args) -> int:
@@ -145,6 +146,9 @@ def main(argv=None) -> int:
                    help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)")
     p.add_argument("--output", required=True, help='output JSON: {"outputs": [[ids...], ...], "stats": {...}}')
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on local ranks (default: the demo model)")
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -99,3 +100,6 @@ def test_demo_runs_and_reuses_its_checkpoint(tmp_path):
         assert done.returncode == 0, done.stderr
         assert f"({expected})" in done.stdout
         assert "all 5 modes produced identical tokens" in done.stdout
+        # the server: the chat template wraps the 19-byte message in 3 special tokens; up to 24 tokens come back
+        assert re.search(r"usage: 22 prompt \+ \d+ completion tokens, finish_reason (stop|length)", done.stdout)
+        assert "SIGTERM: the server stopped" in done.stdout
