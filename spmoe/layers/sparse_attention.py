@@ -84,8 +84,10 @@ def quantize_fp8_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and importlib.util.find_spec("triton") is not None
+def use_triton(t: torch.Tensor, *dims: int) -> bool:
+    """Whether the Triton kernels take `t` (on CUDA, 16-bit or FP8) with these widths (powers of 2, >= 16)."""
+    return (t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+            and all(d >= 16 and d & (d - 1) == 0 for d in dims) and importlib.util.find_spec("triton") is not None)
 
 
 # -- indexer ------------------------------------------------------------------------------------------------
@@ -96,7 +98,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedLayerCache,
     """q `[N, h, d]` (FP8 e4m3 when the cache is, else its dtype), weights `[N, h]` float32 (every scale
     folded in) -> selected cache rows `[N, min(topk, L)]` int64, best first, -1 past the visible positions;
     L = max_blocks * block_size."""
-    if use_triton(q):
+    if use_triton(q, q.shape[2], block_size):
         from spmoe.layers.sparse_attention_triton import indexer_order_keys
         keys = indexer_order_keys(q, weights, cache, block_tables, seq_index, positions, block_size)
     else:
@@ -158,7 +160,7 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCa
                scale: float) -> torch.Tensor:
     """q_latent `[N, h, c]`, q_rope `[N, h, r]`, rows `[N, k]` (cache rows, -1 = none) -> the softmax-weighted
     sum of the selected latents `[N, h, c]` in q's dtype (zero for a token with no row)."""
-    if use_triton(q_latent):
+    if use_triton(q_latent, q_latent.shape[2], q_rope.shape[2]):
         from spmoe.layers.sparse_attention_triton import sparse_mla as triton_sparse_mla
         return triton_sparse_mla(q_latent, q_rope, cache, rows, scale)
     return sparse_mla_torch(q_latent, q_rope, cache, rows, scale)
