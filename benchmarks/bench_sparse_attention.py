@@ -3,10 +3,11 @@
 sequences (each decoding its token at the context's last position).
 
 Per row: ms (CUDA-event median, replayed from a CUDA graph) of
-- `indexer`: the Triton indexer and the top-k over the paged indexer cache;
+- `scores`: the Triton indexer kernel over the paged indexer cache (ordering keys of every position);
+- `top-k`: torch.topk of those keys and the rows of the best (`rows_of_best`);
 - `mla`: the Triton absorbed sparse MLA over the selected rows;
-- `roofline %`: the cache bytes those two must read (every visible indexer key, then the selected latent +
-  rope rows, each once per token) / 4.3 TB/s, against their measured time;
+- `roofline %`: the cache bytes these must read (every visible indexer key, then the selected latent + rope
+  rows, each once per token) / 4.3 TB/s, against the sum of the three times;
 - `paged layer`: the whole MLAttention forward over the paged cache (projections, indexer, top-k, sparse
   MLA, o_proj);
 - `dense layer`: the same layer over today's dense KV cache (every cached latent decompressed through
@@ -14,6 +15,7 @@ Per row: ms (CUDA-event median, replayed from a CUDA graph) of
 for the bf16 cache (kv-cache-dtype auto) and the FP8 cache.
 
     python benchmarks/bench_sparse_attention.py [--contexts 2048 8192 32768 131072] [--batches 1 8]
+    python benchmarks/bench_sparse_attention.py --sweep    # sparse MLA tile configs at a 32k context
 """
 
 import argparse
@@ -25,12 +27,14 @@ from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.layers.attention import AttentionBatch, MLAttention
 from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import indexer_topk, quantize_fp8_vectors, sparse_mla
+from spmoe.layers.sparse_attention import indexer_topk, quantize_fp8_vectors, rows_of_best, sparse_mla
+from spmoe.layers.sparse_attention_triton import indexer_order_keys, sparse_mla as triton_sparse_mla
 from bench_dp import GLM, random_weights
 from timing import cuda_ms, graphed
 
 HBM = 4.3e12
 REPS = 20
+SWEEP = [(h, k, w) for h in (16, 32, 64) for k in (16, 32) for w in (4, 8)]
 
 
 def fill(cache: PagedKVCache, tokens: int) -> None:
@@ -56,7 +60,9 @@ def timed(fn) -> float | None:
         return None
 
 
-def run(cfg: ModelConfig, layer: MLAttention, kv_cache_dtype: str, context: int, batch: int) -> str:
+def kernel_inputs(cfg: ModelConfig, kv_cache_dtype: str, context: int, batch: int):
+    """A one-layer paged cache of `batch` sequences of `context` random tokens, their decode view, and random
+    queries -> (cache, view, indexer q, indexer weights, q_latent, q_rope)."""
     blocks = -(-context // BLOCK_SIZE)
     probe = PagedKVCache(cfg, {0: True}, 10 ** 7, torch.bfloat16, "cuda", kv_cache_dtype)
     cache = PagedKVCache(cfg, {0: True}, batch * blocks * BLOCK_SIZE * probe.bytes_per_token, torch.bfloat16, "cuda",
@@ -65,7 +71,6 @@ def run(cfg: ModelConfig, layer: MLAttention, kv_cache_dtype: str, context: int,
     tables = torch.arange(batch * blocks, dtype=torch.int32, device="cuda").view(batch, blocks)
     positions = torch.full((batch,), context - 1, device="cuda")
     view = cache.decode_view(tables, torch.arange(batch, device="cuda"), positions)
-    rows_cache = cache.layers[0]
     gen = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(batch, 32, 128, device="cuda", generator=gen).bfloat16()
     weights = torch.rand(batch, 32, device="cuda", generator=gen)
@@ -74,21 +79,29 @@ def run(cfg: ModelConfig, layer: MLAttention, kv_cache_dtype: str, context: int,
         weights = weights * q_scale.squeeze(-1)
     q_latent = torch.randn(batch, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
     q_rope = torch.randn(batch, 64, 64, device="cuda", generator=gen).bfloat16() * 0.05
-    index_args = (q, weights, rows_cache, view.block_tables, view.seq_index, view.positions, cfg.index_topk,
-                  BLOCK_SIZE)
-    selected = indexer_topk(*index_args)
-    t_index = timed(lambda: indexer_topk(*index_args))
+    return cache, view, q, weights, q_latent, q_rope
+
+
+def run(cfg: ModelConfig, layer: MLAttention, kv_cache_dtype: str, context: int, batch: int) -> str:
+    cache, view, q, weights, q_latent, q_rope = kernel_inputs(cfg, kv_cache_dtype, context, batch)
+    rows_cache, positions = cache.layers[0], view.positions
+    keys_args = (q, weights, rows_cache, view.block_tables, view.seq_index, view.positions, BLOCK_SIZE)
+    keys = indexer_order_keys(*keys_args)
+    selected = indexer_topk(*keys_args[:6], cfg.index_topk, BLOCK_SIZE)
+    t_scores = timed(lambda: indexer_order_keys(*keys_args))
+    t_topk = timed(lambda: rows_of_best(keys, cfg.index_topk, view.block_tables, view.seq_index, BLOCK_SIZE))
     t_mla = timed(lambda: sparse_mla(q_latent, q_rope, rows_cache, selected, cfg.attention_scale))
     fp8 = kv_cache_dtype == "fp8"
     index_bytes = batch * context * (128 * (1 if fp8 else 2) + (4 if fp8 else 0))
     mla_bytes = batch * min(context, cfg.index_topk) * ((512 + 16 if fp8 else 1024) + 128)
-    roofline = (index_bytes + mla_bytes) / HBM * 1e3 / (t_index + t_mla) * 100
+    roofline = (index_bytes + mla_bytes) / HBM * 1e3 / (t_scores + t_topk + t_mla) * 100
 
-    x = torch.randn(batch, cfg.hidden_size, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(batch, cfg.hidden_size, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    x = x.bfloat16()
     rotary = Rotary(cfg, positions, torch.bfloat16)
     with torch.no_grad():
         t_paged = timed(lambda: layer(x, AttentionBatch(rotary, view.allowed, view), None))
-        del cache, view, rows_cache, selected
+        del cache, view, rows_cache, selected, keys
         t_dense = None
         if not fp8:
             try:
@@ -103,14 +116,35 @@ def run(cfg: ModelConfig, layer: MLAttention, kv_cache_dtype: str, context: int,
     def ms(t):
         return "OOM" if t is None else f"{t:.3f}"
 
-    return (f"{kv_cache_dtype:>5} {context:>7} {batch:>5} {ms(t_index):>8} {ms(t_mla):>8} {roofline:>10.1f} "
-            f"{ms(t_paged):>11} {ms(t_dense) if not fp8 else '-':>11}")
+    return (f"{kv_cache_dtype:>5} {context:>7} {batch:>5} {ms(t_scores):>7} {ms(t_topk):>7} {ms(t_mla):>7} "
+            f"{roofline:>10.1f} {ms(t_paged):>11} {ms(t_dense) if not fp8 else '-':>11}")
+
+
+def sweep(cfg: ModelConfig) -> None:
+    """ms of the sparse MLA kernel per tile config (block_h, block_k, num_warps) at a 32k context."""
+    print(f"{'cache':>5} {'batch':>5} " + " ".join(f"{f'{h}/{k}/{w}':>9}" for h, k, w in SWEEP))
+    for kv_cache_dtype in ("auto", "fp8"):
+        for batch in (1, 8):
+            cache, view, q, weights, q_latent, q_rope = kernel_inputs(cfg, kv_cache_dtype, 32768, batch)
+            selected = indexer_topk(q, weights, cache.layers[0], view.block_tables, view.seq_index, view.positions,
+                                    cfg.index_topk, BLOCK_SIZE)
+            times = []
+            for h, k, w in SWEEP:
+                try:
+                    t = timed(lambda: triton_sparse_mla(q_latent, q_rope, cache.layers[0], selected, 0.1, h, k, w))
+                    times.append(f"{t:>9.4f}")
+                except Exception as e:  # a config that does not compile (registers, shared memory)
+                    times.append(f"{type(e).__name__[:9]:>9}")
+            print(f"{kv_cache_dtype:>5} {batch:>5} " + " ".join(times), flush=True)
+            del cache, view
+            torch.cuda.empty_cache()
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--sweep", action="store_true", help="time the sparse MLA tile configs instead")
     args = parser.parse_args()
     cfg = ModelConfig.from_dict({**GLM, "num_hidden_layers": 1, "mlp_layer_types": ["sparse"],
                                  "indexer_types": ["full"]})
@@ -118,7 +152,9 @@ def main():
         layer = MLAttention(cfg, 0, 1, has_indexer=True).bfloat16()
     random_weights(layer)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per layer per decode step")
-    print(f"{'cache':>5} {'context':>7} {'batch':>5} {'indexer':>8} {'mla':>8} {'roofline %':>10} "
+    if args.sweep:
+        return sweep(cfg)
+    print(f"{'cache':>5} {'context':>7} {'batch':>5} {'scores':>7} {'top-k':>7} {'mla':>7} {'roofline %':>10} "
           f"{'paged layer':>11} {'dense layer':>11}")
     for kv_cache_dtype in ("auto", "fp8"):
         for context in args.contexts:

@@ -96,8 +96,8 @@ def use_triton(t: torch.Tensor, *dims: int) -> bool:
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedLayerCache, block_tables: torch.Tensor,
                  seq_index: torch.Tensor, positions: torch.Tensor, topk: int, block_size: int) -> torch.Tensor:
     """q `[N, h, d]` (FP8 e4m3 when the cache is, else its dtype), weights `[N, h]` float32 (every scale
-    folded in) -> selected cache rows `[N, min(topk, L)]` int64, best first, -1 past the visible positions;
-    L = max_blocks * block_size."""
+    folded in) -> selected cache rows `[N, min(topk, L)]` int64 (`rows_of_best`), -1 past the visible
+    positions; L = max_blocks * block_size."""
     if use_triton(q, q.shape[2], block_size):
         from spmoe.layers.sparse_attention_triton import indexer_order_keys
         keys = indexer_order_keys(q, weights, cache, block_tables, seq_index, positions, block_size)
@@ -145,9 +145,9 @@ _NEG_INF_KEY_MAX = int(order_keys(torch.tensor([[float("-inf")]]))[0, 0])
 
 def rows_of_best(keys: torch.Tensor, topk: int, block_tables: torch.Tensor, seq_index: torch.Tensor,
                  block_size: int) -> torch.Tensor:
-    """Ordering keys `[N, L]` -> cache rows `[N, min(topk, L)]` of the best positions, -1 where the score
-    was -inf (not visible)."""
-    best = keys.topk(min(topk, keys.shape[-1]), dim=-1).values
+    """Ordering keys `[N, L]` -> cache rows `[N, min(topk, L)]` of the best positions, best first, -1 where
+    the score was -inf (not visible). When L <= topk every position is kept, in position order (no sort)."""
+    best = keys if keys.shape[-1] <= topk else keys.topk(topk, dim=-1).values
     position = (1 << POSITION_BITS) - 1 - (best & ((1 << POSITION_BITS) - 1))
     blocks = block_tables.long()[seq_index].gather(1, position // block_size)
     return torch.where(best > _NEG_INF_KEY_MAX, blocks * block_size + position % block_size, -1)
@@ -169,7 +169,8 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCa
 def sparse_mla_torch(q_latent, q_rope, cache: PagedLayerCache, rows, scale: float) -> torch.Tensor:
     """The reference `sparse_mla`, in float32."""
     safe = rows.clamp(min=0)
-    latent = dequantize(gather_rows(cache.latent, safe), None if cache.latent_scale is None else cache.latent_scale[safe])
+    group_scale = None if cache.latent_scale is None else cache.latent_scale[safe]
+    latent = dequantize(gather_rows(cache.latent, safe), group_scale)  # [N, k, c]
     rope = cache.rope[safe].float()  # [N, k, r]
     scores = (torch.einsum("nhc,nkc->nhk", q_latent.float(), latent)
               + torch.einsum("nhr,nkr->nhk", q_rope.float(), rope)) * scale

@@ -102,11 +102,12 @@ def _sparse_mla_kernel(ql_ptr, qr_ptr, lat_ptr, lat_scale_ptr, rope_ptr, rows_pt
         valid = row >= 0
         row = tl.where(valid, row, 0).to(tl.int64)
         latent = tl.load(lat_ptr + row[:, None] * LATENT + c[None, :], mask=valid[:, None], other=0.0)
-        if FP8:
-            groups = LATENT // GROUP
-            group_scale = tl.load(lat_scale_ptr + row[:, None] * groups + (c // GROUP)[None, :], mask=valid[:, None],
-                                  other=0.0)
-            latent = (latent.to(tl.float32) * group_scale).to(q_lat.dtype)
+        if FP8:  # one scale per GROUP values: scale the [BLOCK_K, groups, GROUP] view
+            g = tl.arange(0, LATENT // GROUP)
+            group_scale = tl.load(lat_scale_ptr + row[:, None] * (LATENT // GROUP) + g[None, :], mask=valid[:, None],
+                                  other=0.0)  # [BLOCK_K, groups]
+            latent = tl.reshape(latent.to(tl.float32), (BLOCK_K, LATENT // GROUP, GROUP)) * group_scale[:, :, None]
+            latent = tl.reshape(latent, (BLOCK_K, LATENT)).to(q_lat.dtype)
         rope = tl.load(rope_ptr + row[:, None] * ROPE + r[None, :], mask=valid[:, None], other=0.0)
         scores = tl.dot(q_lat, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))  # [BLOCK_H, BLOCK_K]
         scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
@@ -140,9 +141,10 @@ def _merge_splits_kernel(acc_ptr, stats_ptr, out_ptr, stride_on, stride_oh, head
 
 
 def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCache, rows: torch.Tensor,
-               scale: float, block_h: int = 16, block_k: int = 32) -> torch.Tensor:
+               scale: float, block_h: int = 16, block_k: int = 32, num_warps: int | None = None) -> torch.Tensor:
     """As `sparse_mla_torch`: q_latent `[N, h, c]`, q_rope `[N, h, r]` (bf16 / fp16), rows `[N, k]` int64
-    -> `[N, h, c]` in q's dtype."""
+    -> `[N, h, c]` in q's dtype. block_h heads and block_k rows per tile, num_warps (default: 8 for latents of
+    256 and more, else 4): the tile config (benchmarks/bench_sparse_attention.py --sweep times them)."""
     n, heads, latent_dim = q_latent.shape
     rope_dim, topk = q_rope.shape[2], rows.shape[1]
     out = torch.empty(n, heads, latent_dim, dtype=q_latent.dtype, device=q_latent.device)
@@ -165,7 +167,7 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCa
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0),
         FP8=fp8, LATENT=latent_dim, ROPE=rope_dim, GROUP=latent_dim // cache.latent_scale.shape[1] if fp8 else 1,
         BLOCK_H=block_h, BLOCK_K=block_k, SPLITS=splits, ROWS_PER_SPLIT=rows_per_split,
-        num_warps=8 if latent_dim >= 256 else 4)
+        num_warps=num_warps or (8 if latent_dim >= 256 else 4))
     _merge_splits_kernel[(n, heads)](acc, stats, out, out.stride(0), out.stride(1), heads, LATENT=latent_dim,
                                      SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
     return out

@@ -131,6 +131,10 @@ def test_rows_of_ties_go_to_earliest_positions():
     assert rows[1].tolist() == [3 * 64 + 5, 3 * 64 + 0, 3 * 64 + 1, 3 * 64 + 2, 3 * 64 + 3]
     rows = indexer_topk(q, weights, cache, tables, torch.zeros(2, dtype=torch.long), positions, 10, 64)
     assert rows[1].tolist() == [3 * 64 + p for p in (5, 0, 1, 2, 3, 4, 6)] + [-1] * 3  # 7 visible positions
+    rows = indexer_topk(q, weights, cache, tables, torch.zeros(2, dtype=torch.long), positions, 200, 64)
+    assert rows.shape == (2, 128)  # topk above the table's 128 positions: all kept, in position order
+    assert rows[1].tolist() == [3 * 64 + p for p in range(7)] + [-1] * 121
+    assert rows[0].tolist() == [3 * 64 + p for p in range(64)] + [64 + p for p in range(17)] + [-1] * 47
 
 
 def test_order_keys_sorts_by_score_then_earliest():

@@ -73,13 +73,16 @@ def test_triton_kernels_match_torch(kv_cache_dtype):
         visible = torch.isfinite(scores_of(want))
         assert torch.equal(torch.isfinite(scores_of(got)), visible)
         err = (scores_of(got)[visible] - scores_of(want)[visible]).abs().max() / scores_of(want)[visible].abs().max()
-        assert err < 1e-5, err  # exact products, only the order of the fp32 sums differs
+        # bf16: exact products, only the order of the fp32 sums differs; FP8: Hopper's FP8 MMA accumulates with
+        # fewer bits than fp32 (measured 1e-4 of the largest score)
+        assert err < (1e-3 if kv_cache_dtype == "fp8" else 1e-5), err
         selected = rows_of_best(got, TOPK, view.block_tables, view.seq_index, BLOCK)
         reference = rows_of_best(want, TOPK, view.block_tables, view.seq_index, BLOCK)
         short = view.positions < TOPK  # every visible row is selected: the same set, in the same order of scores
         assert torch.equal(selected[short].sort(-1).values, reference[short].sort(-1).values)
         overlap = sum(len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(selected, reference))
-        assert overlap >= 0.999 * (reference >= 0).sum().item(), overlap / (reference >= 0).sum().item()
+        assert overlap >= (0.99 if kv_cache_dtype == "fp8" else 0.999) * (reference >= 0).sum().item(), \
+            overlap / (reference >= 0).sum().item()
         assert torch.equal(indexer_topk(*args[:6], TOPK, BLOCK), selected)  # the dispatcher picks Triton on CUDA
 
         q_latent = torch.randn(n, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
