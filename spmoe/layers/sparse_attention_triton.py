@@ -141,10 +141,10 @@ def _merge_splits_kernel(acc_ptr, stats_ptr, out_ptr, stride_on, stride_oh, head
 
 
 def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCache, rows: torch.Tensor,
-               scale: float, block_h: int = 16, block_k: int = 32, num_warps: int | None = None) -> torch.Tensor:
+               scale: float, block_h: int = 16, block_k: int = 32, num_warps: int = 4) -> torch.Tensor:
     """As `sparse_mla_torch`: q_latent `[N, h, c]`, q_rope `[N, h, r]` (bf16 / fp16), rows `[N, k]` int64
-    -> `[N, h, c]` in q's dtype. block_h heads and block_k rows per tile, num_warps (default: 8 for latents of
-    256 and more, else 4): the tile config (benchmarks/bench_sparse_attention.py --sweep times them)."""
+    -> `[N, h, c]` in q's dtype. block_h heads and block_k rows per tile with num_warps: the tile config, the
+    fastest of benchmarks/bench_sparse_attention.py --sweep at GLM-5.2 widths by default."""
     n, heads, latent_dim = q_latent.shape
     rope_dim, topk = q_rope.shape[2], rows.shape[1]
     out = torch.empty(n, heads, latent_dim, dtype=q_latent.dtype, device=q_latent.device)
@@ -167,7 +167,7 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCa
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0),
         FP8=fp8, LATENT=latent_dim, ROPE=rope_dim, GROUP=latent_dim // cache.latent_scale.shape[1] if fp8 else 1,
         BLOCK_H=block_h, BLOCK_K=block_k, SPLITS=splits, ROWS_PER_SPLIT=rows_per_split,
-        num_warps=num_warps or (8 if latent_dim >= 256 else 4))
+        num_warps=num_warps)
     _merge_splits_kernel[(n, heads)](acc, stats, out, out.stride(0), out.stride(1), heads, LATENT=latent_dim,
                                      SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
     return out

@@ -124,7 +124,8 @@ def test_paged_attention_layer_matches_dense_on_gpu():
                 torch.nn.init.ones_(p)
     dense = KVCache(cfg, {0: True}, 2, 1024, torch.bfloat16, "cuda")
     paged = PagedKVCache(cfg, {0: True}, 2 ** 27, torch.bfloat16, "cuda")
-    tables, slots, errors = [[5, 2, 9, 0], [7, 1, 3, 4]], [dense.allocate() for _ in range(2)], []
+    tables = [[5, 2, 9, 0, 11, 13, 15, 17, 19, 21], [7, 1, 3, 4, 6, 8, 10, 12, 14, 16]]  # room for 640 tokens each
+    slots, errors = [dense.allocate() for _ in range(2)], []
     for starts, lens in (([0, 0], [600, 250]), ([600, 250], [1, 1]), ([601, 251], [1, 1])):
         x = torch.randn(sum(lens), cfg.hidden_size, device="cuda").bfloat16()
         outs = []
