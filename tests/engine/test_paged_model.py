@@ -1,11 +1,11 @@
 """A whole tiny model (IndexShare full / shared / full layers and the MTP layer) over the paged cache against the
-same model over the dense KV cache, float32 on CPU: chunked prefills on top of cached contexts beside decodes,
-contexts below and above index_topk; and the CUDA-graph-style decode view (fixed shapes, a pad row in the
-scratch block) against the eager view."""
+same model over the dense KV cache, float32 on CPU, at TP 1 and TP 2 (heads split, cache replicated): chunked
+prefills on top of cached contexts beside decodes, contexts below and above index_topk; and the
+CUDA-graph-style decode view (fixed shapes, a pad row in the scratch block) against the eager view."""
 
 import torch
 
-from spmoe.distributed import spawn
+from spmoe.distributed import get_parallel_state, spawn
 
 from .conftest import ENGINE_CONFIG
 
@@ -22,7 +22,7 @@ def paged_against_dense(folder: str) -> dict:
     from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
-    model = load_model(folder, ParallelConfig(tensor_parallel_size=1), with_mtp=True)
+    model = load_model(folder, ParallelConfig(tensor_parallel_size=get_parallel_state().tp_size), with_mtp=True)
     dense, paged = KVCache.for_model(model, 3, 80), PagedKVCache.for_model(model, 2 ** 22)
     blocks = BlockManager(paged.num_blocks, BLOCK_SIZE)
     blocks.allocate(99, BLOCK_SIZE + 1)  # the sequences' blocks are not the first ones
@@ -65,8 +65,11 @@ def test_paged_model_equals_dense(tmp_path):
     from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 
     spawn(write_random_checkpoint, 1, CONFIG, tmp_path, 1)
-    got = spawn(paged_against_dense, 1, str(tmp_path))[0]
-    print(got)
-    for step, (target, draft) in enumerate(got["steps"]):
-        assert target < 1e-5 and draft < 1e-5, (step, target, draft)
-    assert got["static"] < 1e-5, got["static"]
+    for tp in (1, 2):
+        ranks = spawn(paged_against_dense, tp, str(tmp_path))
+        got = ranks[0]
+        print(tp, got)
+        for step, (target, draft) in enumerate(got["steps"]):
+            assert target < 1e-5 and draft < 1e-5, (tp, step, target, draft)
+        assert got["static"] < 1e-5, (tp, got["static"])
+        assert all(rank == got for rank in ranks[1:]), f"TP {tp}: ranks disagree"

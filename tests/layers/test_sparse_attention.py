@@ -9,7 +9,7 @@ import torch
 from spmoe.config import ModelConfig
 from spmoe.engine.block_manager import BlockManager
 from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
+from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, cache_budget_bytes
 from spmoe.layers.attention import AttentionBatch, MLAttention
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.sparse_attention import (PagedLayerCache, dequantize, indexer_topk, order_keys,
@@ -192,3 +192,14 @@ def test_glm5_fp8_bytes_per_token():
     cfg = ModelConfig.from_dict({**CONFIG, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128})
     for layers, want in (({0: False}, 656), ({0: True}, 656 + 132)):
         assert PagedKVCache(cfg, layers, 10 ** 6, torch.bfloat16, "cpu", "fp8").bytes_per_token == want
+
+
+def test_cache_budget():
+    assert cache_budget_bytes("cpu", gib=1.5) == 3 * 2 ** 29
+    with pytest.raises(ValueError, match="exactly one of GiB or a fraction of free memory, got gib=1, "
+                                         "memory_fraction=0.5"):
+        cache_budget_bytes("cpu", gib=1, memory_fraction=0.5)
+    with pytest.raises(ValueError, match="must be > 0 GiB, got 0"):
+        cache_budget_bytes("cpu", gib=0)
+    with pytest.raises(ValueError, match="needs a CUDA device and a fraction in \\(0, 1\\], got 0.9 on cpu"):
+        cache_budget_bytes("cpu", memory_fraction=0.9)
