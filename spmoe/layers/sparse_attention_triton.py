@@ -21,6 +21,7 @@ import triton.language as tl
 from spmoe.layers.sparse_attention import PagedLayerCache
 
 NUM_SMS_TARGET = 264  # programs to aim for in sparse_mla (2 per H200 multiprocessor)
+LOG2_E = 1.4426950408889634  # the kernel's softmax uses exp2: exp(x) = exp2(x * log2(e))
 
 
 @triton.jit
@@ -163,7 +164,7 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCa
     fp8 = cache.latent_scale is not None
     _sparse_mla_kernel[(n, head_blocks, splits)](
         q_latent, q_rope, cache.latent, cache.latent_scale if fp8 else cache.rope, cache.rope, rows, acc, stats,
-        heads, topk, scale * 1.4426950408889634,
+        heads, topk, scale * LOG2_E,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0),
         FP8=fp8, LATENT=latent_dim, ROPE=rope_dim, GROUP=latent_dim // cache.latent_scale.shape[1] if fp8 else 1,
         BLOCK_H=block_h, BLOCK_K=block_k, SPLITS=splits, ROWS_PER_SPLIT=rows_per_split,
