@@ -21,7 +21,8 @@ from torch import nn
 from spmoe.config import ModelConfig
 from spmoe.layers.attention import MLAttention
 from spmoe.layers.moe.experts.base import quantize_fp8_groups
-from spmoe.layers.sparse_attention import PagedLayerCache, quantize_fp8_vectors
+from spmoe.layers.paged_rows import PagedLayerCache
+from spmoe.layers.sparse_attention import quantize_fp8_vectors
 
 BLOCK_SIZE = 64
 KV_CACHE_DTYPES = ("auto", "fp8")

@@ -24,7 +24,8 @@ from spmoe.config import ModelConfig
 from spmoe.layers.linear import Linear
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import PagedKeyStore, indexer_topk, quantize_fp8_vectors, sparse_mla
+from spmoe.layers.paged_rows import PagedKeyStore
+from spmoe.layers.sparse_attention import indexer_topk, quantize_fp8_vectors, sparse_mla
 
 
 class KeyStore(Protocol):

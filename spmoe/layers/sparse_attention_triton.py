@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spmoe.layers.sparse_attention import PagedLayerCache
+from spmoe.layers.paged_rows import PagedLayerCache
 
 NUM_SMS_TARGET = 264  # programs to aim for in sparse_mla (2 per H200 multiprocessor)
 LOG2_E = 1.4426950408889634  # the kernel's softmax uses exp2: exp(x) = exp2(x * log2(e))

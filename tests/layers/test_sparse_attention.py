@@ -12,8 +12,8 @@ from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, cache_budget_bytes
 from spmoe.layers.attention import AttentionBatch, MLAttention
 from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import (PagedLayerCache, dequantize, indexer_topk, order_keys,
-                                           quantize_fp8_vectors, sparse_mla_torch)
+from spmoe.layers.paged_rows import PagedLayerCache
+from spmoe.layers.sparse_attention import dequantize, indexer_topk, order_keys, quantize_fp8_vectors, sparse_mla_torch
 
 TOPK = 8
 CONFIG = dict(
