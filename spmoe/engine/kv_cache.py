@@ -57,7 +57,7 @@ class KVCache:
     def for_model(cls, model: nn.Module, max_seqs: int, max_len: int) -> "KVCache":
         """A cache for every attention layer in `model` (the MTP layer's included), in the model's dtype."""
         attention = [m for m in model.modules() if isinstance(m, MLAttention)]
-        weight = attention[0].q_a_proj.weight
+        weight = attention[0].x_proj.weight
         return cls(attention[0].cfg, {m.layer_idx: m.indexer is not None for m in attention}, max_seqs, max_len,
                    weight.dtype, weight.device)
 

@@ -72,7 +72,7 @@ class PagedKVCache:
     def for_model(cls, model: nn.Module, budget_bytes: int, kv_cache_dtype: str = "auto") -> "PagedKVCache":
         """A cache for every attention layer in `model` (the MTP layer's included), in the model's dtype."""
         attention = [m for m in model.modules() if isinstance(m, MLAttention)]
-        weight = attention[0].q_a_proj.weight
+        weight = attention[0].x_proj.weight
         return cls(attention[0].cfg, {m.layer_idx: m.indexer is not None for m in attention}, budget_bytes,
                    weight.dtype, weight.device, kv_cache_dtype)
 

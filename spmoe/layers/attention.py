@@ -1,7 +1,9 @@
 """MLA attention with the DSA lightning indexer, heads split over the TP group.
 
 Runs over the N new tokens of a flat batch of sequences (FULL layout), which attend K keys: their own
-sequences' cached tokens and themselves. q_a / kv_a projections, their norms and the indexer are replicated;
+sequences' cached tokens and themselves. q_a / kv_a projections, their norms and the indexer are replicated
+(the four projections of the input, q_a, kv_a and the indexer's wk and weights_proj, run as one GEMM,
+`x_proj`; the checkpoint keeps them apart);
 q_b and kv_b are column-parallel over heads; o_proj is row-parallel and the output is this rank's PARTIAL sum
 `[N, H]`. Per token and layer the cache keeps MLA's compressed latent with its rotated rope key, and the
 indexer's key.
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spmoe.config import ModelConfig
-from spmoe.layers.linear import Linear
+from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.paged_rows import PagedKeyStore
@@ -58,43 +60,49 @@ class AttentionBatch:
 
 
 class Indexer(nn.Module):
-    """DSA lightning indexer: scores every allowed key per query and keeps the top `index_topk`."""
+    """DSA lightning indexer: scores every allowed key per query and keeps the top `index_topk`.
+
+    Its projections of the layer input, `wk` `[d, H]` and `weights_proj` `[h, H]`, live in the attention's
+    merged `x_proj`; the indexer gets their outputs."""
+
+    PROJECTIONS = ("indexer.wk", "indexer.weights_proj")  # their names in MLAttention.x_proj
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
         self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
-        self.wk = Linear(cfg.hidden_size, cfg.index_head_dim)
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
-        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
 
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """x `[N, H]`, q_latent `[N, q_lora]` -> selected `[N, K]` bool (top-k allowed keys per query); over a
-        paged cache, the selected cache rows `[N, k]` int64 (-1 = none)."""
+    def forward(self, wk_x: torch.Tensor, head_weights: torch.Tensor, q_latent: torch.Tensor,
+                batch: AttentionBatch) -> torch.Tensor:
+        """wk_x `[N, d]` (wk of the input), head_weights `[N, h]` (weights_proj of the input), q_latent
+        `[N, q_lora]` -> selected `[N, K]` bool (top-k allowed keys per query); over a paged cache, the selected
+        cache rows `[N, k]` int64 (-1 = none)."""
         cfg, rope = self.cfg, self.cfg.qk_rope_head_dim
         q = self.wq_b(q_latent).view(-1, cfg.index_n_heads, cfg.index_head_dim)  # [N, h, d]
-        k = self.k_norm(self.wk(x)).unsqueeze(1)  # [N, 1, d]
-        rotate = batch.rotary.interleaved if cfg.indexer_rope_interleaved else batch.rotary.half_split
-        q = torch.cat([rotate(q[..., :rope]), q[..., rope:]], dim=-1)
-        k = torch.cat([rotate(k[..., :rope]), k[..., rope:]], dim=-1).squeeze(1)  # [N, d]
+        k = self.k_norm(wk_x)  # [N, d]
+        batch.rotary.rotate_(q[..., :rope], cfg.indexer_rope_interleaved)
+        batch.rotary.rotate_(k[:, None, :rope], cfg.indexer_rope_interleaved)
         if isinstance(batch.cache, PagedKeyStore):
-            return self._paged_topk(x, q, k, batch.cache)
+            return self._paged_topk(head_weights, q, k, batch.cache)
         k = batch.keys(self.layer_idx, "indexer", k)  # [K, d]
         scores = F.relu(torch.einsum("qhd,kd->qhk", q.float(), k.float()) * cfg.index_head_dim ** -0.5)
-        weights = self.weights_proj(x).float() * cfg.index_n_heads ** -0.5  # [N, h]
+        weights = head_weights.float() * cfg.index_n_heads ** -0.5  # [N, h]
         index = torch.einsum("qh,qhk->qk", weights, scores).masked_fill(~batch.allowed, float("-inf"))
         # a stable sort, so that tied scores (relu makes exact zeros common) pick the earliest positions,
         # whatever else shares the batch or the cache
         topk = index.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
         return torch.zeros_like(batch.allowed).scatter_(1, topk, True) & batch.allowed
 
-    def _paged_topk(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: PagedKeyStore) -> torch.Tensor:
-        """q `[N, h, d]`, k `[N, d]` -> cache rows `[N, k]`: the same scores as the dense path, both scales folded
-        into the head weights (relu commutes with a positive scale); FP8 caches score FP8 queries."""
+    def _paged_topk(self, head_weights: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                    cache: PagedKeyStore) -> torch.Tensor:
+        """head_weights `[N, h]`, q `[N, h, d]`, k `[N, d]` -> cache rows `[N, k]`: the same scores as the dense
+        path, both scales folded into the head weights (relu commutes with a positive scale); FP8 caches score
+        FP8 queries."""
         cfg = self.cfg
         cache.write_index_key(self.layer_idx, k)
         rows = cache.layer(self.layer_idx)
-        weights = self.weights_proj(x).float() * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
+        weights = head_weights.float() * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
         if rows.index_scale is not None:
             q, q_scale = quantize_fp8_vectors(q)  # [N, h, d], [N, h, 1]
             weights = weights * q_scale.squeeze(-1)
@@ -108,10 +116,12 @@ class MLAttention(nn.Module):
         self.cfg, self.layer_idx = cfg, layer_idx
         self.local_heads = cfg.num_attention_heads // tp_size
         heads = cfg.num_attention_heads
-        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        projections = {"q_a_proj": cfg.q_lora_rank, "kv_a_proj_with_mqa": cfg.kv_lora_rank + cfg.qk_rope_head_dim}
+        if has_indexer:
+            projections |= dict(zip(Indexer.PROJECTIONS, (cfg.index_head_dim, cfg.index_n_heads)))
+        self.x_proj = MergedLinear(cfg.hidden_size, projections)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
         self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, tp_dim=0, tp_size=tp_size)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp_dim=0,
                                 tp_size=tp_size)
@@ -124,15 +134,16 @@ class MLAttention(nn.Module):
         `selected` comes from the previous "full" layer on an IndexShare "shared" layer, else None.
         """
         cfg, n_tok, heads = self.cfg, x.shape[0], self.local_heads
-        q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [N, q_lora]
+        proj = self.x_proj(x)  # views of one [N, q_lora + c + rope (+ d + h)] product
+        q_latent = self.q_a_layernorm(proj["q_a_proj"])  # [N, q_lora]
         q = self.q_b_proj(q_latent).view(n_tok, heads, cfg.qk_head_dim)
-        q = torch.cat([q[..., :cfg.qk_nope_head_dim], batch.rotary.interleaved(q[..., cfg.qk_nope_head_dim:])], -1)
-        kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        batch.rotary.rotate_(q[..., cfg.qk_nope_head_dim:], interleaved=True)
+        kv_latent, k_rope = proj["kv_a_proj_with_mqa"].split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         kv_latent = self.kv_a_layernorm(kv_latent)  # [N, c]
-        k_rope = batch.rotary.interleaved(k_rope.unsqueeze(1)).squeeze(1)  # [N, rope]
+        batch.rotary.rotate_(k_rope.unsqueeze(1), interleaved=True)  # [N, rope]
         if isinstance(batch.cache, PagedKeyStore):
             if self.indexer is not None:
-                selected = self.indexer(x, q_latent, batch)
+                selected = self.indexer(*(proj[name] for name in Indexer.PROJECTIONS), q_latent, batch)
             return self.o_proj(self._sparse_absorbed(q, kv_latent, k_rope, batch.cache, selected)), selected
         latent = batch.keys(self.layer_idx, "mla", torch.cat([kv_latent, k_rope], dim=-1))
         kv_latent, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)  # [K, c], [K, rope]
@@ -140,7 +151,7 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)  # [K, h, nope], [K, h, v]
         k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1)], dim=-1)  # [K, h, qk_head]
         if self.indexer is not None:
-            selected = self.indexer(x, q_latent, batch)
+            selected = self.indexer(*(proj[name] for name in Indexer.PROJECTIONS), q_latent, batch)
         scores = torch.einsum("qhd,khd->hqk", q, k) * cfg.attention_scale
         scores = scores.masked_fill(~selected, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)

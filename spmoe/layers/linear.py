@@ -26,3 +26,26 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+class MergedLinear(nn.Module):
+    """Replicated linear layers that read the same input, run as one GEMM: weight `[sum(widths), in]`, the
+    parts' rows one after another. The checkpoint keeps the parts as separate tensors; `checkpoint_plan` maps
+    each part's key to its rows of the merged weight.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int]):
+        """parts: each part's name (relative to the module that owns this one, e.g. "indexer.wk") -> its output
+        width."""
+        super().__init__()
+        self.parts = parts
+        self.weight = nn.Parameter(torch.empty(sum(parts.values()), in_features))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x `[N, in]` -> each part's output `[N, width]` (views of one `[N, sum(widths)]` product)."""
+        return dict(zip(self.parts, F.linear(x, self.weight).split(list(self.parts.values()), dim=-1)))
+
+    def checkpoint_plan(self, owner: str) -> dict[str, tuple[torch.Tensor, bool]]:
+        """Checkpoint key `{owner}.{part}.weight` -> (the part's rows of the merged weight, raw=False)."""
+        rows = self.weight.data.split(list(self.parts.values()), dim=0)
+        return {f"{owner}.{name}.weight": (part, False) for name, part in zip(self.parts, rows)}

@@ -1,10 +1,14 @@
-"""Rotary position embedding: default and yarn frequencies; interleaved and half-split rotation."""
+"""Rotary position embedding: default and yarn frequencies; interleaved and half-split rotation.
+
+Attention rotates the rope parts of q and k in place (`rotate_`): on CUDA one Triton kernel
+(`fused_triton.rope_`) per call, with no `cat`; the out-of-place torch forms are the reference."""
 
 import math
 
 import torch
 
 from spmoe.config import ModelConfig
+from spmoe.layers.fused import use_fused
 
 
 def inverse_frequencies(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, float]:
@@ -53,3 +57,12 @@ class Rotary:
         cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
         first, second = x.chunk(2, dim=-1)
         return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+    def rotate_(self, x: torch.Tensor, interleaved: bool) -> None:
+        """Rotates x `[N, heads, d]` in place: a view of the rope part of q or k (last dim contiguous). The
+        result is `interleaved(x)` or `half_split(x)`."""
+        if use_fused(x):
+            from spmoe.layers.fused_triton import rope_
+            rope_(x, self.cos, self.sin, interleaved)
+        else:
+            x.copy_(self.interleaved(x) if interleaved else self.half_split(x))

@@ -1,10 +1,14 @@
-"""The DeepSeek router: sigmoid scores, bias-corrected (grouped) top-k selection, renormalised weights."""
+"""The DeepSeek router: sigmoid scores, bias-corrected (grouped) top-k selection, renormalised weights.
+
+After the logits GEMM, everything runs as one Triton kernel on CUDA (`fused_triton.route`); the torch code here
+is the reference. Where tied choice scores straddle the k-th place, the kernel keeps the lowest expert ids."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from spmoe.config import ModelConfig
+from spmoe.layers.fused import use_fused
 
 
 class Router(nn.Module):
@@ -22,7 +26,12 @@ class Router(nn.Module):
         `valid_rows` (SP pad rows, always at the tail) get id -1 and weight 0: no expert ever sees them.
         """
         cfg = self.cfg
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [m, E]
+        logits = F.linear(x.float(), self.weight.float())  # [m, E]
+        if use_fused(logits):
+            from spmoe.layers.fused_triton import route
+            return route(logits, self.e_score_correction_bias, valid_rows, cfg.n_group, cfg.topk_group,
+                         cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         if cfg.n_group > 1:
             grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state
+from spmoe.layers.linear import MergedLinear
 from spmoe.layers.moe.experts.base import Experts
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
@@ -170,8 +171,9 @@ def _plan(model: DeepseekV32ForCausalLM) -> dict:
     for module_name, module in model.named_modules():  # shared modules appear once, under their first name
         module_name = MTP_MODULE.sub(lambda m: f"model.layers.{model.cfg.num_hidden_layers + int(m.group(1))}.",
                                      module_name)
-        if isinstance(module, Experts):
-            plan |= {key: (dest, None, raw) for key, (dest, raw) in module.checkpoint_plan(module_name).items()}
+        if isinstance(module, (Experts, MergedLinear)):  # their checkpoint tensors are not their parameters
+            owner = module_name.rpartition(".")[0] if isinstance(module, MergedLinear) else module_name
+            plan |= {key: (dest, None, raw) for key, (dest, raw) in module.checkpoint_plan(owner).items()}
             continue
         for name, param in module.named_parameters(recurse=False):
             dim = getattr(module, "tp_dim", None) if name == "weight" else None

@@ -1,0 +1,162 @@
+"""Fused Triton kernels for the small per-token work of a decode step, each one launch where the torch reference
+takes several (the references, which these match, are `RMSNorm`, `Rotary` and `Router`; `fused.use_fused` picks):
+
+- `add_rms_norm`: residual add + RMSNorm, one program per row: reads x (and the residual), writes the normed
+  row (and the new residual). The torch rounding is kept: the sum and the normed row are rounded to the input
+  dtype before the weight multiplies them.
+- `rope_`: rotates the rope part of q or k in place, one program per (token, block of heads). Interleaved
+  pairs (x0, x1), (x2, x3)... land as the rotated evens then the rotated odds, as `Rotary.interleaved` does;
+  half-split pairs (x_i, x_{i+d/2}) stay where they are. Products and differences are rounded like torch's.
+- `route`: the router after its logits GEMM, one program per row: sigmoid, + the correction bias, group
+  top-k (top-2 sum per group, `topk_group` groups kept), top-k experts, the raw scores gathered, normalised and
+  scaled; pad rows get id -1 and weight 0. Ties go to the lowest index (group or expert).
+
+Shapes depend only on the inputs' shapes and nothing is read back to the host, so each can be captured in a
+CUDA graph.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
+                         stride_res_out, size, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / size + eps)
+    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[m, size]` (rows may be strided), residual `[m, size]` or None, weight `[size]` ->
+    (norm(x + residual) `[m, size]` in the dtype of weight * x, x + residual `[m, size]`; x itself when there
+    is no residual)."""
+    m, size = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty(m, size, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    new_residual = x
+    if residual is not None:
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+        new_residual = torch.empty(m, size, dtype=x.dtype, device=x.device)
+    if m:
+        block = triton.next_power_of_2(size)
+        _add_rms_norm_kernel[(m,)](x, residual if residual is not None else x, weight, out, new_residual,
+                                   x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0),
+                                   new_residual.stride(0), size, eps, HAS_RESIDUAL=residual is not None,
+                                   BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    return out, new_residual
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, heads, stride_n, stride_h, stride_cos,
+                 HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, HALF)[None, :]
+    mask = (h < heads) & (j < HALF)
+    dtype = x_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + n * stride_cos + j).to(tl.float32)
+    sin = tl.load(sin_ptr + n * stride_cos + j).to(tl.float32)
+    base = x_ptr + n * stride_n + h * stride_h
+    if INTERLEAVED:
+        first = tl.load(base + 2 * j, mask=mask).to(tl.float32)
+        second = tl.load(base + 2 * j + 1, mask=mask).to(tl.float32)
+    else:
+        first = tl.load(base + j, mask=mask).to(tl.float32)
+        second = tl.load(base + j + HALF, mask=mask).to(tl.float32)
+    # torch rounds every product and every sum to the tensor dtype
+    out_first = ((first * cos).to(dtype).to(tl.float32) - (second * sin).to(dtype).to(tl.float32)).to(dtype)
+    out_second = ((second * cos).to(dtype).to(tl.float32) + (first * sin).to(dtype).to(tl.float32)).to(dtype)
+    tl.debug_barrier()  # every thread has read its pairs before any overwrites a position another still reads
+    tl.store(base + j, out_first, mask=mask)
+    tl.store(base + j + HALF, out_second, mask=mask)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> None:
+    """Rotates x `[N, heads, d]` (a view: the rope part of q or k; last dim contiguous) in place with cos / sin
+    `[N, d / 2]`."""
+    n_tok, heads, dim = x.shape
+    if x.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"rope_ needs a contiguous last dim and cos / sin of one layout; got x strides "
+                         f"{x.stride()}, cos {cos.stride()}, sin {sin.stride()}")
+    if n_tok == 0 or heads == 0:
+        return
+    block_h = min(16, triton.next_power_of_2(heads))
+    _rope_kernel[(n_tok, triton.cdiv(heads, block_h))](x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0),
+                                                       HALF=dim // 2, INTERLEAVED=interleaved, BLOCK_H=block_h,
+                                                       num_warps=4)
+
+
+@triton.jit
+def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, valid_rows, scale, stride_logits,
+                   EXPERTS: tl.constexpr, N_GROUP: tl.constexpr, GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   K: tl.constexpr, NORM: tl.constexpr, GROUPS_P: tl.constexpr, GROUP_P: tl.constexpr,
+                   K_P: tl.constexpr):
+    row = tl.program_id(0)
+    g = tl.arange(0, GROUPS_P)[:, None]
+    i = tl.arange(0, GROUP_P)[None, :]
+    expert = g * GROUP + i  # [GROUPS_P, GROUP_P]: expert ids laid out by group
+    real = (g < N_GROUP) & (i < GROUP)
+    logits = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + expert, mask=real, other=0.0)
+    scores = tl.sigmoid(logits)
+    choice = tl.where(real, scores + tl.load(bias_ptr + expert, mask=real, other=0.0), float("-inf"))
+    if N_GROUP > 1:  # keep the TOPK_GROUP groups of the largest top-2 sums
+        best = tl.max(choice, axis=1)
+        first = tl.min(tl.where(choice == best[:, None], i, GROUP_P), axis=1)
+        second = tl.max(tl.where(i == first[:, None], float("-inf"), choice), axis=1)
+        group_score = tl.where(tl.arange(0, GROUPS_P) < N_GROUP, best + second, float("-inf"))
+        groups = tl.arange(0, GROUPS_P)
+        keep = groups < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            top = tl.max(group_score, axis=0)
+            pick = tl.min(tl.where(group_score == top, groups, GROUPS_P), axis=0)
+            keep = keep | (groups == pick)
+            group_score = tl.where(groups == pick, float("-inf"), group_score)
+        choice = tl.where(keep[:, None], choice, float("-inf"))
+    slot = tl.arange(0, K_P)
+    ids = tl.zeros([K_P], dtype=tl.int64)
+    weights = tl.zeros([K_P], dtype=tl.float32)
+    for k in tl.static_range(K):
+        top = tl.max(tl.max(choice, axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where(choice == top, expert, EXPERTS), axis=1), axis=0)
+        hit = (expert == pick) & real  # a pad lane shares its number with the next group's first expert
+        weight = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
+        ids = tl.where(slot == k, pick.to(tl.int64), ids)
+        weights = tl.where(slot == k, weight, weights)
+        choice = tl.where(hit, float("-inf"), choice)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    weights = weights * scale
+    pad = row >= valid_rows
+    out = row.to(tl.int64) * K + slot
+    tl.store(ids_ptr + out, tl.where(pad, -1, ids), mask=slot < K)
+    tl.store(w_ptr + out, tl.where(pad, 0.0, weights), mask=slot < K)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, valid_rows: int, n_group: int, topk_group: int, top_k: int,
+          norm_topk_prob: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits `[m, E]` float32, correction bias `[E]` -> (ids `[m, top_k]` int64, weights `[m, top_k]`
+    float32); rows from `valid_rows` on get id -1 and weight 0."""
+    m, experts = logits.shape
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    ids = torch.empty(m, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(m, top_k, dtype=torch.float32, device=logits.device)
+    if m:
+        group = experts // n_group
+        _router_kernel[(m,)](logits, bias.float(), ids, weights, valid_rows, scale, logits.stride(0),
+                             EXPERTS=experts, N_GROUP=n_group, GROUP=group, TOPK_GROUP=topk_group, K=top_k,
+                             NORM=norm_topk_prob, GROUPS_P=triton.next_power_of_2(n_group),
+                             GROUP_P=triton.next_power_of_2(group), K_P=triton.next_power_of_2(top_k), num_warps=4)
+    return ids, weights

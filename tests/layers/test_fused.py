@@ -1,0 +1,46 @@
+"""The torch paths behind the fused kernels: rope rotated in place equals the out-of-place reference on the
+strided views attention hands it, and the merged input projection equals its parts as separate layers and
+loads each part's checkpoint tensor into its own rows."""
+
+import torch
+import torch.nn.functional as F
+
+from spmoe.config import ModelConfig
+from spmoe.layers.linear import MergedLinear
+from spmoe.layers.rotary import Rotary
+
+CFG = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+           num_hidden_layers=1, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2, routed_scaling_factor=1.0,
+           norm_topk_prob=True, q_lora_rank=16,
+           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_topk=4, index_n_heads=2,
+           index_head_dim=16, rms_norm_eps=1e-6)
+
+
+def test_rotate_in_place_equals_reference():
+    cfg = ModelConfig.from_dict(CFG)
+    rotary = Rotary(cfg, torch.tensor([0, 3, 17, 40]), torch.float32)
+    for interleaved in (True, False):
+        q = torch.randn(4, 3, 16)  # [N, heads, nope 8 + rope 8]: the rope part is a strided view
+        before = q.clone()
+        expected = torch.cat([q[..., :8], (rotary.interleaved if interleaved else rotary.half_split)(q[..., 8:])], -1)
+        rotary.rotate_(q[..., 8:], interleaved)
+        assert torch.equal(q, expected)
+        assert torch.equal(q[..., :8], before[..., :8]) and not torch.equal(q[..., 8:], before[..., 8:])
+
+
+def test_merged_linear_equals_its_parts_and_loads_them():
+    parts = {"q_a_proj": 5, "kv_a_proj_with_mqa": 7, "indexer.wk": 3}
+    merged = MergedLinear(12, parts)
+    weights = {name: torch.randn(width, 12) for name, width in parts.items()}
+    plan = merged.checkpoint_plan("model.layers.0.self_attn")
+    assert sorted(plan) == sorted(f"model.layers.0.self_attn.{name}.weight" for name in parts)
+    with torch.no_grad():
+        for name, w in weights.items():
+            dest, raw = plan[f"model.layers.0.self_attn.{name}.weight"]
+            assert not raw
+            dest.copy_(w)
+    x = torch.randn(6, 12)
+    out = merged(x)
+    assert list(out) == list(parts)
+    for name, w in weights.items():
+        torch.testing.assert_close(out[name], F.linear(x, w))

@@ -1,0 +1,107 @@
+"""The fused Triton kernels (`spmoe.layers.fused_triton`) against their torch references (RMSNorm, Rotary,
+Router with the kernels switched off) on one CUDA GPU in bfloat16, at GLM-5.2 / DeepSeek-V3.2 widths and at a
+tiny width whose expert groups are not powers of 2. The `check_*` functions take the device and dtype, so the
+same checks run on CPU under the Triton interpreter (float32 / float16) while developing."""
+
+import pytest
+import torch
+
+from spmoe.config import ModelConfig
+from spmoe.layers import fused
+from spmoe.layers.moe.router import Router
+from spmoe.layers.norm import RMSNorm
+from spmoe.layers.rotary import Rotary
+
+from ..multigpu import requires_gpus
+
+ROUTERS = {  # E, top-k, n_group, topk_group
+    "glm": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=1, topk_group=1),
+    "dsv3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4),
+    "tiny": dict(n_routed_experts=12, num_experts_per_tok=3, n_group=4, topk_group=2),
+}
+BASE = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=512, intermediate_size=64, moe_intermediate_size=32,
+            num_hidden_layers=1, num_attention_heads=64, routed_scaling_factor=2.5, norm_topk_prob=True,
+            q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+            index_topk=8, index_n_heads=32, index_head_dim=128, rms_norm_eps=1e-5)
+
+
+def reference(fn, *args):
+    """fn(*args) with the fused kernels switched off: the torch reference."""
+    fused.ENABLED = False
+    try:
+        return fn(*args)
+    finally:
+        fused.ENABLED = True
+
+
+def check_add_rms_norm(device: str, dtype: torch.dtype):
+    from spmoe.layers.fused_triton import add_rms_norm
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    for rows, size, strided in ((1, 6144, False), (8, 6144, False), (37, 512, True), (3, 2048, True)):
+        norm = RMSNorm(size, 1e-5).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.normal_(1.0, 0.2, generator=gen)
+        wide = torch.randn(rows, size + 64 * strided, generator=gen, device=device).to(dtype)
+        x = wide[:, :size]  # rows strided like a split of a merged projection
+        residual = torch.randn(rows, size, generator=gen, device=device).to(dtype)
+        with torch.no_grad():
+            out, new_residual = add_rms_norm(x, residual, norm.weight, norm.eps)
+            ref_out, ref_residual = reference(norm.add_norm, x, residual)
+            torch.testing.assert_close(new_residual, ref_residual, rtol=0, atol=0)  # one rounded add
+            torch.testing.assert_close(out, ref_out)
+            alone, same = add_rms_norm(x, None, norm.weight, norm.eps)
+            torch.testing.assert_close(alone, reference(norm, x))
+            assert same is x
+
+
+def check_rope(device: str, dtype: torch.dtype):
+    from spmoe.layers.fused_triton import rope_
+
+    cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"]})
+    gen = torch.Generator(device=device).manual_seed(1)
+    for n_tok in (1, 8, 33):
+        rotary = Rotary(cfg, torch.randint(0, 5000, (n_tok,), generator=gen, device=device), dtype)
+        for heads, dim, rope_at, interleaved in ((64, 256, 192, True), (1, 576, 512, True), (32, 128, 0, False),
+                                                 (32, 128, 0, True), (1, 128, 0, False)):
+            x = torch.randn(n_tok, heads, dim, generator=gen, device=device).to(dtype)
+            part = x[..., rope_at:rope_at + 64]
+            expected = x.clone()
+            expected[..., rope_at:rope_at + 64] = (rotary.interleaved if interleaved else rotary.half_split)(part)
+            rope_(part, rotary.cos, rotary.sin, interleaved)
+            torch.testing.assert_close(x, expected)
+
+
+def check_router(device: str, dtype: torch.dtype):
+    from spmoe.layers.fused_triton import route
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    for name, fields in ROUTERS.items():
+        cfg = ModelConfig.from_dict({**BASE, **fields})
+        router = Router(cfg).to(device)
+        with torch.no_grad():
+            router.weight.normal_(0, cfg.hidden_size ** -0.5, generator=gen)
+            router.e_score_correction_bias.normal_(0, 0.1, generator=gen)
+        for rows, valid in ((1, 1), (8, 8), (5, 3), (64, 61)):
+            x = torch.randn(rows, cfg.hidden_size, generator=gen, device=device).to(dtype)
+            logits = torch.nn.functional.linear(x.float(), router.weight)
+            with torch.no_grad():
+                ids, weights = route(logits, router.e_score_correction_bias, valid, cfg.n_group, cfg.topk_group,
+                                     cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+                ref_ids, ref_weights = reference(router, x, valid)
+            order, ref_order = ids.sort(-1), ref_ids.sort(-1)  # the same experts; ties may order them differently
+            assert torch.equal(order.values, ref_order.values), f"{name}, {rows} rows: experts differ"
+            torch.testing.assert_close(weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices))
+            assert (ids[valid:] == -1).all() and (weights[valid:] == 0).all()
+        # all scores tied: the lowest groups, then the lowest experts in them
+        ids, _ = route(torch.zeros(2, cfg.n_routed_experts, device=device),
+                       torch.zeros(cfg.n_routed_experts, device=device), 2, cfg.n_group, cfg.topk_group,
+                       cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        assert ids.tolist() == [list(range(cfg.num_experts_per_tok))] * 2, f"{name}: {ids.tolist()}"
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+@pytest.mark.parametrize("check", [check_add_rms_norm, check_rope, check_router])
+def test_fused_kernel_matches_torch(check):
+    check("cuda", torch.bfloat16)
