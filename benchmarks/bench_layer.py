@@ -12,9 +12,9 @@ follow each other (each call takes a copy of the same input, so SP on and off ro
 same experts: at small N the time follows how many experts each rank streams), launched eagerly (up to a few
 thousand tokens this is the host's launch time) and replayed from one CUDA graph of the 8 calls (N <= 4096;
 the graph's memory is held);
-the on/off ratios; and, for one eager call, the GPU operations launched (kernels, copies and memsets, from
-the profiler, the input copy included) and the collectives. Then the weight memory per rank of the whole
-model (78 layers, 3 dense, without the MTP layer) for SP off and SP on with each scope.
+the on/off ratios; and, for one eager call, the GPU operations the layer launches (kernels, copies and
+memsets, from the profiler) and the collectives. Then the weight memory per rank of the whole model (78
+layers, 3 dense, without the MTP layer) for SP off and SP on with each scope.
 
     python benchmarks/bench_layer.py [--tp 2] [--dp 1] [--decode 1 2 4] [--prefill 1024]
 """
@@ -24,7 +24,6 @@ import os
 from dataclasses import replace
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import count_collectives, get_parallel_state, sp_shard, spawn
@@ -36,7 +35,7 @@ from spmoe.layers.moe.experts.torch_ref import TorchExperts
 from spmoe.models.deepseek_v32.decoder_layer import DeepseekV32DecoderLayer, attention_batch
 from spmoe.models.deepseek_v32.model import _default_dtype
 from bench_dp import GLM, random_weights
-from timing import cuda_ms, graphed
+from timing import cuda_ms, gpu_ops, graphed, launch_count
 
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL = [1024, 4096, 8192, 16384]
@@ -73,14 +72,6 @@ def layer_inputs(cfg: ModelConfig, num_tokens: int, sp: bool, decode: bool):
     return hidden, residual, attention_batch(cfg, ids, positions, lens, None, torch.bfloat16)
 
 
-def gpu_ops(fn) -> int:
-    """GPU operations (kernels, copies, memsets) one eager call of `fn` launches."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
 def measure(layer, cfg, num_tokens: int, sp: bool, decode: bool) -> dict:
     hidden, residual, batch = layer_inputs(cfg, num_tokens, sp, decode)
     # a fresh copy of the input per call: without SP the layer all-reduces its PARTIAL input in place
@@ -100,8 +91,9 @@ def measure(layer, cfg, num_tokens: int, sp: bool, decode: bool) -> dict:
         except torch.OutOfMemoryError:  # dense attention over N^2 keys at the largest prefill
             torch.cuda.empty_cache()
             return {"eager": float("nan"), "graph": float("nan"), "ops": 0, "collectives": "out of memory"}
+        copy = hidden.clone()  # outside the profile: the count is the layer's own launches
         with count_collectives() as stats:
-            ops = gpu_ops(call)
+            ops = launch_count(gpu_ops(lambda: layer(copy, residual, batch, None, num_tokens)))
     counts = {k: v["count"] for k, v in stats.counts.items() if v["count"]}
     return {"eager": eager, "graph": graph, "ops": ops,
             "collectives": " ".join(f"{k} {v}" for k, v in counts.items())}
@@ -162,7 +154,7 @@ def main():
           f"{args.dp}, {GLM['n_routed_experts'] // layout.world_size} local experts, bf16; auto picks SP {auto} "
           f"here; N tokens per DP rank")
     print(f"{'N':>6} {'SP off ms':>10} {'SP on ms':>10} {'on/off':>7} {'graph off':>10} {'graph on':>10} "
-          f"{'on/off':>7} {'auto/best':>9}   GPU ops off / on, collectives off | on (one eager call)")
+          f"{'on/off':>7} {'auto/best':>9}   GPU ops per layer off / on, collectives off | on (one eager call)")
     for num_tokens in args.decode + args.prefill:
         off, on = results["off", num_tokens], results["on", num_tokens]
         best = "graph" if num_tokens <= GRAPH_MAX else "eager"

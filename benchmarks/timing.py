@@ -1,9 +1,12 @@
-"""The one timing loop every benchmark uses: CUDA events around single calls, median after warm-up."""
+"""The one timing loop every benchmark uses (CUDA events around single calls, median after warm-up), and the
+GPU operations a call launches (from the profiler)."""
 
 import statistics
+from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 
 def cuda_ms(fn, reps: int, warmup: int = 1, barrier: bool = False) -> float:
@@ -34,3 +37,22 @@ def graphed(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def gpu_ops(fn) -> dict[str, tuple[int, float]]:
+    """The GPU operations (kernels, copies, memsets) one eager call of `fn` launches: name -> (launches, total
+    device microseconds). `sum(n for n, _ in gpu_ops(fn).values())` is the launch count."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    launches, micros = Counter(), Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            launches[event.name] += 1
+            micros[event.name] += event.device_time
+    return {name: (launches[name], micros[name]) for name in launches}
+
+
+def launch_count(ops: dict[str, tuple[int, float]]) -> int:
+    """The launches of a `gpu_ops` result."""
+    return sum(n for n, _ in ops.values())

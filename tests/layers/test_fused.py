@@ -10,10 +10,9 @@ from spmoe.layers.linear import MergedLinear
 from spmoe.layers.rotary import Rotary
 
 CFG = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-           num_hidden_layers=1, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2, routed_scaling_factor=1.0,
-           norm_topk_prob=True, q_lora_rank=16,
-           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_topk=4, index_n_heads=2,
-           index_head_dim=16, rms_norm_eps=1e-6)
+           num_hidden_layers=1, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+           routed_scaling_factor=1.0, norm_topk_prob=True, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+           qk_rope_head_dim=8, v_head_dim=8, index_topk=4, index_n_heads=2, index_head_dim=16, rms_norm_eps=1e-6)
 
 
 def test_rotate_in_place_equals_reference():
@@ -22,7 +21,8 @@ def test_rotate_in_place_equals_reference():
     for interleaved in (True, False):
         q = torch.randn(4, 3, 16)  # [N, heads, nope 8 + rope 8]: the rope part is a strided view
         before = q.clone()
-        expected = torch.cat([q[..., :8], (rotary.interleaved if interleaved else rotary.half_split)(q[..., 8:])], -1)
+        rotated = (rotary.interleaved if interleaved else rotary.half_split)(q[..., 8:])
+        expected = torch.cat([q[..., :8], rotated], -1)
         rotary.rotate_(q[..., 8:], interleaved)
         assert torch.equal(q, expected)
         assert torch.equal(q[..., :8], before[..., :8]) and not torch.equal(q[..., 8:], before[..., 8:])

@@ -1,0 +1,131 @@
+"""One decode step against its bytes roofline on one GPU (TP 1), with the fused Triton kernels (add + RMSNorm,
+rope in place, the router) and with their torch references (`spmoe.layers.fused.ENABLED` off), in one run.
+
+The model: GLM-5.2 widths (H 6144, 64 heads, q_lora 2048, kv_lora 512, DSA indexer) in 4 layers, 1 dense and
+3 MoE of 64 experts top-8 + 1 shared, vocab 32768, random bf16 weights, Triton experts, the paged latent
+cache (sparse absorbed MLA). Each case prefills B sequences of `context` tokens, then times the step that
+decodes one more token per sequence (model + LM head), launched eagerly and replayed from a CUDA graph
+(CUDA-event median).
+
+The roofline: the bytes the step must read over 4.3 TB/s (the H200's measured copy bandwidth): every weight but
+the routed experts' and the embedding's, the routed experts the step's tokens pick (counted), B embedding
+rows, and the cache rows the step attends (the indexer scores all `context` rows, MLA reads at most
+index_topk). Also the GPU operations one eager step launches, per decoder layer, and the top kernels.
+
+    python benchmarks/bench_decode_step.py [--cases 1x16 8x512]
+"""
+
+import argparse
+
+import torch
+
+from spmoe.config import ModelConfig, ParallelConfig
+from spmoe.distributed import spawn
+from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
+from spmoe.layers import fused
+from spmoe.layers.moe.moe import MoE
+from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
+from bench_dp import GLM, random_weights
+from timing import cuda_ms, gpu_ops, graphed, launch_count
+
+MODEL = {**GLM, "num_hidden_layers": 4, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+         "indexer_types": ["full", "shared", "full", "shared"], "n_routed_experts": 64, "vocab_size": 32768}
+BANDWIDTH = 4.3e12  # bytes/s
+TOP = 12  # kernels listed per profile
+
+
+def step_bytes(model, cache: PagedKVCache, batch: int, context: int, experts_touched: list[int]) -> int:
+    """The bytes one decode step of `batch` tokens at `context` must read (see the module docstring)."""
+    nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
+    routed = {id(p) for m in moe for p in m.experts.parameters()}
+    embedding = model.model.embed_tokens.weight
+    total = nbytes(p for p in model.parameters() if id(p) not in routed and p is not embedding)
+    total += batch * embedding.shape[1] * embedding.element_size()
+    for m, touched in zip(moe, experts_touched):
+        total += nbytes(m.experts.parameters()) // m.experts.count * touched
+    for layer in cache.layers.values():
+        latent_row = nbytes(t[0] for t in (layer.latent, layer.latent_scale, layer.rope) if t is not None)
+        index_row = nbytes(t[0] for t in (layer.index_key, layer.index_scale) if t is not None)
+        total += batch * ((context + 1) * index_row + min(context + 1, model.cfg.index_topk) * latent_row)
+    return total
+
+
+def touched_experts(model, step) -> list[int]:
+    """Distinct routed experts each MoE layer's router picks in one eager `step`."""
+    picked = []
+    hooks = [m.gate.register_forward_hook(lambda _m, _in, out: picked.append(int(out[0].unique().ge(0).sum())))
+             for m in model.modules() if isinstance(m, MoE)]
+    step()
+    for hook in hooks:
+        hook.remove()
+    return picked
+
+
+def layer_ops(model, step) -> list[int]:
+    """GPU operations each decoder layer launches: its inputs are caught in one eager `step`, then each layer
+    runs alone under the profiler (at TP 1 a layer changes none of its inputs; it rewrites the same cache rows)."""
+    calls = []
+    hooks = [layer.register_forward_hook(lambda m, args, _out: calls.append((m, args)))
+             for layer in model.model.layers]
+    step()
+    for hook in hooks:
+        hook.remove()
+    return [launch_count(gpu_ops(lambda: layer(*args))) for layer, args in calls]
+
+
+def run(cases: list[tuple[int, int]]):
+    cfg = ModelConfig.from_dict(MODEL)
+    model = DeepseekV32ForCausalLM(cfg, ParallelConfig(), torch.bfloat16, "cuda").eval()
+    random_weights(model)
+    blocks_per_seq = -(-(max(c for _, c in cases) + 1) // BLOCK_SIZE)
+    cache = PagedKVCache.for_model(model, 1 << 30)  # 1 GiB: thousands of blocks, far more than the cases need
+    rows = []
+    for batch, context in cases:
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+        gen = torch.Generator(device="cuda").manual_seed(batch)
+        prompt = cache.view(tables, [0] * batch, [context] * batch)
+        decode = cache.view(tables, [context] * batch, [1] * batch)
+        ids = torch.randint(0, cfg.vocab_size, (batch * context,), device="cuda", generator=gen)
+        next_ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=gen)
+        with torch.no_grad():
+            model.forward_hidden(ids, prompt.positions, [context] * batch, prompt)
+
+            def step():
+                return model.compute_logits(model.forward_hidden(next_ids, decode.positions, [1] * batch, decode))
+
+            floor = step_bytes(model, cache, batch, context, touched_experts(model, step)) / BANDWIDTH * 1e3
+            for kernels in ("torch", "fused"):
+                fused.ENABLED = kernels == "fused"
+                eager = cuda_ms(step, 20, warmup=2)
+                replay = graphed(step)
+                graph = cuda_ms(replay, 50, warmup=3)
+                del replay
+                ops = gpu_ops(step)
+                rows.append((batch, context, kernels, eager, graph, floor, launch_count(ops), layer_ops(model, step),
+                             sorted(ops.items(), key=lambda kv: -kv[1][1])[:TOP]))
+    fused.ENABLED = True
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="*", default=["1x16", "8x512"], help="BATCHxCONTEXT decode cases")
+    args = p.parse_args()
+    cases = [tuple(int(v) for v in case.split("x")) for case in args.cases]
+    rows = spawn(run, 1, cases, config=ParallelConfig(), device="cuda")[0]
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; GLM-5.2 widths, 4 layers (1 dense + 3 "
+          f"MoE, 64 experts top-8), vocab 32768, bf16, TP 1, paged cache; roofline = bytes read / 4.3 TB/s")
+    print(f"{'batch':>5} {'context':>7} {'kernels':>7} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} "
+          f"{'% roofline':>10} {'GPU ops/step':>12}  GPU ops per decoder layer")
+    for batch, context, kernels, eager, graph, floor, ops, per_layer, _ in rows:
+        print(f"{batch:>5} {context:>7} {kernels:>7} {eager:>9.3f} {graph:>9.3f} {floor:>9.3f} "
+              f"{100 * floor / graph:>9.1f}% {ops:>12}  {per_layer}")
+    for batch, context, kernels, *_, top in rows:
+        print(f"\ntop kernels, batch {batch} context {context}, {kernels} (one eager step): launches, total us")
+        for name, (count, micros) in top:
+            print(f"  {count:>4} {micros:>9.1f}  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
