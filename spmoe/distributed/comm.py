@@ -116,6 +116,18 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     return x
 
 
+def one_shot_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                                     eps: float, group) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The sum of the partial sums x `[N, H]` over `group`, plus residual, RMSNorm'd with `weight`, as one
+    one-shot kernel (`OneShot.all_reduce_add_rms_norm`) -> (normed, new residual); None, with nothing run, where
+    the one-shot path does not take x (then all-reduce and add-norm apart)."""
+    one_shot = _one_shot("all_reduce", x, group) if x.dim() == 2 and x.is_contiguous() else None
+    if one_shot is None:
+        return None
+    _record("all_reduce", x)
+    return one_shot.all_reduce_add_rms_norm(x, residual, weight, eps)
+
+
 def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     """`[m, ...]` on each rank -> `[m * world, ...]`, rank blocks in rank order."""
     out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))

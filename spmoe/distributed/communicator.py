@@ -13,7 +13,7 @@ Per layer (`LayerCommunicator`), with N tokens, t TP ranks, n = ceil(N/t):
                       layer not SP: all-reduce + add-norm                                -> FULL
 
 Around the layers: `enter` brings the embedding's PARTIAL sum into the first layer's input layout, and
-`final_norm` turns the last output into FULL normed rows. A norm here is any object with
+`final_norm` turns the last output into FULL normed rows. A norm here is an RMSNorm: `weight`, `eps` and
 `add_norm(x, residual) -> (norm(x + residual), x + residual)`.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from spmoe.distributed.comm import all_reduce
+from spmoe.distributed.comm import all_reduce, one_shot_all_reduce_add_rms_norm
 from spmoe.distributed.groups import get_parallel_state
 from spmoe.distributed.layer_plan import LayerPlan
 from spmoe.distributed.layout import (Layout, _restore_full_token_layout_if_needed, check_rows, shard_rows,
@@ -32,13 +32,16 @@ from spmoe.distributed.layout import (Layout, _restore_full_token_layout_if_need
 def fused_allreduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor | None, norm):
     """PARTIAL `[N, H]` + FULL residual `[N, H]` (or None) -> (normed, new residual), both FULL `[N, H]`.
 
-    The one entry point for "reduce a partial sum exactly once, add the residual, RMSNorm". Today it is an
-    all-reduce over the TP group (in place) followed by the norm's fused add-norm; a kernel that fuses the
-    reduction with the add-norm would replace the body, not the callers. Never called on an SP layer, whose
-    tensors are already complete.
+    The one entry point for "reduce a partial sum exactly once, add the residual, RMSNorm". Where the TP group
+    runs one-shot kernels and the tensor fits them, one kernel does all three; otherwise an all-reduce over the
+    TP group (in place) and then the norm's fused add-norm. Never called on an SP layer, whose tensors are
+    already complete.
     """
     state = get_parallel_state()
     if state.tp_size > 1:
+        fused = one_shot_all_reduce_add_rms_norm(partial, residual, norm.weight, norm.eps, state.tp_group)
+        if fused is not None:
+            return fused
         partial = all_reduce(partial, state.tp_group)
     return norm.add_norm(partial, residual)
 

@@ -11,6 +11,9 @@ buffer into each rank's address space). One call is one kernel of P programs on 
    place; reduce-scatter and all-reduce: their float32 sum in rank order, so every rank gets the same bits);
 4. barrier again, so that no rank pushes the next call's rows while a peer still reads this call's.
 
+`all_reduce_add_rms_norm` is the all-reduce with the residual add and RMSNorm of the sum fused into step 3: one
+kernel per row block instead of an all-reduce and an add-norm (program p owns rows p, p + P, ...).
+
 Program p only waits for program p of a peer, and P is at most the number of SMs, so every program is
 resident and the waits always end. The waiter resets each flag, so the pad is clean after every call, graph
 replays included. NVLink multicast is never used.
@@ -80,6 +83,39 @@ if triton is not None:
                 tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
         _barrier(pads, pid, 1, RANK, WORLD, PROGRAMS)  # before any rank pushes the next call's rows here
 
+    @triton.jit
+    def _one_shot_add_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buffers, pads, rows, size, eps,
+                                  HAS_RESIDUAL: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                  BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+        """x `[rows, size]` this rank's partial sum, res `[rows, size]` -> res_out = sum over ranks (rounded
+        to the dtype, as the all-reduce) + res, out = RMSNorm(res_out) * w, rounded as `RMSNorm.add_norm`."""
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        dtype = x_ptr.dtype.element_ty
+        cols = tl.arange(0, BLOCK)
+        mask = cols < size
+        numel = rows * size
+        for row in range(pid, rows, programs):  # push this rank's rows into every rank's buffer
+            values = tl.load(x_ptr + row * size + cols, mask=mask)
+            for j in tl.static_range(WORLD):
+                peer = tl.load(buffers + j).to(tl.pointer_type(dtype))
+                tl.store(peer + RANK * numel + row * size + cols, values, mask=mask)
+        _barrier(pads, pid, 0, RANK, WORLD, PROGRAMS)
+        own = tl.load(buffers + RANK).to(tl.pointer_type(dtype))
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        for row in range(pid, rows, programs):
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for j in tl.static_range(WORLD):
+                acc += tl.load(own + j * numel + row * size + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            x = acc.to(dtype)
+            if HAS_RESIDUAL:
+                x = (x.to(tl.float32) + tl.load(res_ptr + row * size + cols, mask=mask, other=0.0).to(tl.float32))
+                x = x.to(dtype)
+            tl.store(res_out_ptr + row * size + cols, x, mask=mask)
+            xf = x.to(tl.float32)
+            normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / size + eps)).to(dtype).to(tl.float32)
+            tl.store(out_ptr + row * size + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+        _barrier(pads, pid, 1, RANK, WORLD, PROGRAMS)
+
 
 KINDS = {"all_gather": 0, "reduce_scatter": 1, "all_reduce": 2}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -122,3 +158,24 @@ class OneShot:
         _one_shot_kernel[(programs,)](x, out, self.buffers, self.pads, numel, KIND=KINDS[kind], RANK=self.rank,
                                       WORLD=self.world, BLOCK=BLOCK, PROGRAMS=MAX_PROGRAMS, num_warps=8)
         return out
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[N, H]` (contiguous) a partial sum, residual `[N, H]` or None, weight `[H]` -> (RMSNorm(sum + residual)
+        in the dtype of weight * x, sum + residual), both `[N, H]`: the all-reduce and `RMSNorm.add_norm` in one
+        kernel."""
+        if self.buffer_bytes("all_reduce", x) > BUFFER_BYTES:
+            raise ValueError(f"one-shot all-reduce of {tuple(x.shape)} {x.dtype} needs "
+                             f"{self.buffer_bytes('all_reduce', x)} buffer bytes per rank, the buffer has "
+                             f"{BUFFER_BYTES}")
+        rows, size = x.shape
+        residual = residual.contiguous() if residual is not None else None
+        out = torch.empty(rows, size, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        new_residual = torch.empty_like(x)
+        if rows:
+            block = triton.next_power_of_2(size)
+            _one_shot_add_norm_kernel[(min(MAX_PROGRAMS, rows),)](
+                x, residual if residual is not None else x, weight, out, new_residual, self.buffers, self.pads, rows,
+                size, eps, HAS_RESIDUAL=residual is not None, RANK=self.rank, WORLD=self.world, BLOCK=block,
+                PROGRAMS=MAX_PROGRAMS, num_warps=min(16, max(1, block // 512)))
+        return out, new_residual

@@ -78,3 +78,54 @@ def compare_with_nccl() -> list[str]:
 def test_one_shot_collectives_equal_nccl():
     results = run_on_gpus(compare_with_nccl)
     assert results == [[]] * len(results), results
+
+
+def compare_add_norm_with_nccl() -> list[str]:
+    """The fused one-shot all-reduce + add + RMSNorm against an NCCL all-reduce then `RMSNorm.add_norm`, with
+    and without a residual, eager and from a CUDA graph; -> one line per mismatch."""
+    from spmoe.distributed.one_shot import OneShot
+    from spmoe.layers.norm import RMSNorm
+
+    state = get_parallel_state()
+    group, device = state.tp_group, state.device
+    one_shot, failures = OneShot(group, device), []
+    gen = torch.Generator(device=device).manual_seed(state.rank)
+    norm = RMSNorm(H, 1e-5).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, H))
+        for rows in (1, 7, 64):
+            for with_residual in (True, False):
+                x = torch.empty(rows, H, dtype=torch.bfloat16, device=device)
+                residual = torch.empty_like(x) if with_residual else None
+
+                def fill():
+                    x.normal_(generator=gen)
+                    if residual is not None:
+                        residual.copy_(torch.randn(rows, H, device=device).bfloat16())
+                        dist.broadcast(residual, 0, group=group)  # the residual is FULL: the same everywhere
+
+                fill()
+                got = one_shot.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = one_shot.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
+                for trial in ("eager", "graph replay"):
+                    if trial == "graph replay":
+                        fill()
+                        graph.replay()
+                        got = captured
+                    summed = x.clone()
+                    dist.all_reduce(summed, group=group)
+                    want = norm.add_norm(summed, residual)
+                    for name, a, b in zip(("normed", "residual"), got, want):
+                        if not torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2):
+                            failures.append(f"{name} rows={rows} residual={with_residual} {trial}: max |diff| "
+                                            f"{(a.float() - b.float()).abs().max().item():.3e}")
+    return failures
+
+
+@pytest.mark.gpu
+@requires_gpus(2)
+def test_one_shot_all_reduce_add_norm_equals_nccl_then_add_norm():
+    results = run_on_gpus(compare_add_norm_with_nccl)
+    assert results == [[]] * len(results), results
