@@ -99,8 +99,12 @@ def count_collectives(stats: CommStats | None = None):
 
 
 def _record(kind: str, t: torch.Tensor) -> None:
+    _record_bytes(kind, t.numel() * t.element_size())
+
+
+def _record_bytes(kind: str, nbytes: int) -> None:
     for stats in _ACTIVE:
-        stats.record(kind, t.numel() * t.element_size())
+        stats.record(kind, nbytes)
 
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -116,16 +120,21 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     return x
 
 
-def one_shot_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                                     eps: float, group) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The sum of the partial sums x `[N, H]` over `group`, plus residual, RMSNorm'd with `weight`, as one
-    one-shot kernel (`OneShot.all_reduce_add_rms_norm`) -> (normed, new residual); None, with nothing run, where
-    the one-shot path does not take x (then all-reduce and add-norm apart)."""
-    one_shot = _one_shot("all_reduce", x, group) if x.dim() == 2 and x.is_contiguous() else None
-    if one_shot is None:
+def one_shot_add_rms_norm(kind: str, x: torch.Tensor, residual: torch.Tensor | None, norm, num_tokens: int,
+                          group) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The `kind` collective of x over `group` fused with the RMSNorm `norm`'s residual add and norm, as one
+    one-shot kernel (`OneShot.add_rms_norm`, which gives the shapes) -> (normed, new residual); None, with
+    nothing run, where the group has no one-shot kernels or the call does not fit them. Counted as the
+    collective alone would be (reduce-scatter and all-gather: the `[n * t, H]` padded rows)."""
+    one_shot = _ONE_SHOT.get(group)
+    if one_shot is None or x.dim() != 2 or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return None
-    _record("all_reduce", x)
-    return one_shot.all_reduce_add_rms_norm(x, residual, weight, eps)
+    row_bytes = x.shape[1] * x.element_size()
+    if one_shot.world * one_shot.norm_rows(kind, num_tokens) * row_bytes > ONE_SHOT_MAX_BYTES[kind]:
+        return None  # the buffer bytes per rank, as `OneShot.buffer_bytes` counts them for the collective alone
+    counted = num_tokens if kind == "all_reduce" else one_shot.norm_rows(kind, num_tokens) * one_shot.world
+    _record_bytes(kind, counted * row_bytes)
+    return one_shot.add_rms_norm(kind, x, residual, norm.weight, norm.eps, num_tokens)
 
 
 def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:

@@ -15,6 +15,10 @@ Per layer (`LayerCommunicator`), with N tokens, t TP ranks, n = ceil(N/t):
 Around the layers: `enter` brings the embedding's PARTIAL sum into the first layer's input layout, and
 `final_norm` turns the last output into FULL normed rows. A norm here is an RMSNorm: `weight`, `eps` and
 `add_norm(x, residual) -> (norm(x + residual), x + residual)`.
+
+Where the TP group runs one-shot kernels (CUDA, > 1 rank) and the rows fit them, a collective and the add-norm
+next to it are one kernel (`comm.one_shot_add_rms_norm`): all-reduce + add-norm, reduce-scatter + add-norm, and
+add-norm + all-gather, so SP on launches no more kernels per transition than SP off.
 """
 
 from dataclasses import dataclass
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from spmoe.distributed.comm import all_reduce, one_shot_all_reduce_add_rms_norm
+from spmoe.distributed.comm import all_reduce, one_shot_add_rms_norm
 from spmoe.distributed.groups import get_parallel_state
 from spmoe.distributed.layer_plan import LayerPlan
 from spmoe.distributed.layout import (Layout, _restore_full_token_layout_if_needed, check_rows, shard_rows,
@@ -39,7 +43,7 @@ def fused_allreduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor | Non
     """
     state = get_parallel_state()
     if state.tp_size > 1:
-        fused = one_shot_all_reduce_add_rms_norm(partial, residual, norm.weight, norm.eps, state.tp_group)
+        fused = one_shot_add_rms_norm("all_reduce", partial, residual, norm, partial.shape[0], state.tp_group)
         if fused is not None:
             return fused
         partial = all_reduce(partial, state.tp_group)
@@ -100,6 +104,10 @@ class LayerCommunicator:
         if plan.input is Layout.PARTIAL:
             return fused_allreduce_rms_norm(hidden, residual, norm)
         if self.residual_sharded:
+            fused = one_shot_add_rms_norm("all_gather", hidden, residual, norm, num_tokens,
+                                          get_parallel_state().tp_group)
+            if fused is not None:
+                return fused
             h, residual = norm.add_norm(hidden, residual)
             return sp_all_gather(h, num_tokens), residual
         hidden, residual = _restore_full_token_layout_if_needed(hidden, residual, num_tokens,
@@ -111,10 +119,13 @@ class LayerCommunicator:
         """Attention's PARTIAL `[N, H]` + residual -> (normed MLP input, residual), both in `plan.mlp_input`."""
         if not self.plan.use_sequence_parallel_moe:
             return fused_allreduce_rms_norm(attn, residual, norm)
-        attn = sp_reduce_scatter(attn)  # [n, H], complete
         if not self.residual_sharded:
             residual = sp_shard(residual)  # FULL -> SHARDED, no communication
-        return norm.add_norm(attn, residual)
+        fused = one_shot_add_rms_norm("reduce_scatter", attn, residual, norm, attn.shape[0],
+                                      get_parallel_state().tp_group)
+        if fused is not None:
+            return fused
+        return norm.add_norm(sp_reduce_scatter(attn), residual)  # the reduce-scatter leaves [n, H], complete
 
     def expert_rows(self, num_tokens: int, max_tokens: int) -> ExpertRows:
         """num_tokens: this DP rank's N; max_tokens: the largest N over the DP ranks (`largest_dp_batch`)."""

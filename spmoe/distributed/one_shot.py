@@ -11,8 +11,10 @@ buffer into each rank's address space). One call is one kernel of P programs on 
    place; reduce-scatter and all-reduce: their float32 sum in rank order, so every rank gets the same bits);
 4. barrier again, so that no rank pushes the next call's rows while a peer still reads this call's.
 
-`all_reduce_add_rms_norm` is the all-reduce with the residual add and RMSNorm of the sum fused into step 3: one
-kernel per row block instead of an all-reduce and an add-norm (program p owns rows p, p + P, ...).
+`OneShot.add_rms_norm` fuses a collective with the residual add and RMSNorm that follow or precede it, so that
+a layout transition of the layer plan is one kernel (program p owns rows p, p + P, ... of its rank's block):
+all-reduce and reduce-scatter norm the summed rows in step 3; all-gather norms this rank's rows before step 1
+and pushes the normed rows.
 
 Program p only waits for program p of a peer, and P is at most the number of SMs, so every program is
 resident and the waits always end. The waiter resets each flag, so the pad is clean after every call, graph
@@ -84,36 +86,68 @@ if triton is not None:
         _barrier(pads, pid, 1, RANK, WORLD, PROGRAMS)  # before any rank pushes the next call's rows here
 
     @triton.jit
-    def _one_shot_add_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buffers, pads, rows, size, eps,
-                                  HAS_RESIDUAL: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-                                  BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
-        """x `[rows, size]` this rank's partial sum, res `[rows, size]` -> res_out = sum over ranks (rounded
-        to the dtype, as the all-reduce) + res, out = RMSNorm(res_out) * w, rounded as `RMSNorm.add_norm`."""
+    def _add_rms_norm_row(x, row, res_ptr, w, out_ptr, res_out_ptr, cols, mask, out_mask, size, eps,
+                          HAS_RESIDUAL: tl.constexpr):
+        """One row x `[BLOCK]` (the tensor dtype): res_out[row] = x + res[row], out[row] = RMSNorm(that) * w
+        (where `out_mask`), rounded as `RMSNorm.add_norm`. Returns the normed row (out's dtype)."""
+        dtype = x.dtype
+        if HAS_RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(res_ptr + row * size + cols, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(dtype)
+        tl.store(res_out_ptr + row * size + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / size + eps)).to(dtype).to(tl.float32)
+        normed = (w * normed).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * size + cols, normed, mask=out_mask)
+        return normed
+
+    @triton.jit
+    def _one_shot_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buffers, pads, rows, valid, size, eps,
+                              KIND: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RANK: tl.constexpr,
+                              WORLD: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+        """A collective fused with the residual add and RMSNorm; `rows` are the rows each rank norms:
+
+        KIND 2 all-reduce: x `[rows, size]` partial sum -> res_out = sum + res, out = norm(res_out), `[rows, size]`.
+        KIND 1 reduce-scatter: x `[valid, size]` partial sum (rows `valid .. WORLD * rows` are zero pad) -> block
+            RANK of the sum + res, and its norm, `[rows, size]`.
+        KIND 0 all-gather: x, res `[rows, size]` this rank's shard -> res_out = x + res `[rows, size]`, and out
+            `[valid, size]`: the first `valid` of every rank's normed rows, in rank order.
+        Every rank's buffer holds `[WORLD, block]`: row j is what rank j sent it."""
         pid, programs = tl.program_id(0), tl.num_programs(0)
-        dtype = x_ptr.dtype.element_ty
         cols = tl.arange(0, BLOCK)
         mask = cols < size
-        numel = rows * size
-        for row in range(pid, rows, programs):  # push this rank's rows into every rank's buffer
-            values = tl.load(x_ptr + row * size + cols, mask=mask)
-            for j in tl.static_range(WORLD):
-                peer = tl.load(buffers + j).to(tl.pointer_type(dtype))
-                tl.store(peer + RANK * numel + row * size + cols, values, mask=mask)
-        _barrier(pads, pid, 0, RANK, WORLD, PROGRAMS)
-        own = tl.load(buffers + RANK).to(tl.pointer_type(dtype))
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        for row in range(pid, rows, programs):
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
+        block = rows * size  # elements each rank sends each peer
+        for row in range(pid, rows, programs):  # push this rank's rows into every rank's buffer
+            if KIND == 0:
+                values = tl.load(x_ptr + row * size + cols, mask=mask)
+                values = _add_rms_norm_row(values, row, res_ptr, w, out_ptr + RANK * block, res_out_ptr, cols, mask,
+                                           cols < tl.where(RANK * rows + row < valid, size, 0), size, eps, HAS_RESIDUAL)
+            elif KIND == 2:
+                values = tl.load(x_ptr + row * size + cols, mask=mask)
             for j in tl.static_range(WORLD):
-                acc += tl.load(own + j * numel + row * size + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
-            x = acc.to(dtype)
-            if HAS_RESIDUAL:
-                x = (x.to(tl.float32) + tl.load(res_ptr + row * size + cols, mask=mask, other=0.0).to(tl.float32))
-                x = x.to(dtype)
-            tl.store(res_out_ptr + row * size + cols, x, mask=mask)
-            xf = x.to(tl.float32)
-            normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / size + eps)).to(dtype).to(tl.float32)
-            tl.store(out_ptr + row * size + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+                if KIND == 1:  # rank j gets rows j * rows + row; those from `valid` on are zero pad
+                    real = cols < tl.where(j * rows + row < valid, size, 0)
+                    values = tl.load(x_ptr + (j * rows + row) * size + cols, mask=real, other=0.0)
+                peer = tl.load(buffers + j).to(tl.pointer_type(values.dtype))
+                tl.store(peer + RANK * block + row * size + cols, values, mask=mask)
+        _barrier(pads, pid, 0, RANK, WORLD, PROGRAMS)
+        for row in range(pid, rows, programs):
+            if KIND == 0:  # the peers' normed rows (this rank's own were written above), up to `valid`
+                own = tl.load(buffers + RANK).to(tl.pointer_type(out_ptr.dtype.element_ty))
+                for j in tl.static_range(WORLD):
+                    if j != RANK:
+                        tl.store(out_ptr + (j * rows + row) * size + cols,
+                                 tl.load(own + j * block + row * size + cols, mask=mask, volatile=True),
+                                 mask=cols < tl.where(j * rows + row < valid, size, 0))
+            else:
+                own = tl.load(buffers + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+                for j in tl.static_range(WORLD):
+                    acc += tl.load(own + j * block + row * size + cols, mask=mask, other=0.0, volatile=True).to(
+                        tl.float32)
+                _add_rms_norm_row(acc.to(x_ptr.dtype.element_ty), row, res_ptr, w, out_ptr, res_out_ptr, cols, mask,
+                                  mask, size, eps, HAS_RESIDUAL)
         _barrier(pads, pid, 1, RANK, WORLD, PROGRAMS)
 
 
@@ -159,23 +193,34 @@ class OneShot:
                                       WORLD=self.world, BLOCK=BLOCK, PROGRAMS=MAX_PROGRAMS, num_warps=8)
         return out
 
-    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[N, H]` (contiguous) a partial sum, residual `[N, H]` or None, weight `[H]` -> (RMSNorm(sum + residual)
-        in the dtype of weight * x, sum + residual), both `[N, H]`: the all-reduce and `RMSNorm.add_norm` in one
-        kernel."""
-        if self.buffer_bytes("all_reduce", x) > BUFFER_BYTES:
-            raise ValueError(f"one-shot all-reduce of {tuple(x.shape)} {x.dtype} needs "
-                             f"{self.buffer_bytes('all_reduce', x)} buffer bytes per rank, the buffer has "
-                             f"{BUFFER_BYTES}")
-        rows, size = x.shape
+    def norm_rows(self, kind: str, num_tokens: int) -> int:
+        """Rows each rank norms in an `add_rms_norm` of N = num_tokens: N for all_reduce, else ceil(N / WORLD)."""
+        return num_tokens if kind == "all_reduce" else -(-num_tokens // self.world)
+
+    def add_rms_norm(self, kind: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `kind` collective fused with `RMSNorm.add_norm` (weight `[H]`) -> (normed, new residual), N tokens,
+        n = ceil(N / WORLD) rows per rank:
+
+        - all_reduce: x `[N, H]` partial sum, residual `[N, H]` -> both `[N, H]`;
+        - reduce_scatter: x `[N, H]` partial sum, residual `[n, H]` (this rank's rows) -> both `[n, H]`;
+        - all_gather: x, residual `[n, H]` this rank's rows -> normed `[N, H]` (all ranks'), new residual `[n, H]`.
+        A missing residual counts as zero. The normed rows are in the dtype of weight * x."""
+        rows, size = self.norm_rows(kind, num_tokens), x.shape[1]
+        out_dtype = torch.promote_types(weight.dtype, x.dtype)
+        needed = self.world * rows * size * (out_dtype if kind == "all_gather" else x.dtype).itemsize
+        if needed > BUFFER_BYTES:
+            raise ValueError(f"one-shot {kind} + RMSNorm of {tuple(x.shape)} {x.dtype} needs {needed} buffer bytes "
+                             f"per rank, the buffer has {BUFFER_BYTES}")
+        x = x.contiguous()
         residual = residual.contiguous() if residual is not None else None
-        out = torch.empty(rows, size, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-        new_residual = torch.empty_like(x)
+        out_rows = num_tokens if kind == "all_gather" else rows
+        out = torch.empty(out_rows, size, dtype=out_dtype, device=x.device)
+        new_residual = torch.empty(rows, size, dtype=x.dtype, device=x.device)
         if rows:
             block = triton.next_power_of_2(size)
-            _one_shot_add_norm_kernel[(min(MAX_PROGRAMS, rows),)](
+            _one_shot_norm_kernel[(min(MAX_PROGRAMS, rows),)](
                 x, residual if residual is not None else x, weight, out, new_residual, self.buffers, self.pads, rows,
-                size, eps, HAS_RESIDUAL=residual is not None, RANK=self.rank, WORLD=self.world, BLOCK=block,
-                PROGRAMS=MAX_PROGRAMS, num_warps=min(16, max(1, block // 512)))
+                num_tokens, size, eps, KIND=KINDS[kind], HAS_RESIDUAL=residual is not None, RANK=self.rank,
+                WORLD=self.world, BLOCK=block, PROGRAMS=MAX_PROGRAMS, num_warps=min(16, max(1, block // 512)))
         return out, new_residual

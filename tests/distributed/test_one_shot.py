@@ -81,51 +81,71 @@ def test_one_shot_collectives_equal_nccl():
 
 
 def compare_add_norm_with_nccl() -> list[str]:
-    """The fused one-shot all-reduce + add + RMSNorm against an NCCL all-reduce then `RMSNorm.add_norm`, with
-    and without a residual, eager and from a CUDA graph; -> one line per mismatch."""
+    """The one-shot collectives fused with the residual add + RMSNorm (`OneShot.add_rms_norm`) against the NCCL
+    collective and `RMSNorm.add_norm` apart, for each kind, N from 1 (fewer tokens than ranks) to 64, with and
+    without a residual, eager and from a CUDA graph with new inputs; -> one line per mismatch."""
     from spmoe.distributed.one_shot import OneShot
     from spmoe.layers.norm import RMSNorm
 
     state = get_parallel_state()
-    group, device = state.tp_group, state.device
+    group, t, device = state.tp_group, state.tp_size, state.device
     one_shot, failures = OneShot(group, device), []
     gen = torch.Generator(device=device).manual_seed(state.rank)
     norm = RMSNorm(H, 1e-5).to(device=device, dtype=torch.bfloat16)
+
+    def reference(kind, x, residual, num_tokens):
+        n = -(-num_tokens // t)
+        if kind == "all_gather":
+            normed, new_residual = norm.add_norm(x, residual)
+            gathered = torch.empty(n * t, H, dtype=normed.dtype, device=device)
+            dist.all_gather_into_tensor(gathered, normed.contiguous(), group=group)
+            return gathered[:num_tokens], new_residual
+        summed = torch.cat([x, x.new_zeros(n * t - num_tokens, H)]) if kind == "reduce_scatter" else x.clone()
+        if kind == "reduce_scatter":
+            block = torch.empty(n, H, dtype=x.dtype, device=device)
+            dist.reduce_scatter_tensor(block, summed, group=group)
+            return norm.add_norm(block, residual)
+        dist.all_reduce(summed, group=group)
+        return norm.add_norm(summed, residual)
+
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 1.5, H))
-        for rows in (1, 7, 64):
-            for with_residual in (True, False):
-                x = torch.empty(rows, H, dtype=torch.bfloat16, device=device)
-                residual = torch.empty_like(x) if with_residual else None
+        for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+            for num_tokens in (1, 3, 64):
+                n = -(-num_tokens // t)
+                x_rows = n if kind == "all_gather" else num_tokens
+                res_rows = num_tokens if kind == "all_reduce" else n
+                for with_residual in (True, False):
+                    x = torch.empty(x_rows, H, dtype=torch.bfloat16, device=device)
+                    residual = torch.empty(res_rows, H, dtype=torch.bfloat16, device=device) if with_residual else None
 
-                def fill():
-                    x.normal_(generator=gen)
-                    if residual is not None:
-                        residual.copy_(torch.randn(rows, H, device=device).bfloat16())
-                        dist.broadcast(residual, 0, group=group)  # the residual is FULL: the same everywhere
+                    def fill():
+                        x.normal_(generator=gen)
+                        if residual is not None:
+                            residual.normal_(generator=gen)
+                            if kind == "all_reduce":  # a FULL residual is the same on every rank
+                                dist.broadcast(residual, 0, group=group)
 
-                fill()
-                got = one_shot.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    captured = one_shot.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
-                for trial in ("eager", "graph replay"):
-                    if trial == "graph replay":
-                        fill()
-                        graph.replay()
-                        got = captured
-                    summed = x.clone()
-                    dist.all_reduce(summed, group=group)
-                    want = norm.add_norm(summed, residual)
-                    for name, a, b in zip(("normed", "residual"), got, want):
-                        if not torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2):
-                            failures.append(f"{name} rows={rows} residual={with_residual} {trial}: max |diff| "
-                                            f"{(a.float() - b.float()).abs().max().item():.3e}")
+                    fill()
+                    got = one_shot.add_rms_norm(kind, x, residual, norm.weight, norm.eps, num_tokens)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        captured = one_shot.add_rms_norm(kind, x, residual, norm.weight, norm.eps, num_tokens)
+                    for trial in ("eager", "graph replay"):
+                        if trial == "graph replay":
+                            fill()
+                            graph.replay()
+                            got = captured
+                        want = reference(kind, x, residual, num_tokens)
+                        for name, a, b in zip(("normed", "residual"), got, want):
+                            if a.shape != b.shape or not torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2):
+                                failures.append(f"{kind} {name} N={num_tokens} residual={with_residual} {trial}: "
+                                                f"{tuple(a.shape)} vs {tuple(b.shape)}")
     return failures
 
 
 @pytest.mark.gpu
 @requires_gpus(2)
-def test_one_shot_all_reduce_add_norm_equals_nccl_then_add_norm():
+def test_one_shot_collectives_fused_with_add_norm_equal_nccl_then_add_norm():
     results = run_on_gpus(compare_add_norm_with_nccl)
     assert results == [[]] * len(results), results
