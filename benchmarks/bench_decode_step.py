@@ -62,16 +62,17 @@ def touched_experts(model, step) -> list[int]:
     return picked
 
 
-def layer_ops(model, step) -> list[int]:
-    """GPU operations each decoder layer launches: its inputs are caught in one eager `step`, then each layer
-    runs alone under the profiler (at TP 1 a layer changes none of its inputs; it rewrites the same cache rows)."""
+def layer_ops(model, step) -> list[dict[str, tuple[int, float]]]:
+    """The GPU operations (`gpu_ops`) of each decoder layer: its inputs are caught in one eager `step`, then each
+    layer runs alone under the profiler (at TP 1 a layer changes none of its inputs; it rewrites the same cache
+    rows)."""
     calls = []
     hooks = [layer.register_forward_hook(lambda m, args, _out: calls.append((m, args)))
              for layer in model.model.layers]
     step()
     for hook in hooks:
         hook.remove()
-    return [launch_count(gpu_ops(lambda: layer(*args))) for layer, args in calls]
+    return [gpu_ops(lambda: layer(*args)) for layer, args in calls]
 
 
 def run(cases: list[tuple[int, int]]):
@@ -120,11 +121,15 @@ def main():
           f"{'% roofline':>10} {'GPU ops/step':>12}  GPU ops per decoder layer")
     for batch, context, kernels, eager, graph, floor, ops, per_layer, _ in rows:
         print(f"{batch:>5} {context:>7} {kernels:>7} {eager:>9.3f} {graph:>9.3f} {floor:>9.3f} "
-              f"{100 * floor / graph:>9.1f}% {ops:>12}  {per_layer}")
+              f"{100 * floor / graph:>9.1f}% {ops:>12}  {[launch_count(layer) for layer in per_layer]}")
     for batch, context, kernels, *_, top in rows:
         print(f"\ntop kernels, batch {batch} context {context}, {kernels} (one eager step): launches, total us")
         for name, (count, micros) in top:
             print(f"  {count:>4} {micros:>9.1f}  {name[:110]}")
+    batch, context, kernels, *_, per_layer, _ = rows[1]  # the first case, fused
+    print(f"\nGPU operations of each decoder layer, batch {batch} context {context}, {kernels}: launches x name")
+    for index, ops in enumerate(per_layer):
+        print(f"layer {index}: " + ", ".join(f"{n} x {name[:60]}" for name, (n, _) in sorted(ops.items())))
 
 
 if __name__ == "__main__":
