@@ -28,7 +28,7 @@ from spmoe.distributed import CommStats, count_collectives, get_parallel_state
 from spmoe.distributed.comm import all_reduce
 from spmoe.engine.cuda_graphs import DecodeGraphs
 from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.sampling import Sampler, SamplingParams
+from spmoe.engine.sampling import Sampler, SamplingParams, greedy
 from spmoe.engine.speculative import MtpDrafter, accept_greedy
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
@@ -156,12 +156,17 @@ class Engine:
             seq_logits = logits[row:row + 1 + len(seq.drafts)]
             row += 1 + len(seq.drafts)
             if seq.drafts:
-                choices = seq_logits.argmax(-1).tolist()
-                accepted = accept_greedy(seq.drafts, choices)
+                choices, finite = greedy(seq_logits)
+                accepted, new = accept_greedy(seq.drafts, choices)
                 self.accepted_per_step.append(accepted)
-                new = seq.drafts[:accepted] + [choices[accepted]]
             else:
-                accepted, new = 0, self.sampler(seq_logits)
+                (new, finite), accepted = self.sampler(seq_logits), 0
+            if not all(finite[:len(new)]):
+                step = self.phases["prefill"].forwards + self.phases["decode"].forwards + 1
+                raise FloatingPointError(
+                    f"non-finite logits (NaN or inf) at step {step} ({'prefill' if seq.cached == 0 else 'decode'}) "
+                    f"for sequence {seq.index} after {len(seq.output)} generated tokens: no token can be chosen, "
+                    f"so the run stops (check the checkpoint for NaN / inf weights)")
             verified = n - (len(seq.drafts) - accepted)  # fed tokens whose cache rows stay valid
             for j, token in enumerate(new):
                 seq.output.append(token)

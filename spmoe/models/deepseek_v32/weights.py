@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from spmoe.config import ModelConfig, ParallelConfig
@@ -92,7 +92,7 @@ class Checkpoint:
                 raise FileNotFoundError(f"no *.safetensors files in {folder}")
             weight_map = {}
             for f in files:
-                with safe_open(f, "pt") as handle:
+                with _open(f) as handle:
                     weight_map.update({key: f.name for key in handle.keys()})
         self.folder, self.weight_map, self._handles = folder, weight_map, {}
 
@@ -102,7 +102,7 @@ class Checkpoint:
     def _slice(self, key: str):
         name = self.weight_map[key]
         if name not in self._handles:
-            self._handles[name] = safe_open(self.folder / name, "pt")
+            self._handles[name] = _open(self.folder / name)
         return self._handles[name].get_slice(key)
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -125,6 +125,13 @@ class Checkpoint:
         scale = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
         r, c = row0 % block[0], col0 % block[1]
         return tensor.float() * scale[r:r + tensor.shape[0], c:c + tensor.shape[1]]
+
+
+def _open(path: Path):
+    try:
+        return safe_open(path, "pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
 
 
 def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
