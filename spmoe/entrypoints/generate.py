@@ -39,7 +39,9 @@ class GenerateOptions:
         return max(1, self.max_seqs or prompts_here)
 
 
-def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions):
+def rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions):
+    """The job on one rank (of a launch with the same TP and DP sizes as `parallel`) -> rank 0's `Generation`,
+    None on the other ranks."""
     from spmoe.models.deepseek_v32.weights import load_model
 
     state = get_parallel_state()
@@ -155,5 +157,5 @@ def run_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[in
     """-> rank 0's `Generation` (outputs, stats, optional logits); None on the other ranks under torchrun.
     Validates before starting any rank."""
     check_generate(ModelConfig.from_file(model_dir), parallel, prompts, opts, device)
-    return launch(_rank_generate, parallel.world_size, model_dir, parallel, prompts, opts, config=parallel,
+    return launch(rank_generate, parallel.world_size, model_dir, parallel, prompts, opts, config=parallel,
                   device=device)

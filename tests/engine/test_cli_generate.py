@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -76,6 +77,14 @@ def test_unknown_option_exits_non_zero(engine_checkpoint, tmp_path):
     assert exit_info.value.code == 2
 
 
+def collective_cells(text: str) -> dict[str, list[str]]:
+    """The demo table's rows -> their all_reduce, all_gather and reduce_scatter cells (count/KiB)."""
+    from spmoe.entrypoints.demo import MODES
+
+    labels = {label for label, *_ in MODES}
+    return {line[:18].strip(): line[18:].split()[1:4] for line in text.splitlines() if line[:18].strip() in labels}
+
+
 def test_demo_runs_and_reuses_its_checkpoint(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     for expected in ("written now", "reused"):
@@ -84,3 +93,9 @@ def test_demo_runs_and_reuses_its_checkpoint(tmp_path):
         assert done.returncode == 0, done.stderr
         assert f"({expected})" in done.stdout
         assert "all 5 modes produced identical tokens" in done.stdout
+        # the expert choice: once per kind of MoE layer, never by the checkpoint writer
+        assert [line.split(": ")[1] for line in done.stderr.splitlines() if line.startswith("spmoe: experts")] == \
+            ["experts of non-SP MoE layers", "experts of SP MoE layers"], done.stderr
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = collective_cells(readme)
+    assert len(table) == 5 and table == collective_cells(done.stdout), "README's demo table is out of date"

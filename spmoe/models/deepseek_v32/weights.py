@@ -56,7 +56,8 @@ def write_random_checkpoint(raw_config: dict, folder: Path, seed: int) -> None:
     """Write `config.json` and a `model.safetensors` of deterministic random weights (main and MTP layers) in
     the Hugging Face layout, for the demo and tests. Runs on one rank (TP = 1)."""
     cfg = ModelConfig.from_dict(raw_config)
-    model = build_model(cfg, ParallelConfig(tensor_parallel_size=1), cfg.num_nextn_predict_layers > 0, set())
+    model = build_model(cfg, ParallelConfig(tensor_parallel_size=1, moe_backend="torch"),  # never run: no choice
+                        cfg.num_nextn_predict_layers > 0, set())
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for key, (dest, _, _) in sorted(_plan(model).items()):
