@@ -6,8 +6,9 @@ If a rank raises, or dies without a result, the other ranks are killed at once a
 rank's traceback to the caller. It never waits on a dead rank.
 
 No rank outlives the process that spawned it:
-- a rank asks Linux to SIGKILL it when its parent dies (`PR_SET_PDEATHSIG`), and a watchdog thread in the
-  rank polls its parent's pid as well (for a parent killed before the request took effect, or elsewhere);
+- a rank asks Linux to SIGKILL it when the thread that spawned it ends (`PR_SET_PDEATHSIG`; the parent's
+  death included), and a watchdog thread in the rank polls its parent's pid as well (for a parent that died
+  before the request took effect, and on systems without it);
 - while `spawn` waits, SIGTERM and SIGINT in the parent raise `Stopped`: every rank is killed before it
   propagates. The ranks ignore SIGINT, so a Ctrl-C (sent to the whole process group) reaches the parent only.
 
@@ -43,9 +44,9 @@ class RankFailed(RuntimeError):
     """A spawned rank raised or died; the message holds which rank and its traceback."""
 
 
-class Stopped(BaseException):
-    """SIGTERM or SIGINT reached the parent while its ranks ran; every rank was killed. A BaseException, like
-    KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGINT reached the parent while its ranks ran; every rank was killed. A KeyboardInterrupt, so
+    that no `except Exception` on the way swallows it and whatever stops on Ctrl-C (pytest) stops on it."""
 
     def __init__(self, signum: int):
         self.signum = signum
