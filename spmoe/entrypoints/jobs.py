@@ -51,10 +51,11 @@ def check_writable(path: str | Path, option: str) -> None:
     try:
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".spmoe-probe-"):
             pass
-        if path.exists():
-            open(path, "r+b").close()
     except OSError as e:
-        raise ValueError(f"{option} {path} cannot be written: {e.strerror} ({e.filename})") from None
+        raise ValueError(f"{option} {path} cannot be written: creating a file in {path.parent} failed "
+                         f"({e.strerror})") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{option} {path} cannot be written: permission denied")
 
 
 def check_device(device: str, ranks: int) -> None:
