@@ -5,7 +5,6 @@ one line."""
 import json
 import re
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
