@@ -6,6 +6,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, launch
 from spmoe.engine.cuda_graphs import deployment_problems
@@ -122,8 +124,6 @@ def check_kv_cache_memory(cfg: ModelConfig, with_mtp: bool, slots: int, max_len:
     memory, so their caches together are compared with MemAvailable (/proc/meminfo). CUDA: one rank per GPU;
     its cache is compared with the GPU's total memory, which can be read without creating a CUDA context in
     this process (the free memory cannot); the weights are not counted, so this is a bound, not a promise."""
-    import torch
-
     layers = {i: cfg.layer_has_indexer(i) for i in range(cfg.num_hidden_layers + (cfg.num_nextn_predict_layers
                                                                                   if with_mtp else 0))}
     per_rank = KVCache.size_bytes(cfg, layers, slots, max_len, DTYPES[dtype])

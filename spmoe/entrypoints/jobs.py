@@ -63,8 +63,6 @@ def check_device(device: str, ranks: int) -> None:
     is one rank, so one GPU is enough."""
     if device == "cpu":
         return
-    import torch.cuda
-
     needed = 1 if "WORLD_SIZE" in os.environ else ranks
     if not torch.cuda.is_available() or torch.cuda.device_count() < needed:
         raise ValueError(f"--device cuda with {ranks} ranks needs {needed} visible GPU(s), found "
