@@ -27,12 +27,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from spmoe.config import ModelConfig, ParallelConfig
-from spmoe.distributed import Layout, count_collectives, get_parallel_state, sp_shard, spawn
+from spmoe.distributed import count_collectives, get_parallel_state, sp_shard, spawn
+from spmoe.distributed.layer_plan import build_layer_plan
 from spmoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmoe.layers.moe.experts.base import ExpertsDeployment
 from spmoe.layers.moe.experts.selection import select_experts
 from spmoe.layers.moe.experts.torch_ref import TorchExperts
-from spmoe.models.deepseek_v32.model import DeepseekV32DecoderLayer, _default_dtype, attention_batch
+from spmoe.models.deepseek_v32.decoder_layer import DeepseekV32DecoderLayer, attention_batch
+from spmoe.models.deepseek_v32.model import _default_dtype
 from bench_dp import GLM, random_weights
 from timing import cuda_ms, graphed
 
@@ -50,11 +52,11 @@ def with_sp(mode: str, scope: str = "moe") -> ParallelConfig:
 
 
 def build_layer(cfg: ModelConfig, sp: bool, device: str) -> DeepseekV32DecoderLayer:
+    """Layer 0 (MoE) of the plan: input SHARDED with SP, the embedding's PARTIAL sum without."""
     parallel = with_sp("on" if sp else "off")
     experts = select_experts(ExpertsDeployment.for_layer(cfg, parallel, sp, torch.bfloat16, "cuda"), "auto")
     with torch.device(device), _default_dtype(torch.bfloat16):
-        return DeepseekV32DecoderLayer(cfg, 0, sp, Layout.SHARDED if sp else Layout.PARTIAL, experts,
-                                       parallel.ep_backend)
+        return DeepseekV32DecoderLayer(cfg, build_layer_plan(cfg, parallel).layers[0], experts, parallel.ep_backend)
 
 
 def layer_inputs(cfg: ModelConfig, num_tokens: int, sp: bool, decode: bool):
@@ -135,12 +137,11 @@ def weight_gib() -> dict[str, float]:
     for label, mode, scope in (("SP off", "off", "moe"), ("SP on, scope moe", "on", "moe"),
                                ("SP on, scope all", "on", "all")):
         parallel = with_sp(mode, scope)
+        plan = build_layer_plan(cfg, parallel)
         total = sum(map(nbytes, vocab))
         for idx, count in ((0, 3), (3, layers - 3)):  # one dense, one MoE layer
-            sp = parallel.layer_uses_sp(cfg.layer_is_moe(idx))
             with torch.device("meta"), _default_dtype(torch.bfloat16):  # dense expert weights, as Triton's
-                layer = DeepseekV32DecoderLayer(cfg, idx, sp, Layout.SHARDED if sp else Layout.PARTIAL,
-                                                TorchExperts, parallel.ep_backend)
+                layer = DeepseekV32DecoderLayer(cfg, plan.layers[idx], TorchExperts, parallel.ep_backend)
             total += count * nbytes(layer)
         out[label] = total / 2**30
     return out

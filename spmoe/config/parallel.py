@@ -3,8 +3,9 @@
 World layout: `world = dp * tp`. Rank `r` sits in DP group `r // tp` at TP rank `r % tp`; the TP group holds
 consecutive ranks, and the expert-parallel (EP) group spans all `dp * tp` ranks.
 
-The model reads exactly one derived decision from here: `use_sequence_parallel_moe` (plus `sp_scope`, which
-says which layers it covers). Everything else about sequence parallelism follows from it.
+`sequence_parallel_moe` is the request (the CLI's `--sp`: auto, on or off); `use_sequence_parallel_moe` is the
+decision it resolves to. The layer plan (`spmoe.distributed.layer_plan`) reads that decision and `sp_scope`
+(which layers it covers) and derives every layer's layouts from them.
 """
 
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ class ParallelConfig:
 
     @property
     def use_sequence_parallel_moe(self) -> bool:
-        """The one SP decision the model reads.
+        """Whether the MoE layers run sequence-parallel (and with `sp_scope="all"`, every layer).
 
         `auto` follows the upstream rule (vLLM #48849): SP only when attention is both data- and tensor-parallel
         with experts spread over DP x TP, because at DP=1 SP measured up to 19% slower at one request.
@@ -70,7 +71,3 @@ class ParallelConfig:
             return False
         return (self.tensor_parallel_size > 1 and self.data_parallel_size > 1 and self.enable_expert_parallel
                 and self.pipeline_parallel_size == 1)
-
-    def layer_uses_sp(self, is_moe_layer: bool) -> bool:
-        """Whether one decoder layer runs its norms and MLP on the token shard (decided at build time)."""
-        return self.use_sequence_parallel_moe and (is_moe_layer or self.sp_scope == "all")

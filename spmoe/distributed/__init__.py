@@ -1,4 +1,5 @@
-"""Process groups, the local launcher, counted collectives and the sequence-parallel layout primitives."""
+"""Process groups, the local launcher, counted collectives, the sequence-parallel layout primitives, the layer plan
+and the communicator that applies it."""
 
 from spmoe.distributed.comm import CommStats, count_collectives
 from spmoe.distributed.groups import ParallelState, destroy_distributed, get_parallel_state, init_distributed

@@ -1,7 +1,10 @@
 """Collectives with accounting, and the choice between NCCL and the one-shot kernels.
 
-Every collective the project runs goes through one of the four functions here, so `count_collectives()`
-sees all of them. On groups where `enable_one_shot` succeeded, small all-gathers, reduce-scatters and
+Every collective the project runs goes through this module. The model's go through the four counted
+functions (`all_reduce`, `all_gather_rows`, `reduce_scatter_rows`, `all_to_all_rows`), so `count_collectives()`
+sees all of them. The host objects of the control plane (the serving loop's step plans, gathered outputs and
+job results) go through `broadcast_object` and `gather_object` on the gloo control group: host-only, never on
+the model's path, and not counted. On groups where `enable_one_shot` succeeded, small all-gathers, reduce-scatters and
 all-reduce sums of floating-point tensors run as one-shot kernels (`one_shot.py`) up to `ONE_SHOT_MAX_BYTES`
 of buffer, the sizes where they beat NCCL inside a CUDA graph (`benchmarks/bench_collectives.py`); NCCL runs
 the rest. Bytes are the size of the full-length buffer of the call on this rank:
@@ -65,7 +68,7 @@ def enable_one_shot(group, device: torch.device) -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure means NCCL, with the reason reported
         reason = f"{type(e).__name__}: {e}"
     agreed = torch.tensor([reason is None], dtype=torch.int32, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    all_reduce(agreed, group, op="min")
     if not agreed.item():
         return reason or "another rank of the group could not set them up"
     _ONE_SHOT[group] = one_shot
@@ -100,13 +103,16 @@ def _record(kind: str, t: torch.Tensor) -> None:
         stats.record(kind, t.numel() * t.element_size())
 
 
-def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Reduce `x` over `group` (a sum unless `op` says otherwise), in place. Returns `x`."""
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """Reduce `x` over `group` in place (`op`: "sum", "max" or "min"). Returns `x`."""
     _record("all_reduce", x)
-    one_shot = _one_shot("all_reduce", x, group) if op == dist.ReduceOp.SUM and x.is_contiguous() else None
+    one_shot = _one_shot("all_reduce", x, group) if op == "sum" and x.is_contiguous() else None
     if one_shot is not None:
         return one_shot.run("all_reduce", x, x)
-    dist.all_reduce(x, op=op, group=group)
+    dist.all_reduce(x, op=REDUCE_OPS[op], group=group)
     return x
 
 
@@ -141,3 +147,18 @@ def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[i
     _record("all_to_all", x)
     dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
     return out
+
+
+def broadcast_object(obj, group, src: int = 0):
+    """A picklable host object from global rank `src` to every rank of `group` (the gloo control group) ->
+    the object on every rank (`obj` is ignored on the others)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def gather_object(obj, group, dst: int = 0) -> list | None:
+    """Every rank's picklable host object -> on global rank `dst` the list in group rank order, else None."""
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, gathered, dst=dst, group=group)
+    return gathered

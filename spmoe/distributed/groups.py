@@ -1,6 +1,8 @@
 """Process groups: initialise from the torchrun environment, build the TP / DP / EP groups, tear down.
 
-gloo on CPU, NCCL on CUDA. Every collective carries `timeout_s`, so a dead peer turns into an error on the
+gloo on CPU, NCCL on CUDA; on both, a gloo `control_group` over every rank carries host objects (the serving
+loop's step plans, job results; `comm.broadcast_object` / `comm.gather_object`). Every collective carries
+`timeout_s`, so a dead peer turns into an error on the
 surviving ranks instead of a hang. On CUDA the TP and EP groups also get the one-shot kernels for small
 collectives where the GPUs support them (`comm.enable_one_shot`).
 """
@@ -27,6 +29,7 @@ class ParallelState:
     device: torch.device
     tp_group: dist.ProcessGroup
     ep_group: dist.ProcessGroup
+    control_group: dist.ProcessGroup  # gloo, every rank: host objects only
 
     @property
     def tp_size(self) -> int:
@@ -93,7 +96,9 @@ def init_distributed(config: ParallelConfig | None = None, device: str = "cpu",
             group = dist.new_group(list(range(d * tp, (d + 1) * tp)))
             if d == rank // tp:
                 tp_group = group
-    _STATE = ParallelState(config=config, rank=rank, device=dev, tp_group=tp_group, ep_group=dist.group.WORLD)
+    control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    _STATE = ParallelState(config=config, rank=rank, device=dev, tp_group=tp_group, ep_group=dist.group.WORLD,
+                           control_group=control_group)
     if backend == "nccl":
         groups = [("TP", tp_group)] + ([("EP", dist.group.WORLD)] if tp_group is not dist.group.WORLD else [])
         for name, group in groups:
@@ -108,6 +113,16 @@ def get_parallel_state() -> ParallelState:
     if _STATE is None:
         raise RuntimeError("distributed state is not initialised; call spmoe.distributed.init_distributed() first")
     return _STATE
+
+
+def group_size(group) -> int:
+    """The number of ranks in `group`."""
+    return dist.get_world_size(group)
+
+
+def is_first_rank() -> bool:
+    """True on global rank 0, and in a process that has joined no process group."""
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def destroy_distributed() -> None:

@@ -17,7 +17,6 @@ All primitives run over the TP group of `get_parallel_state()`.
 import enum
 
 import torch
-import torch.distributed as dist
 
 from spmoe.distributed.comm import all_gather_rows, all_reduce, reduce_scatter_rows
 from spmoe.distributed.groups import get_parallel_state
@@ -112,4 +111,4 @@ def largest_dp_batch(num_tokens: int) -> int:
     if state.dp_size == 1:
         return num_tokens
     agreed = torch.tensor([num_tokens], device=state.device)
-    return int(all_reduce(agreed, state.ep_group, op=dist.ReduceOp.MAX).item())
+    return int(all_reduce(agreed, state.ep_group, op="max").item())

@@ -1,1 +1,1 @@
-"""Generation on top of the model: KV cache, sampling, the step loop and MTP speculation."""
+"""The serving engine: requests, the scheduler, the model runner, the KV cache, sampling and MTP speculation."""

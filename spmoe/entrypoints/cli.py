@@ -9,6 +9,7 @@ from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.distributed import RankFailed, Stopped, spawn
 from spmoe.distributed.selfcheck import layout_selfcheck
+from spmoe.entrypoints.serve.server import add_serve_args, cmd_serve
 
 
 def cmd_selfcheck(args) -> int:
@@ -107,7 +108,8 @@ def add_model_args(p) -> None:
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel size (default 1): DP groups of --tp ranks each take a share of the batch; "
                         "the experts are split over all dp * tp ranks")
-    p.add_argument("--sp", choices=SP_MODES, required=True, help="sequence-parallel MoE")
+    p.add_argument("--sp", choices=SP_MODES, default="auto",
+                   help="sequence-parallel MoE (default auto: on when tp > 1 and dp > 1)")
     p.add_argument("--sp-scope", choices=SP_SCOPES, default="moe", help="which layers are SP (default moe)")
     p.add_argument("--ep-backend", choices=EP_BACKENDS, default="allgather_reducescatter",
                    help="how SP layers dispatch tokens to experts (default allgather_reducescatter)")
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-speculative-tokens", type=int, help="MTP drafts per step (default 1, with --speculative)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i samples from seed + i)")
     p.add_argument("--eos-id", type=int, action="append", help="stop token (repeatable; default: the config's)")
     p.add_argument("--max-seqs", type=int, help="KV cache slots, i.e. sequences decoded at once (default: all)")
     p.add_argument("--max-model-len", type=int,
@@ -154,6 +156,9 @@ def main(argv=None) -> int:
                    help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)")
     p.add_argument("--output", required=True, help='output JSON: {"outputs": [[ids...], ...], "stats": {...}}')
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on local ranks (default: the demo model)")
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,21 +1,29 @@
 """`spmoe demo`: generate with a tiny GLM-5.2-shaped model on 2 local ranks, with sequence-parallel MoE off and
-on (and with MTP speculation), and show that every mode produces the same tokens.
+on (and with MTP speculation), and show that every mode produces the same tokens; then start `spmoe serve` on
+the same checkpoint, send it one chat request and stop it.
 
 The checkpoint is written once into a cache folder from a fixed seed: random weights in the GLM-5.2 layout
-(MLA + DSA indexer with IndexShare, a dense layer then MoE layers with a shared expert, one MTP layer).
+(MLA + DSA indexer with IndexShare, a dense layer then MoE layers with a shared expert, one MTP layer), and a
+byte-level tokenizer with a chat template.
 """
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, launch, spawn
+from spmoe.distributed.launcher import free_port
 from spmoe.entrypoints.generate import GenerateOptions, check_generate, rank_generate
 
-CONFIG = dict(
-    model_type="glm_moe_dsa", vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+CONFIG = dict(  # vocab_size: the demo tokenizer's 256 bytes + 8 special tokens
+    model_type="glm_moe_dsa", vocab_size=264, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
     num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
     indexer_types=["full", "shared", "full", "shared"], num_attention_heads=8, num_key_value_heads=8,
     n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1,
@@ -36,15 +44,44 @@ MODES = [  # (label, --sp, scope, MTP drafts)
 ]
 
 
+CHAT = [{"role": "user", "content": "Hello! Who are you?"}]
+SERVE_MAX_TOKENS = 24
+SPECIAL_TOKENS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>"] + [f"<|reserved_{i}|>" for i in range(4)]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def write_demo_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer: token b < 256 is byte b (so any text encodes and a character may span several
+    tokens), then SPECIAL_TOKENS from id 256; `<|end|>` ends a chat turn and is the eos token. Written with
+    the `tokenizers` library as `tokenizer.json` + `tokenizer_config.json` (with the chat template)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = iter(range(256, 512))  # byte-level BPE's convention: unprintable bytes map to chr(256 + k)
+    byte_chars = [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+    tokenizer = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(byte_chars)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|end|>", "chat_template": CHAT_TEMPLATE,
+        "model_max_length": CONFIG["max_position_embeddings"]}, indent=2))
+
+
 def checkpoint_dir() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "spmoe" / f"demo-glm-seed{SEED}"
 
 
 def ensure_checkpoint(folder: Path) -> bool:
-    """Write the demo checkpoint unless an identical one is there. Returns whether it was written now."""
+    """Write the demo checkpoint unless an identical one is there (the tokenizer, which takes milliseconds,
+    always). Returns whether the checkpoint was written now."""
     from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 
+    write_demo_tokenizer(folder)
     config = folder / "config.json"
     if config.is_file() and (folder / "model.safetensors").is_file() and json.loads(config.read_text()) == CONFIG:
         return False
@@ -110,4 +147,59 @@ def run_demo(device: str = "cpu", dp: int = 1) -> int:
         print("error: the modes produced different tokens", file=sys.stderr)
         return 1
     print(f"all {len(MODES)} modes produced identical tokens")
-    return 0
+    return show_server(device, dp)
+
+
+def show_server(device: str, dp: int) -> int:
+    """Start `spmoe serve` on the demo checkpoint, send it one chat request, print the reply, stop it with
+    SIGTERM."""
+    port = free_port()
+    command = ["spmoe", "serve", "--tp", str(TP), "--dp", str(dp), "--device", device, "--port", str(port)]
+    print(f"\nThe server: {' '.join(command)}", flush=True)
+    server = subprocess.Popen([sys.executable, "-m", *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        ready = _echo_until_ready(server)
+        if ready is None:
+            print(f"error: spmoe serve did not come up (exit code {server.poll()})", file=sys.stderr)
+            return 1
+        threading.Thread(target=_echo_until_ready, args=(server,), daemon=True).start()  # later lines
+        body = {"model": "spmoe-demo", "messages": CHAT, "max_tokens": SERVE_MAX_TOKENS, "temperature": 0}
+        print(f"POST {ready}/chat/completions {json.dumps(body)}", flush=True)
+        began = time.perf_counter()
+        request = urllib.request.Request(f"{ready}/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            reply = json.load(response)
+        choice, usage = reply["choices"][0], reply["usage"]
+        print(f"reply ({time.perf_counter() - began:.1f} s; random weights, so random bytes): "
+              f"{json.dumps(choice['message']['content'], ensure_ascii=False)}\n"
+              f"usage: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens, "
+              f"finish_reason {choice['finish_reason']}", flush=True)
+    finally:
+        stopped, how = _stop(server)
+    print(f"SIGTERM: {how}", file=sys.stdout if stopped else sys.stderr)
+    return 0 if stopped else 1
+
+
+def _stop(server: subprocess.Popen, grace_s: float = 30.0) -> tuple[bool, str]:
+    """SIGTERM, then SIGKILL after `grace_s`. -> (whether SIGTERM stopped it, what happened)."""
+    began = time.perf_counter()
+    server.send_signal(signal.SIGTERM)
+    try:
+        code = server.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+        return False, f"error: the server did not stop within {grace_s:.0f} s; killed"
+    return True, f"the server stopped in {time.perf_counter() - began:.1f} s (exit code {code})"
+
+
+def _echo_until_ready(server: subprocess.Popen) -> str | None:
+    """Print the server's stderr lines (a progress line: its last state) until it says it is ready. -> its
+    base URL; None if it ended first."""
+    for raw in server.stderr:
+        line = raw.decode(errors="replace").rstrip().rsplit("\r", 1)[-1]
+        print(f"  | {line}", flush=True)
+        if "ready: " in line:
+            return line.split("ready: ", 1)[1].split()[0]
+    return None

@@ -36,7 +36,8 @@ def check_forward(cfg: ModelConfig, parallel: ParallelConfig, seqs: list[list[in
 def run_forward(model_dir: str, parallel: ParallelConfig, seqs: list[list[int]], dtype: str = "float32",
                 device: str = "cpu") -> tuple[torch.Tensor, dict]:
     """-> (logits `[total tokens, vocab]` float32, rank 0's collective counts) on rank 0; None on the other
-    ranks under torchrun. Validates before starting any rank."""
+    ranks under torchrun. seqs: valid token ids (`jobs.read_input_ids` checks a file's). Validates before
+    starting any rank."""
     check_forward(ModelConfig.from_file(model_dir), parallel, seqs, device)
     return launch(_rank_forward, parallel.world_size, model_dir, parallel, dtype, seqs, config=parallel,
                   device=device)

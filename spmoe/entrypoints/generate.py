@@ -11,7 +11,7 @@ import torch
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, launch
 from spmoe.engine.cuda_graphs import deployment_problems
-from spmoe.engine.engine import Engine, Generation, check_prompts
+from spmoe.engine.engine import Engine, Generation, check_prompts, check_speculation, per_prompt
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.jobs import (DTYPES, check_device, check_positions, check_writable, gather_from_dp,
@@ -50,9 +50,10 @@ def rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[i
     model = load_model(model_dir, parallel, DTYPES[opts.dtype], state.device,
                        with_mtp=opts.num_speculative_tokens > 0)
     mine = split_for_dp(prompts, state.dp_rank, state.dp_size)  # this DP rank's prompts (maybe none)
+    sampling = split_for_dp(per_prompt(opts.sampling, len(prompts)), state.dp_rank, state.dp_size)
     cache = KVCache.for_model(model, opts.cache_slots(len(mine)), opts.cache_len(prompts))
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
-    engine = Engine(model, cache, opts.sampling, eos, opts.num_speculative_tokens, opts.cuda_graphs)
+    engine = Engine(model, cache, opts.num_speculative_tokens, opts.cuda_graphs)
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
     live_terminal = sys.stderr.isatty()
 
@@ -64,7 +65,7 @@ def rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[i
                   f"{done / (now - began):.1f} tokens/s", end="" if live_terminal and live else "\n",
                   file=sys.stderr, flush=True)
 
-    gen = engine.generate(mine, opts.max_new_tokens, opts.record_logits,
+    gen = engine.generate(mine, opts.max_new_tokens, sampling, eos, opts.record_logits,
                           on_step=show if opts.progress and state.rank == 0 else None)
     outputs = gather_from_dp(gen.outputs, state.dp_size)
     logits = gather_from_dp(gen.logits, state.dp_size) if opts.record_logits else None
@@ -91,9 +92,7 @@ def check_generate(cfg: ModelConfig, parallel: ParallelConfig, prompts: list[lis
         raise ValueError(f"num_speculative_tokens must be >= 0, got {drafts}")
     if drafts and not cfg.num_nextn_predict_layers:
         raise ValueError("--speculative mtp needs an MTP layer; the checkpoint has num_nextn_predict_layers = 0")
-    if drafts and not opts.sampling.greedy:
-        raise ValueError(f"speculative decoding accepts drafts greedily; expected temperature 0, got "
-                         f"{opts.sampling.temperature}")
+    check_speculation(opts.sampling, drafts)
     if opts.cuda_graphs:
         problems = deployment_problems(device, parallel.data_parallel_size, parallel.ep_backend)
         problems += ["no speculative decoding (it runs eagerly)"] if drafts else []

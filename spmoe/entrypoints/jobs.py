@@ -1,6 +1,6 @@
-"""What the jobs share: reading token-id input, the checks every job runs before any rank starts (output
-paths, device, sequence lengths), the dtypes by name, the flat batch, splitting a batch over the
-data-parallel ranks and gathering it back."""
+"""What the jobs share: reading token-id input and checking its ids, the checks every job runs before any rank
+starts (output paths, device, sequence lengths), the dtypes by name, the flat batch, splitting a batch over
+the data-parallel ranks and gathering it back."""
 
 import json
 import os
@@ -8,9 +8,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from spmoe.distributed import get_parallel_state
+from spmoe.distributed.comm import gather_object
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -91,12 +91,11 @@ def split_for_dp(items: list, dp_rank: int, dp_size: int) -> list:
 
 def gather_from_dp(mine: list, dp_size: int) -> list | None:
     """Every DP rank's `split_for_dp` share -> the whole batch in its original order, on rank 0 (None on the
-    other ranks). Bookkeeping over all ranks, outside the counted collectives."""
+    other ranks). Host objects over the control group, outside the counted collectives."""
     state = get_parallel_state()
     if dp_size == 1:
         return mine
-    shares = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, mine)
+    shares = gather_object(mine, state.control_group)
     if state.rank != 0:
         return None
     per_dp = shares[::state.tp_size]  # TP rank 0 of each DP group

@@ -5,6 +5,12 @@ sequences' cached tokens and themselves. q_a / kv_a projections, their norms and
 q_b and kv_b are column-parallel over heads; o_proj is row-parallel and the output is this rank's PARTIAL sum
 `[N, H]`. Per token and layer the cache keeps MLA's compressed latent with its rotated rope key, and the
 indexer's key.
+
+Two paths, chosen by the cache the batch carries:
+- dense (no cache, or `KeyStore`): every key decompressed through kv_b_proj, scores `[heads, N, K]`, the
+  indexer's top-k applied as a mask. The reference (what the transformers oracle checks).
+- paged (`PagedKeyStore`): the indexer picks cache rows, and absorbed MLA attends only those
+  (`sparse_attention`); for contexts of at most index_topk tokens this is exactly dense causal attention.
 """
 
 from dataclasses import dataclass
@@ -18,6 +24,8 @@ from spmoe.config import ModelConfig
 from spmoe.layers.linear import Linear
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.rotary import Rotary
+from spmoe.layers.paged_rows import PagedKeyStore
+from spmoe.layers.sparse_attention import indexer_topk, quantize_fp8_vectors, sparse_mla
 
 
 class KeyStore(Protocol):
@@ -61,13 +69,16 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """x `[N, H]`, q_latent `[N, q_lora]` -> selected `[N, K]` bool (top-k allowed keys per query)."""
+        """x `[N, H]`, q_latent `[N, q_lora]` -> selected `[N, K]` bool (top-k allowed keys per query); over a
+        paged cache, the selected cache rows `[N, k]` int64 (-1 = none)."""
         cfg, rope = self.cfg, self.cfg.qk_rope_head_dim
         q = self.wq_b(q_latent).view(-1, cfg.index_n_heads, cfg.index_head_dim)  # [N, h, d]
         k = self.k_norm(self.wk(x)).unsqueeze(1)  # [N, 1, d]
         rotate = batch.rotary.interleaved if cfg.indexer_rope_interleaved else batch.rotary.half_split
         q = torch.cat([rotate(q[..., :rope]), q[..., rope:]], dim=-1)
         k = torch.cat([rotate(k[..., :rope]), k[..., rope:]], dim=-1).squeeze(1)  # [N, d]
+        if isinstance(batch.cache, PagedKeyStore):
+            return self._paged_topk(x, q, k, batch.cache)
         k = batch.keys(self.layer_idx, "indexer", k)  # [K, d]
         scores = F.relu(torch.einsum("qhd,kd->qhk", q.float(), k.float()) * cfg.index_head_dim ** -0.5)
         weights = self.weights_proj(x).float() * cfg.index_n_heads ** -0.5  # [N, h]
@@ -76,6 +87,19 @@ class Indexer(nn.Module):
         # whatever else shares the batch or the cache
         topk = index.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
         return torch.zeros_like(batch.allowed).scatter_(1, topk, True) & batch.allowed
+
+    def _paged_topk(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: PagedKeyStore) -> torch.Tensor:
+        """q `[N, h, d]`, k `[N, d]` -> cache rows `[N, k]`: the same scores as the dense path, both scales folded
+        into the head weights (relu commutes with a positive scale); FP8 caches score FP8 queries."""
+        cfg = self.cfg
+        cache.write_index_key(self.layer_idx, k)
+        rows = cache.layer(self.layer_idx)
+        weights = self.weights_proj(x).float() * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
+        if rows.index_scale is not None:
+            q, q_scale = quantize_fp8_vectors(q)  # [N, h, d], [N, h, 1]
+            weights = weights * q_scale.squeeze(-1)
+        return indexer_topk(q, weights, rows, cache.block_tables, cache.seq_index, cache.positions, cfg.index_topk,
+                            cache.block_size)
 
 
 class MLAttention(nn.Module):
@@ -95,7 +119,7 @@ class MLAttention(nn.Module):
         self.indexer = Indexer(cfg, layer_idx) if has_indexer else None
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, selected: torch.Tensor | None):
-        """x FULL `[N, H]` -> (PARTIAL `[N, H]`, selected `[N, K]`).
+        """x FULL `[N, H]` -> (PARTIAL `[N, H]`, selected `[N, K]`; over a paged cache, cache rows `[N, k]`).
 
         `selected` comes from the previous "full" layer on an IndexShare "shared" layer, else None.
         """
@@ -104,8 +128,13 @@ class MLAttention(nn.Module):
         q = self.q_b_proj(q_latent).view(n_tok, heads, cfg.qk_head_dim)
         q = torch.cat([q[..., :cfg.qk_nope_head_dim], batch.rotary.interleaved(q[..., cfg.qk_nope_head_dim:])], -1)
         kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv_latent = self.kv_a_layernorm(kv_latent)  # [N, c]
         k_rope = batch.rotary.interleaved(k_rope.unsqueeze(1)).squeeze(1)  # [N, rope]
-        latent = batch.keys(self.layer_idx, "mla", torch.cat([self.kv_a_layernorm(kv_latent), k_rope], dim=-1))
+        if isinstance(batch.cache, PagedKeyStore):
+            if self.indexer is not None:
+                selected = self.indexer(x, q_latent, batch)
+            return self.o_proj(self._sparse_absorbed(q, kv_latent, k_rope, batch.cache, selected)), selected
+        latent = batch.keys(self.layer_idx, "mla", torch.cat([kv_latent, k_rope], dim=-1))
         kv_latent, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)  # [K, c], [K, rope]
         kv = self.kv_b_proj(kv_latent).view(latent.shape[0], heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)  # [K, h, nope], [K, h, v]
@@ -117,3 +146,18 @@ class MLAttention(nn.Module):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
         out = torch.einsum("hqk,khd->qhd", probs, v).reshape(n_tok, heads * cfg.v_head_dim)
         return self.o_proj(out), selected
+
+    def _sparse_absorbed(self, q: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
+                         cache: PagedKeyStore, selected: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA over the selected cache rows: q `[N, h, qk_head]`, this forward's latent `[N, c]` and
+        rope key `[N, rope]` (written to the cache first), selected rows `[N, k]` -> `[N, h * v]`.
+
+        W_UK `[h, nope, c]` and W_UV `[h, v, c]` are views of kv_b_proj's weight: q_nope @ W_UK puts the query
+        in latent space, and the weighted latent goes back through W_UV."""
+        cfg, heads, nope = self.cfg, self.local_heads, self.cfg.qk_nope_head_dim
+        cache.write_latent(self.layer_idx, kv_latent, k_rope)
+        w_uk, w_uv = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, cfg.kv_lora_rank).split(
+            [nope, cfg.v_head_dim], dim=1)
+        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [N, h, c]
+        out = sparse_mla(q_latent, q[..., nope:], cache.layer(self.layer_idx), selected, cfg.attention_scale)
+        return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(q.shape[0], -1)

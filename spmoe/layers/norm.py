@@ -1,10 +1,8 @@
-"""RMSNorm with the fused residual add, and its all-reduce variant for PARTIAL inputs."""
+"""RMSNorm with the fused residual add. Norms never communicate: a partial sum is reduced by the
+communicator (`spmoe.distributed.communicator.fused_allreduce_rms_norm`) before it is normed."""
 
 import torch
 from torch import nn
-
-from spmoe.distributed import get_parallel_state
-from spmoe.distributed.comm import all_reduce
 
 
 class RMSNorm(nn.Module):
@@ -23,15 +21,3 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         return self(x), x
-
-
-def fused_allreduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
-    """PARTIAL `[N, H]` + FULL residual -> (normed, new residual), both FULL `[N, H]`.
-
-    Reduces the partial sum over the TP group exactly once, then the fused add + RMSNorm (residual None: the
-    reduced tensor is the residual). Never called on an SP layer, whose tensors are already complete.
-    """
-    state = get_parallel_state()
-    if state.tp_size > 1:
-        partial = all_reduce(partial, state.tp_group)
-    return norm.add_norm(partial, residual)

@@ -31,12 +31,3 @@ def test_use_sequence_parallel_moe(tp, dp, mode, expected):
     config = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sequence_parallel_moe=mode)
     assert config.use_sequence_parallel_moe is expected
     assert config.world_size == tp * dp
-
-
-def test_scope_decides_which_layers_are_sharded():
-    moe_only = ParallelConfig(tensor_parallel_size=2, sequence_parallel_moe="on", sp_scope="moe")
-    every = ParallelConfig(tensor_parallel_size=2, sequence_parallel_moe="on", sp_scope="all")
-    off = ParallelConfig(tensor_parallel_size=2, sequence_parallel_moe="off", sp_scope="all")
-    assert (moe_only.layer_uses_sp(True), moe_only.layer_uses_sp(False)) == (True, False)
-    assert (every.layer_uses_sp(True), every.layer_uses_sp(False)) == (True, True)
-    assert (off.layer_uses_sp(True), off.layer_uses_sp(False)) == (False, False)

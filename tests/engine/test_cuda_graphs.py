@@ -41,8 +41,8 @@ def graph_cases(folder: str) -> dict:
             eager = graphs.eager_step(inputs)[:3]
         out[sp, "bitwise"] = torch.equal(replayed, eager)
         out[sp, "collectives"] = {k: v["count"] for k, v in stats.counts.items()}
-        generations = [Engine(model, KVCache.for_model(model, len(PROMPTS), 32), eos_token_ids=EOS,
-                              cuda_graphs=graphed).generate(PROMPTS, MAX_NEW, record_logits=True)
+        generations = [Engine(model, KVCache.for_model(model, len(PROMPTS), 32), cuda_graphs=graphed)
+                       .generate(PROMPTS, MAX_NEW, eos_token_ids=EOS, record_logits=True)
                        for graphed in (False, True)]
         out[sp, "outputs"] = [g.outputs for g in generations]
         out[sp, "graph sizes"] = generations[1].stats["cuda_graph_batch_sizes"]

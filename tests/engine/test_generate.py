@@ -47,8 +47,9 @@ def run_engine(folder: str, modes: list[tuple[str, str]]):
         model = load_model(folder, parallel, with_mtp=True)
         for name, (prompts, kw) in CASES.items():
             cache = KVCache.for_model(model, kw.get("max_seqs", len(prompts)), 32)
-            engine = Engine(model, cache, kw.get("sampling", SamplingParams()), kw.get("eos", ()), kw.get("k", 0))
-            gen = engine.generate(prompts, MAX_NEW, record_logits=kw.get("record", False))
+            engine = Engine(model, cache, kw.get("k", 0))
+            gen = engine.generate(prompts, MAX_NEW, kw.get("sampling", SamplingParams()), kw.get("eos", ()),
+                                  record_logits=kw.get("record", False))
             assert cache.free_slots == cache.max_seqs  # every finished sequence gave its slot back
             results[(sp, scope, name)] = (gen.outputs, gen.stats.get("speculative"),
                                           cacheless_error(model, prompts, gen) if kw.get("record") else None)

@@ -1,24 +1,28 @@
-"""The expert-backend selection matrix: device and capability (simulated), dtype and FP8 scheme, SP, EPLB,
-dispatch backend, and explicit requests. Pure rules: no GPU and no process group needed."""
+"""The expert-backend selection matrix: device and capability (simulated), the installed libraries (Triton,
+FlashInfer; set both ways, never read from this machine), dtype and FP8 scheme, SP, EPLB, dispatch backend, and
+explicit requests. Pure rules: no GPU and no process group needed; the same matrix on every machine."""
 
+import importlib
 import itertools
 
 import pytest
 import torch
 
+from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.layers.moe.experts.base import ExpertsDeployment
 from spmoe.layers.moe.experts.selection import select_experts
 from spmoe.layers.moe.experts.trtllm import TrtLlmFp8ExpertsBase, TrtLlmFp8ExpertsModular
+from tests.engine.conftest import ENGINE_CONFIG
 
 HOPPER, BLACKWELL = (9, 0), (10, 0)
 
 
 def deployment(device="cuda", capability=HOPPER, dtype=torch.bfloat16, fp8_block=(128, 128), sp=False, eplb=False,
-               ep_backend="allgather_reducescatter", flashinfer=True, hidden=6144, inter=2048, dp=1):
+               ep_backend="allgather_reducescatter", flashinfer=True, hidden=6144, inter=2048, dp=1, triton=True):
     return ExpertsDeployment(device=device, capability=capability if device == "cuda" else None, dtype=dtype,
                              fp8_block=fp8_block, hidden_size=hidden, intermediate_size=inter, num_experts=256,
-                             is_sequence_parallel=sp, ep_backend=ep_backend, data_parallel_size=dp,
-                             enable_eplb=eplb, flashinfer=flashinfer)
+                             use_sequence_parallel_moe=sp, ep_backend=ep_backend, triton=triton,
+                             flashinfer=flashinfer, data_parallel_size=dp, enable_eplb=eplb)
 
 
 def expected(d: ExpertsDeployment) -> str:
@@ -27,11 +31,11 @@ def expected(d: ExpertsDeployment) -> str:
     reduce-scatter."""
     trtllm = (d.device == "cuda" and d.capability[0] == 10 and d.flashinfer and d.fp8_block == (128, 128)
               and d.dtype == torch.bfloat16 and not d.enable_eplb and d.ep_backend == "allgather_reducescatter")
-    if trtllm and not d.is_sequence_parallel and d.data_parallel_size == 1:
+    if trtllm and not d.use_sequence_parallel_moe and d.data_parallel_size == 1:
         return "flashinfer_trtllm_monolithic"
     if trtllm:
         return "flashinfer_trtllm_modular"
-    triton = (d.device == "cuda" and d.dtype in (torch.bfloat16, torch.float16) and d.fp8_block in (None, (128, 128))
+    triton = (d.device == "cuda" and d.triton and d.dtype in (torch.bfloat16, torch.float16) and d.fp8_block in (None, (128, 128))
               and d.capability >= ((8, 9) if d.fp8_block else (8, 0)))
     return "triton" if triton else "torch"
 
@@ -45,13 +49,14 @@ MATRIX = list(itertools.product(
     ["allgather_reducescatter", "all_to_all"],
     [False, True],  # FlashInfer installed
     [1, 2],  # DP size
+    [False, True],  # Triton installed
 ))
 
 
 def test_auto_selection_matrix():
     chosen = {}
-    for (device, cap), dtype, block, sp, eplb, backend, fi, dp in MATRIX:
-        d = deployment(device, cap, dtype, block, sp, eplb, backend, fi, dp=dp)
+    for (device, cap), dtype, block, sp, eplb, backend, fi, dp, triton in MATRIX:
+        d = deployment(device, cap, dtype, block, sp, eplb, backend, fi, dp=dp, triton=triton)
         name = select_experts(d).name
         assert name == expected(d), d
         chosen[name] = chosen.get(name, 0) + 1
@@ -78,6 +83,7 @@ def test_supports_parallel_config():
 
 @pytest.mark.parametrize("requested, d, fragment", [
     ("triton", deployment(device="cpu"), "triton: needs a CUDA device, got cpu"),
+    ("triton", deployment(triton=False), "triton: triton is not installed"),
     ("triton", deployment(dtype=torch.float32), "triton: computes in bfloat16 / float16, got torch.float32"),
     ("triton", deployment(fp8_block=(64, 64)), "triton: FP8 weights need 128 x 128 blocks, got (64, 64)"),
     ("triton", deployment(capability=(8, 0)), "needs compute capability >= (8, 9) for FP8, got (8, 0)"),
@@ -100,3 +106,33 @@ def test_explicit_requests_that_fit():
     assert select_experts(deployment(capability=BLACKWELL), "triton").name == "triton"
     with pytest.raises(ValueError, match="moe_backend must be one of"):
         select_experts(deployment(), "cutlass")
+
+
+def test_triton_missing_falls_back_to_torch_on_a_gpu():
+    assert select_experts(deployment(capability=HOPPER, triton=False)).name == "torch"
+    assert select_experts(deployment(capability=HOPPER, triton=True)).name == "triton"
+
+
+def importable(package: str) -> bool:
+    try:
+        importlib.import_module(package)
+        return True
+    except ImportError:
+        return False
+
+
+def test_the_process_probes_its_installed_libraries(tmp_path, monkeypatch):
+    """`for_layer`, which the model uses, reports what this process can import: here as a real import finds it,
+    and True for both once a package of that name is on the path."""
+    cfg = ModelConfig.from_dict(ENGINE_CONFIG)
+
+    def probe() -> tuple[bool, bool]:
+        d = ExpertsDeployment.for_layer(cfg, ParallelConfig(), False, torch.float32, "cpu")
+        return d.triton, d.flashinfer
+
+    assert probe() == (importable("triton"), importable("flashinfer"))
+    for package in ("triton", "flashinfer"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert probe() == (True, True)

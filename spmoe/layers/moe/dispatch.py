@@ -12,6 +12,7 @@ backends, same result:
 import torch
 
 from spmoe.distributed.comm import all_gather_rows, all_to_all_rows, reduce_scatter_rows
+from spmoe.distributed.groups import group_size
 from spmoe.layers.moe.work import run_experts
 
 
@@ -38,7 +39,7 @@ def all_to_all(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
     Three all-to-alls: the row counts, the rows with their routing packed behind the hidden columns, and the
     partial outputs back. Experts are split evenly: rank r owns ids `[r * E_r, (r + 1) * E_r)`.
     """
-    world, (n, k), size = torch.distributed.get_world_size(group), ids.shape, x.shape[1]
+    world, (n, k), size = group_size(group), ids.shape, x.shape[1]
     owner = torch.where(ids >= 0, ids // experts.count, world)  # [n, k]; world = nowhere (pad rows)
     needs = torch.zeros(n, world + 1, dtype=torch.bool, device=x.device).scatter_(1, owner, True)[:, :world]
     send_rank, send_row = needs.t().nonzero(as_tuple=True)  # by destination rank, then row

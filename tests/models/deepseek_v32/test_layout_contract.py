@@ -10,7 +10,7 @@ from spmoe.entrypoints.jobs import flatten
 from spmoe.layers.attention import AttentionBatch
 from spmoe.layers.moe.router import Router
 from spmoe.layers.rotary import Rotary
-from spmoe.models.deepseek_v32.model import causal_within_sequences
+from spmoe.models.deepseek_v32.decoder_layer import causal_within_sequences
 
 
 def test_router_gives_pad_rows_no_experts(checkpoints):

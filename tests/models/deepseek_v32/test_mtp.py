@@ -72,7 +72,7 @@ def run_mtp(cases, batches):
             with torch.no_grad(), count_collectives() as counted:
                 logits = mtp.logits(mtp(ids, positions, hidden, lens))
             per_batch.append((logits, {k: v["count"] for k, v in counted.as_dict().items()}))
-        results.append((mtp.is_sequence_parallel, per_batch))
+        results.append((mtp.use_sequence_parallel_moe, per_batch))
     return results
 
 

@@ -10,7 +10,7 @@ import torch
 from spmoe.config import ParallelConfig
 from spmoe.distributed import count_collectives, get_parallel_state, spawn
 from spmoe.entrypoints.jobs import flatten
-from spmoe.models.deepseek_v32.model import DeepseekV32DecoderLayer
+from spmoe.models.deepseek_v32.decoder_layer import DeepseekV32DecoderLayer
 
 from .conftest import MODELS, relative_error
 

@@ -25,7 +25,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 @dataclass(frozen=True)
 class ExpertsDeployment:
-    """What decides whether an expert backend can run one MoE layer."""
+    """What decides whether an expert backend can run one MoE layer. Selection reads these fields and nothing
+    else, so the same deployment gets the same backend on every machine."""
 
     device: str  # "cpu" or "cuda"
     capability: tuple[int, int] | None  # CUDA compute capability; None on CPU
@@ -34,20 +35,26 @@ class ExpertsDeployment:
     hidden_size: int
     intermediate_size: int
     num_experts: int
-    is_sequence_parallel: bool
+    use_sequence_parallel_moe: bool
     ep_backend: str
+    # the installed libraries, like the GPU a fact of the deployment (`for_layer` probes them)
+    triton: bool  # Triton is importable
+    flashinfer: bool  # FlashInfer is importable
     data_parallel_size: int = 1
     enable_eplb: bool = False  # spmoe has no EPLB; the field is here so the kernels' rule is stated and tested
-    flashinfer: bool = False  # FlashInfer is importable
 
     @classmethod
-    def for_layer(cls, cfg: ModelConfig, parallel: ParallelConfig, is_sequence_parallel: bool,
+    def for_layer(cls, cfg: ModelConfig, parallel: ParallelConfig, use_sequence_parallel_moe: bool,
                   dtype: torch.dtype, device: torch.device | str) -> "ExpertsDeployment":
         device = torch.device(device)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         return cls(device.type, capability, dtype, cfg.fp8_block_size, cfg.hidden_size, cfg.moe_intermediate_size,
-                   cfg.n_routed_experts, is_sequence_parallel, parallel.ep_backend, parallel.data_parallel_size,
-                   flashinfer=importlib.util.find_spec("flashinfer") is not None)
+                   cfg.n_routed_experts, use_sequence_parallel_moe, parallel.ep_backend, triton=_installed("triton"),
+                   flashinfer=_installed("flashinfer"), data_parallel_size=parallel.data_parallel_size)
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
 
 
 class Experts(nn.Module):
@@ -79,7 +86,7 @@ class Experts(nn.Module):
         dtype, parallel config."""
         reason = cls._device_reason(d) or cls._weights_reason(d)
         if reason is None and not cls._supports_parallel_config(d):
-            reason = (f"the parallel config is not supported (sequence parallel: {d.is_sequence_parallel}, "
+            reason = (f"the parallel config is not supported (sequence parallel: {d.use_sequence_parallel_moe}, "
                       f"DP: {d.data_parallel_size}, EPLB: {d.enable_eplb}, EP backend: {d.ep_backend})")
         return reason
 

@@ -4,7 +4,7 @@
 
 1. `flashinfer_trtllm_monolithic`: Blackwell + FlashInfer, FP8 block-128, not SP, DP = 1, no EPLB;
 2. `flashinfer_trtllm_modular`: Blackwell + FlashInfer, FP8 block-128, no EPLB (SP allowed: external routing);
-3. `triton`: CUDA, bfloat16 / float16 or FP8 block-128;
+3. `triton`: CUDA + Triton, bfloat16 / float16 or FP8 block-128;
 4. `torch`: anything (the reference; FP8 dequantised).
 
 An explicit request (`torch`, `triton`, `flashinfer_trtllm` = monolithic, else modular) that does not fit is
@@ -13,8 +13,7 @@ an error that says why. The choice of `auto` is printed once per process and lay
 
 import sys
 
-import torch.distributed as dist
-
+from spmoe.distributed.groups import is_first_rank
 from spmoe.layers.moe.experts.base import Experts, ExpertsDeployment
 from spmoe.layers.moe.experts.torch_ref import TorchExperts
 from spmoe.layers.moe.experts.triton_experts import TritonExperts
@@ -45,7 +44,7 @@ def _announce(cls: type[Experts], d: ExpertsDeployment, skipped: list[str]) -> N
     if key in _announced:
         return
     _announced.add(key)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        layers = "SP" if d.is_sequence_parallel else "non-SP"
+    if is_first_rank():
+        layers = "SP" if d.use_sequence_parallel_moe else "non-SP"
         print(f"spmoe: experts of {layers} MoE layers: {cls.name}" + (f" (skipped {'; '.join(skipped)})"
               if skipped else ""), file=sys.stderr, flush=True)

@@ -2,8 +2,6 @@
 per-token 128-channel activation groups (the GLM-5.2 / DeepSeek-V3 FP8 checkpoints). Routing comes from
 outside, so SP pad rows (id -1) are skipped."""
 
-import importlib.util
-
 import torch
 
 from spmoe.layers.moe.experts.base import Experts, ExpertsDeployment
@@ -20,7 +18,7 @@ class TritonExperts(Experts):
     def _device_reason(cls, d: ExpertsDeployment) -> str | None:
         if d.device != "cuda":
             return f"needs a CUDA device, got {d.device}"
-        if importlib.util.find_spec("triton") is None:
+        if not d.triton:
             return "triton is not installed"
         needed = (8, 9) if d.fp8_block else (8, 0)
         if d.capability < needed:

@@ -1,6 +1,6 @@
 """FlashInfer's TRT-LLM FP8 block-scale MoE kernels (Blackwell, the SM100 family only).
 
-Two classes, as in the upstream change (`docs/upstream-behaviour.md` §7):
+Two classes, as in the upstream change (the reasons: `docs/upstream-bugs.md`, item 7):
 
 - `TrtLlmFp8ExpertsMonolithic` routes inside the kernel from the router logits. It never sees our -1 ids,
   so it cannot skip SP pad rows, and it would need the full logits dispatched; `_supports_parallel_config`
@@ -44,7 +44,7 @@ class TrtLlmFp8ExpertsBase(Experts):
         """The monolithic kernel: only all-gather / reduce-scatter dispatch, and neither EPLB nor sequence
         parallelism (its in-kernel routing would route SP pad rows as real tokens). spmoe also keeps it to
         DP = 1: it takes router logits, not a dispatched batch, so it cannot reach experts of other DP groups."""
-        return (d.ep_backend == "allgather_reducescatter" and not (d.enable_eplb or d.is_sequence_parallel)
+        return (d.ep_backend == "allgather_reducescatter" and not (d.enable_eplb or d.use_sequence_parallel_moe)
                 and d.data_parallel_size == 1)
 
     def _kernel_args(self) -> dict:

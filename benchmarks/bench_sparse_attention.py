@@ -1,0 +1,166 @@
+"""Decode attention per layer at GLM-5.2 widths on one GPU (TP 1: 64 heads, kv_lora 512, rope 64, indexer
+32 heads x 128, index_topk 2048), bf16 weights, over contexts of 2k to 128k tokens for batches of 1 and 8
+sequences (each decoding its token at the context's last position).
+
+Per row: ms (CUDA-event median, replayed from a CUDA graph) of
+- `scores`: the Triton indexer kernel over the paged indexer cache (ordering keys of every position);
+- `top-k`: torch.topk of those keys and the rows of the best (`rows_of_best`);
+- `mla`: the Triton absorbed sparse MLA over the selected rows;
+- `roofline %`: the cache bytes these must read (every visible indexer key, then the selected latent + rope
+  rows, each once per token) / 4.3 TB/s, against the sum of the three times;
+- `paged layer`: the whole MLAttention forward over the paged cache (projections, indexer, top-k, sparse
+  MLA, o_proj);
+- `dense layer`: the same layer over today's dense KV cache (every cached latent decompressed through
+  kv_b_proj, dense scores, the top-k as a mask), or OOM where it does not fit.
+for the bf16 cache (kv-cache-dtype auto) and the FP8 cache.
+
+    python benchmarks/bench_sparse_attention.py [--contexts 2048 8192 32768 131072] [--batches 1 8]
+    python benchmarks/bench_sparse_attention.py --sweep    # sparse MLA tile configs at a 32k context
+"""
+
+import argparse
+
+import torch
+
+from spmoe.config import ModelConfig
+from spmoe.engine.kv_cache import KVCache
+from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
+from spmoe.layers.attention import AttentionBatch, MLAttention
+from spmoe.layers.rotary import Rotary
+from spmoe.layers.sparse_attention import indexer_topk, quantize_fp8_vectors, rows_of_best, sparse_mla
+from spmoe.layers.sparse_attention_triton import indexer_order_keys, sparse_mla as triton_sparse_mla
+from bench_dp import GLM, random_weights
+from timing import cuda_ms, graphed
+
+HBM = 4.3e12
+REPS = 20
+SWEEP = [(h, k, w) for h in (16, 32, 64) for k in (16, 32) for w in (4, 8)]
+
+
+def fill(cache: PagedKVCache, tokens: int) -> None:
+    """Random rows 0 .. tokens - 1 of layer 0, written through the cache's own write path in chunks."""
+    gen, chunk = torch.Generator(device="cuda").manual_seed(0), 1 << 14
+    for start in range(0, tokens, chunk):  # start is a multiple of BLOCK_SIZE: the chunk's blocks in order
+        n = min(chunk, tokens - start)
+        table = torch.arange(start // BLOCK_SIZE, -(-(start + n) // BLOCK_SIZE), dtype=torch.int32, device="cuda")
+        view = cache.decode_view(table[None], torch.zeros(n, dtype=torch.long, device="cuda"),
+                                 torch.arange(n, device="cuda"))
+        view.write_latent(0, torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
+                          torch.randn(n, 64, device="cuda", generator=gen).bfloat16())
+        view.write_index_key(0, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
+
+
+def timed(fn) -> float | None:
+    """Median ms of fn replayed from a CUDA graph (run eagerly once first); None if it runs out of memory."""
+    try:
+        fn()
+        return cuda_ms(graphed(fn), REPS, warmup=2)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+def kernel_inputs(cfg: ModelConfig, kv_cache_dtype: str, context: int, batch: int):
+    """A one-layer paged cache of `batch` sequences of `context` random tokens, their decode view, and random
+    queries -> (cache, view, indexer q, indexer weights, q_latent, q_rope)."""
+    blocks = -(-context // BLOCK_SIZE)
+    probe = PagedKVCache(cfg, {0: True}, 10 ** 7, torch.bfloat16, "cuda", kv_cache_dtype)
+    cache = PagedKVCache(cfg, {0: True}, batch * blocks * BLOCK_SIZE * probe.bytes_per_token, torch.bfloat16, "cuda",
+                         kv_cache_dtype)
+    fill(cache, batch * blocks * BLOCK_SIZE)
+    tables = torch.arange(batch * blocks, dtype=torch.int32, device="cuda").view(batch, blocks)
+    positions = torch.full((batch,), context - 1, device="cuda")
+    view = cache.decode_view(tables, torch.arange(batch, device="cuda"), positions)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(batch, 32, 128, device="cuda", generator=gen).bfloat16()
+    weights = torch.rand(batch, 32, device="cuda", generator=gen)
+    if kv_cache_dtype == "fp8":
+        q, q_scale = quantize_fp8_vectors(q)
+        weights = weights * q_scale.squeeze(-1)
+    q_latent = torch.randn(batch, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
+    q_rope = torch.randn(batch, 64, 64, device="cuda", generator=gen).bfloat16() * 0.05
+    return cache, view, q, weights, q_latent, q_rope
+
+
+def run(cfg: ModelConfig, layer: MLAttention, kv_cache_dtype: str, context: int, batch: int) -> str:
+    cache, view, q, weights, q_latent, q_rope = kernel_inputs(cfg, kv_cache_dtype, context, batch)
+    rows_cache, positions = cache.layers[0], view.positions
+    keys_args = (q, weights, rows_cache, view.block_tables, view.seq_index, view.positions, BLOCK_SIZE)
+    keys = indexer_order_keys(*keys_args)
+    selected = indexer_topk(*keys_args[:6], cfg.index_topk, BLOCK_SIZE)
+    t_scores = timed(lambda: indexer_order_keys(*keys_args))
+    t_topk = timed(lambda: rows_of_best(keys, cfg.index_topk, view.block_tables, view.seq_index, BLOCK_SIZE))
+    t_mla = timed(lambda: sparse_mla(q_latent, q_rope, rows_cache, selected, cfg.attention_scale))
+    fp8 = kv_cache_dtype == "fp8"
+    index_bytes = batch * context * (128 * (1 if fp8 else 2) + (4 if fp8 else 0))
+    mla_bytes = batch * min(context, cfg.index_topk) * ((512 + 16 if fp8 else 1024) + 128)
+    roofline = (index_bytes + mla_bytes) / HBM * 1e3 / (t_scores + t_topk + t_mla) * 100
+
+    x = torch.randn(batch, cfg.hidden_size, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    x = x.bfloat16()
+    rotary = Rotary(cfg, positions, torch.bfloat16)
+    with torch.no_grad():
+        t_paged = timed(lambda: layer(x, AttentionBatch(rotary, view.allowed, view), None))
+        del cache, view, rows_cache, selected, keys
+        t_dense = None
+        if not fp8:
+            try:
+                dense = KVCache(cfg, {0: True}, batch, context, torch.bfloat16, "cuda")
+                dense_view = dense.decode_view(torch.arange(batch, device="cuda"), positions)
+                t_dense = timed(lambda: layer(x, AttentionBatch(rotary, dense_view.allowed, dense_view), None))
+                del dense, dense_view
+            except torch.OutOfMemoryError:
+                pass
+    torch.cuda.empty_cache()
+
+    def ms(t):
+        return "OOM" if t is None else f"{t:.3f}"
+
+    return (f"{kv_cache_dtype:>5} {context:>7} {batch:>5} {ms(t_scores):>7} {ms(t_topk):>7} {ms(t_mla):>7} "
+            f"{roofline:>10.1f} {ms(t_paged):>11} {ms(t_dense) if not fp8 else '-':>11}")
+
+
+def sweep(cfg: ModelConfig) -> None:
+    """ms of the sparse MLA kernel per tile config (block_h, block_k, num_warps) at a 32k context."""
+    print(f"{'cache':>5} {'batch':>5} " + " ".join(f"{f'{h}/{k}/{w}':>9}" for h, k, w in SWEEP))
+    for kv_cache_dtype in ("auto", "fp8"):
+        for batch in (1, 8):
+            cache, view, q, weights, q_latent, q_rope = kernel_inputs(cfg, kv_cache_dtype, 32768, batch)
+            selected = indexer_topk(q, weights, cache.layers[0], view.block_tables, view.seq_index, view.positions,
+                                    cfg.index_topk, BLOCK_SIZE)
+            times = []
+            for h, k, w in SWEEP:
+                try:
+                    t = timed(lambda: triton_sparse_mla(q_latent, q_rope, cache.layers[0], selected, 0.1, h, k, w))
+                    times.append(f"{t:>9.4f}")
+                except Exception as e:  # a config that does not compile (registers, shared memory)
+                    times.append(f"{type(e).__name__[:9]:>9}")
+            print(f"{kv_cache_dtype:>5} {batch:>5} " + " ".join(times), flush=True)
+            del cache, view
+            torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--sweep", action="store_true", help="time the sparse MLA tile configs instead")
+    args = parser.parse_args()
+    cfg = ModelConfig.from_dict({**GLM, "num_hidden_layers": 1, "mlp_layer_types": ["sparse"],
+                                 "indexer_types": ["full"]})
+    with torch.device("cuda"):
+        layer = MLAttention(cfg, 0, 1, has_indexer=True).bfloat16()
+    random_weights(layer)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per layer per decode step")
+    if args.sweep:
+        return sweep(cfg)
+    print(f"{'cache':>5} {'context':>7} {'batch':>5} {'scores':>7} {'top-k':>7} {'mla':>7} {'roofline %':>10} "
+          f"{'paged layer':>11} {'dense layer':>11}")
+    for kv_cache_dtype in ("auto", "fp8"):
+        for context in args.contexts:
+            for batch in args.batches:
+                print(run(cfg, layer, kv_cache_dtype, context, batch), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The one place where tokens change layout: the transitions of the layer plan (`layer_plan.py`), built on
+the layout primitives (`layout.py`). Layers, norms and the MoE never decide or perform a layout change.
+
+Per layer (`LayerCommunicator`), with N tokens, t TP ranks, n = ceil(N/t):
+
+    before attention  input PARTIAL: all-reduce + add-norm (`fused_allreduce_rms_norm`)   -> h FULL, residual FULL
+                      input SHARDED, layer SP: add-norm on the shard, all-gather h (H)    -> h FULL, residual SHARDED
+                      input SHARDED, layer not SP: all-gather (hidden | residual) (2H)    -> h FULL, residual FULL
+                        once (`_restore_full_token_layout_if_needed`), add-norm
+                      input FULL: add-norm                                               -> h FULL, residual FULL
+    before the MLP    layer SP: reduce-scatter the attention output, chunk a FULL residual locally (no
+                        communication), add-norm on the shard                            -> SHARDED
+                      layer not SP: all-reduce + add-norm                                -> FULL
+
+Around the layers: `enter` brings the embedding's PARTIAL sum into the first layer's input layout, and
+`final_norm` turns the last output into FULL normed rows. A norm here is any object with
+`add_norm(x, residual) -> (norm(x + residual), x + residual)`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from spmoe.distributed.comm import all_reduce
+from spmoe.distributed.groups import get_parallel_state
+from spmoe.distributed.layer_plan import LayerPlan
+from spmoe.distributed.layout import (Layout, _restore_full_token_layout_if_needed, check_rows, shard_rows,
+                                      sp_all_gather, sp_reduce_scatter, sp_shard)
+
+
+def fused_allreduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor | None, norm):
+    """PARTIAL `[N, H]` + FULL residual `[N, H]` (or None) -> (normed, new residual), both FULL `[N, H]`.
+
+    The one entry point for "reduce a partial sum exactly once, add the residual, RMSNorm". Today it is an
+    all-reduce over the TP group (in place) followed by the norm's fused add-norm; a kernel that fuses the
+    reduction with the add-norm would replace the body, not the callers. Never called on an SP layer, whose
+    tensors are already complete.
+    """
+    state = get_parallel_state()
+    if state.tp_size > 1:
+        partial = all_reduce(partial, state.tp_group)
+    return norm.add_norm(partial, residual)
+
+
+def enter(partial: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The embedding's PARTIAL `[N, H]` -> `layout`: unchanged for PARTIAL (the first norm reduces it),
+    all-reduced for FULL, reduce-scattered into `[n, H]` for SHARDED."""
+    if layout is Layout.SHARDED:
+        return sp_reduce_scatter(partial)
+    state = get_parallel_state()
+    if layout is Layout.FULL and state.tp_size > 1:
+        return all_reduce(partial, state.tp_group)
+    return partial
+
+
+def shard_like(full: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A FULL `[N, ...]` tensor in `layout`: this rank's `[n, ...]` rows for SHARDED (no communication), else
+    unchanged."""
+    return sp_shard(full) if layout is Layout.SHARDED else full
+
+
+def final_norm(hidden: torch.Tensor, residual: torch.Tensor, norm, layout: Layout, num_tokens: int) -> torch.Tensor:
+    """The last layer's (output, residual) in `layout` -> FULL `[N, H]` normed rows.
+
+    SHARDED: the output is complete, so add-norm on the shard and gather H columns (not 2H). PARTIAL: reduce
+    the partial sum exactly once, with the add-norm.
+    """
+    if layout is Layout.SHARDED:
+        return sp_all_gather(norm.add_norm(hidden, residual)[0], num_tokens)
+    return fused_allreduce_rms_norm(hidden, residual, norm)[0]
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """What one MoE call needs to know about its rows, from the layer plan and this step."""
+
+    valid: int  # the real rows of the input; the rest are SP pad rows, which get no experts
+    group: dist.ProcessGroup | None  # the EP process group to dispatch over; None: run this rank's experts on every row
+    rows_max: int  # the largest row count over the EP group: every rank pads its block to it
+    keep_output: bool  # False: a TP peer keeps the same complete routed output, this rank contributes zero
+
+
+class LayerCommunicator:
+    """Applies one layer's transitions, as its `LayerPlan` declares them (see the module docstring)."""
+
+    def __init__(self, plan: LayerPlan):
+        self.plan = plan
+        self.residual_sharded = plan.input is Layout.SHARDED and plan.use_sequence_parallel_moe
+
+    def before_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm,
+                         num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) in `plan.input` -> (normed FULL `[N, H]` attention input, residual)."""
+        plan, t = self.plan, get_parallel_state().tp_size
+        rows = shard_rows(num_tokens, t) if plan.input is Layout.SHARDED else num_tokens
+        check_rows(hidden, rows, f"layer {plan.layer_idx} input ({plan.input.name}, N={num_tokens})")
+        if plan.input is Layout.PARTIAL:
+            return fused_allreduce_rms_norm(hidden, residual, norm)
+        if self.residual_sharded:
+            h, residual = norm.add_norm(hidden, residual)
+            return sp_all_gather(h, num_tokens), residual
+        hidden, residual = _restore_full_token_layout_if_needed(hidden, residual, num_tokens,
+                                                                is_sequence_parallel=plan.input is Layout.SHARDED)
+        return norm.add_norm(hidden, residual)
+
+    def before_mlp(self, attn: torch.Tensor, residual: torch.Tensor,
+                   norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention's PARTIAL `[N, H]` + residual -> (normed MLP input, residual), both in `plan.mlp_input`."""
+        if not self.plan.use_sequence_parallel_moe:
+            return fused_allreduce_rms_norm(attn, residual, norm)
+        attn = sp_reduce_scatter(attn)  # [n, H], complete
+        if not self.residual_sharded:
+            residual = sp_shard(residual)  # FULL -> SHARDED, no communication
+        return norm.add_norm(attn, residual)
+
+    def expert_rows(self, num_tokens: int, max_tokens: int) -> ExpertRows:
+        """num_tokens: this DP rank's N; max_tokens: the largest N over the DP ranks (`largest_dp_batch`)."""
+        state, moe = get_parallel_state(), self.plan.moe_output
+        if moe is Layout.SHARDED:
+            n = shard_rows(num_tokens, state.tp_size)
+            valid = min(n, max(0, num_tokens - state.tp_rank * n))  # pad rows sit at the tail
+            return ExpertRows(valid, state.ep_group, shard_rows(max_tokens, state.tp_size), True)
+        if moe is Layout.FULL:  # every TP rank gets the same complete rows back; one keeps them -> PARTIAL
+            return ExpertRows(num_tokens, state.ep_group, max_tokens, state.tp_rank == 0)
+        return ExpertRows(num_tokens, None, num_tokens, True)

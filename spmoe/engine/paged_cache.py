@@ -1,0 +1,183 @@
+"""The paged KV cache's tensors: one pool of blocks per attention layer (the MTP layer's included), sized from
+a byte budget, and the per-step view that attention reads (`PagedCacheView`).
+
+Per token and attention layer (R rows = (num_blocks + 1) * BLOCK_SIZE; see `PagedLayerCache`):
+
+    kv_cache_dtype "auto": latent [c] + rope key [r] in the model dtype; indexer key [d] likewise
+    kv_cache_dtype "fp8":  latent [c] e4m3 + c/128 float32 scales, rope key [r] in the model dtype,
+                           indexer key [d] e4m3 + 1 float32 scale
+    (GLM-5.2 in bf16 with fp8: 512 + 4 * 4 + 64 * 2 = 656 B, plus 128 + 4 B on indexer layers)
+
+The block manager hands out blocks 0 .. num_blocks - 1. The extra last block, `scratch_block`, belongs to no
+sequence: the pad rows of a CUDA-graph step write there and pad block-table entries point there, so every
+index is a valid row and no kernel needs a bounds check or a host sync.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spmoe.config import ModelConfig
+from spmoe.layers.attention import MLAttention
+from spmoe.layers.moe.experts.base import quantize_fp8_groups
+from spmoe.layers.paged_rows import PagedLayerCache
+from spmoe.layers.sparse_attention import quantize_fp8_vectors
+
+BLOCK_SIZE = 64
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def cache_budget_bytes(device: torch.device | str, gib: float | None = None,
+                       memory_fraction: float | None = None) -> int:
+    """The cache's byte budget: `gib` GiB, or `memory_fraction` of the device's free memory (CUDA only)."""
+    if (gib is None) == (memory_fraction is None):
+        raise ValueError(f"give the KV cache budget as exactly one of GiB or a fraction of free memory, got "
+                         f"gib={gib}, memory_fraction={memory_fraction}")
+    if gib is not None:
+        if gib <= 0:
+            raise ValueError(f"the KV cache budget must be > 0 GiB, got {gib}")
+        return int(gib * 2 ** 30)
+    device = torch.device(device)
+    if not 0 < memory_fraction <= 1 or device.type != "cuda":
+        raise ValueError(f"a KV cache budget as a fraction of free memory needs a CUDA device and a fraction in "
+                         f"(0, 1], got {memory_fraction} on {device}")
+    return int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
+
+
+class PagedKVCache:
+    def __init__(self, cfg: ModelConfig, layers: dict[int, bool], budget_bytes: int, dtype: torch.dtype,
+                 device: torch.device | str, kv_cache_dtype: str = "auto"):
+        """layers: attention layer index -> whether it runs the indexer. As many blocks as `budget_bytes`
+        holds (the scratch block comes on top)."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        self.fp8 = kv_cache_dtype == "fp8"
+        if self.fp8 and cfg.kv_lora_rank % 128:
+            raise ValueError(f"an FP8 KV cache scales the latent per 128 values; kv_lora_rank {cfg.kv_lora_rank} "
+                             f"is not a multiple of 128")
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.block_size = BLOCK_SIZE
+        self.layer_indexer = dict(layers)
+        block_bytes = self.bytes_per_token * BLOCK_SIZE
+        if budget_bytes < block_bytes:
+            raise ValueError(f"the KV cache needs at least {block_bytes} bytes for one block of each of {len(layers)} "
+                             f"layers, got {budget_bytes}")
+        self.num_blocks = budget_bytes // block_bytes
+        self.scratch_block = self.num_blocks
+        rows = (self.num_blocks + 1) * BLOCK_SIZE
+        self.layers = {layer: self._allocate(rows, has_indexer) for layer, has_indexer in layers.items()}
+
+    @classmethod
+    def for_model(cls, model: nn.Module, budget_bytes: int, kv_cache_dtype: str = "auto") -> "PagedKVCache":
+        """A cache for every attention layer in `model` (the MTP layer's included), in the model's dtype."""
+        attention = [m for m in model.modules() if isinstance(m, MLAttention)]
+        weight = attention[0].q_a_proj.weight
+        return cls(attention[0].cfg, {m.layer_idx: m.indexer is not None for m in attention}, budget_bytes,
+                   weight.dtype, weight.device, kv_cache_dtype)
+
+    # -- sizes ------------------------------------------------------------------------------------------------
+
+    def _widths(self, has_indexer: bool) -> dict[str, tuple[int, torch.dtype]]:
+        """Field of `PagedLayerCache` -> (values per token, dtype)."""
+        cfg, fp8 = self.cfg, torch.float8_e4m3fn
+        widths = {"latent": (cfg.kv_lora_rank, fp8 if self.fp8 else self.dtype), "rope": (cfg.qk_rope_head_dim,
+                                                                                         self.dtype)}
+        if self.fp8:
+            widths["latent_scale"] = (cfg.kv_lora_rank // 128, torch.float32)
+        if has_indexer:
+            widths["index_key"] = (cfg.index_head_dim, fp8 if self.fp8 else self.dtype)
+            if self.fp8:
+                widths["index_scale"] = (1, torch.float32)
+        return widths
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes over all layers (on each rank)."""
+        return sum(width * dtype.itemsize for has_indexer in self.layer_indexer.values()
+                   for width, dtype in self._widths(has_indexer).values())
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * BLOCK_SIZE
+
+    def _allocate(self, rows: int, has_indexer: bool) -> PagedLayerCache:
+        fields = {name: torch.zeros(rows, width, dtype=dtype, device=self.device)
+                  for name, (width, dtype) in self._widths(has_indexer).items()}
+        if self.fp8:  # zero rows must dequantise to zero, and stay finite: scales of 1
+            for name in ("latent_scale", "index_scale"):
+                if name in fields:
+                    fields[name].fill_(1.0)
+        return PagedLayerCache(fields["latent"], fields.get("latent_scale"), fields["rope"],
+                               fields.get("index_key"), fields.get("index_scale"))
+
+    # -- views ------------------------------------------------------------------------------------------------
+
+    def view(self, block_tables: list[list[int]], starts: list[int], lens: list[int]) -> "PagedCacheView":
+        """One forward in which sequence i (blocks `block_tables[i]`, `starts[i]` tokens already cached) adds
+        `lens[i]` new tokens at positions `starts[i] ...`, laid end to end."""
+        for i, (table, start, n) in enumerate(zip(block_tables, starts, lens)):
+            if start + n > len(table) * BLOCK_SIZE:
+                raise ValueError(f"sequence {i} needs {start + n} positions; its {len(table)} blocks hold "
+                                 f"{len(table) * BLOCK_SIZE}")
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        return self.decode_view(tables.to(self.device), seq_index.to(self.device), positions.to(self.device))
+
+    def decode_view(self, block_tables: torch.Tensor, seq_index: torch.Tensor,
+                    positions: torch.Tensor) -> "PagedCacheView":
+        """A view built on the device from block_tables `[S, max_blocks]` int32 (pad entries: `scratch_block`),
+        seq_index and positions `[N]` int64. Shapes depend on N, S and max_blocks alone and nothing is read back
+        to the host, so a CUDA graph can capture it. A pad row: a sequence whose table is all `scratch_block`,
+        at position 0."""
+        blocks = block_tables.long()[seq_index].gather(1, (positions // BLOCK_SIZE)[:, None]).squeeze(1)
+        slot_mapping = blocks * BLOCK_SIZE + positions % BLOCK_SIZE
+        allowed = torch.zeros(positions.shape[0], 0, dtype=torch.bool, device=positions.device)
+        return PagedCacheView(self, block_tables, seq_index, positions, slot_mapping, allowed)
+
+
+@dataclass
+class PagedCacheView:
+    """The cache as one forward of N new tokens of S sequences sees it (`PagedKeyStore`)."""
+
+    cache: PagedKVCache
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_index: torch.Tensor  # [N] int64: the sequence of each new token
+    positions: torch.Tensor  # [N] int64
+    slot_mapping: torch.Tensor  # [N] int64: the row each new token writes
+    allowed: torch.Tensor  # [N, 0] bool, see PagedKeyStore
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    def layer(self, layer: int) -> PagedLayerCache:
+        return self.cache.layers[layer]
+
+    def write_latent(self, layer: int, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        """This forward's normed latent `[N, c]` and rotated rope key `[N, r]` -> their rows."""
+        rows = self.cache.layers[layer]
+        if rows.latent_scale is None:
+            rows.latent.index_copy_(0, self.slot_mapping, latent.to(rows.latent.dtype))
+        else:
+            values, scale = quantize_fp8_groups(latent)
+            write_fp8(rows.latent, self.slot_mapping, values)
+            rows.latent_scale.index_copy_(0, self.slot_mapping, scale)
+        rows.rope.index_copy_(0, self.slot_mapping, rope.to(rows.rope.dtype))
+
+    def write_index_key(self, layer: int, key: torch.Tensor) -> None:
+        """This forward's indexer keys `[N, d]` -> their rows (FP8: one scale per key)."""
+        rows = self.cache.layers[layer]
+        if rows.index_scale is None:
+            rows.index_key.index_copy_(0, self.slot_mapping, key.to(rows.index_key.dtype))
+        else:
+            values, scale = quantize_fp8_vectors(key)
+            write_fp8(rows.index_key, self.slot_mapping, values)
+            rows.index_scale.index_copy_(0, self.slot_mapping, scale)
+
+
+def write_fp8(rows: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    """FP8 rows `[R, w]`, slot_mapping `[N]`, values `[N, w]`: copied as bytes (CPU torch has no FP8 index_copy)."""
+    rows.view(torch.uint8).index_copy_(0, slot_mapping, values.view(torch.uint8))

@@ -1,0 +1,2 @@
+"""`spmoe serve`: the OpenAI-compatible server. `ranks.py` runs the engine on every rank; `server.py` starts
+them and the HTTP front end (`app.py`, with `protocol.py`, `tokenizer.py`, `streaming.py`, `metrics.py`)."""

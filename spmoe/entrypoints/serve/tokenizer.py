@@ -1,0 +1,80 @@
+"""Text in and out of the server: the checkpoint's tokenizer and chat template, and the incremental
+detokenizer that turns the engine's token ids into text pieces for streaming.
+
+A byte-level tokenizer can split one character over several tokens (`é` is two bytes, two tokens). Decoding
+such a prefix gives U+FFFD (the replacement character) at the end, so the detokenizer holds those tokens back
+until the character is complete, and only at the end of the generation lets an unfinished one out as U+FFFD.
+"""
+
+from pathlib import Path
+
+REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence ends with
+CONTEXT_TOKENS = 4  # prompt tokens decoded before the output, for tokenizers that drop a leading space
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The checkpoint folder's tokenizer (`tokenizer.json` / `tokenizer_config.json`) through transformers'
+    `AutoTokenizer`; a one-line error if the folder has none or it does not load."""
+    folder = Path(model_dir)
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"{folder} has no tokenizer: expected tokenizer.json or tokenizer_config.json there")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"the tokenizer in {folder} does not load: {str(e).strip().splitlines()[0]}") from None
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Messages `[{"role", "content"}, ...]` -> the prompt's token ids through the checkpoint's chat template,
+    ending with the assistant's turn opened. The template writes any special tokens it wants itself."""
+    if not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); "
+                         "use /v1/completions")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def eos_token_ids(tokenizer, model_eos: tuple[int, ...]) -> tuple[int, ...]:
+    """Where generation stops: the model config's eos ids and the tokenizer's eos token."""
+    extra = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    return tuple(dict.fromkeys(model_eos + extra))
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text out, a piece at a time, never a broken character.
+
+    `push(ids)` returns the text that the new ids complete (possibly ""), `flush()` what is still held at the
+    end. Each push decodes only a short window: the tokens since the last emitted boundary plus the previous
+    step's tokens as context, whose text is subtracted (context keeps a tokenizer's leading-space rule right).
+    """
+
+    def __init__(self, tokenizer, prompt: list[int] = ()):
+        self.tokenizer = tokenizer
+        context = list(prompt[-CONTEXT_TOKENS:])
+        if self._decode(context).endswith(REPLACEMENT):  # a prompt that ends inside a character: no context
+            context = []
+        self.ids = context
+        self.start = 0  # the window's first token (context)
+        self.done = len(context)  # tokens before this one have been emitted (or are context)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self.done == len(self.ids):
+            return ""
+        text = self._decode(self.ids[self.start:])
+        if text.endswith(REPLACEMENT) and not final:  # the last character is not complete yet
+            return ""
+        context = self._decode(self.ids[self.start:self.done])
+        self.start, self.done = self.done, len(self.ids)
+        return text[len(context):]

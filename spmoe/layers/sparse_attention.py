@@ -1,0 +1,148 @@
+"""DSA sparse attention over a paged MLA cache: the indexer's top-k and absorbed MLA over the selected rows.
+
+The cache is paged: rows `[R, w]` grouped in blocks of `block_size` rows; a sequence's logical position p lives
+in row `block_tables[s, p // block_size] * block_size + p % block_size`. Per row one attention layer keeps
+(`PagedLayerCache`) the normed latent `[c]` and the rotated rope key `[r]`, and on indexer layers the indexer
+key `[d]`. In FP8 the latent is e4m3 with one float32 scale per 128 values, the indexer key e4m3 with one
+scale per key; the rope key stays in the model dtype.
+
+A step has N new tokens of S sequences; token i belongs to sequence `seq_index[i]`, sits at `positions[i]`,
+and (its own row already written) attends that sequence's positions `<= positions[i]`.
+
+- `indexer_topk`: per token, `index[p] = k_scale[p] * sum_h weights[h] * relu(q[h] . k[p])` over its visible
+  positions; the `topk` best, ties to the earliest position -> cache rows `[N, k]`, -1 where fewer exist.
+- `sparse_mla`: absorbed MLA. The query is already in latent space (`q_nope @ W_UK`); scores
+  `scale * (q_latent . latent[row] + q_rope . rope[row])` over the selected rows only; softmax; the weighted
+  sum of the latents `[N, h, c]` (the caller applies `W_UV`). Keys `[K, heads, qk_head]` are never formed.
+
+Each has a torch version (the reference; CPU and any device) and a Triton version on CUDA
+(`sparse_attention_triton`, imported only when used), with the same signature.
+"""
+
+import importlib.util
+
+import torch
+
+from spmoe.layers.moe.experts.base import FP8_MAX
+from spmoe.layers.paged_rows import PagedLayerCache
+
+POSITION_BITS = 31  # positions are below 2**31; the low half of an ordering key holds 2**31 - 1 - position
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache rows `[..., w]` (and their scales `[..., w / g]`, or None) -> float32 `[..., w]`."""
+    if scale is None:
+        return values.float()
+    groups = values.float().unflatten(-1, (scale.shape[-1], -1))
+    return (groups * scale.unsqueeze(-1)).flatten(-2)
+
+
+def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Cache rows `[R, w]` at `index` `[...]` -> `[..., w]` (FP8 rows are gathered as bytes, as CPU torch
+    cannot index FP8 tensors)."""
+    if rows.dtype == torch.float8_e4m3fn:
+        return rows.view(torch.uint8)[index].view(rows.dtype)
+    return rows[index]
+
+
+def quantize_fp8_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[..., d]` -> (FP8 e4m3 `[..., d]`, float32 scales `[..., 1]`): one scale per vector."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def use_triton(t: torch.Tensor, *dims: int) -> bool:
+    """Whether the Triton kernels take `t` (on CUDA, 16-bit or FP8) with these widths (powers of 2, >= 16)."""
+    return (t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+            and all(d >= 16 and d & (d - 1) == 0 for d in dims) and importlib.util.find_spec("triton") is not None)
+
+
+# -- indexer ------------------------------------------------------------------------------------------------
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedLayerCache, block_tables: torch.Tensor,
+                 seq_index: torch.Tensor, positions: torch.Tensor, topk: int, block_size: int) -> torch.Tensor:
+    """q `[N, h, d]` (FP8 e4m3 when the cache is, else its dtype), weights `[N, h]` float32 (every scale
+    folded in) -> selected cache rows `[N, min(topk, L)]` int64 (`rows_of_best`), -1 past the visible
+    positions; L = max_blocks * block_size."""
+    if use_triton(q, q.shape[2], block_size):
+        from spmoe.layers.sparse_attention_triton import indexer_order_keys
+        keys = indexer_order_keys(q, weights, cache, block_tables, seq_index, positions, block_size)
+    else:
+        keys = indexer_order_keys_torch(q, weights, cache, block_tables, seq_index, positions, block_size)
+    return rows_of_best(keys, topk, block_tables, seq_index, block_size)
+
+
+def indexer_order_keys_torch(q, weights, cache: PagedLayerCache, block_tables, seq_index, positions,
+                             block_size: int) -> torch.Tensor:
+    """The reference indexer: -> ordering keys `[N, L]` int64 (`order_keys`) of every logical position."""
+    rows = logical_rows(block_tables, block_size)[seq_index]  # [N, L]
+    keys = gather_rows(cache.index_key, rows).float()  # [N, L, d]
+    scores = torch.relu(torch.einsum("nhd,nld->nhl", q.float(), keys))
+    index = torch.einsum("nh,nhl->nl", weights, scores)
+    if cache.index_scale is not None:
+        index = index * cache.index_scale[rows].squeeze(-1)
+    visible = torch.arange(rows.shape[1], device=q.device) <= positions[:, None]
+    return order_keys(index.masked_fill(~visible, float("-inf")))
+
+
+def logical_rows(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`[S, max_blocks]` -> the cache row of every logical position `[S, max_blocks * block_size]` int64."""
+    offsets = torch.arange(block_size, device=block_tables.device)
+    return (block_tables.long()[:, :, None] * block_size + offsets).flatten(1)
+
+
+def order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """float32 scores `[N, L]` -> int64 keys `[N, L]`, ordered as (score, then the earlier position) are.
+
+    The score's bits map to an int32 with the same order (negative floats: flip every bit but the sign; -0.0
+    first becomes +0.0 so that it ties with it), shifted to the high half; the low half is
+    `2**31 - 1 - position`. torch.topk of the keys is then an exact top-k with ties to the earliest position,
+    with no stable sort.
+    """
+    bits = torch.where(scores == 0, 0.0, scores).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    positions = torch.arange(scores.shape[-1], device=scores.device)
+    return (ordered << 32) | ((1 << POSITION_BITS) - 1 - positions)
+
+
+# the largest key a score of -inf can have (at position 0): every finite score's key is larger
+_NEG_INF_KEY_MAX = int(order_keys(torch.tensor([[float("-inf")]]))[0, 0])
+
+
+def rows_of_best(keys: torch.Tensor, topk: int, block_tables: torch.Tensor, seq_index: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """Ordering keys `[N, L]` -> cache rows `[N, min(topk, L)]` of the best positions, best first, -1 where
+    the score was -inf (not visible). When L <= topk every position is kept, in position order (no sort)."""
+    best = keys if keys.shape[-1] <= topk else keys.topk(topk, dim=-1).values
+    position = (1 << POSITION_BITS) - 1 - (best & ((1 << POSITION_BITS) - 1))
+    blocks = block_tables.long()[seq_index].gather(1, position // block_size)
+    return torch.where(best > _NEG_INF_KEY_MAX, blocks * block_size + position % block_size, -1)
+
+
+# -- absorbed MLA -------------------------------------------------------------------------------------------
+
+
+def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCache, rows: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """q_latent `[N, h, c]`, q_rope `[N, h, r]`, rows `[N, k]` (cache rows, -1 = none) -> the softmax-weighted
+    sum of the selected latents `[N, h, c]` in q's dtype (zero for a token with no row)."""
+    if use_triton(q_latent, q_latent.shape[2], q_rope.shape[2]):
+        from spmoe.layers.sparse_attention_triton import sparse_mla as triton_sparse_mla
+        return triton_sparse_mla(q_latent, q_rope, cache, rows, scale)
+    return sparse_mla_torch(q_latent, q_rope, cache, rows, scale)
+
+
+def sparse_mla_torch(q_latent, q_rope, cache: PagedLayerCache, rows, scale: float) -> torch.Tensor:
+    """The reference `sparse_mla`, in float32."""
+    safe = rows.clamp(min=0)
+    group_scale = None if cache.latent_scale is None else cache.latent_scale[safe]
+    latent = dequantize(gather_rows(cache.latent, safe), group_scale)  # [N, k, c]
+    rope = cache.rope[safe].float()  # [N, k, r]
+    scores = (torch.einsum("nhc,nkc->nhk", q_latent.float(), latent)
+              + torch.einsum("nhr,nkr->nhk", q_rope.float(), rope)) * scale
+    scores = scores.masked_fill((rows < 0)[:, None, :], float("-inf"))
+    top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # finite if all are -inf
+    weights = torch.exp(scores - top)  # [N, h, k], 0 where no row
+    total = weights.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    return (torch.einsum("nhk,nkc->nhc", weights, latent) / total).to(q_latent.dtype)

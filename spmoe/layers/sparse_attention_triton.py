@@ -1,0 +1,174 @@
+"""Triton kernels for DSA sparse attention over the paged cache (see `sparse_attention` for the math and the
+cache layout); each matches its torch reference there.
+
+- `indexer_order_keys`: one program per (token, cache block of its sequence). It reads the block's 64
+  indexer keys straight from the cache (FP8 or bf16), scores them against the token's query heads with one
+  `tl.dot`, relu, weighted sum over heads, times the key's scale, and writes the ordering keys (`order_keys`)
+  of its 64 positions; blocks past the token's position are masked loads that read nothing.
+- `sparse_mla`: split-K flash decoding. Program (token, head block, split) walks its share of the token's
+  selected rows in tiles: gathers the latent rows (dequantising FP8 per 128 values in registers) and the rope
+  keys, scores `q_latent . latent + q_rope . rope`, keeps an online softmax, and accumulates the weighted
+  latents; a second kernel merges the splits. The keys `[K, heads, 256]` are never formed.
+
+Shapes depend only on the inputs' shapes and nothing is read back to the host, so both can be captured in
+a CUDA graph.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from spmoe.layers.paged_rows import PagedLayerCache
+
+NUM_SMS_TARGET = 264  # programs to aim for in sparse_mla (2 per H200 multiprocessor)
+LOG2_E = 1.4426950408889634  # the kernel's softmax uses exp2: exp(x) = exp2(x * log2(e))
+
+
+@triton.jit
+def _order_key(score, position):
+    """float32 scores and int positions (same shape) -> int64 ordering keys, as `order_keys`."""
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with +0.0
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    low = 2147483647 - position.to(tl.int64)  # 2**POSITION_BITS - 1 - position
+    return (ordered.to(tl.int64) << 32) | low
+
+
+@triton.jit
+def _indexer_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, tables_ptr, seq_ptr, pos_ptr, out_ptr,
+                    heads, stride_qn, stride_qh, stride_wn, stride_tab, stride_out,
+                    HAS_SCALE: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+    token, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    seq = tl.load(seq_ptr + token)
+    position = tl.load(pos_ptr + token)
+    offsets = block * BLOCK + tl.arange(0, BLOCK)  # logical positions of this block
+    visible = offsets <= position
+    physical = tl.load(tables_ptr + seq * stride_tab + block).to(tl.int64)
+    rows = physical * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, DIM)
+    keys = tl.load(k_ptr + rows[:, None] * DIM + dims[None, :], mask=visible[:, None], other=0.0)  # [BLOCK, DIM]
+    h = tl.arange(0, BLOCK_H)
+    q = tl.load(q_ptr + token * stride_qn + h[:, None] * stride_qh + dims[None, :], mask=h[:, None] < heads,
+                other=0.0)  # [BLOCK_H, DIM]
+    scores = tl.maximum(tl.dot(keys, tl.trans(q)), 0.0)  # [BLOCK, BLOCK_H] float32
+    weights = tl.load(w_ptr + token * stride_wn + h, mask=h < heads, other=0.0)
+    index = tl.sum(scores * weights[None, :], axis=1)  # [BLOCK]
+    if HAS_SCALE:
+        index *= tl.load(ks_ptr + rows, mask=visible, other=1.0)
+    index = tl.where(visible, index, float("-inf"))
+    tl.store(out_ptr + token * stride_out + offsets, _order_key(index, offsets))
+
+
+def indexer_order_keys(q: torch.Tensor, weights: torch.Tensor, cache: PagedLayerCache, block_tables: torch.Tensor,
+                       seq_index: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """As `indexer_order_keys_torch`: q `[N, h, d]`, weights `[N, h]` float32 -> keys `[N, max_blocks * B]`."""
+    n, heads, dim = q.shape
+    max_blocks = block_tables.shape[1]
+    out = torch.empty(n, max_blocks * block_size, dtype=torch.int64, device=q.device)
+    if n == 0:
+        return out
+    if q.stride(2) != 1 or cache.index_key.stride(0) != dim:
+        raise ValueError(f"the indexer kernel needs unit-stride rows: q strides {q.stride()}, cache rows "
+                         f"{cache.index_key.stride()} for dim {dim}")
+    has_scale = cache.index_scale is not None
+    _indexer_kernel[(n, max_blocks)](
+        q, weights, cache.index_key, cache.index_scale if has_scale else weights, block_tables, seq_index,
+        positions, out, heads, q.stride(0), q.stride(1), weights.stride(0), block_tables.stride(0), out.stride(0),
+        HAS_SCALE=has_scale, DIM=dim, BLOCK=block_size, BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        num_warps=4)
+    return out
+
+
+@triton.jit
+def _sparse_mla_kernel(ql_ptr, qr_ptr, lat_ptr, lat_scale_ptr, rope_ptr, rows_ptr, acc_ptr, stats_ptr,
+                       heads, topk, scale_log2,
+                       stride_qln, stride_qlh, stride_qrn, stride_qrh, stride_rows,
+                       FP8: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+                       ROWS_PER_SPLIT: tl.constexpr):
+    token, head_block, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    c, r = tl.arange(0, LATENT), tl.arange(0, ROPE)
+    q_lat = tl.load(ql_ptr + token * stride_qln + h[:, None] * stride_qlh + c[None, :], mask=h[:, None] < heads,
+                    other=0.0)  # [BLOCK_H, LATENT]
+    q_rope = tl.load(qr_ptr + token * stride_qrn + h[:, None] * stride_qrh + r[None, :], mask=h[:, None] < heads,
+                     other=0.0)  # [BLOCK_H, ROPE]
+    best = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, LATENT], tl.float32)
+    first = split * ROWS_PER_SPLIT
+    for offset in range(0, ROWS_PER_SPLIT, BLOCK_K):
+        k = first + offset + tl.arange(0, BLOCK_K)
+        row = tl.load(rows_ptr + token * stride_rows + k, mask=k < topk, other=-1)
+        valid = row >= 0
+        row = tl.where(valid, row, 0).to(tl.int64)
+        latent = tl.load(lat_ptr + row[:, None] * LATENT + c[None, :], mask=valid[:, None], other=0.0)
+        if FP8:  # one scale per GROUP values: scale the [BLOCK_K, groups, GROUP] view
+            g = tl.arange(0, LATENT // GROUP)
+            group_scale = tl.load(lat_scale_ptr + row[:, None] * (LATENT // GROUP) + g[None, :], mask=valid[:, None],
+                                  other=0.0)  # [BLOCK_K, groups]
+            latent = tl.reshape(latent.to(tl.float32), (BLOCK_K, LATENT // GROUP, GROUP)) * group_scale[:, :, None]
+            latent = tl.reshape(latent, (BLOCK_K, LATENT)).to(q_lat.dtype)
+        rope = tl.load(rope_ptr + row[:, None] * ROPE + r[None, :], mask=valid[:, None], other=0.0)
+        scores = tl.dot(q_lat, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))  # [BLOCK_H, BLOCK_K]
+        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # no row yet: keep exp2 finite
+        p = tl.exp2(scores - shift[:, None])
+        alpha = tl.exp2(best - shift)
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent)
+        best = new_best
+    base = (token * heads + h) * SPLITS + split  # [BLOCK_H]
+    tl.store(acc_ptr + base[:, None] * LATENT + c[None, :], acc, mask=h[:, None] < heads)
+    tl.store(stats_ptr + base * 2, best, mask=h < heads)
+    tl.store(stats_ptr + base * 2 + 1, total, mask=h < heads)
+
+
+@triton.jit
+def _merge_splits_kernel(acc_ptr, stats_ptr, out_ptr, stride_on, stride_oh, heads,
+                         LATENT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    s, c = tl.arange(0, SPLITS_P2), tl.arange(0, LATENT)
+    base = (token * heads + head) * SPLITS + s
+    best = tl.load(stats_ptr + base * 2, mask=s < SPLITS, other=float("-inf"))
+    total = tl.load(stats_ptr + base * 2 + 1, mask=s < SPLITS, other=0.0)
+    top = tl.max(best, axis=0)
+    weight = tl.where(best == float("-inf"), 0.0, tl.exp2(best - tl.where(top == float("-inf"), 0.0, top)))
+    acc = tl.load(acc_ptr + base[:, None] * LATENT + c[None, :], mask=(s < SPLITS)[:, None], other=0.0)
+    denominator = tl.maximum(tl.sum(weight * total, axis=0), 1.1754943508222875e-38)  # no row at all: zeros
+    out = tl.sum(acc * weight[:, None], axis=0) / denominator
+    tl.store(out_ptr + token * stride_on + head * stride_oh + c, out.to(out_ptr.dtype.element_ty))
+
+
+def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCache, rows: torch.Tensor,
+               scale: float, block_h: int = 16, block_k: int = 32, num_warps: int = 4) -> torch.Tensor:
+    """As `sparse_mla_torch`: q_latent `[N, h, c]`, q_rope `[N, h, r]` (bf16 / fp16), rows `[N, k]` int64
+    -> `[N, h, c]` in q's dtype. block_h heads and block_k rows per tile with num_warps: the tile config, the
+    fastest of benchmarks/bench_sparse_attention.py --sweep at GLM-5.2 widths by default."""
+    n, heads, latent_dim = q_latent.shape
+    rope_dim, topk = q_rope.shape[2], rows.shape[1]
+    out = torch.empty(n, heads, latent_dim, dtype=q_latent.dtype, device=q_latent.device)
+    if n == 0:
+        return out
+    if q_latent.stride(2) != 1 or q_rope.stride(2) != 1 or rows.stride(1) != 1:
+        raise ValueError(f"the sparse MLA kernel needs unit-stride last dims: q_latent {q_latent.stride()}, "
+                         f"q_rope {q_rope.stride()}, rows {rows.stride()}")
+    head_blocks = triton.cdiv(heads, block_h)
+    tiles = triton.cdiv(max(topk, 1), block_k)
+    splits = max(1, min(tiles, triton.cdiv(NUM_SMS_TARGET, n * head_blocks)))
+    rows_per_split = triton.cdiv(tiles, splits) * block_k
+    splits = triton.cdiv(max(topk, 1), rows_per_split)
+    acc = torch.empty(n, heads, splits, latent_dim, dtype=torch.float32, device=q_latent.device)
+    stats = torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q_latent.device)
+    fp8 = cache.latent_scale is not None
+    _sparse_mla_kernel[(n, head_blocks, splits)](
+        q_latent, q_rope, cache.latent, cache.latent_scale if fp8 else cache.rope, cache.rope, rows, acc, stats,
+        heads, topk, scale * LOG2_E,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0),
+        FP8=fp8, LATENT=latent_dim, ROPE=rope_dim, GROUP=latent_dim // cache.latent_scale.shape[1] if fp8 else 1,
+        BLOCK_H=block_h, BLOCK_K=block_k, SPLITS=splits, ROWS_PER_SPLIT=rows_per_split,
+        num_warps=num_warps)
+    _merge_splits_kernel[(n, heads)](acc, stats, out, out.stride(0), out.stride(1), heads, LATENT=latent_dim,
+                                     SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
+    return out

@@ -1,0 +1,138 @@
+"""The Triton sparse-attention kernels against their torch references at GLM-5.2 widths (64 heads, latent 512,
+rope 64, indexer 32 x 128, index_topk 2048) in bfloat16 with a bf16 and an FP8 cache, on one CUDA GPU: decode
+tokens and a prefill chunk over contexts below and above index_topk; a CUDA graph replay equal to the eager
+call; and the whole paged MLAttention against the dense path where DSA is dense (contexts <= index_topk)."""
+
+import pytest
+import torch
+
+from spmoe.config import ModelConfig
+from spmoe.layers.sparse_attention import (indexer_order_keys_torch, indexer_topk, quantize_fp8_vectors,
+                                           rows_of_best, sparse_mla, sparse_mla_torch)
+
+from ..multigpu import requires_gpus
+
+TOPK, BLOCK = 2048, 64
+CONTEXTS = [700, 3000, 5000]  # three sequences
+GLM = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=1024, intermediate_size=512, moe_intermediate_size=128,
+           num_hidden_layers=1, num_attention_heads=64, n_routed_experts=4, num_experts_per_tok=2,
+           routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=192,
+           qk_rope_head_dim=64, v_head_dim=256, index_topk=TOPK, index_n_heads=32, index_head_dim=128,
+           rms_norm_eps=1e-5)
+
+
+def filled_cache(kv_cache_dtype: str):
+    """A one-layer paged cache holding CONTEXTS random tokens, blocks of each sequence scattered."""
+    from spmoe.engine.paged_cache import PagedKVCache
+
+    cfg = ModelConfig.from_dict(GLM)
+    blocks = [-(-c // BLOCK) for c in CONTEXTS]
+    cache = PagedKVCache(cfg, {0: True}, (sum(blocks) + 1) * BLOCK * 2000, torch.bfloat16, "cuda", kv_cache_dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    order = torch.randperm(cache.num_blocks, device="cuda", generator=gen).tolist()
+    tables = [order[sum(blocks[:i]):sum(blocks[:i + 1])] for i in range(len(blocks))]
+    view = cache.view(tables, [0] * len(CONTEXTS), CONTEXTS)
+    n = sum(CONTEXTS)
+    view.write_latent(0, torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
+                      torch.randn(n, 64, device="cuda", generator=gen).bfloat16())
+    view.write_index_key(0, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
+    return cache, tables
+
+
+def step_view(cache, tables):
+    """Decode tokens at each sequence's last position, then a 300-token chunk ending at sequence 2's end."""
+    starts, lens = [c - 1 for c in CONTEXTS], [1, 1, 1]
+    decode = cache.view(tables, starts, lens)
+    chunk = cache.view(tables[2:], [CONTEXTS[2] - 300], [300])
+    return decode, chunk
+
+
+def scores_of(keys: torch.Tensor) -> torch.Tensor:
+    high = (keys >> 32).int()
+    return torch.where(high < 0, high ^ 0x7FFFFFFF, high).view(torch.float32)
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_triton_kernels_match_torch(kv_cache_dtype):
+    from spmoe.layers.sparse_attention_triton import indexer_order_keys
+
+    cache, tables = filled_cache(kv_cache_dtype)
+    rows = cache.layers[0]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for view in step_view(cache, tables):
+        n = view.positions.shape[0]
+        q = torch.randn(n, 32, 128, device="cuda", generator=gen).bfloat16()
+        weights = torch.rand(n, 32, device="cuda", generator=gen)
+        if kv_cache_dtype == "fp8":
+            q, q_scale = quantize_fp8_vectors(q)
+            weights = weights * q_scale.squeeze(-1)
+        args = (q, weights, rows, view.block_tables, view.seq_index, view.positions, BLOCK)
+        got, want = indexer_order_keys(*args), indexer_order_keys_torch(*args)
+        visible = torch.isfinite(scores_of(want))
+        assert torch.equal(torch.isfinite(scores_of(got)), visible)
+        err = (scores_of(got)[visible] - scores_of(want)[visible]).abs().max() / scores_of(want)[visible].abs().max()
+        # bf16: exact products, only the order of the fp32 sums differs; FP8: Hopper's FP8 MMA accumulates with
+        # fewer bits than fp32 (measured 1e-4 of the largest score)
+        assert err < (1e-3 if kv_cache_dtype == "fp8" else 1e-5), err
+        selected = rows_of_best(got, TOPK, view.block_tables, view.seq_index, BLOCK)
+        reference = rows_of_best(want, TOPK, view.block_tables, view.seq_index, BLOCK)
+        short = view.positions < TOPK  # every visible row is selected: the same set, in the same order of scores
+        assert torch.equal(selected[short].sort(-1).values, reference[short].sort(-1).values)
+        overlap = sum(len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(selected, reference))
+        assert overlap >= (0.99 if kv_cache_dtype == "fp8" else 0.999) * (reference >= 0).sum().item(), \
+            overlap / (reference >= 0).sum().item()
+        assert torch.equal(indexer_topk(*args[:6], TOPK, BLOCK), selected)  # the dispatcher picks Triton on CUDA
+
+        q_latent = torch.randn(n, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
+        q_rope = torch.randn(n, 64, 64, device="cuda", generator=gen).bfloat16() * 0.05
+        got = sparse_mla(q_latent, q_rope, rows, selected, 0.07)
+        want = sparse_mla_torch(q_latent, q_rope, rows, selected, 0.07)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err < 2e-2, err  # bf16 probabilities in the second product
+
+        def step():
+            return sparse_mla(q_latent, q_rope, rows, indexer_topk(*args[:6], TOPK, BLOCK), 0.07)
+
+        eager = step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        graph.replay()
+        assert torch.equal(captured, eager)
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+def test_paged_attention_layer_matches_dense_on_gpu():
+    """bf16 MLAttention over the paged cache (Triton) against the dense path over the dense KV cache, a chunked
+    prefill then decodes, all contexts <= index_topk (DSA is then exactly dense)."""
+    from spmoe.engine.kv_cache import KVCache
+    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.layers.attention import AttentionBatch, MLAttention
+    from spmoe.layers.rotary import Rotary
+
+    cfg = ModelConfig.from_dict(GLM)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        layer = MLAttention(cfg, 0, 1, has_indexer=True).bfloat16()
+        for p in layer.parameters():
+            if p.dim() > 1:
+                torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+            else:
+                torch.nn.init.ones_(p)
+    dense = KVCache(cfg, {0: True}, 2, 1024, torch.bfloat16, "cuda")
+    paged = PagedKVCache(cfg, {0: True}, 2 ** 27, torch.bfloat16, "cuda")
+    tables = [[5, 2, 9, 0, 11, 13, 15, 17, 19, 21], [7, 1, 3, 4, 6, 8, 10, 12, 14, 16]]  # room for 640 tokens each
+    slots, errors = [dense.allocate() for _ in range(2)], []
+    for starts, lens in (([0, 0], [600, 250]), ([600, 250], [1, 1]), ([601, 251], [1, 1])):
+        x = torch.randn(sum(lens), cfg.hidden_size, device="cuda").bfloat16()
+        outs = []
+        for view in (dense.view(slots, starts, lens), paged.view(tables, starts, lens)):
+            batch = AttentionBatch(Rotary(cfg, view.positions, torch.bfloat16), view.allowed, view)
+            with torch.no_grad():
+                outs.append(layer(x, batch, None)[0].float())
+        errors.append(((outs[1] - outs[0]).abs().max() / outs[0].abs().max()).item())
+    print(errors)
+    assert max(errors) < 3e-2, errors

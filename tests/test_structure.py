@@ -1,0 +1,81 @@
+"""The shape of the code (DESIGN.md, "Shape of the code"): no import cycle anywhere in spmoe, function-level
+imports included, and torch.distributed used only inside spmoe/distributed/."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "spmoe"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(path: Path) -> set[str]:
+    """The spmoe modules `path` imports, at any depth of its code. `from a.b import c` is a.b.c when that is
+    a module, else a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                      for a in node.names}
+    return {name for name in found if name in MODULES}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []  # state: 1 on the DFS stack, 2 done
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle():
+    graph = {name: imports(path) - {name} for name, path in MODULES.items()}
+    assert len(graph) > 40 and graph["spmoe.models.deepseek_v32.model"]  # the walk sees the package
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def uses_torch_distributed(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module and (
+                node.module.startswith("torch.distributed")
+                or node.module == "torch" and any(a.name == "distributed" for a in node.names)):
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "distributed" and \
+                isinstance(node.value, ast.Name) and node.value.id == "torch":
+            return True
+    return False
+
+
+def test_torch_distributed_only_in_the_distributed_package():
+    users = sorted(name for name, path in MODULES.items() if uses_torch_distributed(path))
+    assert "spmoe.distributed.comm" in users  # the scan sees it where it is
+    assert [u for u in users if not u.startswith("spmoe.distributed")] == []
