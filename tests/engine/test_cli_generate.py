@@ -74,17 +74,21 @@ def test_bad_input_is_a_one_line_error(case, fragment, engine_checkpoint, tmp_pa
 
 @pytest.mark.parametrize("command, extra", [("forward", ["--save-logits"]),
                                             ("generate", ["--max-new-tokens", "2", "--output"])])
-def test_sp_defaults_to_auto(command, extra, engine_checkpoint, tmp_path, capsys):
-    """Without --sp the command takes auto: off at DP 1, on at DP 2. TP 4 does not divide the 6 heads, so each
-    run stops with that error right after printing its SP decision, before any rank starts."""
+def test_sp_defaults_to_auto(command, extra, engine_checkpoint, tmp_path, capsys, monkeypatch):
+    """Without --sp the command takes auto: off at DP 1, on at DP 2. The job itself is replaced by one that
+    records the parallel config it was given and returns None (as on a torchrun rank other than 0), so no rank
+    starts; every check before it runs for real."""
+    given = []
+    monkeypatch.setattr(f"spmoe.entrypoints.{command}.run_{command}", lambda _, parallel, *a: given.append(parallel))
     ids = tmp_path / "ids.json"
     ids.write_text("[[1, 2]]")
     for dp, decision in ((1, "off"), (2, "on")):
-        assert main([command, "--model", engine_checkpoint, "--tp", "4", "--dp", str(dp), "--input-ids", str(ids),
-                     *extra, str(tmp_path / "out")]) == 1
+        assert main([command, "--model", engine_checkpoint, "--tp", "2", "--dp", str(dp), "--input-ids", str(ids),
+                     *extra, str(tmp_path / "out")]) == 0
         err = capsys.readouterr().err
         assert f"sequence-parallel MoE {decision} (--sp auto, scope moe)" in err, err
-        assert "num_attention_heads = 6 is not divisible by tensor_parallel_size = 4" in err, err
+        assert given[-1].sequence_parallel_moe == "auto" and given[-1].use_sequence_parallel_moe == (dp == 2)
+    assert len(given) == 2
 
 
 def test_unknown_option_exits_non_zero(engine_checkpoint, tmp_path):
