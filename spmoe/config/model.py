@@ -46,6 +46,7 @@ class ModelConfig:
     num_nextn_predict_layers: int
     fp8_block_size: tuple[int, int] | None  # FP8 e4m3 checkpoint with one scale per block, or None
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these
+    max_position_embeddings: int | None = None  # the longest sequence the model takes; None: not stated
 
     @property
     def qk_head_dim(self) -> int:
@@ -91,9 +92,12 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
+        """`path`: a checkpoint folder (its config.json is read) or a config.json itself."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
+        elif path.is_file() and path.suffix != ".json":
+            raise ValueError(f"expected a checkpoint folder with config.json, got the file {path}")
         if not path.is_file():
             raise FileNotFoundError(f"model config not found: expected {path}")
         try:
@@ -104,6 +108,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ValueError(f"a model config must be a JSON object, got a {type(raw).__name__}: {str(raw)[:40]}")
         try:
             return cls._from_dict(raw)
         except KeyError as e:
@@ -114,6 +120,7 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+        _check_types(raw)
         _require(raw, "hidden_act", "silu")
         _require(raw, "scoring_func", "sigmoid")
         _require(raw, "topk_method", "noaux_tc")
@@ -154,7 +161,38 @@ class ModelConfig:
             indexer_types=tuple(indexer_types), rope_theta=rope_theta, rope_type=rope_type,
             rope_scaling=rope_scaling, num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
             fp8_block_size=_quantization(raw.get("quantization_config")),
-            eos_token_ids=_eos(raw.get("eos_token_id")))
+            eos_token_ids=_eos(raw.get("eos_token_id")), max_position_embeddings=raw.get("max_position_embeddings"))
+
+
+# Numeric fields and the smallest value each may take; optional ones may be missing or null.
+REQUIRED_INTS = {name: 1 for name in (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "index_topk", "index_n_heads", "index_head_dim")}
+OPTIONAL_INTS = {"q_lora_rank": 1, "num_key_value_heads": 1, "n_shared_experts": 0, "n_group": 1, "topk_group": 1,
+                 "num_nextn_predict_layers": 0, "first_k_dense_replace": 0, "moe_layer_freq": 1,
+                 "max_position_embeddings": 1}
+REQUIRED_FLOATS = ("routed_scaling_factor", "rms_norm_eps")
+OPTIONAL_FLOATS = ("rope_theta",)
+
+
+def _check_types(raw: dict) -> None:
+    """Raise unless every numeric field is a number of the right kind and range (JSON "8" is not 8)."""
+    for name, least in {**REQUIRED_INTS, **OPTIONAL_INTS}.items():
+        value = raw[name] if name in REQUIRED_INTS else raw.get(name)
+        if value is None and name in OPTIONAL_INTS:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"config field {name} must be an integer >= {least}, got {value!r} "
+                             f"({type(value).__name__})")
+    for name in REQUIRED_FLOATS + OPTIONAL_FLOATS:
+        value = raw[name] if name in REQUIRED_FLOATS else raw.get(name)
+        if value is None and name in OPTIONAL_FLOATS:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ValueError(f"config field {name} must be a finite number, got {value!r} ({type(value).__name__})")
+    if not isinstance(raw["norm_topk_prob"], bool):
+        raise ValueError(f"config field norm_topk_prob must be true or false, got {raw['norm_topk_prob']!r}")
 
 
 def _require(raw: dict, key: str, supported) -> None:

@@ -5,16 +5,29 @@ initialises the process groups, calls `fn(*args)` and returns the list of per-ra
 If a rank raises, or dies without a result, the other ranks are killed at once and `RankFailed` carries that
 rank's traceback to the caller. It never waits on a dead rank.
 
+No rank outlives the process that spawned it:
+- a rank asks Linux to SIGKILL it when the thread that spawned it ends (`PR_SET_PDEATHSIG`; the parent's
+  death included), and a watchdog thread in the rank polls its parent's pid as well (for a parent that died
+  before the request took effect, and on systems without it);
+- while `spawn` waits, SIGTERM and SIGINT in the parent raise `Stopped`: every rank is killed before it
+  propagates. The ranks ignore SIGINT, so a Ctrl-C (sent to the whole process group) reaches the parent only.
+
 `launch(fn, world_size, *args)` is what the command line uses: under torchrun (one process per rank, on one
-or many machines) it runs `fn` in this process; otherwise it spawns local ranks.
+or many machines) it runs `fn` in this process, with torchrun's signal handling left as it is (its agent
+sends SIGTERM, then SIGKILL, to its workers); otherwise it spawns local ranks.
 """
 
+import ctypes
 import os
 import pickle
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 
 import torch
 import torch.multiprocessing as mp
@@ -23,8 +36,21 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed.groups import DEFAULT_TIMEOUT_S, destroy_distributed, init_distributed
 
 
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+WATCHDOG_PERIOD_S = 0.5
+
+
 class RankFailed(RuntimeError):
     """A spawned rank raised or died; the message holds which rank and its traceback."""
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGINT reached the parent while its ranks ran; every rank was killed. A KeyboardInterrupt, so
+    that no `except Exception` on the way swallows it and whatever stops on Ctrl-C (pytest) stops on it."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
 def free_port() -> int:
@@ -33,7 +59,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, world_size, port, fn, args, config, device, timeout_s, results):
+def _die_with_parent(parent_pid: int) -> None:
+    """In a rank: be killed when the parent dies, by the kernel (Linux) and by a watchdog thread."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent turns a Ctrl-C into killing every rank
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(WATCHDOG_PERIOD_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if os.getppid() != parent_pid:  # the parent died before the request above took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="spmoe-parent-watchdog", daemon=True).start()
+
+
+def _child(parent_pid, rank, world_size, port, fn, args, config, device, timeout_s, results):
+    _die_with_parent(parent_pid)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cpu":
@@ -59,13 +102,19 @@ def spawn(fn, world_size: int, *args, config: ParallelConfig | None = None, devi
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, daemon=True,
-                         args=(r, world_size, port, fn, args, config, device, timeout_s, results))
+                         args=(os.getpid(), r, world_size, port, fn, args, config, device, timeout_s, results))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _stop_on_signals():
+        return _run(procs, results, world_size)
+
+
+def _run(procs, results, world_size: int) -> list:
+    """Start the ranks, collect their results; kill every rank still alive on the way out, however it ends."""
     outputs: dict[int, object] = {}
     errors: dict[int, str] = {}  # rank -> traceback, or why it died
     try:
+        for p in procs:
+            p.start()
         while len(outputs) < world_size and not errors:
             try:
                 rank, ok, payload = results.get(timeout=0.1)
@@ -80,11 +129,34 @@ def spawn(fn, world_size: int, *args, config: ParallelConfig | None = None, devi
             raise RankFailed(_describe(errors, world_size))
     finally:
         for p in procs:
-            if p.is_alive():
+            if p.pid is not None and p.is_alive():
                 p.kill()
         for p in procs:
-            p.join()
+            if p.pid is not None:
+                p.join()
     return [outputs[r] for r in range(world_size)]
+
+
+@contextmanager
+def _stop_on_signals():
+    """SIGTERM and SIGINT raise `Stopped` once (a second signal during the cleanup is absorbed); the previous
+    handlers come back afterwards. Only the main thread may set handlers; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def stop(signum, frame):
+        received.append(signum)
+        if len(received) == 1:
+            raise Stopped(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _settle(procs, results, outputs, errors, grace_s: float = 1.0):

@@ -30,6 +30,19 @@ class CapturedStep:
     collectives: CommStats  # of one replay, counted at capture
 
 
+def deployment_problems(device_type: str, dp_size: int, ep_backend: str) -> list[str]:
+    """What the deployment lacks for captured decode steps (empty if nothing), known before any rank starts.
+    Whether the experts can be captured is known only once they are built."""
+    problems = []
+    if device_type != "cuda":
+        problems.append(f"a CUDA device (the model is on {device_type})")
+    if dp_size > 1:
+        problems.append(f"data_parallel_size 1 (got {dp_size})")
+    if ep_backend != "allgather_reducescatter":
+        problems.append(f"ep_backend 'allgather_reducescatter' (got {ep_backend!r})")
+    return problems
+
+
 def graph_sizes(max_batch: int) -> list[int]:
     """The padded batch sizes captured for up to `max_batch` sequences."""
     return [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
@@ -38,13 +51,7 @@ def graph_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache):
         """Captures one graph per size in `graph_sizes(cache.max_seqs)`, on every rank in the same order."""
-        problems = []
-        if cache.device.type != "cuda":
-            problems.append(f"a CUDA device (the model is on {cache.device})")
-        if get_parallel_state().dp_size > 1:
-            problems.append(f"data_parallel_size 1 (got {get_parallel_state().dp_size})")
-        if model.parallel.ep_backend != "allgather_reducescatter":
-            problems.append(f"ep_backend 'allgather_reducescatter' (got {model.parallel.ep_backend!r})")
+        problems = deployment_problems(cache.device.type, get_parallel_state().dp_size, model.parallel.ep_backend)
         capturable, experts = model.graph_capturable
         if not capturable:
             problems.append(f"experts that never sync the host (got moe backend {experts!r}; bfloat16 on a GPU "

@@ -13,7 +13,9 @@ One step:
    the everyday case. With `cuda_graphs`, plain decode steps replay a captured graph; prefill stays eager.
 3. Commit: sample from each sequence's last row with its own sampler, or accept drafts greedily
    (`speculative.py`).
-4. Finish sequences at an eos id or `max_new_tokens`; free their cache room.
+4. Finish sequences at an eos id or `max_new_tokens`; free their cache room. A sequence whose logits hold a
+   NaN or an infinity has no next token: it finishes with finish_reason "error" and an error naming the step,
+   and the others carry on (the server keeps serving); `generate` raises that error instead.
 5. When speculating, the drafter proposes the next drafts from the verified positions.
 
 `generate` is the batch job (spmoe generate, the demo) on top of `add_request` / `step`.
@@ -29,7 +31,7 @@ from spmoe.distributed.comm import all_reduce
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.model_runner import ModelRunner
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
-from spmoe.engine.sampling import Sampler, SamplingParams
+from spmoe.engine.sampling import Sampler, SamplingParams, greedy
 from spmoe.engine.scheduler import Scheduler, Sequence, SlotRoom
 from spmoe.engine.speculative import MtpDrafter, accept_greedy
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
@@ -163,7 +165,11 @@ class Engine:
             row += 1 + len(seq.drafts)
             new, verified = self._commit(seq, seq_logits)
             phase.tokens_committed += len(new)
-            outputs.append(RequestOutput(seq.request_id, new, seq.finish_reason, prompt_tokens=len(seq.request.prompt)))
+            outputs.append(RequestOutput(seq.request_id, new, seq.finish_reason, seq.error,
+                                         prompt_tokens=len(seq.request.prompt)))
+            if not new:  # its logits were not finite: it left the batch with an error
+                fed += n
+                continue
             if self.drafter is not None and seq.finish_reason is None:
                 to_draft.append((seq, seq.cached, seq.pending[1:verified] + [new[-1]], hidden[fed:fed + verified]))
             fed += n
@@ -178,18 +184,25 @@ class Engine:
 
     def _commit(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], int]:
         """logits `[1 + drafts, V]` of one sequence -> (the tokens it commits, its fed tokens whose cache rows
-        stay valid). Finishes the sequence at an eos id or its token limit."""
+        stay valid). Finishes the sequence at an eos id or its token limit, or, with no token at all, when a
+        row it would commit from is not finite (finish_reason "error", `seq.error` naming the step)."""
         if seq.drafts:
-            choices = logits.argmax(-1).tolist()
-            accepted = accept_greedy(seq.drafts, choices)
+            choices, finite = greedy(logits)
+            accepted, candidates = accept_greedy(seq.drafts, choices)
             self.verify_steps += 1
             for j in range(accepted):
                 self.accepted_at[j] += 1
             self.counters.draft_proposed += len(seq.drafts)
             self.counters.draft_accepted += accepted
-            candidates = seq.drafts[:accepted] + [choices[accepted]]
         else:
-            accepted, candidates = 0, seq.sampler(logits)
+            accepted, (candidates, finite) = 0, seq.sampler(logits)
+        if not all(finite[:len(candidates)]):
+            step = self.phases["prefill"].forwards + self.phases["decode"].forwards + 1
+            seq.error = (f"non-finite logits (NaN or inf) at step {step} ({'decode' if seq.cached else 'prefill'}) "
+                         f"for request {seq.request_id!r} after {len(seq.output)} generated tokens: no token can be "
+                         f"chosen (check the checkpoint for NaN / inf weights)")
+            self.scheduler.finish(seq, "error")
+            return [], 0
         verified = len(seq.pending) - (len(seq.drafts) - accepted)
         request, new = seq.request, []
         for j, token in enumerate(candidates):
@@ -224,7 +237,8 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), record_logits: bool = False, on_step=None) -> Generation:
         """Generate up to `max_new_tokens` after each prompt, stopping at any of `eos_token_ids`. `sampling`:
         one per prompt, or one for all, prompt i then sampling from seed `sampling.seed + i`.
-        `on_step(done_tokens, live_sequences)` is called after every step (for progress output)."""
+        `on_step(done_tokens, live_sequences)` is called after every step (for progress output). A request that
+        ends with an error (non-finite logits) stops the job: FloatingPointError with its message."""
         samplings = sampling if isinstance(sampling, list) else per_prompt(sampling, len(prompts))
         self.reset_stats()
         seqs = [self.add_request(Request(f"generate-{i}", list(p), max_new_tokens, params, tuple(eos_token_ids)),
@@ -232,7 +246,9 @@ class Engine:
                 for i, (p, params) in enumerate(zip(prompts, samplings))]
         start = time.perf_counter()
         while self._any_rank_busy(self.has_unfinished()):
-            self.step()
+            failed = [out.error for out in self.step() if out.finish_reason == "error"]
+            if failed:
+                raise FloatingPointError(failed[0])
             if on_step is not None:
                 on_step(sum(len(s.output) for s in seqs), len(self.scheduler.running))
         return Generation([s.output for s in seqs], self._stats(seqs, time.perf_counter() - start),

@@ -19,6 +19,14 @@ from spmoe.config import ModelConfig
 from spmoe.layers.attention import MLAttention
 
 
+def _widths(cfg: ModelConfig) -> dict[str, int]:
+    return {"mla": cfg.kv_lora_rank + cfg.qk_rope_head_dim, "indexer": cfg.index_head_dim}
+
+
+def _kinds(has_indexer: bool) -> tuple[str, ...]:
+    return ("mla", "indexer") if has_indexer else ("mla",)
+
+
 @dataclass
 class CacheView:
     """The cache as one forward sees it: N new tokens (written at `write_index` `[N]`) attend K keys (read
@@ -44,14 +52,22 @@ class KVCache:
         to `max_len` tokens each."""
         if max_seqs < 1 or max_len < 1:
             raise ValueError(f"the KV cache needs max_seqs >= 1 and max_len >= 1, got {max_seqs} and {max_len}")
-        widths = {"mla": cfg.kv_lora_rank + cfg.qk_rope_head_dim, "indexer": cfg.index_head_dim}
+        widths = _widths(cfg)
         self.max_seqs, self.max_len, self.dtype, self.device = max_seqs, max_len, dtype, torch.device(device)
         self.scratch_slot = max_seqs
         self.buffers = {layer: {kind: torch.zeros((max_seqs + 1) * max_len, widths[kind], dtype=dtype,
                                                   device=device)
-                                for kind in (("mla", "indexer") if has_indexer else ("mla",))}
+                                for kind in _kinds(has_indexer)}
                         for layer, has_indexer in layers.items()}
         self._free = list(range(max_seqs - 1, -1, -1))
+
+    @staticmethod
+    def size_bytes(cfg: ModelConfig, layers: dict[int, bool], max_seqs: int, max_len: int, dtype: torch.dtype) -> int:
+        """The bytes a cache with these arguments allocates on each rank (scratch slot included), computed
+        without allocating."""
+        widths = _widths(cfg)
+        per_token = sum(widths[kind] for has_indexer in layers.values() for kind in _kinds(has_indexer))
+        return per_token * dtype.itemsize * (max_seqs + 1) * max_len
 
     @classmethod
     def for_model(cls, model: nn.Module, max_seqs: int, max_len: int) -> "KVCache":

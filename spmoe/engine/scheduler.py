@@ -34,6 +34,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # `[V]` per committed token, when recorded
     finish_reason: str | None = None
+    error: str | None = None  # why it finished with finish_reason "error"
 
     @property
     def request_id(self) -> str:

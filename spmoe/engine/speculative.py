@@ -17,15 +17,19 @@ from spmoe.engine.kv_cache import KVCache
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 
-def accept_greedy(drafts: list[int], target_choices: list[int]) -> int:
-    """Number of leading drafts equal to the target's choice at the position before them.
+def accept_greedy(drafts: list[int], target_choices: list[int]) -> tuple[int, list[int]]:
+    """-> (a, the a + 1 tokens to commit): a is the number of leading drafts equal to the target's choice at
+    the position before them; the committed tokens are those drafts and the target's choice after them (the
+    bonus token, `target_choices[a]`).
 
     `target_choices[j]` is the target's greedy token after the j-th fed token (`len(drafts) + 1` of them).
     """
+    if len(target_choices) != len(drafts) + 1:
+        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} target choices, got {len(target_choices)}")
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == target_choices[accepted]:
         accepted += 1
-    return accepted
+    return accepted, drafts[:accepted] + [target_choices[accepted]]
 
 
 class MtpDrafter:

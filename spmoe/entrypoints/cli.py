@@ -2,16 +2,19 @@
 
 import argparse
 import json
+import signal
 import sys
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
-from spmoe.distributed import RankFailed, spawn
+from spmoe.distributed import RankFailed, Stopped, spawn
 from spmoe.distributed.selfcheck import layout_selfcheck
 from spmoe.entrypoints.serve.server import add_serve_args, cmd_serve
 
 
 def cmd_selfcheck(args) -> int:
+    if args.ranks < 1:
+        raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
     print(f"spmoe layout self-check on {args.ranks} local ranks (gloo, CPU)", flush=True)
     rows = spawn(layout_selfcheck, args.ranks)[0]
     print(f"{'dtype':<9}{'N':>4}{'n':>4}  {'max_err':>8}  collectives (count/bytes on rank 0)")
@@ -31,12 +34,14 @@ def cmd_selfcheck(args) -> int:
 def cmd_forward(args) -> int:
     from safetensors.torch import save_file
 
-    from spmoe.entrypoints.forward import run_forward
+    from spmoe.entrypoints.forward import check_forward, run_forward
     from spmoe.entrypoints.jobs import read_input_ids
 
     cfg = ModelConfig.from_file(args.model)
     parallel = parallel_config(args)
     seqs = read_input_ids(args.input_ids, cfg.vocab_size)
+    check_forward(cfg, parallel, seqs, args.device,
+                  {"--save-logits": args.save_logits, **({"--stats": args.stats} if args.stats else {})})
     print(f"spmoe forward: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, tp={args.tp}, dp={args.dp}, "
           f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} "
           f"(--sp {args.sp}, scope {args.sp_scope}), {args.dtype} on {args.device}", file=sys.stderr, flush=True)
@@ -55,17 +60,22 @@ def cmd_forward(args) -> int:
 def cmd_generate(args) -> int:
     from spmoe.engine.sampling import SamplingParams
     from spmoe.entrypoints.jobs import read_input_ids
-    from spmoe.entrypoints.generate import GenerateOptions, run_generate
+    from spmoe.entrypoints.generate import GenerateOptions, check_generate, run_generate
 
     cfg = ModelConfig.from_file(args.model)
     parallel = parallel_config(args)
     prompts = read_input_ids(args.input_ids, cfg.vocab_size)
-    drafts = args.num_speculative_tokens if args.speculative == "mtp" else 0
-    if args.speculative == "mtp" and drafts < 1:
-        raise ValueError(f"--speculative mtp needs --num-speculative-tokens >= 1, got {drafts}")
+    drafts = 0
+    if args.speculative == "mtp":
+        drafts = 1 if args.num_speculative_tokens is None else args.num_speculative_tokens
+        if drafts < 1:
+            raise ValueError(f"--speculative mtp needs --num-speculative-tokens >= 1, got {drafts}")
+    elif args.num_speculative_tokens is not None:
+        raise ValueError(f"--num-speculative-tokens {args.num_speculative_tokens} needs --speculative mtp")
     opts = GenerateOptions(args.max_new_tokens, SamplingParams(args.temperature, args.top_p, args.seed), drafts,
                            tuple(args.eos_id) if args.eos_id is not None else None, args.max_seqs,
                            args.max_model_len, args.dtype, cuda_graphs=args.cuda_graphs)
+    check_generate(cfg, parallel, prompts, opts, args.device, {"--output": args.output})
     print(f"spmoe generate: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens each, tp={args.tp}, "
           f"dp={args.dp}, "
           f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} (--sp {args.sp}, scope "
@@ -134,7 +144,7 @@ def main(argv=None) -> int:
     add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--speculative", choices=["mtp"], help="draft tokens with the checkpoint's MTP layer")
-    p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP drafts per step (default 1)")
+    p.add_argument("--num-speculative-tokens", type=int, help="MTP drafts per step (default 1, with --speculative)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i samples from seed + i)")
@@ -152,9 +162,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (RankFailed, ValueError, FileNotFoundError, OSError) as e:
+    except (RankFailed, ValueError, FileNotFoundError, OSError, FloatingPointError) as e:
         print(f"spmoe {args.command}: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
         return 1
+    except Stopped as e:  # SIGTERM / SIGINT while ranks ran: the launcher has ended every one of them
+        print(f"spmoe {args.command}: {e}; every rank was ended", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:  # Ctrl-C with no rank running (or in a torchrun worker)
+        print(f"spmoe {args.command}: stopped by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

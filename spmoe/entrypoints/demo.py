@@ -17,10 +17,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from spmoe.config import ParallelConfig
-from spmoe.distributed import spawn
+from spmoe.config import ModelConfig, ParallelConfig
+from spmoe.distributed import get_parallel_state, launch, spawn
 from spmoe.distributed.launcher import free_port
-from spmoe.entrypoints.generate import GenerateOptions, run_generate
+from spmoe.entrypoints.generate import GenerateOptions, check_generate, rank_generate
 
 CONFIG = dict(  # vocab_size: the demo tokenizer's 256 bytes + 8 special tokens
     model_type="glm_moe_dsa", vocab_size=264, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
@@ -89,22 +89,39 @@ def ensure_checkpoint(folder: Path) -> bool:
     return True
 
 
+def _rank_demo(folder: str, dp: int) -> dict | None:
+    """Every mode, one after the other, on the ranks of one launch -> {label: Generation} on rank 0."""
+    runs = {}
+    for label, parallel, opts in _modes(dp):
+        runs[label] = rank_generate(folder, parallel, PROMPTS, opts)
+        if get_parallel_state().rank == 0:
+            print(f"  {label:<18} generated in {runs[label].stats['seconds']:.1f} s", flush=True)
+    return runs if get_parallel_state().rank == 0 else None
+
+
+def _modes(dp: int) -> list[tuple[str, ParallelConfig, GenerateOptions]]:
+    return [(label, ParallelConfig(tensor_parallel_size=TP, data_parallel_size=dp, sequence_parallel_moe=sp,
+                                   sp_scope=scope),
+             GenerateOptions(MAX_NEW_TOKENS, num_speculative_tokens=drafts, record_logits=True, progress=False))
+            for label, sp, scope, drafts in MODES]
+
+
 def run_demo(device: str = "cpu", dp: int = 1) -> int:
     folder = checkpoint_dir()
     written = ensure_checkpoint(folder)
+    cfg = ModelConfig.from_file(folder)
+    for _, parallel, opts in _modes(dp):
+        check_generate(cfg, parallel, PROMPTS, opts, device)
     print(f"spmoe demo: tiny GLM-5.2-shaped model, random weights (seed {SEED}): 4 layers (1 dense + 3 MoE, "
           f"16 experts top-4 + 1 shared), MLA + DSA indexer, 1 MTP layer")
     print(f"checkpoint: {folder} ({'written now' if written else 'reused'})")
     print(f"generating {MAX_NEW_TOKENS} tokens after {len(PROMPTS)} prompts of {[len(p) for p in PROMPTS]} tokens "
           f"on {TP * dp} local ranks (TP {TP} x DP {dp}, {'gloo, CPU' if device == 'cpu' else 'NCCL, CUDA'}), greedy, "
           f"float32", flush=True)
-    runs = {}
-    for label, sp, scope, drafts in MODES:
-        parallel = ParallelConfig(tensor_parallel_size=TP, data_parallel_size=dp, sequence_parallel_moe=sp,
-                                  sp_scope=scope)
-        runs[label] = run_generate(str(folder), parallel, PROMPTS, GenerateOptions(
-            MAX_NEW_TOKENS, num_speculative_tokens=drafts, record_logits=True, progress=False), device=device)
-        print(f"  {label:<18} generated in {runs[label].stats['seconds']:.1f} s", flush=True)
+    runs = launch(_rank_demo, TP * dp, str(folder), dp, config=ParallelConfig(tensor_parallel_size=TP,
+                                                                             data_parallel_size=dp), device=device)
+    if runs is None:  # a torchrun rank other than 0
+        return 0
     reference = runs[MODES[0][0]]
     print(f"\n{'':<29}{'collectives per decode forward, count/KiB'}\n"
           f"{'mode':<18}{'tokens/s':>9}  {'all_reduce':>12}{'all_gather':>14}{'reduce_scatter':>16}"

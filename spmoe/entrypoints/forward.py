@@ -4,7 +4,8 @@ import torch
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import count_collectives, get_parallel_state, launch
-from spmoe.entrypoints.jobs import DTYPES, flatten, gather_from_dp, split_for_dp
+from spmoe.entrypoints.jobs import (DTYPES, check_device, check_positions, check_writable, flatten, gather_from_dp,
+                                    split_for_dp)
 
 
 def _rank_forward(model_dir: str, parallel: ParallelConfig, dtype: str, seqs: list[list[int]]):
@@ -21,11 +22,22 @@ def _rank_forward(model_dir: str, parallel: ParallelConfig, dtype: str, seqs: li
     return torch.cat([logits[:0]] + per_seq), stats.as_dict()
 
 
+def check_forward(cfg: ModelConfig, parallel: ParallelConfig, seqs: list[list[int]], device: str,
+                  outputs: dict[str, str] | None = None) -> None:
+    """Every check of a forward job, before any rank starts. `outputs`: option name -> path the caller will
+    write."""
+    cfg.check_parallel(parallel)
+    check_device(device, parallel.world_size)
+    for option, path in (outputs or {}).items():
+        check_writable(path, option)
+    check_positions(max(map(len, seqs)), cfg.max_position_embeddings, "the longest sequence")
+
+
 def run_forward(model_dir: str, parallel: ParallelConfig, seqs: list[list[int]], dtype: str = "float32",
                 device: str = "cpu") -> tuple[torch.Tensor, dict]:
     """-> (logits `[total tokens, vocab]` float32, rank 0's collective counts) on rank 0; None on the other
-    ranks under torchrun. seqs: valid token ids (`jobs.read_input_ids` checks a file's). Validates the
-    parallel config before starting any rank."""
-    ModelConfig.from_file(model_dir).check_parallel(parallel)
+    ranks under torchrun. seqs: valid token ids (`jobs.read_input_ids` checks a file's). Validates before
+    starting any rank."""
+    check_forward(ModelConfig.from_file(model_dir), parallel, seqs, device)
     return launch(_rank_forward, parallel.world_size, model_dir, parallel, dtype, seqs, config=parallel,
                   device=device)

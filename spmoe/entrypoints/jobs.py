@@ -1,7 +1,10 @@
-"""What the jobs share: reading token-id input and checking its ids, the dtypes by name, the flat batch,
-splitting a batch over the data-parallel ranks and gathering it back."""
+"""What the jobs share: reading token-id input and checking its ids, the checks every job runs before any rank
+starts (output paths, device, sequence lengths), the dtypes by name, the flat batch, splitting a batch over
+the data-parallel ranks and gathering it back."""
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -30,6 +33,47 @@ def read_input_ids(path: str | Path, vocab_size: int) -> list[list[int]]:
             if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab_size:
                 raise ValueError(f"{path}: sequence {i} has token id {tok!r}, expected an int in [0, {vocab_size})")
     return seqs
+
+
+def check_writable(path: str | Path, option: str) -> None:
+    """Raise unless `path` can be written as a file: not a folder, in an existing folder where a file can be
+    created (probed with a temporary file), and writable if it exists. A device or pipe (/dev/stdout) only
+    needs to be writable."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a folder; expected a file path")
+    if path.exists() and not path.is_file():
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{option} {path} is not writable")
+        return
+    if not path.parent.is_dir():
+        raise ValueError(f"{option} {path}: the folder {path.parent} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".spmoe-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{option} {path} cannot be written: creating a file in {path.parent} failed "
+                         f"({e.strerror})") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{option} {path} cannot be written: permission denied")
+
+
+def check_device(device: str, ranks: int) -> None:
+    """Raise unless `device` can hold `ranks` local ranks (one GPU each on CUDA). Under torchrun every process
+    is one rank, so one GPU is enough."""
+    if device == "cpu":
+        return
+    needed = 1 if "WORLD_SIZE" in os.environ else ranks
+    if not torch.cuda.is_available() or torch.cuda.device_count() < needed:
+        raise ValueError(f"--device cuda with {ranks} ranks needs {needed} visible GPU(s), found "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+
+
+def check_positions(longest: int, max_position_embeddings: int | None, what: str) -> None:
+    """Raise if `longest` positions exceed the model's `max_position_embeddings` (when the config states it)."""
+    if max_position_embeddings is not None and longest > max_position_embeddings:
+        raise ValueError(f"{what}: {longest} positions, more than the model's max_position_embeddings = "
+                         f"{max_position_embeddings}")
 
 
 def flatten(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,23 +74,35 @@ def test_bad_input_is_a_one_line_error(case, fragment, engine_checkpoint, tmp_pa
 
 @pytest.mark.parametrize("command, extra", [("forward", ["--save-logits"]),
                                             ("generate", ["--max-new-tokens", "2", "--output"])])
-def test_sp_defaults_to_auto(command, extra, engine_checkpoint, tmp_path, capsys):
-    """Without --sp the command takes auto: off at DP 1, on at DP 2. TP 4 does not divide the 6 heads, so each
-    run stops with that error right after printing its SP decision, before any rank starts."""
+def test_sp_defaults_to_auto(command, extra, engine_checkpoint, tmp_path, capsys, monkeypatch):
+    """Without --sp the command takes auto: off at DP 1, on at DP 2. The job itself is replaced by one that
+    records the parallel config it was given and returns None (as on a torchrun rank other than 0), so no rank
+    starts; every check before it runs for real."""
+    given = []
+    monkeypatch.setattr(f"spmoe.entrypoints.{command}.run_{command}", lambda _, parallel, *a: given.append(parallel))
     ids = tmp_path / "ids.json"
     ids.write_text("[[1, 2]]")
     for dp, decision in ((1, "off"), (2, "on")):
-        assert main([command, "--model", engine_checkpoint, "--tp", "4", "--dp", str(dp), "--input-ids", str(ids),
-                     *extra, str(tmp_path / "out")]) == 1
+        assert main([command, "--model", engine_checkpoint, "--tp", "2", "--dp", str(dp), "--input-ids", str(ids),
+                     *extra, str(tmp_path / "out")]) == 0
         err = capsys.readouterr().err
         assert f"sequence-parallel MoE {decision} (--sp auto, scope moe)" in err, err
-        assert "num_attention_heads = 6 is not divisible by tensor_parallel_size = 4" in err, err
+        assert given[-1].sequence_parallel_moe == "auto" and given[-1].use_sequence_parallel_moe == (dp == 2)
+    assert len(given) == 2
 
 
 def test_unknown_option_exits_non_zero(engine_checkpoint, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         generate_cli(tmp_path, engine_checkpoint, [[1]], "--max-new-tokens", "2", "--beam-width", "4")
     assert exit_info.value.code == 2
+
+
+def collective_cells(text: str) -> dict[str, list[str]]:
+    """The demo table's rows -> their all_reduce, all_gather and reduce_scatter cells (count/KiB)."""
+    from spmoe.entrypoints.demo import MODES
+
+    labels = {label for label, *_ in MODES}
+    return {line[:18].strip(): line[18:].split()[1:4] for line in text.splitlines() if line[:18].strip() in labels}
 
 
 def test_demo_runs_and_reuses_its_checkpoint(tmp_path):
@@ -100,6 +113,12 @@ def test_demo_runs_and_reuses_its_checkpoint(tmp_path):
         assert done.returncode == 0, done.stderr
         assert f"({expected})" in done.stdout
         assert "all 5 modes produced identical tokens" in done.stdout
+        # the expert choice: once per kind of MoE layer, never by the checkpoint writer
+        assert [line.split(": ")[1] for line in done.stderr.splitlines() if line.startswith("spmoe: experts")] == \
+            ["experts of non-SP MoE layers", "experts of SP MoE layers"], done.stderr
         # the server: the chat template wraps the 19-byte message in 3 special tokens; up to 24 tokens come back
         assert re.search(r"usage: 22 prompt \+ \d+ completion tokens, finish_reason (stop|length)", done.stdout)
         assert "SIGTERM: the server stopped" in done.stdout
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = collective_cells(readme)
+    assert len(table) == 5 and table == collective_cells(done.stdout), "README's demo table is out of date"

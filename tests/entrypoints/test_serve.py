@@ -210,6 +210,38 @@ def test_sigterm_stops_every_rank(server):
     holder.join(timeout=30)
 
 
+def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
+    """Under torchrun the agent sends SIGTERM to every worker: rank 0 stops its front end, the other rank
+    (blocked in the control plane's broadcast) ends on the signal, and no process of the run is left, well
+    before the agent's SIGKILL 30 s later."""
+    port, log = free_port(), tmp_path / "torchrun.txt"
+    with open(log, "w") as out:
+        agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                  "2", "-m", "spmoe", "serve", "--model", str(checkpoint), "--tp", "2", "--port",
+                                  str(port), "--max-model-len", str(MAX_MODEL_LEN)], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "ready: http://" not in log.read_text():
+            assert agent.poll() is None, f"torchrun exited with {agent.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"not ready after {START_TIMEOUT_S} s:\n{log.read_text()}"
+            time.sleep(0.2)
+        workers = descendants(agent.pid)
+        assert len(workers) >= 2, workers
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                          json={"model": str(checkpoint), "prompt": "hi", "max_tokens": 2}).status_code == 200
+        began = time.monotonic()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+        while any(alive(pid) for pid in workers) and time.monotonic() - began < 30:
+            time.sleep(0.2)
+        assert not [pid for pid in workers if alive(pid)], f"left behind after SIGTERM:\n{log.read_text()}"
+        assert time.monotonic() - began < 20, "the workers outlived SIGTERM until torchrun's SIGKILL (30 s)"
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+
+
 @pytest.mark.parametrize("case, fragment", [
     ("no such folder", "expected a checkpoint folder with config.json, found none"),
     ("no tokenizer", "has no tokenizer: expected tokenizer.json or tokenizer_config.json there"),

@@ -188,9 +188,15 @@ class EngineClient:
             self._loop(state, streams)
         except BaseException as e:  # noqa: BLE001 - the front end must learn of it, not hang
             self.error = f"{type(e).__name__}: {e}"
+            loops = {loop for loop, _ in streams.values()}
             for request_id in list(streams):
                 self._deliver(streams, RequestOutput(request_id, [], "error", error=self.error))
             if not self._closing:  # stop the front end as Ctrl-C would; serve_rank then raises the error
+                for loop in loops:  # once each event loop has run its streams' error outputs
+                    try:
+                        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=1)
+                    except (RuntimeError, TimeoutError):  # closed, or too busy to wait for
+                        pass
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             return
         for request_id in list(streams):
@@ -266,6 +272,9 @@ def serve_rank(model_dir: str, parallel: ParallelConfig, options: ServeOptions, 
         worker_loop(engine)
         return None
     client = EngineClient(engine, options)
+    # A failing engine loop stops the front end with SIGINT; a spawned rank ignores SIGINT (its launcher turns
+    # a Ctrl-C into ending every rank), so rank 0 takes SIGINT back while the front end runs.
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
     client.start()
     try:
         result = start_front_end(client)
@@ -275,6 +284,7 @@ def serve_rank(model_dir: str, parallel: ParallelConfig, options: ServeOptions, 
         result = None
     finally:
         client.close()
+        signal.signal(signal.SIGINT, ignored)
     if client.error is not None:
         raise RuntimeError(f"the engine loop failed: {client.error}")
     return result

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from spmoe.config import ModelConfig, ParallelConfig
@@ -57,7 +57,8 @@ def write_random_checkpoint(raw_config: dict, folder: Path, seed: int) -> None:
     """Write `config.json` and a `model.safetensors` of deterministic random weights (main and MTP layers) in
     the Hugging Face layout, for the demo and tests. Runs on one rank (TP = 1)."""
     cfg = ModelConfig.from_dict(raw_config)
-    model = build_model(cfg, ParallelConfig(tensor_parallel_size=1), cfg.num_nextn_predict_layers > 0, set())
+    model = build_model(cfg, ParallelConfig(tensor_parallel_size=1, moe_backend="torch"),  # never run: no choice
+                        cfg.num_nextn_predict_layers > 0, set())
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for key, (dest, _, _) in sorted(_plan(model).items()):
@@ -93,7 +94,7 @@ class Checkpoint:
                 raise FileNotFoundError(f"no *.safetensors files in {folder}")
             weight_map = {}
             for f in files:
-                with safe_open(f, "pt") as handle:
+                with _open(f) as handle:
                     weight_map.update({key: f.name for key in handle.keys()})
         self.folder, self.weight_map, self._handles = folder, weight_map, {}
 
@@ -103,7 +104,7 @@ class Checkpoint:
     def _slice(self, key: str):
         name = self.weight_map[key]
         if name not in self._handles:
-            self._handles[name] = safe_open(self.folder / name, "pt")
+            self._handles[name] = _open(self.folder / name)
         return self._handles[name].get_slice(key)
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -126,6 +127,13 @@ class Checkpoint:
         scale = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
         r, c = row0 % block[0], col0 % block[1]
         return tensor.float() * scale[r:r + tensor.shape[0], c:c + tensor.shape[1]]
+
+
+def _open(path: Path):
+    try:
+        return safe_open(path, "pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
 
 
 def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:

@@ -8,7 +8,7 @@
 4. `torch`: anything (the reference; FP8 dequantised).
 
 An explicit request (`torch`, `triton`, `flashinfer_trtllm` = monolithic, else modular) that does not fit is
-an error that says why. The choice is printed once per process and layer kind.
+an error that says why. The choice of `auto` is printed once per process and layer kind (SP or not), on rank 0.
 """
 
 import sys
@@ -32,7 +32,8 @@ def select_experts(d: ExpertsDeployment, requested: str = "auto") -> type[Expert
     for cls in REQUESTS[requested]:
         reason = cls.unsupported_reason(d)
         if reason is None:
-            _announce(cls, d, skipped)
+            if requested == "auto":  # an explicit request needs no announcement
+                _announce(cls, d, skipped)
             return cls
         skipped.append(f"{cls.name}: {reason}")
     raise ValueError(f"moe_backend {requested!r} does not fit this deployment: {'; '.join(skipped)}")
