@@ -45,6 +45,26 @@ def cache_budget_bytes(device: torch.device | str, gib: float | None = None,
     return int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
 
 
+def field_widths(cfg: ModelConfig, has_indexer: bool, dtype: torch.dtype,
+                 fp8: bool) -> dict[str, tuple[int, torch.dtype]]:
+    """Field of `PagedLayerCache` -> (values per token, dtype)."""
+    e4m3 = torch.float8_e4m3fn
+    widths = {"latent": (cfg.kv_lora_rank, e4m3 if fp8 else dtype), "rope": (cfg.qk_rope_head_dim, dtype)}
+    if fp8:
+        widths["latent_scale"] = (cfg.kv_lora_rank // 128, torch.float32)
+    if has_indexer:
+        widths["index_key"] = (cfg.index_head_dim, e4m3 if fp8 else dtype)
+        if fp8:
+            widths["index_scale"] = (1, torch.float32)
+    return widths
+
+
+def token_bytes(cfg: ModelConfig, layers: dict[int, bool], dtype: torch.dtype, kv_cache_dtype: str) -> int:
+    """Cache bytes one token takes over `layers` (attention layer index -> whether it runs the indexer)."""
+    return sum(width * field_dtype.itemsize for has_indexer in layers.values()
+               for width, field_dtype in field_widths(cfg, has_indexer, dtype, kv_cache_dtype == "fp8").values())
+
+
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, layers: dict[int, bool], budget_bytes: int, dtype: torch.dtype,
                  device: torch.device | str, kv_cache_dtype: str = "auto"):
@@ -78,24 +98,10 @@ class PagedKVCache:
 
     # -- sizes ------------------------------------------------------------------------------------------------
 
-    def _widths(self, has_indexer: bool) -> dict[str, tuple[int, torch.dtype]]:
-        """Field of `PagedLayerCache` -> (values per token, dtype)."""
-        cfg, fp8 = self.cfg, torch.float8_e4m3fn
-        widths = {"latent": (cfg.kv_lora_rank, fp8 if self.fp8 else self.dtype), "rope": (cfg.qk_rope_head_dim,
-                                                                                         self.dtype)}
-        if self.fp8:
-            widths["latent_scale"] = (cfg.kv_lora_rank // 128, torch.float32)
-        if has_indexer:
-            widths["index_key"] = (cfg.index_head_dim, fp8 if self.fp8 else self.dtype)
-            if self.fp8:
-                widths["index_scale"] = (1, torch.float32)
-        return widths
-
     @property
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes over all layers (on each rank)."""
-        return sum(width * dtype.itemsize for has_indexer in self.layer_indexer.values()
-                   for width, dtype in self._widths(has_indexer).values())
+        return token_bytes(self.cfg, self.layer_indexer, self.dtype, "fp8" if self.fp8 else "auto")
 
     @property
     def capacity_tokens(self) -> int:
@@ -103,7 +109,7 @@ class PagedKVCache:
 
     def _allocate(self, rows: int, has_indexer: bool) -> PagedLayerCache:
         fields = {name: torch.zeros(rows, width, dtype=dtype, device=self.device)
-                  for name, (width, dtype) in self._widths(has_indexer).items()}
+                  for name, (width, dtype) in field_widths(self.cfg, has_indexer, self.dtype, self.fp8).items()}
         if self.fp8:  # zero rows must dequantise to zero, and stay finite: scales of 1
             for name in ("latent_scale", "index_scale"):
                 if name in fields:
@@ -120,10 +126,11 @@ class PagedKVCache:
             if start + n > len(table) * BLOCK_SIZE:
                 raise ValueError(f"sequence {i} needs {start + n} positions; its {len(table)} blocks hold "
                                  f"{len(table) * BLOCK_SIZE}")
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        width = max((len(t) for t in block_tables), default=1)  # an empty batch (a DP rank in step): [0, 1]
+        tables = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in block_tables],
+                              dtype=torch.int32).view(len(block_tables), width)
         seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        positions = torch.cat([torch.zeros(0, dtype=torch.long)] + [torch.arange(s, s + n) for s, n in zip(starts, lens)])
         return self.decode_view(tables.to(self.device), seq_index.to(self.device), positions.to(self.device))
 
     def decode_view(self, block_tables: torch.Tensor, seq_index: torch.Tensor,
