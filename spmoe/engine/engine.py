@@ -160,7 +160,7 @@ class Engine:
         if not work and get_parallel_state().dp_size == 1:
             return []
         room = self.scheduler.room
-        decode = all(not s.prefilling and n == 1 for s, n in work)
+        decode = all(not s.prefilling for s, _ in work)
         phase = self.phases["decode" if decode else "prefill"]
         began = time.perf_counter()
         samples = [n == len(s.pending) for s, n in work]  # fed all it had: it samples

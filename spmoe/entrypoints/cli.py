@@ -8,6 +8,7 @@ from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.distributed import RankFailed, spawn
 from spmoe.distributed.selfcheck import layout_selfcheck
+from spmoe.entrypoints.cache_options import add_kv_cache_args, kv_cache_options
 from spmoe.entrypoints.serve.server import add_serve_args, cmd_serve
 
 
@@ -65,7 +66,7 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--speculative mtp needs --num-speculative-tokens >= 1, got {drafts}")
     opts = GenerateOptions(args.max_new_tokens, SamplingParams(args.temperature, args.top_p, args.seed), drafts,
                            tuple(args.eos_id) if args.eos_id is not None else None, args.max_seqs,
-                           args.max_model_len, args.dtype, cuda_graphs=args.cuda_graphs)
+                           args.max_model_len, args.dtype, cuda_graphs=args.cuda_graphs, **kv_cache_options(args))
     print(f"spmoe generate: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens each, tp={args.tp}, "
           f"dp={args.dp}, "
           f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} (--sp {args.sp}, scope "
@@ -142,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-seqs", type=int, help="KV cache slots, i.e. sequences decoded at once (default: all)")
     p.add_argument("--max-model-len", type=int,
                    help="KV cache positions per sequence (default: longest prompt + max new tokens + drafts)")
+    add_kv_cache_args(p, "--max-seqs x --max-model-len tokens")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)")
     p.add_argument("--output", required=True, help='output JSON: {"outputs": [[ids...], ...], "stats": {...}}')
