@@ -24,6 +24,7 @@ A dense row that runs out of memory prints OOM (and larger contexts are skipped 
 import argparse
 import statistics
 import time
+from argparse import Namespace
 
 import torch
 
@@ -137,7 +138,10 @@ def run(args) -> list[dict]:
     random_weights(model)
     print(f"model: {args.layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, experts "
           f"{model.model.experts_backend.name}; {torch.cuda.memory_allocated() / 2 ** 30:.1f} GiB", flush=True)
-    run_case(model, cfg, "paged", 256, args)  # compile the kernels once
+    for kind in args.kinds:  # compile and tune every kernel of the shapes timed below, once
+        run_case(model, cfg, kind, min(args.contexts), args)
+    if args.profile:
+        profile_prefill(model, cfg, args)
     rows, oom = [], set()
     for context in args.contexts:
         for kind in args.kinds:
@@ -151,7 +155,20 @@ def run(args) -> list[dict]:
                 rows.append({"kind": kind, "context": context, "oom": str(e).splitlines()[0][:90]})
             torch.cuda.empty_cache()
             print_row(rows[-1], rows)
+    decode = {(r["kind"], r["context"]): r["decode_ms"] for r in rows if "decode_ms" in r}
+    for kind in args.kinds:
+        if (kind, 2048) in decode and (kind, 32768) in decode:
+            print(f"{kind}: decode ms/step at 32k / at 2k = {decode[kind, 32768] / decode[kind, 2048]:.2f}")
     return rows
+
+
+def profile_prefill(model, cfg, args) -> None:
+    """The CUDA kernels of one paged prefill of `max_num_batched_tokens` tokens, by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_case(model, cfg, "paged", args.max_num_batched_tokens, Namespace(**{**vars(args), "new_tokens": 3}))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), flush=True)
 
 
 def print_row(row: dict, rows: list[dict]) -> None:
@@ -179,6 +196,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--kv-cache-memory", type=float, default=8.0, help="paged cache budget in GiB")
+    parser.add_argument("--profile", action="store_true", help="print the kernels of one paged prefill chunk")
     args = parser.parse_args()
     spawn(run, 1, args, device="cuda", timeout_s=3600)
 
