@@ -22,8 +22,8 @@ CONFIG = dict(vocab_size=96, hidden_size=48, intermediate_size=72, moe_intermedi
               num_key_value_heads=12, n_routed_experts=12, num_experts_per_tok=3, kv_lora_rank=16, q_lora_rank=24,
               qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, index_topk=64, index_head_dim=16,
               index_n_heads=8, max_position_embeddings=40000, num_hidden_layers=4,
-              mlp_layer_types=["dense", "sparse", "dense", "sparse"], indexer_types=["full", "shared", "full", "shared"],
-              n_group=1, topk_group=1)
+              mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+              indexer_types=["full", "shared", "full", "shared"], n_group=1, topk_group=1)
 
 
 def write_checkpoint(folder: Path):

@@ -185,7 +185,8 @@ class Engine:
             phase.tokens_committed += len(new)
             outputs.append(RequestOutput(seq.request_id, new, seq.finish_reason, prompt_tokens=len(seq.request.prompt)))
             if self.drafter is not None and seq.finish_reason is None:
-                to_draft.append((seq, seq.cached, seq.pending[1:verified] + [new[-1]], hidden[fed:fed + verified], True))
+                next_ids = seq.pending[1:verified] + [new[-1]]
+                to_draft.append((seq, seq.cached, next_ids, hidden[fed:fed + verified], True))
             fed += n
             seq.cached += verified
             seq.pending, seq.drafts = [new[-1]], []
@@ -232,8 +233,9 @@ class Engine:
         with count_collectives(phase.collectives):
             hidden = [h for *_, h, _ in to_draft] or [torch.zeros(0, self.model.cfg.hidden_size,
                                                                   dtype=self.cache.dtype, device=self.cache.device)]
-            drafts = self.drafter.propose([room.location(s) for s, *_ in to_draft], [start for _, start, *_ in to_draft],
-                                          [ids for _, _, ids, *_ in to_draft], torch.cat(hidden))
+            drafts = self.drafter.propose([room.location(s) for s, *_ in to_draft],
+                                          [start for _, start, *_ in to_draft], [ids for _, _, ids, *_ in to_draft],
+                                          torch.cat(hidden))
         for (seq, *_, keep), proposed in zip(to_draft, drafts):
             if keep:
                 seq.drafts = proposed

@@ -185,7 +185,8 @@ class PagedKVCache:
         tables = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in block_tables],
                               dtype=torch.int32).view(len(block_tables), width)
         seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
-        positions = torch.cat([torch.zeros(0, dtype=torch.long)] + [torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        positions = torch.cat([torch.zeros(0, dtype=torch.long)]
+                              + [torch.arange(s, s + n) for s, n in zip(starts, lens)])
         return self.decode_view(tables.to(self.device), seq_index.to(self.device), positions.to(self.device))
 
     def decode_view(self, block_tables: torch.Tensor, seq_index: torch.Tensor,
