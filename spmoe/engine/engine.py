@@ -96,9 +96,11 @@ def per_prompt(sampling: SamplingParams, count: int) -> list[SamplingParams]:
 
 class Engine:
     def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache | PagedKVCache, num_speculative_tokens: int = 0,
-                 cuda_graphs: bool = False, max_num_seqs: int | None = None, max_num_batched_tokens: int = 8192):
+                 cuda_graphs: bool = False, max_num_seqs: int | None = None, max_num_batched_tokens: int = 8192,
+                 max_model_len: int | None = None):
         """`max_num_seqs`: sequences running at once on a paged cache (the slot cache: its slot count);
-        `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit."""
+        `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit; `max_model_len`: the
+        most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and not model.num_draft_layers:
@@ -107,7 +109,8 @@ class Engine:
             raise ValueError("CUDA graphs capture the plain decode step only; speculative decoding runs eagerly, "
                              "so pass one or the other")
         self.model, self.cache, self.k = model, cache, num_speculative_tokens
-        room = BlockRoom(cache, max_num_seqs or 256) if isinstance(cache, PagedKVCache) else SlotRoom(cache)
+        room = (BlockRoom(cache, max_num_seqs or 256, max_model_len) if isinstance(cache, PagedKVCache)
+                else SlotRoom(cache))
         self.scheduler = Scheduler(room, num_speculative_tokens, max_num_batched_tokens)
         self.runner = ModelRunner(model, cache, room.max_num_seqs, cuda_graphs)
         self.drafter = MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None

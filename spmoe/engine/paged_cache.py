@@ -100,15 +100,16 @@ def check_paged_budget(cfg: ModelConfig, with_mtp: bool, dtype: torch.dtype, kv_
 
 
 def build_paged_cache(model: nn.Module, gib: float | None, memory_fraction: float | None, kv_cache_dtype: str,
-                      default_tokens: int) -> "PagedKVCache":
+                      default_seqs: int, default_len: int) -> "PagedKVCache":
     """The paged cache sized from `gib` GiB, else `memory_fraction` of the free GPU memory; with neither, on
-    CUDA `DEFAULT_GPU_MEMORY_UTILIZATION` of it, on CPU room for `default_tokens` tokens (whole blocks)."""
+    CUDA `DEFAULT_GPU_MEMORY_UTILIZATION` of it, on CPU room for `default_seqs` sequences of `default_len`
+    tokens, each in its own blocks."""
     cfg, layers, dtype, device = attention_layout(model)
     if gib is None and memory_fraction is None:
         if device.type == "cuda":
             memory_fraction = DEFAULT_GPU_MEMORY_UTILIZATION
         else:
-            blocks = max(1, -(-default_tokens // BLOCK_SIZE))
+            blocks = default_seqs * -(-default_len // BLOCK_SIZE)
             budget = blocks * BLOCK_SIZE * token_bytes(cfg, layers, dtype, kv_cache_dtype)
             return PagedKVCache(cfg, layers, budget, dtype, device, kv_cache_dtype)
     return PagedKVCache(cfg, layers, cache_budget_bytes(device, gib, memory_fraction), dtype, device, kv_cache_dtype)

@@ -100,22 +100,24 @@ class SlotRoom:
 
 class BlockRoom:
     """The paged KV cache's blocks as room for tokens: a sequence holds blocks for what it has fed (and its
-    reserve), and grows them as it goes; up to `max_num_seqs` sequences at once."""
+    reserve), and grows them as it goes; up to `max_num_seqs` sequences at once, each of up to
+    `max_model_len` tokens (None: the whole cache)."""
 
-    def __init__(self, cache: PagedKVCache, max_num_seqs: int):
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_model_len: int | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.cache, self.max_num_seqs = cache, max_num_seqs
         self.blocks = BlockManager(cache.num_blocks, cache.block_size)
+        self.max_model_len = min(max_model_len or self.blocks.capacity_tokens, self.blocks.capacity_tokens)
         self.peak_blocks = 0  # the most blocks in use at once
         self._next_id = 0
 
     def fits(self, num_tokens: int) -> bool:
-        return num_tokens <= self.blocks.capacity_tokens
+        return num_tokens <= self.max_model_len
 
     @property
     def max_tokens_per_sequence(self) -> int:
-        return self.blocks.capacity_tokens
+        return self.max_model_len
 
     def can_allocate(self, num_tokens: int) -> bool:
         return self.blocks.can_allocate(num_tokens)
@@ -188,20 +190,25 @@ class Scheduler:
             count = len(seq.pending) if not seq.prefilling else min(len(seq.pending), budget)
             if count == 0:
                 continue
-            if self._make_room(seq, seq.cached + count + self.reserve_tokens):
+            if self._make_room(seq, self._room_for(seq, seq.cached + count)):
                 work.append((seq, count))
                 budget -= count if seq.prefilling else 0
         while self.waiting and budget > 0 and len(self.running) < self.room.max_num_seqs:
             seq = self.waiting[0]
             count = min(len(seq.pending), budget)
-            if not self.room.can_allocate(count + self.reserve_tokens):
+            if not self.room.can_allocate(self._room_for(seq, count)):
                 break
             self.waiting.popleft()
-            self.room.allocate(seq, count + self.reserve_tokens)
+            self.room.allocate(seq, self._room_for(seq, count))
             self.running.append(seq)
             work.append((seq, count))
             budget -= count
         return work
+
+    def _room_for(self, seq: Sequence, fed: int) -> int:
+        """The room `seq` needs once it holds `fed` tokens: those and the reserve, but never more than its
+        request can occupy (the drafts' rows past that are never written: it finishes first)."""
+        return min(fed + self.reserve_tokens, self.tokens_needed(seq.request))
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq` to `num_tokens` tokens, preempting the latest admitted sequences (maybe `seq` itself)

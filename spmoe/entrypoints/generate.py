@@ -48,9 +48,10 @@ def _rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[
         cache = KVCache.for_model(model, seqs, opts.cache_len(prompts))
     else:
         cache = build_paged_cache(model, opts.kv_cache_memory, opts.gpu_memory_utilization, opts.kv_cache_dtype,
-                                  seqs * opts.cache_len(prompts))
+                                  seqs, opts.cache_len(prompts))
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
-    engine = Engine(model, cache, opts.num_speculative_tokens, opts.cuda_graphs, seqs, opts.max_num_batched_tokens)
+    engine = Engine(model, cache, opts.num_speculative_tokens, opts.cuda_graphs, seqs, opts.max_num_batched_tokens,
+                    opts.max_model_len)
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
     live_terminal = sys.stderr.isatty()
 

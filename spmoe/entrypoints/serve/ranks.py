@@ -279,9 +279,9 @@ def serve_rank(model_dir: str, parallel: ParallelConfig, options: ServeOptions, 
         cache = KVCache.for_model(model, options.max_num_seqs, options.max_model_len)
     else:
         cache = build_paged_cache(model, options.kv_cache_memory, options.gpu_memory_utilization,
-                                  options.kv_cache_dtype, options.max_num_seqs * options.max_model_len)
+                                  options.kv_cache_dtype, options.max_num_seqs, options.max_model_len)
     engine = Engine(model, cache, options.num_speculative_tokens, options.cuda_graphs, options.max_num_seqs,
-                    options.max_num_batched_tokens)
+                    options.max_num_batched_tokens, options.max_model_len)
     if state.rank != 0:
         worker_loop(engine)
         return None
