@@ -41,8 +41,8 @@ class MtpDrafter:
         """Catch up on the verified positions of each sequence, then draft.
 
         Sequence i (cache room `locations[i]`: a slot, or a block table) has `len(next_ids[i])` verified
-        positions from `starts[i]` on; `next_ids[i]` holds the token after each of them and `hidden` `[sum of lengths, H]` the target's post-norm hidden at each.
-        Returns k drafts per sequence.
+        positions from `starts[i]` on; `next_ids[i]` holds the token after each of them and `hidden`
+        `[sum of lengths, H]` the target's post-norm hidden at each. Returns k drafts per sequence.
         """
         device, lens = hidden.device, [len(ids) for ids in next_ids]
         view = self.cache.view(locations, starts, lens)
