@@ -1,10 +1,16 @@
 """CUDA graphs for the plain decode step (one new token per live sequence), SP on or off.
 
 Launching a decode step's few hundred small kernels and collectives one by one costs more than running them
-at small batches. Instead, at start-up, the step (the model, then the LM head) is captured once per padded
-batch size B in `BATCH_SIZES` up to the cache's slot count, and each decode step replays the smallest graph
-that fits. Pad rows get token 0 at position 0 in the KV cache's scratch slot; they attend only themselves and
+at small batches. Instead the step (the model, then the LM head) is captured once per padded batch size B in
+`BATCH_SIZES` up to the engine's sequence count, and each decode step replays the smallest graph that fits.
+Pad rows get token 0 at position 0 in the cache's scratch slot or block; they attend only themselves and
 their logits are dropped.
+
+- Slot cache: every B is captured at start-up; a row reads its slot's `max_len` positions.
+- Paged cache: a graph also fixes the block-table width W (in blocks), and the indexer scans W * block_size
+  positions per row. So graphs are keyed by (B, W), W a power of two covering the longest table in the step,
+  and captured on first use (every rank runs the same steps, so every rank captures in the same order): a
+  decode step costs what its context needs, never what the cache could hold.
 
 Captured, the step must not sync the host nor change shape with the data. Hence it needs: DP = 1 (DP ranks
 would have to agree on B each step), the `allgather_reducescatter` dispatch (`all_to_all` reads its counts
@@ -17,6 +23,7 @@ import torch
 
 from spmoe.distributed import CommStats, count_collectives, get_parallel_state
 from spmoe.engine.kv_cache import KVCache
+from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -25,7 +32,8 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 @dataclass
 class CapturedStep:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [3, B] int64: token ids, KV cache slots, positions
+    inputs: torch.Tensor  # [3, B] int64: token ids, KV cache slots (paged: the row's own index), positions
+    block_tables: torch.Tensor | None  # [B, W] int32 (paged cache), else None
     logits: torch.Tensor  # [B, V] float32, rewritten by each replay
     collectives: CommStats  # of one replay, counted at capture
 
@@ -49,8 +57,9 @@ def graph_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache):
-        """Captures one graph per size in `graph_sizes(cache.max_seqs)`, on every rank in the same order."""
+    def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache | PagedKVCache, max_num_seqs: int):
+        """Slot cache: captures one graph per size in `graph_sizes(max_num_seqs)` now, on every rank in the
+        same order. Paged cache: captures each (B, W) on first use."""
         problems = deployment_problems(cache.device.type, get_parallel_state().dp_size, model.parallel.ep_backend)
         capturable, experts = model.graph_capturable
         if not capturable:
@@ -58,46 +67,75 @@ class DecodeGraphs:
                             f"picks triton)")
         if problems:
             raise ValueError("CUDA graphs for decode need " + "; ".join(problems))
-        self.model, self.cache = model, cache
-        self.steps: dict[int, CapturedStep] = {}
-        pool = None
-        for size in reversed(graph_sizes(cache.max_seqs)):  # largest first, the others reuse its memory
-            self.steps[size] = self._capture(size, pool)
-            pool = self.steps[size].graph.pool()
+        self.model, self.cache, self.max_num_seqs = model, cache, max_num_seqs
+        self.paged = isinstance(cache, PagedKVCache)
+        self.steps: dict[tuple[int, int], CapturedStep] = {}  # (B, W) -> graph; W = 0 for the slot cache
+        self._pool = None
+        if not self.paged:
+            for size in reversed(graph_sizes(max_num_seqs)):  # largest first, the others reuse its memory
+                self._capture(size, 0)
 
-    def eager_step(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The captured step, run eagerly: inputs `[3, B]` (ids, slots, positions) -> logits `[B, V]`."""
-        ids, slots, positions = inputs
-        view = self.cache.decode_view(slots, positions)
+    def batch_sizes(self) -> list[int]:
+        """The padded batch sizes captured so far."""
+        return sorted({size for size, _ in self.steps})
+
+    def eager_step(self, inputs: torch.Tensor, block_tables: torch.Tensor | None = None) -> torch.Tensor:
+        """The captured step, run eagerly: inputs `[3, B]` (ids, slots, positions; paged: ids, row index,
+        positions) and, paged, block_tables `[B, W]` -> logits `[B, V]`."""
+        ids, where, positions = inputs
+        if block_tables is None:
+            view = self.cache.decode_view(where, positions)
+        else:
+            view = self.cache.decode_view(block_tables, where, positions)
         return self.model.compute_logits(self.model.forward_hidden(ids, positions, [1] * ids.shape[0], view))
 
-    def _capture(self, size: int, pool) -> CapturedStep:
-        inputs = torch.zeros(3, size, dtype=torch.long, device=self.cache.device)
-        inputs[1] = self.cache.scratch_slot
+    def _capture(self, size: int, width: int) -> CapturedStep:
+        device = self.cache.device
+        inputs = torch.zeros(3, size, dtype=torch.long, device=device)
+        tables = None
+        if self.paged:
+            inputs[1] = torch.arange(size, device=device)
+            tables = torch.full((size, width), self.cache.scratch_block, dtype=torch.int32, device=device)
+        else:
+            inputs[1] = self.cache.scratch_slot
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad():
             with torch.cuda.stream(side):  # warm-up: compiles kernels, sets up communicators
-                self.eager_step(inputs)
+                self.eager_step(inputs, tables)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with count_collectives() as collectives, torch.cuda.graph(graph, pool=pool):
-                logits = self.eager_step(inputs)
-        return CapturedStep(graph, inputs, logits, collectives)
+            with count_collectives() as collectives, torch.cuda.graph(graph, pool=self._pool):
+                logits = self.eager_step(inputs, tables)
+        self._pool = graph.pool()
+        self.steps[size, width] = CapturedStep(graph, inputs, tables, logits, collectives)
+        return self.steps[size, width]
 
-    def step(self, ids: list[int], slots: list[int], positions: list[int], stats: CommStats) -> torch.Tensor:
-        """One decode step for `len(ids)` sequences -> logits `[len(ids), V]` (a view of the graph's output,
-        valid until the next step). Adds the replayed collectives to `stats`."""
+    def step(self, ids: list[int], locations: list, positions: list[int], stats: CommStats) -> torch.Tensor:
+        """One decode step for `len(ids)` sequences (`locations`: their slots, or block tables) -> logits
+        `[len(ids), V]` (a view of the graph's output, valid until the next step). Adds the replayed
+        collectives to `stats`."""
         count = len(ids)
-        if count > self.cache.max_seqs:
+        if count > self.max_num_seqs:
             raise ValueError(f"{count} sequences in one decode step; graphs were captured for up to "
-                             f"{self.cache.max_seqs}")
-        if any(p >= self.cache.max_len for p in positions):
-            raise ValueError(f"a decode position reaches {max(positions)}; the cache holds {self.cache.max_len}")
-        captured = self.steps[min(size for size in self.steps if size >= count)]
-        pad = captured.inputs.shape[1] - count
-        host = torch.tensor([ids + [0] * pad, slots + [self.cache.scratch_slot] * pad, positions + [0] * pad])
-        captured.inputs.copy_(host)
+                             f"{self.max_num_seqs}")
+        size = min(s for s in graph_sizes(self.max_num_seqs) if s >= count)
+        pad = size - count
+        if not self.paged:
+            if any(p >= self.cache.max_len for p in positions):
+                raise ValueError(f"a decode position reaches {max(positions)}; the cache holds {self.cache.max_len}")
+            captured = self.steps[size, 0]
+            host = torch.tensor([ids + [0] * pad, locations + [self.cache.scratch_slot] * pad, positions + [0] * pad])
+            captured.inputs.copy_(host)
+        else:
+            needed = max(len(table) for table in locations)
+            width = min(1 << (needed - 1).bit_length(), max(needed, self.cache.num_blocks))
+            captured = self.steps.get((size, width)) or self._capture(size, width)
+            scratch = self.cache.scratch_block
+            tables = [table + [scratch] * (width - len(table)) for table in locations] + [[scratch] * width] * pad
+            captured.inputs[0].copy_(torch.tensor(ids + [0] * pad))
+            captured.inputs[2].copy_(torch.tensor(positions + [0] * pad))
+            captured.block_tables.copy_(torch.tensor(tables, dtype=torch.int32))
         captured.graph.replay()
         stats.add(captured.collectives)
         return captured.logits[:count]

@@ -5,18 +5,22 @@ Every rank of the TP group runs the same steps on the same requests. The logits 
 same tokens and the ranks stay in step without exchanging them. Under DP each DP group has its own engine and
 requests; every DP rank steps together (the MoE dispatch spans all of them), with an empty batch if need be.
 
+The KV cache is either the paged cache (`PagedKVCache`: blocks handed out as sequences grow, the sparse DSA
+path; the default of `spmoe generate` and `spmoe serve`) or the slot cache (`KVCache`: the dense reference).
+
 One step:
-1. Admit waiting requests while the KV cache has room (`scheduler.py`).
-2. One target forward over every running sequence's pending tokens, laid end to end (`model_runner.py`): a
-   new sequence's whole prompt (prefill), else its last token followed by its drafts when speculating. A
-   plain decode step therefore has N = the number of running sequences: N = 1, 2 or 3 on 2 to 4 ranks is
-   the everyday case. With `cuda_graphs`, plain decode steps replay a captured graph; prefill stays eager.
-3. Commit: sample from each sequence's last row with its own sampler, or accept drafts greedily
-   (`speculative.py`).
+1. Schedule (`scheduler.py`): decode tokens first, then prompt chunks under the token budget; admit waiting
+   requests while the cache has room; grow every running sequence's room, preempting when it runs out.
+2. One target forward over every scheduled sequence's tokens, laid end to end (`model_runner.py`): a chunk
+   of a prompt, else its last token followed by its drafts when speculating. A plain decode step therefore
+   has N = the number of running sequences: N = 1, 2 or 3 on 2 to 4 ranks is the everyday case. With
+   `cuda_graphs`, plain decode steps replay a captured graph; prefill stays eager.
+3. Commit: a sequence that fed its last pending token samples from its last row with its own sampler, or
+   accepts drafts greedily (`speculative.py`); a prompt chunk only advances the cached count.
 4. Finish sequences at an eos id or `max_new_tokens`; free their cache room. A sequence whose logits hold a
    NaN or an infinity has no next token: it finishes with finish_reason "error" and an error naming the step,
    and the others carry on (the server keeps serving); `generate` raises that error instead.
-5. When speculating, the drafter proposes the next drafts from the verified positions.
+5. When speculating, the drafter catches up on the fed positions and proposes the next drafts.
 
 `generate` is the batch job (spmoe generate, the demo) on top of `add_request` / `step`.
 """
@@ -30,9 +34,10 @@ from spmoe.distributed import CommStats, count_collectives, get_parallel_state
 from spmoe.distributed.comm import all_reduce
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.model_runner import ModelRunner
+from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
 from spmoe.engine.sampling import Sampler, SamplingParams, greedy
-from spmoe.engine.scheduler import Scheduler, Sequence, SlotRoom
+from spmoe.engine.scheduler import BlockRoom, Scheduler, Sequence, SlotRoom
 from spmoe.engine.speculative import MtpDrafter, accept_greedy
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
@@ -92,8 +97,12 @@ def per_prompt(sampling: SamplingParams, count: int) -> list[SamplingParams]:
 
 
 class Engine:
-    def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache, num_speculative_tokens: int = 0,
-                 cuda_graphs: bool = False):
+    def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache | PagedKVCache, num_speculative_tokens: int = 0,
+                 cuda_graphs: bool = False, max_num_seqs: int | None = None, max_num_batched_tokens: int = 8192,
+                 max_model_len: int | None = None):
+        """`max_num_seqs`: sequences running at once on a paged cache (the slot cache: its slot count);
+        `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit; `max_model_len`: the
+        most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and not model.num_draft_layers:
@@ -102,8 +111,10 @@ class Engine:
             raise ValueError("CUDA graphs capture the plain decode step only; speculative decoding runs eagerly, "
                              "so pass one or the other")
         self.model, self.cache, self.k = model, cache, num_speculative_tokens
-        self.scheduler = Scheduler(SlotRoom(cache), reserve_tokens=num_speculative_tokens)
-        self.runner = ModelRunner(model, cache, cuda_graphs)
+        room = (BlockRoom(cache, max_num_seqs or 256, max_model_len) if isinstance(cache, PagedKVCache)
+                else SlotRoom(cache))
+        self.scheduler = Scheduler(room, num_speculative_tokens, max_num_batched_tokens)
+        self.runner = ModelRunner(model, cache, room.max_num_seqs, cuda_graphs)
         self.drafter = MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None
         self.counters = EngineMetrics()  # the counters since start; running / waiting / usage filled on demand
         self.reset_stats()
@@ -147,22 +158,34 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        """Admit, run the batch, commit. -> one output per running request (each commits at least one token).
-        With nothing to run it returns at once, except under DP, where every rank must run every step."""
-        running = self.scheduler.schedule()
-        if not running and get_parallel_state().dp_size == 1:
+        """Schedule, run the batch, commit. -> one output per request that committed tokens this step (a
+        prompt chunk before the last commits none). With nothing to run it returns at once, except under DP,
+        where every rank must run every step."""
+        work = self.scheduler.schedule()
+        if not work and get_parallel_state().dp_size == 1:
             return []
-        decode = all(s.cached for s in running)
+        room = self.scheduler.room
+        decode = all(not s.prefilling for s, _ in work)
         phase = self.phases["decode" if decode else "prefill"]
         began = time.perf_counter()
+        samples = [n == len(s.pending) for s, n in work]  # fed all it had: it samples
         with count_collectives(phase.collectives):
-            logits, hidden = self.runner.run([s.pending for s in running], [s.slot for s in running],
-                                             [s.cached for s in running], [1 + len(s.drafts) for s in running],
+            logits, hidden = self.runner.run([s.pending[:n] for s, n in work], [room.location(s) for s, _ in work],
+                                             [s.cached for s, _ in work],
+                                             [1 + len(s.drafts) if last else 0 for (s, _), last in zip(work, samples)],
                                              decode, phase.collectives)
         outputs, to_draft, row, fed = [], [], 0, 0
-        for seq in running:
-            n, seq_logits = len(seq.pending), logits[row:row + 1 + len(seq.drafts)]
+        for (seq, n), last in zip(work, samples):
+            if not last:  # a prompt chunk: the MTP layer catches up on it with the next prompt tokens
+                if self.drafter is not None:
+                    to_draft.append((seq, seq.cached, seq.pending[1:n + 1], hidden[fed:fed + n], False))
+                seq.cached += n
+                seq.pending = seq.pending[n:]
+                fed += n
+                continue
+            seq_logits = logits[row:row + 1 + len(seq.drafts)]
             row += 1 + len(seq.drafts)
+            seq.prefilling = False
             new, verified = self._commit(seq, seq_logits)
             phase.tokens_committed += len(new)
             outputs.append(RequestOutput(seq.request_id, new, seq.finish_reason, seq.error,
@@ -171,7 +194,8 @@ class Engine:
                 fed += n
                 continue
             if self.drafter is not None and seq.finish_reason is None:
-                to_draft.append((seq, seq.cached, seq.pending[1:verified] + [new[-1]], hidden[fed:fed + verified]))
+                next_ids = seq.pending[1:verified] + [new[-1]]
+                to_draft.append((seq, seq.cached, next_ids, hidden[fed:fed + verified], True))
             fed += n
             seq.cached += verified
             seq.pending, seq.drafts = [new[-1]], []
@@ -217,17 +241,23 @@ class Engine:
         return new, verified
 
     def _draft(self, to_draft: list) -> None:
+        """to_draft: (sequence, first fed position, the token after each fed position, the target's hidden
+        `[n, H]` there, whether it keeps the drafts); a prompt chunk before the last only fills the MTP
+        layer's cache rows."""
         phase, began = self.phases["draft"], time.perf_counter()
+        room = self.scheduler.room
         with count_collectives(phase.collectives):
-            hidden = [h for *_, h in to_draft] or [torch.zeros(0, self.model.cfg.hidden_size, dtype=self.cache.dtype,
-                                                               device=self.cache.device)]
-            drafts = self.drafter.propose([s.slot for s, *_ in to_draft], [start for _, start, _, _ in to_draft],
-                                          [ids for *_, ids, _ in to_draft], torch.cat(hidden))
-        for (seq, *_), proposed in zip(to_draft, drafts):
-            seq.drafts = proposed
-            seq.pending = seq.pending + proposed
+            hidden = [h for *_, h, _ in to_draft] or [torch.zeros(0, self.model.cfg.hidden_size,
+                                                                  dtype=self.cache.dtype, device=self.cache.device)]
+            drafts = self.drafter.propose([room.location(s) for s, *_ in to_draft],
+                                          [start for _, start, *_ in to_draft], [ids for _, _, ids, *_ in to_draft],
+                                          torch.cat(hidden))
+        for (seq, *_, keep), proposed in zip(to_draft, drafts):
+            if keep:
+                seq.drafts = proposed
+                seq.pending = seq.pending + proposed
         phase.forwards += self.k
-        phase.tokens_fed += sum(len(ids) for *_, ids, _ in to_draft) + (self.k - 1) * len(to_draft)
+        phase.tokens_fed += sum(len(ids) for _, _, ids, *_ in to_draft) + (self.k - 1) * len(to_draft)
         phase.seconds += time.perf_counter() - began
 
     # The batch job.
@@ -274,9 +304,9 @@ class Engine:
             "prefill_s": self.phases["prefill"].seconds, "decode_s": decode_s,
             "decode_tokens_per_s": decode.tokens_committed / decode_s if decode_s else 0.0,
             "phases": {name: phase.as_dict() for name, phase in self.phases.items()},
-            "kv_cache": {"bytes_per_token": self.cache.bytes_per_token, "slots": self.cache.max_seqs,
-                         "max_len": self.cache.max_len},
-            "cuda_graph_batch_sizes": sorted(graphs.steps) if graphs else [],
+            "kv_cache": self.scheduler.room.stats(), "preemptions": self.scheduler.preemptions,
+            "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
+            "cuda_graph_batch_sizes": graphs.batch_sizes() if graphs else [],
         }
         if self.k:
             steps, accepted = self.verify_steps, sum(self.accepted_at)

@@ -26,6 +26,7 @@ from spmoe.layers.sparse_attention import quantize_fp8_vectors
 
 BLOCK_SIZE = 64
 KV_CACHE_DTYPES = ("auto", "fp8")
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.8  # of the free GPU memory once the weights are loaded
 
 
 def cache_budget_bytes(device: torch.device | str, gib: float | None = None,
@@ -43,6 +44,83 @@ def cache_budget_bytes(device: torch.device | str, gib: float | None = None,
         raise ValueError(f"a KV cache budget as a fraction of free memory needs a CUDA device and a fraction in "
                          f"(0, 1], got {memory_fraction} on {device}")
     return int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
+
+
+def field_widths(cfg: ModelConfig, has_indexer: bool, dtype: torch.dtype,
+                 fp8: bool) -> dict[str, tuple[int, torch.dtype]]:
+    """Field of `PagedLayerCache` -> (values per token, dtype)."""
+    e4m3 = torch.float8_e4m3fn
+    widths = {"latent": (cfg.kv_lora_rank, e4m3 if fp8 else dtype), "rope": (cfg.qk_rope_head_dim, dtype)}
+    if fp8:
+        widths["latent_scale"] = (cfg.kv_lora_rank // 128, torch.float32)
+    if has_indexer:
+        widths["index_key"] = (cfg.index_head_dim, e4m3 if fp8 else dtype)
+        if fp8:
+            widths["index_scale"] = (1, torch.float32)
+    return widths
+
+
+def token_bytes(cfg: ModelConfig, layers: dict[int, bool], dtype: torch.dtype, kv_cache_dtype: str) -> int:
+    """Cache bytes one token takes over `layers` (attention layer index -> whether it runs the indexer)."""
+    return sum(width * field_dtype.itemsize for has_indexer in layers.values()
+               for width, field_dtype in field_widths(cfg, has_indexer, dtype, kv_cache_dtype == "fp8").values())
+
+
+def model_layers(cfg: ModelConfig, with_mtp: bool) -> dict[int, bool]:
+    """The attention layers a model built from `cfg` has -> whether each runs the indexer."""
+    count = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
+    return {i: cfg.layer_has_indexer(i) for i in range(count)}
+
+
+def check_paged_budget(cfg: ModelConfig, with_mtp: bool, dtype: torch.dtype, kv_cache_dtype: str,
+                       gib: float | None, memory_fraction: float | None, device: str, longest: int) -> None:
+    """Before anything is allocated: a one-line error unless the options make a valid budget, the budget holds
+    a block of every layer, and (a budget in GiB) the longest sequence (`longest` tokens with its new tokens
+    and drafts) fits the whole cache."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if gib is not None and memory_fraction is not None:
+        raise ValueError(f"give the KV cache budget as --kv-cache-memory or --gpu-memory-utilization, not both; "
+                         f"got {gib} and {memory_fraction}")
+    if memory_fraction is not None and (device != "cuda" or not 0 < memory_fraction <= 1):
+        raise ValueError(f"--gpu-memory-utilization needs --device cuda and a fraction in (0, 1], got "
+                         f"{memory_fraction} on {device}")
+    if gib is None:
+        return
+    if gib <= 0:
+        raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {gib}")
+    per_token = token_bytes(cfg, model_layers(cfg, with_mtp), dtype, kv_cache_dtype)
+    blocks = int(gib * 2 ** 30) // (per_token * BLOCK_SIZE)
+    if blocks < 1:
+        raise ValueError(f"--kv-cache-memory {gib} GiB holds no block: one block of {BLOCK_SIZE} tokens in each of "
+                         f"the {len(model_layers(cfg, with_mtp))} attention layers takes {per_token * BLOCK_SIZE} B")
+    if longest > blocks * BLOCK_SIZE:
+        raise ValueError(f"a sequence needs {longest} KV cache positions (prompt, new tokens and drafts); "
+                         f"--kv-cache-memory {gib} GiB holds {blocks * BLOCK_SIZE} tokens in all")
+
+
+def build_paged_cache(model: nn.Module, gib: float | None, memory_fraction: float | None, kv_cache_dtype: str,
+                      default_seqs: int, default_len: int) -> "PagedKVCache":
+    """The paged cache sized from `gib` GiB, else `memory_fraction` of the free GPU memory; with neither, on
+    CUDA `DEFAULT_GPU_MEMORY_UTILIZATION` of it, on CPU room for `default_seqs` sequences of `default_len`
+    tokens, each in its own blocks."""
+    cfg, layers, dtype, device = attention_layout(model)
+    if gib is None and memory_fraction is None:
+        if device.type == "cuda":
+            memory_fraction = DEFAULT_GPU_MEMORY_UTILIZATION
+        else:
+            blocks = default_seqs * -(-default_len // BLOCK_SIZE)
+            budget = blocks * BLOCK_SIZE * token_bytes(cfg, layers, dtype, kv_cache_dtype)
+            return PagedKVCache(cfg, layers, budget, dtype, device, kv_cache_dtype)
+    return PagedKVCache(cfg, layers, cache_budget_bytes(device, gib, memory_fraction), dtype, device, kv_cache_dtype)
+
+
+def attention_layout(model: nn.Module) -> tuple[ModelConfig, dict[int, bool], torch.dtype, torch.device]:
+    """(config, attention layer index -> whether it runs the indexer, dtype, device) of `model`'s attention
+    layers, the MTP layer's included."""
+    attention = [m for m in model.modules() if isinstance(m, MLAttention)]
+    weight = attention[0].x_proj.weight
+    return attention[0].cfg, {m.layer_idx: m.indexer is not None for m in attention}, weight.dtype, weight.device
 
 
 class PagedKVCache:
@@ -71,31 +149,15 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, model: nn.Module, budget_bytes: int, kv_cache_dtype: str = "auto") -> "PagedKVCache":
         """A cache for every attention layer in `model` (the MTP layer's included), in the model's dtype."""
-        attention = [m for m in model.modules() if isinstance(m, MLAttention)]
-        weight = attention[0].x_proj.weight
-        return cls(attention[0].cfg, {m.layer_idx: m.indexer is not None for m in attention}, budget_bytes,
-                   weight.dtype, weight.device, kv_cache_dtype)
+        cfg, layers, dtype, device = attention_layout(model)
+        return cls(cfg, layers, budget_bytes, dtype, device, kv_cache_dtype)
 
     # -- sizes ------------------------------------------------------------------------------------------------
-
-    def _widths(self, has_indexer: bool) -> dict[str, tuple[int, torch.dtype]]:
-        """Field of `PagedLayerCache` -> (values per token, dtype)."""
-        cfg, fp8 = self.cfg, torch.float8_e4m3fn
-        widths = {"latent": (cfg.kv_lora_rank, fp8 if self.fp8 else self.dtype), "rope": (cfg.qk_rope_head_dim,
-                                                                                         self.dtype)}
-        if self.fp8:
-            widths["latent_scale"] = (cfg.kv_lora_rank // 128, torch.float32)
-        if has_indexer:
-            widths["index_key"] = (cfg.index_head_dim, fp8 if self.fp8 else self.dtype)
-            if self.fp8:
-                widths["index_scale"] = (1, torch.float32)
-        return widths
 
     @property
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes over all layers (on each rank)."""
-        return sum(width * dtype.itemsize for has_indexer in self.layer_indexer.values()
-                   for width, dtype in self._widths(has_indexer).values())
+        return token_bytes(self.cfg, self.layer_indexer, self.dtype, "fp8" if self.fp8 else "auto")
 
     @property
     def capacity_tokens(self) -> int:
@@ -103,7 +165,7 @@ class PagedKVCache:
 
     def _allocate(self, rows: int, has_indexer: bool) -> PagedLayerCache:
         fields = {name: torch.zeros(rows, width, dtype=dtype, device=self.device)
-                  for name, (width, dtype) in self._widths(has_indexer).items()}
+                  for name, (width, dtype) in field_widths(self.cfg, has_indexer, self.dtype, self.fp8).items()}
         if self.fp8:  # zero rows must dequantise to zero, and stay finite: scales of 1
             for name in ("latent_scale", "index_scale"):
                 if name in fields:
@@ -120,10 +182,12 @@ class PagedKVCache:
             if start + n > len(table) * BLOCK_SIZE:
                 raise ValueError(f"sequence {i} needs {start + n} positions; its {len(table)} blocks hold "
                                  f"{len(table) * BLOCK_SIZE}")
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        width = max((len(t) for t in block_tables), default=1)  # an empty batch (a DP rank in step): [0, 1]
+        tables = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in block_tables],
+                              dtype=torch.int32).view(len(block_tables), width)
         seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        positions = torch.cat([torch.zeros(0, dtype=torch.long)]
+                              + [torch.arange(s, s + n) for s, n in zip(starts, lens)])
         return self.decode_view(tables.to(self.device), seq_index.to(self.device), positions.to(self.device))
 
     def decode_view(self, block_tables: torch.Tensor, seq_index: torch.Tensor,

@@ -1,13 +1,21 @@
-"""Which sequences run each step: a waiting queue, a running batch, and admission while the KV cache has room.
+"""Which sequences run each step, and how many tokens each feeds: a waiting queue, a running batch, admission
+while the KV cache has room, chunked prefill under a token budget, and preemption when the cache runs out.
 
-A request becomes a `Sequence` when it is added and waits in arrival order. At the start of every step the
-scheduler admits waiting sequences, first come first served, while the cache can hold them; every running
-sequence then takes part in the step (its whole prompt on its first step, then its last token and any
-drafts). A finished or aborted sequence leaves the batch and frees its room at once, so the next step can
-admit another.
+A request becomes a `Sequence` when it is added and waits in arrival order. Each step (`schedule`):
+1. every running sequence that decodes feeds its pending tokens (its last token and any drafts);
+2. the token budget left (`max_num_batched_tokens` minus those) goes to prompts in chunks: first the running
+   sequences still prefilling, in admission order, then waiting sequences, admitted first come first served
+   while the cache has room for their first chunk and fewer than `max_num_seqs` run. A prompt may thus span
+   several steps; it samples only after its last chunk.
+3. each sequence that feeds this step first grows its cache room to hold what it feeds plus `reserve_tokens`
+   (the MTP drafts written after it). If the cache cannot grow, the most recently admitted running sequence
+   is preempted: its room is freed and it goes back to the front of the waiting queue, to be recomputed
+   later from its prompt and the tokens it has generated so far.
+A finished or aborted sequence leaves the batch and frees its room at once.
 
-The scheduler asks the cache about room in tokens, through `SlotRoom`'s small interface (`fits`,
-`can_allocate`, `allocate`, `free`, `usage`), never about slots, so a paged cache can stand in for it.
+The scheduler asks the cache about room in tokens, through a room's small interface (`fits`, `can_allocate`,
+`allocate`, `can_grow`, `grow`, `free`, `location`, `usage`): `SlotRoom` over the slot `KVCache` (the dense
+reference), `BlockRoom` over the paged cache's blocks.
 """
 
 from collections import deque
@@ -15,26 +23,30 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spmoe.engine.block_manager import BlockManager
 from spmoe.engine.kv_cache import KVCache
+from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.engine.request import Request
 from spmoe.engine.sampling import Sampler
 
 
 @dataclass
 class Sequence:
-    """A request inside the engine: its cache room, what the next forward feeds, what it generated."""
+    """A request inside the engine: its cache room, what the next forwards feed, what it generated."""
 
     request: Request
     sampler: Sampler
     record_logits: bool = False  # keep the logits row `[V]` behind every generated token
-    slot: int = -1  # where its cache rows live (-1: none yet)
+    cache_id: int = -1  # its slot (slot cache) or block-table id (paged cache); -1: no room
     cached: int = 0  # tokens of this sequence in the target's KV cache
-    pending: list[int] = field(default_factory=list)  # what the next target forward feeds
+    pending: list[int] = field(default_factory=list)  # what the next target forwards feed
     drafts: list[int] = field(default_factory=list)  # the tail of `pending` that MTP drafted
+    prefilling: bool = False  # `pending` is (the rest of) a prompt, fed in chunks; it samples after the last
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # `[V]` per committed token, when recorded
     finish_reason: str | None = None
     error: str | None = None  # why it finished with finish_reason "error"
+    preemptions: int = 0
 
     @property
     def request_id(self) -> str:
@@ -46,6 +58,7 @@ class SlotRoom:
 
     def __init__(self, cache: KVCache):
         self.cache = cache
+        self.max_num_seqs = cache.max_seqs
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` tokens can ever be held (the cache empty)."""
@@ -60,24 +73,101 @@ class SlotRoom:
         return self.cache.free_slots > 0 and self.fits(num_tokens)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        seq.slot = self.cache.allocate()
+        seq.cache_id = self.cache.allocate()
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq` can hold `num_tokens` tokens in all (a slot holds `max_len` from the start)."""
+        return self.fits(num_tokens)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        pass
 
     def free(self, seq: Sequence) -> None:
-        self.cache.release(seq.slot)
-        seq.slot = -1
+        self.cache.release(seq.cache_id)
+        seq.cache_id = -1
+
+    def location(self, seq: Sequence) -> int:
+        """What the cache's `view` takes for `seq`: its slot."""
+        return seq.cache_id
 
     def usage(self) -> float:
         """The share of the cache held by sequences (0..1)."""
         return 1 - self.cache.free_slots / self.cache.max_seqs
 
+    def stats(self) -> dict:
+        return {"kind": "slots", "bytes_per_token": self.cache.bytes_per_token, "slots": self.cache.max_seqs,
+                "max_len": self.cache.max_len}
+
+
+class BlockRoom:
+    """The paged KV cache's blocks as room for tokens: a sequence holds blocks for what it has fed (and its
+    reserve), and grows them as it goes; up to `max_num_seqs` sequences at once, each of up to
+    `max_model_len` tokens (None: the whole cache)."""
+
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_model_len: int | None = None):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.cache, self.max_num_seqs = cache, max_num_seqs
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size)
+        self.max_model_len = min(max_model_len or self.blocks.capacity_tokens, self.blocks.capacity_tokens)
+        self.peak_blocks = 0  # the most blocks in use at once
+        self._next_id = 0
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_model_len
+
+    @property
+    def max_tokens_per_sequence(self) -> int:
+        return self.max_model_len
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks.can_allocate(num_tokens)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        seq.cache_id, self._next_id = self._next_id, self._next_id + 1
+        self.blocks.allocate(seq.cache_id, num_tokens)
+        self._note_peak()
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks.can_grow(seq.cache_id, max(0, num_tokens - self.blocks.reserved(seq.cache_id)))
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Room for `num_tokens` tokens of `seq` in all."""
+        self.blocks.grow(seq.cache_id, max(0, num_tokens - self.blocks.reserved(seq.cache_id)))
+        self._note_peak()
+
+    def free(self, seq: Sequence) -> None:
+        self.blocks.free(seq.cache_id)
+        seq.cache_id = -1
+
+    def location(self, seq: Sequence) -> list[int]:
+        """What the cache's `view` takes for `seq`: its block table."""
+        return self.blocks.block_table(seq.cache_id)
+
+    def usage(self) -> float:
+        """The share of the blocks in use (0..1)."""
+        return self.blocks.usage
+
+    def stats(self) -> dict:
+        return {"kind": "paged", "kv_cache_dtype": "fp8" if self.cache.fp8 else "auto",
+                "bytes_per_token": self.cache.bytes_per_token, "block_size": self.cache.block_size,
+                "num_blocks": self.blocks.num_blocks, "capacity_tokens": self.blocks.capacity_tokens,
+                "blocks_in_use": self.blocks.num_used_blocks, "peak_blocks_in_use": self.peak_blocks}
+
+    def _note_peak(self) -> None:
+        self.peak_blocks = max(self.peak_blocks, self.blocks.num_used_blocks)
+
 
 class Scheduler:
-    def __init__(self, room: SlotRoom, reserve_tokens: int = 0):
-        """`reserve_tokens`: room a sequence needs beyond its prompt and `max_new_tokens` (the drafts fed on
-        its last step)."""
-        self.room, self.reserve_tokens = room, reserve_tokens
+    def __init__(self, room: SlotRoom | BlockRoom, reserve_tokens: int = 0, max_num_batched_tokens: int = 8192):
+        """`reserve_tokens`: room a sequence needs beyond what it feeds (the drafts MTP writes after it);
+        `max_num_batched_tokens`: the tokens one step feeds (decode tokens first, then prompt chunks)."""
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.room, self.reserve_tokens, self.max_num_batched_tokens = room, reserve_tokens, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order
+        self.preemptions = 0
 
     def tokens_needed(self, request: Request) -> int:
         """The most cache positions the request can occupy."""
@@ -87,16 +177,60 @@ class Scheduler:
         return any(s.request_id == request_id for s in (*self.waiting, *self.running))
 
     def add(self, seq: Sequence) -> None:
+        seq.pending, seq.prefilling = list(seq.request.prompt), True
         self.waiting.append(seq)
 
-    def schedule(self) -> list[Sequence]:
-        """Admit waiting sequences while the cache has room -> the sequences that run this step."""
-        while self.waiting and self.room.can_allocate(self.tokens_needed(self.waiting[0].request)):
-            seq = self.waiting.popleft()
-            self.room.allocate(seq, self.tokens_needed(seq.request))
-            seq.pending = list(seq.request.prompt)
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """-> (sequence, tokens it feeds from the head of its `pending`) for every sequence that runs this
+        step, in admission order. A sequence samples this step iff it feeds all its pending tokens."""
+        budget = self.max_num_batched_tokens - sum(len(s.pending) for s in self.running if not s.prefilling)
+        work = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted for an earlier sequence
+                continue
+            count = len(seq.pending) if not seq.prefilling else min(len(seq.pending), budget)
+            if count == 0:
+                continue
+            if self._make_room(seq, self._room_for(seq, seq.cached + count)):
+                work.append((seq, count))
+                budget -= count if seq.prefilling else 0
+        while self.waiting and budget > 0 and len(self.running) < self.room.max_num_seqs:
+            seq = self.waiting[0]
+            count = min(len(seq.pending), budget)
+            if not self.room.can_allocate(self._room_for(seq, count)):
+                break
+            self.waiting.popleft()
+            self.room.allocate(seq, self._room_for(seq, count))
             self.running.append(seq)
-        return list(self.running)
+            work.append((seq, count))
+            budget -= count
+        return work
+
+    def _room_for(self, seq: Sequence, fed: int) -> int:
+        """The room `seq` needs once it holds `fed` tokens: those and the reserve, but never more than its
+        request can occupy (the drafts' rows past that are never written: it finishes first)."""
+        return min(fed + self.reserve_tokens, self.tokens_needed(seq.request))
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow `seq` to `num_tokens` tokens, preempting the latest admitted sequences (maybe `seq` itself)
+        until it fits. -> whether `seq` still runs."""
+        while not self.room.can_grow(seq, num_tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.room.grow(seq, num_tokens)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's room and queue it first, to recompute its prompt and output later."""
+        self.running.remove(seq)
+        self.room.free(seq)
+        seq.cached, seq.drafts, seq.prefilling = 0, [], True
+        seq.pending = list(seq.request.prompt) + seq.output
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a running sequence out of the batch and free its room."""

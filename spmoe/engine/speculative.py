@@ -14,6 +14,7 @@ tokens, and later writes overwrite the stale cache rows.
 import torch
 
 from spmoe.engine.kv_cache import KVCache
+from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 
@@ -34,29 +35,29 @@ def accept_greedy(drafts: list[int], target_choices: list[int]) -> tuple[int, li
 
 class MtpDrafter:
     """Drafts `k` tokens per sequence with the model's MTP layer, greedily. Its KV cache rows live in the
-    engine's cache, under the MTP layer's index, in the same slots as the target's."""
+    engine's cache, under the MTP layer's index, in the same slots (or blocks) as the target's."""
 
-    def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache, k: int):
+    def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache | PagedKVCache, k: int):
         self.model, self.cache, self.k = model, cache, k
 
-    def propose(self, slots: list[int], starts: list[int], next_ids: list[list[int]],
+    def propose(self, locations: list, starts: list[int], next_ids: list[list[int]],
                 hidden: torch.Tensor) -> list[list[int]]:
         """Catch up on the verified positions of each sequence, then draft.
 
-        Sequence i has `len(next_ids[i])` verified positions from `starts[i]` on; `next_ids[i]` holds the
-        token after each of them and `hidden` `[sum of lengths, H]` the target's post-norm hidden at each.
-        Returns k drafts per sequence.
+        Sequence i (cache room `locations[i]`: a slot, or a block table) has `len(next_ids[i])` verified
+        positions from `starts[i]` on; `next_ids[i]` holds the token after each of them and `hidden`
+        `[sum of lengths, H]` the target's post-norm hidden at each. Returns k drafts per sequence.
         """
         device, lens = hidden.device, [len(ids) for ids in next_ids]
-        view = self.cache.view(slots, starts, lens)
+        view = self.cache.view(locations, starts, lens)
         ids = torch.tensor([t for seq in next_ids for t in seq], dtype=torch.long, device=device)
         last_rows = torch.tensor(lens, dtype=torch.long, device=device).cumsum(0) - 1
         h = self.model.forward_draft_hidden(ids, view.positions, hidden, lens, view)[last_rows]  # [S, H]
         tokens = self.model.compute_draft_logits(h).argmax(-1)  # [S]
         drafts = [tokens.tolist()]
-        positions, ones = [s + n for s, n in zip(starts, lens)], [1] * len(slots)
+        positions, ones = [s + n for s, n in zip(starts, lens)], [1] * len(locations)
         for _ in range(self.k - 1):
-            view = self.cache.view(slots, positions, ones)
+            view = self.cache.view(locations, positions, ones)
             h = self.model.forward_draft_hidden(tokens, view.positions, h, ones, view)  # recycle the post-norm hidden
             tokens = self.model.compute_draft_logits(h).argmax(-1)
             drafts.append(tokens.tolist())

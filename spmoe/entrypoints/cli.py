@@ -9,6 +9,7 @@ from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.distributed import RankFailed, Stopped, spawn
 from spmoe.distributed.selfcheck import layout_selfcheck
+from spmoe.entrypoints.cache_options import add_kv_cache_args, kv_cache_options
 from spmoe.entrypoints.serve.server import add_serve_args, cmd_serve
 
 
@@ -74,7 +75,7 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--num-speculative-tokens {args.num_speculative_tokens} needs --speculative mtp")
     opts = GenerateOptions(args.max_new_tokens, SamplingParams(args.temperature, args.top_p, args.seed), drafts,
                            tuple(args.eos_id) if args.eos_id is not None else None, args.max_seqs,
-                           args.max_model_len, args.dtype, cuda_graphs=args.cuda_graphs)
+                           args.max_model_len, args.dtype, cuda_graphs=args.cuda_graphs, **kv_cache_options(args))
     check_generate(cfg, parallel, prompts, opts, args.device, {"--output": args.output})
     print(f"spmoe generate: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens each, tp={args.tp}, "
           f"dp={args.dp}, "
@@ -152,6 +153,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-seqs", type=int, help="KV cache slots, i.e. sequences decoded at once (default: all)")
     p.add_argument("--max-model-len", type=int,
                    help="KV cache positions per sequence (default: longest prompt + max new tokens + drafts)")
+    add_kv_cache_args(p, "--max-seqs x --max-model-len tokens")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)")
     p.add_argument("--output", required=True, help='output JSON: {"outputs": [[ids...], ...], "stats": {...}}')

@@ -13,6 +13,7 @@ from spmoe.distributed import get_parallel_state, launch
 from spmoe.engine.cuda_graphs import deployment_problems
 from spmoe.engine.engine import Engine, Generation, check_prompts, check_speculation, per_prompt
 from spmoe.engine.kv_cache import KVCache
+from spmoe.engine.paged_cache import build_paged_cache, check_paged_budget
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.jobs import (DTYPES, check_device, check_positions, check_writable, gather_from_dp,
                                     split_for_dp)
@@ -30,6 +31,11 @@ class GenerateOptions:
     record_logits: bool = False  # return the logits row behind every generated token
     progress: bool = True  # rank 0 prints a progress line to stderr
     cuda_graphs: bool = False  # replay decode steps from CUDA graphs (engine/cuda_graphs.py)
+    kv_cache: str = "paged"  # "paged" (sparse DSA attention) or "dense" (slots, dense attention: the reference)
+    kv_cache_memory: float | None = None  # paged cache GiB per rank; None: see `build_paged_cache`
+    gpu_memory_utilization: float | None = None  # paged cache as this share of free GPU memory (CUDA)
+    kv_cache_dtype: str = "auto"  # paged cache: "auto" (the model dtype) or "fp8"
+    max_num_batched_tokens: int = 8192  # tokens one step feeds; longer prompts are prefilled in chunks
 
     def cache_len(self, prompts: list[list[int]]) -> int:
         if self.max_model_len is not None:
@@ -51,9 +57,15 @@ def rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[i
                        with_mtp=opts.num_speculative_tokens > 0)
     mine = split_for_dp(prompts, state.dp_rank, state.dp_size)  # this DP rank's prompts (maybe none)
     sampling = split_for_dp(per_prompt(opts.sampling, len(prompts)), state.dp_rank, state.dp_size)
-    cache = KVCache.for_model(model, opts.cache_slots(len(mine)), opts.cache_len(prompts))
+    seqs = opts.cache_slots(len(mine))
+    if opts.kv_cache == "dense":
+        cache = KVCache.for_model(model, seqs, opts.cache_len(prompts))
+    else:
+        cache = build_paged_cache(model, opts.kv_cache_memory, opts.gpu_memory_utilization, opts.kv_cache_dtype,
+                                  seqs, opts.cache_len(prompts))
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
-    engine = Engine(model, cache, opts.num_speculative_tokens, opts.cuda_graphs)
+    engine = Engine(model, cache, opts.num_speculative_tokens, opts.cuda_graphs, seqs, opts.max_num_batched_tokens,
+                    opts.max_model_len)
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
     live_terminal = sys.stderr.isatty()
 
@@ -111,6 +123,17 @@ def check_generate(cfg: ModelConfig, parallel: ParallelConfig, prompts: list[lis
                     f"the longest prompt ({max(map(len, prompts))} tokens) with {opts.max_new_tokens} new tokens "
                     f"and {drafts} speculative tokens")
     check_positions(cache_len, cfg.max_position_embeddings, "--max-model-len")
+    if opts.max_num_batched_tokens < 1:
+        raise ValueError(f"--max-num-batched-tokens must be >= 1, got {opts.max_num_batched_tokens}")
+    if opts.kv_cache == "paged":
+        check_paged_budget(cfg, drafts > 0, DTYPES[opts.dtype], opts.kv_cache_dtype, opts.kv_cache_memory,
+                           opts.gpu_memory_utilization, device, longest)
+        if device == "cuda" or opts.kv_cache_memory is not None:
+            return  # sized from the free GPU memory, or a budget the user chose
+        # on CPU the default paged cache holds what the slot cache would: the same memory check applies
+    elif (opts.kv_cache_memory, opts.gpu_memory_utilization, opts.kv_cache_dtype) != (None, None, "auto"):
+        raise ValueError("--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; "
+                         "got them with --kv-cache dense")
     slots = opts.cache_slots(math.ceil(len(prompts) / parallel.data_parallel_size))
     check_kv_cache_memory(cfg, drafts > 0, slots, cache_len, opts.dtype, device, parallel.world_size)
 

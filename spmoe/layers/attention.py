@@ -171,4 +171,5 @@ class MLAttention(nn.Module):
             [nope, cfg.v_head_dim], dim=1)
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [N, h, c]
         out = sparse_mla(q_latent, q[..., nope:], cache.layer(self.layer_idx), selected, cfg.attention_scale)
-        return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(q.shape[0], -1)
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [N, h, v]
+        return out.reshape(q.shape[0], heads * cfg.v_head_dim)  # N may be 0 (a DP rank in step)

@@ -52,9 +52,11 @@ def quantize_fp8_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def use_triton(t: torch.Tensor, *dims: int) -> bool:
-    """Whether the Triton kernels take `t` (on CUDA, 16-bit or FP8) with these widths (powers of 2, >= 16)."""
+    """Whether the Triton kernels take `t` (on CUDA, 16-bit or FP8) with these widths (powers of 2, >= 16; an
+    FP8 dot product needs >= 32)."""
+    least = 32 if t.dtype == torch.float8_e4m3fn else 16
     return (t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-            and all(d >= 16 and d & (d - 1) == 0 for d in dims) and importlib.util.find_spec("triton") is not None)
+            and all(d >= least and d & (d - 1) == 0 for d in dims) and importlib.util.find_spec("triton") is not None)
 
 
 # -- indexer ------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def graph_cases(folder: str) -> dict:
                            torch.bfloat16, state.device)
         out[sp, "experts"] = model.model.experts_backend.name
         cache = KVCache.for_model(model, 4, 16)
-        graphs = DecodeGraphs(model, cache)
+        graphs = DecodeGraphs(model, cache, cache.max_seqs)
         prompts = [[5, 6, 7], [8], [9, 10]]
         slots = [cache.allocate() for _ in prompts]
         with torch.no_grad():

@@ -29,6 +29,7 @@ from spmoe.distributed import get_parallel_state
 from spmoe.distributed.comm import broadcast_object, gather_object
 from spmoe.engine.engine import Engine
 from spmoe.engine.kv_cache import KVCache
+from spmoe.engine.paged_cache import build_paged_cache, check_paged_budget
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
 from spmoe.entrypoints.jobs import DTYPES
 
@@ -47,11 +48,22 @@ class ServeOptions:
     num_speculative_tokens: int = 0  # MTP drafts per step; 0 = no speculation (greedy requests only if > 0)
     max_num_waiting: int = 64  # requests waiting to start beyond which a new one gets QueueFull
     cuda_graphs: bool = False  # replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)
+    kv_cache: str = "paged"  # "paged" (sparse DSA attention) or "dense" (slots, dense attention: the reference)
+    kv_cache_memory: float | None = None  # paged cache GiB per rank; None: see `build_paged_cache`
+    gpu_memory_utilization: float | None = None  # paged cache as this share of free GPU memory (CUDA)
+    kv_cache_dtype: str = "auto"  # paged cache: "auto" (the model dtype) or "fp8"
+    max_num_batched_tokens: int = 8192  # tokens one step feeds; longer prompts are prefilled in chunks
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_model_len", "max_num_waiting"):
+        if self.kv_cache not in ("paged", "dense"):
+            raise ValueError(f"kv_cache must be 'paged' or 'dense', got {self.kv_cache!r}")
+        if self.kv_cache == "dense" and (self.kv_cache_memory, self.gpu_memory_utilization,
+                                         self.kv_cache_dtype) != (None, None, "auto"):
+            raise ValueError("--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; "
+                             "got them with --kv-cache dense")
+        for name in ("max_num_seqs", "max_model_len", "max_num_waiting", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_speculative_tokens < 0:
@@ -61,13 +73,16 @@ class ServeOptions:
                              "so pass one or the other")
 
 
-def check_serve(model_dir: str, parallel: ParallelConfig, options: ServeOptions) -> ModelConfig:
+def check_serve(model_dir: str, parallel: ParallelConfig, options: ServeOptions, device: str = "cpu") -> ModelConfig:
     """What can be checked before starting any rank: the checkpoint against the parallel layout and the
     options. -> the model config."""
     cfg = ModelConfig.from_file(model_dir)
     cfg.check_parallel(parallel)
     if options.num_speculative_tokens and not cfg.num_nextn_predict_layers:
         raise ValueError(f"speculative decoding needs an MTP layer; {model_dir} has num_nextn_predict_layers = 0")
+    if options.kv_cache == "paged":
+        check_paged_budget(cfg, options.num_speculative_tokens > 0, DTYPES[options.dtype], options.kv_cache_dtype,
+                           options.kv_cache_memory, options.gpu_memory_utilization, device, options.max_model_len)
     return cfg
 
 
@@ -266,8 +281,13 @@ def serve_rank(model_dir: str, parallel: ParallelConfig, options: ServeOptions, 
     state = get_parallel_state()
     model = load_model(model_dir, parallel, DTYPES[options.dtype], state.device,
                        with_mtp=options.num_speculative_tokens > 0)
-    cache = KVCache.for_model(model, options.max_num_seqs, options.max_model_len)
-    engine = Engine(model, cache, options.num_speculative_tokens, options.cuda_graphs)
+    if options.kv_cache == "dense":
+        cache = KVCache.for_model(model, options.max_num_seqs, options.max_model_len)
+    else:
+        cache = build_paged_cache(model, options.kv_cache_memory, options.gpu_memory_utilization,
+                                  options.kv_cache_dtype, options.max_num_seqs, options.max_model_len)
+    engine = Engine(model, cache, options.num_speculative_tokens, options.cuda_graphs, options.max_num_seqs,
+                    options.max_num_batched_tokens, options.max_model_len)
     if state.rank != 0:
         worker_loop(engine)
         return None

@@ -19,6 +19,7 @@ from pathlib import Path
 from spmoe.config import ParallelConfig
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.distributed import launch
+from spmoe.entrypoints.cache_options import add_kv_cache_args, kv_cache_options
 from spmoe.entrypoints.serve.ranks import ServeOptions, check_serve, serve_rank
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 
@@ -80,7 +81,7 @@ def run_serve(model_dir: str, parallel: ParallelConfig, options: ServeOptions, f
     """Validate, then serve until stopped."""
     if not Path(model_dir, "config.json").is_file():
         raise ValueError(f"--model {model_dir}: expected a checkpoint folder with config.json, found none")
-    check_serve(model_dir, parallel, options)
+    check_serve(model_dir, parallel, options, device)
     load_tokenizer(model_dir)
     check_address(front.host, front.port)
     print(f"spmoe serve: {model_dir} on {parallel.world_size} local ranks (TP {parallel.tensor_parallel_size} x "
@@ -108,6 +109,7 @@ def add_serve_args(p) -> None:
                    help=f"requests that may wait to start; one more gets 503 (default {defaults.max_num_waiting})")
     p.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
                    help=f"KV cache positions per request: prompt + output + drafts (default {defaults.max_model_len})")
+    add_kv_cache_args(p, "--max-num-seqs x --max-model-len tokens")
     p.add_argument("--speculative", choices=["mtp"], help="draft tokens with the checkpoint's MTP layer (greedy "
                                                           "requests only)")
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP drafts per step (default 1)")
@@ -131,7 +133,7 @@ def cmd_serve(args) -> int:
                               sp_scope=args.sp_scope, ep_backend=args.ep_backend, moe_backend=args.moe_backend)
     options = ServeOptions(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                            num_speculative_tokens=drafts, max_num_waiting=args.max_num_waiting,
-                           cuda_graphs=args.cuda_graphs)
+                           cuda_graphs=args.cuda_graphs, **kv_cache_options(args))
     name = args.served_model_name or (args.model if args.model is not None else "spmoe-demo")
     run_serve(model, parallel, options, FrontEndOptions(model, name, args.host, args.port), args.device)
     return 0

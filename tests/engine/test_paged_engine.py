@@ -1,0 +1,158 @@
+"""The engine over the paged cache (sparse DSA attention, chunked prefill, blocks grown per step) against the
+engine over the dense slot cache (the reference), float32 on CPU: the same tokens and logits within tolerance
+for contexts below and above index_topk, prompts chunked by a small token budget, at TP 1, 2 and 3 with SP
+off, on and all, with MTP speculation, and under DP 2; preemption when the blocks run out (every sequence
+still gets exactly its tokens); the FP8 cache's greedy tokens against the full-precision cache's.
+
+One spawned group per layout runs every case; the comparisons happen here.
+"""
+
+import pytest
+import torch
+
+from spmoe.config import ParallelConfig
+from spmoe.distributed import get_parallel_state, spawn
+from spmoe.entrypoints.jobs import split_for_dp
+
+from .conftest import ENGINE_CONFIG
+
+# index_topk is 4: the first prompt's context stays below it for its first steps, the others go far above it
+# and over several blocks of 64; a budget of 24 tokens prefills the long prompts in chunks beside decodes
+PROMPT_LENS = (2, 9, 70, 131)
+MAX_NEW = 6
+BUDGET = 24
+CASES = {"plain": 0, "mtp": 2}  # name -> MTP drafts
+LAYOUTS = {1: [("off", "moe")], 2: [("off", "moe"), ("on", "moe"), ("on", "all")], 3: [("on", "moe")]}
+
+
+def prompts_of(lens, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, ENGINE_CONFIG["vocab_size"], (n,), generator=gen).tolist() for n in lens]
+
+
+def paged_and_dense(folder: str, modes: list[tuple[str, str]]) -> dict:
+    """-> {(sp, scope, case, cache): (outputs, logits `[tokens, V]`, stats)} for this rank's DP share."""
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.kv_cache import KVCache
+    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    state, results = get_parallel_state(), {}
+    prompts = split_for_dp(prompts_of(PROMPT_LENS), state.dp_rank, state.dp_size)
+    for sp, scope in modes:
+        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size,
+                                  sequence_parallel_moe=sp, sp_scope=scope)
+        model = load_model(folder, parallel, with_mtp=True)
+        for case, k in CASES.items():
+            for name in ("dense", "paged"):
+                cache = (KVCache.for_model(model, len(prompts), max(PROMPT_LENS) + MAX_NEW + k) if name == "dense"
+                         else PagedKVCache.for_model(model, 2 ** 22))
+                gen = Engine(model, cache, k, max_num_batched_tokens=BUDGET).generate(prompts, MAX_NEW,
+                                                                                      record_logits=True)
+                results[sp, scope, case, name] = (gen.outputs, torch.cat(gen.logits), gen.stats)
+    return results
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def check_layout(ranks: list[dict], label: str) -> None:
+    for rank, got in enumerate(ranks):
+        for (sp, scope, case, name), (outputs, logits, stats) in got.items():
+            if name == "dense":
+                continue
+            want_outputs, want_logits, _ = got[sp, scope, case, "dense"]
+            where = f"{label} rank {rank} SP {sp}/{scope} {case}"
+            assert outputs == want_outputs, where
+            assert relative_error(logits, want_logits) < 1e-4, where
+            assert stats["kv_cache"]["kind"] == "paged" and stats["kv_cache"]["blocks_in_use"] == 0, where
+            assert stats["phases"]["prefill"]["forwards"] > 1, where  # the budget chunked the prompts
+
+
+@pytest.mark.parametrize("tp", sorted(LAYOUTS))
+def test_paged_engine_equals_dense(tp, engine_checkpoint):
+    ranks = spawn(paged_and_dense, tp, engine_checkpoint, LAYOUTS[tp])
+    check_layout(ranks, f"TP {tp}")
+    assert all(rank.keys() == ranks[0].keys() for rank in ranks)
+    for key, (outputs, _, _) in ranks[0].items():
+        assert all(rank[key][0] == outputs for rank in ranks[1:]), f"TP {tp} {key}: ranks disagree"
+    plain, spec = ranks[0][(*LAYOUTS[tp][0], "plain", "paged")], ranks[0][(*LAYOUTS[tp][0], "mtp", "paged")]
+    assert spec[0] == plain[0] and spec[2]["speculative"]["verify_steps"] > 0  # MTP changes nothing greedy
+
+
+def test_paged_engine_equals_dense_dp2(engine_checkpoint):
+    ranks = spawn(paged_and_dense, 2, engine_checkpoint, [("off", "moe")],
+                  config=ParallelConfig(tensor_parallel_size=1, data_parallel_size=2))
+    check_layout(ranks, "DP 2")
+    assert ranks[0][("off", "moe", "plain", "paged")][0] != ranks[1][("off", "moe", "plain", "paged")][0]
+
+
+def preemption(folder: str) -> dict:
+    """Three sequences in a 3-block cache: each fits a block when admitted, then all grow past it. -> the dense
+    engine's and the paged engine's outputs and logits, with the paged engine's stats."""
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.kv_cache import KVCache
+    from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    model = load_model(folder, ParallelConfig(tensor_parallel_size=1), with_mtp=True)
+    prompts, out = prompts_of((58, 59, 60), seed=1), {}
+    for k in (0, 2):
+        dense = Engine(model, KVCache.for_model(model, 3, 60 + 12 + k), k).generate(prompts, 12, record_logits=True)
+        one_block = PagedKVCache.for_model(model, 2 ** 20).bytes_per_token * BLOCK_SIZE
+        paged = Engine(model, PagedKVCache.for_model(model, 3 * one_block), k,
+                       max_num_batched_tokens=64).generate(prompts, 12, record_logits=True)
+        out[k] = (dense.outputs, torch.cat(dense.logits), paged.outputs, torch.cat(paged.logits), paged.stats)
+    return out
+
+
+def test_preemption_recomputes_and_loses_nothing(engine_checkpoint):
+    for k, (want, want_logits, got, logits, stats) in spawn(preemption, 1, engine_checkpoint)[0].items():
+        assert stats["kv_cache"]["num_blocks"] == 3 and stats["preemptions"] > 0, (k, stats["preemptions"])
+        assert got == want and [len(o) for o in got] == [12] * 3, k
+        assert relative_error(logits, want_logits) < 1e-4, k
+        assert stats["kv_cache"]["blocks_in_use"] == 0 and stats["kv_cache"]["peak_blocks_in_use"] == 3
+
+
+FP8_CONFIG = {**ENGINE_CONFIG, "kv_lora_rank": 128, "index_topk": 16}  # FP8 scales the latent per 128
+
+
+def fp8_against_full(folder: str) -> dict:
+    """-> greedy tokens of the engine over the full-precision and the FP8 paged cache, and per position the
+    greedy choice of one forward over each cache for the same sequence (no divergence can cascade)."""
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    model = load_model(folder, ParallelConfig(tensor_parallel_size=1))
+    prompts = prompts_of((3, 17, 40, 90, 150, 300), seed=2)
+    out = {}
+    for dtype in ("auto", "fp8"):
+        engine = Engine(model, PagedKVCache.for_model(model, 2 ** 22, dtype), max_num_batched_tokens=64)
+        gen = engine.generate(prompts, 16)
+        choices = []
+        for prompt in prompts:
+            cache = PagedKVCache.for_model(model, 2 ** 22, dtype)
+            view = cache.view([list(range(-(-len(prompt) // BLOCK_SIZE)))], [0], [len(prompt)])
+            with torch.no_grad():
+                hidden = model.forward_hidden(torch.tensor(prompt), view.positions, [len(prompt)], view)
+                choices += model.compute_logits(hidden).argmax(-1).tolist()
+        out[dtype] = (gen.outputs, choices, gen.stats["kv_cache"])
+    return out
+
+
+def test_fp8_cache_agrees_with_full_precision(tmp_path):
+    from spmoe.models.deepseek_v32.weights import write_random_checkpoint
+
+    spawn(write_random_checkpoint, 1, FP8_CONFIG, tmp_path, 3)
+    got = spawn(fp8_against_full, 1, str(tmp_path))[0]
+    (full, full_choices, _), (fp8, fp8_choices, stats) = got["auto"], got["fp8"]
+    generated = sum(a == b for want, have in zip(full, fp8) for a, b in zip(want, have))
+    positions = sum(a == b for a, b in zip(full_choices, fp8_choices))
+    print(f"FP8 cache against float32: {generated}/{sum(map(len, full))} generated greedy tokens equal (a divergence "
+          f"cascades), {positions}/{len(full_choices)} per-position greedy choices equal")
+    # per token and layer: 128 e4m3 + 1 float32 scale + 8 float32 rope; + 16 e4m3 + 1 scale on indexer layers
+    assert stats["bytes_per_token"] == 3 * (128 + 4 + 8 * 4) + 2 * (16 + 4)
+    # a tiny random MoE: a rounding that flips one expert choice moves the logits a lot, so the bound is loose
+    assert 0.85 <= positions / len(full_choices) < 1, f"{positions}/{len(full_choices)}"
