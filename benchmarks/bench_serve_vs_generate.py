@@ -1,0 +1,98 @@
+"""The same batch through `spmoe generate` and through `spmoe serve` + `bench_serve.py`: is the front end the
+bottleneck? (Goal: served output tokens/s within 5% of generate's.)
+
+Writes a GLM-5.2-wide checkpoint with the demo's byte-level tokenizer (2 layers: 1 dense + 1 MoE of
+`--experts` experts top-8, vocab 264, no eos, random weights), then:
+1. `spmoe generate` over `--num-prompts` random prompts of `--input-len` tokens, `--output-len` new tokens
+   each, `--concurrency` sequences at once (`--max-seqs`);
+2. `spmoe serve` with `--max-num-seqs = --concurrency`, loaded by `bench_serve.py` at that concurrency with
+   the same counts and lengths (`ignore_eos`, so every request generates `--output-len` tokens).
+Both run with the options after `--` (e.g. `--device cuda --dtype bfloat16 --cuda-graphs`). Prints both
+output token rates (generated tokens / wall time of the batch, prefill included) and their ratio.
+
+    python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg -- --device cuda --dtype bfloat16 --cuda-graphs
+"""
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_generate import glm_config
+
+from spmoe.distributed import spawn
+from spmoe.distributed.launcher import free_port
+from spmoe.entrypoints.demo import write_demo_tokenizer
+from spmoe.models.deepseek_v32.weights import write_random_checkpoint
+
+
+def write_checkpoint(folder: Path, experts: int) -> None:
+    config = glm_config(2) | dict(n_routed_experts=experts, vocab_size=264, eos_token_id=[],
+                                  max_position_embeddings=8192)
+    if not (folder / "model.safetensors").is_file():
+        spawn(write_random_checkpoint, 1, config, folder, 0)
+    write_demo_tokenizer(folder)
+
+
+def run_generate(folder: Path, args, rest: list[str]) -> float:
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(256) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    (folder / "prompts.json").write_text(json.dumps(prompts))
+    out = folder / "generate.json"
+    subprocess.run([sys.executable, "-m", "spmoe", "generate", "--model", str(folder), "--tp", "1",
+                    "--input-ids", str(folder / "prompts.json"), "--max-new-tokens", str(args.output_len),
+                    "--max-seqs", str(args.concurrency), "--output", str(out), *rest], check=True)
+    stats = json.loads(out.read_text())["stats"]
+    print(f"generate: {stats['generated_tokens']} tokens in {stats['seconds']:.2f} s", flush=True)
+    return stats["tokens_per_s"]
+
+
+def run_serve(folder: Path, args, rest: list[str]) -> float:
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "spmoe", "serve", "--model", str(folder), "--port", str(port),
+                               "--max-num-seqs", str(args.concurrency), *rest], stderr=subprocess.PIPE, text=True)
+    try:
+        for line in server.stderr:  # wait for the ready line
+            print(line, end="", file=sys.stderr)
+            if "ready:" in line:
+                break
+        else:
+            raise RuntimeError(f"spmoe serve exited with {server.wait()} before it was ready")
+        bench = subprocess.run([sys.executable, str(Path(__file__).with_name("bench_serve.py")), "--base-url",
+                                f"http://127.0.0.1:{port}/v1", "--concurrency", str(args.concurrency),
+                                "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+                                "--output-len", str(args.output_len), "--seed", str(args.seed)],
+                               check=True, capture_output=True, text=True)
+        print(bench.stdout, end="", flush=True)
+        return float(bench.stdout.strip().splitlines()[-1].split()[3])  # the level's out tok/s
+    finally:
+        server.terminate()
+        began = time.monotonic()
+        while server.poll() is None and time.monotonic() - began < 30:
+            time.sleep(0.2)
+        if server.poll() is None:
+            server.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--folder", type=Path, required=True, help="where the checkpoint is written (reused)")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    args, rest = parser.parse_known_args()
+    rest = [a for a in rest if a != "--"]
+    write_checkpoint(args.folder, args.experts)
+    generated = run_generate(args.folder, args, rest)
+    served = run_serve(args.folder, args, rest)
+    print(f"output tokens/s: generate {generated:.1f}, serve {served:.1f}, serve / generate {served / generated:.3f}")
+
+
+if __name__ == "__main__":
+    main()
