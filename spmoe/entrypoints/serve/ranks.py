@@ -136,6 +136,7 @@ class EngineClient:
         self.eos_token_ids = engine.model.cfg.eos_token_ids
         self.num_speculative_tokens = engine.k
         self.error: str | None = None  # why the engine loop stopped, if it failed
+        self.front_end_stopped = threading.Event()  # set by serve_rank once start_front_end has returned
         self._closing = False
         # ("add", request, event loop, asyncio queue), ("abort", request id) or ("shutdown",)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -212,7 +213,12 @@ class EngineClient:
                         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=1)
                     except (RuntimeError, TimeoutError):  # closed, or too busy to wait for
                         pass
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                # Repeated until the front end has returned: a first SIGINT was seen to go unnoticed now and
+                # then (asyncio.run turns the first one into cancelling its task, the second into an exception).
+                while True:
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                    if self.front_end_stopped.wait(1.0):
+                        break
             return
         for request_id in list(streams):
             self._deliver(streams, RequestOutput(request_id, [], "abort"))
@@ -303,6 +309,8 @@ def serve_rank(model_dir: str, parallel: ParallelConfig, options: ServeOptions, 
             raise
         result = None
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a repeated stop from a failed engine loop may still come
+        client.front_end_stopped.set()
         client.close()
         signal.signal(signal.SIGINT, ignored)
     if client.error is not None:
