@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i samples from seed + i)")
     p.add_argument("--eos-id", type=int, action="append", help="stop token (repeatable; default: the config's)")
-    p.add_argument("--max-seqs", type=int, help="KV cache slots, i.e. sequences decoded at once (default: all)")
+    p.add_argument("--max-seqs", type=int, help="sequences decoded at once (default: all); more prompts wait")
     p.add_argument("--max-model-len", type=int,
                    help="KV cache positions per sequence (default: longest prompt + max new tokens + drafts)")
     add_kv_cache_args(p, "--max-seqs x --max-model-len tokens")

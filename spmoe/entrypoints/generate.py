@@ -25,7 +25,7 @@ class GenerateOptions:
     sampling: SamplingParams = SamplingParams()
     num_speculative_tokens: int = 0  # MTP drafts per step; 0 = no speculation
     eos_token_ids: tuple[int, ...] | None = None  # None: the checkpoint's eos_token_id
-    max_seqs: int | None = None  # KV cache slots; None: one per prompt
+    max_seqs: int | None = None  # sequences decoded at once; None: every prompt of this DP group
     max_model_len: int | None = None  # KV cache positions per sequence; None: what the longest prompt needs
     dtype: str = "float32"
     record_logits: bool = False  # return the logits row behind every generated token
@@ -43,7 +43,8 @@ class GenerateOptions:
         return max(map(len, prompts)) + self.max_new_tokens + self.num_speculative_tokens
 
     def cache_slots(self, prompts_here: int) -> int:
-        """KV cache slots on a rank whose DP group takes `prompts_here` prompts."""
+        """Sequences decoded at once on a rank whose DP group takes `prompts_here` prompts (the slots of the dense
+        cache; the default room of the paged cache on CPU)."""
         return max(1, self.max_seqs or prompts_here)
 
 

@@ -43,7 +43,7 @@ class QueueFull(RuntimeError):
 @dataclass(frozen=True)
 class ServeOptions:
     dtype: str = "float32"  # one of DTYPES
-    max_num_seqs: int = 8  # requests running at once per DP group (KV cache slots)
+    max_num_seqs: int = 8  # requests running at once per DP group
     max_model_len: int = 2048  # KV cache positions per request: prompt + generated tokens + drafts
     num_speculative_tokens: int = 0  # MTP drafts per step; 0 = no speculation (greedy requests only if > 0)
     max_num_waiting: int = 64  # requests waiting to start beyond which a new one gets QueueFull

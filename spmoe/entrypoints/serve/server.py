@@ -104,7 +104,7 @@ def add_serve_args(p) -> None:
     p.add_argument("--moe-backend", choices=MOE_BACKENDS, default="auto")
     defaults = ServeOptions()
     p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
-                   help=f"requests decoded at once per DP group: KV cache slots (default {defaults.max_num_seqs})")
+                   help=f"requests decoded at once per DP group (default {defaults.max_num_seqs})")
     p.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
                    help=f"requests that may wait to start; one more gets 503 (default {defaults.max_num_waiting})")
     p.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
