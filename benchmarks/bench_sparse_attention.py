@@ -16,6 +16,7 @@ for the bf16 cache (kv-cache-dtype auto) and the FP8 cache.
 
     python benchmarks/bench_sparse_attention.py [--contexts 2048 8192 32768 131072] [--batches 1 8]
     python benchmarks/bench_sparse_attention.py --sweep    # sparse MLA tile configs at a 32k context
+    python benchmarks/bench_sparse_attention.py --prefill-sweep    # the same for 8192 tokens of a prefill
 """
 
 import argparse
@@ -34,7 +35,10 @@ from timing import cuda_ms, graphed
 
 HBM = 4.3e12
 REPS = 20
-SWEEP = [(h, k, w) for h in (16, 32, 64) for k in (16, 32) for w in (4, 8)]
+SWEEP = [(h, k, w, 3) for h in (16, 32, 64) for k in (16, 32) for w in (4, 8)]
+# prefill: 64 heads x 512 float32 accumulators per program need 8+ warps at 64 heads per tile
+PREFILL_SWEEP = [(h, k, w, 2) for h in (16, 32, 64) for k in (16, 32, 64) for w in ((4, 8) if h < 64 else (8, 16))]
+PREFILL_TOKENS, PREFILL_CONTEXT = 8192, 32768
 
 
 def fill(cache: PagedKVCache, tokens: int) -> None:
@@ -121,17 +125,17 @@ def run(cfg: ModelConfig, layer: MLAttention, kv_cache_dtype: str, context: int,
 
 
 def sweep(cfg: ModelConfig) -> None:
-    """ms of the sparse MLA kernel per tile config (block_h, block_k, num_warps) at a 32k context."""
-    print(f"{'cache':>5} {'batch':>5} " + " ".join(f"{f'{h}/{k}/{w}':>9}" for h, k, w in SWEEP))
+    """ms of the sparse MLA kernel per tile config (heads per tile, rows per tile, num_warps) at a 32k context."""
+    print(f"{'cache':>5} {'batch':>5} " + " ".join(f"{f'{h}/{k}/{w}':>9}" for h, k, w, _ in SWEEP))
     for kv_cache_dtype in ("auto", "fp8"):
         for batch in (1, 8):
             cache, view, q, weights, q_latent, q_rope = kernel_inputs(cfg, kv_cache_dtype, 32768, batch)
             selected = indexer_topk(q, weights, cache.layers[0], view.block_tables, view.seq_index, view.positions,
                                     cfg.index_topk, BLOCK_SIZE)
             times = []
-            for h, k, w in SWEEP:
+            for tiles in SWEEP:
                 try:
-                    t = timed(lambda: triton_sparse_mla(q_latent, q_rope, cache.layers[0], selected, 0.1, h, k, w))
+                    t = timed(lambda: triton_sparse_mla(q_latent, q_rope, cache.layers[0], selected, 0.1, tiles))
                     times.append(f"{t:>9.4f}")
                 except Exception as e:  # a config that does not compile (registers, shared memory)
                     times.append(f"{type(e).__name__[:9]:>9}")
@@ -140,11 +144,57 @@ def sweep(cfg: ModelConfig) -> None:
             torch.cuda.empty_cache()
 
 
+def prefill_sweep(cfg: ModelConfig) -> None:
+    """ms and TFLOP/s of the sparse MLA kernel per tile config (heads per tile, rows per tile, num_warps,
+    num_stages) for PREFILL_TOKENS tokens, each over index_topk distinct random rows of a PREFILL_CONTEXT-token
+    cache: the PREFILL_SWEEP grid at 2 stages with the bf16 cache, its 2 fastest at 1 and 3 stages, then the 4
+    fastest of all with the FP8 cache. Ends with the config of the least bf16 + FP8 time."""
+    n, topk = PREFILL_TOKENS, cfg.index_topk
+    flops = n * 2 * 64 * topk * (512 + 64 + 512)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    selected = torch.rand(n, PREFILL_CONTEXT, device="cuda", generator=gen).topk(topk).indices
+    q_latent = torch.randn(n, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
+    q_rope = torch.randn(n, 64, 64, device="cuda", generator=gen).bfloat16() * 0.05
+    print(f"{'cache':>5} {'tokens':>6} {'tiles h/k/warps/stages':>22} {'ms':>8} {'TFLOP/s':>8}")
+    results = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        cache = kernel_inputs(cfg, kv_cache_dtype, PREFILL_CONTEXT, 1)[0]
+
+        def time_configs(configs):
+            for tiles in configs:
+                try:
+                    t = cuda_ms(lambda: triton_sparse_mla(q_latent, q_rope, cache.layers[0], selected, 0.1, tiles),
+                                5, warmup=1)
+                except Exception as e:  # a config that does not compile (registers, shared memory)
+                    print(f"{kv_cache_dtype:>5} {n:>6} {'/'.join(map(str, tiles)):>22} {type(e).__name__}", flush=True)
+                    continue
+                results[kv_cache_dtype, tiles] = t
+                print(f"{kv_cache_dtype:>5} {n:>6} {'/'.join(map(str, tiles)):>22} {t:>8.3f} {flops / t / 1e9:>8.1f}",
+                      flush=True)
+
+        def fastest(count):
+            timed_bf16 = [tiles for dtype, tiles in results if dtype == "auto"]
+            return sorted(timed_bf16, key=lambda tiles: results["auto", tiles])[:count]
+
+        if kv_cache_dtype == "auto":
+            time_configs(PREFILL_SWEEP)
+            time_configs([(*tiles[:3], s) for tiles in fastest(2) for s in (1, 3)])
+        else:
+            time_configs(fastest(4))
+        del cache
+        torch.cuda.empty_cache()
+    both = [tiles for dtype, tiles in results if dtype == "fp8" and ("auto", tiles) in results]
+    best = min(both, key=lambda tiles: results["auto", tiles] + results["fp8", tiles])
+    print("best prefill tiles:", " ".join(map(str, best)))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--sweep", action="store_true", help="time the sparse MLA tile configs instead")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="time the sparse MLA tile configs for a prefill of 8192 tokens instead")
     args = parser.parse_args()
     cfg = ModelConfig.from_dict({**GLM, "num_hidden_layers": 1, "mlp_layer_types": ["sparse"],
                                  "indexer_types": ["full"]})
@@ -154,6 +204,8 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per layer per decode step")
     if args.sweep:
         return sweep(cfg)
+    if args.prefill_sweep:
+        return prefill_sweep(cfg)
     print(f"{'cache':>5} {'context':>7} {'batch':>5} {'scores':>7} {'top-k':>7} {'mla':>7} {'roofline %':>10} "
           f"{'paged layer':>11} {'dense layer':>11}")
     for kv_cache_dtype in ("auto", "fp8"):

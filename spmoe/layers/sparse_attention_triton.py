@@ -22,6 +22,14 @@ from spmoe.layers.paged_rows import PagedLayerCache
 
 NUM_SMS_TARGET = 264  # programs to aim for in sparse_mla (2 per H200 multiprocessor)
 LOG2_E = 1.4426950408889634  # the kernel's softmax uses exp2: exp(x) = exp2(x * log2(e))
+# sparse_mla's tile configs (heads per tile, rows per tile, num_warps, num_stages), the fastest of
+# benchmarks/bench_sparse_attention.py at GLM-5.2 widths (64 heads, latent 512, rope 64, 2048 rows) on an H200.
+# Decode (--sweep, 1 and 8 tokens at a 32k context): 16 heads per tile, the rows split over programs.
+# Prefill (--prefill-sweep, 8192 tokens): all 64 heads of a token in one tile, so each gathered row is read once
+# per token, not once per 16 heads: 9.6 ms (244 TFLOP/s) with the bf16 cache and 11.7 ms (199 TFLOP/s) with the
+# FP8 cache, against 23.7 ms (99 TFLOP/s, bf16) for the decode tiles at 2 stages.
+DECODE_TILES = (16, 32, 4, 3)
+PREFILL_TILES = (64, 64, 8, 2)
 
 
 @triton.jit
@@ -142,12 +150,16 @@ def _merge_splits_kernel(acc_ptr, stats_ptr, out_ptr, stride_on, stride_oh, head
 
 
 def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCache, rows: torch.Tensor,
-               scale: float, block_h: int = 16, block_k: int = 32, num_warps: int = 4) -> torch.Tensor:
+               scale: float, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """As `sparse_mla_torch`: q_latent `[N, h, c]`, q_rope `[N, h, r]` (bf16 / fp16), rows `[N, k]` int64
-    -> `[N, h, c]` in q's dtype. block_h heads and block_k rows per tile with num_warps: the tile config, the
-    fastest of benchmarks/bench_sparse_attention.py --sweep at GLM-5.2 widths by default."""
+    -> `[N, h, c]` in q's dtype. tiles: (heads per tile, rows per tile, num_warps, num_stages), by default
+    chosen by the shape: `DECODE_TILES` while the decode tiles leave programs to fill with splits of the rows
+    (N * ceil(h / 16) < NUM_SMS_TARGET), else `PREFILL_TILES`; see those for the measured numbers."""
     n, heads, latent_dim = q_latent.shape
     rope_dim, topk = q_rope.shape[2], rows.shape[1]
+    if tiles is None:
+        tiles = DECODE_TILES if n * triton.cdiv(heads, DECODE_TILES[0]) < NUM_SMS_TARGET else PREFILL_TILES
+    block_h, block_k, num_warps, num_stages = tiles
     out = torch.empty(n, heads, latent_dim, dtype=q_latent.dtype, device=q_latent.device)
     if n == 0:
         return out
@@ -168,7 +180,7 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCa
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0),
         FP8=fp8, LATENT=latent_dim, ROPE=rope_dim, GROUP=latent_dim // cache.latent_scale.shape[1] if fp8 else 1,
         BLOCK_H=block_h, BLOCK_K=block_k, SPLITS=splits, ROWS_PER_SPLIT=rows_per_split,
-        num_warps=num_warps)
+        num_warps=num_warps, num_stages=num_stages)
     _merge_splits_kernel[(n, heads)](acc, stats, out, out.stride(0), out.stride(1), heads, LATENT=latent_dim,
                                      SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
     return out

@@ -40,7 +40,8 @@ def filled_cache(kv_cache_dtype: str):
 
 
 def step_view(cache, tables):
-    """Decode tokens at each sequence's last position, then a 300-token chunk ending at sequence 2's end."""
+    """Decode tokens at each sequence's last position, then a 300-token chunk ending at sequence 2's end (enough
+    tokens for `sparse_mla`'s prefill tiles)."""
     starts, lens = [c - 1 for c in CONTEXTS], [1, 1, 1]
     decode = cache.view(tables, starts, lens)
     chunk = cache.view(tables[2:], [CONTEXTS[2] - 300], [300])
@@ -56,7 +57,8 @@ def scores_of(keys: torch.Tensor) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_triton_kernels_match_torch(kv_cache_dtype):
-    from spmoe.layers.sparse_attention_triton import indexer_order_keys
+    from spmoe.layers.sparse_attention_triton import DECODE_TILES, PREFILL_TILES, indexer_order_keys
+    from spmoe.layers.sparse_attention_triton import sparse_mla as triton_sparse_mla
 
     cache, tables = filled_cache(kv_cache_dtype)
     rows = cache.layers[0]
@@ -87,10 +89,14 @@ def test_triton_kernels_match_torch(kv_cache_dtype):
 
         q_latent = torch.randn(n, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
         q_rope = torch.randn(n, 64, 64, device="cuda", generator=gen).bfloat16() * 0.05
-        got = sparse_mla(q_latent, q_rope, rows, selected, 0.07)
         want = sparse_mla_torch(q_latent, q_rope, rows, selected, 0.07)
-        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-        assert err < 2e-2, err  # bf16 probabilities in the second product
+        # the dispatcher's pick by shape (decode tiles for the 3 decode tokens, prefill tiles for the 300-token
+        # chunk), then each tile config on each shape
+        for tiles in (None, DECODE_TILES, PREFILL_TILES):
+            got = sparse_mla(q_latent, q_rope, rows, selected, 0.07) if tiles is None else \
+                triton_sparse_mla(q_latent, q_rope, rows, selected, 0.07, tiles)
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            assert err < 2e-2, (tiles, err)  # bf16 probabilities in the second product
 
         def step():
             return sparse_mla(q_latent, q_rope, rows, indexer_topk(*args[:6], TOPK, BLOCK), 0.07)
