@@ -11,12 +11,16 @@ Prints the wall time of each run. It takes minutes on 2 cores, so it is a script
 
 import argparse
 import json
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for the oracle tests' helper
+from tests.models.deepseek_v32.conftest import make_nontrivial  # noqa: E402
 
 CONFIG = dict(vocab_size=96, hidden_size=48, intermediate_size=72, moe_intermediate_size=12, num_attention_heads=12,
               num_key_value_heads=12, n_routed_experts=12, num_experts_per_tok=3, kv_lora_rank=16, q_lora_rank=24,
@@ -27,18 +31,12 @@ CONFIG = dict(vocab_size=96, hidden_size=48, intermediate_size=72, moe_intermedi
 
 
 def write_checkpoint(folder: Path):
-    """A transformers GLM model with random weights (experts and router large enough to matter), saved."""
+    """A transformers GLM model with random weights made nontrivial as the oracle tests make them, saved."""
     import transformers
 
     torch.manual_seed(0)
     model = transformers.GlmMoeDsaForCausalLM(transformers.GlmMoeDsaConfig(**CONFIG)).eval()
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
-            elif "experts" in name or name.endswith("gate.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    make_nontrivial(model)
     model.save_pretrained(folder)
     return model
 

@@ -221,27 +221,23 @@ class PagedCacheView:
         return self.cache.layers[layer]
 
     def write_latent(self, layer: int, latent: torch.Tensor, rope: torch.Tensor) -> None:
-        """This forward's normed latent `[N, c]` and rotated rope key `[N, r]` -> their rows."""
+        """This forward's normed latent `[N, c]` and rotated rope key `[N, r]` -> their rows (FP8: one scale per
+        128 values of the latent)."""
         rows = self.cache.layers[layer]
-        if rows.latent_scale is None:
-            rows.latent.index_copy_(0, self.slot_mapping, latent.to(rows.latent.dtype))
-        else:
-            values, scale = quantize_fp8_groups(latent)
-            write_fp8(rows.latent, self.slot_mapping, values)
-            rows.latent_scale.index_copy_(0, self.slot_mapping, scale)
+        self._write(rows.latent, rows.latent_scale, latent, quantize_fp8_groups)
         rows.rope.index_copy_(0, self.slot_mapping, rope.to(rows.rope.dtype))
 
     def write_index_key(self, layer: int, key: torch.Tensor) -> None:
         """This forward's indexer keys `[N, d]` -> their rows (FP8: one scale per key)."""
         rows = self.cache.layers[layer]
-        if rows.index_scale is None:
-            rows.index_key.index_copy_(0, self.slot_mapping, key.to(rows.index_key.dtype))
-        else:
-            values, scale = quantize_fp8_vectors(key)
-            write_fp8(rows.index_key, self.slot_mapping, values)
-            rows.index_scale.index_copy_(0, self.slot_mapping, scale)
+        self._write(rows.index_key, rows.index_scale, key, quantize_fp8_vectors)
 
-
-def write_fp8(rows: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """FP8 rows `[R, w]`, slot_mapping `[N]`, values `[N, w]`: copied as bytes (CPU torch has no FP8 index_copy)."""
-    rows.view(torch.uint8).index_copy_(0, slot_mapping, values.view(torch.uint8))
+    def _write(self, values: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor, quantize) -> None:
+        """x `[N, w]` -> rows of `values` `[R, w]` at the slot mapping; FP8 rows (`scales` not None) take
+        `quantize(x)`'s values and scales, the values copied as bytes (CPU torch has no FP8 index_copy)."""
+        if scales is None:
+            values.index_copy_(0, self.slot_mapping, x.to(values.dtype))
+            return
+        quantized, scale = quantize(x)
+        values.view(torch.uint8).index_copy_(0, self.slot_mapping, quantized.view(torch.uint8))
+        scales.index_copy_(0, self.slot_mapping, scale)
