@@ -19,7 +19,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import RankFailed, spawn
 from spmoe.engine.request import Request
 from spmoe.engine.sampling import SamplingParams
-from spmoe.entrypoints.serve.ranks import HEARTBEAT_S, QueueFull, ServeOptions, serve_rank
+from spmoe.entrypoints.serve.ranks import HEARTBEAT_S, ServeOptions, serve_rank
 
 from .test_generate import EOS, MAX_NEW, PROMPTS
 
