@@ -201,13 +201,19 @@ def test_sigterm_stops_every_rank(server):
     holder = threading.Thread(target=in_flight)
     holder.start()
     time.sleep(1.0)
+    sigterm_leaves_nothing(proc, ranks, log)
+    holder.join(timeout=30)
+
+
+def sigterm_leaves_nothing(proc: subprocess.Popen, pids: list[int], log) -> float:
+    """SIGTERM to `proc`; assert that it and every process in `pids` are gone within 30 s. -> the seconds taken."""
     began = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
-    while any(alive(pid) for pid in ranks) and time.monotonic() - began < 30:
+    while any(alive(pid) for pid in pids) and time.monotonic() - began < 30:
         time.sleep(0.2)
-    assert not [pid for pid in ranks if alive(pid)], f"left behind after SIGTERM:\n{log.read_text()}"
-    holder.join(timeout=30)
+    assert not [pid for pid in pids if alive(pid)], f"left behind after SIGTERM:\n{log.read_text()}"
+    return time.monotonic() - began
 
 
 def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
@@ -229,13 +235,8 @@ def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
         assert len(workers) >= 2, workers
         assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                           json={"model": str(checkpoint), "prompt": "hi", "max_tokens": 2}).status_code == 200
-        began = time.monotonic()
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=60)
-        while any(alive(pid) for pid in workers) and time.monotonic() - began < 30:
-            time.sleep(0.2)
-        assert not [pid for pid in workers if alive(pid)], f"left behind after SIGTERM:\n{log.read_text()}"
-        assert time.monotonic() - began < 20, "the workers outlived SIGTERM until torchrun's SIGKILL (30 s)"
+        seconds = sigterm_leaves_nothing(agent, workers, log)
+        assert seconds < 20, "the workers outlived SIGTERM until torchrun's SIGKILL (30 s)"
     finally:
         if agent.poll() is None:
             agent.kill()
