@@ -51,7 +51,7 @@ def run():
 
 
 def main():
-    results = spawn(run, 2, config=ParallelConfig(tensor_parallel_size=2, sequence_parallel_moe="on"), device="cuda")
+    results = spawn(run, 2, config=ParallelConfig(tensor_parallel_size=2, sp="on"), device="cuda")
     print(f"GPU {torch.cuda.get_device_name()} x2, torch {torch.__version__}; per rank n rows; ms (rank 0) and MiB "
           f"moved per rank")
     print(f"{'n':>6} {'AG/RS ms':>9} {'a2a ms':>8} {'a2a/AGRS':>9} {'AG/RS MiB':>10} {'a2a MiB':>8}")

@@ -65,7 +65,7 @@ def run(layouts_for_this_world):
     state = get_parallel_state()
     rows = []
     for label, tp, dp, sp in layouts_for_this_world:
-        parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sequence_parallel_moe=sp)
+        parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sp=sp)
         model = DeepseekV32ForCausalLM(ModelConfig.from_dict(GLM), parallel, torch.bfloat16, "cuda").eval()
         random_weights(model)
         cache = KVCache.for_model(model, 64, 4096 + 8)

@@ -47,7 +47,7 @@ CHAIN = 8  # layer calls per timed run
 
 def with_sp(mode: str, scope: str = "moe") -> ParallelConfig:
     """This run's TP x DP layout with SP `mode` ("on" / "off") and `scope`."""
-    return replace(get_parallel_state().config, sequence_parallel_moe=mode, sp_scope=scope)
+    return replace(get_parallel_state().config, sp=mode, sp_scope=scope)
 
 
 def build_layer(cfg: ModelConfig, sp: bool, device: str) -> DeepseekV32DecoderLayer:

@@ -3,7 +3,7 @@
 World layout: `world = dp * tp`. Rank `r` sits in DP group `r // tp` at TP rank `r % tp`; the TP group holds
 consecutive ranks, and the expert-parallel (EP) group spans all `dp * tp` ranks.
 
-`sequence_parallel_moe` is the request (the CLI's `--sp`: auto, on or off); `use_sequence_parallel_moe` is the
+`sp` is the request (the CLI's `--sp`: auto, on or off); `use_sequence_parallel_moe` is the
 decision it resolves to. The layer plan (`spmoe.distributed.layer_plan`) reads that decision and `sp_scope`
 (which layers it covers) and derives every layer's layouts from them.
 """
@@ -22,7 +22,7 @@ class ParallelConfig:
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = True
-    sequence_parallel_moe: str = "auto"  # one of SP_MODES
+    sp: str = "auto"  # one of SP_MODES
     sp_scope: str = "moe"  # one of SP_SCOPES: only MoE layers are SP, or every layer
     ep_backend: str = "allgather_reducescatter"  # one of EP_BACKENDS: how SP layers dispatch to experts
     moe_backend: str = "auto"  # one of MOE_BACKENDS: the expert kernels
@@ -32,20 +32,20 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name, allowed in (("sequence_parallel_moe", SP_MODES), ("sp_scope", SP_SCOPES),
+        for name, allowed in (("sp", SP_MODES), ("sp_scope", SP_SCOPES),
                               ("ep_backend", EP_BACKENDS), ("moe_backend", MOE_BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.sequence_parallel_moe == "on":
+        if self.sp == "on":
             if self.pipeline_parallel_size > 1:
                 raise ValueError(
                     f"sequence-parallel MoE is not supported with pipeline parallelism "
-                    f"(pipeline_parallel_size={self.pipeline_parallel_size}); use sequence_parallel_moe='off'")
+                    f"(pipeline_parallel_size={self.pipeline_parallel_size}); use sp='off'")
             if self.tensor_parallel_size == 1:
-                raise ValueError("sequence_parallel_moe='on' needs tensor_parallel_size > 1, got 1: "
+                raise ValueError("sp='on' needs tensor_parallel_size > 1, got 1: "
                                  "with one TP rank there is nothing to shard the tokens over")
             if not self.enable_expert_parallel:
-                raise ValueError("sequence_parallel_moe='on' needs enable_expert_parallel=True: each rank "
+                raise ValueError("sp='on' needs enable_expert_parallel=True: each rank "
                                  "routes only its own token shard, so every expert must be whole on some rank")
         if self.pipeline_parallel_size > 1:
             raise ValueError(f"pipeline parallelism is not implemented (pipeline_parallel_size="
@@ -65,9 +65,9 @@ class ParallelConfig:
         `auto` follows the upstream rule (vLLM #48849): SP only when attention is both data- and tensor-parallel
         with experts spread over DP x TP, because at DP=1 SP measured up to 19% slower at one request.
         """
-        if self.sequence_parallel_moe == "on":
+        if self.sp == "on":
             return True
-        if self.sequence_parallel_moe == "off":
+        if self.sp == "off":
             return False
         return (self.tensor_parallel_size > 1 and self.data_parallel_size > 1 and self.enable_expert_parallel
                 and self.pipeline_parallel_size == 1)

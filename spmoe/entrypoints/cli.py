@@ -85,7 +85,7 @@ def cmd_generate(args) -> int:
     gen = run_generate(args.model, parallel, prompts, opts, args.device)
     if gen is None:  # a torchrun rank other than 0
         return 0
-    gen.stats["parallel"] = {"tp": args.tp, "dp": args.dp, "sequence_parallel_moe": parallel.use_sequence_parallel_moe,
+    gen.stats["parallel"] = {"tp": args.tp, "dp": args.dp, "use_sequence_parallel_moe": parallel.use_sequence_parallel_moe,
                              "sp_scope": args.sp_scope, "ep_backend": args.ep_backend}
     with open(args.output, "w") as f:
         json.dump({"outputs": gen.outputs, "stats": gen.stats}, f, indent=2)
@@ -122,7 +122,7 @@ def add_model_args(p) -> None:
 
 
 def parallel_config(args) -> ParallelConfig:
-    return ParallelConfig(tensor_parallel_size=args.tp, data_parallel_size=args.dp, sequence_parallel_moe=args.sp,
+    return ParallelConfig(tensor_parallel_size=args.tp, data_parallel_size=args.dp, sp=args.sp,
                           sp_scope=args.sp_scope, ep_backend=args.ep_backend, moe_backend=args.moe_backend)
 
 

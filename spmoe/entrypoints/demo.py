@@ -100,7 +100,7 @@ def _rank_demo(folder: str, dp: int) -> dict | None:
 
 
 def _modes(dp: int) -> list[tuple[str, ParallelConfig, GenerateOptions]]:
-    return [(label, ParallelConfig(tensor_parallel_size=TP, data_parallel_size=dp, sequence_parallel_moe=sp,
+    return [(label, ParallelConfig(tensor_parallel_size=TP, data_parallel_size=dp, sp=sp,
                                    sp_scope=scope),
              GenerateOptions(MAX_NEW_TOKENS, num_speculative_tokens=drafts, record_logits=True, progress=False))
             for label, sp, scope, drafts in MODES]

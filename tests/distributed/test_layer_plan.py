@@ -39,7 +39,7 @@ CASES = {
 @pytest.mark.parametrize("sp, scope, dp", sorted(CASES))
 def test_plan_follows_the_layout_contract(sp, scope, dp):
     layers, exit_layout, mtp = CASES[(sp, scope, dp)]
-    parallel = ParallelConfig(tensor_parallel_size=2, data_parallel_size=dp, sequence_parallel_moe=sp,
+    parallel = ParallelConfig(tensor_parallel_size=2, data_parallel_size=dp, sp=sp,
                               sp_scope=scope)
     plan = build_layer_plan(config(["dense", "sparse", "dense", "sparse"]), parallel)
     assert [(p.input, p.mlp_input, p.output, p.moe_output) for p in plan.layers] == layers
@@ -50,7 +50,7 @@ def test_plan_follows_the_layout_contract(sp, scope, dp):
 
 
 def test_moe_first_layer_is_sharded_from_the_embedding():
-    parallel = ParallelConfig(tensor_parallel_size=2, sequence_parallel_moe="on")
+    parallel = ParallelConfig(tensor_parallel_size=2, sp="on")
     plan = build_layer_plan(config(["sparse", "dense"], mtp=0), parallel)
     assert [(p.input, p.mlp_input, p.output) for p in plan.layers] == [(S, S, S), (S, F, P)]
     assert plan.exit is P and plan.mtp == ()
@@ -59,6 +59,6 @@ def test_moe_first_layer_is_sharded_from_the_embedding():
 @pytest.mark.parametrize("scope", ["moe", "all"])
 def test_docs_show_the_glm_plan(scope):
     """docs/architecture.md prints the GLM-5.2 plan (78 layers, the first 3 dense, 1 MTP layer) as built."""
-    parallel = ParallelConfig(tensor_parallel_size=8, sequence_parallel_moe="on", sp_scope=scope)
+    parallel = ParallelConfig(tensor_parallel_size=8, sp="on", sp_scope=scope)
     table = build_layer_plan(config(["dense"] * 3 + ["sparse"] * 75), parallel).table()
     assert table in DOCS.read_text(), f"docs/architecture.md lacks the scope {scope!r} table:\n{table}"

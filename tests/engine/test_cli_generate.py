@@ -29,7 +29,7 @@ def test_generate_writes_outputs_and_stats(engine_checkpoint, tmp_path, capsys):
     stats = result["stats"]
     assert stats["generated_tokens"] == 18 and stats["tokens_per_s"] > 0
     assert stats["prefill_s"] > 0 and stats["decode_s"] > 0
-    assert stats["parallel"] == {"tp": 2, "dp": 1, "sequence_parallel_moe": True, "sp_scope": "moe",
+    assert stats["parallel"] == {"tp": 2, "dp": 1, "use_sequence_parallel_moe": True, "sp_scope": "moe",
                                  "ep_backend": "allgather_reducescatter"}
     assert stats["phases"]["decode"]["collectives"]["reduce_scatter"]["count"] > 0
     assert stats["phases"]["draft"]["collectives"]["all_reduce"]["count"] == 0  # the SP MTP step
@@ -87,7 +87,7 @@ def test_sp_defaults_to_auto(command, extra, engine_checkpoint, tmp_path, capsys
                      *extra, str(tmp_path / "out")]) == 0
         err = capsys.readouterr().err
         assert f"sequence-parallel MoE {decision} (--sp auto, scope moe)" in err, err
-        assert given[-1].sequence_parallel_moe == "auto" and given[-1].use_sequence_parallel_moe == (dp == 2)
+        assert given[-1].sp == "auto" and given[-1].use_sequence_parallel_moe == (dp == 2)
     assert len(given) == 2
 
 

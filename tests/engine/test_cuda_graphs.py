@@ -25,7 +25,7 @@ def graph_cases(folder: str) -> dict:
 
     state, out = get_parallel_state(), {}
     for sp in ("off", "on"):
-        model = load_model(folder, ParallelConfig(tensor_parallel_size=state.tp_size, sequence_parallel_moe=sp),
+        model = load_model(folder, ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp),
                            torch.bfloat16, state.device)
         out[sp, "experts"] = model.model.experts_backend.name
         cache = KVCache.for_model(model, 4, 16)

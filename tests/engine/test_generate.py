@@ -43,7 +43,7 @@ def run_engine(folder: str, modes: list[tuple[str, str]]):
 
     state, results = get_parallel_state(), {}
     for sp, scope in modes:
-        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sequence_parallel_moe=sp, sp_scope=scope)
+        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp, sp_scope=scope)
         model = load_model(folder, parallel, with_mtp=True)
         for name, (prompts, kw) in CASES.items():
             cache = KVCache.for_model(model, kw.get("max_seqs", len(prompts)), 32)
@@ -149,7 +149,7 @@ def generate_then_die(folder: str):
     from spmoe.models.deepseek_v32.weights import load_model
 
     state = get_parallel_state()
-    model = load_model(folder, ParallelConfig(tensor_parallel_size=2, sequence_parallel_moe="on"))
+    model = load_model(folder, ParallelConfig(tensor_parallel_size=2, sp="on"))
 
     def on_step(done: int, live: int) -> None:
         if state.rank == 1 and done >= 3:
@@ -172,7 +172,7 @@ def test_data_parallel_generation(engine_checkpoint):
     from spmoe.entrypoints.generate import GenerateOptions, run_generate
 
     def generate(prompts, tp=1, dp=1, sp="off", k=0):
-        parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sequence_parallel_moe=sp)
+        parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sp=sp)
         return run_generate(engine_checkpoint, parallel, prompts, GenerateOptions(
             MAX_NEW, num_speculative_tokens=k, eos_token_ids=EOS, progress=False))
 

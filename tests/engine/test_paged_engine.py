@@ -41,7 +41,7 @@ def paged_and_dense(folder: str, modes: list[tuple[str, str]]) -> dict:
     prompts = split_for_dp(prompts_of(PROMPT_LENS), state.dp_rank, state.dp_size)
     for sp, scope in modes:
         parallel = ParallelConfig(tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size,
-                                  sequence_parallel_moe=sp, sp_scope=scope)
+                                  sp=sp, sp_scope=scope)
         model = load_model(folder, parallel, with_mtp=True)
         for case, k in CASES.items():
             for name in ("dense", "paged"):

@@ -67,7 +67,7 @@ def reference(x, ids, weights, w13, w2):
 def test_dispatch_backends_match_reference(world):
     dtypes = [torch.float32, torch.bfloat16]
     per_rank = spawn(run_dispatch, world, dtypes, config=ParallelConfig(tensor_parallel_size=world,
-                                                                        sequence_parallel_moe="on"))
+                                                                        sp="on"))
     for i, (dtype, rows, name, _, counted) in enumerate(per_rank[0]):
         cfg, x, ids, weights, w13, w2, _ = case(rows, world, 0, dtype)
         want = reference(x, ids, weights, w13, w2)

@@ -129,7 +129,7 @@ def cmd_serve(args) -> int:
     drafts = args.num_speculative_tokens if args.speculative == "mtp" else 0
     if args.speculative == "mtp" and drafts < 1:
         raise ValueError(f"--speculative mtp needs --num-speculative-tokens >= 1, got {drafts}")
-    parallel = ParallelConfig(tensor_parallel_size=args.tp, data_parallel_size=args.dp, sequence_parallel_moe=args.sp,
+    parallel = ParallelConfig(tensor_parallel_size=args.tp, data_parallel_size=args.dp, sp=args.sp,
                               sp_scope=args.sp_scope, ep_backend=args.ep_backend, moe_backend=args.moe_backend)
     options = ServeOptions(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                            num_speculative_tokens=drafts, max_num_waiting=args.max_num_waiting,

@@ -17,7 +17,7 @@ from spmoe.layers.moe.work import count_moe_work
 from .conftest import relative_error
 
 TOLERANCE = 1e-4  # relative to the largest |logit|
-LAYOUTS = {  # (tp, dp) -> SP modes (sequence_parallel_moe, sp_scope); SP needs t > 1
+LAYOUTS = {  # (tp, dp) -> SP modes (sp, sp_scope); SP needs t > 1
     (2, 2): [("off", "moe"), ("on", "moe"), ("on", "all")],
     (1, 4): [("off", "moe")],
 }
@@ -30,7 +30,7 @@ def run_dp_cases(folder: str, batches, modes):
     state, results = get_parallel_state(), []
     for sp, scope in modes:
         parallel = ParallelConfig(tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size,
-                                  sequence_parallel_moe=sp, sp_scope=scope)
+                                  sp=sp, sp_scope=scope)
         model = load_model(folder, parallel)
         per_batch = []
         for seqs in batches:

@@ -65,7 +65,7 @@ def run_mtp(cases, batches):
 
     state, results = get_parallel_state(), []
     for folder, sp, scope in cases:
-        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sequence_parallel_moe=sp, sp_scope=scope)
+        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp, sp_scope=scope)
         mtp = load_model(folder, parallel, with_mtp=True).mtp[0]
         per_batch = []
         for ids, positions, hidden, lens in batches:

@@ -27,7 +27,7 @@ def run_cases(cases):
     state = get_parallel_state()
     results = []
     for folder, sp, scope, ep_backend, batches in cases:
-        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sequence_parallel_moe=sp, sp_scope=scope,
+        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp, sp_scope=scope,
                                   ep_backend=ep_backend)
         model = load_model(folder, parallel)
         logits, stats = [], []

@@ -28,7 +28,7 @@ def gpu_logits(cases):
 
     state, out = get_parallel_state(), []
     for folder, sp, batches in cases:
-        model = load_model(folder, ParallelConfig(tensor_parallel_size=state.tp_size, sequence_parallel_moe=sp),
+        model = load_model(folder, ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp),
                            torch.bfloat16, state.device)
         with torch.no_grad():
             out.append([model(*flatten(seqs, state.device)).cpu() for seqs in batches])
