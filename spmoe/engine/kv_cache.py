@@ -72,10 +72,8 @@ class KVCache:
     @classmethod
     def for_model(cls, model: nn.Module, max_seqs: int, max_len: int) -> "KVCache":
         """A cache for every attention layer in `model` (the MTP layer's included), in the model's dtype."""
-        attention = [m for m in model.modules() if isinstance(m, MLAttention)]
-        weight = attention[0].x_proj.weight
-        return cls(attention[0].cfg, {m.layer_idx: m.indexer is not None for m in attention}, max_seqs, max_len,
-                   weight.dtype, weight.device)
+        cfg, layers, dtype, device = attention_layout(model)
+        return cls(cfg, layers, max_seqs, max_len, dtype, device)
 
     @property
     def bytes_per_token(self) -> int:
@@ -126,3 +124,11 @@ class KVCache:
         read_index = (slots[:, None] * length + offsets).flatten()  # [B * max_len]
         allowed = (rows[:, None, None] == rows[None, :, None]) & (offsets <= positions[:, None, None])
         return CacheView(self.buffers, slots * length + positions, read_index, positions, allowed.view(b, -1))
+
+
+def attention_layout(model: nn.Module) -> tuple[ModelConfig, dict[int, bool], torch.dtype, torch.device]:
+    """(config, attention layer index -> whether it runs the indexer, dtype, device) of `model`'s attention
+    layers, the MTP layer's included."""
+    attention = [m for m in model.modules() if isinstance(m, MLAttention)]
+    weight = attention[0].x_proj.weight
+    return attention[0].cfg, {m.layer_idx: m.indexer is not None for m in attention}, weight.dtype, weight.device

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from spmoe.config import ModelConfig
-from spmoe.layers.attention import MLAttention
+from spmoe.engine.kv_cache import attention_layout
 from spmoe.layers.moe.experts.base import quantize_fp8_groups
-from spmoe.layers.paged_rows import PagedLayerCache
+from spmoe.layers.paged_rows import PagedKeyStore, PagedLayerCache
 from spmoe.layers.sparse_attention import quantize_fp8_vectors
 
 BLOCK_SIZE = 64
@@ -115,14 +115,6 @@ def build_paged_cache(model: nn.Module, gib: float | None, memory_fraction: floa
     return PagedKVCache(cfg, layers, cache_budget_bytes(device, gib, memory_fraction), dtype, device, kv_cache_dtype)
 
 
-def attention_layout(model: nn.Module) -> tuple[ModelConfig, dict[int, bool], torch.dtype, torch.device]:
-    """(config, attention layer index -> whether it runs the indexer, dtype, device) of `model`'s attention
-    layers, the MTP layer's included."""
-    attention = [m for m in model.modules() if isinstance(m, MLAttention)]
-    weight = attention[0].x_proj.weight
-    return attention[0].cfg, {m.layer_idx: m.indexer is not None for m in attention}, weight.dtype, weight.device
-
-
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, layers: dict[int, bool], budget_bytes: int, dtype: torch.dtype,
                  device: torch.device | str, kv_cache_dtype: str = "auto"):
@@ -203,8 +195,8 @@ class PagedKVCache:
 
 
 @dataclass
-class PagedCacheView:
-    """The cache as one forward of N new tokens of S sequences sees it (`PagedKeyStore`)."""
+class PagedCacheView(PagedKeyStore):
+    """The cache as one forward of N new tokens of S sequences sees it."""
 
     cache: PagedKVCache
     block_tables: torch.Tensor  # [S, max_blocks] int32

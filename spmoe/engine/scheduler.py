@@ -113,9 +113,6 @@ class BlockRoom:
         self.peak_blocks = 0  # the most blocks in use at once
         self._next_id = 0
 
-    def fits(self, num_tokens: int) -> bool:
-        return num_tokens <= self.max_model_len
-
     @property
     def max_tokens_per_sequence(self) -> int:
         return self.max_model_len

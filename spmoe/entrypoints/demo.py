@@ -157,6 +157,8 @@ def show_server(device: str, dp: int) -> int:
     command = ["spmoe", "serve", "--tp", str(TP), "--dp", str(dp), "--device", device, "--port", str(port)]
     print(f"\nThe server: {' '.join(command)}", flush=True)
     server = subprocess.Popen([sys.executable, "-m", *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # a SIGTERM to the demo unwinds through the `finally` below, which stops the server and its ranks
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         ready = _echo_until_ready(server)
         if ready is None:
@@ -177,6 +179,7 @@ def show_server(device: str, dp: int) -> int:
               f"finish_reason {choice['finish_reason']}", flush=True)
     finally:
         stopped, how = _stop(server)
+        signal.signal(signal.SIGTERM, previous)
     print(f"SIGTERM: {how}", file=sys.stdout if stopped else sys.stderr)
     return 0 if stopped else 1
 

@@ -7,9 +7,9 @@ import importlib.util
 import torch
 
 ENABLED = True
-_TRITON = importlib.util.find_spec("triton") is not None
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def use_fused(t: torch.Tensor) -> bool:
     """Whether the fused kernel takes `t`: a CUDA tensor, triton installed, the kernels not switched off."""
-    return ENABLED and _TRITON and t.is_cuda
+    return ENABLED and TRITON_INSTALLED and t.is_cuda

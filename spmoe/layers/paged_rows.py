@@ -2,7 +2,6 @@
 of the whole cache (`PagedKeyStore`, built by the engine). The math over them is in `sparse_attention`."""
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -18,9 +17,9 @@ class PagedLayerCache:
     index_scale: torch.Tensor | None  # [R, 1] float32: one scale per key
 
 
-@runtime_checkable
-class PagedKeyStore(Protocol):
-    """The paged cache as one forward of N new tokens of S sequences sees it (built by the engine).
+class PagedKeyStore:
+    """The paged cache as one forward of N new tokens of S sequences sees it (built by the engine; attention
+    takes the sparse path for an instance of this class, a plain isinstance check on the hot path).
 
     `allowed` `[N, 0]` bool: the paged cache has no flat key axis (keys are found through the block tables);
     it is there so the model counts the forward's tokens as it does with a dense cache.
@@ -32,8 +31,11 @@ class PagedKeyStore(Protocol):
     positions: torch.Tensor  # [N] int64
     allowed: torch.Tensor  # [N, 0] bool
 
-    def layer(self, layer: int) -> PagedLayerCache: ...
+    def layer(self, layer: int) -> PagedLayerCache:
+        raise NotImplementedError
 
-    def write_latent(self, layer: int, latent: torch.Tensor, rope: torch.Tensor) -> None: ...
+    def write_latent(self, layer: int, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        raise NotImplementedError
 
-    def write_index_key(self, layer: int, key: torch.Tensor) -> None: ...
+    def write_index_key(self, layer: int, key: torch.Tensor) -> None:
+        raise NotImplementedError

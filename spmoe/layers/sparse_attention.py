@@ -19,10 +19,9 @@ Each has a torch version (the reference; CPU and any device) and a Triton versio
 (`sparse_attention_triton`, imported only when used), with the same signature.
 """
 
-import importlib.util
-
 import torch
 
+from spmoe.layers.fused import TRITON_INSTALLED
 from spmoe.layers.moe.experts.base import FP8_MAX
 from spmoe.layers.paged_rows import PagedLayerCache
 
@@ -56,7 +55,7 @@ def use_triton(t: torch.Tensor, *dims: int) -> bool:
     FP8 dot product needs >= 32)."""
     least = 32 if t.dtype == torch.float8_e4m3fn else 16
     return (t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-            and all(d >= least and d & (d - 1) == 0 for d in dims) and importlib.util.find_spec("triton") is not None)
+            and all(d >= least and d & (d - 1) == 0 for d in dims) and TRITON_INSTALLED)
 
 
 # -- indexer ------------------------------------------------------------------------------------------------

@@ -247,6 +247,8 @@ def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
     ("no such folder", "expected a checkpoint folder with config.json, found none"),
     ("no tokenizer", "has no tokenizer: expected tokenizer.json or tokenizer_config.json there"),
     ("port in use", "the address is in use"),
+    ("longer than the model", "--max-model-len: 100 positions, more than the model's max_position_embeddings = 64"),
+    ("graphs on the CPU", "--cuda-graphs needs a CUDA device (the model is on cpu)"),
 ])
 def test_bad_options_are_one_line_errors_before_any_rank(case, fragment, checkpoint, tmp_path, capsys):
     model, port = checkpoint, str(free_port())
@@ -257,11 +259,20 @@ def test_bad_options_are_one_line_errors_before_any_rank(case, fragment, checkpo
         model.mkdir()
         for name in ("config.json", "model.safetensors"):
             os.symlink(checkpoint / name, model / name)
+    elif case == "longer than the model":  # the checkpoint with a stated max_position_embeddings of 64
+        model = tmp_path / "short"
+        model.mkdir()
+        for name in os.listdir(checkpoint):
+            if name != "config.json":
+                os.symlink(checkpoint / name, model / name)
+        config = json.loads((checkpoint / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
     with socket.socket() as busy:
         if case == "port in use":
             busy.bind(("127.0.0.1", int(port)))
             busy.listen()
-        assert main(["serve", "--model", str(model), "--tp", "2", "--port", port]) == 1
+        extra = {"longer than the model": ["--max-model-len", "100"], "graphs on the CPU": ["--cuda-graphs"]}
+        assert main(["serve", "--model", str(model), "--tp", "2", "--port", port, *extra.get(case, [])]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("spmoe serve: error: ") and fragment in err[-1], err
     assert "loading the weights" not in "\n".join(err)

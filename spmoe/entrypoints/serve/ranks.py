@@ -20,20 +20,22 @@ import queue
 import signal
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state
 from spmoe.distributed.comm import broadcast_object, gather_object
+from spmoe.engine.cuda_graphs import deployment_problems
 from spmoe.engine.engine import Engine
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import build_paged_cache, check_paged_budget
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
-from spmoe.entrypoints.jobs import DTYPES
+from spmoe.entrypoints.jobs import DTYPES, check_device, check_positions
 
 HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
+DEFAULT_MAX_MODEL_LEN = 2048  # positions per request unless asked, or fewer if the model has fewer
 
 
 class QueueFull(RuntimeError):
@@ -44,7 +46,8 @@ class QueueFull(RuntimeError):
 class ServeOptions:
     dtype: str = "float32"  # one of DTYPES
     max_num_seqs: int = 8  # requests running at once per DP group
-    max_model_len: int = 2048  # KV cache positions per request: prompt + generated tokens + drafts
+    max_model_len: int | None = None  # positions per request: prompt + generated tokens + drafts; None:
+    # the model's max_position_embeddings, at most DEFAULT_MAX_MODEL_LEN (`for_model`)
     num_speculative_tokens: int = 0  # MTP drafts per step; 0 = no speculation (greedy requests only if > 0)
     max_num_waiting: int = 64  # requests waiting to start beyond which a new one gets QueueFull
     cuda_graphs: bool = False  # replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)
@@ -64,7 +67,7 @@ class ServeOptions:
             raise ValueError("--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; "
                              "got them with --kv-cache dense")
         for name in ("max_num_seqs", "max_model_len", "max_num_waiting", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
@@ -73,13 +76,29 @@ class ServeOptions:
                              "so pass one or the other")
 
 
+    def for_model(self, cfg: ModelConfig) -> "ServeOptions":
+        """These options with `max_model_len` settled for the model."""
+        if self.max_model_len is not None:
+            return self
+        return replace(self, max_model_len=min(DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings or
+                                               DEFAULT_MAX_MODEL_LEN))
+
+
 def check_serve(model_dir: str, parallel: ParallelConfig, options: ServeOptions, device: str = "cpu") -> ModelConfig:
-    """What can be checked before starting any rank: the checkpoint against the parallel layout and the
-    options. -> the model config."""
+    """What can be checked before starting any rank: the checkpoint against the parallel layout, the device and
+    the options (the same checks as `spmoe generate`'s where they apply). -> the model config."""
     cfg = ModelConfig.from_file(model_dir)
     cfg.check_parallel(parallel)
+    check_device(device, parallel.world_size)
     if options.num_speculative_tokens and not cfg.num_nextn_predict_layers:
         raise ValueError(f"speculative decoding needs an MTP layer; {model_dir} has num_nextn_predict_layers = 0")
+    if options.cuda_graphs:
+        problems = deployment_problems(device, parallel.data_parallel_size, parallel.ep_backend)
+        if problems:
+            raise ValueError("--cuda-graphs needs " + "; ".join(problems))
+    if options.max_model_len is not None:
+        check_positions(options.max_model_len, cfg.max_position_embeddings, "--max-model-len")
+    options = options.for_model(cfg)
     if options.kv_cache == "paged":
         check_paged_budget(cfg, options.num_speculative_tokens > 0, DTYPES[options.dtype], options.kv_cache_dtype,
                            options.kv_cache_memory, options.gpu_memory_utilization, device, options.max_model_len)
@@ -285,6 +304,7 @@ def serve_rank(model_dir: str, parallel: ParallelConfig, options: ServeOptions, 
     from spmoe.models.deepseek_v32.weights import load_model
 
     state = get_parallel_state()
+    options = options.for_model(ModelConfig.from_file(model_dir))
     model = load_model(model_dir, parallel, DTYPES[options.dtype], state.device,
                        with_mtp=options.num_speculative_tokens > 0)
     if options.kv_cache == "dense":

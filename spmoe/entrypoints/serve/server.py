@@ -20,7 +20,7 @@ from spmoe.config import ParallelConfig
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.distributed import launch
 from spmoe.entrypoints.cache_options import add_kv_cache_args, kv_cache_options
-from spmoe.entrypoints.serve.ranks import ServeOptions, check_serve, serve_rank
+from spmoe.entrypoints.serve.ranks import DEFAULT_MAX_MODEL_LEN, ServeOptions, check_serve, serve_rank
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 
 
@@ -107,8 +107,9 @@ def add_serve_args(p) -> None:
                    help=f"requests decoded at once per DP group (default {defaults.max_num_seqs})")
     p.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
                    help=f"requests that may wait to start; one more gets 503 (default {defaults.max_num_waiting})")
-    p.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
-                   help=f"KV cache positions per request: prompt + output + drafts (default {defaults.max_model_len})")
+    p.add_argument("--max-model-len", type=int,
+                   help=f"positions per request: prompt + output + drafts (default: the model's "
+                        f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN})")
     add_kv_cache_args(p, "--max-num-seqs x --max-model-len tokens")
     p.add_argument("--speculative", choices=["mtp"], help="draft tokens with the checkpoint's MTP layer (greedy "
                                                           "requests only)")
