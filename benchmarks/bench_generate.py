@@ -168,7 +168,7 @@ def profile_prefill(model, cfg, args) -> None:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_case(model, cfg, "paged", args.max_num_batched_tokens, Namespace(**{**vars(args), "new_tokens": 3}))
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60), flush=True)
 
 
 def print_row(row: dict, rows: list[dict]) -> None:
