@@ -27,7 +27,7 @@ from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.paged_rows import PagedKeyStore
-from spmoe.layers.sparse_attention import indexer_topk, quantize_fp8_vectors, sparse_mla
+from spmoe.layers.sparse_attention import hadamard_rotate, indexer_topk, quantize_fp8_vectors, sparse_mla
 
 
 class KeyStore(Protocol):
@@ -98,12 +98,16 @@ class Indexer(nn.Module):
                     cache: PagedKeyStore) -> torch.Tensor:
         """head_weights `[N, h]`, q `[N, h, d]`, k `[N, d]` -> cache rows `[N, k]`: the same scores as the dense
         path, both scales folded into the head weights (relu commutes with a positive scale); FP8 caches score
-        FP8 queries."""
+        FP8 queries against FP8 keys, both Hadamard-rotated first (`hadamard_rotate`: q . k unchanged, less
+        FP8 rounding)."""
         cfg = self.cfg
-        cache.write_index_key(self.layer_idx, k)
         rows = cache.layer(self.layer_idx)
+        fp8 = rows.index_scale is not None
+        if fp8:
+            q, k = hadamard_rotate(q), hadamard_rotate(k)  # [N, h, d], [N, d] float32
+        cache.write_index_key(self.layer_idx, k)
         weights = head_weights.float() * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
-        if rows.index_scale is not None:
+        if fp8:
             q, q_scale = quantize_fp8_vectors(q)  # [N, h, d], [N, h, 1]
             weights = weights * q_scale.squeeze(-1)
         return indexer_topk(q, weights, rows, cache.block_tables, cache.seq_index, cache.positions, cfg.index_topk,
