@@ -8,7 +8,8 @@ cache layout); each matches its torch reference there.
 - `sparse_mla`: split-K flash decoding. Program (token, head block, split) walks its share of the token's
   selected rows in tiles: gathers the latent rows (dequantising FP8 per 128 values in registers) and the rope
   keys, scores `q_latent . latent + q_rope . rope`, keeps an online softmax, and accumulates the weighted
-  latents; a second kernel merges the splits. The keys `[K, heads, 256]` are never formed.
+  latents; a second kernel merges the splits (with one split, as in a prefill, the kernel normalises and
+  writes the output itself). The keys `[K, heads, 256]` are never formed.
 
 Shapes depend only on the inputs' shapes and nothing is read back to the host, so both can be captured in
 a CUDA graph.
@@ -88,9 +89,9 @@ def indexer_order_keys(q: torch.Tensor, weights: torch.Tensor, cache: PagedLayer
 
 
 @triton.jit
-def _sparse_mla_kernel(ql_ptr, qr_ptr, lat_ptr, lat_scale_ptr, rope_ptr, rows_ptr, acc_ptr, stats_ptr,
+def _sparse_mla_kernel(ql_ptr, qr_ptr, lat_ptr, lat_scale_ptr, rope_ptr, rows_ptr, acc_ptr, stats_ptr, out_ptr,
                        heads, topk, scale_log2,
-                       stride_qln, stride_qlh, stride_qrn, stride_qrh, stride_rows,
+                       stride_qln, stride_qlh, stride_qrn, stride_qrh, stride_rows, stride_on, stride_oh,
                        FP8: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
                        ROWS_PER_SPLIT: tl.constexpr):
@@ -127,10 +128,15 @@ def _sparse_mla_kernel(ql_ptr, qr_ptr, lat_ptr, lat_scale_ptr, rope_ptr, rows_pt
         total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent)
         best = new_best
-    base = (token * heads + h) * SPLITS + split  # [BLOCK_H]
-    tl.store(acc_ptr + base[:, None] * LATENT + c[None, :], acc, mask=h[:, None] < heads)
-    tl.store(stats_ptr + base * 2, best, mask=h < heads)
-    tl.store(stats_ptr + base * 2 + 1, total, mask=h < heads)
+    if SPLITS == 1:  # nothing to merge: normalise here (no row at all: zeros, as the merge gives)
+        out = acc / tl.maximum(total, 1.1754943508222875e-38)[:, None]
+        tl.store(out_ptr + token * stride_on + h[:, None] * stride_oh + c[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=h[:, None] < heads)
+    else:
+        base = (token * heads + h) * SPLITS + split  # [BLOCK_H]
+        tl.store(acc_ptr + base[:, None] * LATENT + c[None, :], acc, mask=h[:, None] < heads)
+        tl.store(stats_ptr + base * 2, best, mask=h < heads)
+        tl.store(stats_ptr + base * 2 + 1, total, mask=h < heads)
 
 
 @triton.jit
@@ -171,16 +177,19 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCa
     splits = max(1, min(tiles, triton.cdiv(NUM_SMS_TARGET, n * head_blocks)))
     rows_per_split = triton.cdiv(tiles, splits) * block_k
     splits = triton.cdiv(max(topk, 1), rows_per_split)
-    acc = torch.empty(n, heads, splits, latent_dim, dtype=torch.float32, device=q_latent.device)
-    stats = torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q_latent.device)
+    # one split (a prefill: tokens enough to fill the GPU) writes the output itself; more go through the merge
+    acc = torch.empty(n, heads, splits, latent_dim, dtype=torch.float32, device=q_latent.device) if splits > 1 else out
+    stats = torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q_latent.device) if splits > 1 else out
     fp8 = cache.latent_scale is not None
     _sparse_mla_kernel[(n, head_blocks, splits)](
-        q_latent, q_rope, cache.latent, cache.latent_scale if fp8 else cache.rope, cache.rope, rows, acc, stats,
+        q_latent, q_rope, cache.latent, cache.latent_scale if fp8 else cache.rope, cache.rope, rows, acc, stats, out,
         heads, topk, scale * LOG2_E,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0),
+        out.stride(0), out.stride(1),
         FP8=fp8, LATENT=latent_dim, ROPE=rope_dim, GROUP=latent_dim // cache.latent_scale.shape[1] if fp8 else 1,
         BLOCK_H=block_h, BLOCK_K=block_k, SPLITS=splits, ROWS_PER_SPLIT=rows_per_split,
         num_warps=num_warps, num_stages=num_stages)
-    _merge_splits_kernel[(n, heads)](acc, stats, out, out.stride(0), out.stride(1), heads, LATENT=latent_dim,
-                                     SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
+    if splits > 1:
+        _merge_splits_kernel[(n, heads)](acc, stats, out, out.stride(0), out.stride(1), heads, LATENT=latent_dim,
+                                         SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
     return out
