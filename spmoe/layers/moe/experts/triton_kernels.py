@@ -202,10 +202,10 @@ def align_pairs(ids: torch.Tensor, first: int, count: int, block_m: int):
     if num_pairs <= ONE_PROGRAM_PAIRS:
         pairs = torch.empty(rows_max, dtype=torch.int32, device=device)
         block_expert = torch.empty(rows_max // block_m, dtype=torch.int32, device=device)
+        block_p, block_e = max(16, triton.next_power_of_2(num_pairs)), max(16, triton.next_power_of_2(count))
         _align_one_program_kernel[(1,)](ids, pairs, block_expert, num_pairs, first, count, rows_max, BLOCK_M=block_m,
-                                        BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
-                                        BLOCK_E=max(16, triton.next_power_of_2(count)), BLOCK_R=256, BLOCK_B=64,
-                                        num_warps=8)
+                                        BLOCK_P=block_p, BLOCK_E=block_e, BLOCK_R=256, BLOCK_B=64,
+                                        num_warps=min(8, max(1, block_p * block_e // 2048)))
         return pairs, block_expert
     counters = torch.zeros(2, count, dtype=torch.int32, device=device)  # pairs per expert, placement cursors
     start = torch.empty(count, dtype=torch.int32, device=device)
