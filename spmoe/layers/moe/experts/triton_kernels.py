@@ -205,7 +205,7 @@ def align_pairs(ids: torch.Tensor, first: int, count: int, block_m: int):
         block_p, block_e = max(16, triton.next_power_of_2(num_pairs)), max(16, triton.next_power_of_2(count))
         _align_one_program_kernel[(1,)](ids, pairs, block_expert, num_pairs, first, count, rows_max, BLOCK_M=block_m,
                                         BLOCK_P=block_p, BLOCK_E=block_e, BLOCK_R=256, BLOCK_B=64,
-                                        num_warps=min(8, max(1, block_p * block_e // 2048)))
+                                        num_warps=8)  # 2.2 us at batch 1 on an H200; 1 warp took 2.8
         return pairs, block_expert
     counters = torch.zeros(2, count, dtype=torch.int32, device=device)  # pairs per expert, placement cursors
     start = torch.empty(count, dtype=torch.int32, device=device)
