@@ -21,8 +21,11 @@ from torch import nn
 
 from spmoe.config import ModelConfig
 from spmoe.engine.kv_cache import attention_layout
+from spmoe.layers.fused import use_fused
 from spmoe.layers.moe.experts.base import quantize_fp8_groups
+from spmoe.layers.norm import RMSNorm
 from spmoe.layers.paged_rows import PagedKeyStore, PagedLayerCache
+from spmoe.layers.rotary import Rotary
 from spmoe.layers.sparse_attention import quantize_fp8_vectors
 
 BLOCK_SIZE = 64
@@ -223,6 +226,21 @@ class PagedCacheView(PagedKeyStore):
         rows = self.cache.layers[layer]
         self._write(rows.latent, rows.latent_scale, latent, quantize_fp8_groups)
         rows.rope.index_copy_(0, self.slot_mapping, rope.to(rows.rope.dtype))
+
+    def write_latent_projection(self, layer: int, kv_a: torch.Tensor, norm: RMSNorm, rotary: Rotary) -> None:
+        """This forward's kv_a projection `[N, c + r]` (the raw latent, then the raw rope key) -> the latent normed
+        by `norm` and the rope key rotated by `rotary` (MLA's interleaved pairs) in their rows: one Triton kernel
+        on CUDA (`fused_triton.write_mla_cache`), else `write_latent` of the torch results (the rope part of kv_a
+        is rotated in place)."""
+        rows, c = self.cache.layers[layer], self.cache.cfg.kv_lora_rank
+        if use_fused(kv_a):
+            from spmoe.layers.fused_triton import write_mla_cache
+            write_mla_cache(kv_a, norm.weight, norm.eps, rotary.cos, rotary.sin, self.slot_mapping, rows.latent,
+                            rows.latent_scale, rows.rope)
+            return
+        latent, rope = kv_a.split([c, kv_a.shape[1] - c], dim=-1)
+        rotary.rotate_(rope.unsqueeze(1), interleaved=True)
+        self.write_latent(layer, norm(latent), rope)
 
     def write_index_key(self, layer: int, key: torch.Tensor) -> None:
         """This forward's indexer keys `[N, d]` -> their rows (FP8: one scale per key)."""

@@ -142,13 +142,15 @@ class MLAttention(nn.Module):
         q_latent = self.q_a_layernorm(proj["q_a_proj"])  # [N, q_lora]
         q = self.q_b_proj(q_latent).view(n_tok, heads, cfg.qk_head_dim)
         batch.rotary.rotate_(q[..., cfg.qk_nope_head_dim:], interleaved=True)
-        kv_latent, k_rope = proj["kv_a_proj_with_mqa"].split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        kv_latent = self.kv_a_layernorm(kv_latent)  # [N, c]
-        batch.rotary.rotate_(k_rope.unsqueeze(1), interleaved=True)  # [N, rope]
-        if isinstance(batch.cache, PagedKeyStore):
+        kv_a = proj["kv_a_proj_with_mqa"]  # [N, c + rope]: the latent, then the rope key
+        if isinstance(batch.cache, PagedKeyStore):  # normed, rotated and written in one go
+            batch.cache.write_latent_projection(self.layer_idx, kv_a, self.kv_a_layernorm, batch.rotary)
             if self.indexer is not None:
                 selected = self.indexer(*(proj[name] for name in Indexer.PROJECTIONS), q_latent, batch)
-            return self.o_proj(self._sparse_absorbed(q, kv_latent, k_rope, batch.cache, selected)), selected
+            return self.o_proj(self._sparse_absorbed(q, batch.cache, selected)), selected
+        kv_latent, k_rope = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv_latent = self.kv_a_layernorm(kv_latent)  # [N, c]
+        batch.rotary.rotate_(k_rope.unsqueeze(1), interleaved=True)  # [N, rope]
         latent = batch.keys(self.layer_idx, "mla", torch.cat([kv_latent, k_rope], dim=-1))
         kv_latent, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)  # [K, c], [K, rope]
         kv = self.kv_b_proj(kv_latent).view(latent.shape[0], heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
@@ -162,15 +164,13 @@ class MLAttention(nn.Module):
         out = torch.einsum("hqk,khd->qhd", probs, v).reshape(n_tok, heads * cfg.v_head_dim)
         return self.o_proj(out), selected
 
-    def _sparse_absorbed(self, q: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
-                         cache: PagedKeyStore, selected: torch.Tensor) -> torch.Tensor:
-        """Absorbed MLA over the selected cache rows: q `[N, h, qk_head]`, this forward's latent `[N, c]` and
-        rope key `[N, rope]` (written to the cache first), selected rows `[N, k]` -> `[N, h * v]`.
+    def _sparse_absorbed(self, q: torch.Tensor, cache: PagedKeyStore, selected: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA over the selected cache rows (this forward's rows already written): q `[N, h, qk_head]`,
+        selected rows `[N, k]` -> `[N, h * v]`.
 
         W_UK `[h, nope, c]` and W_UV `[h, v, c]` are views of kv_b_proj's weight: q_nope @ W_UK puts the query
         in latent space, and the weighted latent goes back through W_UV."""
         cfg, heads, nope = self.cfg, self.local_heads, self.cfg.qk_nope_head_dim
-        cache.write_latent(self.layer_idx, kv_latent, k_rope)
         w_uk, w_uv = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, cfg.kv_lora_rank).split(
             [nope, cfg.v_head_dim], dim=1)
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [N, h, c]

@@ -1,5 +1,6 @@
 """Fused Triton kernels for the small per-token work of a decode step, each one launch where the torch reference
-takes several (the references, which these match, are `RMSNorm`, `Rotary` and `Router`; `fused.use_fused` picks):
+takes several (the references, which these match, are `RMSNorm`, `Rotary`, `Router`, `PagedCacheView`'s latent
+write and `mlp.silu_mul`; `fused.use_fused` picks):
 
 - `add_rms_norm`: residual add + RMSNorm, one program per row: reads x (and the residual), writes the normed
   row (and the new residual). The torch rounding is kept: the sum and the normed row are rounded to the input
@@ -10,7 +11,15 @@ takes several (the references, which these match, are `RMSNorm`, `Rotary` and `R
   rounds them (on an H200, bf16, a last bit still differed from torch in under 1% of the elements).
 - `route`: the router after its logits GEMM, one program per row: sigmoid, + the correction bias, group
   top-k (top-2 sum per group, `topk_group` groups kept), top-k experts, the raw scores gathered, normalised and
-  scaled; pad rows get id -1 and weight 0. Ties go to the lowest index (group or expert).
+  scaled; pad rows get id -1 and weight 0. Ties go to the lowest index (group or expert). It takes the logits
+  as S partial sums `[m, S, E]` and adds them up first.
+- `router_logit_sums`: the router's logits GEMM in float32 from 16-bit rows, for a few rows a Triton GEMV that
+  leaves S partial sums over K-slices (many programs stream the float32 weight; `route` finishes the sum, so
+  no reduction kernel and no float32 copy of x), else cuBLAS (S = 1).
+- `write_mla_cache`: one program per token writes its MLA cache row from the kv_a projection: RMSNorm of the
+  latent (`add_rms_norm`'s rounding), FP8 with one scale per 128 values when the cache is FP8, and the rope
+  key rotated (interleaved, `rope_`'s rounding), at the token's slot.
+- `silu_mul`: `silu(gate) * up`, each rounded to the dtype as torch rounds `F.silu(gate) * up`.
 
 Shapes depend only on the inputs' shapes and nothing is read back to the host, so each can be captured in a
 CUDA graph.
@@ -19,6 +28,18 @@ CUDA graph.
 import torch
 import triton
 import triton.language as tl
+
+from spmoe.layers.moe.experts.base import FP8_GROUP, FP8_MAX
+
+
+@triton.jit
+def _rms_normed(x, w_ptr, cols, mask, size, eps):
+    """RMSNorm of the row x (masked lanes 0) times the weight, float32; x * rstd is rounded to x's dtype first,
+    as torch rounds it."""
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / size + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    return tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) * normed
 
 
 @triton.jit
@@ -32,11 +53,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, 
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / size + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    normed = _rms_normed(x, w_ptr, cols, mask, size, eps)
+    tl.store(out_ptr + row * stride_out + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -61,25 +79,34 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
+def _rotate(first, second, cos, sin):
+    """The pairs (first, second) rotated by cos / sin, in first's dtype: torch rounds every product and every
+    sum to the tensor dtype, and so does this."""
+    dtype = first.dtype
+    first, second = first.to(tl.float32), second.to(tl.float32)
+    cos, sin = cos.to(tl.float32), sin.to(tl.float32)
+    out_first = ((first * cos).to(dtype).to(tl.float32) - (second * sin).to(dtype).to(tl.float32)).to(dtype)
+    out_second = ((second * cos).to(dtype).to(tl.float32) + (first * sin).to(dtype).to(tl.float32)).to(dtype)
+    return out_first, out_second
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, heads, stride_n, stride_h, stride_cos,
                  HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, HALF)[None, :]
     mask = (h < heads) & (j < HALF)
-    dtype = x_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + n * stride_cos + j).to(tl.float32)
-    sin = tl.load(sin_ptr + n * stride_cos + j).to(tl.float32)
+    cos = tl.load(cos_ptr + n * stride_cos + j)
+    sin = tl.load(sin_ptr + n * stride_cos + j)
     base = x_ptr + n * stride_n + h * stride_h
     if INTERLEAVED:
-        first = tl.load(base + 2 * j, mask=mask).to(tl.float32)
-        second = tl.load(base + 2 * j + 1, mask=mask).to(tl.float32)
+        first = tl.load(base + 2 * j, mask=mask)
+        second = tl.load(base + 2 * j + 1, mask=mask)
     else:
-        first = tl.load(base + j, mask=mask).to(tl.float32)
-        second = tl.load(base + j + HALF, mask=mask).to(tl.float32)
-    # torch rounds every product and every sum to the tensor dtype
-    out_first = ((first * cos).to(dtype).to(tl.float32) - (second * sin).to(dtype).to(tl.float32)).to(dtype)
-    out_second = ((second * cos).to(dtype).to(tl.float32) + (first * sin).to(dtype).to(tl.float32)).to(dtype)
+        first = tl.load(base + j, mask=mask)
+        second = tl.load(base + j + HALF, mask=mask)
+    out_first, out_second = _rotate(first, second, cos, sin)
     tl.debug_barrier()  # every thread has read its pairs before any overwrites a position another still reads
     tl.store(base + j, out_first, mask=mask)
     tl.store(base + j + HALF, out_second, mask=mask)
@@ -101,16 +128,19 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bo
 
 
 @triton.jit
-def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, valid_rows, scale, stride_logits,
-                   EXPERTS: tl.constexpr, N_GROUP: tl.constexpr, GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                   K: tl.constexpr, NORM: tl.constexpr, GROUPS_P: tl.constexpr, GROUP_P: tl.constexpr,
-                   K_P: tl.constexpr):
+def _router_kernel(sums_ptr, bias_ptr, ids_ptr, w_ptr, valid_rows, scale, stride_row, stride_split,
+                   EXPERTS: tl.constexpr, SPLITS: tl.constexpr, N_GROUP: tl.constexpr, GROUP: tl.constexpr,
+                   TOPK_GROUP: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, GROUPS_P: tl.constexpr,
+                   GROUP_P: tl.constexpr, K_P: tl.constexpr):
     row = tl.program_id(0)
     g = tl.arange(0, GROUPS_P)[:, None]
     i = tl.arange(0, GROUP_P)[None, :]
     expert = g * GROUP + i  # [GROUPS_P, GROUP_P]: expert ids laid out by group
     real = (g < N_GROUP) & (i < GROUP)
-    logits = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + expert, mask=real, other=0.0)
+    logits = tl.zeros([GROUPS_P, GROUP_P], dtype=tl.float32)
+    for split in tl.static_range(SPLITS):  # in a fixed order: the same sum on every call
+        logits += tl.load(sums_ptr + row.to(tl.int64) * stride_row + split * stride_split + expert, mask=real,
+                          other=0.0)
     scores = tl.sigmoid(logits)
     choice = tl.where(real, scores + tl.load(bias_ptr + expert, mask=real, other=0.0), float("-inf"))
     if N_GROUP > 1:  # keep the TOPK_GROUP groups of the largest top-2 sums
@@ -146,18 +176,139 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, valid_rows, scale, stri
     tl.store(w_ptr + out, tl.where(pad, 0.0, weights), mask=slot < K)
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor, valid_rows: int, n_group: int, topk_group: int, top_k: int,
+def route(sums: torch.Tensor, bias: torch.Tensor, valid_rows: int, n_group: int, topk_group: int, top_k: int,
           norm_topk_prob: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits `[m, E]` float32, correction bias `[E]` -> (ids `[m, top_k]` int64, weights `[m, top_k]`
-    float32); rows from `valid_rows` on get id -1 and weight 0."""
-    m, experts = logits.shape
-    logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    ids = torch.empty(m, top_k, dtype=torch.int64, device=logits.device)
-    weights = torch.empty(m, top_k, dtype=torch.float32, device=logits.device)
+    """Router logits as S partial sums `[m, S, E]` float32 (`router_logit_sums`), correction bias `[E]` ->
+    (ids `[m, top_k]` int64, weights `[m, top_k]` float32); rows from `valid_rows` on get id -1 and weight 0."""
+    m, splits, experts = sums.shape
+    sums = sums if sums.stride(2) == 1 else sums.contiguous()
+    ids = torch.empty(m, top_k, dtype=torch.int64, device=sums.device)
+    weights = torch.empty(m, top_k, dtype=torch.float32, device=sums.device)
     if m:
         group = experts // n_group
-        _router_kernel[(m,)](logits, bias.float(), ids, weights, valid_rows, scale, logits.stride(0),
-                             EXPERTS=experts, N_GROUP=n_group, GROUP=group, TOPK_GROUP=topk_group, K=top_k,
-                             NORM=norm_topk_prob, GROUPS_P=triton.next_power_of_2(n_group),
-                             GROUP_P=triton.next_power_of_2(group), K_P=triton.next_power_of_2(top_k), num_warps=4)
+        _router_kernel[(m,)](sums, bias.float(), ids, weights, valid_rows, scale, sums.stride(0), sums.stride(1),
+                             EXPERTS=experts, SPLITS=splits, N_GROUP=n_group, GROUP=group, TOPK_GROUP=topk_group,
+                             K=top_k, NORM=norm_topk_prob, GROUPS_P=triton.next_power_of_2(n_group),
+                             GROUP_P=triton.next_power_of_2(group), K_P=triton.next_power_of_2(top_k),
+                             num_warps=1)  # one warp: its reductions need no shared memory
     return ids, weights
+
+
+GEMV_ROWS = 32  # at most this many rows take the Triton GEMV (`router_logit_sums`), more take cuBLAS
+GEMV_SLICE = 1024  # the K-slice one GEMV program sums
+
+
+@triton.jit
+def _router_gemv_kernel(x_ptr, w_ptr, sums_ptr, rows, experts, hidden, stride_x, stride_w, stride_row,
+                        stride_split, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(1)
+    k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = k < hidden
+    w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + k[None, :], mask=(e[:, None] < experts) & k_ok[None, :],
+                other=0.0).to(tl.float32)
+    for i in tl.static_range(BLOCK_M):  # unrolled: every row's load is in flight at once
+        r = tl.program_id(2) * BLOCK_M + i
+        x = tl.load(x_ptr + r * stride_x + k, mask=k_ok & (r < rows), other=0.0).to(tl.float32)
+        tl.store(sums_ptr + r * stride_row + split * stride_split + e, tl.sum(w * x[None, :], axis=1),
+                 mask=(e < experts) & (r < rows))
+
+
+def router_logit_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x `[m, H]` (16-bit or float32), the router weight `[E, H]` float32 -> the float32 logits x @ weight.T as S
+    partial sums `[m, S, E]`, each over a K-slice of `GEMV_SLICE` (a Triton GEMV, for at most `GEMV_ROWS` rows),
+    or S = 1 (a cuBLAS GEMM of x in float32)."""
+    (m, hidden), experts = x.shape, weight.shape[0]
+    if m > GEMV_ROWS:
+        return torch.nn.functional.linear(x.float(), weight.float()).unsqueeze(1)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight.contiguous()
+    splits = triton.cdiv(hidden, GEMV_SLICE)
+    sums = torch.empty(m, splits, experts, dtype=torch.float32, device=x.device)
+    if m:
+        block_e = min(8, max(2, triton.next_power_of_2(experts) // 16))  # >= ~100 programs for 64+ experts
+        block_m = min(8, triton.next_power_of_2(m))
+        _router_gemv_kernel[(triton.cdiv(experts, block_e), splits, triton.cdiv(m, block_m))](
+            x, weight, sums, m, experts, hidden, x.stride(0), weight.stride(0), sums.stride(0), sums.stride(1),
+            BLOCK_E=block_e, BLOCK_K=GEMV_SLICE, BLOCK_M=block_m, num_warps=4)
+    return sums
+
+
+@triton.jit
+def _mla_cache_write_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, latent_ptr, scale_ptr, rope_ptr, stride_kv,
+                            stride_cos, stride_latent, stride_scale, stride_rope, eps, LATENT: tl.constexpr,
+                            HALF: tl.constexpr, FP8: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                            GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + n)
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < LATENT
+    latent = tl.load(kv_ptr + n * stride_kv + c, mask=c_ok, other=0.0)
+    normed = _rms_normed(latent, w_ptr, c, c_ok, LATENT, eps).to(latent.dtype)
+    if FP8:  # one scale per GROUP values, as `quantize_fp8_groups`
+        groups = tl.reshape(normed.to(tl.float32), (BLOCK_C // GROUP, GROUP))
+        scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-10) / FP8_MAX
+        scales = tl.broadcast_to(scale[:, None], (BLOCK_C // GROUP, GROUP))
+        values = tl.math.div_rn(groups, scales).to(latent_ptr.dtype.element_ty)  # IEEE division, as torch's
+        cols = tl.reshape(c, (BLOCK_C // GROUP, GROUP))
+        tl.store(latent_ptr + slot * stride_latent + cols, values, mask=cols < LATENT)
+        g = tl.arange(0, BLOCK_C // GROUP)
+        tl.store(scale_ptr + slot * stride_scale + g, scale, mask=g < LATENT // GROUP)
+    else:
+        tl.store(latent_ptr + slot * stride_latent + c, normed.to(latent_ptr.dtype.element_ty), mask=c_ok)
+    j = tl.arange(0, BLOCK_HALF)
+    j_ok = j < HALF
+    rope = kv_ptr + n * stride_kv + LATENT  # interleaved pairs (x0, x1), (x2, x3)...
+    cos = tl.load(cos_ptr + n * stride_cos + j, mask=j_ok)
+    sin = tl.load(sin_ptr + n * stride_cos + j, mask=j_ok)
+    first, second = _rotate(tl.load(rope + 2 * j, mask=j_ok), tl.load(rope + 2 * j + 1, mask=j_ok), cos, sin)
+    tl.store(rope_ptr + slot * stride_rope + j, first, mask=j_ok)  # the rotated evens, then the rotated odds
+    tl.store(rope_ptr + slot * stride_rope + HALF + j, second, mask=j_ok)
+
+
+def write_mla_cache(kv_a: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                    slots: torch.Tensor, latent: torch.Tensor, latent_scale: torch.Tensor | None,
+                    rope: torch.Tensor) -> None:
+    """One token's MLA cache row per program. kv_a `[N, c + r]` (the kv_a projection: the latent, then the rope
+    key; rows may be strided), the latent norm's weight `[c]` and eps, cos / sin `[N, r / 2]`, slots `[N]`
+    int64 -> rows `slots` of latent `[R, c]` (the normed latent; FP8: its values, their scales in latent_scale
+    `[R, c / 128]`) and rope `[R, r]` (the rope key rotated, interleaved pairs), in place."""
+    n_tok, c, r = kv_a.shape[0], latent.shape[1], rope.shape[1]
+    if kv_a.stride(1) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride() or kv_a.shape[1] != c + r:
+        raise ValueError(f"write_mla_cache needs kv_a [N, {c} + {r}] with a contiguous last dim and cos / sin of one "
+                         f"layout; got kv_a {tuple(kv_a.shape)} strides {kv_a.stride()}, cos {cos.stride()}, "
+                         f"sin {sin.stride()}")
+    if n_tok == 0:
+        return
+    fp8 = latent_scale is not None
+    block_c = triton.next_power_of_2(c)
+    _mla_cache_write_kernel[(n_tok,)](
+        kv_a, weight, cos, sin, slots, latent, latent_scale if fp8 else latent, rope, kv_a.stride(0), cos.stride(0),
+        latent.stride(0), latent_scale.stride(0) if fp8 else 0, rope.stride(0), eps, LATENT=c, HALF=r // 2, FP8=fp8,
+        BLOCK_C=block_c, BLOCK_HALF=triton.next_power_of_2(r // 2), GROUP=FP8_GROUP, FP8_MAX=FP8_MAX,
+        num_warps=min(8, max(1, block_c // 256)))
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, size, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < size
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu rounds to the dtype, then the product
+    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(dtype), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up `[m, I]` (rows may be strided) -> silu(gate) * up `[m, I]` in their dtype."""
+    m, size = gate.shape
+    gate = gate if gate.stride(1) == 1 else gate.contiguous()
+    up = up if up.stride(1) == 1 else up.contiguous()
+    out = torch.empty(m, size, dtype=gate.dtype, device=gate.device)
+    if m and size:
+        block = min(1024, triton.next_power_of_2(size))
+        _silu_mul_kernel[(m, triton.cdiv(size, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0),
+                                                        size, BLOCK=block, num_warps=4)
+    return out

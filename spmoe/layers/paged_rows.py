@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
+from spmoe.layers.norm import RMSNorm
+from spmoe.layers.rotary import Rotary
+
 
 @dataclass
 class PagedLayerCache:
@@ -35,6 +38,9 @@ class PagedKeyStore:
         raise NotImplementedError
 
     def write_latent(self, layer: int, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def write_latent_projection(self, layer: int, kv_a: torch.Tensor, norm: RMSNorm, rotary: Rotary) -> None:
         raise NotImplementedError
 
     def write_index_key(self, layer: int, key: torch.Tensor) -> None:

@@ -1,7 +1,9 @@
 """The torch paths behind the fused kernels: rope rotated in place equals the out-of-place reference on the
-strided views attention hands it, and the merged input projection equals its parts as separate layers and
-loads each part's checkpoint tensor into its own rows."""
+strided views attention hands it; a merged projection (attention's input projections, the MLP's gate and up)
+equals its parts as separate layers, loads each part's checkpoint tensor into its own rows, and splits every
+part over TP ranks."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -36,11 +38,17 @@ def test_merged_linear_equals_its_parts_and_loads_them():
     assert sorted(plan) == sorted(f"model.layers.0.self_attn.{name}.weight" for name in parts)
     with torch.no_grad():
         for name, w in weights.items():
-            dest, raw = plan[f"model.layers.0.self_attn.{name}.weight"]
-            assert not raw
-            dest.copy_(w)
+            plan[f"model.layers.0.self_attn.{name}.weight"].copy_(w)
     x = torch.randn(6, 12)
     out = merged(x)
     assert list(out) == list(parts)
     for name, w in weights.items():
         torch.testing.assert_close(out[name], F.linear(x, w))
+
+
+def test_merged_linear_splits_every_part_over_tp():
+    merged = MergedLinear(12, {"gate_proj": 8, "up_proj": 8}, tp_size=2)
+    assert merged.parts == {"gate_proj": 4, "up_proj": 4} and merged.tp_dim == 0
+    assert merged.weight.shape == (8, 12)
+    with pytest.raises(ValueError, match="cannot split the 6 output features of up_proj over 4 TP ranks"):
+        MergedLinear(12, {"gate_proj": 8, "up_proj": 6}, tp_size=4)

@@ -1,13 +1,15 @@
 """The fused Triton kernels (`spmoe.layers.fused_triton`) against their torch references (RMSNorm, Rotary,
-Router with the kernels switched off) on one CUDA GPU in bfloat16, at GLM-5.2 / DeepSeek-V3.2 widths and at a
-tiny width whose expert groups are not powers of 2. The `check_*` functions take the device and dtype, so the
-same checks run on CPU under the Triton interpreter (float32 / float16) while developing."""
+Router, the paged cache's latent write and `silu_mul` with the kernels switched off) on one CUDA GPU in
+bfloat16, at GLM-5.2 / DeepSeek-V3.2 widths and at a tiny width whose expert groups are not powers of 2; and
+the MoE's one-program alignment against its multi-kernel form. The `check_*` functions take the device and
+dtype, so the same checks run on CPU under the Triton interpreter (float32 / float16) while developing."""
 
 import pytest
 import torch
 
 from spmoe.config import ModelConfig
 from spmoe.layers import fused
+from spmoe.layers.mlp import silu_mul
 from spmoe.layers.moe.router import Router
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.rotary import Rotary
@@ -15,8 +17,8 @@ from spmoe.layers.rotary import Rotary
 from ..multigpu import requires_gpus
 
 ROUTERS = {  # E, top-k, n_group, topk_group
-    "glm": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=1, topk_group=1),
-    "dsv3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4),
+    "glm": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=1, topk_group=1, hidden_size=6144),
+    "dsv3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, hidden_size=7168),
     "tiny": dict(n_routed_experts=12, num_experts_per_tok=3, n_group=4, topk_group=2),
 }
 BASE = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=512, intermediate_size=64, moe_intermediate_size=32,
@@ -75,7 +77,7 @@ def check_rope(device: str, dtype: torch.dtype):
 
 
 def check_router(device: str, dtype: torch.dtype):
-    from spmoe.layers.fused_triton import route
+    from spmoe.layers.fused_triton import GEMV_ROWS, GEMV_SLICE, route, router_logit_sums
 
     gen = torch.Generator(device=device).manual_seed(2)
     for name, fields in ROUTERS.items():
@@ -84,26 +86,104 @@ def check_router(device: str, dtype: torch.dtype):
         with torch.no_grad():
             router.weight.normal_(0, cfg.hidden_size ** -0.5, generator=gen)
             router.e_score_correction_bias.normal_(0, 0.1, generator=gen)
-        for rows, valid in ((1, 1), (8, 8), (5, 3), (64, 61)):
+        for rows, valid in ((1, 1), (8, 8), (5, 3), (20, 17), (64, 61)):
             x = torch.randn(rows, cfg.hidden_size, generator=gen, device=device).to(dtype)
-            logits = torch.nn.functional.linear(x.float(), router.weight)
             with torch.no_grad():
-                ids, weights = route(logits, router.e_score_correction_bias, valid, cfg.n_group, cfg.topk_group,
-                                     cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+                sums = router_logit_sums(x, router.weight)
+                if cfg.hidden_size > GEMV_SLICE:  # the GEMV's partial sums, else cuBLAS's logits
+                    assert (sums.shape[1] > 1) == (rows <= GEMV_ROWS), (name, rows, sums.shape)
+                # the float32 logits; only the order of the float32 sums differs
+                torch.testing.assert_close(sums.sum(1), torch.nn.functional.linear(x.float(), router.weight),
+                                           rtol=1e-5, atol=1e-5)
+                ids, weights = router(x, valid)
                 ref_ids, ref_weights = reference(router, x, valid)
             order, ref_order = ids.sort(-1), ref_ids.sort(-1)  # the same experts; ties may order them differently
             assert torch.equal(order.values, ref_order.values), f"{name}, {rows} rows: experts differ"
             torch.testing.assert_close(weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices))
             assert (ids[valid:] == -1).all() and (weights[valid:] == 0).all()
         # all scores tied: the lowest groups, then the lowest experts in them
-        ids, _ = route(torch.zeros(2, cfg.n_routed_experts, device=device),
+        ids, _ = route(torch.zeros(2, 3, cfg.n_routed_experts, device=device),
                        torch.zeros(cfg.n_routed_experts, device=device), 2, cfg.n_group, cfg.topk_group,
                        cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
         assert ids.tolist() == [list(range(cfg.num_experts_per_tok))] * 2, f"{name}: {ids.tolist()}"
 
 
+def check_silu_mul(device: str, dtype: torch.dtype):
+    gen = torch.Generator(device=device).manual_seed(3)
+    for rows, size, strided in ((1, 2048, False), (8, 12288, False), (37, 100, True)):
+        both = torch.randn(rows, 2 * size + 8 * strided, generator=gen, device=device).to(dtype) * 3
+        gate, up = both[:, :size], both[:, size:2 * size]  # strided rows, like halves of one product
+        torch.testing.assert_close(silu_mul(gate, up), reference(silu_mul, gate, up))
+
+
+def check_mla_cache_write(device: str, dtype: torch.dtype):
+    """The normed latent and rotated rope key written through `write_latent_projection` (one kernel) into layer
+    0 of a paged cache, and by the torch reference into layer 1, over the same slots: the same rows."""
+    from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
+    from spmoe.layers.norm import RMSNorm
+    from spmoe.layers.sparse_attention import dequantize
+
+    cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"]})
+    c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    gen = torch.Generator(device=device).manual_seed(4)
+    norm = RMSNorm(c, 1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2, generator=gen)
+    for kv_cache_dtype in ("auto", "fp8"):
+        cache = PagedKVCache(cfg, {0: False, 1: False}, 64 * BLOCK_SIZE * 2 * 1408, dtype, device, kv_cache_dtype)
+        tables = [[5, 2], [7], [1, 3, 4]]
+        for starts, lens in (([0, 0, 0], [70, 3, 130]), ([70, 3, 130], [1, 1, 1])):
+            view = cache.view(tables, starts, lens)
+            n = sum(lens)
+            rotary = Rotary(cfg, view.positions, dtype)
+            wide = torch.randn(n, c + r + 96, generator=gen, device=device).to(dtype) * 2
+            kv_a = wide[:, 32:32 + c + r]  # strided rows, like the split of the merged projection
+            with torch.no_grad():
+                view.write_latent_projection(0, kv_a, norm, rotary)
+                reference(view.write_latent_projection, 1, kv_a.clone(), norm, rotary)
+        got, want = cache.layers[0], cache.layers[1]
+        # the rope key: rope_'s rounding (see check_rope)
+        torch.testing.assert_close(got.rope, want.rope, rtol=1.6e-2, atol=8e-3)
+        if kv_cache_dtype == "auto":
+            torch.testing.assert_close(got.latent, want.latent)
+            continue
+        torch.testing.assert_close(got.latent_scale, want.latent_scale, rtol=1e-6, atol=0)
+        same = (got.latent.view(torch.uint8) == want.latent.view(torch.uint8)).float().mean().item()
+        assert same > 0.99, f"only {same:.4f} of the FP8 latent bytes equal the reference's"
+        values, ref = dequantize(got.latent, got.latent_scale), dequantize(want.latent, want.latent_scale)
+        step = want.latent_scale.repeat_interleave(128, dim=1) * 2 ** -9  # the smallest e4m3 step, scaled
+        assert ((values - ref).abs() <= 0.125 * ref.abs() + step).all(), "an FP8 latent is off by more than a step"
+
+
+def check_align_one_program(device: str, dtype: torch.dtype):
+    """`align_pairs` as one program against its three-kernel form: the same blocks of the same experts, each
+    holding the same pairs (their order within an expert's run is free)."""
+    from spmoe.layers.moe.experts import triton_kernels
+
+    gen = torch.Generator(device=device).manual_seed(5)
+    for rows, k, first, count, experts, block_m in ((1, 8, 0, 64, 64, 16), (8, 8, 0, 64, 64, 16),
+                                                    (16, 8, 64, 128, 256, 16), (5, 3, 3, 7, 12, 64)):
+        ids = torch.stack([torch.randperm(experts, generator=gen, device=device)[:k] for _ in range(rows)])
+        ids[rows // 2:rows // 2 + 1] = -1  # an SP pad row
+        aligned = []
+        for one_program in (triton_kernels.ONE_PROGRAM_PAIRS, 0):
+            triton_kernels.ONE_PROGRAM_PAIRS, saved = one_program, triton_kernels.ONE_PROGRAM_PAIRS
+            try:
+                aligned.append(triton_kernels.align_pairs(ids, first, count, block_m))
+            finally:
+                triton_kernels.ONE_PROGRAM_PAIRS = saved
+        (pairs, blocks), (ref_pairs, ref_blocks) = aligned
+        assert torch.equal(blocks, ref_blocks), (rows, k, blocks.tolist(), ref_blocks.tolist())
+        owner = blocks.long().repeat_interleave(block_m) * (ids.numel() + 1)  # each row's expert, as a sort key
+        by_expert = [owner + p.long() for p in (pairs, ref_pairs)]
+        assert torch.equal(by_expert[0].sort().values, by_expert[1].sort().values)  # each expert's pairs, and pads
+        local = ((ids >= first) & (ids < first + count)).sum().item()
+        assert (pairs < ids.numel()).sum().item() == local  # every local pair placed once, nothing else
+
+
 @requires_gpus(1)
 @pytest.mark.gpu
-@pytest.mark.parametrize("check", [check_add_rms_norm, check_rope, check_router])
+@pytest.mark.parametrize("check", [check_add_rms_norm, check_rope, check_router, check_silu_mul, check_mla_cache_write,
+                                   check_align_one_program])
 def test_fused_kernel_matches_torch(check):
     check("cuda", torch.bfloat16)

@@ -55,4 +55,4 @@ class MoE(nn.Module):
                 out = self.dispatch(x, ids, weights, self.experts, rows.group, rows.rows_max)
                 if not rows.keep_output:  # a TP peer holds the same complete output; keep one copy -> PARTIAL
                     out = torch.zeros_like(out)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return out if self.shared_experts is None else self.shared_experts(x, out=out)  # added by its GEMM

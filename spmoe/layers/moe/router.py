@@ -1,7 +1,8 @@
 """The DeepSeek router: sigmoid scores, bias-corrected (grouped) top-k selection, renormalised weights.
 
-After the logits GEMM, everything runs as one Triton kernel on CUDA (`fused_triton.route`); the torch code here
-is the reference. Where tied choice scores straddle the k-th place, the kernel keeps the lowest expert ids."""
+On CUDA the float32 logits come from a Triton GEMV for a few rows (`fused_triton.router_logit_sums`) and
+everything after them runs as one Triton kernel (`fused_triton.route`); the torch code here is the reference.
+Where tied choice scores straddle the k-th place, the kernel keeps the lowest expert ids."""
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +27,11 @@ class Router(nn.Module):
         `valid_rows` (SP pad rows, always at the tail) get id -1 and weight 0: no expert ever sees them.
         """
         cfg = self.cfg
+        if use_fused(x):
+            from spmoe.layers.fused_triton import route, router_logit_sums
+            return route(router_logit_sums(x, self.weight), self.e_score_correction_bias, valid_rows, cfg.n_group,
+                         cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
         logits = F.linear(x.float(), self.weight.float())  # [m, E]
-        if use_fused(logits):
-            from spmoe.layers.fused_triton import route
-            return route(logits, self.e_score_correction_bias, valid_rows, cfg.n_group, cfg.topk_group,
-                         cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         if cfg.n_group > 1:

@@ -179,9 +179,13 @@ def _plan(model: DeepseekV32ForCausalLM) -> dict:
     for module_name, module in model.named_modules():  # shared modules appear once, under their first name
         module_name = MTP_MODULE.sub(lambda m: f"model.layers.{model.cfg.num_hidden_layers + int(m.group(1))}.",
                                      module_name)
-        if isinstance(module, (Experts, MergedLinear)):  # their checkpoint tensors are not their parameters
-            owner = module_name.rpartition(".")[0] if isinstance(module, MergedLinear) else module_name
-            plan |= {key: (dest, None, raw) for key, (dest, raw) in module.checkpoint_plan(owner).items()}
+        # their checkpoint tensors are not their parameters
+        if isinstance(module, Experts):
+            plan |= {key: (dest, None, raw) for key, (dest, raw) in module.checkpoint_plan(module_name).items()}
+            continue
+        if isinstance(module, MergedLinear):
+            owner = module_name.rpartition(".")[0]
+            plan |= {key: (dest, module.tp_dim, False) for key, dest in module.checkpoint_plan(owner).items()}
             continue
         for name, param in module.named_parameters(recurse=False):
             dim = getattr(module, "tp_dim", None) if name == "weight" else None
