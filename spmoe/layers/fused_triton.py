@@ -1,5 +1,6 @@
 """Fused Triton kernels for the small per-token work of a decode step, each one launch where the torch reference
-takes several (the references, which these match, are `RMSNorm`, `Rotary` and `Router`; `fused.use_fused` picks):
+takes several (the references, which these match, are `RMSNorm`, `Rotary`, `Router` and the indexer's key path:
+`nn.LayerNorm`, `Rotary`, `PagedKeyStore.write_index_key`; `fused.use_fused` picks):
 
 - `add_rms_norm`: residual add + RMSNorm, one program per row: reads x (and the residual), writes the normed
   row (and the new residual). The torch rounding is kept: the sum and the normed row are rounded to the input
@@ -8,6 +9,10 @@ takes several (the references, which these match, are `RMSNorm`, `Rotary` and `R
   pairs (x0, x1), (x2, x3)... land as the rotated evens then the rotated odds, as `Rotary.interleaved` does;
   half-split pairs (x_i, x_{i+d/2}) stay where they are. Products and sums are rounded to the dtype as torch
   rounds them (on an H200, bf16, a last bit still differed from torch in under 1% of the elements).
+- `index_key_to_cache`: the indexer's key, one program per token: LayerNorm (weight and bias), rope on its rope
+  part (the pairs read from the row and normed where they are needed, so nothing is written twice), and the
+  store into the token's paged-cache row; FP8 caches get e4m3 values and one scale per key. Rounded as torch:
+  the normed row to the dtype, then each rope product and sum; FP8 divides exactly (`div_rn`), as torch does.
 - `route`: the router after its logits GEMM, one program per row: sigmoid, + the correction bias, group
   top-k (top-2 sum per group, `topk_group` groups kept), top-k experts, the raw scores gathered, normalised and
   scaled; pad rows get id -1 and weight 0. Ties go to the lowest index (group or expert).
@@ -19,6 +24,8 @@ CUDA graph.
 import torch
 import triton
 import triton.language as tl
+
+from spmoe.layers.moe.experts.base import FP8_MAX
 
 
 @triton.jit
@@ -61,6 +68,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
+def _rotated(own, partner, cos, signed_sin, dtype: tl.constexpr):
+    """One rope output from float32 values: `own * cos + partner * signed_sin` (first halves: partner = the
+    second, signed_sin = -sin; second halves: partner = the first, + sin), in `dtype`. torch rounds every product
+    and every sum to the tensor dtype, and so does this."""
+    return ((own * cos).to(dtype).to(tl.float32) + (partner * signed_sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, heads, stride_n, stride_h, stride_cos,
                  HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
@@ -77,9 +92,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, heads, stride_n, stride_h, stride_cos,
     else:
         first = tl.load(base + j, mask=mask).to(tl.float32)
         second = tl.load(base + j + HALF, mask=mask).to(tl.float32)
-    # torch rounds every product and every sum to the tensor dtype
-    out_first = ((first * cos).to(dtype).to(tl.float32) - (second * sin).to(dtype).to(tl.float32)).to(dtype)
-    out_second = ((second * cos).to(dtype).to(tl.float32) + (first * sin).to(dtype).to(tl.float32)).to(dtype)
+    out_first = _rotated(first, second, cos, -sin, dtype)
+    out_second = _rotated(second, first, cos, sin, dtype)
     tl.debug_barrier()  # every thread has read its pairs before any overwrites a position another still reads
     tl.store(base + j, out_first, mask=mask)
     tl.store(base + j + HALF, out_second, mask=mask)
@@ -98,6 +112,76 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bo
     _rope_kernel[(n_tok, triton.cdiv(heads, block_h))](x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0),
                                                        HALF=dim // 2, INTERLEAVED=interleaved, BLOCK_H=block_h,
                                                        num_warps=4)
+
+
+@triton.jit
+def _layer_norm_at(row_ptr, w_ptr, b_ptr, index, mean, rstd, dtype: tl.constexpr):
+    """LayerNorm's output at `index` of a row whose mean and rstd are known, rounded to `dtype` as torch's output
+    is, as float32."""
+    x = tl.load(row_ptr + index).to(tl.float32)
+    w = tl.load(w_ptr + index).to(tl.float32)
+    b = tl.load(b_ptr + index).to(tl.float32)
+    return (w * ((x - mean) * rstd) + b).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _index_key_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slots_ptr, key_ptr, scale_ptr, stride_x, stride_cos, eps,
+                      DIM: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr,
+                      FP8_MAX: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    dtype = x_ptr.dtype.element_ty
+    row = x_ptr + n * stride_x
+    i = tl.arange(0, DIM)
+    x = tl.load(row + i).to(tl.float32)
+    mean = tl.sum(x, axis=0) / DIM
+    rstd = tl.rsqrt(tl.sum((x - mean) * (x - mean), axis=0) / DIM + eps)
+    # output i < ROPE is rope(own, partner) at frequency j; output i >= ROPE is its own normed value
+    HALF: tl.constexpr = ROPE // 2
+    rotated = i < ROPE
+    second = (i >= HALF).to(tl.int32)  # in the rope part: the second half of the outputs
+    j = i % HALF
+    if INTERLEAVED:  # pairs (2j, 2j + 1) -> outputs j and j + HALF
+        own = tl.where(rotated, 2 * j + second, i)
+        partner = 2 * j + 1 - second
+    else:  # pairs (j, j + HALF) stay in place
+        own = i
+        partner = tl.where(second == 1, i - HALF, i + HALF)
+    own_value = _layer_norm_at(row, w_ptr, b_ptr, own, mean, rstd, dtype)
+    partner_value = _layer_norm_at(row, w_ptr, b_ptr, partner, mean, rstd, dtype)
+    cos = tl.load(cos_ptr + n * stride_cos + j).to(tl.float32)
+    sin = tl.load(sin_ptr + n * stride_cos + j).to(tl.float32)
+    key = tl.where(rotated, _rotated(own_value, partner_value, cos, tl.where(second == 1, sin, -sin), dtype),
+                   own_value.to(dtype))
+    slot = tl.load(slots_ptr + n)
+    if FP8:  # one scale per key, as quantize_fp8_vectors: max |key| * (1 / FP8_MAX), as torch multiplies
+        value = key.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(value), axis=0), 1e-10) * (1.0 / FP8_MAX)
+        tl.store(key_ptr + slot * DIM + i, tl.div_rn(value, scale).to(key_ptr.dtype.element_ty))
+        tl.store(scale_ptr + slot, scale)
+    else:
+        tl.store(key_ptr + slot * DIM + i, key.to(key_ptr.dtype.element_ty))
+
+
+def index_key_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, cos: torch.Tensor,
+                       sin: torch.Tensor, interleaved: bool, slots: torch.Tensor, keys: torch.Tensor,
+                       scales: torch.Tensor | None) -> None:
+    """The indexer's key of each new token, normed, rotated and written to its cache row in one launch: x `[N, d]`
+    (wk of the input; rows may be strided), LayerNorm weight and bias `[d]`, cos / sin `[N, rope / 2]` (the rope
+    part is the key's first `rope` values), slots `[N]` int64 -> `keys[slots[i]]` of keys `[R, d]`. An FP8 cache
+    (`scales` `[R, 1]` float32, else None) takes e4m3 values and one scale per key, as `quantize_fp8_vectors`."""
+    n_tok, dim = x.shape
+    rope = 2 * cos.shape[1]
+    if (x.stride(1) != 1 or keys.stride() != (dim, 1) or cos.stride(1) != 1 or sin.stride() != cos.stride()
+            or dim & (dim - 1) or rope > dim):
+        raise ValueError(f"index_key_to_cache needs unit-stride rows of a power-of-2 width d holding the rope part "
+                         f"and cos / sin of one layout; got x {tuple(x.shape)} strides {x.stride()}, cache rows "
+                         f"strides {keys.stride()}, rope {rope}, cos strides {cos.stride()}, sin {sin.stride()}")
+    if n_tok == 0:
+        return
+    fp8 = scales is not None
+    _index_key_kernel[(n_tok,)](x, weight, bias, cos, sin, slots, keys, scales if fp8 else keys, x.stride(0),
+                                cos.stride(0), eps, DIM=dim, ROPE=rope, INTERLEAVED=interleaved, FP8=fp8,
+                                FP8_MAX=FP8_MAX, num_warps=1)
 
 
 @triton.jit
