@@ -169,7 +169,10 @@ def test_paged_indexer_above_topk_fused_matches_reference(kv_cache_dtype):
     """bf16 MLAttention over the paged cache, a 2500-token prefill then two decodes in 40-block tables (2560
     positions: the indexer scores and takes its top-k), with the fused kernels (the key's LayerNorm + rope + cache
     write, the FP8 query quantisation) against their torch references: the same rows selected (99%), outputs
-    within 3e-2."""
+    within 3e-2 (FP8: 6e-2). Both sides score with the same Triton kernel, but their inputs differ in last bits
+    (RMSNorm, rope, FP8 rounding), so a row within rounding of the 2048th best may swap with another, which moves
+    a decode token's output by a few percent (measured with a fused key off by a bf16 step in 14% of its values:
+    2.0e-2 bf16, 4.4e-2 FP8)."""
     from spmoe.engine.paged_cache import PagedKVCache
     from spmoe.layers import fused
     from spmoe.layers.attention import AttentionBatch
@@ -199,7 +202,7 @@ def test_paged_indexer_above_topk_fused_matches_reference(kv_cache_dtype):
         overlaps.append(sum(len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(got, want))
                         / (want >= 0).sum().item())
     print(errors, overlaps)
-    assert max(errors) < 3e-2 and min(overlaps) >= 0.99, (errors, overlaps)
+    assert max(errors) < (3e-2 if kv_cache_dtype == "auto" else 6e-2) and min(overlaps) >= 0.99, (errors, overlaps)
 
 
 @requires_gpus(1)
