@@ -32,7 +32,7 @@ from spmoe.layers import fused
 from spmoe.layers.moe.moe import MoE
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 from bench_dp import GLM, random_weights
-from timing import cuda_ms, gpu_ops, graphed, launch_count
+from timing import cuda_ms, gpu_ops, graphed, launch_count, layer_ops
 
 MODEL = {**GLM, "num_hidden_layers": 4, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
          "indexer_types": ["full", "shared", "full", "shared"], "n_routed_experts": 64, "vocab_size": 32768}
@@ -69,19 +69,6 @@ def touched_experts(model, step) -> list[int]:
     return picked
 
 
-def layer_ops(model, step) -> list[dict[str, tuple[int, float]]]:
-    """The GPU operations (`gpu_ops`) of each decoder layer: its inputs are caught in one eager `step`, then each
-    layer runs alone under the profiler (at TP 1 a layer changes none of its inputs; it rewrites the same cache
-    rows)."""
-    calls = []
-    hooks = [layer.register_forward_hook(lambda m, args, _out: calls.append((m, args)))
-             for layer in model.model.layers]
-    step()
-    for hook in hooks:
-        hook.remove()
-    return [gpu_ops(lambda: layer(*args)) for layer, args in calls]
-
-
 def run(cases: list[tuple[int, int]]):
     cfg = ModelConfig.from_dict(MODEL)
     model = DeepseekV32ForCausalLM(cfg, ParallelConfig(), torch.bfloat16, "cuda").eval()
@@ -111,8 +98,9 @@ def run(cases: list[tuple[int, int]]):
                 del replay
                 ops = gpu_ops(step)
                 busy = sum(micros for _, micros in ops.values()) / 1e3
-                rows.append((batch, context, kernels, eager, graph, floor, busy, launch_count(ops),
-                             layer_ops(model, step), sorted(ops.items(), key=lambda kv: -kv[1][1])[:TOP]))
+                per_layer = layer_ops(model.model.layers, step)[0]
+                rows.append((batch, context, kernels, eager, graph, floor, busy, launch_count(ops), per_layer,
+                             sorted(ops.items(), key=lambda kv: -kv[1][1])[:TOP]))
     fused.ENABLED = True
     return rows
 

@@ -15,6 +15,7 @@ steps (the first two warm up: they capture the step's CUDA graph). Printed per r
   layer, the LM head) + the cache rows it reads;
 - peak GPU memory (torch's allocator) over the row;
 - KV bytes per token and layer;
+- the GPU operations each decoder layer launches in one decode step (one extra, untimed step run eagerly);
 - for FP8 rows, the share of greedy tokens equal to the bf16 cache's at the same context.
 A dense row that runs out of memory prints OOM (and larger contexts are skipped for it).
 
@@ -31,6 +32,7 @@ import torch
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import spawn
 from bench_dp import random_weights
+from timing import launch_count, layer_ops
 
 PEAK_FLOPS = 790e12  # H200 dense bf16
 PEAK_BYTES = 4.3e12  # H200 HBM3e
@@ -113,7 +115,14 @@ def run_case(model, cfg, kind: str, context: int, args) -> dict:
             tokens += out.new_token_ids
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - began
+    layer_launches = []
     while engine.has_unfinished():
+        if len(steps) == 2:  # one untimed eager step: the GPU operations of each decoder layer
+            graphs, engine.runner.graphs = engine.runner.graphs, None
+            per_layer, outs = layer_ops(model.model.layers, engine.step)
+            engine.runner.graphs, layer_launches = graphs, [launch_count(ops) for ops in per_layer]
+            tokens += [t for out in outs for t in out.new_token_ids]
+            continue
         began = time.perf_counter()
         for out in engine.step():
             tokens += out.new_token_ids
@@ -127,7 +136,7 @@ def run_case(model, cfg, kind: str, context: int, args) -> dict:
             "prefill_roofline": flops / prefill_s / PEAK_FLOPS, "decode_ms": decode_ms, "decode_tok_s": 1e3 / decode_ms,
             "decode_roofline": decode_bytes(model, cfg, context, kind, cache.bytes_per_token) / (decode_ms / 1e3)
             / PEAK_BYTES, "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30, "kv_bytes_layer": layer_bytes,
-            "tokens": tokens}
+            "tokens": tokens, "layer_launches": layer_launches}
 
 
 def run(args) -> list[dict]:
@@ -185,7 +194,8 @@ def print_row(row: dict, rows: list[dict]) -> None:
     print(f"{label}  prefill {row['prefill_ms']:9.1f} ms {row['prefill_tok_s']:9.0f} tok/s "
           f"{row['prefill_roofline']:6.1%} FLOP roofline | decode {row['decode_ms']:7.2f} ms/step "
           f"{row['decode_tok_s']:7.1f} tok/s {row['decode_roofline']:6.1%} BW roofline | peak "
-          f"{row['peak_gib']:6.1f} GiB | KV {row['kv_bytes_layer']} B/token/layer{agree}", flush=True)
+          f"{row['peak_gib']:6.1f} GiB | KV {row['kv_bytes_layer']} B/token/layer | GPU ops per layer "
+          f"{row['layer_launches']}{agree}", flush=True)
 
 
 def main() -> None:

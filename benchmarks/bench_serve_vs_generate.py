@@ -4,7 +4,7 @@ bottleneck? (Goal: served output tokens/s within 5% of generate's.)
 Writes a GLM-5.2-wide checkpoint with the demo's byte-level tokenizer (2 layers: 1 dense + 1 MoE of
 `--experts` experts top-8, vocab 264, no eos, random weights), then:
 1. `spmoe generate` over `--num-prompts` random prompts of `--input-len` tokens, `--output-len` new tokens
-   each, `--concurrency` sequences at once (`--max-seqs`);
+   each, `--concurrency` sequences at once (`--max-num-seqs`);
 2. `spmoe serve` with `--max-num-seqs = --concurrency`, loaded by `bench_serve.py` at that concurrency with
    the same counts and lengths (`ignore_eos`, so every request generates `--output-len` tokens).
 Both run with the options after `--` (e.g. `--device cuda --dtype bfloat16 --cuda-graphs`). Prints both
@@ -44,7 +44,7 @@ def run_generate(folder: Path, args, rest: list[str]) -> float:
     out = folder / "generate.json"
     subprocess.run([sys.executable, "-m", "spmoe", "generate", "--model", str(folder), "--tp", "1",
                     "--input-ids", str(folder / "prompts.json"), "--max-new-tokens", str(args.output_len),
-                    "--max-seqs", str(args.concurrency), "--output", str(out), *rest], check=True)
+                    "--max-num-seqs", str(args.concurrency), "--output", str(out), *rest], check=True)
     stats = json.loads(out.read_text())["stats"]
     print(f"generate: {stats['generated_tokens']} tokens in {stats['seconds']:.2f} s", flush=True)
     return stats["tokens_per_s"]

@@ -12,11 +12,15 @@ Per row: ms (CUDA-event median, replayed from a CUDA graph) of
   MLA, o_proj);
 - `dense layer`: the same layer over today's dense KV cache (every cached latent decompressed through
   kv_b_proj, dense scores, the top-k as a mask), or OOM where it does not fit.
-for the bf16 cache (kv-cache-dtype auto) and the FP8 cache.
+for the bf16 cache (kv-cache-dtype auto) and the FP8 cache. Then the indexer over a prefill: ms and TFLOP/s of
+`indexer_order_keys` for 8192 tokens at positions 0 .. 8191 of one sequence (FLOPs: each token's visible
+positions x 32 heads x 128 x 2), with the prefill tiles (the default's pick there) and with the decode tiles
+(one token per program).
 
     python benchmarks/bench_sparse_attention.py [--contexts 2048 8192 32768 131072] [--batches 1 8]
     python benchmarks/bench_sparse_attention.py --sweep    # sparse MLA tile configs at a 32k context
     python benchmarks/bench_sparse_attention.py --prefill-sweep    # the same for 8192 tokens of a prefill
+    python benchmarks/bench_sparse_attention.py --indexer-sweep    # indexer tile configs for that prefill
 """
 
 import argparse
@@ -29,7 +33,8 @@ from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.layers.attention import AttentionBatch, MLAttention
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.sparse_attention import indexer_topk, quantize_fp8_vectors, rows_of_best, sparse_mla
-from spmoe.layers.sparse_attention_triton import indexer_order_keys, sparse_mla as triton_sparse_mla
+from spmoe.layers.sparse_attention_triton import (INDEXER_DECODE_TILES, INDEXER_PREFILL_TILES, indexer_order_keys,
+                                                  sparse_mla as triton_sparse_mla)
 from bench_dp import GLM, random_weights
 from timing import cuda_ms, graphed
 
@@ -39,6 +44,8 @@ SWEEP = [(h, k, w, 3) for h in (16, 32, 64) for k in (16, 32) for w in (4, 8)]
 # prefill: 64 heads x 512 float32 accumulators per program need 8+ warps at 64 heads per tile
 PREFILL_SWEEP = [(h, k, w, 2) for h in (16, 32, 64) for k in (16, 32, 64) for w in ((4, 8) if h < 64 else (8, 16))]
 PREFILL_TOKENS, PREFILL_CONTEXT = 8192, 32768
+# the indexer's tiles (tokens per program, blocks per program, num_warps, num_stages) for a prefill of 8192 tokens
+INDEXER_SWEEP = [(t, b, w, 3) for t in (2, 4, 8) for b in (4, 16) for w in (4, 8)]
 
 
 def fill(cache: PagedKVCache, tokens: int) -> None:
@@ -188,6 +195,44 @@ def prefill_sweep(cfg: ModelConfig) -> None:
     print("best prefill tiles:", " ".join(map(str, best)))
 
 
+def indexer_prefill(cfg: ModelConfig, configs: list, fp8_best: int = 0) -> None:
+    """ms and TFLOP/s of `indexer_order_keys` for PREFILL_TOKENS tokens at positions 0 .. PREFILL_TOKENS - 1 of
+    one sequence, per tile config with the bf16 cache, then with the FP8 cache the same configs (fp8_best = 0)
+    or the fp8_best fastest of bf16."""
+    n = PREFILL_TOKENS
+    flops = 2 * cfg.index_n_heads * cfg.index_head_dim * n * (n + 1) / 2
+    print(f"indexer over a prefill: {n} tokens at positions 0 .. {n - 1} of one sequence")
+    print(f"{'cache':>5} {'tokens':>6} {'tiles tokens/blocks/warps/stages':>32} {'ms':>8} {'TFLOP/s':>8}")
+    results = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        cache, view, *_ = kernel_inputs(cfg, kv_cache_dtype, n, 1)
+        view = cache.decode_view(view.block_tables, torch.zeros(n, dtype=torch.long, device="cuda"),
+                                 torch.arange(n, device="cuda"))
+        gen = torch.Generator(device="cuda").manual_seed(4)
+        q = torch.randn(n, cfg.index_n_heads, cfg.index_head_dim, device="cuda", generator=gen).bfloat16()
+        weights = torch.rand(n, cfg.index_n_heads, device="cuda", generator=gen)
+        if kv_cache_dtype == "fp8":
+            q, q_scale = quantize_fp8_vectors(q)
+            weights = weights * q_scale.squeeze(-1)
+        args = (q, weights, cache.layers[0], view.block_tables, view.seq_index, view.positions, BLOCK_SIZE)
+        bf16_times = sorted((t, tiles) for (dtype, tiles), t in results.items() if dtype == "auto")
+        for tiles in configs if kv_cache_dtype == "auto" or not fp8_best else [c for _, c in bf16_times[:fp8_best]]:
+            name = "/".join(map(str, tiles))
+            try:
+                t = cuda_ms(lambda: indexer_order_keys(*args, tiles=tiles), 5, warmup=1)
+            except Exception as e:  # a config that does not compile (registers, shared memory)
+                print(f"{kv_cache_dtype:>5} {n:>6} {name:>32} {type(e).__name__}", flush=True)
+                continue
+            results[kv_cache_dtype, tiles] = t
+            print(f"{kv_cache_dtype:>5} {n:>6} {name:>32} {t:>8.3f} {flops / t / 1e9:>8.1f}", flush=True)
+        del cache, view, args
+        torch.cuda.empty_cache()
+    if fp8_best:
+        both = [tiles for dtype, tiles in results if dtype == "fp8" and ("auto", tiles) in results]
+        best = min(both, key=lambda tiles: results["auto", tiles] + results["fp8", tiles])
+        print("best indexer prefill tiles:", " ".join(map(str, best)))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
@@ -195,6 +240,8 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="time the sparse MLA tile configs instead")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="time the sparse MLA tile configs for a prefill of 8192 tokens instead")
+    parser.add_argument("--indexer-sweep", action="store_true",
+                        help="time the indexer tile configs for a prefill of 8192 tokens instead")
     args = parser.parse_args()
     cfg = ModelConfig.from_dict({**GLM, "num_hidden_layers": 1, "mlp_layer_types": ["sparse"],
                                  "indexer_types": ["full"]})
@@ -206,12 +253,15 @@ def main():
         return sweep(cfg)
     if args.prefill_sweep:
         return prefill_sweep(cfg)
+    if args.indexer_sweep:
+        return indexer_prefill(cfg, INDEXER_SWEEP, fp8_best=4)
     print(f"{'cache':>5} {'context':>7} {'batch':>5} {'scores':>7} {'top-k':>7} {'mla':>7} {'roofline %':>10} "
           f"{'paged layer':>11} {'dense layer':>11}")
     for kv_cache_dtype in ("auto", "fp8"):
         for context in args.contexts:
             for batch in args.batches:
                 print(run(cfg, layer, kv_cache_dtype, context, batch), flush=True)
+    indexer_prefill(cfg, [INDEXER_PREFILL_TILES, INDEXER_DECODE_TILES])
 
 
 if __name__ == "__main__":

@@ -56,3 +56,18 @@ def gpu_ops(fn) -> dict[str, tuple[int, float]]:
 def launch_count(ops: dict[str, tuple[int, float]]) -> int:
     """The launches of a `gpu_ops` result."""
     return sum(n for n, _ in ops.values())
+
+
+def layer_ops(layers, step) -> tuple[list[dict[str, tuple[int, float]]], object]:
+    """The GPU operations (`gpu_ops`) of each of `layers` (decoder layers): their inputs are caught in one eager
+    call of `step`, then each layer runs alone on them under the profiler (at TP 1 a layer changes none of its
+    inputs; it rewrites the same cache rows). Returns what `step` returned too: (per-layer ops, step's result)."""
+    calls = []
+    hooks = [layer.register_forward_hook(lambda m, args, _out: calls.append((m, args))) for layer in layers]
+    try:
+        result = step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    with torch.no_grad():
+        return [gpu_ops(lambda: layer(*args)) for layer, args in calls], result

@@ -175,6 +175,9 @@ class Engine:
                                              [1 + len(s.drafts) if last else 0 for (s, _), last in zip(work, samples)],
                                              decode, phase.collectives)
         outputs, to_draft, row, fed = [], [], 0, 0
+        # every greedy choice of the step (and whether its row is finite) in one host transfer
+        committing = [s for (s, _), last in zip(work, samples) if last]
+        greedy_rows = greedy(logits) if any(s.drafts or s.sampler.params.greedy for s in committing) else None
         for (seq, n), last in zip(work, samples):
             if not last:  # a prompt chunk: the MTP layer catches up on it with the next prompt tokens
                 if self.drafter is not None:
@@ -183,10 +186,10 @@ class Engine:
                 seq.pending = seq.pending[n:]
                 fed += n
                 continue
-            seq_logits = logits[row:row + 1 + len(seq.drafts)]
+            rows = slice(row, row + 1 + len(seq.drafts))
             row += 1 + len(seq.drafts)
             seq.prefilling = False
-            new, verified = self._commit(seq, seq_logits)
+            new, verified = self._commit(seq, logits[rows], greedy_rows and tuple(g[rows] for g in greedy_rows))
             phase.tokens_committed += len(new)
             outputs.append(RequestOutput(seq.request_id, new, seq.finish_reason, seq.error,
                                          prompt_tokens=len(seq.request.prompt)))
@@ -206,18 +209,23 @@ class Engine:
             self._draft(to_draft)  # under DP even an empty draft step runs, to keep the ranks in step
         return outputs
 
-    def _commit(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], int]:
-        """logits `[1 + drafts, V]` of one sequence -> (the tokens it commits, its fed tokens whose cache rows
-        stay valid). Finishes the sequence at an eos id or its token limit, or, with no token at all, when a
-        row it would commit from is not finite (finish_reason "error", `seq.error` naming the step)."""
+    def _commit(self, seq: Sequence, logits: torch.Tensor, greedy_rows: tuple[list[int], list[bool]] | None
+                ) -> tuple[list[int], int]:
+        """logits `[1 + drafts, V]` of one sequence, and their greedy choices and finite flags (`greedy`, read
+        for the whole step at once; None when no sequence of the step is greedy) -> (the tokens it commits, its
+        fed tokens whose cache rows stay valid). Finishes the sequence at an eos id or its token limit, or, with
+        no token at all, when a row it would commit from is not finite (finish_reason "error", `seq.error`
+        naming the step)."""
         if seq.drafts:
-            choices, finite = greedy(logits)
+            choices, finite = greedy_rows
             accepted, candidates = accept_greedy(seq.drafts, choices)
             self.verify_steps += 1
             for j in range(accepted):
                 self.accepted_at[j] += 1
             self.counters.draft_proposed += len(seq.drafts)
             self.counters.draft_accepted += accepted
+        elif seq.sampler.params.greedy:
+            accepted, (candidates, finite) = 0, greedy_rows
         else:
             accepted, (candidates, finite) = 0, seq.sampler(logits)
         if not all(finite[:len(candidates)]):

@@ -5,7 +5,8 @@ Per token and attention layer (R rows = (num_blocks + 1) * BLOCK_SIZE; see `Page
 
     kv_cache_dtype "auto": latent [c] + rope key [r] in the model dtype; indexer key [d] likewise
     kv_cache_dtype "fp8":  latent [c] e4m3 + c/128 float32 scales, rope key [r] in the model dtype,
-                           indexer key [d] e4m3 + 1 float32 scale
+                           indexer key [d] e4m3 + 1 float32 scale (Hadamard-rotated by the indexer, as
+                           its FP8 queries are: `hadamard_rotate`)
     (GLM-5.2 in bf16 with fp8: 512 + 4 * 4 + 64 * 2 = 656 B, plus 128 + 4 B on indexer layers)
 
 The block manager hands out blocks 0 .. num_blocks - 1. The extra last block, `scratch_block`, belongs to no
@@ -126,6 +127,10 @@ class PagedKVCache:
         if self.fp8 and cfg.kv_lora_rank % 128:
             raise ValueError(f"an FP8 KV cache scales the latent per 128 values; kv_lora_rank {cfg.kv_lora_rank} "
                              f"is not a multiple of 128")
+        d = cfg.index_head_dim
+        if self.fp8 and any(layers.values()) and d & (d - 1):
+            raise ValueError(f"an FP8 KV cache Hadamard-rotates the indexer keys, which needs a power-of-2 width; "
+                             f"index_head_dim {d} is not a power of 2")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.block_size = BLOCK_SIZE
         self.layer_indexer = dict(layers)

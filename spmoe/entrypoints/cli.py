@@ -74,7 +74,7 @@ def cmd_generate(args) -> int:
     elif args.num_speculative_tokens is not None:
         raise ValueError(f"--num-speculative-tokens {args.num_speculative_tokens} needs --speculative mtp")
     opts = GenerateOptions(args.max_new_tokens, SamplingParams(args.temperature, args.top_p, args.seed), drafts,
-                           tuple(args.eos_id) if args.eos_id is not None else None, args.max_seqs,
+                           tuple(args.eos_id) if args.eos_id is not None else None, args.max_num_seqs,
                            args.max_model_len, args.dtype, cuda_graphs=args.cuda_graphs, **kv_cache_options(args))
     check_generate(cfg, parallel, prompts, opts, args.device, {"--output": args.output})
     print(f"spmoe generate: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens each, tp={args.tp}, "
@@ -85,8 +85,9 @@ def cmd_generate(args) -> int:
     gen = run_generate(args.model, parallel, prompts, opts, args.device)
     if gen is None:  # a torchrun rank other than 0
         return 0
-    gen.stats["parallel"] = {"tp": args.tp, "dp": args.dp, "use_sequence_parallel_moe": parallel.use_sequence_parallel_moe,
-                             "sp_scope": args.sp_scope, "ep_backend": args.ep_backend}
+    gen.stats["parallel"] = {"tp": args.tp, "dp": args.dp,
+                             "use_sequence_parallel_moe": parallel.use_sequence_parallel_moe, "sp_scope": args.sp_scope,
+                             "ep_backend": args.ep_backend}
     with open(args.output, "w") as f:
         json.dump({"outputs": gen.outputs, "stats": gen.stats}, f, indent=2)
     spec = gen.stats.get("speculative")
@@ -150,10 +151,10 @@ def main(argv=None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i samples from seed + i)")
     p.add_argument("--eos-id", type=int, action="append", help="stop token (repeatable; default: the config's)")
-    p.add_argument("--max-seqs", type=int, help="sequences decoded at once (default: all); more prompts wait")
+    p.add_argument("--max-num-seqs", type=int, help="sequences decoded at once (default: all); more prompts wait")
     p.add_argument("--max-model-len", type=int,
                    help="KV cache positions per sequence (default: longest prompt + max new tokens + drafts)")
-    add_kv_cache_args(p, "--max-seqs x --max-model-len tokens")
+    add_kv_cache_args(p, "--max-num-seqs x --max-model-len tokens")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)")
     p.add_argument("--output", required=True, help='output JSON: {"outputs": [[ids...], ...], "stats": {...}}')

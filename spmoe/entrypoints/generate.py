@@ -25,7 +25,7 @@ class GenerateOptions:
     sampling: SamplingParams = SamplingParams()
     num_speculative_tokens: int = 0  # MTP drafts per step; 0 = no speculation
     eos_token_ids: tuple[int, ...] | None = None  # None: the checkpoint's eos_token_id
-    max_seqs: int | None = None  # sequences decoded at once; None: every prompt of this DP group
+    max_num_seqs: int | None = None  # sequences decoded at once; None: every prompt of this DP group
     max_model_len: int | None = None  # KV cache positions per sequence; None: what the longest prompt needs
     dtype: str = "float32"
     record_logits: bool = False  # return the logits row behind every generated token
@@ -45,7 +45,7 @@ class GenerateOptions:
     def cache_slots(self, prompts_here: int) -> int:
         """Sequences decoded at once on a rank whose DP group takes `prompts_here` prompts (the slots of the dense
         cache; the default room of the paged cache on CPU)."""
-        return max(1, self.max_seqs or prompts_here)
+        return max(1, self.max_num_seqs or prompts_here)
 
 
 def rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions):
@@ -111,7 +111,7 @@ def check_generate(cfg: ModelConfig, parallel: ParallelConfig, prompts: list[lis
         problems += ["no speculative decoding (it runs eagerly)"] if drafts else []
         if problems:
             raise ValueError("--cuda-graphs needs " + "; ".join(problems))
-    for name, value in (("--max-seqs", opts.max_seqs), ("--max-model-len", opts.max_model_len)):
+    for name, value in (("--max-num-seqs", opts.max_num_seqs), ("--max-model-len", opts.max_model_len)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     for eos in opts.eos_token_ids or ():
@@ -159,7 +159,7 @@ def check_kv_cache_memory(cfg: ModelConfig, with_mtp: bool, slots: int, max_len:
         raise ValueError(f"the KV cache needs {per_rank * ranks / 2**30:.1f} GiB ({ranks} rank(s) x {slots + 1} "
                          f"slots, 1 of them scratch, x {max_len} positions x {per_rank // ((slots + 1) * max_len)} B "
                          f"per token), more than {where}, {available / 2**30:.1f} GiB: lower --max-model-len or "
-                         f"--max-seqs")
+                         f"--max-num-seqs")
 
 
 def _cpu_memory_available() -> int:

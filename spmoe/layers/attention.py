@@ -28,7 +28,8 @@ from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.paged_rows import PagedKeyStore
-from spmoe.layers.sparse_attention import indexer_topk, quantize_fp8_vectors, sparse_mla, visible_rows
+from spmoe.layers.sparse_attention import (hadamard_matrix, hadamard_rotate, indexer_topk, quantize_fp8_vectors,
+                                           sparse_mla, visible_rows)
 
 
 class KeyStore(Protocol):
@@ -110,28 +111,32 @@ class Indexer(nn.Module):
         """-> the selected cache rows `[N, k]`, after this forward's keys are written. When the block tables span
         at most index_topk positions every visible row is selected, and nothing is scored. Else the dense path's
         scores, without its two constant scales (a positive factor common to every score ranks alike, up to
-        rounding); FP8 caches score FP8 queries, whose scales go into the head weights."""
+        rounding); FP8 caches score FP8 queries against FP8 keys, both Hadamard-rotated first
+        (`hadamard_rotate`: q . k unchanged, less FP8 rounding), the queries' scales in the head weights."""
         cfg = self.cfg
         self._write_key(wk_x, rotary, cache)
         if cache.block_tables.shape[1] * cache.block_size <= cfg.index_topk:
             return visible_rows(cache.block_tables, cache.seq_index, cache.positions, cache.block_size)
         q, weights, rows = self._query(q_latent, rotary), head_weights, cache.layer(self.layer_idx)
         if rows.index_scale is not None:
-            q, q_scale = quantize_fp8_vectors(q)  # [N, h, d], [N, h, 1]
+            q, q_scale = quantize_fp8_vectors(hadamard_rotate(q))  # [N, h, d], [N, h, 1]
             weights = head_weights * q_scale.squeeze(-1)
         return indexer_topk(q, weights, rows, cache.block_tables, cache.seq_index, cache.positions, cfg.index_topk,
                             cache.block_size)
 
     def _write_key(self, wk_x: torch.Tensor, rotary: Rotary, cache: PagedKeyStore) -> None:
-        """wk_x `[N, d]` -> this forward's keys (`_key`) in their cache rows; on CUDA one Triton kernel
-        (`fused_triton.index_key_to_cache`) norms, rotates, quantises and writes them."""
+        """wk_x `[N, d]` -> this forward's keys (`_key`) in their cache rows, Hadamard-rotated in an FP8 cache; on
+        CUDA one Triton kernel (`fused_triton.index_key_to_cache`) norms, rotates, quantises and writes them."""
+        rows = cache.layer(self.layer_idx)
+        fp8 = rows.index_scale is not None
         if not use_fused(wk_x):
-            cache.write_index_key(self.layer_idx, self._key(wk_x, rotary))
+            k = self._key(wk_x, rotary)
+            cache.write_index_key(self.layer_idx, hadamard_rotate(k) if fp8 else k)
             return
         from spmoe.layers.fused_triton import index_key_to_cache
-        rows = cache.layer(self.layer_idx)
         index_key_to_cache(wk_x, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, rotary.cos, rotary.sin,
-                           self.cfg.indexer_rope_interleaved, cache.slot_mapping, rows.index_key, rows.index_scale)
+                           self.cfg.indexer_rope_interleaved, cache.slot_mapping, rows.index_key, rows.index_scale,
+                           hadamard_matrix(wk_x.shape[1], wk_x.device) if fp8 else None)
 
 
 class MLAttention(nn.Module):

@@ -11,8 +11,9 @@ takes several (the references, which these match, are `RMSNorm`, `Rotary`, `Rout
   rounds them (on an H200, bf16, a last bit still differed from torch in under 1% of the elements).
 - `index_key_to_cache`: the indexer's key, one program per token: LayerNorm (weight and bias), rope on its rope
   part (the pairs read from the row and normed where they are needed, so nothing is written twice), and the
-  store into the token's paged-cache row; FP8 caches get e4m3 values and one scale per key. Rounded as torch:
-  the normed row to the dtype, then each rope product and sum; FP8 divides exactly (`div_rn`), as torch does.
+  store into the token's paged-cache row; FP8 caches get the key times the Hadamard matrix (32 of its rows at a
+  time) in e4m3 with one scale per key. Rounded as torch: the normed row to the dtype, then each rope product
+  and sum; FP8 divides exactly (`div_rn`), as torch does.
 - `route`: the router after its logits GEMM, one program per row: sigmoid, + the correction bias, group
   top-k (top-2 sum per group, `topk_group` groups kept), top-k experts, the raw scores gathered, normalised and
   scaled; pad rows get id -1 and weight 0. Ties go to the lowest index (group or expert).
@@ -127,17 +128,11 @@ def _layer_norm_at(row_ptr, w_ptr, b_ptr, index, mean, rstd, dtype: tl.constexpr
 
 
 @triton.jit
-def _index_key_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slots_ptr, key_ptr, scale_ptr, stride_x, stride_cos, eps,
-                      DIM: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr,
-                      FP8_MAX: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    dtype = x_ptr.dtype.element_ty
-    row = x_ptr + n * stride_x
-    i = tl.arange(0, DIM)
-    x = tl.load(row + i).to(tl.float32)
-    mean = tl.sum(x, axis=0) / DIM
-    rstd = tl.rsqrt(tl.sum((x - mean) * (x - mean), axis=0) / DIM + eps)
-    # output i < ROPE is rope(own, partner) at frequency j; output i >= ROPE is its own normed value
+def _index_key_at(row_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, i, mean, rstd, ROPE: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, dtype: tl.constexpr):
+    """The indexer key's values at indices i (int32) of a row whose LayerNorm mean and rstd are known, in
+    `dtype`: output i < ROPE is rope(own, partner) at frequency j of cos / sin (`[rope / 2]` of this token);
+    output i >= ROPE is its own normed value."""
     HALF: tl.constexpr = ROPE // 2
     rotated = i < ROPE
     second = (i >= HALF).to(tl.int32)  # in the rope part: the second half of the outputs
@@ -148,42 +143,69 @@ def _index_key_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slots_ptr, key_ptr,
     else:  # pairs (j, j + HALF) stay in place
         own = i
         partner = tl.where(second == 1, i - HALF, i + HALF)
-    own_value = _layer_norm_at(row, w_ptr, b_ptr, own, mean, rstd, dtype)
-    partner_value = _layer_norm_at(row, w_ptr, b_ptr, partner, mean, rstd, dtype)
-    cos = tl.load(cos_ptr + n * stride_cos + j).to(tl.float32)
-    sin = tl.load(sin_ptr + n * stride_cos + j).to(tl.float32)
-    key = tl.where(rotated, _rotated(own_value, partner_value, cos, tl.where(second == 1, sin, -sin), dtype),
-                   own_value.to(dtype))
+    own_value = _layer_norm_at(row_ptr, w_ptr, b_ptr, own, mean, rstd, dtype)
+    partner_value = _layer_norm_at(row_ptr, w_ptr, b_ptr, partner, mean, rstd, dtype)
+    cos = tl.load(cos_ptr + j).to(tl.float32)
+    sin = tl.load(sin_ptr + j).to(tl.float32)
+    return tl.where(rotated, _rotated(own_value, partner_value, cos, tl.where(second == 1, sin, -sin), dtype),
+                    own_value.to(dtype))
+
+
+@triton.jit
+def _index_key_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slots_ptr, key_ptr, scale_ptr, hadamard_ptr, stride_x,
+                      stride_cos, eps, DIM: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
+                      FP8: tl.constexpr, FP8_MAX: tl.constexpr, CHUNK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    dtype = x_ptr.dtype.element_ty
+    row, cos_row, sin_row = x_ptr + n * stride_x, cos_ptr + n * stride_cos, sin_ptr + n * stride_cos
+    i = tl.arange(0, DIM)
+    x = tl.load(row + i).to(tl.float32)
+    mean = tl.sum(x, axis=0) / DIM
+    rstd = tl.rsqrt(tl.sum((x - mean) * (x - mean), axis=0) / DIM + eps)
     slot = tl.load(slots_ptr + n)
-    if FP8:  # one scale per key, as quantize_fp8_vectors: max |key| * (1 / FP8_MAX), as torch multiplies
-        value = key.to(tl.float32)
+    if FP8:
+        # key @ hadamard in float32, CHUNK rows of the matrix at a time, then one scale per key as
+        # quantize_fp8_vectors: max |value| * (1 / FP8_MAX) (torch multiplies by the reciprocal), values divided
+        # exactly
+        value = tl.zeros([DIM], tl.float32)
+        for start in tl.static_range(0, DIM, CHUNK):
+            r = start + tl.arange(0, CHUNK)
+            part = _index_key_at(row, w_ptr, b_ptr, cos_row, sin_row, r, mean, rstd, ROPE, INTERLEAVED, dtype)
+            value += tl.sum(part.to(tl.float32)[:, None] * tl.load(hadamard_ptr + r[:, None] * DIM + i[None, :]),
+                            axis=0)
         scale = tl.maximum(tl.max(tl.abs(value), axis=0), 1e-10) * (1.0 / FP8_MAX)
         tl.store(key_ptr + slot * DIM + i, tl.div_rn(value, scale).to(key_ptr.dtype.element_ty))
         tl.store(scale_ptr + slot, scale)
     else:
+        key = _index_key_at(row, w_ptr, b_ptr, cos_row, sin_row, i, mean, rstd, ROPE, INTERLEAVED, dtype)
         tl.store(key_ptr + slot * DIM + i, key.to(key_ptr.dtype.element_ty))
 
 
 def index_key_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, cos: torch.Tensor,
                        sin: torch.Tensor, interleaved: bool, slots: torch.Tensor, keys: torch.Tensor,
-                       scales: torch.Tensor | None) -> None:
+                       scales: torch.Tensor | None, hadamard: torch.Tensor | None) -> None:
     """The indexer's key of each new token, normed, rotated and written to its cache row in one launch: x `[N, d]`
     (wk of the input; rows may be strided), LayerNorm weight and bias `[d]`, cos / sin `[N, rope / 2]` (the rope
     part is the key's first `rope` values), slots `[N]` int64 -> `keys[slots[i]]` of keys `[R, d]`. An FP8 cache
-    (`scales` `[R, 1]` float32, else None) takes e4m3 values and one scale per key, as `quantize_fp8_vectors`."""
+    (`scales` `[R, 1]` float32 and `hadamard` `[d, d]` float32, else both None) takes the key times `hadamard`,
+    quantised to e4m3 with one scale per key: `quantize_fp8_vectors(hadamard_rotate(key))`."""
     n_tok, dim = x.shape
     rope = 2 * cos.shape[1]
     if (x.stride(1) != 1 or keys.stride() != (dim, 1) or cos.stride(1) != 1 or sin.stride() != cos.stride()
-            or dim & (dim - 1) or rope > dim):
-        raise ValueError(f"index_key_to_cache needs unit-stride rows of a power-of-2 width d holding the rope part "
-                         f"and cos / sin of one layout; got x {tuple(x.shape)} strides {x.stride()}, cache rows "
-                         f"strides {keys.stride()}, rope {rope}, cos strides {cos.stride()}, sin {sin.stride()}")
+            or dim & (dim - 1) or rope > dim or (scales is None) != (hadamard is None)
+            or (hadamard is not None and hadamard.stride() != (dim, 1))):
+        raise ValueError(f"index_key_to_cache needs unit-stride rows of a power-of-2 width d holding the rope part, "
+                         f"cos / sin of one layout, and FP8 scales with a contiguous [d, d] hadamard or neither; got "
+                         f"x {tuple(x.shape)} strides {x.stride()}, cache rows strides {keys.stride()}, rope {rope}, "
+                         f"cos strides {cos.stride()}, sin {sin.stride()}, scales {scales is not None}, hadamard "
+                         f"{None if hadamard is None else (tuple(hadamard.shape), hadamard.stride())}")
     if n_tok == 0:
         return
     fp8 = scales is not None
-    _index_key_kernel[(n_tok,)](x, weight, bias, cos, sin, slots, keys, scales if fp8 else keys, x.stride(0),
-                                cos.stride(0), eps, DIM=dim, ROPE=rope, INTERLEAVED=interleaved, FP8=fp8,
-                                FP8_MAX=FP8_MAX, num_warps=1, enable_fp_fusion=False)  # see _rotated
+    _index_key_kernel[(n_tok,)](x, weight, bias, cos, sin, slots, keys, scales if fp8 else keys,
+                                hadamard if fp8 else keys, x.stride(0), cos.stride(0), eps, DIM=dim, ROPE=rope,
+                                INTERLEAVED=interleaved, FP8=fp8, FP8_MAX=FP8_MAX, CHUNK=min(dim, 32),
+                                num_warps=4 if fp8 else 1, enable_fp_fusion=False)  # see _rotated
 
 
 @triton.jit

@@ -4,7 +4,8 @@ The cache is paged: rows `[R, w]` grouped in blocks of `block_size` rows; a sequ
 in row `block_tables[s, p // block_size] * block_size + p % block_size`. Per row one attention layer keeps
 (`PagedLayerCache`) the normed latent `[c]` and the rotated rope key `[r]`, and on indexer layers the indexer
 key `[d]`. In FP8 the latent is e4m3 with one float32 scale per 128 values, the indexer key e4m3 with one
-scale per key; the rope key stays in the model dtype.
+scale per key, Hadamard-rotated (`hadamard_rotate`) as the FP8 queries are; the rope key stays in the model
+dtype.
 
 A step has N new tokens of S sequences; token i belongs to sequence `seq_index[i]`, sits at `positions[i]`,
 and (its own row already written) attends that sequence's positions `<= positions[i]`.
@@ -22,6 +23,8 @@ Each has a torch version (the reference; CPU and any device) and a Triton versio
 (`sparse_attention_triton`, imported only when used), with the same signature; so has `cache_rows`, the
 lookup of logical positions in the block tables behind `rows_of_best` and `visible_rows`.
 """
+
+from functools import cache
 
 import torch
 
@@ -57,6 +60,34 @@ def quantize_fp8_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return values.view(x.shape), scale.view(*x.shape[:-1], 1)
     scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+@cache
+def hadamard_matrix(d: int, device: torch.device) -> torch.Tensor:
+    """The Sylvester Hadamard matrix of order d (a power of 2) over sqrt(d): float32 `[d, d]`, orthonormal and
+    symmetric; built once per (d, device), on the device (no host copy)."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard matrix needs an order that is a power of 2, got {d}")
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)])
+    return h * d ** -0.5
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """`[..., d]` -> float32 `x @ hadamard_matrix(d)` `[..., d]`: what the FP8 indexer does to its queries and
+    keys before `quantize_fp8_vectors`.
+
+    The rotation is orthogonal, so q . k is unchanged in exact arithmetic; what it changes is where the FP8
+    rounding goes. Trained models' activations often carry a few large channels shared by every token.
+    Unrotated, each rounds by up to 2**-4 of its size (all but the largest, which the per-vector scale makes
+    exact), an error along the very channels q is large in, which swamps the small differences between keys.
+    Rotated, every value is of similar size and the rounding errors point in all d directions, only ~1/sqrt(d)
+    of them along q. (DeepSeek-V3.2's indexer rotates likewise before FP8; the full-precision path skips it,
+    as it would change nothing. On vectors without outliers, Gaussian-like, it neither helps nor hurts.) In
+    float32, as the quantizer works in float32 anyway and 1/sqrt(d) is not exact in bf16 for odd powers of 2.
+    """
+    return x.float() @ hadamard_matrix(x.shape[-1], x.device)
 
 
 def use_triton(t: torch.Tensor, *dims: int) -> bool:

@@ -48,8 +48,8 @@ GENERATE_CASES = {  # case -> ({option: value, or None for a flag}, the line aft
         {"--max-model-len": "17", "--model": "{short}"},
         "--max-model-len: 17 positions, more than the model's max_position_embeddings = 16"),
     "max-model-len 0": ({"--max-model-len": "0"}, "--max-model-len must be >= 1, got 0"),
-    "max-seqs 0": ({"--max-seqs": "0"}, "--max-seqs must be >= 1, got 0"),
-    "max-seqs -1": ({"--max-seqs": "-1"}, "--max-seqs must be >= 1, got -1"),
+    "max-num-seqs 0": ({"--max-num-seqs": "0"}, "--max-num-seqs must be >= 1, got 0"),
+    "max-num-seqs -1": ({"--max-num-seqs": "-1"}, "--max-num-seqs must be >= 1, got -1"),
     # 2 ranks x 2 slots x 1e10 positions x (3 x 24 MLA + 2 x 16 indexer values) x 4 B = 1.664e13 B
     "KV cache beyond memory": ({"--max-model-len": "10000000000"}, "the KV cache needs 15497.2 GiB (2 rank(s) x 2 "
                                "slots, 1 of them scratch, x 10000000000 positions x 416 B per token), more than "

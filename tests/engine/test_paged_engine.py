@@ -142,17 +142,26 @@ def fp8_against_full(folder: str) -> dict:
     return out
 
 
-def test_fp8_cache_agrees_with_full_precision(tmp_path):
+# index_head_dim -> the lower bound of the per-position agreement. 16 is the engine checkpoint's; 128 is the real
+# models' indexer width, where the FP8 indexer's Hadamard rotation spreads over 128 values, not 16.
+# Measured (one scale per vector, q and k Hadamard-rotated): 528/600 at 16 (518 unrotated), 517/600 at 128.
+FP8_AGREEMENT = {16: 0.87, 128: 0.85}
+
+
+@pytest.mark.parametrize("index_head_dim", sorted(FP8_AGREEMENT))
+def test_fp8_cache_agrees_with_full_precision(index_head_dim, tmp_path):
     from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 
-    spawn(write_random_checkpoint, 1, FP8_CONFIG, tmp_path, 3)
+    spawn(write_random_checkpoint, 1, {**FP8_CONFIG, "index_head_dim": index_head_dim}, tmp_path, 3)
     got = spawn(fp8_against_full, 1, str(tmp_path))[0]
     (full, full_choices, _), (fp8, fp8_choices, stats) = got["auto"], got["fp8"]
     generated = sum(a == b for want, have in zip(full, fp8) for a, b in zip(want, have))
     positions = sum(a == b for a, b in zip(full_choices, fp8_choices))
-    print(f"FP8 cache against float32: {generated}/{sum(map(len, full))} generated greedy tokens equal (a divergence "
-          f"cascades), {positions}/{len(full_choices)} per-position greedy choices equal")
-    # per token and layer: 128 e4m3 + 1 float32 scale + 8 float32 rope; + 16 e4m3 + 1 scale on indexer layers
-    assert stats["bytes_per_token"] == 3 * (128 + 4 + 8 * 4) + 2 * (16 + 4)
-    # a tiny random MoE: a rounding that flips one expert choice moves the logits a lot, so the bound is loose
-    assert 0.85 <= positions / len(full_choices) < 1, f"{positions}/{len(full_choices)}"
+    print(f"FP8 cache against float32 (index_head_dim {index_head_dim}): {generated}/{sum(map(len, full))} generated "
+          f"greedy tokens equal (a divergence cascades), {positions}/{len(full_choices)} per-position greedy choices "
+          f"equal")
+    # per token and layer: 128 e4m3 + 1 float32 scale + 8 float32 rope; + d e4m3 + 1 scale on indexer layers
+    assert stats["bytes_per_token"] == 3 * (128 + 4 + 8 * 4) + 2 * (index_head_dim + 4)
+    # a tiny random MoE: a rounding that flips one expert choice moves the logits a lot, and its indexer's scores
+    # are close together (an FP8 score error several times the gap at the top-k boundary), so the bound is loose
+    assert FP8_AGREEMENT[index_head_dim] <= positions / len(full_choices) < 1, f"{positions}/{len(full_choices)}"

@@ -1,5 +1,5 @@
 """The fused Triton kernels (`spmoe.layers.fused_triton`, and the FP8 quantisation of indexer queries) against
-their torch references (RMSNorm, Rotary, Router, the indexer key's LayerNorm + rope + cache write,
+their torch references (RMSNorm, Rotary, Router, the indexer key's LayerNorm + rope (+ Hadamard) + cache write,
 `quantize_fp8_vectors`, with the kernels switched off) on one CUDA GPU in bfloat16, at GLM-5.2 / DeepSeek-V3.2
 widths and at a tiny width whose expert groups are not powers of 2. The `check_*` functions take the device and
 dtype, so the same checks run on CPU under the Triton interpreter (float32 / float16) while developing (not the
@@ -15,7 +15,7 @@ from spmoe.layers import fused
 from spmoe.layers.moe.router import Router
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import dequantize, quantize_fp8_vectors
+from spmoe.layers.sparse_attention import dequantize, hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
 
 from ..multigpu import requires_gpus
 
@@ -125,13 +125,13 @@ def check_index_key(device: str, dtype: torch.dtype):
         keys = torch.zeros(rows, 128, dtype=torch.float8_e4m3fn if fp8 else dtype, device=device)
         scales = torch.ones(rows, 1, device=device) if fp8 else None
         index_key_to_cache(x, norm.weight, norm.bias, norm.eps, rotary.cos, rotary.sin, cfg.indexer_rope_interleaved,
-                           slots, keys, scales)
+                           slots, keys, scales, hadamard_matrix(128, x.device) if fp8 else None)
 
         def torch_key():
             with torch.no_grad():
                 k = norm(x)
             rotary.rotate_(k[:, None, :cfg.qk_rope_head_dim], cfg.indexer_rope_interleaved)
-            return quantize_fp8_vectors(k) if fp8 else (k, None)
+            return quantize_fp8_vectors(hadamard_rotate(k)) if fp8 else (k, None)
 
         want, want_scale = reference(torch_key)
         untouched = torch.ones(rows, dtype=torch.bool, device=device)
@@ -139,7 +139,8 @@ def check_index_key(device: str, dtype: torch.dtype):
         assert (keys[untouched].float() == 0).all(), "a row that no token writes changed"
         case = f"{model_type}, fp8 {fp8}, {n_tok} tokens"
         # LayerNorm's statistics are summed in another order than torch's: a last bit may differ, then the rope
-        # products round it again (2 bf16 steps); FP8 values may then round to the next e4m3 step (2**-3)
+        # products round it again (2 bf16 steps); FP8 values (after a Hadamard product summed in another order)
+        # may then round to the next e4m3 step (2**-3)
         exact = (keys[slots].float() == want.float()).float().mean().item()
         assert exact > 0.95, (case, exact)
         if fp8:
@@ -154,8 +155,8 @@ def check_index_key(device: str, dtype: torch.dtype):
 def check_quantize_query(device: str, dtype: torch.dtype):
     gen = torch.Generator(device=device).manual_seed(4)
     for n_tok in (1, 8, 33):
-        q = (torch.randn(n_tok, 32, 128, generator=gen, device=device)
-             * torch.logspace(-2, 2, 32, device=device)[:, None]).to(dtype)
+        q = hadamard_rotate((torch.randn(n_tok, 32, 128, generator=gen, device=device)
+                             * torch.logspace(-2, 2, 32, device=device)[:, None]).to(dtype))  # float32, as the indexer's
         values, scale = quantize_fp8_vectors(q)  # the experts' quantisation kernel: vectors of 128
         want, want_scale = reference(quantize_fp8_vectors, q)
         assert values.shape == q.shape and scale.shape == (n_tok, 32, 1)

@@ -1,7 +1,7 @@
 """Sparse absorbed attention over the paged cache against the dense path (float32, CPU), step by step over a
 mixed batch of chunked prefills and decodes, contexts below and above index_topk, on an indexer ("full")
 layer followed by an IndexShare "shared" layer; the FP8 cache within a stated tolerance; the exact
-tie-breaking top-k; the FP8 round trip."""
+tie-breaking top-k; the FP8 round trip; the FP8 indexer's Hadamard rotation."""
 
 import pytest
 import torch
@@ -13,8 +13,8 @@ from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, cache_budget_byte
 from spmoe.layers.attention import AttentionBatch, MLAttention
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.paged_rows import PagedLayerCache
-from spmoe.layers.sparse_attention import (dequantize, indexer_topk, order_keys, quantize_fp8_vectors, sparse_mla_torch,
-                                           visible_rows)
+from spmoe.layers.sparse_attention import (dequantize, hadamard_matrix, hadamard_rotate, indexer_topk, order_keys,
+                                           quantize_fp8_vectors, sparse_mla_torch, visible_rows)
 
 TOPK = 8
 CONFIG = dict(
@@ -117,6 +117,50 @@ def test_fp8_indexer_keeps_the_best_rows():
     assert 0.9 <= overlap < 1, overlap  # below 1: the FP8 scores really differ
 
 
+def test_hadamard_matrix_is_orthonormal_and_keeps_dot_products():
+    for d in (1, 2, 16, 128):
+        h = hadamard_matrix(d, torch.device("cpu"))
+        assert torch.allclose(h @ h.T, torch.eye(d), atol=1e-6) and torch.equal(h, h.T), d
+        assert torch.equal(h.abs(), torch.full((d, d), d ** -0.5)) and (h[0] > 0).all(), d  # Sylvester: row 0 all +
+    assert hadamard_matrix(16, torch.device("cpu")) is hadamard_matrix(16, torch.device("cpu"))  # built once
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(5, 4, 128, generator=gen), torch.randn(5, 1, 128, generator=gen).bfloat16()
+    rotated = (hadamard_rotate(q) * hadamard_rotate(k)).sum(-1)
+    assert rotated.dtype == torch.float32 and not torch.allclose(hadamard_rotate(q), q)
+    assert torch.allclose(rotated, (q * k.float()).sum(-1), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="needs an order that is a power of 2, got 24"):
+        hadamard_matrix(24, torch.device("cpu"))
+
+
+def test_hadamard_rotation_cuts_fp8_indexer_error_of_shared_outlier_channels():
+    """Queries and keys sharing 4 large channels (30-60x the others), as trained activations often do: FP8 scores
+    of the rotated q and k err far less, relative to the scores' spread over keys, than FP8 scores of the raw
+    ones (measured 0.29-0.37 against 0.92-1.08, seeds 0-3), and the FP8 indexer's top 64 keeps more of the exact
+    top 64 (0.78-0.82 against 0.44-0.52)."""
+    gen = torch.Generator().manual_seed(0)
+    q, keys, weights = torch.randn(64, 4, 128, generator=gen), torch.randn(1024, 128, generator=gen), torch.rand(64, 4)
+    channels, size = torch.randperm(128, generator=gen)[:4], 30 * (1 + torch.rand(4, generator=gen))
+    q[..., channels] += size
+    keys[:, channels] += size
+    tables, seq_index, positions = torch.arange(16, dtype=torch.int32)[None], torch.zeros(64, dtype=torch.long), \
+        torch.full((64,), 999)
+    exact = PagedLayerCache(torch.zeros(0, 1), None, torch.zeros(0, 1), keys, None)
+    want = indexer_topk(q, weights, exact, tables, seq_index, positions, 64, 64)
+    results = {}
+    for rotate in (False, True):
+        q_in, k_in = (hadamard_rotate(q), hadamard_rotate(keys)) if rotate else (q, keys)
+        (q8, q_scale), (key8, key_scale) = quantize_fp8_vectors(q_in), quantize_fp8_vectors(k_in)
+        scores = torch.einsum("nhd,ld->nhl", q, keys)
+        fp8_scores = torch.einsum("nhd,ld->nhl", dequantize(q8, q_scale), dequantize(key8, key_scale))
+        error = ((fp8_scores - scores).abs() / scores.std(-1, keepdim=True)).mean().item()
+        fp8 = PagedLayerCache(torch.zeros(0, 1), None, torch.zeros(0, 1), key8, key_scale)
+        got = indexer_topk(q8, weights * q_scale.squeeze(-1), fp8, tables, seq_index, positions, 64, 64)
+        overlap = sum(len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got, want)) / want.numel()
+        results[rotate] = error, overlap
+    (raw_error, raw_overlap), (rotated_error, rotated_overlap) = results[False], results[True]
+    assert rotated_error < raw_error / 2 and rotated_overlap > raw_overlap + 0.2, results
+
+
 def test_rows_of_ties_go_to_earliest_positions():
     """One sequence over two blocks (physical blocks 3 then 1): every key scores 0 except two ties of 1.0 at
     positions 70 and 5; positions beyond the query's are invisible. The top-k is unsorted: the selected rows are
@@ -184,6 +228,11 @@ def test_cache_sizes_and_budget_errors():
     with pytest.raises(ValueError, match="kv_lora_rank 16 is not a multiple of 128"):
         PagedKVCache(ModelConfig.from_dict({**CONFIG, "kv_lora_rank": 16}), {0: True}, 10 ** 6, torch.float32,
                      "cpu", "fp8")
+    with pytest.raises(ValueError, match="Hadamard-rotates the indexer keys, which needs a power-of-2 width; "
+                                         "index_head_dim 24 is not a power of 2"):
+        PagedKVCache(ModelConfig.from_dict({**CONFIG, "index_head_dim": 24}), {0: True}, 10 ** 6, torch.float32,
+                     "cpu", "fp8")
+    PagedKVCache(ModelConfig.from_dict({**CONFIG, "index_head_dim": 24}), {0: True}, 10 ** 6, torch.float32, "cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         PagedKVCache(cfg, {0: True}, 10 ** 6, torch.float32, "cpu", "int8")
     cache = PagedKVCache(cfg, {0: True}, 10 ** 6, torch.float32, "cpu")

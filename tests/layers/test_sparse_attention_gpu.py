@@ -1,9 +1,9 @@
 """The Triton sparse-attention kernels against their torch references at GLM-5.2 widths (64 heads, latent 512,
 rope 64, indexer 32 x 128, index_topk 2048) in bfloat16 with a bf16 and an FP8 cache, on one CUDA GPU: decode
 tokens and a prefill chunk over contexts below and above index_topk; a CUDA graph replay equal to the eager
-call; the cache-row lookup and the unsorted top-k behind the selection; the whole paged MLAttention against the
-dense path where DSA is dense (contexts <= index_topk), and above index_topk with the fused kernels against their
-torch references."""
+call; the indexer's multi-token tiles over prefill chunks and tiles straddling sequences; the cache-row lookup
+and the unsorted top-k behind the selection; the whole paged MLAttention against the dense path where DSA is dense
+(contexts <= index_topk), and above index_topk with the fused kernels against their torch references."""
 
 import pytest
 import torch
@@ -56,6 +56,20 @@ def scores_of(keys: torch.Tensor) -> torch.Tensor:
     return torch.where(high < 0, high ^ 0x7FFFFFFF, high).view(torch.float32)
 
 
+def assert_same_keys(got: torch.Tensor, want: torch.Tensor, kv_cache_dtype: str, label=None) -> None:
+    """Ordering keys `[N, L]` of the Triton indexer against the reference: the same positions (low halves), the
+    same hidden positions (keys of -inf, bit for bit), and visible scores within the dtype's tolerance."""
+    assert got.shape == want.shape, (label, got.shape, want.shape)
+    assert torch.equal(got & 0xFFFFFFFF, want & 0xFFFFFFFF), label
+    visible = torch.isfinite(scores_of(want))
+    assert torch.equal(torch.isfinite(scores_of(got)), visible), label
+    assert torch.equal(got[~visible], want[~visible]), label
+    err = (scores_of(got)[visible] - scores_of(want)[visible]).abs().max() / scores_of(want)[visible].abs().max()
+    # bf16: exact products, only the order of the fp32 sums differs; FP8: Hopper's FP8 MMA accumulates with
+    # fewer bits than fp32 (measured 1e-4 of the largest score)
+    assert err < (1e-3 if kv_cache_dtype == "fp8" else 1e-5), (label, err)
+
+
 @requires_gpus(1)
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -75,12 +89,7 @@ def test_triton_kernels_match_torch(kv_cache_dtype):
             weights = weights * q_scale.squeeze(-1)
         args = (q, weights, rows, view.block_tables, view.seq_index, view.positions, BLOCK)
         got, want = indexer_order_keys(*args), indexer_order_keys_torch(*args)
-        visible = torch.isfinite(scores_of(want))
-        assert torch.equal(torch.isfinite(scores_of(got)), visible)
-        err = (scores_of(got)[visible] - scores_of(want)[visible]).abs().max() / scores_of(want)[visible].abs().max()
-        # bf16: exact products, only the order of the fp32 sums differs; FP8: Hopper's FP8 MMA accumulates with
-        # fewer bits than fp32 (measured 1e-4 of the largest score)
-        assert err < (1e-3 if kv_cache_dtype == "fp8" else 1e-5), err
+        assert_same_keys(got, want, kv_cache_dtype)
         selected = rows_of_best(got, TOPK, view.block_tables, view.seq_index, BLOCK)
         reference = rows_of_best(want, TOPK, view.block_tables, view.seq_index, BLOCK)
         short = view.positions < TOPK  # every visible row is selected: the same set, in the same order of scores
@@ -203,6 +212,35 @@ def test_paged_indexer_above_topk_fused_matches_reference(kv_cache_dtype):
                         / (want >= 0).sum().item())
     print(errors, overlaps)
     assert max(errors) < (3e-2 if kv_cache_dtype == "auto" else 6e-2) and min(overlaps) >= 0.99, (errors, overlaps)
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_indexer_tiles_match_torch(kv_cache_dtype):
+    """The indexer's tiles of several tokens against the reference: a 1000-token prefill chunk of one sequence
+    at a start inside a block; a step whose tiles straddle sequences (other block tables, other positions)
+    and end in a partial tile; 32 and 24 heads (padded to 32); each tile config, the default's pick first."""
+    from spmoe.layers.sparse_attention_triton import (INDEXER_DECODE_TILES, INDEXER_PREFILL_TILES,
+                                                      indexer_order_keys)
+
+    cache, tables = filled_cache(kv_cache_dtype)
+    rows = cache.layers[0]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    chunk = cache.view(tables[2:], [3100], [1000])
+    # tokens 0-4 of sequence 0, 5-126 of sequence 1, 127-136 of sequence 2: tiles of 2, 4 and 8 tokens straddle
+    mixed = cache.view(tables, [695, 1000, 4990], [5, 122, 10])
+    for view, heads in ((chunk, 32), (mixed, 32), (mixed, 24)):
+        n = view.positions.shape[0]
+        q = torch.randn(n, heads, 128, device="cuda", generator=gen).bfloat16()
+        weights = torch.rand(n, heads, device="cuda", generator=gen)
+        if kv_cache_dtype == "fp8":
+            q, q_scale = quantize_fp8_vectors(q)
+            weights = weights * q_scale.squeeze(-1)
+        args = (q, weights, rows, view.block_tables, view.seq_index, view.positions, BLOCK)
+        want = indexer_order_keys_torch(*args)
+        for tiles in (None, INDEXER_DECODE_TILES, INDEXER_PREFILL_TILES, (2, 5, 4, 2), (8, 3, 8, 3)):
+            assert_same_keys(indexer_order_keys(*args, tiles=tiles), want, kv_cache_dtype, (n, heads, tiles))
 
 
 @requires_gpus(1)
