@@ -8,12 +8,17 @@ decodes one more token per sequence (model + LM head), launched eagerly and repl
 (CUDA-event median). "busy ms" sums the device time of the kernels one eager step launches: graph ms minus
 busy ms is the time the GPU sits between kernels.
 
+Each case's block tables are as wide as the engine's CUDA graphs make them: a power of 2 of blocks covering the
+context and the new token. Up to index_topk positions the indexer selects every visible row without scoring;
+"1x4096" takes the path that scores and takes the top-k.
+
 The roofline: the bytes the step must read over 4.3 TB/s (the H200's measured copy bandwidth): every weight but
 the routed experts' and the embedding's, the routed experts the step's tokens pick (counted), B embedding
-rows, and the cache rows the step attends (the indexer scores all `context` rows, MLA reads at most
-index_topk). Also the GPU operations one eager step launches, per decoder layer, and the top kernels.
+rows, and the cache rows the step attends (above index_topk positions the indexer scores all `context` rows;
+MLA reads at most index_topk). Also the GPU operations one eager step launches, per decoder layer, and the top
+kernels.
 
-    python benchmarks/bench_decode_step.py [--cases 1x16 8x512]
+    python benchmarks/bench_decode_step.py [--cases 1x16 8x512 1x4096]
 """
 
 import argparse
@@ -48,7 +53,8 @@ def step_bytes(model, cache: PagedKVCache, batch: int, context: int, experts_tou
     for layer in cache.layers.values():
         latent_row = nbytes(t[0] for t in (layer.latent, layer.latent_scale, layer.rope) if t is not None)
         index_row = nbytes(t[0] for t in (layer.index_key, layer.index_scale) if t is not None)
-        total += batch * ((context + 1) * index_row + min(context + 1, model.cfg.index_topk) * latent_row)
+        scored = context + 1 if context + 1 > model.cfg.index_topk else 0  # else every visible row, unscored
+        total += batch * (scored * index_row + min(context + 1, model.cfg.index_topk) * latent_row)
     return total
 
 
@@ -67,10 +73,10 @@ def run(cases: list[tuple[int, int]]):
     cfg = ModelConfig.from_dict(MODEL)
     model = DeepseekV32ForCausalLM(cfg, ParallelConfig(), torch.bfloat16, "cuda").eval()
     random_weights(model)
-    blocks_per_seq = -(-(max(c for _, c in cases) + 1) // BLOCK_SIZE)
     cache = PagedKVCache.for_model(model, 1 << 30)  # 1 GiB: thousands of blocks, far more than the cases need
     rows = []
     for batch, context in cases:
+        blocks_per_seq = 1 << (-(-(context + 1) // BLOCK_SIZE) - 1).bit_length()  # as DecodeGraphs pads tables
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
         gen = torch.Generator(device="cuda").manual_seed(batch)
         prompt = cache.view(tables, [0] * batch, [context] * batch)
@@ -101,7 +107,7 @@ def run(cases: list[tuple[int, int]]):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="*", default=["1x16", "8x512"], help="BATCHxCONTEXT decode cases")
+    p.add_argument("--cases", nargs="*", default=["1x16", "8x512", "1x4096"], help="BATCHxCONTEXT decode cases")
     args = p.parse_args()
     cases = [tuple(int(v) for v in case.split("x")) for case in args.cases]
     rows = spawn(run, 1, cases, config=ParallelConfig(), device="cuda")[0]
@@ -116,10 +122,10 @@ def main():
         print(f"\ntop kernels, batch {batch} context {context}, {kernels} (one eager step): launches, total us")
         for name, (count, micros) in top:
             print(f"  {count:>4} {micros:>9.1f}  {name[:110]}")
-    batch, context, kernels, *_, per_layer, _ = rows[1]  # the first case, fused
-    print(f"\nGPU operations of each decoder layer, batch {batch} context {context}, {kernels}: launches x name")
-    for index, ops in enumerate(per_layer):
-        print(f"layer {index}: " + ", ".join(f"{n} x {name[:60]}" for name, (n, _) in sorted(ops.items())))
+    for batch, context, kernels, *_, per_layer, _ in rows[1::2]:  # each case, fused
+        print(f"\nGPU operations of each decoder layer, batch {batch} context {context}, {kernels}: launches x name")
+        for index, ops in enumerate(per_layer):
+            print(f"layer {index}: " + ", ".join(f"{n} x {name[:60]}" for name, (n, _) in sorted(ops.items())))
 
 
 if __name__ == "__main__":

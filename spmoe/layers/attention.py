@@ -23,11 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from spmoe.config import ModelConfig
+from spmoe.layers.fused import use_fused
 from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.paged_rows import PagedKeyStore
-from spmoe.layers.sparse_attention import hadamard_rotate, indexer_topk, quantize_fp8_vectors, sparse_mla
+from spmoe.layers.sparse_attention import (hadamard_matrix, hadamard_rotate, indexer_topk, quantize_fp8_vectors,
+                                           sparse_mla, visible_rows)
 
 
 class KeyStore(Protocol):
@@ -77,15 +79,12 @@ class Indexer(nn.Module):
                 batch: AttentionBatch) -> torch.Tensor:
         """wk_x `[N, d]` (wk of the input), head_weights `[N, h]` (weights_proj of the input), q_latent
         `[N, q_lora]` -> selected `[N, K]` bool (top-k allowed keys per query); over a paged cache, the selected
-        cache rows `[N, k]` int64 (-1 = none)."""
-        cfg, rope = self.cfg, self.cfg.qk_rope_head_dim
-        q = self.wq_b(q_latent).view(-1, cfg.index_n_heads, cfg.index_head_dim)  # [N, h, d]
-        k = self.k_norm(wk_x)  # [N, d]
-        batch.rotary.rotate_(q[..., :rope], cfg.indexer_rope_interleaved)
-        batch.rotary.rotate_(k[:, None, :rope], cfg.indexer_rope_interleaved)
+        cache rows `[N, k]` int64 (-1 = none; `_paged_rows`)."""
+        cfg = self.cfg
         if isinstance(batch.cache, PagedKeyStore):
-            return self._paged_topk(head_weights, q, k, batch.cache)
-        k = batch.keys(self.layer_idx, "indexer", k)  # [K, d]
+            return self._paged_rows(wk_x, head_weights, q_latent, batch.rotary, batch.cache)
+        q = self._query(q_latent, batch.rotary)  # [N, h, d]
+        k = batch.keys(self.layer_idx, "indexer", self._key(wk_x, batch.rotary))  # [K, d]
         scores = F.relu(torch.einsum("qhd,kd->qhk", q.float(), k.float()) * cfg.index_head_dim ** -0.5)
         weights = head_weights.float() * cfg.index_n_heads ** -0.5  # [N, h]
         index = torch.einsum("qh,qhk->qk", weights, scores).masked_fill(~batch.allowed, float("-inf"))
@@ -94,24 +93,50 @@ class Indexer(nn.Module):
         topk = index.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
         return torch.zeros_like(batch.allowed).scatter_(1, topk, True) & batch.allowed
 
-    def _paged_topk(self, head_weights: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                    cache: PagedKeyStore) -> torch.Tensor:
-        """head_weights `[N, h]`, q `[N, h, d]`, k `[N, d]` -> cache rows `[N, k]`: the same scores as the dense
-        path, both scales folded into the head weights (relu commutes with a positive scale); FP8 caches score
-        FP8 queries against FP8 keys, both Hadamard-rotated first (`hadamard_rotate`: q . k unchanged, less
-        FP8 rounding)."""
+    def _query(self, q_latent: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """q_latent `[N, q_lora]` -> the query heads `[N, h, d]`, their rope part rotated."""
         cfg = self.cfg
-        rows = cache.layer(self.layer_idx)
-        fp8 = rows.index_scale is not None
-        if fp8:
-            q, k = hadamard_rotate(q), hadamard_rotate(k)  # [N, h, d], [N, d] float32
-        cache.write_index_key(self.layer_idx, k)
-        weights = head_weights.float() * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
-        if fp8:
-            q, q_scale = quantize_fp8_vectors(q)  # [N, h, d], [N, h, 1]
-            weights = weights * q_scale.squeeze(-1)
+        q = self.wq_b(q_latent).view(-1, cfg.index_n_heads, cfg.index_head_dim)
+        rotary.rotate_(q[..., :cfg.qk_rope_head_dim], cfg.indexer_rope_interleaved)
+        return q
+
+    def _key(self, wk_x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """wk_x `[N, d]` -> the key `[N, d]`: normed, its rope part rotated."""
+        k = self.k_norm(wk_x)
+        rotary.rotate_(k[:, None, :self.cfg.qk_rope_head_dim], self.cfg.indexer_rope_interleaved)
+        return k
+
+    def _paged_rows(self, wk_x: torch.Tensor, head_weights: torch.Tensor, q_latent: torch.Tensor, rotary: Rotary,
+                    cache: PagedKeyStore) -> torch.Tensor:
+        """-> the selected cache rows `[N, k]`, after this forward's keys are written. When the block tables span
+        at most index_topk positions every visible row is selected, and nothing is scored. Else the dense path's
+        scores, without its two constant scales (a positive factor common to every score ranks alike, up to
+        rounding); FP8 caches score FP8 queries against FP8 keys, both Hadamard-rotated first
+        (`hadamard_rotate`: q . k unchanged, less FP8 rounding), the queries' scales in the head weights."""
+        cfg = self.cfg
+        self._write_key(wk_x, rotary, cache)
+        if cache.block_tables.shape[1] * cache.block_size <= cfg.index_topk:
+            return visible_rows(cache.block_tables, cache.seq_index, cache.positions, cache.block_size)
+        q, weights, rows = self._query(q_latent, rotary), head_weights, cache.layer(self.layer_idx)
+        if rows.index_scale is not None:
+            q, q_scale = quantize_fp8_vectors(hadamard_rotate(q))  # [N, h, d], [N, h, 1]
+            weights = head_weights * q_scale.squeeze(-1)
         return indexer_topk(q, weights, rows, cache.block_tables, cache.seq_index, cache.positions, cfg.index_topk,
                             cache.block_size)
+
+    def _write_key(self, wk_x: torch.Tensor, rotary: Rotary, cache: PagedKeyStore) -> None:
+        """wk_x `[N, d]` -> this forward's keys (`_key`) in their cache rows, Hadamard-rotated in an FP8 cache; on
+        CUDA one Triton kernel (`fused_triton.index_key_to_cache`) norms, rotates, quantises and writes them."""
+        rows = cache.layer(self.layer_idx)
+        fp8 = rows.index_scale is not None
+        if not use_fused(wk_x):
+            k = self._key(wk_x, rotary)
+            cache.write_index_key(self.layer_idx, hadamard_rotate(k) if fp8 else k)
+            return
+        from spmoe.layers.fused_triton import index_key_to_cache
+        index_key_to_cache(wk_x, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, rotary.cos, rotary.sin,
+                           self.cfg.indexer_rope_interleaved, cache.slot_mapping, rows.index_key, rows.index_scale,
+                           hadamard_matrix(wk_x.shape[1], wk_x.device) if fp8 else None)
 
 
 class MLAttention(nn.Module):

@@ -32,6 +32,7 @@ class PagedKeyStore:
     block_tables: torch.Tensor  # [S, max_blocks] int32
     seq_index: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
+    slot_mapping: torch.Tensor  # [N] int64: the row each new token writes
     allowed: torch.Tensor  # [N, 0] bool
 
     def layer(self, layer: int) -> PagedLayerCache:

@@ -11,21 +11,25 @@ A step has N new tokens of S sequences; token i belongs to sequence `seq_index[i
 and (its own row already written) attends that sequence's positions `<= positions[i]`.
 
 - `indexer_topk`: per token, `index[p] = k_scale[p] * sum_h weights[h] * relu(q[h] . k[p])` over its visible
-  positions; the `topk` best, ties to the earliest position -> cache rows `[N, k]`, -1 where fewer exist.
+  positions; the `topk` best, ties to the earliest position -> cache rows `[N, k]`, -1 where fewer exist. The
+  rows come in no particular order: attention sums over them and an IndexShare layer reuses them as a set.
+- `visible_rows`: every position a token sees -> cache rows; the selection itself when the block tables span at
+  most `topk` positions, whatever the scores.
 - `sparse_mla`: absorbed MLA. The query is already in latent space (`q_nope @ W_UK`); scores
   `scale * (q_latent . latent[row] + q_rope . rope[row])` over the selected rows only; softmax; the weighted
   sum of the latents `[N, h, c]` (the caller applies `W_UV`). Keys `[K, heads, qk_head]` are never formed.
 
 Each has a torch version (the reference; CPU and any device) and a Triton version on CUDA
-(`sparse_attention_triton`, imported only when used), with the same signature.
+(`sparse_attention_triton`, imported only when used), with the same signature; so has `cache_rows`, the
+lookup of logical positions in the block tables behind `rows_of_best` and `visible_rows`.
 """
 
 from functools import cache
 
 import torch
 
-from spmoe.layers.fused import TRITON_INSTALLED
-from spmoe.layers.moe.experts.base import FP8_MAX
+from spmoe.layers.fused import TRITON_INSTALLED, use_fused
+from spmoe.layers.moe.experts.base import FP8_GROUP, FP8_MAX
 from spmoe.layers.paged_rows import PagedLayerCache
 
 POSITION_BITS = 31  # positions are below 2**31; the low half of an ordering key holds 2**31 - 1 - position
@@ -48,7 +52,12 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[..., d]` -> (FP8 e4m3 `[..., d]`, float32 scales `[..., 1]`): one scale per vector."""
+    """`[..., d]` -> (FP8 e4m3 `[..., d]`, float32 scales `[..., 1]`): one scale per vector. Vectors of
+    `FP8_GROUP` values on CUDA: the experts' quantisation kernel, one launch (`fused.use_fused` picks)."""
+    if use_fused(x) and x.shape[-1] == FP8_GROUP and x.numel():
+        from spmoe.layers.moe.experts.triton_kernels import quantize_fp8
+        values, scale = quantize_fp8(x.reshape(-1, FP8_GROUP))
+        return values.view(x.shape), scale.view(*x.shape[:-1], 1)
     scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
@@ -94,9 +103,11 @@ def use_triton(t: torch.Tensor, *dims: int) -> bool:
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedLayerCache, block_tables: torch.Tensor,
                  seq_index: torch.Tensor, positions: torch.Tensor, topk: int, block_size: int) -> torch.Tensor:
-    """q `[N, h, d]` (FP8 e4m3 when the cache is, else its dtype), weights `[N, h]` float32 (every scale
-    folded in) -> selected cache rows `[N, min(topk, L)]` int64 (`rows_of_best`), -1 past the visible
-    positions; L = max_blocks * block_size."""
+    """q `[N, h, d]` (FP8 e4m3 when the cache is, else its dtype), weights `[N, h]` (float32 or q's 16-bit
+    dtype; unit stride over heads; every scale that differs between heads folded in, a positive factor common
+    to all heads may be left out: it ranks the positions alike, up to rounding) -> selected cache rows
+    `[N, min(topk, L)]` int64 (`rows_of_best`, in no particular order), -1 past the visible positions;
+    L = max_blocks * block_size."""
     if use_triton(q, q.shape[2], block_size):
         from spmoe.layers.sparse_attention_triton import indexer_order_keys
         keys = indexer_order_keys(q, weights, cache, block_tables, seq_index, positions, block_size)
@@ -111,7 +122,7 @@ def indexer_order_keys_torch(q, weights, cache: PagedLayerCache, block_tables, s
     rows = logical_rows(block_tables, block_size)[seq_index]  # [N, L]
     keys = gather_rows(cache.index_key, rows).float()  # [N, L, d]
     scores = torch.relu(torch.einsum("nhd,nld->nhl", q.float(), keys))
-    index = torch.einsum("nh,nhl->nl", weights, scores)
+    index = torch.einsum("nh,nhl->nl", weights.float(), scores)
     if cache.index_scale is not None:
         index = index * cache.index_scale[rows].squeeze(-1)
     visible = torch.arange(rows.shape[1], device=q.device) <= positions[:, None]
@@ -144,9 +155,35 @@ _NEG_INF_KEY_MAX = int(order_keys(torch.tensor([[float("-inf")]]))[0, 0])
 
 def rows_of_best(keys: torch.Tensor, topk: int, block_tables: torch.Tensor, seq_index: torch.Tensor,
                  block_size: int) -> torch.Tensor:
-    """Ordering keys `[N, L]` -> cache rows `[N, min(topk, L)]` of the best positions, best first, -1 where
-    the score was -inf (not visible). When L <= topk every position is kept, in position order (no sort)."""
-    best = keys if keys.shape[-1] <= topk else keys.topk(topk, dim=-1).values
+    """Ordering keys `[N, L]` -> cache rows `[N, min(topk, L)]` of the best positions in no particular order
+    (the top-k is not sorted), -1 where the score was -inf (not visible). When L <= topk every position is
+    kept, in position order (no top-k)."""
+    best = keys if keys.shape[-1] <= topk else keys.topk(topk, dim=-1, sorted=False).values
+    return cache_rows(best, block_tables, seq_index, None, block_size)
+
+
+def visible_rows(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """The cache rows of every position `[N, max_blocks * block_size]` int64, -1 past each token's own position:
+    what `rows_of_best` picks when the block tables span at most `topk` positions, with no scores at all."""
+    return cache_rows(None, block_tables, seq_index, positions, block_size)
+
+
+def cache_rows(best: torch.Tensor | None, block_tables: torch.Tensor, seq_index: torch.Tensor,
+               positions: torch.Tensor | None, block_size: int) -> torch.Tensor:
+    """Logical positions -> cache rows int64, -1 for none: of the ordering keys best `[N, k]` (-1 where the
+    score is -inf) -> `[N, k]`; best None: of every position, -1 past `positions` `[N]` -> `[N, L]`."""
+    if block_tables.is_cuda and TRITON_INSTALLED:
+        from spmoe.layers.sparse_attention_triton import cache_rows as triton_cache_rows
+        return triton_cache_rows(best, block_tables, seq_index, positions, block_size)
+    return cache_rows_torch(best, block_tables, seq_index, positions, block_size)
+
+
+def cache_rows_torch(best, block_tables, seq_index, positions, block_size: int) -> torch.Tensor:
+    """The reference `cache_rows`."""
+    if best is None:
+        rows = logical_rows(block_tables, block_size)[seq_index]  # [N, L]
+        return torch.where(torch.arange(rows.shape[1], device=rows.device) <= positions[:, None], rows, -1)
     position = (1 << POSITION_BITS) - 1 - (best & ((1 << POSITION_BITS) - 1))
     blocks = block_tables.long()[seq_index].gather(1, position // block_size)
     return torch.where(best > _NEG_INF_KEY_MAX, blocks * block_size + position % block_size, -1)

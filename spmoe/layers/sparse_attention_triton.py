@@ -9,13 +9,15 @@ cache layout); each matches its torch reference there.
   load. A tile whose tokens belong to several sequences (other block tables) goes token by token. Decode
   steps take tiles of one token and one block (a program per token and block); prefill chunks share each key
   load among 4 tokens (`INDEXER_PREFILL_TILES`).
+- `cache_rows`: one program per (token, 1024 columns): logical positions (decoded from the selected ordering
+  keys, or every position up to the token's own) looked up in the block tables -> cache rows, -1 for none.
 - `sparse_mla`: split-K flash decoding. Program (token, head block, split) walks its share of the token's
   selected rows in tiles: gathers the latent rows (dequantising FP8 per 128 values in registers) and the rope
   keys, scores `q_latent . latent + q_rope . rope`, keeps an online softmax, and accumulates the weighted
   latents; a second kernel merges the splits (with one split, as in a prefill, the kernel normalises and
   writes the output itself). The keys `[K, heads, 256]` are never formed.
 
-Shapes depend only on the inputs' shapes and nothing is read back to the host, so both can be captured in
+Shapes depend only on the inputs' shapes and nothing is read back to the host, so all can be captured in
 a CUDA graph.
 """
 
@@ -160,6 +162,46 @@ def indexer_order_keys(q: torch.Tensor, weights: torch.Tensor, cache: PagedLayer
         positions, out, n, heads, max_blocks, q.stride(0), q.stride(1), weights.stride(0), block_tables.stride(0),
         out.stride(0), HAS_SCALE=has_scale, DIM=dim, BLOCK=block_size, BLOCK_H=max(16, triton.next_power_of_2(heads)),
         TOKENS=tokens, BLOCKS=blocks, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+@triton.jit
+def _cache_rows_kernel(best_ptr, tables_ptr, seq_ptr, pos_ptr, out_ptr, width, stride_best, stride_tab, stride_out,
+                       FROM_KEYS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    column = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = column < width
+    if FROM_KEYS:
+        key = tl.load(best_ptr + token * stride_best + column, mask=inside, other=0)
+        position = 2147483647 - (key & 2147483647)  # as _order_key wrote it
+        # a key above the largest one a -inf score makes (at position 0) has a finite score
+        valid = key > _order_key(tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int64))
+    else:
+        position = column.to(tl.int64)
+        valid = position <= tl.load(pos_ptr + token)
+    seq = tl.load(seq_ptr + token)
+    block = tl.load(tables_ptr + seq * stride_tab + position // BLOCK_SIZE, mask=inside & valid, other=0)
+    rows = block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE
+    tl.store(out_ptr + token * stride_out + column, tl.where(valid, rows, -1), mask=inside)
+
+
+def cache_rows(best: torch.Tensor | None, block_tables: torch.Tensor, seq_index: torch.Tensor,
+               positions: torch.Tensor | None, block_size: int) -> torch.Tensor:
+    """As `cache_rows_torch`, in one launch: best `[N, k]` int64 ordering keys (or None: every position) ->
+    cache rows `[N, k]` (`[N, max_blocks * B]`) int64."""
+    n = seq_index.shape[0]
+    width = block_tables.shape[1] * block_size if best is None else best.shape[1]
+    out = torch.empty(n, width, dtype=torch.int64, device=seq_index.device)
+    if n == 0 or width == 0:
+        return out
+    if best is not None and best.stride(1) != 1:
+        raise ValueError(f"cache_rows needs unit-stride ordering keys, got strides {best.stride()}")
+    keys = out if best is None else best  # not read without keys
+    block = min(1024, triton.next_power_of_2(width))
+    _cache_rows_kernel[(n, triton.cdiv(width, block))](
+        keys, block_tables, seq_index, seq_index if positions is None else positions, out, width, keys.stride(0),
+        block_tables.stride(0), out.stride(0), FROM_KEYS=best is not None, BLOCK_SIZE=block_size, BLOCK=block,
+        num_warps=4)
     return out
 
 

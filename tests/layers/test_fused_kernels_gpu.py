@@ -1,8 +1,12 @@
-"""The fused Triton kernels (`spmoe.layers.fused_triton`) against their torch references (RMSNorm, Rotary,
-Router, the paged cache's latent write and `silu_mul` with the kernels switched off) on one CUDA GPU in
-bfloat16, at GLM-5.2 / DeepSeek-V3.2 widths and at a tiny width whose expert groups are not powers of 2; and
-the MoE's one-program alignment against its multi-kernel form. The `check_*` functions take the device and
-dtype, so the same checks run on CPU under the Triton interpreter (float32 / float16) while developing."""
+"""The fused Triton kernels (`spmoe.layers.fused_triton`, and the FP8 quantisation of indexer queries) against
+their torch references (RMSNorm, Rotary, Router, the paged cache's latent write, `silu_mul`, the indexer key's
+LayerNorm + rope (+ Hadamard) + cache write, `quantize_fp8_vectors`, with the kernels switched off) on one CUDA
+GPU in bfloat16, at GLM-5.2 / DeepSeek-V3.2 widths and at a tiny width whose expert groups are not powers of 2;
+and the MoE's one-program alignment against its multi-kernel form. The `check_*` functions take the device and
+dtype, so the same checks run on CPU under the Triton interpreter (float32 / float16) while developing (not the
+FP8 ones: the interpreter's e4m3 rounding is not the GPU's)."""
+
+import itertools
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ from spmoe.layers.mlp import silu_mul
 from spmoe.layers.moe.router import Router
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.rotary import Rotary
+from spmoe.layers.sparse_attention import dequantize, hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
 
 from ..multigpu import requires_gpus
 
@@ -71,8 +76,8 @@ def check_rope(device: str, dtype: torch.dtype):
             expected = x.clone()
             expected[..., rope_at:rope_at + 64] = (rotary.interleaved if interleaved else rotary.half_split)(part)
             rope_(part, rotary.cos, rotary.sin, interleaved)
-            # the kernel rounds each product and sum as torch does; on an H200 a last bit still differed in 0.6%
-            # of the bf16 elements (one bf16 step of values near 1 is 0.0039)
+            # the kernel rounds each product and sum as torch does (without FP fusion: equal on an H200; with it a
+            # last bit differed in 0.6% of the bf16 elements); one bf16 step of values near 1 is 0.0039
             torch.testing.assert_close(x, expected, rtol=1.6e-2, atol=8e-3)
 
 
@@ -181,9 +186,69 @@ def check_align_one_program(device: str, dtype: torch.dtype):
         assert (pairs < ids.numel()).sum().item() == local  # every local pair placed once, nothing else
 
 
+def check_index_key(device: str, dtype: torch.dtype):
+    from spmoe.layers.fused_triton import index_key_to_cache
+
+    gen = torch.Generator(device=device).manual_seed(3)
+    for model_type, fp8, n_tok in itertools.product(("glm_moe_dsa", "deepseek_v32"), (False, True), (1, 8, 33)):
+        cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"], "model_type": model_type})  # rope interleaved / not
+        norm = torch.nn.LayerNorm(cfg.index_head_dim, eps=1e-6).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.normal_(1.0, 0.2, generator=gen)
+            norm.bias.normal_(0.0, 0.2, generator=gen)
+        wide = torch.randn(n_tok, 160, generator=gen, device=device) * 2 + 0.5
+        x = wide.to(dtype)[:, 16:144]  # rows strided like a split of the merged projection
+        rotary = Rotary(cfg, torch.randint(0, 5000, (n_tok,), generator=gen, device=device), dtype)
+        rows = 4 * 64
+        slots = torch.randperm(rows, generator=gen, device=device)[:n_tok]
+        keys = torch.zeros(rows, 128, dtype=torch.float8_e4m3fn if fp8 else dtype, device=device)
+        scales = torch.ones(rows, 1, device=device) if fp8 else None
+        index_key_to_cache(x, norm.weight, norm.bias, norm.eps, rotary.cos, rotary.sin, cfg.indexer_rope_interleaved,
+                           slots, keys, scales, hadamard_matrix(128, x.device) if fp8 else None)
+
+        def torch_key():
+            with torch.no_grad():
+                k = norm(x)
+            rotary.rotate_(k[:, None, :cfg.qk_rope_head_dim], cfg.indexer_rope_interleaved)
+            return quantize_fp8_vectors(hadamard_rotate(k)) if fp8 else (k, None)
+
+        want, want_scale = reference(torch_key)
+        untouched = torch.ones(rows, dtype=torch.bool, device=device)
+        untouched[slots] = False
+        assert (keys[untouched].float() == 0).all(), "a row that no token writes changed"
+        case = f"{model_type}, fp8 {fp8}, {n_tok} tokens"
+        # LayerNorm's statistics are summed in another order than torch's: a last bit may differ, then the rope
+        # products round it again (2 bf16 steps); FP8 values (after a Hadamard product summed in another order)
+        # may then round to the next e4m3 step (2**-3)
+        exact = (keys[slots].float() == want.float()).float().mean().item()
+        assert exact > 0.95, (case, exact)
+        if fp8:
+            assert (scales[untouched] == 1).all()
+            torch.testing.assert_close(scales[slots], want_scale, rtol=1.6e-2, atol=0)
+            torch.testing.assert_close(dequantize(keys[slots], scales[slots]), dequantize(want, want_scale),
+                                       rtol=0.13, atol=want_scale.max().item() * 2 ** -6)
+        else:
+            torch.testing.assert_close(keys[slots], want, rtol=1.6e-2, atol=8e-3)
+
+
+def check_quantize_query(device: str, dtype: torch.dtype):
+    gen = torch.Generator(device=device).manual_seed(4)
+    for n_tok in (1, 8, 33):
+        heads_of_all_sizes = torch.logspace(-2, 2, 32, device=device)[:, None]
+        q = hadamard_rotate((torch.randn(n_tok, 32, 128, generator=gen, device=device)
+                             * heads_of_all_sizes).to(dtype))  # float32, as the indexer's
+        values, scale = quantize_fp8_vectors(q)  # the experts' quantisation kernel: vectors of 128
+        want, want_scale = reference(quantize_fp8_vectors, q)
+        assert values.shape == q.shape and scale.shape == (n_tok, 32, 1)
+        torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)  # the kernel divides by 448
+        exact = (values.float() == want.float()).float().mean().item()
+        assert exact > 0.97, exact  # its approximate division may round a value to the next e4m3 step
+        torch.testing.assert_close(values.float(), want.float(), rtol=0.13, atol=2 ** -9)  # e4m3's least step
+
+
 @requires_gpus(1)
 @pytest.mark.gpu
 @pytest.mark.parametrize("check", [check_add_rms_norm, check_rope, check_router, check_silu_mul, check_mla_cache_write,
-                                   check_align_one_program])
+                                   check_align_one_program, check_index_key, check_quantize_query])
 def test_fused_kernel_matches_torch(check):
     check("cuda", torch.bfloat16)

@@ -14,7 +14,7 @@ from spmoe.layers.attention import AttentionBatch, MLAttention
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.paged_rows import PagedLayerCache
 from spmoe.layers.sparse_attention import (dequantize, hadamard_matrix, hadamard_rotate, indexer_topk, order_keys,
-                                           quantize_fp8_vectors, sparse_mla_torch)
+                                           quantize_fp8_vectors, sparse_mla_torch, visible_rows)
 
 TOPK = 8
 CONFIG = dict(
@@ -163,7 +163,8 @@ def test_hadamard_rotation_cuts_fp8_indexer_error_of_shared_outlier_channels():
 
 def test_rows_of_ties_go_to_earliest_positions():
     """One sequence over two blocks (physical blocks 3 then 1): every key scores 0 except two ties of 1.0 at
-    positions 70 and 5; positions beyond the query's are invisible."""
+    positions 70 and 5; positions beyond the query's are invisible. The top-k is unsorted: the selected rows are
+    compared as sets, except where every position is kept (position order, -1 at the tail)."""
     cache = PagedLayerCache(torch.zeros(0, 1), None, torch.zeros(0, 1), torch.zeros(5 * 64, 2), None)
     tables = torch.tensor([[3, 1]], dtype=torch.int32)
     cache.index_key[3 * 64 + 5] = torch.tensor([1.0, 0.0])
@@ -171,15 +172,17 @@ def test_rows_of_ties_go_to_earliest_positions():
     cache.index_key[3 * 64 + 9] = torch.tensor([-1.0, 0.0])  # relu -> 0, ties with the zeros
     q, weights = torch.tensor([[[1.0, 0.0]]]).repeat(2, 1, 1), torch.ones(2, 1)
     positions = torch.tensor([80, 6])
-    rows = indexer_topk(q, weights, cache, tables, torch.zeros(2, dtype=torch.long), positions, 5, 64)
-    assert rows[0].tolist() == [3 * 64 + 5, 64 + 6, 3 * 64 + 0, 3 * 64 + 1, 3 * 64 + 2]
-    assert rows[1].tolist() == [3 * 64 + 5, 3 * 64 + 0, 3 * 64 + 1, 3 * 64 + 2, 3 * 64 + 3]
-    rows = indexer_topk(q, weights, cache, tables, torch.zeros(2, dtype=torch.long), positions, 10, 64)
-    assert rows[1].tolist() == [3 * 64 + p for p in (5, 0, 1, 2, 3, 4, 6)] + [-1] * 3  # 7 visible positions
-    rows = indexer_topk(q, weights, cache, tables, torch.zeros(2, dtype=torch.long), positions, 200, 64)
+    seq_index = torch.zeros(2, dtype=torch.long)
+    rows = indexer_topk(q, weights, cache, tables, seq_index, positions, 5, 64)
+    assert sorted(rows[0].tolist()) == sorted([3 * 64 + 5, 64 + 6, 3 * 64 + 0, 3 * 64 + 1, 3 * 64 + 2])
+    assert sorted(rows[1].tolist()) == sorted([3 * 64 + 5, 3 * 64 + 0, 3 * 64 + 1, 3 * 64 + 2, 3 * 64 + 3])
+    rows = indexer_topk(q, weights, cache, tables, seq_index, positions, 10, 64)
+    assert sorted(rows[1].tolist()) == [-1] * 3 + [3 * 64 + p for p in range(7)]  # 7 visible positions
+    rows = indexer_topk(q, weights, cache, tables, seq_index, positions, 200, 64)
     assert rows.shape == (2, 128)  # topk above the table's 128 positions: all kept, in position order
     assert rows[1].tolist() == [3 * 64 + p for p in range(7)] + [-1] * 121
     assert rows[0].tolist() == [3 * 64 + p for p in range(64)] + [64 + p for p in range(17)] + [-1] * 47
+    assert torch.equal(visible_rows(tables, seq_index, positions, 64), rows)  # the same, with no scores
 
 
 def test_order_keys_sorts_by_score_then_earliest():
