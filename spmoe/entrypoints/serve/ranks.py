@@ -299,8 +299,9 @@ class EngineClient:
 
 def serve_rank(model_dir: str, parallel: ParallelConfig, options: ServeOptions, start_front_end):
     """Run on every rank: load the model and build the engine. Rank 0 starts the engine loop, calls
-    `start_front_end(client)` (which blocks until the server stops), then shuts every rank's loop down and
-    returns what `start_front_end` returned; the other ranks run the worker loop and return None."""
+    `start_front_end(client)` (which blocks until the server stops; -> SIGTERM if it reached rank 0, else
+    None), then shuts every rank's loop down and returns what `start_front_end` returned; the other ranks run
+    the worker loop and return None."""
     from spmoe.models.deepseek_v32.weights import load_model
 
     state = get_parallel_state()
@@ -333,6 +334,7 @@ def serve_rank(model_dir: str, parallel: ParallelConfig, options: ServeOptions, 
         client.front_end_stopped.set()
         client.close()
         signal.signal(signal.SIGINT, ignored)
-    if client.error is not None:
+    # after a SIGTERM (under torchrun it reaches every rank) a failed loop is a peer that the signal ended
+    if client.error is not None and result is None:
         raise RuntimeError(f"the engine loop failed: {client.error}")
     return result

@@ -32,8 +32,9 @@ class FrontEndOptions:
     port: int
 
 
-def start_front_end(options: FrontEndOptions, client) -> None:
-    """Rank 0, main thread: serve the app for `client` until a stop signal; print the URL once it listens."""
+def start_front_end(options: FrontEndOptions, client) -> int | None:
+    """Rank 0, main thread: serve the app for `client` until a stop signal; print the URL once it listens.
+    -> SIGTERM if one reached this process (under torchrun, whose agent signals every worker), else None."""
     import uvicorn
 
     from spmoe.entrypoints.serve.app import build_app
@@ -52,8 +53,10 @@ def start_front_end(options: FrontEndOptions, client) -> None:
         await task
 
     # uvicorn catches SIGINT / SIGTERM while it serves, shuts down gracefully, then raises the signal again
-    # for the handler it found: this no-op one, so that serve_rank's own teardown runs afterwards.
-    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    # for the handler it found: this one, which only notes it, so that serve_rank's own teardown runs afterwards.
+    received = []
+    previous = {s: signal.signal(s, lambda signum, _: received.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         asyncio.run(serve())
     finally:
@@ -61,6 +64,8 @@ def start_front_end(options: FrontEndOptions, client) -> None:
             signal.signal(s, handler)
     if not server.started:
         raise RuntimeError(f"the HTTP server did not start on {options.host}:{options.port}")
+    # SIGTERM comes from outside; a SIGINT may be the engine loop's own stop after it failed (`serve_rank`)
+    return signal.SIGTERM if signal.SIGTERM in received else None
 
 
 def check_address(host: str, port: int) -> None:
@@ -77,8 +82,8 @@ def check_address(host: str, port: int) -> None:
 
 
 def run_serve(model_dir: str, parallel: ParallelConfig, options: ServeOptions, front: FrontEndOptions,
-              device: str) -> None:
-    """Validate, then serve until stopped."""
+              device: str) -> int | None:
+    """Validate, then serve until stopped. -> SIGTERM if it reached rank 0 itself (under torchrun), else None."""
     if not Path(model_dir, "config.json").is_file():
         raise ValueError(f"--model {model_dir}: expected a checkpoint folder with config.json, found none")
     check_serve(model_dir, parallel, options, device)
@@ -86,8 +91,8 @@ def run_serve(model_dir: str, parallel: ParallelConfig, options: ServeOptions, f
     check_address(front.host, front.port)
     print(f"spmoe serve: {model_dir} on {parallel.world_size} local ranks (TP {parallel.tensor_parallel_size} x "
           f"DP {parallel.data_parallel_size}, {device}); loading the weights", file=sys.stderr, flush=True)
-    launch(serve_rank, parallel.world_size, model_dir, parallel, options, partial(start_front_end, front),
-           config=parallel, device=device)
+    return launch(serve_rank, parallel.world_size, model_dir, parallel, options, partial(start_front_end, front),
+                  config=parallel, device=device)
 
 
 def add_serve_args(p) -> None:
@@ -136,5 +141,8 @@ def cmd_serve(args) -> int:
                            num_speculative_tokens=drafts, max_num_waiting=args.max_num_waiting,
                            cuda_graphs=args.cuda_graphs, **kv_cache_options(args))
     name = args.served_model_name or (args.model if args.model is not None else "spmoe-demo")
-    run_serve(model, parallel, options, FrontEndOptions(model, name, args.host, args.port), args.device)
-    return 0
+    stop = run_serve(model, parallel, options, FrontEndOptions(model, name, args.host, args.port), args.device)
+    if stop is None:
+        return 0
+    print(f"spmoe serve: stopped by {signal.Signals(stop).name}", file=sys.stderr)
+    return 128 + stop
