@@ -1,5 +1,6 @@
 """One decode step against its bytes roofline on one GPU (TP 1), with the fused Triton kernels (add + RMSNorm,
-rope in place, the router) and with their torch references (`spmoe.layers.fused.ENABLED` off), in one run.
+rope in place, the router, absorbed MLA's per-head projections, among others; cos/sin looked up in the model's
+table) and with their torch references (`spmoe.layers.fused.ENABLED` off), in one run.
 
 The model: GLM-5.2 widths (H 6144, 64 heads, q_lora 2048, kv_lora 512, DSA indexer) in 4 layers, 1 dense and
 3 MoE of 64 experts top-8 + 1 shared, vocab 32768, random bf16 weights, Triton experts, the paged latent

@@ -26,7 +26,7 @@ GLM = dict(model_type="glm_moe_dsa", vocab_size=4096, hidden_size=6144, intermed
            indexer_types=["full", "shared"], num_attention_heads=64, n_routed_experts=256, n_shared_experts=1,
            num_experts_per_tok=8, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=2048,
            kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_topk=2048,
-           index_n_heads=32, index_head_dim=128, rms_norm_eps=1e-5)
+           index_n_heads=32, index_head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=202752)
 LAYOUTS = [("TP2, SP off", 2, 1, "off"), ("TP2, SP on", 2, 1, "on"), ("TP1 x DP2", 1, 2, "off")]
 PREFILL = [(1, 1024), (1, 4096), (4, 1024)]  # (sequences, tokens each)
 DECODE = [1, 8, 64]  # sequences, 1 token each, after a 128-token context

@@ -130,8 +130,13 @@ class Engine:
     def validate(self, request: Request) -> None:
         """Raise a one-line ValueError unless the request is well formed and can ever fit the cache."""
         label = f"request {request.request_id!r}: the prompt"
-        check_prompt(label, request.prompt, self.model.cfg.vocab_size, request.max_new_tokens, self.k,
+        cfg = self.model.cfg
+        check_prompt(label, request.prompt, cfg.vocab_size, request.max_new_tokens, self.k,
                      self.scheduler.room.max_tokens_per_sequence)
+        longest = len(request.prompt) + request.max_new_tokens + self.k
+        if cfg.max_position_embeddings is not None and longest > cfg.max_position_embeddings:
+            raise ValueError(f"{label} needs {longest} positions with its new and speculative tokens, more than "
+                             f"the model's max_position_embeddings = {cfg.max_position_embeddings}")
         check_speculation(request.sampling, self.k)
 
     def add_request(self, request: Request, record_logits: bool = False) -> Sequence:

@@ -28,8 +28,8 @@ from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.paged_rows import PagedKeyStore
-from spmoe.layers.sparse_attention import (hadamard_matrix, hadamard_rotate, indexer_topk, quantize_fp8_vectors,
-                                           sparse_mla, visible_rows)
+from spmoe.layers.sparse_attention import (hadamard_matrix, hadamard_rotate, head_matmul, indexer_topk,
+                                           quantize_fp8_vectors, sparse_mla, visible_rows)
 
 
 class KeyStore(Protocol):
@@ -198,7 +198,7 @@ class MLAttention(nn.Module):
         cfg, heads, nope = self.cfg, self.local_heads, self.cfg.qk_nope_head_dim
         w_uk, w_uv = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, cfg.kv_lora_rank).split(
             [nope, cfg.v_head_dim], dim=1)
-        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [N, h, c]
+        q_latent = head_matmul(q[..., :nope], w_uk)  # [N, h, c]
         out = sparse_mla(q_latent, q[..., nope:], cache.layer(self.layer_idx), selected, cfg.attention_scale)
-        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [N, h, v]
+        out = head_matmul(out, w_uv.transpose(1, 2))  # [N, h, v]
         return out.reshape(q.shape[0], heads * cfg.v_head_dim)  # N may be 0 (a DP rank in step)

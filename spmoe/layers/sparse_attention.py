@@ -18,6 +18,9 @@ and (its own row already written) attends that sequence's positions `<= position
 - `sparse_mla`: absorbed MLA. The query is already in latent space (`q_nope @ W_UK`); scores
   `scale * (q_latent . latent[row] + q_rope . rope[row])` over the selected rows only; softmax; the weighted
   sum of the latents `[N, h, c]` (the caller applies `W_UV`). Keys `[K, heads, qk_head]` are never formed.
+- `head_matmul`: the per-head projections around it, `[N, h, k] x [h, k, m] -> [N, h, m]` (`q_nope @ W_UK`,
+  the weighted latent @ `W_UV^T`): a batched GEMM; for a decode step's few tokens, with the fused kernels on,
+  a Triton kernel that reads each head's weight once at full bandwidth.
 
 Each has a torch version (the reference; CPU and any device) and a Triton version on CUDA
 (`sparse_attention_triton`, imported only when used), with the same signature; so has `cache_rows`, the
@@ -200,6 +203,21 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCa
         from spmoe.layers.sparse_attention_triton import sparse_mla as triton_sparse_mla
         return triton_sparse_mla(q_latent, q_rope, cache, rows, scale)
     return sparse_mla_torch(q_latent, q_rope, cache, rows, scale)
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x `[N, h, k]`, w `[h, k, m]` (views of a weight) -> `[N, h, m]`: x[:, i] @ w[i] for every head i, in x's
+    dtype. Up to `HEAD_MATMUL_TOKENS` 16-bit tokens on CUDA with the fused kernels on: the Triton kernel."""
+    if use_fused(x) and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
+        from spmoe.layers.sparse_attention_triton import HEAD_MATMUL_TOKENS, head_matmul as triton_head_matmul
+        if x.shape[0] <= HEAD_MATMUL_TOKENS and x.stride(2) == 1:
+            return triton_head_matmul(x, w)
+    return head_matmul_torch(x, w)
+
+
+def head_matmul_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The reference `head_matmul`: one batched GEMM over the heads."""
+    return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
 
 def sparse_mla_torch(q_latent, q_rope, cache: PagedLayerCache, rows, scale: float) -> torch.Tensor:

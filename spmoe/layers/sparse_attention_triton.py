@@ -16,6 +16,10 @@ cache layout); each matches its torch reference there.
   keys, scores `q_latent . latent + q_rope . rope`, keeps an online softmax, and accumulates the weighted
   latents; a second kernel merges the splits (with one split, as in a prefill, the kernel normalises and
   writes the output itself). The keys `[K, heads, 256]` are never formed.
+- `head_matmul`: absorbed MLA's per-head projections of a few tokens (`q_nope @ W_UK`, the weighted latent @
+  `W_UV^T`). Program (head, block of output columns) streams its slice of the head's weight once, through
+  `tl.dot` against all the tokens (padded to 16), float32 accumulation; enough column blocks to give every
+  multiprocessor two programs, so the weights are read at full bandwidth and in one pass (no split-K).
 
 Shapes depend only on the inputs' shapes and nothing is read back to the host, so all can be captured in
 a CUDA graph.
@@ -309,4 +313,46 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCa
     if splits > 1:
         _merge_splits_kernel[(n, heads)](acc, stats, out, out.stride(0), out.stride(1), heads, LATENT=latent_dim,
                                          SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
+    return out
+
+
+HEAD_MATMUL_TOKENS = 16  # head_matmul's tile of tokens: the rows of one tl.dot, and the most tokens it takes
+
+
+@triton.jit
+def _head_matmul_kernel(x_ptr, w_ptr, out_ptr, n_tok, depth, width, stride_xn, stride_xh, stride_wh, stride_wk,
+                        stride_wm, stride_on, stride_oh, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_M: tl.constexpr):
+    head, cols = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tokens = tl.arange(0, BLOCK_N)
+    x_rows = x_ptr + head * stride_xh + tokens[:, None] * stride_xn  # [BLOCK_N, 1]
+    w_cols = w_ptr + head.to(tl.int64) * stride_wh + cols[None, :] * stride_wm  # [1, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for first in range(0, depth, BLOCK_K):
+        k = first + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + k[None, :], mask=(tokens[:, None] < n_tok) & (k[None, :] < depth), other=0.0)
+        w = tl.load(w_cols + k[:, None] * stride_wk, mask=(k[:, None] < depth) & (cols[None, :] < width), other=0.0)
+        acc = tl.dot(x, w, acc)
+    tl.store(out_ptr + tokens[:, None] * stride_on + head * stride_oh + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(tokens[:, None] < n_tok) & (cols[None, :] < width))
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """As `head_matmul_torch`: x `[N, h, k]` (N <= `HEAD_MATMUL_TOKENS`, unit-stride last dim), w `[h, k, m]` (any
+    strides: a view of kv_b_proj's weight, transposed or not), both bf16 / fp16 -> `[N, h, m]` contiguous in x's
+    dtype. Column blocks of 64, 32 or 16: the widest that still makes `NUM_SMS_TARGET` programs."""
+    n, heads, depth = x.shape
+    width = w.shape[2]
+    if n > HEAD_MATMUL_TOKENS or x.stride(2) != 1 or w.shape[:2] != (heads, depth) or w.dtype != x.dtype:
+        raise ValueError(f"head_matmul needs x [N <= {HEAD_MATMUL_TOKENS}, h, k] with a unit-stride last dim and w "
+                         f"[h, k, m] of its dtype; got x {tuple(x.shape)} strides {x.stride()} {x.dtype}, w "
+                         f"{tuple(w.shape)} {w.dtype}")
+    out = torch.empty(n, heads, width, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    block_m = next((b for b in (64, 32) if heads * triton.cdiv(width, b) >= NUM_SMS_TARGET), 16)
+    block_k = 128 if w.stride(1) == 1 else 64  # 256 or 128 contiguous bytes per weight row
+    _head_matmul_kernel[(heads, triton.cdiv(width, block_m))](
+        x, w, out, n, depth, width, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        out.stride(1), BLOCK_N=HEAD_MATMUL_TOKENS, BLOCK_K=block_k, BLOCK_M=block_m, num_warps=4, num_stages=3)
     return out

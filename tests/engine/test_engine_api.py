@@ -1,11 +1,13 @@
 """The request API of the engine (add_request / abort / step / has_unfinished / metrics) on one rank:
 requests that join at different steps, wait for room and are aborted mid-way get exactly the tokens each
 gets alone from `generate`; seeded sampling does not depend on the rest of the batch; an abort frees the
-cache room for a waiting request; a speculating engine gives plain greedy tokens; bad requests are one-line
-errors.
+cache room for a waiting request; a speculating engine gives plain greedy tokens; bad requests (a prompt
+beyond the cache or the model's max_position_embeddings among them) are one-line errors.
 
 One spawned rank runs every case; the comparisons happen here.
 """
+
+from dataclasses import replace
 
 import pytest
 
@@ -87,6 +89,11 @@ def run_api_cases(folder: str) -> dict:
             engine.add_request(req)
         except ValueError as e:
             errors[name] = str(e)
+    model.cfg = replace(model.cfg, max_position_embeddings=24)  # a model that takes fewer positions than a slot
+    try:
+        engine.add_request(Request("p", [1] * 20, 3))
+    except ValueError as e:
+        errors["beyond_model"] = str(e)
     out["errors"] = errors
     return out
 
@@ -140,5 +147,7 @@ def test_bad_requests_are_one_line_errors(api):
                     "needs 33 KV cache positions, the cache holds 32 per sequence",
         "no_tokens": "max_new_tokens must be >= 1, got 0",
         "duplicate": "request id 'd' is already in the engine; expected a new id",
+        "beyond_model": "request 'p': the prompt needs 25 positions with its new and speculative tokens, more than "
+                        "the model's max_position_embeddings = 24",
     }
     assert errors == expected

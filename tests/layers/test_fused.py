@@ -1,7 +1,8 @@
 """The torch paths behind the fused kernels: rope rotated in place equals the out-of-place reference on the
-strided views attention hands it; a merged projection (attention's input projections, the MLP's gate and up)
-equals its parts as separate layers, loads each part's checkpoint tensor into its own rows, and splits every
-part over TP ranks."""
+strided views attention hands it; the cos/sin table holds `cos_sin`'s rows and is made only for CUDA models of
+a stated length (a CPU forward computes its rows); a merged projection (attention's input projections, the
+MLP's gate and up) equals its parts as separate layers, loads each part's checkpoint tensor into its own rows,
+and splits every part over TP ranks."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from spmoe.config import ModelConfig
 from spmoe.layers.linear import MergedLinear
-from spmoe.layers.rotary import Rotary
+from spmoe.layers.rotary import Rotary, RotaryTable, cos_sin
 
 CFG = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
            num_hidden_layers=1, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
@@ -28,6 +29,22 @@ def test_rotate_in_place_equals_reference():
         rotary.rotate_(q[..., 8:], interleaved)
         assert torch.equal(q, expected)
         assert torch.equal(q[..., :8], before[..., :8]) and not torch.equal(q[..., 8:], before[..., 8:])
+
+
+def test_rotary_table_rows_are_cos_sin_and_only_cuda_models_have_one():
+    cfg = ModelConfig.from_dict({**CFG, "max_position_embeddings": 50})
+    assert RotaryTable.for_model(cfg, "cpu", torch.float32) is None
+    assert RotaryTable.for_model(ModelConfig.from_dict(CFG), "cuda", torch.float32) is None  # length not stated
+    table = RotaryTable(cfg, 50, "cpu", torch.float32)
+    positions = torch.tensor([0, 3, 17, 49, 3])
+    want_cos, want_sin = cos_sin(cfg, positions, torch.float32)
+    cos, sin = table.lookup(positions)
+    assert cos.shape == sin.shape == (5, 4) and cos.stride() == sin.stride() == (8, 1)
+    torch.testing.assert_close(cos, want_cos, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(sin, want_sin, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(cos[1], cos[2])
+    rotary = Rotary(cfg, positions, torch.float32, table)  # on CPU the rows are computed, the reference
+    assert torch.equal(rotary.cos, want_cos) and torch.equal(rotary.sin, want_sin) and rotary.cos.is_contiguous()
 
 
 def test_merged_linear_equals_its_parts_and_loads_them():

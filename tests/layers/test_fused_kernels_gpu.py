@@ -2,7 +2,8 @@
 their torch references (RMSNorm, Rotary, Router, the paged cache's latent write, `silu_mul`, the indexer key's
 LayerNorm + rope (+ Hadamard) + cache write, `quantize_fp8_vectors`, with the kernels switched off) on one CUDA
 GPU in bfloat16, at GLM-5.2 / DeepSeek-V3.2 widths and at a tiny width whose expert groups are not powers of 2;
-and the MoE's one-program alignment against its multi-kernel form. The `check_*` functions take the device and
+and the MoE's one-program alignment against its multi-kernel form; the cos/sin table's rows against `cos_sin`, bit
+for bit. The `check_*` functions take the device and
 dtype, so the same checks run on CPU under the Triton interpreter (float32 / float16) while developing (not the
 FP8 ones: the interpreter's e4m3 rounding is not the GPU's)."""
 
@@ -16,7 +17,7 @@ from spmoe.layers import fused
 from spmoe.layers.mlp import silu_mul
 from spmoe.layers.moe.router import Router
 from spmoe.layers.norm import RMSNorm
-from spmoe.layers.rotary import Rotary
+from spmoe.layers.rotary import Rotary, RotaryTable, cos_sin
 from spmoe.layers.sparse_attention import dequantize, hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
 
 from ..multigpu import requires_gpus
@@ -252,3 +253,31 @@ def check_quantize_query(device: str, dtype: torch.dtype):
                                    check_align_one_program, check_index_key, check_quantize_query])
 def test_fused_kernel_matches_torch(check):
     check("cuda", torch.bfloat16)
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+def test_rotary_table_rows_equal_computed_rows():
+    """A CUDA model's cos/sin table for GLM-5.2's 202752 positions, default and yarn rope, bf16 and float32: the
+    rows `Rotary` looks up equal `cos_sin`'s bit for bit; with the fused kernels off, or for another dtype,
+    `Rotary` computes them."""
+    yarn = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
+                                "original_max_position_embeddings": 4096, "mscale_all_dim": 1.0, "beta_fast": 32,
+                                "beta_slow": 1}}
+    length = 202752
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    positions = torch.cat([torch.randint(0, length, (61,), generator=gen, device="cuda"),
+                           torch.tensor([0, length - 1], device="cuda")])
+    for fields in ({}, yarn):
+        cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"], **fields, "max_position_embeddings": length})
+        for dtype in (torch.bfloat16, torch.float32):
+            table = RotaryTable.for_model(cfg, "cuda", dtype)
+            assert table.table.shape == (length, 2, 32)
+            want_cos, want_sin = cos_sin(cfg, positions, dtype)
+            looked_up = Rotary(cfg, positions, dtype, table)
+            assert looked_up.cos.stride() == (64, 1)  # a view of the gathered [N, 2, 32] rows
+            assert torch.equal(looked_up.cos, want_cos) and torch.equal(looked_up.sin, want_sin), (fields, dtype)
+            computed = reference(Rotary, cfg, positions, dtype, table)
+            assert computed.cos.stride() == (32, 1) and torch.equal(computed.cos, want_cos)
+            other = Rotary(cfg, positions, torch.float16, table)
+            assert other.cos.dtype == torch.float16 and other.cos.stride() == (32, 1)

@@ -3,15 +3,19 @@ rope 64, indexer 32 x 128, index_topk 2048) in bfloat16 with a bf16 and an FP8 c
 tokens and a prefill chunk over contexts below and above index_topk; a CUDA graph replay equal to the eager
 call; the indexer's multi-token tiles over prefill chunks and tiles straddling sequences; the cache-row lookup
 and the unsorted top-k behind the selection; the whole paged MLAttention against the dense path where DSA is dense
-(contexts <= index_topk), and above index_topk with the fused kernels against their torch references."""
+(contexts <= index_topk), and above index_topk with the fused kernels against their torch references; absorbed
+MLA's per-head projections of a few tokens (`head_matmul`) against the batched GEMM, at 64 heads and TP shares of
+them. `check_head_matmul` takes the device and dtype, so it also runs on CPU under the Triton interpreter
+(float16: the interpreter's bf16 dot is not the GPU's)."""
 
 import pytest
 import torch
 
 from spmoe.config import ModelConfig
-from spmoe.layers.sparse_attention import (cache_rows_torch, indexer_order_keys_torch, indexer_topk,
-                                           quantize_fp8_vectors, rows_of_best, sparse_mla, sparse_mla_torch,
-                                           visible_rows)
+from spmoe.layers import fused
+from spmoe.layers.sparse_attention import (cache_rows_torch, head_matmul, head_matmul_torch, indexer_order_keys_torch,
+                                           indexer_topk, quantize_fp8_vectors, rows_of_best, sparse_mla,
+                                           sparse_mla_torch, visible_rows)
 
 from ..multigpu import requires_gpus
 
@@ -269,3 +273,46 @@ def test_paged_attention_layer_matches_dense_on_gpu():
         errors.append(((outs[1] - outs[0]).abs().max() / outs[0].abs().max()).item())
     print(errors)
     assert max(errors) < 3e-2, errors
+
+
+def check_head_matmul(device: str, dtype: torch.dtype):
+    """The kernel on the views `_sparse_absorbed` hands it (q_nope of q `[N, h, 256]`; W_UK and W_UV^T of kv_b's
+    weight `[h * 448, 512]`) against float32 math and the batched GEMM, within bf16 GEMM rounding (outputs of
+    about unit size); `head_matmul` picks it up to 16 tokens, the batched GEMM above."""
+    from spmoe.layers.sparse_attention_triton import HEAD_MATMUL_TOKENS, head_matmul as triton_head_matmul
+
+    nope, v, c = 192, 256, 512
+    gen = torch.Generator(device=device).manual_seed(7)
+    for heads in (64, 32, 16, 8):  # TP 1, 2, 4, 8 at GLM-5.2's 64 heads
+        weight = (torch.randn(heads * (nope + v), c, generator=gen, device=device) * c ** -0.5).to(dtype)
+        w_uk, w_uv = weight.view(heads, nope + v, c).split([nope, v], dim=1)
+        for n_tok in (1, 3, 8, HEAD_MATMUL_TOKENS):
+            q = torch.randn(n_tok, heads, nope + 64, generator=gen, device=device).to(dtype)
+            latent = (torch.randn(n_tok, heads, c, generator=gen, device=device) * (c / nope) ** 0.5).to(dtype)
+            for x, w in ((q[..., :nope], w_uk), (latent, w_uv.transpose(1, 2))):
+                got = triton_head_matmul(x, w)
+                want = torch.einsum("nhk,hkm->nhm", x.float(), w.float())
+                label = (heads, n_tok, tuple(w.shape))
+                assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous(), label
+                torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2, msg=lambda m: f"{label}: {m}")
+                torch.testing.assert_close(got, head_matmul_torch(x, w), rtol=1.6e-2, atol=1e-2,
+                                           msg=lambda m: f"{label}: {m}")
+                if device == "cuda":  # the dispatch: the kernel, unless the fused kernels are off
+                    assert torch.equal(head_matmul(x, w), got), label
+                    fused.ENABLED = False
+                    try:
+                        assert torch.equal(head_matmul(x, w), head_matmul_torch(x, w)), label
+                    finally:
+                        fused.ENABLED = True
+    many = torch.randn(HEAD_MATMUL_TOKENS + 1, 8, nope, generator=gen, device=device).to(dtype)
+    if device == "cuda":
+        assert torch.equal(head_matmul(many, w_uk), head_matmul_torch(many, w_uk))  # more tokens: the GEMM
+    with pytest.raises(ValueError, match="head_matmul needs x"):
+        triton_head_matmul(many, w_uk)
+    assert triton_head_matmul(many[:0], w_uk).shape == (0, 8, c)
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+def test_head_matmul_matches_torch():
+    check_head_matmul("cuda", torch.bfloat16)

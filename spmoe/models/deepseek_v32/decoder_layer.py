@@ -24,7 +24,7 @@ from spmoe.layers.mlp import MLP
 from spmoe.layers.moe.experts.base import Experts
 from spmoe.layers.moe.moe import MoE
 from spmoe.layers.norm import RMSNorm
-from spmoe.layers.rotary import Rotary
+from spmoe.layers.rotary import Rotary, RotaryTable
 
 
 class DeepseekV32DecoderLayer(nn.Module):
@@ -60,9 +60,11 @@ class DeepseekV32DecoderLayer(nn.Module):
 
 
 def attention_batch(cfg: ModelConfig, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
-                    cache: KeyStore | None, dtype: torch.dtype) -> AttentionBatch:
+                    cache: KeyStore | None, dtype: torch.dtype,
+                    rotary_table: RotaryTable | None = None) -> AttentionBatch:
     """Check the flat batch and describe it to attention. Without a cache each sequence attends only its own
-    new tokens (causally); with one, the cache says which keys each token attends."""
+    new tokens (causally); with one, the cache says which keys each token attends. rotary_table: the model's
+    cos/sin of every position (`RotaryTable.for_model`), or None."""
     num_tokens = input_ids.shape[0]
     if input_ids.dim() != 1 or positions.shape != input_ids.shape or sum(seq_lens) != num_tokens:
         raise ValueError(f"expected input_ids and positions of shape [N] with N = sum(seq_lens); got "
@@ -74,7 +76,7 @@ def attention_batch(cfg: ModelConfig, input_ids: torch.Tensor, positions: torch.
         allowed = cache.allowed
         if allowed.shape[0] != num_tokens:
             raise ValueError(f"the KV cache view is for {allowed.shape[0]} new tokens, the batch has {num_tokens}")
-    return AttentionBatch(Rotary(cfg, positions, dtype), allowed, cache)
+    return AttentionBatch(Rotary(cfg, positions, dtype, rotary_table), allowed, cache)
 
 
 def causal_within_sequences(seq_lens: list[int], like: torch.Tensor) -> torch.Tensor:

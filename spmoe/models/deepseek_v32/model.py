@@ -26,6 +26,7 @@ from spmoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmoe.layers.moe.experts.base import ExpertsDeployment
 from spmoe.layers.moe.experts.selection import select_experts
 from spmoe.layers.norm import RMSNorm
+from spmoe.layers.rotary import RotaryTable
 from spmoe.models.deepseek_v32.decoder_layer import DeepseekV32DecoderLayer, attention_batch
 from spmoe.models.deepseek_v32.mtp import DeepseekV32MultiTokenPredictorLayer
 
@@ -47,13 +48,15 @@ class DeepseekV32Model(nn.Module):
         self.layers = nn.ModuleList(DeepseekV32DecoderLayer(cfg, plan, self.experts_backend, parallel.ep_backend)
                                     for plan in self.plan.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_table = RotaryTable.for_model(cfg, device, dtype)  # shared with the MTP layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
                 cache: KeyStore | None = None) -> torch.Tensor:
         """input_ids, positions `[N]`; seq_lens: new tokens per sequence, laid end to end -> FULL `[N, H]`
         final-normed hidden states, identical on every TP rank."""
         num_tokens = input_ids.shape[0]
-        batch = attention_batch(self.cfg, input_ids, positions, seq_lens, cache, self.norm.weight.dtype)
+        batch = attention_batch(self.cfg, input_ids, positions, seq_lens, cache, self.norm.weight.dtype,
+                                self.rotary_table)
         max_tokens = largest_dp_batch(num_tokens)
         hidden = enter(self.embed_tokens(input_ids), self.plan.layers[0].input)  # PARTIAL [N, H] -> layer 0
         residual, selected = None, None
@@ -77,7 +80,7 @@ class DeepseekV32ForCausalLM(nn.Module):
                     cfg, self.model.plan.mtp[i],
                     VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if own_embed else self.model.embed_tokens,
                     ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if own_head else self.lm_head,
-                    self.model.experts_backend, parallel.ep_backend)
+                    self.model.experts_backend, parallel.ep_backend, self.model.rotary_table)
                 for i, (own_embed, own_head) in enumerate(mtp_own_weights))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
