@@ -1,6 +1,8 @@
-"""The KV cache options that `spmoe generate` and `spmoe serve` share, on the command line."""
+"""The KV cache options that `spmoe generate` and `spmoe serve` share: on the command line, and the cache they
+build."""
 
-from spmoe.engine.paged_cache import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES
+from spmoe.engine.kv_cache import KVCache
+from spmoe.engine.paged_cache import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, PagedKVCache, build_paged_cache
 
 
 def add_kv_cache_args(p, cpu_default: str) -> None:
@@ -25,3 +27,13 @@ def kv_cache_options(args) -> dict:
     return {"kv_cache": args.kv_cache, "kv_cache_memory": args.kv_cache_memory,
             "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_dtype": args.kv_cache_dtype,
             "max_num_batched_tokens": args.max_num_batched_tokens}
+
+
+def build_kv_cache(model, opts, max_num_seqs: int, max_len: int) -> KVCache | PagedKVCache:
+    """The cache that `opts` (fields as `kv_cache_options` names them) asks for: dense, one slot of `max_len`
+    positions for each of `max_num_seqs` sequences; or paged (`build_paged_cache`: on CPU without a size, room
+    for `max_num_seqs` x `max_len` tokens)."""
+    if opts.kv_cache == "dense":
+        return KVCache.for_model(model, max_num_seqs, max_len)
+    return build_paged_cache(model, opts.kv_cache_memory, opts.gpu_memory_utilization, opts.kv_cache_dtype,
+                             max_num_seqs, max_len)

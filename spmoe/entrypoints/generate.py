@@ -13,8 +13,9 @@ from spmoe.distributed import get_parallel_state, launch
 from spmoe.engine.cuda_graphs import deployment_problems
 from spmoe.engine.engine import Engine, Generation, check_prompts, check_speculation, per_prompt
 from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.paged_cache import build_paged_cache, check_paged_budget
+from spmoe.engine.paged_cache import check_paged_budget
 from spmoe.engine.sampling import SamplingParams
+from spmoe.entrypoints.cache_options import build_kv_cache
 from spmoe.entrypoints.jobs import (DTYPES, check_device, check_positions, check_writable, gather_from_dp,
                                     split_for_dp)
 
@@ -59,11 +60,7 @@ def rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[i
     mine = split_for_dp(prompts, state.dp_rank, state.dp_size)  # this DP rank's prompts (maybe none)
     sampling = split_for_dp(per_prompt(opts.sampling, len(prompts)), state.dp_rank, state.dp_size)
     seqs = opts.cache_slots(len(mine))
-    if opts.kv_cache == "dense":
-        cache = KVCache.for_model(model, seqs, opts.cache_len(prompts))
-    else:
-        cache = build_paged_cache(model, opts.kv_cache_memory, opts.gpu_memory_utilization, opts.kv_cache_dtype,
-                                  seqs, opts.cache_len(prompts))
+    cache = build_kv_cache(model, opts, seqs, opts.cache_len(prompts))
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
     engine = Engine(model, cache, opts.num_speculative_tokens, opts.cuda_graphs, seqs, opts.max_num_batched_tokens,
                     opts.max_model_len)

@@ -29,9 +29,9 @@ from spmoe.distributed import get_parallel_state
 from spmoe.distributed.comm import broadcast_object, gather_object
 from spmoe.engine.cuda_graphs import deployment_problems
 from spmoe.engine.engine import Engine
-from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.paged_cache import build_paged_cache, check_paged_budget
+from spmoe.engine.paged_cache import check_paged_budget
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
+from spmoe.entrypoints.cache_options import build_kv_cache
 from spmoe.entrypoints.jobs import DTYPES, check_device, check_positions
 
 HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
@@ -308,11 +308,7 @@ def serve_rank(model_dir: str, parallel: ParallelConfig, options: ServeOptions, 
     options = options.for_model(ModelConfig.from_file(model_dir))
     model = load_model(model_dir, parallel, DTYPES[options.dtype], state.device,
                        with_mtp=options.num_speculative_tokens > 0)
-    if options.kv_cache == "dense":
-        cache = KVCache.for_model(model, options.max_num_seqs, options.max_model_len)
-    else:
-        cache = build_paged_cache(model, options.kv_cache_memory, options.gpu_memory_utilization,
-                                  options.kv_cache_dtype, options.max_num_seqs, options.max_model_len)
+    cache = build_kv_cache(model, options, options.max_num_seqs, options.max_model_len)
     engine = Engine(model, cache, options.num_speculative_tokens, options.cuda_graphs, options.max_num_seqs,
                     options.max_num_batched_tokens, options.max_model_len)
     if state.rank != 0:
