@@ -280,8 +280,9 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), record_logits: bool = False, on_step=None) -> Generation:
         """Generate up to `max_new_tokens` after each prompt, stopping at any of `eos_token_ids`. `sampling`:
         one per prompt, or one for all, prompt i then sampling from seed `sampling.seed + i`.
-        `on_step(done_tokens, live_sequences)` is called after every step (for progress output). A request that
-        ends with an error (non-finite logits) stops the job: FloatingPointError with its message."""
+        `on_step(done_tokens, live_sequences, prompt_tokens_cached)` is called after every step (for progress
+        output; the last counts the prompt tokens prefilled so far). A request that ends with an error
+        (non-finite logits) stops the job: FloatingPointError with its message."""
         samplings = sampling if isinstance(sampling, list) else per_prompt(sampling, len(prompts))
         self.reset_stats()
         seqs = [self.add_request(Request(f"generate-{i}", list(p), max_new_tokens, params, tuple(eos_token_ids)),
@@ -293,7 +294,8 @@ class Engine:
             if failed:
                 raise FloatingPointError(failed[0])
             if on_step is not None:
-                on_step(sum(len(s.output) for s in seqs), len(self.scheduler.running))
+                on_step(sum(len(s.output) for s in seqs), len(self.scheduler.running),
+                        sum(min(s.cached, len(s.request.prompt)) for s in seqs))
         return Generation([s.output for s in seqs], self._stats(seqs, time.perf_counter() - start),
                           [torch.stack(s.logits) for s in seqs] if record_logits else None)
 

@@ -65,14 +65,17 @@ def rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[i
     engine = Engine(model, cache, opts.num_speculative_tokens, opts.cuda_graphs, seqs, opts.max_num_batched_tokens,
                     opts.max_model_len)
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
+    prompt_tokens = sum(map(len, mine))
     live_terminal = sys.stderr.isatty()
+    line_start = "\r\x1b[K" if live_terminal else ""  # on a terminal: back to the line's start, clear it
 
-    def show(done: int, live: int) -> None:  # a line rewritten in place on a terminal, else one every 5 s
+    def show(done: int, live: int, prefilled: int) -> None:  # rewritten in place on a terminal, else every 5 s
         now = time.perf_counter()
         if now - last[0] >= (0.5 if live_terminal else 5.0) or live == 0:
             last[0] = now
-            print(f"{chr(13) if live_terminal else ''}generating: {done}/{budget} tokens, {live} live sequences, "
-                  f"{done / (now - began):.1f} tokens/s", end="" if live_terminal and live else "\n",
+            prefill = f"prefilled {prefilled}/{prompt_tokens} prompt tokens, " if prefilled < prompt_tokens else ""
+            print(f"{line_start}generating: {prefill}{done}/{budget} tokens, {live} live "
+                  f"sequences, {done / (now - began):.1f} tokens/s", end="" if live_terminal and live else "\n",
                   file=sys.stderr, flush=True)
 
     gen = engine.generate(mine, opts.max_new_tokens, sampling, eos, opts.record_logits,

@@ -151,7 +151,7 @@ def generate_then_die(folder: str):
     state = get_parallel_state()
     model = load_model(folder, ParallelConfig(tensor_parallel_size=2, sp="on"))
 
-    def on_step(done: int, live: int) -> None:
+    def on_step(done: int, live: int, prefilled: int) -> None:
         if state.rank == 1 and done >= 3:
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -115,6 +115,26 @@ def test_preemption_recomputes_and_loses_nothing(engine_checkpoint):
         assert stats["kv_cache"]["blocks_in_use"] == 0 and stats["kv_cache"]["peak_blocks_in_use"] == 3
 
 
+def progress_of_a_chunked_prompt(folder: str) -> list[tuple[int, int, int]]:
+    """-> what `generate` reports after each step for one 40-token prompt fed 16 tokens a step."""
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    model = load_model(folder, ParallelConfig(tensor_parallel_size=1))
+    steps = []
+    Engine(model, PagedKVCache.for_model(model, 2 ** 20), max_num_batched_tokens=16).generate(
+        prompts_of((40,)), 3, on_step=lambda *progress: steps.append(progress))
+    return steps
+
+
+def test_generate_reports_the_prompt_tokens_prefilled(engine_checkpoint):
+    """Progress output can show a long prefill: (generated tokens, live sequences, prompt tokens cached) per step,
+    the prompt in chunks of 16, the first token with the last chunk."""
+    steps = spawn(progress_of_a_chunked_prompt, 1, engine_checkpoint)[0]
+    assert steps == [(0, 1, 16), (0, 1, 32), (1, 1, 40), (2, 1, 40), (3, 0, 40)], steps
+
+
 FP8_CONFIG = {**ENGINE_CONFIG, "kv_lora_rank": 128, "index_topk": 16}  # FP8 scales the latent per 128
 
 
