@@ -95,7 +95,7 @@ def gather_from_dp(mine: list, dp_size: int) -> list | None:
     state = get_parallel_state()
     if dp_size == 1:
         return mine
-    shares = gather_object(mine, state.control_group)
+    shares = gather_object(mine if state.tp_rank == 0 else None, state.control_group)  # one copy per DP group
     if state.rank != 0:
         return None
     per_dp = shares[::state.tp_size]  # TP rank 0 of each DP group
