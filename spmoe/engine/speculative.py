@@ -54,12 +54,12 @@ class MtpDrafter:
         last_rows = torch.tensor(lens, dtype=torch.long, device=device).cumsum(0) - 1
         h = self.model.forward_draft_hidden(ids, view.positions, hidden, lens, view)[last_rows]  # [S, H]
         tokens = self.model.compute_draft_logits(h).argmax(-1)  # [S]
-        drafts = [tokens.tolist()]
+        drafts = [tokens]
         positions, ones = [s + n for s, n in zip(starts, lens)], [1] * len(locations)
         for _ in range(self.k - 1):
             view = self.cache.view(locations, positions, ones)
             h = self.model.forward_draft_hidden(tokens, view.positions, h, ones, view)  # recycle the post-norm hidden
             tokens = self.model.compute_draft_logits(h).argmax(-1)
-            drafts.append(tokens.tolist())
+            drafts.append(tokens)
             positions = [p + 1 for p in positions]
-        return [list(d) for d in zip(*drafts)]
+        return torch.stack(drafts, dim=1).tolist()  # [S, k]: read back once
