@@ -79,6 +79,13 @@ def check_prompt(label: str, prompt, vocab_size: int, max_new_tokens: int, draft
                          f"the cache holds {max_len} per sequence")
 
 
+def check_positions(longest: int, max_position_embeddings: int | None, what: str) -> None:
+    """Raise if `longest` positions exceed the model's `max_position_embeddings` (when the config states it)."""
+    if max_position_embeddings is not None and longest > max_position_embeddings:
+        raise ValueError(f"{what}: {longest} positions, more than the model's max_position_embeddings = "
+                         f"{max_position_embeddings}")
+
+
 def check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: int, drafts: int, max_len: int) -> None:
     """Raise unless every prompt is valid and fits the KV cache with its new tokens and drafts."""
     for i, prompt in enumerate(prompts):
@@ -133,10 +140,8 @@ class Engine:
         cfg = self.model.cfg
         check_prompt(label, request.prompt, cfg.vocab_size, request.max_new_tokens, self.k,
                      self.scheduler.room.max_tokens_per_sequence)
-        longest = len(request.prompt) + request.max_new_tokens + self.k
-        if cfg.max_position_embeddings is not None and longest > cfg.max_position_embeddings:
-            raise ValueError(f"{label} needs {longest} positions with its new and speculative tokens, more than "
-                             f"the model's max_position_embeddings = {cfg.max_position_embeddings}")
+        check_positions(len(request.prompt) + request.max_new_tokens + self.k, cfg.max_position_embeddings,
+                        f"{label} with its new and speculative tokens")
         check_speculation(request.sampling, self.k)
 
     def add_request(self, request: Request, record_logits: bool = False) -> Sequence:

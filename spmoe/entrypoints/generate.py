@@ -11,13 +11,12 @@ import torch
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, launch
 from spmoe.engine.cuda_graphs import deployment_problems
-from spmoe.engine.engine import Engine, Generation, check_prompts, check_speculation, per_prompt
+from spmoe.engine.engine import Engine, Generation, check_positions, check_prompts, check_speculation, per_prompt
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import check_paged_budget
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.cache_options import build_kv_cache
-from spmoe.entrypoints.jobs import (DTYPES, check_device, check_positions, check_writable, gather_from_dp,
-                                    split_for_dp)
+from spmoe.entrypoints.jobs import DTYPES, check_device, check_writable, gather_from_dp, split_for_dp
 
 
 @dataclass(frozen=True)

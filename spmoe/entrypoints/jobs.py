@@ -69,13 +69,6 @@ def check_device(device: str, ranks: int) -> None:
                          f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
 
 
-def check_positions(longest: int, max_position_embeddings: int | None, what: str) -> None:
-    """Raise if `longest` positions exceed the model's `max_position_embeddings` (when the config states it)."""
-    if max_position_embeddings is not None and longest > max_position_embeddings:
-        raise ValueError(f"{what}: {longest} positions, more than the model's max_position_embeddings = "
-                         f"{max_position_embeddings}")
-
-
 def flatten(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """-> input_ids `[N]`, positions `[N]` (restarting at 0 per sequence), seq_lens. No sequences: N = 0."""
     ids = torch.tensor([tok for seq in seqs for tok in seq], dtype=torch.long, device=device)

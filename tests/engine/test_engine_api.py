@@ -147,7 +147,7 @@ def test_bad_requests_are_one_line_errors(api):
                     "needs 33 KV cache positions, the cache holds 32 per sequence",
         "no_tokens": "max_new_tokens must be >= 1, got 0",
         "duplicate": "request id 'd' is already in the engine; expected a new id",
-        "beyond_model": "request 'p': the prompt needs 25 positions with its new and speculative tokens, more than "
-                        "the model's max_position_embeddings = 24",
+        "beyond_model": "request 'p': the prompt with its new and speculative tokens: 25 positions, more than the "
+                        "model's max_position_embeddings = 24",
     }
     assert errors == expected

@@ -28,11 +28,11 @@ from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state
 from spmoe.distributed.comm import broadcast_object, gather_object
 from spmoe.engine.cuda_graphs import deployment_problems
-from spmoe.engine.engine import Engine
+from spmoe.engine.engine import Engine, check_positions
 from spmoe.engine.paged_cache import check_paged_budget
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
 from spmoe.entrypoints.cache_options import build_kv_cache
-from spmoe.entrypoints.jobs import DTYPES, check_device, check_positions
+from spmoe.entrypoints.jobs import DTYPES, check_device
 
 HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
 DEFAULT_MAX_MODEL_LEN = 2048  # positions per request unless asked, or fewer if the model has fewer
