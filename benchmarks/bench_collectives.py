@@ -13,13 +13,19 @@ import os
 
 import torch
 import torch.distributed as dist
+from timing import cuda_ms
 
 from spmoe.config import ParallelConfig
-from spmoe.distributed import _all_gather_sp_states, get_parallel_state, shard_rows, spawn, sp_all_gather
-from spmoe.distributed import sp_reduce_scatter
+from spmoe.distributed import (
+    _all_gather_sp_states,
+    get_parallel_state,
+    shard_rows,
+    sp_all_gather,
+    sp_reduce_scatter,
+    spawn,
+)
 from spmoe.distributed.comm import all_reduce
 from spmoe.distributed.one_shot import OneShot
-from timing import cuda_ms
 
 H = 6144
 ROWS = [1, 8, 64, 256, 1024, 4096, 16384]
@@ -76,11 +82,16 @@ def run():
             "all_reduce (ours)": lambda: all_reduce(full, group),
             "fused gather (h, r)": lambda: _all_gather_sp_states(shard, shard2, rows),
             "one gather of 2H": lambda: dist.all_gather_into_tensor(both, torch.cat([shard, shard2], 1), group=group),
-            "two gathers of H": lambda: (dist.all_gather_into_tensor(gathered, shard, group=group),
-                                         dist.all_gather_into_tensor(gathered, shard2, group=group)),
+            "two gathers of H": lambda: (
+                dist.all_gather_into_tensor(gathered, shard, group=group),
+                dist.all_gather_into_tensor(gathered, shard2, group=group),
+            ),
         }
-        for kind, x, out in (("all_gather", shard, gathered), ("reduce_scatter", full, scattered),
-                             ("all_reduce", full, full)):
+        for kind, x, out in (
+            ("all_gather", shard, gathered),
+            ("reduce_scatter", full, scattered),
+            ("all_reduce", full, full),
+        ):
             if one_shot.fits(kind, x):
                 cases[f"one-shot {kind}"] = lambda kind=kind, x=x, out=out: one_shot.run(kind, x, out)
         symm = symm_mem_all_reduce(n * t) if rows <= 1024 else "skipped (large)"
@@ -96,9 +107,11 @@ def run():
 def main():
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     results = spawn(run, 2, config=ParallelConfig(tensor_parallel_size=2), device="cuda")[0]
-    print(f"GPU {torch.cuda.get_device_name()} x2, torch {torch.__version__}; H {H}, bf16; us per call "
-          f"(NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}, "
-          f"TORCH_SYMM_MEM_DISABLE_MULTICAST={os.environ.get('TORCH_SYMM_MEM_DISABLE_MULTICAST')})")
+    print(
+        f"GPU {torch.cuda.get_device_name()} x2, torch {torch.__version__}; H {H}, bf16; us per call "
+        f"(NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}, "
+        f"TORCH_SYMM_MEM_DISABLE_MULTICAST={os.environ.get('TORCH_SYMM_MEM_DISABLE_MULTICAST')})"
+    )
     print(f"{'N':>6}  {'primitive':<44}{'eager us':>10}{'graph us':>10}")
     for rows, name, eager, graph in results:
         print(f"{rows:>6}  {name:<44}{eager:>10.1f}{graph:>10.1f}")

@@ -25,6 +25,8 @@ kernels.
 import argparse
 
 import torch
+from bench_dp import GLM, random_weights
+from timing import cuda_ms, gpu_ops, graphed, launch_count, layer_ops
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import spawn
@@ -32,11 +34,15 @@ from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.layers import fused
 from spmoe.layers.moe.moe import MoE
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
-from bench_dp import GLM, random_weights
-from timing import cuda_ms, gpu_ops, graphed, launch_count, layer_ops
 
-MODEL = {**GLM, "num_hidden_layers": 4, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
-         "indexer_types": ["full", "shared", "full", "shared"], "n_routed_experts": 64, "vocab_size": 32768}
+MODEL = {
+    **GLM,
+    "num_hidden_layers": 4,
+    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+    "indexer_types": ["full", "shared", "full", "shared"],
+    "n_routed_experts": 64,
+    "vocab_size": 32768,
+}
 BANDWIDTH = 4.3e12  # bytes/s
 TOP = 40  # kernels listed per profile
 
@@ -62,8 +68,11 @@ def step_bytes(model, cache: PagedKVCache, batch: int, context: int, experts_tou
 def touched_experts(model, step) -> list[int]:
     """Distinct routed experts each MoE layer's router picks in one eager `step`."""
     picked = []
-    hooks = [m.gate.register_forward_hook(lambda _m, _in, out: picked.append(int(out[0].unique().ge(0).sum())))
-             for m in model.modules() if isinstance(m, MoE)]
+    hooks = [
+        m.gate.register_forward_hook(lambda _m, _in, out: picked.append(int(out[0].unique().ge(0).sum())))
+        for m in model.modules()
+        if isinstance(m, MoE)
+    ]
     step()
     for hook in hooks:
         hook.remove()
@@ -100,8 +109,20 @@ def run(cases: list[tuple[int, int]]):
                 ops = gpu_ops(step)
                 busy = sum(micros for _, micros in ops.values()) / 1e3
                 per_layer = layer_ops(model.model.layers, step)[0]
-                rows.append((batch, context, kernels, eager, graph, floor, busy, launch_count(ops), per_layer,
-                             sorted(ops.items(), key=lambda kv: -kv[1][1])[:TOP]))
+                rows.append(
+                    (
+                        batch,
+                        context,
+                        kernels,
+                        eager,
+                        graph,
+                        floor,
+                        busy,
+                        launch_count(ops),
+                        per_layer,
+                        sorted(ops.items(), key=lambda kv: -kv[1][1])[:TOP],
+                    )
+                )
     fused.ENABLED = True
     return rows
 
@@ -112,13 +133,19 @@ def main():
     args = p.parse_args()
     cases = [tuple(int(v) for v in case.split("x")) for case in args.cases]
     rows = spawn(run, 1, cases, config=ParallelConfig(), device="cuda")[0]
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; GLM-5.2 widths, 4 layers (1 dense + 3 "
-          f"MoE, 64 experts top-8), vocab 32768, bf16, TP 1, paged cache; roofline = bytes read / 4.3 TB/s")
-    print(f"{'batch':>5} {'context':>7} {'kernels':>7} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} "
-          f"{'% roofline':>10} {'busy ms':>8} {'GPU ops/step':>12}  GPU ops per decoder layer")
+    print(
+        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; GLM-5.2 widths, 4 layers (1 dense + 3 "
+        f"MoE, 64 experts top-8), vocab 32768, bf16, TP 1, paged cache; roofline = bytes read / 4.3 TB/s"
+    )
+    print(
+        f"{'batch':>5} {'context':>7} {'kernels':>7} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} "
+        f"{'% roofline':>10} {'busy ms':>8} {'GPU ops/step':>12}  GPU ops per decoder layer"
+    )
     for batch, context, kernels, eager, graph, floor, busy, ops, per_layer, _ in rows:
-        print(f"{batch:>5} {context:>7} {kernels:>7} {eager:>9.3f} {graph:>9.3f} {floor:>9.3f} "
-              f"{100 * floor / graph:>9.1f}% {busy:>8.3f} {ops:>12}  {[launch_count(layer) for layer in per_layer]}")
+        print(
+            f"{batch:>5} {context:>7} {kernels:>7} {eager:>9.3f} {graph:>9.3f} {floor:>9.3f} "
+            f"{100 * floor / graph:>9.1f}% {busy:>8.3f} {ops:>12}  {[launch_count(layer) for layer in per_layer]}"
+        )
     for batch, context, kernels, *_, top in rows:
         print(f"\ntop kernels, batch {batch} context {context}, {kernels} (one eager step): launches, total us")
         for name, (count, micros) in top:

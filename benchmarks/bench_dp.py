@@ -12,6 +12,7 @@ tokens/s, and the MoE work per rank (rows dispatched, rows computed by the exper
 import zlib
 
 import torch
+from timing import cuda_ms
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
@@ -19,14 +20,33 @@ from spmoe.engine.kv_cache import KVCache
 from spmoe.entrypoints.jobs import split_for_dp
 from spmoe.layers.moe.work import count_moe_work
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
-from timing import cuda_ms
 
-GLM = dict(model_type="glm_moe_dsa", vocab_size=4096, hidden_size=6144, intermediate_size=12288,
-           moe_intermediate_size=2048, num_hidden_layers=2, mlp_layer_types=["sparse", "sparse"],
-           indexer_types=["full", "shared"], num_attention_heads=64, n_routed_experts=256, n_shared_experts=1,
-           num_experts_per_tok=8, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=2048,
-           kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_topk=2048,
-           index_n_heads=32, index_head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=202752)
+GLM = dict(
+    model_type="glm_moe_dsa",
+    vocab_size=4096,
+    hidden_size=6144,
+    intermediate_size=12288,
+    moe_intermediate_size=2048,
+    num_hidden_layers=2,
+    mlp_layer_types=["sparse", "sparse"],
+    indexer_types=["full", "shared"],
+    num_attention_heads=64,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=2048,
+    kv_lora_rank=512,
+    qk_nope_head_dim=192,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    index_topk=2048,
+    index_n_heads=32,
+    index_head_dim=128,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=202752,
+)
 LAYOUTS = [("TP2, SP off", 2, 1, "off"), ("TP2, SP on", 2, 1, "on"), ("TP1 x DP2", 1, 2, "off")]
 PREFILL = [(1, 1024), (1, 4096), (4, 1024)]  # (sequences, tokens each)
 DECODE = [1, 8, 64]  # sequences, 1 token each, after a 128-token context
@@ -84,8 +104,9 @@ def main():
     results = []
     for tp, dp in ((2, 1), (1, 2)):
         layouts = [layout for layout in LAYOUTS if layout[1:3] == (tp, dp)]
-        results += spawn(run, 2, layouts, config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp),
-                         device="cuda")[0]
+        results += spawn(
+            run, 2, layouts, config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp), device="cuda"
+        )[0]
     print(f"GPU {torch.cuda.get_device_name()} x2, torch {torch.__version__}; GLM-5.2 widths, 2 MoE layers, bf16")
     print(f"{'layout':<14}{'step':<18}{'ms':>9}{'tokens/s':>11}  rank 0: rows dispatched, rows computed")
     for label, step, ms, tps, work in results:

@@ -14,9 +14,9 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from timing import cuda_ms, graphed
 
 from spmoe.layers.moe.experts.triton_kernels import fused_moe, pick_config
-from timing import cuda_ms, graphed
 
 H, I, EXPERTS, LOCAL, TOP_K = 6144, 2048, 256, 128, 8
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -68,9 +68,11 @@ def grouped_mm(x, local, weights, w13_t, w2_t):
 
 
 def table(args, gen, w13, w2, w13_t, w2_t, fp8):
-    print(f"{'N':>6} {'torch loop':>11} {'grouped_mm':>11} {'triton bf16':>12} {'triton fp8':>11} "
-          f"{'roof bf16':>10} {'roof fp8':>9} {'bf16 %roof':>10} {'fp8 %roof':>10} {'grouped/bf16':>12} "
-          f"{'bf16/fp8':>9} {'bf16 graph':>11} {'fp8 graph':>10} {'%roof':>6} {'%roof':>6}")
+    print(
+        f"{'N':>6} {'torch loop':>11} {'grouped_mm':>11} {'triton bf16':>12} {'triton fp8':>11} "
+        f"{'roof bf16':>10} {'roof fp8':>9} {'bf16 %roof':>10} {'fp8 %roof':>10} {'grouped/bf16':>12} "
+        f"{'bf16/fp8':>9} {'bf16 graph':>11} {'fp8 graph':>10} {'%roof':>6} {'%roof':>6}"
+    )
     for rows in args.rows:
         x = torch.randn(rows, H, generator=gen, device="cuda").bfloat16()
         ids, local, weights = routing(rows, gen)
@@ -82,17 +84,33 @@ def table(args, gen, w13, w2, w13_t, w2_t, fp8):
         g_bf16 = cuda_ms(graphed(lambda: fused_moe(x, ids, weights, 0, w13, w2)), reps)
         g_fp8 = cuda_ms(graphed(lambda: fused_moe(x, ids, weights, 0, *fp8)), reps)
         r16, r8 = roofline(local, 2, BF16_FLOPS), roofline(local, 1, 2 * BF16_FLOPS)
-        print(f"{rows:>6} {t_loop:>11.3f} {t_grouped:>11.3f} {t_bf16:>12.3f} {t_fp8:>11.3f} {r16:>10.3f} {r8:>9.3f} "
-              f"{r16 / t_bf16:>10.0%} {r8 / t_fp8:>10.0%} {t_grouped / t_bf16:>12.2f} {t_bf16 / t_fp8:>9.2f} "
-              f"{g_bf16:>11.3f} {g_fp8:>10.3f} {r16 / g_bf16:>6.0%} {r8 / g_fp8:>6.0%}", flush=True)
+        print(
+            f"{rows:>6} {t_loop:>11.3f} {t_grouped:>11.3f} {t_bf16:>12.3f} {t_fp8:>11.3f} {r16:>10.3f} {r8:>9.3f} "
+            f"{r16 / t_bf16:>10.0%} {r8 / t_fp8:>10.0%} {t_grouped / t_bf16:>12.2f} {t_bf16 / t_fp8:>9.2f} "
+            f"{g_bf16:>11.3f} {g_fp8:>10.3f} {r16 / g_bf16:>6.0%} {r8 / g_fp8:>6.0%}",
+            flush=True,
+        )
 
 
-CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
-           for bm, bn, bk, w, s in [(16, 64, 128, 4, 4), (16, 64, 128, 4, 5), (16, 128, 128, 4, 4),
-                                    (16, 64, 256, 4, 3), (16, 32, 128, 4, 5), (32, 64, 128, 4, 4),
-                                    (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 8, 3),
-                                    (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-                                    (128, 64, 128, 4, 3), (128, 128, 64, 4, 4)]]
+CONFIGS = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
+    for bm, bn, bk, w, s in [
+        (16, 64, 128, 4, 4),
+        (16, 64, 128, 4, 5),
+        (16, 128, 128, 4, 4),
+        (16, 64, 256, 4, 3),
+        (16, 32, 128, 4, 5),
+        (32, 64, 128, 4, 4),
+        (32, 128, 128, 4, 4),
+        (64, 64, 128, 4, 4),
+        (64, 128, 64, 8, 3),
+        (64, 128, 128, 8, 3),
+        (128, 128, 64, 8, 3),
+        (128, 128, 128, 8, 3),
+        (128, 64, 128, 4, 3),
+        (128, 128, 64, 4, 4),
+    ]
+]
 
 
 def sweep(args, gen, w13, w2, fp8):
@@ -110,8 +128,11 @@ def sweep(args, gen, w13, w2, fp8):
                     print(f"  {name} N={rows} {cfg}: {type(e).__name__}")
             best = min(results, key=lambda r: r[0])
             chosen = cuda_ms(lambda: fused_moe(x, ids, weights, 0, *weights_args), 10)
-            print(f"N={rows:>6} {name}: best {best[0]:.3f} ms {best[1]}; pick_config {chosen:.3f} ms "
-                  f"{pick_config(rows * TOP_K, LOCAL, is_fp8)}", flush=True)
+            print(
+                f"N={rows:>6} {name}: best {best[0]:.3f} ms {best[1]}; pick_config {chosen:.3f} ms "
+                f"{pick_config(rows * TOP_K, LOCAL, is_fp8)}",
+                flush=True,
+            )
 
 
 def main():
@@ -120,12 +141,15 @@ def main():
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w13 = (torch.randn(LOCAL, 2 * I, H, generator=gen, device="cuda") * H ** -0.5).bfloat16()
-    w2 = (torch.randn(LOCAL, H, I, generator=gen, device="cuda") * I ** -0.5).bfloat16()
+    w13 = (torch.randn(LOCAL, 2 * I, H, generator=gen, device="cuda") * H**-0.5).bfloat16()
+    w2 = (torch.randn(LOCAL, H, I, generator=gen, device="cuda") * I**-0.5).bfloat16()
     (q13, s13), (q2, s2) = quantize_blocks(w13), quantize_blocks(w2)
     fp8 = (q13, q2, s13, s2)
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; {LOCAL} of {EXPERTS} experts, top-{TOP_K}, "
-          f"H {H}, I {I}; times in ms", flush=True)
+    print(
+        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; {LOCAL} of {EXPERTS} experts, top-{TOP_K}, "
+        f"H {H}, I {I}; times in ms",
+        flush=True,
+    )
     if args.sweep:
         sweep(args, gen, w13, w2, fp8)
     else:

@@ -8,8 +8,9 @@ prompt is the context, prefilled in chunks of `--max-num-batched-tokens`, then `
 steps (the first two warm up: they capture the step's CUDA graph). Printed per row:
 - prefill ms (wall, to the first token) and prefill tokens/s, with % of the FLOP roofline (790 TFLOP/s bf16
   dense; each row runs twice and the second is timed, as the first prefill of a size pays one-off costs: the
-  allocator's first blocks of that size, cuBLAS's first call of a shape); FLOPs = 2 x active parameters per token (the LM head's once per step) + the attention actually
-  computed (dense: every earlier position; sparse: min(position, index_topk) selected rows in latent space,
+  allocator's first blocks of that size, cuBLAS's first call of a shape); FLOPs = 2 x active parameters per
+  token (the LM head's once per step) + the attention actually computed (dense: every earlier position;
+  sparse: min(position, index_topk) selected rows in latent space,
   plus the indexer over every earlier position);
 - decode ms/step (wall median, graph replay plus the host's step) and tokens/s, with % of the bandwidth
   roofline (4.3 TB/s): bytes = the weights one token reads (dense weights, 8 routed + 1 shared expert per MoE
@@ -29,11 +30,11 @@ import time
 from argparse import Namespace
 
 import torch
+from bench_dp import random_weights
+from timing import launch_count, layer_ops
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import spawn
-from bench_dp import random_weights
-from timing import launch_count, layer_ops
 
 PEAK_FLOPS = 790e12  # H200 dense bf16
 PEAK_BYTES = 4.3e12  # H200 HBM3e
@@ -42,13 +43,34 @@ KINDS = ("paged", "fp8", "dense")
 
 def glm_config(layers: int) -> dict:
     """GLM-5.2 widths, `layers` layers: the first dense, the rest MoE of 64 experts."""
-    return dict(model_type="glm_moe_dsa", vocab_size=32768, hidden_size=6144, intermediate_size=12288,
-                moe_intermediate_size=2048, num_hidden_layers=layers,
-                mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), indexer_types=["full"] * layers,
-                num_attention_heads=64, n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=8,
-                n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=2048,
-                kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_topk=2048,
-                index_n_heads=32, index_head_dim=128, rms_norm_eps=1e-5, num_nextn_predict_layers=0)
+    return dict(
+        model_type="glm_moe_dsa",
+        vocab_size=32768,
+        hidden_size=6144,
+        intermediate_size=12288,
+        moe_intermediate_size=2048,
+        num_hidden_layers=layers,
+        mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
+        indexer_types=["full"] * layers,
+        num_attention_heads=64,
+        n_routed_experts=64,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        index_topk=2048,
+        index_n_heads=32,
+        index_head_dim=128,
+        rms_norm_eps=1e-5,
+        num_nextn_predict_layers=0,
+    )
 
 
 def active_params(model, cfg: ModelConfig) -> tuple[int, int]:
@@ -105,7 +127,7 @@ def run_case(model, cfg, kind: str, context: int, args) -> dict:
     if kind == "dense":
         cache = KVCache.for_model(model, 1, context + args.new_tokens)
     else:
-        cache = PagedKVCache.for_model(model, int(args.kv_cache_memory * 2 ** 30), "fp8" if kind == "fp8" else "auto")
+        cache = PagedKVCache.for_model(model, int(args.kv_cache_memory * 2**30), "fp8" if kind == "fp8" else "auto")
     engine = Engine(model, cache, cuda_graphs=True, max_num_seqs=1, max_num_batched_tokens=args.max_num_batched_tokens)
     prompt = torch.randint(0, cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(context)).tolist()
     engine.add_request(Request(f"{kind}-{context}", prompt, args.new_tokens))
@@ -133,11 +155,22 @@ def run_case(model, cfg, kind: str, context: int, args) -> dict:
     chunks = -(-context // args.max_num_batched_tokens)
     flops = 2 * body * context + 2 * head * chunks + attention_flops(cfg, 0, context, kind != "dense")
     layer_bytes = cache.bytes_per_token // cfg.num_hidden_layers
-    return {"kind": kind, "context": context, "prefill_ms": prefill_s * 1e3, "prefill_tok_s": context / prefill_s,
-            "prefill_roofline": flops / prefill_s / PEAK_FLOPS, "decode_ms": decode_ms, "decode_tok_s": 1e3 / decode_ms,
-            "decode_roofline": decode_bytes(model, cfg, context, kind, cache.bytes_per_token) / (decode_ms / 1e3)
-            / PEAK_BYTES, "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30, "kv_bytes_layer": layer_bytes,
-            "tokens": tokens, "layer_launches": layer_launches}
+    return {
+        "kind": kind,
+        "context": context,
+        "prefill_ms": prefill_s * 1e3,
+        "prefill_tok_s": context / prefill_s,
+        "prefill_roofline": flops / prefill_s / PEAK_FLOPS,
+        "decode_ms": decode_ms,
+        "decode_tok_s": 1e3 / decode_ms,
+        "decode_roofline": decode_bytes(model, cfg, context, kind, cache.bytes_per_token)
+        / (decode_ms / 1e3)
+        / PEAK_BYTES,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "kv_bytes_layer": layer_bytes,
+        "tokens": tokens,
+        "layer_launches": layer_launches,
+    }
 
 
 def run(args) -> list[dict]:
@@ -146,8 +179,11 @@ def run(args) -> list[dict]:
     cfg = ModelConfig.from_dict(glm_config(args.layers))
     model = build_model(cfg, ParallelConfig(tensor_parallel_size=1), False, set(), torch.bfloat16, "cuda").eval()
     random_weights(model)
-    print(f"model: {args.layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, experts "
-          f"{model.model.experts_backend.name}; {torch.cuda.memory_allocated() / 2 ** 30:.1f} GiB", flush=True)
+    print(
+        f"model: {args.layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, experts "
+        f"{model.model.experts_backend.name}; {torch.cuda.memory_allocated() / 2**30:.1f} GiB",
+        flush=True,
+    )
     # compile and tune every kernel of the shapes timed below, once: at a context past index_topk, so that the
     # indexer's scoring kernels (which a shorter context skips: it keeps every position) compile here too
     for kind in args.kinds:
@@ -195,11 +231,14 @@ def print_row(row: dict, rows: list[dict]) -> None:
         if same:
             matched = sum(a == b for a, b in zip(row["tokens"], same[0]["tokens"]))
             agree = f"  greedy = bf16 cache: {matched}/{len(row['tokens'])}"
-    print(f"{label}  prefill {row['prefill_ms']:9.1f} ms {row['prefill_tok_s']:9.0f} tok/s "
-          f"{row['prefill_roofline']:6.1%} FLOP roofline | decode {row['decode_ms']:7.2f} ms/step "
-          f"{row['decode_tok_s']:7.1f} tok/s {row['decode_roofline']:6.1%} BW roofline | peak "
-          f"{row['peak_gib']:6.1f} GiB | KV {row['kv_bytes_layer']} B/token/layer | GPU ops per layer "
-          f"{row['layer_launches']}{agree}", flush=True)
+    print(
+        f"{label}  prefill {row['prefill_ms']:9.1f} ms {row['prefill_tok_s']:9.0f} tok/s "
+        f"{row['prefill_roofline']:6.1%} FLOP roofline | decode {row['decode_ms']:7.2f} ms/step "
+        f"{row['decode_tok_s']:7.1f} tok/s {row['decode_roofline']:6.1%} BW roofline | peak "
+        f"{row['peak_gib']:6.1f} GiB | KV {row['kv_bytes_layer']} B/token/layer | GPU ops per layer "
+        f"{row['layer_launches']}{agree}",
+        flush=True,
+    )
 
 
 def main() -> None:

@@ -24,6 +24,8 @@ import os
 from dataclasses import replace
 
 import torch
+from bench_dp import GLM, random_weights
+from timing import cuda_ms, gpu_ops, graphed, launch_count
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import count_collectives, get_parallel_state, sp_shard, spawn
@@ -34,8 +36,6 @@ from spmoe.layers.moe.experts.selection import select_experts
 from spmoe.layers.moe.experts.torch_ref import TorchExperts
 from spmoe.models.deepseek_v32.decoder_layer import DeepseekV32DecoderLayer, attention_batch
 from spmoe.models.deepseek_v32.model import _default_dtype
-from bench_dp import GLM, random_weights
-from timing import cuda_ms, gpu_ops, graphed, launch_count
 
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL = [1024, 4096, 8192, 16384]
@@ -62,8 +62,7 @@ def layer_inputs(cfg: ModelConfig, num_tokens: int, sp: bool, decode: bool):
     """(hidden, residual) in the layer's input layout, the same tokens with SP on and off, and the attention
     batch."""
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
-    hidden, residual = (torch.randn(num_tokens, cfg.hidden_size, generator=gen, device="cuda").bfloat16()
-                        for _ in "hr")
+    hidden, residual = (torch.randn(num_tokens, cfg.hidden_size, generator=gen, device="cuda").bfloat16() for _ in "hr")
     if sp:  # this rank's rows, pad rows zero
         hidden, residual = sp_shard(hidden), sp_shard(residual)
     lens = [1] * num_tokens if decode else [PREFILL_SEQ] * (num_tokens // PREFILL_SEQ)
@@ -80,6 +79,7 @@ def measure(layer, cfg, num_tokens: int, sp: bool, decode: bool) -> dict:
     def chain():
         for _ in range(CHAIN):
             call()
+
     with torch.no_grad():
         try:
             eager = cuda_ms(chain, 10 if decode else 3, warmup=1, barrier=True) / CHAIN
@@ -95,8 +95,7 @@ def measure(layer, cfg, num_tokens: int, sp: bool, decode: bool) -> dict:
         with count_collectives() as stats:
             ops = launch_count(gpu_ops(lambda: layer(copy, residual, batch, None, num_tokens)))
     counts = {k: v["count"] for k, v in stats.counts.items() if v["count"]}
-    return {"eager": eager, "graph": graph, "ops": ops,
-            "collectives": " ".join(f"{k} {v}" for k, v in counts.items())}
+    return {"eager": eager, "graph": graph, "ops": ops, "collectives": " ".join(f"{k} {v}" for k, v in counts.items())}
 
 
 def run(decode: list[int], prefill: list[int]):
@@ -118,16 +117,27 @@ def weight_gib() -> dict[str, float]:
     """Weight GiB per rank of the whole model (no MTP layer) for SP off and on with each scope, from layers
     built on the meta device (no memory)."""
     layers = 78
-    cfg = ModelConfig.from_dict({**GLM, "num_hidden_layers": layers, "vocab_size": 154880,
-                                 "mlp_layer_types": ["dense"] * 3 + ["sparse"] * (layers - 3),
-                                 "indexer_types": ["full"] * layers})
+    cfg = ModelConfig.from_dict(
+        {
+            **GLM,
+            "num_hidden_layers": layers,
+            "vocab_size": 154880,
+            "mlp_layer_types": ["dense"] * 3 + ["sparse"] * (layers - 3),
+            "indexer_types": ["full"] * layers,
+        }
+    )
     with torch.device("meta"), _default_dtype(torch.bfloat16):
-        vocab = [VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size),
-                 ParallelLMHead(cfg.vocab_size, cfg.hidden_size)]
+        vocab = [
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size),
+            ParallelLMHead(cfg.vocab_size, cfg.hidden_size),
+        ]
     nbytes = lambda module: sum(p.numel() * p.element_size() for p in module.parameters())  # noqa: E731
     out = {}
-    for label, mode, scope in (("SP off", "off", "moe"), ("SP on, scope moe", "on", "moe"),
-                               ("SP on, scope all", "on", "all")):
+    for label, mode, scope in (
+        ("SP off", "off", "moe"),
+        ("SP on, scope moe", "on", "moe"),
+        ("SP on, scope all", "on", "all"),
+    ):
         parallel = with_sp(mode, scope)
         plan = build_layer_plan(cfg, parallel)
         total = sum(map(nbytes, vocab))
@@ -149,19 +159,25 @@ def main():
     layout = ParallelConfig(tensor_parallel_size=args.tp, data_parallel_size=args.dp)
     results, memory = spawn(run, layout.world_size, args.decode, args.prefill, config=layout, device="cuda")[0]
     auto = "on" if layout.use_sequence_parallel_moe else "off"
-    print(f"GPU {torch.cuda.get_device_name()} x{layout.world_size}, torch {torch.__version__}, "
-          f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}; one GLM-5.2 MoE layer, TP {args.tp} x DP "
-          f"{args.dp}, {GLM['n_routed_experts'] // layout.world_size} local experts, bf16; auto picks SP {auto} "
-          f"here; N tokens per DP rank")
-    print(f"{'N':>6} {'SP off ms':>10} {'SP on ms':>10} {'on/off':>7} {'graph off':>10} {'graph on':>10} "
-          f"{'on/off':>7} {'auto/best':>9}   GPU ops per layer off / on, collectives off | on (one eager call)")
+    print(
+        f"GPU {torch.cuda.get_device_name()} x{layout.world_size}, torch {torch.__version__}, "
+        f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}; one GLM-5.2 MoE layer, TP {args.tp} x DP "
+        f"{args.dp}, {GLM['n_routed_experts'] // layout.world_size} local experts, bf16; auto picks SP {auto} "
+        f"here; N tokens per DP rank"
+    )
+    print(
+        f"{'N':>6} {'SP off ms':>10} {'SP on ms':>10} {'on/off':>7} {'graph off':>10} {'graph on':>10} "
+        f"{'on/off':>7} {'auto/best':>9}   GPU ops per layer off / on, collectives off | on (one eager call)"
+    )
     for num_tokens in args.decode + args.prefill:
         off, on = results["off", num_tokens], results["on", num_tokens]
         best = "graph" if num_tokens <= GRAPH_MAX else "eager"
         auto_vs_best = results[auto, num_tokens][best] / min(off[best], on[best])
-        print(f"{num_tokens:>6} {off['eager']:>10.3f} {on['eager']:>10.3f} {on['eager'] / off['eager']:>7.3f} "
-              f"{off['graph']:>10.3f} {on['graph']:>10.3f} {on['graph'] / off['graph']:>7.3f} {auto_vs_best:>9.3f}"
-              f"   {off['ops']} / {on['ops']}, {off['collectives']} | {on['collectives']}")
+        print(
+            f"{num_tokens:>6} {off['eager']:>10.3f} {on['eager']:>10.3f} {on['eager'] / off['eager']:>7.3f} "
+            f"{off['graph']:>10.3f} {on['graph']:>10.3f} {on['graph'] / off['graph']:>7.3f} {auto_vs_best:>9.3f}"
+            f"   {off['ops']} / {on['ops']}, {off['collectives']} | {on['collectives']}"
+        )
     print(f"auto/best: auto's time over the better of on and off (graph times up to N={GRAPH_MAX}, then eager)")
     print("weight memory per rank, whole model (78 layers, no MTP), bf16:")
     for label, gib in memory.items():

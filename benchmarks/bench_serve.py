@@ -33,8 +33,15 @@ class Result:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     began = time.perf_counter()
     ttft, usage = None, None
     async with client.stream("POST", url, json=body) as response:
@@ -43,7 +50,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']['message']}")
             if ttft is None and chunk["choices"]:
@@ -83,16 +90,22 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, >= 8)")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request (default 64)")
-    parser.add_argument("--token-id-limit", type=int, default=256,
-                        help="prompt token ids are drawn from [0, limit) (default 256: bytes in most vocabularies)")
+    parser.add_argument(
+        "--token-id-limit",
+        type=int,
+        default=256,
+        help="prompt token ids are drawn from [0, limit) (default 256: bytes in most vocabularies)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     base = args.base_url.rstrip("/")
     model = args.model or httpx.get(base + "/models").json()["data"][0]["id"]
     rng = random.Random(args.seed)
     print(f"bench_serve: {base}, model {model!r}, {args.input_len} prompt tokens -> {args.output_len} output tokens")
-    print(f"{'concurrency':>11}{'requests':>10}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'TPOT p50':>10}{'TPOT p99':>10}  (ms)")
+    print(
+        f"{'concurrency':>11}{'requests':>10}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'TPOT p50':>10}{'TPOT p99':>10}  (ms)"
+    )
     for concurrency in args.concurrency:
         count = args.num_prompts or max(8, 4 * concurrency)
         prompts = [[rng.randrange(args.token_id_limit) for _ in range(args.input_len)] for _ in range(count)]
@@ -100,9 +113,12 @@ def main() -> None:
         ttft = [r.ttft_s * 1e3 for r in results]
         tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None] or [float("nan")]
         output_tokens = sum(r.output_tokens for r in results)
-        print(f"{concurrency:>11}{count:>10}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
-              f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}"
-              f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}", flush=True)
+        print(
+            f"{concurrency:>11}{count:>10}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
+            f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}"
+            f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

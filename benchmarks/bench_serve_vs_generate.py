@@ -30,8 +30,9 @@ from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 
 
 def write_checkpoint(folder: Path, experts: int) -> None:
-    config = glm_config(2) | dict(n_routed_experts=experts, vocab_size=264, eos_token_id=[],
-                                  max_position_embeddings=8192)
+    config = glm_config(2) | dict(
+        n_routed_experts=experts, vocab_size=264, eos_token_id=[], max_position_embeddings=8192
+    )
     if not (folder / "model.safetensors").is_file():
         spawn(write_random_checkpoint, 1, config, folder, 0)
     write_demo_tokenizer(folder)
@@ -42,9 +43,28 @@ def run_generate(folder: Path, args, rest: list[str]) -> float:
     prompts = [[rng.randrange(256) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     (folder / "prompts.json").write_text(json.dumps(prompts))
     out = folder / "generate.json"
-    subprocess.run([sys.executable, "-m", "spmoe", "generate", "--model", str(folder), "--tp", "1",
-                    "--input-ids", str(folder / "prompts.json"), "--max-new-tokens", str(args.output_len),
-                    "--max-num-seqs", str(args.concurrency), "--output", str(out), *rest], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmoe",
+            "generate",
+            "--model",
+            str(folder),
+            "--tp",
+            "1",
+            "--input-ids",
+            str(folder / "prompts.json"),
+            "--max-new-tokens",
+            str(args.output_len),
+            "--max-num-seqs",
+            str(args.concurrency),
+            "--output",
+            str(out),
+            *rest,
+        ],
+        check=True,
+    )
     stats = json.loads(out.read_text())["stats"]
     print(f"generate: {stats['generated_tokens']} tokens in {stats['seconds']:.2f} s", flush=True)
     return stats["tokens_per_s"]
@@ -52,8 +72,23 @@ def run_generate(folder: Path, args, rest: list[str]) -> float:
 
 def run_serve(folder: Path, args, rest: list[str]) -> float:
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "spmoe", "serve", "--model", str(folder), "--port", str(port),
-                               "--max-num-seqs", str(args.concurrency), *rest], stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spmoe",
+            "serve",
+            "--model",
+            str(folder),
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            str(args.concurrency),
+            *rest,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in server.stderr:  # wait for the ready line
             print(line, end="", file=sys.stderr)
@@ -61,11 +96,27 @@ def run_serve(folder: Path, args, rest: list[str]) -> float:
                 break
         else:
             raise RuntimeError(f"spmoe serve exited with {server.wait()} before it was ready")
-        bench = subprocess.run([sys.executable, str(Path(__file__).with_name("bench_serve.py")), "--base-url",
-                                f"http://127.0.0.1:{port}/v1", "--concurrency", str(args.concurrency),
-                                "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-                                "--output-len", str(args.output_len), "--seed", str(args.seed)],
-                               check=True, capture_output=True, text=True)
+        bench = subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("bench_serve.py")),
+                "--base-url",
+                f"http://127.0.0.1:{port}/v1",
+                "--concurrency",
+                str(args.concurrency),
+                "--num-prompts",
+                str(args.num_prompts),
+                "--input-len",
+                str(args.input_len),
+                "--output-len",
+                str(args.output_len),
+                "--seed",
+                str(args.seed),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         print(bench.stdout, end="", flush=True)
         return float(bench.stdout.strip().splitlines()[-1].split()[3])  # the level's out tok/s
     finally:

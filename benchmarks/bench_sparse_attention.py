@@ -26,6 +26,8 @@ positions x 32 heads x 128 x 2), with the prefill tiles (the default's pick ther
 import argparse
 
 import torch
+from bench_dp import GLM, random_weights
+from timing import cuda_ms, graphed
 
 from spmoe.config import ModelConfig
 from spmoe.engine.kv_cache import KVCache
@@ -33,10 +35,14 @@ from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.layers.attention import AttentionBatch, MLAttention
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.sparse_attention import indexer_topk, quantize_fp8_vectors, rows_of_best, sparse_mla
-from spmoe.layers.sparse_attention_triton import (INDEXER_DECODE_TILES, INDEXER_PREFILL_TILES, indexer_order_keys,
-                                                  sparse_mla as triton_sparse_mla)
-from bench_dp import GLM, random_weights
-from timing import cuda_ms, graphed
+from spmoe.layers.sparse_attention_triton import (
+    INDEXER_DECODE_TILES,
+    INDEXER_PREFILL_TILES,
+    indexer_order_keys,
+)
+from spmoe.layers.sparse_attention_triton import (
+    sparse_mla as triton_sparse_mla,
+)
 
 HBM = 4.3e12
 REPS = 20
@@ -54,10 +60,14 @@ def fill(cache: PagedKVCache, tokens: int) -> None:
     for start in range(0, tokens, chunk):  # start is a multiple of BLOCK_SIZE: the chunk's blocks in order
         n = min(chunk, tokens - start)
         table = torch.arange(start // BLOCK_SIZE, -(-(start + n) // BLOCK_SIZE), dtype=torch.int32, device="cuda")
-        view = cache.decode_view(table[None], torch.zeros(n, dtype=torch.long, device="cuda"),
-                                 torch.arange(n, device="cuda"))
-        view.write_latent(0, torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
-                          torch.randn(n, 64, device="cuda", generator=gen).bfloat16())
+        view = cache.decode_view(
+            table[None], torch.zeros(n, dtype=torch.long, device="cuda"), torch.arange(n, device="cuda")
+        )
+        view.write_latent(
+            0,
+            torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
+            torch.randn(n, 64, device="cuda", generator=gen).bfloat16(),
+        )
         view.write_index_key(0, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
 
 
@@ -75,9 +85,10 @@ def kernel_inputs(cfg: ModelConfig, kv_cache_dtype: str, context: int, batch: in
     """A one-layer paged cache of `batch` sequences of `context` random tokens, their decode view, and random
     queries -> (cache, view, indexer q, indexer weights, q_latent, q_rope)."""
     blocks = -(-context // BLOCK_SIZE)
-    probe = PagedKVCache(cfg, {0: True}, 10 ** 7, torch.bfloat16, "cuda", kv_cache_dtype)
-    cache = PagedKVCache(cfg, {0: True}, batch * blocks * BLOCK_SIZE * probe.bytes_per_token, torch.bfloat16, "cuda",
-                         kv_cache_dtype)
+    probe = PagedKVCache(cfg, {0: True}, 10**7, torch.bfloat16, "cuda", kv_cache_dtype)
+    cache = PagedKVCache(
+        cfg, {0: True}, batch * blocks * BLOCK_SIZE * probe.bytes_per_token, torch.bfloat16, "cuda", kv_cache_dtype
+    )
     fill(cache, batch * blocks * BLOCK_SIZE)
     tables = torch.arange(batch * blocks, dtype=torch.int32, device="cuda").view(batch, blocks)
     positions = torch.full((batch,), context - 1, device="cuda")
@@ -127,8 +138,10 @@ def run(cfg: ModelConfig, layer: MLAttention, kv_cache_dtype: str, context: int,
     def ms(t):
         return "OOM" if t is None else f"{t:.3f}"
 
-    return (f"{kv_cache_dtype:>5} {context:>7} {batch:>5} {ms(t_scores):>7} {ms(t_topk):>7} {ms(t_mla):>7} "
-            f"{roofline:>10.1f} {ms(t_paged):>11} {ms(t_dense) if not fp8 else '-':>11}")
+    return (
+        f"{kv_cache_dtype:>5} {context:>7} {batch:>5} {ms(t_scores):>7} {ms(t_topk):>7} {ms(t_mla):>7} "
+        f"{roofline:>10.1f} {ms(t_paged):>11} {ms(t_dense) if not fp8 else '-':>11}"
+    )
 
 
 def sweep(cfg: ModelConfig) -> None:
@@ -137,8 +150,16 @@ def sweep(cfg: ModelConfig) -> None:
     for kv_cache_dtype in ("auto", "fp8"):
         for batch in (1, 8):
             cache, view, q, weights, q_latent, q_rope = kernel_inputs(cfg, kv_cache_dtype, 32768, batch)
-            selected = indexer_topk(q, weights, cache.layers[0], view.block_tables, view.seq_index, view.positions,
-                                    cfg.index_topk, BLOCK_SIZE)
+            selected = indexer_topk(
+                q,
+                weights,
+                cache.layers[0],
+                view.block_tables,
+                view.seq_index,
+                view.positions,
+                cfg.index_topk,
+                BLOCK_SIZE,
+            )
             times = []
             for tiles in SWEEP:
                 try:
@@ -170,14 +191,17 @@ def prefill_sweep(cfg: ModelConfig) -> None:
         def time_configs(configs):
             for tiles in configs:
                 try:
-                    t = cuda_ms(lambda: triton_sparse_mla(q_latent, q_rope, cache.layers[0], selected, 0.1, tiles),
-                                5, warmup=1)
+                    t = cuda_ms(
+                        lambda: triton_sparse_mla(q_latent, q_rope, cache.layers[0], selected, 0.1, tiles), 5, warmup=1
+                    )
                 except Exception as e:  # a config that does not compile (registers, shared memory)
                     print(f"{kv_cache_dtype:>5} {n:>6} {'/'.join(map(str, tiles)):>22} {type(e).__name__}", flush=True)
                     continue
                 results[kv_cache_dtype, tiles] = t
-                print(f"{kv_cache_dtype:>5} {n:>6} {'/'.join(map(str, tiles)):>22} {t:>8.3f} {flops / t / 1e9:>8.1f}",
-                      flush=True)
+                print(
+                    f"{kv_cache_dtype:>5} {n:>6} {'/'.join(map(str, tiles)):>22} {t:>8.3f} {flops / t / 1e9:>8.1f}",
+                    flush=True,
+                )
 
         def fastest(count):
             timed_bf16 = [tiles for dtype, tiles in results if dtype == "auto"]
@@ -206,8 +230,9 @@ def indexer_prefill(cfg: ModelConfig, configs: list, fp8_best: int = 0) -> None:
     results = {}
     for kv_cache_dtype in ("auto", "fp8"):
         cache, view, *_ = kernel_inputs(cfg, kv_cache_dtype, n, 1)
-        view = cache.decode_view(view.block_tables, torch.zeros(n, dtype=torch.long, device="cuda"),
-                                 torch.arange(n, device="cuda"))
+        view = cache.decode_view(
+            view.block_tables, torch.zeros(n, dtype=torch.long, device="cuda"), torch.arange(n, device="cuda")
+        )
         gen = torch.Generator(device="cuda").manual_seed(4)
         q = torch.randn(n, cfg.index_n_heads, cfg.index_head_dim, device="cuda", generator=gen).bfloat16()
         weights = torch.rand(n, cfg.index_n_heads, device="cuda", generator=gen)
@@ -238,13 +263,20 @@ def main():
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--sweep", action="store_true", help="time the sparse MLA tile configs instead")
-    parser.add_argument("--prefill-sweep", action="store_true",
-                        help="time the sparse MLA tile configs for a prefill of 8192 tokens instead")
-    parser.add_argument("--indexer-sweep", action="store_true",
-                        help="time the indexer tile configs for a prefill of 8192 tokens instead")
+    parser.add_argument(
+        "--prefill-sweep",
+        action="store_true",
+        help="time the sparse MLA tile configs for a prefill of 8192 tokens instead",
+    )
+    parser.add_argument(
+        "--indexer-sweep",
+        action="store_true",
+        help="time the indexer tile configs for a prefill of 8192 tokens instead",
+    )
     args = parser.parse_args()
-    cfg = ModelConfig.from_dict({**GLM, "num_hidden_layers": 1, "mlp_layer_types": ["sparse"],
-                                 "indexer_types": ["full"]})
+    cfg = ModelConfig.from_dict(
+        {**GLM, "num_hidden_layers": 1, "mlp_layer_types": ["sparse"], "indexer_types": ["full"]}
+    )
     with torch.device("cuda"):
         layer = MLAttention(cfg, 0, 1, has_indexer=True).bfloat16()
     random_weights(layer)
@@ -255,8 +287,10 @@ def main():
         return prefill_sweep(cfg)
     if args.indexer_sweep:
         return indexer_prefill(cfg, INDEXER_SWEEP, fp8_best=4)
-    print(f"{'cache':>5} {'context':>7} {'batch':>5} {'scores':>7} {'top-k':>7} {'mla':>7} {'roofline %':>10} "
-          f"{'paged layer':>11} {'dense layer':>11}")
+    print(
+        f"{'cache':>5} {'context':>7} {'batch':>5} {'scores':>7} {'top-k':>7} {'mla':>7} {'roofline %':>10} "
+        f"{'paged layer':>11} {'dense layer':>11}"
+    )
     for kv_cache_dtype in ("auto", "fp8"):
         for context in args.contexts:
             for batch in args.batches:

@@ -22,12 +22,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for the oracle tests' helper
 from tests.models.deepseek_v32.conftest import make_nontrivial  # noqa: E402
 
-CONFIG = dict(vocab_size=96, hidden_size=48, intermediate_size=72, moe_intermediate_size=12, num_attention_heads=12,
-              num_key_value_heads=12, n_routed_experts=12, num_experts_per_tok=3, kv_lora_rank=16, q_lora_rank=24,
-              qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, index_topk=64, index_head_dim=16,
-              index_n_heads=8, max_position_embeddings=40000, num_hidden_layers=4,
-              mlp_layer_types=["dense", "sparse", "dense", "sparse"],
-              indexer_types=["full", "shared", "full", "shared"], n_group=1, topk_group=1)
+CONFIG = dict(
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=72,
+    moe_intermediate_size=12,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    n_routed_experts=12,
+    num_experts_per_tok=3,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    qk_nope_head_dim=8,
+    index_topk=64,
+    index_head_dim=16,
+    index_n_heads=8,
+    max_position_embeddings=40000,
+    num_hidden_layers=4,
+    mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+    indexer_types=["full", "shared", "full", "shared"],
+    n_group=1,
+    topk_group=1,
+)
 
 
 def write_checkpoint(folder: Path):
@@ -77,9 +95,25 @@ def generate(folder: Path, prompt: list[int], args, work: Path) -> tuple[list[in
     ids.write_text(json.dumps([prompt]))
     began = time.perf_counter()
     with PeakMemory() as memory:
-        code = main(["generate", "--model", str(folder), "--tp", "2", "--input-ids", str(ids), "--max-new-tokens",
-                     str(args.new_tokens), "--eos-id", "0", "--max-num-batched-tokens",
-                     str(args.max_num_batched_tokens), "--output", str(out)])
+        code = main(
+            [
+                "generate",
+                "--model",
+                str(folder),
+                "--tp",
+                "2",
+                "--input-ids",
+                str(ids),
+                "--max-new-tokens",
+                str(args.new_tokens),
+                "--eos-id",
+                "0",
+                "--max-num-batched-tokens",
+                str(args.max_num_batched_tokens),
+                "--output",
+                str(out),
+            ]
+        )
     seconds = time.perf_counter() - began
     if code != 0:
         raise SystemExit(f"spmoe generate failed with exit code {code}")
@@ -101,18 +135,24 @@ def main() -> None:
     prompt = torch.randint(1, CONFIG["vocab_size"], (3000,), generator=gen).tolist()
     tokens, stats, peaks, seconds = generate(folder, prompt, args, work)
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+        logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
     predicted = logits.argmax(-1).tolist()
-    print(f"3000-token prompt: {seconds:.0f} s; spmoe {tokens}; transformers {predicted}; "
-          f"{'EQUAL' if predicted == tokens else 'DIFFERENT'}; KV cache {stats['kv_cache']}", flush=True)
+    print(
+        f"3000-token prompt: {seconds:.0f} s; spmoe {tokens}; transformers {predicted}; "
+        f"{'EQUAL' if predicted == tokens else 'DIFFERENT'}; KV cache {stats['kv_cache']}",
+        flush=True,
+    )
 
     prompt = torch.randint(1, CONFIG["vocab_size"], (32768,), generator=gen).tolist()
     tokens, stats, peaks, seconds = generate(folder, prompt, args, work)
-    worst = max(peaks.values()) / 2 ** 30
-    print(f"32768-token prompt: {seconds:.0f} s, {len(tokens)} tokens {tokens}, prefill {stats['prefill_s']:.0f} s, "
-          f"decode {stats['decode_s']:.1f} s; peak RSS per rank {[round(p / 2 ** 30, 2) for p in peaks.values()]} GiB "
-          f"({'under' if worst < args.memory_limit_gib else 'OVER'} {args.memory_limit_gib} GiB); KV cache "
-          f"{stats['kv_cache']}", flush=True)
+    worst = max(peaks.values()) / 2**30
+    print(
+        f"32768-token prompt: {seconds:.0f} s, {len(tokens)} tokens {tokens}, prefill {stats['prefill_s']:.0f} s, "
+        f"decode {stats['decode_s']:.1f} s; peak RSS per rank {[round(p / 2**30, 2) for p in peaks.values()]} GiB "
+        f"({'under' if worst < args.memory_limit_gib else 'OVER'} {args.memory_limit_gib} GiB); KV cache "
+        f"{stats['kv_cache']}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

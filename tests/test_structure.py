@@ -24,8 +24,9 @@ def imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
-                      for a in node.names}
+            found |= {
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module for a in node.names
+            }
     return {name for name in found if name in MODULES}
 
 
@@ -37,7 +38,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -65,12 +66,22 @@ def uses_torch_distributed(path: Path) -> bool:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
             return True
-        if isinstance(node, ast.ImportFrom) and node.module and (
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and (
                 node.module.startswith("torch.distributed")
-                or node.module == "torch" and any(a.name == "distributed" for a in node.names)):
+                or node.module == "torch"
+                and any(a.name == "distributed" for a in node.names)
+            )
+        ):
             return True
-        if isinstance(node, ast.Attribute) and node.attr == "distributed" and \
-                isinstance(node.value, ast.Name) and node.value.id == "torch":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "distributed"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "torch"
+        ):
             return True
     return False
 

@@ -60,7 +60,7 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """Softmax scale: 1/sqrt(qk_head_dim), times yarn's mscale(mscale_all_dim)^2 under yarn."""
-        scale = self.qk_head_dim ** -0.5
+        scale = self.qk_head_dim**-0.5
         if self.rope_type == "yarn":
             factor, mscale_all_dim = self.rope_scaling[0], self.rope_scaling[5]
             if mscale_all_dim and factor > 1:
@@ -78,14 +78,22 @@ class ModelConfig:
     def check_parallel(self, parallel) -> None:
         """Raise unless every TP/EP-split dimension divides by the sizes of `parallel` (a ParallelConfig)."""
         t, ep = parallel.tensor_parallel_size, parallel.world_size
-        splits = [("num_attention_heads", self.num_attention_heads, t, "tensor_parallel_size"),
-                  ("vocab_size", self.vocab_size, t, "tensor_parallel_size"),
-                  ("n_routed_experts", self.n_routed_experts, ep, "the expert-parallel size")]
+        splits = [
+            ("num_attention_heads", self.num_attention_heads, t, "tensor_parallel_size"),
+            ("vocab_size", self.vocab_size, t, "tensor_parallel_size"),
+            ("n_routed_experts", self.n_routed_experts, ep, "the expert-parallel size"),
+        ]
         if not parallel.use_sequence_parallel_moe or parallel.sp_scope == "moe":  # TP-sharded dense MLPs
             splits.append(("intermediate_size", self.intermediate_size, t, "tensor_parallel_size"))
         if not parallel.use_sequence_parallel_moe:  # TP-sharded shared experts
-            splits.append(("moe_intermediate_size * n_shared_experts",
-                           self.moe_intermediate_size * self.n_shared_experts, t, "tensor_parallel_size"))
+            splits.append(
+                (
+                    "moe_intermediate_size * n_shared_experts",
+                    self.moe_intermediate_size * self.n_shared_experts,
+                    t,
+                    "tensor_parallel_size",
+                )
+            )
         for name, value, size, what in splits:
             if value % size:
                 raise ValueError(f"{name} = {value} is not divisible by {what} = {size}")
@@ -128,15 +136,19 @@ class ModelConfig:
         _require(raw, "mlp_bias", False)
         _require(raw, "tie_word_embeddings", False)
         if raw.get("num_key_value_heads", raw["num_attention_heads"]) != raw["num_attention_heads"]:
-            raise ValueError(f"MLA needs num_key_value_heads == num_attention_heads, got "
-                             f"{raw['num_key_value_heads']} and {raw['num_attention_heads']}")
+            raise ValueError(
+                f"MLA needs num_key_value_heads == num_attention_heads, got "
+                f"{raw['num_key_value_heads']} and {raw['num_attention_heads']}"
+            )
         if raw.get("q_lora_rank") is None:
             raise ValueError("q_lora_rank must be set (the DSA indexer reads the q latent); got None")
         layers = raw["num_hidden_layers"]
         mlp_types = raw.get("mlp_layer_types") or _mlp_types_from_schedule(raw, layers)
         indexer_types = raw.get("indexer_types") or ["full"] * layers
-        for name, values, allowed in (("mlp_layer_types", mlp_types, ("dense", "sparse")),
-                                      ("indexer_types", indexer_types, ("full", "shared"))):
+        for name, values, allowed in (
+            ("mlp_layer_types", mlp_types, ("dense", "sparse")),
+            ("indexer_types", indexer_types, ("full", "shared")),
+        ):
             if len(values) != layers or any(v not in allowed for v in values):
                 raise ValueError(f"{name} must list one of {allowed} for each of the {layers} layers, got {values}")
         if indexer_types[0] != "full":
@@ -145,33 +157,77 @@ class ModelConfig:
         n_group, topk_group = raw.get("n_group") or 1, raw.get("topk_group") or 1
         experts = raw["n_routed_experts"]
         if experts % n_group or topk_group > n_group:
-            raise ValueError(f"router groups do not fit: n_routed_experts={experts}, n_group={n_group}, "
-                             f"topk_group={topk_group}")
+            raise ValueError(
+                f"router groups do not fit: n_routed_experts={experts}, n_group={n_group}, topk_group={topk_group}"
+            )
         return cls(
-            model_type=model_type, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"], moe_intermediate_size=raw["moe_intermediate_size"],
-            num_hidden_layers=layers, num_attention_heads=raw["num_attention_heads"], n_routed_experts=experts,
-            n_shared_experts=raw.get("n_shared_experts") or 0, num_experts_per_tok=raw["num_experts_per_tok"],
-            n_group=n_group, topk_group=topk_group, routed_scaling_factor=float(raw["routed_scaling_factor"]),
-            norm_topk_prob=bool(raw["norm_topk_prob"]), q_lora_rank=raw["q_lora_rank"],
-            kv_lora_rank=raw["kv_lora_rank"], qk_nope_head_dim=raw["qk_nope_head_dim"],
-            qk_rope_head_dim=raw["qk_rope_head_dim"], v_head_dim=raw["v_head_dim"], index_topk=raw["index_topk"],
-            index_n_heads=raw["index_n_heads"], index_head_dim=raw["index_head_dim"],
-            rms_norm_eps=float(raw["rms_norm_eps"]), mlp_layer_types=tuple(mlp_types),
-            indexer_types=tuple(indexer_types), rope_theta=rope_theta, rope_type=rope_type,
-            rope_scaling=rope_scaling, num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            moe_intermediate_size=raw["moe_intermediate_size"],
+            num_hidden_layers=layers,
+            num_attention_heads=raw["num_attention_heads"],
+            n_routed_experts=experts,
+            n_shared_experts=raw.get("n_shared_experts") or 0,
+            num_experts_per_tok=raw["num_experts_per_tok"],
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=float(raw["routed_scaling_factor"]),
+            norm_topk_prob=bool(raw["norm_topk_prob"]),
+            q_lora_rank=raw["q_lora_rank"],
+            kv_lora_rank=raw["kv_lora_rank"],
+            qk_nope_head_dim=raw["qk_nope_head_dim"],
+            qk_rope_head_dim=raw["qk_rope_head_dim"],
+            v_head_dim=raw["v_head_dim"],
+            index_topk=raw["index_topk"],
+            index_n_heads=raw["index_n_heads"],
+            index_head_dim=raw["index_head_dim"],
+            rms_norm_eps=float(raw["rms_norm_eps"]),
+            mlp_layer_types=tuple(mlp_types),
+            indexer_types=tuple(indexer_types),
+            rope_theta=rope_theta,
+            rope_type=rope_type,
+            rope_scaling=rope_scaling,
+            num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
             fp8_block_size=_quantization(raw.get("quantization_config")),
-            eos_token_ids=_eos(raw.get("eos_token_id")), max_position_embeddings=raw.get("max_position_embeddings"))
+            eos_token_ids=_eos(raw.get("eos_token_id")),
+            max_position_embeddings=raw.get("max_position_embeddings"),
+        )
 
 
 # Numeric fields and the smallest value each may take; optional ones may be missing or null.
-REQUIRED_INTS = {name: 1 for name in (
-    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "index_topk", "index_n_heads", "index_head_dim")}
-OPTIONAL_INTS = {"q_lora_rank": 1, "num_key_value_heads": 1, "n_shared_experts": 0, "n_group": 1, "topk_group": 1,
-                 "num_nextn_predict_layers": 0, "first_k_dense_replace": 0, "moe_layer_freq": 1,
-                 "max_position_embeddings": 1}
+REQUIRED_INTS = {
+    name: 1
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "index_topk",
+        "index_n_heads",
+        "index_head_dim",
+    )
+}
+OPTIONAL_INTS = {
+    "q_lora_rank": 1,
+    "num_key_value_heads": 1,
+    "n_shared_experts": 0,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_nextn_predict_layers": 0,
+    "first_k_dense_replace": 0,
+    "moe_layer_freq": 1,
+    "max_position_embeddings": 1,
+}
 REQUIRED_FLOATS = ("routed_scaling_factor", "rms_norm_eps")
 OPTIONAL_FLOATS = ("rope_theta",)
 
@@ -183,8 +239,9 @@ def _check_types(raw: dict) -> None:
         if value is None and name in OPTIONAL_INTS:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"config field {name} must be an integer >= {least}, got {value!r} "
-                             f"({type(value).__name__})")
+            raise ValueError(
+                f"config field {name} must be an integer >= {least}, got {value!r} ({type(value).__name__})"
+            )
     for name in REQUIRED_FLOATS + OPTIONAL_FLOATS:
         value = raw[name] if name in REQUIRED_FLOATS else raw.get(name)
         if value is None and name in OPTIONAL_FLOATS:
@@ -223,11 +280,19 @@ def _rope(raw: dict) -> tuple[str, float, tuple]:
         raise ValueError(f"rope_type {rope_type!r} is not supported; expected 'default' or 'yarn'")
     if params.get("attention_factor") is not None:
         raise ValueError("yarn attention_factor is not supported; expected it derived from mscale / mscale_all_dim")
-    return "yarn", float(theta), (
-        float(params["factor"]), int(params["original_max_position_embeddings"]),
-        float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1),
-        float(params.get("mscale") or 0), float(params.get("mscale_all_dim") or 0),
-        bool(params.get("truncate", True)))
+    return (
+        "yarn",
+        float(theta),
+        (
+            float(params["factor"]),
+            int(params["original_max_position_embeddings"]),
+            float(params.get("beta_fast") or 32),
+            float(params.get("beta_slow") or 1),
+            float(params.get("mscale") or 0),
+            float(params.get("mscale_all_dim") or 0),
+            bool(params.get("truncate", True)),
+        ),
+    )
 
 
 def _quantization(q: dict | None) -> tuple[int, int] | None:

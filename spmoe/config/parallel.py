@@ -32,27 +32,40 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name, allowed in (("sp", SP_MODES), ("sp_scope", SP_SCOPES),
-                              ("ep_backend", EP_BACKENDS), ("moe_backend", MOE_BACKENDS)):
+        for name, allowed in (
+            ("sp", SP_MODES),
+            ("sp_scope", SP_SCOPES),
+            ("ep_backend", EP_BACKENDS),
+            ("moe_backend", MOE_BACKENDS),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.sp == "on":
             if self.pipeline_parallel_size > 1:
                 raise ValueError(
                     f"sequence-parallel MoE is not supported with pipeline parallelism "
-                    f"(pipeline_parallel_size={self.pipeline_parallel_size}); use sp='off'")
+                    f"(pipeline_parallel_size={self.pipeline_parallel_size}); use sp='off'"
+                )
             if self.tensor_parallel_size == 1:
-                raise ValueError("sp='on' needs tensor_parallel_size > 1, got 1: "
-                                 "with one TP rank there is nothing to shard the tokens over")
+                raise ValueError(
+                    "sp='on' needs tensor_parallel_size > 1, got 1: "
+                    "with one TP rank there is nothing to shard the tokens over"
+                )
             if not self.enable_expert_parallel:
-                raise ValueError("sp='on' needs enable_expert_parallel=True: each rank "
-                                 "routes only its own token shard, so every expert must be whole on some rank")
+                raise ValueError(
+                    "sp='on' needs enable_expert_parallel=True: each rank "
+                    "routes only its own token shard, so every expert must be whole on some rank"
+                )
         if self.pipeline_parallel_size > 1:
-            raise ValueError(f"pipeline parallelism is not implemented (pipeline_parallel_size="
-                             f"{self.pipeline_parallel_size}); expected 1")
+            raise ValueError(
+                f"pipeline parallelism is not implemented (pipeline_parallel_size="
+                f"{self.pipeline_parallel_size}); expected 1"
+            )
         if not self.enable_expert_parallel and self.world_size > 1:
-            raise ValueError(f"enable_expert_parallel=False (TP-sharded experts) is not implemented; with "
-                             f"{self.world_size} ranks the routed experts are split over the EP group, so pass True")
+            raise ValueError(
+                f"enable_expert_parallel=False (TP-sharded experts) is not implemented; with "
+                f"{self.world_size} ranks the routed experts are split over the EP group, so pass True"
+            )
 
     @property
     def world_size(self) -> int:
@@ -69,5 +82,9 @@ class ParallelConfig:
             return True
         if self.sp == "off":
             return False
-        return (self.tensor_parallel_size > 1 and self.data_parallel_size > 1 and self.enable_expert_parallel
-                and self.pipeline_parallel_size == 1)
+        return (
+            self.tensor_parallel_size > 1
+            and self.data_parallel_size > 1
+            and self.enable_expert_parallel
+            and self.pipeline_parallel_size == 1
+        )

@@ -120,8 +120,9 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     return x
 
 
-def one_shot_add_rms_norm(kind: str, x: torch.Tensor, residual: torch.Tensor | None, norm, num_tokens: int,
-                          group) -> tuple[torch.Tensor, torch.Tensor] | None:
+def one_shot_add_rms_norm(
+    kind: str, x: torch.Tensor, residual: torch.Tensor | None, norm, num_tokens: int, group
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The `kind` collective of x over `group` fused with the RMSNorm `norm`'s residual add and norm, as one
     one-shot kernel (`OneShot.add_rms_norm`, which gives the shapes) -> (normed, new residual); None, with
     nothing run, where the group has no one-shot kernels or the call does not fit them. Counted as the

@@ -29,8 +29,15 @@ import torch.distributed as dist
 from spmoe.distributed.comm import all_reduce, one_shot_add_rms_norm
 from spmoe.distributed.groups import get_parallel_state
 from spmoe.distributed.layer_plan import LayerPlan
-from spmoe.distributed.layout import (Layout, _restore_full_token_layout_if_needed, check_rows, shard_rows,
-                                      sp_all_gather, sp_reduce_scatter, sp_shard)
+from spmoe.distributed.layout import (
+    Layout,
+    _restore_full_token_layout_if_needed,
+    check_rows,
+    shard_rows,
+    sp_all_gather,
+    sp_reduce_scatter,
+    sp_shard,
+)
 
 
 def fused_allreduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor | None, norm):
@@ -95,8 +102,9 @@ class LayerCommunicator:
         self.plan = plan
         self.residual_sharded = plan.input is Layout.SHARDED and plan.use_sequence_parallel_moe
 
-    def before_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm,
-                         num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def before_attention(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, norm, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in `plan.input` -> (normed FULL `[N, H]` attention input, residual)."""
         plan, t = self.plan, get_parallel_state().tp_size
         rows = shard_rows(num_tokens, t) if plan.input is Layout.SHARDED else num_tokens
@@ -104,25 +112,27 @@ class LayerCommunicator:
         if plan.input is Layout.PARTIAL:
             return fused_allreduce_rms_norm(hidden, residual, norm)
         if self.residual_sharded:
-            fused = one_shot_add_rms_norm("all_gather", hidden, residual, norm, num_tokens,
-                                          get_parallel_state().tp_group)
+            fused = one_shot_add_rms_norm(
+                "all_gather", hidden, residual, norm, num_tokens, get_parallel_state().tp_group
+            )
             if fused is not None:
                 return fused
             h, residual = norm.add_norm(hidden, residual)
             return sp_all_gather(h, num_tokens), residual
-        hidden, residual = _restore_full_token_layout_if_needed(hidden, residual, num_tokens,
-                                                                is_sequence_parallel=plan.input is Layout.SHARDED)
+        hidden, residual = _restore_full_token_layout_if_needed(
+            hidden, residual, num_tokens, is_sequence_parallel=plan.input is Layout.SHARDED
+        )
         return norm.add_norm(hidden, residual)
 
-    def before_mlp(self, attn: torch.Tensor, residual: torch.Tensor,
-                   norm) -> tuple[torch.Tensor, torch.Tensor]:
+    def before_mlp(self, attn: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention's PARTIAL `[N, H]` + residual -> (normed MLP input, residual), both in `plan.mlp_input`."""
         if not self.plan.use_sequence_parallel_moe:
             return fused_allreduce_rms_norm(attn, residual, norm)
         if not self.residual_sharded:
             residual = sp_shard(residual)  # FULL -> SHARDED, no communication
-        fused = one_shot_add_rms_norm("reduce_scatter", attn, residual, norm, attn.shape[0],
-                                      get_parallel_state().tp_group)
+        fused = one_shot_add_rms_norm(
+            "reduce_scatter", attn, residual, norm, attn.shape[0], get_parallel_state().tp_group
+        )
         if fused is not None:
             return fused
         return norm.add_norm(sp_reduce_scatter(attn), residual)  # the reduce-scatter leaves [n, H], complete

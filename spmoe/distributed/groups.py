@@ -59,8 +59,9 @@ class ParallelState:
 _STATE: ParallelState | None = None
 
 
-def init_distributed(config: ParallelConfig | None = None, device: str = "cpu",
-                     timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelState:
+def init_distributed(
+    config: ParallelConfig | None = None, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> ParallelState:
     """Join the process group described by RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK).
 
     `config` defaults to pure tensor parallelism over the whole world. Its world size must match WORLD_SIZE.
@@ -74,8 +75,10 @@ def init_distributed(config: ParallelConfig | None = None, device: str = "cpu",
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config = config or ParallelConfig(tensor_parallel_size=world)
     if config.world_size != world:
-        raise ValueError(f"parallel config needs dp*tp = {config.data_parallel_size}*{config.tensor_parallel_size}"
-                         f" = {config.world_size} ranks, but WORLD_SIZE is {world}")
+        raise ValueError(
+            f"parallel config needs dp*tp = {config.data_parallel_size}*{config.tensor_parallel_size}"
+            f" = {config.world_size} ranks, but WORLD_SIZE is {world}"
+        )
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' was requested but torch.cuda.is_available() is False")
@@ -86,8 +89,13 @@ def init_distributed(config: ParallelConfig | None = None, device: str = "cpu",
         dev, backend = torch.device("cpu"), "gloo"
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
-                            device_id=dev if backend == "nccl" else None)
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=dev if backend == "nccl" else None,
+    )
     tp = config.tensor_parallel_size
     tp_group = dist.group.WORLD
     if config.data_parallel_size > 1:
@@ -97,15 +105,18 @@ def init_distributed(config: ParallelConfig | None = None, device: str = "cpu",
             if d == rank // tp:
                 tp_group = group
     control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    _STATE = ParallelState(config=config, rank=rank, device=dev, tp_group=tp_group, ep_group=dist.group.WORLD,
-                           control_group=control_group)
+    _STATE = ParallelState(
+        config=config, rank=rank, device=dev, tp_group=tp_group, ep_group=dist.group.WORLD, control_group=control_group
+    )
     if backend == "nccl":
         groups = [("TP", tp_group)] + ([("EP", dist.group.WORLD)] if tp_group is not dist.group.WORLD else [])
         for name, group in groups:
             reason = enable_one_shot(group, dev) if dist.get_world_size(group) > 1 else None
             if reason and rank == 0:
-                print(f"spmoe: one-shot collectives unavailable on the {name} group, NCCL runs them all: {reason}",
-                      flush=True)
+                print(
+                    f"spmoe: one-shot collectives unavailable on the {name} group, NCCL runs them all: {reason}",
+                    flush=True,
+                )
     return _STATE
 
 

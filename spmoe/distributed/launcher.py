@@ -35,7 +35,6 @@ import torch.multiprocessing as mp
 from spmoe.config import ParallelConfig
 from spmoe.distributed.groups import DEFAULT_TIMEOUT_S, destroy_distributed, init_distributed
 
-
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 WATCHDOG_PERIOD_S = 0.5
 
@@ -77,8 +76,9 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _child(parent_pid, rank, world_size, port, fn, args, config, device, timeout_s, results):
     _die_with_parent(parent_pid)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
@@ -91,8 +91,14 @@ def _child(parent_pid, rank, world_size, port, fn, args, config, device, timeout
         destroy_distributed()
 
 
-def spawn(fn, world_size: int, *args, config: ParallelConfig | None = None, device: str = "cpu",
-          timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+def spawn(
+    fn,
+    world_size: int,
+    *args,
+    config: ParallelConfig | None = None,
+    device: str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list:
     """Run `fn(*args)` on `world_size` local ranks; return each rank's result, rank 0 first.
 
     `fn` must be importable by name (a module-level function). `config` defaults to TP over all ranks.
@@ -101,9 +107,14 @@ def spawn(fn, world_size: int, *args, config: ParallelConfig | None = None, devi
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, daemon=True,
-                         args=(os.getpid(), r, world_size, port, fn, args, config, device, timeout_s, results))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child,
+            daemon=True,
+            args=(os.getpid(), r, world_size, port, fn, args, config, device, timeout_s, results),
+        )
+        for r in range(world_size)
+    ]
     with _stop_on_signals():
         return _run(procs, results, world_size)
 
@@ -189,8 +200,9 @@ def launch(fn, world_size: int, *args, config: ParallelConfig | None = None, dev
     if "WORLD_SIZE" not in os.environ:
         return spawn(fn, world_size, *args, config=config, device=device)[0]
     if int(os.environ["WORLD_SIZE"]) != world_size:
-        raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; the parallel config needs "
-                         f"{world_size}")
+        raise ValueError(
+            f"torchrun started {os.environ['WORLD_SIZE']} processes; the parallel config needs {world_size}"
+        )
     init_distributed(config, device=device)
     try:
         result = fn(*args)

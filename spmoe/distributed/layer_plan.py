@@ -79,6 +79,7 @@ def build_layer_plan(cfg: ModelConfig, parallel: ParallelConfig) -> ModelPlan:
     one therefore takes SHARDED rows and gathers them (hidden and residual in one all-gather). An MTP layer
     takes complete rows: SHARDED when it is SP, else FULL.
     """
+
     def sp(idx: int) -> bool:
         return parallel.use_sequence_parallel_moe and (cfg.layer_is_moe(idx) or parallel.sp_scope == "all")
 
@@ -86,8 +87,13 @@ def build_layer_plan(cfg: ModelConfig, parallel: ParallelConfig) -> ModelPlan:
         moe = None
         if cfg.layer_is_moe(idx):
             moe = Layout.SHARDED if sp(idx) else Layout.FULL if parallel.data_parallel_size > 1 else Layout.PARTIAL
-        return LayerPlan(idx, input_layout, Layout.SHARDED if sp(idx) else Layout.FULL,
-                         Layout.SHARDED if sp(idx) else Layout.PARTIAL, moe)
+        return LayerPlan(
+            idx,
+            input_layout,
+            Layout.SHARDED if sp(idx) else Layout.FULL,
+            Layout.SHARDED if sp(idx) else Layout.PARTIAL,
+            moe,
+        )
 
     layers: list[LayerPlan] = []
     for i in range(cfg.num_hidden_layers):

@@ -77,8 +77,9 @@ def sp_reduce_scatter(partial: torch.Tensor) -> torch.Tensor:
     return reduce_scatter_rows(partial, get_parallel_state().tp_group)
 
 
-def _all_gather_sp_states(hidden: torch.Tensor, residual: torch.Tensor,
-                          num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _all_gather_sp_states(
+    hidden: torch.Tensor, residual: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """SHARDED (hidden, residual), each `[n, H]` -> FULL, each `[N, H]`, with ONE all-gather of `[n, 2H]`.
 
     The pair is joined along the hidden dim so a row keeps its hidden and residual together through one
@@ -88,15 +89,18 @@ def _all_gather_sp_states(hidden: torch.Tensor, residual: torch.Tensor,
     n = shard_rows(num_tokens, get_parallel_state().tp_size)
     check_rows(hidden, n, f"_all_gather_sp_states hidden (N={num_tokens})")
     if residual.shape != hidden.shape:
-        raise ValueError(f"_all_gather_sp_states: residual shape {tuple(residual.shape)} does not match "
-                         f"hidden shape {tuple(hidden.shape)}")
+        raise ValueError(
+            f"_all_gather_sp_states: residual shape {tuple(residual.shape)} does not match "
+            f"hidden shape {tuple(hidden.shape)}"
+        )
     size = hidden.shape[1]
     both = sp_all_gather(torch.cat([hidden, residual], dim=1), num_tokens)
     return both[:, :size], both[:, size:].contiguous()
 
 
-def _restore_full_token_layout_if_needed(hidden: torch.Tensor, residual: torch.Tensor, num_tokens: int,
-                                         is_sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _restore_full_token_layout_if_needed(
+    hidden: torch.Tensor, residual: torch.Tensor, num_tokens: int, is_sequence_parallel: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden, residual) -> FULL `[N, H]` each. The caller says whether they are SHARDED `[n, H]` (then one
     fused gather, `_all_gather_sp_states`) or already in a token-complete layout (returned unchanged)."""
     if is_sequence_parallel:

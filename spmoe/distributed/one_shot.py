@@ -34,6 +34,7 @@ except ImportError:  # CPU-only installs: the one-shot path is simply unavailabl
     triton = None
 
 if triton is not None:
+
     @triton.jit
     def _barrier(pads, pid, phase: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr):
         """Program `pid` of every rank meets program `pid` of every other rank (PROGRAMS flag slots per phase)."""
@@ -52,8 +53,18 @@ if triton is not None:
         tl.debug_barrier()
 
     @triton.jit
-    def _one_shot_kernel(x_ptr, out_ptr, buffers, pads, numel, KIND: tl.constexpr, RANK: tl.constexpr,
-                         WORLD: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+    def _one_shot_kernel(
+        x_ptr,
+        out_ptr,
+        buffers,
+        pads,
+        numel,
+        KIND: tl.constexpr,
+        RANK: tl.constexpr,
+        WORLD: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PROGRAMS: tl.constexpr,
+    ):
         """KIND 0 all-gather: x `[numel]` -> out `[WORLD * numel]`; 1 reduce-scatter: x `[WORLD * numel]` ->
         out `[numel]`, block RANK of the sum; 2 all-reduce: x `[numel]` -> out `[numel]`, the sum.
         Every rank's buffer holds `[WORLD, numel]`: row j is what rank j sent it."""
@@ -76,8 +87,9 @@ if triton is not None:
             mask = offs < numel
             if KIND == 0:
                 for j in tl.static_range(WORLD):
-                    tl.store(out_ptr + j * numel + offs, tl.load(own + j * numel + offs, mask=mask, volatile=True),
-                             mask=mask)
+                    tl.store(
+                        out_ptr + j * numel + offs, tl.load(own + j * numel + offs, mask=mask, volatile=True), mask=mask
+                    )
             else:
                 acc = tl.zeros([BLOCK], dtype=tl.float32)
                 for j in tl.static_range(WORLD):
@@ -86,13 +98,14 @@ if triton is not None:
         _barrier(pads, pid, 1, RANK, WORLD, PROGRAMS)  # before any rank pushes the next call's rows here
 
     @triton.jit
-    def _add_rms_norm_row(x, row, res_ptr, w, out_ptr, res_out_ptr, cols, mask, out_mask, size, eps,
-                          HAS_RESIDUAL: tl.constexpr):
+    def _add_rms_norm_row(
+        x, row, res_ptr, w, out_ptr, res_out_ptr, cols, mask, out_mask, size, eps, HAS_RESIDUAL: tl.constexpr
+    ):
         """One row x `[BLOCK]` (the tensor dtype): res_out[row] = x + res[row], out[row] = RMSNorm(that) * w
         (where `out_mask`), rounded as `RMSNorm.add_norm`. Returns the normed row (out's dtype)."""
         dtype = x.dtype
         if HAS_RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(res_ptr + row * size + cols, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(tl.float32) + tl.load(res_ptr + row * size + cols, mask=mask, other=0.0).to(tl.float32)
             x = x.to(dtype)
         tl.store(res_out_ptr + row * size + cols, x, mask=mask)
         xf = x.to(tl.float32)
@@ -102,9 +115,25 @@ if triton is not None:
         return normed
 
     @triton.jit
-    def _one_shot_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buffers, pads, rows, valid, size, eps,
-                              KIND: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RANK: tl.constexpr,
-                              WORLD: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+    def _one_shot_norm_kernel(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        res_out_ptr,
+        buffers,
+        pads,
+        rows,
+        valid,
+        size,
+        eps,
+        KIND: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        RANK: tl.constexpr,
+        WORLD: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PROGRAMS: tl.constexpr,
+    ):
         """A collective fused with the residual add and RMSNorm; `rows` are the rows each rank norms:
 
         KIND 2 all-reduce: x `[rows, size]` partial sum -> res_out = sum + res, out = norm(res_out), `[rows, size]`.
@@ -121,8 +150,20 @@ if triton is not None:
         for row in range(pid, rows, programs):  # push this rank's rows into every rank's buffer
             if KIND == 0:
                 values = tl.load(x_ptr + row * size + cols, mask=mask)
-                values = _add_rms_norm_row(values, row, res_ptr, w, out_ptr + RANK * block, res_out_ptr, cols, mask,
-                                           cols < tl.where(RANK * rows + row < valid, size, 0), size, eps, HAS_RESIDUAL)
+                values = _add_rms_norm_row(
+                    values,
+                    row,
+                    res_ptr,
+                    w,
+                    out_ptr + RANK * block,
+                    res_out_ptr,
+                    cols,
+                    mask,
+                    cols < tl.where(RANK * rows + row < valid, size, 0),
+                    size,
+                    eps,
+                    HAS_RESIDUAL,
+                )
             elif KIND == 2:
                 values = tl.load(x_ptr + row * size + cols, mask=mask)
             for j in tl.static_range(WORLD):
@@ -137,17 +178,32 @@ if triton is not None:
                 own = tl.load(buffers + RANK).to(tl.pointer_type(out_ptr.dtype.element_ty))
                 for j in tl.static_range(WORLD):
                     if j != RANK:
-                        tl.store(out_ptr + (j * rows + row) * size + cols,
-                                 tl.load(own + j * block + row * size + cols, mask=mask, volatile=True),
-                                 mask=cols < tl.where(j * rows + row < valid, size, 0))
+                        tl.store(
+                            out_ptr + (j * rows + row) * size + cols,
+                            tl.load(own + j * block + row * size + cols, mask=mask, volatile=True),
+                            mask=cols < tl.where(j * rows + row < valid, size, 0),
+                        )
             else:
                 own = tl.load(buffers + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
                 acc = tl.zeros([BLOCK], dtype=tl.float32)
                 for j in tl.static_range(WORLD):
                     acc += tl.load(own + j * block + row * size + cols, mask=mask, other=0.0, volatile=True).to(
-                        tl.float32)
-                _add_rms_norm_row(acc.to(x_ptr.dtype.element_ty), row, res_ptr, w, out_ptr, res_out_ptr, cols, mask,
-                                  mask, size, eps, HAS_RESIDUAL)
+                        tl.float32
+                    )
+                _add_rms_norm_row(
+                    acc.to(x_ptr.dtype.element_ty),
+                    row,
+                    res_ptr,
+                    w,
+                    out_ptr,
+                    res_out_ptr,
+                    cols,
+                    mask,
+                    mask,
+                    size,
+                    eps,
+                    HAS_RESIDUAL,
+                )
         _barrier(pads, pid, 1, RANK, WORLD, PROGRAMS)
 
 
@@ -185,20 +241,40 @@ class OneShot:
     def run(self, kind: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (contiguous) <- the `kind` collective of `x` (contiguous) over the group."""
         if self.buffer_bytes(kind, x) > BUFFER_BYTES:
-            raise ValueError(f"one-shot {kind} of {tuple(x.shape)} {x.dtype} needs {self.buffer_bytes(kind, x)} "
-                             f"buffer bytes per rank, the buffer has {BUFFER_BYTES}")
+            raise ValueError(
+                f"one-shot {kind} of {tuple(x.shape)} {x.dtype} needs {self.buffer_bytes(kind, x)} "
+                f"buffer bytes per rank, the buffer has {BUFFER_BYTES}"
+            )
         numel = out.numel() if kind != "all_gather" else x.numel()
         programs = min(MAX_PROGRAMS, triton.cdiv(numel, BLOCK))
-        _one_shot_kernel[(programs,)](x, out, self.buffers, self.pads, numel, KIND=KINDS[kind], RANK=self.rank,
-                                      WORLD=self.world, BLOCK=BLOCK, PROGRAMS=MAX_PROGRAMS, num_warps=8)
+        _one_shot_kernel[(programs,)](
+            x,
+            out,
+            self.buffers,
+            self.pads,
+            numel,
+            KIND=KINDS[kind],
+            RANK=self.rank,
+            WORLD=self.world,
+            BLOCK=BLOCK,
+            PROGRAMS=MAX_PROGRAMS,
+            num_warps=8,
+        )
         return out
 
     def norm_rows(self, kind: str, num_tokens: int) -> int:
         """Rows each rank norms in an `add_rms_norm` of N = num_tokens: N for all_reduce, else ceil(N / WORLD)."""
         return num_tokens if kind == "all_reduce" else -(-num_tokens // self.world)
 
-    def add_rms_norm(self, kind: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self,
+        kind: str,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        num_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The `kind` collective fused with `RMSNorm.add_norm` (weight `[H]`) -> (normed, new residual), N tokens,
         n = ceil(N / WORLD) rows per rank:
 
@@ -210,8 +286,10 @@ class OneShot:
         out_dtype = torch.promote_types(weight.dtype, x.dtype)
         needed = self.world * rows * size * (out_dtype if kind == "all_gather" else x.dtype).itemsize
         if needed > BUFFER_BYTES:
-            raise ValueError(f"one-shot {kind} + RMSNorm of {tuple(x.shape)} {x.dtype} needs {needed} buffer bytes "
-                             f"per rank, the buffer has {BUFFER_BYTES}")
+            raise ValueError(
+                f"one-shot {kind} + RMSNorm of {tuple(x.shape)} {x.dtype} needs {needed} buffer bytes "
+                f"per rank, the buffer has {BUFFER_BYTES}"
+            )
         x = x.contiguous()
         residual = residual.contiguous() if residual is not None else None
         out_rows = num_tokens if kind == "all_gather" else rows
@@ -220,7 +298,23 @@ class OneShot:
         if rows:
             block = triton.next_power_of_2(size)
             _one_shot_norm_kernel[(min(MAX_PROGRAMS, rows),)](
-                x, residual if residual is not None else x, weight, out, new_residual, self.buffers, self.pads, rows,
-                num_tokens, size, eps, KIND=KINDS[kind], HAS_RESIDUAL=residual is not None, RANK=self.rank,
-                WORLD=self.world, BLOCK=block, PROGRAMS=MAX_PROGRAMS, num_warps=min(16, max(1, block // 512)))
+                x,
+                residual if residual is not None else x,
+                weight,
+                out,
+                new_residual,
+                self.buffers,
+                self.pads,
+                rows,
+                num_tokens,
+                size,
+                eps,
+                KIND=KINDS[kind],
+                HAS_RESIDUAL=residual is not None,
+                RANK=self.rank,
+                WORLD=self.world,
+                BLOCK=block,
+                PROGRAMS=MAX_PROGRAMS,
+                num_warps=min(16, max(1, block // 512)),
+            )
         return out, new_residual

@@ -8,8 +8,7 @@ import torch
 
 from spmoe.distributed.comm import count_collectives
 from spmoe.distributed.groups import get_parallel_state
-from spmoe.distributed.layout import (_all_gather_sp_states, shard_rows, sp_all_gather, sp_reduce_scatter,
-                                      sp_shard)
+from spmoe.distributed.layout import _all_gather_sp_states, shard_rows, sp_all_gather, sp_reduce_scatter, sp_shard
 
 TOKEN_COUNTS = (0, 1, 2, 3, 5, 17)
 HIDDEN = 64
@@ -32,10 +31,21 @@ def layout_selfcheck() -> list[dict]:
                 gathered = sp_all_gather(sp_shard(full), num_tokens)
                 reduced = sp_reduce_scatter(partials[r])
                 hidden_full, residual_full = _all_gather_sp_states(sp_shard(full), sp_shard(residual), num_tokens)
-            err = max(_max_err(gathered, full), _max_err(reduced, expected_shard[r * n:(r + 1) * n]),
-                      _max_err(hidden_full, full), _max_err(residual_full, residual))
-            rows.append({"dtype": str(dtype).removeprefix("torch."), "N": num_tokens, "n": n, "max_err": err,
-                         "collectives": stats.as_dict()})
+            err = max(
+                _max_err(gathered, full),
+                _max_err(reduced, expected_shard[r * n : (r + 1) * n]),
+                _max_err(hidden_full, full),
+                _max_err(residual_full, residual),
+            )
+            rows.append(
+                {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "N": num_tokens,
+                    "n": n,
+                    "max_err": err,
+                    "collectives": stats.as_dict(),
+                }
+            )
     return rows
 
 

@@ -14,8 +14,9 @@ step's device tensors.
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"the block manager needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and "
-                             f"{block_size}")
+            raise ValueError(
+                f"the block manager needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
+            )
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
         self._tables: dict[int, list[int]] = {}
@@ -104,5 +105,4 @@ class BlockManager:
 
     def _take(self, blocks: int, what: str) -> None:
         if blocks > len(self._free):
-            raise ValueError(f"{what} needs {blocks} KV cache blocks, {len(self._free)} of {self.num_blocks} are "
-                             f"free")
+            raise ValueError(f"{what} needs {blocks} KV cache blocks, {len(self._free)} of {self.num_blocks} are free")

@@ -63,8 +63,9 @@ class DecodeGraphs:
         problems = deployment_problems(cache.device.type, get_parallel_state().dp_size, model.parallel.ep_backend)
         capturable, experts = model.graph_capturable
         if not capturable:
-            problems.append(f"experts that never sync the host (got moe backend {experts!r}; bfloat16 on a GPU "
-                            f"picks triton)")
+            problems.append(
+                f"experts that never sync the host (got moe backend {experts!r}; bfloat16 on a GPU picks triton)"
+            )
         if problems:
             raise ValueError("CUDA graphs for decode need " + "; ".join(problems))
         self.model, self.cache, self.max_num_seqs = model, cache, max_num_seqs
@@ -117,8 +118,9 @@ class DecodeGraphs:
         collectives to `stats`."""
         count = len(ids)
         if count > self.max_num_seqs:
-            raise ValueError(f"{count} sequences in one decode step; graphs were captured for up to "
-                             f"{self.max_num_seqs}")
+            raise ValueError(
+                f"{count} sequences in one decode step; graphs were captured for up to {self.max_num_seqs}"
+            )
         size = min(s for s in graph_sizes(self.max_num_seqs) if s >= count)
         pad = size - count
         if not self.paged:

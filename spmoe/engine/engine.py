@@ -53,8 +53,13 @@ class Phase:
     collectives: CommStats = field(default_factory=CommStats)
 
     def as_dict(self) -> dict:
-        return {"forwards": self.forwards, "tokens_fed": self.tokens_fed, "tokens_committed": self.tokens_committed,
-                "seconds": self.seconds, "collectives": self.collectives.as_dict()}
+        return {
+            "forwards": self.forwards,
+            "tokens_fed": self.tokens_fed,
+            "tokens_committed": self.tokens_committed,
+            "seconds": self.seconds,
+            "collectives": self.collectives.as_dict(),
+        }
 
 
 @dataclass
@@ -69,21 +74,26 @@ def check_prompt(label: str, prompt, vocab_size: int, max_new_tokens: int, draft
     tokens and drafts."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if (not isinstance(prompt, list) or not prompt
-            or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt)):
-        raise ValueError(f"{label} must be a non-empty list of token ids in [0, {vocab_size}), got "
-                         f"{str(prompt)[:60]}")
+    if (
+        not isinstance(prompt, list)
+        or not prompt
+        or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt)
+    ):
+        raise ValueError(f"{label} must be a non-empty list of token ids in [0, {vocab_size}), got {str(prompt)[:60]}")
     if len(prompt) + max_new_tokens + drafts > max_len:
-        raise ValueError(f"{label} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} and {drafts} "
-                         f"speculative tokens it needs {len(prompt) + max_new_tokens + drafts} KV cache positions, "
-                         f"the cache holds {max_len} per sequence")
+        raise ValueError(
+            f"{label} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} and {drafts} "
+            f"speculative tokens it needs {len(prompt) + max_new_tokens + drafts} KV cache positions, "
+            f"the cache holds {max_len} per sequence"
+        )
 
 
 def check_positions(longest: int, max_position_embeddings: int | None, what: str) -> None:
     """Raise if `longest` positions exceed the model's `max_position_embeddings` (when the config states it)."""
     if max_position_embeddings is not None and longest > max_position_embeddings:
-        raise ValueError(f"{what}: {longest} positions, more than the model's max_position_embeddings = "
-                         f"{max_position_embeddings}")
+        raise ValueError(
+            f"{what}: {longest} positions, more than the model's max_position_embeddings = {max_position_embeddings}"
+        )
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: int, drafts: int, max_len: int) -> None:
@@ -94,8 +104,9 @@ def check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: int
 
 def check_speculation(sampling: SamplingParams, num_speculative_tokens: int) -> None:
     if num_speculative_tokens and not sampling.greedy:
-        raise ValueError(f"speculative decoding accepts drafts greedily; expected temperature 0, got "
-                         f"{sampling.temperature}")
+        raise ValueError(
+            f"speculative decoding accepts drafts greedily; expected temperature 0, got {sampling.temperature}"
+        )
 
 
 def per_prompt(sampling: SamplingParams, count: int) -> list[SamplingParams]:
@@ -104,9 +115,16 @@ def per_prompt(sampling: SamplingParams, count: int) -> list[SamplingParams]:
 
 
 class Engine:
-    def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache | PagedKVCache, num_speculative_tokens: int = 0,
-                 cuda_graphs: bool = False, max_num_seqs: int | None = None, max_num_batched_tokens: int = 8192,
-                 max_model_len: int | None = None):
+    def __init__(
+        self,
+        model: DeepseekV32ForCausalLM,
+        cache: KVCache | PagedKVCache,
+        num_speculative_tokens: int = 0,
+        cuda_graphs: bool = False,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+    ):
         """`max_num_seqs`: sequences running at once on a paged cache (the slot cache: its slot count);
         `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit; `max_model_len`: the
         most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot)."""
@@ -115,11 +133,14 @@ class Engine:
         if num_speculative_tokens and not model.num_draft_layers:
             raise ValueError("speculative decoding needs the MTP layer: load the model with with_mtp=True")
         if num_speculative_tokens and cuda_graphs:
-            raise ValueError("CUDA graphs capture the plain decode step only; speculative decoding runs eagerly, "
-                             "so pass one or the other")
+            raise ValueError(
+                "CUDA graphs capture the plain decode step only; speculative decoding runs eagerly, "
+                "so pass one or the other"
+            )
         self.model, self.cache, self.k = model, cache, num_speculative_tokens
-        room = (BlockRoom(cache, max_num_seqs or 256, max_model_len) if isinstance(cache, PagedKVCache)
-                else SlotRoom(cache))
+        room = (
+            BlockRoom(cache, max_num_seqs or 256, max_model_len) if isinstance(cache, PagedKVCache) else SlotRoom(cache)
+        )
         self.scheduler = Scheduler(room, num_speculative_tokens, max_num_batched_tokens)
         self.runner = ModelRunner(model, cache, room.max_num_seqs, cuda_graphs)
         self.drafter = MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None
@@ -138,10 +159,19 @@ class Engine:
         """Raise a one-line ValueError unless the request is well formed and can ever fit the cache."""
         label = f"request {request.request_id!r}: the prompt"
         cfg = self.model.cfg
-        check_prompt(label, request.prompt, cfg.vocab_size, request.max_new_tokens, self.k,
-                     self.scheduler.room.max_tokens_per_sequence)
-        check_positions(len(request.prompt) + request.max_new_tokens + self.k, cfg.max_position_embeddings,
-                        f"{label} with its new and speculative tokens")
+        check_prompt(
+            label,
+            request.prompt,
+            cfg.vocab_size,
+            request.max_new_tokens,
+            self.k,
+            self.scheduler.room.max_tokens_per_sequence,
+        )
+        check_positions(
+            len(request.prompt) + request.max_new_tokens + self.k,
+            cfg.max_position_embeddings,
+            f"{label} with its new and speculative tokens",
+        )
         check_speculation(request.sampling, self.k)
 
     def add_request(self, request: Request, record_logits: bool = False) -> Sequence:
@@ -162,9 +192,14 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def metrics(self) -> EngineMetrics:
-        return EngineMetrics(len(self.scheduler.running), len(self.scheduler.waiting), self.scheduler.room.usage(),
-                             self.counters.generated_tokens, self.counters.draft_proposed,
-                             self.counters.draft_accepted)
+        return EngineMetrics(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.scheduler.room.usage(),
+            self.counters.generated_tokens,
+            self.counters.draft_proposed,
+            self.counters.draft_accepted,
+        )
 
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
@@ -180,10 +215,14 @@ class Engine:
         began = time.perf_counter()
         samples = [n == len(s.pending) for s, n in work]  # fed all it had: it samples
         with count_collectives(phase.collectives):
-            logits, hidden = self.runner.run([s.pending[:n] for s, n in work], [room.location(s) for s, _ in work],
-                                             [s.cached for s, _ in work],
-                                             [1 + len(s.drafts) if last else 0 for (s, _), last in zip(work, samples)],
-                                             decode, phase.collectives)
+            logits, hidden = self.runner.run(
+                [s.pending[:n] for s, n in work],
+                [room.location(s) for s, _ in work],
+                [s.cached for s, _ in work],
+                [1 + len(s.drafts) if last else 0 for (s, _), last in zip(work, samples)],
+                decode,
+                phase.collectives,
+            )
         outputs, to_draft, row, fed = [], [], 0, 0
         # every greedy choice of the step (and whether its row is finite) in one host transfer
         committing = [s for (s, _), last in zip(work, samples) if last]
@@ -191,7 +230,7 @@ class Engine:
         for (seq, n), last in zip(work, samples):
             if not last:  # a prompt chunk: the MTP layer catches up on it with the next prompt tokens
                 if self.drafter is not None:
-                    to_draft.append((seq, seq.cached, seq.pending[1:n + 1], hidden[fed:fed + n], False))
+                    to_draft.append((seq, seq.cached, seq.pending[1 : n + 1], hidden[fed : fed + n], False))
                 seq.cached += n
                 seq.pending = seq.pending[n:]
                 fed += n
@@ -201,14 +240,15 @@ class Engine:
             seq.prefilling = False
             new, verified = self._commit(seq, logits[rows], greedy_rows and tuple(g[rows] for g in greedy_rows))
             phase.tokens_committed += len(new)
-            outputs.append(RequestOutput(seq.request_id, new, seq.finish_reason, seq.error,
-                                         prompt_tokens=len(seq.request.prompt)))
+            outputs.append(
+                RequestOutput(seq.request_id, new, seq.finish_reason, seq.error, prompt_tokens=len(seq.request.prompt))
+            )
             if not new:  # its logits were not finite: it left the batch with an error
                 fed += n
                 continue
             if self.drafter is not None and seq.finish_reason is None:
                 next_ids = seq.pending[1:verified] + [new[-1]]
-                to_draft.append((seq, seq.cached, next_ids, hidden[fed:fed + verified], True))
+                to_draft.append((seq, seq.cached, next_ids, hidden[fed : fed + verified], True))
             fed += n
             seq.cached += verified
             seq.pending, seq.drafts = [new[-1]], []
@@ -219,8 +259,9 @@ class Engine:
             self._draft(to_draft)  # under DP even an empty draft step runs, to keep the ranks in step
         return outputs
 
-    def _commit(self, seq: Sequence, logits: torch.Tensor, greedy_rows: tuple[list[int], list[bool]] | None
-                ) -> tuple[list[int], int]:
+    def _commit(
+        self, seq: Sequence, logits: torch.Tensor, greedy_rows: tuple[list[int], list[bool]] | None
+    ) -> tuple[list[int], int]:
         """logits `[1 + drafts, V]` of one sequence, and their greedy choices and finite flags (`greedy`, read
         for the whole step at once; None when no sequence of the step is greedy) -> (the tokens it commits, its
         fed tokens whose cache rows stay valid). Finishes the sequence at an eos id or its token limit, or, with
@@ -238,11 +279,13 @@ class Engine:
             accepted, (candidates, finite) = 0, greedy_rows
         else:
             accepted, (candidates, finite) = 0, seq.sampler(logits)
-        if not all(finite[:len(candidates)]):
+        if not all(finite[: len(candidates)]):
             step = self.phases["prefill"].forwards + self.phases["decode"].forwards + 1
-            seq.error = (f"non-finite logits (NaN or inf) at step {step} ({'decode' if seq.cached else 'prefill'}) "
-                         f"for request {seq.request_id!r} after {len(seq.output)} generated tokens: no token can be "
-                         f"chosen (check the checkpoint for NaN / inf weights)")
+            seq.error = (
+                f"non-finite logits (NaN or inf) at step {step} ({'decode' if seq.cached else 'prefill'}) "
+                f"for request {seq.request_id!r} after {len(seq.output)} generated tokens: no token can be "
+                f"chosen (check the checkpoint for NaN / inf weights)"
+            )
             self.scheduler.finish(seq, "error")
             return [], 0
         verified = len(seq.pending) - (len(seq.drafts) - accepted)
@@ -265,11 +308,15 @@ class Engine:
         phase, began = self.phases["draft"], time.perf_counter()
         room = self.scheduler.room
         with count_collectives(phase.collectives):
-            hidden = [h for *_, h, _ in to_draft] or [torch.zeros(0, self.model.cfg.hidden_size,
-                                                                  dtype=self.cache.dtype, device=self.cache.device)]
-            drafts = self.drafter.propose([room.location(s) for s, *_ in to_draft],
-                                          [start for _, start, *_ in to_draft], [ids for _, _, ids, *_ in to_draft],
-                                          torch.cat(hidden))
+            hidden = [h for *_, h, _ in to_draft] or [
+                torch.zeros(0, self.model.cfg.hidden_size, dtype=self.cache.dtype, device=self.cache.device)
+            ]
+            drafts = self.drafter.propose(
+                [room.location(s) for s, *_ in to_draft],
+                [start for _, start, *_ in to_draft],
+                [ids for _, _, ids, *_ in to_draft],
+                torch.cat(hidden),
+            )
         for (seq, *_, keep), proposed in zip(to_draft, drafts):
             if keep:
                 seq.drafts = proposed
@@ -280,9 +327,15 @@ class Engine:
 
     # The batch job.
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 sampling: SamplingParams | list[SamplingParams] = SamplingParams(),
-                 eos_token_ids: tuple[int, ...] = (), record_logits: bool = False, on_step=None) -> Generation:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        sampling: SamplingParams | list[SamplingParams] = SamplingParams(),
+        eos_token_ids: tuple[int, ...] = (),
+        record_logits: bool = False,
+        on_step=None,
+    ) -> Generation:
         """Generate up to `max_new_tokens` after each prompt, stopping at any of `eos_token_ids`. `sampling`:
         one per prompt, or one for all, prompt i then sampling from seed `sampling.seed + i`.
         `on_step(done_tokens, live_sequences, prompt_tokens_cached)` is called after every step (for progress
@@ -290,19 +343,28 @@ class Engine:
         (non-finite logits) stops the job: FloatingPointError with its message."""
         samplings = sampling if isinstance(sampling, list) else per_prompt(sampling, len(prompts))
         self.reset_stats()
-        seqs = [self.add_request(Request(f"generate-{i}", list(p), max_new_tokens, params, tuple(eos_token_ids)),
-                                 record_logits)
-                for i, (p, params) in enumerate(zip(prompts, samplings))]
+        seqs = [
+            self.add_request(
+                Request(f"generate-{i}", list(p), max_new_tokens, params, tuple(eos_token_ids)), record_logits
+            )
+            for i, (p, params) in enumerate(zip(prompts, samplings))
+        ]
         start = time.perf_counter()
         while self._any_rank_busy(self.has_unfinished()):
             failed = [out.error for out in self.step() if out.finish_reason == "error"]
             if failed:
                 raise FloatingPointError(failed[0])
             if on_step is not None:
-                on_step(sum(len(s.output) for s in seqs), len(self.scheduler.running),
-                        sum(min(s.cached, len(s.request.prompt)) for s in seqs))
-        return Generation([s.output for s in seqs], self._stats(seqs, time.perf_counter() - start),
-                          [torch.stack(s.logits) for s in seqs] if record_logits else None)
+                on_step(
+                    sum(len(s.output) for s in seqs),
+                    len(self.scheduler.running),
+                    sum(min(s.cached, len(s.request.prompt)) for s in seqs),
+                )
+        return Generation(
+            [s.output for s in seqs],
+            self._stats(seqs, time.perf_counter() - start),
+            [torch.stack(s.logits) for s in seqs] if record_logits else None,
+        )
 
     def _any_rank_busy(self, busy: bool) -> bool:
         """With DP > 1 every rank runs every step (the MoE dispatch spans all of them), so a DP rank that is
@@ -319,20 +381,28 @@ class Engine:
         decode_s = decode.seconds + self.phases["draft"].seconds
         graphs = self.runner.graphs
         stats = {
-            "sequences": len(seqs), "prompt_tokens": sum(len(s.request.prompt) for s in seqs),
-            "generated_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds if seconds else 0.0,
-            "prefill_s": self.phases["prefill"].seconds, "decode_s": decode_s,
+            "sequences": len(seqs),
+            "prompt_tokens": sum(len(s.request.prompt) for s in seqs),
+            "generated_tokens": generated,
+            "seconds": seconds,
+            "tokens_per_s": generated / seconds if seconds else 0.0,
+            "prefill_s": self.phases["prefill"].seconds,
+            "decode_s": decode_s,
             "decode_tokens_per_s": decode.tokens_committed / decode_s if decode_s else 0.0,
             "phases": {name: phase.as_dict() for name, phase in self.phases.items()},
-            "kv_cache": self.scheduler.room.stats(), "preemptions": self.scheduler.preemptions,
+            "kv_cache": self.scheduler.room.stats(),
+            "preemptions": self.scheduler.preemptions,
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "cuda_graph_batch_sizes": graphs.batch_sizes() if graphs else [],
         }
         if self.k:
             steps, accepted = self.verify_steps, sum(self.accepted_at)
             stats["speculative"] = {
-                "num_speculative_tokens": self.k, "verify_steps": steps, "proposed": steps * self.k,
-                "accepted": accepted, "acceptance_rate": accepted / (steps * self.k) if steps else 0.0,
+                "num_speculative_tokens": self.k,
+                "verify_steps": steps,
+                "proposed": steps * self.k,
+                "accepted": accepted,
+                "acceptance_rate": accepted / (steps * self.k) if steps else 0.0,
                 "mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
                 "per_position": [count / steps if steps else 0.0 for count in self.accepted_at],
             }

@@ -46,8 +46,15 @@ class CacheView:
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, layers: dict[int, bool], max_seqs: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: dict[int, bool],
+        max_seqs: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         """layers: attention layer index -> whether it runs the indexer. Room for `max_seqs` sequences of up
         to `max_len` tokens each."""
         if max_seqs < 1 or max_len < 1:
@@ -55,10 +62,13 @@ class KVCache:
         widths = _widths(cfg)
         self.max_seqs, self.max_len, self.dtype, self.device = max_seqs, max_len, dtype, torch.device(device)
         self.scratch_slot = max_seqs
-        self.buffers = {layer: {kind: torch.zeros((max_seqs + 1) * max_len, widths[kind], dtype=dtype,
-                                                  device=device)
-                                for kind in _kinds(has_indexer)}
-                        for layer, has_indexer in layers.items()}
+        self.buffers = {
+            layer: {
+                kind: torch.zeros((max_seqs + 1) * max_len, widths[kind], dtype=dtype, device=device)
+                for kind in _kinds(has_indexer)
+            }
+            for layer, has_indexer in layers.items()
+        }
         self._free = list(range(max_seqs - 1, -1, -1))
 
     @staticmethod
@@ -98,8 +108,10 @@ class KVCache:
         device = self.device
         for slot, start, n in zip(slots, starts, lens):
             if start + n > self.max_len:
-                raise ValueError(f"the sequence in KV cache slot {slot} needs {start + n} positions; the cache "
-                                 f"holds {self.max_len} per sequence")
+                raise ValueError(
+                    f"the sequence in KV cache slot {slot} needs {start + n} positions; the cache "
+                    f"holds {self.max_len} per sequence"
+                )
 
         def flat(first: list[int], counts: list[int]):  # (sequence index, position) of each row, rows laid out
             seq = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
@@ -110,8 +122,9 @@ class KVCache:
         q_seq, q_pos = flat(starts, lens)
         k_seq, k_pos = flat([0] * len(slots), [s + n for s, n in zip(starts, lens)])
         allowed = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-        return CacheView(self.buffers, slot_of[q_seq] * self.max_len + q_pos,
-                         slot_of[k_seq] * self.max_len + k_pos, q_pos, allowed)
+        return CacheView(
+            self.buffers, slot_of[q_seq] * self.max_len + q_pos, slot_of[k_seq] * self.max_len + k_pos, q_pos, allowed
+        )
 
     def decode_view(self, slots: torch.Tensor, positions: torch.Tensor) -> CacheView:
         """One decode step built on the device from `slots` and `positions` `[B]` (int64): row i adds the token

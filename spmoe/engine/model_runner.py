@@ -14,13 +14,21 @@ from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache | PagedKVCache, max_num_seqs: int,
-                 cuda_graphs: bool = False):
+    def __init__(
+        self, model: DeepseekV32ForCausalLM, cache: KVCache | PagedKVCache, max_num_seqs: int, cuda_graphs: bool = False
+    ):
         self.model, self.cache = model, cache
         self.graphs = DecodeGraphs(model, cache, max_num_seqs) if cuda_graphs else None
 
-    def run(self, tokens: list[list[int]], locations: list, starts: list[int], logit_rows: list[int],
-            decode: bool, collectives: CommStats) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(
+        self,
+        tokens: list[list[int]],
+        locations: list,
+        starts: list[int],
+        logit_rows: list[int],
+        decode: bool,
+        collectives: CommStats,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sequence i feeds `tokens[i]` at positions `starts[i] ...` of its cache room `locations[i]` (a slot of
         the slot cache, a block table of the paged one) and wants the logits of its last `logit_rows[i]` rows
         (0: none, a prompt chunk). -> (logits `[sum(logit_rows), V]` float32, the FULL post-norm hidden `[N, H]`

@@ -33,25 +33,31 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.8  # of the free GPU memory once the weights are loaded
 
 
-def cache_budget_bytes(device: torch.device | str, gib: float | None = None,
-                       memory_fraction: float | None = None) -> int:
+def cache_budget_bytes(
+    device: torch.device | str, gib: float | None = None, memory_fraction: float | None = None
+) -> int:
     """The cache's byte budget: `gib` GiB, or `memory_fraction` of the device's free memory (CUDA only)."""
     if (gib is None) == (memory_fraction is None):
-        raise ValueError(f"give the KV cache budget as exactly one of GiB or a fraction of free memory, got "
-                         f"gib={gib}, memory_fraction={memory_fraction}")
+        raise ValueError(
+            f"give the KV cache budget as exactly one of GiB or a fraction of free memory, got "
+            f"gib={gib}, memory_fraction={memory_fraction}"
+        )
     if gib is not None:
         if gib <= 0:
             raise ValueError(f"the KV cache budget must be > 0 GiB, got {gib}")
-        return int(gib * 2 ** 30)
+        return int(gib * 2**30)
     device = torch.device(device)
     if not 0 < memory_fraction <= 1 or device.type != "cuda":
-        raise ValueError(f"a KV cache budget as a fraction of free memory needs a CUDA device and a fraction in "
-                         f"(0, 1], got {memory_fraction} on {device}")
+        raise ValueError(
+            f"a KV cache budget as a fraction of free memory needs a CUDA device and a fraction in "
+            f"(0, 1], got {memory_fraction} on {device}"
+        )
     return int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
 
 
-def field_widths(cfg: ModelConfig, has_indexer: bool, dtype: torch.dtype,
-                 fp8: bool) -> dict[str, tuple[int, torch.dtype]]:
+def field_widths(
+    cfg: ModelConfig, has_indexer: bool, dtype: torch.dtype, fp8: bool
+) -> dict[str, tuple[int, torch.dtype]]:
     """Field of `PagedLayerCache` -> (values per token, dtype)."""
     e4m3 = torch.float8_e4m3fn
     widths = {"latent": (cfg.kv_lora_rank, e4m3 if fp8 else dtype), "rope": (cfg.qk_rope_head_dim, dtype)}
@@ -66,8 +72,11 @@ def field_widths(cfg: ModelConfig, has_indexer: bool, dtype: torch.dtype,
 
 def token_bytes(cfg: ModelConfig, layers: dict[int, bool], dtype: torch.dtype, kv_cache_dtype: str) -> int:
     """Cache bytes one token takes over `layers` (attention layer index -> whether it runs the indexer)."""
-    return sum(width * field_dtype.itemsize for has_indexer in layers.values()
-               for width, field_dtype in field_widths(cfg, has_indexer, dtype, kv_cache_dtype == "fp8").values())
+    return sum(
+        width * field_dtype.itemsize
+        for has_indexer in layers.values()
+        for width, field_dtype in field_widths(cfg, has_indexer, dtype, kv_cache_dtype == "fp8").values()
+    )
 
 
 def model_layers(cfg: ModelConfig, with_mtp: bool) -> dict[int, bool]:
@@ -76,35 +85,56 @@ def model_layers(cfg: ModelConfig, with_mtp: bool) -> dict[int, bool]:
     return {i: cfg.layer_has_indexer(i) for i in range(count)}
 
 
-def check_paged_budget(cfg: ModelConfig, with_mtp: bool, dtype: torch.dtype, kv_cache_dtype: str,
-                       gib: float | None, memory_fraction: float | None, device: str, longest: int) -> None:
+def check_paged_budget(
+    cfg: ModelConfig,
+    with_mtp: bool,
+    dtype: torch.dtype,
+    kv_cache_dtype: str,
+    gib: float | None,
+    memory_fraction: float | None,
+    device: str,
+    longest: int,
+) -> None:
     """Before anything is allocated: a one-line error unless the options make a valid budget, the budget holds
     a block of every layer, and (a budget in GiB) the longest sequence (`longest` tokens with its new tokens
     and drafts) fits the whole cache."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     if gib is not None and memory_fraction is not None:
-        raise ValueError(f"give the KV cache budget as --kv-cache-memory or --gpu-memory-utilization, not both; "
-                         f"got {gib} and {memory_fraction}")
+        raise ValueError(
+            f"give the KV cache budget as --kv-cache-memory or --gpu-memory-utilization, not both; "
+            f"got {gib} and {memory_fraction}"
+        )
     if memory_fraction is not None and (device != "cuda" or not 0 < memory_fraction <= 1):
-        raise ValueError(f"--gpu-memory-utilization needs --device cuda and a fraction in (0, 1], got "
-                         f"{memory_fraction} on {device}")
+        raise ValueError(
+            f"--gpu-memory-utilization needs --device cuda and a fraction in (0, 1], got {memory_fraction} on {device}"
+        )
     if gib is None:
         return
     if gib <= 0:
         raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {gib}")
     per_token = token_bytes(cfg, model_layers(cfg, with_mtp), dtype, kv_cache_dtype)
-    blocks = int(gib * 2 ** 30) // (per_token * BLOCK_SIZE)
+    blocks = int(gib * 2**30) // (per_token * BLOCK_SIZE)
     if blocks < 1:
-        raise ValueError(f"--kv-cache-memory {gib} GiB holds no block: one block of {BLOCK_SIZE} tokens in each of "
-                         f"the {len(model_layers(cfg, with_mtp))} attention layers takes {per_token * BLOCK_SIZE} B")
+        raise ValueError(
+            f"--kv-cache-memory {gib} GiB holds no block: one block of {BLOCK_SIZE} tokens in each of "
+            f"the {len(model_layers(cfg, with_mtp))} attention layers takes {per_token * BLOCK_SIZE} B"
+        )
     if longest > blocks * BLOCK_SIZE:
-        raise ValueError(f"a sequence needs {longest} KV cache positions (prompt, new tokens and drafts); "
-                         f"--kv-cache-memory {gib} GiB holds {blocks * BLOCK_SIZE} tokens in all")
+        raise ValueError(
+            f"a sequence needs {longest} KV cache positions (prompt, new tokens and drafts); "
+            f"--kv-cache-memory {gib} GiB holds {blocks * BLOCK_SIZE} tokens in all"
+        )
 
 
-def build_paged_cache(model: nn.Module, gib: float | None, memory_fraction: float | None, kv_cache_dtype: str,
-                      default_seqs: int, default_len: int) -> "PagedKVCache":
+def build_paged_cache(
+    model: nn.Module,
+    gib: float | None,
+    memory_fraction: float | None,
+    kv_cache_dtype: str,
+    default_seqs: int,
+    default_len: int,
+) -> "PagedKVCache":
     """The paged cache sized from `gib` GiB, else `memory_fraction` of the free GPU memory; with neither, on
     CUDA `DEFAULT_GPU_MEMORY_UTILIZATION` of it, on CPU room for `default_seqs` sequences of `default_len`
     tokens, each in its own blocks."""
@@ -120,27 +150,40 @@ def build_paged_cache(model: nn.Module, gib: float | None, memory_fraction: floa
 
 
 class PagedKVCache:
-    def __init__(self, cfg: ModelConfig, layers: dict[int, bool], budget_bytes: int, dtype: torch.dtype,
-                 device: torch.device | str, kv_cache_dtype: str = "auto"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: dict[int, bool],
+        budget_bytes: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kv_cache_dtype: str = "auto",
+    ):
         """layers: attention layer index -> whether it runs the indexer. As many blocks as `budget_bytes`
         holds (the scratch block comes on top)."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.fp8 = kv_cache_dtype == "fp8"
         if self.fp8 and cfg.kv_lora_rank % 128:
-            raise ValueError(f"an FP8 KV cache scales the latent per 128 values; kv_lora_rank {cfg.kv_lora_rank} "
-                             f"is not a multiple of 128")
+            raise ValueError(
+                f"an FP8 KV cache scales the latent per 128 values; kv_lora_rank {cfg.kv_lora_rank} "
+                f"is not a multiple of 128"
+            )
         d = cfg.index_head_dim
         if self.fp8 and any(layers.values()) and d & (d - 1):
-            raise ValueError(f"an FP8 KV cache Hadamard-rotates the indexer keys, which needs a power-of-2 width; "
-                             f"index_head_dim {d} is not a power of 2")
+            raise ValueError(
+                f"an FP8 KV cache Hadamard-rotates the indexer keys, which needs a power-of-2 width; "
+                f"index_head_dim {d} is not a power of 2"
+            )
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.block_size = BLOCK_SIZE
         self.layer_indexer = dict(layers)
         block_bytes = self.bytes_per_token * BLOCK_SIZE
         if budget_bytes < block_bytes:
-            raise ValueError(f"the KV cache needs at least {block_bytes} bytes for one block of each of {len(layers)} "
-                             f"layers, got {budget_bytes}")
+            raise ValueError(
+                f"the KV cache needs at least {block_bytes} bytes for one block of each of {len(layers)} "
+                f"layers, got {budget_bytes}"
+            )
         self.num_blocks = budget_bytes // block_bytes
         self.scratch_block = self.num_blocks
         rows = (self.num_blocks + 1) * BLOCK_SIZE
@@ -164,14 +207,21 @@ class PagedKVCache:
         return self.num_blocks * BLOCK_SIZE
 
     def _allocate(self, rows: int, has_indexer: bool) -> PagedLayerCache:
-        fields = {name: torch.zeros(rows, width, dtype=dtype, device=self.device)
-                  for name, (width, dtype) in field_widths(self.cfg, has_indexer, self.dtype, self.fp8).items()}
+        fields = {
+            name: torch.zeros(rows, width, dtype=dtype, device=self.device)
+            for name, (width, dtype) in field_widths(self.cfg, has_indexer, self.dtype, self.fp8).items()
+        }
         if self.fp8:  # zero rows must dequantise to zero, and stay finite: scales of 1
             for name in ("latent_scale", "index_scale"):
                 if name in fields:
                     fields[name].fill_(1.0)
-        return PagedLayerCache(fields["latent"], fields.get("latent_scale"), fields["rope"],
-                               fields.get("index_key"), fields.get("index_scale"))
+        return PagedLayerCache(
+            fields["latent"],
+            fields.get("latent_scale"),
+            fields["rope"],
+            fields.get("index_key"),
+            fields.get("index_scale"),
+        )
 
     # -- views ------------------------------------------------------------------------------------------------
 
@@ -180,18 +230,22 @@ class PagedKVCache:
         `lens[i]` new tokens at positions `starts[i] ...`, laid end to end."""
         for i, (table, start, n) in enumerate(zip(block_tables, starts, lens)):
             if start + n > len(table) * BLOCK_SIZE:
-                raise ValueError(f"sequence {i} needs {start + n} positions; its {len(table)} blocks hold "
-                                 f"{len(table) * BLOCK_SIZE}")
+                raise ValueError(
+                    f"sequence {i} needs {start + n} positions; its {len(table)} blocks hold {len(table) * BLOCK_SIZE}"
+                )
         width = max((len(t) for t in block_tables), default=1)  # an empty batch (a DP rank in step): [0, 1]
-        tables = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in block_tables],
-                              dtype=torch.int32).view(len(block_tables), width)
+        tables = torch.tensor(
+            [t + [self.scratch_block] * (width - len(t)) for t in block_tables], dtype=torch.int32
+        ).view(len(block_tables), width)
         seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
-        positions = torch.cat([torch.zeros(0, dtype=torch.long)]
-                              + [torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        positions = torch.cat(
+            [torch.zeros(0, dtype=torch.long)] + [torch.arange(s, s + n) for s, n in zip(starts, lens)]
+        )
         return self.decode_view(tables.to(self.device), seq_index.to(self.device), positions.to(self.device))
 
-    def decode_view(self, block_tables: torch.Tensor, seq_index: torch.Tensor,
-                    positions: torch.Tensor) -> "PagedCacheView":
+    def decode_view(
+        self, block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor
+    ) -> "PagedCacheView":
         """A view built on the device from block_tables `[S, max_blocks]` int32 (pad entries: `scratch_block`),
         seq_index and positions `[N]` int64. Shapes depend on N, S and max_blocks alone and nothing is read back
         to the host, so a CUDA graph can capture it. A pad row: a sequence whose table is all `scratch_block`,
@@ -235,8 +289,18 @@ class PagedCacheView(PagedKeyStore):
         rows, c = self.cache.layers[layer], self.cache.cfg.kv_lora_rank
         if use_fused(kv_a):
             from spmoe.layers.fused_triton import write_mla_cache
-            write_mla_cache(kv_a, norm.weight, norm.eps, rotary.cos, rotary.sin, self.slot_mapping, rows.latent,
-                            rows.latent_scale, rows.rope)
+
+            write_mla_cache(
+                kv_a,
+                norm.weight,
+                norm.eps,
+                rotary.cos,
+                rotary.sin,
+                self.slot_mapping,
+                rows.latent,
+                rows.latent_scale,
+                rows.rope,
+            )
             return
         latent, rope = kv_a.split([c, kv_a.shape[1] - c], dim=-1)
         rotary.rotate_(rope.unsqueeze(1), interleaved=True)

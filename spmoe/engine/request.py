@@ -53,6 +53,11 @@ class EngineMetrics:
     def combine(cls, parts: list["EngineMetrics"]) -> "EngineMetrics":
         """The metrics of several engines (one per DP group) as one: counts add up, cache usage averages
         (each group has a cache of the same size)."""
-        return cls(sum(m.running for m in parts), sum(m.waiting for m in parts),
-                   sum(m.kv_cache_usage for m in parts) / len(parts), sum(m.generated_tokens for m in parts),
-                   sum(m.draft_proposed for m in parts), sum(m.draft_accepted for m in parts))
+        return cls(
+            sum(m.running for m in parts),
+            sum(m.waiting for m in parts),
+            sum(m.kv_cache_usage for m in parts) / len(parts),
+            sum(m.generated_tokens for m in parts),
+            sum(m.draft_proposed for m in parts),
+            sum(m.draft_accepted for m in parts),
+        )

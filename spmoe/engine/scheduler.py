@@ -95,8 +95,12 @@ class SlotRoom:
         return 1 - self.cache.free_slots / self.cache.max_seqs
 
     def stats(self) -> dict:
-        return {"kind": "slots", "bytes_per_token": self.cache.bytes_per_token, "slots": self.cache.max_seqs,
-                "max_len": self.cache.max_len}
+        return {
+            "kind": "slots",
+            "bytes_per_token": self.cache.bytes_per_token,
+            "slots": self.cache.max_seqs,
+            "max_len": self.cache.max_len,
+        }
 
 
 class BlockRoom:
@@ -146,10 +150,16 @@ class BlockRoom:
         return self.blocks.usage
 
     def stats(self) -> dict:
-        return {"kind": "paged", "kv_cache_dtype": "fp8" if self.cache.fp8 else "auto",
-                "bytes_per_token": self.cache.bytes_per_token, "block_size": self.cache.block_size,
-                "num_blocks": self.blocks.num_blocks, "capacity_tokens": self.blocks.capacity_tokens,
-                "blocks_in_use": self.blocks.num_used_blocks, "peak_blocks_in_use": self.peak_blocks}
+        return {
+            "kind": "paged",
+            "kv_cache_dtype": "fp8" if self.cache.fp8 else "auto",
+            "bytes_per_token": self.cache.bytes_per_token,
+            "block_size": self.cache.block_size,
+            "num_blocks": self.blocks.num_blocks,
+            "capacity_tokens": self.blocks.capacity_tokens,
+            "blocks_in_use": self.blocks.num_used_blocks,
+            "peak_blocks_in_use": self.peak_blocks,
+        }
 
     def _note_peak(self) -> None:
         self.peak_blocks = max(self.peak_blocks, self.blocks.num_used_blocks)

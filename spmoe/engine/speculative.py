@@ -40,8 +40,9 @@ class MtpDrafter:
     def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache | PagedKVCache, k: int):
         self.model, self.cache, self.k = model, cache, k
 
-    def propose(self, locations: list, starts: list[int], next_ids: list[list[int]],
-                hidden: torch.Tensor) -> list[list[int]]:
+    def propose(
+        self, locations: list, starts: list[int], next_ids: list[list[int]], hidden: torch.Tensor
+    ) -> list[list[int]]:
         """Catch up on the verified positions of each sequence, then draft.
 
         Sequence i (cache room `locations[i]`: a slot, or a block table) has `len(next_ids[i])` verified

@@ -24,10 +24,12 @@ def cmd_selfcheck(args) -> int:
         c = row["collectives"]
         ok = row["max_err"] == 0.0
         failed += not ok
-        print(f"{row['dtype']:<9}{row['N']:>4}{row['n']:>4}  {row['max_err']:>8.1e}  "
-              f"all_gather {c['all_gather']['count']}/{c['all_gather']['bytes']}  "
-              f"reduce_scatter {c['reduce_scatter']['count']}/{c['reduce_scatter']['bytes']}  "
-              f"{'ok' if ok else 'MISMATCH'}")
+        print(
+            f"{row['dtype']:<9}{row['N']:>4}{row['n']:>4}  {row['max_err']:>8.1e}  "
+            f"all_gather {c['all_gather']['count']}/{c['all_gather']['bytes']}  "
+            f"reduce_scatter {c['reduce_scatter']['count']}/{c['reduce_scatter']['bytes']}  "
+            f"{'ok' if ok else 'MISMATCH'}"
+        )
     print(f"{len(rows) - failed} of {len(rows)} cases exact")
     return 1 if failed else 0
 
@@ -41,11 +43,20 @@ def cmd_forward(args) -> int:
     cfg = ModelConfig.from_file(args.model)
     parallel = parallel_config(args)
     seqs = read_input_ids(args.input_ids, cfg.vocab_size)
-    check_forward(cfg, parallel, seqs, args.device,
-                  {"--save-logits": args.save_logits, **({"--stats": args.stats} if args.stats else {})})
-    print(f"spmoe forward: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, tp={args.tp}, dp={args.dp}, "
-          f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} "
-          f"(--sp {args.sp}, scope {args.sp_scope}), {args.dtype} on {args.device}", file=sys.stderr, flush=True)
+    check_forward(
+        cfg,
+        parallel,
+        seqs,
+        args.device,
+        {"--save-logits": args.save_logits, **({"--stats": args.stats} if args.stats else {})},
+    )
+    print(
+        f"spmoe forward: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, tp={args.tp}, dp={args.dp}, "
+        f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} "
+        f"(--sp {args.sp}, scope {args.sp_scope}), {args.dtype} on {args.device}",
+        file=sys.stderr,
+        flush=True,
+    )
     result = run_forward(args.model, parallel, seqs, args.dtype, args.device)
     if result is None:  # a torchrun rank other than 0
         return 0
@@ -60,8 +71,8 @@ def cmd_forward(args) -> int:
 
 def cmd_generate(args) -> int:
     from spmoe.engine.sampling import SamplingParams
-    from spmoe.entrypoints.jobs import read_input_ids
     from spmoe.entrypoints.generate import GenerateOptions, check_generate, run_generate
+    from spmoe.entrypoints.jobs import read_input_ids
 
     cfg = ModelConfig.from_file(args.model)
     parallel = parallel_config(args)
@@ -73,27 +84,48 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--speculative mtp needs --num-speculative-tokens >= 1, got {drafts}")
     elif args.num_speculative_tokens is not None:
         raise ValueError(f"--num-speculative-tokens {args.num_speculative_tokens} needs --speculative mtp")
-    opts = GenerateOptions(args.max_new_tokens, SamplingParams(args.temperature, args.top_p, args.seed), drafts,
-                           tuple(args.eos_id) if args.eos_id is not None else None, args.max_num_seqs,
-                           args.max_model_len, args.dtype, cuda_graphs=args.cuda_graphs, **kv_cache_options(args))
+    opts = GenerateOptions(
+        args.max_new_tokens,
+        SamplingParams(args.temperature, args.top_p, args.seed),
+        drafts,
+        tuple(args.eos_id) if args.eos_id is not None else None,
+        args.max_num_seqs,
+        args.max_model_len,
+        args.dtype,
+        cuda_graphs=args.cuda_graphs,
+        **kv_cache_options(args),
+    )
     check_generate(cfg, parallel, prompts, opts, args.device, {"--output": args.output})
-    print(f"spmoe generate: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens each, tp={args.tp}, "
-          f"dp={args.dp}, "
-          f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} (--sp {args.sp}, scope "
-          f"{args.sp_scope}), {'MTP with %d drafts, ' % drafts if drafts else ''}{args.dtype} on {args.device}",
-          file=sys.stderr, flush=True)
+    print(
+        f"spmoe generate: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens each, tp={args.tp}, "
+        f"dp={args.dp}, "
+        f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} (--sp {args.sp}, scope "
+        f"{args.sp_scope}), {f'MTP with {drafts} drafts, ' if drafts else ''}{args.dtype} on {args.device}",
+        file=sys.stderr,
+        flush=True,
+    )
     gen = run_generate(args.model, parallel, prompts, opts, args.device)
     if gen is None:  # a torchrun rank other than 0
         return 0
-    gen.stats["parallel"] = {"tp": args.tp, "dp": args.dp,
-                             "use_sequence_parallel_moe": parallel.use_sequence_parallel_moe, "sp_scope": args.sp_scope,
-                             "ep_backend": args.ep_backend}
+    gen.stats["parallel"] = {
+        "tp": args.tp,
+        "dp": args.dp,
+        "use_sequence_parallel_moe": parallel.use_sequence_parallel_moe,
+        "sp_scope": args.sp_scope,
+        "ep_backend": args.ep_backend,
+    }
     with open(args.output, "w") as f:
         json.dump({"outputs": gen.outputs, "stats": gen.stats}, f, indent=2)
     spec = gen.stats.get("speculative")
-    print(f"wrote {gen.stats['generated_tokens']} tokens to {args.output}: {gen.stats['tokens_per_s']:.1f} tokens/s"
-          + (f", MTP acceptance {spec['acceptance_rate']:.1%}, mean accepted length "
-             f"{spec['mean_accepted_length']:.2f}" if spec else ""), file=sys.stderr)
+    print(
+        f"wrote {gen.stats['generated_tokens']} tokens to {args.output}: {gen.stats['tokens_per_s']:.1f} tokens/s"
+        + (
+            f", MTP acceptance {spec['acceptance_rate']:.1%}, mean accepted length {spec['mean_accepted_length']:.2f}"
+            if spec
+            else ""
+        ),
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -107,24 +139,43 @@ def add_model_args(p) -> None:
     """The options `forward` and `generate` share: the checkpoint, the parallel layout, the kernels, the input."""
     p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel size (ranks per DP group)")
-    p.add_argument("--dp", type=int, default=1,
-                   help="data-parallel size (default 1): DP groups of --tp ranks each take a share of the batch; "
-                        "the experts are split over all dp * tp ranks")
-    p.add_argument("--sp", choices=SP_MODES, default="auto",
-                   help="sequence-parallel MoE (default auto: on when tp > 1 and dp > 1)")
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel size (default 1): DP groups of --tp ranks each take a share of the batch; "
+        "the experts are split over all dp * tp ranks",
+    )
+    p.add_argument(
+        "--sp", choices=SP_MODES, default="auto", help="sequence-parallel MoE (default auto: on when tp > 1 and dp > 1)"
+    )
     p.add_argument("--sp-scope", choices=SP_SCOPES, default="moe", help="which layers are SP (default moe)")
-    p.add_argument("--ep-backend", choices=EP_BACKENDS, default="allgather_reducescatter",
-                   help="how SP layers dispatch tokens to experts (default allgather_reducescatter)")
-    p.add_argument("--moe-backend", choices=MOE_BACKENDS, default="auto",
-                   help="expert kernels (default auto: the first that fits, see the README)")
+    p.add_argument(
+        "--ep-backend",
+        choices=EP_BACKENDS,
+        default="allgather_reducescatter",
+        help="how SP layers dispatch tokens to experts (default allgather_reducescatter)",
+    )
+    p.add_argument(
+        "--moe-backend",
+        choices=MOE_BACKENDS,
+        default="auto",
+        help="expert kernels (default auto: the first that fits, see the README)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--input-ids", required=True, help="JSON list of token-id lists, one per sequence")
 
 
 def parallel_config(args) -> ParallelConfig:
-    return ParallelConfig(tensor_parallel_size=args.tp, data_parallel_size=args.dp, sp=args.sp,
-                          sp_scope=args.sp_scope, ep_backend=args.ep_backend, moe_backend=args.moe_backend)
+    return ParallelConfig(
+        tensor_parallel_size=args.tp,
+        data_parallel_size=args.dp,
+        sp=args.sp,
+        sp_scope=args.sp_scope,
+        ep_backend=args.ep_backend,
+        moe_backend=args.moe_backend,
+    )
 
 
 def main(argv=None) -> int:
@@ -152,11 +203,15 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i samples from seed + i)")
     p.add_argument("--eos-id", type=int, action="append", help="stop token (repeatable; default: the config's)")
     p.add_argument("--max-num-seqs", type=int, help="sequences decoded at once (default: all); more prompts wait")
-    p.add_argument("--max-model-len", type=int,
-                   help="KV cache positions per sequence (default: longest prompt + max new tokens + drafts)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="KV cache positions per sequence (default: longest prompt + max new tokens + drafts)",
+    )
     add_kv_cache_args(p, "--max-num-seqs x --max-model-len tokens")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)")
+    p.add_argument(
+        "--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)"
+    )
     p.add_argument("--output", required=True, help='output JSON: {"outputs": [[ids...], ...], "stats": {...}}')
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on local ranks (default: the demo model)")

@@ -23,14 +23,41 @@ from spmoe.distributed.launcher import free_port
 from spmoe.entrypoints.generate import GenerateOptions, check_generate, rank_generate
 
 CONFIG = dict(  # vocab_size: the demo tokenizer's 256 bytes + 8 special tokens
-    model_type="glm_moe_dsa", vocab_size=264, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
-    num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-    indexer_types=["full", "shared", "full", "shared"], num_attention_heads=8, num_key_value_heads=8,
-    n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1,
-    routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
-    hidden_act="silu", q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    index_topk=8, index_n_heads=4, index_head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-    num_nextn_predict_layers=1, max_position_embeddings=256, eos_token_id=[], tie_word_embeddings=False)
+    model_type="glm_moe_dsa",
+    vocab_size=264,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    indexer_types=["full", "shared", "full", "shared"],
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=4,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    hidden_act="silu",
+    q_lora_rank=64,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    index_topk=8,
+    index_n_heads=4,
+    index_head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    num_nextn_predict_layers=1,
+    max_position_embeddings=256,
+    eos_token_id=[],
+    tie_word_embeddings=False,
+)
 SEED = 2026
 PROMPTS = [[11, 42, 7, 99, 3, 250, 17, 64, 8, 120, 31, 5], [200, 1, 77, 43, 9], [128], [60, 61, 62]]
 MAX_NEW_TOKENS = 16
@@ -47,8 +74,10 @@ MODES = [  # (label, --sp, scope, MTP drafts)
 CHAT = [{"role": "user", "content": "Hello! Who are you?"}]
 SERVE_MAX_TOKENS = 24
 SPECIAL_TOKENS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>"] + [f"<|reserved_{i}|>" for i in range(4)]
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def write_demo_tokenizer(folder: Path) -> None:
@@ -66,9 +95,17 @@ def write_demo_tokenizer(folder: Path) -> None:
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|end|>", "chat_template": CHAT_TEMPLATE,
-        "model_max_length": CONFIG["max_position_embeddings"]}, indent=2))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|end|>",
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": CONFIG["max_position_embeddings"],
+            },
+            indent=2,
+        )
+    )
 
 
 def checkpoint_dir() -> Path:
@@ -100,10 +137,14 @@ def _rank_demo(folder: str, dp: int) -> dict | None:
 
 
 def _modes(dp: int) -> list[tuple[str, ParallelConfig, GenerateOptions]]:
-    return [(label, ParallelConfig(tensor_parallel_size=TP, data_parallel_size=dp, sp=sp,
-                                   sp_scope=scope),
-             GenerateOptions(MAX_NEW_TOKENS, num_speculative_tokens=drafts, record_logits=True, progress=False))
-            for label, sp, scope, drafts in MODES]
+    return [
+        (
+            label,
+            ParallelConfig(tensor_parallel_size=TP, data_parallel_size=dp, sp=sp, sp_scope=scope),
+            GenerateOptions(MAX_NEW_TOKENS, num_speculative_tokens=drafts, record_logits=True, progress=False),
+        )
+        for label, sp, scope, drafts in MODES
+    ]
 
 
 def run_demo(device: str = "cpu", dp: int = 1) -> int:
@@ -112,35 +153,55 @@ def run_demo(device: str = "cpu", dp: int = 1) -> int:
     cfg = ModelConfig.from_file(folder)
     for _, parallel, opts in _modes(dp):
         check_generate(cfg, parallel, PROMPTS, opts, device)
-    print(f"spmoe demo: tiny GLM-5.2-shaped model, random weights (seed {SEED}): 4 layers (1 dense + 3 MoE, "
-          f"16 experts top-4 + 1 shared), MLA + DSA indexer, 1 MTP layer")
+    print(
+        f"spmoe demo: tiny GLM-5.2-shaped model, random weights (seed {SEED}): 4 layers (1 dense + 3 MoE, "
+        f"16 experts top-4 + 1 shared), MLA + DSA indexer, 1 MTP layer"
+    )
     print(f"checkpoint: {folder} ({'written now' if written else 'reused'})")
-    print(f"generating {MAX_NEW_TOKENS} tokens after {len(PROMPTS)} prompts of {[len(p) for p in PROMPTS]} tokens "
-          f"on {TP * dp} local ranks (TP {TP} x DP {dp}, {'gloo, CPU' if device == 'cpu' else 'NCCL, CUDA'}), greedy, "
-          f"float32", flush=True)
-    runs = launch(_rank_demo, TP * dp, str(folder), dp, config=ParallelConfig(tensor_parallel_size=TP,
-                                                                             data_parallel_size=dp), device=device)
+    print(
+        f"generating {MAX_NEW_TOKENS} tokens after {len(PROMPTS)} prompts of {[len(p) for p in PROMPTS]} tokens "
+        f"on {TP * dp} local ranks (TP {TP} x DP {dp}, {'gloo, CPU' if device == 'cpu' else 'NCCL, CUDA'}), greedy, "
+        f"float32",
+        flush=True,
+    )
+    runs = launch(
+        _rank_demo,
+        TP * dp,
+        str(folder),
+        dp,
+        config=ParallelConfig(tensor_parallel_size=TP, data_parallel_size=dp),
+        device=device,
+    )
     if runs is None:  # a torchrun rank other than 0
         return 0
     reference = runs[MODES[0][0]]
-    print(f"\n{'':<29}{'collectives per decode forward, count/KiB'}\n"
-          f"{'mode':<18}{'tokens/s':>9}  {'all_reduce':>12}{'all_gather':>14}{'reduce_scatter':>16}"
-          f"{'max|dlogit|':>13}{'MTP accept':>12}  tokens")
+    print(
+        f"\n{'':<29}{'collectives per decode forward, count/KiB'}\n"
+        f"{'mode':<18}{'tokens/s':>9}  {'all_reduce':>12}{'all_gather':>14}{'reduce_scatter':>16}"
+        f"{'max|dlogit|':>13}{'MTP accept':>12}  tokens"
+    )
     identical = True
     for label, gen in runs.items():
         decode = gen.stats["phases"]["decode"]
-        cells = "".join(f"{c['count'] / decode['forwards']:>{w - 7}.0f}/{c['bytes'] / decode['forwards'] / 1024:<6.1f}"
-                        for c, w in zip((decode["collectives"][k] for k in ("all_reduce", "all_gather",
-                                                                           "reduce_scatter")), (12, 14, 16)))
+        cells = "".join(
+            f"{c['count'] / decode['forwards']:>{w - 7}.0f}/{c['bytes'] / decode['forwards'] / 1024:<6.1f}"
+            for c, w in zip(
+                (decode["collectives"][k] for k in ("all_reduce", "all_gather", "reduce_scatter")), (12, 14, 16)
+            )
+        )
         diff = max((a - b).abs().max().item() for a, b in zip(gen.logits, reference.logits))
         same = gen.outputs == reference.outputs
         identical &= same
         spec = gen.stats.get("speculative")
         accept = f"{spec['acceptance_rate']:.0%}" if spec else "-"
-        print(f"{label:<18}{gen.stats['tokens_per_s']:>9.1f}  {cells}{diff:>13.1e}{accept:>12}  "
-              f"{'identical' if same else 'DIFFERENT'}")
-    print(f"\nA decode forward runs {CONFIG['num_hidden_layers']} decoder layers, the embedding and the LM head; with "
-          f"MTP it verifies\n1 + 2 tokens per sequence. max|dlogit|: against SP off. Tokens (SP off):")
+        print(
+            f"{label:<18}{gen.stats['tokens_per_s']:>9.1f}  {cells}{diff:>13.1e}{accept:>12}  "
+            f"{'identical' if same else 'DIFFERENT'}"
+        )
+    print(
+        f"\nA decode forward runs {CONFIG['num_hidden_layers']} decoder layers, the embedding and the LM head; with "
+        f"MTP it verifies\n1 + 2 tokens per sequence. max|dlogit|: against SP off. Tokens (SP off):"
+    )
     for prompt, out in zip(PROMPTS, reference.outputs):
         print(f"  {prompt} -> {out}")
     if not identical:
@@ -168,15 +229,19 @@ def show_server(device: str, dp: int) -> int:
         body = {"model": "spmoe-demo", "messages": CHAT, "max_tokens": SERVE_MAX_TOKENS, "temperature": 0}
         print(f"POST {ready}/chat/completions {json.dumps(body)}", flush=True)
         began = time.perf_counter()
-        request = urllib.request.Request(f"{ready}/chat/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{ready}/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=120) as response:
             reply = json.load(response)
         choice, usage = reply["choices"][0], reply["usage"]
-        print(f"reply ({time.perf_counter() - began:.1f} s; random weights, so random bytes): "
-              f"{json.dumps(choice['message']['content'], ensure_ascii=False)}\n"
-              f"usage: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens, "
-              f"finish_reason {choice['finish_reason']}", flush=True)
+        print(
+            f"reply ({time.perf_counter() - began:.1f} s; random weights, so random bytes): "
+            f"{json.dumps(choice['message']['content'], ensure_ascii=False)}\n"
+            f"usage: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens, "
+            f"finish_reason {choice['finish_reason']}",
+            flush=True,
+        )
     finally:
         stopped, how = _stop(server)
         signal.signal(signal.SIGTERM, previous)

@@ -22,8 +22,13 @@ def _rank_forward(model_dir: str, parallel: ParallelConfig, dtype: str, seqs: li
     return torch.cat([logits[:0]] + per_seq), stats.as_dict()
 
 
-def check_forward(cfg: ModelConfig, parallel: ParallelConfig, seqs: list[list[int]], device: str,
-                  outputs: dict[str, str] | None = None) -> None:
+def check_forward(
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    seqs: list[list[int]],
+    device: str,
+    outputs: dict[str, str] | None = None,
+) -> None:
     """Every check of a forward job, before any rank starts. `outputs`: option name -> path the caller will
     write."""
     cfg.check_parallel(parallel)
@@ -33,11 +38,11 @@ def check_forward(cfg: ModelConfig, parallel: ParallelConfig, seqs: list[list[in
     check_positions(max(map(len, seqs)), cfg.max_position_embeddings, "the longest sequence")
 
 
-def run_forward(model_dir: str, parallel: ParallelConfig, seqs: list[list[int]], dtype: str = "float32",
-                device: str = "cpu") -> tuple[torch.Tensor, dict]:
+def run_forward(
+    model_dir: str, parallel: ParallelConfig, seqs: list[list[int]], dtype: str = "float32", device: str = "cpu"
+) -> tuple[torch.Tensor, dict]:
     """-> (logits `[total tokens, vocab]` float32, rank 0's collective counts) on rank 0; None on the other
     ranks under torchrun. seqs: valid token ids (`jobs.read_input_ids` checks a file's). Validates before
     starting any rank."""
     check_forward(ModelConfig.from_file(model_dir), parallel, seqs, device)
-    return launch(_rank_forward, parallel.world_size, model_dir, parallel, dtype, seqs, config=parallel,
-                  device=device)
+    return launch(_rank_forward, parallel.world_size, model_dir, parallel, dtype, seqs, config=parallel, device=device)

@@ -54,15 +54,21 @@ def rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[i
     from spmoe.models.deepseek_v32.weights import load_model
 
     state = get_parallel_state()
-    model = load_model(model_dir, parallel, DTYPES[opts.dtype], state.device,
-                       with_mtp=opts.num_speculative_tokens > 0)
+    model = load_model(model_dir, parallel, DTYPES[opts.dtype], state.device, with_mtp=opts.num_speculative_tokens > 0)
     mine = split_for_dp(prompts, state.dp_rank, state.dp_size)  # this DP rank's prompts (maybe none)
     sampling = split_for_dp(per_prompt(opts.sampling, len(prompts)), state.dp_rank, state.dp_size)
     seqs = opts.cache_slots(len(mine))
     cache = build_kv_cache(model, opts, seqs, opts.cache_len(prompts))
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
-    engine = Engine(model, cache, opts.num_speculative_tokens, opts.cuda_graphs, seqs, opts.max_num_batched_tokens,
-                    opts.max_model_len)
+    engine = Engine(
+        model,
+        cache,
+        opts.num_speculative_tokens,
+        opts.cuda_graphs,
+        seqs,
+        opts.max_num_batched_tokens,
+        opts.max_model_len,
+    )
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
     prompt_tokens = sum(map(len, mine))
     live_terminal = sys.stderr.isatty()
@@ -73,24 +79,41 @@ def rank_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[i
         if now - last[0] >= (0.5 if live_terminal else 5.0) or live == 0:
             last[0] = now
             prefill = f"prefilled {prefilled}/{prompt_tokens} prompt tokens, " if prefilled < prompt_tokens else ""
-            print(f"{line_start}generating: {prefill}{done}/{budget} tokens, {live} live "
-                  f"sequences, {done / (now - began):.1f} tokens/s", end="" if live_terminal and live else "\n",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{line_start}generating: {prefill}{done}/{budget} tokens, {live} live "
+                f"sequences, {done / (now - began):.1f} tokens/s",
+                end="" if live_terminal and live else "\n",
+                file=sys.stderr,
+                flush=True,
+            )
 
-    gen = engine.generate(mine, opts.max_new_tokens, sampling, eos, opts.record_logits,
-                          on_step=show if opts.progress and state.rank == 0 else None)
+    gen = engine.generate(
+        mine,
+        opts.max_new_tokens,
+        sampling,
+        eos,
+        opts.record_logits,
+        on_step=show if opts.progress and state.rank == 0 else None,
+    )
     outputs = gather_from_dp(gen.outputs, state.dp_size)
     logits = gather_from_dp(gen.logits, state.dp_size) if opts.record_logits else None
     if state.rank != 0:
         return None
     generated = sum(map(len, outputs))  # every DP rank's tokens; the ranks step together, so rank 0's clock
-    gen.stats.update(generated_tokens=generated, tokens_per_s=generated / gen.stats["seconds"],
-                     data_parallel_size=state.dp_size)
+    gen.stats.update(
+        generated_tokens=generated, tokens_per_s=generated / gen.stats["seconds"], data_parallel_size=state.dp_size
+    )
     return Generation(outputs, gen.stats, logits)
 
 
-def check_generate(cfg: ModelConfig, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions,
-                   device: str = "cpu", outputs: dict[str, str] | None = None) -> None:
+def check_generate(
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    prompts: list[list[int]],
+    opts: GenerateOptions,
+    device: str = "cpu",
+    outputs: dict[str, str] | None = None,
+) -> None:
     """Every check of a generate job, before any rank starts or any weight loads: the parallel layout and the
     device, the output paths (`outputs`: option name -> path the caller will write), every numeric option,
     the option combinations, the prompts against the KV cache and `max_position_embeddings`, and the KV cache
@@ -119,35 +142,51 @@ def check_generate(cfg: ModelConfig, parallel: ParallelConfig, prompts: list[lis
     cache_len = opts.cache_len(prompts)
     check_prompts(prompts, cfg.vocab_size, opts.max_new_tokens, drafts, cache_len)
     longest = max(map(len, prompts)) + opts.max_new_tokens + drafts
-    check_positions(longest, cfg.max_position_embeddings,
-                    f"the longest prompt ({max(map(len, prompts))} tokens) with {opts.max_new_tokens} new tokens "
-                    f"and {drafts} speculative tokens")
+    check_positions(
+        longest,
+        cfg.max_position_embeddings,
+        f"the longest prompt ({max(map(len, prompts))} tokens) with {opts.max_new_tokens} new tokens "
+        f"and {drafts} speculative tokens",
+    )
     check_positions(cache_len, cfg.max_position_embeddings, "--max-model-len")
     if opts.max_num_batched_tokens < 1:
         raise ValueError(f"--max-num-batched-tokens must be >= 1, got {opts.max_num_batched_tokens}")
     if opts.kv_cache == "paged":
-        check_paged_budget(cfg, drafts > 0, DTYPES[opts.dtype], opts.kv_cache_dtype, opts.kv_cache_memory,
-                           opts.gpu_memory_utilization, device, longest)
+        check_paged_budget(
+            cfg,
+            drafts > 0,
+            DTYPES[opts.dtype],
+            opts.kv_cache_dtype,
+            opts.kv_cache_memory,
+            opts.gpu_memory_utilization,
+            device,
+            longest,
+        )
         if device == "cuda" or opts.kv_cache_memory is not None:
             return  # sized from the free GPU memory, or a budget the user chose
         # on CPU the default paged cache holds what the slot cache would: the same memory check applies
     elif (opts.kv_cache_memory, opts.gpu_memory_utilization, opts.kv_cache_dtype) != (None, None, "auto"):
-        raise ValueError("--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; "
-                         "got them with --kv-cache dense")
+        raise ValueError(
+            "--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; "
+            "got them with --kv-cache dense"
+        )
     slots = opts.cache_slots(math.ceil(len(prompts) / parallel.data_parallel_size))
     check_kv_cache_memory(cfg, drafts > 0, slots, cache_len, opts.dtype, device, parallel.world_size)
 
 
-def check_kv_cache_memory(cfg: ModelConfig, with_mtp: bool, slots: int, max_len: int, dtype: str, device: str,
-                          world_size: int) -> None:
+def check_kv_cache_memory(
+    cfg: ModelConfig, with_mtp: bool, slots: int, max_len: int, dtype: str, device: str, world_size: int
+) -> None:
     """Raise if the KV cache alone cannot fit, before anything is allocated. Each rank holds a whole cache.
 
     CPU: the ranks on this machine (all of them when spawned; LOCAL_WORLD_SIZE under torchrun) share the
     memory, so their caches together are compared with MemAvailable (/proc/meminfo). CUDA: one rank per GPU;
     its cache is compared with the GPU's total memory, which can be read without creating a CUDA context in
     this process (the free memory cannot); the weights are not counted, so this is a bound, not a promise."""
-    layers = {i: cfg.layer_has_indexer(i) for i in range(cfg.num_hidden_layers + (cfg.num_nextn_predict_layers
-                                                                                  if with_mtp else 0))}
+    layers = {
+        i: cfg.layer_has_indexer(i)
+        for i in range(cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0))
+    }
     per_rank = KVCache.size_bytes(cfg, layers, slots, max_len, DTYPES[dtype])
     if device == "cuda":
         ranks, available, where = 1, torch.cuda.get_device_properties(0).total_memory, "one GPU's total memory"
@@ -155,10 +194,12 @@ def check_kv_cache_memory(cfg: ModelConfig, with_mtp: bool, slots: int, max_len:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "WORLD_SIZE" in os.environ else world_size
         available, where = _cpu_memory_available(), "MemAvailable"
     if per_rank * ranks > available:
-        raise ValueError(f"the KV cache needs {per_rank * ranks / 2**30:.1f} GiB ({ranks} rank(s) x {slots + 1} "
-                         f"slots, 1 of them scratch, x {max_len} positions x {per_rank // ((slots + 1) * max_len)} B "
-                         f"per token), more than {where}, {available / 2**30:.1f} GiB: lower --max-model-len or "
-                         f"--max-num-seqs")
+        raise ValueError(
+            f"the KV cache needs {per_rank * ranks / 2**30:.1f} GiB ({ranks} rank(s) x {slots + 1} "
+            f"slots, 1 of them scratch, x {max_len} positions x {per_rank // ((slots + 1) * max_len)} B "
+            f"per token), more than {where}, {available / 2**30:.1f} GiB: lower --max-model-len or "
+            f"--max-num-seqs"
+        )
 
 
 def _cpu_memory_available() -> int:
@@ -174,10 +215,12 @@ def _cpu_memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_generate(model_dir: str, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions,
-                 device: str = "cpu"):
+def run_generate(
+    model_dir: str, parallel: ParallelConfig, prompts: list[list[int]], opts: GenerateOptions, device: str = "cpu"
+):
     """-> rank 0's `Generation` (outputs, stats, optional logits); None on the other ranks under torchrun.
     Validates before starting any rank."""
     check_generate(ModelConfig.from_file(model_dir), parallel, prompts, opts, device)
-    return launch(rank_generate, parallel.world_size, model_dir, parallel, prompts, opts, config=parallel,
-                  device=device)
+    return launch(
+        rank_generate, parallel.world_size, model_dir, parallel, prompts, opts, config=parallel, device=device
+    )

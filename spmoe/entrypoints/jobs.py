@@ -24,8 +24,9 @@ def read_input_ids(path: str | Path, vocab_size: int) -> list[list[int]]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(seqs, list) or not seqs:
-        raise ValueError(f"{path}: expected a non-empty JSON list of token-id lists, got {type(seqs).__name__} "
-                         f"{str(seqs)[:40]}")
+        raise ValueError(
+            f"{path}: expected a non-empty JSON list of token-id lists, got {type(seqs).__name__} {str(seqs)[:40]}"
+        )
     for i, seq in enumerate(seqs):
         if not isinstance(seq, list) or not seq:
             raise ValueError(f"{path}: sequence {i} must be a non-empty list of token ids, got {str(seq)[:40]}")
@@ -52,8 +53,9 @@ def check_writable(path: str | Path, option: str) -> None:
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".spmoe-probe-"):
             pass
     except OSError as e:
-        raise ValueError(f"{option} {path} cannot be written: creating a file in {path.parent} failed "
-                         f"({e.strerror})") from None
+        raise ValueError(
+            f"{option} {path} cannot be written: creating a file in {path.parent} failed ({e.strerror})"
+        ) from None
     if path.exists() and not os.access(path, os.W_OK):
         raise ValueError(f"{option} {path} cannot be written: permission denied")
 
@@ -65,15 +67,18 @@ def check_device(device: str, ranks: int) -> None:
         return
     needed = 1 if "WORLD_SIZE" in os.environ else ranks
     if not torch.cuda.is_available() or torch.cuda.device_count() < needed:
-        raise ValueError(f"--device cuda with {ranks} ranks needs {needed} visible GPU(s), found "
-                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+        raise ValueError(
+            f"--device cuda with {ranks} ranks needs {needed} visible GPU(s), found "
+            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+        )
 
 
 def flatten(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """-> input_ids `[N]`, positions `[N]` (restarting at 0 per sequence), seq_lens. No sequences: N = 0."""
     ids = torch.tensor([tok for seq in seqs for tok in seq], dtype=torch.long, device=device)
-    positions = torch.cat([torch.zeros(0, dtype=torch.long, device=device)] +
-                          [torch.arange(len(seq), device=device) for seq in seqs])
+    positions = torch.cat(
+        [torch.zeros(0, dtype=torch.long, device=device)] + [torch.arange(len(seq), device=device) for seq in seqs]
+    )
     return ids, positions, [len(seq) for seq in seqs]
 
 
@@ -91,7 +96,7 @@ def gather_from_dp(mine: list, dp_size: int) -> list | None:
     shares = gather_object(mine if state.tp_rank == 0 else None, state.control_group)  # one copy per DP group
     if state.rank != 0:
         return None
-    per_dp = shares[::state.tp_size]  # TP rank 0 of each DP group
+    per_dp = shares[:: state.tp_size]  # TP rank 0 of each DP group
     whole = [None] * sum(len(share) for share in per_dp)
     for d, share in enumerate(per_dp):
         whole[d::dp_size] = share

@@ -26,10 +26,17 @@ from spmoe.config import ModelConfig
 from spmoe.layers.fused import use_fused
 from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.norm import RMSNorm
-from spmoe.layers.rotary import Rotary
 from spmoe.layers.paged_rows import PagedKeyStore
-from spmoe.layers.sparse_attention import (hadamard_matrix, hadamard_rotate, head_matmul, indexer_topk,
-                                           quantize_fp8_vectors, sparse_mla, visible_rows)
+from spmoe.layers.rotary import Rotary
+from spmoe.layers.sparse_attention import (
+    hadamard_matrix,
+    hadamard_rotate,
+    head_matmul,
+    indexer_topk,
+    quantize_fp8_vectors,
+    sparse_mla,
+    visible_rows,
+)
 
 
 class KeyStore(Protocol):
@@ -75,8 +82,9 @@ class Indexer(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
 
-    def forward(self, wk_x: torch.Tensor, head_weights: torch.Tensor, q_latent: torch.Tensor,
-                batch: AttentionBatch) -> torch.Tensor:
+    def forward(
+        self, wk_x: torch.Tensor, head_weights: torch.Tensor, q_latent: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
         """wk_x `[N, d]` (wk of the input), head_weights `[N, h]` (weights_proj of the input), q_latent
         `[N, q_lora]` -> selected `[N, K]` bool (top-k allowed keys per query); over a paged cache, the selected
         cache rows `[N, k]` int64 (-1 = none; `_paged_rows`)."""
@@ -85,29 +93,35 @@ class Indexer(nn.Module):
             return self._paged_rows(wk_x, head_weights, q_latent, batch.rotary, batch.cache)
         q = self._query(q_latent, batch.rotary)  # [N, h, d]
         k = batch.keys(self.layer_idx, "indexer", self._key(wk_x, batch.rotary))  # [K, d]
-        scores = F.relu(torch.einsum("qhd,kd->qhk", q.float(), k.float()) * cfg.index_head_dim ** -0.5)
-        weights = head_weights.float() * cfg.index_n_heads ** -0.5  # [N, h]
+        scores = F.relu(torch.einsum("qhd,kd->qhk", q.float(), k.float()) * cfg.index_head_dim**-0.5)
+        weights = head_weights.float() * cfg.index_n_heads**-0.5  # [N, h]
         index = torch.einsum("qh,qhk->qk", weights, scores).masked_fill(~batch.allowed, float("-inf"))
         # a stable sort, so that tied scores (relu makes exact zeros common) pick the earliest positions,
         # whatever else shares the batch or the cache
-        topk = index.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
+        topk = index.sort(dim=-1, descending=True, stable=True).indices[:, : cfg.index_topk]
         return torch.zeros_like(batch.allowed).scatter_(1, topk, True) & batch.allowed
 
     def _query(self, q_latent: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         """q_latent `[N, q_lora]` -> the query heads `[N, h, d]`, their rope part rotated."""
         cfg = self.cfg
         q = self.wq_b(q_latent).view(-1, cfg.index_n_heads, cfg.index_head_dim)
-        rotary.rotate_(q[..., :cfg.qk_rope_head_dim], cfg.indexer_rope_interleaved)
+        rotary.rotate_(q[..., : cfg.qk_rope_head_dim], cfg.indexer_rope_interleaved)
         return q
 
     def _key(self, wk_x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         """wk_x `[N, d]` -> the key `[N, d]`: normed, its rope part rotated."""
         k = self.k_norm(wk_x)
-        rotary.rotate_(k[:, None, :self.cfg.qk_rope_head_dim], self.cfg.indexer_rope_interleaved)
+        rotary.rotate_(k[:, None, : self.cfg.qk_rope_head_dim], self.cfg.indexer_rope_interleaved)
         return k
 
-    def _paged_rows(self, wk_x: torch.Tensor, head_weights: torch.Tensor, q_latent: torch.Tensor, rotary: Rotary,
-                    cache: PagedKeyStore) -> torch.Tensor:
+    def _paged_rows(
+        self,
+        wk_x: torch.Tensor,
+        head_weights: torch.Tensor,
+        q_latent: torch.Tensor,
+        rotary: Rotary,
+        cache: PagedKeyStore,
+    ) -> torch.Tensor:
         """-> the selected cache rows `[N, k]`, after this forward's keys are written. When the block tables span
         at most index_topk positions every visible row is selected, and nothing is scored. Else the dense path's
         scores, without its two constant scales (a positive factor common to every score ranks alike, up to
@@ -121,8 +135,9 @@ class Indexer(nn.Module):
         if rows.index_scale is not None:
             q, q_scale = quantize_fp8_vectors(hadamard_rotate(q))  # [N, h, d], [N, h, 1]
             weights = head_weights * q_scale.squeeze(-1)
-        return indexer_topk(q, weights, rows, cache.block_tables, cache.seq_index, cache.positions, cfg.index_topk,
-                            cache.block_size)
+        return indexer_topk(
+            q, weights, rows, cache.block_tables, cache.seq_index, cache.positions, cfg.index_topk, cache.block_size
+        )
 
     def _write_key(self, wk_x: torch.Tensor, rotary: Rotary, cache: PagedKeyStore) -> None:
         """wk_x `[N, d]` -> this forward's keys (`_key`) in their cache rows, Hadamard-rotated in an FP8 cache; on
@@ -134,9 +149,20 @@ class Indexer(nn.Module):
             cache.write_index_key(self.layer_idx, hadamard_rotate(k) if fp8 else k)
             return
         from spmoe.layers.fused_triton import index_key_to_cache
-        index_key_to_cache(wk_x, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, rotary.cos, rotary.sin,
-                           self.cfg.indexer_rope_interleaved, cache.slot_mapping, rows.index_key, rows.index_scale,
-                           hadamard_matrix(wk_x.shape[1], wk_x.device) if fp8 else None)
+
+        index_key_to_cache(
+            wk_x,
+            self.k_norm.weight,
+            self.k_norm.bias,
+            self.k_norm.eps,
+            rotary.cos,
+            rotary.sin,
+            self.cfg.indexer_rope_interleaved,
+            cache.slot_mapping,
+            rows.index_key,
+            rows.index_scale,
+            hadamard_matrix(wk_x.shape[1], wk_x.device) if fp8 else None,
+        )
 
 
 class MLAttention(nn.Module):
@@ -152,8 +178,9 @@ class MLAttention(nn.Module):
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
         self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, tp_dim=0, tp_size=tp_size)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp_dim=0,
-                                tp_size=tp_size)
+        self.kv_b_proj = Linear(
+            cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp_dim=0, tp_size=tp_size
+        )
         self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size, tp_dim=1, tp_size=tp_size)
         self.indexer = Indexer(cfg, layer_idx) if has_indexer else None
 
@@ -166,7 +193,7 @@ class MLAttention(nn.Module):
         proj = self.x_proj(x)  # views of one [N, q_lora + c + rope (+ d + h)] product
         q_latent = self.q_a_layernorm(proj["q_a_proj"])  # [N, q_lora]
         q = self.q_b_proj(q_latent).view(n_tok, heads, cfg.qk_head_dim)
-        batch.rotary.rotate_(q[..., cfg.qk_nope_head_dim:], interleaved=True)
+        batch.rotary.rotate_(q[..., cfg.qk_nope_head_dim :], interleaved=True)
         kv_a = proj["kv_a_proj_with_mqa"]  # [N, c + rope]: the latent, then the rope key
         if isinstance(batch.cache, PagedKeyStore):  # normed, rotated and written in one go
             batch.cache.write_latent_projection(self.layer_idx, kv_a, self.kv_a_layernorm, batch.rotary)
@@ -197,7 +224,8 @@ class MLAttention(nn.Module):
         in latent space, and the weighted latent goes back through W_UV."""
         cfg, heads, nope = self.cfg, self.local_heads, self.cfg.qk_nope_head_dim
         w_uk, w_uv = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, cfg.kv_lora_rank).split(
-            [nope, cfg.v_head_dim], dim=1)
+            [nope, cfg.v_head_dim], dim=1
+        )
         q_latent = head_matmul(q[..., :nope], w_uk)  # [N, h, c]
         out = sparse_mla(q_latent, q[..., nope:], cache.layer(self.layer_idx), selected, cfg.attention_scale)
         out = head_matmul(out, w_uv.transpose(1, 2))  # [N, h, v]

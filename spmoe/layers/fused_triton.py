@@ -50,8 +50,21 @@ def _rms_normed(x, w_ptr, cols, mask, size, eps):
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
-                         stride_res_out, size, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    size,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -64,8 +77,9 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, 
     tl.store(out_ptr + row * stride_out + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[m, size]` (rows may be strided), residual `[m, size]` or None, weight `[size]` ->
     (norm(x + residual) `[m, size]` in the dtype of weight * x, x + residual `[m, size]`; x itself when there
     is no residual)."""
@@ -78,10 +92,22 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         new_residual = torch.empty(m, size, dtype=x.dtype, device=x.device)
     if m:
         block = triton.next_power_of_2(size)
-        _add_rms_norm_kernel[(m,)](x, residual if residual is not None else x, weight, out, new_residual,
-                                   x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0),
-                                   new_residual.stride(0), size, eps, HAS_RESIDUAL=residual is not None,
-                                   BLOCK=block, num_warps=min(16, max(1, block // 512)))
+        _add_rms_norm_kernel[(m,)](
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
+            new_residual,
+            x.stride(0),
+            (residual if residual is not None else x).stride(0),
+            out.stride(0),
+            new_residual.stride(0),
+            size,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 512)),
+        )
     return out, new_residual
 
 
@@ -96,8 +122,18 @@ def _rotated(own, partner, cos, signed_sin, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, heads, stride_n, stride_h, stride_cos,
-                 HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    heads,
+    stride_n,
+    stride_h,
+    stride_cos,
+    HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, HALF)[None, :]
@@ -124,14 +160,27 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bo
     `[N, d / 2]`."""
     n_tok, heads, dim = x.shape
     if x.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
-        raise ValueError(f"rope_ needs a contiguous last dim and cos / sin of one layout; got x strides "
-                         f"{x.stride()}, cos {cos.stride()}, sin {sin.stride()}")
+        raise ValueError(
+            f"rope_ needs a contiguous last dim and cos / sin of one layout; got x strides "
+            f"{x.stride()}, cos {cos.stride()}, sin {sin.stride()}"
+        )
     if n_tok == 0 or heads == 0:
         return
     block_h = min(16, triton.next_power_of_2(heads))
-    _rope_kernel[(n_tok, triton.cdiv(heads, block_h))](x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0),
-                                                       HALF=dim // 2, INTERLEAVED=interleaved, BLOCK_H=block_h,
-                                                       num_warps=4, enable_fp_fusion=False)  # see _rotated
+    _rope_kernel[(n_tok, triton.cdiv(heads, block_h))](
+        x,
+        cos,
+        sin,
+        heads,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        HALF=dim // 2,
+        INTERLEAVED=interleaved,
+        BLOCK_H=block_h,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )  # see _rotated
 
 
 @triton.jit
@@ -145,8 +194,19 @@ def _layer_norm_at(row_ptr, w_ptr, b_ptr, index, mean, rstd, dtype: tl.constexpr
 
 
 @triton.jit
-def _index_key_at(row_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, i, mean, rstd, ROPE: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, dtype: tl.constexpr):
+def _index_key_at(
+    row_ptr,
+    w_ptr,
+    b_ptr,
+    cos_ptr,
+    sin_ptr,
+    i,
+    mean,
+    rstd,
+    ROPE: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    dtype: tl.constexpr,
+):
     """The indexer key's values at indices i (int32) of a row whose LayerNorm mean and rstd are known, in
     `dtype`: output i < ROPE is rope(own, partner) at frequency j of cos / sin (`[rope / 2]` of this token);
     output i >= ROPE is its own normed value."""
@@ -164,14 +224,32 @@ def _index_key_at(row_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, i, mean, rstd, ROPE: 
     partner_value = _layer_norm_at(row_ptr, w_ptr, b_ptr, partner, mean, rstd, dtype)
     cos = tl.load(cos_ptr + j).to(tl.float32)
     sin = tl.load(sin_ptr + j).to(tl.float32)
-    return tl.where(rotated, _rotated(own_value, partner_value, cos, tl.where(second == 1, sin, -sin), dtype),
-                    own_value.to(dtype))
+    return tl.where(
+        rotated, _rotated(own_value, partner_value, cos, tl.where(second == 1, sin, -sin), dtype), own_value.to(dtype)
+    )
 
 
 @triton.jit
-def _index_key_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slots_ptr, key_ptr, scale_ptr, hadamard_ptr, stride_x,
-                      stride_cos, eps, DIM: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
-                      FP8: tl.constexpr, FP8_MAX: tl.constexpr, CHUNK: tl.constexpr):
+def _index_key_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    cos_ptr,
+    sin_ptr,
+    slots_ptr,
+    key_ptr,
+    scale_ptr,
+    hadamard_ptr,
+    stride_x,
+    stride_cos,
+    eps,
+    DIM: tl.constexpr,
+    ROPE: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     dtype = x_ptr.dtype.element_ty
     row, cos_row, sin_row = x_ptr + n * stride_x, cos_ptr + n * stride_cos, sin_ptr + n * stride_cos
@@ -188,8 +266,9 @@ def _index_key_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slots_ptr, key_ptr,
         for start in tl.static_range(0, DIM, CHUNK):
             r = start + tl.arange(0, CHUNK)
             part = _index_key_at(row, w_ptr, b_ptr, cos_row, sin_row, r, mean, rstd, ROPE, INTERLEAVED, dtype)
-            value += tl.sum(part.to(tl.float32)[:, None] * tl.load(hadamard_ptr + r[:, None] * DIM + i[None, :]),
-                            axis=0)
+            value += tl.sum(
+                part.to(tl.float32)[:, None] * tl.load(hadamard_ptr + r[:, None] * DIM + i[None, :]), axis=0
+            )
         scale = tl.maximum(tl.max(tl.abs(value), axis=0), 1e-10) * (1.0 / FP8_MAX)
         tl.store(key_ptr + slot * DIM + i, tl.div_rn(value, scale).to(key_ptr.dtype.element_ty))
         tl.store(scale_ptr + slot, scale)
@@ -198,9 +277,19 @@ def _index_key_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slots_ptr, key_ptr,
         tl.store(key_ptr + slot * DIM + i, key.to(key_ptr.dtype.element_ty))
 
 
-def index_key_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, cos: torch.Tensor,
-                       sin: torch.Tensor, interleaved: bool, slots: torch.Tensor, keys: torch.Tensor,
-                       scales: torch.Tensor | None, hadamard: torch.Tensor | None) -> None:
+def index_key_to_cache(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    slots: torch.Tensor,
+    keys: torch.Tensor,
+    scales: torch.Tensor | None,
+    hadamard: torch.Tensor | None,
+) -> None:
     """The indexer's key of each new token, normed, rotated and written to its cache row in one launch: x `[N, d]`
     (wk of the input; rows may be strided), LayerNorm weight and bias `[d]`, cos / sin `[N, rope / 2]` (the rope
     part is the key's first `rope` values), slots `[N]` int64 -> `keys[slots[i]]` of keys `[R, d]`. An FP8 cache
@@ -208,28 +297,71 @@ def index_key_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     quantised to e4m3 with one scale per key: `quantize_fp8_vectors(hadamard_rotate(key))`."""
     n_tok, dim = x.shape
     rope = 2 * cos.shape[1]
-    if (x.stride(1) != 1 or keys.stride() != (dim, 1) or cos.stride(1) != 1 or sin.stride() != cos.stride()
-            or dim & (dim - 1) or rope > dim or (scales is None) != (hadamard is None)
-            or (hadamard is not None and hadamard.stride() != (dim, 1))):
-        raise ValueError(f"index_key_to_cache needs unit-stride rows of a power-of-2 width d holding the rope part, "
-                         f"cos / sin of one layout, and FP8 scales with a contiguous [d, d] hadamard or neither; got "
-                         f"x {tuple(x.shape)} strides {x.stride()}, cache rows strides {keys.stride()}, rope {rope}, "
-                         f"cos strides {cos.stride()}, sin {sin.stride()}, scales {scales is not None}, hadamard "
-                         f"{None if hadamard is None else (tuple(hadamard.shape), hadamard.stride())}")
+    if (
+        x.stride(1) != 1
+        or keys.stride() != (dim, 1)
+        or cos.stride(1) != 1
+        or sin.stride() != cos.stride()
+        or dim & (dim - 1)
+        or rope > dim
+        or (scales is None) != (hadamard is None)
+        or (hadamard is not None and hadamard.stride() != (dim, 1))
+    ):
+        raise ValueError(
+            f"index_key_to_cache needs unit-stride rows of a power-of-2 width d holding the rope part, "
+            f"cos / sin of one layout, and FP8 scales with a contiguous [d, d] hadamard or neither; got "
+            f"x {tuple(x.shape)} strides {x.stride()}, cache rows strides {keys.stride()}, rope {rope}, "
+            f"cos strides {cos.stride()}, sin {sin.stride()}, scales {scales is not None}, hadamard "
+            f"{None if hadamard is None else (tuple(hadamard.shape), hadamard.stride())}"
+        )
     if n_tok == 0:
         return
     fp8 = scales is not None
-    _index_key_kernel[(n_tok,)](x, weight, bias, cos, sin, slots, keys, scales if fp8 else keys,
-                                hadamard if fp8 else keys, x.stride(0), cos.stride(0), eps, DIM=dim, ROPE=rope,
-                                INTERLEAVED=interleaved, FP8=fp8, FP8_MAX=FP8_MAX, CHUNK=min(dim, 32),
-                                num_warps=4 if fp8 else 1, enable_fp_fusion=False)  # see _rotated
+    _index_key_kernel[(n_tok,)](
+        x,
+        weight,
+        bias,
+        cos,
+        sin,
+        slots,
+        keys,
+        scales if fp8 else keys,
+        hadamard if fp8 else keys,
+        x.stride(0),
+        cos.stride(0),
+        eps,
+        DIM=dim,
+        ROPE=rope,
+        INTERLEAVED=interleaved,
+        FP8=fp8,
+        FP8_MAX=FP8_MAX,
+        CHUNK=min(dim, 32),
+        num_warps=4 if fp8 else 1,
+        enable_fp_fusion=False,
+    )  # see _rotated
 
 
 @triton.jit
-def _router_kernel(sums_ptr, bias_ptr, ids_ptr, w_ptr, valid_rows, scale, stride_row, stride_split,
-                   EXPERTS: tl.constexpr, SPLITS: tl.constexpr, N_GROUP: tl.constexpr, GROUP: tl.constexpr,
-                   TOPK_GROUP: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, GROUPS_P: tl.constexpr,
-                   GROUP_P: tl.constexpr, K_P: tl.constexpr):
+def _router_kernel(
+    sums_ptr,
+    bias_ptr,
+    ids_ptr,
+    w_ptr,
+    valid_rows,
+    scale,
+    stride_row,
+    stride_split,
+    EXPERTS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    K: tl.constexpr,
+    NORM: tl.constexpr,
+    GROUPS_P: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    K_P: tl.constexpr,
+):
     row = tl.program_id(0)
     g = tl.arange(0, GROUPS_P)[:, None]
     i = tl.arange(0, GROUP_P)[None, :]
@@ -237,8 +369,9 @@ def _router_kernel(sums_ptr, bias_ptr, ids_ptr, w_ptr, valid_rows, scale, stride
     real = (g < N_GROUP) & (i < GROUP)
     logits = tl.zeros([GROUPS_P, GROUP_P], dtype=tl.float32)
     for split in tl.static_range(SPLITS):  # in a fixed order: the same sum on every call
-        logits += tl.load(sums_ptr + row.to(tl.int64) * stride_row + split * stride_split + expert, mask=real,
-                          other=0.0)
+        logits += tl.load(
+            sums_ptr + row.to(tl.int64) * stride_row + split * stride_split + expert, mask=real, other=0.0
+        )
     scores = tl.sigmoid(logits)
     choice = tl.where(real, scores + tl.load(bias_ptr + expert, mask=real, other=0.0), float("-inf"))
     if N_GROUP > 1:  # keep the TOPK_GROUP groups of the largest top-2 sums
@@ -274,8 +407,16 @@ def _router_kernel(sums_ptr, bias_ptr, ids_ptr, w_ptr, valid_rows, scale, stride
     tl.store(w_ptr + out, tl.where(pad, 0.0, weights), mask=slot < K)
 
 
-def route(sums: torch.Tensor, bias: torch.Tensor, valid_rows: int, n_group: int, topk_group: int, top_k: int,
-          norm_topk_prob: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    sums: torch.Tensor,
+    bias: torch.Tensor,
+    valid_rows: int,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    norm_topk_prob: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits as S partial sums `[m, S, E]` float32 (`router_logit_sums`), correction bias `[E]` ->
     (ids `[m, top_k]` int64, weights `[m, top_k]` float32); rows from `valid_rows` on get id -1 and weight 0."""
     m, splits, experts = sums.shape
@@ -284,11 +425,27 @@ def route(sums: torch.Tensor, bias: torch.Tensor, valid_rows: int, n_group: int,
     weights = torch.empty(m, top_k, dtype=torch.float32, device=sums.device)
     if m:
         group = experts // n_group
-        _router_kernel[(m,)](sums, bias.float(), ids, weights, valid_rows, scale, sums.stride(0), sums.stride(1),
-                             EXPERTS=experts, SPLITS=splits, N_GROUP=n_group, GROUP=group, TOPK_GROUP=topk_group,
-                             K=top_k, NORM=norm_topk_prob, GROUPS_P=triton.next_power_of_2(n_group),
-                             GROUP_P=triton.next_power_of_2(group), K_P=triton.next_power_of_2(top_k),
-                             num_warps=1)  # one warp: its reductions need no shared memory
+        _router_kernel[(m,)](
+            sums,
+            bias.float(),
+            ids,
+            weights,
+            valid_rows,
+            scale,
+            sums.stride(0),
+            sums.stride(1),
+            EXPERTS=experts,
+            SPLITS=splits,
+            N_GROUP=n_group,
+            GROUP=group,
+            TOPK_GROUP=topk_group,
+            K=top_k,
+            NORM=norm_topk_prob,
+            GROUPS_P=triton.next_power_of_2(n_group),
+            GROUP_P=triton.next_power_of_2(group),
+            K_P=triton.next_power_of_2(top_k),
+            num_warps=1,
+        )  # one warp: its reductions need no shared memory
     return ids, weights
 
 
@@ -297,19 +454,36 @@ GEMV_SLICE = 1024  # the K-slice one GEMV program sums
 
 
 @triton.jit
-def _router_gemv_kernel(x_ptr, w_ptr, sums_ptr, rows, experts, hidden, stride_x, stride_w, stride_row,
-                        stride_split, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+def _router_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    sums_ptr,
+    rows,
+    experts,
+    hidden,
+    stride_x,
+    stride_w,
+    stride_row,
+    stride_split,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     split = tl.program_id(1)
     k = split * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < hidden
-    w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + k[None, :], mask=(e[:, None] < experts) & k_ok[None, :],
-                other=0.0).to(tl.float32)
+    w = tl.load(
+        w_ptr + e[:, None].to(tl.int64) * stride_w + k[None, :], mask=(e[:, None] < experts) & k_ok[None, :], other=0.0
+    ).to(tl.float32)
     for i in tl.static_range(BLOCK_M):  # unrolled: every row's load is in flight at once
         r = tl.program_id(2) * BLOCK_M + i
         x = tl.load(x_ptr + r * stride_x + k, mask=k_ok & (r < rows), other=0.0).to(tl.float32)
-        tl.store(sums_ptr + r * stride_row + split * stride_split + e, tl.sum(w * x[None, :], axis=1),
-                 mask=(e < experts) & (r < rows))
+        tl.store(
+            sums_ptr + r * stride_row + split * stride_split + e,
+            tl.sum(w * x[None, :], axis=1),
+            mask=(e < experts) & (r < rows),
+        )
 
 
 def router_logit_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -327,16 +501,48 @@ def router_logit_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         block_e = min(8, max(2, triton.next_power_of_2(experts) // 16))  # >= ~100 programs for 64+ experts
         block_m = min(8, triton.next_power_of_2(m))
         _router_gemv_kernel[(triton.cdiv(experts, block_e), splits, triton.cdiv(m, block_m))](
-            x, weight, sums, m, experts, hidden, x.stride(0), weight.stride(0), sums.stride(0), sums.stride(1),
-            BLOCK_E=block_e, BLOCK_K=GEMV_SLICE, BLOCK_M=block_m, num_warps=4)
+            x,
+            weight,
+            sums,
+            m,
+            experts,
+            hidden,
+            x.stride(0),
+            weight.stride(0),
+            sums.stride(0),
+            sums.stride(1),
+            BLOCK_E=block_e,
+            BLOCK_K=GEMV_SLICE,
+            BLOCK_M=block_m,
+            num_warps=4,
+        )
     return sums
 
 
 @triton.jit
-def _mla_cache_write_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, latent_ptr, scale_ptr, rope_ptr, stride_kv,
-                            stride_cos, stride_latent, stride_scale, stride_rope, eps, LATENT: tl.constexpr,
-                            HALF: tl.constexpr, FP8: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                            GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
+def _mla_cache_write_kernel(
+    kv_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    latent_ptr,
+    scale_ptr,
+    rope_ptr,
+    stride_kv,
+    stride_cos,
+    stride_latent,
+    stride_scale,
+    stride_rope,
+    eps,
+    LATENT: tl.constexpr,
+    HALF: tl.constexpr,
+    FP8: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + n)
     c = tl.arange(0, BLOCK_C)
@@ -367,27 +573,57 @@ def _mla_cache_write_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, latent_pt
     tl.store(rope_ptr + slot * stride_rope + HALF + j, second, mask=j_ok)
 
 
-def write_mla_cache(kv_a: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                    slots: torch.Tensor, latent: torch.Tensor, latent_scale: torch.Tensor | None,
-                    rope: torch.Tensor) -> None:
+def write_mla_cache(
+    kv_a: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    latent: torch.Tensor,
+    latent_scale: torch.Tensor | None,
+    rope: torch.Tensor,
+) -> None:
     """One token's MLA cache row per program. kv_a `[N, c + r]` (the kv_a projection: the latent, then the rope
     key; rows may be strided), the latent norm's weight `[c]` and eps, cos / sin `[N, r / 2]`, slots `[N]`
     int64 -> rows `slots` of latent `[R, c]` (the normed latent; FP8: its values, their scales in latent_scale
     `[R, c / 128]`) and rope `[R, r]` (the rope key rotated, interleaved pairs), in place."""
     n_tok, c, r = kv_a.shape[0], latent.shape[1], rope.shape[1]
     if kv_a.stride(1) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride() or kv_a.shape[1] != c + r:
-        raise ValueError(f"write_mla_cache needs kv_a [N, {c} + {r}] with a contiguous last dim and cos / sin of one "
-                         f"layout; got kv_a {tuple(kv_a.shape)} strides {kv_a.stride()}, cos {cos.stride()}, "
-                         f"sin {sin.stride()}")
+        raise ValueError(
+            f"write_mla_cache needs kv_a [N, {c} + {r}] with a contiguous last dim and cos / sin of one "
+            f"layout; got kv_a {tuple(kv_a.shape)} strides {kv_a.stride()}, cos {cos.stride()}, "
+            f"sin {sin.stride()}"
+        )
     if n_tok == 0:
         return
     fp8 = latent_scale is not None
     block_c = triton.next_power_of_2(c)
     _mla_cache_write_kernel[(n_tok,)](
-        kv_a, weight, cos, sin, slots, latent, latent_scale if fp8 else latent, rope, kv_a.stride(0), cos.stride(0),
-        latent.stride(0), latent_scale.stride(0) if fp8 else 0, rope.stride(0), eps, LATENT=c, HALF=r // 2, FP8=fp8,
-        BLOCK_C=block_c, BLOCK_HALF=triton.next_power_of_2(r // 2), GROUP=FP8_GROUP, FP8_MAX=FP8_MAX,
-        num_warps=min(8, max(1, block_c // 256)), enable_fp_fusion=False)  # see _rotated
+        kv_a,
+        weight,
+        cos,
+        sin,
+        slots,
+        latent,
+        latent_scale if fp8 else latent,
+        rope,
+        kv_a.stride(0),
+        cos.stride(0),
+        latent.stride(0),
+        latent_scale.stride(0) if fp8 else 0,
+        rope.stride(0),
+        eps,
+        LATENT=c,
+        HALF=r // 2,
+        FP8=fp8,
+        BLOCK_C=block_c,
+        BLOCK_HALF=triton.next_power_of_2(r // 2),
+        GROUP=FP8_GROUP,
+        FP8_MAX=FP8_MAX,
+        num_warps=min(8, max(1, block_c // 256)),
+        enable_fp_fusion=False,
+    )  # see _rotated
 
 
 @triton.jit
@@ -410,6 +646,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, size, dtype=gate.dtype, device=gate.device)
     if m and size:
         block = min(1024, triton.next_power_of_2(size))
-        _silu_mul_kernel[(m, triton.cdiv(size, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0),
-                                                        size, BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(m, triton.cdiv(size, block))](
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), size, BLOCK=block, num_warps=4
+        )
     return out

@@ -15,8 +15,10 @@ class Linear(nn.Module):
         if tp_dim is not None:
             full = (out_features, in_features)[tp_dim]
             if full % tp_size:
-                raise ValueError(f"cannot split {full} {'output' if tp_dim == 0 else 'input'} features of a linear "
-                                 f"layer over {tp_size} TP ranks")
+                raise ValueError(
+                    f"cannot split {full} {'output' if tp_dim == 0 else 'input'} features of a linear "
+                    f"layer over {tp_size} TP ranks"
+                )
             if tp_dim == 0:
                 out_features //= tp_size
             else:

@@ -12,6 +12,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`F.silu(gate) * up` `[m, I]`: one Triton kernel on CUDA (`fused_triton.silu_mul`), else this reference."""
     if use_fused(gate) and gate.dim() == 2:
         from spmoe.layers.fused_triton import silu_mul as fused_silu_mul
+
         return fused_silu_mul(gate, up)
     return F.silu(gate) * up
 
@@ -23,8 +24,9 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, tp_size: int):
         super().__init__()
         # gate_proj and up_proj as one GEMM (the checkpoint keeps them apart)
-        self.gate_up = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size},
-                                    tp_size)
+        self.gate_up = MergedLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, tp_size
+        )
         self.down_proj = Linear(intermediate_size, hidden_size, tp_dim=1, tp_size=tp_size)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

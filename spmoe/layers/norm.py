@@ -19,6 +19,7 @@ class RMSNorm(nn.Module):
         """`[m, size] -> [m, size]`."""
         if use_fused(x) and x.dim() == 2:
             from spmoe.layers.fused_triton import add_rms_norm
+
             return add_rms_norm(x, None, self.weight, self.eps)[0]
         xf = x.float()
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
@@ -27,6 +28,7 @@ class RMSNorm(nn.Module):
         """Fused residual add: `(norm(x + residual), x + residual)`; with no residual yet, `(norm(x), x)`."""
         if use_fused(x) and x.dim() == 2:
             from spmoe.layers.fused_triton import add_rms_norm
+
             return add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual

@@ -77,8 +77,7 @@ class RotaryTable:
 class Rotary:
     """cos/sin for the positions of one forward, each `[N, rope_dim / 2]` (already scaled)."""
 
-    def __init__(self, cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype,
-                 table: RotaryTable | None = None):
+    def __init__(self, cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype, table: RotaryTable | None = None):
         """table: the model's `RotaryTable`, whose rows are looked up when the fused kernels are on (`use_fused`);
         else (and on CPU) `cos_sin` computes them, the reference."""
         if table is not None and use_fused(positions) and table.serves(positions, dtype):
@@ -103,6 +102,7 @@ class Rotary:
         result is `interleaved(x)` or `half_split(x)`."""
         if use_fused(x):
             from spmoe.layers.fused_triton import rope_
+
             rope_(x, self.cos, self.sin, interleaved)
         else:
             x.copy_(self.interleaved(x) if interleaved else self.half_split(x))

@@ -59,6 +59,7 @@ def quantize_fp8_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     `FP8_GROUP` values on CUDA: the experts' quantisation kernel, one launch (`fused.use_fused` picks)."""
     if use_fused(x) and x.shape[-1] == FP8_GROUP and x.numel():
         from spmoe.layers.moe.experts.triton_kernels import quantize_fp8
+
         values, scale = quantize_fp8(x.reshape(-1, FP8_GROUP))
         return values.view(x.shape), scale.view(*x.shape[:-1], 1)
     scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
@@ -74,7 +75,7 @@ def hadamard_matrix(d: int, device: torch.device) -> torch.Tensor:
     h = torch.ones(1, 1, device=device)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)])
-    return h * d ** -0.5
+    return h * d**-0.5
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
@@ -97,15 +98,27 @@ def use_triton(t: torch.Tensor, *dims: int) -> bool:
     """Whether the Triton kernels take `t` (on CUDA, 16-bit or FP8) with these widths (powers of 2, >= 16; an
     FP8 dot product needs >= 32)."""
     least = 32 if t.dtype == torch.float8_e4m3fn else 16
-    return (t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-            and all(d >= least and d & (d - 1) == 0 for d in dims) and TRITON_INSTALLED)
+    return (
+        t.is_cuda
+        and t.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+        and all(d >= least and d & (d - 1) == 0 for d in dims)
+        and TRITON_INSTALLED
+    )
 
 
 # -- indexer ------------------------------------------------------------------------------------------------
 
 
-def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedLayerCache, block_tables: torch.Tensor,
-                 seq_index: torch.Tensor, positions: torch.Tensor, topk: int, block_size: int) -> torch.Tensor:
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: PagedLayerCache,
+    block_tables: torch.Tensor,
+    seq_index: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    block_size: int,
+) -> torch.Tensor:
     """q `[N, h, d]` (FP8 e4m3 when the cache is, else its dtype), weights `[N, h]` (float32 or q's 16-bit
     dtype; unit stride over heads; every scale that differs between heads folded in, a positive factor common
     to all heads may be left out: it ranks the positions alike, up to rounding) -> selected cache rows
@@ -113,14 +126,16 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedLayerCache,
     L = max_blocks * block_size."""
     if use_triton(q, q.shape[2], block_size):
         from spmoe.layers.sparse_attention_triton import indexer_order_keys
+
         keys = indexer_order_keys(q, weights, cache, block_tables, seq_index, positions, block_size)
     else:
         keys = indexer_order_keys_torch(q, weights, cache, block_tables, seq_index, positions, block_size)
     return rows_of_best(keys, topk, block_tables, seq_index, block_size)
 
 
-def indexer_order_keys_torch(q, weights, cache: PagedLayerCache, block_tables, seq_index, positions,
-                             block_size: int) -> torch.Tensor:
+def indexer_order_keys_torch(
+    q, weights, cache: PagedLayerCache, block_tables, seq_index, positions, block_size: int
+) -> torch.Tensor:
     """The reference indexer: -> ordering keys `[N, L]` int64 (`order_keys`) of every logical position."""
     rows = logical_rows(block_tables, block_size)[seq_index]  # [N, L]
     keys = gather_rows(cache.index_key, rows).float()  # [N, L, d]
@@ -156,8 +171,9 @@ def order_keys(scores: torch.Tensor) -> torch.Tensor:
 _NEG_INF_KEY_MAX = int(order_keys(torch.tensor([[float("-inf")]]))[0, 0])
 
 
-def rows_of_best(keys: torch.Tensor, topk: int, block_tables: torch.Tensor, seq_index: torch.Tensor,
-                 block_size: int) -> torch.Tensor:
+def rows_of_best(
+    keys: torch.Tensor, topk: int, block_tables: torch.Tensor, seq_index: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """Ordering keys `[N, L]` -> cache rows `[N, min(topk, L)]` of the best positions in no particular order
     (the top-k is not sorted), -1 where the score was -inf (not visible). When L <= topk every position is
     kept, in position order (no top-k)."""
@@ -165,19 +181,26 @@ def rows_of_best(keys: torch.Tensor, topk: int, block_tables: torch.Tensor, seq_
     return cache_rows(best, block_tables, seq_index, None, block_size)
 
 
-def visible_rows(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
-                 block_size: int) -> torch.Tensor:
+def visible_rows(
+    block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """The cache rows of every position `[N, max_blocks * block_size]` int64, -1 past each token's own position:
     what `rows_of_best` picks when the block tables span at most `topk` positions, with no scores at all."""
     return cache_rows(None, block_tables, seq_index, positions, block_size)
 
 
-def cache_rows(best: torch.Tensor | None, block_tables: torch.Tensor, seq_index: torch.Tensor,
-               positions: torch.Tensor | None, block_size: int) -> torch.Tensor:
+def cache_rows(
+    best: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    seq_index: torch.Tensor,
+    positions: torch.Tensor | None,
+    block_size: int,
+) -> torch.Tensor:
     """Logical positions -> cache rows int64, -1 for none: of the ordering keys best `[N, k]` (-1 where the
     score is -inf) -> `[N, k]`; best None: of every position, -1 past `positions` `[N]` -> `[N, L]`."""
     if block_tables.is_cuda and TRITON_INSTALLED:
         from spmoe.layers.sparse_attention_triton import cache_rows as triton_cache_rows
+
         return triton_cache_rows(best, block_tables, seq_index, positions, block_size)
     return cache_rows_torch(best, block_tables, seq_index, positions, block_size)
 
@@ -195,12 +218,14 @@ def cache_rows_torch(best, block_tables, seq_index, positions, block_size: int) 
 # -- absorbed MLA -------------------------------------------------------------------------------------------
 
 
-def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCache, rows: torch.Tensor,
-               scale: float) -> torch.Tensor:
+def sparse_mla(
+    q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCache, rows: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q_latent `[N, h, c]`, q_rope `[N, h, r]`, rows `[N, k]` (cache rows, -1 = none) -> the softmax-weighted
     sum of the selected latents `[N, h, c]` in q's dtype (zero for a token with no row)."""
     if use_triton(q_latent, q_latent.shape[2], q_rope.shape[2]):
         from spmoe.layers.sparse_attention_triton import sparse_mla as triton_sparse_mla
+
         return triton_sparse_mla(q_latent, q_rope, cache, rows, scale)
     return sparse_mla_torch(q_latent, q_rope, cache, rows, scale)
 
@@ -209,7 +234,9 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x `[N, h, k]`, w `[h, k, m]` (views of a weight) -> `[N, h, m]`: x[:, i] @ w[i] for every head i, in x's
     dtype. Up to `HEAD_MATMUL_TOKENS` 16-bit tokens on CUDA with the fused kernels on: the Triton kernel."""
     if use_fused(x) and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
-        from spmoe.layers.sparse_attention_triton import HEAD_MATMUL_TOKENS, head_matmul as triton_head_matmul
+        from spmoe.layers.sparse_attention_triton import HEAD_MATMUL_TOKENS
+        from spmoe.layers.sparse_attention_triton import head_matmul as triton_head_matmul
+
         if x.shape[0] <= HEAD_MATMUL_TOKENS and x.stride(2) == 1:
             return triton_head_matmul(x, w)
     return head_matmul_torch(x, w)
@@ -226,8 +253,9 @@ def sparse_mla_torch(q_latent, q_rope, cache: PagedLayerCache, rows, scale: floa
     group_scale = None if cache.latent_scale is None else cache.latent_scale[safe]
     latent = dequantize(gather_rows(cache.latent, safe), group_scale)  # [N, k, c]
     rope = cache.rope[safe].float()  # [N, k, r]
-    scores = (torch.einsum("nhc,nkc->nhk", q_latent.float(), latent)
-              + torch.einsum("nhr,nkr->nhk", q_rope.float(), rope)) * scale
+    scores = (
+        torch.einsum("nhc,nkc->nhk", q_latent.float(), latent) + torch.einsum("nhr,nkr->nhk", q_rope.float(), rope)
+    ) * scale
     scores = scores.masked_fill((rows < 0)[:, None, :], float("-inf"))
     top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # finite if all are -inf
     weights = torch.exp(scores - top)  # [N, h, k], 0 where no row

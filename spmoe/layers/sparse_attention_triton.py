@@ -64,9 +64,20 @@ def _order_key(score, position):
 
 
 @triton.jit
-def _index_block(q, weights, position, k_ptr, ks_ptr, table_ptr, block,
-                 HAS_SCALE: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
-                 BLOCK_H: tl.constexpr):
+def _index_block(
+    q,
+    weights,
+    position,
+    k_ptr,
+    ks_ptr,
+    table_ptr,
+    block,
+    HAS_SCALE: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """Ordering keys `[BLOCK, TOKENS]` of logical block `block` of one sequence (its block table row at
     `table_ptr`) for TOKENS of its tokens: q `[TOKENS * BLOCK_H, DIM]` (row t * BLOCK_H + h: token t's head h,
     zero for padded heads), weights `[TOKENS * BLOCK_H]`, positions `[TOKENS]`. Rows past every position are
@@ -75,8 +86,9 @@ def _index_block(q, weights, position, k_ptr, ks_ptr, table_ptr, block,
     seen = offsets <= tl.max(position)
     physical = tl.load(table_ptr + block).to(tl.int64)
     rows = physical * BLOCK + tl.arange(0, BLOCK)
-    keys = tl.load(k_ptr + rows[:, None] * DIM + tl.arange(0, DIM)[None, :], mask=seen[:, None],
-                   other=0.0)  # [BLOCK, DIM]
+    keys = tl.load(
+        k_ptr + rows[:, None] * DIM + tl.arange(0, DIM)[None, :], mask=seen[:, None], other=0.0
+    )  # [BLOCK, DIM]
     scores = tl.maximum(tl.dot(keys, tl.trans(q)), 0.0)  # [BLOCK, TOKENS * BLOCK_H] float32
     index = tl.sum(tl.reshape(scores * weights[None, :], (BLOCK, TOKENS, BLOCK_H)), axis=2)  # [BLOCK, TOKENS]
     if HAS_SCALE:
@@ -86,16 +98,43 @@ def _index_block(q, weights, position, k_ptr, ks_ptr, table_ptr, block,
 
 
 @triton.jit
-def _index_tokens(q, weights, token, position, write, k_ptr, ks_ptr, table_ptr, out_ptr, stride_out,
-                  first_block, end_block,
-                  HAS_SCALE: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
+def _index_tokens(
+    q,
+    weights,
+    token,
+    position,
+    write,
+    k_ptr,
+    ks_ptr,
+    table_ptr,
+    out_ptr,
+    stride_out,
+    first_block,
+    end_block,
+    HAS_SCALE: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """Writes the ordering keys of blocks first_block .. end_block - 1 for TOKENS tokens `[TOKENS]` of one
     sequence (those where `write`), as `_index_block`; blocks past every position are -inf without a load."""
     live_end = tl.minimum(end_block, tl.max(position) // BLOCK + 1)
     for block in range(first_block, live_end):
-        keys = _index_block(q, weights, position, k_ptr, ks_ptr, table_ptr, block, HAS_SCALE=HAS_SCALE, DIM=DIM,
-                            BLOCK=BLOCK, TOKENS=TOKENS, BLOCK_H=BLOCK_H)
+        keys = _index_block(
+            q,
+            weights,
+            position,
+            k_ptr,
+            ks_ptr,
+            table_ptr,
+            block,
+            HAS_SCALE=HAS_SCALE,
+            DIM=DIM,
+            BLOCK=BLOCK,
+            TOKENS=TOKENS,
+            BLOCK_H=BLOCK_H,
+        )
         offsets = block * BLOCK + tl.arange(0, BLOCK)
         tl.store(out_ptr + token[None, :] * stride_out + offsets[:, None], keys, mask=write[None, :])
     past = tl.full([BLOCK, TOKENS], float("-inf"), tl.float32)
@@ -105,10 +144,30 @@ def _index_tokens(q, weights, token, position, write, k_ptr, ks_ptr, table_ptr, 
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, tables_ptr, seq_ptr, pos_ptr, out_ptr,
-                    n, heads, max_blocks, stride_qn, stride_qh, stride_wn, stride_tab, stride_out,
-                    HAS_SCALE: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
-                    TOKENS: tl.constexpr, BLOCKS: tl.constexpr):
+def _indexer_kernel(
+    q_ptr,
+    w_ptr,
+    k_ptr,
+    ks_ptr,
+    tables_ptr,
+    seq_ptr,
+    pos_ptr,
+    out_ptr,
+    n,
+    heads,
+    max_blocks,
+    stride_qn,
+    stride_qh,
+    stride_wn,
+    stride_tab,
+    stride_out,
+    HAS_SCALE: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
     first_token = tl.program_id(0).to(tl.int64) * TOKENS
     first_block = tl.program_id(1) * BLOCKS
     end_block = tl.minimum(first_block + BLOCKS, max_blocks)
@@ -120,28 +179,72 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, tables_ptr, seq_ptr, pos_ptr, o
     if tl.min(seq) == tl.max(seq):  # one sequence: one key load per block for the whole tile
         r = tl.arange(0, TOKENS * BLOCK_H)  # row r: token r // BLOCK_H, head r % BLOCK_H
         row_token, row_head = tl.minimum(first_token + r // BLOCK_H, n - 1), r % BLOCK_H
-        q = tl.load(q_ptr + row_token[:, None] * stride_qn + row_head[:, None] * stride_qh
-                    + tl.arange(0, DIM)[None, :], mask=(row_head < heads)[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + row_token[:, None] * stride_qn + row_head[:, None] * stride_qh + tl.arange(0, DIM)[None, :],
+            mask=(row_head < heads)[:, None],
+            other=0.0,
+        )
         weights = tl.load(w_ptr + row_token * stride_wn + row_head, mask=row_head < heads, other=0.0)
-        _index_tokens(q, weights, token, position, write, k_ptr, ks_ptr, tables_ptr + tl.min(seq) * stride_tab,
-                      out_ptr, stride_out, first_block, end_block, HAS_SCALE=HAS_SCALE, DIM=DIM, BLOCK=BLOCK,
-                      TOKENS=TOKENS, BLOCK_H=BLOCK_H)
+        _index_tokens(
+            q,
+            weights,
+            token,
+            position,
+            write,
+            k_ptr,
+            ks_ptr,
+            tables_ptr + tl.min(seq) * stride_tab,
+            out_ptr,
+            stride_out,
+            first_block,
+            end_block,
+            HAS_SCALE=HAS_SCALE,
+            DIM=DIM,
+            BLOCK=BLOCK,
+            TOKENS=TOKENS,
+            BLOCK_H=BLOCK_H,
+        )
     else:  # the tile straddles sequences: token by token
         h = tl.arange(0, BLOCK_H)
         for t in range(TOKENS):
             one = tl.minimum(first_token + t, n - 1) + tl.arange(0, 1)  # [1]
-            q = tl.load(q_ptr + one[:, None] * stride_qn + h[:, None] * stride_qh + tl.arange(0, DIM)[None, :],
-                        mask=(h < heads)[:, None], other=0.0)  # [BLOCK_H, DIM]
+            q = tl.load(
+                q_ptr + one[:, None] * stride_qn + h[:, None] * stride_qh + tl.arange(0, DIM)[None, :],
+                mask=(h < heads)[:, None],
+                other=0.0,
+            )  # [BLOCK_H, DIM]
             weights = tl.load(w_ptr + one * stride_wn + h, mask=h < heads, other=0.0)
-            _index_tokens(q, weights, one, tl.load(pos_ptr + one), first_token + t + tl.arange(0, 1) < n, k_ptr,
-                          ks_ptr, tables_ptr + tl.max(tl.load(seq_ptr + one)) * stride_tab, out_ptr, stride_out,
-                          first_block, end_block, HAS_SCALE=HAS_SCALE, DIM=DIM, BLOCK=BLOCK, TOKENS=1,
-                          BLOCK_H=BLOCK_H)
+            _index_tokens(
+                q,
+                weights,
+                one,
+                tl.load(pos_ptr + one),
+                first_token + t + tl.arange(0, 1) < n,
+                k_ptr,
+                ks_ptr,
+                tables_ptr + tl.max(tl.load(seq_ptr + one)) * stride_tab,
+                out_ptr,
+                stride_out,
+                first_block,
+                end_block,
+                HAS_SCALE=HAS_SCALE,
+                DIM=DIM,
+                BLOCK=BLOCK,
+                TOKENS=1,
+                BLOCK_H=BLOCK_H,
+            )
 
 
-def indexer_order_keys(q: torch.Tensor, weights: torch.Tensor, cache: PagedLayerCache, block_tables: torch.Tensor,
-                       seq_index: torch.Tensor, positions: torch.Tensor, block_size: int,
-                       tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def indexer_order_keys(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: PagedLayerCache,
+    block_tables: torch.Tensor,
+    seq_index: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    tiles: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
     """As `indexer_order_keys_torch`: q `[N, h, d]`, weights `[N, h]` float32 -> keys `[N, max_blocks * B]`.
     tiles: (tokens per program, cache blocks per program, num_warps, num_stages), by default chosen by the
     shape: `INDEXER_DECODE_TILES` below `INDEXER_TILE_MIN_TOKENS` tokens, else `INDEXER_PREFILL_TILES` (with
@@ -152,8 +255,10 @@ def indexer_order_keys(q: torch.Tensor, weights: torch.Tensor, cache: PagedLayer
     if n == 0:
         return out
     if q.stride(2) != 1 or cache.index_key.stride(0) != dim:
-        raise ValueError(f"the indexer kernel needs unit-stride rows: q strides {q.stride()}, cache rows "
-                         f"{cache.index_key.stride()} for dim {dim}")
+        raise ValueError(
+            f"the indexer kernel needs unit-stride rows: q strides {q.stride()}, cache rows "
+            f"{cache.index_key.stride()} for dim {dim}"
+        )
     if tiles is None:
         tiles = INDEXER_DECODE_TILES if n < INDEXER_TILE_MIN_TOKENS else INDEXER_PREFILL_TILES
         tokens, blocks = tiles[:2]
@@ -162,16 +267,49 @@ def indexer_order_keys(q: torch.Tensor, weights: torch.Tensor, cache: PagedLayer
     tokens, blocks, num_warps, num_stages = tiles
     has_scale = cache.index_scale is not None
     _indexer_kernel[(triton.cdiv(n, tokens), triton.cdiv(max_blocks, blocks))](
-        q, weights, cache.index_key, cache.index_scale if has_scale else weights, block_tables, seq_index,
-        positions, out, n, heads, max_blocks, q.stride(0), q.stride(1), weights.stride(0), block_tables.stride(0),
-        out.stride(0), HAS_SCALE=has_scale, DIM=dim, BLOCK=block_size, BLOCK_H=max(16, triton.next_power_of_2(heads)),
-        TOKENS=tokens, BLOCKS=blocks, num_warps=num_warps, num_stages=num_stages)
+        q,
+        weights,
+        cache.index_key,
+        cache.index_scale if has_scale else weights,
+        block_tables,
+        seq_index,
+        positions,
+        out,
+        n,
+        heads,
+        max_blocks,
+        q.stride(0),
+        q.stride(1),
+        weights.stride(0),
+        block_tables.stride(0),
+        out.stride(0),
+        HAS_SCALE=has_scale,
+        DIM=dim,
+        BLOCK=block_size,
+        BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        TOKENS=tokens,
+        BLOCKS=blocks,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out
 
 
 @triton.jit
-def _cache_rows_kernel(best_ptr, tables_ptr, seq_ptr, pos_ptr, out_ptr, width, stride_best, stride_tab, stride_out,
-                       FROM_KEYS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def _cache_rows_kernel(
+    best_ptr,
+    tables_ptr,
+    seq_ptr,
+    pos_ptr,
+    out_ptr,
+    width,
+    stride_best,
+    stride_tab,
+    stride_out,
+    FROM_KEYS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     column = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = column < width
@@ -189,8 +327,13 @@ def _cache_rows_kernel(best_ptr, tables_ptr, seq_ptr, pos_ptr, out_ptr, width, s
     tl.store(out_ptr + token * stride_out + column, tl.where(valid, rows, -1), mask=inside)
 
 
-def cache_rows(best: torch.Tensor | None, block_tables: torch.Tensor, seq_index: torch.Tensor,
-               positions: torch.Tensor | None, block_size: int) -> torch.Tensor:
+def cache_rows(
+    best: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    seq_index: torch.Tensor,
+    positions: torch.Tensor | None,
+    block_size: int,
+) -> torch.Tensor:
     """As `cache_rows_torch`, in one launch: best `[N, k]` int64 ordering keys (or None: every position) ->
     cache rows `[N, k]` (`[N, max_blocks * B]`) int64."""
     n = seq_index.shape[0]
@@ -203,26 +346,62 @@ def cache_rows(best: torch.Tensor | None, block_tables: torch.Tensor, seq_index:
     keys = out if best is None else best  # not read without keys
     block = min(1024, triton.next_power_of_2(width))
     _cache_rows_kernel[(n, triton.cdiv(width, block))](
-        keys, block_tables, seq_index, seq_index if positions is None else positions, out, width, keys.stride(0),
-        block_tables.stride(0), out.stride(0), FROM_KEYS=best is not None, BLOCK_SIZE=block_size, BLOCK=block,
-        num_warps=4)
+        keys,
+        block_tables,
+        seq_index,
+        seq_index if positions is None else positions,
+        out,
+        width,
+        keys.stride(0),
+        block_tables.stride(0),
+        out.stride(0),
+        FROM_KEYS=best is not None,
+        BLOCK_SIZE=block_size,
+        BLOCK=block,
+        num_warps=4,
+    )
     return out
 
 
 @triton.jit
-def _sparse_mla_kernel(ql_ptr, qr_ptr, lat_ptr, lat_scale_ptr, rope_ptr, rows_ptr, acc_ptr, stats_ptr, out_ptr,
-                       heads, topk, scale_log2,
-                       stride_qln, stride_qlh, stride_qrn, stride_qrh, stride_rows, stride_on, stride_oh,
-                       FP8: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                       ROWS_PER_SPLIT: tl.constexpr):
+def _sparse_mla_kernel(
+    ql_ptr,
+    qr_ptr,
+    lat_ptr,
+    lat_scale_ptr,
+    rope_ptr,
+    rows_ptr,
+    acc_ptr,
+    stats_ptr,
+    out_ptr,
+    heads,
+    topk,
+    scale_log2,
+    stride_qln,
+    stride_qlh,
+    stride_qrn,
+    stride_qrh,
+    stride_rows,
+    stride_on,
+    stride_oh,
+    FP8: tl.constexpr,
+    LATENT: tl.constexpr,
+    ROPE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr,
+    ROWS_PER_SPLIT: tl.constexpr,
+):
     token, head_block, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     c, r = tl.arange(0, LATENT), tl.arange(0, ROPE)
-    q_lat = tl.load(ql_ptr + token * stride_qln + h[:, None] * stride_qlh + c[None, :], mask=h[:, None] < heads,
-                    other=0.0)  # [BLOCK_H, LATENT]
-    q_rope = tl.load(qr_ptr + token * stride_qrn + h[:, None] * stride_qrh + r[None, :], mask=h[:, None] < heads,
-                     other=0.0)  # [BLOCK_H, ROPE]
+    q_lat = tl.load(
+        ql_ptr + token * stride_qln + h[:, None] * stride_qlh + c[None, :], mask=h[:, None] < heads, other=0.0
+    )  # [BLOCK_H, LATENT]
+    q_rope = tl.load(
+        qr_ptr + token * stride_qrn + h[:, None] * stride_qrh + r[None, :], mask=h[:, None] < heads, other=0.0
+    )  # [BLOCK_H, ROPE]
     best = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, LATENT], tl.float32)
@@ -235,8 +414,9 @@ def _sparse_mla_kernel(ql_ptr, qr_ptr, lat_ptr, lat_scale_ptr, rope_ptr, rows_pt
         latent = tl.load(lat_ptr + row[:, None] * LATENT + c[None, :], mask=valid[:, None], other=0.0)
         if FP8:  # one scale per GROUP values: scale the [BLOCK_K, groups, GROUP] view
             g = tl.arange(0, LATENT // GROUP)
-            group_scale = tl.load(lat_scale_ptr + row[:, None] * (LATENT // GROUP) + g[None, :], mask=valid[:, None],
-                                  other=0.0)  # [BLOCK_K, groups]
+            group_scale = tl.load(
+                lat_scale_ptr + row[:, None] * (LATENT // GROUP) + g[None, :], mask=valid[:, None], other=0.0
+            )  # [BLOCK_K, groups]
             latent = tl.reshape(latent.to(tl.float32), (BLOCK_K, LATENT // GROUP, GROUP)) * group_scale[:, :, None]
             latent = tl.reshape(latent, (BLOCK_K, LATENT)).to(q_lat.dtype)
         rope = tl.load(rope_ptr + row[:, None] * ROPE + r[None, :], mask=valid[:, None], other=0.0)
@@ -251,8 +431,11 @@ def _sparse_mla_kernel(ql_ptr, qr_ptr, lat_ptr, lat_scale_ptr, rope_ptr, rows_pt
         best = new_best
     if SPLITS == 1:  # nothing to merge: normalise here (no row at all: zeros, as the merge gives)
         out = acc / tl.maximum(total, 1.1754943508222875e-38)[:, None]
-        tl.store(out_ptr + token * stride_on + h[:, None] * stride_oh + c[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=h[:, None] < heads)
+        tl.store(
+            out_ptr + token * stride_on + h[:, None] * stride_oh + c[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=h[:, None] < heads,
+        )
     else:
         base = (token * heads + h) * SPLITS + split  # [BLOCK_H]
         tl.store(acc_ptr + base[:, None] * LATENT + c[None, :], acc, mask=h[:, None] < heads)
@@ -261,8 +444,17 @@ def _sparse_mla_kernel(ql_ptr, qr_ptr, lat_ptr, lat_scale_ptr, rope_ptr, rows_pt
 
 
 @triton.jit
-def _merge_splits_kernel(acc_ptr, stats_ptr, out_ptr, stride_on, stride_oh, heads,
-                         LATENT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+def _merge_splits_kernel(
+    acc_ptr,
+    stats_ptr,
+    out_ptr,
+    stride_on,
+    stride_oh,
+    heads,
+    LATENT: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s, c = tl.arange(0, SPLITS_P2), tl.arange(0, LATENT)
     base = (token * heads + head) * SPLITS + s
@@ -276,8 +468,14 @@ def _merge_splits_kernel(acc_ptr, stats_ptr, out_ptr, stride_on, stride_oh, head
     tl.store(out_ptr + token * stride_on + head * stride_oh + c, out.to(out_ptr.dtype.element_ty))
 
 
-def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCache, rows: torch.Tensor,
-               scale: float, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def sparse_mla(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: PagedLayerCache,
+    rows: torch.Tensor,
+    scale: float,
+    tiles: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
     """As `sparse_mla_torch`: q_latent `[N, h, c]`, q_rope `[N, h, r]` (bf16 / fp16), rows `[N, k]` int64
     -> `[N, h, c]` in q's dtype. tiles: (heads per tile, rows per tile, num_warps, num_stages), by default
     chosen by the shape: `DECODE_TILES` while the decode tiles leave programs to fill with splits of the rows
@@ -291,8 +489,10 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCa
     if n == 0:
         return out
     if q_latent.stride(2) != 1 or q_rope.stride(2) != 1 or rows.stride(1) != 1:
-        raise ValueError(f"the sparse MLA kernel needs unit-stride last dims: q_latent {q_latent.stride()}, "
-                         f"q_rope {q_rope.stride()}, rows {rows.stride()}")
+        raise ValueError(
+            f"the sparse MLA kernel needs unit-stride last dims: q_latent {q_latent.stride()}, "
+            f"q_rope {q_rope.stride()}, rows {rows.stride()}"
+        )
     head_blocks = triton.cdiv(heads, block_h)
     tiles = triton.cdiv(max(topk, 1), block_k)
     splits = max(1, min(tiles, triton.cdiv(NUM_SMS_TARGET, n * head_blocks)))
@@ -303,16 +503,49 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCa
     stats = torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q_latent.device) if splits > 1 else out
     fp8 = cache.latent_scale is not None
     _sparse_mla_kernel[(n, head_blocks, splits)](
-        q_latent, q_rope, cache.latent, cache.latent_scale if fp8 else cache.rope, cache.rope, rows, acc, stats, out,
-        heads, topk, scale * LOG2_E,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0),
-        out.stride(0), out.stride(1),
-        FP8=fp8, LATENT=latent_dim, ROPE=rope_dim, GROUP=latent_dim // cache.latent_scale.shape[1] if fp8 else 1,
-        BLOCK_H=block_h, BLOCK_K=block_k, SPLITS=splits, ROWS_PER_SPLIT=rows_per_split,
-        num_warps=num_warps, num_stages=num_stages)
+        q_latent,
+        q_rope,
+        cache.latent,
+        cache.latent_scale if fp8 else cache.rope,
+        cache.rope,
+        rows,
+        acc,
+        stats,
+        out,
+        heads,
+        topk,
+        scale * LOG2_E,
+        q_latent.stride(0),
+        q_latent.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        rows.stride(0),
+        out.stride(0),
+        out.stride(1),
+        FP8=fp8,
+        LATENT=latent_dim,
+        ROPE=rope_dim,
+        GROUP=latent_dim // cache.latent_scale.shape[1] if fp8 else 1,
+        BLOCK_H=block_h,
+        BLOCK_K=block_k,
+        SPLITS=splits,
+        ROWS_PER_SPLIT=rows_per_split,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if splits > 1:
-        _merge_splits_kernel[(n, heads)](acc, stats, out, out.stride(0), out.stride(1), heads, LATENT=latent_dim,
-                                         SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
+        _merge_splits_kernel[(n, heads)](
+            acc,
+            stats,
+            out,
+            out.stride(0),
+            out.stride(1),
+            heads,
+            LATENT=latent_dim,
+            SPLITS=splits,
+            SPLITS_P2=triton.next_power_of_2(splits),
+            num_warps=4,
+        )
     return out
 
 
@@ -320,9 +553,24 @@ HEAD_MATMUL_TOKENS = 16  # head_matmul's tile of tokens: the rows of one tl.dot,
 
 
 @triton.jit
-def _head_matmul_kernel(x_ptr, w_ptr, out_ptr, n_tok, depth, width, stride_xn, stride_xh, stride_wh, stride_wk,
-                        stride_wm, stride_on, stride_oh, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_M: tl.constexpr):
+def _head_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    n_tok,
+    depth,
+    width,
+    stride_xn,
+    stride_xh,
+    stride_wh,
+    stride_wk,
+    stride_wm,
+    stride_on,
+    stride_oh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     head, cols = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     tokens = tl.arange(0, BLOCK_N)
     x_rows = x_ptr + head * stride_xh + tokens[:, None] * stride_xn  # [BLOCK_N, 1]
@@ -333,8 +581,11 @@ def _head_matmul_kernel(x_ptr, w_ptr, out_ptr, n_tok, depth, width, stride_xn, s
         x = tl.load(x_rows + k[None, :], mask=(tokens[:, None] < n_tok) & (k[None, :] < depth), other=0.0)
         w = tl.load(w_cols + k[:, None] * stride_wk, mask=(k[:, None] < depth) & (cols[None, :] < width), other=0.0)
         acc = tl.dot(x, w, acc)
-    tl.store(out_ptr + tokens[:, None] * stride_on + head * stride_oh + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(tokens[:, None] < n_tok) & (cols[None, :] < width))
+    tl.store(
+        out_ptr + tokens[:, None] * stride_on + head * stride_oh + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(tokens[:, None] < n_tok) & (cols[None, :] < width),
+    )
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -344,15 +595,34 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n, heads, depth = x.shape
     width = w.shape[2]
     if n > HEAD_MATMUL_TOKENS or x.stride(2) != 1 or w.shape[:2] != (heads, depth) or w.dtype != x.dtype:
-        raise ValueError(f"head_matmul needs x [N <= {HEAD_MATMUL_TOKENS}, h, k] with a unit-stride last dim and w "
-                         f"[h, k, m] of its dtype; got x {tuple(x.shape)} strides {x.stride()} {x.dtype}, w "
-                         f"{tuple(w.shape)} {w.dtype}")
+        raise ValueError(
+            f"head_matmul needs x [N <= {HEAD_MATMUL_TOKENS}, h, k] with a unit-stride last dim and w "
+            f"[h, k, m] of its dtype; got x {tuple(x.shape)} strides {x.stride()} {x.dtype}, w "
+            f"{tuple(w.shape)} {w.dtype}"
+        )
     out = torch.empty(n, heads, width, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
     block_m = next((b for b in (64, 32) if heads * triton.cdiv(width, b) >= NUM_SMS_TARGET), 16)
     block_k = 128 if w.stride(1) == 1 else 64  # 256 or 128 contiguous bytes per weight row
     _head_matmul_kernel[(heads, triton.cdiv(width, block_m))](
-        x, w, out, n, depth, width, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        out.stride(1), BLOCK_N=HEAD_MATMUL_TOKENS, BLOCK_K=block_k, BLOCK_M=block_m, num_warps=4, num_stages=3)
+        x,
+        w,
+        out,
+        n,
+        depth,
+        width,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_N=HEAD_MATMUL_TOKENS,
+        BLOCK_K=block_k,
+        BLOCK_M=block_m,
+        num_warps=4,
+        num_stages=3,
+    )
     return out

@@ -42,8 +42,13 @@ def test_results_in_rank_order_with_dp_groups():
     assert out == [(0, 0, 0, 1.0), (1, 1, 0, 1.0), (2, 0, 1, 5.0), (3, 1, 1, 5.0)]
 
 
-@pytest.mark.parametrize("fn, message", [(raise_on_rank_1, "rank 1 of 2 failed: ValueError: boom on purpose"),
-                                         (die_on_rank_1, "rank 1 of 2 failed: exited with code 3")])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (raise_on_rank_1, "rank 1 of 2 failed: ValueError: boom on purpose"),
+        (die_on_rank_1, "rank 1 of 2 failed: exited with code 3"),
+    ],
+)
 def test_failing_rank_fails_fast(fn, message):
     start = time.monotonic()
     with pytest.raises(RankFailed, match="rank 1") as info:
@@ -62,6 +67,7 @@ def test_collective_timeout_turns_a_stalled_peer_into_an_error():
 
 def test_init_distributed_needs_the_torchrun_environment(monkeypatch):
     from spmoe.distributed import init_distributed
+
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(RuntimeError, match="RANK"):

@@ -15,13 +15,38 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 def config(mlp_layer_types: list[str], mtp: int = 1) -> ModelConfig:
     layers = len(mlp_layer_types)
-    return ModelConfig.from_dict(dict(
-        model_type="glm_moe_dsa", vocab_size=96, hidden_size=48, intermediate_size=72, moe_intermediate_size=12,
-        num_hidden_layers=layers, mlp_layer_types=mlp_layer_types, indexer_types=["full"] * layers,
-        num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16,
-        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_topk=4, index_n_heads=4, index_head_dim=16,
-        rms_norm_eps=1e-5, rope_theta=10000.0, num_nextn_predict_layers=mtp))
+    return ModelConfig.from_dict(
+        dict(
+            model_type="glm_moe_dsa",
+            vocab_size=96,
+            hidden_size=48,
+            intermediate_size=72,
+            moe_intermediate_size=12,
+            num_hidden_layers=layers,
+            mlp_layer_types=mlp_layer_types,
+            indexer_types=["full"] * layers,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            index_topk=4,
+            index_n_heads=4,
+            index_head_dim=16,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            num_nextn_predict_layers=mtp,
+        )
+    )
 
 
 # Pattern dense, MoE, dense, MoE, then one MTP layer (MoE). Per layer: (input, MLP input, output, MoE output).
@@ -39,8 +64,7 @@ CASES = {
 @pytest.mark.parametrize("sp, scope, dp", sorted(CASES))
 def test_plan_follows_the_layout_contract(sp, scope, dp):
     layers, exit_layout, mtp = CASES[(sp, scope, dp)]
-    parallel = ParallelConfig(tensor_parallel_size=2, data_parallel_size=dp, sp=sp,
-                              sp_scope=scope)
+    parallel = ParallelConfig(tensor_parallel_size=2, data_parallel_size=dp, sp=sp, sp_scope=scope)
     plan = build_layer_plan(config(["dense", "sparse", "dense", "sparse"]), parallel)
     assert [(p.input, p.mlp_input, p.output, p.moe_output) for p in plan.layers] == layers
     assert [p.layer_idx for p in plan.layers] == [0, 1, 2, 3]

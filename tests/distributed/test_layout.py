@@ -7,8 +7,15 @@ the launcher turns that into a failure here with the rank's traceback.
 import pytest
 import torch
 
-from spmoe.distributed import (_all_gather_sp_states, count_collectives, get_parallel_state, spawn,
-                               sp_all_gather, sp_reduce_scatter, sp_shard)
+from spmoe.distributed import (
+    _all_gather_sp_states,
+    count_collectives,
+    get_parallel_state,
+    sp_all_gather,
+    sp_reduce_scatter,
+    sp_shard,
+    spawn,
+)
 from spmoe.distributed.comm import all_reduce, all_to_all_rows
 from tests.multigpu import requires_gpus, run_on_gpus
 
@@ -57,10 +64,12 @@ def layout_matrix() -> int:
             with count_collectives() as stats:
                 gathered = sp_all_gather(shard, N)
             assert torch.equal(gathered, full), (N, dtype)
-            assert stats.as_dict() == {"all_reduce": {"count": 0, "bytes": 0},
-                                       "all_gather": {"count": 1, "bytes": n * t * H * e},
-                                       "reduce_scatter": {"count": 0, "bytes": 0},
-                                       "all_to_all": {"count": 0, "bytes": 0}}
+            assert stats.as_dict() == {
+                "all_reduce": {"count": 0, "bytes": 0},
+                "all_gather": {"count": 1, "bytes": n * t * H * e},
+                "reduce_scatter": {"count": 0, "bytes": 0},
+                "all_to_all": {"count": 0, "bytes": 0},
+            }
 
             with count_collectives() as stats:
                 reduced = sp_reduce_scatter(partials[r])
@@ -68,7 +77,7 @@ def layout_matrix() -> int:
             assert stats.counts["reduce_scatter"] == {"count": 1, "bytes": n * t * H * e}
             assert stats.counts["all_gather"]["count"] == 0
             if n * (r + 1) > N:  # this rank holds pad rows: they must be exactly zero
-                assert not reduced[max(N - n * r, 0):].any()
+                assert not reduced[max(N - n * r, 0) :].any()
 
             with count_collectives() as stats:
                 h, res = _all_gather_sp_states(sp_shard(full), sp_shard(residual), N)
@@ -96,10 +105,10 @@ def layout_matrix() -> int:
     expect_error(lambda: sp_all_gather(torch.zeros(n5 + 1, H), 5), f"{n5} rows", f"({n5 + 1}, {H})")
     expect_error(lambda: sp_all_gather(torch.zeros(n5, H, 2), 5), "2-D", f"({n5}, {H}, 2)")
     expect_error(lambda: sp_reduce_scatter(torch.zeros(5)), "2-D", "(5,)")
-    expect_error(lambda: _all_gather_sp_states(torch.zeros(n5, H), torch.zeros(n5, H + 1), 5),
-                 f"({n5}, {H + 1})", f"({n5}, {H})")
-    expect_error(lambda: _all_gather_sp_states(torch.zeros(n5 + 2, H), torch.zeros(n5 + 2, H), 5),
-                 f"{n5} rows")
+    expect_error(
+        lambda: _all_gather_sp_states(torch.zeros(n5, H), torch.zeros(n5, H + 1), 5), f"({n5}, {H + 1})", f"({n5}, {H})"
+    )
+    expect_error(lambda: _all_gather_sp_states(torch.zeros(n5 + 2, H), torch.zeros(n5 + 2, H), 5), f"{n5} rows")
     # A FULL tensor passed where a shard is declared is caught even when N=1 would hide it from a shape test
     # on rank counts: a 1-token FULL tensor has ceil(1/t) = 1 row, so this is the case the contract exists for.
     expect_error(lambda: sp_all_gather(torch.zeros(t + 1, H), t + 1), f"{(t + 1 + t - 1) // t} rows")

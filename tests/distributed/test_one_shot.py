@@ -26,8 +26,11 @@ def compare_with_nccl() -> list[str]:
         for rows in (1, 3, 64, 256):
             shard = torch.empty(rows, H, dtype=dtype, device=device)
             full = torch.empty(rows * t, H, dtype=dtype, device=device)
-            outs = {"all_gather": torch.empty_like(full), "reduce_scatter": torch.empty_like(shard),
-                    "all_reduce": torch.empty_like(full)}
+            outs = {
+                "all_gather": torch.empty_like(full),
+                "reduce_scatter": torch.empty_like(shard),
+                "all_reduce": torch.empty_like(full),
+            }
 
             inputs = {"all_gather": shard, "reduce_scatter": full, "all_reduce": full}
             kinds = [k for k, x in inputs.items() if one_shot.fits(k, x)]
@@ -59,8 +62,11 @@ def compare_with_nccl() -> list[str]:
                     graph.replay()
                 for kind, want in nccl().items():
                     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-                    close = torch.equal if t == 2 or kind == "all_gather" else lambda a, b: torch.allclose(
-                        a.float(), b.float(), rtol=tol, atol=tol)
+                    close = (
+                        torch.equal
+                        if t == 2 or kind == "all_gather"
+                        else lambda a, b: torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+                    )
                     if kind in kinds and not close(outs[kind], want):
                         err = (outs[kind].float() - want.float()).abs().max().item()
                         failures.append(f"{kind} {dtype} rows={rows} {trial}: max |diff| {err:.3e}")
@@ -139,8 +145,10 @@ def compare_add_norm_with_nccl() -> list[str]:
                         want = reference(kind, x, residual, num_tokens)
                         for name, a, b in zip(("normed", "residual"), got, want):
                             if a.shape != b.shape or not torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2):
-                                failures.append(f"{kind} {name} N={num_tokens} residual={with_residual} {trial}: "
-                                                f"{tuple(a.shape)} vs {tuple(b.shape)}")
+                                failures.append(
+                                    f"{kind} {name} N={num_tokens} residual={with_residual} {trial}: "
+                                    f"{tuple(a.shape)} vs {tuple(b.shape)}"
+                                )
     return failures
 
 

@@ -1,14 +1,38 @@
-"""A tiny deterministic checkpoint with an MTP layer, written by spmoe itself (dims divide by TP 1, 2 and 3; 12 experts divide by EP 1 to 4)."""
+"""A tiny deterministic checkpoint with an MTP layer, written by spmoe itself (dims divide by TP 1, 2 and 3;
+12 experts divide by EP 1 to 4)."""
 
 import pytest
 
 ENGINE_CONFIG = dict(
-    model_type="glm_moe_dsa", vocab_size=96, hidden_size=48, intermediate_size=72, moe_intermediate_size=12,
-    num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"], indexer_types=["full", "shared", "full"],
-    num_attention_heads=6, num_key_value_heads=6, n_routed_experts=12, n_shared_experts=1, num_experts_per_tok=2,
-    n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16,
-    qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_topk=4, index_n_heads=4, index_head_dim=16,
-    rms_norm_eps=1e-5, rope_theta=10000.0, num_nextn_predict_layers=1)
+    model_type="glm_moe_dsa",
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=72,
+    moe_intermediate_size=12,
+    num_hidden_layers=3,
+    mlp_layer_types=["dense", "sparse", "sparse"],
+    indexer_types=["full", "shared", "full"],
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    n_routed_experts=12,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    index_topk=4,
+    index_n_heads=4,
+    index_head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    num_nextn_predict_layers=1,
+)
 
 
 @pytest.fixture(scope="session")

@@ -16,21 +16,52 @@ from spmoe.entrypoints.cli import main
 def generate_cli(tmp_path, model, prompts, *extra):
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps(prompts))
-    return main(["generate", "--model", str(model), "--tp", "2", "--sp", "on", "--input-ids", str(ids),
-                 "--output", str(tmp_path / "out.json"), *extra])
+    return main(
+        [
+            "generate",
+            "--model",
+            str(model),
+            "--tp",
+            "2",
+            "--sp",
+            "on",
+            "--input-ids",
+            str(ids),
+            "--output",
+            str(tmp_path / "out.json"),
+            *extra,
+        ]
+    )
 
 
 def test_generate_writes_outputs_and_stats(engine_checkpoint, tmp_path, capsys):
     prompts = [[3, 14, 15], [79], [38, 1]]
-    assert generate_cli(tmp_path, engine_checkpoint, prompts, "--max-new-tokens", "6", "--speculative", "mtp",
-                        "--num-speculative-tokens", "2") == 0
+    assert (
+        generate_cli(
+            tmp_path,
+            engine_checkpoint,
+            prompts,
+            "--max-new-tokens",
+            "6",
+            "--speculative",
+            "mtp",
+            "--num-speculative-tokens",
+            "2",
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "out.json").read_text())
     assert [len(out) for out in result["outputs"]] == [6, 6, 6]
     stats = result["stats"]
     assert stats["generated_tokens"] == 18 and stats["tokens_per_s"] > 0
     assert stats["prefill_s"] > 0 and stats["decode_s"] > 0
-    assert stats["parallel"] == {"tp": 2, "dp": 1, "use_sequence_parallel_moe": True, "sp_scope": "moe",
-                                 "ep_backend": "allgather_reducescatter"}
+    assert stats["parallel"] == {
+        "tp": 2,
+        "dp": 1,
+        "use_sequence_parallel_moe": True,
+        "sp_scope": "moe",
+        "ep_backend": "allgather_reducescatter",
+    }
     assert stats["phases"]["decode"]["collectives"]["reduce_scatter"]["count"] > 0
     assert stats["phases"]["draft"]["collectives"]["all_reduce"]["count"] == 0  # the SP MTP step
     assert 0 <= stats["speculative"]["acceptance_rate"] <= 1
@@ -39,16 +70,24 @@ def test_generate_writes_outputs_and_stats(engine_checkpoint, tmp_path, capsys):
     assert "MTP acceptance" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case, fragment", [
-    ("token id out of range", "token id 96, expected an int in [0, 96)"),
-    ("prompt longer than the cache", "prompt 0 has 3 tokens; with max_new_tokens=4 and 0 speculative tokens it "
-                                     "needs 7 KV cache positions, the cache holds 5 per sequence"),
-    ("no MTP layer", "--speculative mtp needs an MTP layer"),
-    ("sampling with speculation", "speculative decoding accepts drafts greedily; expected temperature 0"),
-    ("zero new tokens", "max_new_tokens must be >= 1, got 0"),
-    ("expert kernel that does not fit", "moe_backend 'triton' does not fit this deployment: triton: needs a CUDA "
-                                        "device, got cpu"),
-])
+@pytest.mark.parametrize(
+    "case, fragment",
+    [
+        ("token id out of range", "token id 96, expected an int in [0, 96)"),
+        (
+            "prompt longer than the cache",
+            "prompt 0 has 3 tokens; with max_new_tokens=4 and 0 speculative tokens it "
+            "needs 7 KV cache positions, the cache holds 5 per sequence",
+        ),
+        ("no MTP layer", "--speculative mtp needs an MTP layer"),
+        ("sampling with speculation", "speculative decoding accepts drafts greedily; expected temperature 0"),
+        ("zero new tokens", "max_new_tokens must be >= 1, got 0"),
+        (
+            "expert kernel that does not fit",
+            "moe_backend 'triton' does not fit this deployment: triton: needs a CUDA device, got cpu",
+        ),
+    ],
+)
 def test_bad_input_is_a_one_line_error(case, fragment, engine_checkpoint, tmp_path, capsys):
     model, prompts, extra = engine_checkpoint, [[1, 2, 3]], ["--max-new-tokens", "4"]
     if case == "token id out of range":
@@ -72,8 +111,9 @@ def test_bad_input_is_a_one_line_error(case, fragment, engine_checkpoint, tmp_pa
     assert err[-1].startswith("spmoe generate: error: ") and fragment in err[-1], err
 
 
-@pytest.mark.parametrize("command, extra", [("forward", ["--save-logits"]),
-                                            ("generate", ["--max-new-tokens", "2", "--output"])])
+@pytest.mark.parametrize(
+    "command, extra", [("forward", ["--save-logits"]), ("generate", ["--max-new-tokens", "2", "--output"])]
+)
 def test_sp_defaults_to_auto(command, extra, engine_checkpoint, tmp_path, capsys, monkeypatch):
     """Without --sp the command takes auto: off at DP 1, on at DP 2. The job itself is replaced by one that
     records the parallel config it was given and returns None (as on a torchrun rank other than 0), so no rank
@@ -83,8 +123,24 @@ def test_sp_defaults_to_auto(command, extra, engine_checkpoint, tmp_path, capsys
     ids = tmp_path / "ids.json"
     ids.write_text("[[1, 2]]")
     for dp, decision in ((1, "off"), (2, "on")):
-        assert main([command, "--model", engine_checkpoint, "--tp", "2", "--dp", str(dp), "--input-ids", str(ids),
-                     *extra, str(tmp_path / "out")]) == 0
+        assert (
+            main(
+                [
+                    command,
+                    "--model",
+                    engine_checkpoint,
+                    "--tp",
+                    "2",
+                    "--dp",
+                    str(dp),
+                    "--input-ids",
+                    str(ids),
+                    *extra,
+                    str(tmp_path / "out"),
+                ]
+            )
+            == 0
+        )
         err = capsys.readouterr().err
         assert f"sequence-parallel MoE {decision} (--sp auto, scope moe)" in err, err
         assert given[-1].sp == "auto" and given[-1].use_sequence_parallel_moe == (dp == 2)
@@ -108,14 +164,17 @@ def collective_cells(text: str) -> dict[str, list[str]]:
 def test_demo_runs_and_reuses_its_checkpoint(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     for expected in ("written now", "reused"):
-        done = subprocess.run([sys.executable, "-m", "spmoe", "demo"], env=env, capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "spmoe", "demo"], env=env, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr
         assert f"({expected})" in done.stdout
         assert "all 5 modes produced identical tokens" in done.stdout
         # the expert choice: once per kind of MoE layer, never by the checkpoint writer
-        assert [line.split(": ")[1] for line in done.stderr.splitlines() if line.startswith("spmoe: experts")] == \
-            ["experts of non-SP MoE layers", "experts of SP MoE layers"], done.stderr
+        assert [line.split(": ")[1] for line in done.stderr.splitlines() if line.startswith("spmoe: experts")] == [
+            "experts of non-SP MoE layers",
+            "experts of SP MoE layers",
+        ], done.stderr
         # the server: the chat template wraps the 19-byte message in 3 special tokens; up to 24 tokens come back
         assert re.search(r"usage: 22 prompt \+ \d+ completion tokens, finish_reason (stop|length)", done.stdout)
         assert "SIGTERM: the server stopped" in done.stdout

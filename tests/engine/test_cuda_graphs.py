@@ -13,8 +13,14 @@ from .conftest import ENGINE_CONFIG
 from .test_generate import EOS, MAX_NEW, PROMPTS
 
 # Triton needs multiples of 128; 8 heads and 16 experts divide over 2, 4 and 8 ranks
-GRAPH_CONFIG = {**ENGINE_CONFIG, "hidden_size": 256, "moe_intermediate_size": 128, "num_attention_heads": 8,
-                "num_key_value_heads": 8, "n_routed_experts": 16}
+GRAPH_CONFIG = {
+    **ENGINE_CONFIG,
+    "hidden_size": 256,
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "n_routed_experts": 16,
+}
 
 
 def graph_cases(folder: str) -> dict:
@@ -25,8 +31,9 @@ def graph_cases(folder: str) -> dict:
 
     state, out = get_parallel_state(), {}
     for sp in ("off", "on"):
-        model = load_model(folder, ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp),
-                           torch.bfloat16, state.device)
+        model = load_model(
+            folder, ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp), torch.bfloat16, state.device
+        )
         out[sp, "experts"] = model.model.experts_backend.name
         cache = KVCache.for_model(model, 4, 16)
         graphs = DecodeGraphs(model, cache, cache.max_seqs)
@@ -41,9 +48,12 @@ def graph_cases(folder: str) -> dict:
             eager = graphs.eager_step(inputs)[:3]
         out[sp, "bitwise"] = torch.equal(replayed, eager)
         out[sp, "collectives"] = {k: v["count"] for k, v in stats.counts.items()}
-        generations = [Engine(model, KVCache.for_model(model, len(PROMPTS), 32), cuda_graphs=graphed)
-                       .generate(PROMPTS, MAX_NEW, eos_token_ids=EOS, record_logits=True)
-                       for graphed in (False, True)]
+        generations = [
+            Engine(model, KVCache.for_model(model, len(PROMPTS), 32), cuda_graphs=graphed).generate(
+                PROMPTS, MAX_NEW, eos_token_ids=EOS, record_logits=True
+            )
+            for graphed in (False, True)
+        ]
         out[sp, "outputs"] = [g.outputs for g in generations]
         out[sp, "graph sizes"] = generations[1].stats["cuda_graph_batch_sizes"]
         first, second = (torch.cat(g.logits) for g in generations)

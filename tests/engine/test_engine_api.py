@@ -55,34 +55,52 @@ def run_api_cases(folder: str) -> dict:
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(), with_mtp=True)
-    out = {"alone": [alone(model, p) for p in PROMPTS], "alone_full": [alone(model, p, eos=()) for p in PROMPTS],
-           "alone_sampled": [alone(model, p, SAMPLED) for p in PROMPTS[:2]]}
+    out = {
+        "alone": [alone(model, p) for p in PROMPTS],
+        "alone_full": [alone(model, p, eos=()) for p in PROMPTS],
+        "alone_sampled": [alone(model, p, SAMPLED) for p in PROMPTS[:2]],
+    }
 
     def request(i, sampling=SamplingParams(), eos=EOS, rid=None):
         return Request(rid or f"r{i}", PROMPTS[i], MAX_NEW, sampling, eos)
 
     # Two slots; r0 and r1 join at steps 0 and 2, r2 and r3 wait for room, r1 is aborted at step 4.
     engine = Engine(model, KVCache.for_model(model, 2, 32))
-    schedule = {0: [("add", request(0, eos=()))], 2: [("add", request(1, eos=())), ("add", request(2))],
-                3: [("add", request(3))], 4: [("abort", "r1")], 9: [("abort", "r1"), ("abort", "unknown")]}
+    schedule = {
+        0: [("add", request(0, eos=()))],
+        2: [("add", request(1, eos=())), ("add", request(2))],
+        3: [("add", request(3))],
+        4: [("abort", "r1")],
+        9: [("abort", "r1"), ("abort", "unknown")],
+    }
     out["staggered"] = drive(engine, schedule, 40)
     out["staggered_done"] = (engine.has_unfinished(), engine.cache.free_slots)
 
     # Sampling: r0 sampled alone-seeded, joined by other sampled requests at other steps.
     engine = Engine(model, KVCache.for_model(model, 4, 32))
-    schedule = {0: [("add", request(2, SamplingParams(0.8, 0.9, 11)))], 1: [("add", request(0, SAMPLED))],
-                3: [("add", request(1, SAMPLED)), ("add", request(3, SamplingParams(1.0, 1.0, 5)))]}
+    schedule = {
+        0: [("add", request(2, SamplingParams(0.8, 0.9, 11)))],
+        1: [("add", request(0, SAMPLED))],
+        3: [("add", request(1, SAMPLED)), ("add", request(3, SamplingParams(1.0, 1.0, 5)))],
+    }
     out["sampled"] = drive(engine, schedule, 20)[0]
 
     # A speculating engine: the same greedy tokens; sampling refused.
     engine = Engine(model, KVCache.for_model(model, 2, 32), num_speculative_tokens=2)
-    out["spec"] = drive(engine, schedule={0: [("add", request(0))], 1: [("add", request(1))],
-                                          2: [("add", request(2)), ("add", request(3))]}, steps=40)
+    out["spec"] = drive(
+        engine,
+        schedule={0: [("add", request(0))], 1: [("add", request(1))], 2: [("add", request(2)), ("add", request(3))]},
+        steps=40,
+    )
     errors = {}
-    bad = {"sampled_on_spec": Request("s", [1, 2], 4, SamplingParams(temperature=0.7)),
-           "empty": Request("e", [], 4), "out_of_range": Request("o", [1, 96], 4),
-           "too_long": Request("t", [1] * 20, 11), "no_tokens": Request("z", [1], 0),
-           "duplicate": Request("d", [1], 4)}
+    bad = {
+        "sampled_on_spec": Request("s", [1, 2], 4, SamplingParams(temperature=0.7)),
+        "empty": Request("e", [], 4),
+        "out_of_range": Request("o", [1, 96], 4),
+        "too_long": Request("t", [1] * 20, 11),
+        "no_tokens": Request("z", [1], 0),
+        "duplicate": Request("d", [1], 4),
+    }
     engine.add_request(Request("d", [1], 4))
     for name, req in bad.items():
         try:
@@ -128,7 +146,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(api):
     got = api["sampled"]
     assert got["r0"][0] == api["alone_sampled"][0]
     assert got["r1"][0] == api["alone_sampled"][1]
-    assert got["r0"][0] != api["alone_full"][0][:len(got["r0"][0])]  # really sampled
+    assert got["r0"][0] != api["alone_full"][0][: len(got["r0"][0])]  # really sampled
 
 
 def test_speculating_engine_gives_greedy_tokens(api):
@@ -144,10 +162,10 @@ def test_bad_requests_are_one_line_errors(api):
         "empty": "request 'e': the prompt must be a non-empty list of token ids in [0, 96), got []",
         "out_of_range": "request 'o': the prompt must be a non-empty list of token ids in [0, 96), got [1, 96]",
         "too_long": "request 't': the prompt has 20 tokens; with max_new_tokens=11 and 2 speculative tokens it "
-                    "needs 33 KV cache positions, the cache holds 32 per sequence",
+        "needs 33 KV cache positions, the cache holds 32 per sequence",
         "no_tokens": "max_new_tokens must be >= 1, got 0",
         "duplicate": "request id 'd' is already in the engine; expected a new id",
         "beyond_model": "request 'p': the prompt with its new and speculative tokens: 25 positions, more than the "
-                        "model's max_position_embeddings = 24",
+        "model's max_position_embeddings = 24",
     }
     assert errors == expected

@@ -48,11 +48,19 @@ def run_engine(folder: str, modes: list[tuple[str, str]]):
         for name, (prompts, kw) in CASES.items():
             cache = KVCache.for_model(model, kw.get("max_seqs", len(prompts)), 32)
             engine = Engine(model, cache, kw.get("k", 0))
-            gen = engine.generate(prompts, MAX_NEW, kw.get("sampling", SamplingParams()), kw.get("eos", ()),
-                                  record_logits=kw.get("record", False))
+            gen = engine.generate(
+                prompts,
+                MAX_NEW,
+                kw.get("sampling", SamplingParams()),
+                kw.get("eos", ()),
+                record_logits=kw.get("record", False),
+            )
             assert cache.free_slots == cache.max_seqs  # every finished sequence gave its slot back
-            results[(sp, scope, name)] = (gen.outputs, gen.stats.get("speculative"),
-                                          cacheless_error(model, prompts, gen) if kw.get("record") else None)
+            results[(sp, scope, name)] = (
+                gen.outputs,
+                gen.stats.get("speculative"),
+                cacheless_error(model, prompts, gen) if kw.get("record") else None,
+            )
         results[(sp, scope, "static_decode")] = (None, None, static_decode_error(model))
     return results
 
@@ -85,7 +93,7 @@ def cacheless_error(model, prompts, gen) -> float:
         logits = model(*flatten(seqs, model.lm_head.weight.device))
     worst, start = 0.0, 0
     for prompt, seq, recorded in zip(prompts, seqs, gen.logits):
-        want = logits[start + len(prompt) - 1:start + len(seq)]
+        want = logits[start + len(prompt) - 1 : start + len(seq)]
         worst = max(worst, ((recorded - want).abs().max() / want.abs().max()).item())
         start += len(seq)
     return worst
@@ -173,8 +181,12 @@ def test_data_parallel_generation(engine_checkpoint):
 
     def generate(prompts, tp=1, dp=1, sp="off", k=0):
         parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sp=sp)
-        return run_generate(engine_checkpoint, parallel, prompts, GenerateOptions(
-            MAX_NEW, num_speculative_tokens=k, eos_token_ids=EOS, progress=False))
+        return run_generate(
+            engine_checkpoint,
+            parallel,
+            prompts,
+            GenerateOptions(MAX_NEW, num_speculative_tokens=k, eos_token_ids=EOS, progress=False),
+        )
 
     reference, single = generate(PROMPTS), generate([[38]])
     for tp, dp, sp, k in [(2, 2, "off", 0), (2, 2, "on", 0), (2, 2, "on", 2), (1, 2, "off", 0)]:

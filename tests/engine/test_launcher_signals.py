@@ -42,21 +42,44 @@ def descendants(pid: int) -> dict[int, str]:
 
 def still_running(processes: dict[int, str]) -> list[int]:
     table = process_table()
-    return [pid for pid, start in processes.items()
-            if pid in table and table[pid][2] == start and table[pid][1] != "Z"]  # a zombie has ended
+    return [
+        pid for pid, start in processes.items() if pid in table and table[pid][2] == start and table[pid][1] != "Z"
+    ]  # a zombie has ended
 
 
 def start_generation(model: str, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     """`spmoe generate` on 2 ranks, long enough to be signalled mid-run; returns once the ranks are decoding."""
     ids, err = tmp_path / "ids.json", tmp_path / "stderr.txt"
     ids.write_text(json.dumps([[3, 14, 15], [79], [38, 1], [5]]))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get(
-        "PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
     with open(err, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "spmoe", "generate", "--model", model, "--tp", "2", "--sp",
-                                 "on", "--input-ids", str(ids), "--max-new-tokens", "20000", "--output",
-                                 str(tmp_path / "out.json")], stdout=subprocess.DEVNULL, stderr=stderr, env=env,
-                                start_new_session=True)  # its own process group, as a shell job has
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "spmoe",
+                "generate",
+                "--model",
+                model,
+                "--tp",
+                "2",
+                "--sp",
+                "on",
+                "--input-ids",
+                str(ids),
+                "--max-new-tokens",
+                "20000",
+                "--output",
+                str(tmp_path / "out.json"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=env,
+            start_new_session=True,
+        )  # its own process group, as a shell job has
     deadline = time.monotonic() + 120
     while "generating:" not in err.read_text():  # the first progress line comes after the first step
         assert proc.poll() is None and time.monotonic() < deadline, err.read_text()

@@ -16,8 +16,10 @@ from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.cli import main
 
 PROMPT = [5, 17, 33]
-MESSAGE = ("non-finite logits (NaN or inf) at step {step} ({phase}) for request {rid!r} after {done} generated "
-           "tokens: no token can be chosen (check the checkpoint for NaN / inf weights)")
+MESSAGE = (
+    "non-finite logits (NaN or inf) at step {step} ({phase}) for request {rid!r} after {done} generated "
+    "tokens: no token can be chosen (check the checkpoint for NaN / inf weights)"
+)
 
 
 def generate_with_nan(folder: str) -> dict:
@@ -70,11 +72,32 @@ def test_generate_with_a_nan_weight_is_a_one_line_error(engine_checkpoint, tmp_p
     (model / "config.json").write_text(json.dumps(json.loads(open(f"{engine_checkpoint}/config.json").read())))
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([PROMPT, [9]]))
-    assert main(["generate", "--model", str(model), "--tp", "2", "--sp", "on", "--input-ids", str(ids),
-                 "--max-new-tokens", "4", "--output", str(tmp_path / "out.json")]) == 1
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(model),
+                "--tp",
+                "2",
+                "--sp",
+                "on",
+                "--input-ids",
+                str(ids),
+                "--max-new-tokens",
+                "4",
+                "--output",
+                str(tmp_path / "out.json"),
+            ]
+        )
+        == 1
+    )
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.fullmatch(r"spmoe generate: error: rank [01] of 2 failed: FloatingPointError: " +
-                        re.escape(MESSAGE.format(step=1, phase="prefill", rid="generate-0", done=0)), last), last
+    assert re.fullmatch(
+        r"spmoe generate: error: rank [01] of 2 failed: FloatingPointError: "
+        + re.escape(MESSAGE.format(step=1, phase="prefill", rid="generate-0", done=0)),
+        last,
+    ), last
     assert not (tmp_path / "out.json").exists()
 
 
@@ -108,8 +131,12 @@ def serve_with_one_nan_prompt(folder: str) -> dict:
             for out in engine.step():
                 tokens, *_ = got.get(out.request_id, ([],))
                 got[out.request_id] = (tokens + out.new_token_ids, out.finish_reason, out.error)
-    return {"got": got, "expected": {"clean": expected[0][:3], "after": expected[1]},
-            "unfinished": engine.has_unfinished(), "free_slots": engine.cache.free_slots}
+    return {
+        "got": got,
+        "expected": {"clean": expected[0][:3], "after": expected[1]},
+        "unfinished": engine.has_unfinished(),
+        "free_slots": engine.cache.free_slots,
+    }
 
 
 def test_request_api_ends_only_the_request_with_non_finite_logits(engine_checkpoint):

@@ -11,30 +11,64 @@ from spmoe.entrypoints.cli import main
 
 # the engine checkpoint without MTP: 3 layers of 16 + 8 float32 values, indexer keys of 16 on 2 of them
 BYTES_PER_TOKEN = 3 * 24 * 4 + 2 * 16 * 4
-TWO_BLOCKS_GIB = 2 * 64 * BYTES_PER_TOKEN / 2 ** 30
+TWO_BLOCKS_GIB = 2 * 64 * BYTES_PER_TOKEN / 2**30
 
 
-@pytest.mark.parametrize("case, extra, fragment", [
-    ("budget below one block", ["--kv-cache-memory", "1e-6"],
-     f"--kv-cache-memory 1e-06 GiB holds no block: one block of 64 tokens in each of the 3 attention layers takes "
-     f"{64 * BYTES_PER_TOKEN} B"),
-    ("sequence longer than the cache", ["--kv-cache-memory", str(TWO_BLOCKS_GIB)],
-     f"a sequence needs 134 KV cache positions (prompt, new tokens and drafts); --kv-cache-memory {TWO_BLOCKS_GIB} "
-     f"GiB holds 128 tokens in all"),
-    ("GPU share on CPU", ["--gpu-memory-utilization", "0.5"],
-     "--gpu-memory-utilization needs --device cuda and a fraction in (0, 1], got 0.5 on cpu"),
-    ("both budgets", ["--kv-cache-memory", "1", "--gpu-memory-utilization", "0.5"],
-     "give the KV cache budget as --kv-cache-memory or --gpu-memory-utilization, not both; got 1.0 and 0.5"),
-    ("FP8 on the dense cache", ["--kv-cache", "dense", "--kv-cache-dtype", "fp8"],
-     "--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; got them with "
-     "--kv-cache dense"),
-    ("zero token budget", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "case, extra, fragment",
+    [
+        (
+            "budget below one block",
+            ["--kv-cache-memory", "1e-6"],
+            f"--kv-cache-memory 1e-06 GiB holds no block: one block of 64 tokens in each of the 3 attention layers "
+            f"takes "
+            f"{64 * BYTES_PER_TOKEN} B",
+        ),
+        (
+            "sequence longer than the cache",
+            ["--kv-cache-memory", str(TWO_BLOCKS_GIB)],
+            f"a sequence needs 134 KV cache positions (prompt, new tokens and drafts); "
+            f"--kv-cache-memory {TWO_BLOCKS_GIB} "
+            f"GiB holds 128 tokens in all",
+        ),
+        (
+            "GPU share on CPU",
+            ["--gpu-memory-utilization", "0.5"],
+            "--gpu-memory-utilization needs --device cuda and a fraction in (0, 1], got 0.5 on cpu",
+        ),
+        (
+            "both budgets",
+            ["--kv-cache-memory", "1", "--gpu-memory-utilization", "0.5"],
+            "give the KV cache budget as --kv-cache-memory or --gpu-memory-utilization, not both; got 1.0 and 0.5",
+        ),
+        (
+            "FP8 on the dense cache",
+            ["--kv-cache", "dense", "--kv-cache-dtype", "fp8"],
+            "--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; got them with "
+            "--kv-cache dense",
+        ),
+        ("zero token budget", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
+    ],
+)
 def test_generate_rejects(case, extra, fragment, engine_checkpoint, tmp_path, capsys):
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([list(range(1, 91)) + list(range(1, 41))]))  # 130 tokens
-    code = main(["generate", "--model", engine_checkpoint, "--tp", "1", "--input-ids", str(ids), "--max-new-tokens",
-                 "4", "--output", str(tmp_path / "out.json"), *extra])
+    code = main(
+        [
+            "generate",
+            "--model",
+            engine_checkpoint,
+            "--tp",
+            "1",
+            "--input-ids",
+            str(ids),
+            "--max-new-tokens",
+            "4",
+            "--output",
+            str(tmp_path / "out.json"),
+            *extra,
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err[-1].startswith("spmoe generate: error: ") and fragment in err[-1], (case, err)
 
@@ -45,8 +79,9 @@ def test_serve_checks_the_budget(engine_checkpoint):
     with pytest.raises(ValueError, match="--kv-cache-memory 1e-06 GiB holds no block"):
         check_serve(engine_checkpoint, ParallelConfig(tensor_parallel_size=1), ServeOptions(kv_cache_memory=1e-6))
     with pytest.raises(ValueError, match="a sequence needs 2048 KV cache positions"):  # max_model_len 2048
-        check_serve(engine_checkpoint, ParallelConfig(tensor_parallel_size=1),
-                    ServeOptions(kv_cache_memory=TWO_BLOCKS_GIB))
+        check_serve(
+            engine_checkpoint, ParallelConfig(tensor_parallel_size=1), ServeOptions(kv_cache_memory=TWO_BLOCKS_GIB)
+        )
 
 
 def engine_rejects(folder: str) -> str:
@@ -69,4 +104,5 @@ def test_engine_rejects_a_request_the_cache_cannot_hold(engine_checkpoint):
 
     assert spawn(engine_rejects, 1, engine_checkpoint)[0] == (
         "request 'long': the prompt has 130 tokens; with max_new_tokens=4 and 0 speculative tokens it needs 134 KV "
-        "cache positions, the cache holds 128 per sequence")
+        "cache positions, the cache holds 128 per sequence"
+    )

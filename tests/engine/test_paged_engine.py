@@ -40,15 +40,20 @@ def paged_and_dense(folder: str, modes: list[tuple[str, str]]) -> dict:
     state, results = get_parallel_state(), {}
     prompts = split_for_dp(prompts_of(PROMPT_LENS), state.dp_rank, state.dp_size)
     for sp, scope in modes:
-        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size,
-                                  sp=sp, sp_scope=scope)
+        parallel = ParallelConfig(
+            tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size, sp=sp, sp_scope=scope
+        )
         model = load_model(folder, parallel, with_mtp=True)
         for case, k in CASES.items():
             for name in ("dense", "paged"):
-                cache = (KVCache.for_model(model, len(prompts), max(PROMPT_LENS) + MAX_NEW + k) if name == "dense"
-                         else PagedKVCache.for_model(model, 2 ** 22))
-                gen = Engine(model, cache, k, max_num_batched_tokens=BUDGET).generate(prompts, MAX_NEW,
-                                                                                      record_logits=True)
+                cache = (
+                    KVCache.for_model(model, len(prompts), max(PROMPT_LENS) + MAX_NEW + k)
+                    if name == "dense"
+                    else PagedKVCache.for_model(model, 2**22)
+                )
+                gen = Engine(model, cache, k, max_num_batched_tokens=BUDGET).generate(
+                    prompts, MAX_NEW, record_logits=True
+                )
                 results[sp, scope, case, name] = (gen.outputs, torch.cat(gen.logits), gen.stats)
     return results
 
@@ -82,8 +87,13 @@ def test_paged_engine_equals_dense(tp, engine_checkpoint):
 
 
 def test_paged_engine_equals_dense_dp2(engine_checkpoint):
-    ranks = spawn(paged_and_dense, 2, engine_checkpoint, [("off", "moe")],
-                  config=ParallelConfig(tensor_parallel_size=1, data_parallel_size=2))
+    ranks = spawn(
+        paged_and_dense,
+        2,
+        engine_checkpoint,
+        [("off", "moe")],
+        config=ParallelConfig(tensor_parallel_size=1, data_parallel_size=2),
+    )
     check_layout(ranks, "DP 2")
     assert ranks[0][("off", "moe", "plain", "paged")][0] != ranks[1][("off", "moe", "plain", "paged")][0]
 
@@ -100,9 +110,10 @@ def preemption(folder: str) -> dict:
     prompts, out = prompts_of((58, 59, 60), seed=1), {}
     for k in (0, 2):
         dense = Engine(model, KVCache.for_model(model, 3, 60 + 12 + k), k).generate(prompts, 12, record_logits=True)
-        one_block = PagedKVCache.for_model(model, 2 ** 20).bytes_per_token * BLOCK_SIZE
-        paged = Engine(model, PagedKVCache.for_model(model, 3 * one_block), k,
-                       max_num_batched_tokens=64).generate(prompts, 12, record_logits=True)
+        one_block = PagedKVCache.for_model(model, 2**20).bytes_per_token * BLOCK_SIZE
+        paged = Engine(model, PagedKVCache.for_model(model, 3 * one_block), k, max_num_batched_tokens=64).generate(
+            prompts, 12, record_logits=True
+        )
         out[k] = (dense.outputs, torch.cat(dense.logits), paged.outputs, torch.cat(paged.logits), paged.stats)
     return out
 
@@ -123,8 +134,9 @@ def progress_of_a_chunked_prompt(folder: str) -> list[tuple[int, int, int]]:
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1))
     steps = []
-    Engine(model, PagedKVCache.for_model(model, 2 ** 20), max_num_batched_tokens=16).generate(
-        prompts_of((40,)), 3, on_step=lambda *progress: steps.append(progress))
+    Engine(model, PagedKVCache.for_model(model, 2**20), max_num_batched_tokens=16).generate(
+        prompts_of((40,)), 3, on_step=lambda *progress: steps.append(progress)
+    )
     return steps
 
 
@@ -149,11 +161,11 @@ def fp8_against_full(folder: str) -> dict:
     prompts = prompts_of((3, 17, 40, 90, 150, 300), seed=2)
     out = {}
     for dtype in ("auto", "fp8"):
-        engine = Engine(model, PagedKVCache.for_model(model, 2 ** 22, dtype), max_num_batched_tokens=64)
+        engine = Engine(model, PagedKVCache.for_model(model, 2**22, dtype), max_num_batched_tokens=64)
         gen = engine.generate(prompts, 16)
         choices = []
         for prompt in prompts:
-            cache = PagedKVCache.for_model(model, 2 ** 22, dtype)
+            cache = PagedKVCache.for_model(model, 2**22, dtype)
             view = cache.view([list(range(-(-len(prompt) // BLOCK_SIZE)))], [0], [len(prompt)])
             with torch.no_grad():
                 hidden = model.forward_hidden(torch.tensor(prompt), view.positions, [len(prompt)], view)
@@ -177,9 +189,11 @@ def test_fp8_cache_agrees_with_full_precision(index_head_dim, tmp_path):
     (full, full_choices, _), (fp8, fp8_choices, stats) = got["auto"], got["fp8"]
     generated = sum(a == b for want, have in zip(full, fp8) for a, b in zip(want, have))
     positions = sum(a == b for a, b in zip(full_choices, fp8_choices))
-    print(f"FP8 cache against float32 (index_head_dim {index_head_dim}): {generated}/{sum(map(len, full))} generated "
-          f"greedy tokens equal (a divergence cascades), {positions}/{len(full_choices)} per-position greedy choices "
-          f"equal")
+    print(
+        f"FP8 cache against float32 (index_head_dim {index_head_dim}): {generated}/{sum(map(len, full))} generated "
+        f"greedy tokens equal (a divergence cascades), {positions}/{len(full_choices)} per-position greedy choices "
+        f"equal"
+    )
     # per token and layer: 128 e4m3 + 1 float32 scale + 8 float32 rope; + d e4m3 + 1 scale on indexer layers
     assert stats["bytes_per_token"] == 3 * (128 + 4 + 8 * 4) + 2 * (index_head_dim + 4)
     # a tiny random MoE: a rounding that flips one expert choice moves the logits a lot, and its indexer's scores

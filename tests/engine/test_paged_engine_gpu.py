@@ -25,9 +25,11 @@ def engines(folder: str) -> dict:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, CONFIG["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
     out = {}
-    for name, cache, graphs in (("dense", KVCache.for_model(model, 4, 340), False),
-                                ("paged", PagedKVCache.for_model(model, 2 ** 26), False),
-                                ("paged_graphs", PagedKVCache.for_model(model, 2 ** 26), True)):
+    for name, cache, graphs in (
+        ("dense", KVCache.for_model(model, 4, 340), False),
+        ("paged", PagedKVCache.for_model(model, 2**26), False),
+        ("paged_graphs", PagedKVCache.for_model(model, 2**26), True),
+    ):
         engine = Engine(model, cache, cuda_graphs=graphs, max_num_seqs=4, max_num_batched_tokens=128)
         gen = engine.generate(prompts, 16, record_logits=True)
         out[name] = (gen.outputs, torch.cat(gen.logits), gen.stats["cuda_graph_batch_sizes"])

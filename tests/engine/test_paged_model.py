@@ -23,7 +23,7 @@ def paged_against_dense(folder: str) -> dict:
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=get_parallel_state().tp_size), with_mtp=True)
-    dense, paged = KVCache.for_model(model, 3, 80), PagedKVCache.for_model(model, 2 ** 22)
+    dense, paged = KVCache.for_model(model, 3, 80), PagedKVCache.for_model(model, 2**22)
     blocks = BlockManager(paged.num_blocks, BLOCK_SIZE)
     blocks.allocate(99, BLOCK_SIZE + 1)  # the sequences' blocks are not the first ones
     slots, cached, gen, errors = [dense.allocate() for _ in range(3)], [0, 0, 0], torch.Generator().manual_seed(0), []
@@ -35,8 +35,10 @@ def paged_against_dense(folder: str) -> dict:
             ids = torch.randint(0, CONFIG["vocab_size"], (sum(lens),), generator=gen)
             starts = [cached[s] for s in seqs]
             out = {}
-            for name, view in (("dense", dense.view([slots[s] for s in seqs], starts, lens)),
-                               ("paged", paged.view([blocks.block_table(s) for s in seqs], starts, lens))):
+            for name, view in (
+                ("dense", dense.view([slots[s] for s in seqs], starts, lens)),
+                ("paged", paged.view([blocks.block_table(s) for s in seqs], starts, lens)),
+            ):
                 hidden = model.forward_hidden(ids, view.positions, lens, view)
                 draft = model.forward_draft_hidden(ids, view.positions, hidden, lens, view)
                 out[name] = (model.compute_logits(hidden), model.compute_draft_logits(draft))
@@ -49,8 +51,10 @@ def paged_against_dense(folder: str) -> dict:
         ids = torch.tensor([5, 6, 7])
         want = model(ids, view.positions, [1, 1, 1], view)
         width = 4  # the same step again (it rewrites the same rows) over the static view
-        padded = torch.tensor([t + [paged.scratch_block] * (width - len(t)) for t in tables]
-                              + [[paged.scratch_block] * width], dtype=torch.int32)
+        padded = torch.tensor(
+            [t + [paged.scratch_block] * (width - len(t)) for t in tables] + [[paged.scratch_block] * width],
+            dtype=torch.int32,
+        )
         positions = torch.tensor(cached + [0])
         static = paged.decode_view(padded, torch.arange(4), positions)
         got = model(torch.cat([ids, torch.zeros(1, dtype=torch.long)]), positions, [1] * 4, static)[:3]

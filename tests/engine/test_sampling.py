@@ -36,14 +36,17 @@ def test_temperature_divides_the_logits(temperature):
     assert got.tolist() == pytest.approx(want, abs=1e-6)
 
 
-@pytest.mark.parametrize("top_p, kept", [
-    (0.4, [1]),  # 0.5 alone reaches 0.4
-    (0.7, [1, 3]),  # 0.5 < 0.7; with 0.3 the mass crosses 0.7, and 0.3 is kept
-    (0.79, [1, 3]),
-    (0.9, [1, 3, 0]),  # 0.8 < 0.9; 0.15 crosses it
-    (0.97, [1, 3, 0, 2]),
-    (1.0, [1, 3, 0, 2]),
-])
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [
+        (0.4, [1]),  # 0.5 alone reaches 0.4
+        (0.7, [1, 3]),  # 0.5 < 0.7; with 0.3 the mass crosses 0.7, and 0.3 is kept
+        (0.79, [1, 3]),
+        (0.9, [1, 3, 0]),  # 0.8 < 0.9; 0.15 crosses it
+        (0.97, [1, 3, 0, 2]),
+        (1.0, [1, 3, 0, 2]),
+    ],
+)
 def test_top_p_keeps_the_smallest_set_reaching_p_including_the_crossing_token(top_p, kept):
     probs = [0.15, 0.5, 0.05, 0.3]  # sorted: 1 (0.5), 3 (0.3), 0 (0.15), 2 (0.05)
     got = sampling_probs(torch.tensor([[math.log(p) for p in probs]]), SamplingParams(temperature=1.0, top_p=top_p))
@@ -90,13 +93,16 @@ def test_sampling_flags_rows_that_are_not_finite_instead_of_failing():
     assert finite == [True, False] and len(tokens) == 2
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.1), "temperature must be a finite number >= 0 (0 = greedy), got -0.1"),
-    (dict(temperature=float("nan")), "temperature must be a finite number >= 0 (0 = greedy), got nan"),
-    (dict(temperature=1.0, top_p=0.0), "top_p must be in (0, 1], got 0.0"),
-    (dict(temperature=1.0, top_p=1.5), "top_p must be in (0, 1], got 1.5"),
-    (dict(seed=-1), "seed must be in [0, 2**63), got -1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.1), "temperature must be a finite number >= 0 (0 = greedy), got -0.1"),
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+        (dict(temperature=1.0, top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+        (dict(temperature=1.0, top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+        (dict(seed=-1), "seed must be in [0, 2**63), got -1"),
+    ],
+)
 def test_bad_sampling_parameters(kwargs, message):
     with pytest.raises(ValueError) as info:
         SamplingParams(**kwargs)

@@ -31,8 +31,9 @@ def feed(work: list[tuple[Sequence, int]], token: int = 7) -> None:
 
 def test_chunks_admission_and_preemption():
     cfg = ModelConfig.from_dict(ENGINE_CONFIG)
-    cache = PagedKVCache(cfg, {0: True}, 3 * BLOCK_SIZE * token_bytes(cfg, {0: True}, torch.float32, "auto"),
-                         torch.float32, "cpu")
+    cache = PagedKVCache(
+        cfg, {0: True}, 3 * BLOCK_SIZE * token_bytes(cfg, {0: True}, torch.float32, "auto"), torch.float32, "cpu"
+    )
     room = BlockRoom(cache, max_num_seqs=8)
     scheduler = Scheduler(room, max_num_batched_tokens=100)
     a, b, c = sequence("a", 64), sequence("b", 64), sequence("c", 64)

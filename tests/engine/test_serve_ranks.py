@@ -92,8 +92,11 @@ async def scenario(client) -> dict:
 def front_end(client) -> dict:
     """What `spmoe serve` does with uvicorn, in a few lines: run the scenario on an event loop, in the main
     thread of rank 0, and return."""
-    info = {"vocab_size": client.vocab_size, "max_model_len": client.max_model_len,
-            "num_speculative_tokens": client.num_speculative_tokens}
+    info = {
+        "vocab_size": client.vocab_size,
+        "max_model_len": client.max_model_len,
+        "num_speculative_tokens": client.num_speculative_tokens,
+    }
     return {**asyncio.run(scenario(client)), "info": info}
 
 
@@ -101,12 +104,18 @@ def front_end(client) -> dict:
 def reference(engine_checkpoint):
     from spmoe.entrypoints.generate import GenerateOptions, run_generate
 
-    greedy = run_generate(engine_checkpoint, ParallelConfig(), PROMPTS,
-                          GenerateOptions(MAX_NEW, eos_token_ids=EOS, progress=False)).outputs
-    sampled = run_generate(engine_checkpoint, ParallelConfig(), [PROMPTS[2]],
-                           GenerateOptions(MAX_NEW, SAMPLED, eos_token_ids=(), progress=False)).outputs[0]
-    full = run_generate(engine_checkpoint, ParallelConfig(), PROMPTS[:1],
-                        GenerateOptions(MAX_NEW, eos_token_ids=(), progress=False)).outputs[0]
+    greedy = run_generate(
+        engine_checkpoint, ParallelConfig(), PROMPTS, GenerateOptions(MAX_NEW, eos_token_ids=EOS, progress=False)
+    ).outputs
+    sampled = run_generate(
+        engine_checkpoint,
+        ParallelConfig(),
+        [PROMPTS[2]],
+        GenerateOptions(MAX_NEW, SAMPLED, eos_token_ids=(), progress=False),
+    ).outputs[0]
+    full = run_generate(
+        engine_checkpoint, ParallelConfig(), PROMPTS[:1], GenerateOptions(MAX_NEW, eos_token_ids=(), progress=False)
+    ).outputs[0]
     return greedy, sampled, full
 
 
@@ -115,8 +124,9 @@ def test_serve_on_two_ranks(tp, dp, engine_checkpoint, reference):
     greedy, sampled, full = reference
     parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp)
     began = time.monotonic()
-    results = spawn(serve_rank, 2, engine_checkpoint, parallel, OPTIONS, front_end, config=parallel,
-                    timeout_s=TIMEOUT_S)
+    results = spawn(
+        serve_rank, 2, engine_checkpoint, parallel, OPTIONS, front_end, config=parallel, timeout_s=TIMEOUT_S
+    )
     assert results[1] is None  # the worker left its loop at the shutdown
     got = results[0]
     print(f"tp{tp} x dp{dp}: {time.monotonic() - began:.1f} s, {got['final']}")
@@ -130,8 +140,9 @@ def test_serve_on_two_ranks(tp, dp, engine_checkpoint, reference):
     assert got["errors"] == {
         "bad": "request 'b': the prompt must be a non-empty list of token ids in [0, 96), got [1, 96]",
         "long": "request 'l': the prompt has 30 tokens; with max_new_tokens=4 and 0 speculative tokens it needs "
-                "34 KV cache positions, the cache holds 32 per sequence",
-        "queue_full": ["ok"] * 5 + ["QueueFull"] * 2}
+        "34 KV cache positions, the cache holds 32 per sequence",
+        "queue_full": ["ok"] * 5 + ["QueueFull"] * 2,
+    }
     assert got["burst"] == [(greedy[3][:2], "stop" if greedy[3][1] in EOS else "length")] * 5
     assert got["after_idle"] == got["greedy"][1]
     assert got["final"].generated_tokens >= sum(map(len, greedy)) + len(sampled) + 2 + 10
@@ -163,9 +174,16 @@ def failing_front_end(report: str, client) -> None:
 def test_engine_failure_stops_every_rank(engine_checkpoint, tmp_path):
     """A failing engine loop ends its requests with an error, stops the front end and every rank."""
     began, report = time.monotonic(), tmp_path / "error.txt"
-    with pytest.raises(RankFailed, match="rank 0 of 2 failed: RuntimeError: the engine loop failed: RuntimeError: "
-                                         "injected failure"):
-        spawn(serve_rank, 2, engine_checkpoint, ParallelConfig(tensor_parallel_size=2), OPTIONS,
-              partial(failing_front_end, str(report)))
+    with pytest.raises(
+        RankFailed, match="rank 0 of 2 failed: RuntimeError: the engine loop failed: RuntimeError: injected failure"
+    ):
+        spawn(
+            serve_rank,
+            2,
+            engine_checkpoint,
+            ParallelConfig(tensor_parallel_size=2),
+            OPTIONS,
+            partial(failing_front_end, str(report)),
+        )
     assert report.read_text() == "RuntimeError: injected failure"
     assert time.monotonic() - began < 40  # not the front end's 60 s wait

@@ -69,9 +69,28 @@ def server(checkpoint, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve_log") / "stderr.txt"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "spmoe", "serve", "--model", str(checkpoint), "--tp", "2",
-                                 "--served-model-name", "tiny", "--port", str(port), "--max-model-len",
-                                 str(MAX_MODEL_LEN), "--max-num-seqs", "8"], stdout=err, stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "spmoe",
+                "serve",
+                "--model",
+                str(checkpoint),
+                "--tp",
+                "2",
+                "--served-model-name",
+                "tiny",
+                "--port",
+                str(port),
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--max-num-seqs",
+                "8",
+            ],
+            stdout=err,
+            stderr=err,
+        )
     deadline = time.monotonic() + START_TIMEOUT_S
     while "ready: http://" not in log.read_text():
         assert proc.poll() is None, f"spmoe serve exited with {proc.returncode}:\n{log.read_text()}"
@@ -90,8 +109,28 @@ def openai_client(base: str) -> openai.OpenAI:
 def generate_tokens(tmp_path, checkpoint, prompts: list[list[int]], max_new_tokens: int, eos_id: int):
     ids, out = tmp_path / "ids.json", tmp_path / "out.json"
     ids.write_text(json.dumps(prompts))
-    assert main(["generate", "--model", str(checkpoint), "--tp", "2", "--sp", "auto", "--input-ids", str(ids),
-                 "--max-new-tokens", str(max_new_tokens), "--eos-id", str(eos_id), "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(checkpoint),
+                "--tp",
+                "2",
+                "--sp",
+                "auto",
+                "--input-ids",
+                str(ids),
+                "--max-new-tokens",
+                str(max_new_tokens),
+                "--eos-id",
+                str(eos_id),
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())["outputs"]
 
 
@@ -103,22 +142,33 @@ def test_greedy_text_equals_spmoe_generate(server, checkpoint, tmp_path):
     assert [m.id for m in client.models.list()] == ["tiny"]
     prompt, messages, max_new = "The café in Zürich", [{"role": "user", "content": "Hello there"}], 12
     prompts = [tokenizer.encode(prompt), chat_prompt_ids(tokenizer, messages)]
-    expected = [tokenizer.decode(out, skip_special_tokens=True)
-                for out in generate_tokens(tmp_path, checkpoint, prompts, max_new, tokenizer.eos_token_id)]
+    expected = [
+        tokenizer.decode(out, skip_special_tokens=True)
+        for out in generate_tokens(tmp_path, checkpoint, prompts, max_new, tokenizer.eos_token_id)
+    ]
 
     whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_new, temperature=0)
     assert whole.choices[0].text == expected[0]
     assert whole.usage.prompt_tokens == len(prompts[0]) and 1 <= whole.usage.completion_tokens <= max_new
-    streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=max_new, temperature=0,
-                                              stream=True, stream_options={"include_usage": True}))
+    streamed = list(
+        client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=max_new,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected[0]
     assert streamed[-1].usage.completion_tokens == whole.usage.completion_tokens
 
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_new, temperature=0)
     assert chat.choices[0].message.content == expected[1]
     assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.prompt_tokens == len(prompts[1])
-    streamed = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_new,
-                                                   temperature=0, stream=True))
+    streamed = list(
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_new, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected[1]
     assert streamed[-1].choices[0].finish_reason == chat.choices[0].finish_reason
 
@@ -128,8 +178,9 @@ def test_concurrent_streams_match_their_text_alone(server):
     client = openai_client(base)
 
     def stream(i: int) -> str:
-        chunks = client.completions.create(model="tiny", prompt=f"request {i}:", max_tokens=6 + i % 4,
-                                           temperature=0, stream=True)
+        chunks = client.completions.create(
+            model="tiny", prompt=f"request {i}:", max_tokens=6 + i % 4, temperature=0, stream=True
+        )
         return "".join(c.choices[0].text for c in chunks)
 
     alone = [stream(i) for i in range(16)]
@@ -165,22 +216,29 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream):
     assert generated_tokens(base) - before < max_tokens
 
 
-@pytest.mark.parametrize("path, body, status", [
-    ("/v1/completions", "{oops", 400),
-    ("/v1/completions", {"prompt": "hi"}, 400),
-    ("/v1/chat/completions", {"model": "tiny"}, 400),
-    ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404),
-    ("/v1/completions", {"model": "tiny", "prompt": "x" * MAX_MODEL_LEN}, 400),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 1.01}, 400),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
-])
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        ("/v1/completions", "{oops", 400),
+        ("/v1/completions", {"prompt": "hi"}, 400),
+        ("/v1/chat/completions", {"model": "tiny"}, 400),
+        ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404),
+        ("/v1/completions", {"model": "tiny", "prompt": "x" * MAX_MODEL_LEN}, 400),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 1.01}, 400),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+    ],
+)
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, path, body, status):
     _, base, _ = server
-    response = httpx.post(base + path, content=body if isinstance(body, str) else json.dumps(body),
-                          headers={"content-type": "application/json"}, timeout=60)
+    response = httpx.post(
+        base + path,
+        content=body if isinstance(body, str) else json.dumps(body),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert response.status_code == status, response.text
     assert set(response.json()["error"]) >= {"message", "type", "code"}
     assert httpx.get(base + "/health").status_code == 200
@@ -193,8 +251,11 @@ def test_sigterm_stops_every_rank(server):
 
     def in_flight():  # a request under way when the signal comes
         try:
-            httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "a long one", "max_tokens": 80,
-                                                       "stream": True, "ignore_eos": True}, timeout=60)
+            httpx.post(
+                base + "/v1/completions",
+                json={"model": "tiny", "prompt": "a long one", "max_tokens": 80, "stream": True, "ignore_eos": True},
+                timeout=60,
+            )
         except httpx.TransportError:  # the stop cut its stream
             pass
 
@@ -222,9 +283,29 @@ def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
     before the agent's SIGKILL 30 s later. Rank 0 prints one line, no traceback."""
     port, log = free_port(), tmp_path / "torchrun.txt"
     with open(log, "w") as out:
-        agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                  "2", "-m", "spmoe", "serve", "--model", str(checkpoint), "--tp", "2", "--port",
-                                  str(port), "--max-model-len", str(MAX_MODEL_LEN)], stdout=out, stderr=out)
+        agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "spmoe",
+                "serve",
+                "--model",
+                str(checkpoint),
+                "--tp",
+                "2",
+                "--port",
+                str(port),
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+            ],
+            stdout=out,
+            stderr=out,
+        )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while "ready: http://" not in log.read_text():
@@ -233,8 +314,14 @@ def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
             time.sleep(0.2)
         workers = descendants(agent.pid)
         assert len(workers) >= 2, workers
-        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                          json={"model": str(checkpoint), "prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert (
+            httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                timeout=60,
+                json={"model": str(checkpoint), "prompt": "hi", "max_tokens": 2},
+            ).status_code
+            == 200
+        )
         seconds = sigterm_leaves_nothing(agent, workers, log)
         assert seconds < 20, "the workers outlived SIGTERM until torchrun's SIGKILL (30 s)"
         # rank 0 says why it stopped, and the other rank's end (by the same signal) is no error of its own
@@ -246,13 +333,16 @@ def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
             agent.wait()
 
 
-@pytest.mark.parametrize("case, fragment", [
-    ("no such folder", "expected a checkpoint folder with config.json, found none"),
-    ("no tokenizer", "has no tokenizer: expected tokenizer.json or tokenizer_config.json there"),
-    ("port in use", "the address is in use"),
-    ("longer than the model", "--max-model-len: 100 positions, more than the model's max_position_embeddings = 64"),
-    ("graphs on the CPU", "--cuda-graphs needs a CUDA device (the model is on cpu)"),
-])
+@pytest.mark.parametrize(
+    "case, fragment",
+    [
+        ("no such folder", "expected a checkpoint folder with config.json, found none"),
+        ("no tokenizer", "has no tokenizer: expected tokenizer.json or tokenizer_config.json there"),
+        ("port in use", "the address is in use"),
+        ("longer than the model", "--max-model-len: 100 positions, more than the model's max_position_embeddings = 64"),
+        ("graphs on the CPU", "--cuda-graphs needs a CUDA device (the model is on cpu)"),
+    ],
+)
 def test_bad_options_are_one_line_errors_before_any_rank(case, fragment, checkpoint, tmp_path, capsys):
     model, port = checkpoint, str(free_port())
     if case == "no such folder":

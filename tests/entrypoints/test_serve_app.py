@@ -40,7 +40,7 @@ def test_detokenizer_never_splits_a_character(tokenizer):
     first_multibyte = REPLY.encode().index("ü".encode())
     assert pieces[first_multibyte] == "" and pieces[first_multibyte + 1] == "ü"
     emoji = REPLY.encode().index("🙂".encode())
-    assert pieces[emoji:emoji + 4] == ["", "", "", "🙂"]
+    assert pieces[emoji : emoji + 4] == ["", "", "", "🙂"]
 
 
 def test_detokenizer_lets_an_unfinished_character_out_at_the_end(tokenizer):
@@ -80,11 +80,11 @@ class ScriptedEngineClient:
         made, finished = [], False
         try:
             while not finished:
-                new = self.script[len(made):len(made) + self.per_step][:request.max_new_tokens - len(made)]
+                new = self.script[len(made) : len(made) + self.per_step][: request.max_new_tokens - len(made)]
                 made += new
                 reason = None
                 if any(t in request.eos_token_ids for t in new):
-                    new = new[:next(i for i, t in enumerate(new) if t in request.eos_token_ids) + 1]
+                    new = new[: next(i for i, t in enumerate(new) if t in request.eos_token_ids) + 1]
                     reason = "stop"
                 elif len(made) == request.max_new_tokens:
                     reason = "length"
@@ -95,8 +95,9 @@ class ScriptedEngineClient:
                 self.closed_early.append(request.request_id)
 
     def metrics(self):
-        return EngineMetrics(running=1, waiting=2, kv_cache_usage=0.25, generated_tokens=7, draft_proposed=4,
-                             draft_accepted=3)
+        return EngineMetrics(
+            running=1, waiting=2, kv_cache_usage=0.25, generated_tokens=7, draft_proposed=4, draft_accepted=3
+        )
 
 
 @pytest.fixture
@@ -104,8 +105,11 @@ def served(tokenizer):
     """-> (engine stand-in, openai client, raw HTTP client) for a server named 'tiny' that replies REPLY."""
     engine = ScriptedEngineClient(tokenizer.encode(REPLY) + [tokenizer.eos_token_id])
     http = TestClient(build_app(engine, tokenizer, "tiny"), raise_server_exceptions=False)
-    return engine, openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http,
-                                 max_retries=0), http
+    return (
+        engine,
+        openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0),
+        http,
+    )
 
 
 def test_completion_and_chat_whole_and_streamed(served, tokenizer):
@@ -118,8 +122,11 @@ def test_completion_and_chat_whole_and_streamed(served, tokenizer):
     assert (request.sampling.temperature, request.sampling.seed) == (0, 3)
     assert request.eos_token_ids == (tokenizer.eos_token_id,)
 
-    chunks = list(client.completions.create(model="tiny", prompt="Hi", max_tokens=5, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt="Hi", max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == REPLY.encode()[:5].decode(errors="replace")
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
@@ -129,8 +136,9 @@ def test_completion_and_chat_whole_and_streamed(served, tokenizer):
     assert engine.requests[-1].prompt == tokenizer.encode("<|user|>Hello<|end|><|assistant|>")
     assert engine.requests[-1].max_new_tokens == 66 - 2 - chat.usage.prompt_tokens  # default: the room left
     assert engine.requests[-1].sampling.temperature == 0  # the default on a speculating server
-    stream = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
-                                                 stream=True))
+    stream = list(
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], stream=True)
+    )
     assert stream[0].choices[0].delta.role == "assistant"
     deltas = [c.choices[0].delta.content or "" for c in stream]
     assert "".join(deltas) == REPLY and all("\ufffd" not in d for d in deltas)
@@ -139,8 +147,12 @@ def test_completion_and_chat_whole_and_streamed(served, tokenizer):
 
 def test_several_tokens_per_step(tokenizer):
     engine = ScriptedEngineClient(tokenizer.encode(REPLY), per_step=3)  # accepted MTP drafts
-    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
-                           http_client=TestClient(build_app(engine, tokenizer, "tiny")))
+    client = openai.OpenAI(
+        base_url="http://testserver/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=TestClient(build_app(engine, tokenizer, "tiny")),
+    )
     chunks = list(client.completions.create(model="tiny", prompt=[5, 6], max_tokens=20, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == REPLY.encode()[:20].decode(errors="replace")
     engine.num_speculative_tokens = 0
@@ -161,8 +173,9 @@ def test_stop_string_truncates_and_aborts(served):
     whole = client.completions.create(model="tiny", prompt="Hi", max_tokens=60, stop=["wörld", "nothing"])
     assert whole.choices[0].text == "Grüße, " and whole.choices[0].finish_reason == "stop"
     assert engine.closed_early == [engine.requests[-1].request_id]
-    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                                 stop="€", stream=True))
+    chunks = list(
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], stop="€", stream=True)
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Grüße, wörld "
     assert chunks[-1].choices[0].finish_reason == "stop" and len(engine.closed_early) == 2
 
@@ -173,39 +186,62 @@ def test_models_health_metrics(served):
     assert http.get("/health").status_code == 200
     client.completions.create(model="tiny", prompt="Hi", max_tokens=4)
     text = http.get("/metrics").text
-    for line in ("spmoe_num_requests_running 1.0", "spmoe_num_requests_waiting 2.0",
-                 "spmoe_kv_cache_usage_ratio 0.25", "spmoe_generation_tokens_total 7.0",
-                 "spmoe_spec_decode_acceptance_ratio 0.75", "spmoe_time_to_first_token_seconds_count 1.0",
-                 "spmoe_inter_token_latency_seconds_count 3.0", "spmoe_prompt_tokens_total 2.0",
-                 'spmoe_request_success_total{finish_reason="length"} 1.0'):
+    for line in (
+        "spmoe_num_requests_running 1.0",
+        "spmoe_num_requests_waiting 2.0",
+        "spmoe_kv_cache_usage_ratio 0.25",
+        "spmoe_generation_tokens_total 7.0",
+        "spmoe_spec_decode_acceptance_ratio 0.75",
+        "spmoe_time_to_first_token_seconds_count 1.0",
+        "spmoe_inter_token_latency_seconds_count 3.0",
+        "spmoe_prompt_tokens_total 2.0",
+        'spmoe_request_success_total{finish_reason="length"} 1.0',
+    ):
         assert line in text, line
 
 
-@pytest.mark.parametrize("body, status, fragment", [
-    ("{not json", 400, "not valid JSON"),
-    ("[1, 2]", 400, "must be a JSON object, got list"),
-    ({"prompt": "Hi"}, 400, "missing required parameter 'model'"),
-    ({"model": "tiny"}, 400, "missing required parameter 'prompt'"),
-    ({"model": "other", "prompt": "Hi"}, 404, "the model 'other' does not exist"),
-    ({"model": "tiny", "prompt": "x" * 64}, 400, "the prompt has 64 tokens; the server's --max-model-len is 66, "
-                                                 "which leaves no room for an output token with 2 speculative"),
-    ({"model": "tiny", "prompt": "x" * 60, "max_tokens": 5}, 400,
-     "is 5 with 2 speculative tokens: 67 > --max-model-len 66"),
-    ({"model": "tiny", "prompt": [1, 999]}, 400, "prompt token ids must be in [0, 264), got 999"),
-    ({"model": "tiny", "prompt": ""}, 400, "the prompt must not be empty"),
-    ({"model": "tiny", "prompt": ["a", 1]}, 400, "prompt: expected a string or a list of token ids, got ['a', 1]"),
-    ({"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1"),
-    ({"model": "tiny", "prompt": "Hi", "temperature": -0.5}, 400, "temperature: Input should be greater than"),
-    ({"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
-    ({"model": "tiny", "prompt": "Hi", "top_p": 1.5}, 400, "top_p: Input should be less than or equal to 1"),
-    ({"model": "tiny", "prompt": "Hi", "n": 2}, 400, "only n = 1 is supported, got 2"),
-    ({"model": "tiny", "prompt": "Hi", "stop": [""]}, 400, "stop strings must not be empty"),
-    ({"model": "tiny", "prompt": "Hi", "logprobs": 2}, 400, "unsupported parameter 'logprobs'"),
-])
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ("{not json", 400, "not valid JSON"),
+        ("[1, 2]", 400, "must be a JSON object, got list"),
+        ({"prompt": "Hi"}, 400, "missing required parameter 'model'"),
+        ({"model": "tiny"}, 400, "missing required parameter 'prompt'"),
+        ({"model": "other", "prompt": "Hi"}, 404, "the model 'other' does not exist"),
+        (
+            {"model": "tiny", "prompt": "x" * 64},
+            400,
+            "the prompt has 64 tokens; the server's --max-model-len is 66, "
+            "which leaves no room for an output token with 2 speculative",
+        ),
+        (
+            {"model": "tiny", "prompt": "x" * 60, "max_tokens": 5},
+            400,
+            "is 5 with 2 speculative tokens: 67 > --max-model-len 66",
+        ),
+        ({"model": "tiny", "prompt": [1, 999]}, 400, "prompt token ids must be in [0, 264), got 999"),
+        ({"model": "tiny", "prompt": ""}, 400, "the prompt must not be empty"),
+        ({"model": "tiny", "prompt": ["a", 1]}, 400, "prompt: expected a string or a list of token ids, got ['a', 1]"),
+        (
+            {"model": "tiny", "prompt": "Hi", "max_tokens": 0},
+            400,
+            "max_tokens: Input should be greater than or equal to 1",
+        ),
+        ({"model": "tiny", "prompt": "Hi", "temperature": -0.5}, 400, "temperature: Input should be greater than"),
+        ({"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
+        ({"model": "tiny", "prompt": "Hi", "top_p": 1.5}, 400, "top_p: Input should be less than or equal to 1"),
+        ({"model": "tiny", "prompt": "Hi", "n": 2}, 400, "only n = 1 is supported, got 2"),
+        ({"model": "tiny", "prompt": "Hi", "stop": [""]}, 400, "stop strings must not be empty"),
+        ({"model": "tiny", "prompt": "Hi", "logprobs": 2}, 400, "unsupported parameter 'logprobs'"),
+    ],
+)
 def test_bad_completion_requests(served, body, status, fragment):
     engine, _, http = served
-    response = http.post("/v1/completions", content=body if isinstance(body, str) else json.dumps(body),
-                         headers={"content-type": "application/json"})
+    response = http.post(
+        "/v1/completions",
+        content=body if isinstance(body, str) else json.dumps(body),
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert fragment in error["message"] and error["code"] == status and error["type"]

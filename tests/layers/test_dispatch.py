@@ -16,8 +16,16 @@ TOP_K = 3
 
 
 def config() -> ModelConfig:
-    return ModelConfig.from_dict({**COMMON, "model_type": "glm_moe_dsa", "num_hidden_layers": 1,
-                                  "routed_scaling_factor": 1.0, "norm_topk_prob": True, "rms_norm_eps": 1e-5})
+    return ModelConfig.from_dict(
+        {
+            **COMMON,
+            "model_type": "glm_moe_dsa",
+            "num_hidden_layers": 1,
+            "routed_scaling_factor": 1.0,
+            "norm_topk_prob": True,
+            "rms_norm_eps": 1e-5,
+        }
+    )
 
 
 def case(rows: int, world: int, rank: int, dtype):
@@ -26,13 +34,16 @@ def case(rows: int, world: int, rank: int, dtype):
     gen = torch.Generator().manual_seed(rows)
     total, experts, size = rows * world, cfg.n_routed_experts, cfg.hidden_size
     x = torch.randn(total, size, generator=gen).to(dtype)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:TOP_K] for _ in range(total)]) if total else \
-        torch.zeros(0, TOP_K, dtype=torch.long)
+    ids = (
+        torch.stack([torch.randperm(experts, generator=gen)[:TOP_K] for _ in range(total)])
+        if total
+        else torch.zeros(0, TOP_K, dtype=torch.long)
+    )
     pad = torch.rand(total, generator=gen) < 0.2  # SP pad rows: no experts, zero weight
     ids = ids.masked_fill(pad[:, None], -1)
     weights = torch.rand(total, TOP_K, generator=gen).masked_fill(pad[:, None], 0.0)
-    w13 = torch.randn(experts, 2 * cfg.moe_intermediate_size, size, generator=gen) * size ** -0.5
-    w2 = torch.randn(experts, size, cfg.moe_intermediate_size, generator=gen) * cfg.moe_intermediate_size ** -0.5
+    w13 = torch.randn(experts, 2 * cfg.moe_intermediate_size, size, generator=gen) * size**-0.5
+    w2 = torch.randn(experts, size, cfg.moe_intermediate_size, generator=gen) * cfg.moe_intermediate_size**-0.5
     return cfg, x, ids, weights, w13.to(dtype), w2.to(dtype), slice(rank * rows, (rank + 1) * rows)
 
 
@@ -45,8 +56,8 @@ def run_dispatch(dtypes):
             per_rank = cfg.n_routed_experts // state.ep_size
             experts = TorchExperts(cfg, state.ep_rank * per_rank, per_rank).to(dtype)
             with torch.no_grad():
-                experts.gate_up_proj.copy_(w13[experts.first:experts.first + per_rank])
-                experts.down_proj.copy_(w2[experts.first:experts.first + per_rank])
+                experts.gate_up_proj.copy_(w13[experts.first : experts.first + per_rank])
+                experts.down_proj.copy_(w2[experts.first : experts.first + per_rank])
                 for name, dispatch in DISPATCH.items():
                     with count_collectives() as counted:
                         out = dispatch(x[mine], ids[mine], weights[mine], experts, state.ep_group, rows)
@@ -66,8 +77,7 @@ def reference(x, ids, weights, w13, w2):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_dispatch_backends_match_reference(world):
     dtypes = [torch.float32, torch.bfloat16]
-    per_rank = spawn(run_dispatch, world, dtypes, config=ParallelConfig(tensor_parallel_size=world,
-                                                                        sp="on"))
+    per_rank = spawn(run_dispatch, world, dtypes, config=ParallelConfig(tensor_parallel_size=world, sp="on"))
     for i, (dtype, rows, name, _, counted) in enumerate(per_rank[0]):
         cfg, x, ids, weights, w13, w2, _ = case(rows, world, 0, dtype)
         want = reference(x, ids, weights, w13, w2)
@@ -86,7 +96,8 @@ def test_dispatch_backends_match_reference(world):
             sent = sum(len(o) for o in owners[:rows])
             received = sum(0 in o for o in owners)
             row_bytes = cfg.hidden_size * x.element_size()
-            assert counted["all_to_all"]["bytes"] == world * 8 + sent * (row_bytes + 2 * TOP_K * 4) + \
-                received * row_bytes
+            assert (
+                counted["all_to_all"]["bytes"] == world * 8 + sent * (row_bytes + 2 * TOP_K * 4) + received * row_bytes
+            )
         else:
             assert counted["all_gather"]["count"] == 1 and counted["reduce_scatter"]["count"] == 1

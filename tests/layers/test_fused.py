@@ -12,10 +12,28 @@ from spmoe.config import ModelConfig
 from spmoe.layers.linear import MergedLinear
 from spmoe.layers.rotary import Rotary, RotaryTable, cos_sin
 
-CFG = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-           num_hidden_layers=1, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
-           routed_scaling_factor=1.0, norm_topk_prob=True, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-           qk_rope_head_dim=8, v_head_dim=8, index_topk=4, index_n_heads=2, index_head_dim=16, rms_norm_eps=1e-6)
+CFG = dict(
+    model_type="glm_moe_dsa",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=True,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    index_topk=4,
+    index_n_heads=2,
+    index_head_dim=16,
+    rms_norm_eps=1e-6,
+)
 
 
 def test_rotate_in_place_equals_reference():

@@ -27,10 +27,26 @@ ROUTERS = {  # E, top-k, n_group, topk_group
     "dsv3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, hidden_size=7168),
     "tiny": dict(n_routed_experts=12, num_experts_per_tok=3, n_group=4, topk_group=2),
 }
-BASE = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=512, intermediate_size=64, moe_intermediate_size=32,
-            num_hidden_layers=1, num_attention_heads=64, routed_scaling_factor=2.5, norm_topk_prob=True,
-            q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
-            index_topk=8, index_n_heads=32, index_head_dim=128, rms_norm_eps=1e-5)
+BASE = dict(
+    model_type="glm_moe_dsa",
+    vocab_size=64,
+    hidden_size=512,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=64,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=256,
+    kv_lora_rank=512,
+    qk_nope_head_dim=192,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    index_topk=8,
+    index_n_heads=32,
+    index_head_dim=128,
+    rms_norm_eps=1e-5,
+)
 
 
 def reference(fn, *args):
@@ -70,12 +86,17 @@ def check_rope(device: str, dtype: torch.dtype):
     gen = torch.Generator(device=device).manual_seed(1)
     for n_tok in (1, 8, 33):
         rotary = Rotary(cfg, torch.randint(0, 5000, (n_tok,), generator=gen, device=device), dtype)
-        for heads, dim, rope_at, interleaved in ((64, 256, 192, True), (1, 576, 512, True), (32, 128, 0, False),
-                                                 (32, 128, 0, True), (1, 128, 0, False)):
+        for heads, dim, rope_at, interleaved in (
+            (64, 256, 192, True),
+            (1, 576, 512, True),
+            (32, 128, 0, False),
+            (32, 128, 0, True),
+            (1, 128, 0, False),
+        ):
             x = torch.randn(n_tok, heads, dim, generator=gen, device=device).to(dtype)
-            part = x[..., rope_at:rope_at + 64]
+            part = x[..., rope_at : rope_at + 64]
             expected = x.clone()
-            expected[..., rope_at:rope_at + 64] = (rotary.interleaved if interleaved else rotary.half_split)(part)
+            expected[..., rope_at : rope_at + 64] = (rotary.interleaved if interleaved else rotary.half_split)(part)
             rope_(part, rotary.cos, rotary.sin, interleaved)
             # the kernel rounds each product and sum as torch does (without FP fusion: equal on an H200; with it a
             # last bit differed in 0.6% of the bf16 elements); one bf16 step of values near 1 is 0.0039
@@ -90,7 +111,7 @@ def check_router(device: str, dtype: torch.dtype):
         cfg = ModelConfig.from_dict({**BASE, **fields})
         router = Router(cfg).to(device)
         with torch.no_grad():
-            router.weight.normal_(0, cfg.hidden_size ** -0.5, generator=gen)
+            router.weight.normal_(0, cfg.hidden_size**-0.5, generator=gen)
             router.e_score_correction_bias.normal_(0, 0.1, generator=gen)
         for rows, valid in ((1, 1), (8, 8), (5, 3), (20, 17), (64, 61)):
             x = torch.randn(rows, cfg.hidden_size, generator=gen, device=device).to(dtype)
@@ -99,8 +120,9 @@ def check_router(device: str, dtype: torch.dtype):
                 if cfg.hidden_size > GEMV_SLICE:  # the GEMV's partial sums, else cuBLAS's logits
                     assert (sums.shape[1] > 1) == (rows <= GEMV_ROWS), (name, rows, sums.shape)
                 # the float32 logits; only the order of the float32 sums differs
-                torch.testing.assert_close(sums.sum(1), torch.nn.functional.linear(x.float(), router.weight),
-                                           rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(
+                    sums.sum(1), torch.nn.functional.linear(x.float(), router.weight), rtol=1e-5, atol=1e-5
+                )
                 ids, weights = router(x, valid)
                 ref_ids, ref_weights = reference(router, x, valid)
             order, ref_order = ids.sort(-1), ref_ids.sort(-1)  # the same experts; ties may order them differently
@@ -108,9 +130,16 @@ def check_router(device: str, dtype: torch.dtype):
             torch.testing.assert_close(weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices))
             assert (ids[valid:] == -1).all() and (weights[valid:] == 0).all()
         # all scores tied: the lowest groups, then the lowest experts in them
-        ids, _ = route(torch.zeros(2, 3, cfg.n_routed_experts, device=device),
-                       torch.zeros(cfg.n_routed_experts, device=device), 2, cfg.n_group, cfg.topk_group,
-                       cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        ids, _ = route(
+            torch.zeros(2, 3, cfg.n_routed_experts, device=device),
+            torch.zeros(cfg.n_routed_experts, device=device),
+            2,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
         assert ids.tolist() == [list(range(cfg.num_experts_per_tok))] * 2, f"{name}: {ids.tolist()}"
 
 
@@ -118,7 +147,7 @@ def check_silu_mul(device: str, dtype: torch.dtype):
     gen = torch.Generator(device=device).manual_seed(3)
     for rows, size, strided in ((1, 2048, False), (8, 12288, False), (37, 100, True)):
         both = torch.randn(rows, 2 * size + 8 * strided, generator=gen, device=device).to(dtype) * 3
-        gate, up = both[:, :size], both[:, size:2 * size]  # strided rows, like halves of one product
+        gate, up = both[:, :size], both[:, size : 2 * size]  # strided rows, like halves of one product
         torch.testing.assert_close(silu_mul(gate, up), reference(silu_mul, gate, up))
 
 
@@ -143,7 +172,7 @@ def check_mla_cache_write(device: str, dtype: torch.dtype):
             n = sum(lens)
             rotary = Rotary(cfg, view.positions, dtype)
             wide = torch.randn(n, c + r + 96, generator=gen, device=device).to(dtype) * 2
-            kv_a = wide[:, 32:32 + c + r]  # strided rows, like the split of the merged projection
+            kv_a = wide[:, 32 : 32 + c + r]  # strided rows, like the split of the merged projection
             with torch.no_grad():
                 view.write_latent_projection(0, kv_a, norm, rotary)
                 reference(view.write_latent_projection, 1, kv_a.clone(), norm, rotary)
@@ -157,7 +186,7 @@ def check_mla_cache_write(device: str, dtype: torch.dtype):
         same = (got.latent.view(torch.uint8) == want.latent.view(torch.uint8)).float().mean().item()
         assert same > 0.99, f"only {same:.4f} of the FP8 latent bytes equal the reference's"
         values, ref = dequantize(got.latent, got.latent_scale), dequantize(want.latent, want.latent_scale)
-        step = want.latent_scale.repeat_interleave(128, dim=1) * 2 ** -9  # the smallest e4m3 step, scaled
+        step = want.latent_scale.repeat_interleave(128, dim=1) * 2**-9  # the smallest e4m3 step, scaled
         assert ((values - ref).abs() <= 0.125 * ref.abs() + step).all(), "an FP8 latent is off by more than a step"
 
 
@@ -167,10 +196,14 @@ def check_align_one_program(device: str, dtype: torch.dtype):
     from spmoe.layers.moe.experts import triton_kernels
 
     gen = torch.Generator(device=device).manual_seed(5)
-    for rows, k, first, count, experts, block_m in ((1, 8, 0, 64, 64, 16), (8, 8, 0, 64, 64, 16),
-                                                    (16, 8, 64, 128, 256, 16), (5, 3, 3, 7, 12, 64)):
+    for rows, k, first, count, experts, block_m in (
+        (1, 8, 0, 64, 64, 16),
+        (8, 8, 0, 64, 64, 16),
+        (16, 8, 64, 128, 256, 16),
+        (5, 3, 3, 7, 12, 64),
+    ):
         ids = torch.stack([torch.randperm(experts, generator=gen, device=device)[:k] for _ in range(rows)])
-        ids[rows // 2:rows // 2 + 1] = -1  # an SP pad row
+        ids[rows // 2 : rows // 2 + 1] = -1  # an SP pad row
         aligned = []
         for one_program in (triton_kernels.ONE_PROGRAM_PAIRS, 0):
             triton_kernels.ONE_PROGRAM_PAIRS, saved = one_program, triton_kernels.ONE_PROGRAM_PAIRS
@@ -204,13 +237,24 @@ def check_index_key(device: str, dtype: torch.dtype):
         slots = torch.randperm(rows, generator=gen, device=device)[:n_tok]
         keys = torch.zeros(rows, 128, dtype=torch.float8_e4m3fn if fp8 else dtype, device=device)
         scales = torch.ones(rows, 1, device=device) if fp8 else None
-        index_key_to_cache(x, norm.weight, norm.bias, norm.eps, rotary.cos, rotary.sin, cfg.indexer_rope_interleaved,
-                           slots, keys, scales, hadamard_matrix(128, x.device) if fp8 else None)
+        index_key_to_cache(
+            x,
+            norm.weight,
+            norm.bias,
+            norm.eps,
+            rotary.cos,
+            rotary.sin,
+            cfg.indexer_rope_interleaved,
+            slots,
+            keys,
+            scales,
+            hadamard_matrix(128, x.device) if fp8 else None,
+        )
 
         def torch_key():
             with torch.no_grad():
                 k = norm(x)
-            rotary.rotate_(k[:, None, :cfg.qk_rope_head_dim], cfg.indexer_rope_interleaved)
+            rotary.rotate_(k[:, None, : cfg.qk_rope_head_dim], cfg.indexer_rope_interleaved)
             return quantize_fp8_vectors(hadamard_rotate(k)) if fp8 else (k, None)
 
         want, want_scale = reference(torch_key)
@@ -226,8 +270,12 @@ def check_index_key(device: str, dtype: torch.dtype):
         if fp8:
             assert (scales[untouched] == 1).all()
             torch.testing.assert_close(scales[slots], want_scale, rtol=1.6e-2, atol=0)
-            torch.testing.assert_close(dequantize(keys[slots], scales[slots]), dequantize(want, want_scale),
-                                       rtol=0.13, atol=want_scale.max().item() * 2 ** -6)
+            torch.testing.assert_close(
+                dequantize(keys[slots], scales[slots]),
+                dequantize(want, want_scale),
+                rtol=0.13,
+                atol=want_scale.max().item() * 2**-6,
+            )
         else:
             torch.testing.assert_close(keys[slots], want, rtol=1.6e-2, atol=8e-3)
 
@@ -236,21 +284,33 @@ def check_quantize_query(device: str, dtype: torch.dtype):
     gen = torch.Generator(device=device).manual_seed(4)
     for n_tok in (1, 8, 33):
         heads_of_all_sizes = torch.logspace(-2, 2, 32, device=device)[:, None]
-        q = hadamard_rotate((torch.randn(n_tok, 32, 128, generator=gen, device=device)
-                             * heads_of_all_sizes).to(dtype))  # float32, as the indexer's
+        q = hadamard_rotate(
+            (torch.randn(n_tok, 32, 128, generator=gen, device=device) * heads_of_all_sizes).to(dtype)
+        )  # float32, as the indexer's
         values, scale = quantize_fp8_vectors(q)  # the experts' quantisation kernel: vectors of 128
         want, want_scale = reference(quantize_fp8_vectors, q)
         assert values.shape == q.shape and scale.shape == (n_tok, 32, 1)
         torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)  # the kernel divides by 448
         exact = (values.float() == want.float()).float().mean().item()
         assert exact > 0.97, exact  # its approximate division may round a value to the next e4m3 step
-        torch.testing.assert_close(values.float(), want.float(), rtol=0.13, atol=2 ** -9)  # e4m3's least step
+        torch.testing.assert_close(values.float(), want.float(), rtol=0.13, atol=2**-9)  # e4m3's least step
 
 
 @requires_gpus(1)
 @pytest.mark.gpu
-@pytest.mark.parametrize("check", [check_add_rms_norm, check_rope, check_router, check_silu_mul, check_mla_cache_write,
-                                   check_align_one_program, check_index_key, check_quantize_query])
+@pytest.mark.parametrize(
+    "check",
+    [
+        check_add_rms_norm,
+        check_rope,
+        check_router,
+        check_silu_mul,
+        check_mla_cache_write,
+        check_align_one_program,
+        check_index_key,
+        check_quantize_query,
+    ],
+)
 def test_fused_kernel_matches_torch(check):
     check("cuda", torch.bfloat16)
 
@@ -261,13 +321,23 @@ def test_rotary_table_rows_equal_computed_rows():
     """A CUDA model's cos/sin table for GLM-5.2's 202752 positions, default and yarn rope, bf16 and float32: the
     rows `Rotary` looks up equal `cos_sin`'s bit for bit; with the fused kernels off, or for another dtype,
     `Rotary` computes them."""
-    yarn = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
-                                "original_max_position_embeddings": 4096, "mscale_all_dim": 1.0, "beta_fast": 32,
-                                "beta_slow": 1}}
+    yarn = {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "mscale": 1.0,
+            "original_max_position_embeddings": 4096,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        }
+    }
     length = 202752
     gen = torch.Generator(device="cuda").manual_seed(9)
-    positions = torch.cat([torch.randint(0, length, (61,), generator=gen, device="cuda"),
-                           torch.tensor([0, length - 1], device="cuda")])
+    positions = torch.cat(
+        [torch.randint(0, length, (61,), generator=gen, device="cuda"), torch.tensor([0, length - 1], device="cuda")]
+    )
     for fields in ({}, yarn):
         cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"], **fields, "max_position_embeddings": length})
         for dtype in (torch.bfloat16, torch.float32):

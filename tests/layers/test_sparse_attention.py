@@ -11,31 +11,65 @@ from spmoe.engine.block_manager import BlockManager
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, cache_budget_bytes
 from spmoe.layers.attention import AttentionBatch, MLAttention
-from spmoe.layers.rotary import Rotary
 from spmoe.layers.paged_rows import PagedLayerCache
-from spmoe.layers.sparse_attention import (dequantize, hadamard_matrix, hadamard_rotate, indexer_topk, order_keys,
-                                           quantize_fp8_vectors, sparse_mla_torch, visible_rows)
+from spmoe.layers.rotary import Rotary
+from spmoe.layers.sparse_attention import (
+    dequantize,
+    hadamard_matrix,
+    hadamard_rotate,
+    indexer_topk,
+    order_keys,
+    quantize_fp8_vectors,
+    sparse_mla_torch,
+    visible_rows,
+)
 
 TOPK = 8
 CONFIG = dict(
-    model_type="glm_moe_dsa", vocab_size=96, hidden_size=48, intermediate_size=72, moe_intermediate_size=12,
-    num_hidden_layers=2, mlp_layer_types=["dense", "dense"], indexer_types=["full", "shared"],
-    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-    topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=128,
-    qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_topk=TOPK, index_n_heads=4, index_head_dim=16,
-    rms_norm_eps=1e-5, rope_theta=10000.0)
+    model_type="glm_moe_dsa",
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=72,
+    moe_intermediate_size=12,
+    num_hidden_layers=2,
+    mlp_layer_types=["dense", "dense"],
+    indexer_types=["full", "shared"],
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=24,
+    kv_lora_rank=128,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    index_topk=TOPK,
+    index_n_heads=4,
+    index_head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
 # per step: (sequence, new tokens) in batch order. Final contexts 5 (< topk), 40 and 70 (> topk, the last over
 # two blocks). Step 0 prefills whole and partial prompts; steps 1-2 add chunks on top of cached contexts
 # alongside decodes; steps 3-4 decode every sequence.
-STEPS = [[(0, 3), (1, 20), (2, 40)], [(1, 17), (0, 1), (2, 27)], [(2, 1), (1, 1)], [(0, 1), (1, 1), (2, 1)],
-         [(2, 1), (0, 1), (1, 1)]]
+STEPS = [
+    [(0, 3), (1, 20), (2, 40)],
+    [(1, 17), (0, 1), (2, 27)],
+    [(2, 1), (1, 1)],
+    [(0, 1), (1, 1), (2, 1)],
+    [(2, 1), (0, 1), (1, 1)],
+]
 
 
 def attention_layers(cfg: ModelConfig) -> list[MLAttention]:
     gen = torch.Generator().manual_seed(0)
     layers = [MLAttention(cfg, i, 1, has_indexer=cfg.layer_has_indexer(i)) for i in range(cfg.num_hidden_layers)]
     for layer in layers:
-        for name, p in layer.named_parameters():
+        for p in layer.parameters():
             with torch.no_grad():
                 if p.dim() == 1:
                     p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
@@ -49,8 +83,9 @@ def run_steps(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> list[tuple[torc
     output, paged output) of the last layer, `[N, H]` each."""
     layers = attention_layers(cfg)
     dense = KVCache(cfg, {i: m.indexer is not None for i, m in enumerate(layers)}, 3, 80, torch.float32, "cpu")
-    paged = PagedKVCache(cfg, {i: m.indexer is not None for i, m in enumerate(layers)}, 10 ** 7, torch.float32,
-                         "cpu", kv_cache_dtype)
+    paged = PagedKVCache(
+        cfg, {i: m.indexer is not None for i, m in enumerate(layers)}, 10**7, torch.float32, "cpu", kv_cache_dtype
+    )
     blocks = BlockManager(paged.num_blocks, BLOCK_SIZE)
     blocks.allocate(99, 3 * BLOCK_SIZE)  # so that the sequences' blocks are not the first ones
     slots, cached, gen, results = [dense.allocate() for _ in range(3)], [0, 0, 0], torch.Generator().manual_seed(1), []
@@ -61,8 +96,10 @@ def run_steps(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> list[tuple[torc
         x = torch.randn(sum(lens), cfg.hidden_size, generator=gen)
         starts = [cached[s] for s in seqs]
         outs = []
-        for view in (dense.view([slots[s] for s in seqs], starts, lens),
-                     paged.view([blocks.block_table(s) for s in seqs], starts, lens)):
+        for view in (
+            dense.view([slots[s] for s in seqs], starts, lens),
+            paged.view([blocks.block_table(s) for s in seqs], starts, lens),
+        ):
             batch = AttentionBatch(Rotary(cfg, view.positions, torch.float32), view.allowed, view)
             selected = None
             with torch.no_grad():
@@ -105,8 +142,11 @@ def test_fp8_indexer_keeps_the_best_rows():
     keys: of the exact top 64, at least 90% are picked on average."""
     gen = torch.Generator().manual_seed(2)
     q, keys, weights = torch.randn(64, 4, 128, generator=gen), torch.randn(1024, 128, generator=gen), torch.rand(64, 4)
-    tables, seq_index, positions = torch.arange(16, dtype=torch.int32)[None], torch.zeros(64, dtype=torch.long), \
-        torch.full((64,), 999)
+    tables, seq_index, positions = (
+        torch.arange(16, dtype=torch.int32)[None],
+        torch.zeros(64, dtype=torch.long),
+        torch.full((64,), 999),
+    )
     exact = PagedLayerCache(torch.zeros(0, 1), None, torch.zeros(0, 1), keys, None)
     want = indexer_topk(q, weights, exact, tables, seq_index, positions, 64, 64)
     key8, key_scale = quantize_fp8_vectors(keys)
@@ -121,7 +161,7 @@ def test_hadamard_matrix_is_orthonormal_and_keeps_dot_products():
     for d in (1, 2, 16, 128):
         h = hadamard_matrix(d, torch.device("cpu"))
         assert torch.allclose(h @ h.T, torch.eye(d), atol=1e-6) and torch.equal(h, h.T), d
-        assert torch.equal(h.abs(), torch.full((d, d), d ** -0.5)) and (h[0] > 0).all(), d  # Sylvester: row 0 all +
+        assert torch.equal(h.abs(), torch.full((d, d), d**-0.5)) and (h[0] > 0).all(), d  # Sylvester: row 0 all +
     assert hadamard_matrix(16, torch.device("cpu")) is hadamard_matrix(16, torch.device("cpu"))  # built once
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(5, 4, 128, generator=gen), torch.randn(5, 1, 128, generator=gen).bfloat16()
@@ -142,8 +182,11 @@ def test_hadamard_rotation_cuts_fp8_indexer_error_of_shared_outlier_channels():
     channels, size = torch.randperm(128, generator=gen)[:4], 30 * (1 + torch.rand(4, generator=gen))
     q[..., channels] += size
     keys[:, channels] += size
-    tables, seq_index, positions = torch.arange(16, dtype=torch.int32)[None], torch.zeros(64, dtype=torch.long), \
-        torch.full((64,), 999)
+    tables, seq_index, positions = (
+        torch.arange(16, dtype=torch.int32)[None],
+        torch.zeros(64, dtype=torch.long),
+        torch.full((64,), 999),
+    )
     exact = PagedLayerCache(torch.zeros(0, 1), None, torch.zeros(0, 1), keys, None)
     want = indexer_topk(q, weights, exact, tables, seq_index, positions, 64, 64)
     results = {}
@@ -196,8 +239,9 @@ def test_sparse_mla_softmax_is_safe():
     q = torch.full((2, 1, 4), 1e4)
     out = sparse_mla_torch(q, torch.zeros(2, 1, 2), cache, torch.tensor([[0, 3], [-1, -1]]), 1.0)
     assert torch.isfinite(out).all() and out[1].abs().max() == 0
-    assert torch.allclose(out[0, 0], cache.latent[0] if (cache.latent[0] - cache.latent[3]).sum() > 0
-                          else cache.latent[3])
+    assert torch.allclose(
+        out[0, 0], cache.latent[0] if (cache.latent[0] - cache.latent[3]).sum() > 0 else cache.latent[3]
+    )
 
 
 def test_fp8_round_trip_error_bounds():
@@ -209,7 +253,7 @@ def test_fp8_round_trip_error_bounds():
     for (values, scale), group in ((quantize_fp8_groups(x), 128), (quantize_fp8_vectors(x), 512)):
         back = dequantize(values, scale)
         largest = x.abs().view(64, -1, group).amax(-1, keepdim=True).expand(-1, -1, group).reshape(64, 512)
-        bound = torch.maximum(x.abs() * 2 ** -4, largest * 2 ** -9)
+        bound = torch.maximum(x.abs() * 2**-4, largest * 2**-9)
         assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
         assert (back - x).abs().max() > 0
 
@@ -222,20 +266,26 @@ def test_cache_sizes_and_budget_errors():
         assert cache.bytes_per_token == want, dtype
         assert cache.num_blocks == 3 and cache.capacity_tokens == 3 * BLOCK_SIZE
         assert cache.layers[0].latent.shape[0] == 4 * BLOCK_SIZE  # 3 blocks + the scratch block
-    with pytest.raises(ValueError, match=f"needs at least {per_token['auto'] * 64} bytes for one block of each "
-                                         f"of 2 layers, got 100"):
+    with pytest.raises(
+        ValueError, match=f"needs at least {per_token['auto'] * 64} bytes for one block of each of 2 layers, got 100"
+    ):
         PagedKVCache(cfg, {0: True, 1: False}, 100, torch.float32, "cpu")
     with pytest.raises(ValueError, match="kv_lora_rank 16 is not a multiple of 128"):
-        PagedKVCache(ModelConfig.from_dict({**CONFIG, "kv_lora_rank": 16}), {0: True}, 10 ** 6, torch.float32,
-                     "cpu", "fp8")
-    with pytest.raises(ValueError, match="Hadamard-rotates the indexer keys, which needs a power-of-2 width; "
-                                         "index_head_dim 24 is not a power of 2"):
-        PagedKVCache(ModelConfig.from_dict({**CONFIG, "index_head_dim": 24}), {0: True}, 10 ** 6, torch.float32,
-                     "cpu", "fp8")
-    PagedKVCache(ModelConfig.from_dict({**CONFIG, "index_head_dim": 24}), {0: True}, 10 ** 6, torch.float32, "cpu")
+        PagedKVCache(
+            ModelConfig.from_dict({**CONFIG, "kv_lora_rank": 16}), {0: True}, 10**6, torch.float32, "cpu", "fp8"
+        )
+    with pytest.raises(
+        ValueError,
+        match="Hadamard-rotates the indexer keys, which needs a power-of-2 width; "
+        "index_head_dim 24 is not a power of 2",
+    ):
+        PagedKVCache(
+            ModelConfig.from_dict({**CONFIG, "index_head_dim": 24}), {0: True}, 10**6, torch.float32, "cpu", "fp8"
+        )
+    PagedKVCache(ModelConfig.from_dict({**CONFIG, "index_head_dim": 24}), {0: True}, 10**6, torch.float32, "cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        PagedKVCache(cfg, {0: True}, 10 ** 6, torch.float32, "cpu", "int8")
-    cache = PagedKVCache(cfg, {0: True}, 10 ** 6, torch.float32, "cpu")
+        PagedKVCache(cfg, {0: True}, 10**6, torch.float32, "cpu", "int8")
+    cache = PagedKVCache(cfg, {0: True}, 10**6, torch.float32, "cpu")
     with pytest.raises(ValueError, match="sequence 1 needs 65 positions; its 1 blocks hold 64"):
         cache.view([[0], [1]], [3, 60], [1, 5])
 
@@ -244,13 +294,14 @@ def test_glm5_fp8_bytes_per_token():
     """GLM-5.2 in bf16 with an FP8 cache: 656 B per token on a shared layer, 656 + 132 on an indexer layer."""
     cfg = ModelConfig.from_dict({**CONFIG, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128})
     for layers, want in (({0: False}, 656), ({0: True}, 656 + 132)):
-        assert PagedKVCache(cfg, layers, 10 ** 6, torch.bfloat16, "cpu", "fp8").bytes_per_token == want
+        assert PagedKVCache(cfg, layers, 10**6, torch.bfloat16, "cpu", "fp8").bytes_per_token == want
 
 
 def test_cache_budget():
-    assert cache_budget_bytes("cpu", gib=1.5) == 3 * 2 ** 29
-    with pytest.raises(ValueError, match="exactly one of GiB or a fraction of free memory, got gib=1, "
-                                         "memory_fraction=0.5"):
+    assert cache_budget_bytes("cpu", gib=1.5) == 3 * 2**29
+    with pytest.raises(
+        ValueError, match="exactly one of GiB or a fraction of free memory, got gib=1, memory_fraction=0.5"
+    ):
         cache_budget_bytes("cpu", gib=1, memory_fraction=0.5)
     with pytest.raises(ValueError, match="must be > 0 GiB, got 0"):
         cache_budget_bytes("cpu", gib=0)

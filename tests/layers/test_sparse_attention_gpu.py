@@ -13,19 +13,45 @@ import torch
 
 from spmoe.config import ModelConfig
 from spmoe.layers import fused
-from spmoe.layers.sparse_attention import (cache_rows_torch, head_matmul, head_matmul_torch, indexer_order_keys_torch,
-                                           indexer_topk, quantize_fp8_vectors, rows_of_best, sparse_mla,
-                                           sparse_mla_torch, visible_rows)
+from spmoe.layers.sparse_attention import (
+    cache_rows_torch,
+    head_matmul,
+    head_matmul_torch,
+    indexer_order_keys_torch,
+    indexer_topk,
+    quantize_fp8_vectors,
+    rows_of_best,
+    sparse_mla,
+    sparse_mla_torch,
+    visible_rows,
+)
 
 from ..multigpu import requires_gpus
 
 TOPK, BLOCK = 2048, 64
 CONTEXTS = [700, 3000, 5000]  # three sequences
-GLM = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=1024, intermediate_size=512, moe_intermediate_size=128,
-           num_hidden_layers=1, num_attention_heads=64, n_routed_experts=4, num_experts_per_tok=2,
-           routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=192,
-           qk_rope_head_dim=64, v_head_dim=256, index_topk=TOPK, index_n_heads=32, index_head_dim=128,
-           rms_norm_eps=1e-5)
+GLM = dict(
+    model_type="glm_moe_dsa",
+    vocab_size=64,
+    hidden_size=1024,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=64,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=512,
+    kv_lora_rank=512,
+    qk_nope_head_dim=192,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    index_topk=TOPK,
+    index_n_heads=32,
+    index_head_dim=128,
+    rms_norm_eps=1e-5,
+)
 
 
 def filled_cache(kv_cache_dtype: str):
@@ -37,11 +63,14 @@ def filled_cache(kv_cache_dtype: str):
     cache = PagedKVCache(cfg, {0: True}, (sum(blocks) + 1) * BLOCK * 2000, torch.bfloat16, "cuda", kv_cache_dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     order = torch.randperm(cache.num_blocks, device="cuda", generator=gen).tolist()
-    tables = [order[sum(blocks[:i]):sum(blocks[:i + 1])] for i in range(len(blocks))]
+    tables = [order[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(len(blocks))]
     view = cache.view(tables, [0] * len(CONTEXTS), CONTEXTS)
     n = sum(CONTEXTS)
-    view.write_latent(0, torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
-                      torch.randn(n, 64, device="cuda", generator=gen).bfloat16())
+    view.write_latent(
+        0,
+        torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
+        torch.randn(n, 64, device="cuda", generator=gen).bfloat16(),
+    )
     view.write_index_key(0, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
     return cache, tables
 
@@ -99,8 +128,9 @@ def test_triton_kernels_match_torch(kv_cache_dtype):
         short = view.positions < TOPK  # every visible row is selected: the same set, in the same order of scores
         assert torch.equal(selected[short].sort(-1).values, reference[short].sort(-1).values)
         overlap = sum(len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(selected, reference))
-        assert overlap >= (0.99 if kv_cache_dtype == "fp8" else 0.999) * (reference >= 0).sum().item(), \
+        assert overlap >= (0.99 if kv_cache_dtype == "fp8" else 0.999) * (reference >= 0).sum().item(), (
             overlap / (reference >= 0).sum().item()
+        )
         assert torch.equal(indexer_topk(*args[:6], TOPK, BLOCK), selected)  # the dispatcher picks Triton on CUDA
 
         q_latent = torch.randn(n, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
@@ -109,8 +139,11 @@ def test_triton_kernels_match_torch(kv_cache_dtype):
         # the dispatcher's pick by shape (decode tiles for the 3 decode tokens, prefill tiles for the 300-token
         # chunk), then each tile config on each shape
         for tiles in (None, DECODE_TILES, PREFILL_TILES):
-            got = sparse_mla(q_latent, q_rope, rows, selected, 0.07) if tiles is None else \
-                triton_sparse_mla(q_latent, q_rope, rows, selected, 0.07, tiles)
+            got = (
+                sparse_mla(q_latent, q_rope, rows, selected, 0.07)
+                if tiles is None
+                else triton_sparse_mla(q_latent, q_rope, rows, selected, 0.07, tiles)
+            )
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
             assert err < 2e-2, (tiles, err)  # bf16 probabilities in the second product
 
@@ -145,8 +178,9 @@ def test_selected_rows_match_torch():
         keys = indexer_order_keys_torch(q, weights, rows, view.block_tables, view.seq_index, view.positions, BLOCK)
         tables_view = (view.block_tables, view.seq_index)
         if keys.shape[1] <= TOPK:
-            assert torch.equal(visible_rows(*tables_view, view.positions, BLOCK),
-                               rows_of_best(keys, TOPK, *tables_view, BLOCK))
+            assert torch.equal(
+                visible_rows(*tables_view, view.positions, BLOCK), rows_of_best(keys, TOPK, *tables_view, BLOCK)
+            )
             continue
         best = keys.topk(TOPK, dim=-1, sorted=False).values
         for _ in range(20):
@@ -156,8 +190,9 @@ def test_selected_rows_match_torch():
             got = cache_rows(selected, *tables_view, positions, BLOCK)
             assert torch.equal(got, cache_rows_torch(selected, *tables_view, positions, BLOCK))
         assert (got >= 0).sum() == (view.positions + 1).sum()  # every visible position, once
-        assert torch.equal(rows_of_best(keys, TOPK, *tables_view, BLOCK),
-                           cache_rows_torch(best, *tables_view, None, BLOCK))
+        assert torch.equal(
+            rows_of_best(keys, TOPK, *tables_view, BLOCK), cache_rows_torch(best, *tables_view, None, BLOCK)
+        )
 
 
 def bf16_attention_layer(cfg: ModelConfig):
@@ -193,7 +228,7 @@ def test_paged_indexer_above_topk_fused_matches_reference(kv_cache_dtype):
 
     cfg = ModelConfig.from_dict(GLM)
     layer = bf16_attention_layer(cfg)
-    caches = {on: PagedKVCache(cfg, {0: True}, 2 ** 28, torch.bfloat16, "cuda", kv_cache_dtype) for on in (True, False)}
+    caches = {on: PagedKVCache(cfg, {0: True}, 2**28, torch.bfloat16, "cuda", kv_cache_dtype) for on in (True, False)}
     table, errors, overlaps = [list(range(40))], [], []
     for start, length in ((0, 2500), (2500, 1), (2501, 1)):
         x = torch.randn(length, cfg.hidden_size, device="cuda").bfloat16()
@@ -212,8 +247,9 @@ def test_paged_indexer_above_topk_fused_matches_reference(kv_cache_dtype):
         errors.append(((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item())
         got, want = selections
         assert got.shape == want.shape == (length, TOPK)
-        overlaps.append(sum(len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(got, want))
-                        / (want >= 0).sum().item())
+        overlaps.append(
+            sum(len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(got, want)) / (want >= 0).sum().item()
+        )
     print(errors, overlaps)
     assert max(errors) < (3e-2 if kv_cache_dtype == "auto" else 6e-2) and min(overlaps) >= 0.99, (errors, overlaps)
 
@@ -225,8 +261,7 @@ def test_indexer_tiles_match_torch(kv_cache_dtype):
     """The indexer's tiles of several tokens against the reference: a 1000-token prefill chunk of one sequence
     at a start inside a block; a step whose tiles straddle sequences (other block tables, other positions)
     and end in a partial tile; 32 and 24 heads (padded to 32); each tile config, the default's pick first."""
-    from spmoe.layers.sparse_attention_triton import (INDEXER_DECODE_TILES, INDEXER_PREFILL_TILES,
-                                                      indexer_order_keys)
+    from spmoe.layers.sparse_attention_triton import INDEXER_DECODE_TILES, INDEXER_PREFILL_TILES, indexer_order_keys
 
     cache, tables = filled_cache(kv_cache_dtype)
     rows = cache.layers[0]
@@ -260,7 +295,7 @@ def test_paged_attention_layer_matches_dense_on_gpu():
     cfg = ModelConfig.from_dict(GLM)
     layer = bf16_attention_layer(cfg)
     dense = KVCache(cfg, {0: True}, 2, 1024, torch.bfloat16, "cuda")
-    paged = PagedKVCache(cfg, {0: True}, 2 ** 27, torch.bfloat16, "cuda")
+    paged = PagedKVCache(cfg, {0: True}, 2**27, torch.bfloat16, "cuda")
     tables = [[5, 2, 9, 0, 11, 13, 15, 17, 19, 21], [7, 1, 3, 4, 6, 8, 10, 12, 14, 16]]  # room for 640 tokens each
     slots, errors = [dense.allocate() for _ in range(2)], []
     for starts, lens in (([0, 0], [600, 250]), ([600, 250], [1, 1]), ([601, 251], [1, 1])):
@@ -279,12 +314,13 @@ def check_head_matmul(device: str, dtype: torch.dtype):
     """The kernel on the views `_sparse_absorbed` hands it (q_nope of q `[N, h, 256]`; W_UK and W_UV^T of kv_b's
     weight `[h * 448, 512]`) against float32 math and the batched GEMM, within bf16 GEMM rounding (outputs of
     about unit size); `head_matmul` picks it up to 16 tokens, the batched GEMM above."""
-    from spmoe.layers.sparse_attention_triton import HEAD_MATMUL_TOKENS, head_matmul as triton_head_matmul
+    from spmoe.layers.sparse_attention_triton import HEAD_MATMUL_TOKENS
+    from spmoe.layers.sparse_attention_triton import head_matmul as triton_head_matmul
 
     nope, v, c = 192, 256, 512
     gen = torch.Generator(device=device).manual_seed(7)
     for heads in (64, 32, 16, 8):  # TP 1, 2, 4, 8 at GLM-5.2's 64 heads
-        weight = (torch.randn(heads * (nope + v), c, generator=gen, device=device) * c ** -0.5).to(dtype)
+        weight = (torch.randn(heads * (nope + v), c, generator=gen, device=device) * c**-0.5).to(dtype)
         w_uk, w_uv = weight.view(heads, nope + v, c).split([nope, v], dim=1)
         for n_tok in (1, 3, 8, HEAD_MATMUL_TOKENS):
             q = torch.randn(n_tok, heads, nope + 64, generator=gen, device=device).to(dtype)
@@ -295,8 +331,9 @@ def check_head_matmul(device: str, dtype: torch.dtype):
                 label = (heads, n_tok, tuple(w.shape))
                 assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous(), label
                 torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2, msg=lambda m: f"{label}: {m}")
-                torch.testing.assert_close(got, head_matmul_torch(x, w), rtol=1.6e-2, atol=1e-2,
-                                           msg=lambda m: f"{label}: {m}")
+                torch.testing.assert_close(
+                    got, head_matmul_torch(x, w), rtol=1.6e-2, atol=1e-2, msg=lambda m: f"{label}: {m}"
+                )
                 if device == "cuda":  # the dispatch: the kernel, unless the fused kernels are off
                     assert torch.equal(head_matmul(x, w), got), label
                     fused.ENABLED = False

@@ -14,12 +14,33 @@ H, I, TOTAL_EXPERTS, LOCAL, FIRST, TOP_K = 6144, 2048, 32, 16, 16, 8  # this ran
 
 
 def glm_config(fp8: bool) -> ModelConfig:
-    return ModelConfig.from_dict(dict(
-        model_type="glm_moe_dsa", vocab_size=64, hidden_size=H, intermediate_size=4 * I, moe_intermediate_size=I,
-        num_hidden_layers=1, num_attention_heads=8, n_routed_experts=TOTAL_EXPERTS, num_experts_per_tok=TOP_K,
-        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=16,
-        qk_rope_head_dim=16, v_head_dim=16, index_topk=8, index_n_heads=2, index_head_dim=32, rms_norm_eps=1e-5,
-        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]} if fp8 else None))
+    return ModelConfig.from_dict(
+        dict(
+            model_type="glm_moe_dsa",
+            vocab_size=64,
+            hidden_size=H,
+            intermediate_size=4 * I,
+            moe_intermediate_size=I,
+            num_hidden_layers=1,
+            num_attention_heads=8,
+            n_routed_experts=TOTAL_EXPERTS,
+            num_experts_per_tok=TOP_K,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            q_lora_rank=64,
+            kv_lora_rank=64,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            index_topk=8,
+            index_n_heads=2,
+            index_head_dim=32,
+            rms_norm_eps=1e-5,
+            quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+            if fp8
+            else None,
+        )
+    )
 
 
 def quantize_blocks(w: torch.Tensor):
@@ -65,8 +86,8 @@ def test_triton_experts_match_reference(rows):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, H, generator=gen).cuda().bfloat16()
     ids, weights = routing(rows, gen)
-    w13 = (torch.randn(LOCAL, 2 * I, H, generator=gen) * H ** -0.5).cuda()
-    w2 = (torch.randn(LOCAL, H, I, generator=gen) * I ** -0.5).cuda()
+    w13 = (torch.randn(LOCAL, 2 * I, H, generator=gen) * H**-0.5).cuda()
+    w2 = (torch.randn(LOCAL, H, I, generator=gen) * I**-0.5).cuda()
     with torch.device("cuda"):
         reference, ours = TorchExperts(glm_config(False), FIRST, LOCAL), TritonExperts(glm_config(False), FIRST, LOCAL)
         fp8 = TritonExperts(glm_config(True), FIRST, LOCAL)
@@ -78,8 +99,10 @@ def test_triton_experts_match_reference(rows):
         got = ours.bfloat16()(x, ids, weights).float()
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 2e-2, f"bf16 rows={rows}: rel err {err:.2e}"
-        (fp8.w13.data, fp8.w13_scale.data, w13_dq), (fp8.w2.data, fp8.w2_scale.data, w2_dq) = \
-            quantize_blocks(w13), quantize_blocks(w2)
+        (fp8.w13.data, fp8.w13_scale.data, w13_dq), (fp8.w2.data, fp8.w2_scale.data, w2_dq) = (
+            quantize_blocks(w13),
+            quantize_blocks(w2),
+        )
         got8 = fp8(x, ids, weights).float()
         err8 = ((got8 - emulated_fp8(x.float(), ids, weights, w13_dq, w2_dq)).abs().max() / want.abs().max()).item()
         loose = ((got8 - want).abs().max() / want.abs().max()).item()
@@ -89,11 +112,30 @@ def test_triton_experts_match_reference(rows):
     print(f"rows={rows}: bf16 rel err {err:.1e}, fp8 {err8:.1e} (emulated) / {loose:.1e} (unquantised)")
 
 
-SMALL = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-             num_hidden_layers=2, mlp_layer_types=["dense", "sparse"], num_attention_heads=4, n_routed_experts=8,
-             n_shared_experts=1, num_experts_per_tok=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-             q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-             index_topk=4, index_n_heads=2, index_head_dim=32, rms_norm_eps=1e-5)
+SMALL = dict(
+    model_type="glm_moe_dsa",
+    vocab_size=64,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=2,
+    mlp_layer_types=["dense", "sparse"],
+    num_attention_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=64,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    index_topk=4,
+    index_n_heads=2,
+    index_head_dim=32,
+    rms_norm_eps=1e-5,
+)
 
 
 def fp8_checkpoint(folder):
@@ -136,8 +178,9 @@ def test_fp8_checkpoint_keeps_fp8_weights(tmp_path):
     from spmoe.distributed import spawn
 
     fp8_checkpoint(tmp_path)
-    (name_t, dtype_t, ref), (name_x, dtype_x, got) = spawn(logits_with, 1, tmp_path, ["torch", "triton"],
-                                                           device="cuda")[0]
+    (name_t, dtype_t, ref), (name_x, dtype_x, got) = spawn(
+        logits_with, 1, tmp_path, ["torch", "triton"], device="cuda"
+    )[0]
     assert (name_t, dtype_t) == ("torch", torch.bfloat16) and (name_x, dtype_x) == ("triton", torch.float8_e4m3fn)
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     assert err < 0.1, f"FP8 triton model against the dequantised torch model: rel err {err:.2e}"

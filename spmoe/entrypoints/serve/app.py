@@ -22,8 +22,7 @@ from starlette.exceptions import HTTPException
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
-from spmoe.entrypoints.serve.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, SamplingFields,
-                                              parse)
+from spmoe.entrypoints.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from spmoe.entrypoints.serve.ranks import QueueFull
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration
 from spmoe.entrypoints.serve.tokenizer import chat_prompt_ids, eos_token_ids
@@ -75,8 +74,18 @@ class OpenAIApi:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "spmoe", "max_model_len": self.client.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "spmoe",
+                    "max_model_len": self.client.max_model_len,
+                }
+            ],
+        }
 
     async def completions(self, http: Request):
         body = parse(CompletionRequest, await _json_body(http))
@@ -97,8 +106,7 @@ class OpenAIApi:
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                           "model")
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model")
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -116,18 +124,26 @@ class OpenAIApi:
         room = limit - drafts - prompt_len
         with_drafts = f" with {drafts} speculative tokens" if drafts else ""
         if room < 1:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens; the server's --max-model-len is {limit}, "
-                                f"which leaves no room for an output token{with_drafts}", "prompt")
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_len} tokens; the server's --max-model-len is {limit}, "
+                f"which leaves no room for an output token{with_drafts}",
+                "prompt",
+            )
         if requested is None:
             return min(default or room, room)
         if requested > room:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens and max_tokens is {requested}"
-                                f"{with_drafts}: {prompt_len + requested + drafts} > --max-model-len {limit}",
-                           "max_tokens")
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_len} tokens and max_tokens is {requested}"
+                f"{with_drafts}: {prompt_len + requested + drafts} > --max-model-len {limit}",
+                "max_tokens",
+            )
         return requested
 
-    async def _respond(self, http: Request, body: SamplingFields, prompt: list[int], max_new: int, id_prefix: str,
-                       kind: str, choice):
+    async def _respond(
+        self, http: Request, body: SamplingFields, prompt: list[int], max_new: int, id_prefix: str, kind: str, choice
+    ):
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         temperature = body.temperature
@@ -139,15 +155,16 @@ class OpenAIApi:
             raise ApiError(400, str(e)) from None
         eos = () if body.ignore_eos else self.eos_token_ids
         request = EngineRequest(request_id, prompt, max_new, sampling, eos)
-        generation = TextGeneration(self.client.generate(request), self.tokenizer, prompt, body.stop, eos,
-                                    self.metrics)
+        generation = TextGeneration(self.client.generate(request), self.tokenizer, prompt, body.stop, eos, self.metrics)
         pieces = generation.pieces()
         first = await _first_piece(pieces)
         self.metrics.prompt_tokens.inc(len(prompt))
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:  # a client that goes away cancels the stream, which aborts the request
-            return StreamingResponse(_events(pieces, first, generation, head, kind, choice, body.include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _events(pieces, first, generation, head, kind, choice, body.include_usage),
+                media_type="text/event-stream",
+            )
         async with aclosing(pieces):
             texts, piece = [first.text], first
             while piece.finish_reason is None:
@@ -155,8 +172,12 @@ class OpenAIApi:
                     return Response(status_code=499)
                 piece = await anext(pieces)
                 texts.append(piece.text)
-        return {**head, "object": kind, "choices": [choice("".join(texts), piece.finish_reason, stream=False)],
-                "usage": generation.usage}
+        return {
+            **head,
+            "object": kind,
+            "choices": [choice("".join(texts), piece.finish_reason, stream=False)],
+            "usage": generation.usage,
+        }
 
 
 async def _json_body(http: Request):
@@ -177,8 +198,7 @@ async def _first_piece(pieces) -> Piece:
         raise ApiError(400, str(e).strip().splitlines()[0]) from None
 
 
-async def _events(pieces, first: Piece, generation: TextGeneration, head: dict, kind: str, choice,
-                  include_usage: bool):
+async def _events(pieces, first: Piece, generation: TextGeneration, head: dict, kind: str, choice, include_usage: bool):
     """Server-sent events: a chunk per piece (chat: first a chunk with the role), the usage chunk if asked,
     then `[DONE]`. An error after the stream started comes as a chunk with an `error` object."""
     chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
@@ -193,8 +213,14 @@ async def _events(pieces, first: Piece, generation: TextGeneration, head: dict, 
                 yield event({**head, "object": chunk_kind, "choices": [_chat_role_delta()], **usage})
             piece = first
             while True:
-                yield event({**head, "object": chunk_kind,
-                             "choices": [choice(piece.text, piece.finish_reason, stream=True)], **usage})
+                yield event(
+                    {
+                        **head,
+                        "object": chunk_kind,
+                        "choices": [choice(piece.text, piece.finish_reason, stream=True)],
+                        **usage,
+                    }
+                )
                 if piece.finish_reason is not None:
                     break
                 piece = await anext(pieces)
@@ -211,10 +237,18 @@ def _completion_choice(text: str, finish_reason: str | None, stream: bool) -> di
 
 def _chat_choice(text: str, finish_reason: str | None, stream: bool) -> dict:
     if stream:
-        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
-                "finish_reason": finish_reason}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": finish_reason}
+        return {
+            "index": 0,
+            "delta": {"content": text} if text else {},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+    return {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
 
 
 def _chat_role_delta() -> dict:

@@ -12,8 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 class ApiError(Exception):
     """An error for the client: HTTP `status`, and the OpenAI error body's message, type and param."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-             500: "internal_error", 503: "service_unavailable"}
+    TYPES = {
+        400: "invalid_request_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        500: "internal_error",
+        503: "service_unavailable",
+    }
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -39,7 +44,7 @@ class SamplingFields(Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)  # None: 1 (OpenAI's default), or 0 on a speculating server
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2 ** 63)
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = []  # also accepted: one string, or null
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -62,26 +62,33 @@ class ServeOptions:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache not in ("paged", "dense"):
             raise ValueError(f"kv_cache must be 'paged' or 'dense', got {self.kv_cache!r}")
-        if self.kv_cache == "dense" and (self.kv_cache_memory, self.gpu_memory_utilization,
-                                         self.kv_cache_dtype) != (None, None, "auto"):
-            raise ValueError("--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; "
-                             "got them with --kv-cache dense")
+        if self.kv_cache == "dense" and (self.kv_cache_memory, self.gpu_memory_utilization, self.kv_cache_dtype) != (
+            None,
+            None,
+            "auto",
+        ):
+            raise ValueError(
+                "--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; "
+                "got them with --kv-cache dense"
+            )
         for name in ("max_num_seqs", "max_model_len", "max_num_waiting", "max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.num_speculative_tokens and self.cuda_graphs:
-            raise ValueError("CUDA graphs capture the plain decode step only; speculative decoding runs eagerly, "
-                             "so pass one or the other")
-
+            raise ValueError(
+                "CUDA graphs capture the plain decode step only; speculative decoding runs eagerly, "
+                "so pass one or the other"
+            )
 
     def for_model(self, cfg: ModelConfig) -> "ServeOptions":
         """These options with `max_model_len` settled for the model."""
         if self.max_model_len is not None:
             return self
-        return replace(self, max_model_len=min(DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings or
-                                               DEFAULT_MAX_MODEL_LEN))
+        return replace(
+            self, max_model_len=min(DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings or DEFAULT_MAX_MODEL_LEN)
+        )
 
 
 def check_serve(model_dir: str, parallel: ParallelConfig, options: ServeOptions, device: str = "cpu") -> ModelConfig:
@@ -100,8 +107,16 @@ def check_serve(model_dir: str, parallel: ParallelConfig, options: ServeOptions,
         check_positions(options.max_model_len, cfg.max_position_embeddings, "--max-model-len")
     options = options.for_model(cfg)
     if options.kv_cache == "paged":
-        check_paged_budget(cfg, options.num_speculative_tokens > 0, DTYPES[options.dtype], options.kv_cache_dtype,
-                           options.kv_cache_memory, options.gpu_memory_utilization, device, options.max_model_len)
+        check_paged_budget(
+            cfg,
+            options.num_speculative_tokens > 0,
+            DTYPES[options.dtype],
+            options.kv_cache_dtype,
+            options.kv_cache_memory,
+            options.gpu_memory_utilization,
+            device,
+            options.max_model_len,
+        )
     return cfg
 
 
@@ -129,7 +144,7 @@ def run_plan(engine: Engine, plan: StepPlan) -> tuple[list[RequestOutput], Engin
     parts = gather_object((outputs, engine.metrics()) if state.tp_rank == 0 else None, state.control_group)
     if state.rank != 0:
         return None
-    per_dp = parts[::state.tp_size]  # TP rank 0 of each DP group
+    per_dp = parts[:: state.tp_size]  # TP rank 0 of each DP group
     return [out for outs, _ in per_dp for out in outs], EngineMetrics.combine([m for _, m in per_dp])
 
 
@@ -177,8 +192,10 @@ class EngineClient:
         if request.request_id in self._open:
             raise ValueError(f"request id {request.request_id!r} is in use; expected a new id")
         if self._not_started >= self.max_num_waiting:
-            raise QueueFull(f"{self._not_started} requests wait to start; the server takes at most "
-                            f"{self.max_num_waiting} (max_num_waiting)")
+            raise QueueFull(
+                f"{self._not_started} requests wait to start; the server takes at most "
+                f"{self.max_num_waiting} (max_num_waiting)"
+            )
         outputs: asyncio.Queue = asyncio.Queue()
         self._open.add(request.request_id)
         self._not_started += 1
@@ -306,11 +323,19 @@ def serve_rank(model_dir: str, parallel: ParallelConfig, options: ServeOptions, 
 
     state = get_parallel_state()
     options = options.for_model(ModelConfig.from_file(model_dir))
-    model = load_model(model_dir, parallel, DTYPES[options.dtype], state.device,
-                       with_mtp=options.num_speculative_tokens > 0)
+    model = load_model(
+        model_dir, parallel, DTYPES[options.dtype], state.device, with_mtp=options.num_speculative_tokens > 0
+    )
     cache = build_kv_cache(model, options, options.max_num_seqs, options.max_model_len)
-    engine = Engine(model, cache, options.num_speculative_tokens, options.cuda_graphs, options.max_num_seqs,
-                    options.max_num_batched_tokens, options.max_model_len)
+    engine = Engine(
+        model,
+        cache,
+        options.num_speculative_tokens,
+        options.cuda_graphs,
+        options.max_num_seqs,
+        options.max_num_batched_tokens,
+        options.max_model_len,
+    )
     if state.rank != 0:
         worker_loop(engine)
         return None

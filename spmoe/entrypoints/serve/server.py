@@ -40,23 +40,27 @@ def start_front_end(options: FrontEndOptions, client) -> int | None:
     from spmoe.entrypoints.serve.app import build_app
 
     app = build_app(client, load_tokenizer(options.model_dir), options.served_model_name)
-    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", timeout_graceful_shutdown=5)
+    )
 
     async def serve() -> None:
         task = asyncio.create_task(server.serve())
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            print(f"spmoe serve: ready: http://{options.host}:{options.port}/v1 (model '{options.served_model_name}')"
-                  f"; stop with Ctrl-C or SIGTERM", file=sys.stderr, flush=True)
+            print(
+                f"spmoe serve: ready: http://{options.host}:{options.port}/v1 (model '{options.served_model_name}')"
+                f"; stop with Ctrl-C or SIGTERM",
+                file=sys.stderr,
+                flush=True,
+            )
         await task
 
     # uvicorn catches SIGINT / SIGTERM while it serves, shuts down gracefully, then raises the signal again
     # for the handler it found: this one, which only notes it, so that serve_rank's own teardown runs afterwards.
     received = []
-    previous = {s: signal.signal(s, lambda signum, _: received.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         asyncio.run(serve())
     finally:
@@ -81,23 +85,39 @@ def check_address(host: str, port: int) -> None:
             raise ValueError(f"--host {host} --port {port}: the address {reason}") from None
 
 
-def run_serve(model_dir: str, parallel: ParallelConfig, options: ServeOptions, front: FrontEndOptions,
-              device: str) -> int | None:
+def run_serve(
+    model_dir: str, parallel: ParallelConfig, options: ServeOptions, front: FrontEndOptions, device: str
+) -> int | None:
     """Validate, then serve until stopped. -> SIGTERM if it reached rank 0 itself (under torchrun), else None."""
     if not Path(model_dir, "config.json").is_file():
         raise ValueError(f"--model {model_dir}: expected a checkpoint folder with config.json, found none")
     check_serve(model_dir, parallel, options, device)
     load_tokenizer(model_dir)
     check_address(front.host, front.port)
-    print(f"spmoe serve: {model_dir} on {parallel.world_size} local ranks (TP {parallel.tensor_parallel_size} x "
-          f"DP {parallel.data_parallel_size}, {device}); loading the weights", file=sys.stderr, flush=True)
-    return launch(serve_rank, parallel.world_size, model_dir, parallel, options, partial(start_front_end, front),
-                  config=parallel, device=device)
+    print(
+        f"spmoe serve: {model_dir} on {parallel.world_size} local ranks (TP {parallel.tensor_parallel_size} x "
+        f"DP {parallel.data_parallel_size}, {device}); loading the weights",
+        file=sys.stderr,
+        flush=True,
+    )
+    return launch(
+        serve_rank,
+        parallel.world_size,
+        model_dir,
+        parallel,
+        options,
+        partial(start_front_end, front),
+        config=parallel,
+        device=device,
+    )
 
 
 def add_serve_args(p) -> None:
-    p.add_argument("--model", help="checkpoint folder with config.json, *.safetensors and the tokenizer "
-                                   "(default: the demo checkpoint, written on first use)")
+    p.add_argument(
+        "--model",
+        help="checkpoint folder with config.json, *.safetensors and the tokenizer "
+        "(default: the demo checkpoint, written on first use)",
+    )
     p.add_argument("--served-model-name", help="the model name clients ask for (default: --model as given)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -108,19 +128,32 @@ def add_serve_args(p) -> None:
     p.add_argument("--ep-backend", choices=EP_BACKENDS, default="allgather_reducescatter")
     p.add_argument("--moe-backend", choices=MOE_BACKENDS, default="auto")
     defaults = ServeOptions()
-    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
-                   help=f"requests decoded at once per DP group (default {defaults.max_num_seqs})")
-    p.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
-                   help=f"requests that may wait to start; one more gets 503 (default {defaults.max_num_waiting})")
-    p.add_argument("--max-model-len", type=int,
-                   help=f"positions per request: prompt + output + drafts (default: the model's "
-                        f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN})")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=defaults.max_num_seqs,
+        help=f"requests decoded at once per DP group (default {defaults.max_num_seqs})",
+    )
+    p.add_argument(
+        "--max-num-waiting",
+        type=int,
+        default=defaults.max_num_waiting,
+        help=f"requests that may wait to start; one more gets 503 (default {defaults.max_num_waiting})",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help=f"positions per request: prompt + output + drafts (default: the model's "
+        f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN})",
+    )
     add_kv_cache_args(p, "--max-num-seqs x --max-model-len tokens")
-    p.add_argument("--speculative", choices=["mtp"], help="draft tokens with the checkpoint's MTP layer (greedy "
-                                                          "requests only)")
+    p.add_argument(
+        "--speculative", choices=["mtp"], help="draft tokens with the checkpoint's MTP layer (greedy requests only)"
+    )
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP drafts per step (default 1)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)")
+    p.add_argument(
+        "--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)"
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
 
@@ -135,11 +168,23 @@ def cmd_serve(args) -> int:
     drafts = args.num_speculative_tokens if args.speculative == "mtp" else 0
     if args.speculative == "mtp" and drafts < 1:
         raise ValueError(f"--speculative mtp needs --num-speculative-tokens >= 1, got {drafts}")
-    parallel = ParallelConfig(tensor_parallel_size=args.tp, data_parallel_size=args.dp, sp=args.sp,
-                              sp_scope=args.sp_scope, ep_backend=args.ep_backend, moe_backend=args.moe_backend)
-    options = ServeOptions(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                           num_speculative_tokens=drafts, max_num_waiting=args.max_num_waiting,
-                           cuda_graphs=args.cuda_graphs, **kv_cache_options(args))
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tp,
+        data_parallel_size=args.dp,
+        sp=args.sp,
+        sp_scope=args.sp_scope,
+        ep_backend=args.ep_backend,
+        moe_backend=args.moe_backend,
+    )
+    options = ServeOptions(
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        num_speculative_tokens=drafts,
+        max_num_waiting=args.max_num_waiting,
+        cuda_graphs=args.cuda_graphs,
+        **kv_cache_options(args),
+    )
     name = args.served_model_name or (args.model if args.model is not None else "spmoe-demo")
     stop = run_serve(model, parallel, options, FrontEndOptions(model, name, args.host, args.port), args.device)
     if stop is None:

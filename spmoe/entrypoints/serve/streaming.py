@@ -8,9 +8,9 @@ frees its cache.
 """
 
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from spmoe.entrypoints.serve.metrics import ServeMetrics
 from spmoe.entrypoints.serve.protocol import ApiError
@@ -36,11 +36,13 @@ class StopStrings:
         hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.pending = ""
-            return pending[:min(hits)], True
-        held = max((n for s in self.stops for n in range(1, min(len(s), len(pending) + 1))
-                    if pending.endswith(s[:n])), default=0)
-        self.pending = pending[len(pending) - held:]
-        return pending[:len(pending) - held], False
+            return pending[: min(hits)], True
+        held = max(
+            (n for s in self.stops for n in range(1, min(len(s), len(pending) + 1)) if pending.endswith(s[:n])),
+            default=0,
+        )
+        self.pending = pending[len(pending) - held :]
+        return pending[: len(pending) - held], False
 
     def flush(self) -> str:
         pending, self.pending = self.pending, ""
@@ -51,8 +53,15 @@ class TextGeneration:
     """One request in flight. `pieces()` yields its text; `prompt_tokens` and `completion_tokens` count as it
     goes (completion tokens are every token the engine generated for it, an eos id included)."""
 
-    def __init__(self, outputs: AsyncIterator, tokenizer, prompt: list[int], stops: list[str],
-                 eos_token_ids: tuple[int, ...], metrics: ServeMetrics):
+    def __init__(
+        self,
+        outputs: AsyncIterator,
+        tokenizer,
+        prompt: list[int],
+        stops: list[str],
+        eos_token_ids: tuple[int, ...],
+        metrics: ServeMetrics,
+    ):
         self.outputs, self.eos_token_ids, self.metrics = outputs, set(eos_token_ids), metrics
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt)
         self.stops = StopStrings(stops)
@@ -63,8 +72,9 @@ class TextGeneration:
         async with aclosing(self.outputs):
             async for out in self.outputs:
                 if out.finish_reason in ("error", "abort"):
-                    raise ApiError(500, f"the engine ended this request ({out.finish_reason}): "
-                                        f"{out.error or 'no reason given'}")
+                    raise ApiError(
+                        500, f"the engine ended this request ({out.finish_reason}): {out.error or 'no reason given'}"
+                    )
                 ids = out.new_token_ids
                 self._count(len(ids))
                 if out.finish_reason == "stop" and ids and ids[-1] in self.eos_token_ids:
@@ -95,5 +105,8 @@ class TextGeneration:
 
     @property
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }

@@ -30,8 +30,9 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Messages `[{"role", "content"}, ...]` -> the prompt's token ids through the checkpoint's chat template,
     ending with the assistant's turn opened. The template writes any special tokens it wants itself."""
     if not tokenizer.chat_template:
-        raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); "
-                         "use /v1/completions")
+        raise ValueError(
+            "this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); use /v1/completions"
+        )
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -72,9 +73,9 @@ class IncrementalDetokenizer:
     def _emit(self, final: bool) -> str:
         if self.done == len(self.ids):
             return ""
-        text = self._decode(self.ids[self.start:])
+        text = self._decode(self.ids[self.start :])
         if text.endswith(REPLACEMENT) and not final:  # the last character is not complete yet
             return ""
-        context = self._decode(self.ids[self.start:self.done])
+        context = self._decode(self.ids[self.start : self.done])
         self.start, self.done = self.done, len(self.ids)
-        return text[len(context):]
+        return text[len(context) :]

@@ -16,8 +16,7 @@ from spmoe.distributed.groups import group_size
 from spmoe.layers.moe.work import run_experts
 
 
-def allgather_reducescatter(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group,
-                            rows_max: int):
+def allgather_reducescatter(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group, rows_max: int):
     """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows, complete.
     Blocks are padded to `rows_max` rows with id -1, so every rank gathers the same shape. The routing rides
     behind the hidden columns (its float32 bytes viewed in x's dtype): one all-gather, not two."""

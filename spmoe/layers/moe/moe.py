@@ -38,8 +38,11 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = experts(cfg, state.ep_rank * per_rank, per_rank)
         shared_tp = 1 if plan.use_sequence_parallel_moe else state.tp_size
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, shared_tp)
-                               if cfg.n_shared_experts else None)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, shared_tp)
+            if cfg.n_shared_experts
+            else None
+        )
 
     def forward(self, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
         """x SHARDED `[n, H]` (SP) or FULL `[N, H]` -> `[n, H]` complete or `[N, H]` PARTIAL; `rows` from the

@@ -29,8 +29,17 @@ class Router(nn.Module):
         cfg = self.cfg
         if use_fused(x):
             from spmoe.layers.fused_triton import route, router_logit_sums
-            return route(router_logit_sums(x, self.weight), self.e_score_correction_bias, valid_rows, cfg.n_group,
-                         cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+            return route(
+                router_logit_sums(x, self.weight),
+                self.e_score_correction_bias,
+                valid_rows,
+                cfg.n_group,
+                cfg.topk_group,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                cfg.routed_scaling_factor,
+            )
         logits = F.linear(x.float(), self.weight.float())  # [m, E]
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias

@@ -46,8 +46,14 @@ class DeepseekV32DecoderLayer(nn.Module):
             mlp_tp = 1 if self.use_sequence_parallel_moe else self.tp_size
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, mlp_tp)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: AttentionBatch,
-                selected: torch.Tensor | None, max_tokens: int):
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: AttentionBatch,
+        selected: torch.Tensor | None,
+        max_tokens: int,
+    ):
         """(hidden, residual) in the plan's `input` layout -> (MLP output, residual) in its `output` layout, and
         the indexer's selection for the next layer. max_tokens: the largest N over the DP ranks
         (`largest_dp_batch`), for the MoE dispatch."""
@@ -59,17 +65,25 @@ class DeepseekV32DecoderLayer(nn.Module):
         return self.mlp(h), residual, selected
 
 
-def attention_batch(cfg: ModelConfig, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
-                    cache: KeyStore | None, dtype: torch.dtype,
-                    rotary_table: RotaryTable | None = None) -> AttentionBatch:
+def attention_batch(
+    cfg: ModelConfig,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: list[int],
+    cache: KeyStore | None,
+    dtype: torch.dtype,
+    rotary_table: RotaryTable | None = None,
+) -> AttentionBatch:
     """Check the flat batch and describe it to attention. Without a cache each sequence attends only its own
     new tokens (causally); with one, the cache says which keys each token attends. rotary_table: the model's
     cos/sin of every position (`RotaryTable.for_model`), or None."""
     num_tokens = input_ids.shape[0]
     if input_ids.dim() != 1 or positions.shape != input_ids.shape or sum(seq_lens) != num_tokens:
-        raise ValueError(f"expected input_ids and positions of shape [N] with N = sum(seq_lens); got "
-                         f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)}, "
-                         f"sum(seq_lens) = {sum(seq_lens)}")
+        raise ValueError(
+            f"expected input_ids and positions of shape [N] with N = sum(seq_lens); got "
+            f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)}, "
+            f"sum(seq_lens) = {sum(seq_lens)}"
+        )
     if cache is None:
         allowed = causal_within_sequences(seq_lens, input_ids)
     else:
@@ -81,7 +95,8 @@ def attention_batch(cfg: ModelConfig, input_ids: torch.Tensor, positions: torch.
 
 def causal_within_sequences(seq_lens: list[int], like: torch.Tensor) -> torch.Tensor:
     """`[N, N]` bool: token i may attend token j when both are in the same sequence and j <= i."""
-    seq_id = torch.repeat_interleave(torch.arange(len(seq_lens), device=like.device),
-                                     torch.tensor(seq_lens, dtype=torch.long, device=like.device))
+    seq_id = torch.repeat_interleave(
+        torch.arange(len(seq_lens), device=like.device), torch.tensor(seq_lens, dtype=torch.long, device=like.device)
+    )
     idx = torch.arange(seq_id.shape[0], device=like.device)
     return (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])

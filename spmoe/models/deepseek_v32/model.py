@@ -37,26 +37,33 @@ class DeepseekV32Model(nn.Module):
         super().__init__()
         state = get_parallel_state()
         if parallel.tensor_parallel_size != state.tp_size:
-            raise ValueError(f"parallel config has tensor_parallel_size={parallel.tensor_parallel_size} but the "
-                             f"process group has {state.tp_size} TP ranks")
+            raise ValueError(
+                f"parallel config has tensor_parallel_size={parallel.tensor_parallel_size} but the "
+                f"process group has {state.tp_size} TP ranks"
+            )
         cfg.check_parallel(parallel)
         self.cfg = cfg
         self.plan = build_layer_plan(cfg, parallel)
-        self.experts_backend = select_experts(ExpertsDeployment.for_layer(
-            cfg, parallel, parallel.use_sequence_parallel_moe, dtype, device), parallel.moe_backend)
+        self.experts_backend = select_experts(
+            ExpertsDeployment.for_layer(cfg, parallel, parallel.use_sequence_parallel_moe, dtype, device),
+            parallel.moe_backend,
+        )
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV32DecoderLayer(cfg, plan, self.experts_backend, parallel.ep_backend)
-                                    for plan in self.plan.layers)
+        self.layers = nn.ModuleList(
+            DeepseekV32DecoderLayer(cfg, plan, self.experts_backend, parallel.ep_backend) for plan in self.plan.layers
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_table = RotaryTable.for_model(cfg, device, dtype)  # shared with the MTP layers
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
-                cache: KeyStore | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int], cache: KeyStore | None = None
+    ) -> torch.Tensor:
         """input_ids, positions `[N]`; seq_lens: new tokens per sequence, laid end to end -> FULL `[N, H]`
         final-normed hidden states, identical on every TP rank."""
         num_tokens = input_ids.shape[0]
-        batch = attention_batch(self.cfg, input_ids, positions, seq_lens, cache, self.norm.weight.dtype,
-                                self.rotary_table)
+        batch = attention_batch(
+            self.cfg, input_ids, positions, seq_lens, cache, self.norm.weight.dtype, self.rotary_table
+        )
         max_tokens = largest_dp_batch(num_tokens)
         hidden = enter(self.embed_tokens(input_ids), self.plan.layers[0].input)  # PARTIAL [N, H] -> layer 0
         residual, selected = None, None
@@ -66,8 +73,14 @@ class DeepseekV32Model(nn.Module):
 
 
 class DeepseekV32ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", mtp_own_weights: tuple[tuple[bool, bool], ...] = ()):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        parallel: ParallelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        mtp_own_weights: tuple[tuple[bool, bool], ...] = (),
+    ):
         """Built in `dtype` on `device` (FP8 expert weights and router weights keep their own dtypes).
         mtp_own_weights: one (own embedding, own head) pair per MTP layer to build, none by default."""
         super().__init__()
@@ -77,21 +90,28 @@ class DeepseekV32ForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
             self.mtp = nn.ModuleList(
                 DeepseekV32MultiTokenPredictorLayer(
-                    cfg, self.model.plan.mtp[i],
+                    cfg,
+                    self.model.plan.mtp[i],
                     VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if own_embed else self.model.embed_tokens,
                     ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if own_head else self.lm_head,
-                    self.model.experts_backend, parallel.ep_backend, self.model.rotary_table)
-                for i, (own_embed, own_head) in enumerate(mtp_own_weights))
+                    self.model.experts_backend,
+                    parallel.ep_backend,
+                    self.model.rotary_table,
+                )
+                for i, (own_embed, own_head) in enumerate(mtp_own_weights)
+            )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
-                cache: KeyStore | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int], cache: KeyStore | None = None
+    ) -> torch.Tensor:
         """-> logits `[N, vocab]` float32, identical on every TP rank."""
         return self.compute_logits(self.forward_hidden(input_ids, positions, seq_lens, cache))
 
     # The API the engine uses; it never reaches into the submodules.
 
-    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
-                       cache: KeyStore | None = None) -> torch.Tensor:
+    def forward_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int], cache: KeyStore | None = None
+    ) -> torch.Tensor:
         """input_ids, positions `[N]`; seq_lens: new tokens per sequence, end to end -> FULL `[N, H]` post-norm
         hidden, identical on every TP rank."""
         return self.model(input_ids, positions, seq_lens, cache)
@@ -105,8 +125,14 @@ class DeepseekV32ForCausalLM(nn.Module):
         """MTP layers built (0 unless loaded with_mtp)."""
         return len(self.mtp)
 
-    def forward_draft_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
-                             seq_lens: list[int], cache: KeyStore | None = None) -> torch.Tensor:
+    def forward_draft_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden: torch.Tensor,
+        seq_lens: list[int],
+        cache: KeyStore | None = None,
+    ) -> torch.Tensor:
         """MTP layer 0: input_ids `[N]` (the token after each position), positions `[N]`, previous_hidden FULL
         `[N, H]` post-norm -> FULL `[N, H]` post-norm hidden."""
         return self.mtp[0](input_ids, positions, previous_hidden, seq_lens, cache)

@@ -47,8 +47,16 @@ class SharedHead(nn.Module):
 
 
 class DeepseekV32MultiTokenPredictorLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: LayerPlan, embed_tokens: VocabParallelEmbedding, head: ParallelLMHead,
-                 experts: type[Experts], ep_backend: str, rotary_table: RotaryTable | None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        plan: LayerPlan,
+        embed_tokens: VocabParallelEmbedding,
+        head: ParallelLMHead,
+        experts: type[Experts],
+        ep_backend: str,
+        rotary_table: RotaryTable | None,
+    ):
         """plan: this MTP layer's entry of the layer plan; `embed_tokens` and `head`: the layer's own (when the
         checkpoint has them) or the main model's; `experts`, `ep_backend`: the main model's expert backend and
         dispatch; `rotary_table`: the main model's cos/sin table, or None."""
@@ -63,13 +71,20 @@ class DeepseekV32MultiTokenPredictorLayer(nn.Module):
         self.shared_head = SharedHead(cfg, head)
         self.rotary_table = rotary_table
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
-                seq_lens: list[int], cache: KeyStore | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden: torch.Tensor,
+        seq_lens: list[int],
+        cache: KeyStore | None = None,
+    ) -> torch.Tensor:
         """input_ids `[N]` (the token after each position), positions `[N]`, previous_hidden FULL `[N, H]`
         -> FULL `[N, H]` post-norm hidden, identical on every TP rank."""
         num_tokens, layout = input_ids.shape[0], self.plan.input
-        batch = attention_batch(self.cfg, input_ids, positions, seq_lens, cache, self.eh_proj.weight.dtype,
-                                self.rotary_table)
+        batch = attention_batch(
+            self.cfg, input_ids, positions, seq_lens, cache, self.eh_proj.weight.dtype, self.rotary_table
+        )
         check_rows(previous_hidden, num_tokens, f"MTP previous hidden (FULL, N={num_tokens})")
         at_start = (positions == 0).unsqueeze(1)  # [N, 1]
         # SP: shard before eh_proj, so the 2H -> H projection runs on n rows

@@ -30,8 +30,13 @@ LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 MTP_MODULE = re.compile(r"^mtp\.(\d+)\.(mtp_block\.)?")  # our module names -> model.layers.{L}.
 
 
-def load_model(model_dir: str | Path, parallel: ParallelConfig, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", with_mtp: bool = False) -> DeepseekV32ForCausalLM:
+def load_model(
+    model_dir: str | Path,
+    parallel: ParallelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    with_mtp: bool = False,
+) -> DeepseekV32ForCausalLM:
     """Build the model for this rank (with its MTP layers in `model.mtp` if asked) and fill it from the
     checkpoint in `model_dir`."""
     cfg = ModelConfig.from_file(model_dir)
@@ -41,15 +46,25 @@ def load_model(model_dir: str | Path, parallel: ParallelConfig, dtype: torch.dty
     return model.eval()
 
 
-def build_model(cfg: ModelConfig, parallel: ParallelConfig, with_mtp: bool, checkpoint_keys: set[str],
-                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DeepseekV32ForCausalLM:
+def build_model(
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    with_mtp: bool,
+    checkpoint_keys: set[str],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> DeepseekV32ForCausalLM:
     """The model with uninitialised weights; an MTP layer gets its own embedding / head only where the
     checkpoint has them."""
     if with_mtp and not cfg.num_nextn_predict_layers:
         raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers is 0 or missing)")
-    own = tuple((f"model.layers.{cfg.num_hidden_layers + i}.embed_tokens.weight" in checkpoint_keys,
-                 f"model.layers.{cfg.num_hidden_layers + i}.shared_head.head.weight" in checkpoint_keys)
-                for i in range(cfg.num_nextn_predict_layers if with_mtp else 0))
+    own = tuple(
+        (
+            f"model.layers.{cfg.num_hidden_layers + i}.embed_tokens.weight" in checkpoint_keys,
+            f"model.layers.{cfg.num_hidden_layers + i}.shared_head.head.weight" in checkpoint_keys,
+        )
+        for i in range(cfg.num_nextn_predict_layers if with_mtp else 0)
+    )
     return DeepseekV32ForCausalLM(cfg, parallel, dtype, device, own)
 
 
@@ -57,8 +72,12 @@ def write_random_checkpoint(raw_config: dict, folder: Path, seed: int) -> None:
     """Write `config.json` and a `model.safetensors` of deterministic random weights (main and MTP layers) in
     the Hugging Face layout, for the demo and tests. Runs on one rank (TP = 1)."""
     cfg = ModelConfig.from_dict(raw_config)
-    model = build_model(cfg, ParallelConfig(tensor_parallel_size=1, moe_backend="torch"),  # never run: no choice
-                        cfg.num_nextn_predict_layers > 0, set())
+    model = build_model(
+        cfg,
+        ParallelConfig(tensor_parallel_size=1, moe_backend="torch"),  # never run: no choice
+        cfg.num_nextn_predict_layers > 0,
+        set(),
+    )
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for key, (dest, _, _) in sorted(_plan(model).items()):
@@ -68,14 +87,14 @@ def write_random_checkpoint(raw_config: dict, folder: Path, seed: int) -> None:
         elif dest.dim() == 1:  # biases: the router's score correction, the indexer's k_norm
             tensors[key] = 0.1 * noise
         elif key.endswith("eh_proj.weight"):
-            hidden_part = 0.3 * noise[:, cfg.hidden_size:] * cfg.hidden_size ** -0.5
+            hidden_part = 0.3 * noise[:, cfg.hidden_size :] * cfg.hidden_size**-0.5
             tensors[key] = torch.cat([torch.eye(cfg.hidden_size), hidden_part], 1)
         else:
             tensors[key] = noise * (1.0 if "embed_tokens" in key else dest.shape[1] ** -0.5)
     # Structure for MTP to find: the LM head is a permutation of the embedding, so each token has a likely
     # successor (which the layers perturb), and eh_proj passes the next token's embedding through.
     perm = torch.randperm(cfg.vocab_size, generator=gen)
-    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"][perm] * cfg.hidden_size ** -0.5
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"][perm] * cfg.hidden_size**-0.5
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(raw_config, indent=2))
@@ -110,8 +129,9 @@ class Checkpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
 
-    def read(self, key: str, dim: int | None, start: int, stop: int, block: tuple[int, int] | None,
-             raw: bool = False) -> torch.Tensor:
+    def read(
+        self, key: str, dim: int | None, start: int, stop: int, block: tuple[int, int] | None, raw: bool = False
+    ) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) `[start, stop)` of a tensor, or all of it (dim None); FP8 weights
         are dequantised with their block scales unless `raw`."""
         view = self._slice(key)
@@ -126,7 +146,7 @@ class Checkpoint:
         scale = self._slice(scale_key)[(slice(row0 // block[0], None), slice(col0 // block[1], None))]
         scale = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
         r, c = row0 % block[0], col0 % block[1]
-        return tensor.float() * scale[r:r + tensor.shape[0], c:c + tensor.shape[1]]
+        return tensor.float() * scale[r : r + tensor.shape[0], c : c + tensor.shape[1]]
 
 
 def _open(path: Path):
@@ -163,22 +183,29 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
             full[dim] *= state.tp_size
             start = dest.shape[dim] * state.tp_rank
         if ckpt.shape(key) != tuple(full):
-            raise ValueError(f"tensor {key}: checkpoint shape {ckpt.shape(key)} does not match the expected "
-                             f"{tuple(full)}")
+            raise ValueError(
+                f"tensor {key}: checkpoint shape {ckpt.shape(key)} does not match the expected {tuple(full)}"
+            )
         with torch.no_grad():
-            dest.copy_(ckpt.read(key, dim, start, start + (dest.shape[dim] if dim is not None else 0),
-                                 cfg.fp8_block_size, raw))
+            dest.copy_(
+                ckpt.read(key, dim, start, start + (dest.shape[dim] if dim is not None else 0), cfg.fp8_block_size, raw)
+            )
         if show and (done % max(1, len(plan) // 20) == 0 or done == len(plan)):
-            print(f"\rloading weights: {done}/{len(plan)} tensors", end="\n" if done == len(plan) else "",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\rloading weights: {done}/{len(plan)} tensors",
+                end="\n" if done == len(plan) else "",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _plan(model: DeepseekV32ForCausalLM) -> dict:
     """Checkpoint key -> (this rank's destination tensor, TP dim or None, raw: copy FP8 values as stored)."""
     plan = {}
     for module_name, module in model.named_modules():  # shared modules appear once, under their first name
-        module_name = MTP_MODULE.sub(lambda m: f"model.layers.{model.cfg.num_hidden_layers + int(m.group(1))}.",
-                                     module_name)
+        module_name = MTP_MODULE.sub(
+            lambda m: f"model.layers.{model.cfg.num_hidden_layers + int(m.group(1))}.", module_name
+        )
         # their checkpoint tensors are not their parameters
         if isinstance(module, Experts):
             plan |= {key: (dest, None, raw) for key, (dest, raw) in module.checkpoint_plan(module_name).items()}

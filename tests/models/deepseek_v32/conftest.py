@@ -7,21 +7,59 @@ import torch
 from safetensors.torch import load_file, save_file
 
 SEQ_BATCHES = [[17, 1, 2, 3, 5], [1], [1, 1], [3], [5], [9, 2]]  # total N = 28, 1, 2, 3, 5, 11
-COMMON = dict(vocab_size=96, hidden_size=48, intermediate_size=72, moe_intermediate_size=12,
-              num_attention_heads=12, num_key_value_heads=12, n_routed_experts=12, num_experts_per_tok=3,
-              kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
-              index_topk=4, index_head_dim=16, index_n_heads=8, max_position_embeddings=64)
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=72,
+    moe_intermediate_size=12,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    n_routed_experts=12,
+    num_experts_per_tok=3,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    qk_nope_head_dim=8,
+    index_topk=4,
+    index_head_dim=16,
+    index_n_heads=8,
+    max_position_embeddings=64,
+)
 MODELS = {
     # A dense layer after an MoE layer, IndexShare, ungrouped router.
-    "glm": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
-            dict(num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "dense", "sparse"],
-                 indexer_types=["full", "shared", "full", "shared"], n_group=1, topk_group=1)),
+    "glm": (
+        "GlmMoeDsaConfig",
+        "GlmMoeDsaForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+            indexer_types=["full", "shared", "full", "shared"],
+            n_group=1,
+            topk_group=1,
+        ),
+    ),
     # MoE first (SP from the embedding on), grouped router, yarn rope with mscale.
-    "dsv32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
-              dict(num_hidden_layers=3, mlp_layer_types=["sparse", "dense", "sparse"], n_group=4, topk_group=2,
-                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                    "original_max_position_embeddings": 16, "mscale": 1.0,
-                                    "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})),
+    "dsv32": (
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            mlp_layer_types=["sparse", "dense", "sparse"],
+            n_group=4,
+            topk_group=2,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        ),
+    ),
 }
 FP8_BLOCK = (5, 7)  # deliberately not aligned with any TP shard, to exercise block offsets
 
@@ -125,8 +163,12 @@ def fp8_copy(model, folder, fp8_folder, batches):
         dequantised[key] = dq
     save_file(quantised, fp8_folder / "model.safetensors")
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(FP8_BLOCK)}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(FP8_BLOCK),
+    }
     (fp8_folder / "config.json").write_text(json.dumps(config))
     model.load_state_dict(_packed(model, dequantised, tensors))
     return str(fp8_folder), batches, hf_logits(model, batches)
@@ -141,8 +183,12 @@ def _packed(model, dequantised: dict, original: dict) -> dict:
             state[key] = weights[key]
         elif key.endswith("experts.gate_up_proj"):
             prefix, n = key.removesuffix("gate_up_proj"), state[key].shape[0]
-            state[key] = torch.stack([torch.cat([weights[f"{prefix}{e}.gate_proj.weight"],
-                                                 weights[f"{prefix}{e}.up_proj.weight"]]) for e in range(n)])
+            state[key] = torch.stack(
+                [
+                    torch.cat([weights[f"{prefix}{e}.gate_proj.weight"], weights[f"{prefix}{e}.up_proj.weight"]])
+                    for e in range(n)
+                ]
+            )
         elif key.endswith("experts.down_proj"):
             prefix, n = key.removesuffix("down_proj"), state[key].shape[0]
             state[key] = torch.stack([weights[f"{prefix}{e}.down_proj.weight"] for e in range(n)])
@@ -150,8 +196,13 @@ def _packed(model, dequantised: dict, original: dict) -> dict:
 
 
 MTP_MAIN_LAYERS = 3
-MTP_HF_LAYERS = dict(num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "dense", "sparse"],
-                     indexer_types=["full", "shared", "full", "full"], n_group=1, topk_group=1)
+MTP_HF_LAYERS = dict(
+    num_hidden_layers=4,
+    mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+    indexer_types=["full", "shared", "full", "full"],
+    n_group=1,
+    topk_group=1,
+)
 
 
 @pytest.fixture(scope="session")
@@ -170,16 +221,23 @@ def mtp_checkpoints(tmp_path_factory):
     tensors = load_file(base / "model.safetensors")
     gen = torch.Generator().manual_seed(5)
     size, vocab, prefix = COMMON["hidden_size"], COMMON["vocab_size"], f"model.layers.{MTP_MAIN_LAYERS}"
-    added = {f"{prefix}.enorm.weight": 1 + 0.3 * torch.randn(size, generator=gen),
-             f"{prefix}.hnorm.weight": 1 + 0.3 * torch.randn(size, generator=gen),
-             f"{prefix}.eh_proj.weight": torch.randn(size, 2 * size, generator=gen) * (2 * size) ** -0.5,
-             f"{prefix}.shared_head.norm.weight": 1 + 0.3 * torch.randn(size, generator=gen)}
-    own = {f"{prefix}.embed_tokens.weight": torch.randn(vocab, size, generator=gen),
-           f"{prefix}.shared_head.head.weight": torch.randn(vocab, size, generator=gen) * size ** -0.5}
+    added = {
+        f"{prefix}.enorm.weight": 1 + 0.3 * torch.randn(size, generator=gen),
+        f"{prefix}.hnorm.weight": 1 + 0.3 * torch.randn(size, generator=gen),
+        f"{prefix}.eh_proj.weight": torch.randn(size, 2 * size, generator=gen) * (2 * size) ** -0.5,
+        f"{prefix}.shared_head.norm.weight": 1 + 0.3 * torch.randn(size, generator=gen),
+    }
+    own = {
+        f"{prefix}.embed_tokens.weight": torch.randn(vocab, size, generator=gen),
+        f"{prefix}.shared_head.head.weight": torch.randn(vocab, size, generator=gen) * size**-0.5,
+    }
     config = json.loads((base / "config.json").read_text())
-    config.update(num_hidden_layers=MTP_MAIN_LAYERS, num_nextn_predict_layers=1,
-                  mlp_layer_types=config["mlp_layer_types"][:MTP_MAIN_LAYERS],
-                  indexer_types=config["indexer_types"][:MTP_MAIN_LAYERS])
+    config.update(
+        num_hidden_layers=MTP_MAIN_LAYERS,
+        num_nextn_predict_layers=1,
+        mlp_layer_types=config["mlp_layer_types"][:MTP_MAIN_LAYERS],
+        indexer_types=config["indexer_types"][:MTP_MAIN_LAYERS],
+    )
     folders = {}
     for name, extra in (("shared", {}), ("own", own)):
         folder = tmp_path_factory.mktemp(f"mtp_{name}")

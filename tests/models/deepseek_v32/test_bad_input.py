@@ -8,30 +8,46 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from spmoe.entrypoints.cli import main
 from spmoe.config import ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
+from spmoe.entrypoints.cli import main
 
 
 def forward_cli(tmp_path, model, ids, tp=2, sp="on"):
     ids_file = tmp_path / "ids.json"
     ids_file.write_text(ids if isinstance(ids, str) else json.dumps(ids))
-    return main(["forward", "--model", str(model), "--tp", str(tp), "--sp", sp, "--input-ids", str(ids_file),
-                 "--save-logits", str(tmp_path / "out.safetensors")])
+    return main(
+        [
+            "forward",
+            "--model",
+            str(model),
+            "--tp",
+            str(tp),
+            "--sp",
+            sp,
+            "--input-ids",
+            str(ids_file),
+            "--save-logits",
+            str(tmp_path / "out.safetensors"),
+        ]
+    )
 
 
-@pytest.mark.parametrize("case, fragment", [
-    ("missing model", "model config not found"),
-    ("tp does not divide heads", "num_attention_heads = 12 is not divisible by tensor_parallel_size = 5"),
-    ("tp does not divide experts", "n_routed_experts = 12 is not divisible by the expert-parallel size = 8"),
-    ("sp on with tp 1", "needs tensor_parallel_size > 1"),
-    ("token id out of range", "token id 96, expected an int in [0, 96)"),
-    ("negative token id", "token id -1"),
-    ("empty batch", "expected a non-empty JSON list"),
-    ("empty sequence", "sequence 1 must be a non-empty list"),
-    ("corrupt ids file", "is not valid JSON"),
-    ("corrupt config", "config.json is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "case, fragment",
+    [
+        ("missing model", "model config not found"),
+        ("tp does not divide heads", "num_attention_heads = 12 is not divisible by tensor_parallel_size = 5"),
+        ("tp does not divide experts", "n_routed_experts = 12 is not divisible by the expert-parallel size = 8"),
+        ("sp on with tp 1", "needs tensor_parallel_size > 1"),
+        ("token id out of range", "token id 96, expected an int in [0, 96)"),
+        ("negative token id", "token id -1"),
+        ("empty batch", "expected a non-empty JSON list"),
+        ("empty sequence", "sequence 1 must be a non-empty list"),
+        ("corrupt ids file", "is not valid JSON"),
+        ("corrupt config", "config.json is not valid JSON"),
+    ],
+)
 def test_bad_input_is_a_one_line_error(case, fragment, checkpoints, tmp_path, capsys):
     model, ids, tp, sp = checkpoints["glm"][0], [[1, 2], [3]], 2, "on"
     if case == "missing model":
@@ -84,12 +100,18 @@ def test_broken_checkpoints_name_the_tensor(checkpoints, tmp_path):
     source = checkpoints["glm"][0]
     tensors = load_file(f"{source}/model.safetensors")
     variants = {
-        "missing": ({k: v for k, v in tensors.items() if k != "model.layers.1.mlp.experts.5.up_proj.weight"},
-                    "missing 1 tensor(s), first: model.layers.1.mlp.experts.5.up_proj.weight"),
-        "unexpected": ({**tensors, "model.layers.0.self_attn.extra.weight": torch.zeros(2)},
-                       "unexpected tensor: model.layers.0.self_attn.extra.weight"),
-        "shape": ({**tensors, "model.layers.2.mlp.down_proj.weight": torch.zeros(48, 70)},
-                  "model.layers.2.mlp.down_proj.weight: checkpoint shape (48, 70) does not match the expected (48, 72)"),
+        "missing": (
+            {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.experts.5.up_proj.weight"},
+            "missing 1 tensor(s), first: model.layers.1.mlp.experts.5.up_proj.weight",
+        ),
+        "unexpected": (
+            {**tensors, "model.layers.0.self_attn.extra.weight": torch.zeros(2)},
+            "unexpected tensor: model.layers.0.self_attn.extra.weight",
+        ),
+        "shape": (
+            {**tensors, "model.layers.2.mlp.down_proj.weight": torch.zeros(48, 70)},
+            "model.layers.2.mlp.down_proj.weight: checkpoint shape (48, 70) does not match the expected (48, 72)",
+        ),
     }
     folders = []
     for name, (content, _) in variants.items():
@@ -104,8 +126,9 @@ def test_broken_checkpoints_name_the_tensor(checkpoints, tmp_path):
     errors = spawn(load_broken, 2, folders + [str(corrupt)])[0]
     for (name, (_, fragment)), error in zip(variants.items(), errors):
         assert error is not None and fragment in error, (name, error)
-    assert errors[-1].startswith(f"ValueError: {corrupt}/model.safetensors is not a readable safetensors file: "
-                                 f"Error while deserializing header"), errors[-1]  # the rest is safetensors' own
+    assert errors[-1].startswith(
+        f"ValueError: {corrupt}/model.safetensors is not a readable safetensors file: Error while deserializing header"
+    ), errors[-1]  # the rest is safetensors' own
 
 
 def test_a_failing_rank_ends_forward_with_one_line(checkpoints, tmp_path, capsys):

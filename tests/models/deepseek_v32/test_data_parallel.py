@@ -29,16 +29,18 @@ def run_dp_cases(folder: str, batches, modes):
 
     state, results = get_parallel_state(), []
     for sp, scope in modes:
-        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size,
-                                  sp=sp, sp_scope=scope)
+        parallel = ParallelConfig(
+            tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size, sp=sp, sp_scope=scope
+        )
         model = load_model(folder, parallel)
         per_batch = []
         for seqs in batches:
             ids, positions, lens = flatten(split_for_dp(seqs, state.dp_rank, state.dp_size), "cpu")
             with torch.no_grad(), count_collectives() as counted, count_moe_work() as work:
                 logits = model(ids, positions, lens)
-            per_batch.append((list(logits.split(lens)), {k: v["count"] for k, v in counted.as_dict().items()},
-                              work.as_dict()))
+            per_batch.append(
+                (list(logits.split(lens)), {k: v["count"] for k, v in counted.as_dict().items()}, work.as_dict())
+            )
         results.append(per_batch)
     return state.dp_rank, state.tp_rank, results
 
@@ -47,9 +49,17 @@ def run_dp_cases(folder: str, batches, modes):
 def dp_runs(checkpoints):
     """(tp, dp) -> every rank's results."""
     folder, batches, _ = checkpoints["glm"]
-    return {(tp, dp): spawn(run_dp_cases, tp * dp, folder, batches, modes,
-                            config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp))
-            for (tp, dp), modes in LAYOUTS.items()}
+    return {
+        (tp, dp): spawn(
+            run_dp_cases,
+            tp * dp,
+            folder,
+            batches,
+            modes,
+            config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp),
+        )
+        for (tp, dp), modes in LAYOUTS.items()
+    }
 
 
 @pytest.mark.parametrize("tp, dp", sorted(LAYOUTS))

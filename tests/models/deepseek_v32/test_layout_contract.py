@@ -26,8 +26,9 @@ def test_router_gives_pad_rows_no_experts(checkpoints):
 def wrong_layouts(folder):
     from spmoe.models.deepseek_v32.weights import load_model
 
-    model = load_model(folder, ParallelConfig(tensor_parallel_size=get_parallel_state().tp_size,
-                                              sp="on", sp_scope="all"))
+    model = load_model(
+        folder, ParallelConfig(tensor_parallel_size=get_parallel_state().tp_size, sp="on", sp_scope="all")
+    )
     messages = []
     for num_tokens in (1, 5):
         ids, positions, seq_lens = flatten([list(range(num_tokens))], "cpu")

@@ -32,8 +32,9 @@ def hf_layers(hf, layers, hidden, positions):
     rotary = hf.model.rotary_emb(hidden[None], position_ids=position_ids)
     h, topk = hidden[None], None
     for layer in layers:
-        h, topk = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids,
-                        prev_topk_indices=topk)
+        h, topk = layer(
+            h, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids, prev_topk_indices=topk
+        )
     return h[0]
 
 
@@ -49,9 +50,16 @@ def reference(hf, weights, tokens, own):
     target = hf.model.norm(hf_layers(hf, main, hf.model.embed_tokens(ids[:-1]), positions))
     table = weights[f"{prefix}.embed_tokens.weight"] if own else hf.model.embed_tokens.weight
     embeds = table[ids[1:]].masked_fill((positions == 0)[:, None], 0.0)
-    x = F.linear(torch.cat([rms_norm(embeds, weights[f"{prefix}.enorm.weight"], eps),
-                            rms_norm(target, weights[f"{prefix}.hnorm.weight"], eps)], -1),
-                 weights[f"{prefix}.eh_proj.weight"])
+    x = F.linear(
+        torch.cat(
+            [
+                rms_norm(embeds, weights[f"{prefix}.enorm.weight"], eps),
+                rms_norm(target, weights[f"{prefix}.hnorm.weight"], eps),
+            ],
+            -1,
+        ),
+        weights[f"{prefix}.eh_proj.weight"],
+    )
     out = hf_layers(hf, [hf.model.layers[MTP_MAIN_LAYERS]], x, positions)
     hidden = rms_norm(out, weights[f"{prefix}.shared_head.norm.weight"], eps)
     head = weights[f"{prefix}.shared_head.head.weight"] if own else hf.lm_head.weight
@@ -98,8 +106,14 @@ def mtp_cases(mtp_checkpoints):
             for name in want:
                 want[name].append(torch.cat([reference(hf, weights, seq, name == "own")[1] for seq in seqs]))
             targets = torch.cat([reference(hf, weights, seq, False)[0] for seq in seqs])
-            batches.append((torch.tensor([t for seq in seqs for t in seq[1:]]),
-                            torch.cat([torch.arange(s) for s in lens]), targets, lens))
+            batches.append(
+                (
+                    torch.tensor([t for seq in seqs for t in seq[1:]]),
+                    torch.cat([torch.arange(s) for s in lens]),
+                    targets,
+                    lens,
+                )
+            )
     return folders, batches, want
 
 

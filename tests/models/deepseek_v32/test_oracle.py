@@ -15,8 +15,12 @@ from spmoe.models.deepseek_v32.decoder_layer import DeepseekV32DecoderLayer
 from .conftest import MODELS, relative_error
 
 TOLERANCE = 1e-4  # relative to the largest |logit|
-SP_MODES = [("off", "moe", "allgather_reducescatter"), ("on", "moe", "allgather_reducescatter"),
-            ("on", "all", "allgather_reducescatter"), ("on", "moe", "all_to_all")]
+SP_MODES = [
+    ("off", "moe", "allgather_reducescatter"),
+    ("on", "moe", "allgather_reducescatter"),
+    ("on", "all", "allgather_reducescatter"),
+    ("on", "moe", "all_to_all"),
+]
 
 
 def run_cases(cases):
@@ -27,8 +31,7 @@ def run_cases(cases):
     state = get_parallel_state()
     results = []
     for folder, sp, scope, ep_backend, batches in cases:
-        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp, sp_scope=scope,
-                                  ep_backend=ep_backend)
+        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp, sp_scope=scope, ep_backend=ep_backend)
         model = load_model(folder, parallel)
         logits, stats = [], []
         for seqs in batches:
@@ -74,8 +77,9 @@ def test_logits_match_transformers(tp, checkpoints):
     names = ["glm", "dsv32"] + (["glm_fp8"] if tp == 2 else [])
     modes = SP_MODES if tp > 1 else SP_MODES[:1]
     cases = [(name, *mode) for name in names for mode in modes]
-    results = spawn(run_cases, tp, [(checkpoints[n][0], sp, scope, ep, checkpoints[n][1])
-                                    for n, sp, scope, ep in cases])[0]
+    results = spawn(
+        run_cases, tp, [(checkpoints[n][0], sp, scope, ep, checkpoints[n][1]) for n, sp, scope, ep in cases]
+    )[0]
     worst = 0.0
     for (name, sp, scope, ep), (logits, stats, flags) in zip(cases, results):
         mlp_types = MODELS[name.removesuffix("_fp8")][2]["mlp_layer_types"]
@@ -86,12 +90,19 @@ def test_logits_match_transformers(tp, checkpoints):
             assert got.shape == want.shape
             lens = list(map(len, seqs))
             assert err < TOLERANCE, f"{name} tp={tp} sp={sp}/{scope}/{ep} lens={lens}: rel err {err:.2e}"
-            assert {k: v["count"] for k, v in counted.items()} == expected_counts(mlp_types, flags, tp, ep), \
-                (name, sp, scope, ep, [len(s) for s in seqs])
+            assert {k: v["count"] for k, v in counted.items()} == expected_counts(mlp_types, flags, tp, ep), (
+                name,
+                sp,
+                scope,
+                ep,
+                [len(s) for s in seqs],
+            )
             if sp == "on" and scope == "all":
                 assert counted["all_reduce"]["count"] == 0
             if sp == "off" and tp > 1:
                 assert counted["reduce_scatter"]["count"] == 0 and counted["all_reduce"]["count"] > 0
     rows = [(int((~torch.isnan(want).any(-1)).sum()), want.shape[0]) for n in names for want in checkpoints[n][2]]
-    print(f"tp={tp}: {len(cases)} configurations x {len(checkpoints['glm'][1])} batches, worst rel err {worst:.2e}; "
-          f"rows compared {sum(r[0] for r in rows)} of {sum(r[1] for r in rows)} (the rest follow a tied DSA top-k)")
+    print(
+        f"tp={tp}: {len(cases)} configurations x {len(checkpoints['glm'][1])} batches, worst rel err {worst:.2e}; "
+        f"rows compared {sum(r[0] for r in rows)} of {sum(r[1] for r in rows)} (the rest follow a tied DSA top-k)"
+    )

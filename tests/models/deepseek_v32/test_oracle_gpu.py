@@ -28,8 +28,9 @@ def gpu_logits(cases):
 
     state, out = get_parallel_state(), []
     for folder, sp, batches in cases:
-        model = load_model(folder, ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp),
-                           torch.bfloat16, state.device)
+        model = load_model(
+            folder, ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp), torch.bfloat16, state.device
+        )
         with torch.no_grad():
             out.append([model(*flatten(seqs, state.device)).cpu() for seqs in batches])
     return out
@@ -51,8 +52,10 @@ def test_bf16_logits_on_gpus_match_float32_oracle(checkpoints):
     for name, sp in cases:
         errors = torch.cat([row_errors(got, want) for got, want in zip(logits[name, sp], checkpoints[name][2])])
         within = (errors < ROW_TOLERANCE).float().mean().item()
-        print(f"{name} SP {sp}: {within:.1%} of {errors.numel()} rows within {ROW_TOLERANCE} of the float32 oracle, "
-              f"median {errors.median().item():.2e}, worst {errors.max().item():.2e}")
+        print(
+            f"{name} SP {sp}: {within:.1%} of {errors.numel()} rows within {ROW_TOLERANCE} of the float32 oracle, "
+            f"median {errors.median().item():.2e}, worst {errors.max().item():.2e}"
+        )
         if within < ROWS_WITHIN or errors.median().item() > MEDIAN_TOLERANCE:
             failures.append((name, sp, within, errors.median().item()))
     for name in ("glm", "dsv32"):

@@ -44,13 +44,30 @@ class ExpertsDeployment:
     enable_eplb: bool = False  # spmoe has no EPLB; the field is here so the kernels' rule is stated and tested
 
     @classmethod
-    def for_layer(cls, cfg: ModelConfig, parallel: ParallelConfig, use_sequence_parallel_moe: bool,
-                  dtype: torch.dtype, device: torch.device | str) -> "ExpertsDeployment":
+    def for_layer(
+        cls,
+        cfg: ModelConfig,
+        parallel: ParallelConfig,
+        use_sequence_parallel_moe: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> "ExpertsDeployment":
         device = torch.device(device)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        return cls(device.type, capability, dtype, cfg.fp8_block_size, cfg.hidden_size, cfg.moe_intermediate_size,
-                   cfg.n_routed_experts, use_sequence_parallel_moe, parallel.ep_backend, triton=_installed("triton"),
-                   flashinfer=_installed("flashinfer"), data_parallel_size=parallel.data_parallel_size)
+        return cls(
+            device.type,
+            capability,
+            dtype,
+            cfg.fp8_block_size,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.n_routed_experts,
+            use_sequence_parallel_moe,
+            parallel.ep_backend,
+            triton=_installed("triton"),
+            flashinfer=_installed("flashinfer"),
+            data_parallel_size=parallel.data_parallel_size,
+        )
 
 
 def _installed(package: str) -> bool:
@@ -86,8 +103,10 @@ class Experts(nn.Module):
         dtype, parallel config."""
         reason = cls._device_reason(d) or cls._weights_reason(d)
         if reason is None and not cls._supports_parallel_config(d):
-            reason = (f"the parallel config is not supported (sequence parallel: {d.use_sequence_parallel_moe}, "
-                      f"DP: {d.data_parallel_size}, EPLB: {d.enable_eplb}, EP backend: {d.ep_backend})")
+            reason = (
+                f"the parallel config is not supported (sequence parallel: {d.use_sequence_parallel_moe}, "
+                f"DP: {d.data_parallel_size}, EPLB: {d.enable_eplb}, EP backend: {d.ep_backend})"
+            )
         return reason
 
     @classmethod
@@ -112,16 +131,20 @@ class Experts(nn.Module):
             key = f"{prefix}.{self.first + e}"
             if self.keeps_fp8:
                 split = inter // self.cfg.fp8_block_size[0]
-                plan |= {f"{key}.gate_proj.weight": (self.w13[e, :inter], True),
-                         f"{key}.up_proj.weight": (self.w13[e, inter:], True),
-                         f"{key}.down_proj.weight": (self.w2[e], True),
-                         f"{key}.gate_proj.weight_scale_inv": (self.w13_scale[e, :split], True),
-                         f"{key}.up_proj.weight_scale_inv": (self.w13_scale[e, split:], True),
-                         f"{key}.down_proj.weight_scale_inv": (self.w2_scale[e], True)}
+                plan |= {
+                    f"{key}.gate_proj.weight": (self.w13[e, :inter], True),
+                    f"{key}.up_proj.weight": (self.w13[e, inter:], True),
+                    f"{key}.down_proj.weight": (self.w2[e], True),
+                    f"{key}.gate_proj.weight_scale_inv": (self.w13_scale[e, :split], True),
+                    f"{key}.up_proj.weight_scale_inv": (self.w13_scale[e, split:], True),
+                    f"{key}.down_proj.weight_scale_inv": (self.w2_scale[e], True),
+                }
             else:
-                plan |= {f"{key}.gate_proj.weight": (self.gate_up_proj[e, :inter], False),
-                         f"{key}.up_proj.weight": (self.gate_up_proj[e, inter:], False),
-                         f"{key}.down_proj.weight": (self.down_proj[e], False)}
+                plan |= {
+                    f"{key}.gate_proj.weight": (self.gate_up_proj[e, :inter], False),
+                    f"{key}.up_proj.weight": (self.gate_up_proj[e, inter:], False),
+                    f"{key}.down_proj.weight": (self.down_proj[e], False),
+                }
         return plan
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:

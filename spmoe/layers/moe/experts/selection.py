@@ -20,8 +20,12 @@ from spmoe.layers.moe.experts.triton_experts import TritonExperts
 from spmoe.layers.moe.experts.trtllm import TrtLlmFp8ExpertsModular, TrtLlmFp8ExpertsMonolithic
 
 PRIORITY = (TrtLlmFp8ExpertsMonolithic, TrtLlmFp8ExpertsModular, TritonExperts, TorchExperts)
-REQUESTS = {"auto": PRIORITY, "torch": (TorchExperts,), "triton": (TritonExperts,),
-            "flashinfer_trtllm": (TrtLlmFp8ExpertsMonolithic, TrtLlmFp8ExpertsModular)}
+REQUESTS = {
+    "auto": PRIORITY,
+    "torch": (TorchExperts,),
+    "triton": (TritonExperts,),
+    "flashinfer_trtllm": (TrtLlmFp8ExpertsMonolithic, TrtLlmFp8ExpertsModular),
+}
 _announced: set = set()
 
 
@@ -46,5 +50,9 @@ def _announce(cls: type[Experts], d: ExpertsDeployment, skipped: list[str]) -> N
     _announced.add(key)
     if is_first_rank():
         layers = "SP" if d.use_sequence_parallel_moe else "non-SP"
-        print(f"spmoe: experts of {layers} MoE layers: {cls.name}" + (f" (skipped {'; '.join(skipped)})"
-              if skipped else ""), file=sys.stderr, flush=True)
+        print(
+            f"spmoe: experts of {layers} MoE layers: {cls.name}"
+            + (f" (skipped {'; '.join(skipped)})" if skipped else ""),
+            file=sys.stderr,
+            flush=True,
+        )

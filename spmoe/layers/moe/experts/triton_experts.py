@@ -32,8 +32,10 @@ class TritonExperts(Experts):
         if d.fp8_block is not None and d.fp8_block != (128, 128):
             return f"FP8 weights need 128 x 128 blocks, got {d.fp8_block}"
         if d.hidden_size % 128 or d.intermediate_size % 128:
-            return (f"hidden size {d.hidden_size} and expert intermediate size {d.intermediate_size} must be "
-                    f"multiples of 128")
+            return (
+                f"hidden size {d.hidden_size} and expert intermediate size {d.intermediate_size} must be "
+                f"multiples of 128"
+            )
         return None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -27,10 +27,30 @@ from spmoe.layers.moe.experts.base import FP8_GROUP, FP8_MAX
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, pairs_ptr, block_expert_ptr,
-                    num_pairs, top_k, hidden: tl.constexpr, inter: tl.constexpr,
-                    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_am,
-                    FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    act_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    top_k,
+    hidden: tl.constexpr,
+    inter: tl.constexpr,
+    stride_xm,
+    stride_xsm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_am,
+    FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)  # expert * stride may pass 2**31
     if expert < 0:
@@ -66,15 +86,38 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, pairs_ptr, block_expe
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     act = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(act_ptr + rows[:, None] * stride_am + cols[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=valid[:, None] & col_ok)
+    tl.store(
+        act_ptr + rows[:, None] * stride_am + cols[None, :],
+        act.to(act_ptr.dtype.element_ty),
+        mask=valid[:, None] & col_ok,
+    )
 
 
 @triton.jit
-def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, pairs_ptr, block_expert_ptr,
-                 num_pairs, hidden: tl.constexpr, inter: tl.constexpr,
-                 stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
-                 FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(
+    a_ptr,
+    as_ptr,
+    w_ptr,
+    ws_ptr,
+    out_ptr,
+    route_w_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    hidden: tl.constexpr,
+    inter: tl.constexpr,
+    stride_am,
+    stride_asm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_om,
+    FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -101,8 +144,11 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, pairs_ptr, 
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     acc *= tl.load(route_w_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + pairs[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & col_ok)
+    tl.store(
+        out_ptr + pairs[:, None] * stride_om + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=valid[:, None] & col_ok,
+    )
 
 
 @triton.jit
@@ -113,8 +159,16 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, first, count, BLOCK: tl.conste
 
 
 @triton.jit
-def _blocks_kernel(counts_ptr, start_ptr, block_expert_ptr, num_blocks, count,
-                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+def _blocks_kernel(
+    counts_ptr,
+    start_ptr,
+    block_expert_ptr,
+    num_blocks,
+    count,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """Each program recomputes the padded run ends (a few hundred experts) and labels BLOCK_B blocks."""
     experts = tl.arange(0, BLOCK_E)
     padded = (tl.load(counts_ptr + experts, mask=experts < count, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -145,23 +199,45 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, GROUP: t
 
 
 @triton.jit
-def _reduce_kernel(out_ptr, ids_ptr, y_ptr, first, count, stride_o, stride_y,
-                   TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
+def _reduce_kernel(
+    out_ptr,
+    ids_ptr,
+    y_ptr,
+    first,
+    count,
+    stride_o,
+    stride_y,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         expert = tl.load(ids_ptr + row * TOP_K + j) - first
         local = (expert >= 0) & (expert < count)
-        acc += tl.load(out_ptr + (row * TOP_K + j) * stride_o + cols, mask=(cols < HIDDEN) & local,
-                       other=0.0).to(tl.float32)
+        acc += tl.load(out_ptr + (row * TOP_K + j) * stride_o + cols, mask=(cols < HIDDEN) & local, other=0.0).to(
+            tl.float32
+        )
     tl.store(y_ptr + row * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < HIDDEN)
 
 
 @triton.jit
-def _align_one_program_kernel(ids_ptr, pairs_ptr, block_expert_ptr, num_pairs, first, count, num_rows,
-                              BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+def _align_one_program_kernel(
+    ids_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    first,
+    count,
+    num_rows,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """`_count_kernel`, `_blocks_kernel` and `_place_kernel` in one program, for at most BLOCK_P pairs: the
     counts and each pair's place in its expert's run come from comparison matrices, nothing needs zeroing."""
     p = tl.arange(0, BLOCK_P)
@@ -203,9 +279,21 @@ def align_pairs(ids: torch.Tensor, first: int, count: int, block_m: int):
         pairs = torch.empty(rows_max, dtype=torch.int32, device=device)
         block_expert = torch.empty(rows_max // block_m, dtype=torch.int32, device=device)
         block_p, block_e = max(16, triton.next_power_of_2(num_pairs)), max(16, triton.next_power_of_2(count))
-        _align_one_program_kernel[(1,)](ids, pairs, block_expert, num_pairs, first, count, rows_max, BLOCK_M=block_m,
-                                        BLOCK_P=block_p, BLOCK_E=block_e, BLOCK_R=256, BLOCK_B=64,
-                                        num_warps=8)  # 2.2 us at batch 1 on an H200; 1 warp took 2.8
+        _align_one_program_kernel[(1,)](
+            ids,
+            pairs,
+            block_expert,
+            num_pairs,
+            first,
+            count,
+            rows_max,
+            BLOCK_M=block_m,
+            BLOCK_P=block_p,
+            BLOCK_E=block_e,
+            BLOCK_R=256,
+            BLOCK_B=64,
+            num_warps=8,
+        )  # 2.2 us at batch 1 on an H200; 1 warp took 2.8
         return pairs, block_expert
     counters = torch.zeros(2, count, dtype=torch.int32, device=device)  # pairs per expert, placement cursors
     start = torch.empty(count, dtype=torch.int32, device=device)
@@ -213,9 +301,16 @@ def align_pairs(ids: torch.Tensor, first: int, count: int, block_m: int):
     pairs = torch.full((rows_max,), num_pairs, dtype=torch.int32, device=device)
     grid = (triton.cdiv(max(num_pairs, 1), 1024),)
     _count_kernel[grid](ids, counters[0], num_pairs, first, count, BLOCK=1024)
-    _blocks_kernel[(triton.cdiv(rows_max // block_m, 64),)](counters[0], start, block_expert, rows_max // block_m,
-                                                           count, BLOCK_M=block_m,
-                                                           BLOCK_E=triton.next_power_of_2(count), BLOCK_B=64)
+    _blocks_kernel[(triton.cdiv(rows_max // block_m, 64),)](
+        counters[0],
+        start,
+        block_expert,
+        rows_max // block_m,
+        count,
+        BLOCK_M=block_m,
+        BLOCK_E=triton.next_power_of_2(count),
+        BLOCK_B=64,
+    )
     _place_kernel[grid](ids, start, counters[1], pairs, num_pairs, first, count, BLOCK=1024)
     return pairs, block_expert
 
@@ -224,8 +319,9 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`[m, K]` -> (FP8 e4m3 `[m, K]`, float32 scales `[m, K / 128]`) in one launch."""
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(x.shape[0], x.shape[1] // FP8_GROUP, dtype=torch.float32, device=x.device)
-    _quantize_kernel[(x.shape[0], x.shape[1] // FP8_GROUP)](x, q, scale, x.stride(0), q.stride(0), scale.stride(0),
-                                                            GROUP=FP8_GROUP, MAX=FP8_MAX)
+    _quantize_kernel[(x.shape[0], x.shape[1] // FP8_GROUP)](
+        x, q, scale, x.stride(0), q.stride(0), scale.stride(0), GROUP=FP8_GROUP, MAX=FP8_MAX
+    )
     return q, scale
 
 
@@ -249,15 +345,52 @@ def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, co
     xq, xs = quantize_fp8(x) if fp8 else (x, x)  # xs is unused without FP8
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(rows // bm, triton.cdiv(inter, bn))](
-        xq, xs, w13, w13_scale if fp8 else w13, act, pairs, block_expert, m * k, k, hidden, inter, xq.stride(0),
-        xs.stride(0), w13.stride(0), w13.stride(1), *_scale_strides(w13_scale), act.stride(0), **tiles, **launch)
+        xq,
+        xs,
+        w13,
+        w13_scale if fp8 else w13,
+        act,
+        pairs,
+        block_expert,
+        m * k,
+        k,
+        hidden,
+        inter,
+        xq.stride(0),
+        xs.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        *_scale_strides(w13_scale),
+        act.stride(0),
+        **tiles,
+        **launch,
+    )
     aq, a_s = quantize_fp8(act) if fp8 else (act, act)
     out = torch.empty(m * k, hidden, dtype=x.dtype, device=x.device)  # rows of non-local pairs stay unwritten
     _down_kernel[(rows // bm, triton.cdiv(hidden, bn))](
-        aq, a_s, w2, w2_scale if fp8 else w2, out, weights, pairs, block_expert, m * k, hidden, inter, aq.stride(0),
-        a_s.stride(0), w2.stride(0), w2.stride(1), *_scale_strides(w2_scale), out.stride(0), **tiles, **launch)
-    _reduce_kernel[(m, triton.cdiv(hidden, 1024))](out, ids, y, first, count, out.stride(0), y.stride(0),
-                                                     TOP_K=k, HIDDEN=hidden, BLOCK_H=1024)
+        aq,
+        a_s,
+        w2,
+        w2_scale if fp8 else w2,
+        out,
+        weights,
+        pairs,
+        block_expert,
+        m * k,
+        hidden,
+        inter,
+        aq.stride(0),
+        a_s.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        *_scale_strides(w2_scale),
+        out.stride(0),
+        **tiles,
+        **launch,
+    )
+    _reduce_kernel[(m, triton.cdiv(hidden, 1024))](
+        out, ids, y, first, count, out.stride(0), y.stride(0), TOP_K=k, HIDDEN=hidden, BLOCK_H=1024
+    )
     return y
 
 
@@ -273,9 +406,19 @@ def pick_config(num_pairs: int, num_experts: int, fp8: bool) -> dict:
     if per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=32 if fp8 else 64, BLOCK_K=128, num_warps=4, num_stages=5)
     if per_expert <= 64:
-        return dict(BLOCK_M=32 if fp8 else 64, BLOCK_N=64 if fp8 else 128, BLOCK_K=128 if fp8 else 64,
-                    num_warps=4 if fp8 else 8, num_stages=4 if fp8 else 3)
+        return dict(
+            BLOCK_M=32 if fp8 else 64,
+            BLOCK_N=64 if fp8 else 128,
+            BLOCK_K=128 if fp8 else 64,
+            num_warps=4 if fp8 else 8,
+            num_stages=4 if fp8 else 3,
+        )
     if fp8 and per_expert <= 512:
-        return dict(BLOCK_M=64, BLOCK_N=64 if per_expert <= 128 else 128, BLOCK_K=128,
-                    num_warps=4 if per_expert <= 128 else 8, num_stages=4 if per_expert <= 128 else 3)
+        return dict(
+            BLOCK_M=64,
+            BLOCK_N=64 if per_expert <= 128 else 128,
+            BLOCK_K=128,
+            num_warps=4 if per_expert <= 128 else 8,
+            num_stages=4 if per_expert <= 128 else 3,
+        )
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if fp8 else 64, num_warps=8, num_stages=3)

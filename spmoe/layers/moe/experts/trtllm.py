@@ -44,16 +44,27 @@ class TrtLlmFp8ExpertsBase(Experts):
         """The monolithic kernel: only all-gather / reduce-scatter dispatch, and neither EPLB nor sequence
         parallelism (its in-kernel routing would route SP pad rows as real tokens). spmoe also keeps it to
         DP = 1: it takes router logits, not a dispatched batch, so it cannot reach experts of other DP groups."""
-        return (d.ep_backend == "allgather_reducescatter" and not (d.enable_eplb or d.use_sequence_parallel_moe)
-                and d.data_parallel_size == 1)
+        return (
+            d.ep_backend == "allgather_reducescatter"
+            and not (d.enable_eplb or d.use_sequence_parallel_moe)
+            and d.data_parallel_size == 1
+        )
 
     def _kernel_args(self) -> dict:
         cfg = self.cfg
-        return dict(gemm1_weights=self.w13, gemm1_weights_scale=self.w13_scale, gemm2_weights=self.w2,
-                    gemm2_weights_scale=self.w2_scale, num_experts=cfg.n_routed_experts,
-                    top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                    intermediate_size=cfg.moe_intermediate_size, local_expert_offset=self.first,
-                    local_num_experts=self.count)
+        return dict(
+            gemm1_weights=self.w13,
+            gemm1_weights_scale=self.w13_scale,
+            gemm2_weights=self.w2,
+            gemm2_weights_scale=self.w2_scale,
+            num_experts=cfg.n_routed_experts,
+            top_k=cfg.num_experts_per_tok,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            intermediate_size=cfg.moe_intermediate_size,
+            local_expert_offset=self.first,
+            local_num_experts=self.count,
+        )
 
 
 class TrtLlmFp8ExpertsMonolithic(TrtLlmFp8ExpertsBase):
@@ -67,10 +78,14 @@ class TrtLlmFp8ExpertsMonolithic(TrtLlmFp8ExpertsBase):
 
         xq, scale = quantize_fp8_groups(x)
         return trtllm_fp8_block_scale_moe(
-            routing_logits=F.linear(x.float(), router.weight), routing_bias=router.e_score_correction_bias.to(x.dtype),
-            hidden_states=xq, hidden_states_scale=scale.t().contiguous(),
-            routed_scaling_factor=self.cfg.routed_scaling_factor, routing_method_type=RoutingMethodType.DeepSeekV3,
-            **self._kernel_args())
+            routing_logits=F.linear(x.float(), router.weight),
+            routing_bias=router.e_score_correction_bias.to(x.dtype),
+            hidden_states=xq,
+            hidden_states_scale=scale.t().contiguous(),
+            routed_scaling_factor=self.cfg.routed_scaling_factor,
+            routing_method_type=RoutingMethodType.DeepSeekV3,
+            **self._kernel_args(),
+        )
 
 
 class TrtLlmFp8ExpertsModular(TrtLlmFp8ExpertsBase):
@@ -91,5 +106,11 @@ class TrtLlmFp8ExpertsModular(TrtLlmFp8ExpertsBase):
         packed = (ids.clamp(min=0).to(torch.int32) << 16) | (weights & 0xFFFF)
         xq, scale = quantize_fp8_groups(x)
         return trtllm_fp8_block_scale_routed_moe(
-            topk_ids=packed, routing_bias=None, hidden_states=xq, hidden_states_scale=scale.t().contiguous(),
-            routed_scaling_factor=1.0, routing_method_type=RoutingMethodType.DeepSeekV3, **self._kernel_args())
+            topk_ids=packed,
+            routing_bias=None,
+            hidden_states=xq,
+            hidden_states_scale=scale.t().contiguous(),
+            routed_scaling_factor=1.0,
+            routing_method_type=RoutingMethodType.DeepSeekV3,
+            **self._kernel_args(),
+        )
