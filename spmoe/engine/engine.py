@@ -91,6 +91,15 @@ def check_speculation(sampling: SamplingParams, num_speculative_tokens: int) -> 
         )
 
 
+def check_sampling(label: str, sampling: SamplingParams, max_new_tokens: int, vocab_size: int) -> None:
+    """Raise a one-line ValueError unless the sampling settings fit the model and the request."""
+    bad = [token for token, _ in sampling.logit_bias if token >= vocab_size]
+    if bad:
+        raise ValueError(f"{label}: logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}")
+    if sampling.min_tokens > max_new_tokens:
+        raise ValueError(f"{label}: min_tokens ({sampling.min_tokens}) must not exceed max_tokens ({max_new_tokens})")
+
+
 def per_prompt(sampling: SamplingParams, count: int) -> list[SamplingParams]:
     """`sampling` for `count` prompts, prompt i seeded with `sampling.seed + i`."""
     return [replace(sampling, seed=sampling.seed + i) for i in range(count)]
@@ -125,9 +134,10 @@ class Engine:
         )
         keep_in_step = get_parallel_state().dp_size > 1  # every DP rank runs every step, empty or not
         self.stats = StepStats(num_speculative_tokens)
-        self.scheduler = Scheduler(room, num_speculative_tokens, max_num_batched_tokens, keep_in_step)
+        self.sampler = Sampler(room.max_num_seqs, model.cfg.vocab_size, cache.device)
+        self.scheduler = Scheduler(room, self.sampler, num_speculative_tokens, max_num_batched_tokens, keep_in_step)
         self.runner = ModelRunner(
-            model, cache, room.max_num_seqs, self.stats, num_speculative_tokens, cuda_graphs, keep_in_step
+            model, cache, room.max_num_seqs, self.stats, self.sampler, num_speculative_tokens, cuda_graphs, keep_in_step
         )
 
     def reset_stats(self) -> None:
@@ -155,6 +165,7 @@ class Engine:
             f"{label} with its new and speculative tokens",
         )
         check_speculation(request.sampling, self.k)
+        check_sampling(label.removesuffix(": the prompt"), request.sampling, request.max_new_tokens, cfg.vocab_size)
 
     def add_request(self, request: Request, record_logits: bool = False) -> Sequence:
         """Queue a request; it joins the running batch when the cache has room. `record_logits` keeps the
@@ -162,7 +173,7 @@ class Engine:
         self.validate(request)
         if self.scheduler.holds(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in the engine; expected a new id")
-        seq = Sequence(request, Sampler(request.sampling), record_logits)
+        seq = Sequence(request, record_logits)
         self.scheduler.add(seq)
         return seq
 

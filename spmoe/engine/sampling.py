@@ -1,7 +1,7 @@
 """Choosing the next token for a whole batch at once: each row's logits processed by its request's settings,
 then greedy rows take the argmax and sampled rows one batched seeded draw; logprobs on request.
 
-Per-row state lives on the device, in `BatchSampler`: each sequence holds a row (`add` / `release`) with its
+Per-row state lives on the device, in `Sampler`: each sequence holds a row (`add` / `release`) with its
 parameters as tensors and the count of every token it generated (`commit` adds the tokens a step committed by
 a scatter, so the penalties never rebuild anything from Python lists). `sample(logits, rows, generated)`
 processes and chooses for every row of a step in one pass: no Python loop over rows or the vocabulary, and one
@@ -152,7 +152,7 @@ def exponential_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> to
 
 @dataclass
 class SampledTokens:
-    """What `BatchSampler.sample` chose for each of its m rows, on the host. `logprobs[r]` (the chosen token's) and
+    """What `Sampler.sample` chose for each of its m rows, on the host. `logprobs[r]` (the chosen token's) and
     `top_logprobs[r]` (the row's `params.logprobs` most likely (token id, logprob), most likely first) are
     None for a row that did not ask. `token_ids` of a row that is not finite mean nothing. `device_ids`: the
     same ids `[m]`, still on the device."""
@@ -164,7 +164,7 @@ class SampledTokens:
     device_ids: torch.Tensor
 
 
-class BatchSampler:
+class Sampler:
     """The sampling state of up to `max_rows` sequences on `device`, and the batched choice of their tokens."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str = "cpu"):
@@ -271,9 +271,7 @@ class BatchSampler:
         the processed logits after temperature, min_p, top_k and top_p: what sampled rows draw from and logprobs
         are computed from, and `finite` `[m]` bool). Rows that are not finite are processed as zeros. The
         second tensor is the first one when no row changes it further."""
-        params = [self.params[r] for r in rows]
-        if any(p is None for p in params):
-            raise ValueError(f"sampler rows {[r for r, p in zip(rows, params) if p is None]} are not taken")
+        params = self._params_of(rows)
         index = torch.tensor([rows, generated], dtype=torch.int64).to(self.device, non_blocking=True)
         row, done = index[0], index[1]
         raw_finite = torch.isfinite(logits).all(-1)
@@ -314,13 +312,13 @@ class BatchSampler:
     ) -> SampledTokens:
         """Choose a token for each row of `logits` `[m, V]` (the arguments as for `process`). -> the choices,
         read back to the host in one transfer."""
-        params = [self.params[r] for r in rows]
+        params = self._params_of(rows)
         if len(rows) != logits.shape[0] or len(generated) != len(rows):
             raise ValueError(
                 f"{logits.shape[0]} logits rows need as many sampler rows and counts, got "
                 f"{len(rows)} and {len(generated)}"
             )
-        plain = all(p is not None and p.greedy and p.logprobs is None for p in params)
+        plain = all(p.greedy and p.logprobs is None for p in params)
         if (
             plain
             and bitmask is None
@@ -361,6 +359,12 @@ class BatchSampler:
 
     # -- helpers -------------------------------------------------------------------------------------------
 
+    def _params_of(self, rows: list[int]) -> list[SamplingParams]:
+        bad = [r for r in rows if not 0 <= r < self.max_rows or self.params[r] is None]
+        if bad:
+            raise ValueError(f"sampler rows {bad} are not taken")
+        return [self.params[r] for r in rows]
+
     def _widen(self, table: torch.Tensor, width: int, pad: float = -1) -> torch.Tensor:
         if width <= table.shape[1]:
             return table
@@ -385,42 +389,3 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> lis
         columns += [top.indices.double(), top.values.double()]
     table = torch.cat(columns, dim=1).tolist()
     return [(line[0], [(int(t), v) for t, v in zip(line[1 : 1 + k], line[1 + k :])]) for line in table]
-
-
-# -- the per-sequence path the engine steps with until it is moved onto BatchSampler -------------------------
-
-
-def greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """logits `[m, V]` -> the argmax of each row, and whether each row is finite (one host transfer)."""
-    picked = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()]).tolist()
-    return picked[0], [bool(f) for f in picked[1]]
-
-
-def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits `[m, V]` (finite) -> the distribution a token is drawn from, `[m, V]` float32: softmax(logits /
-    temperature), restricted by top-p to the smallest set of most likely tokens whose mass reaches top_p (the
-    token that crosses top_p included), renormalised."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # the mass before it already reaches top_p
-        kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
-        probs = kept / kept.sum(-1, keepdim=True)
-    return probs
-
-
-class Sampler:
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        self.generator = torch.Generator().manual_seed(params.seed)
-
-    def __call__(self, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-        """logits `[m, V]` -> m token ids, and whether each row was finite. The token of a row that is not
-        finite means nothing: the caller must not use it."""
-        if self.params.greedy:
-            return greedy(logits)
-        logits = logits.float().cpu()  # the one host transfer
-        finite = torch.isfinite(logits).all(-1)
-        probs = sampling_probs(torch.where(finite[:, None], logits, 0.0), self.params)
-        tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-        return tokens.tolist(), finite.tolist()

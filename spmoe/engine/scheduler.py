@@ -11,12 +11,16 @@ A request becomes a `Sequence` when it is added and waits in arrival order. Each
    (the MTP drafts written after it). If the cache cannot grow, the most recently admitted running sequence
    is preempted: its room is freed and it goes back to the front of the waiting queue, to be recomputed
    later from its prompt and the tokens it has generated so far.
-A finished or aborted sequence leaves the batch and frees its room at once.
+A finished or aborted sequence leaves the batch and frees its room at once. A running sequence also holds a
+row of the engine's `Sampler` (its sampling settings and output-token counts on the device): taken at
+admission (a preempted sequence's output counted again), given back when it finishes or is preempted.
 
 After the forward, `update` commits what the model runner chose (`StepResult`): a prompt chunk advances the
 cached count; a sequence that sampled appends its tokens, keeps the cache rows of its verified positions and
 feeds its last token and its next drafts; it finishes at an eos id ("stop"), at its token limit ("length"), or
-with no token when its logits were not finite ("error"), freeing its room.
+with no token when its logits were not finite ("error"), freeing its room. The committed tokens are counted
+in the sampler's rows in one scatter per step; prompt logprobs gather chunk by chunk and go out with the
+sequence's first tokens.
 
 The scheduler asks the cache about room in tokens, through a room's small interface (`fits`, `can_allocate`,
 `allocate`, `can_grow`, `grow`, `free`, `location`, `usage`): `SlotRoom` over the slot `KVCache` (the dense
@@ -29,6 +33,7 @@ from spmoe.engine.block_manager import BlockManager
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.engine.request import Request, RequestOutput
+from spmoe.engine.sampling import Sampler
 from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
 
 
@@ -148,17 +153,21 @@ class Scheduler:
     def __init__(
         self,
         room: SlotRoom | BlockRoom,
+        sampler: Sampler,
         reserve_tokens: int = 0,
         max_num_batched_tokens: int = 8192,
         keep_in_step: bool = False,
     ):
-        """`reserve_tokens`: room a sequence needs beyond what it feeds (the drafts MTP writes after it);
+        """`sampler`: where a running sequence holds its sampling row (`max_rows` >= the room's
+        `max_num_seqs`); `reserve_tokens`: room a sequence needs beyond what it feeds (the drafts MTP writes after it);
         `max_num_batched_tokens`: the tokens one step feeds (decode tokens first, then prompt chunks);
         `keep_in_step`: schedule a step even with nothing to run (under DP every rank runs every step)."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.room, self.reserve_tokens, self.max_num_batched_tokens = room, reserve_tokens, max_num_batched_tokens
-        self.keep_in_step = keep_in_step
+        self.keep_in_step, self.sampler = keep_in_step, sampler
+        if sampler.max_rows < room.max_num_seqs:
+            raise ValueError(f"the sampler has {sampler.max_rows} rows for up to {room.max_num_seqs} running sequences")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.preemptions = 0
@@ -197,6 +206,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.room.allocate(seq, self._room_for(seq, count))
+            request = seq.request
+            seq.sample_row = self.sampler.add(request.sampling, request.prompt, request.eos_token_ids, seq.output)
             self.running.append(seq)
             work.append((seq, count))
             budget -= count
@@ -216,8 +227,10 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Commit a step's result. -> one output per sequence that sampled (a prompt chunk before the last
         commits nothing and has none)."""
-        outputs = []
+        outputs, counted_rows, counted_tokens = [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if result.prompt_logprobs is not None and result.prompt_logprobs[i] is not None:
+                seq.prompt_logprobs += result.prompt_logprobs[i]
             if not batch.samples[i]:  # a prompt chunk
                 seq.cached += n
                 seq.pending = seq.pending[n:]
@@ -234,14 +247,23 @@ class Scheduler:
                 continue
             tokens, reason = seq.until_stop(result.token_ids[i])
             seq.output += tokens
+            if reason is None:  # a finished sequence's row is given back: nothing to count
+                counted_rows += [seq.sample_row] * len(tokens)
+                counted_tokens += tokens
             if seq.record_logits:
                 seq.logits += result.logit_rows[i][: len(tokens)]
             if reason is not None:
                 self.finish(seq, reason)
-            outputs.append(self._output(seq, tokens))
+            output = self._output(seq, tokens)
+            if result.logprobs is not None and result.logprobs[i] is not None:
+                output.logprobs = result.logprobs[i][: len(tokens)]
+            if seq.wants_prompt_logprobs:
+                output.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
+            outputs.append(output)
             seq.cached += n - (len(seq.drafts) - result.accepted[i])  # the verified positions keep their rows
             seq.drafts = result.drafts[i] if result.drafts is not None and reason is None else []
             seq.pending = [tokens[-1]] + seq.drafts
+        self.sampler.commit(counted_rows, counted_tokens)
         return outputs
 
     @staticmethod
@@ -266,9 +288,10 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's room and queue it first, to recompute its prompt and output later."""
-        self.running.remove(seq)
-        self.room.free(seq)
+        self._leave(seq)
         seq.cached, seq.drafts, seq.prefilling = 0, [], True
+        if not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs = []  # gathered again as the prompt is recomputed
         seq.pending = list(seq.request.prompt) + seq.output
         seq.preemptions += 1
         self.preemptions += 1
@@ -277,8 +300,14 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a running sequence out of the batch and free its room."""
         seq.finish_reason = reason
+        self._leave(seq)
+
+    def _leave(self, seq: Sequence) -> None:
+        """Out of the running batch: its cache room and its sampler row freed."""
         self.running.remove(seq)
         self.room.free(seq)
+        self.sampler.release(seq.sample_row)
+        seq.sample_row = -1
 
     def abort(self, request_id: str) -> bool:
         """Drop the sequence wherever it is, freeing its room. -> whether it was there."""

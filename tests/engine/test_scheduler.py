@@ -9,7 +9,7 @@ import torch
 from spmoe.config import ModelConfig
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, token_bytes
 from spmoe.engine.request import Request
-from spmoe.engine.sampling import Sampler, SamplingParams
+from spmoe.engine.sampling import Sampler
 from spmoe.engine.scheduler import BlockRoom, Scheduler
 from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
 
@@ -17,9 +17,11 @@ from .conftest import ENGINE_CONFIG
 
 
 def sequence(name: str, prompt_len: int, max_new_tokens: int = 20, eos: tuple[int, ...] = ()) -> Sequence:
-    return Sequence(
-        Request(name, list(range(1, prompt_len + 1)), max_new_tokens, eos_token_ids=eos), Sampler(SamplingParams())
-    )
+    return Sequence(Request(name, list(range(1, prompt_len + 1)), max_new_tokens, eos_token_ids=eos))
+
+
+def sampler_for(room: BlockRoom) -> Sampler:
+    return Sampler(room.max_num_seqs, ENGINE_CONFIG["vocab_size"])
 
 
 def paged_room(num_blocks: int) -> BlockRoom:
@@ -41,7 +43,7 @@ def feed(scheduler: Scheduler, batch: ScheduledBatch, token: int = 7) -> None:
 
 def test_chunks_admission_and_preemption():
     room = paged_room(3)
-    scheduler = Scheduler(room, max_num_batched_tokens=100)
+    scheduler = Scheduler(room, sampler_for(room), max_num_batched_tokens=100)
     a, b, c = sequence("a", 64), sequence("b", 64), sequence("c", 64)
     for seq in (a, b, c):
         scheduler.add(seq)
@@ -70,15 +72,15 @@ def test_chunks_admission_and_preemption():
 
 def test_nothing_to_run():
     """An empty scheduler has no step to run, unless the DP ranks must keep in step: then an empty batch."""
-    assert Scheduler(paged_room(1)).schedule() is None
-    batch = Scheduler(paged_room(1), keep_in_step=True).schedule()
+    assert Scheduler(paged_room(1), Sampler(8, 16)).schedule() is None
+    batch = Scheduler(paged_room(1), Sampler(8, 16), keep_in_step=True).schedule()
     assert batch.seqs == [] and batch.step == 1
 
 
 def test_update_commits_a_hand_made_result():
     """No model: each sequence's result is written by hand and `update` must commit it."""
     room = paged_room(8)
-    scheduler = Scheduler(room, reserve_tokens=2, max_num_batched_tokens=100)
+    scheduler = Scheduler(room, sampler_for(room), reserve_tokens=2, max_num_batched_tokens=100)
     chunk = sequence("chunk", 100)  # 100 - 4 - 3 - 1 - 1 = 91 tokens of budget left for it: a chunk
     eos = sequence("eos", 4, eos=(50,))
     length = sequence("length", 3, max_new_tokens=2)
