@@ -26,14 +26,17 @@ def load_tokenizer(model_dir: str | Path):
         raise ValueError(f"the tokenizer in {folder} does not load: {str(e).strip().splitlines()[0]}") from None
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     """Messages `[{"role", "content"}, ...]` -> the prompt's token ids through the checkpoint's chat template,
-    ending with the assistant's turn opened. The template writes any special tokens it wants itself."""
+    ending with the assistant's turn opened; `template_kwargs` go to the template as variables (a client's
+    `chat_template_kwargs`, e.g. `enable_thinking`). The template writes any special tokens it wants itself."""
     if not tokenizer.chat_template:
         raise ValueError(
             "this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); use /v1/completions"
         )
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -51,8 +54,8 @@ class IncrementalDetokenizer:
     step's tokens as context, whose text is subtracted (context keeps a tokenizer's leading-space rule right).
     """
 
-    def __init__(self, tokenizer, prompt: list[int] = ()):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, prompt: list[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         context = list(prompt[-CONTEXT_TOKENS:])
         if self._decode(context).endswith(REPLACEMENT):  # a prompt that ends inside a character: no context
             context = []
@@ -61,7 +64,7 @@ class IncrementalDetokenizer:
         self.done = len(context)  # tokens before this one have been emitted (or are context)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
