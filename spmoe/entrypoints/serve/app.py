@@ -322,7 +322,7 @@ class OpenAIApi:
             raise failed
         prompt_tokens = sum(len(c.prompt) for c in choices if c.index % body.n == 0)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        render = Render(self.tokenizer, kind, choices, generations)
+        render = Render(self.tokenizer, kind, choices, generations, body.return_tokens_as_token_ids)
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:  # a client that goes away cancels the stream, which aborts the requests
             events = _events(streams, pieces, firsts, render, head, body, prompt_tokens)
@@ -352,8 +352,11 @@ class Render:
     """The JSON of the choices: text, finish_reason and, when asked, logprobs in the completions or chat shape
     (`echo` puts the prompt and its logprobs first)."""
 
-    def __init__(self, tokenizer, kind: str, choices: list[Choice], generations: list[TextGeneration]):
+    def __init__(
+        self, tokenizer, kind: str, choices: list[Choice], generations: list[TextGeneration], token_ids: bool = False
+    ):
         self.tokenizer, self.kind, self.choices, self.generations = tokenizer, kind, choices, generations
+        self.token_ids = token_ids  # name tokens by id (`return_tokens_as_token_ids`)
         self.offsets = [0] * len(choices)  # completions' text_offset so far, per choice
 
     def whole(self, i: int, pieces: list[Piece]) -> dict:
@@ -393,7 +396,7 @@ class Render:
         return {"index": self.choices[i].index, "delta": delta, "logprobs": None, "finish_reason": None}
 
     def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return f"token_id:{token_id}" if self.token_ids else self.tokenizer.decode([token_id])
 
     def _completion_logprobs(self, i: int, ids: list[int], logprobs: list) -> dict:
         tokens = [self._token(t) for t in ids]

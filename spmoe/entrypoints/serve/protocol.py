@@ -66,6 +66,7 @@ class SamplingFields(Lenient):
     n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None  # recorded by OpenAI for abuse monitoring; no effect on the output
     ignore_eos: bool = False  # an extension (as in vLLM), for benchmarks: generate max_tokens whatever comes
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" instead of their text
 
     @field_validator("stop", mode="before")
     @classmethod
