@@ -283,7 +283,7 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + "/v1/completions", json=body, timeout=1.0)
     deadline = time.monotonic() + 10
-    while "spmoe_num_requests_running 0.0" not in httpx.get(base + "/metrics").text:
+    while 'spmoe:num_requests_running{model_name="tiny"} 0.0' not in httpx.get(base + "/metrics").text:
         assert time.monotonic() < deadline, "the request still runs 10 s after its client went away"
         time.sleep(0.1)
     assert generated_tokens(base) - before < max_tokens
@@ -301,7 +301,8 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream):
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400),
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 1.01}, 400),
-        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 99}, 400),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5000": 1}}, 400),
     ],
 )
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, path, body, status):

@@ -53,12 +53,7 @@ def build_app(client, tokenizer, served_model_name: str) -> FastAPI:
     app = FastAPI(title="spmoe", docs_url=None, redoc_url=None, openapi_url=None)
     api = OpenAIApi(client, tokenizer, served_model_name)
 
-    @app.middleware("http")
-    async def request_id(http: Request, call_next):
-        http.state.request_id = http.headers.get("x-request-id") or uuid.uuid4().hex
-        response = await call_next(http)
-        response.headers["X-Request-Id"] = http.state.request_id
-        return response
+    app.add_middleware(RequestIdMiddleware)
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
@@ -84,6 +79,29 @@ def build_app(client, tokenizer, served_model_name: str) -> FastAPI:
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     return app
+
+
+class RequestIdMiddleware:
+    """Every HTTP request gets an id: the client's `X-Request-Id`, or a new one. It is `request.state.request_id`
+    for the handlers (and their log lines) and goes back as the response's `X-Request-Id` header. Plain ASGI
+    (no response wrapping), so that a handler still sees its client go away."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = dict(scope["headers"]).get(b"x-request-id")
+        request_id = sent.decode("latin-1") if sent else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 @dataclass
