@@ -8,6 +8,11 @@ server's `usage`.
 
     spmoe serve --model DIR --tp 2 --device cuda --dtype bfloat16 &
     python benchmarks/bench_serve.py --concurrency 1 4 16 64 --input-len 1024 --output-len 128
+
+`--sampling plain processed` runs every level twice, side by side: `plain` is greedy with nothing else;
+`processed` is greedy with logprobs=5 and presence, frequency and repetition penalties on every request (the
+sampler's logits processing, penalty counts and logprobs all at work), then prints processed / plain for the
+output token rate and the median TPOT.
 """
 
 import argparse
@@ -32,7 +37,15 @@ class Result:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int) -> Result:
+SAMPLING = {
+    "plain": {},
+    "processed": {"logprobs": 5, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+}
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int, sampling: str
+) -> Result:
     body = {
         "model": model,
         "prompt": prompt,
@@ -41,6 +54,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **SAMPLING[sampling],
     }
     began = time.perf_counter()
     ttft, usage = None, None
@@ -61,16 +75,16 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return Result(ttft, time.perf_counter() - began, usage["completion_tokens"])
 
 
-async def run_level(base: str, model: str, concurrency: int, prompts: list[list[int]], output_len: int):
+async def run_level(base: str, model: str, concurrency: int, prompts: list[list[int]], output_len: int, sampling: str):
     url = base + "/completions"
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        await one_request(client, url, model, prompts[0], 2)  # warm-up
+        await one_request(client, url, model, prompts[0], 2, sampling)  # warm-up
         gate = asyncio.Semaphore(concurrency)
 
         async def gated(prompt):
             async with gate:
-                return await one_request(client, url, model, prompt, output_len)
+                return await one_request(client, url, model, prompt, output_len, sampling)
 
         began = time.perf_counter()
         results = await asyncio.gather(*(gated(p) for p in prompts))
@@ -97,28 +111,44 @@ def main() -> None:
         help="prompt token ids are drawn from [0, limit) (default 256: bytes in most vocabularies)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sampling",
+        nargs="+",
+        choices=list(SAMPLING),
+        default=["plain"],
+        help="request settings, each level run once per setting (default plain; see above)",
+    )
     args = parser.parse_args()
     base = args.base_url.rstrip("/")
     model = args.model or httpx.get(base + "/models").json()["data"][0]["id"]
     rng = random.Random(args.seed)
     print(f"bench_serve: {base}, model {model!r}, {args.input_len} prompt tokens -> {args.output_len} output tokens")
     print(
-        f"{'concurrency':>11}{'requests':>10}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
-        f"{'TPOT p50':>10}{'TPOT p99':>10}  (ms)"
+        f"{'concurrency':>11}{'sampling':>10}{'requests':>10}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}"
+        f"{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}  (ms)"
     )
     for concurrency in args.concurrency:
         count = args.num_prompts or max(8, 4 * concurrency)
         prompts = [[rng.randrange(args.token_id_limit) for _ in range(args.input_len)] for _ in range(count)]
-        results, seconds = asyncio.run(run_level(base, model, concurrency, prompts, args.output_len))
-        ttft = [r.ttft_s * 1e3 for r in results]
-        tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None] or [float("nan")]
-        output_tokens = sum(r.output_tokens for r in results)
-        print(
-            f"{concurrency:>11}{count:>10}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
-            f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}"
-            f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}",
-            flush=True,
-        )
+        rates, tpots = {}, {}
+        for sampling in args.sampling:
+            results, seconds = asyncio.run(run_level(base, model, concurrency, prompts, args.output_len, sampling))
+            ttft = [r.ttft_s * 1e3 for r in results]
+            tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None] or [float("nan")]
+            output_tokens = sum(r.output_tokens for r in results)
+            rates[sampling], tpots[sampling] = output_tokens / seconds, statistics.median(tpot)
+            print(
+                f"{concurrency:>11}{sampling:>10}{count:>10}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
+                f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}"
+                f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}",
+                flush=True,
+            )
+        if {"plain", "processed"} <= set(args.sampling):
+            print(
+                f"{concurrency:>11} processed / plain: out tok/s {rates['processed'] / rates['plain']:.3f}, "
+                f"TPOT p50 {tpots['processed'] / tpots['plain']:.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
