@@ -154,14 +154,12 @@ def exponential_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> to
 class SampledTokens:
     """What `Sampler.sample` chose for each of its m rows, on the host. `logprobs[r]` (the chosen token's) and
     `top_logprobs[r]` (the row's `params.logprobs` most likely (token id, logprob), most likely first) are
-    None for a row that did not ask. `token_ids` of a row that is not finite mean nothing. `device_ids`: the
-    same ids `[m]`, still on the device."""
+    None for a row that did not ask. `token_ids` of a row that is not finite mean nothing."""
 
     token_ids: list[int]
     finite: list[bool]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
-    device_ids: torch.Tensor
 
 
 class Sampler:
@@ -190,10 +188,6 @@ class Sampler:
         self.prompt_mask: torch.Tensor | None = None  # bool: the token is in the prompt (repetition penalty)
 
     # -- rows ----------------------------------------------------------------------------------------------
-
-    @property
-    def free_rows(self) -> int:
-        return len(self._free)
 
     def add(
         self, params: SamplingParams, prompt: list[int], stop_ids: tuple[int, ...] = (), output: list[int] = ()
@@ -262,7 +256,7 @@ class Sampler:
         generated: list[int],
         preceding: list[list[int]] | None = None,
         bitmask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """logits `[m, V]`: row j chooses a token for the sequence in sampler row `rows[j]`, which had generated
         `generated[j]` tokens before it, the last `len(preceding[j])` of them (drafts being verified) not yet
         committed. `bitmask` `[m, ceil(V / 32)]` int32: a grammar's allowed tokens, or None.
@@ -327,7 +321,7 @@ class Sampler:
             ids, finite = logits.argmax(-1), torch.isfinite(logits).all(-1)  # what greedy always was
             picked = torch.stack([ids, finite.long()]).tolist()
             none = [None] * len(rows)
-            return SampledTokens(picked[0], [bool(f) for f in picked[1]], none, none, ids)
+            return SampledTokens(picked[0], [bool(f) for f in picked[1]], none, none)
         best, drawn, finite = self.process(logits, rows, generated, preceding, bitmask)
         ids = best.argmax(-1)
         if not all(p.greedy for p in params):
@@ -340,7 +334,7 @@ class Sampler:
         if width is None:
             picked = torch.stack([ids, finite.long()]).tolist()
             none = [None] * len(rows)
-            return SampledTokens(picked[0], [bool(f) for f in picked[1]], none, none, ids)
+            return SampledTokens(picked[0], [bool(f) for f in picked[1]], none, none)
         logprobs = torch.log_softmax(drawn, dim=-1)
         top = logprobs.topk(width, dim=-1) if width else None
         columns = [ids.double()[:, None], finite.double()[:, None], logprobs.gather(1, ids[:, None]).double()]
@@ -355,7 +349,7 @@ class Sampler:
             tops.append(
                 [(int(t), v) for t, v in zip(line[3 : 3 + k], line[3 + width : 3 + width + k])] if wanted else None
             )
-        return SampledTokens([int(line[0]) for line in table], [bool(line[1]) for line in table], chosen, tops, ids)
+        return SampledTokens([int(line[0]) for line in table], [bool(line[1]) for line in table], chosen, tops)
 
     # -- helpers -------------------------------------------------------------------------------------------
 
