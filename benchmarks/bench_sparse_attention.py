@@ -33,8 +33,9 @@ from spmoe.config import ModelConfig
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.layers.attention import AttentionBatch, MLAttention
+from spmoe.layers.quantization.fp8 import quantize_fp8_vectors
 from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import indexer_topk, quantize_fp8_vectors, rows_of_best, sparse_mla
+from spmoe.layers.sparse_attention import indexer_topk, rows_of_best, sparse_mla
 from spmoe.layers.sparse_attention_triton import (
     INDEXER_DECODE_TILES,
     INDEXER_PREFILL_TILES,

@@ -22,11 +22,10 @@ from torch import nn
 from spmoe.config import ModelConfig
 from spmoe.engine.kv_cache import attention_layout
 from spmoe.layers.fused import use_fused
-from spmoe.layers.moe.experts.base import quantize_fp8_groups
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.paged_rows import PagedKeyStore, PagedLayerCache
+from spmoe.layers.quantization.fp8 import quantize_fp8_groups, quantize_fp8_vectors
 from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import quantize_fp8_vectors
 
 BLOCK_SIZE = 64
 KV_CACHE_DTYPES = ("auto", "fp8")

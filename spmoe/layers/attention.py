@@ -27,16 +27,9 @@ from spmoe.layers.fused import use_fused
 from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.paged_rows import PagedKeyStore
+from spmoe.layers.quantization.fp8 import hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
 from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import (
-    hadamard_matrix,
-    hadamard_rotate,
-    head_matmul,
-    indexer_topk,
-    quantize_fp8_vectors,
-    sparse_mla,
-    visible_rows,
-)
+from spmoe.layers.sparse_attention import head_matmul, indexer_topk, sparse_mla, visible_rows
 
 
 class KeyStore(Protocol):

@@ -17,8 +17,8 @@ from spmoe.layers import fused
 from spmoe.layers.mlp import silu_mul
 from spmoe.layers.moe.router import Router
 from spmoe.layers.norm import RMSNorm
+from spmoe.layers.quantization.fp8 import dequantize, hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
 from spmoe.layers.rotary import Rotary, RotaryTable, cos_sin
-from spmoe.layers.sparse_attention import dequantize, hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
 
 from ..multigpu import requires_gpus
 
@@ -156,7 +156,7 @@ def check_mla_cache_write(device: str, dtype: torch.dtype):
     0 of a paged cache, and by the torch reference into layer 1, over the same slots: the same rows."""
     from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
     from spmoe.layers.norm import RMSNorm
-    from spmoe.layers.sparse_attention import dequantize
+    from spmoe.layers.quantization.fp8 import dequantize
 
     cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"]})
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim

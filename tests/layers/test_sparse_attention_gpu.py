@@ -13,13 +13,13 @@ import torch
 
 from spmoe.config import ModelConfig
 from spmoe.layers import fused
+from spmoe.layers.quantization.fp8 import quantize_fp8_vectors
 from spmoe.layers.sparse_attention import (
     cache_rows_torch,
     head_matmul,
     head_matmul_torch,
     indexer_order_keys_torch,
     indexer_topk,
-    quantize_fp8_vectors,
     rows_of_best,
     sparse_mla,
     sparse_mla_torch,
