@@ -33,6 +33,7 @@ from spmoe.config import ModelConfig
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.layers.attention import AttentionBatch, MLAttention
+from spmoe.layers.paged_rows import write_index_key, write_latent
 from spmoe.layers.quantization.fp8 import quantize_fp8_vectors
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.sparse_attention import indexer_topk, rows_of_best, sparse_mla
@@ -64,12 +65,13 @@ def fill(cache: PagedKVCache, tokens: int) -> None:
         view = cache.decode_view(
             table[None], torch.zeros(n, dtype=torch.long, device="cuda"), torch.arange(n, device="cuda")
         )
-        view.write_latent(
-            0,
+        write_latent(
+            view.layer(0),
+            view.slot_mapping,
             torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
             torch.randn(n, 64, device="cuda", generator=gen).bfloat16(),
         )
-        view.write_index_key(0, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
+        write_index_key(view.layer(0), view.slot_mapping, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
 
 
 def timed(fn) -> float | None:

@@ -152,10 +152,11 @@ def check_silu_mul(device: str, dtype: torch.dtype):
 
 
 def check_mla_cache_write(device: str, dtype: torch.dtype):
-    """The normed latent and rotated rope key written through `write_latent_projection` (one kernel) into layer
-    0 of a paged cache, and by the torch reference into layer 1, over the same slots: the same rows."""
+    """The normed latent and rotated rope key written through `paged_rows.write_latent_projection` (one kernel)
+    into layer 0 of a paged cache, and by the torch reference into layer 1, over the same slots: the same rows."""
     from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
     from spmoe.layers.norm import RMSNorm
+    from spmoe.layers.paged_rows import write_latent_projection
     from spmoe.layers.quantization.fp8 import dequantize
 
     cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"]})
@@ -174,8 +175,8 @@ def check_mla_cache_write(device: str, dtype: torch.dtype):
             wide = torch.randn(n, c + r + 96, generator=gen, device=device).to(dtype) * 2
             kv_a = wide[:, 32 : 32 + c + r]  # strided rows, like the split of the merged projection
             with torch.no_grad():
-                view.write_latent_projection(0, kv_a, norm, rotary)
-                reference(view.write_latent_projection, 1, kv_a.clone(), norm, rotary)
+                write_latent_projection(view.layer(0), view.slot_mapping, kv_a, norm, rotary)
+                reference(write_latent_projection, view.layer(1), view.slot_mapping, kv_a.clone(), norm, rotary)
         got, want = cache.layers[0], cache.layers[1]
         # the rope key: rope_'s rounding (see check_rope)
         torch.testing.assert_close(got.rope, want.rope, rtol=1.6e-2, atol=8e-3)

@@ -13,6 +13,7 @@ import torch
 
 from spmoe.config import ModelConfig
 from spmoe.layers import fused
+from spmoe.layers.paged_rows import write_index_key, write_latent
 from spmoe.layers.quantization.fp8 import quantize_fp8_vectors
 from spmoe.layers.sparse_attention import (
     cache_rows_torch,
@@ -66,12 +67,13 @@ def filled_cache(kv_cache_dtype: str):
     tables = [order[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(len(blocks))]
     view = cache.view(tables, [0] * len(CONTEXTS), CONTEXTS)
     n = sum(CONTEXTS)
-    view.write_latent(
-        0,
+    write_latent(
+        view.layer(0),
+        view.slot_mapping,
         torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
         torch.randn(n, 64, device="cuda", generator=gen).bfloat16(),
     )
-    view.write_index_key(0, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
+    write_index_key(view.layer(0), view.slot_mapping, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
     return cache, tables
 
 
