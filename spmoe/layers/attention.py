@@ -26,8 +26,8 @@ from spmoe.config import ModelConfig
 from spmoe.layers.fused import use_fused
 from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.norm import RMSNorm
-from spmoe.layers.paged_rows import PagedKeyStore, write_index_key, write_latent_projection
-from spmoe.layers.quantization.fp8 import hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
+from spmoe.layers.paged_rows import PagedKeyStore, quantize_index_vectors, write_index_key, write_latent_projection
+from spmoe.layers.quantization.fp8 import hadamard_matrix, hadamard_rotate
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.sparse_attention import head_matmul, indexer_topk, sparse_mla, visible_rows
 
@@ -126,7 +126,7 @@ class Indexer(nn.Module):
             return visible_rows(cache.block_tables, cache.seq_index, cache.positions, cache.block_size)
         q, weights, rows = self._query(q_latent, rotary), head_weights, cache.layer(self.layer_idx)
         if rows.index_scale is not None:
-            q, q_scale = quantize_fp8_vectors(hadamard_rotate(q))  # [N, h, d], [N, h, 1]
+            q, q_scale = quantize_index_vectors(hadamard_rotate(q))  # [N, h, d], [N, h, 1]
             weights = head_weights * q_scale.squeeze(-1)
         return indexer_topk(
             q, weights, rows, cache.block_tables, cache.seq_index, cache.positions, cfg.index_topk, cache.block_size

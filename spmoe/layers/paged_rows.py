@@ -1,6 +1,7 @@
 """What attention keeps in the paged MLA cache: one layer's rows (`PagedLayerCache`), the per-step view of
 the whole cache (`PagedKeyStore`, built by the engine, which stores and hands out the blocks), and attention's
-writes into the rows (`write_latent_projection`, `write_latent`, `write_index_key`). The math that reads them
+writes into the rows (`write_latent_projection`, `write_latent`, `write_index_key`, FP8 keys quantised by
+`quantize_index_vectors`). The math that reads them
 is in `sparse_attention`."""
 
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ import torch
 
 from spmoe.layers.fused import use_fused
 from spmoe.layers.norm import RMSNorm
-from spmoe.layers.quantization.fp8 import quantize_fp8_groups, quantize_fp8_vectors
+from spmoe.layers.quantization.fp8 import FP8_GROUP, quantize_fp8_groups, quantize_fp8_vectors
 from spmoe.layers.rotary import Rotary
 
 
@@ -69,9 +70,20 @@ def write_latent_projection(
     write_latent(rows, slot_mapping, norm(latent), rope)
 
 
+def quantize_index_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 indexer's queries and keys `[..., d]` -> `quantize_fp8_vectors(x)`; vectors of `FP8_GROUP` values
+    on CUDA: the experts' quantisation kernel, one launch (`fused.use_fused` picks)."""
+    if use_fused(x) and x.shape[-1] == FP8_GROUP and x.numel():
+        from spmoe.layers.moe.experts.triton_kernels import quantize_fp8
+
+        values, scale = quantize_fp8(x.reshape(-1, FP8_GROUP))
+        return values.view(x.shape), scale.view(*x.shape[:-1], 1)
+    return quantize_fp8_vectors(x)
+
+
 def write_index_key(rows: PagedLayerCache, slot_mapping: torch.Tensor, key: torch.Tensor) -> None:
     """One forward's indexer keys `[N, d]` -> their rows of one layer (FP8: one scale per key)."""
-    _write(rows.index_key, rows.index_scale, slot_mapping, key, quantize_fp8_vectors)
+    _write(rows.index_key, rows.index_scale, slot_mapping, key, quantize_index_vectors)
 
 
 def _write(

@@ -1,6 +1,6 @@
 """The fused Triton kernels (`spmoe.layers.fused_triton`, and the FP8 quantisation of indexer queries) against
 their torch references (RMSNorm, Rotary, Router, the paged cache's latent write, `silu_mul`, the indexer key's
-LayerNorm + rope (+ Hadamard) + cache write, `quantize_fp8_vectors`, with the kernels switched off) on one CUDA
+LayerNorm + rope (+ Hadamard) + cache write, `quantize_index_vectors`, with the kernels switched off) on one CUDA
 GPU in bfloat16, at GLM-5.2 / DeepSeek-V3.2 widths and at a tiny width whose expert groups are not powers of 2;
 and the MoE's one-program alignment against its multi-kernel form; the cos/sin table's rows against `cos_sin`, bit
 for bit. The `check_*` functions take the device and
@@ -17,6 +17,7 @@ from spmoe.layers import fused
 from spmoe.layers.mlp import silu_mul
 from spmoe.layers.moe.router import Router
 from spmoe.layers.norm import RMSNorm
+from spmoe.layers.paged_rows import quantize_index_vectors
 from spmoe.layers.quantization.fp8 import dequantize, hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
 from spmoe.layers.rotary import Rotary, RotaryTable, cos_sin
 
@@ -288,7 +289,7 @@ def check_quantize_query(device: str, dtype: torch.dtype):
         q = hadamard_rotate(
             (torch.randn(n_tok, 32, 128, generator=gen, device=device) * heads_of_all_sizes).to(dtype)
         )  # float32, as the indexer's
-        values, scale = quantize_fp8_vectors(q)  # the experts' quantisation kernel: vectors of 128
+        values, scale = quantize_index_vectors(q)  # the experts' quantisation kernel: vectors of 128
         want, want_scale = reference(quantize_fp8_vectors, q)
         assert values.shape == q.shape and scale.shape == (n_tok, 32, 1)
         torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)  # the kernel divides by 448

@@ -13,8 +13,7 @@ import torch
 
 from spmoe.config import ModelConfig
 from spmoe.layers import fused
-from spmoe.layers.paged_rows import write_index_key, write_latent
-from spmoe.layers.quantization.fp8 import quantize_fp8_vectors
+from spmoe.layers.paged_rows import quantize_index_vectors, write_index_key, write_latent
 from spmoe.layers.sparse_attention import (
     cache_rows_torch,
     head_matmul,
@@ -120,7 +119,7 @@ def test_triton_kernels_match_torch(kv_cache_dtype):
         q = torch.randn(n, 32, 128, device="cuda", generator=gen).bfloat16()
         weights = torch.rand(n, 32, device="cuda", generator=gen)
         if kv_cache_dtype == "fp8":
-            q, q_scale = quantize_fp8_vectors(q)
+            q, q_scale = quantize_index_vectors(q)
             weights = weights * q_scale.squeeze(-1)
         args = (q, weights, rows, view.block_tables, view.seq_index, view.positions, BLOCK)
         got, want = indexer_order_keys(*args), indexer_order_keys_torch(*args)
@@ -276,7 +275,7 @@ def test_indexer_tiles_match_torch(kv_cache_dtype):
         q = torch.randn(n, heads, 128, device="cuda", generator=gen).bfloat16()
         weights = torch.rand(n, heads, device="cuda", generator=gen)
         if kv_cache_dtype == "fp8":
-            q, q_scale = quantize_fp8_vectors(q)
+            q, q_scale = quantize_index_vectors(q)
             weights = weights * q_scale.squeeze(-1)
         args = (q, weights, rows, view.block_tables, view.seq_index, view.positions, BLOCK)
         want = indexer_order_keys_torch(*args)

@@ -1,12 +1,11 @@
 """FP8 (e4m3) quantisation, shared by the experts, the attention's FP8 cache and indexer, and the fused kernels:
 the group size and range, per-group and per-vector quantisation, dequantisation, and the Hadamard rotation the
-FP8 indexer applies before quantising."""
+FP8 indexer applies before quantising. Plain torch (the references); the Triton kernels import their constants
+from here, so nothing here imports them."""
 
 from functools import cache
 
 import torch
-
-from spmoe.layers.fused import use_fused
 
 FP8_GROUP = 128  # activation channels per FP8 scale (per token), as the FP8 checkpoints' kernels expect
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -20,13 +19,8 @@ def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_fp8_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[..., d]` -> (FP8 e4m3 `[..., d]`, float32 scales `[..., 1]`): one scale per vector. Vectors of
-    `FP8_GROUP` values on CUDA: the experts' quantisation kernel, one launch (`fused.use_fused` picks)."""
-    if use_fused(x) and x.shape[-1] == FP8_GROUP and x.numel():
-        from spmoe.layers.moe.experts.triton_kernels import quantize_fp8
-
-        values, scale = quantize_fp8(x.reshape(-1, FP8_GROUP))
-        return values.view(x.shape), scale.view(*x.shape[:-1], 1)
+    """`[..., d]` -> (FP8 e4m3 `[..., d]`, float32 scales `[..., 1]`): one scale per vector. (The indexer runs
+    it through `paged_rows.quantize_index_vectors`, which takes a Triton kernel on CUDA.)"""
     scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
