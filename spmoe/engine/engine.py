@@ -15,15 +15,16 @@ One step is three calls on named records (`sequence.py`):
 2. `ModelRunner.run(batch) -> StepResult` (`model_runner.py`): one target forward over every scheduled
    sequence's tokens, laid end to end (a chunk of a prompt, else its last token followed by its drafts when
    speculating; with `cuda_graphs`, plain decode steps replay a captured graph), the choice of each sampling
-   sequence's tokens (its own sampler, or the greedy acceptance of its drafts, `speculative.py`), and the MTP
-   drafter's next drafts.
+   sequence's tokens (every row of the step through the batched `Sampler`, `sampling.py`, then the greedy
+   acceptance of drafts, `speculative.py`), the prompt logprobs asked for, and the MTP drafter's next drafts.
 3. `Scheduler.update(batch, result) -> list[RequestOutput]`: commit the tokens, finish sequences at an eos id
    or `max_new_tokens` and free their room. A sequence whose logits hold a NaN or an infinity has no next
    token: it finishes with finish_reason "error" and an error naming the step, and the others carry on (the
    server keeps serving); `generate` raises that error instead.
 `stats.py` counts the forwards, tokens, seconds and collectives of each phase, and the MTP acceptance.
 
-`generate` is the batch job (spmoe generate, the demo) on top of `add_request` / `step`.
+`generate` is the batch job (spmoe generate, the demo) on top of `add_request` / `step`, driven on every rank by
+`serving_loop.run_to_completion`; `spmoe serve` drives engines through `serving_loop.ServingLoop`.
 """
 
 import time
@@ -32,7 +33,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from spmoe.distributed import get_parallel_state
-from spmoe.distributed.comm import all_reduce
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.model_runner import ModelRunner
 from spmoe.engine.paged_cache import PagedKVCache
@@ -40,6 +40,7 @@ from spmoe.engine.request import EngineMetrics, Request, RequestOutput
 from spmoe.engine.sampling import Sampler, SamplingParams
 from spmoe.engine.scheduler import BlockRoom, Scheduler, SlotRoom
 from spmoe.engine.sequence import Sequence
+from spmoe.engine.serving_loop import run_to_completion
 from spmoe.engine.stats import StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
@@ -231,30 +232,20 @@ class Engine:
             for i, (p, params) in enumerate(zip(prompts, samplings))
         ]
         start = time.perf_counter()
-        while self._any_rank_busy(self.has_unfinished()):
-            failed = [out.error for out in self.step() if out.finish_reason == "error"]
-            if failed:
-                raise FloatingPointError(failed[0])
-            if on_step is not None:
-                on_step(
-                    sum(len(s.output) for s in seqs),
-                    len(self.scheduler.running),
-                    sum(min(s.cached, len(s.request.prompt)) for s in seqs),
-                )
+
+        def progress() -> None:
+            on_step(
+                sum(len(s.output) for s in seqs),
+                len(self.scheduler.running),
+                sum(min(s.cached, len(s.request.prompt)) for s in seqs),
+            )
+
+        run_to_completion(self, progress if on_step is not None else None)
         return Generation(
             [s.output for s in seqs],
             self._stats(seqs, time.perf_counter() - start),
             [torch.stack(s.logits) for s in seqs] if record_logits else None,
         )
-
-    def _any_rank_busy(self, busy: bool) -> bool:
-        """With DP > 1 every rank runs every step (the MoE dispatch spans all of them), so a DP rank that is
-        done keeps stepping with an empty batch until every rank is done: one tiny all-reduce per step."""
-        state = get_parallel_state()
-        if state.dp_size == 1:
-            return busy
-        flag = torch.tensor([int(busy)], device=state.device)
-        return bool(all_reduce(flag, state.ep_group, op="max").item())
 
     def _stats(self, seqs: list[Sequence], seconds: float) -> dict:
         generated = sum(len(s.output) for s in seqs)

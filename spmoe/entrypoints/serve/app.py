@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 import spmoe
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
+from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
 from spmoe.entrypoints.serve.protocol import (
     ApiError,
@@ -38,7 +39,6 @@ from spmoe.entrypoints.serve.protocol import (
     TokenizeRequest,
     parse,
 )
-from spmoe.entrypoints.serve.ranks import QueueFull
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration, usage
 from spmoe.entrypoints.serve.tokenizer import chat_prompt_ids, eos_token_ids
 
