@@ -99,8 +99,9 @@ class ModelConfig:
                 raise ValueError(f"{name} = {value} is not divisible by {what} = {size}")
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
-        """`path`: a checkpoint folder (its config.json is read) or a config.json itself."""
+    def from_file(cls, path: str | Path, overrides: dict | None = None) -> "ModelConfig":
+        """`path`: a checkpoint folder (its config.json is read) or a config.json itself; `overrides` (vLLM's
+        `--hf-overrides`) are merged into it first, nested objects key by key."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -112,7 +113,7 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(merge_overrides(raw, overrides or {}))
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -306,3 +307,12 @@ def _quantization(q: dict | None) -> tuple[int, int] | None:
     if len(block) != 2:
         raise ValueError(f"weight_block_size must have two entries, got {block}")
     return block
+
+
+def merge_overrides(raw: dict, overrides: dict) -> dict:
+    """A copy of `raw` with `overrides` merged in: nested objects merge key by key, anything else replaces."""
+    merged = dict(raw)
+    for key, value in overrides.items():
+        both_objects = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = merge_overrides(merged[key], value) if both_objects else value
+    return merged
