@@ -210,7 +210,7 @@ VLLM_FLAGS = (
     VllmFlag(
         ("--chat-template-content-format",),
         "noted",
-        "auto or string: message text is given to the template as a string",
+        "string or openai (content as a list of text parts); auto is string",
         value="FMT",
     ),
     VllmFlag(("--reasoning-parser",), "taken", "GLM's <think> parser", value="NAME", pending="the chat parsers"),

@@ -39,7 +39,7 @@ def start_front_end(options: FrontEndOptions, client) -> int | None:
 
     from spmoe.entrypoints.serve.app import build_app
 
-    app = build_app(client, load_tokenizer(options.model_dir), options.served_model_name)
+    app = build_app(client, load_tokenizer(options.model_dir), [options.served_model_name])
     server = uvicorn.Server(
         uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", timeout_graceful_shutdown=5)
     )
