@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from spmoe.config.model import merge_overrides
+from spmoe.engine.paged_cache import BLOCK_SIZE
 
 DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}  # lower case: powers of ten
 BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # upper case: powers of two
@@ -185,3 +186,22 @@ def served_model_names(names: list[str] | None, model: str) -> list[str]:
     if any(not name.strip() for name in names):
         raise ValueError(f"--served-model-name: names must not be empty, got {names!r}")
     return list(dict.fromkeys(names))
+
+
+def check_quantization(method: str | None, raw_config: dict) -> None:
+    """`--quantization`: only the method the checkpoint declares (`quantization_config.quant_method`), since
+    spmoe does not quantize weights at load time."""
+    if method is None:
+        return
+    declared = (raw_config.get("quantization_config") or {}).get("quant_method")
+    if method != declared:
+        stated = f"declares {declared}" if declared else "is not quantized"
+        raise ValueError(
+            f"--quantization {method}: spmoe does not quantize at load time and the checkpoint {stated}; "
+            f"leave the flag out{', or use a checkpoint stored in ' + method if method == 'fp8' else ''}"
+        )
+
+
+def check_block_size(size: int | None) -> None:
+    if size is not None and size != BLOCK_SIZE:
+        raise ValueError(f"--block-size {size}: spmoe's paged cache has blocks of {BLOCK_SIZE} tokens only")

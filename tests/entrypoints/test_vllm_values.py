@@ -8,6 +8,8 @@ import pytest
 from spmoe.config import ModelConfig
 from spmoe.entrypoints.vllm_values import (
     SpeculativeConfig,
+    check_block_size,
+    check_quantization,
     fold_dotted,
     parse_json_object,
     parse_kv_cache_dtype,
@@ -151,3 +153,22 @@ def test_hf_overrides_merge_into_the_model_config(tmp_path):
         ModelConfig.from_file(tmp_path, {"num_hidden_layers": 2})
     with pytest.raises(ValueError, match=r"--hf-overrides: expected a JSON object, got '\{bad' "):
         parse_json_object("{bad", "--hf-overrides")
+
+
+def test_quantization_only_as_the_checkpoint_declares_it():
+    fp8 = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    check_quantization("fp8", fp8)
+    check_quantization(None, {})
+    with pytest.raises(
+        ValueError, match="^--quantization fp8: spmoe does not quantize at load time and the checkpoint is"
+    ):
+        check_quantization("fp8", {})
+    with pytest.raises(ValueError, match="--quantization awq: .* the checkpoint declares fp8; leave the flag out$"):
+        check_quantization("awq", fp8)
+
+
+def test_block_size_64_only():
+    check_block_size(64)
+    check_block_size(None)
+    with pytest.raises(ValueError, match="--block-size 16: spmoe's paged cache has blocks of 64 tokens only"):
+        check_block_size(16)

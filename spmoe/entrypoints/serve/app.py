@@ -10,10 +10,11 @@ The app waits for a request's first text before it answers, so a request the eng
 
 import json
 import logging
-import secrets
+import random
 import time
 import uuid
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,20 +33,19 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 log = logging.getLogger("spmoe.serve")
 
 
-def build_app(
-    client,
-    tokenizer,
-    served_model_names: list[str],
-    defaults: GenerationDefaults = GenerationDefaults(),
-    chat_template_content_format: str = "string",
-) -> FastAPI:
+@dataclass(frozen=True)
+class ApiSettings:
+    served_model_names: list[str]  # the names clients may ask for; the first is reported in responses
+    defaults: GenerationDefaults = GenerationDefaults()  # the model's, for the fields a request leaves out
+    chat_template_content_format: str = "string"  # how the template sees content (ChatMessage.as_template_input)
+    seed: int | None = None  # seeds the seeds of requests that give none (reproducible runs); None: random
+
+
+def build_app(client, tokenizer, settings: ApiSettings) -> FastAPI:
     """`client`: an EngineClient (async `generate(request)`, `metrics()`, `max_model_len`, `vocab_size`,
-    `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer;
-    `served_model_names`: the names clients may ask for, the first one reported in responses; `defaults`: the
-    model's sampling defaults for the fields a request leaves out; `chat_template_content_format`: how the
-    chat template sees message content (`ChatMessage.as_template_input`)."""
+    `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer."""
     app = FastAPI(title="spmoe", docs_url=None, redoc_url=None, openapi_url=None)
-    api = OpenAIApi(client, tokenizer, served_model_names, defaults, chat_template_content_format)
+    api = OpenAIApi(client, tokenizer, settings)
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
@@ -69,12 +69,11 @@ def build_app(
 
 
 class OpenAIApi:
-    def __init__(
-        self, client, tokenizer, served_model_names: list[str], defaults: GenerationDefaults, content_format: str
-    ):
-        self.client, self.tokenizer, self.model_names = client, tokenizer, served_model_names
-        self.model_name = served_model_names[0]
-        self.defaults, self.content_format = defaults, content_format
+    def __init__(self, client, tokenizer, settings: ApiSettings):
+        self.client, self.tokenizer, self.model_names = client, tokenizer, settings.served_model_names
+        self.model_name = self.model_names[0]
+        self.defaults, self.content_format = settings.defaults, settings.chat_template_content_format
+        self.seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.metrics = ServeMetrics(client)
         self.created = int(time.time())
@@ -162,7 +161,7 @@ class OpenAIApi:
         self, http: Request, body: SamplingFields, prompt: list[int], max_new: int, id_prefix: str, kind: str, choice
     ):
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        seed = body.seed if body.seed is not None else self.seeds.getrandbits(63)
         given = {name for name in body.model_fields_set if getattr(body, name) is not None}
         fields = self.defaults.apply({"temperature": body.temperature, "top_p": body.top_p}, given)
         temperature = fields["temperature"]

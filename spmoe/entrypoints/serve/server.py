@@ -37,9 +37,9 @@ def start_front_end(options: FrontEndOptions, client) -> int | None:
     -> SIGTERM if one reached this process (under torchrun, whose agent signals every worker), else None."""
     import uvicorn
 
-    from spmoe.entrypoints.serve.app import build_app
+    from spmoe.entrypoints.serve.app import ApiSettings, build_app
 
-    app = build_app(client, load_tokenizer(options.model_dir), [options.served_model_name])
+    app = build_app(client, load_tokenizer(options.model_dir), ApiSettings([options.served_model_name]))
     server = uvicorn.Server(
         uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", timeout_graceful_shutdown=5)
     )
