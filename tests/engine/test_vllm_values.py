@@ -6,7 +6,7 @@ import json
 import pytest
 
 from spmoe.config import ModelConfig
-from spmoe.entrypoints.vllm_values import (
+from spmoe.engine.vllm_values import (
     SpeculativeConfig,
     check_block_size,
     check_quantization,
