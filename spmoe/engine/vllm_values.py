@@ -19,8 +19,8 @@ _LENGTH = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
 
 
 def parse_length(text: str, option: str = "--max-model-len") -> int:
-    """`2048`, `1k` (1000), `1K` (1024), `128k`, `25.6k` (25600), `1m`, `1M` -> a positive int. A fraction is
-    allowed with a lower-case (decimal) suffix only, and must come out whole."""
+    """`2048`, `1k` (1000), `1K` (1024), `128k`, `25.6k` (25600), `1m`, `1M` -> an int (the option checks its
+    range). A fraction is allowed with a lower-case (decimal) suffix only, and must come out whole."""
     match = _LENGTH.fullmatch(text.strip())
     if match is None:
         raise ValueError(
@@ -36,8 +36,6 @@ def parse_length(text: str, option: str = "--max-model-len") -> int:
         if scaled != int(scaled):
             raise ValueError(f"{option}: {text!r} is not a whole number of tokens")
         value = int(scaled)
-    if value < 1:
-        raise ValueError(f"{option}: expected a length >= 1, got {text!r}")
     return value
 
 
