@@ -321,4 +321,6 @@ def read_config(path: str | Path, overrides: dict | None = None) -> dict:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
-    return merge_overrides(raw, overrides or {}) if isinstance(raw, dict) else raw
+    if not isinstance(raw, dict):
+        raise ValueError(f"a model config must be a JSON object, got a {type(raw).__name__}: {str(raw)[:40]}")
+    return merge_overrides(raw, overrides or {})
