@@ -3,7 +3,7 @@ the local Hugging Face cache or downloaded into it.
 
 The cache is looked at first, without any network access: a complete snapshot there is used as it is. Only
 when it is missing or incomplete, and `HF_HUB_OFFLINE` is not set, are the files downloaded (`huggingface_hub`,
-which honours `HF_HOME`, `HF_HUB_CACHE` and `HF_TOKEN`). `download_dir` (vLLM's `--download-dir`) replaces the
+whose cache folder follows `HF_HOME` / `HF_HUB_CACHE`). `download_dir` (vLLM's `--download-dir`) replaces the
 cache folder.
 """
 
