@@ -12,7 +12,7 @@ from spmoe.engine.request import EngineMetrics, RequestOutput
 from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.serve.app import ApiSettings, build_app
-from spmoe.entrypoints.serve.ranks import QueueFull
+from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.streaming import StopStrings
 from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
 
