@@ -11,7 +11,6 @@ Each flag is
 """
 
 import argparse
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,7 +58,12 @@ VLLM_FLAGS = (
     VllmFlag(("--generation-config",), "taken", "auto (generation_config.json), vllm (none) or a folder", value="SRC"),
     VllmFlag(("--override-generation-config",), "taken", "JSON set over generation_config.json", value="JSON"),
     VllmFlag(("--load-format",), "noted", "auto, safetensors, or dummy (random weights from the config)", value="FMT"),
-    VllmFlag(("--dtype",), "noted", "auto, bfloat16, float32 (no float16); auto is bfloat16 on CUDA", value="DTYPE"),
+    VllmFlag(
+        ("--dtype",),
+        "noted",
+        "auto, bfloat16, float32 or float (no float16); auto is bfloat16 on CUDA, on the CPU the checkpoint's",
+        value="DTYPE",
+    ),
     VllmFlag(
         ("--quantization", "-q"),
         "noted",
@@ -166,7 +170,7 @@ VLLM_FLAGS = (
         allowed=_is("0"),
     ),
     # Execution.
-    VllmFlag(("--seed",), "taken", "the seed of requests that give none", value="N"),
+    VllmFlag(("--seed",), "taken", "seeds the sampling seeds of requests that give none (a run repeats)", value="N"),
     VllmFlag(("--enforce-eager",), "noted", "turns off the decode CUDA graphs (on by default on CUDA)"),
     VllmFlag(
         ("--compilation-config", "-O"),
@@ -191,7 +195,7 @@ VLLM_FLAGS = (
     VllmFlag(
         ("--speculative-config",),
         "noted",
-        "MTP only (method mtp, deepseek_mtp or glm4_moe_mtp), as JSON or dotted keys",
+        "MTP only (method mtp, deepseek_mtp or glm4_moe_mtp), as JSON or dotted keys; greedy requests only",
         value="JSON",
     ),
     VllmFlag(("--enable-lora",), "refused", "LoRA adapters", "merge the adapter into the checkpoint"),
@@ -291,11 +295,6 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             help=argparse.SUPPRESS,
         )
-
-
-def log_notes(notes: list[str]) -> None:
-    for note in notes:
-        print(f"spmoe serve: {note}", file=sys.stderr, flush=True)
 
 
 VERDICT_TITLES = {"taken": "taken as is", "noted": "taken with a note", "refused": "refused"}
