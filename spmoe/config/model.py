@@ -99,20 +99,10 @@ class ModelConfig:
                 raise ValueError(f"{name} = {value} is not divisible by {what} = {size}")
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
-        """`path`: a checkpoint folder (its config.json is read) or a config.json itself."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        elif path.is_file() and path.suffix != ".json":
-            raise ValueError(f"expected a checkpoint folder with config.json, got the file {path}")
-        if not path.is_file():
-            raise FileNotFoundError(f"model config not found: expected {path}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+    def from_file(cls, path: str | Path, overrides: dict | None = None) -> "ModelConfig":
+        """`path`: a checkpoint folder (its config.json is read) or a config.json itself; `overrides` (vLLM's
+        `--hf-overrides`) are merged into it first, nested objects key by key."""
+        return cls.from_dict(read_config(path, overrides))
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -306,3 +296,31 @@ def _quantization(q: dict | None) -> tuple[int, int] | None:
     if len(block) != 2:
         raise ValueError(f"weight_block_size must have two entries, got {block}")
     return block
+
+
+def merge_overrides(raw: dict, overrides: dict) -> dict:
+    """A copy of `raw` with `overrides` merged in: nested objects merge key by key, anything else replaces."""
+    merged = dict(raw)
+    for key, value in overrides.items():
+        both_objects = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = merge_overrides(merged[key], value) if both_objects else value
+    return merged
+
+
+def read_config(path: str | Path, overrides: dict | None = None) -> dict:
+    """The JSON object of a checkpoint folder's config.json (or of a config.json given itself), with
+    `overrides` merged in (`merge_overrides`)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    elif path.is_file() and path.suffix != ".json":
+        raise ValueError(f"expected a checkpoint folder with config.json, got the file {path}")
+    if not path.is_file():
+        raise FileNotFoundError(f"model config not found: expected {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"a model config must be a JSON object, got a {type(raw).__name__}: {str(raw)[:40]}")
+    return merge_overrides(raw, overrides or {})

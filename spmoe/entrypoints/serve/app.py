@@ -15,7 +15,7 @@ it asked for a stream. Which request fields do what: docs/openai-api.md.
 import asyncio
 import json
 import logging
-import secrets
+import random
 import time
 import uuid
 from contextlib import AsyncExitStack, aclosing
@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 import spmoe
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
+from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
 from spmoe.entrypoints.serve.protocol import (
@@ -47,11 +48,19 @@ RETRY_AFTER_S = "1"  # what a 503 (a full queue) tells the client to wait
 log = logging.getLogger("spmoe.serve")
 
 
-def build_app(client, tokenizer, served_model_name: str) -> FastAPI:
+@dataclass(frozen=True)
+class ApiSettings:
+    served_model_names: list[str]  # the names clients may ask for; the first is reported in responses
+    defaults: GenerationDefaults = GenerationDefaults()  # the model's, for the fields a request leaves out
+    chat_template_content_format: str = "string"  # how the template sees content (ChatMessage.as_template_input)
+    seed: int | None = None  # seeds the seeds of requests that give none (reproducible runs); None: random
+
+
+def build_app(client, tokenizer, settings: ApiSettings) -> FastAPI:
     """`client`: an EngineClient (async `generate(request)`, `metrics()`, `max_model_len`, `vocab_size`,
     `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer."""
     app = FastAPI(title="spmoe", docs_url=None, redoc_url=None, openapi_url=None)
-    api = OpenAIApi(client, tokenizer, served_model_name)
+    api = OpenAIApi(client, tokenizer, settings)
 
     app.add_middleware(RequestIdMiddleware)
 
@@ -117,10 +126,13 @@ class Choice:
 
 
 class OpenAIApi:
-    def __init__(self, client, tokenizer, served_model_name: str):
-        self.client, self.tokenizer, self.model_name = client, tokenizer, served_model_name
+    def __init__(self, client, tokenizer, settings: ApiSettings):
+        self.client, self.tokenizer, self.model_names = client, tokenizer, settings.served_model_names
+        self.model_name = self.model_names[0]
+        self.defaults, self.content_format = settings.defaults, settings.chat_template_content_format
+        self.seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
-        self.metrics = ServeMetrics(client, served_model_name)
+        self.metrics = ServeMetrics(client, self.model_name)
         self.created = int(time.time())
         self.logged_fields: set[str] = set()  # unknown request fields already logged
 
@@ -135,9 +147,9 @@ class OpenAIApi:
     async def version(self) -> dict:
         return {"version": spmoe.__version__}
 
-    def _card(self) -> dict:
+    def _card(self, name: str) -> dict:
         return {
-            "id": self.model_name,
+            "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "spmoe",
@@ -147,11 +159,11 @@ class OpenAIApi:
         }
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [self._card()]}
+        return {"object": "list", "data": [self._card(name) for name in self.model_names]}
 
     async def model(self, model_id: str) -> dict:
         self._check_model(model_id)
-        return self._card()
+        return self._card(model_id)
 
     async def tokenize(self, http: Request) -> dict:
         body = self._parse(TokenizeRequest, await _json_body(http), http)
@@ -184,12 +196,13 @@ class OpenAIApi:
             )
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens: 0 is allowed only with echo, got 0", "max_tokens")
-        choices, seed = [], _seed(body)
+        choices, seed = [], self._seed(body)
+        default_max = self.defaults.values.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
         for p, prompt in enumerate(body.prompts):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._check_ids(prompt, "prompt")
             echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if body.echo else None
             discard = body.max_tokens == 0
-            max_new = 1 if discard else self._max_new_tokens(len(ids), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+            max_new = 1 if discard else self._max_new_tokens(len(ids), body.max_tokens, default_max)
             if discard:
                 self._max_new_tokens(len(ids), 1, None)
             logprobs, prompt_logprobs = body.logprobs, body.logprobs if body.echo else None
@@ -207,8 +220,8 @@ class OpenAIApi:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         prompt = self._chat_ids(body.messages, body.chat_template_kwargs)
-        max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, None)
-        logprobs, seed = (body.top_logprobs or 0) if body.logprobs else None, _seed(body)
+        max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, self.defaults.values.get("max_tokens"))
+        logprobs, seed = (body.top_logprobs or 0) if body.logprobs else None, self._seed(body)
         choices = [
             Choice(i, prompt, None, max_new, self._sampling(body, seed, i, logprobs, None, max_new))
             for i in range(body.n)
@@ -230,8 +243,13 @@ class OpenAIApi:
         return body
 
     def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model")
+        if model not in self.model_names:
+            served = ", ".join(f"'{name}'" for name in self.model_names)
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves {served}", "model")
+
+    def _seed(self, body: SamplingFields) -> int:
+        """The request's seed (choice i samples from seed + i), or one from the server's seeds."""
+        return body.seed if body.seed is not None else self.seeds.getrandbits(63)
 
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
         vocab = self.client.vocab_size
@@ -242,7 +260,8 @@ class OpenAIApi:
 
     def _chat_ids(self, messages, template_kwargs: dict | None) -> list[int]:
         try:
-            return chat_prompt_ids(self.tokenizer, [m.as_template_input() for m in messages], template_kwargs)
+            messages = [m.as_template_input(self.content_format) for m in messages]
+            return chat_prompt_ids(self.tokenizer, messages, template_kwargs)
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e).strip().splitlines()[0], "messages") from None
 
@@ -255,21 +274,27 @@ class OpenAIApi:
         prompt_logprobs: int | None,
         max_new: int,
     ) -> SamplingParams:
-        temperature = body.temperature
-        if temperature is None:  # OpenAI's default, except that a speculating server serves greedy requests only
+        given = {name for name in body.model_fields_set if getattr(body, name) is not None}
+        fields = self.defaults.apply(
+            {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")},
+            given,
+        )
+        temperature = fields["temperature"]
+        if temperature is None or self.client.num_speculative_tokens and "temperature" not in given:
+            # OpenAI's default, except that a speculating server serves greedy requests only
             temperature = 0.0 if self.client.num_speculative_tokens else 1.0
         if body.min_tokens > max_new:
             raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_new})", "min_tokens")
         try:
             return SamplingParams(
                 temperature,
-                1.0 if body.top_p is None else body.top_p,
+                1.0 if fields["top_p"] is None else fields["top_p"],
                 (seed + index) % 2**63,
-                top_k=max(body.top_k or 0, 0),
-                min_p=body.min_p or 0.0,
+                top_k=max(fields["top_k"] or 0, 0),
+                min_p=fields["min_p"] or 0.0,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                repetition_penalty=1.0 if fields["repetition_penalty"] is None else fields["repetition_penalty"],
                 logit_bias=tuple(self._check_bias(body.logit_bias or {}).items()),
                 min_tokens=body.min_tokens,
                 logprobs=logprobs,
@@ -435,11 +460,6 @@ class Render:
             return {"token": token, "logprob": value, "bytes": list(token.encode())}
 
         return [{**entry(t, lp[0]), "top_logprobs": [entry(tt, v) for tt, v in lp[1]]} for t, lp in zip(ids, logprobs)]
-
-
-def _seed(body: SamplingFields) -> int:
-    """The request's seed (choice i samples from seed + i), or a random one."""
-    return body.seed if body.seed is not None else secrets.randbits(63)
 
 
 async def _json_body(http: Request):

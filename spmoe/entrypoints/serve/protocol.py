@@ -135,12 +135,17 @@ class ChatMessage(Lenient):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    def as_template_input(self) -> dict:
-        """The message as the chat template takes it. `developer` (OpenAI's newer name for the instructions
-        a system message gives) is written as `system`: chat templates know that role."""
+    def as_template_input(self, content_format: str = "string") -> dict:
+        """The message as the chat template sees it: its content as one string ("string"), or as a list of
+        `{"type": "text", "text"}` parts ("openai", vLLM's name). `developer` (OpenAI's newer name for the
+        instructions a system message gives) is written as `system`: chat templates know that role."""
+        role = "system" if self.role == "developer" else self.role
         content = self.content or ""
+        if content_format == "openai":
+            parts = [content] if isinstance(content, str) else [part.text for part in content]
+            return {"role": role, "content": [{"type": "text", "text": text} for text in parts]}
         text = content if isinstance(content, str) else "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        return {"role": role, "content": text}
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -13,6 +13,7 @@ MTP layers follow the DeepSeek-V3 / GLM convention: checkpoint layer `num_hidden
 import json
 import re
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # vLLM's names: auto and safetensors read the checkpoint
 MTP_MODULE = re.compile(r"^mtp\.(\d+)\.(mtp_block\.)?")  # our module names -> model.layers.{L}.
 
 
@@ -36,10 +38,17 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     with_mtp: bool = False,
+    load_format: str = "auto",
+    overrides: dict | None = None,
 ) -> DeepseekV32ForCausalLM:
     """Build the model for this rank (with its MTP layers in `model.mtp` if asked) and fill it from the
-    checkpoint in `model_dir`."""
-    cfg = ModelConfig.from_file(model_dir)
+    checkpoint in `model_dir`, or (`load_format` "dummy") with random weights from its config alone.
+    `overrides`: merged into the config (`ModelConfig.from_file`)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    cfg = ModelConfig.from_file(model_dir, overrides)
+    if load_format == "dummy":
+        return random_model(cfg, parallel, dtype, device, with_mtp)
     ckpt = Checkpoint(Path(model_dir))
     model = build_model(cfg, parallel, with_mtp, ckpt.keys(), dtype, device)
     load_weights(model, ckpt)
@@ -79,18 +88,10 @@ def write_random_checkpoint(raw_config: dict, folder: Path, seed: int) -> None:
         set(),
     )
     gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for key, (dest, _, _) in sorted(_plan(model).items()):
-        noise = torch.randn(dest.shape, generator=gen)
-        if key.endswith("norm.weight"):
-            tensors[key] = 1.0 + 0.2 * noise
-        elif dest.dim() == 1:  # biases: the router's score correction, the indexer's k_norm
-            tensors[key] = 0.1 * noise
-        elif key.endswith("eh_proj.weight"):
-            hidden_part = 0.3 * noise[:, cfg.hidden_size :] * cfg.hidden_size**-0.5
-            tensors[key] = torch.cat([torch.eye(cfg.hidden_size), hidden_part], 1)
-        else:
-            tensors[key] = noise * (1.0 if "embed_tokens" in key else dest.shape[1] ** -0.5)
+    tensors = {
+        key: random_init(key, torch.randn(dest.shape, generator=gen), cfg.hidden_size)
+        for key, (dest, _, _) in sorted(_plan(model).items())
+    }
     # Structure for MTP to find: the LM head is a permutation of the embedding, so each token has a likely
     # successor (which the layers perturb), and eh_proj passes the next token's embedding through.
     perm = torch.randperm(cfg.vocab_size, generator=gen)
@@ -98,6 +99,49 @@ def write_random_checkpoint(raw_config: dict, folder: Path, seed: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(raw_config, indent=2))
+
+
+def random_init(key: str, noise: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """The random value of the whole checkpoint tensor `key` from standard normal `noise` of its shape: norms
+    near 1, small biases, linears scaled by 1/sqrt(fan-in), an MTP eh_proj that passes the embedding through."""
+    if key.endswith("norm.weight"):
+        return 1.0 + 0.2 * noise
+    if noise.dim() == 1:  # biases: the router's score correction, the indexer's k_norm
+        return 0.1 * noise
+    if key.endswith("eh_proj.weight"):
+        hidden_part = 0.3 * noise[:, hidden_size:] * hidden_size**-0.5
+        return torch.cat([torch.eye(hidden_size, device=noise.device), hidden_part], 1)
+    return noise * (1.0 if "embed_tokens" in key else noise.shape[1] ** -0.5)
+
+
+def random_model(
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    with_mtp: bool = False,
+    seed: int = 0,
+) -> DeepseekV32ForCausalLM:
+    """This rank's model with random weights from the config alone (`--load-format dummy`): no file is read.
+    Every tensor is drawn whole on this rank's device from a generator seeded by `seed` and its checkpoint
+    key (`random_init`), and this rank keeps its slice, so TP ranks hold the slices of one tensor and the
+    weights do not depend on the number of ranks. FP8 weights kept as FP8 get scales of 1."""
+    model = build_model(cfg, parallel, with_mtp, set(), dtype, device)
+    state = get_parallel_state()
+    with torch.no_grad():
+        for key, (dest, dim, _) in sorted(_plan(model).items()):
+            if key.endswith("weight_scale_inv"):
+                dest.fill_(1.0)
+                continue
+            full = list(dest.shape)
+            if dim is not None:
+                full[dim] *= state.tp_size
+            gen = torch.Generator(device=dest.device).manual_seed(seed * 2**32 + zlib.crc32(key.encode()))
+            value = random_init(key, torch.randn(full, generator=gen, device=dest.device), cfg.hidden_size)
+            if dim is not None:
+                value = value.narrow(dim, dest.shape[dim] * state.tp_rank, dest.shape[dim])
+            dest.copy_(value)
+    return model.eval()
 
 
 class Checkpoint:
