@@ -1,7 +1,8 @@
 """The FP8 linear kernels (`quantization.fp8_kernels`) against their torch references on one CUDA GPU, bf16:
 the GEMV / GEMM over m = 1 .. 8192 at GLM-5.2 widths and at widths that are not multiples of 128, with and
 without accumulation, past 2**31 elements of input (64-bit offsets), captured in a CUDA graph; absorbed MLA's
-per-head products with GLM-5.2's kv_b layout (448 rows per head, heads starting mid-block)."""
+per-head products with GLM-5.2's kv_b layout (448 rows per head, heads starting mid-block), also past 2**31
+elements."""
 
 import pytest
 import torch
@@ -99,3 +100,20 @@ def test_fp8_head_matmul_matches_torch(heads):
         _close(
             fp8_head_matmul(y, w, s, nope + v, nope, v, False), fp8_head_matmul_torch(y, w, s, nope + v, nope, v, False)
         )
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+def test_fp8_head_matmul_past_2_31_input_elements():
+    """W_UV^T over 65537 tokens of 64 heads x 512: x holds 2**31 + 32768 elements, so the last tokens' offsets
+    need 64 bits (tokens are independent: compare the last and the first)."""
+    heads, nope, v, c = 64, 192, 256, 512
+    n = (1 << 31) // (heads * c) + 1
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    w, s = _weight(heads * (nope + v), c, gen)
+    y = torch.empty(n, heads, c, device="cuda", dtype=torch.bfloat16)
+    y[:-16] = 0.25
+    y[-16:] = torch.randn(16, heads, c, device="cuda", dtype=torch.bfloat16, generator=gen)
+    got = fp8_head_matmul(y, w, s, nope + v, nope, v, False)
+    _close(got[-16:], fp8_head_matmul_torch(y[-16:], w, s, nope + v, nope, v, False))
+    _close(got[:16], fp8_head_matmul_torch(y[:16], w, s, nope + v, nope, v, False))
