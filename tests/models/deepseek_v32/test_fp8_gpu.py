@@ -17,7 +17,14 @@ from ...multigpu import requires_gpus
 from .test_fp8_checkpoints import CONFIG, FP8_LOGIT_RMS_ERROR, relative_rms_error
 
 # GLM-5.2's head layout (192 + 256 kv_b rows per head), so heads start mid-block as in the real model
-GPU_CONFIG = {**CONFIG, "index_topk": 16, "qk_nope_head_dim": 192, "v_head_dim": 256, "kv_lora_rank": 512, "num_attention_heads": 8}
+GPU_CONFIG = {
+    **CONFIG,
+    "index_topk": 16,
+    "qk_nope_head_dim": 192,
+    "v_head_dim": 256,
+    "kv_lora_rank": 512,
+    "num_attention_heads": 8,
+}
 PROMPTS = [[5, 9, 1, 33, 17, 2, 60, 7], [3, 4, 50, 11]]
 
 
