@@ -350,7 +350,7 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
                 f"tensor {key}: checkpoint shape {ckpt.shape(key)} does not match the expected {tuple(full)}"
             )
         if raw and dest.dtype == torch.float8_e4m3fn and ckpt.dtype(key) != dest.dtype:
-            raise ValueError(f"tensor {key}: expected FP8 e4m3 as the rest of its layer's kind, got {ckpt.dtype(key)}")
+            raise ValueError(f"tensor {key}: the layer holds FP8 e4m3 weights, the checkpoint stores {ckpt.dtype(key)}")
         with torch.no_grad():
             dest.copy_(ckpt.read(key, dim, start, start + (dest.shape[dim] if dim is not None else 0), raw))
         if show and (done % max(1, len(plan) // 20) == 0 or done == len(plan)):
