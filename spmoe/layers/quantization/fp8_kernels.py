@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from spmoe.layers.moe.experts.base import FP8_GROUP, FP8_MAX
 from spmoe.layers.moe.experts.triton_kernels import quantize_fp8
+from spmoe.layers.quantization.fp8 import FP8_GROUP, FP8_MAX
 
 BLOCK = 128  # the weight block and activation group this module's kernels take
 QUANTIZE_INSIDE_ROWS = 64  # up to this many rows the GEMM quantises its activations itself

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from spmoe.layers.fused import use_fused
-from spmoe.layers.moe.experts.base import FP8_GROUP, FP8_MAX, quantize_fp8_groups
+from spmoe.layers.quantization.fp8 import FP8_GROUP, FP8_MAX, dequantize, quantize_fp8_groups
 
 FP8_BLOCK = (128, 128)  # the weight block FP8 linears keep; other block sizes are dequantised on load
 
@@ -45,15 +45,6 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tupl
     return q[: w.shape[0], : w.shape[1]].contiguous(), scale
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[m, k]` -> (e4m3 `[m, k]`, float32 `[m, ceil(k / 128)]`): one scale per token and 128 channels (the last
-    group may be shorter)."""
-    k = x.shape[1]
-    padded = F.pad(x, (0, -k % FP8_GROUP))
-    q, scale = quantize_fp8_groups(padded)
-    return q[:, :k], scale
-
-
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -78,9 +69,9 @@ def fp8_linear_torch(
 ) -> torch.Tensor:
     """The reference `fp8_linear` (x `[m, k]`): x quantised as the kernel quantises it, both dequantised to
     float32, one matmul, the result in x's dtype."""
-    xq, x_scale = quantize_activations(x)
-    x_deq = dequantize_blocks(xq, x_scale, (1, FP8_GROUP))
-    y = x_deq @ dequantize_blocks(weight, scale).t()
+    k = x.shape[1]
+    xq, x_scale = quantize_fp8_groups(F.pad(x, (0, -k % FP8_GROUP)))
+    y = dequantize(xq, x_scale)[:, :k] @ dequantize_blocks(weight, scale).t()
     if out is None:
         return y.to(x.dtype)
     return out.add_(y.to(out.dtype))
