@@ -113,6 +113,8 @@ class MergedLinear(nn.Module):
         self.fp8_parts = {n: -(-w // FP8_BLOCK[0]) * FP8_BLOCK[0] for n, w in self.parts.items() if n in names}
         self.dense_parts = {n: w for n, w in self.parts.items() if n not in names}
         with torch.device(device):
+            # in the model dtype even when no part is left in it: the layer's dtype and device (attention's cache
+            # needs read them)
             self.weight = nn.Parameter(torch.empty(sum(self.dense_parts.values()), in_features, dtype=dtype))
             self.weight_fp8, self.weight_scale = _fp8_parameters(sum(self.fp8_parts.values()), in_features)
             self.weight_fp8.data.view(torch.uint8).zero_()  # the pad rows stay zero
