@@ -28,6 +28,7 @@ from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.paged_rows import PagedKeyStore, quantize_index_vectors, write_index_key, write_latent_projection
 from spmoe.layers.quantization.fp8 import hadamard_matrix, hadamard_rotate
+from spmoe.layers.quantization.fp8_linear import fp8_head_matmul
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.sparse_attention import head_matmul, indexer_topk, sparse_mla, visible_rows
 
@@ -238,12 +239,18 @@ class MLAttention(nn.Module):
         selected rows `[N, k]` -> `[N, h * v]`.
 
         W_UK `[h, nope, c]` and W_UV `[h, v, c]` are views of kv_b_proj's weight: q_nope @ W_UK puts the query
-        in latent space, and the weighted latent goes back through W_UV."""
+        in latent space, and the weighted latent goes back through W_UV. An FP8 kv_b_proj is used as stored
+        (`fp8_head_matmul`: each head's 448 rows need not start on a 128-row block)."""
         cfg, heads, nope = self.cfg, self.local_heads, self.cfg.qk_nope_head_dim
-        w_uk, w_uv = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, cfg.kv_lora_rank).split(
-            [nope, cfg.v_head_dim], dim=1
-        )
-        q_latent = head_matmul(q[..., :nope], w_uk)  # [N, h, c]
+        rows, kv_b = nope + cfg.v_head_dim, self.kv_b_proj
+        if kv_b.is_fp8:
+            q_latent = fp8_head_matmul(q[..., :nope], kv_b.weight, kv_b.weight_scale, rows, 0, cfg.kv_lora_rank, True)
+        else:
+            w_uk, w_uv = kv_b.weight.view(heads, rows, cfg.kv_lora_rank).split([nope, cfg.v_head_dim], dim=1)
+            q_latent = head_matmul(q[..., :nope], w_uk)  # [N, h, c]
         out = sparse_mla(q_latent, q[..., nope:], cache.layer(self.layer_idx), selected, cfg.attention_scale)
-        out = head_matmul(out, w_uv.transpose(1, 2))  # [N, h, v]
+        if kv_b.is_fp8:
+            out = fp8_head_matmul(out, kv_b.weight, kv_b.weight_scale, rows, nope, cfg.v_head_dim, False)
+        else:
+            out = head_matmul(out, w_uv.transpose(1, 2))  # [N, h, v]
         return out.reshape(q.shape[0], heads * cfg.v_head_dim)  # N may be 0 (a DP rank in step)
