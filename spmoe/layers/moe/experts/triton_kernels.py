@@ -2,7 +2,7 @@
 in bfloat16 or FP8 e4m3 with 128 x 128 weight blocks and per-token 128-channel activation groups.
 
 Pipeline for m rows and k routes per row (P = m * k (row, route) pairs), 5 launches at decode (7 with FP8),
-8 (10) above `ONE_PROGRAM_PAIRS` pairs:
+9 (11) above `ONE_PROGRAM_PAIRS` pairs:
 
     align      count pairs per local expert; pad each expert's run to a multiple of BLOCK_M; place
                each local pair in its expert's run (one program for a few pairs, else 3 kernels + 2 fills)
@@ -23,8 +23,9 @@ float32 sum's last bit between runs, and so, rarely, the rounded output. A fixed
 [P, H] buffer or one down pass per route slot (reading the expert weights up to k times); we chose the bounded
 memory.
 
-Every offset that is a product of a size by a row index (pair, token, sorted row, expert) is computed in
-int64: m * k * H passes 2**31 at m = 43691 (H 6144, top-8), R * I at m = 131072.
+Every offset that is a product of a size by a row index (token, sorted row, expert) is computed in int64: at
+H 6144, top-8 and I 2048, m * H passes 2**31 at m = 349526, the sorted activations' R * I from m = 131072 (the
+[P, H] buffer passed it at m = 43691).
 
 Shapes are static for a given m (R is an upper bound), there are no host syncs, so the path can be captured
 in a CUDA graph. Programs whose block holds no pairs exit at once. The order of pairs within an expert's run
