@@ -4,13 +4,13 @@ table) and with their torch references (`spmoe.layers.fused.ENABLED` off), in on
 
 The model: GLM-5.2 widths (H 6144, 64 heads, q_lora 2048, kv_lora 512, DSA indexer) in 4 layers, 1 dense and
 3 MoE of 64 experts top-8 + 1 shared, vocab 32768, random bf16 weights, Triton experts, the paged latent
-cache (sparse absorbed MLA). `--weights fp8` writes the model's FP8 block-128 twin (every linear but the
-indexer's head weights; `write_fp8_checkpoint`) and loads it as spmoe loads an FP8 checkpoint, so every linear
-runs its FP8 kernels; `--weights bf16 fp8` times both in one run and prints the FP8 speed-up per case. Each
-case prefills B sequences of `context` tokens, then times the step that
-decodes one more token per sequence (model + LM head), launched eagerly and replayed from a CUDA graph
-(CUDA-event median). "busy ms" sums the device time of the kernels one eager step launches: graph ms minus
-busy ms is the time the GPU sits between kernels.
+cache (sparse absorbed MLA) as large as the largest case needs. `--weights fp8` writes the model's FP8
+block-128 twin (every linear but the indexer's head weights; `write_fp8_checkpoint`) and loads it as spmoe
+loads an FP8 checkpoint, so every linear runs its FP8 kernels; `--weights bf16 fp8` times both in one run
+and prints the FP8 speed-up per case. Each case prefills B sequences of `context` tokens (in forwards of at
+most `PREFILL_TOKENS` tokens), then times the step that decodes one more token per sequence (model + LM
+head), launched eagerly and replayed from a CUDA graph (CUDA-event median). "busy ms" sums the device time
+of the kernels one eager step launches: graph ms minus busy ms is the time the GPU sits between kernels.
 
 Each case's block tables are as wide as the engine's CUDA graphs make them: a power of 2 of blocks covering the
 context and the new token. Up to index_topk positions the indexer selects every visible row without scoring;
@@ -24,6 +24,7 @@ MLA reads at most index_topk). Also the GPU operations one eager step launches, 
 kernels.
 
     python benchmarks/bench_decode_step.py [--cases 1x16 8x512 1x4096] [--weights bf16 fp8] [--kernels fused]
+    python benchmarks/bench_decode_step.py --cases 1x1024 48x1024 64x1024 128x1024 256x1024 256x4096
 """
 
 import argparse
@@ -51,6 +52,7 @@ MODEL = {
     "vocab_size": 32768,
 }
 BANDWIDTH = 4.3e12  # bytes/s
+PREFILL_TOKENS = 16384  # the sequences of a case are prefilled in forwards of at most this many tokens
 TOP = 40  # kernels listed per profile
 
 
@@ -108,18 +110,23 @@ def run(cases: list[tuple[int, int]], weights: list[str], kernel_kinds: list[str
 
 def run_model(model, weights: str, cases: list[tuple[int, int]], kernel_kinds: list[str]):
     cfg = model.cfg
-    cache = PagedKVCache.for_model(model, 1 << 30)  # 1 GiB: thousands of blocks, far more than the cases need
+    blocks_per_seq = {c: 1 << (-(-(c + 1) // BLOCK_SIZE) - 1).bit_length() for _, c in cases}  # as DecodeGraphs
+    block_bytes = PagedKVCache.for_model(model, 1 << 24).bytes_per_token * BLOCK_SIZE
+    cache = PagedKVCache.for_model(model, max(b * blocks_per_seq[c] for b, c in cases) * block_bytes)
     rows = []
     for batch, context in cases:
-        blocks_per_seq = 1 << (-(-(context + 1) // BLOCK_SIZE) - 1).bit_length()  # as DecodeGraphs pads tables
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+        width = blocks_per_seq[context]
+        tables = [list(range(i * width, (i + 1) * width)) for i in range(batch)]
         gen = torch.Generator(device="cuda").manual_seed(batch)
-        prompt = cache.view(tables, [0] * batch, [context] * batch)
         decode = cache.view(tables, [context] * batch, [1] * batch)
-        ids = torch.randint(0, cfg.vocab_size, (batch * context,), device="cuda", generator=gen)
         next_ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=gen)
         with torch.no_grad():
-            model.forward_hidden(ids, prompt.positions, [context] * batch, prompt)
+            group = max(1, PREFILL_TOKENS // context)  # sequences per prefill forward, as an engine's token budget
+            for first in range(0, batch, group):
+                part = tables[first : first + group]
+                prompt = cache.view(part, [0] * len(part), [context] * len(part))
+                ids = torch.randint(0, cfg.vocab_size, (len(part) * context,), device="cuda", generator=gen)
+                model.forward_hidden(ids, prompt.positions, [context] * len(part), prompt)
 
             def step():
                 return model.compute_logits(model.forward_hidden(next_ids, decode.positions, [1] * batch, decode))
