@@ -67,7 +67,8 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}  # hash -> cached block
         self._tables: dict[int, list[int]] = {}
         self._reserved: dict[int, int] = {}
-        self._chains: dict[int, list[bytes]] = {}  # sequence -> the hashes of its leading full, written blocks
+        self._chains: dict[int, list[bytes]] = {}  # sequence -> the hashes of its leading blocks (memo)
+        self._written: dict[int, int] = {}  # sequence -> its leading blocks full, written and done by cache_blocks
         self.queries = 0  # prompt tokens looked up in the prefix cache, since start
         self.hits = 0  # of those, tokens found cached
 
@@ -102,15 +103,16 @@ class BlockManager:
         """Fraction of blocks held by sequences, 0..1 (cached blocks nobody holds count as free)."""
         return self.num_used_blocks / self.num_blocks
 
-    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+    def cached_prefix(self, token_ids: Sequence[int], hashes: list[bytes] | None = None) -> int:
         """Tokens at the head of a prompt `token_ids` whose rows the cache holds: whole blocks, fewer than
-        `len(token_ids)` (0 with caching off)."""
-        return len(self._hit_blocks(token_ids)) * self.block_size
+        `len(token_ids)` (0 with caching off). `hashes`: the chain hashes of the prompt's first blocks as far
+        as known, extended here as needed (a memo the caller keeps with its token ids; see `allocate`)."""
+        return len(self._hit_blocks(token_ids, hashes)) * self.block_size
 
-    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] = ()) -> bool:
+    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] = (), hashes: list[bytes] | None = None) -> bool:
         """Whether a new sequence with room for `num_tokens` tokens, whose prompt is `token_ids` (for its cached
         prefix), fits now."""
-        hit = self._hit_blocks(token_ids)
+        hit = self._hit_blocks(token_ids, hashes)
         return self.blocks_for(num_tokens) - len(hit) <= self.num_free_blocks - self._unheld(hit)
 
     def can_grow(self, seq_id: int, num_tokens: int) -> bool:
@@ -130,16 +132,24 @@ class BlockManager:
 
     # -- changes ----------------------------------------------------------------------------------------------
 
-    def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] = ()) -> int:
+    def allocate(
+        self, seq_id: int, num_tokens: int, token_ids: Sequence[int] = (), hashes: list[bytes] | None = None
+    ) -> int:
         """Room for a new sequence's first `num_tokens` tokens, its prompt being `token_ids` (empty: nothing to
         look up). Its leading blocks are the longest cached chain matching the prompt, the rest fresh blocks.
         -> the tokens already cached (a multiple of the block size, fewer than the prompt and than
-        `num_tokens`): the sequence computes from there."""
+        `num_tokens`): the sequence computes from there.
+
+        `hashes` (optional): a list the caller keeps for the sequence's life, holding the chain hashes of its
+        first blocks as far as they were computed (empty at first). Its tokens are only ever appended to, so
+        the hashes stay valid; the manager extends the list (lookups, `cache_blocks`) and so hashes each block
+        of a sequence once, even when it waits for room over many steps or comes back after a preemption."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already holds {len(self._tables[seq_id])} blocks")
         if num_tokens < 1:
             raise ValueError(f"a sequence needs at least 1 token, got {num_tokens}")
-        hit = self._hit_blocks(token_ids)
+        chain = [] if hashes is None else hashes
+        hit = self._hit_blocks(token_ids, chain)
         cached = len(hit) * self.block_size
         if num_tokens <= cached:
             raise ValueError(
@@ -156,7 +166,7 @@ class BlockManager:
             self._hold(block)
         self._tables[seq_id] = hit + [self._take_block() for _ in range(fresh)]
         self._reserved[seq_id] = num_tokens
-        self._chains[seq_id] = [self._hash_of[b] for b in hit]
+        self._chains[seq_id], self._written[seq_id] = chain, len(hit)
         if self.enable_caching and token_ids:
             self.queries += len(token_ids)
             self.hits += cached
@@ -171,15 +181,16 @@ class BlockManager:
             raise ValueError(f"sequence {child_id} already holds {len(self._tables[child_id])} blocks")
         if num_tokens < 1:
             raise ValueError(f"a sequence needs at least 1 token, got {num_tokens}")
-        written = len(self._chains[self._check(parent_id)])
-        shared = self._tables[parent_id][: min((num_tokens - 1) // self.block_size, written)]
+        shared = self._tables[self._check(parent_id)][
+            : min((num_tokens - 1) // self.block_size, self._written[parent_id])
+        ]
         fresh = self.blocks_for(num_tokens) - len(shared)
         self._need(fresh, f"sequence {child_id} forked from {parent_id} with {num_tokens} tokens")
         for block in shared:
             self._hold(block)
         self._tables[child_id] = shared + [self._take_block() for _ in range(fresh)]
         self._reserved[child_id] = num_tokens
-        self._chains[child_id] = self._chains[parent_id][: len(shared)]
+        self._chains[child_id], self._written[child_id] = self._chains[parent_id][: len(shared)], len(shared)
         return len(shared) * self.block_size
 
     def grow(self, seq_id: int, num_tokens: int) -> list[int]:
@@ -201,13 +212,19 @@ class BlockManager:
             raise ValueError(
                 f"sequence {seq_id} wrote {num_written} positions; their token ids expected, got {len(token_ids)}"
             )
-        table, chain, size = self._tables[self._check(seq_id)], self._chains[seq_id], self.block_size
-        full = min(num_written, len(token_ids) - self.lookahead, len(table) * size) // size
-        for i in range(len(chain), full):
-            digest = block_hash(chain[-1] if chain else None, token_ids[i * size : (i + 1) * size + self.lookahead])
-            chain.append(digest)
+        table = self._tables[self._check(seq_id)]
+        complete = self._complete_blocks(seq_id, num_written, len(token_ids))
+        self._extend_chain(self._chains[seq_id], token_ids, complete)
+        for i in range(self._written[seq_id], complete):
+            digest = self._chains[seq_id][i]
             if self.enable_caching and digest not in self._block_of:
                 self._block_of[digest], self._hash_of[table[i]] = table[i], digest
+        self._written[seq_id] = max(self._written[seq_id], complete)
+
+    def would_cache(self, seq_id: int, num_written: int, num_known: int) -> bool:
+        """Whether `cache_blocks` with `num_written` positions written and `num_known` token ids known would
+        hash a new block (a caller can then build the token list only when it is needed)."""
+        return self._complete_blocks(seq_id, num_written, num_known) > self._written[self._check(seq_id)]
 
     def free(self, seq_id: int) -> None:
         """Give back every block of `seq_id` (finished, aborted or preempted). Its cached blocks stay cached,
@@ -220,7 +237,7 @@ class BlockManager:
                 self._evictable[block] = None
             else:
                 self._free.append(block)
-        del self._reserved[seq_id], self._chains[seq_id]
+        del self._reserved[seq_id], self._chains[seq_id], self._written[seq_id]
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
@@ -229,17 +246,33 @@ class BlockManager:
             raise KeyError(f"sequence {seq_id} holds no blocks")
         return seq_id
 
-    def _hit_blocks(self, token_ids: Sequence[int]) -> list[int]:
-        """The cached blocks of the longest chain matching the head of a prompt, leaving its last token out."""
+    def _hit_blocks(self, token_ids: Sequence[int], hashes: list[bytes] | None) -> list[int]:
+        """The cached blocks of the longest chain matching the head of a prompt, leaving its last token out;
+        `hashes` is extended with the hashes computed on the way."""
         if not self.enable_caching:
             return []
-        blocks, parent, size = [], None, self.block_size
-        for i in range((len(token_ids) - 1) // size):  # block i ends at or before the last token
-            parent = block_hash(parent, token_ids[i * size : (i + 1) * size + self.lookahead])
-            if parent not in self._block_of:
+        chain, blocks = [] if hashes is None else hashes, []
+        for i in range((len(token_ids) - 1) // self.block_size):  # block i ends at or before the last token
+            self._extend_chain(chain, token_ids, i + 1)
+            if chain[i] not in self._block_of:
                 break
-            blocks.append(self._block_of[parent])
+            blocks.append(self._block_of[chain[i]])
         return blocks
+
+    def _extend_chain(self, chain: list[bytes], token_ids: Sequence[int], num_blocks: int) -> None:
+        """Append to `chain` (the hashes of the first blocks of `token_ids`) up to `num_blocks` hashes; the caller
+        knows the tokens those blocks (and their lookahead) need."""
+        size = self.block_size
+        for i in range(len(chain), num_blocks):
+            chain.append(
+                block_hash(chain[-1] if chain else None, token_ids[i * size : (i + 1) * size + self.lookahead])
+            )
+
+    def _complete_blocks(self, seq_id: int, num_written: int, num_known: int) -> int:
+        """Leading blocks of `seq_id` that are full, written, and whose lookahead tokens are known."""
+        return min(num_written, num_known - self.lookahead, len(self._tables[seq_id]) * self.block_size) // (
+            self.block_size
+        )
 
     def _unheld(self, blocks: list[int]) -> int:
         """How many of `blocks` (cached) nobody holds: taking them leaves fewer free blocks."""

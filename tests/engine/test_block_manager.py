@@ -291,7 +291,8 @@ def test_no_leaked_block_after_1000_random_requests(lookahead):
     blocks = BlockManager(24, size, enable_caching=True, lookahead=lookahead)
     rows = Rows(blocks)
     systems = [[rng.randrange(3) for _ in range(rng.randrange(1, 24))] for _ in range(4)]
-    waiting = []  # (seq_id, all its tokens, how many are known: its prompt, or what it had when preempted)
+    # (seq_id, all its tokens, how many are known: its prompt, or what it had when preempted, its hash memo)
+    waiting = []
     running = {}  # seq_id -> [all its tokens, positions computed, prompt length]
     counts = dict(requests=0, preempted=0, aborted=0, forked=0, hits=0)
     next_id = 0
@@ -299,27 +300,28 @@ def test_no_leaked_block_after_1000_random_requests(lookahead):
         action = rng.random()
         if action < 0.25 and counts["requests"] < 1000:
             prompt = rng.choice(systems)[: rng.randrange(24)] + [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
-            waiting.append((next_id, prompt + [rng.randrange(3) for _ in range(rng.randrange(8))], len(prompt)))
+            waiting.append((next_id, prompt + [rng.randrange(3) for _ in range(rng.randrange(8))], len(prompt), []))
             next_id, counts["requests"] = next_id + 1, counts["requests"] + 1
         elif action < 0.45 and waiting:
-            seq_id, tokens, known = waiting[0]
-            cached = blocks.cached_prefix(tokens[:known])
+            seq_id, tokens, known, hashes = waiting[0]
+            cached = blocks.cached_prefix(tokens[:known], hashes)
+            assert cached == blocks.cached_prefix(tokens[:known])  # the memo changes nothing
             room = min(len(tokens), cached + rng.randrange(1, 9))
-            if blocks.can_allocate(room, tokens[:known]):
+            if blocks.can_allocate(room, tokens[:known], hashes):
                 waiting.pop(0)
-                assert blocks.allocate(seq_id, room, tokens[:known]) == cached
+                assert blocks.allocate(seq_id, room, tokens[:known], hashes) == cached
                 rows.check(seq_id, tokens, cached)
-                running[seq_id] = [tokens, cached, known]
+                running[seq_id] = [tokens, cached, known, hashes]
                 counts["hits"] += cached > 0
         elif action < 0.85 and running:
             seq_id = rng.choice(sorted(running))
-            tokens, done, known = running[seq_id]
+            tokens, done, known, hashes = running[seq_id]
             n = min(rng.randrange(1, 9), len(tokens) - done)
             grow = max(0, done + n - blocks.reserved(seq_id))
             if not blocks.can_grow(seq_id, grow):  # preempted: recomputed later from what it has
                 blocks.free(seq_id)
                 del running[seq_id]
-                waiting.insert(0, (seq_id, tokens, max(known, done)))
+                waiting.insert(0, (seq_id, tokens, max(known, done), hashes))
                 counts["preempted"] += 1
             else:
                 blocks.grow(seq_id, grow)
@@ -339,7 +341,7 @@ def test_no_leaked_block_after_1000_random_requests(lookahead):
             counts["aborted"] += 1
         elif running:
             parent = rng.choice(sorted(running))
-            tokens, done, known = running[parent]
+            tokens, done, known, _ = running[parent]
             prompt = tokens[:known]
             if blocks.blocks_for(len(prompt)) > blocks.num_free_blocks:
                 continue
@@ -347,7 +349,7 @@ def test_no_leaked_block_after_1000_random_requests(lookahead):
             assert shared % size == 0 and shared <= min(done, len(prompt) - 1)
             child = prompt + [rng.randrange(3) for _ in range(rng.randrange(4))]
             rows.check(next_id, child, shared)
-            running[next_id] = [child, shared, len(prompt)]
+            running[next_id] = [child, shared, len(prompt), []]
             next_id, counts["forked"] = next_id + 1, counts["forked"] + 1
         audit(blocks, {s: blocks.block_table(s) for s in running})
     assert blocks.num_used_blocks == 0 and blocks.num_free_blocks == blocks.num_blocks
