@@ -207,18 +207,19 @@ class BlockManager:
         """`seq_id` has written the rows of its first `num_written` positions, whose token ids (and any known
         after them) are `token_ids`: each full block among them whose `lookahead` tokens are known gets its
         hash, and becomes cached unless an equal block already is (this one then stays private to `seq_id`).
-        The hash chain also lets `fork` share those blocks. A no-op for blocks already done."""
+        `fork` shares the blocks done here. A no-op for blocks already done."""
         if num_written > len(token_ids):
             raise ValueError(
                 f"sequence {seq_id} wrote {num_written} positions; their token ids expected, got {len(token_ids)}"
             )
         table = self._tables[self._check(seq_id)]
         complete = self._complete_blocks(seq_id, num_written, len(token_ids))
-        self._extend_chain(self._chains[seq_id], token_ids, complete)
-        for i in range(self._written[seq_id], complete):
-            digest = self._chains[seq_id][i]
-            if self.enable_caching and digest not in self._block_of:
-                self._block_of[digest], self._hash_of[table[i]] = table[i], digest
+        if self.enable_caching:  # (without caching only the count matters, for `fork`)
+            self._extend_chain(self._chains[seq_id], token_ids, complete)
+            for i in range(self._written[seq_id], complete):
+                digest = self._chains[seq_id][i]
+                if digest not in self._block_of:
+                    self._block_of[digest], self._hash_of[table[i]] = table[i], digest
         self._written[seq_id] = max(self._written[seq_id], complete)
 
     def would_cache(self, seq_id: int, num_written: int, num_known: int) -> bool:
