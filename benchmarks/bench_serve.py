@@ -69,6 +69,8 @@ async def prefix_cache_counts(client: httpx.AsyncClient, base: str) -> tuple[flo
     response = await client.get(base.removesuffix("/v1") + "/metrics")
     counts = {}
     for line in response.text.splitlines() if response.status_code == 200 else []:
+        if line.startswith("#"):  # HELP / TYPE
+            continue
         name, _, value = line.rpartition(" ")
         for kind in ("queries", "hits"):
             if name.split("{")[0].endswith(f":prefix_cache_{kind}_total"):
