@@ -1,7 +1,8 @@
 """The engine with the batched sampler, against a float32 forward of the whole sequence computed in the test:
 logprobs and prompt logprobs (prompts prefilled in chunks) equal log_softmax of that forward's logits; greedy
 requests with penalties take the argmax of the penalised logits, step by step; a sampled request's logprobs
-are those of its processed distribution. Every request of the batch has different settings."""
+are those of its processed distribution. Every request of the batch has different settings. A later request
+for prompt logprobs of a prompt whose first block is in the prefix cache still gets them all."""
 
 import math
 
@@ -11,7 +12,7 @@ from spmoe.distributed import spawn
 from spmoe.engine.request import Request
 from spmoe.engine.sampling import SamplingParams
 
-PROMPT = [3, 14, 15, 92, 65, 35, 89, 7, 7, 21]
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 7, 7, 21] * 7  # 70 tokens: one full block of 64 for the prefix cache
 MAX_NEW = 6
 REQUESTS = {
     "logprobs": SamplingParams(logprobs=3, prompt_logprobs=2),
@@ -43,9 +44,21 @@ def run_engine_and_forward(folder: str) -> dict:
             entry["logprobs"] += out.logprobs or []
             if out.prompt_logprobs is not None:
                 entry["prompt_logprobs"] = out.prompt_logprobs
+    # the same prompt again: a plain request finds its first block cached, one asking for prompt logprobs does not
+    # use it (its logprobs come from the forward over the prompt)
+    for name, params in (("again_plain", SamplingParams()), ("again", SamplingParams(prompt_logprobs=2))):
+        engine.add_request(Request(name, PROMPT, 1, params))
+        got[name] = {"tokens": [], "logprobs": [], "prompt_logprobs": None}
+        hits = engine.metrics().prefix_cache_hits
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id]["tokens"] += out.new_token_ids
+                if out.prompt_logprobs is not None:
+                    got[out.request_id]["prompt_logprobs"] = out.prompt_logprobs
+        got[name]["hits"] = engine.metrics().prefix_cache_hits - hits
     forward = {}
     with torch.no_grad():
-        for name, entry in got.items():
+        for name, entry in list(got.items())[: len(REQUESTS)]:
             ids = torch.tensor(PROMPT + entry["tokens"])
             logits = model(ids, torch.arange(len(ids)), [len(ids)])  # float32 [L, V], no cache
             forward[name] = logits.float().tolist()
@@ -100,3 +113,13 @@ def test_penalties_steer_greedy_and_sampled_requests(ran):
             row[t] -= 0.7 * before.count(t)
         assert lp == pytest.approx(log_softmax(row)[token], abs=1e-4)
         assert top == []
+
+
+def test_prompt_logprobs_are_computed_even_when_the_prefix_is_cached(ran):
+    got = ran["got"]
+    assert got["again_plain"]["hits"] == 64  # the plain request found the first block cached
+    assert got["again"]["hits"] == 0
+    first, again = got["logprobs"]["prompt_logprobs"], got["again"]["prompt_logprobs"]
+    assert len(again) == len(PROMPT) and again[0] is None
+    for (lp, top), (lp2, top2) in zip(first[1:], again[1:]):
+        assert lp2 == pytest.approx(lp, abs=1e-5) and [t for t, _ in top2] == [t for t, _ in top]

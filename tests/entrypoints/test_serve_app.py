@@ -105,7 +105,14 @@ class ScriptedEngineClient:
 
     def metrics(self):
         return EngineMetrics(
-            running=1, waiting=2, kv_cache_usage=0.25, generated_tokens=7, draft_proposed=4, draft_accepted=3
+            running=1,
+            waiting=2,
+            kv_cache_usage=0.25,
+            generated_tokens=7,
+            draft_proposed=4,
+            draft_accepted=3,
+            prefix_cache_queries=40,
+            prefix_cache_hits=30,
         )
 
 
@@ -200,6 +207,8 @@ def test_models_health_metrics(served):
         'spmoe:num_requests_waiting{model_name="tiny"} 2.0',
         'spmoe:kv_cache_usage_perc{model_name="tiny"} 0.25',
         'spmoe:generation_tokens_total{model_name="tiny"} 7.0',
+        'spmoe:prefix_cache_queries_total{model_name="tiny"} 40.0',
+        'spmoe:prefix_cache_hits_total{model_name="tiny"} 30.0',
         'spmoe:spec_decode_num_draft_tokens_total{model_name="tiny"} 4.0',
         'spmoe:spec_decode_num_accepted_tokens_total{model_name="tiny"} 3.0',
         'spmoe:time_to_first_token_seconds_count{model_name="tiny"} 1.0',
