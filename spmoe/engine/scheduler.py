@@ -30,6 +30,8 @@ cache's blocks.
 Prefix caching (`BlockRoom` with `enable_prefix_caching`; see `block_manager.py`). A waiting sequence is
 admitted with the longest chain of cached full blocks that matches what it feeds (its prompt, or after a
 preemption its prompt and output): its `cached` count starts there and its prompt chunks continue from it.
+A waiting sequence whose first block of prompt a running sequence is still prefilling waits for it (the n
+choices of a request: the prompt is computed and held once, each choice adds its last partial block).
 After each step `update` tells the room how many leading positions of each sequence have all their rows
 written (`cache_written`), so that its full blocks become cached: with MTP a position's rows are complete once
 the drafter has caught up on it, which it does in the step that verifies it, except for a sequence that
@@ -67,6 +69,11 @@ class SlotRoom:
     def cached_prefix(self, seq: Sequence) -> int:
         """The slot cache keeps nothing past a sequence's life: no token is ever cached for a new one."""
         return 0
+
+    @property
+    def shared_block(self) -> int | None:
+        """No prefix cache: nothing is shared."""
+        return None
 
     def can_allocate(self, num_tokens: int, seq: Sequence) -> bool:
         """Whether a new sequence of up to `num_tokens` tokens can get room now."""
@@ -142,6 +149,11 @@ class BlockRoom:
     def cached_prefix(self, seq: Sequence) -> int:
         """Tokens at the head of what a waiting sequence feeds (`pending`) that cached blocks hold."""
         return self.blocks.cached_prefix(self._lookup(seq), seq.block_hashes)
+
+    @property
+    def shared_block(self) -> int | None:
+        """The tokens of a block sequences can share through the prefix cache (None: caching off)."""
+        return self.blocks.block_size if self.blocks.enable_caching else None
 
     def can_allocate(self, num_tokens: int, seq: Sequence) -> bool:
         """Whether waiting `seq` fits now with room for `num_tokens` tokens in all, its cached prefix included."""
@@ -265,6 +277,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.room.max_num_seqs:
             seq = self.waiting[0]
             cached = self.room.cached_prefix(seq)
+            if self._twin_prefilling(seq, cached):
+                break
             count = min(len(seq.pending) - cached, budget)
             if not self.room.can_allocate(self._room_for(seq, cached + count), seq):
                 break
@@ -340,6 +354,26 @@ class Scheduler:
     @staticmethod
     def _output(seq: Sequence, tokens: list[int]) -> RequestOutput:
         return RequestOutput(seq.request_id, tokens, seq.finish_reason, seq.error, len(seq.request.prompt))
+
+    def _twin_prefilling(self, seq: Sequence, cached: int) -> bool:
+        """Whether a running sequence still prefilling will write more full blocks that waiting `seq` begins
+        with than the `cached` tokens it finds now (the n choices of one request, the same prompt sent twice).
+        It then waits (and those behind it) until those blocks are written, to share them from the prefix cache
+        instead of computing and holding its own copy. Not with caching off, nor for a sequence that wants its
+        prompt's logprobs."""
+        size = self.room.shared_block
+        if size is None or len(seq.pending) <= size or seq.wants_prompt_logprobs:
+            return False
+        for twin in self.running:
+            if not twin.prefilling or twin.request.prompt[:size] != seq.pending[:size]:
+                continue
+            common = next(
+                (i for i, (a, b) in enumerate(zip(twin.request.prompt, seq.pending)) if a != b),
+                min(len(twin.request.prompt), len(seq.pending)),
+            )
+            if min(common, len(seq.pending) - 1) // size * size > cached:  # its last token is always computed
+                return True
+        return False
 
     def _room_for(self, seq: Sequence, fed: int) -> int:
         """The room `seq` needs once it holds `fed` tokens: those and the reserve, but never more than its

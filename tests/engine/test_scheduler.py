@@ -184,3 +184,19 @@ def test_preempted_sequence_finds_its_blocks_again():
     assert pairs(batch) == [("a", 1), ("b", 1)] and batch.starts == [65, 64]
     assert batch.locations[1][0] == batch.locations[0][0]  # b holds a's cached block
     assert room.prefix_cache_counts() == (64 + 64 + 65, 64)
+
+
+def test_a_twin_waits_for_the_prompt_blocks_it_shares():
+    room = paged_room(8, prefix_caching=True)
+    scheduler = Scheduler(room, sampler_for(room), max_num_batched_tokens=300)
+    choices = [sequence(f"n{i}", 130, max_new_tokens=3) for i in range(3)]  # the same prompt: n = 3
+    other = sequence("other", 20)
+    for seq in (*choices, other):
+        scheduler.add(seq)
+    batch = scheduler.schedule()  # the first choice alone; the others (and what queues behind) wait for it
+    assert pairs(batch) == [("n0", 130)]
+    feed(scheduler, batch)  # its prompt written: blocks 0 and 1 cached
+    batch = scheduler.schedule()
+    assert pairs(batch) == [("n0", 1), ("n1", 2), ("n2", 2), ("other", 20)]  # the twins compute 2 tokens each
+    assert batch.starts[1:3] == [128, 128] and room.blocks.num_used_blocks == 3 + 1 + 1 + 1
+    assert room.location(choices[1])[:2] == room.location(choices[0])[:2] == room.location(choices[2])[:2]
