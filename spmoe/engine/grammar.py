@@ -1,0 +1,167 @@
+"""Structured output: a grammar a sequence's tokens must follow, compiled with xgrammar; a matcher per sequence
+that walks the grammar with each committed token; and the token bitmask that sets every token the grammar does
+not allow next to -inf in the logits before sampling.
+
+A `GrammarSpec` is plain text (a kind and its text), so rank 0 sends it with the request and every rank
+compiles the same grammar from its own cache: the masks, and so the sampled tokens, are the same on every rank.
+Compiling takes milliseconds to seconds (a large schema); the server compiles a request's grammar off its event
+loop before the request enters the engine, so the engine's compile is a cache hit on rank 0.
+"""
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
+# xgrammar 0.2.9 writes a length-bounded JSON string's characters as the first class, which lets raw control
+# characters (U+0000-U+001F other than CR, LF) into the string, where JSON forbids them; the second is JSON's.
+LOOSE_STRING_CHARACTER, JSON_STRING_CHARACTER = r"[^\"\\\r\n]", r"[^\0-\x1f\"\\]"
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """`kind`: "json_schema" (`text`: the schema's JSON), "json_object" (any JSON object; `text` ""), "regex",
+    "choice" (`text`: a JSON list of the allowed strings) or "ebnf" (xgrammar's EBNF, rule `root`)."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self):
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"a grammar's kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+
+
+def json_schema_grammar(schema_text: str) -> xgr.Grammar:
+    """A JSON schema's text -> its grammar (compact JSON: no whitespace beyond ", " and ": "), with JSON's
+    string characters everywhere; RuntimeError (xgrammar's) for a schema it cannot convert."""
+    ebnf = str(xgr.Grammar.from_json_schema(schema_text, any_whitespace=False))
+    return xgr.Grammar.from_ebnf(ebnf.replace(LOOSE_STRING_CHARACTER, JSON_STRING_CHARACTER))
+
+
+def compile_error_reason(error: Exception) -> str:
+    """xgrammar's error -> its first line without the "[time] file.cc:line: " xgrammar puts before it."""
+    lines = str(error).strip().splitlines()
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0]) if lines else type(error).__name__
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """The EBNF grammar whose sentences are exactly `choices`."""
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"a choice must be a non-empty list of non-empty strings, got {choices!r}"[:300])
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles `GrammarSpec`s for one tokenizer, each once: the cache is keyed by the spec. Thread-safe (the
+    server compiles in worker threads)."""
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo):
+        self.info = tokenizer_info
+        self.compiler = xgr.GrammarCompiler(tokenizer_info, cache_enabled=False)  # cached here, by spec
+        self.cache: dict[GrammarSpec, xgr.CompiledGrammar] = {}
+        self.lock = threading.Lock()
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, vocab_size: int) -> "GrammarCompiler":
+        """A transformers tokenizer; `vocab_size`: the model's (the LM head's rows, which may pad the
+        tokenizer's vocabulary)."""
+        return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """-> the compiled grammar; ValueError naming the kind and what is wrong when it does not compile."""
+        with self.lock:
+            compiled = self.cache.get(spec)
+        if compiled is not None:
+            return compiled
+        try:
+            compiled = self._compile(spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"the {spec.kind} grammar does not compile: {compile_error_reason(e)}"[:400]) from None
+        with self.lock:
+            return self.cache.setdefault(spec, compiled)
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        if spec.kind == "json_schema":
+            json.loads(spec.text)  # a ValueError that says where the JSON is broken
+            return self.compiler.compile_grammar(json_schema_grammar(spec.text))
+        if spec.kind == "json_object":
+            return self.compiler.compile_grammar(json_schema_grammar('{"type": "object"}'))
+        if spec.kind == "regex":
+            return self.compiler.compile_regex(spec.text)
+        if spec.kind == "choice":
+            return self.compiler.compile_grammar(choice_ebnf(json.loads(spec.text)))
+        return self.compiler.compile_grammar(spec.text)
+
+    def matcher(self, spec: GrammarSpec, start_after: tuple[int, ...] = ()) -> "SequenceGrammar":
+        return SequenceGrammar(self.compile(spec), start_after)
+
+
+class SequenceGrammar:
+    """One sequence's position in its grammar. With `start_after` (token ids, e.g. those of `</think>`), the
+    grammar applies only once the sequence has generated them: the reasoning before is free."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, start_after: tuple[int, ...] = ()):
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.start_after = list(start_after)
+        self.recent: list[int] = []  # the last generated tokens, while waiting for `start_after`
+        self.active = not start_after
+
+    def accept(self, token: int) -> bool:
+        """Advance by a committed token; False if the grammar does not allow it (the matcher does not move)."""
+        if self.active:
+            return self.matcher.accept_token(token)
+        self.recent = (self.recent + [token])[-len(self.start_after) :]
+        self.active = self.recent == self.start_after
+        return True
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into `bitmask[row]` (`[W]` int32, bit t % 32 of word t // 32 for token
+        t; all allowed while the grammar has not started)."""
+        if self.active:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            bitmask[row].fill_(-1)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar has accepted a stop token: the sequence must end."""
+        return self.matcher.is_terminated()
+
+
+def fill_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
+    """The step's sequences (None: no grammar) -> (bitmask `[m, ceil(V / 32)]` int32 on the CPU, the rows that
+    have a grammar), or None when no row has one."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return None
+    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+    for row in rows:
+        grammars[row].fill(bitmask, row)
+    return bitmask, rows
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """logits `[m, V]` (any device; float32 on the CPU) -> in place, -inf wherever `bitmask` `[m, ceil(V / 32)]`
+    has a 0 bit, in `rows` only (the other rows have no grammar and are left as they are). xgrammar's kernel
+    (CUDA on the GPU)."""
+    xgr.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1], indices=rows
+    )
+
+
+def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """The same in torch: the bits unpacked to a `[len(rows), V]` boolean mask."""
+    vocab = logits.shape[-1]
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    words = bitmask.to(logits.device)[index]  # [r, W]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [r, W * 32] -> [r, V]
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
