@@ -9,7 +9,12 @@ import pytest
 from spmoe.entrypoints.serve.parsers.chat_output import ChatOutputParser
 from spmoe.entrypoints.serve.parsers.markers import partial_marker_length
 from spmoe.entrypoints.serve.parsers.reasoning import Glm45ReasoningParser, thinking_enabled
-from spmoe.entrypoints.serve.parsers.tool_calls import GlmToolCallParser, assemble_tool_calls, typed_value
+from spmoe.entrypoints.serve.parsers.tool_calls import (
+    GlmToolCallParser,
+    assemble_tool_calls,
+    coalesce_deltas,
+    typed_value,
+)
 
 TOOLS = [
     {
@@ -309,3 +314,10 @@ def test_tool_parser_alone_holds_whitespace_before_a_call():
     content, deltas = parser.feed("<tool_call>get_time</tool_call>")
     assert content == "" and [d.arguments for d in deltas] == ["", "{}"]
     assert parser.flush() == ("", [])
+
+
+def test_coalesced_deltas_make_the_same_calls():
+    *_, deltas = _run("</think>", False, list(SCRIPTS[7][3]))
+    merged = coalesce_deltas(deltas)
+    assert len(merged) == 2 and [d.name for d in merged] == ["get_weather", "get_time"]
+    assert assemble_tool_calls(merged) == assemble_tool_calls(deltas)

@@ -8,34 +8,47 @@ The app waits for a request's first text before it answers, so a request the eng
 503, one that can never fit: 400) gets its status even when it asked for a stream.
 """
 
+import asyncio
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from contextlib import aclosing
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from spmoe.engine.grammar import GrammarCompiler, GrammarSpec
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
+from spmoe.entrypoints.serve.chat import (
+    ChatChoices,
+    ChatOptions,
+    effective_tool_choice,
+    reasoning_end_ids,
+    template_message,
+)
+from spmoe.entrypoints.serve.constraints import STRUCTURED_OUTPUT_FIELDS, grammar_for_request
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
 from spmoe.entrypoints.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from spmoe.entrypoints.serve.ranks import QueueFull
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration
-from spmoe.entrypoints.serve.tokenizer import chat_prompt_ids, eos_token_ids
+from spmoe.entrypoints.serve.tokenizer import chat_prompt_text, eos_token_ids
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 log = logging.getLogger("spmoe.serve")
 
 
-def build_app(client, tokenizer, served_model_name: str) -> FastAPI:
+def build_app(client, tokenizer, served_model_name: str, chat: ChatOptions = ChatOptions()) -> FastAPI:
     """`client`: an EngineClient (async `generate(request)`, `metrics()`, `max_model_len`, `vocab_size`,
-    `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer."""
+    `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer; `chat`: the
+    reasoning and tool-call parsers."""
     app = FastAPI(title="spmoe", docs_url=None, redoc_url=None, openapi_url=None)
-    api = OpenAIApi(client, tokenizer, served_model_name)
+    api = OpenAIApi(client, tokenizer, served_model_name, chat)
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
@@ -59,11 +72,13 @@ def build_app(client, tokenizer, served_model_name: str) -> FastAPI:
 
 
 class OpenAIApi:
-    def __init__(self, client, tokenizer, served_model_name: str):
-        self.client, self.tokenizer, self.model_name = client, tokenizer, served_model_name
+    def __init__(self, client, tokenizer, served_model_name: str, chat: ChatOptions):
+        self.client, self.tokenizer, self.model_name, self.chat = client, tokenizer, served_model_name, chat
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.metrics = ServeMetrics(client)
         self.created = int(time.time())
+        self.grammars: GrammarCompiler | None = None  # built at the first constrained request
+        self.grammars_lock = threading.Lock()
 
     async def health(self) -> Response:
         if self.client.error is not None:
@@ -92,17 +107,52 @@ class OpenAIApi:
         self._check_model(body.model)
         prompt = self._prompt_ids(body.prompt)
         max_new = self._max_new_tokens(len(prompt), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
-        return await self._respond(http, body, prompt, max_new, "cmpl", "text_completion", _completion_choice)
+        grammar = await self._grammar(body, {}, None)
+        return await self._respond(
+            http, body, prompt, max_new, "cmpl", "text_completion", _completion_choice, grammar, ()
+        )
 
     async def chat_completions(self, http: Request):
         body = parse(ChatCompletionRequest, await _json_body(http))
         self._check_model(body.model)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice
         try:
-            prompt = chat_prompt_ids(self.tokenizer, [m.as_template_input() for m in body.messages])
+            tool_choice = effective_tool_choice(tools, choice, self.chat)
+        except ValueError as e:
+            raise ApiError(400, str(e), "tool_choice") from None
+        try:
+            messages = [template_message(m.model_dump(exclude_none=True)) for m in body.messages]
+            text = await asyncio.to_thread(chat_prompt_text, self.tokenizer, messages, tools, body.chat_template_kwargs)
+            choices = ChatChoices.for_request(self.chat, text, body.chat_template_kwargs, tools, tool_choice)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)
         max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, None)
-        return await self._respond(http, body, prompt, max_new, "chatcmpl", "chat.completion", _chat_choice)
+        tool_fields = {"tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls}
+        grammar = await self._grammar(body, tool_fields, tools)
+        start_after = reasoning_end_ids(self.chat, body.chat_template_kwargs, self.tokenizer) if grammar else ()
+        return await self._respond(
+            http, body, prompt, max_new, "chatcmpl", "chat.completion", choices, grammar, start_after
+        )
+
+    async def _grammar(self, body: SamplingFields, extra: dict, tools: list[dict] | None) -> GrammarSpec | None:
+        """The grammar the request's output must follow (None: none), compiled now, off the event loop, so that
+        a bad one is a 400 here and the engine's compile is a cache hit."""
+        fields = {name: getattr(body, name) for name in STRUCTURED_OUTPUT_FIELDS} | extra
+        try:
+            spec = grammar_for_request(fields, tools)
+            if spec is not None:
+                await asyncio.to_thread(self._compile, spec)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        return spec
+
+    def _compile(self, spec: GrammarSpec) -> None:
+        with self.grammars_lock:  # reading the tokenizer's vocabulary once
+            if self.grammars is None:
+                self.grammars = GrammarCompiler.from_tokenizer(self.tokenizer, self.client.vocab_size)
+        self.grammars.compile(spec)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -142,7 +192,16 @@ class OpenAIApi:
         return requested
 
     async def _respond(
-        self, http: Request, body: SamplingFields, prompt: list[int], max_new: int, id_prefix: str, kind: str, choice
+        self,
+        http: Request,
+        body: SamplingFields,
+        prompt: list[int],
+        max_new: int,
+        id_prefix: str,
+        kind: str,
+        choice,
+        grammar: GrammarSpec | None,
+        grammar_start_after: tuple[int, ...],
     ):
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         seed = body.seed if body.seed is not None else secrets.randbits(63)
@@ -154,7 +213,7 @@ class OpenAIApi:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         eos = () if body.ignore_eos else self.eos_token_ids
-        request = EngineRequest(request_id, prompt, max_new, sampling, eos)
+        request = EngineRequest(request_id, prompt, max_new, sampling, eos, grammar, grammar_start_after)
         generation = TextGeneration(self.client.generate(request), self.tokenizer, prompt, body.stop, eos, self.metrics)
         pieces = generation.pieces()
         first = await _first_piece(pieces)
@@ -233,22 +292,6 @@ async def _events(pieces, first: Piece, generation: TextGeneration, head: dict, 
 
 def _completion_choice(text: str, finish_reason: str | None, stream: bool) -> dict:
     return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-
-def _chat_choice(text: str, finish_reason: str | None, stream: bool) -> dict:
-    if stream:
-        return {
-            "index": 0,
-            "delta": {"content": text} if text else {},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-    return {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
 
 
 def _chat_role_delta() -> dict:

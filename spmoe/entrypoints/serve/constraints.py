@@ -21,6 +21,14 @@ import xgrammar as xgr
 from spmoe.engine.grammar import GrammarSpec, compile_error_reason, json_schema_grammar
 from spmoe.entrypoints.serve.parsers.tool_calls import schema_types
 
+STRUCTURED_OUTPUT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
 STRING_ARGUMENT = r'([^<] | "<" [^/])*'  # any text without "</", so that "</arg_value>" ends it
@@ -29,9 +37,7 @@ STRING_ARGUMENT = r'([^<] | "<" [^/])*'  # any text without "</", so that "</arg
 def grammar_for_request(fields: dict, tools: list[dict] | None = None) -> GrammarSpec | None:
     """`fields`: the request body's fields (those absent or None are not given) -> the grammar its output must
     follow, or None."""
-    given = {
-        name: fields[name] for name in ("response_format", "structured_outputs", *GUIDED_FIELDS) if _set(fields, name)
-    }
+    given = {name: fields[name] for name in STRUCTURED_OUTPUT_FIELDS if fields.get(name) is not None}
     tool_choice = fields.get("tool_choice")
     if tool_choice == "required" or isinstance(tool_choice, dict):
         given["tool_choice"] = tool_choice
@@ -47,10 +53,6 @@ def grammar_for_request(fields: dict, tools: list[dict] | None = None) -> Gramma
     if name == "tool_choice":
         return tool_call_grammar(tools or [], value, fields.get("parallel_tool_calls", True) is not False)
     return _structured(GUIDED_FIELDS[name], value, name)
-
-
-def _set(fields: dict, name: str) -> bool:
-    return fields.get(name) is not None
 
 
 def _response_format(value) -> GrammarSpec | None:

@@ -20,6 +20,8 @@ from spmoe.config import ParallelConfig
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.distributed import launch
 from spmoe.entrypoints.cache_options import add_kv_cache_args, kv_cache_options
+from spmoe.entrypoints.serve.chat import ChatOptions
+from spmoe.entrypoints.serve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 from spmoe.entrypoints.serve.ranks import DEFAULT_MAX_MODEL_LEN, ServeOptions, check_serve, serve_rank
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 
@@ -30,6 +32,7 @@ class FrontEndOptions:
     served_model_name: str
     host: str
     port: int
+    chat: ChatOptions = ChatOptions()  # the reasoning and tool-call parsers
 
 
 def start_front_end(options: FrontEndOptions, client) -> int | None:
@@ -39,7 +42,7 @@ def start_front_end(options: FrontEndOptions, client) -> int | None:
 
     from spmoe.entrypoints.serve.app import build_app
 
-    app = build_app(client, load_tokenizer(options.model_dir), options.served_model_name)
+    app = build_app(client, load_tokenizer(options.model_dir), options.served_model_name, options.chat)
     server = uvicorn.Server(
         uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", timeout_graceful_shutdown=5)
     )
@@ -121,6 +124,21 @@ def add_serve_args(p) -> None:
     p.add_argument("--served-model-name", help="the model name clients ask for (default: --model as given)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="split the model's thinking into reasoning_content (glm45: GLM's <think>...</think>)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="read the model's tool calls into tool_calls (glm47, glm45: GLM's <tool_call> format)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call a tool (tool_choice "auto"); needs --tool-call-parser',
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1): dp * tp ranks")
     p.add_argument("--sp", choices=SP_MODES, default="auto", help="sequence-parallel MoE (default auto)")
@@ -159,6 +177,7 @@ def add_serve_args(p) -> None:
 
 
 def cmd_serve(args) -> int:
+    chat = ChatOptions(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
     model = args.model
     if model is None:
         from spmoe.entrypoints.demo import checkpoint_dir, ensure_checkpoint
@@ -186,7 +205,8 @@ def cmd_serve(args) -> int:
         **kv_cache_options(args),
     )
     name = args.served_model_name or (args.model if args.model is not None else "spmoe-demo")
-    stop = run_serve(model, parallel, options, FrontEndOptions(model, name, args.host, args.port), args.device)
+    front = FrontEndOptions(model, name, args.host, args.port, chat)
+    stop = run_serve(model, parallel, options, front, args.device)
     if stop is None:
         return 0
     print(f"spmoe serve: stopped by {signal.Signals(stop).name}", file=sys.stderr)

@@ -64,6 +64,17 @@ def assemble_tool_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
     return [calls[i] for i in sorted(calls)]
 
 
+def coalesce_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive deltas of one call as one (fewer, larger pieces in a stream chunk; the same calls)."""
+    out: list[ToolCallDelta] = []
+    for delta in deltas:
+        if out and out[-1].index == delta.index and delta.name is None:
+            out[-1] = ToolCallDelta(delta.index, out[-1].arguments + delta.arguments, out[-1].id, out[-1].name)
+        else:
+            out.append(delta)
+    return out
+
+
 def tool_argument_schemas(tools: list[dict]) -> dict[str, dict]:
     """OpenAI `tools` -> {function name: {argument name: its JSON schema}}."""
     schemas = {}
