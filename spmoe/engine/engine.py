@@ -16,7 +16,9 @@ One step:
    has N = the number of running sequences: N = 1, 2 or 3 on 2 to 4 ranks is the everyday case. With
    `cuda_graphs`, plain decode steps replay a captured graph; prefill stays eager.
 3. Commit: a sequence that fed its last pending token samples from its last row with its own sampler, or
-   accepts drafts greedily (`speculative.py`); a prompt chunk only advances the cached count.
+   accepts drafts greedily (`speculative.py`); a prompt chunk only advances the cached count. A sequence
+   with a grammar (structured output, `grammar.py`) first has the tokens its grammar does not allow masked
+   out of its row, for the whole batch at once, and its grammar then advances with the committed token.
 4. Finish sequences at an eos id or `max_new_tokens`; free their cache room. A sequence whose logits hold a
    NaN or an infinity has no next token: it finishes with finish_reason "error" and an error naming the step,
    and the others carry on (the server keeps serving); `generate` raises that error instead.
@@ -32,6 +34,7 @@ import torch
 
 from spmoe.distributed import CommStats, count_collectives, get_parallel_state
 from spmoe.distributed.comm import all_reduce
+from spmoe.engine.grammar import GrammarCompiler, apply_bitmask, fill_bitmask
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.model_runner import ModelRunner
 from spmoe.engine.paged_cache import PagedKVCache
@@ -124,10 +127,12 @@ class Engine:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int = 8192,
         max_model_len: int | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
         """`max_num_seqs`: sequences running at once on a paged cache (the slot cache: its slot count);
         `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit; `max_model_len`: the
-        most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot)."""
+        most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot);
+        `grammars`: compiles the grammars of structured-output requests (None: such requests are refused)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and not model.num_draft_layers:
@@ -137,7 +142,7 @@ class Engine:
                 "CUDA graphs capture the plain decode step only; speculative decoding runs eagerly, "
                 "so pass one or the other"
             )
-        self.model, self.cache, self.k = model, cache, num_speculative_tokens
+        self.model, self.cache, self.k, self.grammars = model, cache, num_speculative_tokens, grammars
         room = (
             BlockRoom(cache, max_num_seqs or 256, max_model_len) if isinstance(cache, PagedKVCache) else SlotRoom(cache)
         )
@@ -173,6 +178,13 @@ class Engine:
             f"{label} with its new and speculative tokens",
         )
         check_speculation(request.sampling, self.k)
+        if request.grammar is not None:
+            if self.grammars is None:
+                raise ValueError(f"request {request.request_id!r} has a grammar, but this engine has no compiler")
+            if self.k:
+                raise ValueError(
+                    "structured output (a grammar) is not applied to MTP drafts: serve without speculation for it"
+                )
 
     def add_request(self, request: Request, record_logits: bool = False) -> Sequence:
         """Queue a request; it joins the running batch when the cache has room. `record_logits` keeps the
@@ -180,7 +192,10 @@ class Engine:
         self.validate(request)
         if self.scheduler.holds(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in the engine; expected a new id")
-        seq = Sequence(request, Sampler(request.sampling), record_logits)
+        grammar = None
+        if request.grammar is not None:
+            grammar = self.grammars.matcher(request.grammar, request.grammar_start_after)
+        seq = Sequence(request, Sampler(request.sampling), record_logits, grammar)
         self.scheduler.add(seq)
         return seq
 
@@ -226,6 +241,7 @@ class Engine:
         outputs, to_draft, row, fed = [], [], 0, 0
         # every greedy choice of the step (and whether its row is finite) in one host transfer
         committing = [s for (s, _), last in zip(work, samples) if last]
+        self._mask_by_grammars(committing, logits)
         greedy_rows = greedy(logits) if any(s.drafts or s.sampler.params.greedy for s in committing) else None
         for (seq, n), last in zip(work, samples):
             if not last:  # a prompt chunk: the MTP layer catches up on it with the next prompt tokens
@@ -259,6 +275,18 @@ class Engine:
             self._draft(to_draft)  # under DP even an empty draft step runs, to keep the ranks in step
         return outputs
 
+    @staticmethod
+    def _mask_by_grammars(committing: list[Sequence], logits: torch.Tensor) -> None:
+        """logits `[m, V]`, one row per committing sequence (a grammar comes without drafts) -> in place, the
+        tokens each sequence's grammar does not allow next at the dtype's lowest finite value (not -inf: the
+        non-finite check that follows is for the model's NaN / inf)."""
+        masks = fill_bitmask([s.grammar for s in committing], logits.shape[-1])
+        if masks is None:
+            return
+        bitmask, rows = masks
+        apply_bitmask(logits, bitmask, rows)
+        logits[rows] = logits[rows].clamp(min=torch.finfo(logits.dtype).min)
+
     def _commit(
         self, seq: Sequence, logits: torch.Tensor, greedy_rows: tuple[list[int], list[bool]] | None
     ) -> tuple[list[int], int]:
@@ -291,12 +319,17 @@ class Engine:
         verified = len(seq.pending) - (len(seq.drafts) - accepted)
         request, new = seq.request, []
         for j, token in enumerate(candidates):
+            if seq.grammar is not None and not seq.grammar.accept(token):  # cannot happen: the mask allowed it
+                seq.error = f"request {seq.request_id!r}: token {token} does not follow its grammar"
+                self.scheduler.finish(seq, "error")
+                break
             new.append(token)
             seq.output.append(token)
             if seq.record_logits:
                 seq.logits.append(logits[j].cpu())
-            if token in request.eos_token_ids or len(seq.output) == request.max_new_tokens:
-                self.scheduler.finish(seq, "stop" if token in request.eos_token_ids else "length")
+            complete = seq.grammar is not None and seq.grammar.finished  # it took a stop token
+            if token in request.eos_token_ids or complete or len(seq.output) == request.max_new_tokens:
+                self.scheduler.finish(seq, "stop" if token in request.eos_token_ids or complete else "length")
                 break
         self.counters.generated_tokens += len(new)
         return new, verified

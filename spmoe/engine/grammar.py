@@ -17,9 +17,12 @@ import torch
 import xgrammar as xgr
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
-# xgrammar 0.2.9 writes a length-bounded JSON string's characters as the first class, which lets raw control
-# characters (U+0000-U+001F other than CR, LF) into the string, where JSON forbids them; the second is JSON's.
-LOOSE_STRING_CHARACTER, JSON_STRING_CHARACTER = r"[^\"\\\r\n]", r"[^\0-\x1f\"\\]"
+# xgrammar 0.2.9 writes a JSON string's characters as one of the first two classes: the first (length-bounded
+# strings) lets raw control characters in, where JSON forbids them, and on a byte-level vocabulary both let the
+# UTF-8 bytes of a surrogate (U+D800-U+DFFF, no character) through, which decode to U+FFFD and break the length
+# bounds. The third class is JSON's characters without the surrogates.
+LOOSE_STRING_CHARACTERS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
+JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\ud800-\udfff]"
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ def json_schema_grammar(schema_text: str) -> xgr.Grammar:
     """A JSON schema's text -> its grammar (compact JSON: no whitespace beyond ", " and ": "), with JSON's
     string characters everywhere; RuntimeError (xgrammar's) for a schema it cannot convert."""
     ebnf = str(xgr.Grammar.from_json_schema(schema_text, any_whitespace=False))
-    return xgr.Grammar.from_ebnf(ebnf.replace(LOOSE_STRING_CHARACTER, JSON_STRING_CHARACTER))
+    for loose in LOOSE_STRING_CHARACTERS:
+        ebnf = ebnf.replace(loose, JSON_STRING_CHARACTER)
+    return xgr.Grammar.from_ebnf(ebnf)
 
 
 def compile_error_reason(error: Exception) -> str:

@@ -246,3 +246,19 @@ def test_compile_errors_and_cache(compiler):
         GrammarSpec("xml", "")
     spec = GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))
     assert compiler.compile(spec) is compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0])))
+
+
+@pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "string", "maxLength": 12}])
+def test_json_strings_hold_characters_only(compiler, schema):
+    """No raw control character and no surrogate's UTF-8 bytes (no character: it decodes to U+FFFD) inside a
+    JSON string, bounded or not; real characters of 1 to 4 bytes are fine. (xgrammar 0.2.9 alone lets both
+    through in a bounded string and the surrogates in any.)"""
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+
+    def accepts(body: bytes) -> bool:
+        grammar = compiler.matcher(spec)
+        return all(grammar.accept(t) for t in b'"' + body + b'"') and grammar.matcher.is_completed()
+
+    assert accepts("aé€🙂\u0096".encode())
+    assert not accepts(b"a\x04") and not accepts(b"\x1f")
+    assert not accepts(b"\xed\xa0\x80") and accepts(b"\xed\x9f\xbf")  # U+D800, a surrogate; U+D7FF, a character

@@ -9,7 +9,7 @@ import pydantic
 import pytest
 from fastapi.testclient import TestClient
 
-from spmoe.engine.grammar import GrammarSpec
+from spmoe.engine.grammar import GrammarCompiler, GrammarSpec
 from spmoe.entrypoints.serve.app import build_app
 from spmoe.entrypoints.serve.chat import ChatOptions
 from tests.entrypoints.test_serve_app import ScriptedEngineClient
@@ -42,6 +42,7 @@ class AgentEngine(ScriptedEngineClient):
     def __init__(self, tokenizer):
         super().__init__([], eos_token_ids=(tokenizer.eos_token_id,))
         self.tokenizer, self.reply = tokenizer, None
+        self.grammars = GrammarCompiler.from_tokenizer(tokenizer, self.vocab_size)
 
     async def generate(self, request):
         prompt = self.tokenizer.decode(request.prompt, skip_special_tokens=False)

@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import secrets
-import threading
 import time
 import uuid
 from contextlib import aclosing
@@ -22,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from spmoe.engine.grammar import GrammarCompiler, GrammarSpec
+from spmoe.engine.grammar import GrammarSpec
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.serve.chat import (
@@ -45,8 +44,8 @@ log = logging.getLogger("spmoe.serve")
 
 def build_app(client, tokenizer, served_model_name: str, chat: ChatOptions = ChatOptions()) -> FastAPI:
     """`client`: an EngineClient (async `generate(request)`, `metrics()`, `max_model_len`, `vocab_size`,
-    `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer; `chat`: the
-    reasoning and tool-call parsers."""
+    `eos_token_ids`, `num_speculative_tokens`, `error`, `grammars`: a GrammarCompiler); `tokenizer`: a
+    transformers tokenizer; `chat`: the reasoning and tool-call parsers."""
     app = FastAPI(title="spmoe", docs_url=None, redoc_url=None, openapi_url=None)
     api = OpenAIApi(client, tokenizer, served_model_name, chat)
 
@@ -77,8 +76,6 @@ class OpenAIApi:
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.metrics = ServeMetrics(client)
         self.created = int(time.time())
-        self.grammars: GrammarCompiler | None = None  # built at the first constrained request
-        self.grammars_lock = threading.Lock()
 
     async def health(self) -> Response:
         if self.client.error is not None:
@@ -142,17 +139,11 @@ class OpenAIApi:
         fields = {name: getattr(body, name) for name in STRUCTURED_OUTPUT_FIELDS} | extra
         try:
             spec = grammar_for_request(fields, tools)
-            if spec is not None:
-                await asyncio.to_thread(self._compile, spec)
+            if spec is not None:  # the engine's compiler on rank 0: its own compile is then a cache hit
+                await asyncio.to_thread(self.client.grammars.compile, spec)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         return spec
-
-    def _compile(self, spec: GrammarSpec) -> None:
-        with self.grammars_lock:  # reading the tokenizer's vocabulary once
-            if self.grammars is None:
-                self.grammars = GrammarCompiler.from_tokenizer(self.tokenizer, self.client.vocab_size)
-        self.grammars.compile(spec)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:

@@ -31,7 +31,8 @@ STRUCTURED_OUTPUT_FIELDS = (
 )
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
-STRING_ARGUMENT = r'([^<] | "<" [^/])*'  # any text without "</", so that "</arg_value>" ends it
+# any text without "</" (so that "</arg_value>" ends it) and without surrogates (see engine/grammar.py)
+STRING_ARGUMENT = r'([^<\ud800-\udfff] | "<" [^/\ud800-\udfff])*'
 
 
 def grammar_for_request(fields: dict, tools: list[dict] | None = None) -> GrammarSpec | None:

@@ -29,10 +29,12 @@ from spmoe.distributed import get_parallel_state
 from spmoe.distributed.comm import broadcast_object, gather_object
 from spmoe.engine.cuda_graphs import deployment_problems
 from spmoe.engine.engine import Engine, check_positions
+from spmoe.engine.grammar import GrammarCompiler
 from spmoe.engine.paged_cache import check_paged_budget
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
 from spmoe.entrypoints.cache_options import build_kv_cache
 from spmoe.entrypoints.jobs import DTYPES, check_device
+from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 
 HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
 DEFAULT_MAX_MODEL_LEN = 2048  # positions per request unless asked, or fewer if the model has fewer
@@ -169,6 +171,7 @@ class EngineClient:
         self.vocab_size = engine.model.cfg.vocab_size
         self.eos_token_ids = engine.model.cfg.eos_token_ids
         self.num_speculative_tokens = engine.k
+        self.grammars = engine.grammars  # the front end compiles a request's grammar here first (a cache hit then)
         self.error: str | None = None  # why the engine loop stopped, if it failed
         self.front_end_stopped = threading.Event()  # set by serve_rank once start_front_end has returned
         self._closing = False
@@ -327,6 +330,8 @@ def serve_rank(model_dir: str, parallel: ParallelConfig, options: ServeOptions, 
         model_dir, parallel, DTYPES[options.dtype], state.device, with_mtp=options.num_speculative_tokens > 0
     )
     cache = build_kv_cache(model, options, options.max_num_seqs, options.max_model_len)
+    # every rank compiles the grammars of structured-output requests itself, the same from the same spec
+    grammars = GrammarCompiler.from_tokenizer(load_tokenizer(model_dir), model.cfg.vocab_size)
     engine = Engine(
         model,
         cache,
@@ -335,6 +340,7 @@ def serve_rank(model_dir: str, parallel: ParallelConfig, options: ServeOptions, 
         options.max_num_seqs,
         options.max_num_batched_tokens,
         options.max_model_len,
+        grammars,
     )
     if state.rank != 0:
         worker_loop(engine)
