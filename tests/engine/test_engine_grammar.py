@@ -37,7 +37,7 @@ def run_constrained(folder: str) -> dict:
     from spmoe.models.deepseek_v32.weights import load_model
 
     state = get_parallel_state()
-    model = load_model(folder, ParallelConfig(tensor_parallel_size=2))
+    model = load_model(folder, ParallelConfig(tensor_parallel_size=2), with_mtp=True)
     tokenizer = load_tokenizer(folder)
     grammars = GrammarCompiler.from_tokenizer(tokenizer, CONFIG["vocab_size"])
     cache = PagedKVCache.for_model(model, 64 << 20)
@@ -68,7 +68,16 @@ def run_constrained(folder: str) -> dict:
                 outputs[out.request_id] += out.new_token_ids
                 if out.finish_reason:
                     reasons[out.request_id] = (out.finish_reason, out.error)
-    return {"rank": state.rank, "outputs": outputs, "reasons": reasons}
+    refusals = []
+    for engine in (
+        Engine(model, PagedKVCache.for_model(model, 8 << 20), max_num_seqs=4, max_model_len=64),
+        Engine(model, PagedKVCache.for_model(model, 8 << 20), 1, max_num_seqs=4, max_model_len=64, grammars=grammars),
+    ):
+        try:
+            engine.validate(Request("g", PROMPT, 4, SamplingParams(), eos, GrammarSpec("json_object")))
+        except ValueError as e:
+            refusals.append(str(e))
+    return {"rank": state.rank, "outputs": outputs, "reasons": reasons, "refusals": refusals}
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +113,11 @@ def test_every_constrained_output_is_valid(constrained):
 def test_every_rank_commits_the_same_tokens(constrained):
     (rank0, rank1), _ = constrained
     assert rank0["outputs"] == rank1["outputs"]
+
+
+def test_refused_without_a_compiler_or_with_speculation(constrained):
+    (rank0, _), _ = constrained
+    assert rank0["refusals"] == [
+        "request 'g' has a grammar, but this engine has no compiler",
+        "structured output (a grammar) is not applied to MTP drafts: serve without speculation for it",
+    ]
