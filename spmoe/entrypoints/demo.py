@@ -54,7 +54,7 @@ CONFIG = dict(  # vocab_size: the demo tokenizer's 256 bytes + 8 special tokens
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
     num_nextn_predict_layers=1,
-    max_position_embeddings=256,
+    max_position_embeddings=1024,  # room for a chat prompt that lists tools
     eos_token_id=[],
     tie_word_embeddings=False,
 )
