@@ -31,10 +31,10 @@ from spmoe.entrypoints.serve.chat import (
     reasoning_end_ids,
     template_message,
 )
+from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.constraints import STRUCTURED_OUTPUT_FIELDS, grammar_for_request
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
 from spmoe.entrypoints.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingFields, parse
-from spmoe.entrypoints.serve.ranks import QueueFull
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration
 from spmoe.entrypoints.serve.tokenizer import chat_prompt_text, eos_token_ids
 

@@ -1,0 +1,245 @@
+"""The engine seen from the asyncio front end (`EngineClient`), and what `spmoe serve` runs on every rank
+(`serve_rank`).
+
+Rank 0's engine loop runs in a thread beside the front end's event loop; each iteration it drains its inbox
+(new requests from `EngineClient.generate`, aborts from consumers that went away, the shutdown) into the
+next step plan, runs it on every rank through the engine's serving loop (`spmoe.engine.serving_loop`), and
+hands each output to its request's asyncio queue (`loop.call_soon_threadsafe`).
+
+When nothing is live, rank 0 waits on its inbox for up to `HEARTBEAT_S` and then sends an idle plan anyway,
+so the other ranks, blocked on the next plan, never reach the process group's timeout.
+"""
+
+import asyncio
+import queue
+import signal
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import torch
+
+from spmoe.config import ModelConfig
+from spmoe.distributed import get_parallel_state
+from spmoe.engine.args import EngineArgs
+from spmoe.engine.engine import Engine
+from spmoe.engine.grammar import GrammarCompiler
+from spmoe.engine.request import EngineMetrics, Request, RequestOutput
+from spmoe.engine.serving_loop import ServingLoop, worker_loop
+from spmoe.entrypoints.serve.tokenizer import load_tokenizer
+
+HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
+DEFAULT_MAX_NUM_SEQS = 8  # requests running at once per DP group unless asked
+DEFAULT_MAX_MODEL_LEN = 2048  # positions per request unless asked, or fewer if the model has fewer
+DEFAULT_MAX_NUM_WAITING = 64  # requests waiting to start beyond which a new one gets QueueFull
+
+
+class QueueFull(RuntimeError):
+    """`max_num_waiting` requests already wait to start (the front end answers 503)."""
+
+
+def for_model(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
+    """The engine options with serve's defaults settled for the model: `DEFAULT_MAX_NUM_SEQS` requests at once,
+    `max_model_len` the model's max_position_embeddings, at most `DEFAULT_MAX_MODEL_LEN`."""
+    return replace(
+        args,
+        max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        max_model_len=args.max_model_len
+        or min(DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings or DEFAULT_MAX_MODEL_LEN),
+    )
+
+
+def check_serve(model_dir: str, args: EngineArgs, max_num_waiting: int = DEFAULT_MAX_NUM_WAITING) -> ModelConfig:
+    """What can be checked before starting any rank: the engine options against the checkpoint
+    (`EngineArgs.check`) and the queue's limit. -> the model config."""
+    if max_num_waiting < 1:
+        raise ValueError(f"--max-num-waiting must be >= 1, got {max_num_waiting}")
+    cfg = ModelConfig.from_file(model_dir)
+    args = for_model(args, cfg)
+    args.check(cfg, args.max_model_len)
+    return cfg
+
+
+class EngineClient:
+    """Rank 0's engine, seen from the asyncio front end. `generate` and `metrics` are called on the event
+    loop; the engine loop runs in its own thread (`start` / `close`)."""
+
+    def __init__(self, engine: Engine, max_model_len: int, max_num_waiting: int = DEFAULT_MAX_NUM_WAITING):
+        self.engine = engine
+        self.max_model_len = max_model_len
+        self.max_num_waiting = max_num_waiting
+        self.vocab_size = engine.model.cfg.vocab_size
+        self.eos_token_ids = engine.model.cfg.eos_token_ids
+        self.num_speculative_tokens = engine.k
+        self.grammars = engine.grammars  # the front end compiles a request's grammar here first (a cache hit then)
+        self.error: str | None = None  # why the engine loop stopped, if it failed
+        self.front_end_stopped = threading.Event()  # set by serve_rank once start_front_end has returned
+        self._closing = False
+        # ("add", request, event loop, asyncio queue), ("abort", request id) or ("shutdown",)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._metrics = engine.metrics()
+        self._open: set[str] = set()  # request ids with a live stream (event loop side)
+        self._not_started = 0  # of those, requests that have no output yet (event loop side)
+        self._thread = threading.Thread(target=self._run, name="spmoe-engine-loop", daemon=True)
+
+    # The asyncio side.
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as the steps produce them, up to and including the one with a
+        `finish_reason`. Raises on the first iteration, before anything runs: ValueError (the request is
+        invalid or its id is in use), QueueFull, RuntimeError (the engine loop has stopped). If the consumer
+        stops iterating (a cancelled task, `aclose`), the request is aborted and its cache freed."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self.error}")
+        self.engine.validate(request)
+        if request.request_id in self._open:
+            raise ValueError(f"request id {request.request_id!r} is in use; expected a new id")
+        if self._not_started >= self.max_num_waiting:
+            raise QueueFull(
+                f"{self._not_started} requests wait to start; the server takes at most "
+                f"{self.max_num_waiting} (max_num_waiting)"
+            )
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._open.add(request.request_id)
+        self._not_started += 1
+        started = finished = False
+        self._inbox.put(("add", request, asyncio.get_running_loop(), outputs))
+        try:
+            while not finished:
+                out = await outputs.get()
+                if not started:
+                    started = True
+                    self._not_started -= 1
+                finished = out.finish_reason is not None
+                yield out
+        finally:
+            if not started:
+                self._not_started -= 1
+            self._open.discard(request.request_id)
+            if not finished:
+                self._inbox.put(("abort", request.request_id))
+
+    def metrics(self) -> EngineMetrics:
+        """Every DP group's engine after the last loop iteration."""
+        return self._metrics
+
+    # The engine loop thread.
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the loop: every rank leaves its loop; open streams end with finish_reason "abort"."""
+        self._closing = True
+        self._inbox.put(("shutdown",))
+        self._thread.join()
+
+    def _run(self) -> None:
+        streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        try:
+            state = get_parallel_state()
+            if state.device.type == "cuda":  # the current device is per thread
+                torch.cuda.set_device(state.device)
+            self._loop(state, streams)
+        except BaseException as e:  # noqa: BLE001 - the front end must learn of it, not hang
+            self.error = f"{type(e).__name__}: {e}"
+            loops = {loop for loop, _ in streams.values()}
+            for request_id in list(streams):
+                self._deliver(streams, RequestOutput(request_id, [], "error", error=self.error))
+            if not self._closing:  # stop the front end as Ctrl-C would; serve_rank then raises the error
+                for loop in loops:  # once each event loop has run its streams' error outputs
+                    try:
+                        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=1)
+                    except (RuntimeError, TimeoutError):  # closed, or too busy to wait for
+                        pass
+                # Repeated until the front end has returned: a first SIGINT was seen to go unnoticed now and
+                # then (asyncio.run turns the first one into cancelling its task, the second into an exception).
+                while True:
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                    if self.front_end_stopped.wait(1.0):
+                        break
+            return
+        for request_id in list(streams):
+            self._deliver(streams, RequestOutput(request_id, [], "abort"))
+
+    def _loop(self, state, streams: dict) -> None:
+        loop = ServingLoop(self.engine)
+        while True:
+            plan = self._next_plan(loop, streams)
+            outputs, self._metrics = loop.step(plan)
+            for out in outputs:
+                self._deliver(streams, out)
+            if plan.command == "shutdown":
+                return
+
+    def _next_plan(self, loop: ServingLoop, streams: dict):
+        """Drain the inbox (waiting up to a heartbeat when nothing is live) into the next plan."""
+        items = []
+        try:
+            items.append(self._inbox.get(timeout=HEARTBEAT_S) if not loop.has_live() else self._inbox.get_nowait())
+            while True:
+                items.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        new, aborts, shutdown = [], [], False
+        for kind, *args in items:
+            if kind == "add":
+                request, event_loop, outputs = args
+                streams[request.request_id] = (event_loop, outputs)
+                new.append(request)
+            elif kind == "abort":
+                streams.pop(args[0], None)
+                aborts.append(args[0])
+            else:
+                shutdown = True
+        return loop.plan(new, aborts, shutdown)
+
+    @staticmethod
+    def _deliver(streams: dict, out: RequestOutput) -> None:
+        """Hand an output to its request's queue (dropped if the consumer has gone)."""
+        target = streams.pop(out.request_id, None) if out.finish_reason is not None else streams.get(out.request_id)
+        if target is None:
+            return
+        loop, outputs = target
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+        except RuntimeError:  # the event loop has closed
+            pass
+
+
+def serve_rank(model_dir: str, args: EngineArgs, max_num_waiting: int, start_front_end):
+    """Run on every rank: load the model and build the engine. Rank 0 starts the engine loop, calls
+    `start_front_end(client)` (which blocks until the server stops; -> SIGTERM if it reached rank 0, else
+    None), then shuts every rank's loop down and returns what `start_front_end` returned; the other ranks run
+    the worker loop and return None."""
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    state = get_parallel_state()
+    args = for_model(args, ModelConfig.from_file(model_dir))
+    model = load_model(model_dir, args.parallel_config(), args.torch_dtype, state.device, with_mtp=args.drafts > 0)
+    # every rank compiles the grammars of structured-output requests itself, the same from the same spec
+    grammars = GrammarCompiler.from_tokenizer(load_tokenizer(model_dir), model.cfg.vocab_size)
+    engine = args.build_engine(model, args.max_num_seqs, args.max_model_len, grammars)
+    if state.rank != 0:
+        worker_loop(engine)
+        return None
+    client = EngineClient(engine, args.max_model_len, max_num_waiting)
+    # A failing engine loop stops the front end with SIGINT; a spawned rank ignores SIGINT (its launcher turns
+    # a Ctrl-C into ending every rank), so rank 0 takes SIGINT back while the front end runs.
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    client.start()
+    try:
+        result = start_front_end(client)
+    except KeyboardInterrupt:
+        if client.error is None:
+            raise
+        result = None
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a repeated stop from a failed engine loop may still come
+        client.front_end_stopped.set()
+        client.close()
+        signal.signal(signal.SIGINT, ignored)
+    # after a SIGTERM (under torchrun it reaches every rank) a failed loop is a peer that the signal ended
+    if client.error is not None and result is None:
+        raise RuntimeError(f"the engine loop failed: {client.error}")
+    return result
