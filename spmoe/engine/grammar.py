@@ -8,6 +8,7 @@ Compiling takes milliseconds to seconds (a large schema); the server compiles a 
 loop before the request enters the engine, so the engine's compile is a cache hit on rank 0.
 """
 
+import functools
 import json
 import re
 import threading
@@ -129,7 +130,8 @@ class SequenceGrammar:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into `bitmask[row]` (`[W]` int32, bit t % 32 of word t // 32 for token
-        t; all allowed while the grammar has not started)."""
+        t; all allowed while the grammar has not started). One sequence at a time: the reference that
+        `fill_bitmask`'s batched fill is tested against."""
         if self.active:
             self.matcher.fill_next_token_bitmask(bitmask, row)
         else:
@@ -143,14 +145,21 @@ class SequenceGrammar:
 
 def fill_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
     """The step's sequences (None: no grammar) -> (bitmask `[m, ceil(V / 32)]` int32 on the CPU, the rows that
-    have a grammar), or None when no row has one."""
+    have a grammar), or None when no row has one. The rows whose grammar has started are filled together by
+    xgrammar's batch matcher (its threads); the others allow every token."""
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return None
-    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
-    for row in rows:
-        grammars[row].fill(bitmask, row)
+    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)  # every bit set: every token allowed
+    started = [i for i in rows if grammars[i].active]
+    if started:
+        _batch_matcher().batch_fill_next_token_bitmask([grammars[i].matcher for i in started], bitmask, started)
     return bitmask, rows
+
+
+@functools.cache
+def _batch_matcher() -> xgr.BatchGrammarMatcher:
+    return xgr.BatchGrammarMatcher()
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

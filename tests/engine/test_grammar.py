@@ -214,6 +214,25 @@ def test_bitmask_kernel_on_the_gpu():
     assert torch.equal(fast.cpu(), reference)
 
 
+def test_batched_fill_matches_one_at_a_time(compiler, tokenizer):
+    """fill_bitmask (xgrammar's batch matcher, rows with and without a grammar, one not started yet) against
+    SequenceGrammar.fill row by row, after each of several tokens."""
+    specs = [GrammarSpec("json_schema", json.dumps(s)) for s in SCHEMAS[:4]]
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    grammars = [compiler.matcher(spec) for spec in specs] + [None, compiler.matcher(specs[0], start_after=end)]
+    texts = ['{"name": "ab', '{"user": {"id": 1', '[{"x": 0.5}', '{"color": "re', "", "no </think>{"]
+    for step in range(12):
+        batched, rows = fill_bitmask(grammars, VOCAB)
+        assert rows == [0, 1, 2, 3, 5]
+        one = torch.full_like(batched, -1)
+        for row in rows:
+            grammars[row].fill(one, row)
+        assert torch.equal(batched, one), step
+        for grammar, text in zip(grammars, texts):
+            if grammar is not None and step < len(text):
+                assert grammar.accept(tokenizer.encode(text[step], add_special_tokens=False)[0])
+
+
 def test_grammar_starts_after_the_reasoning(compiler, tokenizer):
     """With `start_after` the tokens of "</think>", anything goes until they are generated; then the grammar."""
     end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
