@@ -12,6 +12,7 @@ import functools
 import json
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,23 +64,28 @@ def choice_ebnf(choices: list[str]) -> str:
 
 class GrammarCompiler:
     """Compiles `GrammarSpec`s for one tokenizer, each once: the cache is keyed by the spec. Thread-safe (the
-    server compiles in worker threads)."""
+    server compiles in worker threads). The tokenizer's vocabulary is read at the first compile, through
+    `load_tokenizer()` (reading a large one takes about a second: a server that never gets a grammar never
+    pays it, and a checkpoint without a tokenizer serves everything else)."""
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo):
-        self.info = tokenizer_info
-        self.compiler = xgr.GrammarCompiler(tokenizer_info, cache_enabled=False)  # cached here, by spec
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int):
+        """`load_tokenizer`: -> a transformers tokenizer; `vocab_size`: the model's (the LM head's rows, which
+        may pad the tokenizer's vocabulary)."""
+        self.load_tokenizer, self.vocab_size = load_tokenizer, vocab_size
+        self.compiler: xgr.GrammarCompiler | None = None
         self.cache: dict[GrammarSpec, xgr.CompiledGrammar] = {}
         self.lock = threading.Lock()
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int) -> "GrammarCompiler":
-        """A transformers tokenizer; `vocab_size`: the model's (the LM head's rows, which may pad the
-        tokenizer's vocabulary)."""
-        return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+        return cls(lambda: tokenizer, vocab_size)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.info.vocab_size
+    def _xgrammar(self) -> xgr.GrammarCompiler:
+        with self.lock:
+            if self.compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.load_tokenizer(), vocab_size=self.vocab_size)
+                self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached here, by spec
+            return self.compiler
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """-> the compiled grammar; ValueError naming the kind and what is wrong when it does not compile."""
@@ -95,16 +101,17 @@ class GrammarCompiler:
             return self.cache.setdefault(spec, compiled)
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        compiler = self._xgrammar()
         if spec.kind == "json_schema":
             json.loads(spec.text)  # a ValueError that says where the JSON is broken
-            return self.compiler.compile_grammar(json_schema_grammar(spec.text))
+            return compiler.compile_grammar(json_schema_grammar(spec.text))
         if spec.kind == "json_object":
-            return self.compiler.compile_grammar(json_schema_grammar('{"type": "object"}'))
+            return compiler.compile_grammar(json_schema_grammar('{"type": "object"}'))
         if spec.kind == "regex":
-            return self.compiler.compile_regex(spec.text)
+            return compiler.compile_regex(spec.text)
         if spec.kind == "choice":
-            return self.compiler.compile_grammar(choice_ebnf(json.loads(spec.text)))
-        return self.compiler.compile_grammar(spec.text)
+            return compiler.compile_grammar(choice_ebnf(json.loads(spec.text)))
+        return compiler.compile_grammar(spec.text)
 
     def matcher(self, spec: GrammarSpec, start_after: tuple[int, ...] = ()) -> "SequenceGrammar":
         return SequenceGrammar(self.compile(spec), start_after)

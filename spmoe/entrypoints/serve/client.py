@@ -16,6 +16,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -218,7 +219,7 @@ def serve_rank(model_dir: str, args: EngineArgs, max_num_waiting: int, start_fro
     args = for_model(args, ModelConfig.from_file(model_dir))
     model = load_model(model_dir, args.parallel_config(), args.torch_dtype, state.device, with_mtp=args.drafts > 0)
     # every rank compiles the grammars of structured-output requests itself, the same from the same spec
-    grammars = GrammarCompiler.from_tokenizer(load_tokenizer(model_dir), model.cfg.vocab_size)
+    grammars = GrammarCompiler(partial(load_tokenizer, model_dir), model.cfg.vocab_size)
     engine = args.build_engine(model, args.max_num_seqs, args.max_model_len, grammars)
     if state.rank != 0:
         worker_loop(engine)
