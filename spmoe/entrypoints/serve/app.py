@@ -124,7 +124,7 @@ class OpenAIApi:
             choices = ChatChoices.for_request(self.chat, text, body.chat_template_kwargs, tools, tool_choice)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
         max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, None)
         tool_fields = {"tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls}
         grammar = await self._grammar(body, tool_fields, tools)
