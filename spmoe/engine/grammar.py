@@ -171,8 +171,8 @@ def _batch_matcher() -> xgr.BatchGrammarMatcher:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """logits `[m, V]` (any device; float32 on the CPU) -> in place, -inf wherever `bitmask` `[m, ceil(V / 32)]`
-    has a 0 bit, in `rows` only (the other rows have no grammar and are left as they are). xgrammar's kernel
-    (CUDA on the GPU)."""
+    has a 0 bit, in `rows` only (the other rows have no grammar and are left as they are). xgrammar's kernels:
+    Triton on a GPU (compiled at its first call), C++ on the CPU."""
     xgr.apply_token_bitmask_inplace(
         logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1], indices=rows
     )
