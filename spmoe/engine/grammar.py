@@ -8,15 +8,20 @@ Compiling takes milliseconds to seconds (a large schema); the server compiles a 
 loop before the request enters the engine, so the engine's compile is a cache hit on rank 0.
 """
 
+from __future__ import annotations
+
 import functools
 import json
 import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
 # xgrammar 0.2.9 writes a JSON string's characters as one of the first two classes: the first (length-bounded
@@ -25,6 +30,16 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
 # bounds. The third class is JSON's characters without the surrogates.
 LOOSE_STRING_CHARACTERS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
 JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\ud800-\udfff]"
+
+
+def xgrammar():
+    """The xgrammar package, imported at the first grammar: the engine and the server run without it until a
+    request asks for structured output (a GPU image may lack it)."""
+    try:
+        import xgrammar as module
+    except ImportError:
+        raise ValueError("structured output needs the xgrammar package (pip install xgrammar)") from None
+    return module
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,7 @@ class GrammarSpec:
 def json_schema_grammar(schema_text: str) -> xgr.Grammar:
     """A JSON schema's text -> its grammar (compact JSON: no whitespace beyond ", " and ": "), with JSON's
     string characters everywhere; RuntimeError (xgrammar's) for a schema it cannot convert."""
+    xgr = xgrammar()
     ebnf = str(xgr.Grammar.from_json_schema(schema_text, any_whitespace=False))
     for loose in LOOSE_STRING_CHARACTERS:
         ebnf = ebnf.replace(loose, JSON_STRING_CHARACTER)
@@ -77,10 +93,11 @@ class GrammarCompiler:
         self.lock = threading.Lock()
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, vocab_size: int) -> "GrammarCompiler":
+    def from_tokenizer(cls, tokenizer, vocab_size: int) -> GrammarCompiler:
         return cls(lambda: tokenizer, vocab_size)
 
     def _xgrammar(self) -> xgr.GrammarCompiler:
+        xgr = xgrammar()
         with self.lock:
             if self.compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self.load_tokenizer(), vocab_size=self.vocab_size)
@@ -113,7 +130,7 @@ class GrammarCompiler:
             return compiler.compile_grammar(choice_ebnf(json.loads(spec.text)))
         return compiler.compile_grammar(spec.text)
 
-    def matcher(self, spec: GrammarSpec, start_after: tuple[int, ...] = ()) -> "SequenceGrammar":
+    def matcher(self, spec: GrammarSpec, start_after: tuple[int, ...] = ()) -> SequenceGrammar:
         return SequenceGrammar(self.compile(spec), start_after)
 
 
@@ -122,7 +139,7 @@ class SequenceGrammar:
     grammar applies only once the sequence has generated them: the reasoning before is free."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, start_after: tuple[int, ...] = ()):
-        self.matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = xgrammar().GrammarMatcher(compiled)
         self.start_after = list(start_after)
         self.recent: list[int] = []  # the last generated tokens, while waiting for `start_after`
         self.active = not start_after
@@ -157,7 +174,7 @@ def fill_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int) -> tup
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return None
-    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)  # every bit set: every token allowed
+    bitmask = xgrammar().allocate_token_bitmask(len(grammars), vocab_size)  # every bit set: every token allowed
     started = [i for i in rows if grammars[i].active]
     if started:
         _batch_matcher().batch_fill_next_token_bitmask([grammars[i].matcher for i in started], bitmask, started)
@@ -166,14 +183,14 @@ def fill_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int) -> tup
 
 @functools.cache
 def _batch_matcher() -> xgr.BatchGrammarMatcher:
-    return xgr.BatchGrammarMatcher()
+    return xgrammar().BatchGrammarMatcher()
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """logits `[m, V]` (any device; float32 on the CPU) -> in place, -inf wherever `bitmask` `[m, ceil(V / 32)]`
     has a 0 bit, in `rows` only (the other rows have no grammar and are left as they are). xgrammar's kernels:
     Triton on a GPU (compiled at its first call), C++ on the CPU."""
-    xgr.apply_token_bitmask_inplace(
+    xgrammar().apply_token_bitmask_inplace(
         logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1], indices=rows
     )
 

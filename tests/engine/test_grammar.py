@@ -281,3 +281,32 @@ def test_json_strings_hold_characters_only(compiler, schema):
     assert accepts("aé€🙂\u0096".encode())
     assert not accepts(b"a\x04") and not accepts(b"\x1f")
     assert not accepts(b"\xed\xa0\x80") and accepts(b"\xed\x9f\xbf")  # U+D800, a surrogate; U+D7FF, a character
+
+
+def test_the_engine_and_the_server_run_without_xgrammar():
+    """A GPU image may lack xgrammar: everything imports, a step without grammars runs the mask path, and only a
+    grammar asks for the package, in a one-line error."""
+    import subprocess
+    import sys
+
+    code = """
+import builtins
+real = builtins.__import__
+def without_xgrammar(name, *args, **kwargs):
+    if name.split(".")[0] == "xgrammar":
+        raise ImportError("no xgrammar here")
+    return real(name, *args, **kwargs)
+builtins.__import__ = without_xgrammar
+import spmoe.engine.engine, spmoe.entrypoints.serve.app
+from spmoe.engine.grammar import GrammarCompiler, GrammarSpec, fill_bitmask
+assert fill_bitmask([None, None], 264) is None
+try:
+    GrammarCompiler(lambda: None, 264).compile(GrammarSpec("json_object"))
+except ValueError as e:
+    print(e)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "the json_object grammar does not compile: structured output needs the xgrammar package (pip install xgrammar)"
+    )

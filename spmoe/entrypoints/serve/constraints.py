@@ -14,12 +14,16 @@ The request fields, as OpenAI and vLLM define them:
 At most one of them may be given; anything malformed is a ValueError whose message the server returns as a 400.
 """
 
+from __future__ import annotations
+
 import json
+from typing import TYPE_CHECKING
 
-import xgrammar as xgr
-
-from spmoe.engine.grammar import GrammarSpec, compile_error_reason, json_schema_grammar
+from spmoe.engine.grammar import GrammarSpec, compile_error_reason, json_schema_grammar, xgrammar
 from spmoe.entrypoints.serve.parsers.tool_calls import schema_types
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 STRUCTURED_OUTPUT_FIELDS = (
     "response_format",
@@ -114,6 +118,7 @@ def _json_schema(schema, where: str) -> GrammarSpec:
 def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool) -> GrammarSpec:
     """The grammar of GLM tool calls for `tool_choice` "required" (any of `tools`; one call, or one or more
     when `parallel`) or a named function (exactly one call of it)."""
+    xgr = xgrammar()
     functions = {}
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -139,6 +144,7 @@ def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool) -> Grammar
 def _call_grammar(name: str, parameters: dict) -> xgr.Grammar:
     """`<tool_call>name`, the arguments in the schema's order (the required ones always, the others optional),
     `</tool_call>`."""
+    xgr = xgrammar()
     properties = parameters.get("properties") or {}
     required = set(parameters.get("required") or [])
     parts = [_literal(f"<tool_call>{name}")]
@@ -158,6 +164,7 @@ def _call_grammar(name: str, parameters: dict) -> xgr.Grammar:
 def _string_argument(schema: dict) -> xgr.Grammar:
     """A string argument is written raw (no quotes): its `enum` or `pattern` if it has one, else any text
     without "</" (`minLength` / `maxLength` are not enforced)."""
+    xgr = xgrammar()
     if "enum" in schema or "const" in schema:
         return xgr.Grammar.union(*(_literal(v) for v in schema.get("enum", [schema.get("const")])))
     if "pattern" in schema:
@@ -171,4 +178,5 @@ def _typed_argument(schema: dict) -> xgr.Grammar:
 
 
 def _literal(text: str) -> xgr.Grammar:
+    xgr = xgrammar()
     return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text, ensure_ascii=False)}")
