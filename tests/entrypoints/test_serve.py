@@ -27,7 +27,7 @@ from tests.engine.conftest import ENGINE_CONFIG
 from tests.engine.test_engine_grammar import ENGINE_SCHEMAS
 
 SERVE_CONFIG = {**ENGINE_CONFIG, "vocab_size": 264}  # the demo tokenizer: 256 bytes + 8 special tokens
-MAX_MODEL_LEN = 192  # room for a constrained JSON answer after a chat prompt
+MAX_MODEL_LEN = 640  # room for a chat prompt that lists a tool, and for a constrained JSON answer
 START_TIMEOUT_S = 180
 
 
@@ -88,6 +88,8 @@ def server(checkpoint, tmp_path_factory):
                 str(MAX_MODEL_LEN),
                 "--max-num-seqs",
                 "8",
+                "--tool-call-parser",
+                "glm47",
             ],
             stdout=err,
             stderr=err,
@@ -221,6 +223,45 @@ def test_constrained_outputs_through_the_server(server):
         assert finish_reason == "stop", text
         jsonschema.validate(json.loads(text), schema)
     assert len(answers) == 50
+
+
+def test_agent_loop_through_the_server(server):
+    """A named tool_choice makes the random-weight model call the tool (the grammar writes GLM's call, the parser
+    reads it back), whole and streamed (the openai client's stream() helper); the tool's result goes back in the
+    history, and the answer is plain text."""
+    import pydantic
+
+    class Pick(pydantic.BaseModel):
+        x: int = pydantic.Field(ge=0, le=9)
+
+    _, base, _ = server
+    client = openai_client(base)
+    tools = [openai.pydantic_function_tool(Pick, name="pick")]
+    named = {"type": "function", "function": {"name": "pick"}}
+    messages = [{"role": "user", "content": "Pick a digit"}]
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, tool_choice=named, max_tokens=96, seed=1
+    )
+    with client.chat.completions.stream(
+        model="tiny", messages=messages, tools=tools, tool_choice=named, max_tokens=96, seed=1
+    ) as stream:
+        streamed = stream.get_final_completion()
+    for reply in (whole, streamed):
+        assert reply.choices[0].finish_reason == "tool_calls"
+        (call,) = reply.choices[0].message.tool_calls
+        assert call.function.name == "pick" and 0 <= json.loads(call.function.arguments)["x"] <= 9
+    assert streamed.choices[0].message.tool_calls[0].function.parsed_arguments == Pick.model_validate_json(
+        whole.choices[0].message.tool_calls[0].function.arguments
+    )  # the same seed: the same call
+    call = whole.choices[0].message.tool_calls[0]
+    history = messages + [
+        whole.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "7"},
+    ]
+    answer = client.chat.completions.create(
+        model="tiny", messages=history, tools=tools, tool_choice="none", max_tokens=8
+    )
+    assert answer.choices[0].message.tool_calls == [] and answer.choices[0].finish_reason in ("stop", "length")
 
 
 def generated_tokens(base: str) -> float:
