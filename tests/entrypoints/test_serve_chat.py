@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from spmoe.engine.grammar import GrammarCompiler, GrammarSpec
-from spmoe.entrypoints.serve.app import build_app
+from spmoe.entrypoints.serve.app import ApiSettings, build_app
 from spmoe.entrypoints.serve.chat import ChatOptions
 from tests.entrypoints.test_serve_app import ScriptedEngineClient
 
@@ -63,7 +63,7 @@ def tokenizer(tmp_path_factory):
 
 
 def _client(engine, tokenizer, options: ChatOptions) -> openai.OpenAI:
-    http = TestClient(build_app(engine, tokenizer, "glm", options), raise_server_exceptions=False)
+    http = TestClient(build_app(engine, tokenizer, ApiSettings(["glm"], chat=options)), raise_server_exceptions=False)
     return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
 
 
@@ -251,7 +251,7 @@ def test_tool_choice_required_and_named_constrain(tokenizer):
 )
 def test_bad_chat_requests(tokenizer, options, body, fragment):
     engine = AgentEngine(tokenizer)
-    http = TestClient(build_app(engine, tokenizer, "glm", options), raise_server_exceptions=False)
+    http = TestClient(build_app(engine, tokenizer, ApiSettings(["glm"], chat=options)), raise_server_exceptions=False)
     response = http.post("/v1/chat/completions", json={"model": "glm", "messages": [USER], **body})
     assert response.status_code == 400, response.text
     assert fragment in response.json()["error"]["message"]

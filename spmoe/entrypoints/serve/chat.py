@@ -63,28 +63,6 @@ def _shown(tool_choice) -> str:
     return json.dumps(tool_choice) if isinstance(tool_choice, str) else f"function {tool_choice['function']['name']!r}"
 
 
-def template_message(message: dict) -> dict:
-    """One request message (its fields as sent, None left out) -> the template's: text parts joined, and each
-    tool call's `arguments` (JSON text in the API) as the object the template writes out key by key."""
-    out = dict(message)
-    content = message.get("content")
-    if isinstance(content, list):
-        out["content"] = "".join(part["text"] for part in content)
-    if message.get("tool_calls"):
-        calls = []
-        for call in message["tool_calls"]:
-            arguments = call["function"]["arguments"]
-            try:
-                parsed = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
-                parsed = None
-            if not isinstance(parsed, dict):
-                raise ValueError(f"a tool call's function.arguments must be a JSON object's text, got {arguments!r}")
-            calls.append({**call, "function": {**call["function"], "arguments": parsed}})
-        out["tool_calls"] = calls
-    return out
-
-
 class ChatChoices:
     """One request's choice, built from its text: `__call__(text, finish_reason, stream)` -> the choice of a
     whole response (the text is all of it) or of one stream chunk (the text is the next piece)."""

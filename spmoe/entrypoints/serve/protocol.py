@@ -4,6 +4,7 @@ Unknown fields are refused rather than ignored: a client that sends `logprobs` o
 that they are not applied instead of getting an answer that silently lacks them.
 """
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -103,6 +104,16 @@ class FunctionCall(Strict):
     name: str
     arguments: str  # a JSON object's text
 
+    def parsed(self) -> dict:
+        """The arguments as an object; ValueError unless they are a JSON object's text (or empty)."""
+        try:
+            value = json.loads(self.arguments) if self.arguments.strip() else {}
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError(f"a tool call's function.arguments must be a JSON object's text, got {self.arguments!r}")
+        return value
+
 
 class ToolCall(Strict):
     id: str
@@ -127,6 +138,24 @@ class ChatMessage(Strict):
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"only an assistant message may have tool_calls, not a '{self.role}' message")
         return self
+
+    def as_template_input(self, content_format: str = "string") -> dict:
+        """The message as the chat template sees it: its fields as sent (None left out), its content as one
+        string ("string") or as a list of `{"type": "text", "text"}` parts ("openai", vLLM's name), and each
+        tool call's `arguments` (JSON text in the API) as the object the template writes out key by key;
+        ValueError for arguments that are not a JSON object's text."""
+        out = self.model_dump(exclude_none=True)
+        if self.content is not None:
+            parts = [self.content] if isinstance(self.content, str) else [part.text for part in self.content]
+            out["content"] = (
+                [{"type": "text", "text": t} for t in parts] if content_format == "openai" else "".join(parts)
+            )
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {**call.model_dump(), "function": {"name": call.function.name, "arguments": call.function.parsed()}}
+                for call in self.tool_calls
+            ]
+        return out
 
 
 class FunctionDefinition(Strict):
