@@ -4,7 +4,9 @@
    decode step, replayed from a CUDA graph (`cuda_graphs.py`); the logits of the rows the step commits from.
 2. The choice: a sequence that samples takes its own sampler's token from its last row, or, when it fed
    drafts, the drafts the target accepts and the target's next token (`speculative.py`); the tokens are cut
-   at its first eos id or its token limit. A row that is not finite gives no token.
+   at its first eos id or its token limit. A row that is not finite gives no token. A sequence with a grammar
+   (structured output, `grammar.py`) first has the tokens its grammar does not allow next masked out of its
+   row, for the whole batch at once.
 3. When speculating, the MTP drafter catches up on the fed positions and proposes each sequence's next
    drafts (`speculative.py`). Under DP every rank runs the draft step, even an empty one.
 
@@ -17,6 +19,7 @@ import torch
 
 from spmoe.distributed import CommStats
 from spmoe.engine.cuda_graphs import DecodeGraphs
+from spmoe.engine.grammar import apply_bitmask, fill_bitmask
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.engine.sampling import greedy
@@ -75,6 +78,7 @@ class ModelRunner:
     def choose(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
         """logits `[R, V]` (see `forward`) -> each sequence's committed tokens, accepted drafts, finite flag."""
         committing = [s for s, last in zip(batch.seqs, batch.samples) if last]
+        mask_by_grammars(committing, logits)
         # every greedy choice of the step (and whether its row is finite) in one host transfer
         greedy_rows = greedy(logits) if any(s.drafts or s.sampler.params.greedy for s in committing) else None
         result = StepResult([], [], [], logit_rows=[])
@@ -144,3 +148,15 @@ class ModelRunner:
         phase.forwards += k
         phase.tokens_fed += sum(len(ids) for _, _, ids, _ in to_draft) + (k - 1) * len(to_draft)
         return drafts
+
+
+def mask_by_grammars(committing: list[Sequence], logits: torch.Tensor) -> None:
+    """logits `[m, V]`, one row per committing sequence (a grammar comes without drafts) -> in place, the tokens
+    each sequence's grammar does not allow next at the dtype's lowest finite value (not -inf: the non-finite
+    check that follows is for the model's NaN / inf). Rows of sequences without a grammar are untouched."""
+    masks = fill_bitmask([s.grammar for s in committing], logits.shape[-1])
+    if masks is None:
+        return
+    bitmask, rows = masks
+    apply_bitmask(logits, bitmask, rows)
+    logits[rows] = logits[rows].clamp(min=torch.finfo(logits.dtype).min)

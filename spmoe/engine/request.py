@@ -6,6 +6,7 @@ the other ranks, and the outputs travel back to the asyncio side.
 
 from dataclasses import dataclass
 
+from spmoe.engine.grammar import GrammarSpec
 from spmoe.engine.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -15,13 +16,17 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 class Request:
     """One generation: up to `max_new_tokens` tokens after `prompt` (token ids), stopping early at any of
     `eos_token_ids`, sampled with `sampling` (its own seed: the tokens do not depend on the other requests in
-    the batch). The engine validates it on `add_request`."""
+    the batch). The engine validates it on `add_request`. With a `grammar` (structured output), every token
+    follows it, from the first one or from the one after `grammar_start_after` (the tokens that end the
+    reasoning); the request ends when the grammar is complete."""
 
     request_id: str
     prompt: list[int]
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     eos_token_ids: tuple[int, ...] = ()
+    grammar: GrammarSpec | None = None
+    grammar_start_after: tuple[int, ...] = ()
 
 
 @dataclass

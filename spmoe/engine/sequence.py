@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spmoe.engine.grammar import SequenceGrammar
 from spmoe.engine.request import Request
 from spmoe.engine.sampling import Sampler
 
@@ -21,6 +22,7 @@ class Sequence:
     request: Request
     sampler: Sampler
     record_logits: bool = False  # keep the logits row `[V]` behind every generated token
+    grammar: SequenceGrammar | None = None  # structured output: where the sequence is in its grammar
     cache_id: int = -1  # its slot (slot cache) or block-table id (paged cache); -1: no room
     cached: int = 0  # tokens of this sequence in the target's KV cache
     pending: list[int] = field(default_factory=list)  # what the next target forwards feed

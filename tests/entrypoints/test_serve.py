@@ -24,9 +24,10 @@ from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.serve.tokenizer import chat_prompt_ids, load_tokenizer
 from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 from tests.engine.conftest import ENGINE_CONFIG
+from tests.engine.test_engine_grammar import ENGINE_SCHEMAS
 
 SERVE_CONFIG = {**ENGINE_CONFIG, "vocab_size": 264}  # the demo tokenizer: 256 bytes + 8 special tokens
-MAX_MODEL_LEN = 96
+MAX_MODEL_LEN = 640  # room for a chat prompt that lists a tool, and for a constrained JSON answer
 START_TIMEOUT_S = 180
 
 
@@ -87,6 +88,8 @@ def server(checkpoint, tmp_path_factory):
                 str(MAX_MODEL_LEN),
                 "--max-num-seqs",
                 "8",
+                "--tool-call-parser",
+                "glm47",
             ],
             stdout=err,
             stderr=err,
@@ -189,6 +192,76 @@ def test_concurrent_streams_match_their_text_alone(server):
     assert together == alone
     metrics = httpx.get(base + "/metrics").text
     assert "spmoe_time_to_first_token_seconds_count" in metrics and "spmoe_num_requests_running 0.0" in metrics
+
+
+def test_constrained_outputs_through_the_server(server):
+    """10 schemas x 5 seeded requests at once, through response_format (chat) and structured_outputs /
+    guided_json (completions): every answer is valid under its schema."""
+    import jsonschema
+
+    _, base, _ = server
+    client = openai_client(base)
+
+    def ask(case: tuple[int, int]) -> tuple[dict, str, str]:
+        i, j = case
+        schema = ENGINE_SCHEMAS[i]
+        if j % 3 == 0:
+            reply = client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "JSON"}],
+                seed=j,
+                response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}},
+            ).choices[0]
+            return schema, reply.message.content, reply.finish_reason
+        field = {"structured_outputs": {"json": schema}} if j % 3 == 1 else {"guided_json": schema}
+        reply = client.completions.create(model="tiny", prompt="{", max_tokens=180, seed=j, extra_body=field)
+        return schema, reply.choices[0].text, reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, [(i, j) for i in range(len(ENGINE_SCHEMAS)) for j in range(5)]))
+    for schema, text, finish_reason in answers:
+        assert finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+    assert len(answers) == 50
+
+
+def test_agent_loop_through_the_server(server):
+    """A named tool_choice makes the random-weight model call the tool (the grammar writes GLM's call, the parser
+    reads it back), whole and streamed (the openai client's stream() helper); the tool's result goes back in the
+    history, and the answer is plain text."""
+    import pydantic
+
+    class Pick(pydantic.BaseModel):
+        x: int = pydantic.Field(ge=0, le=9)
+
+    _, base, _ = server
+    client = openai_client(base)
+    tools = [openai.pydantic_function_tool(Pick, name="pick")]
+    named = {"type": "function", "function": {"name": "pick"}}
+    messages = [{"role": "user", "content": "Pick a digit"}]
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, tool_choice=named, max_tokens=96, seed=1
+    )
+    with client.chat.completions.stream(
+        model="tiny", messages=messages, tools=tools, tool_choice=named, max_tokens=96, seed=1
+    ) as stream:
+        streamed = stream.get_final_completion()
+    for reply in (whole, streamed):
+        assert reply.choices[0].finish_reason == "tool_calls"
+        (call,) = reply.choices[0].message.tool_calls
+        assert call.function.name == "pick" and 0 <= json.loads(call.function.arguments)["x"] <= 9
+    assert streamed.choices[0].message.tool_calls[0].function.parsed_arguments == Pick.model_validate_json(
+        whole.choices[0].message.tool_calls[0].function.arguments
+    )  # the same seed: the same call
+    call = whole.choices[0].message.tool_calls[0]
+    history = messages + [
+        whole.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "7"},
+    ]
+    answer = client.chat.completions.create(
+        model="tiny", messages=history, tools=tools, tool_choice="none", max_tokens=8
+    )
+    assert answer.choices[0].message.tool_calls == [] and answer.choices[0].finish_reason in ("stop", "length")
 
 
 def generated_tokens(base: str) -> float:

@@ -141,7 +141,7 @@ def test_completion_and_chat_whole_and_streamed(served, tokenizer):
 
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}])
     assert chat.choices[0].message.content == REPLY and chat.choices[0].message.role == "assistant"
-    assert engine.requests[-1].prompt == tokenizer.encode("<|user|>Hello<|end|><|assistant|>")
+    assert engine.requests[-1].prompt == tokenizer.encode("<|user|>Hello<|end|><|assistant|><think>")
     assert engine.requests[-1].max_new_tokens == 66 - 2 - chat.usage.prompt_tokens  # default: the room left
     assert engine.requests[-1].sampling.temperature == 0  # the default on a speculating server
     stream = list(

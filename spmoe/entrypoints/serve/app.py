@@ -8,6 +8,7 @@ The app waits for a request's first text before it answers, so a request the eng
 503, one that can never fit: 400) gets its status even when it asked for a stream.
 """
 
+import asyncio
 import json
 import logging
 import random
@@ -18,16 +19,20 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from spmoe.engine.grammar import GrammarSpec
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
+from spmoe.entrypoints.serve.chat import ChatChoices, ChatOptions, effective_tool_choice, reasoning_end_ids
 from spmoe.entrypoints.serve.client import QueueFull
+from spmoe.entrypoints.serve.constraints import STRUCTURED_OUTPUT_FIELDS, grammar_for_request
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
 from spmoe.entrypoints.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration
-from spmoe.entrypoints.serve.tokenizer import chat_prompt_ids, eos_token_ids
+from spmoe.entrypoints.serve.tokenizer import chat_prompt_text, eos_token_ids
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 log = logging.getLogger("spmoe.serve")
@@ -39,6 +44,7 @@ class ApiSettings:
     defaults: GenerationDefaults = GenerationDefaults()  # the model's, for the fields a request leaves out
     chat_template_content_format: str = "string"  # how the template sees content (ChatMessage.as_template_input)
     seed: int | None = None  # seeds the seeds of requests that give none (reproducible runs); None: random
+    chat: ChatOptions = ChatOptions()  # the reasoning and tool-call parsers
 
 
 def build_app(client, tokenizer, settings: ApiSettings) -> FastAPI:
@@ -74,6 +80,7 @@ class OpenAIApi:
         self.model_name = self.model_names[0]
         self.defaults, self.content_format = settings.defaults, settings.chat_template_content_format
         self.seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
+        self.chat = settings.chat
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.metrics = ServeMetrics(client)
         self.created = int(time.time())
@@ -107,17 +114,46 @@ class OpenAIApi:
         prompt = self._prompt_ids(body.prompt)
         default = self.defaults.values.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
         max_new = self._max_new_tokens(len(prompt), body.max_tokens, default)
-        return await self._respond(http, body, prompt, max_new, "cmpl", "text_completion", _completion_choice)
+        grammar = await self._grammar(body, {}, None)
+        return await self._respond(
+            http, body, prompt, max_new, "cmpl", "text_completion", _completion_choice, grammar, ()
+        )
 
     async def chat_completions(self, http: Request):
         body = parse(ChatCompletionRequest, await _json_body(http))
         self._check_model(body.model)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice
         try:
-            prompt = chat_prompt_ids(self.tokenizer, [m.as_template_input(self.content_format) for m in body.messages])
+            tool_choice = effective_tool_choice(tools, choice, self.chat)
+        except ValueError as e:
+            raise ApiError(400, str(e), "tool_choice") from None
+        try:
+            messages = [m.as_template_input(self.content_format) for m in body.messages]
+            text = await asyncio.to_thread(chat_prompt_text, self.tokenizer, messages, tools, body.chat_template_kwargs)
+            choices = ChatChoices.for_request(self.chat, text, body.chat_template_kwargs, tools, tool_choice)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
+        prompt = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
         max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, self.defaults.values.get("max_tokens"))
-        return await self._respond(http, body, prompt, max_new, "chatcmpl", "chat.completion", _chat_choice)
+        tool_fields = {"tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls}
+        grammar = await self._grammar(body, tool_fields, tools)
+        start_after = reasoning_end_ids(self.chat, body.chat_template_kwargs, self.tokenizer) if grammar else ()
+        return await self._respond(
+            http, body, prompt, max_new, "chatcmpl", "chat.completion", choices, grammar, start_after
+        )
+
+    async def _grammar(self, body: SamplingFields, extra: dict, tools: list[dict] | None) -> GrammarSpec | None:
+        """The grammar the request's output must follow (None: none), compiled now, off the event loop, so that
+        a bad one is a 400 here and the engine's compile is a cache hit."""
+        fields = {name: getattr(body, name) for name in STRUCTURED_OUTPUT_FIELDS} | extra
+        try:
+            spec = grammar_for_request(fields, tools)
+            if spec is not None:  # the engine's compiler on rank 0: its own compile is then a cache hit
+                await asyncio.to_thread(self.client.grammars.compile, spec)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        return spec
 
     def _check_model(self, model: str) -> None:
         if model not in self.model_names:
@@ -158,7 +194,16 @@ class OpenAIApi:
         return requested
 
     async def _respond(
-        self, http: Request, body: SamplingFields, prompt: list[int], max_new: int, id_prefix: str, kind: str, choice
+        self,
+        http: Request,
+        body: SamplingFields,
+        prompt: list[int],
+        max_new: int,
+        id_prefix: str,
+        kind: str,
+        choice,
+        grammar: GrammarSpec | None,
+        grammar_start_after: tuple[int, ...],
     ):
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         seed = body.seed if body.seed is not None else self.seeds.getrandbits(63)
@@ -173,7 +218,7 @@ class OpenAIApi:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         eos = () if body.ignore_eos else self.eos_token_ids
-        request = EngineRequest(request_id, prompt, max_new, sampling, eos)
+        request = EngineRequest(request_id, prompt, max_new, sampling, eos, grammar, grammar_start_after)
         generation = TextGeneration(self.client.generate(request), self.tokenizer, prompt, body.stop, eos, self.metrics)
         pieces = generation.pieces()
         first = await _first_piece(pieces)
@@ -252,22 +297,6 @@ async def _events(pieces, first: Piece, generation: TextGeneration, head: dict, 
 
 def _completion_choice(text: str, finish_reason: str | None, stream: bool) -> dict:
     return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-
-def _chat_choice(text: str, finish_reason: str | None, stream: bool) -> dict:
-    if stream:
-        return {
-            "index": 0,
-            "delta": {"content": text} if text else {},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-    return {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
 
 
 def _chat_role_delta() -> dict:

@@ -16,6 +16,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -23,8 +24,10 @@ from spmoe.config import ModelConfig
 from spmoe.distributed import get_parallel_state
 from spmoe.engine.args import EngineArgs
 from spmoe.engine.engine import Engine
+from spmoe.engine.grammar import GrammarCompiler
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
 from spmoe.engine.serving_loop import ServingLoop, worker_loop
+from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 
 HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
 DEFAULT_MAX_NUM_SEQS = 8  # requests running at once per DP group unless asked
@@ -69,6 +72,7 @@ class EngineClient:
         self.vocab_size = engine.model.cfg.vocab_size
         self.eos_token_ids = engine.model.cfg.eos_token_ids
         self.num_speculative_tokens = engine.k
+        self.grammars = engine.grammars  # the front end compiles a request's grammar here first (a cache hit then)
         self.error: str | None = None  # why the engine loop stopped, if it failed
         self.front_end_stopped = threading.Event()  # set by serve_rank once start_front_end has returned
         self._closing = False
@@ -204,15 +208,19 @@ class EngineClient:
             pass
 
 
-def serve_rank(model_dir: str, args: EngineArgs, max_num_waiting: int, start_front_end):
+def serve_rank(
+    model_dir: str, args: EngineArgs, max_num_waiting: int, start_front_end, tokenizer_dir: str | None = None
+):
     """Run on every rank: load the model and build the engine. Rank 0 starts the engine loop, calls
     `start_front_end(client)` (which blocks until the server stops; -> SIGTERM if it reached rank 0, else
     None), then shuts every rank's loop down and returns what `start_front_end` returned; the other ranks run
-    the worker loop and return None."""
+    the worker loop and return None. `tokenizer_dir` (default `model_dir`): for grammars."""
     state = get_parallel_state()
     args = for_model(args, args.model_config(model_dir))
     model = args.load_model(model_dir, state.device)
-    engine = args.build_engine(model, args.max_num_seqs, args.max_model_len)
+    # every rank compiles the grammars of structured-output requests itself, the same from the same spec
+    grammars = GrammarCompiler(partial(load_tokenizer, tokenizer_dir or model_dir), model.cfg.vocab_size)
+    engine = args.build_engine(model, args.max_num_seqs, args.max_model_len, grammars)
     if state.rank != 0:
         worker_loop(engine)
         return None

@@ -21,7 +21,9 @@ from spmoe.engine.args import EngineArgs
 from spmoe.engine.vllm_values import parse_json_object, served_model_names
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.model_source import resolve_model
+from spmoe.entrypoints.serve.chat import ChatOptions
 from spmoe.entrypoints.serve.client import DEFAULT_MAX_NUM_WAITING, check_serve, serve_rank
+from spmoe.entrypoints.serve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer, read_chat_template
 from spmoe.entrypoints.vllm_flags import add_vllm_flags
 
@@ -41,6 +43,7 @@ class FrontEndOptions:
     defaults: GenerationDefaults = GenerationDefaults()
     seed: int | None = None  # seeds the seeds of requests that give none
     uvicorn_log_level: str = "warning"
+    chat: ChatOptions = ChatOptions()  # the reasoning and tool-call parsers
 
 
 def start_front_end(options: FrontEndOptions, client) -> int | None:
@@ -51,7 +54,11 @@ def start_front_end(options: FrontEndOptions, client) -> int | None:
     from spmoe.entrypoints.serve.app import ApiSettings, build_app
 
     settings = ApiSettings(
-        options.served_model_names, options.defaults, options.chat_template_content_format, options.seed
+        options.served_model_names,
+        options.defaults,
+        options.chat_template_content_format,
+        options.seed,
+        options.chat,
     )
     app = build_app(client, load_tokenizer(options.tokenizer_dir, options.chat_template), settings)
     config = uvicorn.Config(
@@ -122,6 +129,7 @@ def run_serve(model_dir: str, args: EngineArgs, max_num_waiting: int, front: Fro
         args,
         max_num_waiting,
         partial(start_front_end, front),
+        front.tokenizer_dir,
         config=parallel,
         device=args.device,
     )
@@ -147,6 +155,21 @@ def add_serve_args(p) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="split the model's thinking into reasoning_content (glm45: GLM's <think>...</think>)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="read the model's tool calls into tool_calls (glm47, glm45: GLM's <tool_call> format)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call a tool (tool_choice "auto"); needs --tool-call-parser',
+    )
     p.add_argument(
         "--max-num-waiting",
         type=int,
@@ -179,6 +202,7 @@ def add_serve_args(p) -> None:
 
 
 def cmd_serve(args) -> int:
+    chat = ChatOptions(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"MODEL {args.model_tag} and --model {args.model} disagree; give the model once")
     named = args.model_tag or args.model
@@ -212,6 +236,7 @@ def cmd_serve(args) -> int:
         defaults,
         args.seed,
         args.uvicorn_log_level,
+        chat,
     )
     notes = list(args.vllm_notes)
     if device_chosen:

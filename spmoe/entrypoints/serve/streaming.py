@@ -13,6 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from spmoe.entrypoints.serve.metrics import ServeMetrics
+from spmoe.entrypoints.serve.parsers.markers import partial_marker_length
 from spmoe.entrypoints.serve.protocol import ApiError
 from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer
 
@@ -37,10 +38,7 @@ class StopStrings:
         if hits:
             self.pending = ""
             return pending[: min(hits)], True
-        held = max(
-            (n for s in self.stops for n in range(1, min(len(s), len(pending) + 1)) if pending.endswith(s[:n])),
-            default=0,
-        )
+        held = partial_marker_length(pending, self.stops)
         self.pending = pending[len(pending) - held :]
         return pending[: len(pending) - held], False
 
