@@ -199,6 +199,7 @@ class Engine:
             self.counters.generated_tokens,
             self.counters.draft_proposed,
             self.counters.draft_accepted,
+            self.scheduler.preemptions,
         )
 
     @torch.no_grad()

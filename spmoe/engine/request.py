@@ -40,7 +40,8 @@ class RequestOutput:
 @dataclass
 class EngineMetrics:
     """A snapshot of the engine: requests running (holding cache) and waiting (queued), the share of the KV
-    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP)."""
+    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP), running
+    sequences preempted (their cache freed, to be recomputed) when the cache ran out."""
 
     running: int = 0
     waiting: int = 0
@@ -48,6 +49,7 @@ class EngineMetrics:
     generated_tokens: int = 0
     draft_proposed: int = 0
     draft_accepted: int = 0
+    preemptions: int = 0
 
     @classmethod
     def combine(cls, parts: list["EngineMetrics"]) -> "EngineMetrics":
@@ -60,4 +62,5 @@ class EngineMetrics:
             sum(m.generated_tokens for m in parts),
             sum(m.draft_proposed for m in parts),
             sum(m.draft_accepted for m in parts),
+            sum(m.preemptions for m in parts),
         )
