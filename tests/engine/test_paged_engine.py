@@ -100,8 +100,8 @@ def test_paged_engine_equals_dense_dp2(engine_checkpoint):
 
 def preemption(folder: str) -> dict:
     """Three sequences in a 3-block cache: each fits a block when admitted, then all grow past it. -> the dense
-    engine's and the paged engine's outputs and logits, with the paged engine's stats (and the preemptions
-its metrics report)."""
+    engine's and the paged engine's outputs and logits, with the paged engine's stats (and the preemptions its
+    metrics report)."""
     from spmoe.engine.engine import Engine
     from spmoe.engine.kv_cache import KVCache
     from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache

@@ -129,6 +129,10 @@ class Checkpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
 
+    def dtype(self, key: str) -> str:
+        """The tensor's safetensors dtype name: "F32", "BF16", "F8_E4M3", "I32", ..."""
+        return self._slice(key).get_dtype()
+
     def read(
         self, key: str, dim: int | None, start: int, stop: int, block: tuple[int, int] | None, raw: bool = False
     ) -> torch.Tensor:
@@ -185,6 +189,11 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
         if ckpt.shape(key) != tuple(full):
             raise ValueError(
                 f"tensor {key}: checkpoint shape {ckpt.shape(key)} does not match the expected {tuple(full)}"
+            )
+        if not ckpt.dtype(key).startswith(("F", "BF")):  # copying would turn the integers into weights silently
+            raise ValueError(
+                f"tensor {key}: checkpoint dtype {ckpt.dtype(key)}; expected a floating-point tensor (F32, BF16, "
+                "F16 or F8_E4M3)"
             )
         with torch.no_grad():
             dest.copy_(
