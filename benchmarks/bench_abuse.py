@@ -1,7 +1,8 @@
 """A hostile client against `spmoe serve`: while `--streams` streaming completions run, send a 100 MB body
-(once with Content-Length, once chunked), a 20 MB prompt, and poll /health every 50 ms. Reports what each
-oversized request got, whether every stream finished, the /health latencies, and how much the server's memory
-(the `spmoe serve` process and every rank, summed VmRSS) grew over its level before the load.
+(once with Content-Length, once chunked), a 20 MB prompt, and poll /health every 50 ms (from a process of its
+own, so that the client's threads do not delay the probes). Reports what each oversized request got, whether
+every stream finished, the /health latencies under this load and idle before it, and how much the server's
+memory (the `spmoe serve` process and every rank, summed VmRSS) grew over its level before the load.
 
 It starts the server itself (the demo checkpoint unless --model, TP 2 on the CPU, default flags) on a free
 port and stops it with SIGTERM at the end.
@@ -11,6 +12,7 @@ port and stops it with SIGTERM at the end.
 
 import argparse
 import json
+import multiprocessing
 import os
 import signal
 import statistics
@@ -63,26 +65,54 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def oversized(base: str, kind: str, results: dict) -> None:
+def probe_health(base: str, stop, latencies) -> None:
+    """In a process of its own: GET /health every 50 ms until `stop` is set; each latency (s) into `latencies`."""
+    with httpx.Client(timeout=30) as client:
+        while not stop.is_set():
+            began = time.perf_counter()
+            client.get(base + "/health").raise_for_status()
+            latencies.put(time.perf_counter() - began)
+            time.sleep(0.05)
+
+
+def health_latencies(
+    base: str, seconds: float | None, until: threading.Event | None = None, started: threading.Event | None = None
+) -> list[float]:
+    """/health latencies from a separate process, from its first probe (then `started` is set) for `seconds`
+    or until `until` is set."""
+    ctx = multiprocessing.get_context("spawn")
+    stop, latencies = ctx.Event(), ctx.Queue()
+    prober = ctx.Process(target=probe_health, args=(base, stop, latencies))
+    prober.start()
+    found = [latencies.get(timeout=300)]
+    if started is not None:
+        started.set()
+    if until is None:
+        time.sleep(seconds)
+    else:
+        until.wait()
+    stop.set()
+    while prober.is_alive() or not latencies.empty():
+        try:
+            found.append(latencies.get(timeout=0.2))
+        except Exception:  # noqa: BLE001 - queue.Empty: the prober has stopped
+            pass
+    prober.join()
+    return found
+
+
+def chunks(piece: bytes, count: int):
+    yield b'{"model": "m", "prompt": "'
+    for _ in range(count):
+        yield piece
+    yield b'"}'
+
+
+def oversized(base: str, kind: str, body, results: dict) -> None:
     """One hostile request; records (status or the transport error, seconds)."""
     began = time.perf_counter()
     try:
-        if kind == "100 MB body, Content-Length":
-            body = b'{"model": "m", "prompt": "' + b"x" * (100 * MB) + b'"}'
-            response = httpx.post(base + "/v1/completions", content=body, timeout=120)
-        elif kind == "100 MB body, chunked":
-            piece = b"x" * MB
-
-            def chunks():
-                yield b'{"model": "m", "prompt": "'
-                for _ in range(100):
-                    yield piece
-                yield b'"}'
-
-            response = httpx.post(base + "/v1/completions", content=chunks(), timeout=120)
-        else:  # a 20 MB prompt, under the body limit
-            body = json.dumps({"model": "m", "prompt": "word " * (4 * MB), "max_tokens": 4})
-            response = httpx.post(base + "/v1/completions", content=body, timeout=120)
+        response = httpx.post(base + "/v1/completions", content=body, timeout=120)
         outcome = f"{response.status_code} {response.json()['error']['message'][:90]}"
     except httpx.HTTPError as e:
         outcome = f"connection ended: {type(e).__name__}"
@@ -105,48 +135,59 @@ def main() -> None:
     proc, base = start_server(args)
     try:
         httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "warm", "max_tokens": 2}, timeout=120)
+        idle = health_latencies(base, 5.0)
         rss_before = peak = tree_rss_bytes(proc.pid)
+        bodies = {  # built before the clock starts
+            "100 MB body, Content-Length": b'{"model": "m", "prompt": "' + b"x" * (100 * MB) + b'"}',
+            "100 MB body, chunked": chunks(b"x" * MB, 100),
+            "20 MB prompt": json.dumps({"model": "m", "prompt": "word " * (4 * MB), "max_tokens": 4}).encode(),
+        }
         done = threading.Event()
-        health: list[float] = []
 
-        def watch() -> None:
+        def watch_memory() -> None:
             nonlocal peak
-            with httpx.Client(timeout=30) as client:
-                while not done.is_set():
-                    began = time.perf_counter()
-                    client.get(base + "/health").raise_for_status()
-                    health.append(time.perf_counter() - began)
-                    peak = max(peak, tree_rss_bytes(proc.pid))
-                    time.sleep(0.05)
+            while not done.is_set():
+                peak = max(peak, tree_rss_bytes(proc.pid))
+                time.sleep(0.05)
 
         finished: list[int] = []
         results: dict = {}
         threads = [threading.Thread(target=stream, args=(base, i, finished)) for i in range(args.streams)]
-        kinds = ("100 MB body, Content-Length", "100 MB body, chunked", "20 MB prompt")
-        threads += [threading.Thread(target=oversized, args=(base, kind, results)) for kind in kinds]
-        watcher = threading.Thread(target=watch)
+        threads += [
+            threading.Thread(target=oversized, args=(base, kind, body, results)) for kind, body in bodies.items()
+        ]
+        health: list[float] = []
+        probing = threading.Event()
+        watchers = [
+            threading.Thread(target=watch_memory),
+            threading.Thread(target=lambda: health.extend(health_latencies(base, None, done, probing))),
+        ]
+        for t in watchers:
+            t.start()
+        probing.wait()
         began = time.perf_counter()
-        watcher.start()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        done.set()
-        watcher.join()
         seconds = time.perf_counter() - began
+        done.set()
+        for t in watchers:
+            t.join()
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)
     print(f"\nserver: TP 2 CPU, {os.cpu_count()} cores; {args.streams} streams of 16 tokens + 3 oversized requests")
-    for kind in kinds:
+    for kind in bodies:
         outcome, took = results[kind]
         print(f"  {kind:<28} -> {outcome} ({took:.2f} s)")
     print(f"  streams finished: {len(finished)}/{args.streams} in {seconds:.1f} s")
-    ordered = sorted(health)
-    print(
-        f"  /health: {len(health)} probes, p50 {1e3 * statistics.median(ordered):.1f} ms, "
-        f"p99 {1e3 * ordered[int(0.99 * (len(ordered) - 1))]:.1f} ms, max {1e3 * ordered[-1]:.1f} ms"
-    )
+    for label, latencies in (("idle before", idle), ("under the load", health)):
+        ordered = sorted(latencies)
+        print(
+            f"  /health {label}: {len(ordered)} probes, p50 {1e3 * statistics.median(ordered):.1f} ms, "
+            f"p99 {1e3 * ordered[int(0.99 * (len(ordered) - 1))]:.1f} ms, max {1e3 * ordered[-1]:.1f} ms"
+        )
     print(
         f"  server RSS (all processes): {rss_before / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB "
         f"(+{(peak - rss_before) / 2**20:.0f} MiB)"

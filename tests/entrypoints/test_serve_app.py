@@ -293,6 +293,8 @@ def test_models_health_metrics(served):
         ({"model": "tiny", "prompt": [True, 1]}, 400, "prompt: expected a string or a list of token ids"),
         # the demo tokenizer's longest token has 14 bytes: 66 x 14 bytes is the most that can fit
         ({"model": "tiny", "prompt": "x" * (66 * 14 + 1)}, 400, "prompt text has 925 bytes; --max-model-len 66"),
+        ({"model": "tiny", "prompt": "é" * 463}, 400, "prompt text has 926 bytes; --max-model-len 66"),
+        ({"model": "tiny", "prompt": "é" * 925}, 400, "prompt text has more than 925 bytes; --max-model-len 66"),
         ({"model": "tiny", "prompt": [1] * 100_000}, 400, "the prompt has 100000 tokens; the server's --max-model"),
     ],
 )

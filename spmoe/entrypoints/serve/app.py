@@ -75,7 +75,10 @@ def build_app(client, tokenizer, served_model_name: str, limits: FrontEndLimits 
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        # after a 413 the connection closes: the rest of the body is not read (and parsed) for nothing
+        return JSONResponse(
+            e.body(), status_code=e.status, headers={"Connection": "close"} if e.status == 413 else None
+        )
 
     @app.exception_handler(HTTPException)
     async def http_error(_, e: HTTPException):  # unknown routes, wrong methods
@@ -167,7 +170,7 @@ class OpenAIApi:
         body = parse(CompletionRequest, raw)
         self._check_model(body.model)
         if isinstance(body.prompt, str):
-            self._check_text_size(len(body.prompt.encode()), "prompt")
+            self._check_text_size([body.prompt], "prompt")
             prompt = await self._off_loop(self.tokenizer.encode, body.prompt)
         else:
             prompt = self._checked_ids(body.prompt)
@@ -178,7 +181,7 @@ class OpenAIApi:
         body = parse(ChatCompletionRequest, await self._json_body(http))
         self._check_model(body.model)
         messages = [m.as_template_input() for m in body.messages]
-        self._check_text_size(sum(len(m["content"].encode()) for m in messages), "messages")
+        self._check_text_size([m["content"] for m in messages], "messages")
         try:
             prompt = await self._off_loop(chat_prompt_ids, self.tokenizer, messages)
         except ValueError as e:
@@ -219,13 +222,20 @@ class OpenAIApi:
         if model != self.model_name:
             raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model")
 
-    def _check_text_size(self, num_bytes: int, param: str) -> None:
-        """No token covers more than `token_bytes` bytes of text, so a text of more than max_model_len times
-        that many bytes cannot fit, whatever its tokens: refused without tokenizing it."""
+    def _check_text_size(self, texts: list[str], param: str) -> None:
+        """No token covers more than `token_bytes` bytes of text, so texts of more than max_model_len times
+        that many bytes cannot fit, whatever their tokens: refused without tokenizing them. (A character is at
+        least one byte: a text of more characters than the bound is refused without encoding it.)"""
+        chars, ascii_only = sum(map(len, texts)), all(t.isascii() for t in texts)
+        if ascii_only or chars > self.max_prompt_bytes:  # bytes = chars, or more than chars
+            num_bytes, more_than = chars, not ascii_only
+        else:
+            num_bytes, more_than = sum(len(t.encode()) for t in texts), False
         if num_bytes > self.max_prompt_bytes:
             raise ApiError(
                 400,
-                f"the {param} text has {num_bytes} bytes; --max-model-len {self.client.max_model_len} tokens of at "
+                f"the {param} text has {'more than ' if more_than else ''}{num_bytes} bytes; --max-model-len "
+                f"{self.client.max_model_len} tokens of at "
                 f"most {self.token_bytes} bytes each hold at most {self.max_prompt_bytes}",
                 param,
             )

@@ -70,6 +70,8 @@ def _no_constant(name: str):
 
 
 def _check_text(text: str) -> None:
+    if text.isascii():  # a flag CPython keeps on the string: no scan
+        return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
