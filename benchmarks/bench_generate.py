@@ -35,6 +35,7 @@ from timing import launch_count, layer_ops
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import spawn
+from spmoe.engine.args import EngineArgs
 
 PEAK_FLOPS = 790e12  # H200 dense bf16
 PEAK_BYTES = 4.3e12  # H200 HBM3e
@@ -247,10 +248,11 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--kv-cache-memory", type=float, default=8.0, help="paged cache budget in GiB")
+    EngineArgs.add_cli_args(parser, ("max_num_batched_tokens", "kv_cache_memory"))
+    parser.set_defaults(kv_cache_memory=8.0)  # the paged kinds' budget in GiB
     parser.add_argument("--profile", action="store_true", help="print the kernels of one paged prefill chunk")
     args = parser.parse_args()
+    EngineArgs.from_cli(args)  # the engine options' checks
     spawn(run, 1, args, device="cuda", timeout_s=3600)
 
 

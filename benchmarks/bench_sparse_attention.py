@@ -33,8 +33,9 @@ from spmoe.config import ModelConfig
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.layers.attention import AttentionBatch, MLAttention
+from spmoe.layers.paged_rows import quantize_index_vectors, write_index_key, write_latent
 from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import indexer_topk, quantize_fp8_vectors, rows_of_best, sparse_mla
+from spmoe.layers.sparse_attention import indexer_topk, rows_of_best, sparse_mla
 from spmoe.layers.sparse_attention_triton import (
     INDEXER_DECODE_TILES,
     INDEXER_PREFILL_TILES,
@@ -63,12 +64,13 @@ def fill(cache: PagedKVCache, tokens: int) -> None:
         view = cache.decode_view(
             table[None], torch.zeros(n, dtype=torch.long, device="cuda"), torch.arange(n, device="cuda")
         )
-        view.write_latent(
-            0,
+        write_latent(
+            view.layer(0),
+            view.slot_mapping,
             torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
             torch.randn(n, 64, device="cuda", generator=gen).bfloat16(),
         )
-        view.write_index_key(0, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
+        write_index_key(view.layer(0), view.slot_mapping, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
 
 
 def timed(fn) -> float | None:
@@ -97,7 +99,7 @@ def kernel_inputs(cfg: ModelConfig, kv_cache_dtype: str, context: int, batch: in
     q = torch.randn(batch, 32, 128, device="cuda", generator=gen).bfloat16()
     weights = torch.rand(batch, 32, device="cuda", generator=gen)
     if kv_cache_dtype == "fp8":
-        q, q_scale = quantize_fp8_vectors(q)
+        q, q_scale = quantize_index_vectors(q)
         weights = weights * q_scale.squeeze(-1)
     q_latent = torch.randn(batch, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
     q_rope = torch.randn(batch, 64, 64, device="cuda", generator=gen).bfloat16() * 0.05
@@ -237,7 +239,7 @@ def indexer_prefill(cfg: ModelConfig, configs: list, fp8_best: int = 0) -> None:
         q = torch.randn(n, cfg.index_n_heads, cfg.index_head_dim, device="cuda", generator=gen).bfloat16()
         weights = torch.rand(n, cfg.index_n_heads, device="cuda", generator=gen)
         if kv_cache_dtype == "fp8":
-            q, q_scale = quantize_fp8_vectors(q)
+            q, q_scale = quantize_index_vectors(q)
             weights = weights * q_scale.squeeze(-1)
         args = (q, weights, cache.layers[0], view.block_tables, view.seq_index, view.positions, BLOCK_SIZE)
         bf16_times = sorted((t, tiles) for (dtype, tiles), t in results.items() if dtype == "auto")

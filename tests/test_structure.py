@@ -1,5 +1,6 @@
-"""The shape of the code (DESIGN.md, "Shape of the code"): no import cycle anywhere in spmoe, function-level
-imports included, and torch.distributed used only inside spmoe/distributed/."""
+"""The shape of the code (DESIGN.md, "Shape of the code"): every module imports only from its own floor or the
+floors below it (config < distributed < layers < models < engine < entrypoints), no import cycle anywhere in
+spmoe, function-level imports included, and torch.distributed used only inside spmoe/distributed/."""
 
 import ast
 from pathlib import Path
@@ -60,6 +61,39 @@ def test_no_import_cycle():
     graph = {name: imports(path) - {name} for name, path in MODULES.items()}
     assert len(graph) > 40 and graph["spmoe.models.deepseek_v32.model"]  # the walk sees the package
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+FLOORS = ("config", "distributed", "layers", "models", "engine", "entrypoints")  # lowest first
+
+
+def floor(module: str) -> int | None:
+    """The floor of an spmoe module (None: the package's own `spmoe`, `spmoe.__main__`)."""
+    parts = module.split(".")
+    return FLOORS.index(parts[1]) if len(parts) > 1 and parts[1] in FLOORS else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'importer -> imported' for every import from a higher floor than the importer's."""
+    return sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        for target in targets
+        if floor(name) is not None and floor(target) is not None and floor(target) > floor(name)
+    )
+
+
+def test_upward_imports_are_found():
+    graph = {"spmoe.layers.a": {"spmoe.engine.b", "spmoe.config.c"}, "spmoe.engine.b": {"spmoe.layers.a"}}
+    assert upward_imports(graph) == ["spmoe.layers.a -> spmoe.engine.b"]
+
+
+def test_every_module_has_a_floor():
+    assert sorted(name for name in MODULES if floor(name) is None) == ["spmoe", "spmoe.__main__"]
+
+
+def test_no_upward_import():
+    graph = {name: imports(path) - {name} for name, path in MODULES.items()}
+    assert upward_imports(graph) == []
 
 
 def uses_torch_distributed(path: Path) -> bool:

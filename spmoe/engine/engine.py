@@ -8,58 +8,41 @@ requests; every DP rank steps together (the MoE dispatch spans all of them), wit
 The KV cache is either the paged cache (`PagedKVCache`: blocks handed out as sequences grow, the sparse DSA
 path; the default of `spmoe generate` and `spmoe serve`) or the slot cache (`KVCache`: the dense reference).
 
-One step:
-1. Schedule (`scheduler.py`): decode tokens first, then prompt chunks under the token budget; admit waiting
-   requests while the cache has room; grow every running sequence's room, preempting when it runs out.
-2. One target forward over every scheduled sequence's tokens, laid end to end (`model_runner.py`): a chunk
-   of a prompt, else its last token followed by its drafts when speculating. A plain decode step therefore
-   has N = the number of running sequences: N = 1, 2 or 3 on 2 to 4 ranks is the everyday case. With
-   `cuda_graphs`, plain decode steps replay a captured graph; prefill stays eager.
-3. Commit: a sequence that fed its last pending token samples from its last row with its own sampler, or
-   accepts drafts greedily (`speculative.py`); a prompt chunk only advances the cached count.
-4. Finish sequences at an eos id or `max_new_tokens`; free their cache room. A sequence whose logits hold a
-   NaN or an infinity has no next token: it finishes with finish_reason "error" and an error naming the step,
-   and the others carry on (the server keeps serving); `generate` raises that error instead.
-5. When speculating, the drafter catches up on the fed positions and proposes the next drafts.
+One step is three calls on named records (`sequence.py`):
+1. `Scheduler.schedule() -> ScheduledBatch` (`scheduler.py`): decode tokens first, then prompt chunks under the
+   token budget; admit waiting requests while the cache has room; grow every running sequence's room,
+   preempting when it runs out.
+2. `ModelRunner.run(batch) -> StepResult` (`model_runner.py`): one target forward over every scheduled
+   sequence's tokens, laid end to end (a chunk of a prompt, else its last token followed by its drafts when
+   speculating; with `cuda_graphs`, plain decode steps replay a captured graph), the choice of each sampling
+   sequence's tokens (its own sampler, or the greedy acceptance of its drafts, `speculative.py`), and the MTP
+   drafter's next drafts.
+3. `Scheduler.update(batch, result) -> list[RequestOutput]`: commit the tokens, finish sequences at an eos id
+   or `max_new_tokens` and free their room. A sequence whose logits hold a NaN or an infinity has no next
+   token: it finishes with finish_reason "error" and an error naming the step, and the others carry on (the
+   server keeps serving); `generate` raises that error instead.
+`stats.py` counts the forwards, tokens, seconds and collectives of each phase, and the MTP acceptance.
 
-`generate` is the batch job (spmoe generate, the demo) on top of `add_request` / `step`.
+`generate` is the batch job (spmoe generate, the demo) on top of `add_request` / `step`, driven on every rank by
+`serving_loop.run_to_completion`; `spmoe serve` drives engines through `serving_loop.ServingLoop`.
 """
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from spmoe.distributed import CommStats, count_collectives, get_parallel_state
-from spmoe.distributed.comm import all_reduce
+from spmoe.distributed import get_parallel_state
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.model_runner import ModelRunner
 from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
-from spmoe.engine.sampling import Sampler, SamplingParams, greedy
-from spmoe.engine.scheduler import BlockRoom, Scheduler, Sequence, SlotRoom
-from spmoe.engine.speculative import MtpDrafter, accept_greedy
+from spmoe.engine.sampling import Sampler, SamplingParams
+from spmoe.engine.scheduler import BlockRoom, Scheduler, SlotRoom
+from spmoe.engine.sequence import Sequence
+from spmoe.engine.serving_loop import run_to_completion
+from spmoe.engine.stats import StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
-
-PHASES = ("prefill", "decode", "draft")
-
-
-@dataclass
-class Phase:
-    forwards: int = 0
-    tokens_fed: int = 0
-    tokens_committed: int = 0
-    seconds: float = 0.0
-    collectives: CommStats = field(default_factory=CommStats)
-
-    def as_dict(self) -> dict:
-        return {
-            "forwards": self.forwards,
-            "tokens_fed": self.tokens_fed,
-            "tokens_committed": self.tokens_committed,
-            "seconds": self.seconds,
-            "collectives": self.collectives.as_dict(),
-        }
 
 
 @dataclass
@@ -141,17 +124,17 @@ class Engine:
         room = (
             BlockRoom(cache, max_num_seqs or 256, max_model_len) if isinstance(cache, PagedKVCache) else SlotRoom(cache)
         )
-        self.scheduler = Scheduler(room, num_speculative_tokens, max_num_batched_tokens)
-        self.runner = ModelRunner(model, cache, room.max_num_seqs, cuda_graphs)
-        self.drafter = MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None
-        self.counters = EngineMetrics()  # the counters since start; running / waiting / usage filled on demand
-        self.reset_stats()
+        keep_in_step = get_parallel_state().dp_size > 1  # every DP rank runs every step, empty or not
+        self.stats = StepStats(num_speculative_tokens)
+        self.scheduler = Scheduler(room, num_speculative_tokens, max_num_batched_tokens, keep_in_step)
+        self.runner = ModelRunner(
+            model, cache, room.max_num_seqs, self.stats, num_speculative_tokens, cuda_graphs, keep_in_step
+        )
 
     def reset_stats(self) -> None:
-        """Start the per-phase timings, collective counts and acceptance statistics that `stats` reports."""
-        self.phases = {name: Phase() for name in PHASES}
-        self.verify_steps = 0  # sequences whose drafts a target forward verified, summed over steps
-        self.accepted_at = [0] * self.k  # verifications that accepted more than j drafts, per j
+        """Start the per-phase timings, collective counts, acceptance statistics and step numbers afresh."""
+        self.stats.reset()
+        self.scheduler.steps = 0
 
     # The request API.
 
@@ -192,139 +175,27 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def metrics(self) -> EngineMetrics:
+        totals = self.stats.totals
         return EngineMetrics(
             len(self.scheduler.running),
             len(self.scheduler.waiting),
             self.scheduler.room.usage(),
-            self.counters.generated_tokens,
-            self.counters.draft_proposed,
-            self.counters.draft_accepted,
+            totals.generated_tokens,
+            totals.draft_proposed,
+            totals.draft_accepted,
             self.scheduler.preemptions,
         )
 
-    @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Schedule, run the batch, commit. -> one output per request that committed tokens this step (a
         prompt chunk before the last commits none). With nothing to run it returns at once, except under DP,
         where every rank must run every step."""
-        work = self.scheduler.schedule()
-        if not work and get_parallel_state().dp_size == 1:
+        batch = self.scheduler.schedule()
+        if batch is None:
             return []
-        room = self.scheduler.room
-        decode = all(not s.prefilling for s, _ in work)
-        phase = self.phases["decode" if decode else "prefill"]
-        began = time.perf_counter()
-        samples = [n == len(s.pending) for s, n in work]  # fed all it had: it samples
-        with count_collectives(phase.collectives):
-            logits, hidden = self.runner.run(
-                [s.pending[:n] for s, n in work],
-                [room.location(s) for s, _ in work],
-                [s.cached for s, _ in work],
-                [1 + len(s.drafts) if last else 0 for (s, _), last in zip(work, samples)],
-                decode,
-                phase.collectives,
-            )
-        outputs, to_draft, row, fed = [], [], 0, 0
-        # every greedy choice of the step (and whether its row is finite) in one host transfer
-        committing = [s for (s, _), last in zip(work, samples) if last]
-        greedy_rows = greedy(logits) if any(s.drafts or s.sampler.params.greedy for s in committing) else None
-        for (seq, n), last in zip(work, samples):
-            if not last:  # a prompt chunk: the MTP layer catches up on it with the next prompt tokens
-                if self.drafter is not None:
-                    to_draft.append((seq, seq.cached, seq.pending[1 : n + 1], hidden[fed : fed + n], False))
-                seq.cached += n
-                seq.pending = seq.pending[n:]
-                fed += n
-                continue
-            rows = slice(row, row + 1 + len(seq.drafts))
-            row += 1 + len(seq.drafts)
-            seq.prefilling = False
-            new, verified = self._commit(seq, logits[rows], greedy_rows and tuple(g[rows] for g in greedy_rows))
-            phase.tokens_committed += len(new)
-            outputs.append(
-                RequestOutput(seq.request_id, new, seq.finish_reason, seq.error, prompt_tokens=len(seq.request.prompt))
-            )
-            if not new:  # its logits were not finite: it left the batch with an error
-                fed += n
-                continue
-            if self.drafter is not None and seq.finish_reason is None:
-                next_ids = seq.pending[1:verified] + [new[-1]]
-                to_draft.append((seq, seq.cached, next_ids, hidden[fed : fed + verified], True))
-            fed += n
-            seq.cached += verified
-            seq.pending, seq.drafts = [new[-1]], []
-        phase.forwards += 1
-        phase.tokens_fed += fed
-        phase.seconds += time.perf_counter() - began
-        if self.drafter is not None and (to_draft or get_parallel_state().dp_size > 1):
-            self._draft(to_draft)  # under DP even an empty draft step runs, to keep the ranks in step
-        return outputs
-
-    def _commit(
-        self, seq: Sequence, logits: torch.Tensor, greedy_rows: tuple[list[int], list[bool]] | None
-    ) -> tuple[list[int], int]:
-        """logits `[1 + drafts, V]` of one sequence, and their greedy choices and finite flags (`greedy`, read
-        for the whole step at once; None when no sequence of the step is greedy) -> (the tokens it commits, its
-        fed tokens whose cache rows stay valid). Finishes the sequence at an eos id or its token limit, or, with
-        no token at all, when a row it would commit from is not finite (finish_reason "error", `seq.error`
-        naming the step)."""
-        if seq.drafts:
-            choices, finite = greedy_rows
-            accepted, candidates = accept_greedy(seq.drafts, choices)
-            self.verify_steps += 1
-            for j in range(accepted):
-                self.accepted_at[j] += 1
-            self.counters.draft_proposed += len(seq.drafts)
-            self.counters.draft_accepted += accepted
-        elif seq.sampler.params.greedy:
-            accepted, (candidates, finite) = 0, greedy_rows
-        else:
-            accepted, (candidates, finite) = 0, seq.sampler(logits)
-        if not all(finite[: len(candidates)]):
-            step = self.phases["prefill"].forwards + self.phases["decode"].forwards + 1
-            seq.error = (
-                f"non-finite logits (NaN or inf) at step {step} ({'decode' if seq.cached else 'prefill'}) "
-                f"for request {seq.request_id!r} after {len(seq.output)} generated tokens: no token can be "
-                f"chosen (check the checkpoint for NaN / inf weights)"
-            )
-            self.scheduler.finish(seq, "error")
-            return [], 0
-        verified = len(seq.pending) - (len(seq.drafts) - accepted)
-        request, new = seq.request, []
-        for j, token in enumerate(candidates):
-            new.append(token)
-            seq.output.append(token)
-            if seq.record_logits:
-                seq.logits.append(logits[j].cpu())
-            if token in request.eos_token_ids or len(seq.output) == request.max_new_tokens:
-                self.scheduler.finish(seq, "stop" if token in request.eos_token_ids else "length")
-                break
-        self.counters.generated_tokens += len(new)
-        return new, verified
-
-    def _draft(self, to_draft: list) -> None:
-        """to_draft: (sequence, first fed position, the token after each fed position, the target's hidden
-        `[n, H]` there, whether it keeps the drafts); a prompt chunk before the last only fills the MTP
-        layer's cache rows."""
-        phase, began = self.phases["draft"], time.perf_counter()
-        room = self.scheduler.room
-        with count_collectives(phase.collectives):
-            hidden = [h for *_, h, _ in to_draft] or [
-                torch.zeros(0, self.model.cfg.hidden_size, dtype=self.cache.dtype, device=self.cache.device)
-            ]
-            drafts = self.drafter.propose(
-                [room.location(s) for s, *_ in to_draft],
-                [start for _, start, *_ in to_draft],
-                [ids for _, _, ids, *_ in to_draft],
-                torch.cat(hidden),
-            )
-        for (seq, *_, keep), proposed in zip(to_draft, drafts):
-            if keep:
-                seq.drafts = proposed
-                seq.pending = seq.pending + proposed
-        phase.forwards += self.k
-        phase.tokens_fed += sum(len(ids) for _, _, ids, *_ in to_draft) + (self.k - 1) * len(to_draft)
-        phase.seconds += time.perf_counter() - began
+        result = self.runner.run(batch)
+        self.stats.record(batch, result)
+        return self.scheduler.update(batch, result)
 
     # The batch job.
 
@@ -351,60 +222,33 @@ class Engine:
             for i, (p, params) in enumerate(zip(prompts, samplings))
         ]
         start = time.perf_counter()
-        while self._any_rank_busy(self.has_unfinished()):
-            failed = [out.error for out in self.step() if out.finish_reason == "error"]
-            if failed:
-                raise FloatingPointError(failed[0])
-            if on_step is not None:
-                on_step(
-                    sum(len(s.output) for s in seqs),
-                    len(self.scheduler.running),
-                    sum(min(s.cached, len(s.request.prompt)) for s in seqs),
-                )
+
+        def progress() -> None:
+            on_step(
+                sum(len(s.output) for s in seqs),
+                len(self.scheduler.running),
+                sum(min(s.cached, len(s.request.prompt)) for s in seqs),
+            )
+
+        run_to_completion(self, progress if on_step is not None else None)
         return Generation(
             [s.output for s in seqs],
             self._stats(seqs, time.perf_counter() - start),
             [torch.stack(s.logits) for s in seqs] if record_logits else None,
         )
 
-    def _any_rank_busy(self, busy: bool) -> bool:
-        """With DP > 1 every rank runs every step (the MoE dispatch spans all of them), so a DP rank that is
-        done keeps stepping with an empty batch until every rank is done: one tiny all-reduce per step."""
-        state = get_parallel_state()
-        if state.dp_size == 1:
-            return busy
-        flag = torch.tensor([int(busy)], device=state.device)
-        return bool(all_reduce(flag, state.ep_group, op="max").item())
-
     def _stats(self, seqs: list[Sequence], seconds: float) -> dict:
         generated = sum(len(s.output) for s in seqs)
-        decode = self.phases["decode"]
-        decode_s = decode.seconds + self.phases["draft"].seconds
         graphs = self.runner.graphs
-        stats = {
+        return {
             "sequences": len(seqs),
             "prompt_tokens": sum(len(s.request.prompt) for s in seqs),
             "generated_tokens": generated,
             "seconds": seconds,
             "tokens_per_s": generated / seconds if seconds else 0.0,
-            "prefill_s": self.phases["prefill"].seconds,
-            "decode_s": decode_s,
-            "decode_tokens_per_s": decode.tokens_committed / decode_s if decode_s else 0.0,
-            "phases": {name: phase.as_dict() for name, phase in self.phases.items()},
+            **self.stats.as_dict(),
             "kv_cache": self.scheduler.room.stats(),
             "preemptions": self.scheduler.preemptions,
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "cuda_graph_batch_sizes": graphs.batch_sizes() if graphs else [],
         }
-        if self.k:
-            steps, accepted = self.verify_steps, sum(self.accepted_at)
-            stats["speculative"] = {
-                "num_speculative_tokens": self.k,
-                "verify_steps": steps,
-                "proposed": steps * self.k,
-                "accepted": accepted,
-                "acceptance_rate": accepted / (steps * self.k) if steps else 0.0,
-                "mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
-                "per_position": [count / steps if steps else 0.0 for count in self.accepted_at],
-            }
-        return stats

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from spmoe.config import ModelConfig
-from spmoe.layers.attention import MLAttention
 
 
 def _widths(cfg: ModelConfig) -> dict[str, int]:
@@ -82,7 +81,7 @@ class KVCache:
     @classmethod
     def for_model(cls, model: nn.Module, max_seqs: int, max_len: int) -> "KVCache":
         """A cache for every attention layer in `model` (the MTP layer's included), in the model's dtype."""
-        cfg, layers, dtype, device = attention_layout(model)
+        cfg, layers, dtype, device = cache_layout(model)
         return cls(cfg, layers, max_seqs, max_len, dtype, device)
 
     @property
@@ -139,9 +138,8 @@ class KVCache:
         return CacheView(self.buffers, slots * length + positions, read_index, positions, allowed.view(b, -1))
 
 
-def attention_layout(model: nn.Module) -> tuple[ModelConfig, dict[int, bool], torch.dtype, torch.device]:
-    """(config, attention layer index -> whether it runs the indexer, dtype, device) of `model`'s attention
-    layers, the MTP layer's included."""
-    attention = [m for m in model.modules() if isinstance(m, MLAttention)]
-    weight = attention[0].x_proj.weight
-    return attention[0].cfg, {m.layer_idx: m.indexer is not None for m in attention}, weight.dtype, weight.device
+def cache_layout(model: nn.Module) -> tuple[ModelConfig, dict[int, bool], torch.dtype, torch.device]:
+    """(config, attention layer index -> whether it runs the indexer, dtype, device) of the attention layers
+    `model` declares (`kv_cache_needs`: the MTP layer's included)."""
+    needs = model.kv_cache_needs()
+    return model.cfg, {n.layer: n.index_key > 0 for n in needs}, needs[0].dtype, needs[0].device

@@ -1,6 +1,15 @@
-"""One target forward for a step: the flat batch of every scheduled sequence's tokens, run eagerly or, for a
-plain decode step, replayed from a CUDA graph (`cuda_graphs.py`); the logits of the rows the step commits
-from."""
+"""One step on the model: `run(batch) -> StepResult`.
+
+1. One target forward over every scheduled sequence's tokens, laid end to end: run eagerly or, for a plain
+   decode step, replayed from a CUDA graph (`cuda_graphs.py`); the logits of the rows the step commits from.
+2. The choice: a sequence that samples takes its own sampler's token from its last row, or, when it fed
+   drafts, the drafts the target accepts and the target's next token (`speculative.py`); the tokens are cut
+   at its first eos id or its token limit. A row that is not finite gives no token.
+3. When speculating, the MTP drafter catches up on the fed positions and proposes each sequence's next
+   drafts (`speculative.py`). Under DP every rank runs the draft step, even an empty one.
+
+It reads the sequences and changes none of them: `Scheduler.update` commits what it returns.
+"""
 
 from itertools import accumulate
 
@@ -10,36 +19,128 @@ from spmoe.distributed import CommStats
 from spmoe.engine.cuda_graphs import DecodeGraphs
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
+from spmoe.engine.sampling import greedy
+from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
+from spmoe.engine.speculative import MtpDrafter, accept_greedy
+from spmoe.engine.stats import StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 
 class ModelRunner:
     def __init__(
-        self, model: DeepseekV32ForCausalLM, cache: KVCache | PagedKVCache, max_num_seqs: int, cuda_graphs: bool = False
-    ):
-        self.model, self.cache = model, cache
-        self.graphs = DecodeGraphs(model, cache, max_num_seqs) if cuda_graphs else None
-
-    def run(
         self,
-        tokens: list[list[int]],
-        locations: list,
-        starts: list[int],
-        logit_rows: list[int],
-        decode: bool,
-        collectives: CommStats,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sequence i feeds `tokens[i]` at positions `starts[i] ...` of its cache room `locations[i]` (a slot of
-        the slot cache, a block table of the paged one) and wants the logits of its last `logit_rows[i]` rows
-        (0: none, a prompt chunk). -> (logits `[sum(logit_rows), V]` float32, the FULL post-norm hidden `[N, H]`
-        of all N fed tokens, or None when a CUDA graph ran). `decode`: every sequence feeds one token after its
-        cached prefix and wants its logits, so a captured graph can run it. No sequences: an empty forward (a
-        DP rank that must keep in step). Replayed collectives are added to `collectives`."""
+        model: DeepseekV32ForCausalLM,
+        cache: KVCache | PagedKVCache,
+        max_num_seqs: int,
+        stats: StepStats,
+        num_speculative_tokens: int = 0,
+        cuda_graphs: bool = False,
+        keep_in_step: bool = False,
+    ):
+        """`stats`: where the forwards are counted; `keep_in_step`: run the draft step even with nothing to
+        draft (under DP, where every rank runs every step)."""
+        self.model, self.cache, self.stats, self.keep_in_step = model, cache, stats, keep_in_step
+        self.graphs = DecodeGraphs(model, cache, max_num_seqs) if cuda_graphs else None
+        self.drafter = MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None
+
+    @torch.no_grad()
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        phase = self.stats.target_phase(batch)
+        with phase.measure():
+            logits, hidden = self.forward(batch, phase.collectives)
+            result = self.choose(batch, logits)
+        phase.forwards += 1
+        phase.tokens_fed += sum(batch.num_tokens)
+        phase.tokens_committed += sum(map(len, result.token_ids))
+        if self.drafter is not None:
+            result.drafts = self.draft(batch, result, hidden)
+        return result
+
+    def forward(self, batch: ScheduledBatch, collectives: CommStats) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target forward -> (logits `[R, V]` float32 of the R rows the step commits from: the last
+        1 + drafts rows of each sequence that samples, the FULL post-norm hidden `[N, H]` of all N fed tokens,
+        or None when a CUDA graph ran). No sequences: an empty forward (a DP rank that must keep in step).
+        Replayed collectives are added to `collectives`."""
+        tokens = batch.tokens()
+        if self.graphs is not None and batch.decode:
+            return self.graphs.step([t[0] for t in tokens], batch.locations, batch.starts, collectives), None
         lens = [len(t) for t in tokens]
-        if self.graphs is not None and decode:
-            return self.graphs.step([t[0] for t in tokens], locations, starts, collectives), None
-        view = self.cache.view(locations, starts, lens)
+        view = self.cache.view(batch.locations, batch.starts, lens)
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=view.positions.device)
         hidden = self.model.forward_hidden(ids, view.positions, lens, view)  # FULL [N, H]
+        logit_rows = [1 + len(s.drafts) if last else 0 for s, last in zip(batch.seqs, batch.samples)]
         rows = [r for end, m in zip(accumulate(lens), logit_rows) for r in range(end - m, end)]
         return self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long, device=hidden.device)), hidden
+
+    def choose(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
+        """logits `[R, V]` (see `forward`) -> each sequence's committed tokens, accepted drafts, finite flag."""
+        committing = [s for s, last in zip(batch.seqs, batch.samples) if last]
+        # every greedy choice of the step (and whether its row is finite) in one host transfer
+        greedy_rows = greedy(logits) if any(s.drafts or s.sampler.params.greedy for s in committing) else None
+        result = StepResult([], [], [], logit_rows=[])
+        row = 0
+        for seq, last in zip(batch.seqs, batch.samples):
+            tokens, accepted, finite, recorded = [], 0, True, None
+            if last:
+                rows = slice(row, row + 1 + len(seq.drafts))
+                row += 1 + len(seq.drafts)
+                accepted, candidates, finite = self._candidates(seq, logits[rows], greedy_rows, rows)
+                if finite:
+                    tokens, _ = seq.until_stop(candidates)
+                    if seq.record_logits:
+                        recorded = [logits[j].cpu() for j in range(rows.start, rows.start + len(tokens))]
+            result.token_ids.append(tokens)
+            result.accepted.append(accepted)
+            result.finite.append(finite)
+            result.logit_rows.append(recorded)
+        return result
+
+    @staticmethod
+    def _candidates(
+        seq: Sequence, logits: torch.Tensor, greedy_rows: tuple[list[int], list[bool]] | None, rows: slice
+    ) -> tuple[int, list[int], bool]:
+        """One sequence's logits `[1 + drafts, V]` and the step's greedy choices and finite flags (None when no
+        sequence of the step is greedy) -> (drafts accepted, the tokens it would commit, whether every row
+        they come from is finite)."""
+        if seq.drafts:
+            choices, finite = (g[rows] for g in greedy_rows)
+            accepted, candidates = accept_greedy(seq.drafts, choices)
+        elif seq.sampler.params.greedy:
+            accepted, (candidates, finite) = 0, (g[rows] for g in greedy_rows)
+        else:
+            accepted, (candidates, finite) = 0, seq.sampler(logits)
+        return accepted, candidates, all(finite[: len(candidates)])
+
+    def draft(self, batch: ScheduledBatch, result: StepResult, hidden: torch.Tensor) -> list[list[int]]:
+        """The MTP layer catches up on every position the target fed and kept: a prompt chunk before the last
+        only fills its cache rows; a sequence that committed tokens and goes on gets its next drafts.
+        -> the drafts per scheduled sequence ([] for the others)."""
+        to_draft, fed = [], 0  # (its index, first fed position, the token after each, the target's hidden there)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            tokens = result.token_ids[i]
+            if not batch.samples[i]:
+                to_draft.append((i, seq.cached, seq.pending[1 : n + 1], hidden[fed : fed + n]))
+            elif tokens and seq.until_stop(tokens)[1] is None:
+                verified = n - (len(seq.drafts) - result.accepted[i])
+                to_draft.append((i, seq.cached, seq.pending[1:verified] + [tokens[-1]], hidden[fed : fed + verified]))
+            fed += n
+        drafts = [[] for _ in batch.seqs]
+        if not to_draft and not self.keep_in_step:
+            return drafts
+        phase, k = self.stats.phases["draft"], self.drafter.k
+        with phase.measure():
+            hidden_fed = [h for *_, h in to_draft] or [
+                torch.zeros(0, self.model.cfg.hidden_size, dtype=self.cache.dtype, device=self.cache.device)
+            ]
+            proposed = self.drafter.propose(
+                [batch.locations[i] for i, *_ in to_draft],
+                [start for _, start, *_ in to_draft],
+                [ids for _, _, ids, _ in to_draft],
+                torch.cat(hidden_fed),
+            )
+        for (i, *_), new in zip(to_draft, proposed):
+            if batch.samples[i]:
+                drafts[i] = new
+        phase.forwards += k
+        phase.tokens_fed += sum(len(ids) for _, _, ids, _ in to_draft) + (k - 1) * len(to_draft)
+        return drafts

@@ -1,5 +1,6 @@
 """The paged KV cache's tensors: one pool of blocks per attention layer (the MTP layer's included), sized from
-a byte budget, and the per-step view that attention reads (`PagedCacheView`).
+a byte budget, and the per-step view that attention reads and writes (`PagedCacheView`: the cache stores
+and hands out rows; attention's own code writes them, `layers/paged_rows.py`).
 
 Per token and attention layer (R rows = (num_blocks + 1) * BLOCK_SIZE; see `PagedLayerCache`):
 
@@ -20,13 +21,8 @@ import torch
 from torch import nn
 
 from spmoe.config import ModelConfig
-from spmoe.engine.kv_cache import attention_layout
-from spmoe.layers.fused import use_fused
-from spmoe.layers.moe.experts.base import quantize_fp8_groups
-from spmoe.layers.norm import RMSNorm
+from spmoe.engine.kv_cache import cache_layout
 from spmoe.layers.paged_rows import PagedKeyStore, PagedLayerCache
-from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import quantize_fp8_vectors
 
 BLOCK_SIZE = 64
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -138,7 +134,7 @@ def build_paged_cache(
     """The paged cache sized from `gib` GiB, else `memory_fraction` of the free GPU memory; with neither, on
     CUDA `DEFAULT_GPU_MEMORY_UTILIZATION` of it, on CPU room for `default_seqs` sequences of `default_len`
     tokens, each in its own blocks."""
-    cfg, layers, dtype, device = attention_layout(model)
+    cfg, layers, dtype, device = cache_layout(model)
     if gib is None and memory_fraction is None:
         if device.type == "cuda":
             memory_fraction = DEFAULT_GPU_MEMORY_UTILIZATION
@@ -192,7 +188,7 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, model: nn.Module, budget_bytes: int, kv_cache_dtype: str = "auto") -> "PagedKVCache":
         """A cache for every attention layer in `model` (the MTP layer's included), in the model's dtype."""
-        cfg, layers, dtype, device = attention_layout(model)
+        cfg, layers, dtype, device = cache_layout(model)
         return cls(cfg, layers, budget_bytes, dtype, device, kv_cache_dtype)
 
     # -- sizes ------------------------------------------------------------------------------------------------
@@ -273,50 +269,3 @@ class PagedCacheView(PagedKeyStore):
 
     def layer(self, layer: int) -> PagedLayerCache:
         return self.cache.layers[layer]
-
-    def write_latent(self, layer: int, latent: torch.Tensor, rope: torch.Tensor) -> None:
-        """This forward's normed latent `[N, c]` and rotated rope key `[N, r]` -> their rows (FP8: one scale per
-        128 values of the latent)."""
-        rows = self.cache.layers[layer]
-        self._write(rows.latent, rows.latent_scale, latent, quantize_fp8_groups)
-        rows.rope.index_copy_(0, self.slot_mapping, rope.to(rows.rope.dtype))
-
-    def write_latent_projection(self, layer: int, kv_a: torch.Tensor, norm: RMSNorm, rotary: Rotary) -> None:
-        """This forward's kv_a projection `[N, c + r]` (the raw latent, then the raw rope key) -> the latent normed
-        by `norm` and the rope key rotated by `rotary` (MLA's interleaved pairs) in their rows: one Triton kernel
-        on CUDA (`fused_triton.write_mla_cache`), else `write_latent` of the torch results (the rope part of kv_a
-        is rotated in place)."""
-        rows, c = self.cache.layers[layer], self.cache.cfg.kv_lora_rank
-        if use_fused(kv_a):
-            from spmoe.layers.fused_triton import write_mla_cache
-
-            write_mla_cache(
-                kv_a,
-                norm.weight,
-                norm.eps,
-                rotary.cos,
-                rotary.sin,
-                self.slot_mapping,
-                rows.latent,
-                rows.latent_scale,
-                rows.rope,
-            )
-            return
-        latent, rope = kv_a.split([c, kv_a.shape[1] - c], dim=-1)
-        rotary.rotate_(rope.unsqueeze(1), interleaved=True)
-        self.write_latent(layer, norm(latent), rope)
-
-    def write_index_key(self, layer: int, key: torch.Tensor) -> None:
-        """This forward's indexer keys `[N, d]` -> their rows (FP8: one scale per key)."""
-        rows = self.cache.layers[layer]
-        self._write(rows.index_key, rows.index_scale, key, quantize_fp8_vectors)
-
-    def _write(self, values: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor, quantize) -> None:
-        """x `[N, w]` -> rows of `values` `[R, w]` at the slot mapping; FP8 rows (`scales` not None) take
-        `quantize(x)`'s values and scales, the values copied as bytes (CPU torch has no FP8 index_copy)."""
-        if scales is None:
-            values.index_copy_(0, self.slot_mapping, x.to(values.dtype))
-            return
-        quantized, scale = quantize(x)
-        values.view(torch.uint8).index_copy_(0, self.slot_mapping, quantized.view(torch.uint8))
-        scales.index_copy_(0, self.slot_mapping, scale)

@@ -13,44 +13,23 @@ A request becomes a `Sequence` when it is added and waits in arrival order. Each
    later from its prompt and the tokens it has generated so far.
 A finished or aborted sequence leaves the batch and frees its room at once.
 
+After the forward, `update` commits what the model runner chose (`StepResult`): a prompt chunk advances the
+cached count; a sequence that sampled appends its tokens, keeps the cache rows of its verified positions and
+feeds its last token and its next drafts; it finishes at an eos id ("stop"), at its token limit ("length"), or
+with no token when its logits were not finite ("error"), freeing its room.
+
 The scheduler asks the cache about room in tokens, through a room's small interface (`fits`, `can_allocate`,
 `allocate`, `can_grow`, `grow`, `free`, `location`, `usage`): `SlotRoom` over the slot `KVCache` (the dense
 reference), `BlockRoom` over the paged cache's blocks.
 """
 
 from collections import deque
-from dataclasses import dataclass, field
-
-import torch
 
 from spmoe.engine.block_manager import BlockManager
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
-from spmoe.engine.request import Request
-from spmoe.engine.sampling import Sampler
-
-
-@dataclass
-class Sequence:
-    """A request inside the engine: its cache room, what the next forwards feed, what it generated."""
-
-    request: Request
-    sampler: Sampler
-    record_logits: bool = False  # keep the logits row `[V]` behind every generated token
-    cache_id: int = -1  # its slot (slot cache) or block-table id (paged cache); -1: no room
-    cached: int = 0  # tokens of this sequence in the target's KV cache
-    pending: list[int] = field(default_factory=list)  # what the next target forwards feed
-    drafts: list[int] = field(default_factory=list)  # the tail of `pending` that MTP drafted
-    prefilling: bool = False  # `pending` is (the rest of) a prompt, fed in chunks; it samples after the last
-    output: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)  # `[V]` per committed token, when recorded
-    finish_reason: str | None = None
-    error: str | None = None  # why it finished with finish_reason "error"
-    preemptions: int = 0
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+from spmoe.engine.request import Request, RequestOutput
+from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
 
 
 class SlotRoom:
@@ -166,15 +145,24 @@ class BlockRoom:
 
 
 class Scheduler:
-    def __init__(self, room: SlotRoom | BlockRoom, reserve_tokens: int = 0, max_num_batched_tokens: int = 8192):
+    def __init__(
+        self,
+        room: SlotRoom | BlockRoom,
+        reserve_tokens: int = 0,
+        max_num_batched_tokens: int = 8192,
+        keep_in_step: bool = False,
+    ):
         """`reserve_tokens`: room a sequence needs beyond what it feeds (the drafts MTP writes after it);
-        `max_num_batched_tokens`: the tokens one step feeds (decode tokens first, then prompt chunks)."""
+        `max_num_batched_tokens`: the tokens one step feeds (decode tokens first, then prompt chunks);
+        `keep_in_step`: schedule a step even with nothing to run (under DP every rank runs every step)."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.room, self.reserve_tokens, self.max_num_batched_tokens = room, reserve_tokens, max_num_batched_tokens
+        self.keep_in_step = keep_in_step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.preemptions = 0
+        self.steps = 0  # steps scheduled since the engine's statistics were reset
 
     def tokens_needed(self, request: Request) -> int:
         """The most cache positions the request can occupy."""
@@ -187,9 +175,10 @@ class Scheduler:
         seq.pending, seq.prefilling = list(seq.request.prompt), True
         self.waiting.append(seq)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """-> (sequence, tokens it feeds from the head of its `pending`) for every sequence that runs this
-        step, in admission order. A sequence samples this step iff it feeds all its pending tokens."""
+    def schedule(self) -> ScheduledBatch | None:
+        """-> the sequences that run this step, in admission order, with the tokens each feeds from the head of
+        its `pending`; a sequence samples this step iff it feeds all its pending tokens. None: nothing to run
+        (unless `keep_in_step`: then an empty batch)."""
         budget = self.max_num_batched_tokens - sum(len(s.pending) for s in self.running if not s.prefilling)
         work = []
         for seq in list(self.running):
@@ -211,7 +200,53 @@ class Scheduler:
             self.running.append(seq)
             work.append((seq, count))
             budget -= count
-        return work
+        if not work and not self.keep_in_step:
+            return None
+        self.steps += 1
+        return ScheduledBatch(
+            [s for s, _ in work],
+            [n for _, n in work],
+            [s.cached for s, _ in work],
+            [self.room.location(s) for s, _ in work],
+            [n == len(s.pending) for s, n in work],
+            all(not s.prefilling for s, _ in work),
+            self.steps,
+        )
+
+    def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+        """Commit a step's result. -> one output per sequence that sampled (a prompt chunk before the last
+        commits nothing and has none)."""
+        outputs = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if not batch.samples[i]:  # a prompt chunk
+                seq.cached += n
+                seq.pending = seq.pending[n:]
+                continue
+            seq.prefilling = False
+            if not result.finite[i]:
+                seq.error = (
+                    f"non-finite logits (NaN or inf) at step {batch.step} ({'decode' if seq.cached else 'prefill'}) "
+                    f"for request {seq.request_id!r} after {len(seq.output)} generated tokens: no token can be "
+                    f"chosen (check the checkpoint for NaN / inf weights)"
+                )
+                self.finish(seq, "error")
+                outputs.append(self._output(seq, []))
+                continue
+            tokens, reason = seq.until_stop(result.token_ids[i])
+            seq.output += tokens
+            if seq.record_logits:
+                seq.logits += result.logit_rows[i][: len(tokens)]
+            if reason is not None:
+                self.finish(seq, reason)
+            outputs.append(self._output(seq, tokens))
+            seq.cached += n - (len(seq.drafts) - result.accepted[i])  # the verified positions keep their rows
+            seq.drafts = result.drafts[i] if result.drafts is not None and reason is None else []
+            seq.pending = [tokens[-1]] + seq.drafts
+        return outputs
+
+    @staticmethod
+    def _output(seq: Sequence, tokens: list[int]) -> RequestOutput:
+        return RequestOutput(seq.request_id, tokens, seq.finish_reason, seq.error, len(seq.request.prompt))
 
     def _room_for(self, seq: Sequence, fed: int) -> int:
         """The room `seq` needs once it holds `fed` tokens: those and the reserve, but never more than its

@@ -6,11 +6,10 @@ import signal
 import sys
 from functools import partial
 
-from spmoe.config import ModelConfig, ParallelConfig
-from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
+from spmoe.config import ModelConfig
 from spmoe.distributed import RankFailed, Stopped, spawn
 from spmoe.distributed.selfcheck import layout_selfcheck
-from spmoe.entrypoints.cache_options import add_kv_cache_args, kv_cache_options
+from spmoe.engine.args import LAYOUT_OPTIONS, EngineArgs
 from spmoe.entrypoints.jobs import write_atomically
 from spmoe.entrypoints.serve.server import add_serve_args, cmd_serve
 
@@ -42,8 +41,9 @@ def cmd_forward(args) -> int:
     from spmoe.entrypoints.forward import check_forward, run_forward
     from spmoe.entrypoints.jobs import read_input_ids
 
+    engine_args = EngineArgs.from_cli(args)
     cfg = ModelConfig.from_file(args.model)
-    parallel = parallel_config(args)
+    parallel = engine_args.parallel_config()
     seqs = read_input_ids(args.input_ids, cfg.vocab_size)
     check_forward(
         cfg,
@@ -75,37 +75,24 @@ def cmd_generate(args) -> int:
     from spmoe.entrypoints.generate import GenerateOptions, check_generate, run_generate
     from spmoe.entrypoints.jobs import read_input_ids
 
+    engine_args = EngineArgs.from_cli(args)
     cfg = ModelConfig.from_file(args.model)
-    parallel = parallel_config(args)
     prompts = read_input_ids(args.input_ids, cfg.vocab_size)
-    drafts = 0
-    if args.speculative == "mtp":
-        drafts = 1 if args.num_speculative_tokens is None else args.num_speculative_tokens
-        if drafts < 1:
-            raise ValueError(f"--speculative mtp needs --num-speculative-tokens >= 1, got {drafts}")
-    elif args.num_speculative_tokens is not None:
-        raise ValueError(f"--num-speculative-tokens {args.num_speculative_tokens} needs --speculative mtp")
     opts = GenerateOptions(
         args.max_new_tokens,
         SamplingParams(args.temperature, args.top_p, args.seed),
-        drafts,
         tuple(args.eos_id) if args.eos_id is not None else None,
-        args.max_num_seqs,
-        args.max_model_len,
-        args.dtype,
-        cuda_graphs=args.cuda_graphs,
-        **kv_cache_options(args),
+        engine=engine_args,
     )
-    check_generate(cfg, parallel, prompts, opts, args.device, {"--output": args.output})
+    check_generate(cfg, prompts, opts, {"--output": args.output})
+    parallel = engine_args.parallel_config()
     print(
-        f"spmoe generate: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens each, tp={args.tp}, "
-        f"dp={args.dp}, "
-        f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} (--sp {args.sp}, scope "
-        f"{args.sp_scope}), {f'MTP with {drafts} drafts, ' if drafts else ''}{args.dtype} on {args.device}",
+        f"spmoe generate: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens each, "
+        f"{engine_args.describe(parallel)}",
         file=sys.stderr,
         flush=True,
     )
-    gen = run_generate(args.model, parallel, prompts, opts, args.device)
+    gen = run_generate(args.model, prompts, opts)
     if gen is None:  # a torchrun rank other than 0
         return 0
     gen.stats["parallel"] = {
@@ -136,47 +123,12 @@ def cmd_demo(args) -> int:
     return run_demo(args.device, args.dp)
 
 
-def add_model_args(p) -> None:
-    """The options `forward` and `generate` share: the checkpoint, the parallel layout, the kernels, the input."""
+def add_model_args(p, engine_options: tuple[str, ...] | None = None) -> None:
+    """The options `forward` and `generate` share: the checkpoint, the engine options (`engine_options`: only
+    those), the input."""
     p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size (ranks per DP group)")
-    p.add_argument(
-        "--dp",
-        type=int,
-        default=1,
-        help="data-parallel size (default 1): DP groups of --tp ranks each take a share of the batch; "
-        "the experts are split over all dp * tp ranks",
-    )
-    p.add_argument(
-        "--sp", choices=SP_MODES, default="auto", help="sequence-parallel MoE (default auto: on when tp > 1 and dp > 1)"
-    )
-    p.add_argument("--sp-scope", choices=SP_SCOPES, default="moe", help="which layers are SP (default moe)")
-    p.add_argument(
-        "--ep-backend",
-        choices=EP_BACKENDS,
-        default="allgather_reducescatter",
-        help="how SP layers dispatch tokens to experts (default allgather_reducescatter)",
-    )
-    p.add_argument(
-        "--moe-backend",
-        choices=MOE_BACKENDS,
-        default="auto",
-        help="expert kernels (default auto: the first that fits, see the README)",
-    )
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--input-ids", required=True, help="JSON list of token-id lists, one per sequence")
-
-
-def parallel_config(args) -> ParallelConfig:
-    return ParallelConfig(
-        tensor_parallel_size=args.tp,
-        data_parallel_size=args.dp,
-        sp=args.sp,
-        sp_scope=args.sp_scope,
-        ep_backend=args.ep_backend,
-        moe_backend=args.moe_backend,
-    )
+    EngineArgs.add_cli_args(p, engine_options)
 
 
 def main(argv=None) -> int:
@@ -190,29 +142,17 @@ def main(argv=None) -> int:
     p.add_argument("--dp", type=int, default=1, help="data-parallel size: 2 * dp ranks (default 1)")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("forward", help="one forward pass of a checkpoint on local ranks; save the logits")
-    add_model_args(p)
+    add_model_args(p, LAYOUT_OPTIONS)
     p.add_argument("--save-logits", required=True, help="output .safetensors with one tensor 'logits' [N, V]")
     p.add_argument("--stats", help="output JSON: rank 0's collectives {kind: {count, bytes}}")
     p.set_defaults(func=cmd_forward)
     p = sub.add_parser("generate", help="generate tokens after prompts on local ranks (or under torchrun)")
     add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, required=True)
-    p.add_argument("--speculative", choices=["mtp"], help="draft tokens with the checkpoint's MTP layer")
-    p.add_argument("--num-speculative-tokens", type=int, help="MTP drafts per step (default 1, with --speculative)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i samples from seed + i)")
     p.add_argument("--eos-id", type=int, action="append", help="stop token (repeatable; default: the config's)")
-    p.add_argument("--max-num-seqs", type=int, help="sequences decoded at once (default: all); more prompts wait")
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        help="KV cache positions per sequence (default: longest prompt + max new tokens + drafts)",
-    )
-    add_kv_cache_args(p, "--max-num-seqs x --max-model-len tokens")
-    p.add_argument(
-        "--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)"
-    )
     p.add_argument("--output", required=True, help='output JSON: {"outputs": [[ids...], ...], "stats": {...}}')
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on local ranks (default: the demo model)")

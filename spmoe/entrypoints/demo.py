@@ -20,6 +20,7 @@ from pathlib import Path
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, launch, spawn
 from spmoe.distributed.launcher import free_port
+from spmoe.engine.args import EngineArgs
 from spmoe.entrypoints.generate import GenerateOptions, check_generate, rank_generate
 
 CONFIG = dict(  # vocab_size: the demo tokenizer's 256 bytes + 8 special tokens
@@ -126,22 +127,34 @@ def ensure_checkpoint(folder: Path) -> bool:
     return True
 
 
-def _rank_demo(folder: str, dp: int) -> dict | None:
+def _rank_demo(folder: str, dp: int, device: str) -> dict | None:
     """Every mode, one after the other, on the ranks of one launch -> {label: Generation} on rank 0."""
     runs = {}
-    for label, parallel, opts in _modes(dp):
-        runs[label] = rank_generate(folder, parallel, PROMPTS, opts)
+    for label, opts in _modes(dp, device):
+        runs[label] = rank_generate(folder, PROMPTS, opts)
         if get_parallel_state().rank == 0:
             print(f"  {label:<18} generated in {runs[label].stats['seconds']:.1f} s", flush=True)
     return runs if get_parallel_state().rank == 0 else None
 
 
-def _modes(dp: int) -> list[tuple[str, ParallelConfig, GenerateOptions]]:
+def _modes(dp: int, device: str) -> list[tuple[str, GenerateOptions]]:
     return [
         (
             label,
-            ParallelConfig(tensor_parallel_size=TP, data_parallel_size=dp, sp=sp, sp_scope=scope),
-            GenerateOptions(MAX_NEW_TOKENS, num_speculative_tokens=drafts, record_logits=True, progress=False),
+            GenerateOptions(
+                MAX_NEW_TOKENS,
+                record_logits=True,
+                progress=False,
+                engine=EngineArgs(
+                    tp=TP,
+                    dp=dp,
+                    sp=sp,
+                    sp_scope=scope,
+                    device=device,
+                    speculative="mtp" if drafts else None,
+                    num_speculative_tokens=drafts or None,
+                ),
+            ),
         )
         for label, sp, scope, drafts in MODES
     ]
@@ -151,8 +164,8 @@ def run_demo(device: str = "cpu", dp: int = 1) -> int:
     folder = checkpoint_dir()
     written = ensure_checkpoint(folder)
     cfg = ModelConfig.from_file(folder)
-    for _, parallel, opts in _modes(dp):
-        check_generate(cfg, parallel, PROMPTS, opts, device)
+    for _, opts in _modes(dp, device):
+        check_generate(cfg, PROMPTS, opts)
     print(
         f"spmoe demo: tiny GLM-5.2-shaped model, random weights (seed {SEED}): 4 layers (1 dense + 3 MoE, "
         f"16 experts top-4 + 1 shared), MLA + DSA indexer, 1 MTP layer"
@@ -169,6 +182,7 @@ def run_demo(device: str = "cpu", dp: int = 1) -> int:
         TP * dp,
         str(folder),
         dp,
+        device,
         config=ParallelConfig(tensor_parallel_size=TP, data_parallel_size=dp),
         device=device,
     )

@@ -4,8 +4,9 @@ import torch
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import count_collectives, get_parallel_state, launch
+from spmoe.engine.args import DTYPES, check_device
 from spmoe.engine.engine import check_positions
-from spmoe.entrypoints.jobs import DTYPES, check_device, check_writable, flatten, gather_from_dp, split_for_dp
+from spmoe.entrypoints.jobs import check_writable, flatten, gather_from_dp, split_for_dp
 
 
 def _rank_forward(model_dir: str, parallel: ParallelConfig, dtype: str, seqs: list[list[int]]):

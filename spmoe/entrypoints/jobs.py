@@ -1,6 +1,6 @@
-"""What the jobs share: reading token-id input and checking its ids, the checks every job runs before any rank
-starts (output paths, device, sequence lengths), writing an output file atomically, the dtypes by name, the
-flat batch, splitting a batch over the data-parallel ranks and gathering it back."""
+"""What the jobs share: reading token-id input and checking its ids, checking output paths before any rank
+starts, writing an output file atomically, the flat batch, splitting a batch over the data-parallel ranks and
+gathering it back. (The dtypes by name and the device check are engine options: `spmoe.engine.args`.)"""
 
 import json
 import os
@@ -12,8 +12,6 @@ import torch
 
 from spmoe.distributed import get_parallel_state
 from spmoe.distributed.comm import gather_object
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def read_input_ids(path: str | Path, vocab_size: int) -> list[list[int]]:
@@ -80,19 +78,6 @@ def check_writable(path: str | Path, option: str) -> None:
         ) from None
     if path.exists() and not os.access(path, os.W_OK):
         raise ValueError(f"{option} {path} cannot be written: permission denied")
-
-
-def check_device(device: str, ranks: int) -> None:
-    """Raise unless `device` can hold `ranks` local ranks (one GPU each on CUDA). Under torchrun every process
-    is one rank, so one GPU is enough."""
-    if device == "cpu":
-        return
-    needed = 1 if "WORLD_SIZE" in os.environ else ranks
-    if not torch.cuda.is_available() or torch.cuda.device_count() < needed:
-        raise ValueError(
-            f"--device cuda with {ranks} ranks needs {needed} visible GPU(s), found "
-            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
-        )
 
 
 def flatten(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -26,17 +26,10 @@ from spmoe.config import ModelConfig
 from spmoe.layers.fused import use_fused
 from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.norm import RMSNorm
-from spmoe.layers.paged_rows import PagedKeyStore
+from spmoe.layers.paged_rows import PagedKeyStore, quantize_index_vectors, write_index_key, write_latent_projection
+from spmoe.layers.quantization.fp8 import hadamard_matrix, hadamard_rotate
 from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import (
-    hadamard_matrix,
-    hadamard_rotate,
-    head_matmul,
-    indexer_topk,
-    quantize_fp8_vectors,
-    sparse_mla,
-    visible_rows,
-)
+from spmoe.layers.sparse_attention import head_matmul, indexer_topk, sparse_mla, visible_rows
 
 
 class KeyStore(Protocol):
@@ -133,7 +126,7 @@ class Indexer(nn.Module):
             return visible_rows(cache.block_tables, cache.seq_index, cache.positions, cache.block_size)
         q, weights, rows = self._query(q_latent, rotary), head_weights, cache.layer(self.layer_idx)
         if rows.index_scale is not None:
-            q, q_scale = quantize_fp8_vectors(hadamard_rotate(q))  # [N, h, d], [N, h, 1]
+            q, q_scale = quantize_index_vectors(hadamard_rotate(q))  # [N, h, d], [N, h, 1]
             weights = head_weights * q_scale.squeeze(-1)
         return indexer_topk(
             q, weights, rows, cache.block_tables, cache.seq_index, cache.positions, cfg.index_topk, cache.block_size
@@ -146,7 +139,7 @@ class Indexer(nn.Module):
         fp8 = rows.index_scale is not None
         if not use_fused(wk_x):
             k = self._key(wk_x, rotary)
-            cache.write_index_key(self.layer_idx, hadamard_rotate(k) if fp8 else k)
+            write_index_key(rows, cache.slot_mapping, hadamard_rotate(k) if fp8 else k)
             return
         from spmoe.layers.fused_triton import index_key_to_cache
 
@@ -163,6 +156,20 @@ class Indexer(nn.Module):
             rows.index_scale,
             hadamard_matrix(wk_x.shape[1], wk_x.device) if fp8 else None,
         )
+
+
+@dataclass(frozen=True)
+class CacheNeeds:
+    """What one attention layer keeps per token in the KV cache: its layer index (the MTP layer's follow the
+    main layers'), the widths of the latent, the rope key and the indexer key (0: no indexer), in `dtype` on
+    `device`. The model hands these to the engine, which sizes the cache from them."""
+
+    layer: int
+    latent: int
+    rope: int
+    index_key: int
+    dtype: torch.dtype
+    device: torch.device
 
 
 class MLAttention(nn.Module):
@@ -184,6 +191,13 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size, tp_dim=1, tp_size=tp_size)
         self.indexer = Indexer(cfg, layer_idx) if has_indexer else None
 
+    def cache_needs(self) -> CacheNeeds:
+        cfg, weight = self.cfg, self.x_proj.weight
+        index_key = cfg.index_head_dim if self.indexer is not None else 0
+        return CacheNeeds(
+            self.layer_idx, cfg.kv_lora_rank, cfg.qk_rope_head_dim, index_key, weight.dtype, weight.device
+        )
+
     def forward(self, x: torch.Tensor, batch: AttentionBatch, selected: torch.Tensor | None):
         """x FULL `[N, H]` -> (PARTIAL `[N, H]`, selected `[N, K]`; over a paged cache, cache rows `[N, k]`).
 
@@ -196,7 +210,10 @@ class MLAttention(nn.Module):
         batch.rotary.rotate_(q[..., cfg.qk_nope_head_dim :], interleaved=True)
         kv_a = proj["kv_a_proj_with_mqa"]  # [N, c + rope]: the latent, then the rope key
         if isinstance(batch.cache, PagedKeyStore):  # normed, rotated and written in one go
-            batch.cache.write_latent_projection(self.layer_idx, kv_a, self.kv_a_layernorm, batch.rotary)
+            cache = batch.cache
+            write_latent_projection(
+                cache.layer(self.layer_idx), cache.slot_mapping, kv_a, self.kv_a_layernorm, batch.rotary
+            )
             if self.indexer is not None:
                 selected = self.indexer(*(proj[name] for name in Indexer.PROJECTIONS), q_latent, batch)
             return self.o_proj(self._sparse_absorbed(q, batch.cache, selected)), selected

@@ -1,6 +1,6 @@
 """Fused Triton kernels for the small per-token work of a decode step, each one launch where the torch reference
 takes several (the references, which these match, are `RMSNorm`, `Rotary`, `Router`, `PagedCacheView`'s latent
-write, `mlp.silu_mul` and the indexer's key path: `nn.LayerNorm`, `Rotary`, `PagedKeyStore.write_index_key`;
+write, `mlp.silu_mul` and the indexer's key path: `nn.LayerNorm`, `Rotary`, `paged_rows.write_index_key`;
 `fused.use_fused` picks):
 
 - `add_rms_norm`: residual add + RMSNorm, one program per row: reads x (and the residual), writes the normed
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spmoe.layers.moe.experts.base import FP8_GROUP, FP8_MAX
+from spmoe.layers.quantization.fp8 import FP8_GROUP, FP8_MAX
 
 
 @triton.jit

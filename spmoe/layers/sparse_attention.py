@@ -27,23 +27,13 @@ Each has a torch version (the reference; CPU and any device) and a Triton versio
 lookup of logical positions in the block tables behind `rows_of_best` and `visible_rows`.
 """
 
-from functools import cache
-
 import torch
 
 from spmoe.layers.fused import TRITON_INSTALLED, use_fused
-from spmoe.layers.moe.experts.base import FP8_GROUP, FP8_MAX
 from spmoe.layers.paged_rows import PagedLayerCache
+from spmoe.layers.quantization.fp8 import dequantize
 
 POSITION_BITS = 31  # positions are below 2**31; the low half of an ordering key holds 2**31 - 1 - position
-
-
-def dequantize(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Cache rows `[..., w]` (and their scales `[..., w / g]`, or None) -> float32 `[..., w]`."""
-    if scale is None:
-        return values.float()
-    groups = values.float().unflatten(-1, (scale.shape[-1], -1))
-    return (groups * scale.unsqueeze(-1)).flatten(-2)
 
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -52,46 +42,6 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if rows.dtype == torch.float8_e4m3fn:
         return rows.view(torch.uint8)[index].view(rows.dtype)
     return rows[index]
-
-
-def quantize_fp8_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[..., d]` -> (FP8 e4m3 `[..., d]`, float32 scales `[..., 1]`): one scale per vector. Vectors of
-    `FP8_GROUP` values on CUDA: the experts' quantisation kernel, one launch (`fused.use_fused` picks)."""
-    if use_fused(x) and x.shape[-1] == FP8_GROUP and x.numel():
-        from spmoe.layers.moe.experts.triton_kernels import quantize_fp8
-
-        values, scale = quantize_fp8(x.reshape(-1, FP8_GROUP))
-        return values.view(x.shape), scale.view(*x.shape[:-1], 1)
-    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
-
-
-@cache
-def hadamard_matrix(d: int, device: torch.device) -> torch.Tensor:
-    """The Sylvester Hadamard matrix of order d (a power of 2) over sqrt(d): float32 `[d, d]`, orthonormal and
-    symmetric; built once per (d, device), on the device (no host copy)."""
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"a Hadamard matrix needs an order that is a power of 2, got {d}")
-    h = torch.ones(1, 1, device=device)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)])
-    return h * d**-0.5
-
-
-def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """`[..., d]` -> float32 `x @ hadamard_matrix(d)` `[..., d]`: what the FP8 indexer does to its queries and
-    keys before `quantize_fp8_vectors`.
-
-    The rotation is orthogonal, so q . k is unchanged in exact arithmetic; what it changes is where the FP8
-    rounding goes. Trained models' activations often carry a few large channels shared by every token.
-    Unrotated, each rounds by up to 2**-4 of its size (all but the largest, which the per-vector scale makes
-    exact), an error along the very channels q is large in, which swamps the small differences between keys.
-    Rotated, every value is of similar size and the rounding errors point in all d directions, only ~1/sqrt(d)
-    of them along q. (DeepSeek-V3.2's indexer rotates likewise before FP8; the full-precision path skips it,
-    as it would change nothing. On vectors without outliers, Gaussian-like, it neither helps nor hurts.) In
-    float32, as the quantizer works in float32 anyway and 1/sqrt(d) is not exact in bf16 for odd powers of 2.
-    """
-    return x.float() @ hadamard_matrix(x.shape[-1], x.device)
 
 
 def use_triton(t: torch.Tensor, *dims: int) -> bool:

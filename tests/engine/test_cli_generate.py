@@ -119,7 +119,11 @@ def test_sp_defaults_to_auto(command, extra, engine_checkpoint, tmp_path, capsys
     records the parallel config it was given and returns None (as on a torchrun rank other than 0), so no rank
     starts; every check before it runs for real."""
     given = []
-    monkeypatch.setattr(f"spmoe.entrypoints.{command}.run_{command}", lambda _, parallel, *a: given.append(parallel))
+    if command == "forward":
+        job = lambda _, parallel, *a: given.append(parallel)  # noqa: E731
+    else:  # generate: the engine options carry the layout
+        job = lambda _, prompts, opts: given.append(opts.engine.parallel_config())  # noqa: E731
+    monkeypatch.setattr(f"spmoe.entrypoints.{command}.run_{command}", job)
     ids = tmp_path / "ids.json"
     ids.write_text("[[1, 2]]")
     for dp, decision in ((1, "off"), (2, "on")):

@@ -177,15 +177,13 @@ def test_data_parallel_generation(engine_checkpoint):
     """TP2 x DP2 (SP off, on, on with MTP) and TP1 x DP2 give TP1's greedy tokens; with a single prompt on
     two DP groups, the idle group keeps stepping with empty batches (speculation included) until the other
     is done."""
+    from spmoe.engine.args import EngineArgs
     from spmoe.entrypoints.generate import GenerateOptions, run_generate
 
     def generate(prompts, tp=1, dp=1, sp="off", k=0):
-        parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sp=sp)
+        args = EngineArgs(tp=tp, dp=dp, sp=sp, speculative="mtp" if k else None, num_speculative_tokens=k or None)
         return run_generate(
-            engine_checkpoint,
-            parallel,
-            prompts,
-            GenerateOptions(MAX_NEW, num_speculative_tokens=k, eos_token_ids=EOS, progress=False),
+            engine_checkpoint, prompts, GenerateOptions(MAX_NEW, eos_token_ids=EOS, progress=False, engine=args)
         )
 
     reference, single = generate(PROMPTS), generate([[38]])

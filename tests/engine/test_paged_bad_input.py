@@ -85,14 +85,13 @@ def test_generate_rejects(case, extra, fragment, engine_checkpoint, tmp_path, ca
 
 
 def test_serve_checks_the_budget(engine_checkpoint):
-    from spmoe.entrypoints.serve.ranks import ServeOptions, check_serve
+    from spmoe.engine.args import EngineArgs
+    from spmoe.entrypoints.serve.client import check_serve
 
     with pytest.raises(ValueError, match="--kv-cache-memory 1e-06 GiB holds no block"):
-        check_serve(engine_checkpoint, ParallelConfig(tensor_parallel_size=1), ServeOptions(kv_cache_memory=1e-6))
+        check_serve(engine_checkpoint, EngineArgs(kv_cache_memory=1e-6))
     with pytest.raises(ValueError, match="a sequence needs 2048 KV cache positions"):  # max_model_len 2048
-        check_serve(
-            engine_checkpoint, ParallelConfig(tensor_parallel_size=1), ServeOptions(kv_cache_memory=TWO_BLOCKS_GIB)
-        )
+        check_serve(engine_checkpoint, EngineArgs(kv_cache_memory=TWO_BLOCKS_GIB))
 
 
 def engine_rejects(folder: str) -> str:

@@ -1,6 +1,8 @@
 """The scheduler over a real paged cache's blocks, without a model: decode tokens first, prompt chunks under
 the token budget, admission only into free blocks, and preemption of the most recently admitted sequence
-(its blocks freed, queued first, to be recomputed from its prompt and the tokens it generated)."""
+(its blocks freed, queued first, to be recomputed from its prompt and the tokens it generated); `update`
+committing hand-made step results: eos, length, non-finite logits, drafts accepted and rejected, a prompt
+chunk that does not sample."""
 
 import torch
 
@@ -8,55 +10,116 @@ from spmoe.config import ModelConfig
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, token_bytes
 from spmoe.engine.request import Request
 from spmoe.engine.sampling import Sampler, SamplingParams
-from spmoe.engine.scheduler import BlockRoom, Scheduler, Sequence
+from spmoe.engine.scheduler import BlockRoom, Scheduler
+from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
 
 from .conftest import ENGINE_CONFIG
 
 
-def sequence(name: str, prompt_len: int) -> Sequence:
-    return Sequence(Request(name, list(range(1, prompt_len + 1)), 20), Sampler(SamplingParams()))
+def sequence(name: str, prompt_len: int, max_new_tokens: int = 20, eos: tuple[int, ...] = ()) -> Sequence:
+    return Sequence(
+        Request(name, list(range(1, prompt_len + 1)), max_new_tokens, eos_token_ids=eos), Sampler(SamplingParams())
+    )
 
 
-def feed(work: list[tuple[Sequence, int]], token: int = 7) -> None:
-    """What the engine does after a step without drafts: advance each sequence by what it fed; one that fed
-    all its pending tokens commits `token`."""
-    for seq, n in work:
-        if n == len(seq.pending):
-            seq.cached, seq.prefilling = seq.cached + n, False
-            seq.output.append(token)
-            seq.pending = [token]
-        else:
-            seq.cached, seq.pending = seq.cached + n, seq.pending[n:]
+def paged_room(num_blocks: int) -> BlockRoom:
+    cfg = ModelConfig.from_dict(ENGINE_CONFIG)
+    bytes_per_token = token_bytes(cfg, {0: True}, torch.float32, "auto")
+    return BlockRoom(PagedKVCache(cfg, {0: True}, num_blocks * BLOCK_SIZE * bytes_per_token, torch.float32, "cpu"), 8)
+
+
+def pairs(batch: ScheduledBatch) -> list[tuple[str, int]]:
+    return [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_tokens)]
+
+
+def feed(scheduler: Scheduler, batch: ScheduledBatch, token: int = 7) -> None:
+    """A step without drafts: every sequence that samples commits `token`."""
+    n = len(batch.seqs)
+    result = StepResult([[token] if last else [] for last in batch.samples], [0] * n, [True] * n)
+    scheduler.update(batch, result)
 
 
 def test_chunks_admission_and_preemption():
-    cfg = ModelConfig.from_dict(ENGINE_CONFIG)
-    cache = PagedKVCache(
-        cfg, {0: True}, 3 * BLOCK_SIZE * token_bytes(cfg, {0: True}, torch.float32, "auto"), torch.float32, "cpu"
-    )
-    room = BlockRoom(cache, max_num_seqs=8)
+    room = paged_room(3)
     scheduler = Scheduler(room, max_num_batched_tokens=100)
     a, b, c = sequence("a", 64), sequence("b", 64), sequence("c", 64)
     for seq in (a, b, c):
         scheduler.add(seq)
 
-    work = scheduler.schedule()  # a whole, b's first 36 tokens; c: no budget left
-    assert [(s.request_id, n) for s, n in work] == [("a", 64), ("b", 36)]
+    batch = scheduler.schedule()  # a whole, b's first 36 tokens; c: no budget left
+    assert pairs(batch) == [("a", 64), ("b", 36)] and batch.samples == [True, False] and not batch.decode
     assert [s.request_id for s in scheduler.waiting] == ["c"] and room.blocks.num_used_blocks == 2
-    feed(work)
+    feed(scheduler, batch)
     assert a.output == [7] and b.output == [] and b.cached == 36
 
-    work = scheduler.schedule()  # a decodes into a second block, b's last 28; c finds no free block
-    assert [(s.request_id, n) for s, n in work] == [("a", 1), ("b", 28)]
+    batch = scheduler.schedule()  # a decodes into a second block, b's last 28; c finds no free block
+    assert pairs(batch) == [("a", 1), ("b", 28)] and batch.starts == [64, 36]
     assert room.blocks.num_free_blocks == 0 and [s.request_id for s in scheduler.waiting] == ["c"]
-    feed(work)
+    feed(scheduler, batch)
 
-    work = scheduler.schedule()  # b needs a second block for its 65th token: b, the latest admitted, yields
-    assert [(s.request_id, n) for s, n in work] == [("a", 1)]
+    batch = scheduler.schedule()  # b needs a second block for its 65th token: b, the latest admitted, yields
+    assert pairs(batch) == [("a", 1)] and batch.decode and batch.step == 3
     assert [s.request_id for s in scheduler.waiting] == ["b", "c"] and scheduler.preemptions == 1
     assert b.cached == 0 and b.prefilling and b.pending == list(range(1, 65)) + [7] and b.output == [7]
     assert room.blocks.num_used_blocks == 2  # a's; b's block is free again
     scheduler.finish(a, "length")
-    work = scheduler.schedule()  # b first again, recomputing its 65 tokens; c in what budget is left
-    assert [(s.request_id, n) for s, n in work] == [("b", 65), ("c", 35)]
+    batch = scheduler.schedule()  # b first again, recomputing its 65 tokens; c in what budget is left
+    assert pairs(batch) == [("b", 65), ("c", 35)]
     assert room.blocks.num_used_blocks == 3
+
+
+def test_nothing_to_run():
+    """An empty scheduler has no step to run, unless the DP ranks must keep in step: then an empty batch."""
+    assert Scheduler(paged_room(1)).schedule() is None
+    batch = Scheduler(paged_room(1), keep_in_step=True).schedule()
+    assert batch.seqs == [] and batch.step == 1
+
+
+def test_update_commits_a_hand_made_result():
+    """No model: each sequence's result is written by hand and `update` must commit it."""
+    room = paged_room(8)
+    scheduler = Scheduler(room, reserve_tokens=2, max_num_batched_tokens=100)
+    chunk = sequence("chunk", 100)  # 100 - 4 - 3 - 1 - 1 = 91 tokens of budget left for it: a chunk
+    eos = sequence("eos", 4, eos=(50,))
+    length = sequence("length", 3, max_new_tokens=2)
+    nan = sequence("nan", 1)
+    spec = sequence("spec", 1)
+    for seq in (eos, length, nan, spec, chunk):
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert pairs(batch) == [("eos", 4), ("length", 3), ("nan", 1), ("spec", 1), ("chunk", 91)]
+    assert batch.samples == [True, True, True, True, False]
+    length.output = [9]  # one token short of its limit
+    result = StepResult(
+        token_ids=[[40, 50, 60], [11, 12], [0], [21], []],  # eos and length: cut after the stopping token
+        accepted=[0, 0, 0, 0, 0],
+        finite=[True, True, False, True, True],
+        drafts=[[], [], [], [22, 23], []],
+    )
+    outputs = scheduler.update(batch, result)
+    got = {o.request_id: (o.new_token_ids, o.finish_reason, o.prompt_tokens) for o in outputs}
+    assert got == {
+        "eos": ([40, 50], "stop", 4),
+        "length": ([11], "length", 3),
+        "nan": ([], "error", 1),
+        "spec": ([21], None, 1),
+    }  # the chunk that did not sample has no output
+    assert eos.output == [40, 50] and length.output == [9, 11] and nan.output == []
+    assert nan.error.startswith("non-finite logits (NaN or inf) at step 1 (prefill) for request 'nan' after 0")
+    assert [s.request_id for s in scheduler.running] == ["spec", "chunk"]  # the finished ones left, room freed
+    assert all(s.cache_id == -1 for s in (eos, length, nan))
+    assert (spec.cached, spec.pending, spec.drafts) == (1, [21, 22, 23], [22, 23])
+    assert (chunk.cached, chunk.pending, chunk.output) == (91, list(range(92, 101)), [])
+
+    batch = scheduler.schedule()  # spec verifies its drafts; the chunk's last 9 tokens
+    assert pairs(batch) == [("spec", 3), ("chunk", 9)] and batch.starts == [1, 91] and batch.samples == [True] * 2
+    # spec: the target accepts 22, rejects 23 and picks 30 there; its next drafts 31, 32
+    result = StepResult([[22, 30], [70]], [1, 0], [True, True], [[31, 32], [71, 72]])
+    scheduler.update(batch, result)
+    assert (spec.cached, spec.pending, spec.drafts, spec.output) == (3, [30, 31, 32], [31, 32], [21, 22, 30])
+    assert (chunk.cached, chunk.pending, chunk.drafts, chunk.output) == (100, [70, 71, 72], [71, 72], [70])
+
+    batch = scheduler.schedule()  # spec: both drafts rejected, one token; chunk: both accepted and a bonus
+    scheduler.update(batch, StepResult([[33], [71, 72, 73]], [0, 2], [True, True], [[34, 35], [74, 75]]))
+    assert (spec.cached, spec.pending, spec.output[-1]) == (4, [33, 34, 35], 33)
+    assert (chunk.cached, chunk.pending, chunk.output) == (103, [73, 74, 75], [70, 71, 72, 73])

@@ -17,14 +17,16 @@ import pytest
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import RankFailed, spawn
+from spmoe.engine.args import EngineArgs
 from spmoe.engine.request import Request
 from spmoe.engine.sampling import SamplingParams
-from spmoe.entrypoints.serve.ranks import HEARTBEAT_S, ServeOptions, serve_rank
+from spmoe.entrypoints.serve.client import HEARTBEAT_S, serve_rank
 
 from .test_generate import EOS, MAX_NEW, PROMPTS
 
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
-OPTIONS = ServeOptions(max_num_seqs=2, max_model_len=32, max_num_waiting=5)
+OPTIONS = dict(max_num_seqs=2, max_model_len=32)
+MAX_NUM_WAITING = 5
 TIMEOUT_S = 6  # the process groups' timeout in these runs; the idle spell lasts longer
 IDLE_S = TIMEOUT_S + 2 * HEARTBEAT_S
 
@@ -104,19 +106,12 @@ def front_end(client) -> dict:
 def reference(engine_checkpoint):
     from spmoe.entrypoints.generate import GenerateOptions, run_generate
 
-    greedy = run_generate(
-        engine_checkpoint, ParallelConfig(), PROMPTS, GenerateOptions(MAX_NEW, eos_token_ids=EOS, progress=False)
-    ).outputs
+    greedy = run_generate(engine_checkpoint, PROMPTS, GenerateOptions(MAX_NEW, eos_token_ids=EOS, progress=False))
     sampled = run_generate(
-        engine_checkpoint,
-        ParallelConfig(),
-        [PROMPTS[2]],
-        GenerateOptions(MAX_NEW, SAMPLED, eos_token_ids=(), progress=False),
-    ).outputs[0]
-    full = run_generate(
-        engine_checkpoint, ParallelConfig(), PROMPTS[:1], GenerateOptions(MAX_NEW, eos_token_ids=(), progress=False)
-    ).outputs[0]
-    return greedy, sampled, full
+        engine_checkpoint, [PROMPTS[2]], GenerateOptions(MAX_NEW, SAMPLED, eos_token_ids=(), progress=False)
+    )
+    full = run_generate(engine_checkpoint, PROMPTS[:1], GenerateOptions(MAX_NEW, eos_token_ids=(), progress=False))
+    return greedy.outputs, sampled.outputs[0], full.outputs[0]
 
 
 @pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
@@ -124,8 +119,9 @@ def test_serve_on_two_ranks(tp, dp, engine_checkpoint, reference):
     greedy, sampled, full = reference
     parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp)
     began = time.monotonic()
+    args = EngineArgs(tp=tp, dp=dp, **OPTIONS)
     results = spawn(
-        serve_rank, 2, engine_checkpoint, parallel, OPTIONS, front_end, config=parallel, timeout_s=TIMEOUT_S
+        serve_rank, 2, engine_checkpoint, args, MAX_NUM_WAITING, front_end, config=parallel, timeout_s=TIMEOUT_S
     )
     assert results[1] is None  # the worker left its loop at the shutdown
     got = results[0]
@@ -181,9 +177,10 @@ def test_engine_failure_stops_every_rank(engine_checkpoint, tmp_path):
             serve_rank,
             2,
             engine_checkpoint,
-            ParallelConfig(tensor_parallel_size=2),
-            OPTIONS,
+            EngineArgs(tp=2, **OPTIONS),
+            MAX_NUM_WAITING,
             partial(failing_front_end, str(report)),
+            config=ParallelConfig(tensor_parallel_size=2),
         )
     assert report.read_text() == "RuntimeError: injected failure"
     assert time.monotonic() - began < 40  # not the front end's 60 s wait

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from spmoe.engine.request import EngineMetrics, RequestOutput
 from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.serve.app import FrontEndLimits, build_app
-from spmoe.entrypoints.serve.ranks import QueueFull
+from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.streaming import StopStrings
 from spmoe.entrypoints.serve.supervisor import StopPolicy, supervise
 from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer, load_tokenizer

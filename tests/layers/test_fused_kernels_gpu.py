@@ -1,6 +1,6 @@
 """The fused Triton kernels (`spmoe.layers.fused_triton`, and the FP8 quantisation of indexer queries) against
 their torch references (RMSNorm, Rotary, Router, the paged cache's latent write, `silu_mul`, the indexer key's
-LayerNorm + rope (+ Hadamard) + cache write, `quantize_fp8_vectors`, with the kernels switched off) on one CUDA
+LayerNorm + rope (+ Hadamard) + cache write, `quantize_index_vectors`, with the kernels switched off) on one CUDA
 GPU in bfloat16, at GLM-5.2 / DeepSeek-V3.2 widths and at a tiny width whose expert groups are not powers of 2;
 and the MoE's one-program alignment against its multi-kernel form; the cos/sin table's rows against `cos_sin`, bit
 for bit. The `check_*` functions take the device and
@@ -17,8 +17,9 @@ from spmoe.layers import fused
 from spmoe.layers.mlp import silu_mul
 from spmoe.layers.moe.router import Router
 from spmoe.layers.norm import RMSNorm
+from spmoe.layers.paged_rows import quantize_index_vectors
+from spmoe.layers.quantization.fp8 import dequantize, hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
 from spmoe.layers.rotary import Rotary, RotaryTable, cos_sin
-from spmoe.layers.sparse_attention import dequantize, hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
 
 from ..multigpu import requires_gpus
 
@@ -152,11 +153,12 @@ def check_silu_mul(device: str, dtype: torch.dtype):
 
 
 def check_mla_cache_write(device: str, dtype: torch.dtype):
-    """The normed latent and rotated rope key written through `write_latent_projection` (one kernel) into layer
-    0 of a paged cache, and by the torch reference into layer 1, over the same slots: the same rows."""
+    """The normed latent and rotated rope key written through `paged_rows.write_latent_projection` (one kernel)
+    into layer 0 of a paged cache, and by the torch reference into layer 1, over the same slots: the same rows."""
     from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
     from spmoe.layers.norm import RMSNorm
-    from spmoe.layers.sparse_attention import dequantize
+    from spmoe.layers.paged_rows import write_latent_projection
+    from spmoe.layers.quantization.fp8 import dequantize
 
     cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"]})
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -174,8 +176,8 @@ def check_mla_cache_write(device: str, dtype: torch.dtype):
             wide = torch.randn(n, c + r + 96, generator=gen, device=device).to(dtype) * 2
             kv_a = wide[:, 32 : 32 + c + r]  # strided rows, like the split of the merged projection
             with torch.no_grad():
-                view.write_latent_projection(0, kv_a, norm, rotary)
-                reference(view.write_latent_projection, 1, kv_a.clone(), norm, rotary)
+                write_latent_projection(view.layer(0), view.slot_mapping, kv_a, norm, rotary)
+                reference(write_latent_projection, view.layer(1), view.slot_mapping, kv_a.clone(), norm, rotary)
         got, want = cache.layers[0], cache.layers[1]
         # the rope key: rope_'s rounding (see check_rope)
         torch.testing.assert_close(got.rope, want.rope, rtol=1.6e-2, atol=8e-3)
@@ -287,7 +289,7 @@ def check_quantize_query(device: str, dtype: torch.dtype):
         q = hadamard_rotate(
             (torch.randn(n_tok, 32, 128, generator=gen, device=device) * heads_of_all_sizes).to(dtype)
         )  # float32, as the indexer's
-        values, scale = quantize_fp8_vectors(q)  # the experts' quantisation kernel: vectors of 128
+        values, scale = quantize_index_vectors(q)  # the experts' quantisation kernel: vectors of 128
         want, want_scale = reference(quantize_fp8_vectors, q)
         assert values.shape == q.shape and scale.shape == (n_tok, 32, 1)
         torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)  # the kernel divides by 448

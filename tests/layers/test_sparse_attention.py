@@ -12,17 +12,9 @@ from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, cache_budget_bytes
 from spmoe.layers.attention import AttentionBatch, MLAttention
 from spmoe.layers.paged_rows import PagedLayerCache
+from spmoe.layers.quantization.fp8 import dequantize, hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
 from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import (
-    dequantize,
-    hadamard_matrix,
-    hadamard_rotate,
-    indexer_topk,
-    order_keys,
-    quantize_fp8_vectors,
-    sparse_mla_torch,
-    visible_rows,
-)
+from spmoe.layers.sparse_attention import indexer_topk, order_keys, sparse_mla_torch, visible_rows
 
 TOPK = 8
 CONFIG = dict(
@@ -247,7 +239,7 @@ def test_sparse_mla_softmax_is_safe():
 def test_fp8_round_trip_error_bounds():
     """e4m3 rounds to 3 mantissa bits (relative error <= 2**-4) above its normal range; values below
     2**-6 of a group's largest (subnormals, and flushes to zero) err by at most 2**-9 of that largest."""
-    from spmoe.layers.moe.experts.base import quantize_fp8_groups
+    from spmoe.layers.quantization.fp8 import quantize_fp8_groups
 
     x = torch.randn(64, 512) * torch.logspace(-3, 3, 64)[:, None]
     for (values, scale), group in ((quantize_fp8_groups(x), 128), (quantize_fp8_vectors(x), 512)):

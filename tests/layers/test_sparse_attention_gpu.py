@@ -13,13 +13,13 @@ import torch
 
 from spmoe.config import ModelConfig
 from spmoe.layers import fused
+from spmoe.layers.paged_rows import quantize_index_vectors, write_index_key, write_latent
 from spmoe.layers.sparse_attention import (
     cache_rows_torch,
     head_matmul,
     head_matmul_torch,
     indexer_order_keys_torch,
     indexer_topk,
-    quantize_fp8_vectors,
     rows_of_best,
     sparse_mla,
     sparse_mla_torch,
@@ -66,12 +66,13 @@ def filled_cache(kv_cache_dtype: str):
     tables = [order[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(len(blocks))]
     view = cache.view(tables, [0] * len(CONTEXTS), CONTEXTS)
     n = sum(CONTEXTS)
-    view.write_latent(
-        0,
+    write_latent(
+        view.layer(0),
+        view.slot_mapping,
         torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
         torch.randn(n, 64, device="cuda", generator=gen).bfloat16(),
     )
-    view.write_index_key(0, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
+    write_index_key(view.layer(0), view.slot_mapping, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
     return cache, tables
 
 
@@ -118,7 +119,7 @@ def test_triton_kernels_match_torch(kv_cache_dtype):
         q = torch.randn(n, 32, 128, device="cuda", generator=gen).bfloat16()
         weights = torch.rand(n, 32, device="cuda", generator=gen)
         if kv_cache_dtype == "fp8":
-            q, q_scale = quantize_fp8_vectors(q)
+            q, q_scale = quantize_index_vectors(q)
             weights = weights * q_scale.squeeze(-1)
         args = (q, weights, rows, view.block_tables, view.seq_index, view.positions, BLOCK)
         got, want = indexer_order_keys(*args), indexer_order_keys_torch(*args)
@@ -274,7 +275,7 @@ def test_indexer_tiles_match_torch(kv_cache_dtype):
         q = torch.randn(n, heads, 128, device="cuda", generator=gen).bfloat16()
         weights = torch.rand(n, heads, device="cuda", generator=gen)
         if kv_cache_dtype == "fp8":
-            q, q_scale = quantize_fp8_vectors(q)
+            q, q_scale = quantize_index_vectors(q)
             weights = weights * q_scale.squeeze(-1)
         args = (q, weights, rows, view.block_tables, view.seq_index, view.positions, BLOCK)
         want = indexer_order_keys_torch(*args)

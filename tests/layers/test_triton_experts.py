@@ -60,7 +60,7 @@ def routing(rows: int, gen):
 
 def emulated_fp8(x, ids, weights, w13, w2):
     """What the FP8 kernels compute, in float32: activations rounded to FP8 per 128-channel group."""
-    from spmoe.layers.moe.experts.base import quantize_fp8_groups
+    from spmoe.layers.quantization.fp8 import quantize_fp8_groups
 
     def rounded(a):
         q, s = quantize_fp8_groups(a)

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
+from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
 from spmoe.entrypoints.serve.protocol import (
     ApiError,
@@ -42,7 +43,6 @@ from spmoe.entrypoints.serve.protocol import (
     decode_json,
     parse,
 )
-from spmoe.entrypoints.serve.ranks import QueueFull
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration
 from spmoe.entrypoints.serve.tokenizer import chat_prompt_ids, eos_token_ids, longest_token_bytes
 

@@ -20,12 +20,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from spmoe.config import ParallelConfig
-from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.distributed import launch
-from spmoe.entrypoints.cache_options import add_kv_cache_args, kv_cache_options
+from spmoe.engine.args import EngineArgs
 from spmoe.entrypoints.serve.app import DEFAULT_MAX_REQUEST_BYTES, FrontEndLimits
-from spmoe.entrypoints.serve.ranks import DEFAULT_MAX_MODEL_LEN, ServeOptions, check_serve, serve_rank
+from spmoe.entrypoints.serve.client import DEFAULT_MAX_NUM_WAITING, check_serve, serve_rank
 from spmoe.entrypoints.serve.supervisor import StopPolicy
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 
@@ -113,18 +111,17 @@ def check_address(host: str, port: int) -> None:
             raise ValueError(f"--host {host} --port {port}: the address {reason}") from None
 
 
-def run_serve(
-    model_dir: str, parallel: ParallelConfig, options: ServeOptions, front: FrontEndOptions, device: str
-) -> int | None:
+def run_serve(model_dir: str, args: EngineArgs, max_num_waiting: int, front: FrontEndOptions) -> int | None:
     """Validate, then serve until stopped. -> SIGTERM if it reached rank 0 itself (under torchrun), else None."""
     if not Path(model_dir, "config.json").is_file():
         raise ValueError(f"--model {model_dir}: expected a checkpoint folder with config.json, found none")
-    check_serve(model_dir, parallel, options, device)
+    check_serve(model_dir, args, max_num_waiting)
     load_tokenizer(model_dir)
     check_address(front.host, front.port)
+    parallel = args.parallel_config()
     print(
-        f"spmoe serve: {model_dir} on {parallel.world_size} local ranks (TP {parallel.tensor_parallel_size} x "
-        f"DP {parallel.data_parallel_size}, {device}); loading the weights",
+        f"spmoe serve: {model_dir} on {parallel.world_size} local ranks (TP {args.tp} x DP {args.dp}, "
+        f"{args.device}); loading the weights",
         file=sys.stderr,
         flush=True,
     )
@@ -132,11 +129,11 @@ def run_serve(
         serve_rank,
         parallel.world_size,
         model_dir,
-        parallel,
-        options,
+        args,
+        max_num_waiting,
         partial(start_front_end, front),
         config=parallel,
-        device=device,
+        device=args.device,
         drain_s=front.policy.shutdown_timeout_s + DRAIN_MARGIN_S,
     )
 
@@ -179,70 +176,23 @@ def add_serve_args(p) -> None:
         help=f"after SIGTERM, how long open requests may still run before they are ended "
         f"(default {policy.shutdown_timeout_s:g} s)",
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1): dp * tp ranks")
-    p.add_argument("--sp", choices=SP_MODES, default="auto", help="sequence-parallel MoE (default auto)")
-    p.add_argument("--sp-scope", choices=SP_SCOPES, default="moe", help="which layers are SP (default moe)")
-    p.add_argument("--ep-backend", choices=EP_BACKENDS, default="allgather_reducescatter")
-    p.add_argument("--moe-backend", choices=MOE_BACKENDS, default="auto")
-    defaults = ServeOptions()
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=defaults.max_num_seqs,
-        help=f"requests decoded at once per DP group (default {defaults.max_num_seqs})",
-    )
     p.add_argument(
         "--max-num-waiting",
         type=int,
-        default=defaults.max_num_waiting,
-        help=f"requests that may wait to start; one more gets 503 (default {defaults.max_num_waiting})",
+        default=DEFAULT_MAX_NUM_WAITING,
+        help=f"requests that may wait to start; one more gets 503 (default {DEFAULT_MAX_NUM_WAITING})",
     )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        help=f"positions per request: prompt + output + drafts (default: the model's "
-        f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN})",
-    )
-    add_kv_cache_args(p, "--max-num-seqs x --max-model-len tokens")
-    p.add_argument(
-        "--speculative", choices=["mtp"], help="draft tokens with the checkpoint's MTP layer (greedy requests only)"
-    )
-    p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP drafts per step (default 1)")
-    p.add_argument(
-        "--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)"
-    )
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    EngineArgs.add_cli_args(p)
 
 
 def cmd_serve(args) -> int:
+    engine_args = EngineArgs.from_cli(args)
     model = args.model
     if model is None:
         from spmoe.entrypoints.demo import checkpoint_dir, ensure_checkpoint
 
         model = str(checkpoint_dir())
         ensure_checkpoint(checkpoint_dir())
-    drafts = args.num_speculative_tokens if args.speculative == "mtp" else 0
-    if args.speculative == "mtp" and drafts < 1:
-        raise ValueError(f"--speculative mtp needs --num-speculative-tokens >= 1, got {drafts}")
-    parallel = ParallelConfig(
-        tensor_parallel_size=args.tp,
-        data_parallel_size=args.dp,
-        sp=args.sp,
-        sp_scope=args.sp_scope,
-        ep_backend=args.ep_backend,
-        moe_backend=args.moe_backend,
-    )
-    options = ServeOptions(
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        num_speculative_tokens=drafts,
-        max_num_waiting=args.max_num_waiting,
-        cuda_graphs=args.cuda_graphs,
-        **kv_cache_options(args),
-    )
     name = args.served_model_name or (args.model if args.model is not None else "spmoe-demo")
     front = FrontEndOptions(
         model,
@@ -252,7 +202,7 @@ def cmd_serve(args) -> int:
         FrontEndLimits(args.max_request_bytes, args.api_key),
         StopPolicy(args.engine_timeout, args.shutdown_timeout),
     )
-    stop = run_serve(model, parallel, options, front, args.device)
+    stop = run_serve(model, engine_args, args.max_num_waiting, front)
     if stop is not None:  # a drained SIGTERM is a clean stop
         print(f"spmoe serve: stopped by {signal.Signals(stop).name}", file=sys.stderr)
     return 0

@@ -21,7 +21,7 @@ from spmoe.distributed import get_parallel_state
 from spmoe.distributed.communicator import enter, final_norm
 from spmoe.distributed.layer_plan import build_layer_plan
 from spmoe.distributed.layout import largest_dp_batch
-from spmoe.layers.attention import KeyStore
+from spmoe.layers.attention import CacheNeeds, KeyStore
 from spmoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmoe.layers.moe.experts.base import ExpertsDeployment
 from spmoe.layers.moe.experts.selection import select_experts
@@ -124,6 +124,12 @@ class DeepseekV32ForCausalLM(nn.Module):
     def num_draft_layers(self) -> int:
         """MTP layers built (0 unless loaded with_mtp)."""
         return len(self.mtp)
+
+    def kv_cache_needs(self) -> list[CacheNeeds]:
+        """What each attention layer keeps per token in the KV cache, the MTP layers' included (the engine
+        sizes its cache from this)."""
+        blocks = [*self.model.layers, *(mtp.mtp_block for mtp in self.mtp)]
+        return [block.self_attn.cache_needs() for block in blocks]
 
     def forward_draft_hidden(
         self,

@@ -19,9 +19,6 @@ from torch import nn
 
 from spmoe.config import ModelConfig, ParallelConfig
 
-FP8_GROUP = 128  # activation channels per FP8 scale (per token), as the FP8 checkpoints' kernels expect
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
 
 @dataclass(frozen=True)
 class ExpertsDeployment:
@@ -151,10 +148,3 @@ class Experts(nn.Module):
         """Global expert ids `[m, k]` -> this rank's expert index, or -1 where the expert lives elsewhere."""
         local = ids - self.first
         return torch.where((local >= 0) & (local < self.count), local, -1)
-
-
-def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[m, K]` -> (FP8 e4m3 `[m, K]`, float32 scales `[m, K / 128]`): one scale per 128 channels of a row."""
-    groups = x.float().view(x.shape[0], -1, FP8_GROUP)
-    scale = groups.abs().amax(-1).clamp(min=1e-10) / FP8_MAX
-    return (groups / scale[..., None]).to(torch.float8_e4m3fn).view(x.shape), scale

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spmoe.layers.moe.experts.base import FP8_GROUP, FP8_MAX
+from spmoe.layers.quantization.fp8 import FP8_GROUP, FP8_MAX
 
 
 @triton.jit

@@ -15,7 +15,8 @@ calls follow FlashInfer's documented signatures; the selection rules are tested 
 import torch
 import torch.nn.functional as F
 
-from spmoe.layers.moe.experts.base import Experts, ExpertsDeployment, quantize_fp8_groups
+from spmoe.layers.moe.experts.base import Experts, ExpertsDeployment
+from spmoe.layers.quantization.fp8 import quantize_fp8_groups
 
 
 class TrtLlmFp8ExpertsBase(Experts):

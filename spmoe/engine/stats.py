@@ -1,0 +1,92 @@
+"""What the engine counts per phase of a step: target forwards over prompts ("prefill") and decode tokens
+("decode"), MTP forwards ("draft"): forwards, tokens fed and committed, seconds and collectives; the MTP
+acceptance per draft position; and the counters since start that the server's metrics report."""
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from spmoe.distributed import CommStats, count_collectives
+from spmoe.engine.request import EngineMetrics
+from spmoe.engine.sequence import ScheduledBatch, StepResult
+
+PHASES = ("prefill", "decode", "draft")
+
+
+@dataclass
+class Phase:
+    forwards: int = 0
+    tokens_fed: int = 0
+    tokens_committed: int = 0
+    seconds: float = 0.0
+    collectives: CommStats = field(default_factory=CommStats)
+
+    @contextmanager
+    def measure(self):
+        """Time the block and count its collectives into this phase."""
+        began = time.perf_counter()
+        with count_collectives(self.collectives):
+            yield self
+        self.seconds += time.perf_counter() - began
+
+    def as_dict(self) -> dict:
+        return {
+            "forwards": self.forwards,
+            "tokens_fed": self.tokens_fed,
+            "tokens_committed": self.tokens_committed,
+            "seconds": self.seconds,
+            "collectives": self.collectives.as_dict(),
+        }
+
+
+class StepStats:
+    """The per-phase statistics since `reset` (what `Engine.generate` reports) and the counters since start
+    (`totals`: generated tokens, drafts proposed and accepted)."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.k = num_speculative_tokens
+        self.totals = EngineMetrics()
+        self.reset()
+
+    def reset(self) -> None:
+        self.phases = {name: Phase() for name in PHASES}
+        self.verify_steps = 0  # sequences whose drafts a target forward verified, summed over steps
+        self.accepted_at = [0] * self.k  # verifications that accepted more than j drafts, per j
+
+    def target_phase(self, batch: ScheduledBatch) -> Phase:
+        return self.phases["decode" if batch.decode else "prefill"]
+
+    def record(self, batch: ScheduledBatch, result: StepResult) -> None:
+        """Count the step's committed tokens and the drafts it verified (before `Scheduler.update` replaces
+        them)."""
+        for seq, sampled, accepted in zip(batch.seqs, batch.samples, result.accepted):
+            if sampled and seq.drafts:
+                self.verify_steps += 1
+                for j in range(accepted):
+                    self.accepted_at[j] += 1
+                self.totals.draft_proposed += len(seq.drafts)
+                self.totals.draft_accepted += accepted
+        self.totals.generated_tokens += sum(map(len, result.token_ids))
+
+    def as_dict(self) -> dict:
+        """The phases, the prefill / decode split of the time and the speculation figures."""
+        decode = self.phases["decode"]
+        decode_s = decode.seconds + self.phases["draft"].seconds
+        stats = {
+            "prefill_s": self.phases["prefill"].seconds,
+            "decode_s": decode_s,
+            "decode_tokens_per_s": decode.tokens_committed / decode_s if decode_s else 0.0,
+            "phases": {name: phase.as_dict() for name, phase in self.phases.items()},
+        }
+        if self.k:
+            steps, accepted = self.verify_steps, sum(self.accepted_at)
+            stats["speculative"] = {
+                "num_speculative_tokens": self.k,
+                "verify_steps": steps,
+                "proposed": steps * self.k,
+                "accepted": accepted,
+                "acceptance_rate": accepted / (steps * self.k) if steps else 0.0,
+                "mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
+                "per_position": [count / steps if steps else 0.0 for count in self.accepted_at],
+            }
+        return stats

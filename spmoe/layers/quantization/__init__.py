@@ -1,0 +1,1 @@
+"""Quantisation formats shared by the layers."""
