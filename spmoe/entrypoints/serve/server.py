@@ -62,6 +62,8 @@ def start_front_end(options: FrontEndOptions, client) -> int | None:
         signals: asyncio.Queue = asyncio.Queue()
         for signum in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(signum, signals.put_nowait, signum)
+        for signum in early:
+            signals.put_nowait(signum)
         task = asyncio.create_task(server.serve())
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
@@ -85,9 +87,10 @@ def start_front_end(options: FrontEndOptions, client) -> int | None:
         await task
         return ending
 
-    # Outside the event loop (before it starts, after it ends) a stop signal is only noted; inside it the loop's
-    # handlers pass it to `supervise`.
-    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Outside the event loop a stop signal is only noted (one before the loop starts is then passed to
+    # `supervise`); inside it the loop's handlers pass it on.
+    early: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _: early.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         ending = asyncio.run(serve())
     finally:
