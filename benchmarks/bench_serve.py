@@ -1,6 +1,8 @@
 """Load on a running `spmoe serve` (or any OpenAI-compatible server): at each concurrency level, keep that many
 streaming completions in flight until `--num-prompts` have finished, then report request throughput, output
-tokens/s, and the p50 / p99 time to first token (TTFT) and time per output token after the first (TPOT).
+tokens/s, the p50 / p99 time to first token (TTFT) and time per output token after the first (TPOT), and the
+prefix cache's hit rate over the level (prompt tokens found cached / looked up, from the server's `/metrics`:
+spmoe's or vLLM's `...:prefix_cache_hits_total` / `...:prefix_cache_queries_total`; "-" if it has none).
 
 Prompts are random token ids (`--input-len` of them, below `--token-id-limit`), so every prompt has exactly
 that length; `ignore_eos` makes every request generate `--output-len` tokens. The token counts come from the
@@ -61,7 +63,23 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return Result(ttft, time.perf_counter() - began, usage["completion_tokens"])
 
 
+async def prefix_cache_counts(client: httpx.AsyncClient, base: str) -> tuple[float, float] | None:
+    """(prompt tokens looked up in the prefix cache, tokens found) from the server's `/metrics`, summed over
+    label sets; None when it reports neither."""
+    response = await client.get(base.removesuffix("/v1") + "/metrics")
+    counts = {}
+    for line in response.text.splitlines() if response.status_code == 200 else []:
+        if line.startswith("#"):  # HELP / TYPE
+            continue
+        name, _, value = line.rpartition(" ")
+        for kind in ("queries", "hits"):
+            if name.split("{")[0].endswith(f":prefix_cache_{kind}_total"):
+                counts[kind] = counts.get(kind, 0.0) + float(value)
+    return (counts.get("queries", 0.0), counts.get("hits", 0.0)) if counts else None
+
+
 async def run_level(base: str, model: str, concurrency: int, prompts: list[list[int]], output_len: int):
+    """-> (results, seconds, prefix cache hit rate over the level or None)."""
     url = base + "/completions"
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
@@ -72,9 +90,15 @@ async def run_level(base: str, model: str, concurrency: int, prompts: list[list[
             async with gate:
                 return await one_request(client, url, model, prompt, output_len)
 
+        before = await prefix_cache_counts(client, base)
         began = time.perf_counter()
         results = await asyncio.gather(*(gated(p) for p in prompts))
-        return results, time.perf_counter() - began
+        seconds = time.perf_counter() - began
+        after = await prefix_cache_counts(client, base)
+        hit_rate = None
+        if before is not None and after is not None and after[0] > before[0]:
+            hit_rate = (after[1] - before[1]) / (after[0] - before[0])
+        return results, seconds, hit_rate
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -104,19 +128,20 @@ def main() -> None:
     print(f"bench_serve: {base}, model {model!r}, {args.input_len} prompt tokens -> {args.output_len} output tokens")
     print(
         f"{'concurrency':>11}{'requests':>10}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
-        f"{'TPOT p50':>10}{'TPOT p99':>10}  (ms)"
+        f"{'TPOT p50':>10}{'TPOT p99':>10}{'hit rate':>10}  (ms)"
     )
     for concurrency in args.concurrency:
         count = args.num_prompts or max(8, 4 * concurrency)
         prompts = [[rng.randrange(args.token_id_limit) for _ in range(args.input_len)] for _ in range(count)]
-        results, seconds = asyncio.run(run_level(base, model, concurrency, prompts, args.output_len))
+        results, seconds, hit_rate = asyncio.run(run_level(base, model, concurrency, prompts, args.output_len))
         ttft = [r.ttft_s * 1e3 for r in results]
         tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None] or [float("nan")]
         output_tokens = sum(r.output_tokens for r in results)
         print(
             f"{concurrency:>11}{count:>10}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
             f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}"
-            f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}",
+            f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}"
+            f"{'-' if hit_rate is None else f'{hit_rate:.1%}':>10}",
             flush=True,
         )
 

@@ -40,8 +40,10 @@ class RequestOutput:
 @dataclass
 class EngineMetrics:
     """A snapshot of the engine: requests running (holding cache) and waiting (queued), the share of the KV
-    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP), running
-    sequences preempted (their cache freed, to be recomputed) when the cache ran out."""
+    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP), the
+    prefix cache's queries and hits in tokens (prompt tokens looked up when a sequence is admitted, and of
+    those the ones found cached), and running sequences preempted (their cache freed, to be recomputed) when
+    the cache ran out."""
 
     running: int = 0
     waiting: int = 0
@@ -49,6 +51,8 @@ class EngineMetrics:
     generated_tokens: int = 0
     draft_proposed: int = 0
     draft_accepted: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     preemptions: int = 0
 
     @classmethod
@@ -62,5 +66,7 @@ class EngineMetrics:
             sum(m.generated_tokens for m in parts),
             sum(m.draft_proposed for m in parts),
             sum(m.draft_accepted for m in parts),
+            sum(m.prefix_cache_queries for m in parts),
+            sum(m.prefix_cache_hits for m in parts),
             sum(m.preemptions for m in parts),
         )

@@ -14,11 +14,12 @@ from fastapi.testclient import TestClient
 
 from spmoe.engine.request import EngineMetrics, RequestOutput
 from spmoe.entrypoints.demo import write_demo_tokenizer
-from spmoe.entrypoints.serve.app import FrontEndLimits, build_app
+from spmoe.entrypoints.generation_defaults import GenerationDefaults
+from spmoe.entrypoints.serve.app import ApiSettings, FrontEndLimits, build_app
 from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.streaming import StopStrings
 from spmoe.entrypoints.serve.supervisor import StopPolicy, supervise
-from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer, load_tokenizer
+from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
 
 REPLY = "Grüße, wörld € 🙂 and more"  # 2-, 3- and 4-byte characters: split over byte tokens
 
@@ -135,6 +136,8 @@ class ScriptedEngineClient:
             generated_tokens=7,
             draft_proposed=4,
             draft_accepted=3,
+            prefix_cache_queries=40,
+            prefix_cache_hits=30,
             preemptions=self.preemptions,
         )
 
@@ -143,7 +146,7 @@ class ScriptedEngineClient:
 def served(tokenizer):
     """-> (engine stand-in, openai client, raw HTTP client) for a server named 'tiny' that replies REPLY."""
     engine = ScriptedEngineClient(tokenizer.encode(REPLY) + [tokenizer.eos_token_id])
-    http = TestClient(build_app(engine, tokenizer, "tiny"), raise_server_exceptions=False)
+    http = TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"])), raise_server_exceptions=False)
     return (
         engine,
         openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0),
@@ -190,7 +193,7 @@ def test_several_tokens_per_step(tokenizer):
         base_url="http://testserver/v1",
         api_key="unused",
         max_retries=0,
-        http_client=TestClient(build_app(engine, tokenizer, "tiny")),
+        http_client=TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"]))),
     )
     chunks = list(client.completions.create(model="tiny", prompt=[5, 6], max_tokens=20, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == REPLY.encode()[:20].decode(errors="replace")
@@ -233,12 +236,68 @@ def test_models_health_metrics(served):
         "spmoe_kv_cache_usage_ratio 0.25",
         "spmoe_generation_tokens_total 7.0",
         "spmoe_spec_decode_acceptance_ratio 0.75",
+        "spmoe:prefix_cache_queries_total 40.0",
+        "spmoe:prefix_cache_hits_total 30.0",
         "spmoe_time_to_first_token_seconds_count 1.0",
         "spmoe_inter_token_latency_seconds_count 3.0",
         "spmoe_prompt_tokens_total 2.0",
         'spmoe_request_success_total{finish_reason="length"} 1.0',
     ):
         assert line in text, line
+
+
+def test_several_names_and_the_models_generation_defaults(tokenizer):
+    engine = ScriptedEngineClient(tokenizer.encode(REPLY))
+    engine.num_speculative_tokens = 0
+    defaults = GenerationDefaults({"temperature": 0.6, "top_p": 0.9, "max_tokens": 7, "top_k": 5}, "test")
+    http = TestClient(
+        build_app(engine, tokenizer, ApiSettings(["glm-5.2", "glm"], defaults, seed=11)), raise_server_exceptions=False
+    )
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    models = http.get("/v1/models").json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [("glm-5.2", 66), ("glm", 66)]
+    left_out = client.completions.create(model="glm", prompt="Hi")
+    assert left_out.model == "glm-5.2" and left_out.usage.completion_tokens == 7  # the first name is reported
+    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (0.6, 0.9)
+    seeds = [engine.requests[-1].sampling.seed]
+    client.completions.create(model="glm", prompt="Hi")
+    seeds.append(engine.requests[-1].sampling.seed)
+    again = TestClient(build_app(engine, tokenizer, ApiSettings(["glm"], seed=11)))
+    for _ in seeds:
+        again.post("/v1/completions", json={"model": "glm", "prompt": "Hi", "max_tokens": 1})
+    assert [r.sampling.seed for r in engine.requests[-2:]] == seeds and seeds[0] != seeds[1]  # --seed: reproducible
+    chat = [{"role": "user", "content": "Hello"}]
+    own = client.chat.completions.create(model="glm-5.2", messages=chat, temperature=0, top_p=1.0, max_tokens=3)
+    assert own.usage.completion_tokens == 3
+    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (0.0, 1.0)
+    client.chat.completions.create(model="glm-5.2", messages=chat)
+    assert engine.requests[-1].max_new_tokens == 7
+    engine.num_speculative_tokens = 2  # a speculating server serves greedy requests: the default temperature waits
+    client.completions.create(model="glm", prompt="Hi")
+    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (0.0, 0.9)
+    with pytest.raises(openai.NotFoundError, match="this server serves 'glm-5.2', 'glm'"):
+        client.completions.create(model="glm-5", prompt="Hi")
+
+
+def test_chat_template_and_content_format(tmp_path, tokenizer):
+    parts = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+    (tmp_path / "parts.jinja").write_text(parts)
+    assert read_chat_template(str(tmp_path / "parts.jinja")) == parts
+    assert read_chat_template("{{ messages[0]['content'] }}!") == "{{ messages[0]['content'] }}!"
+    with pytest.raises(ValueError, match="--chat-template nope.jinja: expected a Jinja template file or a template"):
+        read_chat_template("nope.jinja")
+    folder = tmp_path / "tok"
+    write_demo_tokenizer(folder)
+    engine = ScriptedEngineClient(tokenizer.encode("ok"))
+    for content_format, template, prompt in (
+        ("openai", read_chat_template(str(tmp_path / "parts.jinja")), "[Hel][lo]"),
+        ("string", "{% for m in messages %}<{{ m['content'] }}>{% endfor %}", "<Hello>"),
+    ):
+        settings = ApiSettings(["tiny"], chat_template_content_format=content_format)
+        app = build_app(engine, load_tokenizer(folder, template), settings)
+        chat = [{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]
+        TestClient(app).post("/v1/chat/completions", json={"model": "tiny", "messages": chat, "max_tokens": 1})
+        assert tokenizer.decode(engine.requests[-1].prompt) == prompt
 
 
 @pytest.mark.parametrize(
@@ -352,7 +411,7 @@ def test_bad_chat_inputs_are_400(served):
 
 def test_a_body_over_the_limit_is_413_before_it_is_read(tokenizer):
     engine = ScriptedEngineClient(tokenizer.encode("ok"))
-    http = TestClient(build_app(engine, tokenizer, "tiny", FrontEndLimits(max_request_bytes=1000)))
+    http = TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"]), FrontEndLimits(max_request_bytes=1000)))
     small = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2, "user": "u" * 900})
     assert len(small) <= 1000 and http.post("/v1/completions", content=small).status_code == 200
     big = json.dumps({"model": "tiny", "prompt": "Hi", "user": "u" * 1000})
@@ -404,7 +463,7 @@ def test_tokenizing_runs_off_the_event_loop(tokenizer, served):
 
 def test_api_key(tokenizer):
     engine = ScriptedEngineClient(tokenizer.encode("ok"))
-    http = TestClient(build_app(engine, tokenizer, "tiny", FrontEndLimits(api_key="s3cret")))
+    http = TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"]), FrontEndLimits(api_key="s3cret")))
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/nothing")):
             response = http.request(method, path, headers=headers, json={"model": "tiny", "prompt": "Hi"})
@@ -441,7 +500,7 @@ def test_sigterm_drains_then_ends_open_streams_with_done(tokenizer):
     ended (error chunk + [DONE]; 503) and aborted; new requests and /health get 503."""
     engine = ScriptedEngineClient(tokenizer.encode("x" * 60))
     engine.step_s = 0.05
-    app = build_app(engine, tokenizer, "tiny")
+    app = build_app(engine, tokenizer, ApiSettings(["tiny"]))
     signals: asyncio.Queue = asyncio.Queue()
     bodies = [
         {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "stream": True},
@@ -473,7 +532,7 @@ def test_a_stalled_engine_fails_every_request(tokenizer):
     requests at once (error chunk + [DONE]) and returns, so that the server stops."""
     engine = ScriptedEngineClient(tokenizer.encode("x" * 60))
     engine.step_s = 0.05
-    app = build_app(engine, tokenizer, "tiny")
+    app = build_app(engine, tokenizer, ApiSettings(["tiny"]))
     bodies = [{"model": "tiny", "prompt": "Hi", "max_tokens": 60, "stream": True}] * 2
 
     async def stall():

@@ -20,6 +20,7 @@ then every one still open ends (a stream with an error chunk and `data: [DONE]`,
 import asyncio
 import json
 import logging
+import random
 import secrets
 import time
 import uuid
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException
 
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
+from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
 from spmoe.entrypoints.serve.protocol import (
@@ -54,6 +56,14 @@ log = logging.getLogger("spmoe.serve")
 
 
 @dataclass(frozen=True)
+class ApiSettings:
+    served_model_names: list[str]  # the names clients may ask for; the first is reported in responses
+    defaults: GenerationDefaults = GenerationDefaults()  # the model's, for the fields a request leaves out
+    chat_template_content_format: str = "string"  # how the template sees content (ChatMessage.as_template_input)
+    seed: int | None = None  # seeds the seeds of requests that give none (reproducible runs); None: random
+
+
+@dataclass(frozen=True)
 class FrontEndLimits:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a longer body gets 413
     api_key: str | None = None  # None: no key needed
@@ -65,12 +75,12 @@ class FrontEndLimits:
             raise ValueError("--api-key (or SPMOE_API_KEY) must not be empty")
 
 
-def build_app(client, tokenizer, served_model_name: str, limits: FrontEndLimits = FrontEndLimits()) -> FastAPI:
+def build_app(client, tokenizer, settings: ApiSettings, limits: FrontEndLimits = FrontEndLimits()) -> FastAPI:
     """`client`: an EngineClient (async `generate(request)`, `metrics()`, `max_model_len`, `vocab_size`,
     `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer. The app's
     `OpenAIApi` is `app.state.api` (its `stop` ends serving)."""
     app = FastAPI(title="spmoe", docs_url=None, redoc_url=None, openapi_url=None)
-    api = OpenAIApi(client, tokenizer, served_model_name, limits.max_request_bytes)
+    api = OpenAIApi(client, tokenizer, settings, limits.max_request_bytes)
     app.state.api = api
 
     @app.exception_handler(ApiError)
@@ -124,8 +134,11 @@ class RequireApiKey:
 
 
 class OpenAIApi:
-    def __init__(self, client, tokenizer, served_model_name: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
-        self.client, self.tokenizer, self.model_name = client, tokenizer, served_model_name
+    def __init__(self, client, tokenizer, settings: ApiSettings, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+        self.client, self.tokenizer, self.model_names = client, tokenizer, settings.served_model_names
+        self.model_name = self.model_names[0]
+        self.defaults, self.content_format = settings.defaults, settings.chat_template_content_format
+        self.seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
         self.max_request_bytes = max_request_bytes
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.token_bytes = longest_token_bytes(tokenizer)
@@ -154,12 +167,13 @@ class OpenAIApi:
             "object": "list",
             "data": [
                 {
-                    "id": self.model_name,
+                    "id": name,
                     "object": "model",
                     "created": self.created,
                     "owned_by": "spmoe",
                     "max_model_len": self.client.max_model_len,
                 }
+                for name in self.model_names
             ],
         }
 
@@ -174,19 +188,21 @@ class OpenAIApi:
             prompt = await self._off_loop(self.tokenizer.encode, body.prompt)
         else:
             prompt = self._checked_ids(body.prompt)
-        max_new = self._max_new_tokens(len(prompt), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+        default = self.defaults.values.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+        max_new = self._max_new_tokens(len(prompt), body.max_tokens, default)
         return await self._respond(http, body, prompt, max_new, "cmpl", "text_completion", _completion_choice)
 
     async def chat_completions(self, http: Request):
         body = parse(ChatCompletionRequest, await self._json_body(http))
         self._check_model(body.model)
-        messages = [m.as_template_input() for m in body.messages]
-        self._check_text_size([m["content"] for m in messages], "messages")
+        texts = [m.content if isinstance(m.content, str) else "".join(p.text for p in m.content) for m in body.messages]
+        self._check_text_size(texts, "messages")
+        messages = [m.as_template_input(self.content_format) for m in body.messages]
         try:
             prompt = await self._off_loop(chat_prompt_ids, self.tokenizer, messages)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
-        max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, None)
+        max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, self.defaults.values.get("max_tokens"))
         return await self._respond(http, body, prompt, max_new, "chatcmpl", "chat.completion", _chat_choice)
 
     async def _json_body(self, http: Request):
@@ -219,8 +235,9 @@ class OpenAIApi:
             raise _internal_error("tokenizing") from None
 
     def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model")
+        if model not in self.model_names:
+            served = ", ".join(f"'{name}'" for name in self.model_names)
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves {served}", "model")
 
     def _check_text_size(self, texts: list[str], param: str) -> None:
         """No token covers more than `token_bytes` bytes of text, so texts of more than max_model_len times
@@ -277,12 +294,15 @@ class OpenAIApi:
         if self.unavailable is not None:  # it began stopping while this request was tokenized
             raise ApiError(503, self.unavailable)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        seed = body.seed if body.seed is not None else secrets.randbits(63)
-        temperature = body.temperature
-        if temperature is None:  # OpenAI's default, except that a speculating server serves greedy requests only
+        seed = body.seed if body.seed is not None else self.seeds.getrandbits(63)
+        given = {name for name in body.model_fields_set if getattr(body, name) is not None}
+        fields = self.defaults.apply({"temperature": body.temperature, "top_p": body.top_p}, given)
+        temperature = fields["temperature"]
+        if temperature is None or self.client.num_speculative_tokens and "temperature" not in given:
+            # OpenAI's default, except that a speculating server serves greedy requests only
             temperature = 0.0 if self.client.num_speculative_tokens else 1.0
         try:
-            sampling = SamplingParams(temperature, body.top_p, seed)
+            sampling = SamplingParams(temperature, fields["top_p"], seed)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         eos = () if body.ignore_eos else self.eos_token_ids
