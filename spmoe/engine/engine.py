@@ -202,6 +202,7 @@ class Engine:
             totals.draft_proposed,
             totals.draft_accepted,
             *self.scheduler.room.prefix_cache_counts(),
+            self.scheduler.preemptions,
         )
 
     def step(self) -> list[RequestOutput]:

@@ -45,9 +45,10 @@ class RequestOutput:
 @dataclass
 class EngineMetrics:
     """A snapshot of the engine: requests running (holding cache) and waiting (queued), the share of the KV
-    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP), and
-    the prefix cache's queries and hits in tokens (prompt tokens looked up when a sequence is admitted, and of
-    those the ones found cached)."""
+    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP), the
+    prefix cache's queries and hits in tokens (prompt tokens looked up when a sequence is admitted, and of
+    those the ones found cached), and running sequences preempted (their cache freed, to be recomputed) when
+    the cache ran out."""
 
     running: int = 0
     waiting: int = 0
@@ -57,6 +58,7 @@ class EngineMetrics:
     draft_accepted: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    preemptions: int = 0
 
     @classmethod
     def combine(cls, parts: list["EngineMetrics"]) -> "EngineMetrics":
@@ -71,4 +73,5 @@ class EngineMetrics:
             sum(m.draft_accepted for m in parts),
             sum(m.prefix_cache_queries for m in parts),
             sum(m.prefix_cache_hits for m in parts),
+            sum(m.preemptions for m in parts),
         )

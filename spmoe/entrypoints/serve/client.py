@@ -14,6 +14,7 @@ import asyncio
 import queue
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from functools import partial
@@ -74,6 +75,8 @@ class EngineClient:
         self.num_speculative_tokens = engine.k
         self.grammars = engine.grammars  # the front end compiles a request's grammar here first (a cache hit then)
         self.error: str | None = None  # why the engine loop stopped, if it failed
+        self._iteration_began: float | None = None  # when the loop iteration under way began (monotonic)
+        self._abandoned = False  # `fail` gave up on a stuck loop: `close` does not wait for it
         self.front_end_stopped = threading.Event()  # set by serve_rank once start_front_end has returned
         self._closing = False
         # ("add", request, event loop, asyncio queue), ("abort", request id) or ("shutdown",)
@@ -124,6 +127,17 @@ class EngineClient:
         """Every DP group's engine after the last loop iteration."""
         return self._metrics
 
+    def stalled_for(self) -> float:
+        """Seconds the loop iteration under way (a plan sent to every rank and run) has taken so far; 0
+        between iterations."""
+        began = self._iteration_began
+        return 0.0 if began is None else time.monotonic() - began
+
+    def fail(self, reason: str) -> None:
+        """Give up on a loop that is stuck (in a collective with a rank that no longer answers): new requests
+        are refused with `reason`, and `close` leaves the thread where it is."""
+        self.error, self._abandoned = reason, True
+
     # The engine loop thread.
 
     def start(self) -> None:
@@ -133,7 +147,8 @@ class EngineClient:
         """Stop the loop: every rank leaves its loop; open streams end with finish_reason "abort"."""
         self._closing = True
         self._inbox.put(("shutdown",))
-        self._thread.join()
+        if not self._abandoned:
+            self._thread.join()
 
     def _run(self) -> None:
         streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -167,7 +182,9 @@ class EngineClient:
         loop = ServingLoop(self.engine)
         while True:
             plan = self._next_plan(loop, streams)
+            self._iteration_began = time.monotonic()
             outputs, self._metrics = loop.step(plan)
+            self._iteration_began = None
             for out in outputs:
                 self._deliver(streams, out)
             if plan.command == "shutdown":

@@ -1,8 +1,8 @@
 """`/metrics` in the Prometheus text format, from the server's own registry.
 
-The engine's state (requests running and waiting, KV cache usage, generated tokens, MTP drafts, prefix cache
-queries and hits in tokens: `spmoe:prefix_cache_queries_total`, `spmoe:prefix_cache_hits_total`) is read from
-`client.metrics()` when Prometheus scrapes; the latencies are recorded by the front end as tokens reach it:
+The engine's state (requests running and waiting, KV cache usage, generated tokens, preemptions, MTP drafts,
+prefix cache queries and hits in tokens: `spmoe:prefix_cache_queries_total`, `spmoe:prefix_cache_hits_total`)
+is read from `client.metrics()` when Prometheus scrapes; the latencies are recorded by the front end as tokens reach it:
 - time to first token: from the request's arrival to its first generated token;
 - inter-token latency: between a request's successive tokens. A step that brings several tokens (accepted
   MTP drafts) counts as that many intervals of its time divided by the tokens.
@@ -33,6 +33,9 @@ class EngineCollector:
         )
         yield CounterMetricFamily(
             "spmoe:prefix_cache_hits", "Prompt tokens found in the prefix cache", m.prefix_cache_hits
+        )
+        yield CounterMetricFamily(
+            "spmoe_num_preemptions", "Running requests preempted (cache freed, recomputed later)", m.preemptions
         )
         if self.client.num_speculative_tokens:
             yield CounterMetricFamily("spmoe_spec_decode_draft_tokens", "MTP draft tokens proposed", m.draft_proposed)

@@ -1,10 +1,16 @@
 """The OpenAI request bodies the server accepts, validated, and the error they turn into when they are bad.
 
 Unknown fields are refused rather than ignored: a client that sends `logprobs` or `presence_penalty` learns
-that they are not applied instead of getting an answer that silently lacks them.
+that they are not applied instead of getting an answer that silently lacks them. Types are strict: a number
+sent as a string (`"max_tokens": "16"`) or a bool where a number goes (`"seed": true`) is refused, not converted.
+
+`decode_json` turns the raw body into Python values and refuses what the models never see but that could
+still hurt: JSON nested deeper than `MAX_JSON_DEPTH`, NaN / Infinity literals, and strings that are not
+Unicode text (a lone surrogate such as `"\\ud800"` decodes to a `str` that no tokenizer can take).
 """
 
 import json
+import reprlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -15,8 +21,10 @@ class ApiError(Exception):
 
     TYPES = {
         400: "invalid_request_error",
+        401: "authentication_error",
         404: "not_found_error",
         405: "invalid_request_error",
+        413: "invalid_request_error",
         500: "internal_error",
         503: "service_unavailable",
     }
@@ -30,8 +38,49 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.status}}
 
 
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other; an OpenAI request needs a handful
+_short = reprlib.Repr()  # a bad value, cut short, in an error message
+_short.maxstring, _short.maxother, _short.maxlist, _short.maxdict, _short.maxlevel = 60, 60, 6, 6, 3
+
+
+def decode_json(raw: bytes):
+    """The request body -> its JSON value; `ApiError` 400 if it is not JSON, is nested deeper than
+    MAX_JSON_DEPTH, holds NaN / Infinity, or has a string that is not valid Unicode (a lone surrogate)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, f"the request body nests arrays / objects more than {MAX_JSON_DEPTH} deep") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or _no_constant's
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    todo = [(body, 1)]
+    while todo:  # a walk without recursion: depth and strings
+        value, depth = todo.pop()
+        if isinstance(value, str):
+            _check_text(value)
+        elif isinstance(value, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise ApiError(400, f"the request body nests arrays / objects more than {MAX_JSON_DEPTH} deep")
+            items = value if isinstance(value, list) else [*value.keys(), *value.values()]
+            todo.extend((item, depth + 1) for item in items if isinstance(item, (str, list, dict)))
+    return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_text(text: str) -> None:
+    if text.isascii():  # a flag CPython keeps on the string: no scan
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start : e.end].encode("utf-8", "backslashreplace").decode()
+        raise ApiError(400, f"the request body has a string that is not Unicode text: lone surrogate {bad}") from None
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
@@ -206,4 +255,4 @@ def parse(model: type[BaseModel], body) -> BaseModel:
         if first["type"] == "missing":
             raise ApiError(400, f"missing required parameter '{where}'", where) from None
         message = first["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"{where}: {message}, got {first['input']!r}"[:300], where) from None
+        raise ApiError(400, f"{where}: {message}, got {_short.repr(first['input'])}", where) from None

@@ -72,6 +72,14 @@ def chat_prompt_ids(
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def longest_token_bytes(tokenizer) -> int:
+    """The UTF-8 length of the longest entry of the vocabulary (special tokens included): no token stands for
+    more bytes of text than this, so a text of more than `n` times as many bytes has more than `n` tokens. (A
+    byte-level vocabulary writes each byte as one character of 1 or 2 bytes, a SentencePiece one a space as
+    3-byte U+2581: both over-count, never under-count.)"""
+    return max(len(token.encode("utf-8", "surrogatepass")) for token in tokenizer.get_vocab())
+
+
 def eos_token_ids(tokenizer, model_eos: tuple[int, ...]) -> tuple[int, ...]:
     """Where generation stops: the model config's eos ids and the tokenizer's eos token."""
     extra = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
