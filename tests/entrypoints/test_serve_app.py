@@ -350,10 +350,10 @@ def test_chat_template_and_content_format(tmp_path, tokenizer):
         ({"model": "tiny", "prompt": "Hi", "stop": [1]}, 400, "stop.0: Input should be a valid string"),
         ({"model": 7, "prompt": "Hi"}, 400, "model: Input should be a valid string"),
         ({"model": "tiny", "prompt": [True, 1]}, 400, "prompt: expected a string or a list of token ids"),
-        # the demo tokenizer's longest token has 14 bytes: 66 x 14 bytes is the most that can fit
-        ({"model": "tiny", "prompt": "x" * (66 * 14 + 1)}, 400, "prompt text has 925 bytes; --max-model-len 66"),
-        ({"model": "tiny", "prompt": "é" * 463}, 400, "prompt text has 926 bytes; --max-model-len 66"),
-        ({"model": "tiny", "prompt": "é" * 925}, 400, "prompt text has more than 925 bytes; --max-model-len 66"),
+        # the demo tokenizer's longest token, <|observation|>, has 15 bytes: 66 x 15 bytes is the most that can fit
+        ({"model": "tiny", "prompt": "x" * (66 * 15 + 1)}, 400, "prompt text has 991 bytes; --max-model-len 66"),
+        ({"model": "tiny", "prompt": "é" * 496}, 400, "prompt text has 992 bytes; --max-model-len 66"),
+        ({"model": "tiny", "prompt": "é" * 991}, 400, "prompt text has more than 991 bytes; --max-model-len 66"),
         ({"model": "tiny", "prompt": [1] * 100_000}, 400, "the prompt has 100000 tokens; the server's --max-model"),
     ],
 )
