@@ -197,7 +197,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
             **_quantization(raw.get("quantization_config")),
-            eos_token_ids=_eos(raw.get("eos_token_id")),
+            eos_token_ids=_eos(raw.get("eos_token_id"), raw["vocab_size"]),
             max_position_embeddings=raw.get("max_position_embeddings"),
         )
 
@@ -263,10 +263,13 @@ def _require(raw: dict, key: str, supported) -> None:
         raise ValueError(f"{key}={raw[key]!r} is not supported; expected {supported!r}")
 
 
-def _eos(value) -> tuple[int, ...]:
+def _eos(value, vocab_size: int) -> tuple[int, ...]:
     ids = [] if value is None else [value] if isinstance(value, int) else value
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        raise ValueError(f"eos_token_id {outside[0]} is not a token id: expected an int in [0, {vocab_size})")
     return tuple(ids)
 
 

@@ -11,6 +11,8 @@ No rank outlives the process that spawned it:
   before the request took effect, and on systems without it);
 - while `spawn` waits, SIGTERM and SIGINT in the parent raise `Stopped`: every rank is killed before it
   propagates. The ranks ignore SIGINT, so a Ctrl-C (sent to the whole process group) reaches the parent only.
+  With `drain_s` a first SIGTERM is passed on to rank 0 instead (a server drains its requests), and the ranks
+  get `drain_s` seconds to return before they are killed; a second signal kills them at once.
 
 `launch(fn, world_size, *args)` is what the command line uses: under torchrun (one process per rank, on one
 or many machines) it runs `fn` in this process, with torchrun's signal handling left as it is (its agent
@@ -98,11 +100,13 @@ def spawn(
     config: ParallelConfig | None = None,
     device: str = "cpu",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    drain_s: float | None = None,
 ) -> list:
     """Run `fn(*args)` on `world_size` local ranks; return each rank's result, rank 0 first.
 
     `fn` must be importable by name (a module-level function). `config` defaults to TP over all ranks.
-    `timeout_s` bounds every collective inside `fn`.
+    `timeout_s` bounds every collective inside `fn`. `drain_s`: a SIGTERM goes to rank 0, which (with the
+    others) then has that long to return; None: a SIGTERM kills every rank at once.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -115,11 +119,34 @@ def spawn(
         )
         for r in range(world_size)
     ]
-    with _stop_on_signals():
-        return _run(procs, results, world_size)
+    drain = _Drain(procs[0], drain_s)
+    with _stop_on_signals(drain):
+        return _run(procs, results, world_size, drain)
 
 
-def _run(procs, results, world_size: int) -> list:
+class _Drain:
+    """A SIGTERM passed on to rank 0 (`spawn`'s `drain_s`), and how long the ranks then have."""
+
+    def __init__(self, rank0, seconds: float | None):
+        self.rank0, self.seconds, self.deadline = rank0, seconds, None
+
+    def begin(self) -> bool:
+        """-> True if the SIGTERM was passed on to rank 0 (the first one, with `seconds` set, rank 0 running)."""
+        if self.seconds is None or self.deadline is not None or self.rank0.pid is None:
+            return False
+        os.kill(self.rank0.pid, signal.SIGTERM)
+        self.deadline = time.monotonic() + self.seconds
+        return True
+
+    def check(self) -> None:
+        """During a drain: raise `Stopped` once its time is over, or when rank 0 has died of the SIGTERM."""
+        if self.deadline is None:
+            return
+        if time.monotonic() > self.deadline or self.rank0.exitcode == -signal.SIGTERM:
+            raise Stopped(signal.SIGTERM)
+
+
+def _run(procs, results, world_size: int, drain: _Drain) -> list:
     """Start the ranks, collect their results; kill every rank still alive on the way out, however it ends."""
     outputs: dict[int, object] = {}
     errors: dict[int, str] = {}  # rank -> traceback, or how it died (`_death`)
@@ -128,6 +155,7 @@ def _run(procs, results, world_size: int) -> list:
         for p in procs:
             p.start()
         while len(outputs) < world_size and not errors:
+            drain.check()
             try:
                 rank, ok, payload = results.get(timeout=0.1)
             except queue.Empty:
@@ -139,6 +167,7 @@ def _run(procs, results, world_size: int) -> list:
             (outputs if ok else errors)[rank] = pickle.loads(payload) if ok else payload
         if errors:
             _settle(procs, results, outputs, errors, died)
+            drain.check()
             raise RankFailed(_describe(errors, died, world_size))
     finally:
         for p in procs:
@@ -151,15 +180,18 @@ def _run(procs, results, world_size: int) -> list:
 
 
 @contextmanager
-def _stop_on_signals():
-    """SIGTERM and SIGINT raise `Stopped` once (a second signal during the cleanup is absorbed); the previous
-    handlers come back afterwards. Only the main thread may set handlers; elsewhere this does nothing."""
+def _stop_on_signals(drain: _Drain):
+    """SIGTERM and SIGINT raise `Stopped` once (a second signal during the cleanup is absorbed), except a first
+    SIGTERM that `drain` passes on to rank 0; the previous handlers come back afterwards. Only the main thread
+    may set handlers; elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received: list[int] = []
 
     def stop(signum, frame):
+        if signum == signal.SIGTERM and not received and drain.begin():
+            return
         received.append(signum)
         if len(received) == 1:
             raise Stopped(signum)
@@ -212,10 +244,13 @@ def _describe(errors: dict[int, str], died: set[int], world_size: int) -> str:
     return f"rank {first} of {world_size} {reason if dead else 'failed: ' + reason}\n{details}"
 
 
-def launch(fn, world_size: int, *args, config: ParallelConfig | None = None, device: str = "cpu"):
-    """Run `fn(*args)` on every rank; return rank 0's result (None on the other ranks under torchrun)."""
+def launch(
+    fn, world_size: int, *args, config: ParallelConfig | None = None, device: str = "cpu", drain_s: float | None = None
+):
+    """Run `fn(*args)` on every rank; return rank 0's result (None on the other ranks under torchrun).
+    `drain_s`: see `spawn` (under torchrun the agent's SIGTERM reaches every rank itself)."""
     if "WORLD_SIZE" not in os.environ:
-        return spawn(fn, world_size, *args, config=config, device=device)[0]
+        return spawn(fn, world_size, *args, config=config, device=device, drain_s=drain_s)[0]
     if int(os.environ["WORLD_SIZE"]) != world_size:
         raise ValueError(
             f"torchrun started {os.environ['WORLD_SIZE']} processes; the parallel config needs {world_size}"

@@ -22,6 +22,7 @@ from spmoe.config.model import read_config
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.engine.cuda_graphs import deployment_problems
 from spmoe.engine.engine import Engine, check_positions
+from spmoe.engine.grammar import GrammarCompiler
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -508,9 +509,9 @@ class EngineArgs:
             model, self.kv_cache_memory, self.gpu_memory_utilization, self.kv_cache_dtype, max_num_seqs, max_len
         )
 
-    def build_engine(self, model, max_num_seqs: int, cache_len: int) -> Engine:
+    def build_engine(self, model, max_num_seqs: int, cache_len: int, grammars: GrammarCompiler | None = None) -> Engine:
         """The engine over a new KV cache for `max_num_seqs` sequences of `cache_len` positions (the dense
-        cache's slots; the paged cache's default room on CPU)."""
+        cache's slots; the paged cache's default room on CPU); `grammars`: for structured-output requests."""
         return Engine(
             model,
             self.build_kv_cache(model, max_num_seqs, cache_len),
@@ -520,4 +521,5 @@ class EngineArgs:
             self.max_num_batched_tokens,
             self.max_model_len,
             self.prefix_caching,
+            grammars,
         )

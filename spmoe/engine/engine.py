@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from spmoe.distributed import get_parallel_state
+from spmoe.engine.grammar import GrammarCompiler
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.model_runner import ModelRunner
 from spmoe.engine.paged_cache import PagedKVCache
@@ -117,11 +118,13 @@ class Engine:
         max_num_batched_tokens: int = 8192,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        grammars: GrammarCompiler | None = None,
     ):
         """`max_num_seqs`: sequences running at once on a paged cache (the slot cache: its slot count);
         `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit; `max_model_len`: the
         most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot);
-        `enable_prefix_caching`: a paged cache keeps full blocks for later requests with the same prefix."""
+        `enable_prefix_caching`: a paged cache keeps full blocks for later requests with the same prefix;
+        `grammars`: compiles the grammars of structured-output requests (None: such requests are refused)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and not model.num_draft_layers:
@@ -131,7 +134,7 @@ class Engine:
                 "CUDA graphs capture the plain decode step only; speculative decoding runs eagerly, "
                 "so pass one or the other"
             )
-        self.model, self.cache, self.k = model, cache, num_speculative_tokens
+        self.model, self.cache, self.k, self.grammars = model, cache, num_speculative_tokens, grammars
         if isinstance(cache, PagedKVCache):
             # the MTP layer's row at a position embeds the next token: a block depends on one token past it
             lookahead = 1 if num_speculative_tokens else 0
@@ -172,6 +175,13 @@ class Engine:
         )
         check_speculation(request.sampling, self.k)
         check_sampling(label.removesuffix(": the prompt"), request.sampling, request.max_new_tokens, cfg.vocab_size)
+        if request.grammar is not None:
+            if self.grammars is None:
+                raise ValueError(f"request {request.request_id!r} has a grammar, but this engine has no compiler")
+            if self.k:
+                raise ValueError(
+                    "structured output (a grammar) is not applied to MTP drafts: serve without speculation for it"
+                )
 
     def add_request(self, request: Request, record_logits: bool = False) -> Sequence:
         """Queue a request; it joins the running batch when the cache has room. `record_logits` keeps the
@@ -179,7 +189,10 @@ class Engine:
         self.validate(request)
         if self.scheduler.holds(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in the engine; expected a new id")
-        seq = Sequence(request, record_logits)
+        grammar = None
+        if request.grammar is not None:
+            grammar = self.grammars.matcher(request.grammar, request.grammar_start_after)
+        seq = Sequence(request, record_logits, grammar)
         self.scheduler.add(seq)
         return seq
 
@@ -200,6 +213,7 @@ class Engine:
             totals.draft_proposed,
             totals.draft_accepted,
             *self.scheduler.room.prefix_cache_counts(),
+            self.scheduler.preemptions,
         )
 
     def step(self) -> list[RequestOutput]:

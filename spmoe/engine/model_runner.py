@@ -7,7 +7,9 @@
    the target accepts and the target's next token (`speculative.py`); the tokens are cut at its first eos id
    or its token limit. A row that is not finite gives no token. A sequence whose request asks for prompt
    logprobs also gets the logprobs of the prompt tokens it fed (`prompt_logprobs`), from the hidden states,
-   a slice of rows at a time.
+   a slice of rows at a time. A sequence with a grammar
+   (structured output, `grammar.py`) first has the tokens its grammar does not allow next masked out of its
+   row, for the whole batch at once.
 3. When speculating, the MTP drafter catches up on the fed positions and proposes each sequence's next
    drafts (`speculative.py`). Under DP every rank runs the draft step, even an empty one.
 
@@ -20,10 +22,11 @@ import torch
 
 from spmoe.distributed import CommStats
 from spmoe.engine.cuda_graphs import DecodeGraphs
+from spmoe.engine.grammar import apply_bitmask, fill_bitmask
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.engine.sampling import Sampler, prompt_logprobs
-from spmoe.engine.sequence import ScheduledBatch, StepResult
+from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
 from spmoe.engine.speculative import MtpDrafter, accept_greedy
 from spmoe.engine.stats import StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
@@ -86,6 +89,7 @@ class ModelRunner:
         """logits `[R, V]` (see `forward`) -> each sequence's committed tokens, accepted drafts, finite flag and,
         when asked, logprobs. Every row goes through the sampler in one call: row j of a sequence that fed d
         drafts chooses its (len(output) + j)-th token, after the first j drafts."""
+        mask_by_grammars([s for s, last in zip(batch.seqs, batch.samples) if last], logits)
         rows, generated, preceding, spans = [], [], [], []
         for seq, last in zip(batch.seqs, batch.samples):
             first = len(rows)
@@ -176,3 +180,15 @@ class ModelRunner:
         phase.forwards += k
         phase.tokens_fed += sum(len(ids) for _, _, ids, _ in to_draft) + (k - 1) * len(to_draft)
         return drafts
+
+
+def mask_by_grammars(committing: list[Sequence], logits: torch.Tensor) -> None:
+    """logits `[m, V]`, one row per committing sequence (a grammar comes without drafts) -> in place, the tokens
+    each sequence's grammar does not allow next at the dtype's lowest finite value (not -inf: the non-finite
+    check that follows is for the model's NaN / inf). Rows of sequences without a grammar are untouched."""
+    masks = fill_bitmask([s.grammar for s in committing], logits.shape[-1])
+    if masks is None:
+        return
+    bitmask, rows = masks
+    apply_bitmask(logits, bitmask, rows)
+    logits[rows] = logits[rows].clamp(min=torch.finfo(logits.dtype).min)

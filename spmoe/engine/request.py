@@ -6,6 +6,7 @@ the other ranks, and the outputs travel back to the asyncio side.
 
 from dataclasses import dataclass
 
+from spmoe.engine.grammar import GrammarSpec
 from spmoe.engine.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -18,13 +19,17 @@ TokenLogprobs = tuple[float, list[tuple[int, float]]]
 class Request:
     """One generation: up to `max_new_tokens` tokens after `prompt` (token ids), stopping early at any of
     `eos_token_ids`, sampled with `sampling` (its own seed: the tokens do not depend on the other requests in
-    the batch). The engine validates it on `add_request`."""
+    the batch). The engine validates it on `add_request`. With a `grammar` (structured output), every token
+    follows it, from the first one or from the one after `grammar_start_after` (the tokens that end the
+    reasoning); the request ends when the grammar is complete."""
 
     request_id: str
     prompt: list[int]
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     eos_token_ids: tuple[int, ...] = ()
+    grammar: GrammarSpec | None = None
+    grammar_start_after: tuple[int, ...] = ()
 
 
 @dataclass
@@ -47,9 +52,10 @@ class RequestOutput:
 @dataclass
 class EngineMetrics:
     """A snapshot of the engine: requests running (holding cache) and waiting (queued), the share of the KV
-    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP), and
-    the prefix cache's queries and hits in tokens (prompt tokens looked up when a sequence is admitted, and of
-    those the ones found cached)."""
+    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP), the
+    prefix cache's queries and hits in tokens (prompt tokens looked up when a sequence is admitted, and of
+    those the ones found cached), and running sequences preempted (their cache freed, to be recomputed) when
+    the cache ran out."""
 
     running: int = 0
     waiting: int = 0
@@ -59,6 +65,7 @@ class EngineMetrics:
     draft_accepted: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    preemptions: int = 0
 
     @classmethod
     def combine(cls, parts: list["EngineMetrics"]) -> "EngineMetrics":
@@ -73,4 +80,5 @@ class EngineMetrics:
             sum(m.draft_accepted for m in parts),
             sum(m.prefix_cache_queries for m in parts),
             sum(m.prefix_cache_hits for m in parts),
+            sum(m.preemptions for m in parts),
         )

@@ -17,10 +17,10 @@ admission (a preempted sequence's output counted again), given back when it fini
 
 After the forward, `update` commits what the model runner chose (`StepResult`): a prompt chunk advances the
 cached count; a sequence that sampled appends its tokens, keeps the cache rows of its verified positions and
-feeds its last token and its next drafts; it finishes at an eos id ("stop"), at its token limit ("length"), or
-with no token when its logits were not finite ("error"), freeing its room. The committed tokens are counted
-in the sampler's rows in one scatter per step; prompt logprobs gather chunk by chunk and go out with the
-sequence's first tokens.
+feeds its last token and its next drafts, and walks its grammar (structured output) on; it finishes at an eos id
+or once its grammar is complete ("stop"), at its token limit ("length"), or with no token when its logits were
+not finite ("error"), freeing its room. The committed tokens are counted in the sampler's rows in one scatter
+per step; prompt logprobs gather chunk by chunk and go out with the sequence's first tokens.
 
 The scheduler asks the cache about room in tokens, through a room's small interface (`fits`, `cached_prefix`,
 `can_allocate`, `allocate`, `can_grow`, `grow`, `cache_written`, `free`, `location`, `usage`,
@@ -326,6 +326,8 @@ class Scheduler:
                 outputs.append(self._output(seq, []))
                 continue
             tokens, reason = seq.until_stop(result.token_ids[i])
+            if seq.grammar is not None:
+                tokens, reason = self._advance_grammar(seq, tokens, reason)
             seq.output += tokens
             if reason is None:  # a finished sequence's row is given back: nothing to count
                 counted_rows += [seq.sample_row] * len(tokens)
@@ -350,6 +352,19 @@ class Scheduler:
             seq.pending = [tokens[-1]] + seq.drafts
         self.sampler.commit(counted_rows, counted_tokens)
         return outputs
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, tokens: list[int], reason: str | None) -> tuple[list[int], str | None]:
+        """Walk `seq`'s grammar through the tokens it commits -> (those it keeps, its finish reason): "stop" once
+        the grammar has taken its stop token (with `ignore_eos` that is no eos id), "error" for a token the
+        grammar refuses (which its mask did not allow: it cannot happen)."""
+        for j, token in enumerate(tokens):
+            if not seq.grammar.accept(token):
+                seq.error = f"request {seq.request_id!r}: token {token} does not follow its grammar"
+                return tokens[: j + 1], "error"
+            if seq.grammar.finished:
+                return tokens[: j + 1], reason or "stop"
+        return tokens, reason
 
     @staticmethod
     def _output(seq: Sequence, tokens: list[int]) -> RequestOutput:

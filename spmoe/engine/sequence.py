@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spmoe.engine.grammar import SequenceGrammar
 from spmoe.engine.request import Request, TokenLogprobs
 
 
@@ -19,6 +20,7 @@ class Sequence:
 
     request: Request
     record_logits: bool = False  # keep the logits row `[V]` behind every generated token
+    grammar: SequenceGrammar | None = None  # structured output: where the sequence is in its grammar
     cache_id: int = -1  # its slot (slot cache) or block-table id (paged cache); -1: no room
     sample_row: int = -1  # its row of the engine's Sampler while it runs; -1: none
     cached: int = 0  # tokens of this sequence in the target's KV cache

@@ -212,9 +212,9 @@ VLLM_FLAGS = (
         "string or openai (content as a list of text parts); auto is string",
         value="FMT",
     ),
-    VllmFlag(("--reasoning-parser",), "taken", "GLM's <think> parser", value="NAME", pending="the chat parsers"),
-    VllmFlag(("--tool-call-parser",), "taken", "GLM's tool-call parser", value="NAME", pending="the chat parsers"),
-    VllmFlag(("--enable-auto-tool-choice",), "taken", "tool_choice auto", pending="the chat parsers"),
+    VllmFlag(("--reasoning-parser",), "taken", "GLM's <think> parser", value="NAME"),
+    VllmFlag(("--tool-call-parser",), "taken", "GLM's tool-call parser", value="NAME"),
+    VllmFlag(("--enable-auto-tool-choice",), "taken", "tool_choice auto"),
     VllmFlag(("--uvicorn-log-level",), "taken", "uvicorn's log level (default warning)", value="LEVEL"),
     VllmFlag(
         ("--disable-log-requests",),

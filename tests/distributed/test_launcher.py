@@ -1,14 +1,19 @@
-"""The local launcher: results come back in rank order, and a failing or dead rank fails fast, never hangs."""
+"""The local launcher: results come back in rank order, a failing or dead rank fails fast, never hangs; the
+rendezvous listens on loopback only; with `drain_s` a SIGTERM is passed on to rank 0, which may finish."""
 
 import os
+import signal
+import socket
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from spmoe.config import ParallelConfig
-from spmoe.distributed import RankFailed, get_parallel_state, spawn
+from spmoe.distributed import RankFailed, Stopped, get_parallel_state, spawn
 from spmoe.distributed.comm import all_reduce
 
 
@@ -40,6 +45,53 @@ def stall_rank_1():
     if get_parallel_state().rank == 1:
         time.sleep(60)
     all_reduce(torch.ones(1), get_parallel_state().tp_group)
+
+
+def listening_addresses() -> set[str]:
+    """Rank 0: the addresses that something listens on at MASTER_PORT (the rendezvous store), from /proc."""
+    port, found = int(os.environ["MASTER_PORT"]), set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, _, state = line.split()[1:4]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]  # little-endian 32-bit words
+                found.add(socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, b"".join(words)))
+    return found
+
+
+def test_rendezvous_listens_on_loopback_only():
+    assert spawn(listening_addresses, 2)[0] == {"127.0.0.1"}
+
+
+def wait_for_sigterm(ready: str) -> bool:
+    """Rank 0 writes `ready` once its SIGTERM handler is in place, waits for the signal, then lets rank 1 go.
+    -> whether this rank saw a SIGTERM."""
+    seen = threading.Event()
+    if get_parallel_state().rank == 0:
+        signal.signal(signal.SIGTERM, lambda *_: seen.set())
+        Path(ready).write_text("ready")
+        seen.wait(60)
+    dist.barrier()
+    return seen.is_set()
+
+
+@pytest.mark.parametrize("drain_s", [30.0, None])
+def test_sigterm_is_passed_on_to_rank_0_when_draining(drain_s, tmp_path):
+    ready = tmp_path / "ready"
+
+    def signal_once_ready():
+        while not ready.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_once_ready, daemon=True).start()
+    if drain_s is None:  # every rank is killed at once
+        with pytest.raises(Stopped, match="SIGTERM"):
+            spawn(wait_for_sigterm, 2, str(ready))
+    else:
+        assert spawn(wait_for_sigterm, 2, str(ready), drain_s=drain_s) == [True, False]
 
 
 def test_results_in_rank_order_with_dp_groups():

@@ -48,6 +48,17 @@ TWO_BLOCKS_GIB = 2 * 64 * BYTES_PER_TOKEN / 2**30
             "--kv-cache dense",
         ),
         ("zero token budget", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
+        ("NaN budget", ["--kv-cache-memory", "nan"], "--kv-cache-memory must be a finite number of GiB > 0, got nan"),
+        (
+            "infinite budget",
+            ["--kv-cache-memory", "inf"],
+            "--kv-cache-memory must be a finite number of GiB > 0, got inf",
+        ),
+        (
+            "negative budget",
+            ["--kv-cache-memory", "-2"],
+            "--kv-cache-memory must be a finite number of GiB > 0, got -2.0",
+        ),
     ],
 )
 def test_generate_rejects(case, extra, fragment, engine_checkpoint, tmp_path, capsys):

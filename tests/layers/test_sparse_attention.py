@@ -295,8 +295,9 @@ def test_cache_budget():
         ValueError, match="exactly one of GiB or a fraction of free memory, got gib=1, memory_fraction=0.5"
     ):
         cache_budget_bytes("cpu", gib=1, memory_fraction=0.5)
-    with pytest.raises(ValueError, match="must be > 0 GiB, got 0"):
-        cache_budget_bytes("cpu", gib=0)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"must be a finite number of GiB > 0, got {bad}"):
+            cache_budget_bytes("cpu", gib=bad)
     with pytest.raises(ValueError, match="needs a CUDA device and a fraction in \\(0, 1\\], got 0.9 on cpu"):
         cache_budget_bytes("cpu", memory_fraction=0.9)
 

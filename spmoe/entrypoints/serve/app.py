@@ -10,26 +10,41 @@ A request becomes one engine request per choice: each prompt of a batch, n times
 `prompt_index * n + i`, seed `seed + index`). The app waits for every choice's first text before it answers,
 so a request the engine refuses (a full queue: 503, one that can never fit: 400) gets its status even when
 it asked for a stream. Which request fields do what: docs/openai-api.md.
+
+What a client can send is bounded before it costs much (`FrontEndLimits`): the body is counted as it arrives
+and refused with 413 past `max_request_bytes`; a text prompt longer in bytes than `max_model_len` tokens could
+ever cover is refused before it is tokenized; tokenizing and chat templating run in a worker thread, not on the
+event loop; an error the app did not foresee is a 500 that names only a request id (the details go to the log).
+With an `api_key`, every route but /health and /metrics needs `Authorization: Bearer <key>`.
+
+`OpenAIApi.stop` ends serving in order: new requests get 503, the requests under way get `grace_s` to finish,
+then every one still open ends (a stream with an error chunk and `data: [DONE]`, a whole response with 503).
 """
 
 import asyncio
 import json
 import logging
 import random
+import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 import spmoe
+from spmoe.engine.grammar import GrammarSpec
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
+from spmoe.entrypoints.serve.chat import ChatChoices, ChatOptions, effective_tool_choice, reasoning_end_ids
 from spmoe.entrypoints.serve.client import QueueFull
+from spmoe.entrypoints.serve.constraints import STRUCTURED_OUTPUT_FIELDS, grammar_for_request
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
 from spmoe.entrypoints.serve.protocol import (
     ApiError,
@@ -38,13 +53,17 @@ from spmoe.entrypoints.serve.protocol import (
     DetokenizeRequest,
     SamplingFields,
     TokenizeRequest,
+    decode_json,
     parse,
 )
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration, usage
-from spmoe.entrypoints.serve.tokenizer import chat_prompt_ids, eos_token_ids
+from spmoe.entrypoints.serve.tokenizer import chat_prompt_text, eos_token_ids, longest_token_bytes
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
-RETRY_AFTER_S = "1"  # what a 503 (a full queue) tells the client to wait
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
+OPEN_ROUTES = ("/health", "/metrics")  # the routes that need no API key
+END_WAIT_S = 5.0  # how long `stop` waits for the requests it ended to send their last chunk
+RETRY_AFTER_S = "1"  # what a 503 tells the client to wait
 log = logging.getLogger("spmoe.serve")
 
 
@@ -54,19 +73,35 @@ class ApiSettings:
     defaults: GenerationDefaults = GenerationDefaults()  # the model's, for the fields a request leaves out
     chat_template_content_format: str = "string"  # how the template sees content (ChatMessage.as_template_input)
     seed: int | None = None  # seeds the seeds of requests that give none (reproducible runs); None: random
+    chat: ChatOptions = ChatOptions()  # the reasoning and tool-call parsers
 
 
-def build_app(client, tokenizer, settings: ApiSettings) -> FastAPI:
+@dataclass(frozen=True)
+class FrontEndLimits:
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a longer body gets 413
+    api_key: str | None = None  # None: no key needed
+
+    def __post_init__(self):
+        if self.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key (or SPMOE_API_KEY) must not be empty")
+
+
+def build_app(client, tokenizer, settings: ApiSettings, limits: FrontEndLimits = FrontEndLimits()) -> FastAPI:
     """`client`: an EngineClient (async `generate(request)`, `metrics()`, `max_model_len`, `vocab_size`,
-    `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer."""
+    `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer. The app's
+    `OpenAIApi` is `app.state.api` (its `stop` ends serving)."""
     app = FastAPI(title="spmoe", docs_url=None, redoc_url=None, openapi_url=None)
-    api = OpenAIApi(client, tokenizer, settings)
-
-    app.add_middleware(RequestIdMiddleware)
+    api = OpenAIApi(client, tokenizer, settings, limits.max_request_bytes)
+    app.state.api = api
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
-        headers = {"Retry-After": RETRY_AFTER_S} if e.status == 503 else None
+        # after a 413 the connection closes: the rest of the body is not read (and parsed) for nothing
+        headers = (
+            {"Connection": "close"} if e.status == 413 else {"Retry-After": RETRY_AFTER_S} if e.status == 503 else None
+        )
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(HTTPException)
@@ -74,9 +109,8 @@ def build_app(client, tokenizer, settings: ApiSettings) -> FastAPI:
         return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
     @app.exception_handler(Exception)
-    async def internal_error(http: Request, e: Exception):
-        log.exception("[%s] request failed", getattr(http.state, "request_id", "-"))
-        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+    async def internal_error(request: Request, e: Exception):
+        return JSONResponse(_internal_error(f"{request.method} {request.url.path}").body(), status_code=500)
 
     app.api_route("/health", methods=["GET", "HEAD"])(api.health)
     app.get("/metrics")(api.metrics_text)
@@ -87,7 +121,35 @@ def build_app(client, tokenizer, settings: ApiSettings) -> FastAPI:
     app.post("/detokenize")(api.detokenize)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    if limits.api_key is not None:
+        app.add_middleware(RequireApiKey, api_key=limits.api_key)
+    app.add_middleware(RequestIdMiddleware)  # the outermost: a 401 carries the id too
     return app
+
+
+def _internal_error(what: str) -> ApiError:
+    """Log the exception being handled under a new id; -> the 500 the client gets, which names only that id."""
+    error_id = uuid.uuid4().hex
+    log.exception("internal error %s in %s", error_id, what)
+    return ApiError(500, f"internal server error (id {error_id}); the details are in the server's log")
+
+
+class RequireApiKey:
+    """ASGI middleware: every HTTP route but OPEN_ROUTES answers 401 unless the request carries
+    `Authorization: Bearer <api_key>` (compared in constant time)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = ApiError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'")
+                response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class RequestIdMiddleware:
@@ -126,19 +188,31 @@ class Choice:
 
 
 class OpenAIApi:
-    def __init__(self, client, tokenizer, settings: ApiSettings):
+    def __init__(self, client, tokenizer, settings: ApiSettings, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         self.client, self.tokenizer, self.model_names = client, tokenizer, settings.served_model_names
         self.model_name = self.model_names[0]
         self.defaults, self.content_format = settings.defaults, settings.chat_template_content_format
         self.seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
+        self.chat = settings.chat
+        self.max_request_bytes = max_request_bytes
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
+        self.token_bytes = longest_token_bytes(tokenizer)
+        self.max_prompt_bytes = client.max_model_len * self.token_bytes  # more cannot fit (see _check_text_size)
         self.metrics = ServeMetrics(client, self.model_name)
         self.created = int(time.time())
         self.logged_fields: set[str] = set()  # unknown request fields already logged
+        # One worker: a tokenizer is not safe to use from several threads at once, and one thread keeps the
+        # event loop free, which is what matters.
+        self.text_work = ThreadPoolExecutor(1, thread_name_prefix="spmoe-tokenize")
+        self.unavailable: str | None = None  # why new requests get 503 (`stop`)
+        self.open_requests = 0  # requests between their admission and their last piece
+        self._ended: asyncio.Future | None = None  # done once `stop` ends the requests still open
 
     async def health(self) -> Response:
+        if self.unavailable is not None:
+            raise ApiError(503, self.unavailable)
         if self.client.error is not None:
-            raise ApiError(503, f"the engine has stopped: {self.client.error}")
+            raise ApiError(503, "the engine has stopped; the server's log says why")
         return Response(status_code=200)
 
     async def metrics_text(self) -> Response:
@@ -166,26 +240,38 @@ class OpenAIApi:
         return self._card(model_id)
 
     async def tokenize(self, http: Request) -> dict:
-        body = self._parse(TokenizeRequest, await _json_body(http), http)
+        body = self._parse(TokenizeRequest, await self._json_body(http), http)
         if body.model is not None:
             self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "expected exactly one of 'prompt' and 'messages'")
         if body.prompt is not None:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            self._check_text_size([body.prompt], "prompt")
+            ids = await self._off_loop(
+                lambda: self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            )
         else:
-            ids = self._chat_ids(body.messages, body.chat_template_kwargs)
+            try:
+                messages = [m.as_template_input(self.content_format) for m in body.messages]
+                text = await self._off_loop(chat_prompt_text, self.tokenizer, messages, None, body.chat_template_kwargs)
+            except ValueError as e:
+                raise ApiError(400, str(e), "messages") from None
+            ids = await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
         return {"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids, "token_strs": None}
 
     async def detokenize(self, http: Request) -> dict:
-        body = self._parse(DetokenizeRequest, await _json_body(http), http)
+        body = self._parse(DetokenizeRequest, await self._json_body(http), http)
         if body.model is not None:
             self._check_model(body.model)
-        self._check_ids(body.tokens, "tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        self._checked_ids(body.tokens, "tokens")
+        return {"prompt": await self._off_loop(self.tokenizer.decode, body.tokens)}
 
     async def completions(self, http: Request):
-        body = self._parse(CompletionRequest, await _json_body(http), http)
+        raw = await self._json_body(http)
+        if isinstance(raw, dict) and isinstance(raw.get("prompt"), list) and raw["prompt"]:
+            longest = max(len(p) if isinstance(p, list) else 1 for p in raw["prompt"])  # before validating it
+            self._max_new_tokens(longest if isinstance(raw["prompt"][0], list) else len(raw["prompt"]), None, None)
+        body = self._parse(CompletionRequest, raw, http)
         self._check_model(body.model)
         if body.best_of is not None and body.best_of != body.n:
             raise ApiError(
@@ -196,11 +282,18 @@ class OpenAIApi:
             )
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens: 0 is allowed only with echo, got 0", "max_tokens")
+        grammar = await self._grammar(body, {}, None)
         choices, seed = [], self._seed(body)
         default_max = self.defaults.values.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
         for p, prompt in enumerate(body.prompts):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._check_ids(prompt, "prompt")
-            echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if body.echo else None
+            if isinstance(prompt, str):
+                self._check_text_size([prompt], "prompt")
+                ids = await self._off_loop(self.tokenizer.encode, prompt)
+            else:
+                ids = self._checked_ids(prompt)
+            echo = None
+            if body.echo:
+                echo = prompt if isinstance(prompt, str) else await self._off_loop(self.tokenizer.decode, ids)
             discard = body.max_tokens == 0
             max_new = 1 if discard else self._max_new_tokens(len(ids), body.max_tokens, default_max)
             if discard:
@@ -210,27 +303,119 @@ class OpenAIApi:
                 index = p * body.n + i
                 sampling = self._sampling(body, seed, index, logprobs, prompt_logprobs, max_new)
                 choices.append(Choice(index, ids, echo, max_new, sampling, discard))
-        return await self._respond(http, body, choices, "cmpl", "text_completion")
+        return await self._respond(http, body, choices, "cmpl", "text_completion", None, grammar, ())
 
     async def chat_completions(self, http: Request):
-        body = self._parse(ChatCompletionRequest, await _json_body(http), http)
+        body = self._parse(ChatCompletionRequest, await self._json_body(http), http)
         self._check_model(body.model)
         if body.max_tokens == 0:
             raise ApiError(400, "max_tokens: expected >= 1 for chat completions, got 0", "max_tokens")
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        prompt = self._chat_ids(body.messages, body.chat_template_kwargs)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice
+        try:
+            tool_choice = effective_tool_choice(tools, choice, self.chat)
+        except ValueError as e:
+            raise ApiError(400, str(e), "tool_choice") from None
+        texts = [
+            m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ()) for m in body.messages
+        ]
+        self._check_text_size(texts, "messages")
+        try:
+            messages = [m.as_template_input(self.content_format) for m in body.messages]
+            text = await self._off_loop(chat_prompt_text, self.tokenizer, messages, tools, body.chat_template_kwargs)
+            parsers = [
+                ChatChoices.for_request(self.chat, text, body.chat_template_kwargs, tools, tool_choice)
+                for _ in range(body.n)
+            ]
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        prompt = await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
         max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, self.defaults.values.get("max_tokens"))
+        tool_fields = {"tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls}
+        grammar = await self._grammar(body, tool_fields, tools)
+        start_after = reasoning_end_ids(self.chat, body.chat_template_kwargs, self.tokenizer) if grammar else ()
         logprobs, seed = (body.top_logprobs or 0) if body.logprobs else None, self._seed(body)
         choices = [
             Choice(i, prompt, None, max_new, self._sampling(body, seed, i, logprobs, None, max_new))
             for i in range(body.n)
         ]
-        return await self._respond(http, body, choices, "chatcmpl", "chat.completion")
+        return await self._respond(http, body, choices, "chatcmpl", "chat.completion", parsers, grammar, start_after)
 
-    # -- request checks ------------------------------------------------------------------------------------
+    async def _grammar(self, body: SamplingFields, extra: dict, tools: list[dict] | None) -> GrammarSpec | None:
+        """The grammar the request's output must follow (None: none), compiled now, off the event loop, so that
+        a bad one is a 400 here and the engine's compile is a cache hit."""
+        fields = {name: getattr(body, name) for name in STRUCTURED_OUTPUT_FIELDS} | extra
+        try:
+            spec = grammar_for_request(fields, tools)
+            if spec is not None:  # the engine's compiler on rank 0: its own compile is then a cache hit
+                await asyncio.to_thread(self.client.grammars.compile, spec)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        return spec
+
+    async def _json_body(self, http: Request):
+        """The body as JSON, refused with 503 while stopping and with 413 once it passes max_request_bytes:
+        by its Content-Length before any byte is read, else as the bytes arrive."""
+        if self.unavailable is not None:
+            raise ApiError(503, self.unavailable)
+        limit, declared = self.max_request_bytes, http.headers.get("content-length")
+        too_long = f"the request body is longer than the server's --max-request-bytes {limit}"
+        if declared is not None:
+            if not declared.isdigit():
+                raise ApiError(400, f"the Content-Length header must be a number of bytes, got {declared[:40]!r}")
+            if int(declared) > limit:
+                raise ApiError(413, f"{too_long}: Content-Length {declared}")
+        parts, size = [], 0
+        async for part in http.stream():
+            size += len(part)
+            if size > limit:
+                raise ApiError(413, too_long)
+            parts.append(part)
+        return decode_json(b"".join(parts))
+
+    async def _off_loop(self, fn, *args):
+        """`fn(*args)` on the tokenizer's worker thread. A failure that is not the client's is a 500."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.text_work, fn, *args)
+        except ValueError:
+            raise
+        except Exception:  # noqa: BLE001 - the tokenizer's own errors are not the client's to read
+            raise _internal_error("tokenizing") from None
+
+    def _check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            served = ", ".join(f"'{name}'" for name in self.model_names)
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves {served}", "model")
+
+    def _check_text_size(self, texts: list[str], param: str) -> None:
+        """No token covers more than `token_bytes` bytes of text, so texts of more than max_model_len times
+        that many bytes cannot fit, whatever their tokens: refused without tokenizing them. (A character is at
+        least one byte: a text of more characters than the bound is refused without encoding it.)"""
+        chars, ascii_only = sum(map(len, texts)), all(t.isascii() for t in texts)
+        if ascii_only or chars > self.max_prompt_bytes:  # bytes = chars, or more than chars
+            num_bytes, more_than = chars, not ascii_only
+        else:
+            num_bytes, more_than = sum(len(t.encode()) for t in texts), False
+        if num_bytes > self.max_prompt_bytes:
+            raise ApiError(
+                400,
+                f"the {param} text has {'more than ' if more_than else ''}{num_bytes} bytes; --max-model-len "
+                f"{self.client.max_model_len} tokens of at "
+                f"most {self.token_bytes} bytes each hold at most {self.max_prompt_bytes}",
+                param,
+            )
+
+    def _checked_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        vocab = self.client.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"{param} token ids must be in [0, {vocab}), got {bad}", param)
+        return ids
 
     def _parse(self, model, raw, http: Request):
+        """`parse`, and each field name the server does not know logged once (the request still runs)."""
         body = parse(model, raw)
         for name in body.model_extra or {}:
             if name not in self.logged_fields:
@@ -242,28 +427,9 @@ class OpenAIApi:
                 )
         return body
 
-    def _check_model(self, model: str) -> None:
-        if model not in self.model_names:
-            served = ", ".join(f"'{name}'" for name in self.model_names)
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves {served}", "model")
-
     def _seed(self, body: SamplingFields) -> int:
         """The request's seed (choice i samples from seed + i), or one from the server's seeds."""
         return body.seed if body.seed is not None else self.seeds.getrandbits(63)
-
-    def _check_ids(self, ids: list[int], param: str) -> list[int]:
-        vocab = self.client.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"{param} token ids must be in [0, {vocab}), got {bad}", param)
-        return ids
-
-    def _chat_ids(self, messages, template_kwargs: dict | None) -> list[int]:
-        try:
-            messages = [m.as_template_input(self.content_format) for m in messages]
-            return chat_prompt_ids(self.tokenizer, messages, template_kwargs)
-        except (ValueError, TypeError) as e:
-            raise ApiError(400, str(e).strip().splitlines()[0], "messages") from None
 
     def _sampling(
         self,
@@ -285,6 +451,8 @@ class OpenAIApi:
             temperature = 0.0 if self.client.num_speculative_tokens else 1.0
         if body.min_tokens > max_new:
             raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_new})", "min_tokens")
+        bias = body.token_bias
+        self._checked_ids(list(bias), "logit_bias")
         try:
             return SamplingParams(
                 temperature,
@@ -295,17 +463,13 @@ class OpenAIApi:
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if fields["repetition_penalty"] is None else fields["repetition_penalty"],
-                logit_bias=tuple(self._check_bias(body.logit_bias or {}).items()),
+                logit_bias=tuple(bias.items()),
                 min_tokens=body.min_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
             )
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-
-    def _check_bias(self, bias: dict[int, float]) -> dict[int, float]:
-        self._check_ids(list(bias), "logit_bias")
-        return bias
 
     def _max_new_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int:
         """The output tokens that fit: the KV cache holds max_model_len positions per request, the prompt,
@@ -331,13 +495,19 @@ class OpenAIApi:
             )
         return requested
 
-    # -- answering -----------------------------------------------------------------------------------------
-
-    def _generation(self, body: SamplingFields, choice: Choice, request_id: str) -> TextGeneration:
+    def _generation(
+        self, body: SamplingFields, choice: Choice, request_id: str, grammar, start_after
+    ) -> TextGeneration:
         stop_ids = tuple(body.stop_token_ids or ())
         eos = () if body.ignore_eos else self.eos_token_ids
         engine_request = EngineRequest(
-            f"{request_id}-{choice.index}", choice.prompt, choice.max_new_tokens, choice.sampling, eos + stop_ids
+            f"{request_id}-{choice.index}",
+            choice.prompt,
+            choice.max_new_tokens,
+            choice.sampling,
+            eos + stop_ids,
+            grammar,
+            start_after,
         )
         return TextGeneration(
             self.client.generate(engine_request),
@@ -352,12 +522,25 @@ class OpenAIApi:
             discard_output=choice.discard_output,
         )
 
-    async def _respond(self, http: Request, body: SamplingFields, choices: list[Choice], id_prefix: str, kind: str):
+    async def _respond(
+        self,
+        http: Request,
+        body: SamplingFields,
+        choices: list[Choice],
+        id_prefix: str,
+        kind: str,
+        parsers: list | None,
+        grammar: GrammarSpec | None,
+        grammar_start_after: tuple[int, ...],
+    ):
+        """`parsers`: chat only, one ChatChoices per choice (reasoning and tool calls out of the text)."""
+        if self.unavailable is not None:  # it began stopping while this request was tokenized
+            raise ApiError(503, self.unavailable)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         log.info("[%s] %s: %d choice(s) as %s", http.state.request_id, kind, len(choices), request_id)
-        generations = [self._generation(body, c, request_id) for c in choices]
+        generations = [self._generation(body, c, request_id, grammar, grammar_start_after) for c in choices]
         streams = AsyncExitStack()  # closing a choice's pieces aborts its engine request
-        pieces = [await streams.enter_async_context(aclosing(g.pieces())) for g in generations]
+        pieces = [await streams.enter_async_context(aclosing(self._until_stopped(g.pieces()))) for g in generations]
         firsts = await asyncio.gather(*(_first_piece(p) for p in pieces), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failed is not None:
@@ -365,7 +548,7 @@ class OpenAIApi:
             raise failed
         prompt_tokens = sum(len(c.prompt) for c in choices if c.index % body.n == 0)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        render = Render(self.tokenizer, kind, choices, generations, body.return_tokens_as_token_ids)
+        render = Render(self.tokenizer, kind, choices, generations, parsers, body.return_tokens_as_token_ids)
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:  # a client that goes away cancels the stream, which aborts the requests
             events = _events(streams, pieces, firsts, render, head, body, prompt_tokens)
@@ -390,15 +573,73 @@ class OpenAIApi:
             "usage": usage(prompt_tokens, completion_tokens),
         }
 
+    async def _until_stopped(self, pieces):
+        """`pieces`, counted in `open_requests`, until `stop` ends the requests still open: then ApiError 503
+        (the engine's request is aborted as the inner iterator closes)."""
+        if self._ended is None:
+            self._ended = asyncio.get_running_loop().create_future()
+        self.open_requests += 1
+        try:
+            async with aclosing(pieces):
+                while True:
+                    following = asyncio.ensure_future(anext(pieces))
+                    try:
+                        await asyncio.wait((following, self._ended), return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        if not following.done():
+                            following.cancel()
+                            await asyncio.wait((following,))  # the cancellation lands before `pieces` closes
+                    if following.cancelled():
+                        raise ApiError(503, f"{self.unavailable}; this request was ended before it finished")
+                    piece = following.result()
+                    yield piece
+                    if piece.finish_reason is not None:
+                        return
+        finally:
+            self.open_requests -= 1
+
+    async def stop(self, reason: str, grace_s: float) -> None:
+        """From now on new requests (and /health) get 503 with `reason`; the open requests may finish for up to
+        `grace_s` seconds, then those left are ended. Returns once none is open (or END_WAIT_S later)."""
+        self.unavailable = reason
+        log.warning("%s: %d requests open, which may finish for %.0f s", reason, self.open_requests, grace_s)
+        deadline = time.monotonic() + grace_s
+        while self.open_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
+        deadline = time.monotonic() + END_WAIT_S
+        while self.open_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+async def _first_piece(pieces) -> Piece:
+    """The first text, or the engine's refusal as an HTTP error."""
+    try:
+        return await anext(pieces)
+    except QueueFull as e:
+        raise ApiError(503, f"the server is busy: {e}") from None
+    except ValueError as e:  # the engine can never fit the request
+        raise ApiError(400, str(e).strip().splitlines()[0]) from None
+    except RuntimeError:  # the engine loop has stopped (its error is in the log)
+        raise ApiError(503, "the engine has stopped; the server's log says why") from None
+
 
 class Render:
     """The JSON of the choices: text, finish_reason and, when asked, logprobs in the completions or chat shape
-    (`echo` puts the prompt and its logprobs first)."""
+    (`echo` puts the prompt and its logprobs first; chat choices come from their ChatChoices parser)."""
 
     def __init__(
-        self, tokenizer, kind: str, choices: list[Choice], generations: list[TextGeneration], token_ids: bool = False
+        self,
+        tokenizer,
+        kind: str,
+        choices: list[Choice],
+        generations: list[TextGeneration],
+        parsers: list | None,
+        token_ids: bool = False,
     ):
         self.tokenizer, self.kind, self.choices, self.generations = tokenizer, kind, choices, generations
+        self.parsers = parsers
         self.token_ids = token_ids  # name tokens by id (`return_tokens_as_token_ids`)
         self.offsets = [0] * len(choices)  # completions' text_offset so far, per choice
 
@@ -427,12 +668,10 @@ class Render:
                 "logprobs": self._completion_logprobs(i, ids, logprobs) if wanted else None,
                 "finish_reason": piece.finish_reason,
             }
-        shaped = {"content": self._chat_logprobs(ids, logprobs)} if wanted else None
-        if stream:
-            delta = {"content": text} if text else {}
-            return {"index": choice.index, "delta": delta, "logprobs": shaped, "finish_reason": piece.finish_reason}
-        message = {"role": "assistant", "content": text}
-        return {"index": choice.index, "message": message, "logprobs": shaped, "finish_reason": piece.finish_reason}
+        body = self.parsers[i](text, piece.finish_reason, stream)
+        body["index"] = choice.index
+        body["logprobs"] = {"content": self._chat_logprobs(ids, logprobs)} if wanted else None
+        return body
 
     def role_delta(self, i: int) -> dict:
         delta = {"role": "assistant", "content": ""}
@@ -460,24 +699,6 @@ class Render:
             return {"token": token, "logprob": value, "bytes": list(token.encode())}
 
         return [{**entry(t, lp[0]), "top_logprobs": [entry(tt, v) for tt, v in lp[1]]} for t, lp in zip(ids, logprobs)]
-
-
-async def _json_body(http: Request):
-    raw = await http.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-
-
-async def _first_piece(pieces) -> Piece:
-    """The first text, or the engine's refusal as an HTTP error."""
-    try:
-        return await anext(pieces)
-    except QueueFull as e:
-        raise ApiError(503, f"the server is busy: {e}") from None
-    except ValueError as e:  # the engine can never fit the request
-        raise ApiError(400, str(e).strip().splitlines()[0]) from None
 
 
 async def _cancel(tasks: list[asyncio.Future]) -> None:
@@ -520,6 +741,8 @@ async def _events(streams: AsyncExitStack, pieces, firsts, render: Render, head,
                 await merged.put((i, piece, False))
         except ApiError as e:
             await merged.put((i, e, False))
+        except Exception:  # noqa: BLE001 - the client gets the error chunk and [DONE], the log the details
+            await merged.put((i, _internal_error(f"the stream of {head['id']}"), False))
 
     async with streams:
         tasks = [asyncio.ensure_future(follow(i)) for i in range(len(pieces))]

@@ -1,8 +1,8 @@
 """`/metrics` in the Prometheus text format, from the server's own registry, under vLLM's metric names with
 the `spmoe:` prefix and a `model_name` label (so that dashboards built for vLLM work after swapping the prefix).
 
-The engine's state (requests running and waiting, KV cache usage, generated tokens, MTP drafts, prefix cache
-queries and hits in tokens) is read from
+The engine's state (requests running and waiting, KV cache usage, generated tokens, preemptions, MTP drafts,
+prefix cache queries and hits in tokens) is read from
 `client.metrics()` when Prometheus scrapes; the request metrics are recorded by the front end as tokens reach it:
 - `time_to_first_token_seconds`: from the request's arrival to its first generated token;
 - `inter_token_latency_seconds`: between a request's successive tokens (a step that brings several tokens,
@@ -43,6 +43,7 @@ class EngineCollector:
                 m.prefix_cache_queries,
             ),
             (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache", m.prefix_cache_hits),
+            (CounterMetricFamily, "num_preemptions", "Running requests preempted (recomputed later)", m.preemptions),
         ):
             family = kind(PREFIX + name, text, labels=["model_name"])
             family.add_metric([self.model_name], value)

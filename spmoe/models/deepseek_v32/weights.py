@@ -394,6 +394,11 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
             raise ValueError(
                 f"tensor {key}: checkpoint shape {ckpt.shape(key)} does not match the expected {tuple(full)}"
             )
+        dtype = ckpt.dtype(key)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # copying would make integers weights
+            raise ValueError(
+                f"tensor {key}: checkpoint dtype {dtype}; expected a floating-point tensor (F32, BF16, F16 or F8_E4M3)"
+            )
         if raw and dest.dtype == torch.float8_e4m3fn and ckpt.dtype(key) != dest.dtype:
             raise ValueError(f"tensor {key}: the layer holds FP8 e4m3 weights, the checkpoint stores {ckpt.dtype(key)}")
         with torch.no_grad():
