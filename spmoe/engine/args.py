@@ -175,12 +175,14 @@ class EngineArgs:
             "--num-speculative-tokens", type=int, help="MTP drafts per step (default 1, with --speculative)"
         ),
     )
-    cuda_graphs: bool = field(
-        default=False,
+    cuda_graphs: bool | None = field(
+        default=None,
         metadata=option(
             "--cuda-graphs",
-            action="store_true",
-            help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation)",
+            action=argparse.BooleanOptionalAction,
+            help="replay decode steps from CUDA graphs, captured before the engine is ready (default: on where "
+            "they can run: CUDA, DP 1, no speculation, experts that never sync the host; --no-cuda-graphs: "
+            "every step eager)",
         ),
     )
 
@@ -276,11 +278,8 @@ class EngineArgs:
         check_device(self.device, parallel.world_size)
         if self.drafts and not cfg.num_nextn_predict_layers:
             raise ValueError("--speculative mtp needs an MTP layer; the checkpoint has num_nextn_predict_layers = 0")
-        if self.cuda_graphs:
-            problems = deployment_problems(self.device, self.dp, self.ep_backend)
-            problems += ["no speculative decoding (it runs eagerly)"] if self.drafts else []
-            if problems:
-                raise ValueError("--cuda-graphs needs " + "; ".join(problems))
+        if self.cuda_graphs and self.graph_problems():
+            raise ValueError("--cuda-graphs needs " + "; ".join(self.graph_problems()))
         if self.max_model_len is not None:
             check_positions(self.max_model_len, cfg.max_position_embeddings, "--max-model-len")
         if self.kv_cache == "paged":
@@ -295,6 +294,18 @@ class EngineArgs:
                 longest,
             )
 
+    def graph_problems(self) -> list[str]:
+        """What these options lack for CUDA-graph decode steps, known before the model is built."""
+        problems = deployment_problems(self.device, self.dp, self.ep_backend)
+        return problems + (["no speculative decoding (it runs eagerly)"] if self.drafts else [])
+
+    def use_cuda_graphs(self, model) -> bool:
+        """Whether the engine over `model` replays decode steps from CUDA graphs: as asked, or by default
+        wherever they can run (the checks above, and experts that never sync the host)."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return not self.graph_problems() and model.graph_capturable[0]
+
     # What the options build, on every rank.
 
     def build_kv_cache(self, model, max_num_seqs: int, max_len: int) -> KVCache | PagedKVCache:
@@ -306,15 +317,17 @@ class EngineArgs:
             model, self.kv_cache_memory, self.gpu_memory_utilization, self.kv_cache_dtype, max_num_seqs, max_len
         )
 
-    def build_engine(self, model, max_num_seqs: int, cache_len: int) -> Engine:
+    def build_engine(self, model, max_num_seqs: int, cache_len: int, log=None) -> Engine:
         """The engine over a new KV cache for `max_num_seqs` sequences of `cache_len` positions (the dense
-        cache's slots; the paged cache's default room on CPU)."""
+        cache's slots; the paged cache's default room on CPU), its CUDA graphs captured (`log(line)`: progress);
+        `warmup.warm_up` then makes it ready."""
         return Engine(
             model,
             self.build_kv_cache(model, max_num_seqs, cache_len),
             self.drafts,
-            self.cuda_graphs,
+            self.use_cuda_graphs(model),
             max_num_seqs,
             self.max_num_batched_tokens,
             self.max_model_len,
+            log,
         )

@@ -13,6 +13,7 @@ so the other ranks, blocked on the next plan, never reach the process group's ti
 import asyncio
 import queue
 import signal
+import sys
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -25,6 +26,7 @@ from spmoe.engine.args import EngineArgs
 from spmoe.engine.engine import Engine
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
 from spmoe.engine.serving_loop import ServingLoop, worker_loop
+from spmoe.engine.warmup import warm_up
 
 HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
 DEFAULT_MAX_NUM_SEQS = 8  # requests running at once per DP group unless asked
@@ -214,7 +216,9 @@ def serve_rank(model_dir: str, args: EngineArgs, max_num_waiting: int, start_fro
     state = get_parallel_state()
     args = for_model(args, ModelConfig.from_file(model_dir))
     model = load_model(model_dir, args.parallel_config(), args.torch_dtype, state.device, with_mtp=args.drafts > 0)
-    engine = args.build_engine(model, args.max_num_seqs, args.max_model_len)
+    log = (lambda line: print(f"spmoe serve: {line}", file=sys.stderr, flush=True)) if state.rank == 0 else None
+    engine = args.build_engine(model, args.max_num_seqs, args.max_model_len, log)
+    warm_up(engine, log)  # before the front end starts: nothing compiles or captures after ready
     if state.rank != 0:
         worker_loop(engine)
         return None
