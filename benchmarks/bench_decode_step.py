@@ -9,9 +9,11 @@ decodes one more token per sequence (model + LM head), launched eagerly and repl
 (CUDA-event median). "busy ms" sums the device time of the kernels one eager step launches: graph ms minus
 busy ms is the time the GPU sits between kernels.
 
-Each case's block tables are as wide as the engine's CUDA graphs make them: a power of 2 of blocks covering the
-context and the new token. Up to index_topk positions the indexer selects every visible row without scoring;
-"1x4096" takes the path that scores and takes the top-k.
+Block tables: `--widths` lists how wide each case's tables are: "pow2", a power of 2 of blocks covering the
+context and the new token (what the engine's graphs used when they were captured per (batch, width)), and/or
+a max_model_len, whose blocks the tables are padded to with the scratch block (what the engine's one graph
+per batch size does now: the kernels read each row's real position). Up to index_topk positions in the
+tables the indexer selects every visible row without scoring; wider tables score and take the top-k.
 
 The roofline: the bytes the step must read over 4.3 TB/s (the H200's measured copy bandwidth): every weight but
 the routed experts' and the embedding's, the routed experts the step's tokens pick (counted), B embedding
@@ -19,7 +21,7 @@ rows, and the cache rows the step attends (above index_topk positions the indexe
 MLA reads at most index_topk). Also the GPU operations one eager step launches, per decoder layer, and the top
 kernels.
 
-    python benchmarks/bench_decode_step.py [--cases 1x16 8x512 1x4096]
+    python benchmarks/bench_decode_step.py [--cases 1x16 8x512 1x4096] [--widths pow2 32768] [--kernels fused]
 """
 
 import argparse
@@ -30,6 +32,7 @@ from timing import cuda_ms, gpu_ops, graphed, launch_count, layer_ops
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import spawn
+from spmoe.engine.cuda_graphs import padded_tables
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.layers import fused
 from spmoe.layers.moe.moe import MoE
@@ -45,6 +48,7 @@ MODEL = {
 }
 BANDWIDTH = 4.3e12  # bytes/s
 TOP = 40  # kernels listed per profile
+PREFILL_TOKENS = 32768  # tokens per prefill forward while filling the cache
 
 
 def step_bytes(model, cache: PagedKVCache, batch: int, context: int, experts_touched: list[int]) -> int:
@@ -79,50 +83,65 @@ def touched_experts(model, step) -> list[int]:
     return picked
 
 
-def run(cases: list[tuple[int, int]]):
+def run(cases: list[tuple[int, int]], widths: list[str], kernel_sets: list[str]):
     cfg = ModelConfig.from_dict(MODEL)
     model = DeepseekV32ForCausalLM(cfg, ParallelConfig(), torch.bfloat16, "cuda").eval()
     random_weights(model)
-    cache = PagedKVCache.for_model(model, 1 << 30)  # 1 GiB: thousands of blocks, far more than the cases need
+    blocks = max(batch * -(-(context + 1) // BLOCK_SIZE) for batch, context in cases)
+    per_token = PagedKVCache.for_model(model, 1 << 20).bytes_per_token
+    cache = PagedKVCache.for_model(model, (blocks + 1) * BLOCK_SIZE * per_token)  # the cases' blocks, no more
     rows = []
     for batch, context in cases:
-        blocks_per_seq = 1 << (-(-(context + 1) // BLOCK_SIZE) - 1).bit_length()  # as DecodeGraphs pads tables
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+        used = -(-(context + 1) // BLOCK_SIZE)
+        tables = [list(range(i * used, (i + 1) * used)) for i in range(batch)]
         gen = torch.Generator(device="cuda").manual_seed(batch)
-        prompt = cache.view(tables, [0] * batch, [context] * batch)
-        decode = cache.view(tables, [context] * batch, [1] * batch)
-        ids = torch.randint(0, cfg.vocab_size, (batch * context,), device="cuda", generator=gen)
+        ids = torch.randint(0, cfg.vocab_size, (batch, context), device="cuda", generator=gen)
         next_ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=gen)
+        group = max(1, PREFILL_TOKENS // context)
         with torch.no_grad():
-            model.forward_hidden(ids, prompt.positions, [context] * batch, prompt)
+            for first in range(0, batch, group):
+                part = tables[first : first + group]
+                prompt = cache.view(part, [0] * len(part), [context] * len(part))
+                fed = ids[first : first + group].flatten()
+                model.forward_hidden(fed, prompt.positions, [context] * len(part), prompt)
+        for width_name in widths:
+            width = 1 << (used - 1).bit_length() if width_name == "pow2" else -(-int(width_name) // BLOCK_SIZE)
+            padded = torch.from_numpy(padded_tables(tables, batch, width, cache.scratch_block)).cuda()
+            decode = cache.decode_view(
+                padded,
+                torch.arange(batch, device="cuda"),
+                torch.full((batch,), context, dtype=torch.long, device="cuda"),
+            )
+            with torch.no_grad():
 
-            def step():
-                return model.compute_logits(model.forward_hidden(next_ids, decode.positions, [1] * batch, decode))
+                def step():
+                    return model.compute_logits(model.forward_hidden(next_ids, decode.positions, [1] * batch, decode))
 
-            floor = step_bytes(model, cache, batch, context, touched_experts(model, step)) / BANDWIDTH * 1e3
-            for kernels in ("torch", "fused"):
-                fused.ENABLED = kernels == "fused"
-                eager = cuda_ms(step, 20, warmup=2)
-                replay = graphed(step)
-                graph = cuda_ms(replay, 50, warmup=3)
-                del replay
-                ops = gpu_ops(step)
-                busy = sum(micros for _, micros in ops.values()) / 1e3
-                per_layer = layer_ops(model.model.layers, step)[0]
-                rows.append(
-                    (
-                        batch,
-                        context,
-                        kernels,
-                        eager,
-                        graph,
-                        floor,
-                        busy,
-                        launch_count(ops),
-                        per_layer,
-                        sorted(ops.items(), key=lambda kv: -kv[1][1])[:TOP],
+                floor = step_bytes(model, cache, batch, context, touched_experts(model, step)) / BANDWIDTH * 1e3
+                for kernels in kernel_sets:
+                    fused.ENABLED = kernels == "fused"
+                    eager = cuda_ms(step, 20, warmup=2)
+                    replay = graphed(step)
+                    graph = cuda_ms(replay, 50, warmup=3)
+                    del replay
+                    ops = gpu_ops(step)
+                    busy = sum(micros for _, micros in ops.values()) / 1e3
+                    per_layer = layer_ops(model.model.layers, step)[0]
+                    rows.append(
+                        (
+                            batch,
+                            context,
+                            f"{width_name}:{width}",
+                            kernels,
+                            eager,
+                            graph,
+                            floor,
+                            busy,
+                            launch_count(ops),
+                            per_layer,
+                            sorted(ops.items(), key=lambda kv: -kv[1][1])[:TOP],
+                        )
                     )
-                )
     fused.ENABLED = True
     return rows
 
@@ -130,28 +149,30 @@ def run(cases: list[tuple[int, int]]):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="*", default=["1x16", "8x512", "1x4096"], help="BATCHxCONTEXT decode cases")
+    p.add_argument("--widths", nargs="*", default=["pow2"], help="block-table widths: pow2 and/or max_model_len values")
+    p.add_argument("--kernels", nargs="*", default=["torch", "fused"], choices=["torch", "fused"])
     args = p.parse_args()
     cases = [tuple(int(v) for v in case.split("x")) for case in args.cases]
-    rows = spawn(run, 1, cases, config=ParallelConfig(), device="cuda")[0]
+    rows = spawn(run, 1, cases, args.widths, args.kernels, config=ParallelConfig(), device="cuda")[0]
     print(
         f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; GLM-5.2 widths, 4 layers (1 dense + 3 "
         f"MoE, 64 experts top-8), vocab 32768, bf16, TP 1, paged cache; roofline = bytes read / 4.3 TB/s"
     )
     print(
-        f"{'batch':>5} {'context':>7} {'kernels':>7} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} "
-        f"{'% roofline':>10} {'busy ms':>8} {'GPU ops/step':>12}  GPU ops per decoder layer"
+        f"{'batch':>5} {'context':>7} {'width:blocks':>12} {'kernels':>7} {'eager ms':>9} {'graph ms':>9} "
+        f"{'floor ms':>9} {'% roofline':>10} {'busy ms':>8} {'GPU ops/step':>12}  GPU ops per decoder layer"
     )
-    for batch, context, kernels, eager, graph, floor, busy, ops, per_layer, _ in rows:
+    for batch, context, width, kernels, eager, graph, floor, busy, ops, per_layer, _ in rows:
         print(
-            f"{batch:>5} {context:>7} {kernels:>7} {eager:>9.3f} {graph:>9.3f} {floor:>9.3f} "
+            f"{batch:>5} {context:>7} {width:>12} {kernels:>7} {eager:>9.3f} {graph:>9.3f} {floor:>9.3f} "
             f"{100 * floor / graph:>9.1f}% {busy:>8.3f} {ops:>12}  {[launch_count(layer) for layer in per_layer]}"
         )
-    for batch, context, kernels, *_, top in rows:
-        print(f"\ntop kernels, batch {batch} context {context}, {kernels} (one eager step): launches, total us")
+    for batch, context, width, kernels, *_, top in rows:
+        print(f"\ntop kernels, batch {batch} context {context}, width {width}, {kernels} (one eager step): count, us")
         for name, (count, micros) in top:
             print(f"  {count:>4} {micros:>9.1f}  {name[:110]}")
-    for batch, context, kernels, *_, per_layer, _ in rows[1::2]:  # each case, fused
-        print(f"\nGPU operations of each decoder layer, batch {batch} context {context}, {kernels}: launches x name")
+    for batch, context, width, kernels, *_, per_layer, _ in rows[: len(args.kernels) * len(args.widths)]:
+        print(f"\nGPU operations of each decoder layer, batch {batch} context {context}, {width}, {kernels}")
         for index, ops in enumerate(per_layer):
             print(f"layer {index}: " + ", ".join(f"{n} x {name[:60]}" for name, (n, _) in sorted(ops.items())))
 
