@@ -331,7 +331,7 @@ def _topk_rows_kernel(
     TILE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    visible = tl.load(pos_ptr + token) + 1
+    visible = (tl.load(pos_ptr + token) + 1).to(tl.int32)  # positions < 2**31 (POSITION_BITS)
     table = tables_ptr + tl.load(seq_ptr + token) * stride_tab
     keys_row = keys_ptr + token * stride_keys
     out_row = out_ptr + token * stride_out
