@@ -43,6 +43,7 @@ def engines(folder: str) -> dict:
         out[name] = (gen.outputs, torch.cat(gen.logits), gen.stats["cuda_graph_batch_sizes"])
         m = engine.metrics()
         out[name, "counts"] = (engine.graph_captures(), m.compiles_after_ready, m.steps_compiling, m.steps)
+        out[name, "kernel compiles"] = m.kernel_compiles
         out[name, "log"] = lines
         out[name, "width"] = engine.runner.graphs.width if graphs else None
     return out
@@ -63,6 +64,7 @@ def test_paged_engine_graphs(tmp_path):
     assert captures == 3, "one graph per batch size, none while generating"
     capture_lines = [line for line in got["paged_graphs", "log"] if "capturing" in line]
     assert [line.split("batch ")[1].split(" ")[0] for line in capture_lines] == ["4", "2", "1"], capture_lines
+    assert got["dense", "kernel compiles"] > 0  # Triton's hook counts what the first engine compiled
     print("compiles or captures after ready:", after_ready)
     assert ((graphed[1] - eager[1]).abs().max() / eager[1].abs().max()).item() < 2e-2
     agree = sum(a == b for p, d in zip(eager[0], dense[0]) for a, b in zip(p, d)) / sum(map(len, dense[0]))
