@@ -6,6 +6,7 @@ Every field that changes the math is either honoured or rejected with an error n
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,21 @@ class ModelConfig:
     fp8_block_size: tuple[int, int] | None  # FP8 e4m3 checkpoint with one scale per block, or None
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these
     max_position_embeddings: int | None = None  # the longest sequence the model takes; None: not stated
+    # FP8 checkpoints: the suffix of a weight's block scales (DeepSeek / GLM `weight_scale_inv`, compressed-tensors
+    # `weight_scale`; both multiply the stored values), and the modules the quantization config leaves unquantised
+    # (regexes matched from the start of the module name: `modules_to_not_convert` / `ignore`)
+    fp8_scale_suffix: str = "weight_scale_inv"
+    fp8_unquantized: tuple[str, ...] = ()
+    fp8_every_linear: bool = False  # compressed-tensors: every linear not in `ignore` is FP8
+
+    def fp8_expected(self, module: str) -> bool | None:
+        """Whether the quantization config says linear `module` is stored in FP8: False where it is left
+        unquantised, True where every other linear is FP8 (compressed-tensors), None where the stored dtype
+        decides (DeepSeek / GLM `fp8`, whose checkpoints keep a few linears, e.g. the indexer's head weights, in
+        bf16 without naming them)."""
+        if self.fp8_block_size is None or any(re.match(p, module) for p in self.fp8_unquantized):
+            return False
+        return True if self.fp8_every_linear else None
 
     @property
     def qk_head_dim(self) -> int:
@@ -99,20 +115,10 @@ class ModelConfig:
                 raise ValueError(f"{name} = {value} is not divisible by {what} = {size}")
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
-        """`path`: a checkpoint folder (its config.json is read) or a config.json itself."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        elif path.is_file() and path.suffix != ".json":
-            raise ValueError(f"expected a checkpoint folder with config.json, got the file {path}")
-        if not path.is_file():
-            raise FileNotFoundError(f"model config not found: expected {path}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+    def from_file(cls, path: str | Path, overrides: dict | None = None) -> "ModelConfig":
+        """`path`: a checkpoint folder (its config.json is read) or a config.json itself; `overrides` (vLLM's
+        `--hf-overrides`) are merged into it first, nested objects key by key."""
+        return cls.from_dict(read_config(path, overrides))
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -190,7 +196,7 @@ class ModelConfig:
             rope_type=rope_type,
             rope_scaling=rope_scaling,
             num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
-            fp8_block_size=_quantization(raw.get("quantization_config")),
+            **_quantization(raw.get("quantization_config")),
             eos_token_ids=_eos(raw.get("eos_token_id")),
             max_position_embeddings=raw.get("max_position_embeddings"),
         )
@@ -295,14 +301,77 @@ def _rope(raw: dict) -> tuple[str, float, tuple]:
     )
 
 
-def _quantization(q: dict | None) -> tuple[int, int] | None:
+def _quantization(q: dict | None) -> dict:
+    """quantization_config -> the ModelConfig fields of its FP8 scheme: DeepSeek / GLM `fp8` (`weight_block_size`,
+    `weight_scale_inv`, optional `modules_to_not_convert`, matched as substrings of module names) or
+    compressed-tensors FP8 block (llm-compressor's FP8_BLOCK: `weight_scale`, `ignore` of exact names or `re:`
+    regexes)."""
     if q is None:
-        return None
+        return {"fp8_block_size": None}
+    if q.get("quant_method") == "compressed-tensors":
+        return _compressed_tensors(q)
     if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not q.get("weight_block_size"):
-        raise ValueError(f"quantization_config {q} is not supported; expected fp8 e4m3 with weight_block_size")
+        raise ValueError(
+            f"quantization_config {q} is not supported; expected fp8 e4m3 with weight_block_size, or "
+            f"compressed-tensors FP8 block"
+        )
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"activation_scheme {q['activation_scheme']!r} is not supported; expected 'dynamic'")
     block = tuple(q["weight_block_size"])
     if len(block) != 2:
         raise ValueError(f"weight_block_size must have two entries, got {block}")
-    return block
+    skipped = tuple(".*" + re.escape(name) for name in q.get("modules_to_not_convert") or ())
+    return {"fp8_block_size": block, "fp8_unquantized": skipped}
+
+
+def merge_overrides(raw: dict, overrides: dict) -> dict:
+    """A copy of `raw` with `overrides` merged in: nested objects merge key by key, anything else replaces."""
+    merged = dict(raw)
+    for key, value in overrides.items():
+        both_objects = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = merge_overrides(merged[key], value) if both_objects else value
+    return merged
+
+
+def read_config(path: str | Path, overrides: dict | None = None) -> dict:
+    """The JSON object of a checkpoint folder's config.json (or of a config.json given itself), with
+    `overrides` merged in (`merge_overrides`)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    elif path.is_file() and path.suffix != ".json":
+        raise ValueError(f"expected a checkpoint folder with config.json, got the file {path}")
+    if not path.is_file():
+        raise FileNotFoundError(f"model config not found: expected {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"a model config must be a JSON object, got a {type(raw).__name__}: {str(raw)[:40]}")
+    return merge_overrides(raw, overrides or {})
+
+
+def _compressed_tensors(q: dict) -> dict:
+    groups = list((q.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ValueError(f"compressed-tensors: expected one config group (FP8 block), got {len(groups)}")
+    weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations") or {}
+    block = tuple(weights.get("block_structure") or ())
+    fp8_weights = weights.get("type") == "float" and weights.get("num_bits") == 8 and weights.get("strategy") == "block"
+    if not fp8_weights or len(block) != 2 or weights.get("dynamic"):
+        raise ValueError(
+            f"compressed-tensors weights {weights} are not supported; expected static FP8 (type float, 8 bits) with "
+            f"strategy block and a two-entry block_structure"
+        )
+    if acts and (acts.get("type") != "float" or acts.get("num_bits") != 8 or not acts.get("dynamic")):
+        raise ValueError(f"compressed-tensors input_activations {acts} are not supported; expected dynamic FP8")
+    if q.get("format", "float-quantized") != "float-quantized":
+        raise ValueError(f"compressed-tensors format {q['format']!r} is not supported; expected 'float-quantized'")
+    ignored = tuple(p[3:] if p.startswith("re:") else re.escape(p) + "$" for p in q.get("ignore") or ())
+    return {
+        "fp8_block_size": block,
+        "fp8_scale_suffix": "weight_scale",
+        "fp8_unquantized": ignored,
+        "fp8_every_linear": True,
+    }

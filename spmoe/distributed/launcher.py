@@ -122,7 +122,8 @@ def spawn(
 def _run(procs, results, world_size: int) -> list:
     """Start the ranks, collect their results; kill every rank still alive on the way out, however it ends."""
     outputs: dict[int, object] = {}
-    errors: dict[int, str] = {}  # rank -> traceback, or why it died
+    errors: dict[int, str] = {}  # rank -> traceback, or how it died (`_death`)
+    died: set[int] = set()  # ranks that ended without reporting
     try:
         for p in procs:
             p.start()
@@ -132,12 +133,13 @@ def _run(procs, results, world_size: int) -> list:
             except queue.Empty:
                 for r, p in enumerate(procs):
                     if r not in outputs and p.exitcode is not None:
-                        errors[r] = f"exited with code {p.exitcode} without returning a result"
+                        errors[r] = _death(p.exitcode)
+                        died.add(r)
                 continue
             (outputs if ok else errors)[rank] = pickle.loads(payload) if ok else payload
         if errors:
-            _settle(procs, results, outputs, errors)
-            raise RankFailed(_describe(errors, world_size))
+            _settle(procs, results, outputs, errors, died)
+            raise RankFailed(_describe(errors, died, world_size))
     finally:
         for p in procs:
             if p.pid is not None and p.is_alive():
@@ -170,7 +172,7 @@ def _stop_on_signals():
             signal.signal(signum, handler)
 
 
-def _settle(procs, results, outputs, errors, grace_s: float = 1.0):
+def _settle(procs, results, outputs, errors, died, grace_s: float = 1.0):
     """After a first failure, wait briefly for the other ranks' reports: a rank that died often makes its
     peers fail too, and the dead rank is the one to blame."""
     deadline = time.monotonic() + grace_s
@@ -182,17 +184,32 @@ def _settle(procs, results, outputs, errors, grace_s: float = 1.0):
             pass
     for r, p in enumerate(procs):
         if r not in outputs and r not in errors and p.exitcode not in (None, 0):
-            errors[r] = f"exited with code {p.exitcode} without returning a result"
+            errors[r] = _death(p.exitcode)
+            died.add(r)
 
 
-def _describe(errors: dict[int, str], world_size: int) -> str:
-    """First line: the root cause in one line: a rank that died, else the first rank to report an error
-    (its peers usually fail after it, with connection errors)."""
-    died = [r for r, e in errors.items() if e.startswith("exited with code")]
-    first = died[0] if died else next(iter(errors))
+def _death(exitcode: int) -> str:
+    """How a rank that reported nothing ended: its exit code, or the signal that killed it (multiprocessing
+    gives -N for signal N). The kernel's OOM killer sends SIGKILL, hence the hint."""
+    if exitcode >= 0:
+        return f"exited with code {exitcode} without returning a result"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    hint = " (possibly out of memory)" if -exitcode == signal.SIGKILL else ""
+    return f"was killed by {name}{hint} before returning a result"
+
+
+def _describe(errors: dict[int, str], died: set[int], world_size: int) -> str:
+    """First line: the root cause in one line: a rank that died (`rank 1 of 2 was killed by SIGKILL ...`), else
+    the first rank to report an error (`rank 1 of 2 failed: ValueError: ...`; its peers usually fail after it,
+    with connection errors)."""
+    dead = [r for r in errors if r in died]
+    first = dead[0] if dead else next(iter(errors))
     reason = errors[first].strip().splitlines()[-1]
     details = "\n".join(f"--- rank {r} of {world_size}:\n{errors[r].strip()}" for r in sorted(errors))
-    return f"rank {first} of {world_size} failed: {reason}\n{details}"
+    return f"rank {first} of {world_size} {reason if dead else 'failed: ' + reason}\n{details}"
 
 
 def launch(fn, world_size: int, *args, config: ParallelConfig | None = None, device: str = "cpu"):

@@ -13,22 +13,32 @@ positions, the paged cache's budget), both before any rank starts.
 
 import argparse
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from spmoe.config import ModelConfig, ParallelConfig
+from spmoe.config.model import read_config
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.engine.cuda_graphs import deployment_problems
 from spmoe.engine.engine import Engine, check_positions
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
-    KV_CACHE_DTYPES,
     PagedKVCache,
     build_paged_cache,
     check_paged_budget,
 )
+from spmoe.engine.vllm_values import (
+    SpeculativeConfig,
+    check_block_size,
+    check_quantization,
+    parse_json_object,
+    parse_kv_cache_dtype,
+    parse_length,
+    resolve_dtype,
+)
+from spmoe.models.deepseek_v32 import weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_CACHES = ("paged", "dense")
@@ -36,10 +46,40 @@ SPECULATIVE_METHODS = ("mtp",)
 LAYOUT_OPTIONS = ("tp", "dp", "sp", "sp_scope", "ep_backend", "moe_backend", "dtype", "device")  # `spmoe forward`'s
 
 
-def option(*flags: str, help: str, **argparse_kwargs) -> dict:
-    """A field's command line: its flag names (the first one names it in error messages) and what argparse
-    takes beside them (type, choices, metavar, action)."""
-    return {"flags": flags, "help": help, "argparse": argparse_kwargs}
+def option(*flags: str, help: str, cli_default=field, **argparse_kwargs) -> dict:
+    """A field's command line: its flag names (the first one names it in error messages; vLLM's names are
+    aliases), what argparse takes beside them (type, choices, metavar, action), and, where the command line's
+    default differs from the field's (an `auto` that `from_cli` settles), `cli_default`."""
+    meta = {"flags": flags, "help": help, "argparse": argparse_kwargs}
+    if cli_default is not field:
+        meta["cli_default"] = cli_default
+    return meta
+
+
+def _arg(parse, option_name: str):
+    """An argparse `type` from a value parser that raises ValueError("OPTION: why"): argparse's one line
+    then names the option once."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{option_name}: ")) from None
+
+    convert.__name__ = option_name
+    return convert
+
+
+def _speculative_config(text: str) -> dict:
+    """`--speculative-config`'s JSON, checked as a whole (`SpeculativeConfig.parse`) while parsing."""
+    config = parse_json_object(text, "--speculative-config")
+    SpeculativeConfig.parse(config)
+    return config
+
+
+def default_device() -> str:
+    """CUDA when a GPU is visible, else the CPU: the device `--device` leaves to spmoe."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def check_device(device: str, ranks: int) -> None:
@@ -58,11 +98,16 @@ def check_device(device: str, ranks: int) -> None:
 @dataclass(frozen=True)
 class EngineArgs:
     # the parallel layout
-    tp: int = field(default=1, metadata=option("--tp", type=int, help="tensor-parallel size (default 1)"))
+    tp: int = field(
+        default=1,
+        metadata=option("--tp", "--tensor-parallel-size", "-tp", type=int, help="tensor-parallel size (default 1)"),
+    )
     dp: int = field(
         default=1,
         metadata=option(
             "--dp",
+            "--data-parallel-size",
+            "-dp",
             type=int,
             help="data-parallel size (default 1): DP groups of --tp ranks each take a share of the requests; "
             "the experts are split over all dp * tp ranks",
@@ -93,9 +138,63 @@ class EngineArgs:
             help="expert kernels (default auto: the first that fits, see the README)",
         ),
     )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=option(
+            "--enable-expert-parallel",
+            action="store_true",
+            help="accepted for vLLM's command lines: the routed experts are always expert-parallel over all "
+            "tp * dp ranks",
+        ),
+    )
     # the model
-    dtype: str = field(default="float32", metadata=option("--dtype", choices=tuple(DTYPES), help="default float32"))
-    device: str = field(default="cpu", metadata=option("--device", choices=("cpu", "cuda"), help="default cpu"))
+    dtype: str = field(
+        default="float32",
+        metadata=option(
+            "--dtype",
+            choices=("auto", *DTYPES, "float"),
+            cli_default="auto",
+            help="compute dtype (default auto: bfloat16 on CUDA; on the CPU the checkpoint's torch_dtype, "
+            "float32 if it states none); float is float32",
+        ),
+    )
+    device: str = field(
+        default="cpu",
+        metadata=option(
+            "--device",
+            choices=("cpu", "cuda"),
+            cli_default=None,
+            help="default: cuda when a GPU is visible, else cpu",
+        ),
+    )
+    load_format: str = field(
+        default="auto",
+        metadata=option(
+            "--load-format",
+            choices=weights.LOAD_FORMATS,
+            help="auto / safetensors (default: the checkpoint's weights) or dummy (random weights from "
+            "config.json alone, no weight file read)",
+        ),
+    )
+    hf_overrides: dict | None = field(
+        default=None,
+        metadata=option(
+            "--hf-overrides",
+            type=_arg(lambda text: parse_json_object(text, "--hf-overrides"), "--hf-overrides"),
+            metavar="JSON",
+            help="JSON object merged into config.json, nested objects key by key (also as dotted keys: "
+            "--hf-overrides.num_hidden_layers 4)",
+        ),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=option(
+            "--quantization",
+            "-q",
+            metavar="METHOD",
+            help="accepted when it is the method the checkpoint declares (fp8); spmoe does not quantize at load",
+        ),
+    )
     # the scheduler
     max_num_seqs: int | None = field(
         default=None,
@@ -109,8 +208,10 @@ class EngineArgs:
         default=None,
         metadata=option(
             "--max-model-len",
-            type=int,
-            help="KV cache positions per sequence: prompt + output + drafts (default: generate the longest "
+            type=_arg(parse_length, "--max-model-len"),
+            metavar="LEN",
+            help="KV cache positions per sequence: prompt + output + drafts; 2048, 128k (x1000), 128K (x1024) "
+            "(default: generate the longest "
             "prompt + max new tokens + drafts; serve the model's max_position_embeddings, at most 2048)",
         ),
     )
@@ -155,9 +256,10 @@ class EngineArgs:
         default="auto",
         metadata=option(
             "--kv-cache-dtype",
-            choices=KV_CACHE_DTYPES,
-            help="paged cache: auto (the model dtype, default) or fp8 (the latent in e4m3 with a scale per 128 "
-            "values, the indexer key in e4m3 with one scale)",
+            type=_arg(parse_kv_cache_dtype, "--kv-cache-dtype"),
+            metavar="{auto,fp8,fp8_e4m3}",
+            help="paged cache: auto (the model dtype, default) or fp8 = fp8_e4m3 (the latent in e4m3 with a "
+            "scale per 128 values, the indexer key in e4m3 with one scale)",
         ),
     )
     # speculation and CUDA graphs
@@ -175,15 +277,32 @@ class EngineArgs:
             "--num-speculative-tokens", type=int, help="MTP drafts per step (default 1, with --speculative)"
         ),
     )
-    cuda_graphs: bool | None = field(
+    speculative_config: dict | None = field(
         default=None,
         metadata=option(
-            "--cuda-graphs",
-            action=argparse.BooleanOptionalAction,
-            help="replay decode steps from CUDA graphs, captured before the engine is ready (default: on where "
-            "they can run: CUDA, DP 1, no speculation, experts that never sync the host; --no-cuda-graphs: "
-            "every step eager)",
+            "--speculative-config",
+            type=_arg(_speculative_config, "--speculative-config"),
+            metavar="JSON",
+            help='vLLM\'s form of --speculative: {"method": "mtp", "num_speculative_tokens": 1} (method also '
+            "deepseek_mtp or glm4_moe_mtp), or as dotted keys: --speculative-config.method mtp",
         ),
+    )
+    cuda_graphs: bool | None = field(
+        default=False,
+        metadata=option(
+            "--cuda-graphs",
+            action="store_true",
+            cli_default=None,
+            help="replay decode steps from CUDA graphs (CUDA, DP 1, no speculation; default: on where they apply)",
+        ),
+    )
+    enforce_eager: bool = field(
+        default=False,
+        metadata=option("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly"),
+    )
+    block_size: int | None = field(
+        default=None,
+        metadata=option("--block-size", type=int, help="the paged cache's block: 64 (the only size spmoe has)"),
     )
 
     def __post_init__(self):
@@ -197,6 +316,15 @@ class EngineArgs:
             value = getattr(self, f.name)
             if choices is not None and value not in choices and not (value is None and f.default is None):
                 raise ValueError(f"{self.flag(f.name)} must be one of {tuple(choices)}, got {value!r}")
+        check_block_size(self.block_size)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {tuple(DTYPES)} here, got {self.dtype!r} (from_cli settles auto)")
+        if self.speculative_config is not None:
+            if self.speculative is not None or self.num_speculative_tokens is not None:
+                raise ValueError("--speculative-config says what --speculative does; pass one or the other")
+            SpeculativeConfig.parse(self.speculative_config)
+        if self.cuda_graphs and self.enforce_eager:
+            raise ValueError("--cuda-graphs and --enforce-eager contradict each other; pass one")
         if self.speculative is None and self.num_speculative_tokens is not None:
             raise ValueError(f"--num-speculative-tokens {self.num_speculative_tokens} needs --speculative mtp")
         if self.speculative is not None and self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
@@ -227,20 +355,36 @@ class EngineArgs:
         for f in fields(cls):
             if only is None or f.name in only:
                 meta = f.metadata
-                group.add_argument(
-                    *meta["flags"], dest=f.name, default=f.default, help=meta["help"], **meta["argparse"]
-                )
+                default = meta.get("cli_default", f.default)
+                group.add_argument(*meta["flags"], dest=f.name, default=default, help=meta["help"], **meta["argparse"])
 
     @classmethod
-    def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":
-        """The options `add_cli_args` parsed (the defaults for those it did not add), checked."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+    def from_cli(cls, args: argparse.Namespace, model_dir: str | None = None) -> "EngineArgs":
+        """The options `add_cli_args` parsed (the defaults for those it did not add), checked, with the
+        command line's `auto`s settled: the device (`default_device`), the dtype (from the checkpoint in
+        `model_dir`: `resolve_dtype`), and CUDA graphs off where they cannot apply (elsewhere None:
+        `use_cuda_graphs` settles them once the model is built); `--quantization` is checked against the
+        checkpoint. The options are checked alone before the checkpoint is read."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if given.get("device", "cpu") is None:
+            given["device"] = default_device()
+        dtype = given.get("dtype", "float32")
+        options = cls(**{**given, "dtype": dtype if dtype in DTYPES else "float32"})
+        if options.cuda_graphs is None and not options.graphs_may_apply():
+            options = replace(options, cuda_graphs=False)
+        raw = None
+        if model_dir is not None and (dtype == "auto" or options.quantization):
+            raw = read_config(model_dir, options.hf_overrides)
+            check_quantization(options.quantization, raw)
+        return replace(options, dtype=resolve_dtype(dtype, raw or {}, options.device))
 
     # What the options mean.
 
     @property
     def drafts(self) -> int:
         """MTP drafts per step; 0: no speculation."""
+        if self.speculative_config is not None:
+            return SpeculativeConfig.parse(self.speculative_config).num_speculative_tokens
         if self.speculative is None:
             return 0
         return 1 if self.num_speculative_tokens is None else self.num_speculative_tokens
@@ -264,7 +408,45 @@ class EngineArgs:
         return (
             f"tp={self.tp}, dp={self.dp}, sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'}"
             f" (--sp {self.sp}, scope {self.sp_scope}), {f'MTP with {self.drafts} drafts, ' if self.drafts else ''}"
-            f"{self.dtype} on {self.device}"
+            f"{self.dtype} on {self.device}{self._graphs_said()}"
+            f"{', dummy weights' if self.load_format == 'dummy' else ''}"
+        )
+
+    def _graphs_said(self) -> str:
+        if self.cuda_graphs:
+            return ", CUDA graphs"
+        if self.cuda_graphs is None and not self.enforce_eager and self.device == "cuda":
+            return ", CUDA graphs where they apply"
+        return ""
+
+    def use_cuda_graphs(self, model) -> bool:
+        """Whether decode steps replay CUDA graphs: as --cuda-graphs / --enforce-eager say, or, left to the
+        default (None), wherever they apply: CUDA, DP 1, the all-gather dispatch, no speculation, experts that a
+        graph can capture (`model.graph_capturable`)."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return self.graphs_may_apply() and model.graph_capturable[0]
+
+    def graphs_may_apply(self) -> bool:
+        """Whether the deployment can have CUDA graphs (known before any rank starts): not --enforce-eager,
+        no speculation, CUDA, DP 1, the all-gather dispatch."""
+        return not (self.enforce_eager or self.drafts or deployment_problems(self.device, self.dp, self.ep_backend))
+
+    def model_config(self, model_dir: str) -> ModelConfig:
+        """The checkpoint's config with `--hf-overrides` merged in."""
+        return ModelConfig.from_file(model_dir, self.hf_overrides)
+
+    def load_model(self, model_dir: str, device: torch.device):
+        """This rank's model: the checkpoint's weights, or random ones (`--load-format dummy`), under
+        `--hf-overrides`."""
+        return weights.load_model(
+            model_dir,
+            self.parallel_config(),
+            self.torch_dtype,
+            device,
+            with_mtp=self.drafts > 0,
+            load_format=self.load_format,
+            overrides=self.hf_overrides,
         )
 
     # The checks that need the checkpoint, before any rank starts.
@@ -278,8 +460,11 @@ class EngineArgs:
         check_device(self.device, parallel.world_size)
         if self.drafts and not cfg.num_nextn_predict_layers:
             raise ValueError("--speculative mtp needs an MTP layer; the checkpoint has num_nextn_predict_layers = 0")
-        if self.cuda_graphs and self.graph_problems():
-            raise ValueError("--cuda-graphs needs " + "; ".join(self.graph_problems()))
+        if self.cuda_graphs:
+            problems = deployment_problems(self.device, self.dp, self.ep_backend)
+            problems += ["no speculative decoding (it runs eagerly)"] if self.drafts else []
+            if problems:
+                raise ValueError("--cuda-graphs needs " + "; ".join(problems))
         if self.max_model_len is not None:
             check_positions(self.max_model_len, cfg.max_position_embeddings, "--max-model-len")
         if self.kv_cache == "paged":
@@ -293,18 +478,6 @@ class EngineArgs:
                 self.device,
                 longest,
             )
-
-    def graph_problems(self) -> list[str]:
-        """What these options lack for CUDA-graph decode steps, known before the model is built."""
-        problems = deployment_problems(self.device, self.dp, self.ep_backend)
-        return problems + (["no speculative decoding (it runs eagerly)"] if self.drafts else [])
-
-    def use_cuda_graphs(self, model) -> bool:
-        """Whether the engine over `model` replays decode steps from CUDA graphs: as asked, or by default
-        wherever they can run (the checks above, and experts that never sync the host)."""
-        if self.cuda_graphs is not None:
-            return self.cuda_graphs
-        return not self.graph_problems() and model.graph_capturable[0]
 
     # What the options build, on every rank.
 

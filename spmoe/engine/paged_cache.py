@@ -233,6 +233,11 @@ class PagedKVCache:
         tables = torch.tensor(
             [t + [self.scratch_block] * (width - len(t)) for t in block_tables], dtype=torch.int32
         ).view(len(block_tables), width)
+        if tables.numel() and not (0 <= tables.min() and tables.max() <= self.scratch_block):
+            raise ValueError(  # a kernel would read or write outside the cache
+                f"block ids must be in [0, {self.scratch_block}] (the cache's {self.num_blocks} blocks and its "
+                f"scratch block), got {tables.min().item()} .. {tables.max().item()}"
+            )
         seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
         positions = torch.cat(
             [torch.zeros(0, dtype=torch.long)] + [torch.arange(s, s + n) for s, n in zip(starts, lens)]

@@ -9,6 +9,7 @@ from spmoe.config import ModelConfig
 from spmoe.distributed import RankFailed, Stopped, spawn
 from spmoe.distributed.selfcheck import layout_selfcheck
 from spmoe.engine.args import LAYOUT_OPTIONS, EngineArgs
+from spmoe.engine.vllm_values import fold_dotted
 from spmoe.entrypoints.serve.server import add_serve_args, cmd_serve
 
 
@@ -39,7 +40,7 @@ def cmd_forward(args) -> int:
     from spmoe.entrypoints.forward import check_forward, run_forward
     from spmoe.entrypoints.jobs import read_input_ids
 
-    engine_args = EngineArgs.from_cli(args)
+    engine_args = EngineArgs.from_cli(args, args.model)
     cfg = ModelConfig.from_file(args.model)
     parallel = engine_args.parallel_config()
     seqs = read_input_ids(args.input_ids, cfg.vocab_size)
@@ -47,17 +48,17 @@ def cmd_forward(args) -> int:
         cfg,
         parallel,
         seqs,
-        args.device,
+        engine_args.device,
         {"--save-logits": args.save_logits, **({"--stats": args.stats} if args.stats else {})},
     )
     print(
         f"spmoe forward: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, tp={args.tp}, dp={args.dp}, "
         f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} "
-        f"(--sp {args.sp}, scope {args.sp_scope}), {args.dtype} on {args.device}",
+        f"(--sp {args.sp}, scope {args.sp_scope}), {engine_args.dtype} on {engine_args.device}",
         file=sys.stderr,
         flush=True,
     )
-    result = run_forward(args.model, parallel, seqs, args.dtype, args.device)
+    result = run_forward(args.model, parallel, seqs, engine_args.dtype, engine_args.device)
     if result is None:  # a torchrun rank other than 0
         return 0
     logits, stats = result
@@ -74,8 +75,8 @@ def cmd_generate(args) -> int:
     from spmoe.entrypoints.generate import GenerateOptions, check_generate, run_generate
     from spmoe.entrypoints.jobs import read_input_ids
 
-    engine_args = EngineArgs.from_cli(args)
-    cfg = ModelConfig.from_file(args.model)
+    engine_args = EngineArgs.from_cli(args, args.model)
+    cfg = engine_args.model_config(args.model)
     prompts = read_input_ids(args.input_ids, cfg.vocab_size)
     opts = GenerateOptions(
         args.max_new_tokens,
@@ -130,8 +131,23 @@ def add_model_args(p, engine_options: tuple[str, ...] | None = None) -> None:
     EngineArgs.add_cli_args(p, engine_options)
 
 
+DOTTED_OPTIONS = ("--speculative-config", "--hf-overrides")  # JSON options vLLM also takes as dotted keys
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad usage is one line on stderr (`spmoe serve: error: ...`), exit status 2: no usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="spmoe", description=__doc__)
+    parser = OneLineParser(prog="spmoe", description=__doc__)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = fold_dotted(argv, DOTTED_OPTIONS)
+    except ValueError as e:
+        parser.error(str(e))
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("selfcheck", help="check the sequence-parallel layout primitives on local ranks")
     p.add_argument("--ranks", type=int, default=2, help="number of local ranks (default 2)")

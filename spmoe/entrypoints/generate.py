@@ -44,10 +44,8 @@ class GenerateOptions:
 def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOptions):
     """The job on one rank (of a launch with the TP and DP sizes of `opts.engine`) -> rank 0's `Generation`,
     None on the other ranks."""
-    from spmoe.models.deepseek_v32.weights import load_model
-
     state, args = get_parallel_state(), opts.engine
-    model = load_model(model_dir, args.parallel_config(), args.torch_dtype, state.device, with_mtp=args.drafts > 0)
+    model = args.load_model(model_dir, state.device)
     mine = split_for_dp(prompts, state.dp_rank, state.dp_size)  # this DP rank's prompts (maybe none)
     sampling = split_for_dp(per_prompt(opts.sampling, len(prompts)), state.dp_rank, state.dp_size)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress and state.rank == 0 else None
@@ -166,7 +164,7 @@ def _cpu_memory_available() -> int:
 def run_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOptions):
     """-> rank 0's `Generation` (outputs, stats, optional logits); None on the other ranks under torchrun.
     Validates before starting any rank."""
-    check_generate(ModelConfig.from_file(model_dir), prompts, opts)
+    check_generate(opts.engine.model_config(model_dir), prompts, opts)
     parallel = opts.engine.parallel_config()
     return launch(
         rank_generate, parallel.world_size, model_dir, prompts, opts, config=parallel, device=opts.engine.device

@@ -26,6 +26,9 @@ cache layout); each matches its torch reference there.
   `tl.dot` against all the tokens (padded to 16), float32 accumulation; enough column blocks to give every
   multiprocessor two programs, so the weights are read at full bandwidth and in one pass (no split-K).
 
+Every offset that multiplies a token, sequence, head or cache-row index by a size is int64 (256 tokens x a
+32k context of int64 ordering keys, or a cache of millions of rows, pass 2**31 elements).
+
 Shapes depend only on the inputs' shapes and nothing is read back to the host, so all can be captured in
 a CUDA graph.
 """
@@ -183,7 +186,7 @@ def _indexer_kernel(
     token = first_token + tl.arange(0, TOKENS)
     write = token < n
     clamped = tl.minimum(token, n - 1)  # the last tile's padding repeats its last token (computed, not written)
-    seq = tl.load(seq_ptr + clamped)
+    seq = tl.load(seq_ptr + clamped).to(tl.int64)  # seq * table stride, as every row offset: int64
     position = tl.load(pos_ptr + clamped)
     if not FILL_PAST:
         if first_block * BLOCK > tl.max(position):
@@ -235,7 +238,7 @@ def _indexer_kernel(
                 first_token + t + tl.arange(0, 1) < n,
                 k_ptr,
                 ks_ptr,
-                tables_ptr + tl.max(tl.load(seq_ptr + one)) * stride_tab,
+                tables_ptr + tl.max(tl.load(seq_ptr + one)).to(tl.int64) * stride_tab,
                 out_ptr,
                 stride_out,
                 first_block,
@@ -444,7 +447,7 @@ def _cache_rows_kernel(
     else:
         position = column.to(tl.int64)
         valid = position <= tl.load(pos_ptr + token)
-    seq = tl.load(seq_ptr + token)
+    seq = tl.load(seq_ptr + token).to(tl.int64)
     block = tl.load(tables_ptr + seq * stride_tab + position // BLOCK_SIZE, mask=inside & valid, other=0)
     rows = block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE
     tl.store(out_ptr + token * stride_out + column, tl.where(valid, rows, -1), mask=inside)
@@ -694,10 +697,10 @@ def _head_matmul_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    head, cols = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     tokens = tl.arange(0, BLOCK_N)
     x_rows = x_ptr + head * stride_xh + tokens[:, None] * stride_xn  # [BLOCK_N, 1]
-    w_cols = w_ptr + head.to(tl.int64) * stride_wh + cols[None, :] * stride_wm  # [1, BLOCK_M]
+    w_cols = w_ptr + head * stride_wh + cols[None, :] * stride_wm  # [1, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for first in range(0, depth, BLOCK_K):
         k = first + tl.arange(0, BLOCK_K)

@@ -30,6 +30,12 @@ def die_on_rank_1():
     all_reduce(torch.ones(1), get_parallel_state().tp_group)
 
 
+def kill_rank_1(signum: int):
+    if get_parallel_state().rank == 1:
+        os.kill(os.getpid(), signum)
+    all_reduce(torch.ones(1), get_parallel_state().tp_group)
+
+
 def stall_rank_1():
     if get_parallel_state().rank == 1:
         time.sleep(60)
@@ -46,14 +52,14 @@ def test_results_in_rank_order_with_dp_groups():
     "fn, message",
     [
         (raise_on_rank_1, "rank 1 of 2 failed: ValueError: boom on purpose"),
-        (die_on_rank_1, "rank 1 of 2 failed: exited with code 3"),
+        (die_on_rank_1, "rank 1 of 2 exited with code 3 without returning a result"),
     ],
 )
 def test_failing_rank_fails_fast(fn, message):
     start = time.monotonic()
     with pytest.raises(RankFailed, match="rank 1") as info:
         spawn(fn, 2)
-    assert message in str(info.value)
+    assert str(info.value).splitlines()[0] == message
     assert time.monotonic() - start < 30
 
 
@@ -73,3 +79,16 @@ def test_init_distributed_needs_the_torchrun_environment(monkeypatch):
     with pytest.raises(RuntimeError, match="RANK"):
         init_distributed()
     assert not dist.is_initialized()
+
+
+def test_a_rank_killed_by_a_signal_is_named():
+    """The first line names the signal, with the likely cause for SIGKILL (the OOM killer's signal)."""
+    import signal
+
+    for signum, first_line in (
+        (signal.SIGKILL, "rank 1 of 2 was killed by SIGKILL (possibly out of memory) before returning a result"),
+        (signal.SIGSEGV, "rank 1 of 2 was killed by SIGSEGV before returning a result"),
+    ):
+        with pytest.raises(RankFailed) as info:
+            spawn(kill_rank_1, 2, signum)
+        assert str(info.value).splitlines()[0] == first_line

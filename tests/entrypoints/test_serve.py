@@ -336,7 +336,7 @@ def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
 @pytest.mark.parametrize(
     "case, fragment",
     [
-        ("no such folder", "expected a checkpoint folder with config.json, found none"),
+        ("no such folder", "no such folder (and not a Hugging Face model id, which is ORG/NAME)"),
         ("no tokenizer", "has no tokenizer: expected tokenizer.json or tokenizer_config.json there"),
         ("port in use", "the address is in use"),
         ("longer than the model", "--max-model-len: 100 positions, more than the model's max_position_embeddings = 64"),

@@ -10,10 +10,11 @@ from fastapi.testclient import TestClient
 
 from spmoe.engine.request import EngineMetrics, RequestOutput
 from spmoe.entrypoints.demo import write_demo_tokenizer
-from spmoe.entrypoints.serve.app import build_app
+from spmoe.entrypoints.generation_defaults import GenerationDefaults
+from spmoe.entrypoints.serve.app import ApiSettings, build_app
 from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.streaming import StopStrings
-from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer, load_tokenizer
+from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
 
 REPLY = "Grüße, wörld € 🙂 and more"  # 2-, 3- and 4-byte characters: split over byte tokens
 
@@ -104,7 +105,7 @@ class ScriptedEngineClient:
 def served(tokenizer):
     """-> (engine stand-in, openai client, raw HTTP client) for a server named 'tiny' that replies REPLY."""
     engine = ScriptedEngineClient(tokenizer.encode(REPLY) + [tokenizer.eos_token_id])
-    http = TestClient(build_app(engine, tokenizer, "tiny"), raise_server_exceptions=False)
+    http = TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"])), raise_server_exceptions=False)
     return (
         engine,
         openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0),
@@ -151,7 +152,7 @@ def test_several_tokens_per_step(tokenizer):
         base_url="http://testserver/v1",
         api_key="unused",
         max_retries=0,
-        http_client=TestClient(build_app(engine, tokenizer, "tiny")),
+        http_client=TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"]))),
     )
     chunks = list(client.completions.create(model="tiny", prompt=[5, 6], max_tokens=20, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == REPLY.encode()[:20].decode(errors="replace")
@@ -198,6 +199,60 @@ def test_models_health_metrics(served):
         'spmoe_request_success_total{finish_reason="length"} 1.0',
     ):
         assert line in text, line
+
+
+def test_several_names_and_the_models_generation_defaults(tokenizer):
+    engine = ScriptedEngineClient(tokenizer.encode(REPLY))
+    engine.num_speculative_tokens = 0
+    defaults = GenerationDefaults({"temperature": 0.6, "top_p": 0.9, "max_tokens": 7, "top_k": 5}, "test")
+    http = TestClient(
+        build_app(engine, tokenizer, ApiSettings(["glm-5.2", "glm"], defaults, seed=11)), raise_server_exceptions=False
+    )
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    models = http.get("/v1/models").json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [("glm-5.2", 66), ("glm", 66)]
+    left_out = client.completions.create(model="glm", prompt="Hi")
+    assert left_out.model == "glm-5.2" and left_out.usage.completion_tokens == 7  # the first name is reported
+    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (0.6, 0.9)
+    seeds = [engine.requests[-1].sampling.seed]
+    client.completions.create(model="glm", prompt="Hi")
+    seeds.append(engine.requests[-1].sampling.seed)
+    again = TestClient(build_app(engine, tokenizer, ApiSettings(["glm"], seed=11)))
+    for _ in seeds:
+        again.post("/v1/completions", json={"model": "glm", "prompt": "Hi", "max_tokens": 1})
+    assert [r.sampling.seed for r in engine.requests[-2:]] == seeds and seeds[0] != seeds[1]  # --seed: reproducible
+    chat = [{"role": "user", "content": "Hello"}]
+    own = client.chat.completions.create(model="glm-5.2", messages=chat, temperature=0, top_p=1.0, max_tokens=3)
+    assert own.usage.completion_tokens == 3
+    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (0.0, 1.0)
+    client.chat.completions.create(model="glm-5.2", messages=chat)
+    assert engine.requests[-1].max_new_tokens == 7
+    engine.num_speculative_tokens = 2  # a speculating server serves greedy requests: the default temperature waits
+    client.completions.create(model="glm", prompt="Hi")
+    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (0.0, 0.9)
+    with pytest.raises(openai.NotFoundError, match="this server serves 'glm-5.2', 'glm'"):
+        client.completions.create(model="glm-5", prompt="Hi")
+
+
+def test_chat_template_and_content_format(tmp_path, tokenizer):
+    parts = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+    (tmp_path / "parts.jinja").write_text(parts)
+    assert read_chat_template(str(tmp_path / "parts.jinja")) == parts
+    assert read_chat_template("{{ messages[0]['content'] }}!") == "{{ messages[0]['content'] }}!"
+    with pytest.raises(ValueError, match="--chat-template nope.jinja: expected a Jinja template file or a template"):
+        read_chat_template("nope.jinja")
+    folder = tmp_path / "tok"
+    write_demo_tokenizer(folder)
+    engine = ScriptedEngineClient(tokenizer.encode("ok"))
+    for content_format, template, prompt in (
+        ("openai", read_chat_template(str(tmp_path / "parts.jinja")), "[Hel][lo]"),
+        ("string", "{% for m in messages %}<{{ m['content'] }}>{% endfor %}", "<Hello>"),
+    ):
+        settings = ApiSettings(["tiny"], chat_template_content_format=content_format)
+        app = build_app(engine, load_tokenizer(folder, template), settings)
+        chat = [{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]
+        TestClient(app).post("/v1/chat/completions", json={"model": "tiny", "messages": chat, "max_tokens": 1})
+        assert tokenizer.decode(engine.requests[-1].prompt) == prompt
 
 
 @pytest.mark.parametrize(

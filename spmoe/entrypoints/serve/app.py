@@ -10,10 +10,11 @@ The app waits for a request's first text before it answers, so a request the eng
 
 import json
 import logging
-import secrets
+import random
 import time
 import uuid
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
+from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
 from spmoe.entrypoints.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingFields, parse
@@ -31,11 +33,19 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 log = logging.getLogger("spmoe.serve")
 
 
-def build_app(client, tokenizer, served_model_name: str) -> FastAPI:
+@dataclass(frozen=True)
+class ApiSettings:
+    served_model_names: list[str]  # the names clients may ask for; the first is reported in responses
+    defaults: GenerationDefaults = GenerationDefaults()  # the model's, for the fields a request leaves out
+    chat_template_content_format: str = "string"  # how the template sees content (ChatMessage.as_template_input)
+    seed: int | None = None  # seeds the seeds of requests that give none (reproducible runs); None: random
+
+
+def build_app(client, tokenizer, settings: ApiSettings) -> FastAPI:
     """`client`: an EngineClient (async `generate(request)`, `metrics()`, `max_model_len`, `vocab_size`,
     `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer."""
     app = FastAPI(title="spmoe", docs_url=None, redoc_url=None, openapi_url=None)
-    api = OpenAIApi(client, tokenizer, served_model_name)
+    api = OpenAIApi(client, tokenizer, settings)
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
@@ -59,8 +69,11 @@ def build_app(client, tokenizer, served_model_name: str) -> FastAPI:
 
 
 class OpenAIApi:
-    def __init__(self, client, tokenizer, served_model_name: str):
-        self.client, self.tokenizer, self.model_name = client, tokenizer, served_model_name
+    def __init__(self, client, tokenizer, settings: ApiSettings):
+        self.client, self.tokenizer, self.model_names = client, tokenizer, settings.served_model_names
+        self.model_name = self.model_names[0]
+        self.defaults, self.content_format = settings.defaults, settings.chat_template_content_format
+        self.seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.metrics = ServeMetrics(client)
         self.created = int(time.time())
@@ -78,12 +91,13 @@ class OpenAIApi:
             "object": "list",
             "data": [
                 {
-                    "id": self.model_name,
+                    "id": name,
                     "object": "model",
                     "created": self.created,
                     "owned_by": "spmoe",
                     "max_model_len": self.client.max_model_len,
                 }
+                for name in self.model_names
             ],
         }
 
@@ -91,22 +105,24 @@ class OpenAIApi:
         body = parse(CompletionRequest, await _json_body(http))
         self._check_model(body.model)
         prompt = self._prompt_ids(body.prompt)
-        max_new = self._max_new_tokens(len(prompt), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+        default = self.defaults.values.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+        max_new = self._max_new_tokens(len(prompt), body.max_tokens, default)
         return await self._respond(http, body, prompt, max_new, "cmpl", "text_completion", _completion_choice)
 
     async def chat_completions(self, http: Request):
         body = parse(ChatCompletionRequest, await _json_body(http))
         self._check_model(body.model)
         try:
-            prompt = chat_prompt_ids(self.tokenizer, [m.as_template_input() for m in body.messages])
+            prompt = chat_prompt_ids(self.tokenizer, [m.as_template_input(self.content_format) for m in body.messages])
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
-        max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, None)
+        max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, self.defaults.values.get("max_tokens"))
         return await self._respond(http, body, prompt, max_new, "chatcmpl", "chat.completion", _chat_choice)
 
     def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model")
+        if model not in self.model_names:
+            served = ", ".join(f"'{name}'" for name in self.model_names)
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves {served}", "model")
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -145,12 +161,15 @@ class OpenAIApi:
         self, http: Request, body: SamplingFields, prompt: list[int], max_new: int, id_prefix: str, kind: str, choice
     ):
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        seed = body.seed if body.seed is not None else secrets.randbits(63)
-        temperature = body.temperature
-        if temperature is None:  # OpenAI's default, except that a speculating server serves greedy requests only
+        seed = body.seed if body.seed is not None else self.seeds.getrandbits(63)
+        given = {name for name in body.model_fields_set if getattr(body, name) is not None}
+        fields = self.defaults.apply({"temperature": body.temperature, "top_p": body.top_p}, given)
+        temperature = fields["temperature"]
+        if temperature is None or self.client.num_speculative_tokens and "temperature" not in given:
+            # OpenAI's default, except that a speculating server serves greedy requests only
             temperature = 0.0 if self.client.num_speculative_tokens else 1.0
         try:
-            sampling = SamplingParams(temperature, body.top_p, seed)
+            sampling = SamplingParams(temperature, fields["top_p"], seed)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         eos = () if body.ignore_eos else self.eos_token_ids

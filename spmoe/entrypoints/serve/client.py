@@ -54,7 +54,7 @@ def check_serve(model_dir: str, args: EngineArgs, max_num_waiting: int = DEFAULT
     (`EngineArgs.check`) and the queue's limit. -> the model config."""
     if max_num_waiting < 1:
         raise ValueError(f"--max-num-waiting must be >= 1, got {max_num_waiting}")
-    cfg = ModelConfig.from_file(model_dir)
+    cfg = args.model_config(model_dir)
     args = for_model(args, cfg)
     args.check(cfg, args.max_model_len)
     return cfg
@@ -211,11 +211,9 @@ def serve_rank(model_dir: str, args: EngineArgs, max_num_waiting: int, start_fro
     `start_front_end(client)` (which blocks until the server stops; -> SIGTERM if it reached rank 0, else
     None), then shuts every rank's loop down and returns what `start_front_end` returned; the other ranks run
     the worker loop and return None."""
-    from spmoe.models.deepseek_v32.weights import load_model
-
     state = get_parallel_state()
-    args = for_model(args, ModelConfig.from_file(model_dir))
-    model = load_model(model_dir, args.parallel_config(), args.torch_dtype, state.device, with_mtp=args.drafts > 0)
+    args = for_model(args, args.model_config(model_dir))
+    model = args.load_model(model_dir, state.device)
     log = (lambda line: print(f"spmoe serve: {line}", file=sys.stderr, flush=True)) if state.rank == 0 else None
     engine = args.build_engine(model, args.max_num_seqs, args.max_model_len, log)
     warm_up(engine, log)  # before the front end starts: nothing compiles or captures after ready

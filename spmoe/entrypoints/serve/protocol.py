@@ -96,7 +96,12 @@ class ChatMessage(Strict):
     content: str | list[TextPart]
     name: str | None = None
 
-    def as_template_input(self) -> dict:
+    def as_template_input(self, content_format: str = "string") -> dict:
+        """The message as the chat template sees it: its content as one string ("string"), or as a list of
+        `{"type": "text", "text"}` parts ("openai", vLLM's name)."""
+        if content_format == "openai":
+            parts = [self.content] if isinstance(self.content, str) else [part.text for part in self.content]
+            return {"role": self.role, "content": [{"type": "text", "text": text} for text in parts]}
         text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
         return {"role": self.role, "content": text}
 

@@ -18,16 +18,29 @@ from pathlib import Path
 
 from spmoe.distributed import launch
 from spmoe.engine.args import EngineArgs
+from spmoe.engine.vllm_values import parse_json_object, served_model_names
+from spmoe.entrypoints.generation_defaults import GenerationDefaults
+from spmoe.entrypoints.model_source import resolve_model
 from spmoe.entrypoints.serve.client import DEFAULT_MAX_NUM_WAITING, check_serve, serve_rank
-from spmoe.entrypoints.serve.tokenizer import load_tokenizer
+from spmoe.entrypoints.serve.tokenizer import load_tokenizer, read_chat_template
+from spmoe.entrypoints.vllm_flags import add_vllm_flags
+
+APPLIED_DEFAULTS = ("temperature", "top_p", "max_tokens")  # the generation defaults the front end applies
+CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format; auto is string
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True)
 class FrontEndOptions:
-    model_dir: str  # where the tokenizer is
-    served_model_name: str
+    tokenizer_dir: str  # where the tokenizer is
+    served_model_names: list[str]  # the first is reported in responses
     host: str
     port: int
+    chat_template: str | None = None  # in place of the tokenizer's
+    chat_template_content_format: str = "string"
+    defaults: GenerationDefaults = GenerationDefaults()
+    seed: int | None = None  # seeds the seeds of requests that give none
+    uvicorn_log_level: str = "warning"
 
 
 def start_front_end(options: FrontEndOptions, client) -> int | None:
@@ -35,12 +48,16 @@ def start_front_end(options: FrontEndOptions, client) -> int | None:
     -> SIGTERM if one reached this process (under torchrun, whose agent signals every worker), else None."""
     import uvicorn
 
-    from spmoe.entrypoints.serve.app import build_app
+    from spmoe.entrypoints.serve.app import ApiSettings, build_app
 
-    app = build_app(client, load_tokenizer(options.model_dir), options.served_model_name)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", timeout_graceful_shutdown=5)
+    settings = ApiSettings(
+        options.served_model_names, options.defaults, options.chat_template_content_format, options.seed
     )
+    app = build_app(client, load_tokenizer(options.tokenizer_dir, options.chat_template), settings)
+    config = uvicorn.Config(
+        app, host=options.host, port=options.port, log_level=options.uvicorn_log_level, timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
 
     async def serve() -> None:
         task = asyncio.create_task(server.serve())
@@ -48,7 +65,8 @@ def start_front_end(options: FrontEndOptions, client) -> int | None:
             await asyncio.sleep(0.05)
         if server.started:
             print(
-                f"spmoe serve: ready: http://{options.host}:{options.port}/v1 (model '{options.served_model_name}')"
+                f"spmoe serve: ready: http://{options.host}:{options.port}/v1 (model "
+                f"{', '.join(repr(name) for name in options.served_model_names)})"
                 f"; stop with Ctrl-C or SIGTERM",
                 file=sys.stderr,
                 flush=True,
@@ -88,12 +106,12 @@ def run_serve(model_dir: str, args: EngineArgs, max_num_waiting: int, front: Fro
     if not Path(model_dir, "config.json").is_file():
         raise ValueError(f"--model {model_dir}: expected a checkpoint folder with config.json, found none")
     check_serve(model_dir, args, max_num_waiting)
-    load_tokenizer(model_dir)
+    load_tokenizer(front.tokenizer_dir, front.chat_template)
     check_address(front.host, front.port)
     parallel = args.parallel_config()
     print(
-        f"spmoe serve: {model_dir} on {parallel.world_size} local ranks (TP {args.tp} x DP {args.dp}, "
-        f"{args.device}); loading the weights",
+        f"spmoe serve: {model_dir} on {parallel.world_size} local ranks ({args.describe(parallel)}); "
+        f"loading the weights",
         file=sys.stderr,
         flush=True,
     )
@@ -111,11 +129,22 @@ def run_serve(model_dir: str, args: EngineArgs, max_num_waiting: int, front: Fro
 
 def add_serve_args(p) -> None:
     p.add_argument(
-        "--model",
-        help="checkpoint folder with config.json, *.safetensors and the tokenizer "
-        "(default: the demo checkpoint, written on first use)",
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="a checkpoint folder (config.json, *.safetensors, the tokenizer) or a Hugging Face model id, as in "
+        "`vllm serve MODEL` (default: the demo checkpoint, written on first use)",
     )
-    p.add_argument("--served-model-name", help="the model name clients ask for (default: --model as given)")
+    p.add_argument("--model", help="the same as MODEL")
+    p.add_argument("--tokenizer", help="a folder or Hugging Face id with the tokenizer (default: the model's)")
+    p.add_argument("--revision", help="the Hugging Face branch, tag or commit of MODEL (default: main)")
+    p.add_argument("--download-dir", help="the Hugging Face cache folder (default: HF_HUB_CACHE / HF_HOME's)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the names clients may ask for; the first is reported in responses (default: MODEL as given)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument(
@@ -124,19 +153,78 @@ def add_serve_args(p) -> None:
         default=DEFAULT_MAX_NUM_WAITING,
         help=f"requests that may wait to start; one more gets 503 (default {DEFAULT_MAX_NUM_WAITING})",
     )
+    p.add_argument("--seed", type=int, help="seeds the sampling seeds of requests that give none (default: random)")
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="{auto,vllm,FOLDER}",
+        help="sampling defaults for the fields a request leaves out: auto (default) the model's "
+        "generation_config.json, vllm none, or that of FOLDER",
+    )
+    p.add_argument(
+        "--override-generation-config", metavar="JSON", help="generation_config.json fields set over the file's"
+    )
+    p.add_argument(
+        "--chat-template", help="a Jinja chat template file, or the template itself (default: the tokenizer's)"
+    )
+    p.add_argument(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMATS,
+        default="auto",
+        help="message content as the template sees it: string (auto, default) or openai (a list of text parts)",
+    )
+    p.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="warning", help="default warning")
     EngineArgs.add_cli_args(p)
+    add_vllm_flags(p)
 
 
 def cmd_serve(args) -> int:
-    engine_args = EngineArgs.from_cli(args)
-    model = args.model
-    if model is None:
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"MODEL {args.model_tag} and --model {args.model} disagree; give the model once")
+    named = args.model_tag or args.model
+    if named is None:
         from spmoe.entrypoints.demo import checkpoint_dir, ensure_checkpoint
 
         model = str(checkpoint_dir())
         ensure_checkpoint(checkpoint_dir())
-    name = args.served_model_name or (args.model if args.model is not None else "spmoe-demo")
-    stop = run_serve(model, engine_args, args.max_num_waiting, FrontEndOptions(model, name, args.host, args.port))
+    else:
+        option = "MODEL" if args.model is None else "--model"
+        weights, tokenizer = args.load_format != "dummy", args.tokenizer is None
+        model = str(
+            resolve_model(named, args.revision, args.download_dir, weights=weights, tokenizer=tokenizer, option=option)
+        )
+    tokenizer = model
+    if args.tokenizer is not None:
+        tokenizer = str(resolve_model(args.tokenizer, None, args.download_dir, weights=False, option="--tokenizer"))
+    device_chosen = args.device is None
+    engine_args = EngineArgs.from_cli(args, model)
+    overrides = None
+    if args.override_generation_config is not None:
+        overrides = parse_json_object(args.override_generation_config, "--override-generation-config")
+    defaults = GenerationDefaults.load(args.generation_config, model, overrides)
+    front = FrontEndOptions(
+        tokenizer,
+        served_model_names(args.served_model_name, named or "spmoe-demo"),
+        args.host,
+        args.port,
+        read_chat_template(args.chat_template) if args.chat_template is not None else None,
+        "openai" if args.chat_template_content_format == "openai" else "string",
+        defaults,
+        args.seed,
+        args.uvicorn_log_level,
+    )
+    notes = list(args.vllm_notes)
+    if device_chosen:
+        found = "a GPU is visible" if engine_args.device == "cuda" else "no GPU is visible"
+        notes.append(f"device {engine_args.device}: {found} (--device overrides)")
+    if engine_args.enable_expert_parallel:
+        notes.append("--enable-expert-parallel: spmoe's routed experts are always expert-parallel over all ranks")
+    notes.append(defaults.describe(APPLIED_DEFAULTS))
+    if engine_args.drafts and "temperature" in defaults.values:
+        notes.append("the model's default temperature is not applied: a speculating server serves greedy requests")
+    for note in notes:
+        print(f"spmoe serve: {note}", file=sys.stderr, flush=True)
+    stop = run_serve(model, engine_args, args.max_num_waiting, front)
     if stop is None:
         return 0
     print(f"spmoe serve: stopped by {signal.Signals(stop).name}", file=sys.stderr)

@@ -12,18 +12,32 @@ REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence ends with
 CONTEXT_TOKENS = 4  # prompt tokens decoded before the output, for tokenizers that drop a leading space
 
 
-def load_tokenizer(model_dir: str | Path):
+def load_tokenizer(model_dir: str | Path, chat_template: str | None = None):
     """The checkpoint folder's tokenizer (`tokenizer.json` / `tokenizer_config.json`) through transformers'
-    `AutoTokenizer`; a one-line error if the folder has none or it does not load."""
+    `AutoTokenizer`, with `chat_template` (`read_chat_template`'s) in place of its own if given; a one-line
+    error if the folder has none or it does not load."""
     folder = Path(model_dir)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(f"{folder} has no tokenizer: expected tokenizer.json or tokenizer_config.json there")
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"the tokenizer in {folder} does not load: {str(e).strip().splitlines()[0]}") from None
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file holding a Jinja chat template, or the template itself (as vLLM takes it)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value}: expected a Jinja template file or a template, found neither")
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

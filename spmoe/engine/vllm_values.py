@@ -1,0 +1,205 @@
+"""vLLM's value syntax on spmoe's command line: lengths with suffixes (`128k`), the speculative config as JSON or
+in dotted form (`--speculative-config.method mtp`), `--hf-overrides` merged into the model config, vLLM's
+names for the KV cache dtype and the model dtype, and several served model names.
+
+Every parser here takes the text the user wrote and returns spmoe's value, or raises ValueError with one line
+naming the option, what it expected and what came.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+
+from spmoe.config.model import merge_overrides
+from spmoe.engine.paged_cache import BLOCK_SIZE
+
+DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}  # lower case: powers of ten
+BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # upper case: powers of two
+_LENGTH = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+
+
+def parse_length(text: str, option: str = "--max-model-len") -> int:
+    """`2048`, `1k` (1000), `1K` (1024), `128k`, `25.6k` (25600), `1m`, `1M` -> an int (the option checks its
+    range). A fraction is allowed with a lower-case (decimal) suffix only, and must come out whole."""
+    match = _LENGTH.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(
+            f"{option}: expected an integer, optionally with a suffix k/m/g (x1000) or K/M/G (x1024), got {text!r}"
+        )
+    number, suffix = match.groups()
+    if "." in number and suffix not in DECIMAL_SUFFIXES:
+        raise ValueError(f"{option}: a fraction needs a decimal suffix (k, m, g), got {text!r}")
+    if suffix in BINARY_SUFFIXES:
+        value = int(number) * BINARY_SUFFIXES[suffix]
+    else:
+        scaled = float(number) * DECIMAL_SUFFIXES[suffix] if suffix else int(number)
+        if scaled != int(scaled):
+            raise ValueError(f"{option}: {text!r} is not a whole number of tokens")
+        value = int(scaled)
+    return value
+
+
+def parse_json_object(text: str, option: str) -> dict:
+    """A JSON object given on the command line."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{option}: expected a JSON object, got {text!r} ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option}: expected a JSON object, got {type(value).__name__} {text!r}")
+    return value
+
+
+def fold_dotted(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """vLLM's dotted form of a JSON option, folded into the JSON form: `--speculative-config.method mtp
+    --speculative-config.num_speculative_tokens 1` (or `--opt.key=value`, `--opt.a.b v` for nested keys)
+    becomes one `--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'`. A dotted value is
+    read as JSON when it parses (`1`, `true`, `{...}`), else as a string. The JSON form and the dotted form
+    may be mixed: they apply in the order given (objects merge key by key). Other arguments are untouched."""
+    merged: dict[str, dict] = {}
+    first_at: dict[str, int] = {}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, eq, inline = arg.partition("=")
+        base, dot, path = flag.partition(".")
+        if base in options and arg.startswith("--"):
+            if eq:
+                value = inline
+            elif i + 1 < len(argv):
+                i += 1
+                value = argv[i]
+            else:
+                raise ValueError(f"{flag}: expected a value after it, got none")
+            if base not in first_at:
+                first_at[base] = len(out)
+                out.append(base)
+            target = merged.setdefault(base, {})
+            if dot:
+                keys = path.split(".")
+                if not all(keys):
+                    raise ValueError(f"{flag}: expected {base}.KEY with a non-empty key, got {flag!r}")
+                for key in keys[:-1]:
+                    target = target.setdefault(key, {})
+                    if not isinstance(target, dict):
+                        raise ValueError(f"{flag}: {key} is set to a value, so it has no keys")
+                target[keys[-1]] = _json_or_text(value)
+            else:
+                merged[base] = target = merge_overrides(target, parse_json_object(value, base))
+        else:
+            out.append(arg)
+        i += 1
+    for base, at in sorted(first_at.items(), key=lambda item: -item[1]):  # from the end: positions hold
+        out.insert(at + 1, json.dumps(merged[base]))
+    return out
+
+
+def _json_or_text(value: str):
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+# vLLM's names for speculating with the checkpoint's own multi-token-prediction layers (DeepSeek-V3 and GLM):
+# all of them mean the same thing here.
+MTP_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp")
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int  # MTP drafts per step
+
+    @classmethod
+    def parse(cls, config: dict, target_model: str | None = None) -> "SpeculativeConfig":
+        """vLLM's `--speculative-config` object -> spmoe's MTP drafts. `method` must name MTP; `model`, if
+        given, must be the served model itself (the MTP layer is in its checkpoint)."""
+        option = "--speculative-config"
+        unknown = [key for key in config if key not in SPECULATIVE_KEYS]
+        if unknown:
+            raise ValueError(
+                f"{option}: spmoe does not support the key {unknown[0]!r}; it takes {', '.join(SPECULATIVE_KEYS)}"
+            )
+        method = config.get("method")
+        if method not in MTP_METHODS:
+            raise ValueError(
+                f"{option}: method {method!r} is not supported; spmoe drafts with the checkpoint's MTP layer: "
+                f"method one of {', '.join(MTP_METHODS)}"
+            )
+        model = config.get("model")
+        if model is not None and model != target_model:
+            raise ValueError(
+                f"{option}: model {model!r} is a separate draft model, which spmoe does not support; MTP drafts "
+                f"with the served model's own layer (leave model out)"
+            )
+        drafts = config.get("num_speculative_tokens", 1)
+        if not isinstance(drafts, int) or isinstance(drafts, bool) or drafts < 1:
+            raise ValueError(f"{option}: num_speculative_tokens must be an integer >= 1, got {drafts!r}")
+        return cls(drafts)
+
+
+# `--kv-cache-dtype`: vLLM's names -> spmoe's paged cache dtypes (fp8 is e4m3 with block scales).
+KV_CACHE_DTYPE_NAMES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
+
+
+def parse_kv_cache_dtype(text: str) -> str:
+    if text not in KV_CACHE_DTYPE_NAMES:
+        raise ValueError(
+            f"--kv-cache-dtype: expected one of {', '.join(KV_CACHE_DTYPE_NAMES)}, got {text!r}"
+            + (" (spmoe's FP8 cache is e4m3)" if text.startswith("fp8") else "")
+        )
+    return KV_CACHE_DTYPE_NAMES[text]
+
+
+# `--dtype`: the names vLLM takes that spmoe computes in; float16 has no kernels here.
+DTYPE_NAMES = {"auto": "auto", "bfloat16": "bfloat16", "float32": "float32", "float": "float32"}
+CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "bfloat16", "float8_e4m3fn": "bfloat16"}
+
+
+def resolve_dtype(text: str, raw_config: dict, device: str) -> str:
+    """The compute dtype for `--dtype text`: `auto` is bfloat16 on CUDA; on the CPU the checkpoint's
+    `torch_dtype` (`dtype` in newer configs) when it is float32, else bfloat16 for a bf16/fp16/FP8 checkpoint,
+    float32 when the config states none."""
+    if text not in DTYPE_NAMES:
+        raise ValueError(f"--dtype: expected one of {', '.join(DTYPE_NAMES)}, got {text!r}")
+    if DTYPE_NAMES[text] != "auto":
+        return DTYPE_NAMES[text]
+    if device == "cuda":
+        return "bfloat16"
+    stated = raw_config.get("torch_dtype") or raw_config.get("dtype")
+    if stated is None:
+        return "float32"
+    if stated not in CHECKPOINT_DTYPES:
+        raise ValueError(f"--dtype auto: the checkpoint's torch_dtype {stated!r} is not one spmoe computes in")
+    return CHECKPOINT_DTYPES[stated]
+
+
+def served_model_names(names: list[str] | None, model: str) -> list[str]:
+    """`--served-model-name A B ...` -> the names clients may ask for, the first one reported in responses;
+    none given: the model as it was named on the command line."""
+    if not names:
+        return [model]
+    if any(not name.strip() for name in names):
+        raise ValueError(f"--served-model-name: names must not be empty, got {names!r}")
+    return list(dict.fromkeys(names))
+
+
+def check_quantization(method: str | None, raw_config: dict) -> None:
+    """`--quantization`: only the method the checkpoint declares (`quantization_config.quant_method`), since
+    spmoe does not quantize weights at load time."""
+    if method is None:
+        return
+    declared = (raw_config.get("quantization_config") or {}).get("quant_method")
+    if method != declared:
+        stated = f"declares {declared}" if declared else "is not quantized"
+        raise ValueError(
+            f"--quantization {method}: spmoe does not quantize at load time and the checkpoint {stated}; "
+            f"leave the flag out{', or use a checkpoint stored in ' + method if method == 'fp8' else ''}"
+        )
+
+
+def check_block_size(size: int | None) -> None:
+    if size is not None and size != BLOCK_SIZE:
+        raise ValueError(f"--block-size {size}: spmoe's paged cache has blocks of {BLOCK_SIZE} tokens only")
