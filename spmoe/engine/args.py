@@ -492,7 +492,8 @@ class EngineArgs:
 
     def build_engine(self, model, max_num_seqs: int, cache_len: int, log=None) -> Engine:
         """The engine over a new KV cache for `max_num_seqs` sequences of `cache_len` positions (the dense
-        cache's slots; the paged cache's default room on CPU), its CUDA graphs captured (`log(line)`: progress);
+        cache's slots; the paged cache's default room on CPU; without --max-model-len, the longest sequence, which
+        sets the width of the graphs' block tables), its CUDA graphs captured (`log(line)`: progress);
         `warmup.warm_up` then makes it ready."""
         return Engine(
             model,
@@ -501,6 +502,6 @@ class EngineArgs:
             self.use_cuda_graphs(model),
             max_num_seqs,
             self.max_num_batched_tokens,
-            self.max_model_len,
+            self.max_model_len or cache_len,  # the graphs' block tables: as wide as the job's longest sequence
             log,
         )

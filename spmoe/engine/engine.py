@@ -151,9 +151,11 @@ class Engine:
         return KernelCompiles.count + self.graph_captures()
 
     def mark_ready(self) -> None:
-        """The engine is warm (`warmup.warm_up`): start the step statistics afresh, and count from here the
-        compiles and captures that warming up did not foresee (`metrics().compiles_after_ready`)."""
+        """The engine is warm (`warmup.warm_up`): its step statistics and counters (`metrics()`: steps, tokens)
+        start afresh, and from here it counts the compiles and captures that warming up did not foresee
+        (`metrics().compiles_after_ready`)."""
         self.reset_stats()
+        self.stats.totals = EngineMetrics()
         self._ready_count = self._compiles()
 
     def reset_stats(self) -> None:

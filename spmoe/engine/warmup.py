@@ -34,8 +34,9 @@ def warmup_prompt_lengths(max_num_batched_tokens: int, longest: int, count: int)
 def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
     """Run the warm-up requests through `engine` (on every rank of the job alike; `run_requests` None: only
     on CUDA, where there is something to compile), then mark it ready (its step statistics start afresh).
-    `log(line)`: progress output. -> {"seconds", "kernel_compiles", "graph_captures"}: the process's counts
-    once warm (graphs included, as they were captured when the engine was built)."""
+    `log(line)`: progress output. -> {"seconds", "steps", "generated_tokens"} of warming up, and
+    {"kernel_compiles", "graph_captures"}: the counts once warm (graphs included, as they were captured when
+    the engine was built)."""
     began = time.perf_counter()
     room = engine.scheduler.room
     new_tokens = min(WARMUP_NEW_TOKENS, room.max_tokens_per_sequence - 1 - engine.k)
@@ -56,9 +57,16 @@ def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
             prompt = [(7 * i + 3 * j + 1) % vocab for j in range(n)]
             engine.add_request(Request(f"warmup-{i}", prompt, new_tokens, sampling))
         run_to_completion(engine)
+    warm = engine.metrics()
     engine.mark_ready()
     seconds = time.perf_counter() - began
-    done = {"seconds": seconds, "kernel_compiles": KernelCompiles.count, "graph_captures": engine.graph_captures()}
+    done = {
+        "seconds": seconds,
+        "steps": warm.steps,
+        "generated_tokens": warm.generated_tokens,
+        "kernel_compiles": KernelCompiles.count,
+        "graph_captures": engine.graph_captures(),
+    }
     if log is not None:
         log(
             f"warm: {done['kernel_compiles']} kernel variants compiled, {done['graph_captures']} CUDA graphs "
