@@ -3,8 +3,10 @@ streaming completions in flight until `--num-prompts` have finished; at each `--
 requests at Poisson arrivals of that many per second, however many are in flight. Per level: request
 throughput, output tokens/s, the p50 / p99 time to first token (TTFT) and time per output token after the
 first (TPOT), the TTFT of the level's first request, and, from the server's `/metrics` before and after the
-level (spmoe's counters; "-" for a server without them), the engine steps it ran and the share of those that
-compiled a kernel or captured a CUDA graph, and the compiles and captures after the server reported ready.
+level ("-" for a server without the counter): the prefix cache's hit rate (prompt tokens found cached / looked
+up: spmoe's or vLLM's `...:prefix_cache_hits_total` / `...:prefix_cache_queries_total`), and spmoe's engine
+steps, the share of them that compiled a kernel or captured a CUDA graph, and the compiles and captures after
+the server reported ready.
 
 Prompts are random token ids (`--input-len` of them, below `--token-id-limit`), so every prompt has exactly
 that length; `ignore_eos` makes every request generate `--output-len` tokens. The token counts come from the
@@ -85,22 +87,40 @@ async def run_level(
         return results, time.perf_counter() - began
 
 
-COUNTERS = ("engine_steps", "engine_steps_compiling", "compiles_after_ready")
+COUNTERS = {  # counter -> how its name ends in /metrics (summed over label sets)
+    "steps": "spmoe_engine_steps_total",
+    "compiling": "spmoe_engine_steps_compiling_total",
+    "after_ready": "spmoe_compiles_after_ready_total",
+    "queries": ":prefix_cache_queries_total",
+    "hits": ":prefix_cache_hits_total",
+}
 
 
-def server_counters(base: str) -> dict[str, float] | None:
-    """spmoe's step and compile counters from `/metrics` beside the API (None if the server has none)."""
+def server_counters(base: str) -> dict[str, float]:
+    """The `COUNTERS` the server's `/metrics` beside the API reports (those it has)."""
     try:
-        text = httpx.get(base.removesuffix("/v1") + "/metrics").text
+        response = httpx.get(base.removesuffix("/v1") + "/metrics")
     except httpx.HTTPError:
-        return None
+        return {}
     values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        for counter in COUNTERS:
-            if name.split("{")[0] == f"spmoe_{counter}_total":
-                values[counter] = float(value)
-    return values if len(values) == len(COUNTERS) else None
+    for line in response.text.splitlines() if response.status_code == 200 else []:
+        if line.startswith("#"):  # HELP / TYPE
+            continue
+        name, _, value = line.rpartition(" ")
+        for counter, suffix in COUNTERS.items():
+            if name.split("{")[0].endswith(suffix):
+                values[counter] = values.get(counter, 0.0) + float(value)
+    return values
+
+
+def counted(before: dict[str, float], after: dict[str, float]) -> str:
+    """The level's columns from the counters: hit rate, steps, share compiling, compiles after ready."""
+    delta = {k: after[k] - before[k] for k in after if k in before}
+    hit_rate = f"{delta['hits'] / delta['queries']:.1%}" if delta.get("queries") else "-"
+    if "steps" not in delta:
+        return f"{hit_rate:>10}{'-':>7}{'-':>10}{'-':>12}"
+    share = 100 * delta["compiling"] / max(delta["steps"], 1)
+    return f"{hit_rate:>10}{delta['steps']:>7.0f}{share:>9.1f}%{after['after_ready']:>12.0f}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -131,7 +151,7 @@ def main() -> None:
     print(f"bench_serve: {base}, model {model!r}, {args.input_len} prompt tokens -> {args.output_len} output tokens")
     print(
         f"{'level':>12}{'requests':>9}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'1st TTFT':>10}"
-        f"{'TPOT p50':>10}{'TPOT p99':>10}{'steps':>7}{'compiling':>10}{'after ready':>12}  (ms)"
+        f"{'TPOT p50':>10}{'TPOT p99':>10}{'hit rate':>10}{'steps':>7}{'compiling':>10}{'after ready':>12}  (ms)"
     )
     levels = [(c, None) for c in args.concurrency] + [(None, r) for r in args.request_rate]
     for concurrency, rate in levels:
@@ -147,17 +167,11 @@ def main() -> None:
         ttft = [r.ttft_s * 1e3 for r in results]
         tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None] or [float("nan")]
         output_tokens = sum(r.output_tokens for r in results)
-        if before is not None and after is not None:
-            steps = after["engine_steps"] - before["engine_steps"]
-            compiling = after["engine_steps_compiling"] - before["engine_steps_compiling"]
-            counted = f"{steps:>7.0f}{100 * compiling / max(steps, 1):>9.1f}%{after['compiles_after_ready']:>12.0f}"
-        else:
-            counted = f"{'-':>7}{'-':>10}{'-':>12}"
         level = f"c={concurrency}" if rate is None else f"rate={rate:g}/s"
         print(
             f"{level:>12}{count:>9}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
             f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}{ttft[0]:>10.1f}"
-            f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}{counted}",
+            f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}{counted(before, after)}",
             flush=True,
         )
 

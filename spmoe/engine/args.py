@@ -262,6 +262,15 @@ class EngineArgs:
             "scale per 128 values, the indexer key in e4m3 with one scale)",
         ),
     )
+    enable_prefix_caching: bool | None = field(
+        default=None,
+        metadata=option(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            help="paged cache: keep full blocks after their request ends, so that a later request with the same "
+            "prefix reuses them instead of computing it again (default on; --no-enable-prefix-caching: off)",
+        ),
+    )
     # speculation and CUDA graphs
     speculative: str | None = field(
         default=None,
@@ -340,6 +349,10 @@ class EngineArgs:
                 "--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; "
                 "got them with --kv-cache dense"
             )
+        if self.kv_cache == "dense" and self.enable_prefix_caching:
+            raise ValueError(
+                "--enable-prefix-caching needs --kv-cache paged: the dense cache keeps nothing between requests"
+            )
 
     # The command line.
 
@@ -388,6 +401,11 @@ class EngineArgs:
         if self.speculative is None:
             return 0
         return 1 if self.num_speculative_tokens is None else self.num_speculative_tokens
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the engine keeps full blocks for later requests: on for the paged cache unless turned off."""
+        return self.kv_cache == "paged" and self.enable_prefix_caching is not False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -503,5 +521,6 @@ class EngineArgs:
             max_num_seqs,
             self.max_num_batched_tokens,
             self.max_model_len or cache_len,  # the graphs' block tables: as wide as the job's longest sequence
+            self.prefix_caching,
             log,
         )

@@ -107,12 +107,14 @@ class Engine:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int = 8192,
         max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
         log=None,
     ):
         """`max_num_seqs`: sequences running at once on a paged cache (the slot cache: its slot count);
         `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit; `max_model_len`: the
-        most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot).
-        With `cuda_graphs` every decode graph is captured here (`log(line)`: a progress line for each)."""
+        most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot);
+        `enable_prefix_caching`: a paged cache keeps full blocks for later requests with the same prefix. With
+        `cuda_graphs` every decode graph is captured here (`log(line)`: a progress line for each)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and not model.num_draft_layers:
@@ -123,9 +125,12 @@ class Engine:
                 "so pass one or the other"
             )
         self.model, self.cache, self.k = model, cache, num_speculative_tokens
-        room = (
-            BlockRoom(cache, max_num_seqs or 256, max_model_len) if isinstance(cache, PagedKVCache) else SlotRoom(cache)
-        )
+        if isinstance(cache, PagedKVCache):
+            # the MTP layer's row at a position embeds the next token: a block depends on one token past it
+            lookahead = 1 if num_speculative_tokens else 0
+            room = BlockRoom(cache, max_num_seqs or 256, max_model_len, enable_prefix_caching, lookahead)
+        else:
+            room = SlotRoom(cache)
         keep_in_step = get_parallel_state().dp_size > 1  # every DP rank runs every step, empty or not
         self.stats = StepStats(num_speculative_tokens)
         self.scheduler = Scheduler(room, num_speculative_tokens, max_num_batched_tokens, keep_in_step)
@@ -210,6 +215,7 @@ class Engine:
             totals.generated_tokens,
             totals.draft_proposed,
             totals.draft_accepted,
+            *self.scheduler.room.prefix_cache_counts(),
             totals.steps,
             totals.steps_compiling,
             KernelCompiles.count,

@@ -40,7 +40,9 @@ class RequestOutput:
 @dataclass
 class EngineMetrics:
     """A snapshot of the engine: requests running (holding cache) and waiting (queued), the share of the KV
-    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP)."""
+    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP), and
+    the prefix cache's queries and hits in tokens (prompt tokens looked up when a sequence is admitted, and of
+    those the ones found cached)."""
 
     running: int = 0
     waiting: int = 0
@@ -48,6 +50,8 @@ class EngineMetrics:
     generated_tokens: int = 0
     draft_proposed: int = 0
     draft_accepted: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     steps: int = 0  # engine steps run
     steps_compiling: int = 0  # of those, steps in which a kernel compiled or a CUDA graph was captured
     kernel_compiles: int = 0  # Triton kernel variants loaded in the process (`stats.KernelCompiles`)
@@ -65,6 +69,8 @@ class EngineMetrics:
             sum(m.generated_tokens for m in parts),
             sum(m.draft_proposed for m in parts),
             sum(m.draft_accepted for m in parts),
+            sum(m.prefix_cache_queries for m in parts),
+            sum(m.prefix_cache_hits for m in parts),
             *(
                 sum(getattr(m, name) for m in parts)
                 for name in ("steps", "steps_compiling", "kernel_compiles", "graph_captures", "compiles_after_ready")

@@ -33,6 +33,9 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None  # why it finished with finish_reason "error"
     preemptions: int = 0
+    # the prefix cache's chained hashes of its first blocks, as far as computed (its tokens are only appended
+    # to, so they stay valid for its life: each block is hashed once, however often it is looked up)
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:

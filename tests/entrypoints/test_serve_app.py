@@ -97,7 +97,14 @@ class ScriptedEngineClient:
 
     def metrics(self):
         return EngineMetrics(
-            running=1, waiting=2, kv_cache_usage=0.25, generated_tokens=7, draft_proposed=4, draft_accepted=3
+            running=1,
+            waiting=2,
+            kv_cache_usage=0.25,
+            generated_tokens=7,
+            draft_proposed=4,
+            draft_accepted=3,
+            prefix_cache_queries=40,
+            prefix_cache_hits=30,
         )
 
 
@@ -193,6 +200,8 @@ def test_models_health_metrics(served):
         "spmoe_kv_cache_usage_ratio 0.25",
         "spmoe_generation_tokens_total 7.0",
         "spmoe_spec_decode_acceptance_ratio 0.75",
+        "spmoe:prefix_cache_queries_total 40.0",
+        "spmoe:prefix_cache_hits_total 30.0",
         "spmoe_time_to_first_token_seconds_count 1.0",
         "spmoe_inter_token_latency_seconds_count 3.0",
         "spmoe_prompt_tokens_total 2.0",
