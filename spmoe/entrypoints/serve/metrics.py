@@ -1,8 +1,9 @@
 """`/metrics` in the Prometheus text format, from the server's own registry.
 
 The engine's state (requests running and waiting, KV cache usage, generated tokens, preemptions, MTP drafts,
-prefix cache queries and hits in tokens: `spmoe:prefix_cache_queries_total`, `spmoe:prefix_cache_hits_total`)
-is read from `client.metrics()` when Prometheus scrapes; the latencies are recorded by the front end as tokens reach it:
+prefix cache queries and hits in tokens: `spmoe:prefix_cache_queries_total`, `spmoe:prefix_cache_hits_total`, steps, and
+the kernel compiles and CUDA graph captures: in all, and after the server reported ready) is read from
+`client.metrics()` when Prometheus scrapes; the latencies are recorded by the front end as tokens reach it:
 - time to first token: from the request's arrival to its first generated token;
 - inter-token latency: between a request's successive tokens. A step that brings several tokens (accepted
   MTP drafts) counts as that many intervals of its time divided by the tokens.
@@ -36,6 +37,17 @@ class EngineCollector:
         )
         yield CounterMetricFamily(
             "spmoe_num_preemptions", "Running requests preempted (cache freed, recomputed later)", m.preemptions
+        )
+        yield CounterMetricFamily("spmoe_engine_steps", "Engine steps run", m.steps)
+        yield CounterMetricFamily(
+            "spmoe_engine_steps_compiling", "Engine steps that compiled a kernel or captured a graph", m.steps_compiling
+        )
+        yield CounterMetricFamily("spmoe_kernel_compiles", "Triton kernel variants loaded", m.kernel_compiles)
+        yield CounterMetricFamily("spmoe_cuda_graph_captures", "CUDA graphs captured", m.graph_captures)
+        yield CounterMetricFamily(
+            "spmoe_compiles_after_ready",
+            "Kernel compiles and CUDA graph captures after the server reported ready (0 when warm-up foresaw all)",
+            m.compiles_after_ready,
         )
         if self.client.num_speculative_tokens:
             yield CounterMetricFamily("spmoe_spec_decode_draft_tokens", "MTP draft tokens proposed", m.draft_proposed)
