@@ -27,6 +27,7 @@ from spmoe.layers.quantization.fp8_linear import fp8_linear_torch, quantize_bloc
 
 SHAPES = {  # name: (n, k) at TP 1; x_proj's FP8 parts padded to 128-row blocks as MergedLinear holds them
     "x_proj (q_a + kv_a + wk)": (2048 + 640 + 128, 6144),
+    "x_proj (q_a + kv_a)": (2048 + 640, 6144),
     "q_b_proj": (64 * 256, 2048),
     "indexer.wq_b": (32 * 128, 2048),
     "o_proj": (6144, 64 * 256),

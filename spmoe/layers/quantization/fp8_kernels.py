@@ -6,14 +6,15 @@ the torch references each matches).
   walks its share of k in steps of 128: an FP8 `tl.dot` per step, scaled by the row's activation scale times the
   block's weight scale, float32 accumulation. The launch shape comes from `matmul_config`: a table of the shapes
   GLM-5.2 runs, keyed by (m bucket, n, k), else a rule from the same reasoning:
-  * decode (m <= `QUANTIZE_INSIDE_ROWS`): the kernel reads the 16-bit activations and quantises each 128-channel
-    group itself (one launch, not two; every program repeats it, which costs little next to its weight tile);
+  * m <= `QUANTIZE_INSIDE_ROWS`: the kernel reads the 16-bit activations and quantises each 128-channel group
+    itself (one launch, not two; every program repeats it, which costs little next to its weight tile; on
+    sm_90 Triton runs this 16-row dot as an f16 MMA, e4m3 -> f16 being exact);
+  * more rows (decode at m 17-64 and prefill): the activations are quantised once by the experts' kernel
+    (`triton_kernels.quantize_fp8`);
   * split-K: at decode a layer's weight is all the work, so every multiprocessor must stream a share of it; a
-    narrow layer (q_a + kv_a: 2816 rows, o_proj at 64-column tiles: 96 tiles for 132 SMs) has too few column
+    narrow layer (q_a + kv_a: 2816 rows, 22 tiles of 128 columns; o_proj: 48 for 132 SMs) has too few column
     tiles, so k is cut into `split_k` ranges, each program writes float32 partial sums and `_sum_splits_kernel`
-    adds them in a fixed order (deterministic, no atomics, no counters to reset: graph-safe);
-  * prefill: the activations are quantised once by the experts' kernel (`triton_kernels.quantize_fp8`), then
-    128 x 128 tiles.
+    adds them in a fixed order (deterministic, no atomics, no counters to reset: graph-safe).
   Optionally the product is added to `out` (the MLP's down projection adds to the routed experts' output).
 - `fp8_head_matmul`: absorbed MLA's per-head products with kv_b_proj's FP8 weight (`q_nope @ W_UK`, the
   weighted latent @ `W_UV^T`), 16-bit activations: program (head, BLOCK_M output columns, BLOCK_N tokens)
@@ -62,9 +63,11 @@ M_BUCKETS = (16, 32, 64)  # decode buckets (upper bounds of m); larger m is pref
 # (splits x m x n) are a few % of the weight's bytes at m <= 16; at m = 64 up to half for the 2048-deep layers,
 # a few MiB that mostly stay in L2.
 MATMUL_CONFIGS: dict[tuple[int, int, int], MatmulConfig] = {
-    # x_proj (q_a + kv_a + indexer wk, 128-row padded parts): 22 / 44 column tiles
+    # x_proj (q_a + kv_a (+ indexer wk), 128-row padded parts): 21-22 / 42-44 column tiles
     (16, 2816, 6144): MatmulConfig(16, 128, 12, 4, 4),
     (64, 2816, 6144): MatmulConfig(64, 64, 6, 4, 4),
+    (16, 2688, 6144): MatmulConfig(16, 128, 12, 4, 4),
+    (64, 2688, 6144): MatmulConfig(64, 64, 6, 4, 4),
     # q_b_proj: 128 / 256 column tiles
     (16, 16384, 2048): MatmulConfig(16, 128, 2, 4, 4),
     (64, 16384, 2048): MatmulConfig(64, 64, 1, 4, 4),
