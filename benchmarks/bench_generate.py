@@ -146,7 +146,14 @@ def run_case(model, cfg, kind: str, context: int, args) -> dict:
         cache = KVCache.for_model(model, 1, context + args.new_tokens)
     else:
         cache = PagedKVCache.for_model(model, int(args.kv_cache_memory * 2**30), "fp8" if kind == "fp8" else "auto")
-    engine = Engine(model, cache, cuda_graphs=True, max_num_seqs=1, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = Engine(
+        model,
+        cache,
+        cuda_graphs=True,
+        max_num_seqs=1,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=context + args.new_tokens,  # the graphs' block tables: as wide as this case needs
+    )
     prompt = torch.randint(0, cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(context)).tolist()
     engine.add_request(Request(f"{kind}-{context}", prompt, args.new_tokens))
     tokens, steps = [], []

@@ -1,20 +1,24 @@
 """Load on a running `spmoe serve` (or any OpenAI-compatible server): at each concurrency level, keep that many
-streaming completions in flight until `--num-prompts` have finished, then report request throughput, output
-tokens/s, the p50 / p99 time to first token (TTFT) and time per output token after the first (TPOT), and the
-prefix cache's hit rate over the level (prompt tokens found cached / looked up, from the server's `/metrics`:
-spmoe's or vLLM's `...:prefix_cache_hits_total` / `...:prefix_cache_queries_total`; "-" if it has none).
+streaming completions in flight until `--num-prompts` have finished; at each `--request-rate`, start the
+requests at Poisson arrivals of that many per second, however many are in flight. Per level: request
+throughput, output tokens/s, the p50 / p99 time to first token (TTFT) and time per output token after the
+first (TPOT), the TTFT of the level's first request, and, from the server's `/metrics` before and after the
+level ("-" for a server without the counter): the prefix cache's hit rate (prompt tokens found cached / looked
+up: spmoe's or vLLM's `...:prefix_cache_hits_total` / `...:prefix_cache_queries_total`), and spmoe's engine
+steps, the share of them that compiled a kernel or captured a CUDA graph, and the compiles and captures after
+the server reported ready.
 
 Prompts are random token ids (`--input-len` of them, below `--token-id-limit`), so every prompt has exactly
 that length; `ignore_eos` makes every request generate `--output-len` tokens. The token counts come from the
-server's `usage`.
+server's `usage`. No warm-up request is sent: the server warms itself before it reports ready.
 
     spmoe serve --model DIR --tp 2 --device cuda --dtype bfloat16 &
-    python benchmarks/bench_serve.py --concurrency 1 4 16 64 --input-len 1024 --output-len 128
+    python benchmarks/bench_serve.py --concurrency 1 16 64 256 --request-rate 20 --input-len 1024 --output-len 128
 
-`--sampling plain processed` runs every level twice, side by side: `plain` is greedy with nothing else;
-`processed` is greedy with logprobs=5 and presence, frequency and repetition penalties on every request (the
-sampler's logits processing, penalty counts and logprobs all at work), then prints processed / plain for the
-output token rate and the median TPOT.
+`--sampling plain processed` runs every level once per setting, side by side: `plain` is greedy with nothing
+else; `processed` is greedy with logprobs=5 and presence, frequency and repetition penalties on every request
+(the sampler's logits processing, penalty counts and logprobs all at work), then prints processed / plain for
+the output token rate and the median TPOT. Each setting gets fresh prompts (none finds the other's cached).
 """
 
 import argparse
@@ -77,42 +81,66 @@ async def one_request(
     return Result(ttft, time.perf_counter() - began, usage["completion_tokens"])
 
 
-async def prefix_cache_counts(client: httpx.AsyncClient, base: str) -> tuple[float, float] | None:
-    """(prompt tokens looked up in the prefix cache, tokens found) from the server's `/metrics`, summed over
-    label sets; None when it reports neither."""
-    response = await client.get(base.removesuffix("/v1") + "/metrics")
-    counts = {}
+async def run_level(
+    base: str,
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int | None,
+    arrivals: list[float],
+    sampling: str,
+):
+    """Either `concurrency` requests in flight, or (None) each request started at its `arrivals` time (s)."""
+    url = base + "/completions"
+    connections = concurrency or len(prompts)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        gate = asyncio.Semaphore(connections)
+        began = time.perf_counter()
+
+        async def gated(prompt, at):
+            await asyncio.sleep(max(0.0, began + at - time.perf_counter()))
+            async with gate:
+                return await one_request(client, url, model, prompt, output_len, sampling)
+
+        results = await asyncio.gather(*(gated(p, at) for p, at in zip(prompts, arrivals)))
+        return results, time.perf_counter() - began
+
+
+COUNTERS = {  # counter -> how its name ends in /metrics (summed over label sets)
+    "steps": ":engine_steps_total",
+    "compiling": ":engine_steps_compiling_total",
+    "after_ready": ":compiles_after_ready_total",
+    "queries": ":prefix_cache_queries_total",
+    "hits": ":prefix_cache_hits_total",
+}
+
+
+def server_counters(base: str) -> dict[str, float]:
+    """The `COUNTERS` the server's `/metrics` beside the API reports (those it has)."""
+    try:
+        response = httpx.get(base.removesuffix("/v1") + "/metrics")
+    except httpx.HTTPError:
+        return {}
+    values = {}
     for line in response.text.splitlines() if response.status_code == 200 else []:
         if line.startswith("#"):  # HELP / TYPE
             continue
         name, _, value = line.rpartition(" ")
-        for kind in ("queries", "hits"):
-            if name.split("{")[0].endswith(f":prefix_cache_{kind}_total"):
-                counts[kind] = counts.get(kind, 0.0) + float(value)
-    return (counts.get("queries", 0.0), counts.get("hits", 0.0)) if counts else None
+        for counter, suffix in COUNTERS.items():
+            if name.split("{")[0].endswith(suffix):
+                values[counter] = values.get(counter, 0.0) + float(value)
+    return values
 
 
-async def run_level(base: str, model: str, concurrency: int, prompts: list[list[int]], output_len: int, sampling: str):
-    """-> (results, seconds, prefix cache hit rate over the level or None)."""
-    url = base + "/completions"
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        await one_request(client, url, model, prompts[0], 2, sampling)  # warm-up
-        gate = asyncio.Semaphore(concurrency)
-
-        async def gated(prompt):
-            async with gate:
-                return await one_request(client, url, model, prompt, output_len, sampling)
-
-        before = await prefix_cache_counts(client, base)
-        began = time.perf_counter()
-        results = await asyncio.gather(*(gated(p) for p in prompts))
-        seconds = time.perf_counter() - began
-        after = await prefix_cache_counts(client, base)
-        hit_rate = None
-        if before is not None and after is not None and after[0] > before[0]:
-            hit_rate = (after[1] - before[1]) / (after[0] - before[0])
-        return results, seconds, hit_rate
+def counted(before: dict[str, float], after: dict[str, float]) -> str:
+    """The level's columns from the counters: hit rate, steps, share compiling, compiles after ready."""
+    delta = {k: after[k] - before[k] for k in after if k in before}
+    hit_rate = f"{delta['hits'] / delta['queries']:.1%}" if delta.get("queries") else "-"
+    if "steps" not in delta:
+        return f"{hit_rate:>10}{'-':>7}{'-':>10}{'-':>12}"
+    share = 100 * delta["compiling"] / max(delta["steps"], 1)
+    return f"{hit_rate:>10}{delta['steps']:>7.0f}{share:>9.1f}%{after['after_ready']:>12.0f}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -124,7 +152,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--model", help="served model name (default: the server's first model)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64, 256])
+    parser.add_argument("--request-rate", type=float, nargs="*", default=[], help="Poisson arrival rates (req/s)")
     parser.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, >= 8)")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request (default 64)")
@@ -148,31 +177,39 @@ def main() -> None:
     rng = random.Random(args.seed)
     print(f"bench_serve: {base}, model {model!r}, {args.input_len} prompt tokens -> {args.output_len} output tokens")
     print(
-        f"{'concurrency':>11}{'sampling':>10}{'requests':>10}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}"
-        f"{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'hit rate':>10}  (ms)"
+        f"{'level':>12}{'sampling':>10}{'requests':>9}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'1st TTFT':>10}"
+        f"{'TPOT p50':>10}{'TPOT p99':>10}{'hit rate':>10}{'steps':>7}{'compiling':>10}{'after ready':>12}  (ms)"
     )
-    for concurrency in args.concurrency:
-        count = args.num_prompts or max(8, 4 * concurrency)
+    levels = [(c, None) for c in args.concurrency] + [(None, r) for r in args.request_rate]
+    for concurrency, rate in levels:
+        count = args.num_prompts or max(8, 4 * (concurrency or 16))
+        arrivals = [0.0] * count
+        if rate is not None:
+            for i in range(1, count):
+                arrivals[i] = arrivals[i - 1] + rng.expovariate(rate)
+        level = f"c={concurrency}" if rate is None else f"rate={rate:g}/s"
         rates, tpots = {}, {}
-        for sampling in args.sampling:  # fresh prompts per setting: none finds the other's in the prefix cache
+        for sampling in args.sampling:
             prompts = [[rng.randrange(args.token_id_limit) for _ in range(args.input_len)] for _ in range(count)]
-            results, seconds, hit_rate = asyncio.run(
-                run_level(base, model, concurrency, prompts, args.output_len, sampling)
+            before = server_counters(base)
+            results, seconds = asyncio.run(
+                run_level(base, model, prompts, args.output_len, concurrency, arrivals, sampling)
             )
+            after = server_counters(base)
             ttft = [r.ttft_s * 1e3 for r in results]
             tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None] or [float("nan")]
             output_tokens = sum(r.output_tokens for r in results)
             rates[sampling], tpots[sampling] = output_tokens / seconds, statistics.median(tpot)
             print(
-                f"{concurrency:>11}{sampling:>10}{count:>10}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
-                f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}"
-                f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}"
-                f"{'-' if hit_rate is None else f'{hit_rate:.1%}':>10}",
+                f"{level:>12}{sampling:>10}{count:>9}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
+                f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}{ttft[0]:>10.1f}"
+                f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}{counted(before, after)}",
                 flush=True,
             )
         if {"plain", "processed"} <= set(args.sampling):
             print(
-                f"{concurrency:>11} processed / plain: out tok/s {rates['processed'] / rates['plain']:.3f}, "
+                f"{level:>12} processed / plain: out tok/s {rates['processed'] / rates['plain']:.3f}, "
                 f"TPOT p50 {tpots['processed'] / tpots['plain']:.3f}",
                 flush=True,
             )

@@ -509,9 +509,13 @@ class EngineArgs:
             model, self.kv_cache_memory, self.gpu_memory_utilization, self.kv_cache_dtype, max_num_seqs, max_len
         )
 
-    def build_engine(self, model, max_num_seqs: int, cache_len: int, grammars: GrammarCompiler | None = None) -> Engine:
+    def build_engine(
+        self, model, max_num_seqs: int, cache_len: int, grammars: GrammarCompiler | None = None, log=None
+    ) -> Engine:
         """The engine over a new KV cache for `max_num_seqs` sequences of `cache_len` positions (the dense
-        cache's slots; the paged cache's default room on CPU); `grammars`: for structured-output requests."""
+        cache's slots; the paged cache's default room on CPU; without --max-model-len, the longest sequence, which
+        sets the width of the graphs' block tables), its CUDA graphs captured (`log(line)`: progress);
+        `grammars`: for structured-output requests. `warmup.warm_up` then makes it ready."""
         return Engine(
             model,
             self.build_kv_cache(model, max_num_seqs, cache_len),
@@ -519,7 +523,8 @@ class EngineArgs:
             self.use_cuda_graphs(model),
             max_num_seqs,
             self.max_num_batched_tokens,
-            self.max_model_len,
+            self.max_model_len or cache_len,  # the graphs' block tables: as wide as the job's longest sequence
             self.prefix_caching,
             grammars,
+            log,
         )

@@ -42,7 +42,7 @@ from spmoe.engine.sampling import Sampler, SamplingParams
 from spmoe.engine.scheduler import BlockRoom, Scheduler, SlotRoom
 from spmoe.engine.sequence import Sequence
 from spmoe.engine.serving_loop import run_to_completion
-from spmoe.engine.stats import StepStats
+from spmoe.engine.stats import KernelCompiles, StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 
@@ -119,12 +119,14 @@ class Engine:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         grammars: GrammarCompiler | None = None,
+        log=None,
     ):
         """`max_num_seqs`: sequences running at once on a paged cache (the slot cache: its slot count);
         `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit; `max_model_len`: the
         most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot);
         `enable_prefix_caching`: a paged cache keeps full blocks for later requests with the same prefix;
-        `grammars`: compiles the grammars of structured-output requests (None: such requests are refused)."""
+        `grammars`: compiles the grammars of structured-output requests (None: such requests are refused). With
+        `cuda_graphs` every decode graph is captured here (`log(line)`: a progress line for each)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and not model.num_draft_layers:
@@ -145,9 +147,35 @@ class Engine:
         self.stats = StepStats(num_speculative_tokens)
         self.sampler = Sampler(room.max_num_seqs, model.cfg.vocab_size, cache.device)
         self.scheduler = Scheduler(room, self.sampler, num_speculative_tokens, max_num_batched_tokens, keep_in_step)
+        KernelCompiles.install()
         self.runner = ModelRunner(
-            model, cache, room.max_num_seqs, self.stats, self.sampler, num_speculative_tokens, cuda_graphs, keep_in_step
+            model,
+            cache,
+            room.max_num_seqs,
+            self.stats,
+            self.sampler,
+            num_speculative_tokens,
+            cuda_graphs,
+            keep_in_step,
+            room.max_tokens_per_sequence,
+            log,
         )
+        self._ready_count: int | None = None  # compiles + captures when the engine was marked warm
+
+    def graph_captures(self) -> int:
+        """CUDA graphs this engine has captured."""
+        return self.runner.graphs.captures if self.runner.graphs is not None else 0
+
+    def _compiles(self) -> int:
+        return KernelCompiles.count + self.graph_captures()
+
+    def mark_ready(self) -> None:
+        """The engine is warm (`warmup.warm_up`): its step statistics and counters (`metrics()`: steps, tokens)
+        start afresh, and from here it counts the compiles and captures that warming up did not foresee
+        (`metrics().compiles_after_ready`)."""
+        self.reset_stats()
+        self.stats.totals = EngineMetrics()
+        self._ready_count = self._compiles()
 
     def reset_stats(self) -> None:
         """Start the per-phase timings, collective counts, acceptance statistics and step numbers afresh."""
@@ -214,6 +242,11 @@ class Engine:
             totals.draft_accepted,
             *self.scheduler.room.prefix_cache_counts(),
             self.scheduler.preemptions,
+            totals.steps,
+            totals.steps_compiling,
+            KernelCompiles.count,
+            self.graph_captures(),
+            0 if self._ready_count is None else self._compiles() - self._ready_count,
         )
 
     def step(self) -> list[RequestOutput]:
@@ -223,8 +256,11 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        before = self._compiles()
         result = self.runner.run(batch)
         self.stats.record(batch, result)
+        self.stats.totals.steps += 1
+        self.stats.totals.steps_compiling += self._compiles() > before
         return self.scheduler.update(batch, result)
 
     # The batch job.

@@ -21,7 +21,7 @@ from itertools import accumulate
 import torch
 
 from spmoe.distributed import CommStats
-from spmoe.engine.cuda_graphs import DecodeGraphs
+from spmoe.engine.cuda_graphs import DecodeGraphs, graph_sizes
 from spmoe.engine.grammar import apply_bitmask, fill_bitmask
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
@@ -45,13 +45,23 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         cuda_graphs: bool = False,
         keep_in_step: bool = False,
+        max_model_len: int | None = None,
+        log=None,
     ):
         """`stats`: where the forwards are counted; `sampler`: the sequences' sampling rows (the scheduler
-        takes and frees them); `keep_in_step`: run the draft step even with nothing to draft (under DP, where
-        every rank runs every step)."""
+        takes and frees them); `keep_in_step`: run the draft step even with nothing to
+        draft (under DP, where every rank runs every step); `max_model_len`: the most positions a sequence
+        takes (the width of the graphs' block tables); `log(line)`: progress while capturing graphs."""
         self.model, self.cache, self.stats, self.keep_in_step = model, cache, stats, keep_in_step
         self.sampler = sampler
-        self.graphs = DecodeGraphs(model, cache, max_num_seqs) if cuda_graphs else None
+        on_capture = None
+        if log is not None:
+            sizes = graph_sizes(max_num_seqs)
+            on_capture = lambda size: log(  # noqa: E731
+                f"warming up: capturing the decode step's CUDA graph for batch {size} "
+                f"({len(sizes) - sorted(sizes).index(size)}/{len(sizes)})"
+            )
+        self.graphs = DecodeGraphs(model, cache, max_num_seqs, max_model_len, on_capture) if cuda_graphs else None
         self.drafter = MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None
 
     @torch.no_grad()

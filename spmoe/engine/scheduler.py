@@ -266,7 +266,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - sum(len(s.pending) for s in self.running if not s.prefilling)
         work = []
         for seq in list(self.running):
-            if seq not in self.running:  # preempted for an earlier sequence
+            if seq.cache_id < 0:  # preempted for an earlier sequence: no room (a list lookup would cost O(n))
                 continue
             count = len(seq.pending) if not seq.prefilling else min(len(seq.pending), budget)
             if count == 0:

@@ -88,11 +88,19 @@ def indexer_topk(
     dtype; unit stride over heads; every scale that differs between heads folded in, a positive factor common
     to all heads may be left out: it ranks the positions alike, up to rounding) -> selected cache rows
     `[N, min(topk, L)]` int64 (`rows_of_best`, in no particular order), -1 past the visible positions;
-    L = max_blocks * block_size."""
+    L = max_blocks * block_size. On CUDA, for up to `TOPK_ROWS_MAX_TOKENS` tokens, the same rows from
+    `topk_rows`, whose work follows each token's position, not L."""
     if use_triton(q, q.shape[2], block_size):
-        from spmoe.layers.sparse_attention_triton import indexer_order_keys
+        from spmoe.layers.sparse_attention_triton import TOPK_ROWS_MAX_TOKENS, indexer_order_keys, topk_rows
 
-        keys = indexer_order_keys(q, weights, cache, block_tables, seq_index, positions, block_size)
+        # a few tokens (decode; tables maybe padded far past them for a CUDA graph): a top-k bounded by each
+        # token's position, and no keys written past it
+        bounded = q.shape[0] <= TOPK_ROWS_MAX_TOKENS and block_tables.shape[1] * block_size > topk
+        keys = indexer_order_keys(
+            q, weights, cache, block_tables, seq_index, positions, block_size, fill_past=not bounded
+        )
+        if bounded:
+            return topk_rows(keys, topk, block_tables, seq_index, positions, block_size)
         return rows_of_best(keys, topk, block_tables, seq_index, block_size)
     # in query chunks: the keys `[N, L]` and the scores `[N, h, L]` of the whole batch never exist at once
     n, heads, dim = q.shape

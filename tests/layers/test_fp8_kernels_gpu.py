@@ -1,6 +1,7 @@
 """The FP8 linear kernels (`quantization.fp8_kernels`) against their torch references on one CUDA GPU, bf16:
-the GEMV / GEMM over m = 1 .. 8192 at GLM-5.2 widths and at widths that are not multiples of 128, with and
-without accumulation, past 2**31 elements of input (64-bit offsets), captured in a CUDA graph; absorbed MLA's
+the GEMV / GEMM over m = 1 .. 8192 (every m bucket of the config table) at GLM-5.2 widths and at widths that
+are not multiples of 128, with and without accumulation, split-K (even, uneven, a partial last block) at every
+decode bucket, past 2**31 elements of input (64-bit offsets), captured in a CUDA graph; absorbed MLA's
 per-head products with GLM-5.2's kv_b layout (448 rows per head, heads starting mid-block), also past 2**31
 elements."""
 
@@ -16,6 +17,12 @@ def fp8_matmul(*args, **kwargs):  # the kernels import triton, which CPU machine
     from spmoe.layers.quantization.fp8_kernels import fp8_matmul
 
     return fp8_matmul(*args, **kwargs)
+
+
+def config(*fields):
+    from spmoe.layers.quantization.fp8_kernels import MatmulConfig
+
+    return MatmulConfig(*fields)
 
 
 def fp8_head_matmul(*args):
@@ -58,6 +65,31 @@ def test_fp8_matmul_matches_torch(n, k):
 
 @requires_gpus(1)
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(2816, 6144), (200, 300)])
+def test_fp8_matmul_split_k_matches_torch(n, k):
+    """Explicit configs at each decode bucket: no split, splits that divide k's blocks, uneven splits (the last
+    shorter; with k = 300 the last holds only the partial block), with and without accumulation."""
+    gen = torch.Generator(device="cuda").manual_seed(n * k)
+    w, s = _weight(n, k, gen)
+    blocks = -(-k // 128)
+    splits = sorted({1, 2, 3, 5, blocks})
+    for m, tiles in ((1, (16, 64)), (7, (16, 128)), (16, (16, 32)), (29, (32, 64)), (64, (64, 128)), (64, (32, 64))):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        want = fp8_linear_torch(x, w, s)
+        for split in splits:
+            cfg = config(*tiles, split, 4, 4)
+            _close(fp8_matmul(x, w, s, config=cfg), want)
+            out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+            want_sum = fp8_linear_torch(x, w, s, out=out.clone())
+            got = fp8_matmul(x, w, s, out=out, config=cfg)
+            assert got.data_ptr() == out.data_ptr()
+            _close(got, want_sum)
+    with pytest.raises(ValueError, match="block_n dividing 128"):
+        fp8_matmul(x, w, s, config=config(16, 256, 1, 4, 4))
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
 def test_fp8_matmul_past_2_31_input_elements():
     """m * k = 2**31 + 16384: the last rows' offsets need 64 bits (rows are independent: compare those)."""
     m, k, n = (1 << 31) // 16384 + 1, 16384, 160
@@ -73,15 +105,21 @@ def test_fp8_matmul_past_2_31_input_elements():
 
 @requires_gpus(1)
 @pytest.mark.gpu
-def test_fp8_matmul_in_a_cuda_graph():
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_fp8_matmul_in_a_cuda_graph(m):
+    """At (6144, 2048) the table splits k (shared down at decode): the partials and their sum replay too, and
+    the fixed-order sum makes the replay bit-equal to an eager call."""
+    from spmoe.layers.quantization.fp8_kernels import matmul_config
+
+    assert matmul_config(m, 6144, 2048).split_k > 1
     gen = torch.Generator(device="cuda").manual_seed(4)
     w, s = _weight(6144, 2048, gen)
-    x = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
     eager = fp8_matmul(x, w, s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fp8_matmul(x, w, s)
-    x.copy_(torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16, generator=gen))
+    x.copy_(torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16, generator=gen))
     graph.replay()
     assert not torch.equal(captured, eager)
     torch.testing.assert_close(captured, fp8_matmul(x, w, s), rtol=0, atol=0)

@@ -132,7 +132,8 @@ def test_triton_kernels_match_torch(kv_cache_dtype):
         assert overlap >= (0.99 if kv_cache_dtype == "fp8" else 0.999) * (reference >= 0).sum().item(), (
             overlap / (reference >= 0).sum().item()
         )
-        assert torch.equal(indexer_topk(*args[:6], TOPK, BLOCK), selected)  # the dispatcher picks Triton on CUDA
+        # the dispatcher picks Triton on CUDA (for a few tokens, topk_rows: the same rows in another order)
+        assert torch.equal(indexer_topk(*args[:6], TOPK, BLOCK).sort(-1).values, selected.sort(-1).values)
 
         q_latent = torch.randn(n, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
         q_rope = torch.randn(n, 64, 64, device="cuda", generator=gen).bfloat16() * 0.05
@@ -194,6 +195,42 @@ def test_selected_rows_match_torch():
         assert torch.equal(
             rows_of_best(keys, TOPK, *tables_view, BLOCK), cache_rows_torch(best, *tables_view, None, BLOCK)
         )
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_bounded_topk_over_padded_tables(kv_cache_dtype):
+    """Decode tokens over block tables padded far past their positions (as a CUDA graph's, to 12288
+    positions): the indexer without the keys past each position gives the same keys up to it, and
+    `topk_rows` the same rows as torch.topk of the fully written keys, at positions below, at and above
+    TOPK (ties and scores of both signs included)."""
+    from spmoe.engine.cuda_graphs import padded_tables
+    from spmoe.layers.sparse_attention_triton import indexer_order_keys, topk_rows
+
+    cache, tables = filled_cache(kv_cache_dtype)
+    rows = cache.layers[0]
+    positions = [0, 63, 700 - 1, TOPK - 1, TOPK, 2999, 4999, 4999]
+    seqs = [0, 0, 0, 1, 1, 1, 2, 2]
+    padded = torch.from_numpy(padded_tables(tables, len(tables), 12288 // BLOCK, cache.scratch_block)).cuda()
+    seq_index = torch.tensor(seqs, device="cuda")
+    pos = torch.tensor(positions, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(len(seqs), 32, 128, device="cuda", generator=gen).bfloat16()
+    q[-1] = 0  # every score 0: ties throughout, broken by the earliest position
+    weights = torch.randn(len(seqs), 32, device="cuda", generator=gen)  # both signs
+    if kv_cache_dtype == "fp8":
+        q, q_scale = quantize_index_vectors(q)
+        weights = weights * q_scale.squeeze(-1)
+    args = (q, weights, rows, padded, seq_index, pos, BLOCK)
+    full = indexer_order_keys(*args)
+    sparse = indexer_order_keys(*args, fill_past=False)
+    visible = torch.arange(full.shape[1], device="cuda") <= pos[:, None]
+    assert torch.equal(sparse[visible], full[visible])
+    want = rows_of_best(full, TOPK, padded, seq_index, BLOCK)
+    for got in (topk_rows(sparse, TOPK, padded, seq_index, pos, BLOCK), indexer_topk(*args[:6], TOPK, BLOCK)):
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    assert ((want >= 0).sum(-1) == torch.clamp(pos + 1, max=TOPK)).all()
 
 
 def bf16_attention_layer(cfg: ModelConfig):

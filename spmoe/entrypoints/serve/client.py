@@ -13,6 +13,7 @@ so the other ranks, blocked on the next plan, never reach the process group's ti
 import asyncio
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from spmoe.engine.engine import Engine
 from spmoe.engine.grammar import GrammarCompiler
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
 from spmoe.engine.serving_loop import ServingLoop, worker_loop
+from spmoe.engine.warmup import warm_up
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 
 HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
@@ -237,7 +239,9 @@ def serve_rank(
     model = args.load_model(model_dir, state.device)
     # every rank compiles the grammars of structured-output requests itself, the same from the same spec
     grammars = GrammarCompiler(partial(load_tokenizer, tokenizer_dir or model_dir), model.cfg.vocab_size)
-    engine = args.build_engine(model, args.max_num_seqs, args.max_model_len, grammars)
+    log = (lambda line: print(f"spmoe serve: {line}", file=sys.stderr, flush=True)) if state.rank == 0 else None
+    engine = args.build_engine(model, args.max_num_seqs, args.max_model_len, grammars, log)
+    warm_up(engine, log)  # before the front end starts: nothing compiles or captures after ready
     if state.rank != 0:
         worker_loop(engine)
         return None

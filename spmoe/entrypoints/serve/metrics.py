@@ -2,7 +2,8 @@
 the `spmoe:` prefix and a `model_name` label (so that dashboards built for vLLM work after swapping the prefix).
 
 The engine's state (requests running and waiting, KV cache usage, generated tokens, preemptions, MTP drafts,
-prefix cache queries and hits in tokens) is read from
+prefix cache queries and hits in tokens, steps, and the kernel compiles and CUDA graph captures: in all, and
+after the server reported ready) is read from
 `client.metrics()` when Prometheus scrapes; the request metrics are recorded by the front end as tokens reach it:
 - `time_to_first_token_seconds`: from the request's arrival to its first generated token;
 - `inter_token_latency_seconds`: between a request's successive tokens (a step that brings several tokens,
@@ -44,6 +45,21 @@ class EngineCollector:
             ),
             (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache", m.prefix_cache_hits),
             (CounterMetricFamily, "num_preemptions", "Running requests preempted (recomputed later)", m.preemptions),
+            (CounterMetricFamily, "engine_steps", "Engine steps run", m.steps),
+            (
+                CounterMetricFamily,
+                "engine_steps_compiling",
+                "Engine steps that compiled a kernel or captured a graph",
+                m.steps_compiling,
+            ),
+            (CounterMetricFamily, "kernel_compiles", "Triton kernel variants loaded", m.kernel_compiles),
+            (CounterMetricFamily, "cuda_graph_captures", "CUDA graphs captured", m.graph_captures),
+            (
+                CounterMetricFamily,
+                "compiles_after_ready",
+                "Kernel compiles and CUDA graph captures after the server reported ready (0 when warm-up foresaw all)",
+                m.compiles_after_ready,
+            ),
         ):
             family = kind(PREFIX + name, text, labels=["model_name"])
             family.add_metric([self.model_name], value)

@@ -78,7 +78,8 @@ def load_model(
     load_weights(model, ckpt)
     if get_parallel_state().rank == 0:
         nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
-        print(f"weights: {nbytes / 2**30:.2f} GiB on each rank", file=sys.stderr, flush=True)
+        size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+        print(f"weights: {size} on each rank", file=sys.stderr, flush=True)
     return model.eval()
 
 
