@@ -14,6 +14,11 @@ server's `usage`. No warm-up request is sent: the server warms itself before it 
 
     spmoe serve --model DIR --tp 2 --device cuda --dtype bfloat16 &
     python benchmarks/bench_serve.py --concurrency 1 16 64 256 --request-rate 20 --input-len 1024 --output-len 128
+
+`--sampling plain processed` runs every level once per setting, side by side: `plain` is greedy with nothing
+else; `processed` is greedy with logprobs=5 and presence, frequency and repetition penalties on every request
+(the sampler's logits processing, penalty counts and logprobs all at work), then prints processed / plain for
+the output token rate and the median TPOT. Each setting gets fresh prompts (none finds the other's cached).
 """
 
 import argparse
@@ -38,7 +43,15 @@ class Result:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int) -> Result:
+SAMPLING = {
+    "plain": {},
+    "processed": {"logprobs": 5, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+}
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int, sampling: str
+) -> Result:
     body = {
         "model": model,
         "prompt": prompt,
@@ -47,6 +60,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **SAMPLING[sampling],
     }
     began = time.perf_counter()
     ttft, usage = None, None
@@ -68,7 +82,13 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
 
 
 async def run_level(
-    base: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int | None, arrivals: list[float]
+    base: str,
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int | None,
+    arrivals: list[float],
+    sampling: str,
 ):
     """Either `concurrency` requests in flight, or (None) each request started at its `arrivals` time (s)."""
     url = base + "/completions"
@@ -81,16 +101,16 @@ async def run_level(
         async def gated(prompt, at):
             await asyncio.sleep(max(0.0, began + at - time.perf_counter()))
             async with gate:
-                return await one_request(client, url, model, prompt, output_len)
+                return await one_request(client, url, model, prompt, output_len, sampling)
 
         results = await asyncio.gather(*(gated(p, at) for p, at in zip(prompts, arrivals)))
         return results, time.perf_counter() - began
 
 
 COUNTERS = {  # counter -> how its name ends in /metrics (summed over label sets)
-    "steps": "spmoe_engine_steps_total",
-    "compiling": "spmoe_engine_steps_compiling_total",
-    "after_ready": "spmoe_compiles_after_ready_total",
+    "steps": ":engine_steps_total",
+    "compiling": ":engine_steps_compiling_total",
+    "after_ready": ":compiles_after_ready_total",
     "queries": ":prefix_cache_queries_total",
     "hits": ":prefix_cache_hits_total",
 }
@@ -144,36 +164,55 @@ def main() -> None:
         help="prompt token ids are drawn from [0, limit) (default 256: bytes in most vocabularies)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sampling",
+        nargs="+",
+        choices=list(SAMPLING),
+        default=["plain"],
+        help="request settings, each level run once per setting (default plain; see above)",
+    )
     args = parser.parse_args()
     base = args.base_url.rstrip("/")
     model = args.model or httpx.get(base + "/models").json()["data"][0]["id"]
     rng = random.Random(args.seed)
     print(f"bench_serve: {base}, model {model!r}, {args.input_len} prompt tokens -> {args.output_len} output tokens")
     print(
-        f"{'level':>12}{'requests':>9}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'1st TTFT':>10}"
+        f"{'level':>12}{'sampling':>10}{'requests':>9}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'1st TTFT':>10}"
         f"{'TPOT p50':>10}{'TPOT p99':>10}{'hit rate':>10}{'steps':>7}{'compiling':>10}{'after ready':>12}  (ms)"
     )
     levels = [(c, None) for c in args.concurrency] + [(None, r) for r in args.request_rate]
     for concurrency, rate in levels:
         count = args.num_prompts or max(8, 4 * (concurrency or 16))
-        prompts = [[rng.randrange(args.token_id_limit) for _ in range(args.input_len)] for _ in range(count)]
         arrivals = [0.0] * count
         if rate is not None:
             for i in range(1, count):
                 arrivals[i] = arrivals[i - 1] + rng.expovariate(rate)
-        before = server_counters(base)
-        results, seconds = asyncio.run(run_level(base, model, prompts, args.output_len, concurrency, arrivals))
-        after = server_counters(base)
-        ttft = [r.ttft_s * 1e3 for r in results]
-        tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None] or [float("nan")]
-        output_tokens = sum(r.output_tokens for r in results)
         level = f"c={concurrency}" if rate is None else f"rate={rate:g}/s"
-        print(
-            f"{level:>12}{count:>9}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
-            f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}{ttft[0]:>10.1f}"
-            f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}{counted(before, after)}",
-            flush=True,
-        )
+        rates, tpots = {}, {}
+        for sampling in args.sampling:
+            prompts = [[rng.randrange(args.token_id_limit) for _ in range(args.input_len)] for _ in range(count)]
+            before = server_counters(base)
+            results, seconds = asyncio.run(
+                run_level(base, model, prompts, args.output_len, concurrency, arrivals, sampling)
+            )
+            after = server_counters(base)
+            ttft = [r.ttft_s * 1e3 for r in results]
+            tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None] or [float("nan")]
+            output_tokens = sum(r.output_tokens for r in results)
+            rates[sampling], tpots[sampling] = output_tokens / seconds, statistics.median(tpot)
+            print(
+                f"{level:>12}{sampling:>10}{count:>9}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
+                f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}{ttft[0]:>10.1f}"
+                f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}{counted(before, after)}",
+                flush=True,
+            )
+        if {"plain", "processed"} <= set(args.sampling):
+            print(
+                f"{level:>12} processed / plain: out tok/s {rates['processed'] / rates['plain']:.3f}, "
+                f"TPOT p50 {tpots['processed'] / tpots['plain']:.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

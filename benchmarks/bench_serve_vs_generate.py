@@ -11,6 +11,14 @@ Both run with the options after `--` (e.g. `--device cuda --dtype bfloat16 --cud
 output token rates (generated tokens / wall time of the batch, prefill included) and their ratio.
 
     python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg -- --device cuda --dtype bfloat16 --cuda-graphs
+
+With `--sampling plain processed` it skips generate and runs bench_serve with those settings side by side
+(the cost of logprobs and penalties on every sequence); `--vocab-size 154880` gives the checkpoint GLM-5.2's
+vocabulary, which is what that cost scales with (ids past the tokenizer's 264 decode to nothing):
+
+    python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg-vocab --vocab-size 154880 --concurrency 64 \
+        --num-prompts 128 --input-len 128 --output-len 128 --sampling plain processed \
+        -- --device cuda --dtype bfloat16 --cuda-graphs
 """
 
 import argparse
@@ -29,9 +37,9 @@ from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 
 
-def write_checkpoint(folder: Path, experts: int) -> None:
+def write_checkpoint(folder: Path, experts: int, vocab_size: int) -> None:
     config = glm_config(2) | dict(
-        n_routed_experts=experts, vocab_size=264, eos_token_id=[], max_position_embeddings=8192
+        n_routed_experts=experts, vocab_size=vocab_size, eos_token_id=[], max_position_embeddings=8192
     )
     if not (folder / "model.safetensors").is_file():
         spawn(write_random_checkpoint, 1, config, folder, 0)
@@ -112,13 +120,15 @@ def run_serve(folder: Path, args, rest: list[str]) -> float:
                 str(args.output_len),
                 "--seed",
                 str(args.seed),
+                "--sampling",
+                *args.sampling,
             ],
             check=True,
             capture_output=True,
             text=True,
         )
         print(bench.stdout, end="", flush=True)
-        return float(bench.stdout.strip().splitlines()[-1].split()[3])  # the level's out tok/s
+        return float(bench.stdout.strip().splitlines()[-1].split()[4])  # the level's out tok/s
     finally:
         server.terminate()
         began = time.monotonic()
@@ -137,9 +147,17 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=264, help="the checkpoint's vocabulary (default 264)")
+    parser.add_argument(
+        "--sampling", nargs="+", help="only serve, with these bench_serve --sampling settings side by side"
+    )
     args, rest = parser.parse_known_args()
     rest = [a for a in rest if a != "--"]
-    write_checkpoint(args.folder, args.experts)
+    write_checkpoint(args.folder, args.experts, args.vocab_size)
+    if args.sampling:
+        run_serve(args.folder, args, rest)
+        return
+    args.sampling = ["plain"]
     generated = run_generate(args.folder, args, rest)
     served = run_serve(args.folder, args, rest)
     print(f"output tokens/s: generate {generated:.1f}, serve {served:.1f}, serve / generate {served / generated:.3f}")

@@ -15,8 +15,8 @@ One step is three calls on named records (`sequence.py`):
 2. `ModelRunner.run(batch) -> StepResult` (`model_runner.py`): one target forward over every scheduled
    sequence's tokens, laid end to end (a chunk of a prompt, else its last token followed by its drafts when
    speculating; with `cuda_graphs`, plain decode steps replay a captured graph), the choice of each sampling
-   sequence's tokens (its own sampler, or the greedy acceptance of its drafts, `speculative.py`), and the MTP
-   drafter's next drafts.
+   sequence's tokens (every row of the step through the batched `Sampler`, `sampling.py`, then the greedy
+   acceptance of drafts, `speculative.py`), the prompt logprobs asked for, and the MTP drafter's next drafts.
 3. `Scheduler.update(batch, result) -> list[RequestOutput]`: commit the tokens, finish sequences at an eos id
    or `max_new_tokens` and free their room. A sequence whose logits hold a NaN or an infinity has no next
    token: it finishes with finish_reason "error" and an error naming the step, and the others carry on (the
@@ -93,6 +93,15 @@ def check_speculation(sampling: SamplingParams, num_speculative_tokens: int) -> 
         )
 
 
+def check_sampling(label: str, sampling: SamplingParams, max_new_tokens: int, vocab_size: int) -> None:
+    """Raise a one-line ValueError unless the sampling settings fit the model and the request."""
+    bad = [token for token, _ in sampling.logit_bias if token >= vocab_size]
+    if bad:
+        raise ValueError(f"{label}: logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}")
+    if sampling.min_tokens > max_new_tokens:
+        raise ValueError(f"{label}: min_tokens ({sampling.min_tokens}) must not exceed max_tokens ({max_new_tokens})")
+
+
 def per_prompt(sampling: SamplingParams, count: int) -> list[SamplingParams]:
     """`sampling` for `count` prompts, prompt i seeded with `sampling.seed + i`."""
     return [replace(sampling, seed=sampling.seed + i) for i in range(count)]
@@ -136,13 +145,15 @@ class Engine:
             room = SlotRoom(cache)
         keep_in_step = get_parallel_state().dp_size > 1  # every DP rank runs every step, empty or not
         self.stats = StepStats(num_speculative_tokens)
-        self.scheduler = Scheduler(room, num_speculative_tokens, max_num_batched_tokens, keep_in_step)
+        self.sampler = Sampler(room.max_num_seqs, model.cfg.vocab_size, cache.device)
+        self.scheduler = Scheduler(room, self.sampler, num_speculative_tokens, max_num_batched_tokens, keep_in_step)
         KernelCompiles.install()
         self.runner = ModelRunner(
             model,
             cache,
             room.max_num_seqs,
             self.stats,
+            self.sampler,
             num_speculative_tokens,
             cuda_graphs,
             keep_in_step,
@@ -191,6 +202,7 @@ class Engine:
             f"{label} with its new and speculative tokens",
         )
         check_speculation(request.sampling, self.k)
+        check_sampling(label.removesuffix(": the prompt"), request.sampling, request.max_new_tokens, cfg.vocab_size)
         if request.grammar is not None:
             if self.grammars is None:
                 raise ValueError(f"request {request.request_id!r} has a grammar, but this engine has no compiler")
@@ -208,7 +220,7 @@ class Engine:
         grammar = None
         if request.grammar is not None:
             grammar = self.grammars.matcher(request.grammar, request.grammar_start_after)
-        seq = Sequence(request, Sampler(request.sampling), record_logits, grammar)
+        seq = Sequence(request, record_logits, grammar)
         self.scheduler.add(seq)
         return seq
 

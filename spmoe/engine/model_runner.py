@@ -2,9 +2,12 @@
 
 1. One target forward over every scheduled sequence's tokens, laid end to end: run eagerly or, for a plain
    decode step, replayed from a CUDA graph (`cuda_graphs.py`); the logits of the rows the step commits from.
-2. The choice: a sequence that samples takes its own sampler's token from its last row, or, when it fed
-   drafts, the drafts the target accepts and the target's next token (`speculative.py`); the tokens are cut
-   at its first eos id or its token limit. A row that is not finite gives no token. A sequence with a grammar
+2. The choice: every row the step commits from goes through the batched `Sampler` at once (each row with
+   its request's settings); a sequence takes the token of its last row, or, when it fed drafts, the drafts
+   the target accepts and the target's next token (`speculative.py`); the tokens are cut at its first eos id
+   or its token limit. A row that is not finite gives no token. A sequence whose request asks for prompt
+   logprobs also gets the logprobs of the prompt tokens it fed (`prompt_logprobs`), from the hidden states,
+   a slice of rows at a time. A sequence with a grammar
    (structured output, `grammar.py`) first has the tokens its grammar does not allow next masked out of its
    row, for the whole batch at once.
 3. When speculating, the MTP drafter catches up on the fed positions and proposes each sequence's next
@@ -22,11 +25,13 @@ from spmoe.engine.cuda_graphs import DecodeGraphs, graph_sizes
 from spmoe.engine.grammar import apply_bitmask, fill_bitmask
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
-from spmoe.engine.sampling import greedy
+from spmoe.engine.sampling import Sampler, prompt_logprobs
 from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
 from spmoe.engine.speculative import MtpDrafter, accept_greedy
 from spmoe.engine.stats import StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
+
+PROMPT_LOGPROB_ROWS = 256  # prompt rows turned into logits at once: bounds the `[rows, V]` float32 buffer
 
 
 class ModelRunner:
@@ -36,16 +41,19 @@ class ModelRunner:
         cache: KVCache | PagedKVCache,
         max_num_seqs: int,
         stats: StepStats,
+        sampler: Sampler,
         num_speculative_tokens: int = 0,
         cuda_graphs: bool = False,
         keep_in_step: bool = False,
         max_model_len: int | None = None,
         log=None,
     ):
-        """`stats`: where the forwards are counted; `keep_in_step`: run the draft step even with nothing to
+        """`stats`: where the forwards are counted; `sampler`: the sequences' sampling rows (the scheduler
+        takes and frees them); `keep_in_step`: run the draft step even with nothing to
         draft (under DP, where every rank runs every step); `max_model_len`: the most positions a sequence
         takes (the width of the graphs' block tables); `log(line)`: progress while capturing graphs."""
         self.model, self.cache, self.stats, self.keep_in_step = model, cache, stats, keep_in_step
+        self.sampler = sampler
         on_capture = None
         if log is not None:
             sizes = graph_sizes(max_num_seqs)
@@ -62,6 +70,8 @@ class ModelRunner:
         with phase.measure():
             logits, hidden = self.forward(batch, phase.collectives)
             result = self.choose(batch, logits)
+            if any(s.wants_prompt_logprobs for s in batch.seqs):
+                result.prompt_logprobs = self.prompt_logprobs(batch, hidden)
         phase.forwards += 1
         phase.tokens_fed += sum(batch.num_tokens)
         phase.tokens_committed += sum(map(len, result.token_ids))
@@ -86,44 +96,66 @@ class ModelRunner:
         return self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long, device=hidden.device)), hidden
 
     def choose(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
-        """logits `[R, V]` (see `forward`) -> each sequence's committed tokens, accepted drafts, finite flag."""
-        committing = [s for s, last in zip(batch.seqs, batch.samples) if last]
-        mask_by_grammars(committing, logits)
-        # every greedy choice of the step (and whether its row is finite) in one host transfer
-        greedy_rows = greedy(logits) if any(s.drafts or s.sampler.params.greedy for s in committing) else None
-        result = StepResult([], [], [], logit_rows=[])
-        row = 0
+        """logits `[R, V]` (see `forward`) -> each sequence's committed tokens, accepted drafts, finite flag and,
+        when asked, logprobs. Every row goes through the sampler in one call: row j of a sequence that fed d
+        drafts chooses its (len(output) + j)-th token, after the first j drafts."""
+        mask_by_grammars([s for s, last in zip(batch.seqs, batch.samples) if last], logits)
+        rows, generated, preceding, spans = [], [], [], []
         for seq, last in zip(batch.seqs, batch.samples):
-            tokens, accepted, finite, recorded = [], 0, True, None
+            first = len(rows)
             if last:
-                rows = slice(row, row + 1 + len(seq.drafts))
-                row += 1 + len(seq.drafts)
-                accepted, candidates, finite = self._candidates(seq, logits[rows], greedy_rows, rows)
+                for j in range(1 + len(seq.drafts)):
+                    rows.append(seq.sample_row)
+                    generated.append(len(seq.output) + j)
+                    preceding.append(seq.drafts[:j])
+            spans.append(slice(first, len(rows)))
+        chosen = self.sampler.sample(logits, rows, generated, preceding if any(preceding) else None)
+        wants_logprobs = any(s.request.sampling.logprobs is not None for s in batch.seqs)
+        result = StepResult([], [], [], logit_rows=[], logprobs=[] if wants_logprobs else None)
+        for seq, last, span in zip(batch.seqs, batch.samples, spans):
+            tokens, accepted, finite, recorded, logprobs = [], 0, True, None, None
+            if last:
+                choices = chosen.token_ids[span]
+                if seq.drafts:
+                    accepted, candidates = accept_greedy(seq.drafts, choices)
+                else:
+                    candidates = choices
+                finite = all(chosen.finite[span][: len(candidates)])
                 if finite:
                     tokens, _ = seq.until_stop(candidates)
                     if seq.record_logits:
-                        recorded = [logits[j].cpu() for j in range(rows.start, rows.start + len(tokens))]
+                        recorded = [logits[j].cpu() for j in range(span.start, span.start + len(tokens))]
+                    if seq.request.sampling.logprobs is not None:
+                        logprobs = list(zip(chosen.logprobs[span], chosen.top_logprobs[span]))[: len(tokens)]
             result.token_ids.append(tokens)
             result.accepted.append(accepted)
             result.finite.append(finite)
             result.logit_rows.append(recorded)
+            if wants_logprobs:
+                result.logprobs.append(logprobs)
         return result
 
-    @staticmethod
-    def _candidates(
-        seq: Sequence, logits: torch.Tensor, greedy_rows: tuple[list[int], list[bool]] | None, rows: slice
-    ) -> tuple[int, list[int], bool]:
-        """One sequence's logits `[1 + drafts, V]` and the step's greedy choices and finite flags (None when no
-        sequence of the step is greedy) -> (drafts accepted, the tokens it would commit, whether every row
-        they come from is finite)."""
-        if seq.drafts:
-            choices, finite = (g[rows] for g in greedy_rows)
-            accepted, candidates = accept_greedy(seq.drafts, choices)
-        elif seq.sampler.params.greedy:
-            accepted, (candidates, finite) = 0, (g[rows] for g in greedy_rows)
-        else:
-            accepted, (candidates, finite) = 0, seq.sampler(logits)
-        return accepted, candidates, all(finite[: len(candidates)])
+    def prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[list | None]:
+        """The hidden `[N, H]` of every fed token -> per sequence that wants them, the logprobs of the prompt
+        tokens it fed this step (see `StepResult.prompt_logprobs`); None for the others."""
+        out, fed = [], 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            prompt, start, got = seq.request.prompt, seq.cached, None
+            if seq.wants_prompt_logprobs and start < len(prompt):
+                count = min(n, len(prompt) - start)  # prompt tokens fed this step
+                got = [None] if start == 0 else []
+                # row i (position start + i) predicts prompt[start + i + 1]; the prompt's last row predicts an
+                # output token: it is no prompt token's
+                predicting = min(count, len(prompt) - 1 - start)
+                for first in range(0, predicting, PROMPT_LOGPROB_ROWS):
+                    size = min(PROMPT_LOGPROB_ROWS, predicting - first)
+                    index = torch.arange(fed + first, fed + first + size, device=hidden.device)
+                    logits = self.model.compute_logits(hidden, index)
+                    following = torch.tensor(prompt[start + first + 1 : start + first + 1 + size], device=hidden.device)
+                    got += prompt_logprobs(logits, following, seq.request.sampling.prompt_logprobs)
+            out.append(got)
+            fed += n
+        return out
 
     def draft(self, batch: ScheduledBatch, result: StepResult, hidden: torch.Tensor) -> list[list[int]]:
         """The MTP layer catches up on every position the target fed and kept: a prompt chunk before the last

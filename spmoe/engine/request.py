@@ -11,6 +11,9 @@ from spmoe.engine.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
+# a token's log-probability and the most likely tokens at its position, most likely first: (logprob, [(id, logprob)])
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
 
 @dataclass(frozen=True)
 class Request:
@@ -33,13 +36,17 @@ class Request:
 class RequestOutput:
     """What one step did to one request: the tokens it committed (one, or several when drafts were accepted),
     and `finish_reason` once it ended ("stop": an eos id, "length": max_new_tokens, "abort", "error" with
-    `error` saying why). `prompt_tokens` is the prompt's length."""
+    `error` saying why). `prompt_tokens` is the prompt's length. When the request's sampling asks for them:
+    `logprobs`, one per new token; `prompt_logprobs`, one per prompt token (None for the first), with the
+    first output that has tokens."""
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None
     error: str | None = None
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass

@@ -1,11 +1,34 @@
-"""Choosing the next token from logits: greedy, or temperature with top-p, from a seeded generator.
+"""Choosing the next token for a whole batch at once: each row's logits processed by its request's settings,
+then greedy rows take the argmax and sampled rows one batched seeded draw; logprobs on request.
 
-Every TP rank holds the same logits (the LM head gathers them), so every rank samples the same token from
-the same seed without any communication.
+Per-row state lives on the device, in `Sampler`: each sequence holds a row (`add` / `release`) with its
+parameters as tensors and the count of every token it generated (`commit` adds the tokens a step committed by
+a scatter, so the penalties never rebuild anything from Python lists). `sample(logits, rows, generated)`
+processes and chooses for every row of a step in one pass: no Python loop over rows or the vocabulary, and one
+host transfer (the chosen ids and finite flags, with the logprobs when a row asked for them).
 
-A logits row with a NaN or an infinity has no next token (torch's argmax would answer the first NaN's index,
-0 when the whole row is NaN). So every choice comes with a per-row finite flag, computed on the device and
-read back in the same host transfer as the token ids: the check costs no extra sync.
+**Reproducible draws without per-row generators.** A sampled row draws its token by an exponential race:
+token = argmax_i p_i / E_i with E_i ~ Exp(1) independent, which picks token i with probability exactly p_i.
+The E_i are not read from a stateful generator but computed from (the request's seed, the index of the token
+being chosen in its output, i) by an integer hash (`exponential_noise`). So a request's tokens depend on its
+seed and logits only: not on the other rows of the batch, not on how many steps it waited or was preempted,
+and every TP rank, holding the same logits, draws the same token without communicating. The same noise at
+the same index also serves a verification step that chooses several tokens of one sequence at once.
+
+**Greedy is exact:** a greedy row (temperature 0) takes the argmax of its logits after the processors that
+change which token is best (grammar mask, min_tokens, logit_bias, penalties); with none of them set it is
+`logits.argmax(-1)` of the model's logits, bit for bit.
+
+**Logprobs** are those of the distribution the token is drawn from: log_softmax of the logits after every
+processor (grammar mask, min_tokens, logit_bias, penalties, temperature, min_p, top_k, top_p); a greedy row's
+are computed the same way with temperature 1. Tokens the processors excluded have logprob -inf. A request
+with default settings (temperature 1, nothing else) thus gets the model's own log-probabilities. Prompt
+logprobs (`prompt_logprobs`) are the model's raw log-probabilities of the prompt's tokens: no processor
+applies to tokens that were given rather than generated.
+
+A logits row with a NaN or an infinity has no next token (torch's argmax would answer the first NaN's index).
+Every choice comes with a per-row finite flag, read back in the same host transfer as the token ids; a row
+whose processors exclude every token (a grammar that allows nothing) is flagged the same way.
 """
 
 import math
@@ -13,12 +36,40 @@ from dataclasses import dataclass
 
 import torch
 
+from spmoe.engine.logits_processors import (
+    add_logit_bias,
+    apply_min_p,
+    apply_penalties,
+    apply_token_bitmask,
+    apply_top_k_top_p,
+    scale_by_temperature,
+    suppress_tokens,
+)
+
+MAX_LOGPROBS = 20  # the most top logprobs a row may ask for (OpenAI's limit)
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request chooses its tokens. Every field's default leaves the logits unchanged.
+
+    `logit_bias`: (token id, bias) pairs; `min_tokens`: the eos and stop ids are excluded until this many
+    tokens were generated; `logprobs`: None, or how many most likely tokens to report beside the chosen one's
+    logprob (0..20); `prompt_logprobs`: the same for the prompt's tokens (the server's `echo`)."""
+
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -27,43 +78,308 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
-def greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """logits `[m, V]` -> the argmax of each row, and whether each row is finite (one host transfer)."""
-    picked = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()]).tolist()
-    return picked[0], [bool(f) for f in picked[1]]
+    @property
+    def truncated(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1
 
 
-def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits `[m, V]` (finite) -> the distribution a token is drawn from, `[m, V]` float32: softmax(logits /
-    temperature), restricted by top-p to the smallest set of most likely tokens whose mass reaches top_p (the
-    token that crosses top_p included), renormalised."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # the mass before it already reaches top_p
-        kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
-        probs = kept / kept.sum(-1, keepdim=True)
-    return probs
+# -- seeded noise --------------------------------------------------------------------------------------------
+
+MASK32 = 0xFFFFFFFF
+
+
+def mix32(x):
+    """A 32-bit integer hash (xor-shift / multiply rounds), on a Python int or an int64 tensor holding values
+    in [0, 2**32). The multipliers are below 2**31, so no product overflows int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & MASK32
+    return x ^ (x >> 15)
+
+
+def seed_keys(seed: int) -> tuple[int, int]:
+    """A 63-bit seed -> two 32-bit keys for `exponential_noise`."""
+    first = mix32((seed & MASK32) ^ mix32((seed >> 32) ^ 0x6A09E667))
+    return first, mix32(first ^ 0xBB67AE85)
+
+
+def exponential_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys `[m, 2]` int64 (`seed_keys` of each row's seed), index `[m]` int64 (the output index of the token
+    each row chooses) -> `[m, vocab]` float32 Exp(1) noise, a function of (keys, index, token id) only.
+
+    Two hash rounds per element, each keyed by a different mix of (seed, index): rows whose first keys happen
+    to lie close together still get unrelated noise. The top 24 bits make a uniform u in (0, 1), exactly
+    representable in float32; -log(u) is Exp(1)."""
+    index = index & MASK32
+    a = mix32(keys[:, 0] ^ index)[:, None]
+    b = mix32((keys[:, 1] + index) & MASK32)[:, None]
+    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    bits = mix32(mix32((ids + a) & MASK32) ^ b)
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    return -torch.log(uniform)
+
+
+# -- the batched sampler -------------------------------------------------------------------------------------
+
+
+@dataclass
+class SampledTokens:
+    """What `Sampler.sample` chose for each of its m rows, on the host. `logprobs[r]` (the chosen token's) and
+    `top_logprobs[r]` (the row's `params.logprobs` most likely (token id, logprob), most likely first) are
+    None for a row that did not ask. `token_ids` of a row that is not finite mean nothing."""
+
+    token_ids: list[int]
+    finite: list[bool]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        self.generator = torch.Generator().manual_seed(params.seed)
+    """The sampling state of up to `max_rows` sequences on `device`, and the batched choice of their tokens."""
 
-    def __call__(self, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-        """logits `[m, V]` -> m token ids, and whether each row was finite. The token of a row that is not
-        finite means nothing: the caller must not use it."""
-        if self.params.greedy:
-            return greedy(logits)
-        logits = logits.float().cpu()  # the one host transfer
-        finite = torch.isfinite(logits).all(-1)
-        probs = sampling_probs(torch.where(finite[:, None], logits, 0.0), self.params)
-        tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-        return tokens.tolist(), finite.tolist()
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str = "cpu"):
+        if max_rows < 1 or vocab_size < 1:
+            raise ValueError(f"the sampler needs max_rows >= 1 and vocab_size >= 1, got {max_rows}, {vocab_size}")
+        self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, torch.device(device)
+        self.params: list[SamplingParams | None] = [None] * max_rows  # host copy: decides which processors run
+        self._free = list(range(max_rows - 1, -1, -1))
+
+        def column(value: float, dtype=torch.float32) -> torch.Tensor:
+            return torch.full((max_rows,), value, dtype=dtype, device=self.device)
+
+        self.temperature, self.top_p, self.min_p = column(0.0), column(1.0), column(0.0)
+        self.top_k, self.min_tokens = column(0, torch.int64), column(0, torch.int64)
+        self.presence, self.frequency, self.repetition = column(0.0), column(0.0), column(1.0)
+        self.keys = torch.zeros(max_rows, 2, dtype=torch.int64, device=self.device)
+        # sparse per-row id lists, widened when a request needs more room: -1 pads
+        self.bias_ids = torch.full((max_rows, 0), -1, dtype=torch.int64, device=self.device)
+        self.bias_values = torch.zeros(max_rows, 0, device=self.device)
+        self.stop_ids = torch.full((max_rows, 0), -1, dtype=torch.int64, device=self.device)
+        # `[max_rows, V]`, made when the first request with a penalty arrives (most servers never need them)
+        self.output_counts: torch.Tensor | None = None  # int32: times each token was generated
+        self.prompt_mask: torch.Tensor | None = None  # bool: the token is in the prompt (repetition penalty)
+
+    # -- rows ----------------------------------------------------------------------------------------------
+
+    def add(
+        self, params: SamplingParams, prompt: list[int], stop_ids: tuple[int, ...] = (), output: list[int] = ()
+    ) -> int:
+        """Take a row for a sequence with these settings. `stop_ids`: the ids `min_tokens` holds back (its eos
+        and stop token ids); `output`: the tokens it already generated (a preempted sequence coming back).
+        -> the row."""
+        if not self._free:
+            raise RuntimeError(f"the sampler's {self.max_rows} rows are all taken")
+        row = self._free.pop()
+        self.params[row] = params
+        for column, value in (
+            (self.temperature, params.temperature),
+            (self.top_p, params.top_p),
+            (self.min_p, params.min_p),
+            (self.top_k, params.top_k),
+            (self.min_tokens, params.min_tokens),
+            (self.presence, params.presence_penalty),
+            (self.frequency, params.frequency_penalty),
+            (self.repetition, params.repetition_penalty),
+        ):
+            column[row] = value
+        self.keys[row] = torch.tensor(seed_keys(params.seed))
+        self.bias_ids, self.bias_values = (
+            self._widen(self.bias_ids, len(params.logit_bias)),
+            self._widen(self.bias_values, len(params.logit_bias), 0.0),
+        )
+        self._set_list(self.bias_ids, row, [token for token, _ in params.logit_bias])
+        self.bias_values[row] = 0.0
+        self.bias_values[row, : len(params.logit_bias)] = torch.tensor([b for _, b in params.logit_bias])
+        self.stop_ids = self._widen(self.stop_ids, len(stop_ids) if params.min_tokens else 0)
+        self._set_list(self.stop_ids, row, list(stop_ids) if params.min_tokens else [])
+        if params.penalised and self.output_counts is None:
+            self.output_counts = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.bool, device=self.device)
+        if self.output_counts is not None:
+            self.output_counts[row] = 0
+            self.prompt_mask[row] = False
+            if params.penalised:
+                self.prompt_mask[row, torch.tensor(prompt, dtype=torch.int64)] = True
+                if output:
+                    self.commit([row] * len(output), list(output))
+        return row
+
+    def release(self, row: int) -> None:
+        if self.params[row] is None:
+            raise ValueError(f"sampler row {row} is not taken")
+        self.params[row] = None
+        self._free.append(row)
+
+    def commit(self, rows: list[int], tokens: list[int]) -> None:
+        """Sequences committed tokens: `tokens[j]` to row `rows[j]` (a row may repeat: accepted drafts).
+        Counts them for the penalties (a scatter on the device; nothing to do while no row has a penalty)."""
+        if self.output_counts is None or not rows:
+            return
+        index = torch.tensor([rows, tokens], dtype=torch.int64).to(self.device, non_blocking=True)
+        ones = torch.ones(len(rows), dtype=torch.int32, device=self.device)
+        self.output_counts.index_put_((index[0], index[1]), ones, accumulate=True)
+
+    # -- choosing ------------------------------------------------------------------------------------------
+
+    def process(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        generated: list[int],
+        preceding: list[list[int]] | None = None,
+        bitmask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """logits `[m, V]`: row j chooses a token for the sequence in sampler row `rows[j]`, which had generated
+        `generated[j]` tokens before it, the last `len(preceding[j])` of them (drafts being verified) not yet
+        committed. `bitmask` `[m, ceil(V / 32)]` int32: a grammar's allowed tokens, or None.
+
+        -> (the processed logits `[m, V]` float32 before temperature: what greedy rows take the argmax of,
+        the processed logits after temperature, min_p, top_k and top_p: what sampled rows draw from and logprobs
+        are computed from, and `finite` `[m]` bool). Rows that are not finite are processed as zeros. The
+        second tensor is the first one when no row changes it further."""
+        params = self._params_of(rows)
+        index = torch.tensor([rows, generated], dtype=torch.int64).to(self.device, non_blocking=True)
+        row, done = index[0], index[1]
+        raw_finite = torch.isfinite(logits).all(-1)
+        out = torch.where(raw_finite[:, None], logits.to(torch.float32), 0.0)  # a copy: the caller's stays
+        if bitmask is not None:
+            apply_token_bitmask(out, bitmask)
+        if any(p.min_tokens > g for p, g in zip(params, generated)):
+            suppress_tokens(out, self.stop_ids[row], done < self.min_tokens[row])
+        if any(p.logit_bias for p in params):
+            add_logit_bias(out, self.bias_ids[row], self.bias_values[row])
+        if any(p.penalised for p in params):
+            counts = self.output_counts[row]
+            if preceding is not None and any(preceding):
+                width = max(len(d) for d in preceding)
+                drafts = torch.tensor([d + [-1] * (width - len(d)) for d in preceding], dtype=torch.int64)
+                drafts = drafts.to(self.device, non_blocking=True)
+                counts = counts.scatter_add(1, drafts.clamp(min=0), (drafts >= 0).to(counts.dtype))
+            repeats = any(p.repetition_penalty != 1 for p in params)
+            prompt_mask = self.prompt_mask[row] if repeats else None
+            apply_penalties(out, counts, prompt_mask, self.presence[row], self.frequency[row], self.repetition[row])
+        finite = raw_finite & (out > float("-inf")).any(-1)
+        if all(p.greedy or p.temperature == 1 for p in params) and not any(p.min_p or p.truncated for p in params):
+            return out, out, finite
+        drawn = scale_by_temperature(out.clone(), self.temperature[row])
+        if any(p.min_p for p in params):
+            apply_min_p(drawn, self.min_p[row])
+        if any(p.truncated for p in params):
+            apply_top_k_top_p(drawn, self.top_k[row], self.top_p[row])
+        return out, drawn, finite
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        generated: list[int],
+        preceding: list[list[int]] | None = None,
+        bitmask: torch.Tensor | None = None,
+    ) -> SampledTokens:
+        """Choose a token for each row of `logits` `[m, V]` (the arguments as for `process`). -> the choices,
+        read back to the host in one transfer."""
+        params = self._params_of(rows)
+        if len(rows) != logits.shape[0] or len(generated) != len(rows):
+            raise ValueError(
+                f"{logits.shape[0]} logits rows need as many sampler rows and counts, got "
+                f"{len(rows)} and {len(generated)}"
+            )
+        plain = all(p.greedy and p.logprobs is None for p in params)
+        if (
+            plain
+            and bitmask is None
+            and not any(p.min_tokens > g or p.logit_bias or p.penalised for p, g in zip(params, generated))
+        ):
+            ids, finite = logits.argmax(-1), torch.isfinite(logits).all(-1)  # what greedy always was
+            picked = torch.stack([ids, finite.long()]).tolist()
+            none = [None] * len(rows)
+            return SampledTokens(picked[0], [bool(f) for f in picked[1]], none, none)
+        best, drawn, finite = self.process(logits, rows, generated, preceding, bitmask)
+        ids = best.argmax(-1)
+        if not all(p.greedy for p in params):
+            index = torch.tensor(generated, dtype=torch.int64).to(self.device, non_blocking=True)
+            row = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            noise = exponential_noise(self.keys[row], index, self.vocab_size)
+            race = torch.softmax(drawn, dim=-1) / noise
+            ids = torch.where(self.temperature[row] > 0, race.argmax(-1), ids)
+        width = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if width is None:
+            picked = torch.stack([ids, finite.long()]).tolist()
+            none = [None] * len(rows)
+            return SampledTokens(picked[0], [bool(f) for f in picked[1]], none, none)
+        logprobs = torch.log_softmax(drawn, dim=-1)
+        top = logprobs.topk(width, dim=-1) if width else None
+        columns = [ids.double()[:, None], finite.double()[:, None], logprobs.gather(1, ids[:, None]).double()]
+        if top is not None:
+            columns += [top.indices.double(), top.values.double()]
+        table = torch.cat(columns, dim=1).tolist()  # the one host transfer: ids, flags, logprobs
+        chosen, tops = [], []
+        for p, line in zip(params, table):
+            wanted = p.logprobs is not None
+            chosen.append(line[2] if wanted else None)
+            k = p.logprobs if wanted else 0
+            tops.append(
+                [(int(t), v) for t, v in zip(line[3 : 3 + k], line[3 + width : 3 + width + k])] if wanted else None
+            )
+        return SampledTokens([int(line[0]) for line in table], [bool(line[1]) for line in table], chosen, tops)
+
+    # -- helpers -------------------------------------------------------------------------------------------
+
+    def _params_of(self, rows: list[int]) -> list[SamplingParams]:
+        bad = [r for r in rows if not 0 <= r < self.max_rows or self.params[r] is None]
+        if bad:
+            raise ValueError(f"sampler rows {bad} are not taken")
+        return [self.params[r] for r in rows]
+
+    def _widen(self, table: torch.Tensor, width: int, pad: float = -1) -> torch.Tensor:
+        if width <= table.shape[1]:
+            return table
+        extra = torch.full((self.max_rows, width - table.shape[1]), pad, dtype=table.dtype, device=self.device)
+        return torch.cat([table, extra], dim=1)
+
+    @staticmethod
+    def _set_list(table: torch.Tensor, row: int, ids: list[int]) -> None:
+        table[row] = -1
+        if ids:
+            table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> list[tuple[float, list]]:
+    """logits `[n, V]` at n prompt positions, next_ids `[n]` the prompt token that follows each -> per
+    position (logprob of that token, its k most likely (token id, logprob)), the model's raw distribution,
+    in one host transfer."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    columns = [logprobs.gather(1, next_ids[:, None]).double()]
+    if k:
+        top = logprobs.topk(k, dim=-1)
+        columns += [top.indices.double(), top.values.double()]
+    table = torch.cat(columns, dim=1).tolist()
+    return [(line[0], [(int(t), v) for t, v in zip(line[1 : 1 + k], line[1 + k :])]) for line in table]

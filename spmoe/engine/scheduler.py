@@ -11,13 +11,16 @@ A request becomes a `Sequence` when it is added and waits in arrival order. Each
    (the MTP drafts written after it). If the cache cannot grow, the most recently admitted running sequence
    is preempted: its room is freed and it goes back to the front of the waiting queue, to be recomputed
    later from its prompt and the tokens it has generated so far.
-A finished or aborted sequence leaves the batch and frees its room at once.
+A finished or aborted sequence leaves the batch and frees its room at once. A running sequence also holds a
+row of the engine's `Sampler` (its sampling settings and output-token counts on the device): taken at
+admission (a preempted sequence's output counted again), given back when it finishes or is preempted.
 
 After the forward, `update` commits what the model runner chose (`StepResult`): a prompt chunk advances the
 cached count; a sequence that sampled appends its tokens, keeps the cache rows of its verified positions and
 feeds its last token and its next drafts, and walks its grammar (structured output) on; it finishes at an eos id
 or once its grammar is complete ("stop"), at its token limit ("length"), or with no token when its logits were
-not finite ("error"), freeing its room.
+not finite ("error"), freeing its room. The committed tokens are counted in the sampler's rows in one scatter
+per step; prompt logprobs gather chunk by chunk and go out with the sequence's first tokens.
 
 The scheduler asks the cache about room in tokens, through a room's small interface (`fits`, `cached_prefix`,
 `can_allocate`, `allocate`, `can_grow`, `grow`, `cache_written`, `free`, `location`, `usage`,
@@ -27,6 +30,8 @@ cache's blocks.
 Prefix caching (`BlockRoom` with `enable_prefix_caching`; see `block_manager.py`). A waiting sequence is
 admitted with the longest chain of cached full blocks that matches what it feeds (its prompt, or after a
 preemption its prompt and output): its `cached` count starts there and its prompt chunks continue from it.
+A waiting sequence whose first block of prompt a running sequence is still prefilling waits for it (the n
+choices of a request: the prompt is computed and held once, each choice adds its last partial block).
 After each step `update` tells the room how many leading positions of each sequence have all their rows
 written (`cache_written`), so that its full blocks become cached: with MTP a position's rows are complete once
 the drafter has caught up on it, which it does in the step that verifies it, except for a sequence that
@@ -42,6 +47,7 @@ from spmoe.engine.block_manager import BlockManager
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.engine.request import Request, RequestOutput
+from spmoe.engine.sampling import Sampler
 from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
 
 
@@ -63,6 +69,11 @@ class SlotRoom:
     def cached_prefix(self, seq: Sequence) -> int:
         """The slot cache keeps nothing past a sequence's life: no token is ever cached for a new one."""
         return 0
+
+    @property
+    def shared_block(self) -> int | None:
+        """No prefix cache: nothing is shared."""
+        return None
 
     def can_allocate(self, num_tokens: int, seq: Sequence) -> bool:
         """Whether a new sequence of up to `num_tokens` tokens can get room now."""
@@ -137,17 +148,28 @@ class BlockRoom:
 
     def cached_prefix(self, seq: Sequence) -> int:
         """Tokens at the head of what a waiting sequence feeds (`pending`) that cached blocks hold."""
-        return self.blocks.cached_prefix(seq.pending, seq.block_hashes)
+        return self.blocks.cached_prefix(self._lookup(seq), seq.block_hashes)
+
+    @property
+    def shared_block(self) -> int | None:
+        """The tokens of a block sequences can share through the prefix cache (None: caching off)."""
+        return self.blocks.block_size if self.blocks.enable_caching else None
 
     def can_allocate(self, num_tokens: int, seq: Sequence) -> bool:
         """Whether waiting `seq` fits now with room for `num_tokens` tokens in all, its cached prefix included."""
-        return self.blocks.can_allocate(num_tokens, seq.pending, seq.block_hashes)
+        return self.blocks.can_allocate(num_tokens, self._lookup(seq), seq.block_hashes)
+
+    @staticmethod
+    def _lookup(seq: Sequence) -> list[int]:
+        """What to look up in the prefix cache for `seq`: what it feeds, or nothing when it wants its prompt's
+        logprobs (they come from the forward over the prompt: a cached block would skip them)."""
+        return [] if seq.wants_prompt_logprobs else seq.pending
 
     def allocate(self, seq: Sequence, num_tokens: int) -> int:
         """Room for `num_tokens` tokens of a new sequence, its cached prefix included. -> the tokens of what it
         feeds (`pending`) already cached."""
         seq.cache_id, self._next_id = self._next_id, self._next_id + 1
-        cached = self.blocks.allocate(seq.cache_id, num_tokens, seq.pending, seq.block_hashes)
+        cached = self.blocks.allocate(seq.cache_id, num_tokens, self._lookup(seq), seq.block_hashes)
         self._note_peak()
         return cached
 
@@ -206,17 +228,21 @@ class Scheduler:
     def __init__(
         self,
         room: SlotRoom | BlockRoom,
+        sampler: Sampler,
         reserve_tokens: int = 0,
         max_num_batched_tokens: int = 8192,
         keep_in_step: bool = False,
     ):
-        """`reserve_tokens`: room a sequence needs beyond what it feeds (the drafts MTP writes after it);
+        """`sampler`: where a running sequence holds its sampling row (`max_rows` >= the room's
+        `max_num_seqs`); `reserve_tokens`: room a sequence needs beyond what it feeds (the drafts MTP writes after it);
         `max_num_batched_tokens`: the tokens one step feeds (decode tokens first, then prompt chunks);
         `keep_in_step`: schedule a step even with nothing to run (under DP every rank runs every step)."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.room, self.reserve_tokens, self.max_num_batched_tokens = room, reserve_tokens, max_num_batched_tokens
-        self.keep_in_step = keep_in_step
+        self.keep_in_step, self.sampler = keep_in_step, sampler
+        if sampler.max_rows < room.max_num_seqs:
+            raise ValueError(f"the sampler has {sampler.max_rows} rows for up to {room.max_num_seqs} running sequences")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.preemptions = 0
@@ -251,12 +277,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.room.max_num_seqs:
             seq = self.waiting[0]
             cached = self.room.cached_prefix(seq)
+            if self._twin_prefilling(seq, cached):
+                break
             count = min(len(seq.pending) - cached, budget)
             if not self.room.can_allocate(self._room_for(seq, cached + count), seq):
                 break
             self.waiting.popleft()
             seq.cached = self.room.allocate(seq, self._room_for(seq, cached + count))
             seq.pending = seq.pending[seq.cached :]
+            request = seq.request
+            seq.sample_row = self.sampler.add(request.sampling, request.prompt, request.eos_token_ids, seq.output)
             self.running.append(seq)
             work.append((seq, count))
             budget -= count
@@ -276,8 +306,10 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Commit a step's result. -> one output per sequence that sampled (a prompt chunk before the last
         commits nothing and has none)."""
-        outputs = []
+        outputs, counted_rows, counted_tokens = [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if result.prompt_logprobs is not None and result.prompt_logprobs[i] is not None:
+                seq.prompt_logprobs += result.prompt_logprobs[i]
             if not batch.samples[i]:  # a prompt chunk
                 seq.cached += n
                 seq.pending = seq.pending[n:]
@@ -297,6 +329,9 @@ class Scheduler:
             if seq.grammar is not None:
                 tokens, reason = self._advance_grammar(seq, tokens, reason)
             seq.output += tokens
+            if reason is None:  # a finished sequence's row is given back: nothing to count
+                counted_rows += [seq.sample_row] * len(tokens)
+                counted_tokens += tokens
             if seq.record_logits:
                 seq.logits += result.logit_rows[i][: len(tokens)]
             verified = n - (len(seq.drafts) - result.accepted[i])  # the fed positions whose rows stay valid
@@ -304,12 +339,18 @@ class Scheduler:
                 # the MTP drafter does not catch up on a finishing sequence: its last positions lack their row
                 self.room.cache_written(seq, seq.cached + (0 if self.reserve_tokens else verified))
                 self.finish(seq, reason)
-            outputs.append(self._output(seq, tokens))
+            output = self._output(seq, tokens)
+            if result.logprobs is not None and result.logprobs[i] is not None:
+                output.logprobs = result.logprobs[i][: len(tokens)]
+            if seq.wants_prompt_logprobs:
+                output.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
+            outputs.append(output)
             seq.cached += verified
             if reason is None:
                 self.room.cache_written(seq, seq.cached)
             seq.drafts = result.drafts[i] if result.drafts is not None and reason is None else []
             seq.pending = [tokens[-1]] + seq.drafts
+        self.sampler.commit(counted_rows, counted_tokens)
         return outputs
 
     @staticmethod
@@ -329,6 +370,26 @@ class Scheduler:
     def _output(seq: Sequence, tokens: list[int]) -> RequestOutput:
         return RequestOutput(seq.request_id, tokens, seq.finish_reason, seq.error, len(seq.request.prompt))
 
+    def _twin_prefilling(self, seq: Sequence, cached: int) -> bool:
+        """Whether a running sequence still prefilling will write more full blocks that waiting `seq` begins
+        with than the `cached` tokens it finds now (the n choices of one request, the same prompt sent twice).
+        It then waits (and those behind it) until those blocks are written, to share them from the prefix cache
+        instead of computing and holding its own copy. Not with caching off, nor for a sequence that wants its
+        prompt's logprobs."""
+        size = self.room.shared_block
+        if size is None or len(seq.pending) <= size or seq.wants_prompt_logprobs:
+            return False
+        for twin in self.running:
+            if not twin.prefilling or twin.request.prompt[:size] != seq.pending[:size]:
+                continue
+            common = next(
+                (i for i, (a, b) in enumerate(zip(twin.request.prompt, seq.pending)) if a != b),
+                min(len(twin.request.prompt), len(seq.pending)),
+            )
+            if min(common, len(seq.pending) - 1) // size * size > cached:  # its last token is always computed
+                return True
+        return False
+
     def _room_for(self, seq: Sequence, fed: int) -> int:
         """The room `seq` needs once it holds `fed` tokens: those and the reserve, but never more than its
         request can occupy (the drafts' rows past that are never written: it finishes first)."""
@@ -347,9 +408,10 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's room and queue it first, to recompute its prompt and output later."""
-        self.running.remove(seq)
-        self.room.free(seq)
+        self._leave(seq)
         seq.cached, seq.drafts, seq.prefilling = 0, [], True
+        if not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs = []  # gathered again as the prompt is recomputed
         seq.pending = list(seq.request.prompt) + seq.output
         seq.preemptions += 1
         self.preemptions += 1
@@ -358,8 +420,14 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a running sequence out of the batch and free its room."""
         seq.finish_reason = reason
+        self._leave(seq)
+
+    def _leave(self, seq: Sequence) -> None:
+        """Out of the running batch: its cache room and its sampler row freed."""
         self.running.remove(seq)
         self.room.free(seq)
+        self.sampler.release(seq.sample_row)
+        seq.sample_row = -1
 
     def abort(self, request_id: str) -> bool:
         """Drop the sequence wherever it is, freeing its room. -> whether it was there."""

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spmoe.engine.grammar import SequenceGrammar
-from spmoe.engine.request import Request
-from spmoe.engine.sampling import Sampler
+from spmoe.engine.request import Request, TokenLogprobs
 
 
 @dataclass(eq=False)
@@ -22,10 +21,10 @@ class Sequence:
     field-by-field comparison cost 32k dataclass comparisons a step at 256 sequences)."""
 
     request: Request
-    sampler: Sampler
     record_logits: bool = False  # keep the logits row `[V]` behind every generated token
     grammar: SequenceGrammar | None = None  # structured output: where the sequence is in its grammar
     cache_id: int = -1  # its slot (slot cache) or block-table id (paged cache); -1: no room
+    sample_row: int = -1  # its row of the engine's Sampler while it runs; -1: none
     cached: int = 0  # tokens of this sequence in the target's KV cache
     pending: list[int] = field(default_factory=list)  # what the next target forwards feed
     drafts: list[int] = field(default_factory=list)  # the tail of `pending` that MTP drafted
@@ -38,6 +37,13 @@ class Sequence:
     # the prefix cache's chained hashes of its first blocks, as far as computed (its tokens are only appended
     # to, so they stay valid for its life: each block is hashed once, however often it is looked up)
     block_hashes: list[bytes] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # gathered chunk by chunk
+    prompt_logprobs_sent: bool = False  # they went out with its first tokens: a recompute needs none
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the prompt rows it feeds now need their logits (asked for, and not yet sent)."""
+        return self.request.sampling.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     @property
     def request_id(self) -> str:
@@ -86,12 +92,16 @@ class StepResult:
     target accepted; `finite`: whether every logits row it commits from was finite (False: it has no next
     token and finishes with an error); `drafts`: its next MTP drafts when speculating ([] if it finishes or
     does not sample), else None; `logit_rows`: `[V]` float32 rows on the host behind each committed token,
-    for a sequence that records its logits, else None; `logprobs`: per committed token, filled by the
-    sampler once logprobs are asked for (None until then)."""
+    for a sequence that records its logits, else None; `logprobs`: per committed token (its logprob, its
+    most likely tokens) for a sequence whose request asks for logprobs, else None; `prompt_logprobs`: for the
+    prompt tokens this step fed, each but the prompt's first one's (logprob, most likely tokens) under the
+    model's distribution at the position before it (the first prompt token gets None), for a sequence whose
+    request asks for them, else None."""
 
     token_ids: list[list[int]]
     accepted: list[int]
     finite: list[bool]
     drafts: list[list[int]] | None = None
     logit_rows: list[list[torch.Tensor] | None] | None = None
-    logprobs: list[list[float] | None] | None = None
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    prompt_logprobs: list[list[TokenLogprobs | None] | None] | None = None

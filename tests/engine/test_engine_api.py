@@ -100,6 +100,8 @@ def run_api_cases(folder: str) -> dict:
         "too_long": Request("t", [1] * 20, 11),
         "no_tokens": Request("z", [1], 0),
         "duplicate": Request("d", [1], 4),
+        "bias_beyond_vocab": Request("b", [1], 4, SamplingParams(logit_bias=((96, 1.0),))),
+        "min_tokens_beyond_max": Request("m", [1], 4, SamplingParams(min_tokens=5)),
     }
     engine.add_request(Request("d", [1], 4))
     for name, req in bad.items():
@@ -165,6 +167,8 @@ def test_bad_requests_are_one_line_errors(api):
         "needs 33 KV cache positions, the cache holds 32 per sequence",
         "no_tokens": "max_new_tokens must be >= 1, got 0",
         "duplicate": "request id 'd' is already in the engine; expected a new id",
+        "bias_beyond_vocab": "request 'b': logit_bias token ids must be in [0, 96), got 96",
+        "min_tokens_beyond_max": "request 'm': min_tokens (5) must not exceed max_tokens (4)",
         "beyond_model": "request 'p': the prompt with its new and speculative tokens: 25 positions, more than the "
         "model's max_position_embeddings = 24",
     }

@@ -11,7 +11,7 @@ import torch
 from spmoe.config import ModelConfig
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, token_bytes
 from spmoe.engine.request import Request
-from spmoe.engine.sampling import Sampler, SamplingParams
+from spmoe.engine.sampling import Sampler
 from spmoe.engine.scheduler import BlockRoom, Scheduler
 from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
 
@@ -19,9 +19,11 @@ from .conftest import ENGINE_CONFIG
 
 
 def sequence(name: str, prompt_len: int, max_new_tokens: int = 20, eos: tuple[int, ...] = ()) -> Sequence:
-    return Sequence(
-        Request(name, list(range(1, prompt_len + 1)), max_new_tokens, eos_token_ids=eos), Sampler(SamplingParams())
-    )
+    return Sequence(Request(name, list(range(1, prompt_len + 1)), max_new_tokens, eos_token_ids=eos))
+
+
+def sampler_for(room: BlockRoom) -> Sampler:
+    return Sampler(room.max_num_seqs, ENGINE_CONFIG["vocab_size"])
 
 
 def paged_room(num_blocks: int, prefix_caching: bool = False) -> BlockRoom:
@@ -44,7 +46,7 @@ def feed(scheduler: Scheduler, batch: ScheduledBatch, token: int = 7) -> None:
 
 def test_chunks_admission_and_preemption():
     room = paged_room(3)  # no prefix caching: b recomputes (see test_preempted_sequence_finds_its_blocks_again)
-    scheduler = Scheduler(room, max_num_batched_tokens=100)
+    scheduler = Scheduler(room, sampler_for(room), max_num_batched_tokens=100)
     a, b, c = sequence("a", 64), sequence("b", 64), sequence("c", 64)
     for seq in (a, b, c):
         scheduler.add(seq)
@@ -73,15 +75,15 @@ def test_chunks_admission_and_preemption():
 
 def test_nothing_to_run():
     """An empty scheduler has no step to run, unless the DP ranks must keep in step: then an empty batch."""
-    assert Scheduler(paged_room(1)).schedule() is None
-    batch = Scheduler(paged_room(1), keep_in_step=True).schedule()
+    assert Scheduler(paged_room(1), Sampler(8, 16)).schedule() is None
+    batch = Scheduler(paged_room(1), Sampler(8, 16), keep_in_step=True).schedule()
     assert batch.seqs == [] and batch.step == 1
 
 
 def test_update_commits_a_hand_made_result():
     """No model: each sequence's result is written by hand and `update` must commit it."""
     room = paged_room(8)
-    scheduler = Scheduler(room, reserve_tokens=2, max_num_batched_tokens=100)
+    scheduler = Scheduler(room, sampler_for(room), reserve_tokens=2, max_num_batched_tokens=100)
     chunk = sequence("chunk", 100)  # 100 - 4 - 3 - 1 - 1 = 91 tokens of budget left for it: a chunk
     eos = sequence("eos", 4, eos=(50,))
     length = sequence("length", 3, max_new_tokens=2)
@@ -130,7 +132,7 @@ def test_update_commits_a_hand_made_result():
 
 def test_prefix_cache_admission():
     room = paged_room(6, prefix_caching=True)
-    scheduler = Scheduler(room, max_num_batched_tokens=100)
+    scheduler = Scheduler(room, sampler_for(room), max_num_batched_tokens=100)
     a = sequence("a", 130, max_new_tokens=3)
     scheduler.add(a)
     batch = scheduler.schedule()
@@ -142,7 +144,7 @@ def test_prefix_cache_admission():
 
     # b: a's first 128 tokens, then its own; c: exactly a's first 128 tokens (a block multiple), whose last
     # token must be computed; d: a's whole prompt
-    b = Sequence(Request("b", list(range(1, 129)) + [500, 501], 3), Sampler(SamplingParams()))
+    b = Sequence(Request("b", list(range(1, 129)) + [500, 501], 3))
     c, d = sequence("c", 128, max_new_tokens=3), sequence("d", 130, max_new_tokens=3)
     for seq in (b, c, d):
         scheduler.add(seq)
@@ -159,7 +161,7 @@ def test_prefix_cache_admission():
     assert room.blocks.num_used_blocks == 0 and room.blocks.num_cached_blocks == 2
 
     # a new prompt that needs every block evicts the cached ones: a's prompt then finds nothing
-    e = Sequence(Request("e", [900 + i % 50 for i in range(6 * BLOCK_SIZE - 1)], 1), Sampler(SamplingParams()))
+    e = Sequence(Request("e", [900 + i % 50 for i in range(6 * BLOCK_SIZE - 1)], 1))
     scheduler.add(e)
     scheduler.max_num_batched_tokens = 6 * BLOCK_SIZE
     assert pairs(scheduler.schedule()) == [("e", 6 * BLOCK_SIZE - 1)]
@@ -170,7 +172,7 @@ def test_preempted_sequence_finds_its_blocks_again():
     """The preemption of `test_chunks_admission_and_preemption` with prefix caching: b (a's prompt) is
     preempted for a's second block, and comes back at once holding the cached prompt block, feeding 1 token."""
     room = paged_room(3, prefix_caching=True)
-    scheduler = Scheduler(room, max_num_batched_tokens=100)
+    scheduler = Scheduler(room, sampler_for(room), max_num_batched_tokens=100)
     a, b = sequence("a", 64), sequence("b", 64)
     scheduler.add(a)
     scheduler.add(b)
@@ -182,3 +184,19 @@ def test_preempted_sequence_finds_its_blocks_again():
     assert pairs(batch) == [("a", 1), ("b", 1)] and batch.starts == [65, 64]
     assert batch.locations[1][0] == batch.locations[0][0]  # b holds a's cached block
     assert room.prefix_cache_counts() == (64 + 64 + 65, 64)
+
+
+def test_a_twin_waits_for_the_prompt_blocks_it_shares():
+    room = paged_room(8, prefix_caching=True)
+    scheduler = Scheduler(room, sampler_for(room), max_num_batched_tokens=300)
+    choices = [sequence(f"n{i}", 130, max_new_tokens=3) for i in range(3)]  # the same prompt: n = 3
+    other = sequence("other", 20)
+    for seq in (*choices, other):
+        scheduler.add(seq)
+    batch = scheduler.schedule()  # the first choice alone; the others (and what queues behind) wait for it
+    assert pairs(batch) == [("n0", 130)]
+    feed(scheduler, batch)  # its prompt written: blocks 0 and 1 cached
+    batch = scheduler.schedule()
+    assert pairs(batch) == [("n0", 1), ("n1", 2), ("n2", 2), ("other", 20)]  # the twins compute 2 tokens each
+    assert batch.starts[1:3] == [128, 128] and room.blocks.num_used_blocks == 3 + 1 + 1 + 1
+    assert room.location(choices[1])[:2] == room.location(choices[0])[:2] == room.location(choices[2])[:2]

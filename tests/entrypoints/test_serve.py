@@ -4,6 +4,7 @@ bad requests; SIGTERM during streams (a drain, exit 0); a second server whose ra
 watchdog); and the one-line errors for bad options before any rank starts."""
 
 import json
+import math
 import os
 import signal
 import socket
@@ -185,6 +186,77 @@ def test_greedy_text_equals_spmoe_generate(server, checkpoint, tmp_path):
     assert streamed[-1].choices[0].finish_reason == chat.choices[0].finish_reason
 
 
+def forward_logits(folder: str, sequences: list[list[int]]) -> list[list[list[float]]]:
+    """A float32 CPU forward of the whole of each sequence, no cache: logits `[len, V]` per sequence."""
+    import torch
+
+    from spmoe.config import ParallelConfig
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    model = load_model(folder, ParallelConfig())
+    with torch.no_grad():
+        return [model(torch.tensor(ids), torch.arange(len(ids)), [len(ids)]).float().tolist() for ids in sequences]
+
+
+def log_softmax(row: list[float]) -> list[float]:
+    top = max(row)
+    total = math.log(sum(math.exp(v - top) for v in row))
+    return [v - top - total for v in row]
+
+
+def test_logprobs_echo_penalties_and_n_from_the_real_engine(server, checkpoint):
+    _, base, _ = server
+    client = openai_client(base)
+    prompt = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]
+    echoed = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        logprobs=3,
+        echo=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    ).choices[0]
+    steered = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        frequency_penalty=-2.0,
+        logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    ).choices[0]
+    lp = echoed.logprobs
+    output = tokens_of(lp.tokens[len(prompt) :])
+    penalised = tokens_of(steered.logprobs.tokens)
+    logits = spawn(forward_logits, 1, str(checkpoint), [prompt + output, prompt + penalised])[0]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i, got in enumerate(lp.token_logprobs[1:], start=1):  # the prompt's, then the output's
+        want = log_softmax(logits[0][i - 1])
+        token = (prompt + output)[i]
+        assert got == pytest.approx(want[token], abs=1e-4)
+        if i >= len(prompt):  # greedy: the most likely token, and the top 3 in order
+            assert want[token] == max(want)
+            assert sorted(lp.top_logprobs[i].values(), reverse=True) == pytest.approx(sorted(want)[::-1][:3], abs=1e-4)
+    for j, token in enumerate(penalised):  # greedy under frequency_penalty -2: the argmax of the penalised logits
+        row = [v + 2.0 * penalised[:j].count(t) for t, v in enumerate(logits[1][len(prompt) - 1 + j])]
+        assert token == max(range(len(row)), key=lambda t: row[t])
+        assert steered.logprobs.token_logprobs[j] == pytest.approx(log_softmax(row)[token], abs=1e-4)
+    assert penalised != output  # the penalty changed the text
+
+    four = client.completions.create(model="tiny", prompt="Once", max_tokens=6, temperature=1.0, n=4, seed=9)
+    again = client.completions.create(model="tiny", prompt="Once", max_tokens=6, temperature=1.0, n=4, seed=9)
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    assert [c.text for c in four.choices] == [c.text for c in again.choices]  # seeded: reproducible
+    assert len({c.text for c in four.choices}) > 1  # and the choices differ
+
+
+def tokens_of(strings: list[str]) -> list[int]:
+    """Token ids back from the token strings of a request with return_tokens_as_token_ids."""
+    assert all(s.startswith("token_id:") for s in strings), strings
+    return [int(s.removeprefix("token_id:")) for s in strings]
+
+
 def test_concurrent_streams_match_their_text_alone(server):
     _, base, _ = server
     client = openai_client(base)
@@ -200,7 +272,8 @@ def test_concurrent_streams_match_their_text_alone(server):
         together = list(pool.map(stream, range(16)))
     assert together == alone
     metrics = httpx.get(base + "/metrics").text
-    assert "spmoe_time_to_first_token_seconds_count" in metrics and "spmoe_num_requests_running 0.0" in metrics
+    assert 'spmoe:time_to_first_token_seconds_count{model_name="tiny"}' in metrics
+    assert 'spmoe:num_requests_running{model_name="tiny"} 0.0' in metrics
 
 
 def test_constrained_outputs_through_the_server(server):
@@ -275,7 +348,7 @@ def test_agent_loop_through_the_server(server):
 
 def generated_tokens(base: str) -> float:
     metrics = httpx.get(base + "/metrics").text.splitlines()
-    return float(next(line for line in metrics if line.startswith("spmoe_generation_tokens_total")).split()[1])
+    return float(next(line for line in metrics if line.startswith("spmoe:generation_tokens_total")).split()[1])
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -292,7 +365,7 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + "/v1/completions", json=body, timeout=1.0)
     deadline = time.monotonic() + 10
-    while "spmoe_num_requests_running 0.0" not in httpx.get(base + "/metrics").text:
+    while 'spmoe:num_requests_running{model_name="tiny"} 0.0' not in httpx.get(base + "/metrics").text:
         assert time.monotonic() < deadline, "the request still runs 10 s after its client went away"
         time.sleep(0.1)
     assert generated_tokens(base) - before < max_tokens
@@ -310,7 +383,8 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream):
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400),
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 1.01}, 400),
-        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 99}, 400),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5000": 1}}, 400),
         ("/v1/completions", '{"model": "tiny", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", 400),
         ("/v1/completions", '{"model": "tiny", "prompt": "\\ud800"}', 400),
         ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}', 400),

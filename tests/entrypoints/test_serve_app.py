@@ -1,10 +1,13 @@
 """The HTTP front end in one process: the incremental detokenizer, stop strings, and the app's routes driven by
 the real `openai` client against a scripted stand-in for the engine client (the real engine behind the real
-server is tested in test_serve.py); the limits on what a client sends, the API key, and how serving ends (a
-drain, a stalled engine) through `supervise`."""
+server is tested in test_serve.py): every request field reaches the engine request as it should, batches of
+prompts and n give their choices, logprobs come out in the completions and chat shapes (whole and streamed),
+echo, the vLLM routes and headers, unknown fields logged once, the metrics' vLLM names; the limits on what
+a client sends, the API key, and how serving ends (a drain, a stalled engine) through `supervise`."""
 
 import asyncio
 import json
+import logging
 import signal
 import threading
 
@@ -123,7 +126,12 @@ class ScriptedEngineClient:
                 elif len(made) == request.max_new_tokens:
                     reason = "length"
                 finished = reason is not None
-                yield RequestOutput(request.request_id, new, reason, prompt_tokens=len(request.prompt))
+                out = RequestOutput(request.request_id, new, reason, prompt_tokens=len(request.prompt))
+                if request.sampling.logprobs is not None:  # made-up values the tests can recognise
+                    out.logprobs = [(-t / 100, [(t, -t / 100), (7, -7.0)][: request.sampling.logprobs]) for t in new]
+                if request.sampling.prompt_logprobs is not None and len(made) == len(new):
+                    out.prompt_logprobs = [None] + [(-0.5, [(t, -0.5)]) for t in request.prompt[1:]]
+                yield out
         finally:
             if not finished:
                 self.closed_early.append(request.request_id)
@@ -230,18 +238,23 @@ def test_models_health_metrics(served):
     engine.preemptions = 5
     text = http.get("/metrics").text
     for line in (
-        "spmoe_num_preemptions_total 5.0",
-        "spmoe_num_requests_running 1.0",
-        "spmoe_num_requests_waiting 2.0",
-        "spmoe_kv_cache_usage_ratio 0.25",
-        "spmoe_generation_tokens_total 7.0",
-        "spmoe_spec_decode_acceptance_ratio 0.75",
-        "spmoe:prefix_cache_queries_total 40.0",
-        "spmoe:prefix_cache_hits_total 30.0",
-        "spmoe_time_to_first_token_seconds_count 1.0",
-        "spmoe_inter_token_latency_seconds_count 3.0",
-        "spmoe_prompt_tokens_total 2.0",
-        'spmoe_request_success_total{finish_reason="length"} 1.0',
+        'spmoe:num_preemptions_total{model_name="tiny"} 5.0',
+        'spmoe:num_requests_running{model_name="tiny"} 1.0',
+        'spmoe:num_requests_waiting{model_name="tiny"} 2.0',
+        'spmoe:kv_cache_usage_perc{model_name="tiny"} 0.25',
+        'spmoe:generation_tokens_total{model_name="tiny"} 7.0',
+        'spmoe:prefix_cache_queries_total{model_name="tiny"} 40.0',
+        'spmoe:prefix_cache_hits_total{model_name="tiny"} 30.0',
+        'spmoe:spec_decode_num_draft_tokens_total{model_name="tiny"} 4.0',
+        'spmoe:spec_decode_num_accepted_tokens_total{model_name="tiny"} 3.0',
+        'spmoe:time_to_first_token_seconds_count{model_name="tiny"} 1.0',
+        'spmoe:inter_token_latency_seconds_count{model_name="tiny"} 3.0',
+        'spmoe:time_per_output_token_seconds_count{model_name="tiny"} 1.0',
+        'spmoe:e2e_request_latency_seconds_count{model_name="tiny"} 1.0',
+        'spmoe:request_prompt_tokens_sum{model_name="tiny"} 2.0',
+        'spmoe:request_generation_tokens_sum{model_name="tiny"} 4.0',
+        'spmoe:prompt_tokens_total{model_name="tiny"} 2.0',
+        'spmoe:request_success_total{finished_reason="length",model_name="tiny"} 1.0',
     ):
         assert line in text, line
 
@@ -321,18 +334,30 @@ def test_chat_template_and_content_format(tmp_path, tokenizer):
         ),
         ({"model": "tiny", "prompt": [1, 999]}, 400, "prompt token ids must be in [0, 264), got 999"),
         ({"model": "tiny", "prompt": ""}, 400, "the prompt must not be empty"),
-        ({"model": "tiny", "prompt": ["a", 1]}, 400, "prompt: expected a string or a list of token ids, got ['a', 1]"),
         (
-            {"model": "tiny", "prompt": "Hi", "max_tokens": 0},
+            {"model": "tiny", "prompt": ["a", 1]},
             400,
-            "max_tokens: Input should be greater than or equal to 1",
+            "prompt: expected a string, a list of strings, a list of token ids or a list of such lists, got ['a', 1]",
         ),
+        ({"model": "tiny", "prompt": [[1], []]}, 400, "the prompt must not be empty"),
+        ({"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens: 0 is allowed only with echo, got 0"),
+        ({"model": "tiny", "prompt": "Hi", "max_tokens": -1}, 400, "max_tokens: Input should be greater than"),
         ({"model": "tiny", "prompt": "Hi", "temperature": -0.5}, 400, "temperature: Input should be greater than"),
         ({"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
         ({"model": "tiny", "prompt": "Hi", "top_p": 1.5}, 400, "top_p: Input should be less than or equal to 1"),
-        ({"model": "tiny", "prompt": "Hi", "n": 2}, 400, "only n = 1 is supported, got 2"),
+        ({"model": "tiny", "prompt": "Hi", "n": 0}, 400, "n: Input should be greater than or equal to 1"),
+        ({"model": "tiny", "prompt": "Hi", "n": 2, "best_of": 3}, 400, "best_of must equal n (2)"),
         ({"model": "tiny", "prompt": "Hi", "stop": [""]}, 400, "stop strings must not be empty"),
-        ({"model": "tiny", "prompt": "Hi", "logprobs": 2}, 400, "unsupported parameter 'logprobs'"),
+        ({"model": "tiny", "prompt": "Hi", "logprobs": 21}, 400, "logprobs: Input should be less than or equal to 20"),
+        ({"model": "tiny", "prompt": "Hi", "logit_bias": {"5": 101}}, 400, "biases in [-100, 100], got 5: 101"),
+        ({"model": "tiny", "prompt": "Hi", "logit_bias": {"999": 1}}, 400, "logit_bias token ids must be in [0, 264)"),
+        ({"model": "tiny", "prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens (3) must not exceed"),
+        ({"model": "tiny", "prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty: Input should be less"),
+        (
+            {"model": "tiny", "prompt": "Hi", "repetition_penalty": 0},
+            400,
+            "repetition_penalty: Input should be greater",
+        ),
         # malformed input: every kind is a 400 that says what is wrong
         ('{"model": "tiny", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, "more than 64 deep"),
         ('{"model": "tiny", "prompt": "Hi", "stop": ' + "[" * 70 + "]" * 70 + "}", 400, "more than 64 deep"),
@@ -349,7 +374,11 @@ def test_chat_template_and_content_format(tmp_path, tokenizer):
         ({"model": "tiny", "prompt": "Hi", "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
         ({"model": "tiny", "prompt": "Hi", "stop": [1]}, 400, "stop.0: Input should be a valid string"),
         ({"model": 7, "prompt": "Hi"}, 400, "model: Input should be a valid string"),
-        ({"model": "tiny", "prompt": [True, 1]}, 400, "prompt: expected a string or a list of token ids"),
+        (
+            {"model": "tiny", "prompt": [True, 1]},
+            400,
+            "prompt: expected a string, a list of strings, a list of token ids",
+        ),
         # the demo tokenizer's longest token, <|observation|>, has 15 bytes: 66 x 15 bytes is the most that can fit
         ({"model": "tiny", "prompt": "x" * (66 * 15 + 1)}, 400, "prompt text has 991 bytes; --max-model-len 66"),
         ({"model": "tiny", "prompt": "é" * 496}, 400, "prompt text has 992 bytes; --max-model-len 66"),
@@ -380,14 +409,209 @@ def test_bad_chat_requests_and_a_full_queue(served):
         client.chat.completions.create(model="tiny", messages=[])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
     engine.queue_full = True
     for stream in (False, True):
         with pytest.raises(openai.APIStatusError, match="the server is busy") as e:
             client.completions.create(model="tiny", prompt="Hi", stream=stream)
-        assert e.value.status_code == 503
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
     assert http.get("/v1/nothing").json()["error"]["code"] == 404
     engine.error = "RuntimeError: a rank died"
     assert http.get("/health").status_code == 503
+
+
+def test_sampling_fields_reach_the_engine_request(served, tokenizer):
+    engine, client, _ = served
+    client.completions.create(
+        model="tiny",
+        prompt="Hi",
+        max_tokens=8,
+        temperature=0.7,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logit_bias={"65": 10, "66": -100},
+        seed=11,
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.1,
+            "repetition_penalty": 1.2,
+            "min_tokens": 3,
+            "stop_token_ids": [70, 71],
+        },
+    )
+    request = engine.requests[-1]
+    s = request.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.7, 0.9, 5, 0.1, 11)
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert (s.logit_bias, s.min_tokens, s.logprobs, s.prompt_logprobs) == (((65, 10.0), (66, -100.0)), 3, None, None)
+    assert request.eos_token_ids == (tokenizer.eos_token_id, 70, 71)  # eos, then the stop ids
+    client.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={"top_k": -1, "ignore_eos": True})
+    assert engine.requests[-1].sampling.top_k == 0 and engine.requests[-1].eos_token_ids == ()
+
+
+def test_stop_token_ids_and_include_stop_str_in_output(served, tokenizer):
+    engine, client, _ = served
+    stop_id = tokenizer.encode(",")[0]  # REPLY = "Grüße, wörld ..."
+    got = client.completions.create(model="tiny", prompt="Hi", max_tokens=60, extra_body={"stop_token_ids": [stop_id]})
+    assert (got.choices[0].text, got.choices[0].finish_reason) == ("Grüße", "stop")
+    got = client.completions.create(
+        model="tiny",
+        prompt="Hi",
+        max_tokens=60,
+        extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": True},
+    )
+    assert got.choices[0].text == "Grüße,"
+    got = client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=60, stop=["wö"], extra_body={"include_stop_str_in_output": True}
+    )
+    assert got.choices[0].text == "Grüße, wö"
+
+
+def test_batched_prompts_and_n_give_their_choices(served, tokenizer):
+    engine, client, _ = served
+    got = client.completions.create(model="tiny", prompt=["Hi", "Yo!"], max_tokens=3, n=2, seed=40)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [
+        REPLY.encode()[:3].decode(errors="replace")
+    ] * 4  # 3 byte tokens: the ü is cut
+    requests = engine.requests[-4:]
+    assert [r.prompt for r in requests] == [tokenizer.encode("Hi")] * 2 + [tokenizer.encode("Yo!")] * 2
+    assert [r.sampling.seed for r in requests] == [40, 41, 42, 43]
+    assert len({r.request_id for r in requests}) == 4
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (5, 12)  # each prompt counted once
+    got = client.completions.create(model="tiny", prompt=[[5, 6], [7]], max_tokens=2)
+    assert [r.prompt for r in engine.requests[-2:]] == [[5, 6], [7]] and len(got.choices) == 2
+    chunks = list(
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3, stream=True)
+    )
+    by_choice = {
+        i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in range(3)
+    }
+    assert by_choice == {0: REPLY, 1: REPLY, 2: REPLY}
+    assert sorted(c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason) == ["stop"] * 3
+
+
+def test_logprobs_in_the_completions_and_chat_shapes(served, tokenizer):
+    engine, client, _ = served
+    ids = tokenizer.encode(REPLY)
+    got = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, logprobs=2)
+    assert engine.requests[-1].sampling.logprobs == 2
+    lp = got.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids[:3]] == ["G", "r", "\ufffd"]
+    assert lp.token_logprobs == [-t / 100 for t in ids[:3]]
+    assert lp.top_logprobs[0] == {"G": -ids[0] / 100, tokenizer.decode([7]): -7.0}
+    assert lp.text_offset == [0, 1, 2]
+    chunks = list(client.completions.create(model="tiny", prompt="Hi", max_tokens=3, logprobs=0, stream=True))
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == [-t / 100 for t in ids[:3]]  # every token once, whatever the text split
+
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True, top_logprobs=1
+    )
+    content = chat.choices[0].logprobs.content
+    assert [(c.token, c.logprob, c.bytes) for c in content] == [("G", -ids[0] / 100, [71]), ("r", -ids[1] / 100, [114])]
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("G", -ids[0] / 100)]
+    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert plain.choices[0].logprobs is None and engine.requests[-1].sampling.logprobs is None
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4, logprobs=True, stream=True
+        )
+    )
+    streamed = [c.logprob for chunk in chunks if chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert streamed == [-t / 100 for t in ids[:4]]
+
+
+def test_echo_with_prompt_logprobs_and_max_tokens_zero(served, tokenizer):
+    engine, client, _ = served
+    prompt = tokenizer.encode("Hey")
+    got = client.completions.create(model="tiny", prompt="Hey", max_tokens=0, echo=True, logprobs=1)
+    request = engine.requests[-1]
+    assert (request.max_new_tokens, request.sampling.prompt_logprobs) == (1, 1)  # one token generated, dropped
+    choice = got.choices[0]
+    assert (choice.text, choice.finish_reason, got.usage.completion_tokens) == ("Hey", "length", 0)
+    assert choice.logprobs.tokens == ["H", "e", "y"]
+    assert choice.logprobs.token_logprobs == [None, -0.5, -0.5] and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.top_logprobs[1] == {"e": -0.5}
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, echo=True)
+    assert got.choices[0].text == "HeyGr" and got.choices[0].logprobs is None
+    assert engine.requests[-1].sampling.prompt_logprobs is None
+    chunks = list(
+        client.completions.create(model="tiny", prompt="Hey", max_tokens=2, echo=True, logprobs=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == "HeyGr"
+    assert chunks[0].choices[0].logprobs.token_logprobs[:3] == [None, -0.5, -0.5]
+
+
+def test_chat_roles_template_kwargs_and_continuous_usage(served, tokenizer):
+    engine, client, _ = served
+    client.chat.completions.create(
+        model="tiny", messages=[{"role": "developer", "content": "Be brief"}, {"role": "user", "content": "x"}]
+    )
+    as_system = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "x"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert engine.requests[-1].prompt == tokenizer.encode(as_system, add_special_tokens=False)
+    original = tokenizer.chat_template
+    tokenizer.chat_template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"chat_template_kwargs": {"greeting": "Ahoy "}},
+        )
+    finally:
+        tokenizer.chat_template = original
+    assert engine.requests[-1].prompt == tokenizer.encode("Ahoy x", add_special_tokens=False)
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="Hi",
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    completion = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert completion == sorted(completion) and completion[-1] == 4 and chunks[-1].usage.completion_tokens == 4
+
+
+def test_routes_headers_and_unknown_fields(served, tokenizer, caplog):
+    engine, client, http = served
+    assert http.get("/version").json()["version"]
+    assert http.get("/v1/models/tiny").json()["id"] == "tiny"
+    assert http.get("/v1/models/other").status_code == 404
+    assert client.models.retrieve("tiny").id == "tiny"
+    head = http.head("/health")
+    assert head.status_code == 200 and head.content == b""
+    made = http.get("/health").headers["x-request-id"]
+    assert len(made) == 32 and made != http.get("/health").headers["x-request-id"]
+    assert http.get("/v1/models", headers={"X-Request-Id": "mine-1"}).headers["x-request-id"] == "mine-1"
+    tokens = http.post("/tokenize", json={"model": "tiny", "prompt": "Hey"}).json()
+    assert tokens["tokens"] == tokenizer.encode("Hey") and tokens["count"] == 3 and tokens["max_model_len"] == 66
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hello"}]}).json()
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=1)
+    assert chat["tokens"] == engine.requests[-1].prompt  # what a chat request with these messages is prompted
+    assert http.post("/detokenize", json={"tokens": tokenizer.encode("Grüße")}).json() == {"prompt": "Grüße"}
+    assert http.post("/detokenize", json={"tokens": [999]}).status_code == 400
+    assert http.post("/tokenize", json={"prompt": "a", "messages": []}).status_code == 400
+    with caplog.at_level(logging.WARNING, logger="spmoe.serve"):
+        for _ in range(2):
+            response = http.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": "Hi", "max_tokens": 1, "frobnicate": 1, "suffix": None},
+                headers={"X-Request-Id": "req-77"},
+            )
+            assert response.status_code == 200 and response.headers["x-request-id"] == "req-77"
+    warnings = [r.getMessage() for r in caplog.records if "not supported and is ignored" in r.getMessage()]
+    assert sorted(warnings) == [
+        "[req-77] the request field 'frobnicate' is not supported and is ignored (logged once per field name)",
+        "[req-77] the request field 'suffix' is not supported and is ignored (logged once per field name)",
+    ]
 
 
 def test_bad_chat_inputs_are_400(served):

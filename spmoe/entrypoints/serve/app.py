@@ -1,11 +1,15 @@
 """The OpenAI-compatible HTTP API as a FastAPI app, built around an engine client.
 
-Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`stream` false: one JSON
-body; true: server-sent events ending with `data: [DONE]`), `GET /health`, `GET /metrics`. Every error is an
-OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with its HTTP status.
+Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`
+(`stream` false: one JSON body; true: server-sent events ending with `data: [DONE]`), `POST /tokenize`,
+`POST /detokenize`, `GET /version`, `GET|HEAD /health`, `GET /metrics`. Every error is an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}` with its HTTP status (503s with `Retry-After`). Every
+response carries `X-Request-Id`: the client's, or one made here; log lines about a request name it.
 
-The app waits for a request's first text before it answers, so a request the engine refuses (a full queue:
-503, one that can never fit: 400) gets its status even when it asked for a stream.
+A request becomes one engine request per choice: each prompt of a batch, n times (choice index
+`prompt_index * n + i`, seed `seed + index`). The app waits for every choice's first text before it answers,
+so a request the engine refuses (a full queue: 503, one that can never fit: 400) gets its status even when
+it asked for a stream. Which request fields do what: docs/openai-api.md.
 
 What a client can send is bounded before it costs much (`FrontEndLimits`): the body is counted as it arrives
 and refused with 413 past `max_request_bytes`; a text prompt longer in bytes than `max_model_len` tokens could
@@ -25,7 +29,7 @@ import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
+from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -33,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+import spmoe
 from spmoe.engine.grammar import GrammarSpec
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
@@ -45,17 +50,20 @@ from spmoe.entrypoints.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingFields,
+    TokenizeRequest,
     decode_json,
     parse,
 )
-from spmoe.entrypoints.serve.streaming import Piece, TextGeneration
+from spmoe.entrypoints.serve.streaming import Piece, TextGeneration, usage
 from spmoe.entrypoints.serve.tokenizer import chat_prompt_text, eos_token_ids, longest_token_bytes
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 OPEN_ROUTES = ("/health", "/metrics")  # the routes that need no API key
 END_WAIT_S = 5.0  # how long `stop` waits for the requests it ended to send their last chunk
+RETRY_AFTER_S = "1"  # what a 503 tells the client to wait
 log = logging.getLogger("spmoe.serve")
 
 
@@ -91,9 +99,10 @@ def build_app(client, tokenizer, settings: ApiSettings, limits: FrontEndLimits =
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
         # after a 413 the connection closes: the rest of the body is not read (and parsed) for nothing
-        return JSONResponse(
-            e.body(), status_code=e.status, headers={"Connection": "close"} if e.status == 413 else None
+        headers = (
+            {"Connection": "close"} if e.status == 413 else {"Retry-After": RETRY_AFTER_S} if e.status == 503 else None
         )
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(_, e: HTTPException):  # unknown routes, wrong methods
@@ -103,13 +112,18 @@ def build_app(client, tokenizer, settings: ApiSettings, limits: FrontEndLimits =
     async def internal_error(request: Request, e: Exception):
         return JSONResponse(_internal_error(f"{request.method} {request.url.path}").body(), status_code=500)
 
-    app.get("/health")(api.health)
+    app.api_route("/health", methods=["GET", "HEAD"])(api.health)
     app.get("/metrics")(api.metrics_text)
+    app.get("/version")(api.version)
     app.get("/v1/models")(api.models)
+    app.get("/v1/models/{model_id:path}")(api.model)
+    app.post("/tokenize")(api.tokenize)
+    app.post("/detokenize")(api.detokenize)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     if limits.api_key is not None:
         app.add_middleware(RequireApiKey, api_key=limits.api_key)
+    app.add_middleware(RequestIdMiddleware)  # the outermost: a 401 carries the id too
     return app
 
 
@@ -138,6 +152,41 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
+class RequestIdMiddleware:
+    """Every HTTP request gets an id: the client's `X-Request-Id`, or a new one. It is `request.state.request_id`
+    for the handlers (and their log lines) and goes back as the response's `X-Request-Id` header. Plain ASGI
+    (no response wrapping), so that a handler still sees its client go away."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = dict(scope["headers"]).get(b"x-request-id")
+        request_id = sent.decode("latin-1") if sent else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+@dataclass
+class Choice:
+    """One engine request of an HTTP request: its place in the answer, its prompt and how to generate."""
+
+    index: int
+    prompt: list[int]
+    prompt_text: str | None  # the text `echo` puts before the completion; None: no echo
+    max_new_tokens: int
+    sampling: SamplingParams
+    discard_output: bool = False  # echo with max_tokens 0
+
+
 class OpenAIApi:
     def __init__(self, client, tokenizer, settings: ApiSettings, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         self.client, self.tokenizer, self.model_names = client, tokenizer, settings.served_model_names
@@ -149,8 +198,9 @@ class OpenAIApi:
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.token_bytes = longest_token_bytes(tokenizer)
         self.max_prompt_bytes = client.max_model_len * self.token_bytes  # more cannot fit (see _check_text_size)
-        self.metrics = ServeMetrics(client)
+        self.metrics = ServeMetrics(client, self.model_name)
         self.created = int(time.time())
+        self.logged_fields: set[str] = set()  # unknown request fields already logged
         # One worker: a tokenizer is not safe to use from several threads at once, and one thread keeps the
         # event loop free, which is what matters.
         self.text_work = ThreadPoolExecutor(1, thread_name_prefix="spmoe-tokenize")
@@ -168,42 +218,100 @@ class OpenAIApi:
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
-    async def models(self) -> dict:
+    async def version(self) -> dict:
+        return {"version": spmoe.__version__}
+
+    def _card(self, name: str) -> dict:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": self.created,
-                    "owned_by": "spmoe",
-                    "max_model_len": self.client.max_model_len,
-                }
-                for name in self.model_names
-            ],
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "spmoe",
+            "root": self.model_name,
+            "parent": None,
+            "max_model_len": self.client.max_model_len,
         }
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [self._card(name) for name in self.model_names]}
+
+    async def model(self, model_id: str) -> dict:
+        self._check_model(model_id)
+        return self._card(model_id)
+
+    async def tokenize(self, http: Request) -> dict:
+        body = self._parse(TokenizeRequest, await self._json_body(http), http)
+        if body.model is not None:
+            self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "expected exactly one of 'prompt' and 'messages'")
+        if body.prompt is not None:
+            self._check_text_size([body.prompt], "prompt")
+            ids = await self._off_loop(
+                lambda: self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            )
+        else:
+            try:
+                messages = [m.as_template_input(self.content_format) for m in body.messages]
+                text = await self._off_loop(chat_prompt_text, self.tokenizer, messages, None, body.chat_template_kwargs)
+            except ValueError as e:
+                raise ApiError(400, str(e), "messages") from None
+            ids = await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
+        return {"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids, "token_strs": None}
+
+    async def detokenize(self, http: Request) -> dict:
+        body = self._parse(DetokenizeRequest, await self._json_body(http), http)
+        if body.model is not None:
+            self._check_model(body.model)
+        self._checked_ids(body.tokens, "tokens")
+        return {"prompt": await self._off_loop(self.tokenizer.decode, body.tokens)}
 
     async def completions(self, http: Request):
         raw = await self._json_body(http)
-        if isinstance(raw, dict) and isinstance(raw.get("prompt"), list):  # before validating a huge list
-            self._max_new_tokens(len(raw["prompt"]), None, None)
-        body = parse(CompletionRequest, raw)
+        if isinstance(raw, dict) and isinstance(raw.get("prompt"), list) and raw["prompt"]:
+            longest = max(len(p) if isinstance(p, list) else 1 for p in raw["prompt"])  # before validating it
+            self._max_new_tokens(longest if isinstance(raw["prompt"][0], list) else len(raw["prompt"]), None, None)
+        body = self._parse(CompletionRequest, raw, http)
         self._check_model(body.model)
-        if isinstance(body.prompt, str):
-            self._check_text_size([body.prompt], "prompt")
-            prompt = await self._off_loop(self.tokenizer.encode, body.prompt)
-        else:
-            prompt = self._checked_ids(body.prompt)
-        default = self.defaults.values.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
-        max_new = self._max_new_tokens(len(prompt), body.max_tokens, default)
+        if body.best_of is not None and body.best_of != body.n:
+            raise ApiError(
+                400,
+                f"best_of must equal n ({body.n}): choosing the best of more is not supported, "
+                f"got best_of={body.best_of}",
+                "best_of",
+            )
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens: 0 is allowed only with echo, got 0", "max_tokens")
         grammar = await self._grammar(body, {}, None)
-        return await self._respond(
-            http, body, prompt, max_new, "cmpl", "text_completion", _completion_choice, grammar, ()
-        )
+        choices, seed = [], self._seed(body)
+        default_max = self.defaults.values.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+        for p, prompt in enumerate(body.prompts):
+            if isinstance(prompt, str):
+                self._check_text_size([prompt], "prompt")
+                ids = await self._off_loop(self.tokenizer.encode, prompt)
+            else:
+                ids = self._checked_ids(prompt)
+            echo = None
+            if body.echo:
+                echo = prompt if isinstance(prompt, str) else await self._off_loop(self.tokenizer.decode, ids)
+            discard = body.max_tokens == 0
+            max_new = 1 if discard else self._max_new_tokens(len(ids), body.max_tokens, default_max)
+            if discard:
+                self._max_new_tokens(len(ids), 1, None)
+            logprobs, prompt_logprobs = body.logprobs, body.logprobs if body.echo else None
+            for i in range(body.n):
+                index = p * body.n + i
+                sampling = self._sampling(body, seed, index, logprobs, prompt_logprobs, max_new)
+                choices.append(Choice(index, ids, echo, max_new, sampling, discard))
+        return await self._respond(http, body, choices, "cmpl", "text_completion", None, grammar, ())
 
     async def chat_completions(self, http: Request):
-        body = parse(ChatCompletionRequest, await self._json_body(http))
+        body = self._parse(ChatCompletionRequest, await self._json_body(http), http)
         self._check_model(body.model)
+        if body.max_tokens == 0:
+            raise ApiError(400, "max_tokens: expected >= 1 for chat completions, got 0", "max_tokens")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice
         try:
@@ -217,7 +325,10 @@ class OpenAIApi:
         try:
             messages = [m.as_template_input(self.content_format) for m in body.messages]
             text = await self._off_loop(chat_prompt_text, self.tokenizer, messages, tools, body.chat_template_kwargs)
-            choices = ChatChoices.for_request(self.chat, text, body.chat_template_kwargs, tools, tool_choice)
+            parsers = [
+                ChatChoices.for_request(self.chat, text, body.chat_template_kwargs, tools, tool_choice)
+                for _ in range(body.n)
+            ]
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         prompt = await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
@@ -225,9 +336,12 @@ class OpenAIApi:
         tool_fields = {"tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls}
         grammar = await self._grammar(body, tool_fields, tools)
         start_after = reasoning_end_ids(self.chat, body.chat_template_kwargs, self.tokenizer) if grammar else ()
-        return await self._respond(
-            http, body, prompt, max_new, "chatcmpl", "chat.completion", choices, grammar, start_after
-        )
+        logprobs, seed = (body.top_logprobs or 0) if body.logprobs else None, self._seed(body)
+        choices = [
+            Choice(i, prompt, None, max_new, self._sampling(body, seed, i, logprobs, None, max_new))
+            for i in range(body.n)
+        ]
+        return await self._respond(http, body, choices, "chatcmpl", "chat.completion", parsers, grammar, start_after)
 
     async def _grammar(self, body: SamplingFields, extra: dict, tools: list[dict] | None) -> GrammarSpec | None:
         """The grammar the request's output must follow (None: none), compiled now, off the event loop, so that
@@ -293,12 +407,69 @@ class OpenAIApi:
                 param,
             )
 
-    def _checked_ids(self, prompt: list[int]) -> list[int]:
+    def _checked_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.client.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab}), got {bad}", "prompt")
-        return prompt
+            raise ApiError(400, f"{param} token ids must be in [0, {vocab}), got {bad}", param)
+        return ids
+
+    def _parse(self, model, raw, http: Request):
+        """`parse`, and each field name the server does not know logged once (the request still runs)."""
+        body = parse(model, raw)
+        for name in body.model_extra or {}:
+            if name not in self.logged_fields:
+                self.logged_fields.add(name)
+                log.warning(
+                    "[%s] the request field '%s' is not supported and is ignored (logged once per field name)",
+                    http.state.request_id,
+                    name,
+                )
+        return body
+
+    def _seed(self, body: SamplingFields) -> int:
+        """The request's seed (choice i samples from seed + i), or one from the server's seeds."""
+        return body.seed if body.seed is not None else self.seeds.getrandbits(63)
+
+    def _sampling(
+        self,
+        body: SamplingFields,
+        seed: int,
+        index: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        max_new: int,
+    ) -> SamplingParams:
+        given = {name for name in body.model_fields_set if getattr(body, name) is not None}
+        fields = self.defaults.apply(
+            {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")},
+            given,
+        )
+        temperature = fields["temperature"]
+        if temperature is None or self.client.num_speculative_tokens and "temperature" not in given:
+            # OpenAI's default, except that a speculating server serves greedy requests only
+            temperature = 0.0 if self.client.num_speculative_tokens else 1.0
+        if body.min_tokens > max_new:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_new})", "min_tokens")
+        bias = body.token_bias
+        self._checked_ids(list(bias), "logit_bias")
+        try:
+            return SamplingParams(
+                temperature,
+                1.0 if fields["top_p"] is None else fields["top_p"],
+                (seed + index) % 2**63,
+                top_k=max(fields["top_k"] or 0, 0),
+                min_p=fields["min_p"] or 0.0,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if fields["repetition_penalty"] is None else fields["repetition_penalty"],
+                logit_bias=tuple(bias.items()),
+                min_tokens=body.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
 
     def _max_new_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int:
         """The output tokens that fit: the KV cache holds max_model_len positions per request, the prompt,
@@ -324,56 +495,82 @@ class OpenAIApi:
             )
         return requested
 
+    def _generation(
+        self, body: SamplingFields, choice: Choice, request_id: str, grammar, start_after
+    ) -> TextGeneration:
+        stop_ids = tuple(body.stop_token_ids or ())
+        eos = () if body.ignore_eos else self.eos_token_ids
+        engine_request = EngineRequest(
+            f"{request_id}-{choice.index}",
+            choice.prompt,
+            choice.max_new_tokens,
+            choice.sampling,
+            eos + stop_ids,
+            grammar,
+            start_after,
+        )
+        return TextGeneration(
+            self.client.generate(engine_request),
+            self.tokenizer,
+            choice.prompt,
+            body.stop,
+            eos + stop_ids,
+            self.metrics,
+            eos_token_ids=eos,
+            include_stop=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            discard_output=choice.discard_output,
+        )
+
     async def _respond(
         self,
         http: Request,
         body: SamplingFields,
-        prompt: list[int],
-        max_new: int,
+        choices: list[Choice],
         id_prefix: str,
         kind: str,
-        choice,
+        parsers: list | None,
         grammar: GrammarSpec | None,
         grammar_start_after: tuple[int, ...],
     ):
+        """`parsers`: chat only, one ChatChoices per choice (reasoning and tool calls out of the text)."""
         if self.unavailable is not None:  # it began stopping while this request was tokenized
             raise ApiError(503, self.unavailable)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        seed = body.seed if body.seed is not None else self.seeds.getrandbits(63)
-        given = {name for name in body.model_fields_set if getattr(body, name) is not None}
-        fields = self.defaults.apply({"temperature": body.temperature, "top_p": body.top_p}, given)
-        temperature = fields["temperature"]
-        if temperature is None or self.client.num_speculative_tokens and "temperature" not in given:
-            # OpenAI's default, except that a speculating server serves greedy requests only
-            temperature = 0.0 if self.client.num_speculative_tokens else 1.0
-        try:
-            sampling = SamplingParams(temperature, fields["top_p"], seed)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        eos = () if body.ignore_eos else self.eos_token_ids
-        request = EngineRequest(request_id, prompt, max_new, sampling, eos, grammar, grammar_start_after)
-        generation = TextGeneration(self.client.generate(request), self.tokenizer, prompt, body.stop, eos, self.metrics)
-        pieces = self._until_stopped(generation.pieces())
-        first = await _first_piece(pieces)
-        self.metrics.prompt_tokens.inc(len(prompt))
+        log.info("[%s] %s: %d choice(s) as %s", http.state.request_id, kind, len(choices), request_id)
+        generations = [self._generation(body, c, request_id, grammar, grammar_start_after) for c in choices]
+        streams = AsyncExitStack()  # closing a choice's pieces aborts its engine request
+        pieces = [await streams.enter_async_context(aclosing(self._until_stopped(g.pieces()))) for g in generations]
+        firsts = await asyncio.gather(*(_first_piece(p) for p in pieces), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
+            await streams.aclose()
+            raise failed
+        prompt_tokens = sum(len(c.prompt) for c in choices if c.index % body.n == 0)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        render = Render(self.tokenizer, kind, choices, generations, parsers, body.return_tokens_as_token_ids)
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
-        if body.stream:  # a client that goes away cancels the stream, which aborts the request
-            return StreamingResponse(
-                _events(pieces, first, generation, head, kind, choice, body.include_usage),
-                media_type="text/event-stream",
-            )
-        async with aclosing(pieces):
-            texts, piece = [first.text], first
-            while piece.finish_reason is None:
-                if await http.is_disconnected():  # leaving the loop aborts the request
-                    return Response(status_code=499)
-                piece = await anext(pieces)
-                texts.append(piece.text)
+        if body.stream:  # a client that goes away cancels the stream, which aborts the requests
+            events = _events(streams, pieces, firsts, render, head, body, prompt_tokens)
+            return StreamingResponse(events, media_type="text/event-stream")
+        async with streams:
+            collect = [asyncio.ensure_future(_rest(p, f)) for p, f in zip(pieces, firsts)]
+            try:
+                while not all(task.done() for task in collect):
+                    await asyncio.wait(collect, timeout=0.25)
+                    if any(t.done() and t.exception() for t in collect):
+                        break
+                    if await http.is_disconnected():  # leaving aborts the requests
+                        return Response(status_code=499)
+                got = [task.result() for task in collect]
+            finally:
+                await _cancel(collect)
+        completion_tokens = sum(g.completion_tokens for g in generations)
         return {
             **head,
             "object": kind,
-            "choices": [choice("".join(texts), piece.finish_reason, stream=False)],
-            "usage": generation.usage,
+            "choices": [render.whole(i, collected) for i, collected in enumerate(got)],
+            "usage": usage(prompt_tokens, completion_tokens),
         }
 
     async def _until_stopped(self, pieces):
@@ -428,44 +625,142 @@ async def _first_piece(pieces) -> Piece:
         raise ApiError(503, "the engine has stopped; the server's log says why") from None
 
 
-async def _events(pieces, first: Piece, generation: TextGeneration, head: dict, kind: str, choice, include_usage: bool):
-    """Server-sent events: a chunk per piece (chat: first a chunk with the role), the usage chunk if asked,
-    then `[DONE]`. An error after the stream started comes as a chunk with an `error` object."""
-    chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
-    usage = {"usage": None} if include_usage else {}
+class Render:
+    """The JSON of the choices: text, finish_reason and, when asked, logprobs in the completions or chat shape
+    (`echo` puts the prompt and its logprobs first; chat choices come from their ChatChoices parser)."""
 
-    def event(payload: dict) -> str:
+    def __init__(
+        self,
+        tokenizer,
+        kind: str,
+        choices: list[Choice],
+        generations: list[TextGeneration],
+        parsers: list | None,
+        token_ids: bool = False,
+    ):
+        self.tokenizer, self.kind, self.choices, self.generations = tokenizer, kind, choices, generations
+        self.parsers = parsers
+        self.token_ids = token_ids  # name tokens by id (`return_tokens_as_token_ids`)
+        self.offsets = [0] * len(choices)  # completions' text_offset so far, per choice
+
+    def whole(self, i: int, pieces: list[Piece]) -> dict:
+        merged = Piece(
+            "".join(p.text for p in pieces),
+            pieces[-1].finish_reason,
+            tuple(t for p in pieces for t in p.token_ids),
+            tuple(lp for p in pieces for lp in p.logprobs),
+        )
+        return self.choice(i, merged, first=True, stream=False)
+
+    def choice(self, i: int, piece: Piece, first: bool, stream: bool) -> dict:
+        choice, generation = self.choices[i], self.generations[i]
+        text, ids, logprobs = piece.text, list(piece.token_ids), list(piece.logprobs)
+        if first and choice.prompt_text is not None:
+            text = choice.prompt_text + text
+            if choice.sampling.prompt_logprobs is not None:
+                ids = choice.prompt + ids
+                logprobs = list(generation.prompt_logprobs or [None] * len(choice.prompt)) + logprobs
+        wanted = choice.sampling.logprobs is not None
+        if self.kind == "text_completion":
+            return {
+                "index": choice.index,
+                "text": text,
+                "logprobs": self._completion_logprobs(i, ids, logprobs) if wanted else None,
+                "finish_reason": piece.finish_reason,
+            }
+        body = self.parsers[i](text, piece.finish_reason, stream)
+        body["index"] = choice.index
+        body["logprobs"] = {"content": self._chat_logprobs(ids, logprobs)} if wanted else None
+        return body
+
+    def role_delta(self, i: int) -> dict:
+        delta = {"role": "assistant", "content": ""}
+        return {"index": self.choices[i].index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def _token(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.token_ids else self.tokenizer.decode([token_id])
+
+    def _completion_logprobs(self, i: int, ids: list[int], logprobs: list) -> dict:
+        tokens = [self._token(t) for t in ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offsets[i])
+            self.offsets[i] += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if lp is None else lp[0] for lp in logprobs],
+            "top_logprobs": [None if lp is None else {self._token(t): v for t, v in lp[1]} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, ids: list[int], logprobs: list) -> list[dict]:
+        def entry(token_id: int, value: float) -> dict:
+            token = self._token(token_id)
+            return {"token": token, "logprob": value, "bytes": list(token.encode())}
+
+        return [{**entry(t, lp[0]), "top_logprobs": [entry(tt, v) for tt, v in lp[1]]} for t, lp in zip(ids, logprobs)]
+
+
+async def _cancel(tasks: list[asyncio.Future]) -> None:
+    """Cancel the tasks and wait until they are done (a choice's pieces can only be closed then)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _rest(pieces, first: Piece) -> list[Piece]:
+    got = [first]
+    while got[-1].finish_reason is None:
+        got.append(await anext(pieces))
+    return got
+
+
+async def _events(streams: AsyncExitStack, pieces, firsts, render: Render, head, body: SamplingFields, prompt_tokens):
+    """Server-sent events: chunks from every choice as they come (chat: first a chunk with the role per
+    choice), the usage chunk if asked (with `continuous_usage_stats`, usage so far in every chunk), then
+    `[DONE]`. An error after the stream started comes as a chunk with an `error` object."""
+    chunk_kind = render.kind + ".chunk" if render.kind == "chat.completion" else render.kind
+    generations = render.generations
+
+    def event(choices: list[dict], with_usage: bool = True) -> str:
+        payload = {**head, "object": chunk_kind, "choices": choices}
+        if body.continuous_usage and with_usage:
+            payload["usage"] = usage(prompt_tokens, sum(g.completion_tokens for g in generations))
+        elif body.include_usage:
+            payload["usage"] = None
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    async with aclosing(pieces):
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def follow(i: int) -> None:
         try:
-            if kind == "chat.completion":
-                yield event({**head, "object": chunk_kind, "choices": [_chat_role_delta()], **usage})
-            piece = first
-            while True:
-                yield event(
-                    {
-                        **head,
-                        "object": chunk_kind,
-                        "choices": [choice(piece.text, piece.finish_reason, stream=True)],
-                        **usage,
-                    }
-                )
-                if piece.finish_reason is not None:
-                    break
-                piece = await anext(pieces)
-            if include_usage:
-                yield event({**head, "object": chunk_kind, "choices": [], "usage": generation.usage})
+            piece = firsts[i]
+            await merged.put((i, piece, True))
+            while piece.finish_reason is None:
+                piece = await anext(pieces[i])
+                await merged.put((i, piece, False))
         except ApiError as e:
-            yield event(e.body())
+            await merged.put((i, e, False))
         except Exception:  # noqa: BLE001 - the client gets the error chunk and [DONE], the log the details
-            yield event(_internal_error(f"the stream of {head['id']}").body())
+            await merged.put((i, _internal_error(f"the stream of {head['id']}"), False))
+
+    async with streams:
+        tasks = [asyncio.ensure_future(follow(i)) for i in range(len(pieces))]
+        try:
+            if render.kind == "chat.completion":
+                yield event([render.role_delta(i) for i in range(len(pieces))], with_usage=False)
+            open_choices = len(pieces)
+            while open_choices:
+                i, piece, first = await merged.get()
+                if isinstance(piece, ApiError):
+                    yield f"data: {json.dumps(piece.body())}\n\n"
+                    break
+                yield event([render.choice(i, piece, first, stream=True)])
+                open_choices -= piece.finish_reason is not None
+            else:
+                if body.include_usage:
+                    total = usage(prompt_tokens, sum(g.completion_tokens for g in generations))
+                    yield f"data: {json.dumps({**head, 'object': chunk_kind, 'choices': [], 'usage': total})}\n\n"
+        finally:
+            await _cancel(tasks)
     yield "data: [DONE]\n\n"
-
-
-def _completion_choice(text: str, finish_reason: str | None, stream: bool) -> dict:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-
-def _chat_role_delta() -> dict:
-    return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

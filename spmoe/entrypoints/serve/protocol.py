@@ -1,7 +1,8 @@
 """The OpenAI request bodies the server accepts, validated, and the error they turn into when they are bad.
 
-Unknown fields are refused rather than ignored: a client that sends `logprobs` or `presence_penalty` learns
-that they are not applied instead of getting an answer that silently lacks them. Types are strict: a number
+Unknown fields are accepted and kept aside (`model_extra`; the app logs each name once), as vLLM ignores them:
+clients written for OpenAI or vLLM send fields that change nothing here (docs/openai-api.md lists every field
+and what it does). Types are strict: a number
 sent as a string (`"max_tokens": "16"`) or a bool where a number goes (`"seed": true`) is refused, not converted.
 
 `decode_json` turns the raw body into Python values and refuses what the models never see but that could
@@ -80,27 +81,42 @@ def _check_text(text: str) -> None:
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage (so far) in every chunk
+
+
+MAX_N = 16  # choices per request
 
 
 class SamplingFields(Strict):
     """What completions and chat completions share."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: only with echo (completions)
     temperature: float | None = Field(None, ge=0)  # None: 1 (OpenAI's default), or 0 on a speculating server
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias in [-100, 100]
+    min_tokens: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = []  # also accepted: one string, or null
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None  # recorded by OpenAI for abuse monitoring; no effect on the output
     ignore_eos: bool = False  # an extension (as in vLLM), for benchmarks: generate max_tokens whatever comes
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" instead of their text
     # structured output (constraints.py checks them): OpenAI's response_format, vLLM's structured_outputs and
     # its older guided_* fields
     response_format: dict | None = None
@@ -110,12 +126,18 @@ class SamplingFields(Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n = 1 is supported, got {n}")
-        return n
+    def _bias_range(cls, bias):
+        for token, value in (bias or {}).items():
+            if not token.isdigit() or not -100 <= value <= 100:
+                raise ValueError(f"expected token ids >= 0 mapped to biases in [-100, 100], got {token}: {value}")
+        return bias
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with its token ids as numbers."""
+        return {int(token): value for token, value in (self.logit_bias or {}).items()}
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -129,19 +151,41 @@ class SamplingFields(Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+TokenIds = list[int]
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]  # text, or token ids
+    prompt: str | list[str] | TokenIds | list[TokenIds]  # text, texts, token ids, lists of token ids
+    echo: bool = False  # the prompt before the completion (and its logprobs, when logprobs are asked)
+    logprobs: int | None = Field(None, ge=0, le=20)  # the chosen token's logprob and this many most likely
+    best_of: int | None = Field(None, ge=1)
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _text_or_ids(cls, prompt):
-        ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        if not (isinstance(prompt, str) or ids):
-            raise ValueError("expected a string or a list of token ids")
-        if not prompt:
+    def _prompts(cls, prompt):
+        def ids(value) -> bool:
+            return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+        texts = isinstance(prompt, list) and all(isinstance(p, str) for p in prompt)
+        id_lists = isinstance(prompt, list) and all(ids(p) for p in prompt)
+        if not (isinstance(prompt, str) or ids(prompt) or texts or id_lists):
+            raise ValueError("expected a string, a list of strings, a list of token ids or a list of such lists")
+        if not prompt or (isinstance(prompt, list) and any(isinstance(p, str | list) and not p for p in prompt)):
             raise ValueError("the prompt must not be empty")
         return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the batch: a text or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
 
 
 class TextPart(Strict):
@@ -171,7 +215,7 @@ class ToolCall(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
@@ -193,7 +237,9 @@ class ChatMessage(Strict):
         string ("string") or as a list of `{"type": "text", "text"}` parts ("openai", vLLM's name), and each
         tool call's `arguments` (JSON text in the API) as the object the template writes out key by key;
         ValueError for arguments that are not a JSON object's text."""
-        out = self.model_dump(exclude_none=True)
+        out = self.model_dump(exclude_none=True, exclude=set(self.model_extra or ()))
+        if self.role == "developer":  # OpenAI's newer name for a system message: chat templates know "system"
+            out["role"] = "system"
         if self.content is not None:
             parts = [self.content] if isinstance(self.content, str) else [part.text for part in self.content]
             out["content"] = (
@@ -235,10 +281,25 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict = {}  # passed to the chat template (enable_thinking: GLM's thinking switch)
+    logprobs: bool = False  # the chosen tokens' logprobs
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # and this many most likely tokens at each position
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    chat_template_kwargs: dict = {}
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def parse(model: type[BaseModel], body) -> BaseModel:
@@ -250,8 +311,6 @@ def parse(model: type[BaseModel], body) -> BaseModel:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"
-        if first["type"] == "extra_forbidden":
-            raise ApiError(400, f"unsupported parameter '{where}'", where) from None
         if first["type"] == "missing":
             raise ApiError(400, f"missing required parameter '{where}'", where) from None
         message = first["msg"].removeprefix("Value error, ")

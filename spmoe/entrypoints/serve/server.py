@@ -33,7 +33,7 @@ from spmoe.entrypoints.serve.supervisor import StopPolicy
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer, read_chat_template
 from spmoe.entrypoints.vllm_flags import add_vllm_flags
 
-APPLIED_DEFAULTS = ("temperature", "top_p", "max_tokens")  # the generation defaults the front end applies
+APPLIED_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")  # all of them
 CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format; auto is string
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 

@@ -25,22 +25,25 @@ log = logging.getLogger("spmoe.serve")
 class Piece:
     text: str
     finish_reason: str | None = None  # set on the last piece: "stop" or "length"
+    token_ids: tuple[int, ...] = ()  # the tokens that came since the previous piece (when logprobs are asked)
+    logprobs: tuple = ()  # their (logprob, [(id, logprob), ...]), one per token id
 
 
 class StopStrings:
     """Cuts text at the first stop string. `feed(text)` -> (text safe to emit, whether a stop string ended
     it); `flush()` -> the held-back text, at the end."""
 
-    def __init__(self, stops: list[str]):
-        self.stops = stops
+    def __init__(self, stops: list[str], include: bool = False):
+        self.stops, self.include = stops, include
         self.pending = ""  # text fed but not yet emitted: it could be the start of a stop string
 
     def feed(self, text: str) -> tuple[str, bool]:
         pending = self.pending + text
-        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.pending = ""
-            return pending[: min(hits)], True
+            start, end = min(hits)
+            return pending[: end if self.include else start], True
         held = partial_marker_length(pending, self.stops)
         self.pending = pending[len(pending) - held :]
         return pending[: len(pending) - held], False
@@ -51,8 +54,13 @@ class StopStrings:
 
 
 class TextGeneration:
-    """One request in flight. `pieces()` yields its text; `prompt_tokens` and `completion_tokens` count as it
-    goes (completion tokens are every token the engine generated for it, an eos id included)."""
+    """One request (one choice) in flight. `pieces()` yields its text; `prompt_tokens` and `completion_tokens`
+    count as it goes (completion tokens are every token the engine generated for it, an eos id included).
+
+    `stop_token_ids`: ids that end the text without being part of it (eos and the request's stop ids), unless
+    `include_stop`, which keeps a stop string or a stop id's text (never an eos id's); `discard_output`: the
+    generated tokens are dropped (echo with max_tokens 0: the engine generates one token that nobody sees);
+    `prompt_logprobs` is filled from the first output when the request asked for them."""
 
     def __init__(
         self,
@@ -60,16 +68,25 @@ class TextGeneration:
         tokenizer,
         prompt: list[int],
         stops: list[str],
-        eos_token_ids: tuple[int, ...],
+        stop_token_ids: tuple[int, ...],
         metrics: ServeMetrics,
+        eos_token_ids: tuple[int, ...] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+        discard_output: bool = False,
     ):
-        self.outputs, self.eos_token_ids, self.metrics = outputs, set(eos_token_ids), metrics
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt)
-        self.stops = StopStrings(stops)
+        self.outputs, self.metrics = outputs, metrics
+        self.stop_token_ids, self.eos_token_ids = set(stop_token_ids), set(eos_token_ids)
+        self.include_stop, self.discard_output = include_stop, discard_output
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
+        self.stops = StopStrings(stops, include_stop)
         self.prompt_tokens, self.completion_tokens = len(prompt), 0
-        self.last_event = time.perf_counter()  # the arrival, then the latest tokens
+        self.prompt_logprobs = None
+        self.arrival = self.last_event = time.perf_counter()  # the arrival, then the latest tokens
+        self.first_token_s = None
 
     async def pieces(self) -> AsyncIterator[Piece]:
+        held_ids, held_logprobs = [], []  # tokens whose text is not out yet
         async with aclosing(self.outputs):
             async for out in self.outputs:
                 if out.finish_reason in ("error", "abort"):  # the reason stays in the log: it may name files
@@ -77,38 +94,56 @@ class TextGeneration:
                     raise ApiError(
                         500, f"the engine ended this request ({out.finish_reason}); the server's log says why"
                     )
-                ids = out.new_token_ids
-                self._count(len(ids))
-                if out.finish_reason == "stop" and ids and ids[-1] in self.eos_token_ids:
-                    ids = ids[:-1]  # the eos token ends the text without being part of it
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs = out.prompt_logprobs
+                ids = [] if self.discard_output else out.new_token_ids
+                if not self.discard_output:
+                    self._count(len(ids))
+                    held_ids += ids
+                    held_logprobs += out.logprobs or []
+                last = ids[-1] if ids else None
+                if out.finish_reason == "stop" and last in self.stop_token_ids:
+                    if not self.include_stop or last in self.eos_token_ids:
+                        ids = ids[:-1]  # the stop token ends the text without being part of it
                 text = self.detokenizer.push(ids)
                 if out.finish_reason:
                     text += self.detokenizer.flush()
                 text, stopped = self.stops.feed(text)
-                if stopped:
-                    self.metrics.finished.labels("stop").inc()
-                    yield Piece(text, "stop")
-                    return
-                if out.finish_reason:
-                    self.metrics.finished.labels(out.finish_reason).inc()
-                    yield Piece(text + self.stops.flush(), out.finish_reason)
+                reason = "stop" if stopped else out.finish_reason
+                if reason is not None:
+                    if not stopped:
+                        text += self.stops.flush()
+                    self._finish(reason)
+                    yield Piece(text, reason, tuple(held_ids), tuple(held_logprobs))
                     return
                 if text:
-                    yield Piece(text)
+                    yield Piece(text, None, tuple(held_ids), tuple(held_logprobs))
+                    held_ids, held_logprobs = [], []
         raise ApiError(500, "the engine's outputs for this request ended without a finish_reason")
 
     def _count(self, new_tokens: int) -> None:
         if not new_tokens:
             return
         now = time.perf_counter()
-        self.metrics.observe_tokens(new_tokens, now - self.last_event, first=self.completion_tokens == 0)
+        first = self.completion_tokens == 0
+        self.metrics.observe_tokens(new_tokens, now - self.last_event, first=first)
+        if first:
+            self.first_token_s = now - self.arrival
         self.last_event = now
         self.completion_tokens += new_tokens
 
+    def _finish(self, reason: str) -> None:
+        seconds = time.perf_counter() - self.arrival
+        self.metrics.observe_finished(reason, seconds, self.first_token_s, self.prompt_tokens, self.completion_tokens)
+
     @property
     def usage(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

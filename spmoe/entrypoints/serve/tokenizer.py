@@ -94,8 +94,8 @@ class IncrementalDetokenizer:
     step's tokens as context, whose text is subtracted (context keeps a tokenizer's leading-space rule right).
     """
 
-    def __init__(self, tokenizer, prompt: list[int] = ()):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, prompt: list[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         context = list(prompt[-CONTEXT_TOKENS:])
         if self._decode(context).endswith(REPLACEMENT):  # a prompt that ends inside a character: no context
             context = []
@@ -104,7 +104,7 @@ class IncrementalDetokenizer:
         self.done = len(context)  # tokens before this one have been emitted (or are context)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
