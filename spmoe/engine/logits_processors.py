@@ -5,28 +5,17 @@ with different settings side by side) and per-row parameters as tensors `[m]` or
 logits in place. No Python loop over rows or over the vocabulary. A row whose parameter is neutral (penalty 0,
 repetition 1, top_k 0, top_p 1, min_p 0, an empty id list) is left exactly as it was.
 
-The order `Sampler` applies them in, and why:
-1. `apply_token_bitmask`: a grammar's allowed tokens (structured output) come first, so nothing below can
-   revive a token the grammar forbids;
-2. `suppress_tokens`: `min_tokens` keeps the eos and stop ids out until enough tokens are out;
-3. `add_logit_bias`: the client's additive bias;
-4. `apply_penalties`: repetition, frequency and presence penalties from the tokens already generated;
-5. `scale_by_temperature`; 6. `apply_min_p`; 7. `apply_top_k_top_p` (truncation of the distribution drawn from).
+The order `Sampler` applies them in, and why (a grammar's mask comes before all of them, in
+`model_runner.mask_by_grammars`, at the dtype's lowest value, which nothing below can revive):
+1. `suppress_tokens`: `min_tokens` keeps the eos and stop ids out until enough tokens are out;
+2. `add_logit_bias`: the client's additive bias;
+3. `apply_penalties`: repetition, frequency and presence penalties from the tokens already generated;
+4. `scale_by_temperature`; 5. `apply_min_p`; 6. `apply_top_k_top_p` (truncation of the distribution drawn from).
 """
 
 import torch
 
 NEG_INF = float("-inf")
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits `[m, V]`; bitmask `[m, ceil(V / 32)]` int32, bit `i % 32` of word `i // 32` set when token i is
-    allowed (the layout grammar engines such as xgrammar fill). Forbidden tokens get -inf."""
-    vocab = logits.shape[-1]
-    ids = torch.arange(vocab, device=logits.device)
-    words = bitmask.to(torch.int64)[:, ids // 32]  # [m, V]; int64 so that bit 31 is not a sign to shift
-    allowed = (words >> (ids % 32)) & 1
-    return logits.masked_fill_(allowed == 0, NEG_INF)
 
 
 def suppress_tokens(logits: torch.Tensor, ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:

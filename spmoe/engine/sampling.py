@@ -40,7 +40,6 @@ from spmoe.engine.logits_processors import (
     add_logit_bias,
     apply_min_p,
     apply_penalties,
-    apply_token_bitmask,
     apply_top_k_top_p,
     scale_by_temperature,
     suppress_tokens,
@@ -255,11 +254,10 @@ class Sampler:
         rows: list[int],
         generated: list[int],
         preceding: list[list[int]] | None = None,
-        bitmask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """logits `[m, V]`: row j chooses a token for the sequence in sampler row `rows[j]`, which had generated
         `generated[j]` tokens before it, the last `len(preceding[j])` of them (drafts being verified) not yet
-        committed. `bitmask` `[m, ceil(V / 32)]` int32: a grammar's allowed tokens, or None.
+        committed. (A grammar's mask is applied to `logits` before: `model_runner.mask_by_grammars`.)
 
         -> (the processed logits `[m, V]` float32 before temperature: what greedy rows take the argmax of,
         the processed logits after temperature, min_p, top_k and top_p: what sampled rows draw from and logprobs
@@ -270,8 +268,6 @@ class Sampler:
         row, done = index[0], index[1]
         raw_finite = torch.isfinite(logits).all(-1)
         out = torch.where(raw_finite[:, None], logits.to(torch.float32), 0.0)  # a copy: the caller's stays
-        if bitmask is not None:
-            apply_token_bitmask(out, bitmask)
         if any(p.min_tokens > g for p, g in zip(params, generated)):
             suppress_tokens(out, self.stop_ids[row], done < self.min_tokens[row])
         if any(p.logit_bias for p in params):
@@ -302,7 +298,6 @@ class Sampler:
         rows: list[int],
         generated: list[int],
         preceding: list[list[int]] | None = None,
-        bitmask: torch.Tensor | None = None,
     ) -> SampledTokens:
         """Choose a token for each row of `logits` `[m, V]` (the arguments as for `process`). -> the choices,
         read back to the host in one transfer."""
@@ -313,16 +308,12 @@ class Sampler:
                 f"{len(rows)} and {len(generated)}"
             )
         plain = all(p.greedy and p.logprobs is None for p in params)
-        if (
-            plain
-            and bitmask is None
-            and not any(p.min_tokens > g or p.logit_bias or p.penalised for p, g in zip(params, generated))
-        ):
+        if plain and not any(p.min_tokens > g or p.logit_bias or p.penalised for p, g in zip(params, generated)):
             ids, finite = logits.argmax(-1), torch.isfinite(logits).all(-1)  # what greedy always was
             picked = torch.stack([ids, finite.long()]).tolist()
             none = [None] * len(rows)
             return SampledTokens(picked[0], [bool(f) for f in picked[1]], none, none)
-        best, drawn, finite = self.process(logits, rows, generated, preceding, bitmask)
+        best, drawn, finite = self.process(logits, rows, generated, preceding)
         ids = best.argmax(-1)
         if not all(p.greedy for p in params):
             index = torch.tensor(generated, dtype=torch.int64).to(self.device, non_blocking=True)

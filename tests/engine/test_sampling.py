@@ -1,5 +1,5 @@
 """The batched sampler against references written here in plain Python, one row at a time: each logits
-processor (penalties, logit_bias, min_tokens, the grammar bitmask, temperature, min_p, top_k, top_p) on a
+processor (penalties, logit_bias, min_tokens, temperature, min_p, top_k, top_p) on a
 batch whose rows all have different settings; the seeded exponential race against its distribution (total
 variation over many draws, across output positions and across seeds); seeds that fix a row's token whatever
 else is in the batch; greedy rows equal to the plain argmax; logprobs and prompt logprobs against
@@ -116,22 +116,6 @@ def test_top_k_keeps_ties_at_the_kth_value():
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0] + [0.0] * (V - 4)])
     _, drawn, _ = sampler.process(logits, [row], [0])
     assert (torch.isfinite(drawn[0]).nonzero().flatten().tolist()) == [0, 2, 3]
-
-
-def test_grammar_bitmask_allows_only_the_set_bits():
-    sampler = Sampler(2, 40)
-    rows = [sampler.add(SamplingParams(), [0]), sampler.add(SamplingParams(1.0, seed=1), [0])]
-    allowed = [[i % 3 == 0 for i in range(40)], [i in (1, 31, 33) for i in range(40)]]  # bit 31: the sign bit
-    words = []
-    for row in allowed:
-        bits = [sum(1 << b for b in range(32) if w * 32 + b < 40 and row[w * 32 + b]) for w in range(2)]
-        words.append([b - (1 << 32) if b >= 1 << 31 else b for b in bits])  # as int32
-    logits = torch.randn(2, 40)
-    best, _, _ = sampler.process(logits, rows, [0, 0], bitmask=torch.tensor(words, dtype=torch.int32))
-    for j in range(2):
-        assert (best[j] > NEG).tolist() == allowed[j]
-    got = sampler.sample(logits, rows, [0, 0], bitmask=torch.tensor(words, dtype=torch.int32))
-    assert all(allowed[j][t] for j, t in enumerate(got.token_ids))
 
 
 def test_commit_counts_by_scatter_and_drafts_count_as_preceding_tokens():
@@ -271,9 +255,8 @@ def test_rows_that_are_not_finite_or_allow_nothing_are_flagged():
     logits = torch.randn(4, 40)
     logits[1, 3] = float("nan")
     logits[3, 0] = float("inf")
-    bitmask = torch.full((4, 2), -1, dtype=torch.int32)
-    bitmask[2] = 0
-    got = sampler.sample(logits, rows, [0] * 4, bitmask=bitmask)
+    logits[2] = float("-inf")  # no token allowed
+    got = sampler.sample(logits, rows, [0] * 4)
     assert got.finite == [True, False, False, False]
 
 
