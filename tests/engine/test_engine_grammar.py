@@ -4,14 +4,13 @@ rank commits the same tokens, and a grammar that starts after the reasoning leav
 
 import json
 
+import jsonschema
 import pytest
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from tests.engine.conftest import ENGINE_CONFIG
 from tests.engine.test_grammar import SCHEMAS
-
-jsonschema = pytest.importorskip("jsonschema")
 
 CONFIG = {**ENGINE_CONFIG, "vocab_size": 264, "max_position_embeddings": 1024}  # the demo tokenizer's vocabulary
 PROMPT = [11, 42, 7, 99]

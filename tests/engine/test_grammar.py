@@ -4,6 +4,7 @@ against the torch reference; compile errors and the cache."""
 
 import json
 
+import jsonschema
 import pytest
 import torch
 
@@ -16,8 +17,6 @@ from spmoe.engine.grammar import (
 )
 from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
-
-jsonschema = pytest.importorskip("jsonschema")
 
 VOCAB = 264  # the demo tokenizer: 256 bytes + 8 special tokens, "<|end|>" (256) the eos
 SCHEMAS = [

@@ -3,14 +3,13 @@ GLM tool-call grammar (sampled calls parse with the tool-call parser and validat
 
 import json
 
+import jsonschema
 import pytest
 
 from spmoe.engine.grammar import GrammarCompiler, GrammarSpec
 from spmoe.entrypoints.serve.constraints import grammar_for_request
 from spmoe.entrypoints.serve.parsers.tool_calls import GlmToolCallParser, assemble_tool_calls
 from tests.engine.test_grammar import VOCAB, sample_batch
-
-jsonschema = pytest.importorskip("jsonschema")
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 CANONICAL = json.dumps(SCHEMA, sort_keys=True)
