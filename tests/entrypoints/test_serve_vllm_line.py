@@ -25,6 +25,7 @@ GENERATION = {"temperature": 0.7, "top_p": 0.8, "max_new_tokens": 5}
 RECIPE = (
     f"{REPO} --tensor-parallel-size 2 --enable-expert-parallel "
     "--speculative-config.method mtp --speculative-config.num_speculative_tokens 1 "
+    "--tool-call-parser glm47 --reasoning-parser glm45 --enable-auto-tool-choice "
     "--chat-template-content-format=string --served-model-name glm-5.2 glm --max-model-len 128k"
 ).split()
 # what a user adds to it: accepted flags, and the room on a CPU (2 requests of 128k tokens in the paged cache)
