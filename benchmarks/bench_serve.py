@@ -1,6 +1,9 @@
 """Load on a running `spmoe serve` (or any OpenAI-compatible server): at each concurrency level, keep that many
 streaming completions in flight until `--num-prompts` have finished, then report request throughput, output
-tokens/s, and the p50 / p99 time to first token (TTFT) and time per output token after the first (TPOT).
+tokens/s, and the p50 / p99 time to first token (TTFT) and time per output token after the first (TPOT). On a
+server that speculates (its /metrics has `spmoe:spec_decode_*` counters) it also reports each level's MTP
+acceptance rate (accepted / proposed draft tokens) and mean accepted length (tokens per verification: 1 +
+accepted / verifications), from the counters' growth over the level.
 
 Prompts are random token ids (`--input-len` of them, below `--token-id-limit`), so every prompt has exactly
 that length; `ignore_eos` makes every request generate `--output-len` tokens. The token counts come from the
@@ -77,6 +80,37 @@ async def run_level(base: str, model: str, concurrency: int, prompts: list[list[
         return results, time.perf_counter() - began
 
 
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_counters(base: str) -> dict[str, float] | None:
+    """The server's speculation counters from its /metrics (summed over model names), or None when it has
+    none (no speculation, or a server without them)."""
+    response = httpx.get(base.removesuffix("/v1") + "/metrics")
+    if response.status_code != 200:
+        return None
+    found = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    seen = False
+    for line in response.text.splitlines():
+        for name in SPEC_COUNTERS:
+            if line.startswith(f"spmoe:spec_decode_{name}_total"):
+                found[name] += float(line.rsplit(" ", 1)[1])
+                seen = True
+    return found if seen else None
+
+
+def acceptance(before: dict[str, float] | None, after: dict[str, float] | None) -> str:
+    """-> the level's acceptance rate and mean accepted length, or "" without counters."""
+    if before is None or after is None:
+        return ""
+    grown = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+    if not grown["num_drafts"]:
+        return f"{'-':>8}{'-':>8}"
+    rate = grown["num_accepted_tokens"] / grown["num_draft_tokens"]
+    length = 1 + grown["num_accepted_tokens"] / grown["num_drafts"]
+    return f"{rate:>8.1%}{length:>8.2f}"
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -101,22 +135,25 @@ def main() -> None:
     base = args.base_url.rstrip("/")
     model = args.model or httpx.get(base + "/models").json()["data"][0]["id"]
     rng = random.Random(args.seed)
+    speculating = spec_counters(base) is not None
     print(f"bench_serve: {base}, model {model!r}, {args.input_len} prompt tokens -> {args.output_len} output tokens")
     print(
         f"{'concurrency':>11}{'requests':>10}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
-        f"{'TPOT p50':>10}{'TPOT p99':>10}  (ms)"
+        f"{'TPOT p50':>10}{'TPOT p99':>10}" + (f"{'accept':>8}{'length':>8}" if speculating else "") + "  (ms)"
     )
     for concurrency in args.concurrency:
         count = args.num_prompts or max(8, 4 * concurrency)
         prompts = [[rng.randrange(args.token_id_limit) for _ in range(args.input_len)] for _ in range(count)]
+        before = spec_counters(base) if speculating else None
         results, seconds = asyncio.run(run_level(base, model, concurrency, prompts, args.output_len))
+        spec = acceptance(before, spec_counters(base) if speculating else None)
         ttft = [r.ttft_s * 1e3 for r in results]
         tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None] or [float("nan")]
         output_tokens = sum(r.output_tokens for r in results)
         print(
             f"{concurrency:>11}{count:>10}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
             f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}"
-            f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}",
+            f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}{spec}",
             flush=True,
         )
 

@@ -15,8 +15,8 @@ One step is three calls on named records (`sequence.py`):
 2. `ModelRunner.run(batch) -> StepResult` (`model_runner.py`): one target forward over every scheduled
    sequence's tokens, laid end to end (a chunk of a prompt, else its last token followed by its drafts when
    speculating; with `cuda_graphs`, plain decode steps replay a captured graph), the choice of each sampling
-   sequence's tokens (its own sampler, or the greedy acceptance of its drafts, `speculative.py`), and the MTP
-   drafter's next drafts.
+   sequence's tokens (its own sampler, or the lossless acceptance of its drafts, `rejection.py`, for greedy
+   and sampled requests alike), and the MTP drafter's next drafts.
 3. `Scheduler.update(batch, result) -> list[RequestOutput]`: commit the tokens, finish sequences at an eos id
    or `max_new_tokens` and free their room. A sequence whose logits hold a NaN or an infinity has no next
    token: it finishes with finish_reason "error" and an error naming the step, and the others carry on (the
@@ -85,13 +85,6 @@ def check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: int
         check_prompt(f"prompt {i}", prompt, vocab_size, max_new_tokens, drafts, max_len)
 
 
-def check_speculation(sampling: SamplingParams, num_speculative_tokens: int) -> None:
-    if num_speculative_tokens and not sampling.greedy:
-        raise ValueError(
-            f"speculative decoding accepts drafts greedily; expected temperature 0, got {sampling.temperature}"
-        )
-
-
 def per_prompt(sampling: SamplingParams, count: int) -> list[SamplingParams]:
     """`sampling` for `count` prompts, prompt i seeded with `sampling.seed + i`."""
     return [replace(sampling, seed=sampling.seed + i) for i in range(count)]
@@ -155,7 +148,6 @@ class Engine:
             cfg.max_position_embeddings,
             f"{label} with its new and speculative tokens",
         )
-        check_speculation(request.sampling, self.k)
 
     def add_request(self, request: Request, record_logits: bool = False) -> Sequence:
         """Queue a request; it joins the running batch when the cache has room. `record_logits` keeps the
@@ -183,6 +175,8 @@ class Engine:
             totals.generated_tokens,
             totals.draft_proposed,
             totals.draft_accepted,
+            totals.drafts,
+            list(totals.accepted_per_position),
         )
 
     def step(self) -> list[RequestOutput]:

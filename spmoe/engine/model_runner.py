@@ -2,9 +2,11 @@
 
 1. One target forward over every scheduled sequence's tokens, laid end to end: run eagerly or, for a plain
    decode step, replayed from a CUDA graph (`cuda_graphs.py`); the logits of the rows the step commits from.
-2. The choice: a sequence that samples takes its own sampler's token from its last row, or, when it fed
-   drafts, the drafts the target accepts and the target's next token (`speculative.py`); the tokens are cut
-   at its first eos id or its token limit. A row that is not finite gives no token.
+2. The choice: without speculation a sequence that samples takes its own sampler's token from its last row;
+   when speculating, every sequence that samples keeps the drafts the target accepts and the target's next
+   draw, by the lossless rule of `rejection.py` (greedy and sampled requests in one batch, each with its own
+   settings and seed); the tokens are cut at its first eos id or its token limit. A row that is not finite
+   gives no token.
 3. When speculating, the MTP drafter catches up on the fed positions and proposes each sequence's next
    drafts (`speculative.py`). Under DP every rank runs the draft step, even an empty one.
 
@@ -19,9 +21,10 @@ from spmoe.distributed import CommStats
 from spmoe.engine.cuda_graphs import DecodeGraphs
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
-from spmoe.engine.sampling import greedy
+from spmoe.engine.rejection import accept_drafts, race
+from spmoe.engine.sampling import SamplingParams, exponential_noise, greedy, sampling_probs, seed_keys
 from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
-from spmoe.engine.speculative import MtpDrafter, accept_greedy
+from spmoe.engine.speculative import MtpDrafter
 from spmoe.engine.stats import StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
@@ -75,20 +78,19 @@ class ModelRunner:
     def choose(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
         """logits `[R, V]` (see `forward`) -> each sequence's committed tokens, accepted drafts, finite flag."""
         committing = [s for s, last in zip(batch.seqs, batch.samples) if last]
-        # every greedy choice of the step (and whether its row is finite) in one host transfer
-        greedy_rows = greedy(logits) if any(s.drafts or s.sampler.params.greedy for s in committing) else None
+        choose = self._verify if self.drafter is not None else self._sample
+        chosen = iter(zip(*choose(committing, logits))) if committing else iter(())
         result = StepResult([], [], [], logit_rows=[])
         row = 0
         for seq, last in zip(batch.seqs, batch.samples):
             tokens, accepted, finite, recorded = [], 0, True, None
             if last:
-                rows = slice(row, row + 1 + len(seq.drafts))
-                row += 1 + len(seq.drafts)
-                accepted, candidates, finite = self._candidates(seq, logits[rows], greedy_rows, rows)
+                accepted, candidates, finite = next(chosen)
                 if finite:
                     tokens, _ = seq.until_stop(candidates)
                     if seq.record_logits:
-                        recorded = [logits[j].cpu() for j in range(rows.start, rows.start + len(tokens))]
+                        recorded = [logits[j].cpu() for j in range(row, row + len(tokens))]
+                row += 1 + len(seq.drafts)
             result.token_ids.append(tokens)
             result.accepted.append(accepted)
             result.finite.append(finite)
@@ -96,20 +98,64 @@ class ModelRunner:
         return result
 
     @staticmethod
-    def _candidates(
-        seq: Sequence, logits: torch.Tensor, greedy_rows: tuple[list[int], list[bool]] | None, rows: slice
-    ) -> tuple[int, list[int], bool]:
-        """One sequence's logits `[1 + drafts, V]` and the step's greedy choices and finite flags (None when no
-        sequence of the step is greedy) -> (drafts accepted, the tokens it would commit, whether every row
-        they come from is finite)."""
-        if seq.drafts:
-            choices, finite = (g[rows] for g in greedy_rows)
-            accepted, candidates = accept_greedy(seq.drafts, choices)
-        elif seq.sampler.params.greedy:
-            accepted, (candidates, finite) = 0, (g[rows] for g in greedy_rows)
-        else:
-            accepted, (candidates, finite) = 0, seq.sampler(logits)
-        return accepted, candidates, all(finite[: len(candidates)])
+    def _sample(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[list[int]], list[bool]]:
+        """No speculation: one logits row per sequence `[S, V]` -> (0 accepted drafts, its token, whether its
+        row is finite) per sequence: every greedy choice in one host transfer, a sampled row by its sampler."""
+        greedy_rows = greedy(logits) if any(s.sampler.params.greedy for s in seqs) else None
+        candidates, finite = [], []
+        for j, seq in enumerate(seqs):
+            ids, flags = (
+                (g[j : j + 1] for g in greedy_rows) if seq.sampler.params.greedy else seq.sampler(logits[j : j + 1])
+            )
+            candidates.append(ids)
+            finite.append(flags[0])
+        return [0] * len(seqs), candidates, finite
+
+    @staticmethod
+    def _verify(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[list[int]], list[bool]]:
+        """Speculation: sequence i has 1 + d_i logits rows (its last token, then its d_i drafts), laid end to
+        end in `logits` `[R, V]` -> per sequence (drafts accepted, the tokens it would commit, whether every
+        row they come from is finite), by the lossless rule of `rejection.py`, in one pass over the batch and
+        one host transfer.
+
+        The target's draw at row j of sequence i is the token it would choose there without drafts: the
+        argmax for a greedy request, else a race over its processed distribution (`_processed_probs`) with
+        the noise of (its seed, output index len(output) + j)."""
+        device, vocab = logits.device, logits.shape[1]
+        counts = [1 + len(s.drafts) for s in seqs]
+        finite = torch.isfinite(logits).all(-1)
+        choices = logits.argmax(-1)  # every greedy row's token, bit for bit
+        sampled = [(s.request.sampling, len(s.output) + j) for s, n in zip(seqs, counts) for j in range(n)]
+        rows = [r for r, (params, _) in enumerate(sampled) if not params.greedy]
+        if rows:
+            params = [sampled[r][0] for r in rows]
+            picked = torch.tensor(rows, device=device)
+            clean = torch.where(finite[picked, None], logits[picked], 0.0)  # a row that is not finite is not used
+            keys = torch.tensor([seed_keys(p.seed) for p in params], dtype=torch.int64, device=device)
+            index = torch.tensor([sampled[r][1] for r in rows], dtype=torch.int64, device=device)
+            noise = exponential_noise(keys, index, vocab)
+            choices[picked] = race(ModelRunner._processed_probs(clean, params), noise)
+        # pad to [S, K + 1]: sequence i's rows from its first, repeating its last past 1 + d_i
+        width = max(counts)
+        starts = torch.tensor([0, *accumulate(counts)][:-1], device=device)
+        position = torch.arange(width, device=device)
+        at = starts[:, None] + torch.minimum(position, torch.tensor(counts, device=device)[:, None] - 1)
+        draft_ids = [s.drafts + [-1] * (width - n) for s, n in zip(seqs, counts)]  # [S, K], -1: padding
+        draft_ids = torch.tensor(draft_ids, dtype=torch.int64, device=device)
+        num_drafts = torch.tensor([n - 1 for n in counts], device=device)
+        accepted = accept_drafts(draft_ids, num_drafts, choices[at])
+        table = torch.cat([accepted[:, None], choices[at], finite[at].long()], dim=1).tolist()  # one transfer
+        out = [(line[0], line[1 : 2 + line[0]], all(line[1 + width : 2 + width + line[0]])) for line in table]
+        return [a for a, _, _ in out], [c for _, c, _ in out], [bool(f) for _, _, f in out]
+
+    @staticmethod
+    def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution each sampled row draws from, processed as its request asked: logits `[m, V]`
+        (finite), `params[j]` row j's settings -> `[m, V]` float32, the same computation the sampler draws
+        from without speculation."""
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        return sampling_probs(logits, temperature, top_p)
 
     def draft(self, batch: ScheduledBatch, result: StepResult, hidden: torch.Tensor) -> list[list[int]]:
         """The MTP layer catches up on every position the target fed and kept: a prompt chunk before the last

@@ -4,7 +4,7 @@ These are plain host objects (no tensors): the server builds requests from HTTP 
 the other ranks, and the outputs travel back to the asyncio side.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spmoe.engine.sampling import SamplingParams
 
@@ -40,7 +40,9 @@ class RequestOutput:
 @dataclass
 class EngineMetrics:
     """A snapshot of the engine: requests running (holding cache) and waiting (queued), the share of the KV
-    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP)."""
+    cache in use (0..1), and counters since start: generated tokens, and for MTP the draft tokens proposed and
+    accepted, the verifications (`drafts`: a sequence's drafts checked by one target forward) and the accepted
+    drafts per position (`accepted_per_position[j]`: verifications that accepted draft j + 1)."""
 
     running: int = 0
     waiting: int = 0
@@ -48,6 +50,8 @@ class EngineMetrics:
     generated_tokens: int = 0
     draft_proposed: int = 0
     draft_accepted: int = 0
+    drafts: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
     @classmethod
     def combine(cls, parts: list["EngineMetrics"]) -> "EngineMetrics":
@@ -60,4 +64,6 @@ class EngineMetrics:
             sum(m.generated_tokens for m in parts),
             sum(m.draft_proposed for m in parts),
             sum(m.draft_accepted for m in parts),
+            sum(m.drafts for m in parts),
+            [sum(counts) for counts in zip(*(m.accepted_per_position for m in parts))],
         )

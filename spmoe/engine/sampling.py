@@ -39,17 +39,56 @@ def greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     return picked[0], [bool(f) for f in picked[1]]
 
 
-def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits `[m, V]` (finite) -> the distribution a token is drawn from, `[m, V]` float32: softmax(logits /
-    temperature), restricted by top-p to the smallest set of most likely tokens whose mass reaches top_p (the
-    token that crosses top_p included), renormalised."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1:
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits `[m, V]` (finite), temperature `[m]` (> 0), top_p `[m]` -> the distribution each row's token is
+    drawn from, `[m, V]` float32: softmax(logits / temperature), restricted by top-p to the smallest set of most
+    likely tokens whose mass reaches top_p (the token that crosses top_p included), renormalised. Each row has
+    its own settings: one pass for a whole batch."""
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    if bool((top_p < 1).any()):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # the mass before it already reaches top_p
+        # the mass before it already reaches top_p (a row with top_p 1 keeps everything, rounding aside)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]) & (top_p[:, None] < 1)
         kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
         probs = kept / kept.sum(-1, keepdim=True)
     return probs
+
+
+# -- seeded noise: a function of (seed, output index, token id), so every draw is reproducible per position --
+
+MASK32 = 0xFFFFFFFF
+
+
+def mix32(x):
+    """A 32-bit integer hash (xor-shift / multiply rounds), on a Python int or an int64 tensor holding values
+    in [0, 2**32). The multipliers are below 2**31, so no product overflows int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & MASK32
+    return x ^ (x >> 15)
+
+
+def seed_keys(seed: int) -> tuple[int, int]:
+    """A 63-bit seed -> two 32-bit keys for `exponential_noise`."""
+    first = mix32((seed & MASK32) ^ mix32((seed >> 32) ^ 0x6A09E667))
+    return first, mix32(first ^ 0xBB67AE85)
+
+
+def exponential_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys `[m, 2]` int64 (`seed_keys` of each row's seed), index `[m]` int64 (the output index of the token
+    each row chooses) -> `[m, vocab]` float32 Exp(1) noise, a function of (keys, index, token id) only.
+
+    Two hash rounds per element, each keyed by a different mix of (seed, index): rows whose first keys happen
+    to lie close together still get unrelated noise. The top 24 bits make a uniform u in (0, 1), exactly
+    representable in float32; -log(u) is Exp(1)."""
+    index = index & MASK32
+    a = mix32(keys[:, 0] ^ index)[:, None]
+    b = mix32((keys[:, 1] + index) & MASK32)[:, None]
+    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    bits = mix32(mix32((ids + a) & MASK32) ^ b)
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    return -torch.log(uniform)
 
 
 class Sampler:
@@ -64,6 +103,8 @@ class Sampler:
             return greedy(logits)
         logits = logits.float().cpu()  # the one host transfer
         finite = torch.isfinite(logits).all(-1)
-        probs = sampling_probs(torch.where(finite[:, None], logits, 0.0), self.params)
+        rows = len(logits)
+        temperature, top_p = (torch.full((rows,), v) for v in (self.params.temperature, self.params.top_p))
+        probs = sampling_probs(torch.where(finite[:, None], logits, 0.0), temperature, top_p)
         tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
         return tokens.tolist(), finite.tolist()

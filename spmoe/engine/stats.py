@@ -41,11 +41,11 @@ class Phase:
 
 class StepStats:
     """The per-phase statistics since `reset` (what `Engine.generate` reports) and the counters since start
-    (`totals`: generated tokens, drafts proposed and accepted)."""
+    (`totals`: generated tokens; drafts proposed, verified and accepted, per position too)."""
 
     def __init__(self, num_speculative_tokens: int):
         self.k = num_speculative_tokens
-        self.totals = EngineMetrics()
+        self.totals = EngineMetrics(accepted_per_position=[0] * num_speculative_tokens)
         self.reset()
 
     def reset(self) -> None:
@@ -62,10 +62,12 @@ class StepStats:
         for seq, sampled, accepted in zip(batch.seqs, batch.samples, result.accepted):
             if sampled and seq.drafts:
                 self.verify_steps += 1
-                for j in range(accepted):
-                    self.accepted_at[j] += 1
+                self.totals.drafts += 1
                 self.totals.draft_proposed += len(seq.drafts)
                 self.totals.draft_accepted += accepted
+                for j in range(accepted):
+                    self.accepted_at[j] += 1
+                    self.totals.accepted_per_position[j] += 1
         self.totals.generated_tokens += sum(map(len, result.token_ids))
 
     def as_dict(self) -> dict:

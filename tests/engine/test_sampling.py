@@ -31,7 +31,7 @@ LOGITS = [1.5, -0.5, 3.0, 0.0, 2.0]
 
 @pytest.mark.parametrize("temperature", [0.25, 0.5, 1.0, 2.0])
 def test_temperature_divides_the_logits(temperature):
-    got = sampling_probs(torch.tensor([LOGITS]), SamplingParams(temperature=temperature))[0]
+    got = sampling_probs(torch.tensor([LOGITS]), torch.tensor([temperature]), torch.tensor([1.0]))[0]
     want = softmax([v / temperature for v in LOGITS])
     assert got.tolist() == pytest.approx(want, abs=1e-6)
 
@@ -49,7 +49,7 @@ def test_temperature_divides_the_logits(temperature):
 )
 def test_top_p_keeps_the_smallest_set_reaching_p_including_the_crossing_token(top_p, kept):
     probs = [0.15, 0.5, 0.05, 0.3]  # sorted: 1 (0.5), 3 (0.3), 0 (0.15), 2 (0.05)
-    got = sampling_probs(torch.tensor([[math.log(p) for p in probs]]), SamplingParams(temperature=1.0, top_p=top_p))
+    got = sampling_probs(torch.tensor([[math.log(p) for p in probs]]), torch.tensor([1.0]), torch.tensor([top_p]))
     mass = sum(probs[i] for i in kept)
     want = [probs[i] / mass if i in kept else 0.0 for i in range(4)]
     assert got[0].tolist() == pytest.approx(want, abs=1e-6)

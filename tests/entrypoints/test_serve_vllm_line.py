@@ -78,7 +78,6 @@ def test_the_recipe_line_serves_the_model_id_from_the_cache(server, hf_home):
         "spmoe serve: --enable-expert-parallel: spmoe's routed experts are always expert-parallel over all ranks",
         f"spmoe serve: generation defaults from {snapshot / 'generation_config.json'}: temperature=0.7, top_p=0.8, "
         "max_tokens=5",
-        "spmoe serve: the model's default temperature is not applied: a speculating server serves greedy requests",
         f"spmoe serve: {snapshot} on 2 local ranks (tp=2, dp=1, sequence-parallel MoE off (--sp auto, scope moe), "
         "MTP with 1 drafts, float32 on cpu",
     ):

@@ -75,7 +75,7 @@ class OpenAIApi:
         self.defaults, self.content_format = settings.defaults, settings.chat_template_content_format
         self.seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
-        self.metrics = ServeMetrics(client)
+        self.metrics = ServeMetrics(client, self.model_name)
         self.created = int(time.time())
 
     async def health(self) -> Response:
@@ -164,10 +164,7 @@ class OpenAIApi:
         seed = body.seed if body.seed is not None else self.seeds.getrandbits(63)
         given = {name for name in body.model_fields_set if getattr(body, name) is not None}
         fields = self.defaults.apply({"temperature": body.temperature, "top_p": body.top_p}, given)
-        temperature = fields["temperature"]
-        if temperature is None or self.client.num_speculative_tokens and "temperature" not in given:
-            # OpenAI's default, except that a speculating server serves greedy requests only
-            temperature = 0.0 if self.client.num_speculative_tokens else 1.0
+        temperature = 1.0 if fields["temperature"] is None else fields["temperature"]  # OpenAI's default
         try:
             sampling = SamplingParams(temperature, fields["top_p"], seed)
         except ValueError as e:
