@@ -4,25 +4,39 @@ table) and with their torch references (`spmoe.layers.fused.ENABLED` off), in on
 
 The model: GLM-5.2 widths (H 6144, 64 heads, q_lora 2048, kv_lora 512, DSA indexer) in 4 layers, 1 dense and
 3 MoE of 64 experts top-8 + 1 shared, vocab 32768, random bf16 weights, Triton experts, the paged latent
-cache (sparse absorbed MLA). Each case prefills B sequences of `context` tokens, then times the step that
-decodes one more token per sequence (model + LM head), launched eagerly and replayed from a CUDA graph
-(CUDA-event median). "busy ms" sums the device time of the kernels one eager step launches: graph ms minus
-busy ms is the time the GPU sits between kernels.
+cache (sparse absorbed MLA) as large as the largest case needs. `--weights fp8` writes the model's FP8
+block-128 twin (every linear but the indexer's head weights; `write_fp8_checkpoint`) and loads it as spmoe
+loads an FP8 checkpoint, so every linear runs its FP8 kernels; `--weights bf16 fp8` times both in one run
+and prints the FP8 speed-up per case. Each case prefills B sequences of `context` tokens (in forwards of at
+most `PREFILL_TOKENS` tokens), then times the step that decodes one more token per sequence (model + LM
+head), launched eagerly and replayed from a CUDA graph (CUDA-event median). "busy ms" sums the device time
+of the kernels one eager step launches: graph ms minus busy ms is the time the GPU sits between kernels.
 
 Each case's block tables are as wide as the engine's CUDA graphs make them: a power of 2 of blocks covering the
 context and the new token. Up to index_topk positions the indexer selects every visible row without scoring;
 "1x4096" takes the path that scores and takes the top-k.
 
-The roofline: the bytes the step must read over 4.3 TB/s (the H200's measured copy bandwidth): every weight but
+The roofline: the bytes the step must read (as the weights are stored: FP8 weights count 1 byte and their
+scales) over 4.3 TB/s (the H200's measured copy bandwidth): every weight but
 the routed experts' and the embedding's, the routed experts the step's tokens pick (counted), B embedding
 rows, and the cache rows the step attends (above index_topk positions the indexer scores all `context` rows;
 MLA reads at most index_topk). Also the GPU operations one eager step launches, per decoder layer, and the top
 kernels.
 
-    python benchmarks/bench_decode_step.py [--cases 1x16 8x512 1x4096]
+Block tables: `--widths` lists how wide each case's tables are: "pow2" (the default), a power of 2 of blocks
+covering the context and the new token (what the engine's graphs used when they were captured per (batch,
+width)), and/or max_model_len values, to whose blocks the tables are padded with the scratch block (what the
+engine's one graph per batch size does: the kernels read each row's real position). Up to index_topk positions
+in the tables the indexer selects every visible row without scoring; wider tables score and take the top-k.
+
+    python benchmarks/bench_decode_step.py [--cases 1x16 8x512 1x4096] [--weights bf16 fp8] [--kernels fused]
+    python benchmarks/bench_decode_step.py --cases 1x1024 48x1024 64x1024 128x1024 256x1024 256x4096
+    python benchmarks/bench_decode_step.py --cases 1x2048 64x1024 256x1024 --widths pow2 32768 --kernels fused
 """
 
 import argparse
+import tempfile
+from pathlib import Path
 
 import torch
 from bench_dp import GLM, random_weights
@@ -30,10 +44,12 @@ from timing import cuda_ms, gpu_ops, graphed, launch_count, layer_ops
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import spawn
+from spmoe.engine.cuda_graphs import padded_tables
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.layers import fused
 from spmoe.layers.moe.moe import MoE
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
+from spmoe.models.deepseek_v32.weights import load_model, write_fp8_checkpoint
 
 MODEL = {
     **GLM,
@@ -44,6 +60,7 @@ MODEL = {
     "vocab_size": 32768,
 }
 BANDWIDTH = 4.3e12  # bytes/s
+PREFILL_TOKENS = 16384  # the sequences of a case are prefilled in forwards of at most this many tokens
 TOP = 40  # kernels listed per profile
 
 
@@ -79,79 +96,144 @@ def touched_experts(model, step) -> list[int]:
     return picked
 
 
-def run(cases: list[tuple[int, int]]):
+def models(weights: list[str]) -> dict:
+    """weights kind -> the model: random bf16 weights, and (fp8) its FP8 twin written and loaded."""
     cfg = ModelConfig.from_dict(MODEL)
     model = DeepseekV32ForCausalLM(cfg, ParallelConfig(), torch.bfloat16, "cuda").eval()
     random_weights(model)
-    cache = PagedKVCache.for_model(model, 1 << 30)  # 1 GiB: thousands of blocks, far more than the cases need
+    out = {"bf16": model}
+    if "fp8" in weights:
+        with tempfile.TemporaryDirectory() as folder:
+            write_fp8_checkpoint(model, MODEL, Path(folder))
+            out["fp8"] = load_model(folder, ParallelConfig(), torch.bfloat16, "cuda")
+    return {kind: out[kind] for kind in weights}
+
+
+def run(cases: list[tuple[int, int]], weights: list[str], kernel_kinds: list[str], widths: list[str]):
+    rows = []
+    for kind, model in models(weights).items():
+        rows += run_model(model, kind, cases, kernel_kinds, widths)
+    return rows
+
+
+def table_width(name: str, context: int) -> int:
+    """Blocks in a case's block tables: "pow2" (a power of 2 covering the context and the new token), or a
+    max_model_len's."""
+    used = -(-(context + 1) // BLOCK_SIZE)
+    return 1 << (used - 1).bit_length() if name == "pow2" else -(-int(name) // BLOCK_SIZE)
+
+
+def run_model(model, weights: str, cases: list[tuple[int, int]], kernel_kinds: list[str], widths: list[str]):
+    cfg = model.cfg
+    blocks_per_seq = {c: -(-(c + 1) // BLOCK_SIZE) for _, c in cases}
+    block_bytes = PagedKVCache.for_model(model, 1 << 24).bytes_per_token * BLOCK_SIZE
+    cache = PagedKVCache.for_model(model, (max(b * blocks_per_seq[c] for b, c in cases) + 1) * block_bytes)
     rows = []
     for batch, context in cases:
-        blocks_per_seq = 1 << (-(-(context + 1) // BLOCK_SIZE) - 1).bit_length()  # as DecodeGraphs pads tables
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+        used = blocks_per_seq[context]
+        tables = [list(range(i * used, (i + 1) * used)) for i in range(batch)]
         gen = torch.Generator(device="cuda").manual_seed(batch)
-        prompt = cache.view(tables, [0] * batch, [context] * batch)
-        decode = cache.view(tables, [context] * batch, [1] * batch)
-        ids = torch.randint(0, cfg.vocab_size, (batch * context,), device="cuda", generator=gen)
         next_ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=gen)
         with torch.no_grad():
-            model.forward_hidden(ids, prompt.positions, [context] * batch, prompt)
-
-            def step():
-                return model.compute_logits(model.forward_hidden(next_ids, decode.positions, [1] * batch, decode))
-
-            floor = step_bytes(model, cache, batch, context, touched_experts(model, step)) / BANDWIDTH * 1e3
-            for kernels in ("torch", "fused"):
-                fused.ENABLED = kernels == "fused"
-                eager = cuda_ms(step, 20, warmup=2)
-                replay = graphed(step)
-                graph = cuda_ms(replay, 50, warmup=3)
-                del replay
-                ops = gpu_ops(step)
-                busy = sum(micros for _, micros in ops.values()) / 1e3
-                per_layer = layer_ops(model.model.layers, step)[0]
-                rows.append(
-                    (
-                        batch,
-                        context,
-                        kernels,
-                        eager,
-                        graph,
-                        floor,
-                        busy,
-                        launch_count(ops),
-                        per_layer,
-                        sorted(ops.items(), key=lambda kv: -kv[1][1])[:TOP],
-                    )
-                )
+            group = max(1, PREFILL_TOKENS // context)  # sequences per prefill forward, as an engine's token budget
+            for first in range(0, batch, group):
+                part = tables[first : first + group]
+                prompt = cache.view(part, [0] * len(part), [context] * len(part))
+                ids = torch.randint(0, cfg.vocab_size, (len(part) * context,), device="cuda", generator=gen)
+                model.forward_hidden(ids, prompt.positions, [context] * len(part), prompt)
+        for width_name in widths:
+            width = table_width(width_name, context)
+            decode = cache.decode_view(
+                torch.from_numpy(padded_tables(tables, batch, width, cache.scratch_block)).cuda(),
+                torch.arange(batch, device="cuda"),
+                torch.full((batch,), context, dtype=torch.long, device="cuda"),
+            )
+            rows += time_step(
+                model, cache, weights, batch, context, f"{width_name}:{width}", next_ids, decode, kernel_kinds
+            )
     fused.ENABLED = True
+    return rows
+
+
+def time_step(model, cache, weights, batch, context, width, next_ids, decode, kernel_kinds) -> list[tuple]:
+    """One decode step over the view `decode`, eager and replayed, per kernel kind -> the rows `run` returns."""
+    rows = []
+    with torch.no_grad():
+
+        def step():
+            return model.compute_logits(model.forward_hidden(next_ids, decode.positions, [1] * batch, decode))
+
+        floor = step_bytes(model, cache, batch, context, touched_experts(model, step)) / BANDWIDTH * 1e3
+        for kernels in kernel_kinds:
+            fused.ENABLED = kernels == "fused"
+            eager = cuda_ms(step, 20, warmup=2)
+            replay = graphed(step)
+            graph = cuda_ms(replay, 50, warmup=3)
+            del replay
+            ops = gpu_ops(step)
+            busy = sum(micros for _, micros in ops.values()) / 1e3
+            per_layer = layer_ops(model.model.layers, step)[0]
+            rows.append(
+                (
+                    weights,
+                    batch,
+                    context,
+                    width,
+                    kernels,
+                    eager,
+                    graph,
+                    floor,
+                    busy,
+                    launch_count(ops),
+                    per_layer,
+                    sorted(ops.items(), key=lambda kv: -kv[1][1])[:TOP],
+                )
+            )
     return rows
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="*", default=["1x16", "8x512", "1x4096"], help="BATCHxCONTEXT decode cases")
+    p.add_argument("--weights", nargs="+", choices=("bf16", "fp8"), default=["bf16"], help="weights to time")
+    p.add_argument("--kernels", nargs="+", choices=("torch", "fused"), default=["torch", "fused"])
+    p.add_argument("--widths", nargs="+", default=["pow2"], help="block-table widths: pow2 and/or max_model_len values")
     args = p.parse_args()
     cases = [tuple(int(v) for v in case.split("x")) for case in args.cases]
-    rows = spawn(run, 1, cases, config=ParallelConfig(), device="cuda")[0]
+    rows = spawn(run, 1, cases, args.weights, args.kernels, args.widths, config=ParallelConfig(), device="cuda")[0]
     print(
         f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; GLM-5.2 widths, 4 layers (1 dense + 3 "
-        f"MoE, 64 experts top-8), vocab 32768, bf16, TP 1, paged cache; roofline = bytes read / 4.3 TB/s"
+        f"MoE, 64 experts top-8), vocab 32768, bf16 activations, TP 1, paged cache; roofline = bytes read / 4.3 TB/s"
     )
     print(
-        f"{'batch':>5} {'context':>7} {'kernels':>7} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} "
-        f"{'% roofline':>10} {'busy ms':>8} {'GPU ops/step':>12}  GPU ops per decoder layer"
+        f"{'weights':>7} {'batch':>5} {'context':>7} {'width:blocks':>12} {'kernels':>7} {'eager ms':>9} "
+        f"{'graph ms':>9} {'floor ms':>9} {'% roofline':>10} {'busy ms':>8} {'GPU ops/step':>12}  "
+        "GPU ops per decoder layer"
     )
-    for batch, context, kernels, eager, graph, floor, busy, ops, per_layer, _ in rows:
+    for weights, batch, context, width, kernels, eager, graph, floor, busy, ops, per_layer, _ in rows:
         print(
-            f"{batch:>5} {context:>7} {kernels:>7} {eager:>9.3f} {graph:>9.3f} {floor:>9.3f} "
+            f"{weights:>7} {batch:>5} {context:>7} {width:>12} {kernels:>7} {eager:>9.3f} {graph:>9.3f} {floor:>9.3f} "
             f"{100 * floor / graph:>9.1f}% {busy:>8.3f} {ops:>12}  {[launch_count(layer) for layer in per_layer]}"
         )
-    for batch, context, kernels, *_, top in rows:
-        print(f"\ntop kernels, batch {batch} context {context}, {kernels} (one eager step): launches, total us")
+    graph_ms = {(w, b, c, t, k): g for w, b, c, t, k, _, g, *_ in rows}
+    for (weights, batch, context, width, kernels), ms in graph_ms.items():
+        if weights == "fp8" and ("bf16", batch, context, width, kernels) in graph_ms:
+            bf16 = graph_ms["bf16", batch, context, width, kernels]
+            print(
+                f"FP8 speed-up, batch {batch} context {context}, {width}, {kernels}, graphs: {bf16 / ms:.2f}x "
+                f"({bf16:.3f} -> {ms:.3f} ms)"
+            )
+    for weights, batch, context, width, kernels, *_, top in rows:
+        print(
+            f"\ntop kernels, {weights} weights, batch {batch} context {context}, {width}, {kernels} (one eager "
+            "step): launches, total us"
+        )
         for name, (count, micros) in top:
             print(f"  {count:>4} {micros:>9.1f}  {name[:110]}")
-    for batch, context, kernels, *_, per_layer, _ in rows[1::2]:  # each case, fused
-        print(f"\nGPU operations of each decoder layer, batch {batch} context {context}, {kernels}: launches x name")
+    for weights, batch, context, width, kernels, *_, per_layer, _ in rows:
+        if kernels != "fused":
+            continue
+        print(f"\nGPU operations of each decoder layer, {weights}, batch {batch} context {context}, {width}")
         for index, ops in enumerate(per_layer):
             print(f"layer {index}: " + ", ".join(f"{n} x {name[:60]}" for name, (n, _) in sorted(ops.items())))
 

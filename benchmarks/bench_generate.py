@@ -16,18 +16,24 @@ steps (the first two warm up: they capture the step's CUDA graph). Printed per r
   roofline (4.3 TB/s): bytes = the weights one token reads (dense weights, 8 routed + 1 shared expert per MoE
   layer, the LM head) + the cache rows it reads;
 - peak GPU memory (torch's allocator) over the row;
+- with `--weights bf16 fp8`, each row for the random bf16 weights and for their FP8 block-128 twin (written with
+  `write_fp8_checkpoint` and loaded as an FP8 checkpoint is: every linear runs FP8), and the FP8 / bf16 ratios of
+  prefill and decode tokens/s; the bandwidth roofline counts the bytes as stored (FP8: 1 per weight + scales);
 - KV bytes per token and layer;
 - the GPU operations each decoder layer launches in one decode step (one extra, untimed step run eagerly);
 - for FP8 rows, the share of greedy tokens equal to the bf16 cache's at the same context.
 A dense row that runs out of memory prints OOM (and larger contexts are skipped for it).
 
     python benchmarks/bench_generate.py [--layers 4] [--contexts 2048 8192 32768 131072] [--kinds paged fp8 dense]
+        [--weights bf16 fp8]
 """
 
 import argparse
 import statistics
+import tempfile
 import time
 from argparse import Namespace
+from pathlib import Path
 
 import torch
 from bench_dp import random_weights
@@ -90,6 +96,18 @@ def active_params(model, cfg: ModelConfig) -> tuple[int, int]:
     return body, head
 
 
+def active_bytes(model, cfg: ModelConfig) -> int:
+    """The bytes of the weights one token multiplies by, as stored (`active_params`' parameters, the LM head's
+    included)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        share = cfg.num_experts_per_tok / cfg.n_routed_experts if ".experts." in name else 1
+        total += int(p.numel() * p.element_size() * share)
+    return total
+
+
 def attention_flops(cfg: ModelConfig, start: int, count: int, sparse: bool) -> float:
     """FLOPs of attention (and the indexer) for positions start .. start + count - 1, summed over layers."""
     heads, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -107,8 +125,7 @@ def attention_flops(cfg: ModelConfig, start: int, count: int, sparse: bool) -> f
 
 def decode_bytes(model, cfg: ModelConfig, context: int, kind: str, cache_bytes_per_token: int) -> float:
     """Bytes one decode token reads: the weights it multiplies by and the cache rows it reads."""
-    body, head = active_params(model, cfg)
-    weights = (body + head) * 2
+    weights = active_bytes(model, cfg)
     layers = cfg.num_hidden_layers
     per_layer = cache_bytes_per_token / layers
     index_bytes = cfg.index_head_dim * (1 if kind == "fp8" else 2) + (4 if kind == "fp8" else 0)
@@ -129,7 +146,14 @@ def run_case(model, cfg, kind: str, context: int, args) -> dict:
         cache = KVCache.for_model(model, 1, context + args.new_tokens)
     else:
         cache = PagedKVCache.for_model(model, int(args.kv_cache_memory * 2**30), "fp8" if kind == "fp8" else "auto")
-    engine = Engine(model, cache, cuda_graphs=True, max_num_seqs=1, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = Engine(
+        model,
+        cache,
+        cuda_graphs=True,
+        max_num_seqs=1,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=context + args.new_tokens,  # the graphs' block tables: as wide as this case needs
+    )
     prompt = torch.randint(0, cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(context)).tolist()
     engine.add_request(Request(f"{kind}-{context}", prompt, args.new_tokens))
     tokens, steps = [], []
@@ -175,11 +199,35 @@ def run_case(model, cfg, kind: str, context: int, args) -> dict:
 
 
 def run(args) -> list[dict]:
-    from spmoe.models.deepseek_v32.weights import build_model
+    from spmoe.models.deepseek_v32.weights import build_model, load_model, write_fp8_checkpoint
 
-    cfg = ModelConfig.from_dict(glm_config(args.layers))
+    raw = glm_config(args.layers)
+    cfg = ModelConfig.from_dict(raw)
     model = build_model(cfg, ParallelConfig(tensor_parallel_size=1), False, set(), torch.bfloat16, "cuda").eval()
     random_weights(model)
+    models = {"bf16": model}
+    if "fp8" in args.weights:
+        with tempfile.TemporaryDirectory() as folder:
+            write_fp8_checkpoint(model, raw, Path(folder))
+            models["fp8"] = load_model(folder, ParallelConfig(tensor_parallel_size=1), torch.bfloat16, "cuda")
+    rows = []
+    for weights in args.weights:
+        print(f"weights: {weights}", flush=True)
+        rows += [{**row, "weights": weights} for row in run_model(models[weights], cfg, args)]
+    for row in rows:
+        twin = [
+            r for r in rows if r["weights"] == "bf16" and r["kind"] == row["kind"] and r["context"] == row["context"]
+        ]
+        if row["weights"] == "fp8" and twin and "decode_ms" in row and "decode_ms" in twin[0]:
+            print(
+                f"FP8 / bf16 weights, {row['kind']} {row['context']}: prefill tokens/s "
+                f"{row['prefill_tok_s'] / twin[0]['prefill_tok_s']:.2f}x, decode tokens/s "
+                f"{row['decode_tok_s'] / twin[0]['decode_tok_s']:.2f}x"
+            )
+    return rows
+
+
+def run_model(model, cfg, args) -> list[dict]:
     print(
         f"model: {args.layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, experts "
         f"{model.model.experts_backend.name}; {torch.cuda.memory_allocated() / 2**30:.1f} GiB",
@@ -251,6 +299,7 @@ def main() -> None:
     EngineArgs.add_cli_args(parser, ("max_num_batched_tokens", "kv_cache_memory"))
     parser.set_defaults(kv_cache_memory=8.0)  # the paged kinds' budget in GiB
     parser.add_argument("--profile", action="store_true", help="print the kernels of one paged prefill chunk")
+    parser.add_argument("--weights", nargs="+", choices=("bf16", "fp8"), default=["bf16"], help="weights to run")
     args = parser.parse_args()
     EngineArgs.from_cli(args)  # the engine options' checks
     spawn(run, 1, args, device="cuda", timeout_s=3600)

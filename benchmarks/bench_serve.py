@@ -1,16 +1,21 @@
 """Load on a running `spmoe serve` (or any OpenAI-compatible server): at each concurrency level, keep that many
-streaming completions in flight until `--num-prompts` have finished, then report request throughput, output
-tokens/s, and the p50 / p99 time to first token (TTFT) and time per output token after the first (TPOT). On a
-server that speculates (its /metrics has `spmoe:spec_decode_*` counters) it also reports each level's MTP
-acceptance rate (accepted / proposed draft tokens) and mean accepted length (tokens per verification: 1 +
-accepted / verifications), from the counters' growth over the level.
+streaming completions in flight until `--num-prompts` have finished; at each `--request-rate`, start the
+requests at Poisson arrivals of that many per second, however many are in flight. Per level: request
+throughput, output tokens/s, the p50 / p99 time to first token (TTFT) and time per output token after the
+first (TPOT), the TTFT of the level's first request, and, from the server's `/metrics` before and after the
+level ("-" for a server without the counter): the prefix cache's hit rate (prompt tokens found cached / looked
+up: spmoe's or vLLM's `...:prefix_cache_hits_total` / `...:prefix_cache_queries_total`), and spmoe's engine
+steps, the share of them that compiled a kernel or captured a CUDA graph, the compiles and captures after
+the server reported ready, and on a server that speculates the MTP acceptance rate (accepted / proposed draft
+tokens, `...:spec_decode_num_accepted_tokens_total` / `...:spec_decode_num_draft_tokens_total`) and the mean
+accepted length (tokens per verification: 1 + accepted / `...:spec_decode_num_drafts_total`).
 
 Prompts are random token ids (`--input-len` of them, below `--token-id-limit`), so every prompt has exactly
 that length; `ignore_eos` makes every request generate `--output-len` tokens. The token counts come from the
-server's `usage`.
+server's `usage`. No warm-up request is sent: the server warms itself before it reports ready.
 
     spmoe serve --model DIR --tp 2 --device cuda --dtype bfloat16 &
-    python benchmarks/bench_serve.py --concurrency 1 4 16 64 --input-len 1024 --output-len 128
+    python benchmarks/bench_serve.py --concurrency 1 16 64 256 --request-rate 20 --input-len 1024 --output-len 128
 """
 
 import argparse
@@ -64,51 +69,67 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return Result(ttft, time.perf_counter() - began, usage["completion_tokens"])
 
 
-async def run_level(base: str, model: str, concurrency: int, prompts: list[list[int]], output_len: int):
+async def run_level(
+    base: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int | None, arrivals: list[float]
+):
+    """Either `concurrency` requests in flight, or (None) each request started at its `arrivals` time (s)."""
     url = base + "/completions"
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    connections = concurrency or len(prompts)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        await one_request(client, url, model, prompts[0], 2)  # warm-up
-        gate = asyncio.Semaphore(concurrency)
+        gate = asyncio.Semaphore(connections)
+        began = time.perf_counter()
 
-        async def gated(prompt):
+        async def gated(prompt, at):
+            await asyncio.sleep(max(0.0, began + at - time.perf_counter()))
             async with gate:
                 return await one_request(client, url, model, prompt, output_len)
 
-        began = time.perf_counter()
-        results = await asyncio.gather(*(gated(p) for p in prompts))
+        results = await asyncio.gather(*(gated(p, at) for p, at in zip(prompts, arrivals)))
         return results, time.perf_counter() - began
 
 
-SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+COUNTERS = {  # counter -> how its name ends in /metrics (summed over label sets)
+    "steps": "spmoe_engine_steps_total",
+    "compiling": "spmoe_engine_steps_compiling_total",
+    "after_ready": "spmoe_compiles_after_ready_total",
+    "queries": ":prefix_cache_queries_total",
+    "hits": ":prefix_cache_hits_total",
+    "drafts": ":spec_decode_num_drafts_total",
+    "draft_tokens": ":spec_decode_num_draft_tokens_total",
+    "accepted": ":spec_decode_num_accepted_tokens_total",
+}
 
 
-def spec_counters(base: str) -> dict[str, float] | None:
-    """The server's speculation counters from its /metrics (summed over model names), or None when it has
-    none (no speculation, or a server without them)."""
-    response = httpx.get(base.removesuffix("/v1") + "/metrics")
-    if response.status_code != 200:
-        return None
-    found = dict.fromkeys(SPEC_COUNTERS, 0.0)
-    seen = False
-    for line in response.text.splitlines():
-        for name in SPEC_COUNTERS:
-            if line.startswith(f"spmoe:spec_decode_{name}_total"):
-                found[name] += float(line.rsplit(" ", 1)[1])
-                seen = True
-    return found if seen else None
+def server_counters(base: str) -> dict[str, float]:
+    """The `COUNTERS` the server's `/metrics` beside the API reports (those it has)."""
+    try:
+        response = httpx.get(base.removesuffix("/v1") + "/metrics")
+    except httpx.HTTPError:
+        return {}
+    values = {}
+    for line in response.text.splitlines() if response.status_code == 200 else []:
+        if line.startswith("#"):  # HELP / TYPE
+            continue
+        name, _, value = line.rpartition(" ")
+        for counter, suffix in COUNTERS.items():
+            if name.split("{")[0].endswith(suffix):
+                values[counter] = values.get(counter, 0.0) + float(value)
+    return values
 
 
-def acceptance(before: dict[str, float] | None, after: dict[str, float] | None) -> str:
-    """-> the level's acceptance rate and mean accepted length, or "" without counters."""
-    if before is None or after is None:
-        return ""
-    grown = {name: after[name] - before[name] for name in SPEC_COUNTERS}
-    if not grown["num_drafts"]:
-        return f"{'-':>8}{'-':>8}"
-    rate = grown["num_accepted_tokens"] / grown["num_draft_tokens"]
-    length = 1 + grown["num_accepted_tokens"] / grown["num_drafts"]
-    return f"{rate:>8.1%}{length:>8.2f}"
+def counted(before: dict[str, float], after: dict[str, float]) -> str:
+    """The level's columns from the counters: hit rate, MTP acceptance rate and mean accepted length, steps,
+    share compiling, compiles after ready."""
+    delta = {k: after[k] - before[k] for k in after if k in before}
+    hit_rate = f"{delta['hits'] / delta['queries']:.1%}" if delta.get("queries") else "-"
+    accept = f"{delta['accepted'] / delta['draft_tokens']:.1%}" if delta.get("draft_tokens") else "-"
+    length = f"{1 + delta['accepted'] / delta['drafts']:.2f}" if delta.get("drafts") else "-"
+    hit_rate = f"{hit_rate:>10}{accept:>8}{length:>8}"
+    if "steps" not in delta:
+        return f"{hit_rate}{'-':>7}{'-':>10}{'-':>12}"
+    share = 100 * delta["compiling"] / max(delta["steps"], 1)
+    return f"{hit_rate}{delta['steps']:>7.0f}{share:>9.1f}%{after['after_ready']:>12.0f}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -120,7 +141,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--model", help="served model name (default: the server's first model)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64, 256])
+    parser.add_argument("--request-rate", type=float, nargs="*", default=[], help="Poisson arrival rates (req/s)")
     parser.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, >= 8)")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request (default 64)")
@@ -135,25 +157,31 @@ def main() -> None:
     base = args.base_url.rstrip("/")
     model = args.model or httpx.get(base + "/models").json()["data"][0]["id"]
     rng = random.Random(args.seed)
-    speculating = spec_counters(base) is not None
     print(f"bench_serve: {base}, model {model!r}, {args.input_len} prompt tokens -> {args.output_len} output tokens")
     print(
-        f"{'concurrency':>11}{'requests':>10}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
-        f"{'TPOT p50':>10}{'TPOT p99':>10}" + (f"{'accept':>8}{'length':>8}" if speculating else "") + "  (ms)"
+        f"{'level':>12}{'requests':>9}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'1st TTFT':>10}"
+        f"{'TPOT p50':>10}{'TPOT p99':>10}{'hit rate':>10}{'accept':>8}{'length':>8}{'steps':>7}{'compiling':>10}"
+        f"{'after ready':>12}  (ms)"
     )
-    for concurrency in args.concurrency:
-        count = args.num_prompts or max(8, 4 * concurrency)
+    levels = [(c, None) for c in args.concurrency] + [(None, r) for r in args.request_rate]
+    for concurrency, rate in levels:
+        count = args.num_prompts or max(8, 4 * (concurrency or 16))
         prompts = [[rng.randrange(args.token_id_limit) for _ in range(args.input_len)] for _ in range(count)]
-        before = spec_counters(base) if speculating else None
-        results, seconds = asyncio.run(run_level(base, model, concurrency, prompts, args.output_len))
-        spec = acceptance(before, spec_counters(base) if speculating else None)
+        arrivals = [0.0] * count
+        if rate is not None:
+            for i in range(1, count):
+                arrivals[i] = arrivals[i - 1] + rng.expovariate(rate)
+        before = server_counters(base)
+        results, seconds = asyncio.run(run_level(base, model, prompts, args.output_len, concurrency, arrivals))
+        after = server_counters(base)
         ttft = [r.ttft_s * 1e3 for r in results]
         tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None] or [float("nan")]
         output_tokens = sum(r.output_tokens for r in results)
+        level = f"c={concurrency}" if rate is None else f"rate={rate:g}/s"
         print(
-            f"{concurrency:>11}{count:>10}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
-            f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}"
-            f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}{spec}",
+            f"{level:>12}{count:>9}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
+            f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}{ttft[0]:>10.1f}"
+            f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}{counted(before, after)}",
             flush=True,
         )
 

@@ -6,6 +6,7 @@ Every field that changes the math is either honoured or rejected with an error n
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,21 @@ class ModelConfig:
     fp8_block_size: tuple[int, int] | None  # FP8 e4m3 checkpoint with one scale per block, or None
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these
     max_position_embeddings: int | None = None  # the longest sequence the model takes; None: not stated
+    # FP8 checkpoints: the suffix of a weight's block scales (DeepSeek / GLM `weight_scale_inv`, compressed-tensors
+    # `weight_scale`; both multiply the stored values), and the modules the quantization config leaves unquantised
+    # (regexes matched from the start of the module name: `modules_to_not_convert` / `ignore`)
+    fp8_scale_suffix: str = "weight_scale_inv"
+    fp8_unquantized: tuple[str, ...] = ()
+    fp8_every_linear: bool = False  # compressed-tensors: every linear not in `ignore` is FP8
+
+    def fp8_expected(self, module: str) -> bool | None:
+        """Whether the quantization config says linear `module` is stored in FP8: False where it is left
+        unquantised, True where every other linear is FP8 (compressed-tensors), None where the stored dtype
+        decides (DeepSeek / GLM `fp8`, whose checkpoints keep a few linears, e.g. the indexer's head weights, in
+        bf16 without naming them)."""
+        if self.fp8_block_size is None or any(re.match(p, module) for p in self.fp8_unquantized):
+            return False
+        return True if self.fp8_every_linear else None
 
     @property
     def qk_head_dim(self) -> int:
@@ -180,8 +196,8 @@ class ModelConfig:
             rope_type=rope_type,
             rope_scaling=rope_scaling,
             num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
-            fp8_block_size=_quantization(raw.get("quantization_config")),
-            eos_token_ids=_eos(raw.get("eos_token_id")),
+            **_quantization(raw.get("quantization_config")),
+            eos_token_ids=_eos(raw.get("eos_token_id"), raw["vocab_size"]),
             max_position_embeddings=raw.get("max_position_embeddings"),
         )
 
@@ -247,10 +263,13 @@ def _require(raw: dict, key: str, supported) -> None:
         raise ValueError(f"{key}={raw[key]!r} is not supported; expected {supported!r}")
 
 
-def _eos(value) -> tuple[int, ...]:
+def _eos(value, vocab_size: int) -> tuple[int, ...]:
     ids = [] if value is None else [value] if isinstance(value, int) else value
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        raise ValueError(f"eos_token_id {outside[0]} is not a token id: expected an int in [0, {vocab_size})")
     return tuple(ids)
 
 
@@ -285,17 +304,27 @@ def _rope(raw: dict) -> tuple[str, float, tuple]:
     )
 
 
-def _quantization(q: dict | None) -> tuple[int, int] | None:
+def _quantization(q: dict | None) -> dict:
+    """quantization_config -> the ModelConfig fields of its FP8 scheme: DeepSeek / GLM `fp8` (`weight_block_size`,
+    `weight_scale_inv`, optional `modules_to_not_convert`, matched as substrings of module names) or
+    compressed-tensors FP8 block (llm-compressor's FP8_BLOCK: `weight_scale`, `ignore` of exact names or `re:`
+    regexes)."""
     if q is None:
-        return None
+        return {"fp8_block_size": None}
+    if q.get("quant_method") == "compressed-tensors":
+        return _compressed_tensors(q)
     if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not q.get("weight_block_size"):
-        raise ValueError(f"quantization_config {q} is not supported; expected fp8 e4m3 with weight_block_size")
+        raise ValueError(
+            f"quantization_config {q} is not supported; expected fp8 e4m3 with weight_block_size, or "
+            f"compressed-tensors FP8 block"
+        )
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"activation_scheme {q['activation_scheme']!r} is not supported; expected 'dynamic'")
     block = tuple(q["weight_block_size"])
     if len(block) != 2:
         raise ValueError(f"weight_block_size must have two entries, got {block}")
-    return block
+    skipped = tuple(".*" + re.escape(name) for name in q.get("modules_to_not_convert") or ())
+    return {"fp8_block_size": block, "fp8_unquantized": skipped}
 
 
 def merge_overrides(raw: dict, overrides: dict) -> dict:
@@ -324,3 +353,28 @@ def read_config(path: str | Path, overrides: dict | None = None) -> dict:
     if not isinstance(raw, dict):
         raise ValueError(f"a model config must be a JSON object, got a {type(raw).__name__}: {str(raw)[:40]}")
     return merge_overrides(raw, overrides or {})
+
+
+def _compressed_tensors(q: dict) -> dict:
+    groups = list((q.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ValueError(f"compressed-tensors: expected one config group (FP8 block), got {len(groups)}")
+    weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations") or {}
+    block = tuple(weights.get("block_structure") or ())
+    fp8_weights = weights.get("type") == "float" and weights.get("num_bits") == 8 and weights.get("strategy") == "block"
+    if not fp8_weights or len(block) != 2 or weights.get("dynamic"):
+        raise ValueError(
+            f"compressed-tensors weights {weights} are not supported; expected static FP8 (type float, 8 bits) with "
+            f"strategy block and a two-entry block_structure"
+        )
+    if acts and (acts.get("type") != "float" or acts.get("num_bits") != 8 or not acts.get("dynamic")):
+        raise ValueError(f"compressed-tensors input_activations {acts} are not supported; expected dynamic FP8")
+    if q.get("format", "float-quantized") != "float-quantized":
+        raise ValueError(f"compressed-tensors format {q['format']!r} is not supported; expected 'float-quantized'")
+    ignored = tuple(p[3:] if p.startswith("re:") else re.escape(p) + "$" for p in q.get("ignore") or ())
+    return {
+        "fp8_block_size": block,
+        "fp8_scale_suffix": "weight_scale",
+        "fp8_unquantized": ignored,
+        "fp8_every_linear": True,
+    }

@@ -7,7 +7,9 @@ surviving ranks instead of a hang. On CUDA the TP and EP groups also get the one
 collectives where the GPUs support them (`comm.enable_one_shot`).
 """
 
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -95,6 +97,7 @@ def init_distributed(
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
         device_id=dev if backend == "nccl" else None,
+        store=_loopback_store(rank, world, timeout_s),
     )
     tp = config.tensor_parallel_size
     tp_group = dist.group.WORLD
@@ -118,6 +121,27 @@ def init_distributed(
                     flush=True,
                 )
     return _STATE
+
+
+def _loopback_store(rank: int, world: int, timeout_s: float) -> dist.TCPStore | None:
+    """The rendezvous store when every rank is on this machine (MASTER_ADDR is a loopback address): rank 0
+    listens on that address only, where torch's own store would listen on every interface. None (torch makes
+    its store from the environment) for ranks on several machines, or under torchrun's agent store."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not _is_loopback(host):
+        return None
+    timeout = timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(host, port, world, False, timeout)
+    listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    return dist.TCPStore(host, port, world, True, timeout, master_listen_fd=listener.detach())  # the store owns it
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return host == "localhost"
 
 
 def get_parallel_state() -> ParallelState:

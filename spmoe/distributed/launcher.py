@@ -11,6 +11,8 @@ No rank outlives the process that spawned it:
   before the request took effect, and on systems without it);
 - while `spawn` waits, SIGTERM and SIGINT in the parent raise `Stopped`: every rank is killed before it
   propagates. The ranks ignore SIGINT, so a Ctrl-C (sent to the whole process group) reaches the parent only.
+  With `drain_s` a first SIGTERM is passed on to rank 0 instead (a server drains its requests), and the ranks
+  get `drain_s` seconds to return before they are killed; a second signal kills them at once.
 
 `launch(fn, world_size, *args)` is what the command line uses: under torchrun (one process per rank, on one
 or many machines) it runs `fn` in this process, with torchrun's signal handling left as it is (its agent
@@ -98,11 +100,13 @@ def spawn(
     config: ParallelConfig | None = None,
     device: str = "cpu",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    drain_s: float | None = None,
 ) -> list:
     """Run `fn(*args)` on `world_size` local ranks; return each rank's result, rank 0 first.
 
     `fn` must be importable by name (a module-level function). `config` defaults to TP over all ranks.
-    `timeout_s` bounds every collective inside `fn`.
+    `timeout_s` bounds every collective inside `fn`. `drain_s`: a SIGTERM goes to rank 0, which (with the
+    others) then has that long to return; None: a SIGTERM kills every rank at once.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -115,29 +119,56 @@ def spawn(
         )
         for r in range(world_size)
     ]
-    with _stop_on_signals():
-        return _run(procs, results, world_size)
+    drain = _Drain(procs[0], drain_s)
+    with _stop_on_signals(drain):
+        return _run(procs, results, world_size, drain)
 
 
-def _run(procs, results, world_size: int) -> list:
+class _Drain:
+    """A SIGTERM passed on to rank 0 (`spawn`'s `drain_s`), and how long the ranks then have."""
+
+    def __init__(self, rank0, seconds: float | None):
+        self.rank0, self.seconds, self.deadline = rank0, seconds, None
+
+    def begin(self) -> bool:
+        """-> True if the SIGTERM was passed on to rank 0 (the first one, with `seconds` set, rank 0 running)."""
+        if self.seconds is None or self.deadline is not None or self.rank0.pid is None:
+            return False
+        os.kill(self.rank0.pid, signal.SIGTERM)
+        self.deadline = time.monotonic() + self.seconds
+        return True
+
+    def check(self) -> None:
+        """During a drain: raise `Stopped` once its time is over, or when rank 0 has died of the SIGTERM."""
+        if self.deadline is None:
+            return
+        if time.monotonic() > self.deadline or self.rank0.exitcode == -signal.SIGTERM:
+            raise Stopped(signal.SIGTERM)
+
+
+def _run(procs, results, world_size: int, drain: _Drain) -> list:
     """Start the ranks, collect their results; kill every rank still alive on the way out, however it ends."""
     outputs: dict[int, object] = {}
-    errors: dict[int, str] = {}  # rank -> traceback, or why it died
+    errors: dict[int, str] = {}  # rank -> traceback, or how it died (`_death`)
+    died: set[int] = set()  # ranks that ended without reporting
     try:
         for p in procs:
             p.start()
         while len(outputs) < world_size and not errors:
+            drain.check()
             try:
                 rank, ok, payload = results.get(timeout=0.1)
             except queue.Empty:
                 for r, p in enumerate(procs):
                     if r not in outputs and p.exitcode is not None:
-                        errors[r] = f"exited with code {p.exitcode} without returning a result"
+                        errors[r] = _death(p.exitcode)
+                        died.add(r)
                 continue
             (outputs if ok else errors)[rank] = pickle.loads(payload) if ok else payload
         if errors:
-            _settle(procs, results, outputs, errors)
-            raise RankFailed(_describe(errors, world_size))
+            _settle(procs, results, outputs, errors, died)
+            drain.check()
+            raise RankFailed(_describe(errors, died, world_size))
     finally:
         for p in procs:
             if p.pid is not None and p.is_alive():
@@ -149,15 +180,18 @@ def _run(procs, results, world_size: int) -> list:
 
 
 @contextmanager
-def _stop_on_signals():
-    """SIGTERM and SIGINT raise `Stopped` once (a second signal during the cleanup is absorbed); the previous
-    handlers come back afterwards. Only the main thread may set handlers; elsewhere this does nothing."""
+def _stop_on_signals(drain: _Drain):
+    """SIGTERM and SIGINT raise `Stopped` once (a second signal during the cleanup is absorbed), except a first
+    SIGTERM that `drain` passes on to rank 0; the previous handlers come back afterwards. Only the main thread
+    may set handlers; elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received: list[int] = []
 
     def stop(signum, frame):
+        if signum == signal.SIGTERM and not received and drain.begin():
+            return
         received.append(signum)
         if len(received) == 1:
             raise Stopped(signum)
@@ -170,7 +204,7 @@ def _stop_on_signals():
             signal.signal(signum, handler)
 
 
-def _settle(procs, results, outputs, errors, grace_s: float = 1.0):
+def _settle(procs, results, outputs, errors, died, grace_s: float = 1.0):
     """After a first failure, wait briefly for the other ranks' reports: a rank that died often makes its
     peers fail too, and the dead rank is the one to blame."""
     deadline = time.monotonic() + grace_s
@@ -182,23 +216,41 @@ def _settle(procs, results, outputs, errors, grace_s: float = 1.0):
             pass
     for r, p in enumerate(procs):
         if r not in outputs and r not in errors and p.exitcode not in (None, 0):
-            errors[r] = f"exited with code {p.exitcode} without returning a result"
+            errors[r] = _death(p.exitcode)
+            died.add(r)
 
 
-def _describe(errors: dict[int, str], world_size: int) -> str:
-    """First line: the root cause in one line: a rank that died, else the first rank to report an error
-    (its peers usually fail after it, with connection errors)."""
-    died = [r for r, e in errors.items() if e.startswith("exited with code")]
-    first = died[0] if died else next(iter(errors))
+def _death(exitcode: int) -> str:
+    """How a rank that reported nothing ended: its exit code, or the signal that killed it (multiprocessing
+    gives -N for signal N). The kernel's OOM killer sends SIGKILL, hence the hint."""
+    if exitcode >= 0:
+        return f"exited with code {exitcode} without returning a result"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    hint = " (possibly out of memory)" if -exitcode == signal.SIGKILL else ""
+    return f"was killed by {name}{hint} before returning a result"
+
+
+def _describe(errors: dict[int, str], died: set[int], world_size: int) -> str:
+    """First line: the root cause in one line: a rank that died (`rank 1 of 2 was killed by SIGKILL ...`), else
+    the first rank to report an error (`rank 1 of 2 failed: ValueError: ...`; its peers usually fail after it,
+    with connection errors)."""
+    dead = [r for r in errors if r in died]
+    first = dead[0] if dead else next(iter(errors))
     reason = errors[first].strip().splitlines()[-1]
     details = "\n".join(f"--- rank {r} of {world_size}:\n{errors[r].strip()}" for r in sorted(errors))
-    return f"rank {first} of {world_size} failed: {reason}\n{details}"
+    return f"rank {first} of {world_size} {reason if dead else 'failed: ' + reason}\n{details}"
 
 
-def launch(fn, world_size: int, *args, config: ParallelConfig | None = None, device: str = "cpu"):
-    """Run `fn(*args)` on every rank; return rank 0's result (None on the other ranks under torchrun)."""
+def launch(
+    fn, world_size: int, *args, config: ParallelConfig | None = None, device: str = "cpu", drain_s: float | None = None
+):
+    """Run `fn(*args)` on every rank; return rank 0's result (None on the other ranks under torchrun).
+    `drain_s`: see `spawn` (under torchrun the agent's SIGTERM reaches every rank itself)."""
     if "WORLD_SIZE" not in os.environ:
-        return spawn(fn, world_size, *args, config=config, device=device)[0]
+        return spawn(fn, world_size, *args, config=config, device=device, drain_s=drain_s)[0]
     if int(os.environ["WORLD_SIZE"]) != world_size:
         raise ValueError(
             f"torchrun started {os.environ['WORLD_SIZE']} processes; the parallel config needs {world_size}"

@@ -19,6 +19,9 @@ and pushes the normed rows.
 Program p only waits for program p of a peer, and P is at most the number of SMs, so every program is
 resident and the waits always end. The waiter resets each flag, so the pad is clean after every call, graph
 replays included. NVLink multicast is never used.
+
+Offsets stay 32-bit on purpose: `run` and `add_rms_norm` refuse any call whose WORLD blocks exceed
+`BUFFER_BYTES` (8 MiB), so no index into x, out or a buffer reaches 2**31.
 """
 
 import torch

@@ -22,6 +22,7 @@ from spmoe.config.model import read_config
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.engine.cuda_graphs import deployment_problems
 from spmoe.engine.engine import Engine, check_positions
+from spmoe.engine.grammar import GrammarCompiler
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -262,6 +263,15 @@ class EngineArgs:
             "scale per 128 values, the indexer key in e4m3 with one scale)",
         ),
     )
+    enable_prefix_caching: bool | None = field(
+        default=None,
+        metadata=option(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            help="paged cache: keep full blocks after their request ends, so that a later request with the same "
+            "prefix reuses them instead of computing it again (default on; --no-enable-prefix-caching: off)",
+        ),
+    )
     # speculation and CUDA graphs
     speculative: str | None = field(
         default=None,
@@ -340,6 +350,10 @@ class EngineArgs:
                 "--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; "
                 "got them with --kv-cache dense"
             )
+        if self.kv_cache == "dense" and self.enable_prefix_caching:
+            raise ValueError(
+                "--enable-prefix-caching needs --kv-cache paged: the dense cache keeps nothing between requests"
+            )
 
     # The command line.
 
@@ -388,6 +402,11 @@ class EngineArgs:
         if self.speculative is None:
             return 0
         return 1 if self.num_speculative_tokens is None else self.num_speculative_tokens
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the engine keeps full blocks for later requests: on for the paged cache unless turned off."""
+        return self.kv_cache == "paged" and self.enable_prefix_caching is not False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -490,9 +509,13 @@ class EngineArgs:
             model, self.kv_cache_memory, self.gpu_memory_utilization, self.kv_cache_dtype, max_num_seqs, max_len
         )
 
-    def build_engine(self, model, max_num_seqs: int, cache_len: int) -> Engine:
+    def build_engine(
+        self, model, max_num_seqs: int, cache_len: int, grammars: GrammarCompiler | None = None, log=None
+    ) -> Engine:
         """The engine over a new KV cache for `max_num_seqs` sequences of `cache_len` positions (the dense
-        cache's slots; the paged cache's default room on CPU)."""
+        cache's slots; the paged cache's default room on CPU; without --max-model-len, the longest sequence, which
+        sets the width of the graphs' block tables), its CUDA graphs captured (`log(line)`: progress);
+        `grammars`: for structured-output requests. `warmup.warm_up` then makes it ready."""
         return Engine(
             model,
             self.build_kv_cache(model, max_num_seqs, cache_len),
@@ -500,5 +523,8 @@ class EngineArgs:
             self.use_cuda_graphs(model),
             max_num_seqs,
             self.max_num_batched_tokens,
-            self.max_model_len,
+            self.max_model_len or cache_len,  # the graphs' block tables: as wide as the job's longest sequence
+            self.prefix_caching,
+            grammars,
+            log,
         )

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from spmoe.distributed import get_parallel_state
+from spmoe.engine.grammar import GrammarCompiler
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.model_runner import ModelRunner
 from spmoe.engine.paged_cache import PagedKVCache
@@ -41,7 +42,7 @@ from spmoe.engine.sampling import Sampler, SamplingParams
 from spmoe.engine.scheduler import BlockRoom, Scheduler, SlotRoom
 from spmoe.engine.sequence import Sequence
 from spmoe.engine.serving_loop import run_to_completion
-from spmoe.engine.stats import StepStats
+from spmoe.engine.stats import KernelCompiles, StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 
@@ -100,10 +101,16 @@ class Engine:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int = 8192,
         max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        grammars: GrammarCompiler | None = None,
+        log=None,
     ):
         """`max_num_seqs`: sequences running at once on a paged cache (the slot cache: its slot count);
         `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit; `max_model_len`: the
-        most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot)."""
+        most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot);
+        `enable_prefix_caching`: a paged cache keeps full blocks for later requests with the same prefix;
+        `grammars`: compiles the grammars of structured-output requests (None: such requests are refused). With
+        `cuda_graphs` every decode graph is captured here (`log(line)`: a progress line for each)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and not model.num_draft_layers:
@@ -113,16 +120,44 @@ class Engine:
                 "CUDA graphs capture the plain decode step only; speculative decoding runs eagerly, "
                 "so pass one or the other"
             )
-        self.model, self.cache, self.k = model, cache, num_speculative_tokens
-        room = (
-            BlockRoom(cache, max_num_seqs or 256, max_model_len) if isinstance(cache, PagedKVCache) else SlotRoom(cache)
-        )
+        self.model, self.cache, self.k, self.grammars = model, cache, num_speculative_tokens, grammars
+        if isinstance(cache, PagedKVCache):
+            # the MTP layer's row at a position embeds the next token: a block depends on one token past it
+            lookahead = 1 if num_speculative_tokens else 0
+            room = BlockRoom(cache, max_num_seqs or 256, max_model_len, enable_prefix_caching, lookahead)
+        else:
+            room = SlotRoom(cache)
         keep_in_step = get_parallel_state().dp_size > 1  # every DP rank runs every step, empty or not
         self.stats = StepStats(num_speculative_tokens)
         self.scheduler = Scheduler(room, num_speculative_tokens, max_num_batched_tokens, keep_in_step)
+        KernelCompiles.install()
         self.runner = ModelRunner(
-            model, cache, room.max_num_seqs, self.stats, num_speculative_tokens, cuda_graphs, keep_in_step
+            model,
+            cache,
+            room.max_num_seqs,
+            self.stats,
+            num_speculative_tokens,
+            cuda_graphs,
+            keep_in_step,
+            room.max_tokens_per_sequence,
+            log,
         )
+        self._ready_count: int | None = None  # compiles + captures when the engine was marked warm
+
+    def graph_captures(self) -> int:
+        """CUDA graphs this engine has captured."""
+        return self.runner.graphs.captures if self.runner.graphs is not None else 0
+
+    def _compiles(self) -> int:
+        return KernelCompiles.count + self.graph_captures()
+
+    def mark_ready(self) -> None:
+        """The engine is warm (`warmup.warm_up`): its step statistics and counters (`metrics()`: steps, tokens)
+        start afresh, and from here it counts the compiles and captures that warming up did not foresee
+        (`metrics().compiles_after_ready`)."""
+        self.reset_stats()
+        self.stats.totals = EngineMetrics()
+        self._ready_count = self._compiles()
 
     def reset_stats(self) -> None:
         """Start the per-phase timings, collective counts, acceptance statistics and step numbers afresh."""
@@ -148,6 +183,13 @@ class Engine:
             cfg.max_position_embeddings,
             f"{label} with its new and speculative tokens",
         )
+        if request.grammar is not None:
+            if self.grammars is None:
+                raise ValueError(f"request {request.request_id!r} has a grammar, but this engine has no compiler")
+            if self.k:
+                raise ValueError(
+                    "structured output (a grammar) is not applied to MTP drafts: serve without speculation for it"
+                )
 
     def add_request(self, request: Request, record_logits: bool = False) -> Sequence:
         """Queue a request; it joins the running batch when the cache has room. `record_logits` keeps the
@@ -155,7 +197,10 @@ class Engine:
         self.validate(request)
         if self.scheduler.holds(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in the engine; expected a new id")
-        seq = Sequence(request, Sampler(request.sampling), record_logits)
+        grammar = None
+        if request.grammar is not None:
+            grammar = self.grammars.matcher(request.grammar, request.grammar_start_after)
+        seq = Sequence(request, Sampler(request.sampling), record_logits, grammar)
         self.scheduler.add(seq)
         return seq
 
@@ -175,6 +220,13 @@ class Engine:
             totals.generated_tokens,
             totals.draft_proposed,
             totals.draft_accepted,
+            *self.scheduler.room.prefix_cache_counts(),
+            self.scheduler.preemptions,
+            totals.steps,
+            totals.steps_compiling,
+            KernelCompiles.count,
+            self.graph_captures(),
+            0 if self._ready_count is None else self._compiles() - self._ready_count,
             totals.drafts,
             list(totals.accepted_per_position),
         )
@@ -186,8 +238,11 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        before = self._compiles()
         result = self.runner.run(batch)
         self.stats.record(batch, result)
+        self.stats.totals.steps += 1
+        self.stats.totals.steps_compiling += self._compiles() > before
         return self.scheduler.update(batch, result)
 
     # The batch job.

@@ -6,7 +6,8 @@
    when speculating, every sequence that samples keeps the drafts the target accepts and the target's next
    draw, by the lossless rule of `rejection.py` (greedy and sampled requests in one batch, each with its own
    settings and seed); the tokens are cut at its first eos id or its token limit. A row that is not finite
-   gives no token.
+   gives no token. A sequence with a grammar (structured output, `grammar.py`; not with speculation) first
+   has the tokens its grammar does not allow next masked out of its row, for the whole batch at once.
 3. When speculating, the MTP drafter catches up on the fed positions and proposes each sequence's next
    drafts (`speculative.py`). Under DP every rank runs the draft step, even an empty one.
 
@@ -18,7 +19,8 @@ from itertools import accumulate
 import torch
 
 from spmoe.distributed import CommStats
-from spmoe.engine.cuda_graphs import DecodeGraphs
+from spmoe.engine.cuda_graphs import DecodeGraphs, graph_sizes
+from spmoe.engine.grammar import apply_bitmask, fill_bitmask
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.engine.rejection import accept_drafts, race
@@ -39,11 +41,21 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         cuda_graphs: bool = False,
         keep_in_step: bool = False,
+        max_model_len: int | None = None,
+        log=None,
     ):
         """`stats`: where the forwards are counted; `keep_in_step`: run the draft step even with nothing to
-        draft (under DP, where every rank runs every step)."""
+        draft (under DP, where every rank runs every step); `max_model_len`: the most positions a sequence
+        takes (the width of the graphs' block tables); `log(line)`: progress while capturing graphs."""
         self.model, self.cache, self.stats, self.keep_in_step = model, cache, stats, keep_in_step
-        self.graphs = DecodeGraphs(model, cache, max_num_seqs) if cuda_graphs else None
+        on_capture = None
+        if log is not None:
+            sizes = graph_sizes(max_num_seqs)
+            on_capture = lambda size: log(  # noqa: E731
+                f"warming up: capturing the decode step's CUDA graph for batch {size} "
+                f"({len(sizes) - sorted(sizes).index(size)}/{len(sizes)})"
+            )
+        self.graphs = DecodeGraphs(model, cache, max_num_seqs, max_model_len, on_capture) if cuda_graphs else None
         self.drafter = MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None
 
     @torch.no_grad()
@@ -78,6 +90,7 @@ class ModelRunner:
     def choose(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
         """logits `[R, V]` (see `forward`) -> each sequence's committed tokens, accepted drafts, finite flag."""
         committing = [s for s, last in zip(batch.seqs, batch.samples) if last]
+        mask_by_grammars(committing, logits)
         choose = self._verify if self.drafter is not None else self._sample
         chosen = iter(zip(*choose(committing, logits))) if committing else iter(())
         result = StepResult([], [], [], logit_rows=[])
@@ -190,3 +203,15 @@ class ModelRunner:
         phase.forwards += k
         phase.tokens_fed += sum(len(ids) for _, _, ids, _ in to_draft) + (k - 1) * len(to_draft)
         return drafts
+
+
+def mask_by_grammars(committing: list[Sequence], logits: torch.Tensor) -> None:
+    """logits `[m, V]`, one row per committing sequence (a grammar comes without drafts) -> in place, the tokens
+    each sequence's grammar does not allow next at the dtype's lowest finite value (not -inf: the non-finite
+    check that follows is for the model's NaN / inf). Rows of sequences without a grammar are untouched."""
+    masks = fill_bitmask([s.grammar for s in committing], logits.shape[-1])
+    if masks is None:
+        return
+    bitmask, rows = masks
+    apply_bitmask(logits, bitmask, rows)
+    logits[rows] = logits[rows].clamp(min=torch.finfo(logits.dtype).min)

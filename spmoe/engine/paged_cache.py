@@ -39,8 +39,8 @@ def cache_budget_bytes(
             f"gib={gib}, memory_fraction={memory_fraction}"
         )
     if gib is not None:
-        if gib <= 0:
-            raise ValueError(f"the KV cache budget must be > 0 GiB, got {gib}")
+        if not 0 < gib < float("inf"):  # NaN too
+            raise ValueError(f"the KV cache budget must be a finite number of GiB > 0, got {gib}")
         return int(gib * 2**30)
     device = torch.device(device)
     if not 0 < memory_fraction <= 1 or device.type != "cuda":
@@ -107,8 +107,8 @@ def check_paged_budget(
         )
     if gib is None:
         return
-    if gib <= 0:
-        raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {gib}")
+    if not 0 < gib < float("inf"):  # NaN too
+        raise ValueError(f"--kv-cache-memory must be a finite number of GiB > 0, got {gib}")
     per_token = token_bytes(cfg, model_layers(cfg, with_mtp), dtype, kv_cache_dtype)
     blocks = int(gib * 2**30) // (per_token * BLOCK_SIZE)
     if blocks < 1:
@@ -233,6 +233,11 @@ class PagedKVCache:
         tables = torch.tensor(
             [t + [self.scratch_block] * (width - len(t)) for t in block_tables], dtype=torch.int32
         ).view(len(block_tables), width)
+        if tables.numel() and not (0 <= tables.min() and tables.max() <= self.scratch_block):
+            raise ValueError(  # a kernel would read or write outside the cache
+                f"block ids must be in [0, {self.scratch_block}] (the cache's {self.num_blocks} blocks and its "
+                f"scratch block), got {tables.min().item()} .. {tables.max().item()}"
+            )
         seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
         positions = torch.cat(
             [torch.zeros(0, dtype=torch.long)] + [torch.arange(s, s + n) for s, n in zip(starts, lens)]

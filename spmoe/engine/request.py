@@ -6,6 +6,7 @@ the other ranks, and the outputs travel back to the asyncio side.
 
 from dataclasses import dataclass, field
 
+from spmoe.engine.grammar import GrammarSpec
 from spmoe.engine.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -15,13 +16,17 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 class Request:
     """One generation: up to `max_new_tokens` tokens after `prompt` (token ids), stopping early at any of
     `eos_token_ids`, sampled with `sampling` (its own seed: the tokens do not depend on the other requests in
-    the batch). The engine validates it on `add_request`."""
+    the batch). The engine validates it on `add_request`. With a `grammar` (structured output), every token
+    follows it, from the first one or from the one after `grammar_start_after` (the tokens that end the
+    reasoning); the request ends when the grammar is complete."""
 
     request_id: str
     prompt: list[int]
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     eos_token_ids: tuple[int, ...] = ()
+    grammar: GrammarSpec | None = None
+    grammar_start_after: tuple[int, ...] = ()
 
 
 @dataclass
@@ -40,9 +45,11 @@ class RequestOutput:
 @dataclass
 class EngineMetrics:
     """A snapshot of the engine: requests running (holding cache) and waiting (queued), the share of the KV
-    cache in use (0..1), and counters since start: generated tokens, and for MTP the draft tokens proposed and
-    accepted, the verifications (`drafts`: a sequence's drafts checked by one target forward) and the accepted
-    drafts per position (`accepted_per_position[j]`: verifications that accepted draft j + 1)."""
+    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP), the
+    prefix cache's queries and hits in tokens (prompt tokens looked up when a sequence is admitted, and of
+    those the ones found cached), running sequences preempted (their cache freed, to be recomputed) when the
+    cache ran out, and for MTP the verifications (`drafts`: a sequence's drafts checked by one target forward)
+    and the accepted drafts per position (`accepted_per_position[j]`: verifications that accepted draft j + 1)."""
 
     running: int = 0
     waiting: int = 0
@@ -50,6 +57,14 @@ class EngineMetrics:
     generated_tokens: int = 0
     draft_proposed: int = 0
     draft_accepted: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions: int = 0
+    steps: int = 0  # engine steps run
+    steps_compiling: int = 0  # of those, steps in which a kernel compiled or a CUDA graph was captured
+    kernel_compiles: int = 0  # Triton kernel variants loaded in the process (`stats.KernelCompiles`)
+    graph_captures: int = 0  # CUDA graphs captured
+    compiles_after_ready: int = 0  # kernel compiles and graph captures since the engine was warm
     drafts: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
@@ -64,6 +79,13 @@ class EngineMetrics:
             sum(m.generated_tokens for m in parts),
             sum(m.draft_proposed for m in parts),
             sum(m.draft_accepted for m in parts),
+            sum(m.prefix_cache_queries for m in parts),
+            sum(m.prefix_cache_hits for m in parts),
+            sum(m.preemptions for m in parts),
+            *(
+                sum(getattr(m, name) for m in parts)
+                for name in ("steps", "steps_compiling", "kernel_compiles", "graph_captures", "compiles_after_ready")
+            ),
             sum(m.drafts for m in parts),
             [sum(counts) for counts in zip(*(m.accepted_per_position for m in parts))],
         )

@@ -15,12 +15,25 @@ A finished or aborted sequence leaves the batch and frees its room at once.
 
 After the forward, `update` commits what the model runner chose (`StepResult`): a prompt chunk advances the
 cached count; a sequence that sampled appends its tokens, keeps the cache rows of its verified positions and
-feeds its last token and its next drafts; it finishes at an eos id ("stop"), at its token limit ("length"), or
-with no token when its logits were not finite ("error"), freeing its room.
+feeds its last token and its next drafts, and walks its grammar (structured output) on; it finishes at an eos id
+or once its grammar is complete ("stop"), at its token limit ("length"), or with no token when its logits were
+not finite ("error"), freeing its room.
 
-The scheduler asks the cache about room in tokens, through a room's small interface (`fits`, `can_allocate`,
-`allocate`, `can_grow`, `grow`, `free`, `location`, `usage`): `SlotRoom` over the slot `KVCache` (the dense
-reference), `BlockRoom` over the paged cache's blocks.
+The scheduler asks the cache about room in tokens, through a room's small interface (`fits`, `cached_prefix`,
+`can_allocate`, `allocate`, `can_grow`, `grow`, `cache_written`, `free`, `location`, `usage`,
+`prefix_cache_counts`): `SlotRoom` over the slot `KVCache` (the dense reference), `BlockRoom` over the paged
+cache's blocks.
+
+Prefix caching (`BlockRoom` with `enable_prefix_caching`; see `block_manager.py`). A waiting sequence is
+admitted with the longest chain of cached full blocks that matches what it feeds (its prompt, or after a
+preemption its prompt and output): its `cached` count starts there and its prompt chunks continue from it.
+After each step `update` tells the room how many leading positions of each sequence have all their rows
+written (`cache_written`), so that its full blocks become cached: with MTP a position's rows are complete once
+the drafter has caught up on it, which it does in the step that verifies it, except for a sequence that
+finishes there. Preemption and finishing free a sequence's references; its cached blocks stay for later
+requests until a new block needs their room. Every rank of a DP group runs this scheduler on the same plans and
+the same sampled tokens, and nothing in it depends on anything else (hashes are SHA-256 of token ids, eviction
+is by order of use), so every rank reuses the same blocks.
 """
 
 from collections import deque
@@ -47,12 +60,18 @@ class SlotRoom:
     def max_tokens_per_sequence(self) -> int:
         return self.cache.max_len
 
-    def can_allocate(self, num_tokens: int) -> bool:
+    def cached_prefix(self, seq: Sequence) -> int:
+        """The slot cache keeps nothing past a sequence's life: no token is ever cached for a new one."""
+        return 0
+
+    def can_allocate(self, num_tokens: int, seq: Sequence) -> bool:
         """Whether a new sequence of up to `num_tokens` tokens can get room now."""
         return self.cache.free_slots > 0 and self.fits(num_tokens)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+    def allocate(self, seq: Sequence, num_tokens: int) -> int:
+        """A slot for `seq`. -> 0: nothing of it is cached."""
         seq.cache_id = self.cache.allocate()
+        return 0
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` can hold `num_tokens` tokens in all (a slot holds `max_len` from the start)."""
@@ -60,6 +79,13 @@ class SlotRoom:
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         pass
+
+    def cache_written(self, seq: Sequence, num_written: int) -> None:
+        """Nothing to keep: a slot is released whole."""
+
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens found): none without one."""
+        return 0, 0
 
     def free(self, seq: Sequence) -> None:
         self.cache.release(seq.cache_id)
@@ -85,13 +111,22 @@ class SlotRoom:
 class BlockRoom:
     """The paged KV cache's blocks as room for tokens: a sequence holds blocks for what it has fed (and its
     reserve), and grows them as it goes; up to `max_num_seqs` sequences at once, each of up to
-    `max_model_len` tokens (None: the whole cache)."""
+    `max_model_len` tokens (None: the whole cache). `enable_prefix_caching`: full blocks stay cached for later
+    sequences; `lookahead`: the tokens past a block that its rows depend on (1 when the engine drafts with MTP,
+    whose row at a position embeds the next token)."""
 
-    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_model_len: int | None = None):
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        max_num_seqs: int,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        lookahead: int = 0,
+    ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.cache, self.max_num_seqs = cache, max_num_seqs
-        self.blocks = BlockManager(cache.num_blocks, cache.block_size)
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size, enable_prefix_caching, lookahead)
         self.max_model_len = min(max_model_len or self.blocks.capacity_tokens, self.blocks.capacity_tokens)
         self.peak_blocks = 0  # the most blocks in use at once
         self._next_id = 0
@@ -100,13 +135,21 @@ class BlockRoom:
     def max_tokens_per_sequence(self) -> int:
         return self.max_model_len
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks.can_allocate(num_tokens)
+    def cached_prefix(self, seq: Sequence) -> int:
+        """Tokens at the head of what a waiting sequence feeds (`pending`) that cached blocks hold."""
+        return self.blocks.cached_prefix(seq.pending, seq.block_hashes)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+    def can_allocate(self, num_tokens: int, seq: Sequence) -> bool:
+        """Whether waiting `seq` fits now with room for `num_tokens` tokens in all, its cached prefix included."""
+        return self.blocks.can_allocate(num_tokens, seq.pending, seq.block_hashes)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> int:
+        """Room for `num_tokens` tokens of a new sequence, its cached prefix included. -> the tokens of what it
+        feeds (`pending`) already cached."""
         seq.cache_id, self._next_id = self._next_id, self._next_id + 1
-        self.blocks.allocate(seq.cache_id, num_tokens)
+        cached = self.blocks.allocate(seq.cache_id, num_tokens, seq.pending, seq.block_hashes)
         self._note_peak()
+        return cached
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks.can_grow(seq.cache_id, max(0, num_tokens - self.blocks.reserved(seq.cache_id)))
@@ -115,6 +158,17 @@ class BlockRoom:
         """Room for `num_tokens` tokens of `seq` in all."""
         self.blocks.grow(seq.cache_id, max(0, num_tokens - self.blocks.reserved(seq.cache_id)))
         self._note_peak()
+
+    def cache_written(self, seq: Sequence, num_written: int) -> None:
+        """`seq`'s first `num_written` positions hold all their rows: its full blocks among them become cached.
+        The token list is built only when a block may be completed (once per block, not per step)."""
+        known = len(seq.request.prompt) + len(seq.output)
+        if self.blocks.would_cache(seq.cache_id, num_written, known):
+            self.blocks.cache_blocks(seq.cache_id, seq.request.prompt + seq.output, num_written)
+
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens found cached) since start."""
+        return self.blocks.queries, self.blocks.hits
 
     def free(self, seq: Sequence) -> None:
         self.blocks.free(seq.cache_id)
@@ -125,7 +179,7 @@ class BlockRoom:
         return self.blocks.block_table(seq.cache_id)
 
     def usage(self) -> float:
-        """The share of the blocks in use (0..1)."""
+        """The share of the blocks held by sequences (0..1; cached blocks nobody holds are free)."""
         return self.blocks.usage
 
     def stats(self) -> dict:
@@ -138,6 +192,10 @@ class BlockRoom:
             "capacity_tokens": self.blocks.capacity_tokens,
             "blocks_in_use": self.blocks.num_used_blocks,
             "peak_blocks_in_use": self.peak_blocks,
+            "prefix_caching": self.blocks.enable_caching,
+            "cached_blocks": self.blocks.num_cached_blocks,
+            "prefix_cache_queries": self.blocks.queries,
+            "prefix_cache_hits": self.blocks.hits,
         }
 
     def _note_peak(self) -> None:
@@ -182,7 +240,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - sum(len(s.pending) for s in self.running if not s.prefilling)
         work = []
         for seq in list(self.running):
-            if seq not in self.running:  # preempted for an earlier sequence
+            if seq.cache_id < 0:  # preempted for an earlier sequence: no room (a list lookup would cost O(n))
                 continue
             count = len(seq.pending) if not seq.prefilling else min(len(seq.pending), budget)
             if count == 0:
@@ -192,11 +250,13 @@ class Scheduler:
                 budget -= count if seq.prefilling else 0
         while self.waiting and budget > 0 and len(self.running) < self.room.max_num_seqs:
             seq = self.waiting[0]
-            count = min(len(seq.pending), budget)
-            if not self.room.can_allocate(self._room_for(seq, count)):
+            cached = self.room.cached_prefix(seq)
+            count = min(len(seq.pending) - cached, budget)
+            if not self.room.can_allocate(self._room_for(seq, cached + count), seq):
                 break
             self.waiting.popleft()
-            self.room.allocate(seq, self._room_for(seq, count))
+            seq.cached = self.room.allocate(seq, self._room_for(seq, cached + count))
+            seq.pending = seq.pending[seq.cached :]
             self.running.append(seq)
             work.append((seq, count))
             budget -= count
@@ -221,6 +281,7 @@ class Scheduler:
             if not batch.samples[i]:  # a prompt chunk
                 seq.cached += n
                 seq.pending = seq.pending[n:]
+                self.room.cache_written(seq, seq.cached)
                 continue
             seq.prefilling = False
             if not result.finite[i]:
@@ -233,16 +294,36 @@ class Scheduler:
                 outputs.append(self._output(seq, []))
                 continue
             tokens, reason = seq.until_stop(result.token_ids[i])
+            if seq.grammar is not None:
+                tokens, reason = self._advance_grammar(seq, tokens, reason)
             seq.output += tokens
             if seq.record_logits:
                 seq.logits += result.logit_rows[i][: len(tokens)]
+            verified = n - (len(seq.drafts) - result.accepted[i])  # the fed positions whose rows stay valid
             if reason is not None:
+                # the MTP drafter does not catch up on a finishing sequence: its last positions lack their row
+                self.room.cache_written(seq, seq.cached + (0 if self.reserve_tokens else verified))
                 self.finish(seq, reason)
             outputs.append(self._output(seq, tokens))
-            seq.cached += n - (len(seq.drafts) - result.accepted[i])  # the verified positions keep their rows
+            seq.cached += verified
+            if reason is None:
+                self.room.cache_written(seq, seq.cached)
             seq.drafts = result.drafts[i] if result.drafts is not None and reason is None else []
             seq.pending = [tokens[-1]] + seq.drafts
         return outputs
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, tokens: list[int], reason: str | None) -> tuple[list[int], str | None]:
+        """Walk `seq`'s grammar through the tokens it commits -> (those it keeps, its finish reason): "stop" once
+        the grammar has taken its stop token (with `ignore_eos` that is no eos id), "error" for a token the
+        grammar refuses (which its mask did not allow: it cannot happen)."""
+        for j, token in enumerate(tokens):
+            if not seq.grammar.accept(token):
+                seq.error = f"request {seq.request_id!r}: token {token} does not follow its grammar"
+                return tokens[: j + 1], "error"
+            if seq.grammar.finished:
+                return tokens[: j + 1], reason or "stop"
+        return tokens, reason
 
     @staticmethod
     def _output(seq: Sequence, tokens: list[int]) -> RequestOutput:

@@ -1,6 +1,7 @@
 """What the engine counts per phase of a step: target forwards over prompts ("prefill") and decode tokens
 ("decode"), MTP forwards ("draft"): forwards, tokens fed and committed, seconds and collectives; the MTP
-acceptance per draft position; and the counters since start that the server's metrics report."""
+acceptance per draft position; and the counters since start that the server's metrics report, the Triton
+kernel variants loaded in the process (`KernelCompiles`) among them."""
 
 import time
 from contextlib import contextmanager
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from spmoe.distributed import CommStats, count_collectives
 from spmoe.engine.request import EngineMetrics
 from spmoe.engine.sequence import ScheduledBatch, StepResult
+from spmoe.layers.fused import TRITON_INSTALLED
 
 PHASES = ("prefill", "decode", "draft")
 
@@ -37,6 +39,32 @@ class Phase:
             "seconds": self.seconds,
             "collectives": self.collectives.as_dict(),
         }
+
+
+class KernelCompiles:
+    """The process's count of Triton kernel variants loaded (compiled, or read from Triton's disk cache),
+    by Triton's post-compile hook: one hook for the process, chained to any that was there before. Without
+    Triton (CPU) it stays 0."""
+
+    count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed or not TRITON_INSTALLED:
+            return
+        import triton
+
+        previous = triton.knobs.runtime.jit_post_compile_hook
+
+        def counted(*args, **kwargs):
+            cls.count += 1
+            if previous is not None:
+                return previous(*args, **kwargs)
+            return None
+
+        triton.knobs.runtime.jit_post_compile_hook = counted
+        cls._installed = True
 
 
 class StepStats:

@@ -4,12 +4,14 @@ import argparse
 import json
 import signal
 import sys
+from functools import partial
 
 from spmoe.config import ModelConfig
 from spmoe.distributed import RankFailed, Stopped, spawn
 from spmoe.distributed.selfcheck import layout_selfcheck
 from spmoe.engine.args import LAYOUT_OPTIONS, EngineArgs
 from spmoe.engine.vllm_values import fold_dotted
+from spmoe.entrypoints.jobs import write_atomically
 from spmoe.entrypoints.serve.server import add_serve_args, cmd_serve
 
 
@@ -62,10 +64,9 @@ def cmd_forward(args) -> int:
     if result is None:  # a torchrun rank other than 0
         return 0
     logits, stats = result
-    save_file({"logits": logits.float().contiguous()}, args.save_logits)
+    write_atomically(args.save_logits, partial(save_file, {"logits": logits.float().contiguous()}))
     if args.stats:
-        with open(args.stats, "w") as f:
-            json.dump(stats, f, indent=2)
+        write_atomically(args.stats, lambda path: path.write_text(json.dumps(stats, indent=2)))
     print(f"wrote logits {tuple(logits.shape)} to {args.save_logits}", file=sys.stderr)
     return 0
 
@@ -102,8 +103,8 @@ def cmd_generate(args) -> int:
         "sp_scope": args.sp_scope,
         "ep_backend": args.ep_backend,
     }
-    with open(args.output, "w") as f:
-        json.dump({"outputs": gen.outputs, "stats": gen.stats}, f, indent=2)
+    result = json.dumps({"outputs": gen.outputs, "stats": gen.stats}, indent=2)
+    write_atomically(args.output, lambda path: path.write_text(result))
     spec = gen.stats.get("speculative")
     print(
         f"wrote {gen.stats['generated_tokens']} tokens to {args.output}: {gen.stats['tokens_per_s']:.1f} tokens/s"

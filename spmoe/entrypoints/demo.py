@@ -55,7 +55,7 @@ CONFIG = dict(  # vocab_size: the demo tokenizer's 256 bytes + 8 special tokens
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
     num_nextn_predict_layers=1,
-    max_position_embeddings=256,
+    max_position_embeddings=1024,  # room for a chat prompt that lists tools
     eos_token_id=[],
     tie_word_embeddings=False,
 )
@@ -74,16 +74,41 @@ MODES = [  # (label, --sp, scope, MTP drafts)
 
 CHAT = [{"role": "user", "content": "Hello! Who are you?"}]
 SERVE_MAX_TOKENS = 24
-SPECIAL_TOKENS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>"] + [f"<|reserved_{i}|>" for i in range(4)]
+SPECIAL_TOKENS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"] + [
+    f"<|reserved_{i}|>" for i in range(3)
+]
+# GLM's chat layout, in short: turns open with <|role|> and end with <|end|>; tools are listed in a system turn;
+# the assistant turn opens its thinking block in the prompt (<think>), or closes it there when thinking is off
+# (chat_template_kwargs enable_thinking / thinking); its tool calls are written as
+# <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value></tool_call> (a string value raw, any other as
+# JSON; the server hands the template each call's arguments as an object); tool results come back in an
+# <|observation|> turn.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% set thinking = enable_thinking if enable_thinking is defined"
+    " else (thinking if thinking is defined else true) %}"
+    "{% if tools %}<|system|>You may call these functions:\n<tools>\n"
+    "{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}\n{% endfor %}"
+    "</tools>\nTo call one, write <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value></tool_call>,"
+    " a string value as it is, any other value as JSON.<|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|observation|><tool_response>{{ m.content }}</tool_response><|end|>"
+    "{% elif m.role == 'assistant' %}<|assistant|>"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% else %}</think>{% endif %}"
+    "{{ m.content or '' }}"
+    "{% for call in m.tool_calls or [] %}<tool_call>{{ call.function.name }}"
+    "{% for key, value in call.function.arguments.items() %}<arg_key>{{ key }}</arg_key>"
+    "<arg_value>{{ value if value is string else value | tojson }}</arg_value>{% endfor %}</tool_call>{% endfor %}"
+    "<|end|>"
+    "{% else %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{{ '<think>' if thinking else '</think>' }}{% endif %}"
 )
 
 
 def write_demo_tokenizer(folder: Path) -> None:
     """A byte-level tokenizer: token b < 256 is byte b (so any text encodes and a character may span several
-    tokens), then SPECIAL_TOKENS from id 256; `<|end|>` ends a chat turn and is the eos token. Written with
+    tokens), then SPECIAL_TOKENS from id 256; `<|end|>` ends a chat turn and is the eos token. The thinking and
+    tool-call tags are plain text (bytes). Written with
     the `tokenizers` library as `tokenizer.json` + `tokenizer_config.json` (with the chat template)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 

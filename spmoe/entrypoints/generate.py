@@ -14,6 +14,7 @@ from spmoe.engine.args import DTYPES, EngineArgs
 from spmoe.engine.engine import Generation, check_positions, check_prompts, per_prompt
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.sampling import SamplingParams
+from spmoe.engine.warmup import warm_up
 from spmoe.entrypoints.jobs import check_writable, gather_from_dp, split_for_dp
 
 
@@ -47,7 +48,9 @@ def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOption
     model = args.load_model(model_dir, state.device)
     mine = split_for_dp(prompts, state.dp_rank, state.dp_size)  # this DP rank's prompts (maybe none)
     sampling = split_for_dp(per_prompt(opts.sampling, len(prompts)), state.dp_rank, state.dp_size)
-    engine = args.build_engine(model, opts.cache_slots(len(mine)), opts.cache_len(prompts))
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress and state.rank == 0 else None
+    engine = args.build_engine(model, opts.cache_slots(len(mine)), opts.cache_len(prompts), log)
+    warm_up(engine, log)
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
     prompt_tokens = sum(map(len, mine))

@@ -1,10 +1,11 @@
 """What the jobs share: reading token-id input and checking its ids, checking output paths before any rank
-starts, the flat batch, splitting a batch over the data-parallel ranks and gathering it back. (The dtypes by
-name and the device check are engine options: `spmoe.engine.args`.)"""
+starts, writing an output file atomically, the flat batch, splitting a batch over the data-parallel ranks and
+gathering it back. (The dtypes by name and the device check are engine options: `spmoe.engine.args`.)"""
 
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,6 +33,27 @@ def read_input_ids(path: str | Path, vocab_size: int) -> list[list[int]]:
             if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab_size:
                 raise ValueError(f"{path}: sequence {i} has token id {tok!r}, expected an int in [0, {vocab_size})")
     return seqs
+
+
+def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
+    """`write(temporary)` writes the whole file at a temporary path in the same folder, which then replaces
+    `path` in one rename: a run stopped while writing leaves the previous file (or none), never a truncated one.
+    A device or pipe (/dev/stdout) is written in place."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        write(path)
+        return
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask)  # as open() would
+        write(Path(temporary))
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def check_writable(path: str | Path, option: str) -> None:

@@ -153,13 +153,8 @@ VLLM_FLAGS = (
         "turning chunked prefill off",
         "leave the flag out: spmoe always prefills long prompts in chunks",
     ),
-    VllmFlag(
-        ("--enable-prefix-caching",),
-        "noted",
-        "accepted: spmoe has no prefix cache yet, every prompt is prefilled in full",
-        declared_here=True,
-    ),
-    VllmFlag(("--no-enable-prefix-caching",), "noted", "accepted: no prefix cache", declared_here=True),
+    VllmFlag(("--enable-prefix-caching",), "taken", "on by default: full prompt blocks are reused across requests"),
+    VllmFlag(("--no-enable-prefix-caching",), "taken", "turns prefix caching off"),
     VllmFlag(("--swap-space",), "noted", "accepted: spmoe keeps no CPU swap space", value="GIB", declared_here=True),
     VllmFlag(
         ("--cpu-offload-gb",),
@@ -217,9 +212,9 @@ VLLM_FLAGS = (
         "string or openai (content as a list of text parts); auto is string",
         value="FMT",
     ),
-    VllmFlag(("--reasoning-parser",), "taken", "GLM's <think> parser", value="NAME", pending="the chat parsers"),
-    VllmFlag(("--tool-call-parser",), "taken", "GLM's tool-call parser", value="NAME", pending="the chat parsers"),
-    VllmFlag(("--enable-auto-tool-choice",), "taken", "tool_choice auto", pending="the chat parsers"),
+    VllmFlag(("--reasoning-parser",), "taken", "GLM's <think> parser", value="NAME"),
+    VllmFlag(("--tool-call-parser",), "taken", "GLM's tool-call parser", value="NAME"),
+    VllmFlag(("--enable-auto-tool-choice",), "taken", "tool_choice auto"),
     VllmFlag(("--uvicorn-log-level",), "taken", "uvicorn's log level (default warning)", value="LEVEL"),
     VllmFlag(
         ("--disable-log-requests",),

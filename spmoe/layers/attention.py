@@ -10,7 +10,9 @@ indexer's key.
 
 Two paths, chosen by the cache the batch carries:
 - dense (no cache, or `KeyStore`): every key decompressed through kv_b_proj, scores `[heads, N, K]`, the
-  indexer's top-k applied as a mask. The reference (what the transformers oracle checks).
+  indexer's top-k applied as a mask. The reference (what the transformers oracle checks). The scores (and the
+  indexer's) are computed for chunks of queries (`query_chunks`), so their memory stays within a fixed budget
+  however many tokens a forward holds.
 - paged (`PagedKeyStore`): the indexer picks cache rows, and absorbed MLA attends only those
   (`sparse_attention`); for contexts of at most index_topk tokens this is exactly dense causal attention.
 """
@@ -28,8 +30,9 @@ from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.paged_rows import PagedKeyStore, quantize_index_vectors, write_index_key, write_latent_projection
 from spmoe.layers.quantization.fp8 import hadamard_matrix, hadamard_rotate
+from spmoe.layers.quantization.fp8_linear import fp8_head_matmul
 from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import head_matmul, indexer_topk, sparse_mla, visible_rows
+from spmoe.layers.sparse_attention import head_matmul, indexer_topk, query_chunks, sparse_mla, visible_rows
 
 
 class KeyStore(Protocol):
@@ -85,14 +88,17 @@ class Indexer(nn.Module):
         if isinstance(batch.cache, PagedKeyStore):
             return self._paged_rows(wk_x, head_weights, q_latent, batch.rotary, batch.cache)
         q = self._query(q_latent, batch.rotary)  # [N, h, d]
-        k = batch.keys(self.layer_idx, "indexer", self._key(wk_x, batch.rotary))  # [K, d]
-        scores = F.relu(torch.einsum("qhd,kd->qhk", q.float(), k.float()) * cfg.index_head_dim**-0.5)
+        k = batch.keys(self.layer_idx, "indexer", self._key(wk_x, batch.rotary)).float()  # [K, d]
         weights = head_weights.float() * cfg.index_n_heads**-0.5  # [N, h]
-        index = torch.einsum("qh,qhk->qk", weights, scores).masked_fill(~batch.allowed, float("-inf"))
-        # a stable sort, so that tied scores (relu makes exact zeros common) pick the earliest positions,
-        # whatever else shares the batch or the cache
-        topk = index.sort(dim=-1, descending=True, stable=True).indices[:, : cfg.index_topk]
-        return torch.zeros_like(batch.allowed).scatter_(1, topk, True) & batch.allowed
+        selected = torch.zeros_like(batch.allowed)
+        for c in query_chunks(q.shape[0], k.shape[0] * (q.shape[1] + 3)):  # scores [n, h, K], index, its sort
+            scores = F.relu(torch.einsum("qhd,kd->qhk", q[c].float(), k) * cfg.index_head_dim**-0.5)
+            index = torch.einsum("qh,qhk->qk", weights[c], scores).masked_fill(~batch.allowed[c], float("-inf"))
+            # a stable sort, so that tied scores (relu makes exact zeros common) pick the earliest positions,
+            # whatever else shares the batch or the cache
+            topk = index.sort(dim=-1, descending=True, stable=True).indices[:, : cfg.index_topk]
+            selected[c].scatter_(1, topk, True)
+        return selected & batch.allowed
 
     def _query(self, q_latent: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         """q_latent `[N, q_lora]` -> the query heads `[N, h, d]`, their rope part rotated."""
@@ -227,23 +233,31 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1)], dim=-1)  # [K, h, qk_head]
         if self.indexer is not None:
             selected = self.indexer(*(proj[name] for name in Indexer.PROJECTIONS), q_latent, batch)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * cfg.attention_scale
-        scores = scores.masked_fill(~selected, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        out = torch.einsum("hqk,khd->qhd", probs, v).reshape(n_tok, heads * cfg.v_head_dim)
-        return self.o_proj(out), selected
+        out = torch.empty(n_tok, heads, cfg.v_head_dim, dtype=v.dtype, device=v.device)
+        for c in query_chunks(n_tok, heads * k.shape[0] * 3):  # scores [h, n, K], float32 and v's dtype probs
+            scores = torch.einsum("qhd,khd->hqk", q[c], k) * cfg.attention_scale
+            scores = scores.masked_fill(~selected[c], float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+            out[c] = torch.einsum("hqk,khd->qhd", probs, v)
+        return self.o_proj(out.reshape(n_tok, heads * cfg.v_head_dim)), selected
 
     def _sparse_absorbed(self, q: torch.Tensor, cache: PagedKeyStore, selected: torch.Tensor) -> torch.Tensor:
         """Absorbed MLA over the selected cache rows (this forward's rows already written): q `[N, h, qk_head]`,
         selected rows `[N, k]` -> `[N, h * v]`.
 
         W_UK `[h, nope, c]` and W_UV `[h, v, c]` are views of kv_b_proj's weight: q_nope @ W_UK puts the query
-        in latent space, and the weighted latent goes back through W_UV."""
+        in latent space, and the weighted latent goes back through W_UV. An FP8 kv_b_proj is used as stored
+        (`fp8_head_matmul`: each head's 448 rows need not start on a 128-row block)."""
         cfg, heads, nope = self.cfg, self.local_heads, self.cfg.qk_nope_head_dim
-        w_uk, w_uv = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, cfg.kv_lora_rank).split(
-            [nope, cfg.v_head_dim], dim=1
-        )
-        q_latent = head_matmul(q[..., :nope], w_uk)  # [N, h, c]
+        rows, kv_b = nope + cfg.v_head_dim, self.kv_b_proj
+        if kv_b.is_fp8:
+            q_latent = fp8_head_matmul(q[..., :nope], kv_b.weight, kv_b.weight_scale, rows, 0, cfg.kv_lora_rank, True)
+        else:
+            w_uk, w_uv = kv_b.weight.view(heads, rows, cfg.kv_lora_rank).split([nope, cfg.v_head_dim], dim=1)
+            q_latent = head_matmul(q[..., :nope], w_uk)  # [N, h, c]
         out = sparse_mla(q_latent, q[..., nope:], cache.layer(self.layer_idx), selected, cfg.attention_scale)
-        out = head_matmul(out, w_uv.transpose(1, 2))  # [N, h, v]
+        if kv_b.is_fp8:
+            out = fp8_head_matmul(out, kv_b.weight, kv_b.weight_scale, rows, nope, cfg.v_head_dim, False)
+        else:
+            out = head_matmul(out, w_uv.transpose(1, 2))  # [N, h, v]
         return out.reshape(q.shape[0], heads * cfg.v_head_dim)  # N may be 0 (a DP rank in step)

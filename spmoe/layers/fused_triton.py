@@ -28,6 +28,8 @@ write, `mlp.silu_mul` and the indexer's key path: `nn.LayerNorm`, `Rotary`, `pag
   key rotated (interleaved, `rope_`'s rounding), at the token's slot.
 - `silu_mul`: `silu(gate) * up`, each rounded to the dtype as torch rounds `F.silu(gate) * up`.
 
+Row offsets (token, slot and cache row times a stride) are int64, so no tensor size reaches a 32-bit limit.
+
 Shapes depend only on the inputs' shapes and nothing is read back to the host, so each can be captured in a
 CUDA graph.
 """
@@ -257,7 +259,7 @@ def _index_key_kernel(
     x = tl.load(row + i).to(tl.float32)
     mean = tl.sum(x, axis=0) / DIM
     rstd = tl.rsqrt(tl.sum((x - mean) * (x - mean), axis=0) / DIM + eps)
-    slot = tl.load(slots_ptr + n)
+    slot = tl.load(slots_ptr + n).to(tl.int64)  # slot * DIM passes 2**31 from 16M cache rows
     if FP8:
         # key @ hadamard in float32, CHUNK rows of the matrix at a time, then one scale per key as
         # quantize_fp8_vectors: max |value| * (1 / FP8_MAX) (torch multiplies by the reciprocal), values divided
@@ -477,7 +479,7 @@ def _router_gemv_kernel(
         w_ptr + e[:, None].to(tl.int64) * stride_w + k[None, :], mask=(e[:, None] < experts) & k_ok[None, :], other=0.0
     ).to(tl.float32)
     for i in tl.static_range(BLOCK_M):  # unrolled: every row's load is in flight at once
-        r = tl.program_id(2) * BLOCK_M + i
+        r = tl.program_id(2).to(tl.int64) * BLOCK_M + i
         x = tl.load(x_ptr + r * stride_x + k, mask=k_ok & (r < rows), other=0.0).to(tl.float32)
         tl.store(
             sums_ptr + r * stride_row + split * stride_split + e,
@@ -544,7 +546,7 @@ def _mla_cache_write_kernel(
     FP8_MAX: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + n)
+    slot = tl.load(slot_ptr + n).to(tl.int64)  # slot * row stride may pass 2**31 in a large cache
     c = tl.arange(0, BLOCK_C)
     c_ok = c < LATENT
     latent = tl.load(kv_ptr + n * stride_kv + c, mask=c_ok, other=0.0)

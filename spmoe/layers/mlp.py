@@ -35,4 +35,4 @@ class MLP(nn.Module):
         act = silu_mul(*self.gate_up(x).values())
         if out is None:
             return self.down_proj(act)
-        return out.addmm_(act, self.down_proj.weight.t())
+        return self.down_proj.add_to(out, act)

@@ -22,6 +22,9 @@ and (its own row already written) attends that sequence's positions `<= position
   the weighted latent @ `W_UV^T`): a batched GEMM; for a decode step's few tokens, with the fused kernels on,
   a Triton kernel that reads each head's weight once at full bandwidth.
 
+The dispatchers run the torch versions over chunks of queries (`query_chunks`, `TORCH_CHUNK_ELEMENTS`), so a
+CPU forward's working memory does not grow with its number of tokens beyond that budget.
+
 Each has a torch version (the reference; CPU and any device) and a Triton version on CUDA
 (`sparse_attention_triton`, imported only when used), with the same signature; so has `cache_rows`, the
 lookup of logical positions in the block tables behind `rows_of_best` and `visible_rows`.
@@ -34,6 +37,18 @@ from spmoe.layers.paged_rows import PagedLayerCache
 from spmoe.layers.quantization.fp8 import dequantize
 
 POSITION_BITS = 31  # positions are below 2**31; the low half of an ordering key holds 2**31 - 1 - position
+# The torch paths (CPU, and any device without the Triton kernels) score at most this many values per step: they
+# go over the queries in chunks sized so that a chunk's largest intermediates (scores, gathered keys) hold about
+# this many elements (256 MiB of float32), whatever the number of tokens in the batch. Every query's result is
+# computed on its own, so chunking changes no value.
+TORCH_CHUNK_ELEMENTS = 1 << 26
+
+
+def query_chunks(n: int, per_query: int):
+    """Slices of `range(n)` (one empty slice when n is 0) holding at most `TORCH_CHUNK_ELEMENTS // per_query`
+    queries each (at least one): per_query is the elements one query's intermediates take."""
+    size = max(1, TORCH_CHUNK_ELEMENTS // max(1, per_query))
+    return [slice(i, i + size) for i in range(0, n, size)] or [slice(0, 0)]
 
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -73,14 +88,35 @@ def indexer_topk(
     dtype; unit stride over heads; every scale that differs between heads folded in, a positive factor common
     to all heads may be left out: it ranks the positions alike, up to rounding) -> selected cache rows
     `[N, min(topk, L)]` int64 (`rows_of_best`, in no particular order), -1 past the visible positions;
-    L = max_blocks * block_size."""
+    L = max_blocks * block_size. On CUDA, for up to `TOPK_ROWS_MAX_TOKENS` tokens, the same rows from
+    `topk_rows`, whose work follows each token's position, not L."""
     if use_triton(q, q.shape[2], block_size):
-        from spmoe.layers.sparse_attention_triton import indexer_order_keys
+        from spmoe.layers.sparse_attention_triton import TOPK_ROWS_MAX_TOKENS, indexer_order_keys, topk_rows
 
-        keys = indexer_order_keys(q, weights, cache, block_tables, seq_index, positions, block_size)
-    else:
-        keys = indexer_order_keys_torch(q, weights, cache, block_tables, seq_index, positions, block_size)
-    return rows_of_best(keys, topk, block_tables, seq_index, block_size)
+        # a few tokens (decode; tables maybe padded far past them for a CUDA graph): a top-k bounded by each
+        # token's position, and no keys written past it
+        bounded = q.shape[0] <= TOPK_ROWS_MAX_TOKENS and block_tables.shape[1] * block_size > topk
+        keys = indexer_order_keys(
+            q, weights, cache, block_tables, seq_index, positions, block_size, fill_past=not bounded
+        )
+        if bounded:
+            return topk_rows(keys, topk, block_tables, seq_index, positions, block_size)
+        return rows_of_best(keys, topk, block_tables, seq_index, block_size)
+    # in query chunks: the keys `[N, L]` and the scores `[N, h, L]` of the whole batch never exist at once
+    n, heads, dim = q.shape
+    per_query = block_tables.shape[1] * block_size * (dim + heads + 8)  # gathered keys, scores, rows and keys
+    return torch.cat(
+        [
+            rows_of_best(
+                indexer_order_keys_torch(q[c], weights[c], cache, block_tables, seq_index[c], positions[c], block_size),
+                topk,
+                block_tables,
+                seq_index[c],
+                block_size,
+            )
+            for c in query_chunks(n, per_query)
+        ]
+    )
 
 
 def indexer_order_keys_torch(
@@ -177,7 +213,12 @@ def sparse_mla(
         from spmoe.layers.sparse_attention_triton import sparse_mla as triton_sparse_mla
 
         return triton_sparse_mla(q_latent, q_rope, cache, rows, scale)
-    return sparse_mla_torch(q_latent, q_rope, cache, rows, scale)
+    (n, heads, latent_dim), k = q_latent.shape, rows.shape[1]
+    per_query = k * (latent_dim + q_rope.shape[2] + 2 * heads)  # gathered latents and rope keys, scores, weights
+    chunks = query_chunks(n, per_query)
+    if len(chunks) == 1:
+        return sparse_mla_torch(q_latent, q_rope, cache, rows, scale)
+    return torch.cat([sparse_mla_torch(q_latent[c], q_rope[c], cache, rows[c], scale) for c in chunks])
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

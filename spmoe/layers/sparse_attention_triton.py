@@ -9,6 +9,11 @@ cache layout); each matches its torch reference there.
   load. A tile whose tokens belong to several sequences (other block tables) goes token by token. Decode
   steps take tiles of one token and one block (a program per token and block); prefill chunks share each key
   load among 4 tokens (`INDEXER_PREFILL_TILES`).
+- `topk_rows`: the indexer's top-k for a few tokens (decode), bounded by each token's own position, not by the
+  block tables' width: one program per token. Up to k visible positions it writes their rows at once; past
+  that, a radix select over the visible keys' 8 bytes (a 256-bin histogram per byte, from the top) finds the
+  k-th largest key, and one more pass writes the rows of the keys at or above it. Keys past the position are
+  never read, so the indexer need not write them (`indexer_order_keys(fill_past=False)`).
 - `cache_rows`: one program per (token, 1024 columns): logical positions (decoded from the selected ordering
   keys, or every position up to the token's own) looked up in the block tables -> cache rows, -1 for none.
 - `sparse_mla`: split-K flash decoding. Program (token, head block, split) walks its share of the token's
@@ -20,6 +25,9 @@ cache layout); each matches its torch reference there.
   `W_UV^T`). Program (head, block of output columns) streams its slice of the head's weight once, through
   `tl.dot` against all the tokens (padded to 16), float32 accumulation; enough column blocks to give every
   multiprocessor two programs, so the weights are read at full bandwidth and in one pass (no split-K).
+
+Every offset that multiplies a token, sequence, head or cache-row index by a size is int64 (256 tokens x a
+32k context of int64 ordering keys, or a cache of millions of rows, pass 2**31 elements).
 
 Shapes depend only on the inputs' shapes and nothing is read back to the host, so all can be captured in
 a CUDA graph.
@@ -116,9 +124,11 @@ def _index_tokens(
     BLOCK: tl.constexpr,
     TOKENS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    FILL_PAST: tl.constexpr,
 ):
     """Writes the ordering keys of blocks first_block .. end_block - 1 for TOKENS tokens `[TOKENS]` of one
-    sequence (those where `write`), as `_index_block`; blocks past every position are -inf without a load."""
+    sequence (those where `write`), as `_index_block`; blocks past every position are -inf without a load
+    (FILL_PAST), or not written at all."""
     live_end = tl.minimum(end_block, tl.max(position) // BLOCK + 1)
     for block in range(first_block, live_end):
         keys = _index_block(
@@ -137,10 +147,11 @@ def _index_tokens(
         )
         offsets = block * BLOCK + tl.arange(0, BLOCK)
         tl.store(out_ptr + token[None, :] * stride_out + offsets[:, None], keys, mask=write[None, :])
-    past = tl.full([BLOCK, TOKENS], float("-inf"), tl.float32)
-    for block in range(tl.maximum(first_block, live_end), end_block):
-        offsets = tl.broadcast_to((block * BLOCK + tl.arange(0, BLOCK))[:, None], (BLOCK, TOKENS))
-        tl.store(out_ptr + token[None, :] * stride_out + offsets, _order_key(past, offsets), mask=write[None, :])
+    if FILL_PAST:
+        past = tl.full([BLOCK, TOKENS], float("-inf"), tl.float32)
+        for block in range(tl.maximum(first_block, live_end), end_block):
+            offsets = tl.broadcast_to((block * BLOCK + tl.arange(0, BLOCK))[:, None], (BLOCK, TOKENS))
+            tl.store(out_ptr + token[None, :] * stride_out + offsets, _order_key(past, offsets), mask=write[None, :])
 
 
 @triton.jit
@@ -167,6 +178,7 @@ def _indexer_kernel(
     BLOCK_H: tl.constexpr,
     TOKENS: tl.constexpr,
     BLOCKS: tl.constexpr,
+    FILL_PAST: tl.constexpr,
 ):
     first_token = tl.program_id(0).to(tl.int64) * TOKENS
     first_block = tl.program_id(1) * BLOCKS
@@ -174,8 +186,11 @@ def _indexer_kernel(
     token = first_token + tl.arange(0, TOKENS)
     write = token < n
     clamped = tl.minimum(token, n - 1)  # the last tile's padding repeats its last token (computed, not written)
-    seq = tl.load(seq_ptr + clamped)
+    seq = tl.load(seq_ptr + clamped).to(tl.int64)  # seq * table stride, as every row offset: int64
     position = tl.load(pos_ptr + clamped)
+    if not FILL_PAST:
+        if first_block * BLOCK > tl.max(position):
+            return  # every block here is past every token's position, and nothing reads those keys
     if tl.min(seq) == tl.max(seq):  # one sequence: one key load per block for the whole tile
         r = tl.arange(0, TOKENS * BLOCK_H)  # row r: token r // BLOCK_H, head r % BLOCK_H
         row_token, row_head = tl.minimum(first_token + r // BLOCK_H, n - 1), r % BLOCK_H
@@ -203,6 +218,7 @@ def _indexer_kernel(
             BLOCK=BLOCK,
             TOKENS=TOKENS,
             BLOCK_H=BLOCK_H,
+            FILL_PAST=FILL_PAST,
         )
     else:  # the tile straddles sequences: token by token
         h = tl.arange(0, BLOCK_H)
@@ -222,7 +238,7 @@ def _indexer_kernel(
                 first_token + t + tl.arange(0, 1) < n,
                 k_ptr,
                 ks_ptr,
-                tables_ptr + tl.max(tl.load(seq_ptr + one)) * stride_tab,
+                tables_ptr + tl.max(tl.load(seq_ptr + one)).to(tl.int64) * stride_tab,
                 out_ptr,
                 stride_out,
                 first_block,
@@ -232,6 +248,7 @@ def _indexer_kernel(
                 BLOCK=BLOCK,
                 TOKENS=1,
                 BLOCK_H=BLOCK_H,
+                FILL_PAST=FILL_PAST,
             )
 
 
@@ -244,8 +261,10 @@ def indexer_order_keys(
     positions: torch.Tensor,
     block_size: int,
     tiles: tuple[int, int, int, int] | None = None,
+    fill_past: bool = True,
 ) -> torch.Tensor:
-    """As `indexer_order_keys_torch`: q `[N, h, d]`, weights `[N, h]` float32 -> keys `[N, max_blocks * B]`.
+    """As `indexer_order_keys_torch`: q `[N, h, d]`, weights `[N, h]` float32 -> keys `[N, max_blocks * B]`
+    (not `fill_past`: the keys past each token's position are left unwritten, for `topk_rows`).
     tiles: (tokens per program, cache blocks per program, num_warps, num_stages), by default chosen by the
     shape: `INDEXER_DECODE_TILES` below `INDEXER_TILE_MIN_TOKENS` tokens, else `INDEXER_PREFILL_TILES` (with
     one block per program while that leaves fewer than `INDEXER_MIN_PROGRAMS` programs)."""
@@ -289,8 +308,115 @@ def indexer_order_keys(
         BLOCK_H=max(16, triton.next_power_of_2(heads)),
         TOKENS=tokens,
         BLOCKS=blocks,
+        FILL_PAST=fill_past,
         num_warps=num_warps,
         num_stages=num_stages,
+    )
+    return out
+
+
+TOPK_ROWS_MAX_TOKENS = 512  # topk_rows runs one program per token: for decode steps, up to the largest graph
+TOPK_TILE = 1024  # keys per load in topk_rows
+
+
+@triton.jit
+def _topk_rows_kernel(
+    keys_ptr,
+    tables_ptr,
+    seq_ptr,
+    pos_ptr,
+    out_ptr,
+    stride_keys,
+    stride_tab,
+    stride_out,
+    K: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    visible = (tl.load(pos_ptr + token) + 1).to(tl.int32)  # positions < 2**31 (POSITION_BITS)
+    table = tables_ptr + tl.load(seq_ptr + token) * stride_tab
+    keys_row = keys_ptr + token * stride_keys
+    out_row = out_ptr + token * stride_out
+    lane = tl.arange(0, TILE)
+    if visible <= K:  # every visible position, then -1
+        for first in range(0, K, TILE):
+            column = first + lane
+            seen = column < visible
+            block = tl.load(table + column // BLOCK_SIZE, mask=seen, other=0).to(tl.int64)
+            rows = tl.where(seen, block * BLOCK_SIZE + column % BLOCK_SIZE, -1)
+            tl.store(out_row + column, rows, mask=column < K)
+    else:
+        # Radix select of the K-th largest key among the visible ones, a byte at a time from the top. Bins
+        # 1 .. 256 count the keys that match the bytes chosen so far, by their next byte (the top byte with its
+        # sign bit flipped, so that bins follow the signed order); bin 0 takes the rest.
+        bins = tl.arange(0, 512)
+        threshold = tl.zeros([1], tl.int64)  # the chosen bytes, the others 0
+        wanted = tl.full([1], K, tl.int32)  # how many keys of the matching ones still to take
+        for byte in tl.static_range(8):
+            shift = 56 - 8 * byte
+            counts = tl.zeros([512], tl.int32)
+            for first in range(0, visible, TILE):
+                column = first + lane
+                key = tl.load(keys_row + column, mask=column < visible, other=0)
+                digit = (key >> shift) & 255
+                if byte == 0:
+                    digit = digit ^ 128
+                    match = column < visible
+                else:
+                    match = (column < visible) & ((key >> (shift + 8)) == (threshold >> (shift + 8)))
+                counts += tl.histogram(tl.where(match, digit + 1, 0).to(tl.int32), 512)
+            at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # keys in bins >= b
+            chosen = tl.max(tl.where((at_or_above >= wanted) & (bins > 0), bins, 0))
+            wanted -= tl.sum(tl.where(bins > chosen, counts, 0))
+            value = chosen - 1
+            if byte == 0:
+                value = value ^ 128
+            threshold = threshold | (value.to(tl.int64) << shift)
+        # the K keys at or above the threshold (keys are distinct: each holds its position), rows of finite scores
+        none = _order_key(tl.full([TILE], float("-inf"), tl.float32), tl.zeros([TILE], tl.int64))
+        written = tl.zeros([1], tl.int32)
+        for first in range(0, visible, TILE):
+            column = first + lane
+            key = tl.load(keys_row + column, mask=column < visible, other=0)
+            take = (column < visible) & (key >= threshold)
+            slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
+            block = tl.load(table + column // BLOCK_SIZE, mask=take, other=0).to(tl.int64)
+            rows = tl.where(key > none, block * BLOCK_SIZE + column % BLOCK_SIZE, -1)
+            tl.store(out_row + slot, rows, mask=take)
+            written += tl.sum(take.to(tl.int32))
+
+
+def topk_rows(
+    keys: torch.Tensor,
+    topk: int,
+    block_tables: torch.Tensor,
+    seq_index: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """As `rows_of_best(keys, topk, ...)` for keys `[N, L]` (L > topk) of which only those up to each token's
+    position are read -> cache rows `[N, topk]` int64 in no particular order, -1 past the visible positions
+    (and for keys of -inf scores). Work per token grows with its position, not with L."""
+    n, width = keys.shape
+    if width <= topk or keys.stride(1) != 1:
+        raise ValueError(f"topk_rows needs unit-stride keys wider than topk {topk}, got {tuple(keys.shape)}")
+    out = torch.empty(n, topk, dtype=torch.int64, device=keys.device)
+    if n == 0:
+        return out
+    _topk_rows_kernel[(n,)](
+        keys,
+        block_tables,
+        seq_index,
+        positions,
+        out,
+        keys.stride(0),
+        block_tables.stride(0),
+        out.stride(0),
+        K=topk,
+        BLOCK_SIZE=block_size,
+        TILE=TOPK_TILE,
+        num_warps=4,
     )
     return out
 
@@ -321,7 +447,7 @@ def _cache_rows_kernel(
     else:
         position = column.to(tl.int64)
         valid = position <= tl.load(pos_ptr + token)
-    seq = tl.load(seq_ptr + token)
+    seq = tl.load(seq_ptr + token).to(tl.int64)
     block = tl.load(tables_ptr + seq * stride_tab + position // BLOCK_SIZE, mask=inside & valid, other=0)
     rows = block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE
     tl.store(out_ptr + token * stride_out + column, tl.where(valid, rows, -1), mask=inside)
@@ -571,10 +697,10 @@ def _head_matmul_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    head, cols = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     tokens = tl.arange(0, BLOCK_N)
     x_rows = x_ptr + head * stride_xh + tokens[:, None] * stride_xn  # [BLOCK_N, 1]
-    w_cols = w_ptr + head.to(tl.int64) * stride_wh + cols[None, :] * stride_wm  # [1, BLOCK_M]
+    w_cols = w_ptr + head * stride_wh + cols[None, :] * stride_wm  # [1, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for first in range(0, depth, BLOCK_K):
         k = first + tl.arange(0, BLOCK_K)

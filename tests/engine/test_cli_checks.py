@@ -165,3 +165,27 @@ def test_forward_outputs_and_lengths_are_checked_before_any_rank_starts(engine_c
 @pytest.mark.parametrize("ranks", [0, -1])
 def test_selfcheck_ranks_must_be_positive(ranks, capsys):
     assert run(capsys, ["selfcheck", "--ranks", ranks]) == f"spmoe selfcheck: error: --ranks must be >= 1, got {ranks}"
+
+
+def test_outputs_are_written_atomically(tmp_path):
+    """A write that fails halfway (a stopped run) leaves the previous file whole and no temporary file; one that
+    finishes replaces it, with the permissions a plain write would give."""
+    from spmoe.entrypoints.jobs import write_atomically
+
+    out = tmp_path / "out.json"
+    out.write_text('{"previous": true}')
+
+    def half_then_fail(path):
+        path.write_text('{"outputs": [[1, 2')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(out, half_then_fail)
+    assert out.read_text() == '{"previous": true}' and sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+    write_atomically(out, lambda path: path.write_text('{"outputs": []}'))
+    assert out.read_text() == '{"outputs": []}' and sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+    fresh = tmp_path / "fresh.json"
+    write_atomically(fresh, lambda path: path.write_text("{}"))
+    plain = tmp_path / "plain.json"
+    plain.write_text("{}")
+    assert fresh.stat().st_mode == plain.stat().st_mode

@@ -48,6 +48,17 @@ TWO_BLOCKS_GIB = 2 * 64 * BYTES_PER_TOKEN / 2**30
             "--kv-cache dense",
         ),
         ("zero token budget", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
+        ("NaN budget", ["--kv-cache-memory", "nan"], "--kv-cache-memory must be a finite number of GiB > 0, got nan"),
+        (
+            "infinite budget",
+            ["--kv-cache-memory", "inf"],
+            "--kv-cache-memory must be a finite number of GiB > 0, got inf",
+        ),
+        (
+            "negative budget",
+            ["--kv-cache-memory", "-2"],
+            "--kv-cache-memory must be a finite number of GiB > 0, got -2.0",
+        ),
     ],
 )
 def test_generate_rejects(case, extra, fragment, engine_checkpoint, tmp_path, capsys):
@@ -105,3 +116,22 @@ def test_engine_rejects_a_request_the_cache_cannot_hold(engine_checkpoint):
         "request 'long': the prompt has 130 tokens; with max_new_tokens=4 and 0 speculative tokens it needs 134 KV "
         "cache positions, the cache holds 128 per sequence"
     )
+
+
+def test_view_rejects_block_ids_outside_the_cache():
+    """A block table naming a block the cache does not have is an error, before any kernel reads or writes it."""
+    import torch
+
+    from spmoe.config import ModelConfig
+    from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, token_bytes
+
+    from .conftest import ENGINE_CONFIG
+
+    cfg = ModelConfig.from_dict(ENGINE_CONFIG)
+    cache = PagedKVCache(
+        cfg, {0: True}, 3 * BLOCK_SIZE * token_bytes(cfg, {0: True}, torch.float32, "auto"), torch.float32, "cpu"
+    )
+    assert cache.view([[2, 0], [1]], [0, 0], [70, 5]).block_tables.tolist() == [[2, 0], [1, 3]]  # 3: the scratch
+    for tables in ([[4]], [[0, 7]], [[-1]]):
+        with pytest.raises(ValueError, match=r"block ids must be in \[0, 3\] \(the cache's 3 blocks"):
+            cache.view(tables, [0], [1])

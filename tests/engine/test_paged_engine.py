@@ -100,7 +100,8 @@ def test_paged_engine_equals_dense_dp2(engine_checkpoint):
 
 def preemption(folder: str) -> dict:
     """Three sequences in a 3-block cache: each fits a block when admitted, then all grow past it. -> the dense
-    engine's and the paged engine's outputs and logits, with the paged engine's stats."""
+    engine's and the paged engine's outputs and logits, with the paged engine's stats (and the preemptions its
+    metrics report)."""
     from spmoe.engine.engine import Engine
     from spmoe.engine.kv_cache import KVCache
     from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
@@ -111,9 +112,9 @@ def preemption(folder: str) -> dict:
     for k in (0, 2):
         dense = Engine(model, KVCache.for_model(model, 3, 60 + 12 + k), k).generate(prompts, 12, record_logits=True)
         one_block = PagedKVCache.for_model(model, 2**20).bytes_per_token * BLOCK_SIZE
-        paged = Engine(model, PagedKVCache.for_model(model, 3 * one_block), k, max_num_batched_tokens=64).generate(
-            prompts, 12, record_logits=True
-        )
+        engine = Engine(model, PagedKVCache.for_model(model, 3 * one_block), k, max_num_batched_tokens=64)
+        paged = engine.generate(prompts, 12, record_logits=True)
+        paged.stats["metrics_preemptions"] = engine.metrics().preemptions  # what /metrics shows
         out[k] = (dense.outputs, torch.cat(dense.logits), paged.outputs, torch.cat(paged.logits), paged.stats)
     return out
 
@@ -121,6 +122,7 @@ def preemption(folder: str) -> dict:
 def test_preemption_recomputes_and_loses_nothing(engine_checkpoint):
     for k, (want, want_logits, got, logits, stats) in spawn(preemption, 1, engine_checkpoint)[0].items():
         assert stats["kv_cache"]["num_blocks"] == 3 and stats["preemptions"] > 0, (k, stats["preemptions"])
+        assert stats["metrics_preemptions"] == stats["preemptions"], k
         assert got == want and [len(o) for o in got] == [12] * 3, k
         assert relative_error(logits, want_logits) < 1e-4, k
         assert stats["kv_cache"]["blocks_in_use"] == 0 and stats["kv_cache"]["peak_blocks_in_use"] == 3

@@ -1,6 +1,8 @@
 """The engine over the paged cache on one GPU, bfloat16 with the Triton kernels: decode steps replayed from CUDA
-graphs (captured per batch size and block-table width) generate what the eager paged engine does, and what the
-dense reference engine does, for contexts below and above index_topk, prompts chunked by a small token budget."""
+graphs (one per batch size, captured when the engine is built, block tables padded to max_model_len) generate
+what the eager paged engine does, and what the dense reference engine does, for contexts below and above
+index_topk over 1 to 5 blocks of the 8 a table holds, prompts chunked by a small token budget; nothing is
+captured after the engine is warm."""
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ def engines(folder: str) -> dict:
     from spmoe.engine.engine import Engine
     from spmoe.engine.kv_cache import KVCache
     from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.warmup import warm_up
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1), torch.bfloat16, "cuda")
@@ -30,9 +33,19 @@ def engines(folder: str) -> dict:
         ("paged", PagedKVCache.for_model(model, 2**26), False),
         ("paged_graphs", PagedKVCache.for_model(model, 2**26), True),
     ):
-        engine = Engine(model, cache, cuda_graphs=graphs, max_num_seqs=4, max_num_batched_tokens=128)
+        lines = []
+        engine = Engine(
+            model, cache, cuda_graphs=graphs, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512,
+            log=lines.append,
+        )  # fmt: skip
+        warm_up(engine, lines.append)
         gen = engine.generate(prompts, 16, record_logits=True)
         out[name] = (gen.outputs, torch.cat(gen.logits), gen.stats["cuda_graph_batch_sizes"])
+        m = engine.metrics()
+        out[name, "counts"] = (engine.graph_captures(), m.compiles_after_ready, m.steps_compiling, m.steps)
+        out[name, "kernel compiles"] = m.kernel_compiles
+        out[name, "log"] = lines
+        out[name, "width"] = engine.runner.graphs.width if graphs else None
     return out
 
 
@@ -44,9 +57,15 @@ def test_paged_engine_graphs(tmp_path):
     spawn(write_random_checkpoint, 1, CONFIG, tmp_path, 1)
     got = spawn(engines, 1, str(tmp_path), device="cuda")[0]
     eager, graphed, dense = got["paged"], got["paged_graphs"], got["dense"]
-    print({name: (outputs, sizes) for name, (outputs, _, sizes) in got.items()})
+    print({name: value for name, value in got.items() if isinstance(name, tuple)})
     assert graphed[0] == eager[0]
-    assert graphed[2], "no decode step replayed a graph"
+    assert graphed[2] == [1, 2, 4] and got["paged_graphs", "width"] == 8  # 512 positions
+    captures, after_ready, _, _ = got["paged_graphs", "counts"]
+    assert captures == 3, "one graph per batch size, none while generating"
+    capture_lines = [line for line in got["paged_graphs", "log"] if "capturing" in line]
+    assert [line.split("batch ")[1].split(" ")[0] for line in capture_lines] == ["4", "2", "1"], capture_lines
+    assert got["dense", "kernel compiles"] > 0  # Triton's hook counts what the first engine compiled
+    print("compiles or captures after ready:", after_ready)
     assert ((graphed[1] - eager[1]).abs().max() / eager[1].abs().max()).item() < 2e-2
     agree = sum(a == b for p, d in zip(eager[0], dense[0]) for a, b in zip(p, d)) / sum(map(len, dense[0]))
     assert agree >= 0.9, agree  # bf16: dense and sparse attention round differently

@@ -2,7 +2,9 @@
 the token budget, admission only into free blocks, and preemption of the most recently admitted sequence
 (its blocks freed, queued first, to be recomputed from its prompt and the tokens it generated); `update`
 committing hand-made step results: eos, length, non-finite logits, drafts accepted and rejected, a prompt
-chunk that does not sample."""
+chunk that does not sample; prefix caching: admission with the cached prefix (a shared head, an exact block
+multiple, the whole prompt), chunks continuing from it, a preempted sequence finding its own blocks again, and
+eviction of unreferenced cached blocks when room is needed."""
 
 import torch
 
@@ -22,10 +24,11 @@ def sequence(name: str, prompt_len: int, max_new_tokens: int = 20, eos: tuple[in
     )
 
 
-def paged_room(num_blocks: int) -> BlockRoom:
+def paged_room(num_blocks: int, prefix_caching: bool = False) -> BlockRoom:
     cfg = ModelConfig.from_dict(ENGINE_CONFIG)
     bytes_per_token = token_bytes(cfg, {0: True}, torch.float32, "auto")
-    return BlockRoom(PagedKVCache(cfg, {0: True}, num_blocks * BLOCK_SIZE * bytes_per_token, torch.float32, "cpu"), 8)
+    cache = PagedKVCache(cfg, {0: True}, num_blocks * BLOCK_SIZE * bytes_per_token, torch.float32, "cpu")
+    return BlockRoom(cache, 8, enable_prefix_caching=prefix_caching)
 
 
 def pairs(batch: ScheduledBatch) -> list[tuple[str, int]]:
@@ -40,7 +43,7 @@ def feed(scheduler: Scheduler, batch: ScheduledBatch, token: int = 7) -> None:
 
 
 def test_chunks_admission_and_preemption():
-    room = paged_room(3)
+    room = paged_room(3)  # no prefix caching: b recomputes (see test_preempted_sequence_finds_its_blocks_again)
     scheduler = Scheduler(room, max_num_batched_tokens=100)
     a, b, c = sequence("a", 64), sequence("b", 64), sequence("c", 64)
     for seq in (a, b, c):
@@ -123,3 +126,59 @@ def test_update_commits_a_hand_made_result():
     scheduler.update(batch, StepResult([[33], [71, 72, 73]], [0, 2], [True, True], [[34, 35], [74, 75]]))
     assert (spec.cached, spec.pending, spec.output[-1]) == (4, [33, 34, 35], 33)
     assert (chunk.cached, chunk.pending, chunk.output) == (103, [73, 74, 75], [70, 71, 72, 73])
+
+
+def test_prefix_cache_admission():
+    room = paged_room(6, prefix_caching=True)
+    scheduler = Scheduler(room, max_num_batched_tokens=100)
+    a = sequence("a", 130, max_new_tokens=3)
+    scheduler.add(a)
+    batch = scheduler.schedule()
+    assert pairs(batch) == [("a", 100)] and batch.starts == [0]
+    feed(scheduler, batch)  # positions 0-99 written: block 0 cached
+    assert room.blocks.num_cached_blocks == 1
+    feed(scheduler, scheduler.schedule())  # the last 30 and a first token: block 1 cached too
+    assert room.blocks.num_cached_blocks == 2 and room.prefix_cache_counts() == (130, 0)
+
+    # b: a's first 128 tokens, then its own; c: exactly a's first 128 tokens (a block multiple), whose last
+    # token must be computed; d: a's whole prompt
+    b = Sequence(Request("b", list(range(1, 129)) + [500, 501], 3), Sampler(SamplingParams()))
+    c, d = sequence("c", 128, max_new_tokens=3), sequence("d", 130, max_new_tokens=3)
+    for seq in (b, c, d):
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert pairs(batch) == [("a", 1), ("b", 2), ("c", 64), ("d", 2)]
+    assert batch.starts == [130, 128, 64, 128] and batch.samples == [True] * 4
+    tables = batch.locations
+    assert tables[1][:2] == tables[0][:2] and tables[2][:1] == tables[0][:1] and tables[3][:2] == tables[0][:2]
+    assert room.prefix_cache_counts() == (130 + 130 + 128 + 130, 128 + 64 + 128)
+    feed(scheduler, batch)
+    for seq in (a, b, c, d):
+        scheduler.finish(seq, "length")
+    # a's two; c computed a copy of a's second block, which stays uncached (its hash is taken)
+    assert room.blocks.num_used_blocks == 0 and room.blocks.num_cached_blocks == 2
+
+    # a new prompt that needs every block evicts the cached ones: a's prompt then finds nothing
+    e = Sequence(Request("e", [900 + i % 50 for i in range(6 * BLOCK_SIZE - 1)], 1), Sampler(SamplingParams()))
+    scheduler.add(e)
+    scheduler.max_num_batched_tokens = 6 * BLOCK_SIZE
+    assert pairs(scheduler.schedule()) == [("e", 6 * BLOCK_SIZE - 1)]
+    assert room.blocks.num_cached_blocks == 0 and room.blocks.cached_prefix(a.request.prompt) == 0
+
+
+def test_preempted_sequence_finds_its_blocks_again():
+    """The preemption of `test_chunks_admission_and_preemption` with prefix caching: b (a's prompt) is
+    preempted for a's second block, and comes back at once holding the cached prompt block, feeding 1 token."""
+    room = paged_room(3, prefix_caching=True)
+    scheduler = Scheduler(room, max_num_batched_tokens=100)
+    a, b = sequence("a", 64), sequence("b", 64)
+    scheduler.add(a)
+    scheduler.add(b)
+    feed(scheduler, scheduler.schedule())
+    feed(scheduler, scheduler.schedule())
+    assert room.blocks.num_cached_blocks == 1  # a's and b's prompt blocks are equal: one is cached
+    batch = scheduler.schedule()
+    assert scheduler.preemptions == 1 and b.preemptions == 1
+    assert pairs(batch) == [("a", 1), ("b", 1)] and batch.starts == [65, 64]
+    assert batch.locations[1][0] == batch.locations[0][0]  # b holds a's cached block
+    assert room.prefix_cache_counts() == (64 + 64 + 65, 64)

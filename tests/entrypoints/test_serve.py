@@ -1,6 +1,7 @@
 """`spmoe serve` end to end: one real server (TP 2, gloo, CPU) on a tiny checkpoint with the demo tokenizer,
 driven by the real `openai` client; its greedy text against `spmoe generate`'s tokens; concurrent streams;
-bad requests; SIGTERM; and the one-line errors for bad options before any rank starts."""
+bad requests; SIGTERM during streams (a drain, exit 0); a second server whose rank 1 is stopped (the
+watchdog); and the one-line errors for bad options before any rank starts."""
 
 import json
 import os
@@ -24,9 +25,10 @@ from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.serve.tokenizer import chat_prompt_ids, load_tokenizer
 from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 from tests.engine.conftest import ENGINE_CONFIG
+from tests.engine.test_engine_grammar import ENGINE_SCHEMAS
 
 SERVE_CONFIG = {**ENGINE_CONFIG, "vocab_size": 264}  # the demo tokenizer: 256 bytes + 8 special tokens
-MAX_MODEL_LEN = 96
+MAX_MODEL_LEN = 640  # room for a chat prompt that lists a tool, and for a constrained JSON answer
 START_TIMEOUT_S = 180
 
 
@@ -63,11 +65,9 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    """-> (process, base URL, log path) of `spmoe serve` on a free port; stopped at the end if a test has not."""
+def start_server(checkpoint: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`spmoe serve --tp 2` on a free port with `extra` options, once it is ready. -> (process, base URL)."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve_log") / "stderr.txt"
     with open(log, "w") as err:
         proc = subprocess.Popen(
             [
@@ -87,6 +87,9 @@ def server(checkpoint, tmp_path_factory):
                 str(MAX_MODEL_LEN),
                 "--max-num-seqs",
                 "8",
+                "--tool-call-parser",
+                "glm47",
+                *extra,
             ],
             stdout=err,
             stderr=err,
@@ -96,7 +99,16 @@ def server(checkpoint, tmp_path_factory):
         assert proc.poll() is None, f"spmoe serve exited with {proc.returncode}:\n{log.read_text()}"
         assert time.monotonic() < deadline, f"spmoe serve not ready after {START_TIMEOUT_S} s:\n{log.read_text()}"
         time.sleep(0.2)
-    yield proc, f"http://127.0.0.1:{port}", log
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    """-> (process, base URL, log path) of `spmoe serve` on a free port (SIGTERM drains for 2 s); stopped at
+    the end if a test has not."""
+    log = tmp_path_factory.mktemp("serve_log") / "stderr.txt"
+    proc, base = start_server(checkpoint, log, "--shutdown-timeout", "2")
+    yield proc, base, log
     if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -191,6 +203,76 @@ def test_concurrent_streams_match_their_text_alone(server):
     assert "spmoe_time_to_first_token_seconds_count" in metrics and "spmoe_num_requests_running 0.0" in metrics
 
 
+def test_constrained_outputs_through_the_server(server):
+    """10 schemas x 5 seeded requests at once, through response_format (chat) and structured_outputs /
+    guided_json (completions): every answer is valid under its schema."""
+    import jsonschema
+
+    _, base, _ = server
+    client = openai_client(base)
+
+    def ask(case: tuple[int, int]) -> tuple[dict, str, str]:
+        i, j = case
+        schema = ENGINE_SCHEMAS[i]
+        if j % 3 == 0:
+            reply = client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "JSON"}],
+                seed=j,
+                response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}},
+            ).choices[0]
+            return schema, reply.message.content, reply.finish_reason
+        field = {"structured_outputs": {"json": schema}} if j % 3 == 1 else {"guided_json": schema}
+        reply = client.completions.create(model="tiny", prompt="{", max_tokens=180, seed=j, extra_body=field)
+        return schema, reply.choices[0].text, reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, [(i, j) for i in range(len(ENGINE_SCHEMAS)) for j in range(5)]))
+    for schema, text, finish_reason in answers:
+        assert finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+    assert len(answers) == 50
+
+
+def test_agent_loop_through_the_server(server):
+    """A named tool_choice makes the random-weight model call the tool (the grammar writes GLM's call, the parser
+    reads it back), whole and streamed (the openai client's stream() helper); the tool's result goes back in the
+    history, and the answer is plain text."""
+    import pydantic
+
+    class Pick(pydantic.BaseModel):
+        x: int = pydantic.Field(ge=0, le=9)
+
+    _, base, _ = server
+    client = openai_client(base)
+    tools = [openai.pydantic_function_tool(Pick, name="pick")]
+    named = {"type": "function", "function": {"name": "pick"}}
+    messages = [{"role": "user", "content": "Pick a digit"}]
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, tool_choice=named, max_tokens=96, seed=1
+    )
+    with client.chat.completions.stream(
+        model="tiny", messages=messages, tools=tools, tool_choice=named, max_tokens=96, seed=1
+    ) as stream:
+        streamed = stream.get_final_completion()
+    for reply in (whole, streamed):
+        assert reply.choices[0].finish_reason == "tool_calls"
+        (call,) = reply.choices[0].message.tool_calls
+        assert call.function.name == "pick" and 0 <= json.loads(call.function.arguments)["x"] <= 9
+    assert streamed.choices[0].message.tool_calls[0].function.parsed_arguments == Pick.model_validate_json(
+        whole.choices[0].message.tool_calls[0].function.arguments
+    )  # the same seed: the same call
+    call = whole.choices[0].message.tool_calls[0]
+    history = messages + [
+        whole.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "7"},
+    ]
+    answer = client.chat.completions.create(
+        model="tiny", messages=history, tools=tools, tool_choice="none", max_tokens=8
+    )
+    assert answer.choices[0].message.tool_calls == [] and answer.choices[0].finish_reason in ("stop", "length")
+
+
 def generated_tokens(base: str) -> float:
     metrics = httpx.get(base + "/metrics").text.splitlines()
     return float(next(line for line in metrics if line.startswith("spmoe_generation_tokens_total")).split()[1])
@@ -229,6 +311,11 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream):
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 1.01}, 400),
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+        ("/v1/completions", '{"model": "tiny", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", 400),
+        ("/v1/completions", '{"model": "tiny", "prompt": "\\ud800"}', 400),
+        ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}', 400),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "16"}, 400),
+        ("/v1/completions", {"model": "tiny", "prompt": "x" * 1_000_000}, 400),
     ],
 )
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, path, body, status):
@@ -240,36 +327,112 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, path, body, s
         timeout=60,
     )
     assert response.status_code == status, response.text
-    assert set(response.json()["error"]) >= {"message", "type", "code"}
+    assert set(response.json()["error"]) >= {"message", "type", "code"} and "Traceback" not in response.text
     assert httpx.get(base + "/health").status_code == 200
 
 
-def test_sigterm_stops_every_rank(server):
+def stream_events(base: str, body: dict, events: list, started: threading.Event | None = None) -> None:
+    """POST a streaming completion; append each `data:` line to `events` (the status first, then the data)."""
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+            events.append(response.status_code)
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                    if started is not None:
+                        started.set()
+    except httpx.TransportError as e:  # cut: the assertions show it
+        events.append(f"cut: {e!r}")
+
+
+def test_sigterm_drains_open_streams_and_stops_every_rank(server):
+    """SIGTERM during 4 streams that cannot finish within --shutdown-timeout 2: a new request gets 503 while the
+    server drains, each stream ends with an error chunk (or its finish) and [DONE], the command exits 0 and no
+    rank is left."""
     proc, base, log = server
     ranks = descendants(proc.pid)
     assert len(ranks) >= 2, ranks  # at least the two ranks
-
-    def in_flight():  # a request under way when the signal comes
-        try:
-            httpx.post(
-                base + "/v1/completions",
-                json={"model": "tiny", "prompt": "a long one", "max_tokens": 80, "stream": True, "ignore_eos": True},
-                timeout=60,
-            )
-        except httpx.TransportError:  # the stop cut its stream
-            pass
-
-    holder = threading.Thread(target=in_flight)
-    holder.start()
-    time.sleep(1.0)
-    sigterm_leaves_nothing(proc, ranks, log)
-    holder.join(timeout=30)
-
-
-def sigterm_leaves_nothing(proc: subprocess.Popen, pids: list[int], log) -> float:
-    """SIGTERM to `proc`; assert that it and every process in `pids` are gone within 30 s. -> the seconds taken."""
-    began = time.monotonic()
+    body = {"model": "tiny", "prompt": "a long one", "max_tokens": MAX_MODEL_LEN - 16, "stream": True}
+    streams, started = [[] for _ in range(4)], [threading.Event() for _ in range(4)]
+    holders = [
+        threading.Thread(target=stream_events, args=(base, {**body, "ignore_eos": True}, events, go))
+        for events, go in zip(streams, started)
+    ]
+    for holder in holders:
+        holder.start()
+    for go in started:
+        assert go.wait(60)
     proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    refused = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert refused.status_code == 503 and "shutting down" in refused.text, refused.text
+    assert httpx.get(base + "/health", timeout=30).status_code == 503
+    assert sigterm_leaves_nothing(proc, ranks, log, signalled=True) < 25
+    assert proc.returncode == 0, log.read_text()
+    for holder in holders:
+        holder.join(timeout=30)
+    for events in streams:
+        assert events[0] == 200 and events[-1] == "[DONE]", events[-3:]
+        last = json.loads(events[-2])
+        assert "the server is shutting down" in last["error"]["message"] or last["choices"][0]["finish_reason"], last
+    assert any("error" in json.loads(events[-2]) for events in streams)  # 2 s was too short for them
+    assert "spmoe serve: stopped by SIGTERM" in log.read_text() and "Traceback" not in log.read_text()
+
+
+def test_a_stopped_rank_fails_requests_and_the_server_exits_1(checkpoint, tmp_path):
+    """The watchdog: rank 1 stopped (SIGSTOP), a request then waits on it; after --engine-timeout 3 the request
+    ends with an error, /health stops answering 200, and the command exits 1 saying why."""
+    log = tmp_path / "stderr.txt"
+    proc, base = start_server(checkpoint, log, "--engine-timeout", "3")
+    ranks = sorted(pid for pid in descendants(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    try:
+        assert len(ranks) == 2, ranks  # started in rank order
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 8, "stream": True}
+        events: list = []
+        stream_events(base, body, events)  # the server works
+        assert events[0] == 200 and events[-1] == "[DONE]", events
+        os.kill(ranks[1], signal.SIGSTOP)
+        began, events = time.monotonic(), []
+        holder = threading.Thread(target=stream_events, args=(base, body, events))
+        holder.start()
+        health = []
+        while proc.poll() is None and time.monotonic() - began < 60:
+            try:
+                health.append(httpx.get(base + "/health", timeout=5).status_code)
+            except httpx.TransportError:
+                health.append("gone")
+            time.sleep(0.2)
+        holder.join(timeout=30)
+        assert proc.wait(timeout=30) == 1, log.read_text()
+        assert 3 <= time.monotonic() - began < 40
+        # 200 until the watchdog fires, then 503 for as long as the server still listens (the app tests see the
+        # 503 itself), never 200 again
+        after = health[health.index(200) :]
+        first_not_ok = next(i for i, status in enumerate(after) if status != 200)
+        assert set(after[first_not_ok:]) <= {503, "gone"}, health
+        # the request waited for its first token: a 503, or a stream that ends with an error chunk and [DONE]
+        if events[0] == 200:
+            assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events
+        else:
+            assert events[0] == 503, events
+        text = log.read_text()
+        assert "no engine step finished in" in text and "(--engine-timeout 3)" in text, text
+        assert text.strip().splitlines()[-1].startswith("spmoe serve: error: rank 0 of 2 failed"), text
+    finally:
+        for pid in ranks:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def sigterm_leaves_nothing(proc: subprocess.Popen, pids: list[int], log, signalled: bool = False) -> float:
+    """SIGTERM to `proc` (unless `signalled`: already sent); assert that it and every process in `pids` are gone
+    within 30 s. -> the seconds taken."""
+    began = time.monotonic()
+    if not signalled:
+        proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     while any(alive(pid) for pid in pids) and time.monotonic() - began < 30:
         time.sleep(0.2)

@@ -1,8 +1,12 @@
 """The HTTP front end in one process: the incremental detokenizer, stop strings, and the app's routes driven by
 the real `openai` client against a scripted stand-in for the engine client (the real engine behind the real
-server is tested in test_serve.py)."""
+server is tested in test_serve.py); the limits on what a client sends, the API key, and how serving ends (a
+drain, a stalled engine) through `supervise`."""
 
+import asyncio
 import json
+import signal
+import threading
 
 import openai
 import pytest
@@ -11,9 +15,10 @@ from fastapi.testclient import TestClient
 from spmoe.engine.request import EngineMetrics, RequestOutput
 from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
-from spmoe.entrypoints.serve.app import ApiSettings, build_app
+from spmoe.entrypoints.serve.app import ApiSettings, FrontEndLimits, build_app
 from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.streaming import StopStrings
+from spmoe.entrypoints.serve.supervisor import StopPolicy, supervise
 from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
 
 REPLY = "Grüße, wörld € 🙂 and more"  # 2-, 3- and 4-byte characters: split over byte tokens
@@ -61,6 +66,16 @@ def test_stop_strings_hold_back_a_possible_start():
     assert other.flush() == "ST"
 
 
+def test_the_earliest_stop_string_wins():
+    """Several stop strings in the text: it ends before the one that comes first in the text, whichever comes
+    first in the list, within one piece and across pieces."""
+    assert StopStrings(["xyz", "STOP", "b"]).feed("a STOP b xyz") == ("a ", True)
+    assert StopStrings(["b", "STOP"]).feed("a STOP b") == ("a ", True)
+    split = StopStrings(["late", "ST"])
+    assert split.feed("one S") == ("one ", False)
+    assert split.feed("T late") == ("", True)
+
+
 class ScriptedEngineClient:
     """Stands in for EngineClient: every request gets the tokens of `script` (then `length` at
     max_new_tokens, or `stop` after an eos id), `per_step` at a time; it records the requests it got and those
@@ -71,16 +86,34 @@ class ScriptedEngineClient:
     def __init__(self, script: list[int], eos_token_ids=(), per_step=1):
         self.script, self.eos_token_ids, self.per_step = script, eos_token_ids, per_step
         self.requests, self.closed_early, self.queue_full = [], [], False
+        self.step_s = 0.0  # how long each step takes
+        self.stalled_s = 0.0  # what `stalled_for` says
+        self.failure: Exception | None = None  # raised by `generate` if set
+        self.ends_with_error: str | None = None  # the output after the first ends the request with this error
+        self.preemptions = 0
+
+    def stalled_for(self) -> float:
+        return self.stalled_s
+
+    def fail(self, reason: str) -> None:
+        self.error = reason
 
     async def generate(self, request):
         if self.queue_full:
             raise QueueFull("8 requests are waiting (--max-num-waiting 8)")
+        if self.failure is not None:
+            raise self.failure
         if not request.prompt:
             raise ValueError("the prompt is empty")
         self.requests.append(request)
         made, finished = [], False
         try:
             while not finished:
+                await asyncio.sleep(self.step_s)
+                if self.ends_with_error is not None and made:
+                    finished = True
+                    yield RequestOutput(request.request_id, [], "error", error=self.ends_with_error)
+                    break
                 new = self.script[len(made) : len(made) + self.per_step][: request.max_new_tokens - len(made)]
                 made += new
                 reason = None
@@ -103,6 +136,9 @@ class ScriptedEngineClient:
             generated_tokens=7,
             draft_proposed=4,
             draft_accepted=3,
+            prefix_cache_queries=40,
+            prefix_cache_hits=30,
+            preemptions=self.preemptions,
             drafts=2,
             accepted_per_position=[2, 1],
         )
@@ -141,7 +177,7 @@ def test_completion_and_chat_whole_and_streamed(served, tokenizer):
 
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}])
     assert chat.choices[0].message.content == REPLY and chat.choices[0].message.role == "assistant"
-    assert engine.requests[-1].prompt == tokenizer.encode("<|user|>Hello<|end|><|assistant|>")
+    assert engine.requests[-1].prompt == tokenizer.encode("<|user|>Hello<|end|><|assistant|><think>")
     assert engine.requests[-1].max_new_tokens == 66 - 2 - chat.usage.prompt_tokens  # default: the room left
     assert engine.requests[-1].sampling.temperature == 1.0  # OpenAI's default, on a speculating server too
     stream = list(
@@ -189,12 +225,14 @@ def test_stop_string_truncates_and_aborts(served):
 
 
 def test_models_health_metrics(served):
-    _, client, http = served
+    engine, client, http = served
     assert [m.id for m in client.models.list()] == ["tiny"]
     assert http.get("/health").status_code == 200
     client.completions.create(model="tiny", prompt="Hi", max_tokens=4)
+    engine.preemptions = 5
     text = http.get("/metrics").text
     for line in (
+        "spmoe_num_preemptions_total 5.0",
         "spmoe_num_requests_running 1.0",
         "spmoe_num_requests_waiting 2.0",
         "spmoe_kv_cache_usage_ratio 0.25",
@@ -204,6 +242,8 @@ def test_models_health_metrics(served):
         'spmoe:spec_decode_num_accepted_tokens_total{model_name="tiny"} 3.0',
         'spmoe:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"} 2.0',
         'spmoe:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 1.0',
+        "spmoe:prefix_cache_queries_total 40.0",
+        "spmoe:prefix_cache_hits_total 30.0",
         "spmoe_time_to_first_token_seconds_count 1.0",
         "spmoe_inter_token_latency_seconds_count 3.0",
         "spmoe_prompt_tokens_total 2.0",
@@ -299,18 +339,41 @@ def test_chat_template_and_content_format(tmp_path, tokenizer):
         ({"model": "tiny", "prompt": "Hi", "n": 2}, 400, "only n = 1 is supported, got 2"),
         ({"model": "tiny", "prompt": "Hi", "stop": [""]}, 400, "stop strings must not be empty"),
         ({"model": "tiny", "prompt": "Hi", "logprobs": 2}, 400, "unsupported parameter 'logprobs'"),
+        # malformed input: every kind is a 400 that says what is wrong
+        ('{"model": "tiny", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, "more than 64 deep"),
+        ('{"model": "tiny", "prompt": "Hi", "stop": ' + "[" * 70 + "]" * 70 + "}", 400, "more than 64 deep"),
+        ('{"model": "tiny", "prompt": "a\\ud800b"}', 400, "not Unicode text: lone surrogate \\ud800"),
+        ('{"model": "tiny", "prompt": "Hi", "stop": ["\\udfff"]}', 400, "lone surrogate \\udfff"),
+        ('{"model": "tiny", "prompt": "Hi", "temperature": NaN}', 400, "NaN is not a JSON number"),
+        ('{"model": "tiny", "prompt": "Hi", "top_p": Infinity}', 400, "Infinity is not a JSON number"),
+        (b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "not valid JSON"),
+        ({"model": "tiny", "prompt": "Hi", "max_tokens": "16"}, 400, "max_tokens: Input should be a valid integer"),
+        ({"model": "tiny", "prompt": "Hi", "max_tokens": 16.0}, 400, "max_tokens: Input should be a valid integer"),
+        ({"model": "tiny", "prompt": "Hi", "seed": True}, 400, "seed: Input should be a valid integer"),
+        ({"model": "tiny", "prompt": "Hi", "temperature": "0.5"}, 400, "temperature: Input should be a valid number"),
+        ({"model": "tiny", "prompt": "Hi", "top_p": False}, 400, "top_p: Input should be a valid number"),
+        ({"model": "tiny", "prompt": "Hi", "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
+        ({"model": "tiny", "prompt": "Hi", "stop": [1]}, 400, "stop.0: Input should be a valid string"),
+        ({"model": 7, "prompt": "Hi"}, 400, "model: Input should be a valid string"),
+        ({"model": "tiny", "prompt": [True, 1]}, 400, "prompt: expected a string or a list of token ids"),
+        # the demo tokenizer's longest token, <|observation|>, has 15 bytes: 66 x 15 bytes is the most that can fit
+        ({"model": "tiny", "prompt": "x" * (66 * 15 + 1)}, 400, "prompt text has 991 bytes; --max-model-len 66"),
+        ({"model": "tiny", "prompt": "é" * 496}, 400, "prompt text has 992 bytes; --max-model-len 66"),
+        ({"model": "tiny", "prompt": "é" * 991}, 400, "prompt text has more than 991 bytes; --max-model-len 66"),
+        ({"model": "tiny", "prompt": [1] * 100_000}, 400, "the prompt has 100000 tokens; the server's --max-model"),
     ],
 )
 def test_bad_completion_requests(served, body, status, fragment):
     engine, _, http = served
     response = http.post(
         "/v1/completions",
-        content=body if isinstance(body, str) else json.dumps(body),
+        content=body if isinstance(body, (str, bytes)) else json.dumps(body),
         headers={"content-type": "application/json"},
     )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert fragment in error["message"] and error["code"] == status and error["type"]
+    assert "Traceback" not in response.text and len(error["message"]) < 400
     assert engine.requests == []
     assert http.get("/health").status_code == 200
 
@@ -331,3 +394,160 @@ def test_bad_chat_requests_and_a_full_queue(served):
     assert http.get("/v1/nothing").json()["error"]["code"] == 404
     engine.error = "RuntimeError: a rank died"
     assert http.get("/health").status_code == 503
+
+
+def test_bad_chat_inputs_are_400(served):
+    _, _, http = served
+    too_long = [
+        {"role": "user", "content": "x" * 500},
+        {"role": "user", "content": [{"type": "text", "text": "y" * 500}]},
+    ]
+    for body, fragment in (
+        ({"model": "tiny", "messages": [{"role": "user", "content": "\ud83d"}]}, "lone surrogate"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"model": "tiny", "messages": "hi"}, "messages: Input should be a valid list"),
+        ({"model": "tiny", "messages": too_long}, "messages text has 1000 bytes; --max-model-len 66"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "3"}, "integer"),
+    ):
+        response = http.post(
+            "/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(tokenizer):
+    engine = ScriptedEngineClient(tokenizer.encode("ok"))
+    http = TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"]), FrontEndLimits(max_request_bytes=1000)))
+    small = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2, "user": "u" * 900})
+    assert len(small) <= 1000 and http.post("/v1/completions", content=small).status_code == 200
+    big = json.dumps({"model": "tiny", "prompt": "Hi", "user": "u" * 1000})
+    for content in (big, iter([big[:600].encode(), big[600:].encode()])):  # with Content-Length, and chunked
+        response = http.post("/v1/completions", content=content)
+        assert response.status_code == 413, response.text
+        assert "longer than the server's --max-request-bytes 1000" in response.json()["error"]["message"]
+    assert len(engine.requests) == 1
+
+
+def test_an_unexpected_error_is_a_generic_500_with_an_id(served, caplog):
+    engine, _, http = served
+    engine.failure = KeyError("/home/someone/secret/engine.py")
+    response = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi"})
+    assert response.status_code == 500
+    message = response.json()["error"]["message"]
+    assert message.startswith("internal server error (id ") and "secret" not in response.text
+    error_id = message.split("(id ")[1].split(")")[0]
+    assert any(error_id in r.getMessage() for r in caplog.records)  # the details are in the log, under the id
+    engine.failure = None
+    engine.ends_with_error = "RuntimeError: [/home/someone/secret/gloo.cpp:84] Connection closed by peer"
+    stream = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "stream": True})
+    assert stream.text.endswith("data: [DONE]\n\n") and "secret" not in stream.text
+    assert "the engine ended this request (error)" in stream.text
+    whole = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi"})
+    assert whole.status_code == 500 and "secret" not in whole.text
+    engine.error = engine.ends_with_error
+    health = http.get("/health")
+    assert health.status_code == 503 and "secret" not in health.text
+
+
+def test_tokenizing_runs_off_the_event_loop(tokenizer, served):
+    engine, client, http = served
+    threads = []
+    encode = tokenizer.encode
+
+    def recording_encode(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    tokenizer.encode = recording_encode
+    try:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    finally:
+        del tokenizer.encode
+    assert len(threads) == 2 and all(name.startswith("spmoe-tokenize") for name in threads), threads
+
+
+def test_api_key(tokenizer):
+    engine = ScriptedEngineClient(tokenizer.encode("ok"))
+    http = TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"]), FrontEndLimits(api_key="s3cret")))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/nothing")):
+            response = http.request(method, path, headers=headers, json={"model": "tiny", "prompt": "Hi"})
+            assert response.status_code == 401, (headers, path)
+            assert response.json()["error"]["type"] == "authentication_error"
+    assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="s3cret", http_client=http, max_retries=0)
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text == "ok"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url="http://testserver/v1", api_key="nope", http_client=http, max_retries=0).models.list()
+
+
+def run_requests_then(app, bodies: list[dict], then):
+    """On one event loop: send `bodies` to /v1/completions at once, await `then()` once every request has
+    reached the engine, then -> (each response, what `then` returned, /health's status afterwards)."""
+    import httpx
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as http:
+            sent = [asyncio.create_task(http.post("/v1/completions", json=body)) for body in bodies]
+            while app.state.api.open_requests < len(bodies):
+                await asyncio.sleep(0.01)
+            result = await then()
+            responses = await asyncio.gather(*sent)
+            late = await http.post("/v1/completions", json=bodies[0])
+            return responses, result, late, (await http.get("/health")).status_code
+
+    return asyncio.run(main())
+
+
+def test_sigterm_drains_then_ends_open_streams_with_done(tokenizer):
+    """A drain: a short request finishes within the grace time, the long ones (a stream, a whole one) are then
+    ended (error chunk + [DONE]; 503) and aborted; new requests and /health get 503."""
+    engine = ScriptedEngineClient(tokenizer.encode("x" * 60))
+    engine.step_s = 0.05
+    app = build_app(engine, tokenizer, ApiSettings(["tiny"]))
+    signals: asyncio.Queue = asyncio.Queue()
+    bodies = [
+        {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "stream": True},
+        {"model": "tiny", "prompt": "Hi", "max_tokens": 60, "stream": True},
+        {"model": "tiny", "prompt": "Hi", "max_tokens": 60},
+    ]
+
+    async def sigterm():
+        signals.put_nowait(signal.SIGTERM)
+        return await supervise(app.state.api, engine, StopPolicy(shutdown_timeout_s=0.5), signals)
+
+    (short, streamed, whole), ending, late, health = run_requests_then(app, bodies, sigterm)
+    assert ending == signal.SIGTERM
+    assert (
+        short.status_code == 200
+        and short.text.endswith("data: [DONE]\n\n")
+        and '"finish_reason": "length"' in short.text
+    )
+    events = streamed.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and "the server is shutting down" in events[-3], events[-3:]
+    assert '"finish_reason": "length"' not in streamed.text
+    assert whole.status_code == 503 and "the server is shutting down" in whole.json()["error"]["message"]
+    assert late.status_code == 503 and health == 503
+    assert len(engine.closed_early) == 2 and app.state.api.open_requests == 0
+
+
+def test_a_stalled_engine_fails_every_request(tokenizer):
+    """The watchdog: an engine iteration longer than --engine-timeout marks the client failed, ends the open
+    requests at once (error chunk + [DONE]) and returns, so that the server stops."""
+    engine = ScriptedEngineClient(tokenizer.encode("x" * 60))
+    engine.step_s = 0.05
+    app = build_app(engine, tokenizer, ApiSettings(["tiny"]))
+    bodies = [{"model": "tiny", "prompt": "Hi", "max_tokens": 60, "stream": True}] * 2
+
+    async def stall():
+        engine.stalled_s = 3.5
+        return await supervise(app.state.api, engine, StopPolicy(engine_timeout_s=3), asyncio.Queue())
+
+    responses, ending, late, health = run_requests_then(app, bodies, stall)
+    assert ending is None and "no engine step finished in 4 s (--engine-timeout 3)" in engine.error
+    for response in responses:
+        assert response.text.endswith("data: [DONE]\n\n") and "the engine has stopped" in response.text
+        assert '"finish_reason": "length"' not in response.text
+    assert late.status_code == 503 and health == 503

@@ -69,11 +69,11 @@ def test_merged_linear_equals_its_parts_and_loads_them():
     parts = {"q_a_proj": 5, "kv_a_proj_with_mqa": 7, "indexer.wk": 3}
     merged = MergedLinear(12, parts)
     weights = {name: torch.randn(width, 12) for name, width in parts.items()}
-    plan = merged.checkpoint_plan("model.layers.0.self_attn")
+    plan = merged.checkpoint_plan("model.layers.0.self_attn", "weight_scale_inv")
     assert sorted(plan) == sorted(f"model.layers.0.self_attn.{name}.weight" for name in parts)
     with torch.no_grad():
         for name, w in weights.items():
-            plan[f"model.layers.0.self_attn.{name}.weight"].copy_(w)
+            plan[f"model.layers.0.self_attn.{name}.weight"][0].copy_(w)
     x = torch.randn(6, 12)
     out = merged(x)
     assert list(out) == list(parts)

@@ -353,3 +353,76 @@ def test_rotary_table_rows_equal_computed_rows():
             assert computed.cos.stride() == (32, 1) and torch.equal(computed.cos, want_cos)
             other = Rotary(cfg, positions, torch.float16, table)
             assert other.cos.dtype == torch.float16 and other.cos.stride() == (32, 1)
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+def test_row_kernels_past_32_bit_offsets():
+    """Each row kernel on tensors of more than 2**31 elements: the last rows (whose offsets pass 2**31) equal the
+    same kernel run on those rows alone, and the torch reference for them; the cache writes land in rows past
+    2**31 / row width of a cache that large, nothing else moves."""
+    from spmoe.layers.fused_triton import add_rms_norm, index_key_to_cache, rope_, write_mla_cache
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    tail = slice(-3, None)
+    size = 6144
+    rows = 2**31 // size + 2  # 349527
+    norm = RMSNorm(size, 1e-5).to(device="cuda", dtype=torch.bfloat16)
+    flat = torch.randn(2**31 + 2**16, generator=gen, device="cuda", dtype=torch.bfloat16)  # views of it below
+    x = flat[: rows * size].view(rows, size)
+    residual = torch.randn(rows, size, generator=gen, device="cuda").bfloat16()
+    with torch.no_grad():
+        out, new_residual = add_rms_norm(x, residual, norm.weight, norm.eps)
+        small = add_rms_norm(x[tail].clone(), residual[tail].clone(), norm.weight, norm.eps)
+        ref = reference(norm.add_norm, x[tail], residual[tail])
+    for got, alone, want in zip((out[tail], new_residual[tail]), small, ref):
+        assert torch.equal(got, alone)
+        torch.testing.assert_close(got, want)
+    del out, new_residual, residual
+
+    both = flat[: (2**31 // 4096 + 2) * 4096].view(-1, 4096)  # silu_mul: gate and up, halves of 4096-wide rows
+    gate, up = both[:, :2048], both[:, 2048:]
+    got = silu_mul(gate, up)
+    torch.testing.assert_close(got[tail], silu_mul(gate[tail].clone(), up[tail].clone()), rtol=0, atol=0)
+    torch.testing.assert_close(got[tail], reference(silu_mul, gate[tail], up[tail]))
+    del got, both, gate, up
+
+    cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"]})
+    tokens = flat[: (2**31 // (64 * 256) + 2) * 64 * 256].view(-1, 64, 256)  # q of GLM-5.2's 64 heads x 256
+    positions = torch.randint(0, 5000, (tokens.shape[0],), generator=gen, device="cuda")
+    rotary = Rotary(cfg, positions, torch.bfloat16)
+    alone = tokens[tail].clone()
+    rope_(tokens[..., :64], rotary.cos, rotary.sin, True)
+    rope_(alone[..., :64], rotary.cos[tail], rotary.sin[tail], True)
+    assert torch.equal(tokens[tail], alone)
+    del x, tokens, flat
+
+    c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    cache_rows = 2**31 // c + 3
+    latent = torch.zeros(cache_rows, c, dtype=torch.bfloat16, device="cuda")
+    rope = torch.zeros(cache_rows, r, dtype=torch.bfloat16, device="cuda")
+    kv_a = torch.randn(3, c + r, generator=gen, device="cuda").bfloat16()
+    slots = torch.tensor([cache_rows - 1, cache_rows - 3, 5], device="cuda")
+    small = (
+        torch.zeros(3, c, dtype=torch.bfloat16, device="cuda"),
+        torch.zeros(3, r, dtype=torch.bfloat16, device="cuda"),
+    )
+    rot = Rotary(cfg, torch.tensor([7, 80, 3000], device="cuda"), torch.bfloat16)
+    write_mla_cache(kv_a, norm.weight[:c], 1e-6, rot.cos, rot.sin, slots, latent, None, rope)
+    write_mla_cache(
+        kv_a, norm.weight[:c], 1e-6, rot.cos, rot.sin, torch.arange(3, device="cuda"), *small[:1], None, small[1]
+    )
+    assert torch.equal(latent[slots], small[0]) and torch.equal(rope[slots], small[1])
+    assert latent[slots].abs().sum() > 0 and latent[-2].abs().sum() == 0 and rope[-2].abs().sum() == 0
+    del latent, rope
+
+    dim = cfg.index_head_dim
+    key_rows = 2**31 // dim + 3
+    keys = torch.zeros(key_rows, dim, dtype=torch.bfloat16, device="cuda")
+    small_keys = torch.zeros(3, dim, dtype=torch.bfloat16, device="cuda")
+    ln = torch.nn.LayerNorm(dim, eps=1e-6).to(device="cuda", dtype=torch.bfloat16)
+    k_in = torch.randn(3, dim, generator=gen, device="cuda").bfloat16()
+    slots = torch.tensor([key_rows - 1, key_rows - 3, 5], device="cuda")
+    for target, where in ((keys, slots), (small_keys, torch.arange(3, device="cuda"))):
+        index_key_to_cache(k_in, ln.weight, ln.bias, ln.eps, rot.cos, rot.sin, True, where, target, None, None)
+    assert torch.equal(keys[slots], small_keys) and keys[slots].abs().sum() > 0 and keys[-2].abs().sum() == 0

@@ -295,7 +295,37 @@ def test_cache_budget():
         ValueError, match="exactly one of GiB or a fraction of free memory, got gib=1, memory_fraction=0.5"
     ):
         cache_budget_bytes("cpu", gib=1, memory_fraction=0.5)
-    with pytest.raises(ValueError, match="must be > 0 GiB, got 0"):
-        cache_budget_bytes("cpu", gib=0)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"must be a finite number of GiB > 0, got {bad}"):
+            cache_budget_bytes("cpu", gib=bad)
     with pytest.raises(ValueError, match="needs a CUDA device and a fraction in \\(0, 1\\], got 0.9 on cpu"):
         cache_budget_bytes("cpu", memory_fraction=0.9)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_torch_paths_in_query_chunks_equal_one_chunk(monkeypatch, kv_cache_dtype):
+    """With a score budget of a few values, the torch paths (the dense path's scores and indexer, the paged
+    indexer's top-k and sparse MLA) go over the queries one at a time. The paged path's outputs equal the one
+    chunk run's bit for bit; the dense path's within float32 rounding (a CPU GEMM of one query row sums in another
+    order than one of many: 4e-7 of the largest value measured), the same keys selected."""
+    import spmoe.layers.attention as attention
+    import spmoe.layers.sparse_attention as sparse_attention
+
+    cfg = ModelConfig.from_dict(CONFIG)
+    whole = run_steps(cfg, kv_cache_dtype)
+    chunk_counts = []
+
+    def counted(n, per_query):
+        chunks = sparse_attention.query_chunks.__wrapped__(n, per_query)
+        chunk_counts.append(len(chunks))
+        return chunks
+
+    counted.__wrapped__ = sparse_attention.query_chunks
+    monkeypatch.setattr(sparse_attention, "TORCH_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(sparse_attention, "query_chunks", counted)
+    monkeypatch.setattr(attention, "query_chunks", counted)
+    chunked = run_steps(cfg, kv_cache_dtype)
+    assert max(chunk_counts) == max(sum(n for _, n in step) for step in STEPS)  # one query per chunk
+    for i, ((dense, paged), (dense_chunked, paged_chunked)) in enumerate(zip(whole, chunked)):
+        assert relative_error(dense_chunked, dense) < 2e-6, (i, relative_error(dense_chunked, dense))
+        assert torch.equal(paged_chunked, paged), i

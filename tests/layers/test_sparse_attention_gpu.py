@@ -132,7 +132,8 @@ def test_triton_kernels_match_torch(kv_cache_dtype):
         assert overlap >= (0.99 if kv_cache_dtype == "fp8" else 0.999) * (reference >= 0).sum().item(), (
             overlap / (reference >= 0).sum().item()
         )
-        assert torch.equal(indexer_topk(*args[:6], TOPK, BLOCK), selected)  # the dispatcher picks Triton on CUDA
+        # the dispatcher picks Triton on CUDA (for a few tokens, topk_rows: the same rows in another order)
+        assert torch.equal(indexer_topk(*args[:6], TOPK, BLOCK).sort(-1).values, selected.sort(-1).values)
 
         q_latent = torch.randn(n, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
         q_rope = torch.randn(n, 64, 64, device="cuda", generator=gen).bfloat16() * 0.05
@@ -194,6 +195,42 @@ def test_selected_rows_match_torch():
         assert torch.equal(
             rows_of_best(keys, TOPK, *tables_view, BLOCK), cache_rows_torch(best, *tables_view, None, BLOCK)
         )
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_bounded_topk_over_padded_tables(kv_cache_dtype):
+    """Decode tokens over block tables padded far past their positions (as a CUDA graph's, to 12288
+    positions): the indexer without the keys past each position gives the same keys up to it, and
+    `topk_rows` the same rows as torch.topk of the fully written keys, at positions below, at and above
+    TOPK (ties and scores of both signs included)."""
+    from spmoe.engine.cuda_graphs import padded_tables
+    from spmoe.layers.sparse_attention_triton import indexer_order_keys, topk_rows
+
+    cache, tables = filled_cache(kv_cache_dtype)
+    rows = cache.layers[0]
+    positions = [0, 63, 700 - 1, TOPK - 1, TOPK, 2999, 4999, 4999]
+    seqs = [0, 0, 0, 1, 1, 1, 2, 2]
+    padded = torch.from_numpy(padded_tables(tables, len(tables), 12288 // BLOCK, cache.scratch_block)).cuda()
+    seq_index = torch.tensor(seqs, device="cuda")
+    pos = torch.tensor(positions, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(len(seqs), 32, 128, device="cuda", generator=gen).bfloat16()
+    q[-1] = 0  # every score 0: ties throughout, broken by the earliest position
+    weights = torch.randn(len(seqs), 32, device="cuda", generator=gen)  # both signs
+    if kv_cache_dtype == "fp8":
+        q, q_scale = quantize_index_vectors(q)
+        weights = weights * q_scale.squeeze(-1)
+    args = (q, weights, rows, padded, seq_index, pos, BLOCK)
+    full = indexer_order_keys(*args)
+    sparse = indexer_order_keys(*args, fill_past=False)
+    visible = torch.arange(full.shape[1], device="cuda") <= pos[:, None]
+    assert torch.equal(sparse[visible], full[visible])
+    want = rows_of_best(full, TOPK, padded, seq_index, BLOCK)
+    for got in (topk_rows(sparse, TOPK, padded, seq_index, pos, BLOCK), indexer_topk(*args[:6], TOPK, BLOCK)):
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    assert ((want >= 0).sum(-1) == torch.clamp(pos + 1, max=TOPK)).all()
 
 
 def bf16_attention_layer(cfg: ModelConfig):
@@ -354,3 +391,69 @@ def check_head_matmul(device: str, dtype: torch.dtype):
 @pytest.mark.gpu
 def test_head_matmul_matches_torch():
     check_head_matmul("cuda", torch.bfloat16)
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch,context,kv_cache_dtype", [(1, 1024, "auto"), (48, 1024, "fp8"), (256, 4096, "auto"), (256, 4096, "fp8")]
+)
+def test_kernels_at_large_batch_and_context(batch, context, kv_cache_dtype):
+    """The indexer, the cache-row lookup and sparse MLA against their torch references for `batch` sequences of
+    `context` cached tokens (blocks scattered over the cache, tables as wide as the engine's CUDA graphs make
+    them: a power of 2 of blocks): one decode token per sequence, and a 512-token prefill chunk of the last."""
+    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.layers.sparse_attention_triton import cache_rows, indexer_order_keys
+    from spmoe.layers.sparse_attention_triton import sparse_mla as triton_sparse_mla
+
+    cfg = ModelConfig.from_dict(GLM)
+    used = -(-(context + 1) // BLOCK)
+    width = 1 << (used - 1).bit_length()
+    probe = PagedKVCache(cfg, {0: True}, 1 << 24, torch.bfloat16, "cuda", kv_cache_dtype)
+    cache = PagedKVCache(
+        cfg, {0: True}, batch * used * BLOCK * probe.bytes_per_token, torch.bfloat16, "cuda", kv_cache_dtype
+    )
+    del probe
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    order = torch.randperm(cache.num_blocks, device="cuda", generator=gen).tolist()
+    tables = [order[i * used : (i + 1) * used] + [cache.scratch_block] * (width - used) for i in range(batch)]
+    fill = cache.view(tables, [0] * batch, [context] * batch)
+    n = batch * context
+    fill.write_latent(
+        0,
+        torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
+        torch.randn(n, 64, device="cuda", generator=gen).bfloat16(),
+    )
+    fill.write_index_key(0, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
+    del fill
+    rows = cache.layers[0]
+    for view in (
+        cache.view(tables, [context - 1] * batch, [1] * batch),
+        cache.view(tables[-1:], [context - 512], [512]),
+    ):
+        tokens = view.positions.shape[0]
+        q = torch.randn(tokens, 32, 128, device="cuda", generator=gen).bfloat16()
+        weights = torch.rand(tokens, 32, device="cuda", generator=gen)
+        if kv_cache_dtype == "fp8":
+            q, q_scale = quantize_index_vectors(q)
+            weights = weights * q_scale.squeeze(-1)
+        tables_view = (view.block_tables, view.seq_index)
+        args = (q, weights, rows, *tables_view, view.positions, BLOCK)
+        keys, want = indexer_order_keys(*args), indexer_order_keys_torch(*args)
+        assert_same_keys(keys, want, kv_cache_dtype, (batch, context, tokens))
+        best = keys.topk(TOPK, dim=-1, sorted=False).values
+        for selected, positions in ((best, None), (None, view.positions)):
+            assert torch.equal(
+                cache_rows(selected, *tables_view, positions, BLOCK),
+                cache_rows_torch(selected, *tables_view, positions, BLOCK),
+            )
+        chosen = rows_of_best(keys, TOPK, *tables_view, BLOCK)
+        reference = rows_of_best(want, TOPK, *tables_view, BLOCK)
+        overlap = sum(len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(chosen, reference))
+        assert overlap >= (0.99 if kv_cache_dtype == "fp8" else 0.999) * (reference >= 0).sum().item()
+        q_latent = torch.randn(tokens, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
+        q_rope = torch.randn(tokens, 64, 64, device="cuda", generator=gen).bfloat16() * 0.05
+        want = sparse_mla_torch(q_latent, q_rope, rows, chosen, 0.07)
+        got = triton_sparse_mla(q_latent, q_rope, rows, chosen, 0.07)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err < 2e-2, (batch, context, tokens, err)

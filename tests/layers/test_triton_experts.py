@@ -185,3 +185,95 @@ def test_fp8_checkpoint_keeps_fp8_weights(tmp_path):
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     assert err < 0.1, f"FP8 triton model against the dequantised torch model: rel err {err:.2e}"
     print(f"FP8 checkpoint: triton (FP8 weights) vs torch (dequantised) logits rel err {err:.1e}")
+
+
+def routed(rows: int, skewed: bool, gen):
+    """ids / weights `[rows, TOP_K]` on CUDA: distinct experts per row; skewed: 9 rows in 10 pick the hot local
+    experts 16, 17 and 18 (one expert's run then holds most rows); a fifth of the rows are SP pad rows (all -1),
+    and a few single routes are -1 too."""
+    scores = torch.rand(rows, TOTAL_EXPERTS, generator=gen, device="cuda")
+    if skewed:
+        scores[torch.rand(rows, generator=gen, device="cuda") < 0.9, FIRST : FIRST + 3] += 1
+    ids = scores.topk(TOP_K, dim=1).indices
+    ids[torch.rand(rows, TOP_K, generator=gen, device="cuda") < 0.02] = -1
+    ids[: rows // 5] = -1
+    return ids, torch.rand(rows, TOP_K, generator=gen, device="cuda")
+
+
+def reference_moe(x, ids, weights, w13, w2, fp8: bool):
+    """The fused MoE in float32, one expert at a time (the kernels' roundings: the activation stored in x's
+    dtype; FP8: x and the activation rounded to e4m3 per 128-channel group, w13 / w2 dequantised)."""
+    from spmoe.layers.quantization.fp8 import quantize_fp8_groups
+
+    def rounded(a):
+        if not fp8:
+            return a.to(x.dtype).float()
+        q, s = quantize_fp8_groups(a)
+        return (q.float().view(a.shape[0], -1, 128) * s[..., None]).view(a.shape)
+
+    out, xf = torch.zeros(x.shape[0], H, device=x.device), rounded(x.float())
+    for e in range(LOCAL):
+        rows, slot = torch.nonzero(ids == FIRST + e, as_tuple=True)
+        if rows.numel():
+            gate, up = (xf[rows] @ w13[e].T).chunk(2, dim=1)
+            act = rounded(F.silu(gate) * up)
+            out.index_add_(0, rows, (act @ w2[e].T) * weights[rows, slot, None])
+    return out
+
+
+def distinct_configs(fp8: bool) -> list[dict]:
+    """Each tile config `pick_config` can return (its branches, by pairs per expert)."""
+    from spmoe.layers.moe.experts.triton_kernels import pick_config
+
+    configs = [pick_config(n, 1, fp8) for n in (1, 16, 17, 64, 65, 128, 129, 512, 513, 1 << 20)]
+    return [c for i, c in enumerate(configs) if c not in configs[:i]]
+
+
+# rows: 1 .. 3000 in the decode and prefill configs; 43691, where m * top_k * H first passes 2**31 (the bound of
+# the [m * k, H] buffer the down projection used to fill); 349526, where m * H passes 2**31 (x, the output) and
+# the sorted rows times I do too
+MOE_SWEEP = [(1, False), (3, True), (32, False), (100, True), (200, False), (1000, True), (3000, False)]
+MOE_LARGE = [(43691, True, False), (43691, True, True), (349526, False, False)]
+
+
+def check_fused_moe(rows: int, skewed: bool, fp8: bool, configs: list[dict | None]):
+    from spmoe.layers.moe.experts.triton_kernels import fused_moe
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    ids, weights = routed(rows, skewed, gen)
+    w13 = torch.randn(LOCAL, 2 * I, H, generator=gen, device="cuda") * H**-0.5
+    w2 = torch.randn(LOCAL, H, I, generator=gen, device="cuda") * I**-0.5
+    x = torch.randn(rows, H, generator=gen, device="cuda").bfloat16()
+    if fp8:
+        (w13, w13_scale, w13_ref), (w2, w2_scale, w2_ref) = quantize_blocks(w13), quantize_blocks(w2)
+    else:
+        w13_ref, w2_ref = w13.bfloat16().float(), w2.bfloat16().float()
+        w13, w2, w13_scale, w2_scale = w13.bfloat16(), w2.bfloat16(), None, None
+    with torch.no_grad():
+        want = reference_moe(x, ids, weights, w13_ref, w2_ref, fp8)
+        nothing_local = ~((ids >= FIRST) & (ids < FIRST + LOCAL)).any(1)  # pad rows, rows routed elsewhere
+        for config in configs:
+            got = fused_moe(x, ids, weights, FIRST, w13, w2, w13_scale, w2_scale, config=config)
+            assert got.shape == x.shape and got.dtype == x.dtype
+            err = ((got.float() - want).abs().max() / want.abs().max()).item()
+            label = f"rows {rows}, skewed {skewed}, fp8 {fp8}, config {config}"
+            assert err < 2e-2, f"{label}: rel err {err:.2e}"
+            assert torch.all(got[nothing_local] == 0), label
+            print(f"{label}: rel err {err:.1e}")
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("rows,skewed", MOE_SWEEP)
+def test_fused_moe_sweep(rows, skewed, fp8):
+    """`fused_moe` against the float32 reference from 1 to 3000 rows, its default config (every branch of
+    `pick_config` is the default of some size here) and, at 200 rows, every config it can pick."""
+    check_fused_moe(rows, skewed, fp8, [None] + (distinct_configs(fp8) if rows == 200 else []))
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,skewed,fp8", MOE_LARGE)
+def test_fused_moe_past_32_bit_offsets(rows, skewed, fp8):
+    check_fused_moe(rows, skewed, fp8, [None])

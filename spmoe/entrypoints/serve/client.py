@@ -13,9 +13,12 @@ so the other ranks, blocked on the next plan, never reach the process group's ti
 import asyncio
 import queue
 import signal
+import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -23,8 +26,11 @@ from spmoe.config import ModelConfig
 from spmoe.distributed import get_parallel_state
 from spmoe.engine.args import EngineArgs
 from spmoe.engine.engine import Engine
+from spmoe.engine.grammar import GrammarCompiler
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
 from spmoe.engine.serving_loop import ServingLoop, worker_loop
+from spmoe.engine.warmup import warm_up
+from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 
 HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
 DEFAULT_MAX_NUM_SEQS = 8  # requests running at once per DP group unless asked
@@ -69,7 +75,10 @@ class EngineClient:
         self.vocab_size = engine.model.cfg.vocab_size
         self.eos_token_ids = engine.model.cfg.eos_token_ids
         self.num_speculative_tokens = engine.k
+        self.grammars = engine.grammars  # the front end compiles a request's grammar here first (a cache hit then)
         self.error: str | None = None  # why the engine loop stopped, if it failed
+        self._iteration_began: float | None = None  # when the loop iteration under way began (monotonic)
+        self._abandoned = False  # `fail` gave up on a stuck loop: `close` does not wait for it
         self.front_end_stopped = threading.Event()  # set by serve_rank once start_front_end has returned
         self._closing = False
         # ("add", request, event loop, asyncio queue), ("abort", request id) or ("shutdown",)
@@ -120,6 +129,17 @@ class EngineClient:
         """Every DP group's engine after the last loop iteration."""
         return self._metrics
 
+    def stalled_for(self) -> float:
+        """Seconds the loop iteration under way (a plan sent to every rank and run) has taken so far; 0
+        between iterations."""
+        began = self._iteration_began
+        return 0.0 if began is None else time.monotonic() - began
+
+    def fail(self, reason: str) -> None:
+        """Give up on a loop that is stuck (in a collective with a rank that no longer answers): new requests
+        are refused with `reason`, and `close` leaves the thread where it is."""
+        self.error, self._abandoned = reason, True
+
     # The engine loop thread.
 
     def start(self) -> None:
@@ -129,7 +149,8 @@ class EngineClient:
         """Stop the loop: every rank leaves its loop; open streams end with finish_reason "abort"."""
         self._closing = True
         self._inbox.put(("shutdown",))
-        self._thread.join()
+        if not self._abandoned:
+            self._thread.join()
 
     def _run(self) -> None:
         streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -163,7 +184,9 @@ class EngineClient:
         loop = ServingLoop(self.engine)
         while True:
             plan = self._next_plan(loop, streams)
+            self._iteration_began = time.monotonic()
             outputs, self._metrics = loop.step(plan)
+            self._iteration_began = None
             for out in outputs:
                 self._deliver(streams, out)
             if plan.command == "shutdown":
@@ -204,15 +227,21 @@ class EngineClient:
             pass
 
 
-def serve_rank(model_dir: str, args: EngineArgs, max_num_waiting: int, start_front_end):
+def serve_rank(
+    model_dir: str, args: EngineArgs, max_num_waiting: int, start_front_end, tokenizer_dir: str | None = None
+):
     """Run on every rank: load the model and build the engine. Rank 0 starts the engine loop, calls
     `start_front_end(client)` (which blocks until the server stops; -> SIGTERM if it reached rank 0, else
     None), then shuts every rank's loop down and returns what `start_front_end` returned; the other ranks run
-    the worker loop and return None."""
+    the worker loop and return None. `tokenizer_dir` (default `model_dir`): for grammars."""
     state = get_parallel_state()
     args = for_model(args, args.model_config(model_dir))
     model = args.load_model(model_dir, state.device)
-    engine = args.build_engine(model, args.max_num_seqs, args.max_model_len)
+    # every rank compiles the grammars of structured-output requests itself, the same from the same spec
+    grammars = GrammarCompiler(partial(load_tokenizer, tokenizer_dir or model_dir), model.cfg.vocab_size)
+    log = (lambda line: print(f"spmoe serve: {line}", file=sys.stderr, flush=True)) if state.rank == 0 else None
+    engine = args.build_engine(model, args.max_num_seqs, args.max_model_len, grammars, log)
+    warm_up(engine, log)  # before the front end starts: nothing compiles or captures after ready
     if state.rank != 0:
         worker_loop(engine)
         return None

@@ -1,12 +1,19 @@
 """The OpenAI request bodies the server accepts, validated, and the error they turn into when they are bad.
 
 Unknown fields are refused rather than ignored: a client that sends `logprobs` or `presence_penalty` learns
-that they are not applied instead of getting an answer that silently lacks them.
+that they are not applied instead of getting an answer that silently lacks them. Types are strict: a number
+sent as a string (`"max_tokens": "16"`) or a bool where a number goes (`"seed": true`) is refused, not converted.
+
+`decode_json` turns the raw body into Python values and refuses what the models never see but that could
+still hurt: JSON nested deeper than `MAX_JSON_DEPTH`, NaN / Infinity literals, and strings that are not
+Unicode text (a lone surrogate such as `"\\ud800"` decodes to a `str` that no tokenizer can take).
 """
 
+import json
+import reprlib
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ApiError(Exception):
@@ -14,8 +21,10 @@ class ApiError(Exception):
 
     TYPES = {
         400: "invalid_request_error",
+        401: "authentication_error",
         404: "not_found_error",
         405: "invalid_request_error",
+        413: "invalid_request_error",
         500: "internal_error",
         503: "service_unavailable",
     }
@@ -29,8 +38,49 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.status}}
 
 
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other; an OpenAI request needs a handful
+_short = reprlib.Repr()  # a bad value, cut short, in an error message
+_short.maxstring, _short.maxother, _short.maxlist, _short.maxdict, _short.maxlevel = 60, 60, 6, 6, 3
+
+
+def decode_json(raw: bytes):
+    """The request body -> its JSON value; `ApiError` 400 if it is not JSON, is nested deeper than
+    MAX_JSON_DEPTH, holds NaN / Infinity, or has a string that is not valid Unicode (a lone surrogate)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, f"the request body nests arrays / objects more than {MAX_JSON_DEPTH} deep") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or _no_constant's
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    todo = [(body, 1)]
+    while todo:  # a walk without recursion: depth and strings
+        value, depth = todo.pop()
+        if isinstance(value, str):
+            _check_text(value)
+        elif isinstance(value, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise ApiError(400, f"the request body nests arrays / objects more than {MAX_JSON_DEPTH} deep")
+            items = value if isinstance(value, list) else [*value.keys(), *value.values()]
+            todo.extend((item, depth + 1) for item in items if isinstance(item, (str, list, dict)))
+    return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_text(text: str) -> None:
+    if text.isascii():  # a flag CPython keeps on the string: no scan
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start : e.end].encode("utf-8", "backslashreplace").decode()
+        raise ApiError(400, f"the request body has a string that is not Unicode text: lone surrogate {bad}") from None
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
@@ -51,6 +101,14 @@ class SamplingFields(Strict):
     n: int = 1
     user: str | None = None  # recorded by OpenAI for abuse monitoring; no effect on the output
     ignore_eos: bool = False  # an extension (as in vLLM), for benchmarks: generate max_tokens whatever comes
+    # structured output (constraints.py checks them): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("n")
     @classmethod
@@ -91,24 +149,92 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # a JSON object's text
+
+    def parsed(self) -> dict:
+        """The arguments as an object; ValueError unless they are a JSON object's text (or empty)."""
+        try:
+            value = json.loads(self.arguments) if self.arguments.strip() else {}
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError(f"a tool call's function.arguments must be a JSON object's text, got {self.arguments!r}")
+        return value
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's thinking, given back to the template
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                f"a '{self.role}' message needs 'content' (only an assistant turn with tool_calls may omit it)"
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only an assistant message may have tool_calls, not a '{self.role}' message")
+        return self
 
     def as_template_input(self, content_format: str = "string") -> dict:
-        """The message as the chat template sees it: its content as one string ("string"), or as a list of
-        `{"type": "text", "text"}` parts ("openai", vLLM's name)."""
-        if content_format == "openai":
+        """The message as the chat template sees it: its fields as sent (None left out), its content as one
+        string ("string") or as a list of `{"type": "text", "text"}` parts ("openai", vLLM's name), and each
+        tool call's `arguments` (JSON text in the API) as the object the template writes out key by key;
+        ValueError for arguments that are not a JSON object's text."""
+        out = self.model_dump(exclude_none=True)
+        if self.content is not None:
             parts = [self.content] if isinstance(self.content, str) else [part.text for part in self.content]
-            return {"role": self.role, "content": [{"type": "text", "text": text} for text in parts]}
-        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": self.role, "content": text}
+            out["content"] = (
+                [{"type": "text", "text": t} for t in parts] if content_format == "openai" else "".join(parts)
+            )
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {**call.model_dump(), "function": {"name": call.function.name, "arguments": call.function.parsed()}}
+                for call in self.tool_calls
+            ]
+        return out
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of an object
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens; wins if both
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict = {}  # passed to the chat template (enable_thinking: GLM's thinking switch)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -129,4 +255,4 @@ def parse(model: type[BaseModel], body) -> BaseModel:
         if first["type"] == "missing":
             raise ApiError(400, f"missing required parameter '{where}'", where) from None
         message = first["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"{where}: {message}, got {first['input']!r}"[:300], where) from None
+        raise ApiError(400, f"{where}: {message}, got {_short.repr(first['input'])}", where) from None

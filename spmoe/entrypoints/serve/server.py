@@ -2,17 +2,21 @@
 under uvicorn until the server is stopped.
 
 What can be checked before any rank starts is: the model folder, its tokenizer, and the address to listen on.
-Stopping: SIGTERM or SIGINT to the `spmoe serve` process ends every rank (the launcher does that). A stop
-signal that reaches rank 0 itself (under torchrun, whose agent signals every worker) makes uvicorn finish its
-open responses and return, and `serve_rank` then stops the other ranks.
+Stopping: SIGTERM to the `spmoe serve` process is passed on to rank 0, which drains (`supervisor.py`: new
+requests get 503, open ones may finish for --shutdown-timeout, then end with an error chunk and `[DONE]`);
+`serve_rank` then stops the other ranks and the command exits 0. Under torchrun the agent signals every
+worker; rank 0 does the same. SIGINT (Ctrl-C) ends every rank at once (the launcher does that). An engine that
+fails or stalls for --engine-timeout ends the open requests with an error and the command exits 1.
 """
 
 import asyncio
 import errno
+import os
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -21,13 +25,19 @@ from spmoe.engine.args import EngineArgs
 from spmoe.engine.vllm_values import parse_json_object, served_model_names
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.model_source import resolve_model
+from spmoe.entrypoints.serve.app import DEFAULT_MAX_REQUEST_BYTES, FrontEndLimits
+from spmoe.entrypoints.serve.chat import ChatOptions
 from spmoe.entrypoints.serve.client import DEFAULT_MAX_NUM_WAITING, check_serve, serve_rank
+from spmoe.entrypoints.serve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
+from spmoe.entrypoints.serve.supervisor import StopPolicy
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer, read_chat_template
 from spmoe.entrypoints.vllm_flags import add_vllm_flags
 
 APPLIED_DEFAULTS = ("temperature", "top_p", "max_tokens")  # the generation defaults the front end applies
 CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format; auto is string
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+DRAIN_MARGIN_S = 15.0  # beyond --shutdown-timeout: ending the streams left and stopping every rank
 
 
 @dataclass(frozen=True)
@@ -41,51 +51,79 @@ class FrontEndOptions:
     defaults: GenerationDefaults = GenerationDefaults()
     seed: int | None = None  # seeds the seeds of requests that give none
     uvicorn_log_level: str = "warning"
+    chat: ChatOptions = ChatOptions()  # the reasoning and tool-call parsers
+    limits: FrontEndLimits = field(default_factory=FrontEndLimits)
+    policy: StopPolicy = field(default_factory=StopPolicy)
 
 
 def start_front_end(options: FrontEndOptions, client) -> int | None:
-    """Rank 0, main thread: serve the app for `client` until a stop signal; print the URL once it listens.
-    -> SIGTERM if one reached this process (under torchrun, whose agent signals every worker), else None."""
+    """Rank 0, main thread: serve the app for `client` until `supervise` ends it (a stop signal, a failed or
+    stalled engine); print the URL once it listens. -> SIGTERM if that is what ended it, else None."""
     import uvicorn
 
     from spmoe.entrypoints.serve.app import ApiSettings, build_app
+    from spmoe.entrypoints.serve.supervisor import supervise
+
+    class Server(uvicorn.Server):
+        @contextmanager
+        def capture_signals(self):  # the stop signals go to `supervise`, which drains before uvicorn stops
+            yield
 
     settings = ApiSettings(
-        options.served_model_names, options.defaults, options.chat_template_content_format, options.seed
+        options.served_model_names,
+        options.defaults,
+        options.chat_template_content_format,
+        options.seed,
+        options.chat,
     )
-    app = build_app(client, load_tokenizer(options.tokenizer_dir, options.chat_template), settings)
+    app = build_app(client, load_tokenizer(options.tokenizer_dir, options.chat_template), settings, options.limits)
     config = uvicorn.Config(
         app, host=options.host, port=options.port, log_level=options.uvicorn_log_level, timeout_graceful_shutdown=5
     )
-    server = uvicorn.Server(config)
+    server = Server(config)
 
-    async def serve() -> None:
+    async def serve() -> int | None:
+        signals: asyncio.Queue = asyncio.Queue()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(signum, signals.put_nowait, signum)
+        for signum in early:
+            signals.put_nowait(signum)
         task = asyncio.create_task(server.serve())
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
-        if server.started:
-            print(
-                f"spmoe serve: ready: http://{options.host}:{options.port}/v1 (model "
-                f"{', '.join(repr(name) for name in options.served_model_names)})"
-                f"; stop with Ctrl-C or SIGTERM",
-                file=sys.stderr,
-                flush=True,
-            )
+        if not server.started:
+            await task
+            return None
+        print(
+            f"spmoe serve: ready: http://{options.host}:{options.port}/v1 (model "
+            f"{', '.join(repr(name) for name in options.served_model_names)})"
+            f"; stop with Ctrl-C or SIGTERM",
+            file=sys.stderr,
+            flush=True,
+        )
+        watch = asyncio.create_task(supervise(app.state.api, client, options.policy, signals))
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        ending = None
+        if watch.done():
+            ending = watch.result()
+        else:  # uvicorn stopped on its own
+            watch.cancel()
         await task
+        return ending
 
-    # uvicorn catches SIGINT / SIGTERM while it serves, shuts down gracefully, then raises the signal again
-    # for the handler it found: this one, which only notes it, so that serve_rank's own teardown runs afterwards.
-    received = []
-    previous = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Outside the event loop a stop signal is only noted (one before the loop starts is then passed to
+    # `supervise`); inside it the loop's handlers pass it on.
+    early: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _: early.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        asyncio.run(serve())
+        ending = asyncio.run(serve())
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if not server.started:
         raise RuntimeError(f"the HTTP server did not start on {options.host}:{options.port}")
-    # SIGTERM comes from outside; a SIGINT may be the engine loop's own stop after it failed (`serve_rank`)
-    return signal.SIGTERM if signal.SIGTERM in received else None
+    return ending
 
 
 def check_address(host: str, port: int) -> None:
@@ -122,8 +160,10 @@ def run_serve(model_dir: str, args: EngineArgs, max_num_waiting: int, front: Fro
         args,
         max_num_waiting,
         partial(start_front_end, front),
+        front.tokenizer_dir,
         config=parallel,
         device=args.device,
+        drain_s=front.policy.shutdown_timeout_s + DRAIN_MARGIN_S,
     )
 
 
@@ -147,6 +187,50 @@ def add_serve_args(p) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="split the model's thinking into reasoning_content (glm45: GLM's <think>...</think>)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="read the model's tool calls into tool_calls (glm47, glm45: GLM's <tool_call> format)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call a tool (tool_choice "auto"); needs --tool-call-parser',
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPMOE_API_KEY"),
+        help="every route but /health and /metrics needs 'Authorization: Bearer <key>' (default: env "
+        "SPMOE_API_KEY; none: no key needed)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"a request body longer than this gets 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 32 MiB)",
+    )
+    policy = StopPolicy()
+    p.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=policy.engine_timeout_s,
+        metavar="S",
+        help=f"an engine step (or idle heartbeat) that takes longer fails every request and stops the server "
+        f"with an error (default {policy.engine_timeout_s:g} s)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=policy.shutdown_timeout_s,
+        metavar="S",
+        help=f"after SIGTERM, how long open requests may still run before they are ended "
+        f"(default {policy.shutdown_timeout_s:g} s)",
+    )
     p.add_argument(
         "--max-num-waiting",
         type=int,
@@ -179,6 +263,7 @@ def add_serve_args(p) -> None:
 
 
 def cmd_serve(args) -> int:
+    chat = ChatOptions(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"MODEL {args.model_tag} and --model {args.model} disagree; give the model once")
     named = args.model_tag or args.model
@@ -212,6 +297,9 @@ def cmd_serve(args) -> int:
         defaults,
         args.seed,
         args.uvicorn_log_level,
+        chat,
+        FrontEndLimits(args.max_request_bytes, args.api_key),
+        StopPolicy(args.engine_timeout, args.shutdown_timeout),
     )
     notes = list(args.vllm_notes)
     if device_chosen:
@@ -223,7 +311,6 @@ def cmd_serve(args) -> int:
     for note in notes:
         print(f"spmoe serve: {note}", file=sys.stderr, flush=True)
     stop = run_serve(model, engine_args, args.max_num_waiting, front)
-    if stop is None:
-        return 0
-    print(f"spmoe serve: stopped by {signal.Signals(stop).name}", file=sys.stderr)
-    return 128 + stop
+    if stop is not None:  # a drained SIGTERM is a clean stop
+        print(f"spmoe serve: stopped by {signal.Signals(stop).name}", file=sys.stderr)
+    return 0

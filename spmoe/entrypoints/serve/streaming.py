@@ -7,14 +7,18 @@ string, a client that went away, an error) closes the engine's output iterator, 
 frees its cache.
 """
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from spmoe.entrypoints.serve.metrics import ServeMetrics
+from spmoe.entrypoints.serve.parsers.markers import partial_marker_length
 from spmoe.entrypoints.serve.protocol import ApiError
 from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("spmoe.serve")
 
 
 @dataclass(frozen=True)
@@ -37,10 +41,7 @@ class StopStrings:
         if hits:
             self.pending = ""
             return pending[: min(hits)], True
-        held = max(
-            (n for s in self.stops for n in range(1, min(len(s), len(pending) + 1)) if pending.endswith(s[:n])),
-            default=0,
-        )
+        held = partial_marker_length(pending, self.stops)
         self.pending = pending[len(pending) - held :]
         return pending[: len(pending) - held], False
 
@@ -71,9 +72,10 @@ class TextGeneration:
     async def pieces(self) -> AsyncIterator[Piece]:
         async with aclosing(self.outputs):
             async for out in self.outputs:
-                if out.finish_reason in ("error", "abort"):
+                if out.finish_reason in ("error", "abort"):  # the reason stays in the log: it may name files
+                    log.error("the engine ended request %s (%s): %s", out.request_id, out.finish_reason, out.error)
                     raise ApiError(
-                        500, f"the engine ended this request ({out.finish_reason}): {out.error or 'no reason given'}"
+                        500, f"the engine ended this request ({out.finish_reason}); the server's log says why"
                     )
                 ids = out.new_token_ids
                 self._count(len(ids))

@@ -8,6 +8,8 @@ until the character is complete, and only at the end of the generation lets an u
 
 from pathlib import Path
 
+from jinja2 import TemplateError
+
 REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence ends with
 CONTEXT_TOKENS = 4  # prompt tokens decoded before the output, for tokenizers that drop a leading space
 
@@ -40,15 +42,42 @@ def read_chat_template(value: str) -> str:
     raise ValueError(f"--chat-template {value}: expected a Jinja template file or a template, found neither")
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Messages `[{"role", "content"}, ...]` -> the prompt's token ids through the checkpoint's chat template,
-    ending with the assistant's turn opened. The template writes any special tokens it wants itself."""
+def chat_prompt_text(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+) -> str:
+    """Messages `[{"role", "content", ...}, ...]` (and the request's tools and `chat_template_kwargs`) -> the
+    prompt's text through the checkpoint's chat template, ending with the assistant's turn opened. The template
+    writes any special tokens it wants itself."""
     if not tokenizer.chat_template:
         raise ValueError(
             "this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); use /v1/completions"
         )
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    kwargs = dict(template_kwargs or {})
+    reserved = sorted({"messages", "tools", "tokenize", "add_generation_prompt", "conversation"} & set(kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs must not set {', '.join(reserved)}: the server sets them")
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+    except (TemplateError, TypeError, KeyError, AttributeError) as e:  # the template's own error, or its raise
+        raise ValueError(f"the chat template failed on these messages: {type(e).__name__}: {e}"[:400]) from None
+
+
+def chat_prompt_ids(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+) -> list[int]:
+    """The same, as token ids."""
+    text = chat_prompt_text(tokenizer, messages, tools, template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The UTF-8 length of the longest entry of the vocabulary (special tokens included): no token stands for
+    more bytes of text than this, so a text of more than `n` times as many bytes has more than `n` tokens. (A
+    byte-level vocabulary writes each byte as one character of 1 or 2 bytes, a SentencePiece one a space as
+    3-byte U+2581: both over-count, never under-count.)"""
+    return max(len(token.encode("utf-8", "surrogatepass")) for token in tokenizer.get_vocab())
 
 
 def eos_token_ids(tokenizer, model_eos: tuple[int, ...]) -> tuple[int, ...]:

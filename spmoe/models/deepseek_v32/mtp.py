@@ -83,7 +83,7 @@ class DeepseekV32MultiTokenPredictorLayer(nn.Module):
         -> FULL `[N, H]` post-norm hidden, identical on every TP rank."""
         num_tokens, layout = input_ids.shape[0], self.plan.input
         batch = attention_batch(
-            self.cfg, input_ids, positions, seq_lens, cache, self.eh_proj.weight.dtype, self.rotary_table
+            self.cfg, input_ids, positions, seq_lens, cache, self.enorm.weight.dtype, self.rotary_table
         )
         check_rows(previous_hidden, num_tokens, f"MTP previous hidden (FULL, N={num_tokens})")
         at_start = (positions == 0).unsqueeze(1)  # [N, 1]

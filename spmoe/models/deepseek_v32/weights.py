@@ -1,8 +1,16 @@
 """Load a Hugging Face safetensors checkpoint into one rank's model.
 
-Each rank reads only its slice of every TP-sharded tensor and only its own experts. FP8 e4m3 weights with a
-`weight_scale_inv` per block are dequantised on load. Missing tensors, unexpected tensors and wrong shapes
-are errors that name the tensor.
+Each rank reads only its slice of every TP-sharded tensor and only its own experts. Missing tensors,
+unexpected tensors and wrong shapes are errors that name the tensor.
+
+FP8 checkpoints (e4m3 weights with one scale per block: DeepSeek / GLM `weight_scale_inv`, compressed-tensors
+`weight_scale`): on the GPU with 128 x 128 blocks every FP8 linear keeps the stored values and scales (the
+experts, `Linear`, the FP8 parts of a `MergedLinear`), so the weights take the checkpoint's bytes; on the CPU,
+with other blocks, or when asked (`keep_fp8=False`: the reference the FP8 path is measured against) they are
+dequantised into the model dtype. Which linears are FP8 is what the checkpoint stores, checked against the
+quantization config: a linear it leaves unquantised (`modules_to_not_convert` / `ignore`) must not be FP8, a
+compressed-tensors linear outside `ignore` must be, and an FP8 weight needs its scales, of its block grid's
+shape; each is a one-line error naming the layer.
 
 MTP layers follow the DeepSeek-V3 / GLM convention: checkpoint layer `num_hidden_layers + i` holds `enorm`,
 `hnorm`, `eh_proj`, `shared_head.norm`, the block's attention and MoE, and optionally its own
@@ -10,6 +18,7 @@ MTP layers follow the DeepSeek-V3 / GLM convention: checkpoint layer `num_hidden
 `with_mtp=True` and skipped otherwise.
 """
 
+import dataclasses
 import json
 import re
 import sys
@@ -22,8 +31,10 @@ from safetensors.torch import save_file
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state
-from spmoe.layers.linear import MergedLinear
+from spmoe.layers.fused import TRITON_INSTALLED
+from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.moe.experts.base import Experts
+from spmoe.layers.quantization.fp8_linear import FP8_BLOCK, block_grid, quantize_blocks
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -40,19 +51,103 @@ def load_model(
     with_mtp: bool = False,
     load_format: str = "auto",
     overrides: dict | None = None,
+    keep_fp8: bool | None = None,
 ) -> DeepseekV32ForCausalLM:
     """Build the model for this rank (with its MTP layers in `model.mtp` if asked) and fill it from the
     checkpoint in `model_dir`, or (`load_format` "dummy") with random weights from its config alone.
-    `overrides`: merged into the config (`ModelConfig.from_file`)."""
+    `overrides`: merged into the config (`ModelConfig.from_file`). keep_fp8: whether an FP8 checkpoint's
+    linears stay FP8 (None: where they can, `fp8_stays_fp8`; False: dequantised, the reference). Prints the
+    weights' size on rank 0."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {load_format!r}")
     cfg = ModelConfig.from_file(model_dir, overrides)
     if load_format == "dummy":
         return random_model(cfg, parallel, dtype, device, with_mtp)
-    ckpt = Checkpoint(Path(model_dir))
-    model = build_model(cfg, parallel, with_mtp, ckpt.keys(), dtype, device)
+    ckpt = Checkpoint(Path(model_dir), cfg.fp8_block_size, cfg.fp8_scale_suffix)
+    if keep_fp8 and cfg.fp8_block_size not in (None, FP8_BLOCK):
+        raise ValueError(
+            f"FP8 linears can stay FP8 with {FP8_BLOCK} blocks only, the checkpoint has {cfg.fp8_block_size}"
+        )
+    keep = fp8_stays_fp8(cfg, dtype, device) if keep_fp8 is None else keep_fp8 and cfg.fp8_block_size is not None
+    # dequantised: built as a model without FP8 (the experts' backends decide from the config)
+    build_cfg = cfg if keep else dataclasses.replace(cfg, fp8_block_size=None)
+    model = build_model(build_cfg, parallel, with_mtp, ckpt.keys(), dtype, device)
+    fp8 = fp8_linears(model, cfg, ckpt)
+    if keep:
+        keep_fp8_linears(model, fp8)
     load_weights(model, ckpt)
+    if get_parallel_state().rank == 0:
+        nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
+        print(f"weights: {nbytes / 2**30:.2f} GiB on each rank", file=sys.stderr, flush=True)
     return model.eval()
+
+
+def fp8_stays_fp8(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> bool:
+    """Whether an FP8 checkpoint's linears keep their FP8 weights: 128 x 128 blocks, 16-bit activations, on CUDA
+    with Triton (the kernels that compute them); elsewhere they are dequantised."""
+    return (
+        cfg.fp8_block_size == FP8_BLOCK
+        and dtype in (torch.bfloat16, torch.float16)
+        and torch.device(device).type == "cuda"
+        and TRITON_INSTALLED
+    )
+
+
+def _linear_parts(model: torch.nn.Module):
+    """-> (checkpoint module name, module, part name or None) of every `Linear` and every part of every
+    `MergedLinear` of `model`, checkpoint names as in `_plan`."""
+    for module_name, module in _named_modules(model):
+        if isinstance(module, Linear):
+            yield module_name, module, None
+        elif isinstance(module, MergedLinear):
+            owner = module_name.rpartition(".")[0]
+            for part in module.parts:
+                yield f"{owner}.{part}", module, part
+
+
+def fp8_linears(model: DeepseekV32ForCausalLM, cfg: ModelConfig, ckpt: "Checkpoint") -> set[str]:
+    """The checkpoint names of `model`'s linears that the checkpoint stores in FP8, checked against the
+    quantization config of `cfg` (see the module docstring); raises naming the first misfit."""
+    if cfg.fp8_block_size is None:
+        return set()
+    found = set()
+    for name, _, _ in _linear_parts(model):
+        key = f"{name}.weight"
+        if key not in ckpt.weight_map:
+            continue  # reported as missing by the loader
+        stored = ckpt.dtype(key) == torch.float8_e4m3fn
+        expected = cfg.fp8_expected(name)
+        if stored and expected is False:
+            raise ValueError(f"layer {name}: the quantization config leaves it unquantised, but {key} is FP8")
+        if not stored and expected:
+            raise ValueError(
+                f"layer {name}: FP8 by the quantization config (not in its ignore list), but {key} is {ckpt.dtype(key)}"
+            )
+        if stored:
+            scale_key = f"{name}.{cfg.fp8_scale_suffix}"
+            if scale_key not in ckpt.weight_map:
+                raise ValueError(f"layer {name}: {key} is FP8 but the checkpoint has no {scale_key}")
+            found.add(name)
+    return found
+
+
+def keep_fp8_linears(model: DeepseekV32ForCausalLM, fp8: set[str]) -> None:
+    """Switch the linears named in `fp8` (checkpoint names) to FP8 weights; raises naming a layer whose TP shard
+    cuts through a block."""
+    merged: dict[int, tuple[str, MergedLinear, set[str]]] = {}
+    for name, module, part in _linear_parts(model):
+        if name not in fp8:
+            continue
+        if part is None:
+            if reason := module.fp8_misfit():
+                raise ValueError(f"layer {name} cannot keep its FP8 weight: {reason}")
+            module.keep_fp8()
+        else:
+            merged.setdefault(id(module), (name, module, set()))[2].add(part)
+    for name, module, parts in merged.values():
+        if reason := module.fp8_misfit(parts):
+            raise ValueError(f"layer {name.rpartition('.')[0]} cannot keep its FP8 weights: {reason}")
+        module.keep_fp8(parts)
 
 
 def build_model(
@@ -144,10 +239,62 @@ def random_model(
     return model.eval()
 
 
-class Checkpoint:
-    """The tensors of a checkpoint folder: one `model.safetensors`, or shards listed in the index file."""
+FP8_SCHEMES = ("fp8", "compressed-tensors")
 
-    def __init__(self, folder: Path):
+
+def write_fp8_checkpoint(
+    model: DeepseekV32ForCausalLM,
+    raw_config: dict,
+    folder: Path,
+    scheme: str = "fp8",
+    unquantized: tuple[str, ...] = ("indexer.weights_proj",),
+) -> None:
+    """Write the FP8 twin of a TP 1 `model`'s weights to `folder` (with `raw_config`, its config.json, plus the
+    quantization config): every linear (the experts', `Linear`s, `MergedLinear` parts) as e4m3 with 128 x 128
+    block scales, but those whose name ends with one of `unquantized` (listed in the config); everything else
+    as it is. scheme "fp8": DeepSeek / GLM (`weight_scale_inv`); "compressed-tensors": llm-compressor's FP8
+    block (`weight_scale`, an `ignore` list)."""
+    if scheme not in FP8_SCHEMES:
+        raise ValueError(f"scheme must be one of {FP8_SCHEMES}, got {scheme!r}")
+    plan = _plan(model)
+    linears = {f"{name}.weight" for name, _, _ in _linear_parts(model)}
+    linears |= {key for key in plan if EXPERT_KEY.match(key)}
+    suffix = "weight_scale_inv" if scheme == "fp8" else "weight_scale"
+    tensors = {}
+    for key, (dest, _, _) in plan.items():
+        if key in linears and not key.removesuffix(".weight").endswith(unquantized):
+            tensors[key], tensors[key.removesuffix("weight") + suffix] = quantize_blocks(dest)
+        else:
+            tensors[key] = dest
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({key: t.detach().cpu().contiguous() for key, t in tensors.items()}, folder / "model.safetensors")
+    block = list(FP8_BLOCK)
+    if scheme == "fp8":
+        quantization = dict(
+            quant_method="fp8",
+            fmt="e4m3",
+            activation_scheme="dynamic",
+            weight_block_size=block,
+            modules_to_not_convert=list(unquantized),
+        )
+    else:
+        weights = dict(num_bits=8, type="float", strategy="block", block_structure=block, symmetric=True, dynamic=False)
+        acts = dict(num_bits=8, type="float", strategy="group", group_size=128, symmetric=True, dynamic=True)
+        quantization = dict(
+            quant_method="compressed-tensors",
+            format="float-quantized",
+            config_groups={"group_0": dict(targets=["Linear"], weights=weights, input_activations=acts)},
+            ignore=["lm_head", "model.embed_tokens", r"re:.*mlp\.gate$"]
+            + [f"re:.*{re.escape(u)}$" for u in unquantized],
+        )
+    (folder / "config.json").write_text(json.dumps({**raw_config, "quantization_config": quantization}, indent=2))
+
+
+class Checkpoint:
+    """The tensors of a checkpoint folder: one `model.safetensors`, or shards listed in the index file. FP8
+    weights' scales are `{module}.{scale_suffix}`, one per `block`."""
+
+    def __init__(self, folder: Path, block: tuple[int, int] | None = None, scale_suffix: str = "weight_scale_inv"):
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -160,6 +307,7 @@ class Checkpoint:
                 with _open(f) as handle:
                     weight_map.update({key: f.name for key in handle.keys()})
         self.folder, self.weight_map, self._handles = folder, weight_map, {}
+        self.block, self.scale_suffix = block, scale_suffix
 
     def keys(self) -> set[str]:
         return set(self.weight_map)
@@ -173,9 +321,11 @@ class Checkpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
 
-    def read(
-        self, key: str, dim: int | None, start: int, stop: int, block: tuple[int, int] | None, raw: bool = False
-    ) -> torch.Tensor:
+    def dtype(self, key: str) -> torch.dtype:
+        name = self._slice(key).get_dtype()
+        return SAFETENSORS_DTYPES.get(name) or getattr(torch, name.lower(), None) or name
+
+    def read(self, key: str, dim: int | None, start: int, stop: int, raw: bool = False) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) `[start, stop)` of a tensor, or all of it (dim None); FP8 weights
         are dequantised with their block scales unless `raw`."""
         view = self._slice(key)
@@ -183,14 +333,27 @@ class Checkpoint:
         tensor = view[index]
         if raw or tensor.dtype != torch.float8_e4m3fn:
             return tensor
-        scale_key = key.removesuffix("weight") + "weight_scale_inv"
+        scale_key, block = key.removesuffix("weight") + self.scale_suffix, self.block
         if block is None or scale_key not in self.weight_map:
             raise ValueError(f"{key} is FP8 but the checkpoint has no {scale_key} / quantization_config block size")
+        if self.shape(scale_key) != block_grid(*self.shape(key), block):
+            raise ValueError(
+                f"tensor {scale_key}: checkpoint shape {self.shape(scale_key)} does not match the expected "
+                f"{block_grid(*self.shape(key), block)} (one scale per {block[0]} x {block[1]} block of {key})"
+            )
         row0, col0 = (start, 0) if dim == 0 else (0, start) if dim == 1 else (0, 0)
         scale = self._slice(scale_key)[(slice(row0 // block[0], None), slice(col0 // block[1], None))]
         scale = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
         r, c = row0 % block[0], col0 % block[1]
         return tensor.float() * scale[r : r + tensor.shape[0], c : c + tensor.shape[1]]
+
+
+SAFETENSORS_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+}
 
 
 def _open(path: Path):
@@ -209,8 +372,9 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
         raise ValueError(f"checkpoint {folder} is missing {len(missing)} tensor(s), first: {missing[0]}")
     mtp_first = cfg.num_hidden_layers
     loaded_layers = mtp_first + len(model.mtp)
+    suffix = ckpt.scale_suffix
     for key in sorted(present - set(plan)):
-        if key.endswith("weight_scale_inv") and key.removesuffix("_scale_inv") in present:
+        if key.endswith(f".{suffix}") and key.removesuffix(suffix) + "weight" in present:
             continue  # read together with its weight
         expert = EXPERT_KEY.match(key)
         if expert and int(expert.group(1)) < loaded_layers and int(expert.group(2)) < cfg.n_routed_experts:
@@ -230,10 +394,15 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
             raise ValueError(
                 f"tensor {key}: checkpoint shape {ckpt.shape(key)} does not match the expected {tuple(full)}"
             )
-        with torch.no_grad():
-            dest.copy_(
-                ckpt.read(key, dim, start, start + (dest.shape[dim] if dim is not None else 0), cfg.fp8_block_size, raw)
+        dtype = ckpt.dtype(key)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # copying would make integers weights
+            raise ValueError(
+                f"tensor {key}: checkpoint dtype {dtype}; expected a floating-point tensor (F32, BF16, F16 or F8_E4M3)"
             )
+        if raw and dest.dtype == torch.float8_e4m3fn and ckpt.dtype(key) != dest.dtype:
+            raise ValueError(f"tensor {key}: the layer holds FP8 e4m3 weights, the checkpoint stores {ckpt.dtype(key)}")
+        with torch.no_grad():
+            dest.copy_(ckpt.read(key, dim, start, start + (dest.shape[dim] if dim is not None else 0), raw))
         if show and (done % max(1, len(plan) // 20) == 0 or done == len(plan)):
             print(
                 f"\rloading weights: {done}/{len(plan)} tensors",
@@ -243,20 +412,28 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
             )
 
 
+def _named_modules(model: DeepseekV32ForCausalLM):
+    """(checkpoint module name, module) of every module; shared modules appear once, under their first name."""
+    for module_name, module in model.named_modules():
+        yield (
+            MTP_MODULE.sub(lambda m: f"model.layers.{model.cfg.num_hidden_layers + int(m.group(1))}.", module_name),
+            module,
+        )
+
+
 def _plan(model: DeepseekV32ForCausalLM) -> dict:
     """Checkpoint key -> (this rank's destination tensor, TP dim or None, raw: copy FP8 values as stored)."""
-    plan = {}
-    for module_name, module in model.named_modules():  # shared modules appear once, under their first name
-        module_name = MTP_MODULE.sub(
-            lambda m: f"model.layers.{model.cfg.num_hidden_layers + int(m.group(1))}.", module_name
-        )
+    plan, suffix = {}, model.cfg.fp8_scale_suffix
+    for module_name, module in _named_modules(model):
         # their checkpoint tensors are not their parameters
         if isinstance(module, Experts):
             plan |= {key: (dest, None, raw) for key, (dest, raw) in module.checkpoint_plan(module_name).items()}
             continue
         if isinstance(module, MergedLinear):
-            owner = module_name.rpartition(".")[0]
-            plan |= {key: (dest, module.tp_dim, False) for key, dest in module.checkpoint_plan(owner).items()}
+            plan |= module.checkpoint_plan(module_name.rpartition(".")[0], suffix)
+            continue
+        if isinstance(module, Linear):
+            plan |= module.checkpoint_plan(module_name, suffix)
             continue
         for name, param in module.named_parameters(recurse=False):
             dim = getattr(module, "tp_dim", None) if name == "weight" else None

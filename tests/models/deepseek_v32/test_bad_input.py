@@ -46,6 +46,7 @@ def forward_cli(tmp_path, model, ids, tp=2, sp="on"):
         ("empty sequence", "sequence 1 must be a non-empty list"),
         ("corrupt ids file", "is not valid JSON"),
         ("corrupt config", "config.json is not valid JSON"),
+        ("eos outside the vocabulary", "eos_token_id 96 is not a token id: expected an int in [0, 96)"),
     ],
 )
 def test_bad_input_is_a_one_line_error(case, fragment, checkpoints, tmp_path, capsys):
@@ -77,6 +78,11 @@ def test_bad_input_is_a_one_line_error(case, fragment, checkpoints, tmp_path, ca
         model = tmp_path / "m"
         shutil.copytree(checkpoints["glm"][0], model)
         (model / "config.json").write_text("{not json")
+    elif case == "eos outside the vocabulary":
+        model = tmp_path / "m"
+        shutil.copytree(checkpoints["glm"][0], model)
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, config["vocab_size"]]}))
     assert forward_cli(tmp_path, model, ids, tp, sp) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err and fragment in err[-1], err
@@ -111,6 +117,13 @@ def test_broken_checkpoints_name_the_tensor(checkpoints, tmp_path):
         "shape": (
             {**tensors, "model.layers.2.mlp.down_proj.weight": torch.zeros(48, 70)},
             "model.layers.2.mlp.down_proj.weight: checkpoint shape (48, 70) does not match the expected (48, 72)",
+        ),
+        "int32": (
+            {
+                **tensors,
+                "model.layers.1.self_attn.o_proj.weight": tensors["model.layers.1.self_attn.o_proj.weight"].int(),
+            },
+            "tensor model.layers.1.self_attn.o_proj.weight: checkpoint dtype I32; expected a floating-point tensor",
         ),
     }
     folders = []

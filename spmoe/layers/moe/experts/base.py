@@ -127,14 +127,14 @@ class Experts(nn.Module):
         for e in range(self.count):
             key = f"{prefix}.{self.first + e}"
             if self.keeps_fp8:
-                split = inter // self.cfg.fp8_block_size[0]
+                split, scale = inter // self.cfg.fp8_block_size[0], self.cfg.fp8_scale_suffix
                 plan |= {
                     f"{key}.gate_proj.weight": (self.w13[e, :inter], True),
                     f"{key}.up_proj.weight": (self.w13[e, inter:], True),
                     f"{key}.down_proj.weight": (self.w2[e], True),
-                    f"{key}.gate_proj.weight_scale_inv": (self.w13_scale[e, :split], True),
-                    f"{key}.up_proj.weight_scale_inv": (self.w13_scale[e, split:], True),
-                    f"{key}.down_proj.weight_scale_inv": (self.w2_scale[e], True),
+                    f"{key}.gate_proj.{scale}": (self.w13_scale[e, :split], True),
+                    f"{key}.up_proj.{scale}": (self.w13_scale[e, split:], True),
+                    f"{key}.down_proj.{scale}": (self.w2_scale[e], True),
                 }
             else:
                 plan |= {

@@ -1,22 +1,35 @@
 """Triton kernels for the fused MoE: grouped GEMMs over this rank's experts, gate/up with SiLU-and-mul fused,
 in bfloat16 or FP8 e4m3 with 128 x 128 weight blocks and per-token 128-channel activation groups.
 
-Pipeline for m rows and k routes per row (P = m * k (row, route) pairs), 4 launches at decode (6 with FP8),
-8 (10) above `ONE_PROGRAM_PAIRS` pairs:
+Pipeline for m rows and k routes per row (P = m * k (row, route) pairs), 5 launches at decode (7 with FP8),
+9 (11) above `ONE_PROGRAM_PAIRS` pairs:
 
     align      count pairs per local expert; pad each expert's run to a multiple of BLOCK_M; place
                each local pair in its expert's run (one program for a few pairs, else 3 kernels + 2 fills)
     quantize   FP8 only: x to e4m3 with one scale per 128 channels of a row
     gate_up    act[r, :] = silu(x[row] @ W_gate[e].T) * (x[row] @ W_up[e].T)                  [R, I]
     quantize   FP8 only: act likewise
-    down       out[pair, :] = weight[pair] * act[r, :] @ W_down[e].T                             [P, H]
-    reduce     y[row] = the sum over its local pairs                                              [m, H]
+    zero       y32 = 0                                                                            [m, H] float32
+    down       y32[row, :] += weight[pair] * act[r, :] @ W_down[e].T  (float32 atomic add)
+    cast       y = y32 in x's dtype                                                               [m, H]
 
 (Quantising the activation tiles inside the GEMMs instead was measured slower: every column tile repeats it.)
 
+The down projection adds each pair's output straight into its row of a float32 [m, H] sum, so no [P, H]
+buffer of every route's output exists (2 * m * k * H bytes: 4.8 GB at m = 49152, H 6144, top-8; the sum takes
+4 * m * H). Float32 atomic adds are commutative but not associative: with at most 2 local routes per row the
+result is the same on every run (0 + a is exact, a + b = b + a); with 3 or more, their order can change the
+float32 sum's last bit between runs, and so, rarely, the rounded output. A fixed order would need either that
+[P, H] buffer or one down pass per route slot (reading the expert weights up to k times); we chose the bounded
+memory.
+
+Every offset that is a product of a size by a row index (token, sorted row, expert) is computed in int64: at
+H 6144, top-8 and I 2048, m * H passes 2**31 at m = 349526, the sorted activations' R * I from m = 131072 (the
+[P, H] buffer passed it at m = 43691).
+
 Shapes are static for a given m (R is an upper bound), there are no host syncs, so the path can be captured
 in a CUDA graph. Programs whose block holds no pairs exit at once. The order of pairs within an expert's run
-does not change any result: every row of a tile is computed independently.
+does not change any GEMM result: every row of a tile is computed independently.
 """
 
 import torch
@@ -58,7 +71,8 @@ def _gate_up_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pairs_ptr + rows)
     valid = pairs < num_pairs
-    tokens = tl.where(valid, pairs // top_k, 0)
+    tokens = tl.where(valid, pairs // top_k, 0).to(tl.int64)  # token * stride passes 2**31 from 349526 rows
+    rows = rows.to(tl.int64)  # R * I passes 2**31 from m = 131072 at top-8, I 2048
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
@@ -99,11 +113,12 @@ def _down_kernel(
     as_ptr,
     w_ptr,
     ws_ptr,
-    out_ptr,
+    y_ptr,
     route_w_ptr,
     pairs_ptr,
     block_expert_ptr,
     num_pairs,
+    top_k,
     hidden: tl.constexpr,
     inter: tl.constexpr,
     stride_am,
@@ -112,12 +127,13 @@ def _down_kernel(
     stride_wn,
     stride_wse,
     stride_wsn,
-    stride_om,
+    stride_ym,
     FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """y `[m, H]` float32 += each pair's route weight * act @ W_down[e].T, by atomic add (see the module doc)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -125,6 +141,8 @@ def _down_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pairs_ptr + rows)
     valid = pairs < num_pairs
+    rows = rows.to(tl.int64)
+    tokens = tl.where(valid, pairs // top_k, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
@@ -144,11 +162,7 @@ def _down_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     acc *= tl.load(route_w_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
-    tl.store(
-        out_ptr + pairs[:, None] * stride_om + cols[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=valid[:, None] & col_ok,
-    )
+    tl.atomic_add(y_ptr + tokens[:, None] * stride_ym + cols[None, :], acc, mask=valid[:, None] & col_ok, sem="relaxed")
 
 
 @triton.jit
@@ -196,31 +210,6 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, GROUP: t
     scale = tl.maximum(tl.max(tl.abs(v), 0), 1e-10) / MAX
     tl.store(q_ptr + row * stride_q + offs, (v / scale).to(q_ptr.dtype.element_ty))
     tl.store(s_ptr + row * stride_s + group, scale)
-
-
-@triton.jit
-def _reduce_kernel(
-    out_ptr,
-    ids_ptr,
-    y_ptr,
-    first,
-    count,
-    stride_o,
-    stride_y,
-    TOP_K: tl.constexpr,
-    HIDDEN: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        expert = tl.load(ids_ptr + row * TOP_K + j) - first
-        local = (expert >= 0) & (expert < count)
-        acc += tl.load(out_ptr + (row * TOP_K + j) * stride_o + cols, mask=(cols < HIDDEN) & local, other=0.0).to(
-            tl.float32
-        )
-    tl.store(y_ptr + row * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < HIDDEN)
 
 
 @triton.jit
@@ -333,9 +322,8 @@ def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, co
     inter, fp8 = two_inter // 2, w13.dtype == torch.float8_e4m3fn
     x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (a view of a packed gather)
     ids, weights = ids.contiguous(), weights.contiguous()
-    y = torch.empty_like(x)
     if m == 0:
-        return y
+        return torch.empty_like(x)
     cfg = config or pick_config(m * k, count, fp8)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     pairs, block_expert = align_pairs(ids, first, count, bm)
@@ -366,17 +354,18 @@ def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, co
         **launch,
     )
     aq, a_s = quantize_fp8(act) if fp8 else (act, act)
-    out = torch.empty(m * k, hidden, dtype=x.dtype, device=x.device)  # rows of non-local pairs stay unwritten
+    y32 = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)  # rows without a local pair stay 0
     _down_kernel[(rows // bm, triton.cdiv(hidden, bn))](
         aq,
         a_s,
         w2,
         w2_scale if fp8 else w2,
-        out,
+        y32,
         weights,
         pairs,
         block_expert,
         m * k,
+        k,
         hidden,
         inter,
         aq.stride(0),
@@ -384,14 +373,11 @@ def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, co
         w2.stride(0),
         w2.stride(1),
         *_scale_strides(w2_scale),
-        out.stride(0),
+        y32.stride(0),
         **tiles,
         **launch,
     )
-    _reduce_kernel[(m, triton.cdiv(hidden, 1024))](
-        out, ids, y, first, count, out.stride(0), y.stride(0), TOP_K=k, HIDDEN=hidden, BLOCK_H=1024
-    )
-    return y
+    return y32.to(x.dtype)
 
 
 def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:

@@ -1,0 +1,205 @@
+"""Structured output: a grammar a sequence's tokens must follow, compiled with xgrammar; a matcher per sequence
+that walks the grammar with each committed token; and the token bitmask that sets every token the grammar does
+not allow next to -inf in the logits before sampling.
+
+A `GrammarSpec` is plain text (a kind and its text), so rank 0 sends it with the request and every rank
+compiles the same grammar from its own cache: the masks, and so the sampled tokens, are the same on every rank.
+Compiling takes milliseconds to seconds (a large schema); the server compiles a request's grammar off its event
+loop before the request enters the engine, so the engine's compile is a cache hit on rank 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
+# xgrammar 0.2.9 writes a JSON string's characters as one of the first two classes: the first (length-bounded
+# strings) lets raw control characters in, where JSON forbids them, and on a byte-level vocabulary both let the
+# UTF-8 bytes of a surrogate (U+D800-U+DFFF, no character) through, which decode to U+FFFD and break the length
+# bounds. The third class is JSON's characters without the surrogates.
+LOOSE_STRING_CHARACTERS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
+JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\ud800-\udfff]"
+
+
+def xgrammar():
+    """The xgrammar package, imported at the first grammar: the engine and the server run without it until a
+    request asks for structured output (a GPU image may lack it)."""
+    try:
+        import xgrammar as module
+    except ImportError:
+        raise ValueError("structured output needs the xgrammar package (pip install xgrammar)") from None
+    return module
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """`kind`: "json_schema" (`text`: the schema's JSON), "json_object" (any JSON object; `text` ""), "regex",
+    "choice" (`text`: a JSON list of the allowed strings) or "ebnf" (xgrammar's EBNF, rule `root`)."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self):
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"a grammar's kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+
+
+def json_schema_grammar(schema_text: str) -> xgr.Grammar:
+    """A JSON schema's text -> its grammar (compact JSON: no whitespace beyond ", " and ": "), with JSON's
+    string characters everywhere; RuntimeError (xgrammar's) for a schema it cannot convert."""
+    xgr = xgrammar()
+    ebnf = str(xgr.Grammar.from_json_schema(schema_text, any_whitespace=False))
+    for loose in LOOSE_STRING_CHARACTERS:
+        ebnf = ebnf.replace(loose, JSON_STRING_CHARACTER)
+    return xgr.Grammar.from_ebnf(ebnf)
+
+
+def compile_error_reason(error: Exception) -> str:
+    """xgrammar's error -> its first line without the "[time] file.cc:line: " xgrammar puts before it."""
+    lines = str(error).strip().splitlines()
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0]) if lines else type(error).__name__
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """The EBNF grammar whose sentences are exactly `choices`."""
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"a choice must be a non-empty list of non-empty strings, got {choices!r}"[:300])
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles `GrammarSpec`s for one tokenizer, each once: the cache is keyed by the spec. Thread-safe (the
+    server compiles in worker threads). The tokenizer's vocabulary is read at the first compile, through
+    `load_tokenizer()` (reading a large one takes about a second: a server that never gets a grammar never
+    pays it, and a checkpoint without a tokenizer serves everything else)."""
+
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int):
+        """`load_tokenizer`: -> a transformers tokenizer; `vocab_size`: the model's (the LM head's rows, which
+        may pad the tokenizer's vocabulary)."""
+        self.load_tokenizer, self.vocab_size = load_tokenizer, vocab_size
+        self.compiler: xgr.GrammarCompiler | None = None
+        self.cache: dict[GrammarSpec, xgr.CompiledGrammar] = {}
+        self.lock = threading.Lock()
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, vocab_size: int) -> GrammarCompiler:
+        return cls(lambda: tokenizer, vocab_size)
+
+    def _xgrammar(self) -> xgr.GrammarCompiler:
+        xgr = xgrammar()
+        with self.lock:
+            if self.compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.load_tokenizer(), vocab_size=self.vocab_size)
+                self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached here, by spec
+            return self.compiler
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """-> the compiled grammar; ValueError naming the kind and what is wrong when it does not compile."""
+        with self.lock:
+            compiled = self.cache.get(spec)
+        if compiled is not None:
+            return compiled
+        try:
+            compiled = self._compile(spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"the {spec.kind} grammar does not compile: {compile_error_reason(e)}"[:400]) from None
+        with self.lock:
+            return self.cache.setdefault(spec, compiled)
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        compiler = self._xgrammar()
+        if spec.kind == "json_schema":
+            json.loads(spec.text)  # a ValueError that says where the JSON is broken
+            return compiler.compile_grammar(json_schema_grammar(spec.text))
+        if spec.kind == "json_object":
+            return compiler.compile_grammar(json_schema_grammar('{"type": "object"}'))
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.text)
+        if spec.kind == "choice":
+            return compiler.compile_grammar(choice_ebnf(json.loads(spec.text)))
+        return compiler.compile_grammar(spec.text)
+
+    def matcher(self, spec: GrammarSpec, start_after: tuple[int, ...] = ()) -> SequenceGrammar:
+        return SequenceGrammar(self.compile(spec), start_after)
+
+
+class SequenceGrammar:
+    """One sequence's position in its grammar. With `start_after` (token ids, e.g. those of `</think>`), the
+    grammar applies only once the sequence has generated them: the reasoning before is free."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, start_after: tuple[int, ...] = ()):
+        self.matcher = xgrammar().GrammarMatcher(compiled)
+        self.start_after = list(start_after)
+        self.recent: list[int] = []  # the last generated tokens, while waiting for `start_after`
+        self.active = not start_after
+
+    def accept(self, token: int) -> bool:
+        """Advance by a committed token; False if the grammar does not allow it (the matcher does not move)."""
+        if self.active:
+            return self.matcher.accept_token(token)
+        self.recent = (self.recent + [token])[-len(self.start_after) :]
+        self.active = self.recent == self.start_after
+        return True
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into `bitmask[row]` (`[W]` int32, bit t % 32 of word t // 32 for token
+        t; all allowed while the grammar has not started). One sequence at a time: the reference that
+        `fill_bitmask`'s batched fill is tested against."""
+        if self.active:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            bitmask[row].fill_(-1)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar has accepted a stop token: the sequence must end."""
+        return self.matcher.is_terminated()
+
+
+def fill_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
+    """The step's sequences (None: no grammar) -> (bitmask `[m, ceil(V / 32)]` int32 on the CPU, the rows that
+    have a grammar), or None when no row has one. The rows whose grammar has started are filled together by
+    xgrammar's batch matcher (its threads); the others allow every token."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return None
+    bitmask = xgrammar().allocate_token_bitmask(len(grammars), vocab_size)  # every bit set: every token allowed
+    started = [i for i in rows if grammars[i].active]
+    if started:
+        _batch_matcher().batch_fill_next_token_bitmask([grammars[i].matcher for i in started], bitmask, started)
+    return bitmask, rows
+
+
+@functools.cache
+def _batch_matcher() -> xgr.BatchGrammarMatcher:
+    return xgrammar().BatchGrammarMatcher()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """logits `[m, V]` (any device; float32 on the CPU) -> in place, -inf wherever `bitmask` `[m, ceil(V / 32)]`
+    has a 0 bit, in `rows` only (the other rows have no grammar and are left as they are). xgrammar's kernels:
+    Triton on a GPU (compiled at its first call), C++ on the CPU."""
+    xgrammar().apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1], indices=rows
+    )
+
+
+def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """The same in torch: the bits unpacked to a `[len(rows), V]` boolean mask."""
+    vocab = logits.shape[-1]
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    words = bitmask.to(logits.device)[index]  # [r, W]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [r, W * 32] -> [r, V]
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

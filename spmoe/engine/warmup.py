@@ -1,0 +1,75 @@
+"""Warm before ready: what the engine compiles and captures before it takes requests, and the counters that
+show nothing more is compiled or captured afterwards.
+
+- `stats.KernelCompiles`: Triton kernel variants loaded in this process (a new specialisation compiled, or
+  read from Triton's disk cache: either way a pause of milliseconds to seconds in the step that meets it).
+- CUDA graphs are captured when the engine is built (`DecodeGraphs`, one per padded batch size); its
+  `captures` counts them.
+- `warm_up(engine)`: runs the engine over a few synthetic requests of lengths that take the step's kernels
+  through the shapes serving meets (one-token and odd-length prompts, a prompt chunked by the token budget,
+  decode steps of up to that many sequences, greedy and sampled), then resets the
+  engine's statistics. Whatever it compiles is not compiled again; what it cannot foresee is counted.
+"""
+
+import time
+
+from spmoe.engine.request import Request
+from spmoe.engine.sampling import SamplingParams
+from spmoe.engine.serving_loop import run_to_completion
+from spmoe.engine.stats import KernelCompiles
+
+WARMUP_NEW_TOKENS = 4  # tokens each warm-up request generates: enough for every request to decode
+
+
+MAX_WARMUP_REQUESTS = 64
+
+
+def warmup_prompt_lengths(max_num_batched_tokens: int, longest: int, count: int) -> list[int]:
+    """Prompt lengths of the warm-up requests (`count` of them, at least 3): one token, an odd length, one
+    longer than the step's token budget (chunked), the rest short and distinct; none longer than `longest`."""
+    lengths = [1, 17, max_num_batched_tokens + 33] + [5 + 2 * i for i in range(max(0, count - 3))]
+    return [min(n, longest) for n in lengths[: max(3, count)]]
+
+
+def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
+    """Run the warm-up requests through `engine` (on every rank of the job alike; `run_requests` None: only
+    on CUDA, where there is something to compile), then mark it ready (its step statistics start afresh).
+    `log(line)`: progress output. -> {"seconds", "steps", "generated_tokens"} of warming up, and
+    {"kernel_compiles", "graph_captures"}: the counts once warm (graphs included, as they were captured when
+    the engine was built)."""
+    began = time.perf_counter()
+    room = engine.scheduler.room
+    new_tokens = min(WARMUP_NEW_TOKENS, room.max_tokens_per_sequence - 1 - engine.k)
+    if run_requests is None:
+        run_requests = engine.cache.device.type == "cuda"
+    if run_requests and new_tokens > 0:
+        lengths = warmup_prompt_lengths(
+            engine.scheduler.max_num_batched_tokens,
+            room.max_tokens_per_sequence - new_tokens - engine.k,
+            min(room.max_num_seqs, MAX_WARMUP_REQUESTS),
+        )
+        if log is not None:
+            log(f"warming up: {len(lengths)} requests of {min(lengths)}-{max(lengths)} prompt tokens")
+        vocab = engine.model.cfg.vocab_size
+        for i, n in enumerate(lengths):
+            sampled = i % 2 and not engine.k  # speculation takes greedy requests only
+            sampling = SamplingParams(temperature=1.0, seed=i) if sampled else SamplingParams()
+            prompt = [(7 * i + 3 * j + 1) % vocab for j in range(n)]
+            engine.add_request(Request(f"warmup-{i}", prompt, new_tokens, sampling))
+        run_to_completion(engine)
+    warm = engine.metrics()
+    engine.mark_ready()
+    seconds = time.perf_counter() - began
+    done = {
+        "seconds": seconds,
+        "steps": warm.steps,
+        "generated_tokens": warm.generated_tokens,
+        "kernel_compiles": KernelCompiles.count,
+        "graph_captures": engine.graph_captures(),
+    }
+    if log is not None:
+        log(
+            f"warm: {done['kernel_compiles']} kernel variants compiled, {done['graph_captures']} CUDA graphs "
+            f"captured; warm-up requests took {seconds:.1f} s"
+        )
+    return done

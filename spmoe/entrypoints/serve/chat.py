@@ -1,0 +1,117 @@
+"""Chat in GLM's terms on the server side: the server's parser flags, the rules for `tools` / `tool_choice`, the
+messages as the chat template takes them, and each choice of a response (whole or streamed) with its
+`reasoning_content`, `content` and `tool_calls`.
+
+`tool_choice`: `none` (calls are not read: the text is content), `auto` (the model decides; needs
+`--enable-auto-tool-choice` and `--tool-call-parser`, as in vLLM), `required` or a named function (the output
+is constrained to GLM's tool-call text by a grammar, see `constraints.py`; needs `--tool-call-parser`). With
+`tools` and no `tool_choice`, `auto`. The finish reason of a turn that called a tool is `tool_calls`.
+"""
+
+import json
+from dataclasses import dataclass
+
+from spmoe.entrypoints.serve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS, ChatOutputParser
+from spmoe.entrypoints.serve.parsers.reasoning import THINK_END, thinking_enabled
+from spmoe.entrypoints.serve.parsers.tool_calls import coalesce_deltas
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """The server's `--reasoning-parser`, `--tool-call-parser` and `--enable-auto-tool-choice`."""
+
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+
+    def __post_init__(self):
+        for flag, name, known in (
+            ("--reasoning-parser", self.reasoning_parser, REASONING_PARSERS),
+            ("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSERS),
+        ):
+            if name is not None and name not in known:
+                raise ValueError(f"{flag} must be one of {', '.join(known)}, got {name!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (glm47 or glm45 for GLM models)")
+
+
+def effective_tool_choice(tools: list[dict] | None, tool_choice, options: ChatOptions):
+    """The request's `tool_choice` checked against its tools and the server's flags -> "none", "auto",
+    "required" or {"type": "function", "function": {"name": ...}}; ValueError with what to change."""
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "none":
+        return "none"
+    if not tools:
+        raise ValueError(f"tool_choice {_shown(tool_choice)} needs 'tools'")
+    if options.tool_call_parser is None:
+        raise ValueError(f"tool_choice {_shown(tool_choice)} needs the server started with --tool-call-parser")
+    if tool_choice == "auto" and not options.enable_auto_tool_choice:
+        raise ValueError('tool_choice "auto" needs the server started with --enable-auto-tool-choice')
+    return tool_choice
+
+
+def reasoning_end_ids(options: ChatOptions, chat_template_kwargs: dict, tokenizer) -> tuple[int, ...]:
+    """Where a constrained chat output's grammar starts: after the tokens of `</think>` when the reasoning
+    parser is on and the request thinks (the reasoning is free), else at the first token (())."""
+    if options.reasoning_parser is None or not thinking_enabled(chat_template_kwargs):
+        return ()
+    return tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
+
+
+def _shown(tool_choice) -> str:
+    return json.dumps(tool_choice) if isinstance(tool_choice, str) else f"function {tool_choice['function']['name']!r}"
+
+
+class ChatChoices:
+    """One request's choice, built from its text: `__call__(text, finish_reason, stream)` -> the choice of a
+    whole response (the text is all of it) or of one stream chunk (the text is the next piece)."""
+
+    def __init__(self, parser: ChatOutputParser):
+        self.parser = parser
+        self.called = False  # a tool call has been read
+
+    @classmethod
+    def for_request(
+        cls, options: ChatOptions, prompt_text: str, chat_template_kwargs: dict, tools: list[dict] | None, tool_choice
+    ) -> "ChatChoices":
+        tools = None if tool_choice == "none" else tools
+        parser = ChatOutputParser.build(
+            options.reasoning_parser,
+            options.tool_call_parser,
+            prompt_text,
+            thinking_enabled(chat_template_kwargs),
+            tools,
+        )
+        return cls(parser)
+
+    def __call__(self, text: str, finish_reason: str | None, stream: bool) -> dict:
+        if not stream:
+            message = self.parser.parse(text)
+            calls = [call.as_openai() for call in message.tool_calls]
+            body = {
+                "role": "assistant",
+                "content": message.content if message.content or not calls else None,
+                "reasoning_content": message.reasoning or None,
+                "tool_calls": calls,
+            }
+            return {"index": 0, "message": body, "logprobs": None, "finish_reason": self._finish(finish_reason, calls)}
+        delta = self.parser.feed(text)
+        if finish_reason is not None:
+            last = self.parser.flush()
+            delta.reasoning += last.reasoning
+            delta.content += last.content
+            delta.tool_calls += last.tool_calls
+        body = {}
+        if delta.reasoning:
+            body["reasoning_content"] = delta.reasoning
+        if delta.content:
+            body["content"] = delta.content
+        if delta.tool_calls:
+            body["tool_calls"] = [d.as_openai() for d in coalesce_deltas(delta.tool_calls)]
+        reason = self._finish(finish_reason, delta.tool_calls)
+        return {"index": 0, "delta": body, "logprobs": None, "finish_reason": reason}
+
+    def _finish(self, finish_reason: str | None, calls: list) -> str | None:
+        self.called |= bool(calls)
+        return "tool_calls" if finish_reason == "stop" and self.called else finish_reason

@@ -1,0 +1,312 @@
+"""Structured output's grammar layer: constrained sampling from random logits always gives a schema-valid
+answer (checked with `jsonschema`), one batch mixing grammars and unconstrained rows; xgrammar's bitmask kernel
+against the torch reference; compile errors and the cache."""
+
+import json
+
+import pytest
+import torch
+
+from spmoe.engine.grammar import (
+    GrammarCompiler,
+    GrammarSpec,
+    apply_bitmask,
+    apply_bitmask_reference,
+    fill_bitmask,
+)
+from spmoe.entrypoints.demo import write_demo_tokenizer
+from spmoe.entrypoints.serve.tokenizer import load_tokenizer
+
+jsonschema = pytest.importorskip("jsonschema")
+
+VOCAB = 264  # the demo tokenizer: 256 bytes + 8 special tokens, "<|end|>" (256) the eos
+SCHEMAS = [
+    {  # flat, every property required
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "active": {"type": "boolean"},
+        },
+        "required": ["name", "age", "active"],
+    },
+    {  # nested objects, a pattern, a bounded array
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1},
+                    "profile": {
+                        "type": "object",
+                        "properties": {
+                            "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"},
+                            "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+                        },
+                        "required": ["email", "tags"],
+                    },
+                },
+                "required": ["id", "profile"],
+            }
+        },
+        "required": ["user"],
+    },
+    {  # an array of objects with bounded numbers
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"x": {"type": "number", "minimum": -1, "maximum": 1}},
+            "required": ["x"],
+        },
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    {  # enums of strings and of numbers
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"enum": [1, 2, 3]}},
+        "required": ["color", "size"],
+    },
+    {  # numbers with inclusive and exclusive bounds
+        "type": "object",
+        "properties": {
+            "temp": {"type": "number", "minimum": -40.5, "maximum": 60},
+            "count": {"type": "integer", "minimum": 10, "maximum": 99},
+            "prob": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+        },
+        "required": ["temp", "count", "prob"],
+    },
+    {"anyOf": [{"type": "integer", "minimum": -5, "maximum": 5}, {"type": "string", "maxLength": 5}]},
+    {  # arrays of arrays
+        "type": "array",
+        "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+        "maxItems": 3,
+    },
+    {  # optional properties, no others allowed
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 4}, "b": {"type": "null"}, "c": {"type": "boolean"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+    {  # const, an array of enums, an unbounded string
+        "type": "object",
+        "properties": {
+            "version": {"const": 2},
+            "modes": {"type": "array", "items": {"enum": ["fast", "safe"]}, "maxItems": 4},
+            "label": {"type": "string"},
+        },
+        "required": ["version", "modes", "label"],
+    },
+    {  # definitions and references
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+            }
+        },
+        "type": "object",
+        "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
+        "required": ["start", "end"],
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    write_demo_tokenizer(folder)
+    return load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler.from_tokenizer(tokenizer, VOCAB)
+
+
+def sample_batch(compiler, specs: list[GrammarSpec | None], seed: int, max_steps: int = 4000) -> list[list[int]]:
+    """Sample every row from random logits, the constrained rows under their grammar, all rows in one batch per
+    step (a row without a grammar stops after 20 tokens) -> each row's tokens, its stop token excluded."""
+    generator = torch.Generator().manual_seed(seed)
+    grammars = [compiler.matcher(spec) if spec else None for spec in specs]
+    outputs: list[list[int]] = [[] for _ in specs]
+    running = list(range(len(specs)))
+    for _ in range(max_steps):
+        if not running:
+            return outputs
+        logits = torch.randn(len(running), VOCAB, generator=generator) * 2
+        masks = fill_bitmask([grammars[i] for i in running], VOCAB)
+        if masks is not None:
+            apply_bitmask(logits, *masks)
+        tokens = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1).tolist()
+        for i, token in zip(list(running), tokens):
+            grammar = grammars[i]
+            if grammar is None:
+                outputs[i].append(token)
+                done = len(outputs[i]) == 20
+            else:
+                assert grammar.accept(token), f"row {i}: the grammar refused token {token}, which its mask allowed"
+                done = grammar.finished
+                if not done:
+                    outputs[i].append(token)
+            if done:
+                running.remove(i)
+    raise AssertionError(f"rows {running} did not finish in {max_steps} steps")
+
+
+def test_constrained_sampling_is_schema_valid(compiler, tokenizer):
+    """10 schemas x 5 samples and 2 unconstrained rows in one batch: every constrained answer parses and
+    validates; the unconstrained rows are random bytes (most of them not JSON)."""
+    specs = [GrammarSpec("json_schema", json.dumps(s)) for s in SCHEMAS for _ in range(5)] + [None, None]
+    outputs = sample_batch(compiler, specs, seed=0)
+    for spec, tokens in zip(specs, outputs):
+        if spec is None:
+            assert len(tokens) == 20
+            continue
+        text = tokenizer.decode(tokens)
+        jsonschema.validate(json.loads(text), json.loads(spec.text))
+    assert len({tokenizer.decode(t) for t in outputs[:50]}) > 25  # sampled, not one fixed answer per schema
+
+
+@pytest.mark.parametrize(
+    "spec, check",
+    [
+        (GrammarSpec("json_object"), lambda text: isinstance(json.loads(text), dict)),
+        (
+            GrammarSpec("regex", r"[A-Z][a-z]{2,5}-\d{3}"),
+            lambda text: __import__("re").fullmatch(r"[A-Z][a-z]{2,5}-\d{3}", text),
+        ),
+        (GrammarSpec("choice", json.dumps(["yes", "no", "maybe so"])), lambda text: text in ("yes", "no", "maybe so")),
+        (GrammarSpec("ebnf", 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'), lambda text: text[0] == "(" and text[-1] == ")"),
+    ],
+    ids=["json_object", "regex", "choice", "ebnf"],
+)
+def test_other_grammar_kinds(compiler, tokenizer, spec, check):
+    for tokens in sample_batch(compiler, [spec] * 5, seed=1):
+        assert check(tokenizer.decode(tokens)), tokenizer.decode(tokens)
+
+
+def test_bitmask_kernel_matches_the_torch_reference():
+    """Rows with a grammar are masked, the others untouched; V = 264 is not a multiple of 32."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, VOCAB, generator=generator)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, (VOCAB + 31) // 32), dtype=torch.int32, generator=generator)
+    rows = [0, 2, 3]
+    fast, reference = logits.clone(), logits.clone()
+    apply_bitmask(fast, bitmask, rows)
+    apply_bitmask_reference(reference, bitmask, rows)
+    assert torch.equal(fast, reference)
+    assert torch.equal(fast[[1, 4]], logits[[1, 4]])
+    for row in rows:  # bit t % 32 of word t // 32 says whether token t stays
+        allowed = [bool((int(bitmask[row, t // 32]) >> (t % 32)) & 1) for t in range(VOCAB)]
+        assert [bool(torch.isfinite(v)) for v in fast[row]] == allowed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bitmask_kernel_on_the_gpu():
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(64, 151552, generator=generator)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (64, 151552 // 32), dtype=torch.int32, generator=generator)
+    rows = list(range(0, 64, 3))
+    fast, reference = logits.cuda(), logits.clone()
+    apply_bitmask(fast, bitmask, rows)
+    apply_bitmask_reference(reference, bitmask, rows)
+    assert torch.equal(fast.cpu(), reference)
+
+
+def test_batched_fill_matches_one_at_a_time(compiler, tokenizer):
+    """fill_bitmask (xgrammar's batch matcher, rows with and without a grammar, one not started yet) against
+    SequenceGrammar.fill row by row, after each of several tokens."""
+    specs = [GrammarSpec("json_schema", json.dumps(s)) for s in SCHEMAS[:4]]
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    grammars = [compiler.matcher(spec) for spec in specs] + [None, compiler.matcher(specs[0], start_after=end)]
+    texts = ['{"name": "ab', '{"user": {"id": 1', '[{"x": 0.5}', '{"color": "re', "", "no </think>{"]
+    for step in range(12):
+        batched, rows = fill_bitmask(grammars, VOCAB)
+        assert rows == [0, 1, 2, 3, 5]
+        one = torch.full_like(batched, -1)
+        for row in rows:
+            grammars[row].fill(one, row)
+        assert torch.equal(batched, one), step
+        for grammar, text in zip(grammars, texts):
+            if grammar is not None and step < len(text):
+                assert grammar.accept(tokenizer.encode(text[step], add_special_tokens=False)[0])
+
+
+def test_grammar_starts_after_the_reasoning(compiler, tokenizer):
+    """With `start_after` the tokens of "</think>", anything goes until they are generated; then the grammar."""
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    grammar = compiler.matcher(GrammarSpec("choice", '["ok"]'), start_after=end)
+    bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    for token in tokenizer.encode("free </think", add_special_tokens=False):
+        grammar.fill(bitmask, 0)
+        assert (bitmask == -1).all() and grammar.accept(token)
+    assert grammar.accept(end[-1])
+    grammar.fill(bitmask, 0)
+    allowed = [t for t in range(VOCAB) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+    assert allowed == tokenizer.encode("o", add_special_tokens=False)
+    assert not grammar.accept(tokenizer.encode("x", add_special_tokens=False)[0])
+
+
+def test_compile_errors_and_cache(compiler):
+    for spec, message in [
+        (
+            GrammarSpec("json_schema", '{"type": "foo"}'),
+            'the json_schema grammar does not compile: Unsupported type "foo"',
+        ),
+        (GrammarSpec("json_schema", '{"type": '), "the json_schema grammar does not compile: Expecting value"),
+        (GrammarSpec("regex", "(ab"), "the regex grammar does not compile: Regex parsing error"),
+        (GrammarSpec("ebnf", "root ::= ("), "the ebnf grammar does not compile: EBNF parser error"),
+        (GrammarSpec("choice", "[]"), "the choice grammar does not compile: a choice must be a non-empty list"),
+    ]:
+        with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")):
+            compiler.compile(spec)
+    with pytest.raises(ValueError, match="a grammar's kind must be one of json_schema, json_object"):
+        GrammarSpec("xml", "")
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))
+    assert compiler.compile(spec) is compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0])))
+
+
+@pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "string", "maxLength": 12}])
+def test_json_strings_hold_characters_only(compiler, schema):
+    """No raw control character and no surrogate's UTF-8 bytes (no character: it decodes to U+FFFD) inside a
+    JSON string, bounded or not; real characters of 1 to 4 bytes are fine. (xgrammar 0.2.9 alone lets both
+    through in a bounded string and the surrogates in any.)"""
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+
+    def accepts(body: bytes) -> bool:
+        grammar = compiler.matcher(spec)
+        return all(grammar.accept(t) for t in b'"' + body + b'"') and grammar.matcher.is_completed()
+
+    assert accepts("aé€🙂\u0096".encode())
+    assert not accepts(b"a\x04") and not accepts(b"\x1f")
+    assert not accepts(b"\xed\xa0\x80") and accepts(b"\xed\x9f\xbf")  # U+D800, a surrogate; U+D7FF, a character
+
+
+def test_the_engine_and_the_server_run_without_xgrammar():
+    """A GPU image may lack xgrammar: everything imports, a step without grammars runs the mask path, and only a
+    grammar asks for the package, in a one-line error."""
+    import subprocess
+    import sys
+
+    code = """
+import builtins
+real = builtins.__import__
+def without_xgrammar(name, *args, **kwargs):
+    if name.split(".")[0] == "xgrammar":
+        raise ImportError("no xgrammar here")
+    return real(name, *args, **kwargs)
+builtins.__import__ = without_xgrammar
+import spmoe.engine.engine, spmoe.entrypoints.serve.app
+from spmoe.engine.grammar import GrammarCompiler, GrammarSpec, fill_bitmask
+assert fill_bitmask([None, None], 264) is None
+try:
+    GrammarCompiler(lambda: None, 264).compile(GrammarSpec("json_object"))
+except ValueError as e:
+    print(e)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "the json_object grammar does not compile: structured output needs the xgrammar package (pip install xgrammar)"
+    )

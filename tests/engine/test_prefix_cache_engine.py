@@ -1,0 +1,135 @@
+"""Prefix caching in the engine: the same tokens and logits with caching on as with it off, at TP 2 with SP
+off and on, with MTP speculation (the drafts too: the MTP layer's rows of reused blocks are exact), and with a
+cache so small that sequences preempt each other; every TP rank reuses the same blocks.
+
+Two rounds of requests run through one engine: the second round's prompts share prefixes of random lengths
+with the first round's (an exact block multiple, a prompt that is a whole earlier prompt, a prompt that is
+exactly a cached block, random lengths), so they are admitted with cached blocks. One spawned group runs every
+case; the comparisons happen here.
+"""
+
+import torch
+
+from spmoe.config import ParallelConfig
+from spmoe.distributed import get_parallel_state, spawn
+from spmoe.engine.paged_cache import BLOCK_SIZE
+
+from .conftest import ENGINE_CONFIG
+
+MAX_NEW = 6
+BUDGET = 24  # prompts are prefilled in chunks
+CASES = {  # name -> (SP, MTP drafts, cache blocks; None: room for everything)
+    "sp off": ("off", 0, None),
+    "sp off mtp": ("off", 2, None),
+    "sp on": ("on", 0, None),
+    "sp on mtp": ("on", 2, None),
+    "sp on small cache": ("on", 0, 5),
+}
+# prompt tokens served from the cache (blocks of 64). Without MTP: in the first round the second prompt finds
+# the first prompt's first block and the third its first two (64 + 128); in the second round 128, 128, 0, 64
+# and 128. With MTP a block also needs the token after it to match: 0 + 128, then 64, 128, 0, 64 and 128.
+WANT_HITS = {0: 192 + 448, 2: 128 + 384}
+PROMPT_TOKENS = (135 + 84 + 150) + (137 + 150 + 64 + 140 + 196)
+
+
+def rounds() -> tuple[list[list[int]], list[list[int]]]:
+    """Two rounds of prompts over one 200-token head `base`."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(0, ENGINE_CONFIG["vocab_size"], (n,), generator=gen).tolist()  # noqa: E731
+    base = tokens(200)
+    first = [base[:130] + tokens(5), base[:64] + tokens(20), base[:150]]
+    second = [
+        base[:128] + tokens(9),  # two full blocks shared, then its own tokens
+        base[:150],  # a whole earlier prompt
+        base[:64],  # exactly a cached block: its last token is computed, so nothing is reused
+        base[:100] + tokens(40),  # a random length: one block
+        base[:193] + tokens(3),  # more than what is cached
+    ]
+    return first, second
+
+
+def on_and_off(folder: str) -> dict:
+    """-> {(case, caching): (outputs of both rounds, their logits `[tokens, V]`, the MTP drafts and prompt rows
+    (`record_drafts`), the second round's stats)}."""
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    state, results, models = get_parallel_state(), {}, {}
+    for case, (sp, k, blocks) in CASES.items():
+        if sp not in models:
+            models[sp] = load_model(folder, ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp), with_mtp=True)
+        model = models[sp]
+        for caching in (False, True):
+            budget = (
+                2**22 if blocks is None else blocks * BLOCK_SIZE * PagedKVCache.for_model(model, 2**20).bytes_per_token
+            )
+            engine = Engine(
+                model,
+                PagedKVCache.for_model(model, budget),
+                k,
+                max_num_batched_tokens=BUDGET,
+                enable_prefix_caching=caching,
+            )
+            recorded = record_drafts(engine) if k else {}
+            outputs, logits, drafts = [], [], {}
+            for number, prompts in enumerate(rounds()):  # both rounds name their requests generate-0, -1, ...
+                gen = engine.generate(prompts, MAX_NEW, record_logits=True)
+                outputs += gen.outputs
+                logits += gen.logits
+                drafts.update({(number, key): value for key, value in recorded.items()})
+                recorded.clear()
+            results[case, caching] = (outputs, torch.cat(logits), drafts, gen.stats)
+    return results
+
+
+def record_drafts(engine) -> dict:
+    """Wrap the model runner's draft step: -> a dict it fills with each sequence's drafts, keyed by (request
+    id, tokens it had generated before the step), and with the MTP layer's cache rows of each prompt once the
+    drafter has caught up on all of it (keyed by request id): `[prompt, c + r]`, the latent and the rope key."""
+    recorded, draft = {}, engine.runner.draft
+    mtp = engine.cache.layers[engine.model.cfg.num_hidden_layers]
+
+    def draft_and_record(batch, result, hidden):
+        proposed = draft(batch, result, hidden)
+        for seq, table, new in zip(batch.seqs, batch.locations, proposed):
+            if new:
+                recorded[seq.request_id, len(seq.output)] = new
+            if new and not seq.output:  # its first token: the drafter has caught up on the whole prompt
+                positions = torch.arange(len(seq.request.prompt))
+                rows = torch.tensor(table)[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+                recorded[seq.request_id] = torch.cat([mtp.latent[rows], mtp.rope[rows]], dim=1)
+        return proposed
+
+    engine.runner.draft = draft_and_record
+    return recorded
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_prefix_caching_changes_no_output(engine_checkpoint):
+    ranks = spawn(on_and_off, 2, engine_checkpoint)
+    for case, (_, k, blocks) in CASES.items():
+        outputs, logits, drafts, stats = ranks[0][case, True]
+        want_outputs, want_logits, want_drafts, off_stats = ranks[0][case, False]
+        assert outputs == want_outputs, case
+        assert relative_error(logits, want_logits) < 1e-4, case
+        # the MTP layer's rows of every prompt, reused or computed, are what computing them gives: the same drafts
+        assert drafts.keys() == want_drafts.keys() and (len(drafts) > 0) == (k > 0), case
+        for key, want in want_drafts.items():
+            if isinstance(key[1], str):
+                assert relative_error(drafts[key], want) < 1e-4, (case, key)
+            else:
+                assert drafts[key] == want, (case, key)
+        cache = stats["kv_cache"]
+        assert off_stats["kv_cache"]["prefix_cache_hits"] == 0 and cache["prefix_caching"], case
+        assert cache["blocks_in_use"] == 0, case  # every reference given back; cached blocks stay
+        if blocks is None:
+            assert cache["prefix_cache_queries"] == PROMPT_TOKENS, case
+            assert cache["prefix_cache_hits"] == WANT_HITS[k], case
+        else:
+            assert stats["preemptions"] > 0 and cache["prefix_cache_hits"] > 0, case
+        for rank in ranks[1:]:  # every TP rank made the same decisions
+            assert rank[case, True][0] == outputs and rank[case, True][3]["kv_cache"] == cache, case
