@@ -133,7 +133,9 @@ class ModelRunner:
 
         The target's draw at row j of sequence i is the token it would choose there without drafts: the
         argmax for a greedy request, else a race over its processed distribution (`_processed_probs`) with
-        the noise of (its seed, output index len(output) + j)."""
+        the noise of (its seed, output index len(output) + j). The logprobs of a committed token would be
+        read from the same rows' processed distribution (`StepResult.logprobs`, not filled until the sampler
+        computes logprobs)."""
         device, vocab = logits.device, logits.shape[1]
         counts = [1 + len(s.drafts) for s in seqs]
         finite = torch.isfinite(logits).all(-1)
