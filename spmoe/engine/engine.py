@@ -156,7 +156,7 @@ class Engine:
         start afresh, and from here it counts the compiles and captures that warming up did not foresee
         (`metrics().compiles_after_ready`)."""
         self.reset_stats()
-        self.stats.totals = EngineMetrics()
+        self.stats.reset_totals()
         self._ready_count = self._compiles()
 
     def reset_stats(self) -> None:

@@ -73,8 +73,12 @@ class StepStats:
 
     def __init__(self, num_speculative_tokens: int):
         self.k = num_speculative_tokens
-        self.totals = EngineMetrics(accepted_per_position=[0] * num_speculative_tokens)
+        self.reset_totals()
         self.reset()
+
+    def reset_totals(self) -> None:
+        """Start the counters since start afresh (the server's, once the engine is warm)."""
+        self.totals = EngineMetrics(accepted_per_position=[0] * self.k)
 
     def reset(self) -> None:
         self.phases = {name: Phase() for name in PHASES}
