@@ -5,8 +5,10 @@ throughput, output tokens/s, the p50 / p99 time to first token (TTFT) and time p
 first (TPOT), the TTFT of the level's first request, and, from the server's `/metrics` before and after the
 level ("-" for a server without the counter): the prefix cache's hit rate (prompt tokens found cached / looked
 up: spmoe's or vLLM's `...:prefix_cache_hits_total` / `...:prefix_cache_queries_total`), and spmoe's engine
-steps, the share of them that compiled a kernel or captured a CUDA graph, and the compiles and captures after
-the server reported ready.
+steps, the share of them that compiled a kernel or captured a CUDA graph, the compiles and captures after
+the server reported ready, and on a server that speculates the MTP acceptance rate (accepted / proposed draft
+tokens, `...:spec_decode_num_accepted_tokens_total` / `...:spec_decode_num_draft_tokens_total`) and the mean
+accepted length (tokens per verification: 1 + accepted / `...:spec_decode_num_drafts_total`).
 
 Prompts are random token ids (`--input-len` of them, below `--token-id-limit`), so every prompt has exactly
 that length; `ignore_eos` makes every request generate `--output-len` tokens. The token counts come from the
@@ -113,6 +115,9 @@ COUNTERS = {  # counter -> how its name ends in /metrics (summed over label sets
     "after_ready": ":compiles_after_ready_total",
     "queries": ":prefix_cache_queries_total",
     "hits": ":prefix_cache_hits_total",
+    "drafts": ":spec_decode_num_drafts_total",
+    "draft_tokens": ":spec_decode_num_draft_tokens_total",
+    "accepted": ":spec_decode_num_accepted_tokens_total",
 }
 
 
@@ -134,13 +139,17 @@ def server_counters(base: str) -> dict[str, float]:
 
 
 def counted(before: dict[str, float], after: dict[str, float]) -> str:
-    """The level's columns from the counters: hit rate, steps, share compiling, compiles after ready."""
+    """The level's columns from the counters: hit rate, MTP acceptance rate and mean accepted length, steps,
+    share compiling, compiles after ready."""
     delta = {k: after[k] - before[k] for k in after if k in before}
     hit_rate = f"{delta['hits'] / delta['queries']:.1%}" if delta.get("queries") else "-"
+    accept = f"{delta['accepted'] / delta['draft_tokens']:.1%}" if delta.get("draft_tokens") else "-"
+    length = f"{1 + delta['accepted'] / delta['drafts']:.2f}" if delta.get("drafts") else "-"
+    hit_rate = f"{hit_rate:>10}{accept:>8}{length:>8}"
     if "steps" not in delta:
-        return f"{hit_rate:>10}{'-':>7}{'-':>10}{'-':>12}"
+        return f"{hit_rate}{'-':>7}{'-':>10}{'-':>12}"
     share = 100 * delta["compiling"] / max(delta["steps"], 1)
-    return f"{hit_rate:>10}{delta['steps']:>7.0f}{share:>9.1f}%{after['after_ready']:>12.0f}"
+    return f"{hit_rate}{delta['steps']:>7.0f}{share:>9.1f}%{after['after_ready']:>12.0f}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -178,8 +187,8 @@ def main() -> None:
     print(f"bench_serve: {base}, model {model!r}, {args.input_len} prompt tokens -> {args.output_len} output tokens")
     print(
         f"{'level':>12}{'sampling':>10}{'requests':>9}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
-        f"{'1st TTFT':>10}"
-        f"{'TPOT p50':>10}{'TPOT p99':>10}{'hit rate':>10}{'steps':>7}{'compiling':>10}{'after ready':>12}  (ms)"
+        f"{'1st TTFT':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'hit rate':>10}{'accept':>8}{'length':>8}{'steps':>7}"
+        f"{'compiling':>10}{'after ready':>12}  (ms)"
     )
     levels = [(c, None) for c in args.concurrency] + [(None, r) for r in args.request_rate]
     for concurrency, rate in levels:

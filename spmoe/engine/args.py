@@ -278,7 +278,7 @@ class EngineArgs:
         metadata=option(
             "--speculative",
             choices=SPECULATIVE_METHODS,
-            help="draft tokens with the checkpoint's MTP layer (greedy requests only)",
+            help="draft tokens with the checkpoint's MTP layer (greedy and sampled requests)",
         ),
     )
     num_speculative_tokens: int | None = field(

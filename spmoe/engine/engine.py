@@ -15,8 +15,9 @@ One step is three calls on named records (`sequence.py`):
 2. `ModelRunner.run(batch) -> StepResult` (`model_runner.py`): one target forward over every scheduled
    sequence's tokens, laid end to end (a chunk of a prompt, else its last token followed by its drafts when
    speculating; with `cuda_graphs`, plain decode steps replay a captured graph), the choice of each sampling
-   sequence's tokens (every row of the step through the batched `Sampler`, `sampling.py`, then the greedy
-   acceptance of drafts, `speculative.py`), the prompt logprobs asked for, and the MTP drafter's next drafts.
+   sequence's tokens (every row of the step through the batched `Sampler`, `sampling.py`, then the lossless
+   acceptance of drafts, `rejection.py`, for greedy and sampled requests alike), the prompt logprobs asked
+   for, and the MTP drafter's next drafts.
 3. `Scheduler.update(batch, result) -> list[RequestOutput]`: commit the tokens, finish sequences at an eos id
    or `max_new_tokens` and free their room. A sequence whose logits hold a NaN or an infinity has no next
    token: it finishes with finish_reason "error" and an error naming the step, and the others carry on (the
@@ -84,13 +85,6 @@ def check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: int
     """Raise unless every prompt is valid and fits the KV cache with its new tokens and drafts."""
     for i, prompt in enumerate(prompts):
         check_prompt(f"prompt {i}", prompt, vocab_size, max_new_tokens, drafts, max_len)
-
-
-def check_speculation(sampling: SamplingParams, num_speculative_tokens: int) -> None:
-    if num_speculative_tokens and not sampling.greedy:
-        raise ValueError(
-            f"speculative decoding accepts drafts greedily; expected temperature 0, got {sampling.temperature}"
-        )
 
 
 def check_sampling(label: str, sampling: SamplingParams, max_new_tokens: int, vocab_size: int) -> None:
@@ -174,7 +168,7 @@ class Engine:
         start afresh, and from here it counts the compiles and captures that warming up did not foresee
         (`metrics().compiles_after_ready`)."""
         self.reset_stats()
-        self.stats.totals = EngineMetrics()
+        self.stats.reset_totals()
         self._ready_count = self._compiles()
 
     def reset_stats(self) -> None:
@@ -201,7 +195,6 @@ class Engine:
             cfg.max_position_embeddings,
             f"{label} with its new and speculative tokens",
         )
-        check_speculation(request.sampling, self.k)
         check_sampling(label.removesuffix(": the prompt"), request.sampling, request.max_new_tokens, cfg.vocab_size)
         if request.grammar is not None:
             if self.grammars is None:
@@ -247,6 +240,8 @@ class Engine:
             KernelCompiles.count,
             self.graph_captures(),
             0 if self._ready_count is None else self._compiles() - self._ready_count,
+            totals.drafts,
+            list(totals.accepted_per_position),
         )
 
     def step(self) -> list[RequestOutput]:

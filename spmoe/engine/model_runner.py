@@ -4,7 +4,9 @@
    decode step, replayed from a CUDA graph (`cuda_graphs.py`); the logits of the rows the step commits from.
 2. The choice: every row the step commits from goes through the batched `Sampler` at once (each row with
    its request's settings); a sequence takes the token of its last row, or, when it fed drafts, the drafts
-   the target accepts and the target's next token (`speculative.py`); the tokens are cut at its first eos id
+   the target keeps and the target's next draw, by the lossless rule of `rejection.py` (each row's draw is
+   the one it would make without drafts: greedy and sampled requests alike, the same seeded noise, the same
+   logprobs); the tokens are cut at its first eos id
    or its token limit. A row that is not finite gives no token. A sequence whose request asks for prompt
    logprobs also gets the logprobs of the prompt tokens it fed (`prompt_logprobs`), from the hidden states,
    a slice of rows at a time. A sequence with a grammar
@@ -25,9 +27,10 @@ from spmoe.engine.cuda_graphs import DecodeGraphs, graph_sizes
 from spmoe.engine.grammar import apply_bitmask, fill_bitmask
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
+from spmoe.engine.rejection import accept_drafts
 from spmoe.engine.sampling import Sampler, prompt_logprobs
 from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
-from spmoe.engine.speculative import MtpDrafter, accept_greedy
+from spmoe.engine.speculative import MtpDrafter
 from spmoe.engine.stats import StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
@@ -110,6 +113,7 @@ class ModelRunner:
                     preceding.append(seq.drafts[:j])
             spans.append(slice(first, len(rows)))
         chosen = self.sampler.sample(logits, rows, generated, preceding if any(preceding) else None)
+        accepted_of = self._accepted(batch, chosen.token_ids, spans) if any(preceding) else None
         wants_logprobs = any(s.request.sampling.logprobs is not None for s in batch.seqs)
         result = StepResult([], [], [], logit_rows=[], logprobs=[] if wants_logprobs else None)
         for seq, last, span in zip(batch.seqs, batch.samples, spans):
@@ -117,9 +121,8 @@ class ModelRunner:
             if last:
                 choices = chosen.token_ids[span]
                 if seq.drafts:
-                    accepted, candidates = accept_greedy(seq.drafts, choices)
-                else:
-                    candidates = choices
+                    accepted = accepted_of[len(result.token_ids)]
+                candidates = choices[: accepted + 1]
                 finite = all(chosen.finite[span][: len(candidates)])
                 if finite:
                     tokens, _ = seq.until_stop(candidates)
@@ -134,6 +137,20 @@ class ModelRunner:
             if wants_logprobs:
                 result.logprobs.append(logprobs)
         return result
+
+    @staticmethod
+    def _accepted(batch: ScheduledBatch, choices: list[int], spans: list[slice]) -> list[int]:
+        """The step's choices (row j of a sequence: the target's draw after its first j drafts) -> per scheduled
+        sequence the number of its drafts it keeps (`rejection.accept_drafts`, for the whole batch at once)."""
+        width = max(len(s.drafts) for s in batch.seqs)
+        draft_ids = [s.drafts + [-1] * (width - len(s.drafts)) for s in batch.seqs]  # -1: padding
+        draws = [choices[span] + [-1] * (width + 1 - len(choices[span])) for span in spans]
+        accepted = accept_drafts(
+            torch.tensor(draft_ids, dtype=torch.int64),
+            torch.tensor([len(s.drafts) for s in batch.seqs]),
+            torch.tensor(draws, dtype=torch.int64),
+        )
+        return accepted.tolist()
 
     def prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[list | None]:
         """The hidden `[N, H]` of every fed token -> per sequence that wants them, the logprobs of the prompt

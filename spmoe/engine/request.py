@@ -4,7 +4,7 @@ These are plain host objects (no tensors): the server builds requests from HTTP 
 the other ranks, and the outputs travel back to the asyncio side.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spmoe.engine.grammar import GrammarSpec
 from spmoe.engine.sampling import SamplingParams
@@ -54,8 +54,9 @@ class EngineMetrics:
     """A snapshot of the engine: requests running (holding cache) and waiting (queued), the share of the KV
     cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP), the
     prefix cache's queries and hits in tokens (prompt tokens looked up when a sequence is admitted, and of
-    those the ones found cached), and running sequences preempted (their cache freed, to be recomputed) when
-    the cache ran out."""
+    those the ones found cached), running sequences preempted (their cache freed, to be recomputed) when the
+    cache ran out, and for MTP the verifications (`drafts`: a sequence's drafts checked by one target forward)
+    and the accepted drafts per position (`accepted_per_position[j]`: verifications that accepted draft j + 1)."""
 
     running: int = 0
     waiting: int = 0
@@ -71,6 +72,8 @@ class EngineMetrics:
     kernel_compiles: int = 0  # Triton kernel variants loaded in the process (`stats.KernelCompiles`)
     graph_captures: int = 0  # CUDA graphs captured
     compiles_after_ready: int = 0  # kernel compiles and graph captures since the engine was warm
+    drafts: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
     @classmethod
     def combine(cls, parts: list["EngineMetrics"]) -> "EngineMetrics":
@@ -90,4 +93,6 @@ class EngineMetrics:
                 sum(getattr(m, name) for m in parts)
                 for name in ("steps", "steps_compiling", "kernel_compiles", "graph_captures", "compiles_after_ready")
             ),
+            sum(m.drafts for m in parts),
+            [sum(counts) for counts in zip(*(m.accepted_per_position for m in parts))],
         )

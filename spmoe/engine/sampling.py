@@ -146,6 +146,11 @@ def exponential_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> to
     return -torch.log(uniform)
 
 
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """probs `[..., V]`, noise `[..., V]` Exp(1) -> `[...]` int64: argmax probs / noise, a draw from probs."""
+    return (probs / noise).argmax(-1)
+
+
 # -- the batched sampler -------------------------------------------------------------------------------------
 
 
@@ -319,8 +324,7 @@ class Sampler:
             index = torch.tensor(generated, dtype=torch.int64).to(self.device, non_blocking=True)
             row = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
             noise = exponential_noise(self.keys[row], index, self.vocab_size)
-            race = torch.softmax(drawn, dim=-1) / noise
-            ids = torch.where(self.temperature[row] > 0, race.argmax(-1), ids)
+            ids = torch.where(self.temperature[row] > 0, race(torch.softmax(drawn, dim=-1), noise), ids)
         width = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if width is None:
             picked = torch.stack([ids, finite.long()]).tolist()

@@ -1,8 +1,10 @@
 """Speculative decoding with MTP: draft k tokens per sequence, let the target verify them in one forward.
 
-Per sequence and step (greedy, so the output is exactly the target's own greedy output):
+Per sequence and step:
 
-    target forward over [t, d1 .. dk] at positions p .. p+k  -> target choices y0 .. yk
+    target forward over [t, d1 .. dk] at positions p .. p+k  -> the target's draws y0 .. yk (`rejection.py`:
+                                                                the argmax of a greedy request, a seeded draw
+                                                                from the processed distribution otherwise)
     accept d1 .. da while d_j == y_(j-1); commit d1 .. da and y_a (a + 1 tokens)
     MTP catch-up over the a + 1 verified positions, fed (next token, target post-norm hidden) -> draft d1'
     k - 1 more MTP steps, each fed (its last draft, its own post-norm hidden)           -> d2' .. dk'
@@ -18,24 +20,9 @@ from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 
-def accept_greedy(drafts: list[int], target_choices: list[int]) -> tuple[int, list[int]]:
-    """-> (a, the a + 1 tokens to commit): a is the number of leading drafts equal to the target's choice at
-    the position before them; the committed tokens are those drafts and the target's choice after them (the
-    bonus token, `target_choices[a]`).
-
-    `target_choices[j]` is the target's greedy token after the j-th fed token (`len(drafts) + 1` of them).
-    """
-    if len(target_choices) != len(drafts) + 1:
-        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} target choices, got {len(target_choices)}")
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == target_choices[accepted]:
-        accepted += 1
-    return accepted, drafts[:accepted] + [target_choices[accepted]]
-
-
 class MtpDrafter:
-    """Drafts `k` tokens per sequence with the model's MTP layer, greedily. Its KV cache rows live in the
-    engine's cache, under the MTP layer's index, in the same slots (or blocks) as the target's."""
+    """Drafts `k` tokens per sequence with the model's MTP layer, greedily (its q is one-hot). Its KV cache rows
+    live in the engine's cache, under the MTP layer's index, in the same slots (or blocks) as the target's."""
 
     def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache | PagedKVCache, k: int):
         self.model, self.cache, self.k = model, cache, k

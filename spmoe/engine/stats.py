@@ -69,12 +69,16 @@ class KernelCompiles:
 
 class StepStats:
     """The per-phase statistics since `reset` (what `Engine.generate` reports) and the counters since start
-    (`totals`: generated tokens, drafts proposed and accepted)."""
+    (`totals`: generated tokens; drafts proposed, verified and accepted, per position too)."""
 
     def __init__(self, num_speculative_tokens: int):
         self.k = num_speculative_tokens
-        self.totals = EngineMetrics()
+        self.reset_totals()
         self.reset()
+
+    def reset_totals(self) -> None:
+        """Start the counters since start afresh (the server's, once the engine is warm)."""
+        self.totals = EngineMetrics(accepted_per_position=[0] * self.k)
 
     def reset(self) -> None:
         self.phases = {name: Phase() for name in PHASES}
@@ -90,10 +94,12 @@ class StepStats:
         for seq, sampled, accepted in zip(batch.seqs, batch.samples, result.accepted):
             if sampled and seq.drafts:
                 self.verify_steps += 1
-                for j in range(accepted):
-                    self.accepted_at[j] += 1
+                self.totals.drafts += 1
                 self.totals.draft_proposed += len(seq.drafts)
                 self.totals.draft_accepted += accepted
+                for j in range(accepted):
+                    self.accepted_at[j] += 1
+                    self.totals.accepted_per_position[j] += 1
         self.totals.generated_tokens += sum(map(len, result.token_ids))
 
     def as_dict(self) -> dict:

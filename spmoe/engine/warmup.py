@@ -52,7 +52,7 @@ def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
             log(f"warming up: {len(lengths)} requests of {min(lengths)}-{max(lengths)} prompt tokens")
         vocab = engine.model.cfg.vocab_size
         for i, n in enumerate(lengths):
-            sampled = i % 2 and not engine.k  # speculation takes greedy requests only
+            sampled = i % 2  # greedy and sampled requests, with speculation too
             sampling = SamplingParams(temperature=1.0, seed=i) if sampled else SamplingParams()
             prompt = [(7 * i + 3 * j + 1) % vocab for j in range(n)]
             engine.add_request(Request(f"warmup-{i}", prompt, new_tokens, sampling))

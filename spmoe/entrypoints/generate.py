@@ -11,7 +11,7 @@ import torch
 from spmoe.config import ModelConfig
 from spmoe.distributed import get_parallel_state, launch
 from spmoe.engine.args import DTYPES, EngineArgs
-from spmoe.engine.engine import Generation, check_positions, check_prompts, check_speculation, per_prompt
+from spmoe.engine.engine import Generation, check_positions, check_prompts, per_prompt
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.sampling import SamplingParams
 from spmoe.engine.warmup import warm_up
@@ -94,7 +94,7 @@ def check_generate(
 ) -> None:
     """Every check of a generate job, before any rank starts or any weight loads: the engine options against
     the checkpoint (`EngineArgs.check`), the output paths (`outputs`: option name -> path the caller will
-    write), sampling with speculation, the eos ids, the prompts against the KV cache and
+    write), the eos ids, the prompts against the KV cache and
     `max_position_embeddings`, and the KV cache against the memory available."""
     args = opts.engine
     drafts, cache_len = args.drafts, opts.cache_len(prompts)
@@ -102,7 +102,6 @@ def check_generate(
     args.check(cfg, longest)
     for option, path in (outputs or {}).items():
         check_writable(path, option)
-    check_speculation(opts.sampling, drafts)
     for eos in opts.eos_token_ids or ():
         if not 0 <= eos < cfg.vocab_size:
             raise ValueError(f"--eos-id {eos} is not a token id: expected an int in [0, {cfg.vocab_size})")

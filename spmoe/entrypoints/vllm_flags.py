@@ -190,7 +190,7 @@ VLLM_FLAGS = (
     VllmFlag(
         ("--speculative-config",),
         "noted",
-        "MTP only (method mtp, deepseek_mtp or glm4_moe_mtp), as JSON or dotted keys; greedy requests only",
+        "MTP only (method mtp, deepseek_mtp or glm4_moe_mtp), as JSON or dotted keys; greedy and sampled requests",
         value="JSON",
     ),
     VllmFlag(("--enable-lora",), "refused", "LoRA adapters", "merge the adapter into the checkpoint"),

@@ -72,10 +72,6 @@ GENERATE_CASES = {  # case -> ({option: value, or None for a flag}, the line aft
         {"--speculative": "mtp", "--num-speculative-tokens": "0"},
         "--speculative mtp needs --num-speculative-tokens >= 1, got 0",
     ),
-    "sampling with speculation": (
-        {"--speculative": "mtp", "--temperature": "0.8"},
-        "speculative decoding accepts drafts greedily; expected temperature 0, got 0.8",
-    ),
     "eos id beyond the vocabulary": ({"--eos-id": "96"}, "--eos-id 96 is not a token id: expected an int in [0, 96)"),
     "negative temperature": (
         {"--temperature": "-1"},

@@ -22,6 +22,12 @@ from spmoe.entrypoints.jobs import flatten
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [79, 32], [38], [46, 26, 43, 38]]
 EOS = (51, 74, 39)  # with this checkpoint the four sequences stop after 3, 10, 5 and 7 tokens
 MAX_NEW = 10
+MIXED = [
+    SamplingParams(),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+    SamplingParams(),
+    SamplingParams(temperature=1.2, seed=4),
+]
 CASES = {  # name -> (prompts, engine / generate arguments)
     "greedy": (PROMPTS, dict(eos=EOS, record=True)),
     "greedy_full": (PROMPTS, dict()),
@@ -32,6 +38,9 @@ CASES = {  # name -> (prompts, engine / generate arguments)
     "spec2_queued": (PROMPTS, dict(eos=EOS, k=2, max_seqs=3)),
     "sampled": (PROMPTS, dict(sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=3))),
     "sampled_again": (PROMPTS, dict(sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=3))),
+    # speculation with sampled and greedy requests in one batch: prompts 0 and 2 greedy, 1 and 3 sampled
+    "spec_mixed": (PROMPTS, dict(k=2, sampling=MIXED)),
+    "spec_mixed_again": (PROMPTS, dict(k=2, sampling=MIXED)),
 }
 
 
@@ -149,6 +158,19 @@ def test_seeded_sampling(generations):
             assert sampled == ranks[0][(sp, scope, "sampled_again")][0]
             assert sampled != ranks[0][(sp, scope, "greedy_full")][0]
             assert sampled == generations[1][0][("off", "moe", "sampled")][0], (tp, sp, scope)
+
+
+def test_seeded_sampling_with_speculation(generations):
+    """A batch of greedy and sampled requests with MTP drafts: the greedy rows give plain greedy tokens, the
+    sampled rows their seed's tokens, again in a second run and under every TP size and SP mode."""
+    full = generations[1][0][("off", "moe", "greedy_full")][0]
+    reference = generations[1][0][("off", "moe", "spec_mixed")][0]
+    assert [reference[0], reference[2]] == [full[0], full[2]]
+    assert [reference[1], reference[3]] != [full[1], full[3]]  # really sampled
+    for tp, ranks in generations.items():
+        for sp, scope in {(sp, scope) for sp, scope, _ in ranks[0]}:
+            mixed = ranks[0][(sp, scope, "spec_mixed")][0]
+            assert mixed == ranks[0][(sp, scope, "spec_mixed_again")][0] == reference, (tp, sp, scope)
 
 
 def generate_then_die(folder: str):

@@ -147,6 +147,8 @@ class ScriptedEngineClient:
             prefix_cache_queries=40,
             prefix_cache_hits=30,
             preemptions=self.preemptions,
+            drafts=2,
+            accepted_per_position=[2, 1],
         )
 
 
@@ -185,7 +187,7 @@ def test_completion_and_chat_whole_and_streamed(served, tokenizer):
     assert chat.choices[0].message.content == REPLY and chat.choices[0].message.role == "assistant"
     assert engine.requests[-1].prompt == tokenizer.encode("<|user|>Hello<|end|><|assistant|><think>")
     assert engine.requests[-1].max_new_tokens == 66 - 2 - chat.usage.prompt_tokens  # default: the room left
-    assert engine.requests[-1].sampling.temperature == 0  # the default on a speculating server
+    assert engine.requests[-1].sampling.temperature == 1.0  # OpenAI's default, on a speculating server too
     stream = list(
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], stream=True)
     )
@@ -245,8 +247,11 @@ def test_models_health_metrics(served):
         'spmoe:generation_tokens_total{model_name="tiny"} 7.0',
         'spmoe:prefix_cache_queries_total{model_name="tiny"} 40.0',
         'spmoe:prefix_cache_hits_total{model_name="tiny"} 30.0',
+        'spmoe:spec_decode_num_drafts_total{model_name="tiny"} 2.0',
         'spmoe:spec_decode_num_draft_tokens_total{model_name="tiny"} 4.0',
         'spmoe:spec_decode_num_accepted_tokens_total{model_name="tiny"} 3.0',
+        'spmoe:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"} 2.0',
+        'spmoe:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 1.0',
         'spmoe:time_to_first_token_seconds_count{model_name="tiny"} 1.0',
         'spmoe:inter_token_latency_seconds_count{model_name="tiny"} 3.0',
         'spmoe:time_per_output_token_seconds_count{model_name="tiny"} 1.0',
@@ -285,9 +290,9 @@ def test_several_names_and_the_models_generation_defaults(tokenizer):
     assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (0.0, 1.0)
     client.chat.completions.create(model="glm-5.2", messages=chat)
     assert engine.requests[-1].max_new_tokens == 7
-    engine.num_speculative_tokens = 2  # a speculating server serves greedy requests: the default temperature waits
+    engine.num_speculative_tokens = 2  # a speculating server samples with the model's defaults, as without drafts
     client.completions.create(model="glm", prompt="Hi")
-    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (0.0, 0.9)
+    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (0.6, 0.9)
     with pytest.raises(openai.NotFoundError, match="this server serves 'glm-5.2', 'glm'"):
         client.completions.create(model="glm-5", prompt="Hi")
 

@@ -79,7 +79,6 @@ def test_the_recipe_line_serves_the_model_id_from_the_cache(server, hf_home):
         "spmoe serve: --enable-expert-parallel: spmoe's routed experts are always expert-parallel over all ranks",
         f"spmoe serve: generation defaults from {snapshot / 'generation_config.json'}: temperature=0.7, top_p=0.8, "
         "max_tokens=5",
-        "spmoe serve: the model's default temperature is not applied: a speculating server serves greedy requests",
         f"spmoe serve: {snapshot} on 2 local ranks (tp=2, dp=1, sequence-parallel MoE off (--sp auto, scope moe), "
         "MTP with 1 drafts, float32 on cpu",
     ):
@@ -95,12 +94,14 @@ def test_the_recipe_line_serves_the_model_id_from_the_cache(server, hf_home):
 def test_generation_defaults_apply_to_what_a_request_leaves_out(server):
     base, _ = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    left_out = client.completions.create(model="glm-5.2", prompt="Hello", extra_body={"ignore_eos": True})
+    left_out = client.completions.create(model="glm-5.2", prompt="Hello", seed=5, extra_body={"ignore_eos": True})
     assert left_out.usage.completion_tokens == GENERATION["max_new_tokens"]
     own = client.completions.create(model="glm-5.2", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
     assert own.usage.completion_tokens == 3
-    again = client.completions.create(model="glm-5.2", prompt="Hello", extra_body={"ignore_eos": True})
-    assert again.choices[0].text == left_out.choices[0].text  # greedy: the speculating server's default
+    # the model's default temperature applies with speculation too: sampled, so the seed decides the text
+    again = client.completions.create(model="glm-5.2", prompt="Hello", seed=5, extra_body={"ignore_eos": True})
+    other = client.completions.create(model="glm-5.2", prompt="Hello", seed=6, extra_body={"ignore_eos": True})
+    assert again.choices[0].text == left_out.choices[0].text != other.choices[0].text
 
 
 @pytest.mark.parametrize(

@@ -446,9 +446,8 @@ class OpenAIApi:
             given,
         )
         temperature = fields["temperature"]
-        if temperature is None or self.client.num_speculative_tokens and "temperature" not in given:
-            # OpenAI's default, except that a speculating server serves greedy requests only
-            temperature = 0.0 if self.client.num_speculative_tokens else 1.0
+        if temperature is None:
+            temperature = 1.0  # OpenAI's default, with speculation as without
         if body.min_tokens > max_new:
             raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_new})", "min_tokens")
         bias = body.token_bias

@@ -25,7 +25,10 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 
 class EngineCollector:
-    """The engine's snapshot as Prometheus metrics, taken at every scrape."""
+    """The engine's snapshot as Prometheus metrics, taken at every scrape. With MTP on, the speculation
+    counters carry vLLM's names under the `spmoe:` prefix and a `model_name` label: drafts verified, draft
+    tokens proposed and accepted, and accepted drafts per position (label `position`, 0 for the first draft);
+    acceptance rate = accepted / draft tokens, mean accepted length = 1 + accepted / drafts."""
 
     def __init__(self, client, model_name: str):
         self.client, self.model_name = client, model_name
@@ -66,12 +69,21 @@ class EngineCollector:
             yield family
         if self.client.num_speculative_tokens:
             for name, text, value in (
-                ("spec_decode_num_draft_tokens", "MTP draft tokens proposed", m.draft_proposed),
-                ("spec_decode_num_accepted_tokens", "MTP draft tokens accepted", m.draft_accepted),
+                ("num_drafts", "Verifications of a sequence's MTP drafts", m.drafts),
+                ("num_draft_tokens", "MTP draft tokens proposed", m.draft_proposed),
+                ("num_accepted_tokens", "MTP draft tokens accepted", m.draft_accepted),
             ):
-                family = CounterMetricFamily(PREFIX + name, text, labels=["model_name"])
+                family = CounterMetricFamily(f"{PREFIX}spec_decode_{name}", text, labels=["model_name"])
                 family.add_metric([self.model_name], value)
                 yield family
+            per_position = CounterMetricFamily(
+                PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                "MTP drafts accepted, by draft position",
+                labels=["model_name", "position"],
+            )
+            for position, count in enumerate(m.accepted_per_position):
+                per_position.add_metric([self.model_name, str(position)], count)
+            yield per_position
 
 
 class ServeMetrics:

@@ -308,8 +308,6 @@ def cmd_serve(args) -> int:
     if engine_args.enable_expert_parallel:
         notes.append("--enable-expert-parallel: spmoe's routed experts are always expert-parallel over all ranks")
     notes.append(defaults.describe(APPLIED_DEFAULTS))
-    if engine_args.drafts and "temperature" in defaults.values:
-        notes.append("the model's default temperature is not applied: a speculating server serves greedy requests")
     for note in notes:
         print(f"spmoe serve: {note}", file=sys.stderr, flush=True)
     stop = run_serve(model, engine_args, args.max_num_waiting, front)

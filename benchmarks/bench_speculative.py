@@ -1,0 +1,123 @@
+"""MTP speculation against plain decoding on one GPU: decode tokens/s with k = 1, 2, 3 drafts per step at
+batch 1, 16 and 64, greedy and sampled, against no speculation (eager, and replayed from CUDA graphs).
+
+The model is GLM-5.2 wide with a few layers (default 4: 1 dense, 3 MoE of 64 experts top-8) and its MTP layer,
+random bf16 weights generated on the device, built so that the MTP layer agrees with the target often (as the
+demo's checkpoint is): the LM head is a permutation of the embedding, the MTP layer's eh_proj passes the next
+token's embedding through, and every layer's output projections are scaled down (`--residual-scale`), so the
+hidden state stays close to the token's embedding and each token has one likely successor that both the
+target and the MTP layer predict. The acceptance rate printed per row says how often they did agree.
+
+Per row: `--new-tokens` tokens after a `--prompt-len` random prompt per sequence, on the paged cache; decode
+tokens/s = tokens committed by decode steps / (the decode steps' seconds + the MTP draft steps' seconds), from
+the engine's own phase timings; each configuration runs once untimed first (Triton's JIT, graph capture).
+Speculation runs eagerly (CUDA graphs capture the plain decode step only).
+
+    python benchmarks/bench_speculative.py [--layers 4] [--batches 1 16 64] [--drafts 1 2 3] [--temperatures 0 1]
+"""
+
+import argparse
+import zlib
+
+import torch
+from bench_dp import random_weights
+from bench_generate import glm_config
+
+from spmoe.config import ModelConfig, ParallelConfig
+from spmoe.distributed import spawn
+
+
+def agreeing_weights(model, residual_scale: float) -> None:
+    """Random weights (seeded by name), then the structure the MTP layer finds: LM head = a permutation of the
+    embedding, eh_proj = [identity, 0] (the next token's embedding passes through), output projections of
+    attention and MLPs scaled by `residual_scale` (the residual stream stays near the token's embedding)."""
+    random_weights(model)
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        perm = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(zlib.crc32(b"perm")))
+        model.lm_head.weight.copy_(embed[perm.to(embed.device)])
+        for name, p in model.named_parameters():
+            if name.endswith("eh_proj.weight"):
+                hidden = p.shape[0]
+                p.zero_()
+                p[:, :hidden].copy_(torch.eye(hidden, dtype=p.dtype, device=p.device))
+            elif "o_proj" in name or "down_proj" in name:
+                p.mul_(residual_scale)
+
+
+def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: bool) -> dict:
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.sampling import SamplingParams
+
+    cache = PagedKVCache.for_model(model, int(args.kv_cache_memory * 2**30), "auto")
+    engine = Engine(
+        model,
+        cache,
+        num_speculative_tokens=k,
+        cuda_graphs=graphs,
+        max_num_seqs=batch,
+        max_model_len=args.prompt_len + args.new_tokens + k,
+        enable_prefix_caching=False,
+    )
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+    sampling = SamplingParams(temperature=temperature, seed=1)
+    engine.generate(prompts, 4, sampling)  # untimed: compiles, captures, allocations
+    stats = engine.generate(prompts, args.new_tokens, sampling).stats
+    spec = stats.get("speculative", {})
+    del engine, cache
+    torch.cuda.empty_cache()
+    return {
+        "tok_s": stats["decode_tokens_per_s"],
+        "accept": spec.get("acceptance_rate"),
+        "length": spec.get("mean_accepted_length"),
+    }
+
+
+def run(args) -> list[tuple]:
+    from spmoe.models.deepseek_v32.weights import build_model
+
+    raw = {**glm_config(args.layers), "num_nextn_predict_layers": 1}
+    cfg = ModelConfig.from_dict(raw)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_model(cfg, ParallelConfig(tensor_parallel_size=1), True, set(), dtype, args.device).eval()
+    agreeing_weights(model, args.residual_scale)
+    rows = []
+    for temperature in args.temperatures:
+        for batch in args.batches:
+            modes = (False, True) if args.device == "cuda" else (False,)  # graphs: CUDA only
+            plain = {graphs: decode_rate(model, args, batch, 0, temperature, graphs) for graphs in modes}
+            rows.append((temperature, batch, "k=0 eager", plain[False], 1.0))
+            if True in plain:
+                ratio = plain[True]["tok_s"] / plain[False]["tok_s"]
+                rows.append((temperature, batch, "k=0 graphs", plain[True], ratio))
+            for k in args.drafts:
+                got = decode_rate(model, args, batch, k, temperature, False)
+                rows.append((temperature, batch, f"k={k} eager", got, got["tok_s"] / plain[False]["tok_s"]))
+                print(f"T={temperature} batch {batch} k={k}: {got['tok_s']:.1f} tokens/s", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 3], help="k values besides 0")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--residual-scale", type=float, default=0.05)
+    parser.add_argument("--kv-cache-memory", type=float, default=8.0, help="GiB for the paged cache")
+    parser.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32) to check the script")
+    args = parser.parse_args()
+    rows = spawn(run, 1, args)[0]
+    print(f"{'T':>4}{'batch':>7}{'mode':>12}{'tokens/s':>11}{'vs k=0 eager':>14}{'accept':>9}{'length':>8}")
+    for temperature, batch, mode, got, ratio in rows:
+        accept = f"{got['accept']:.1%}" if got["accept"] is not None else "-"
+        length = f"{got['length']:.2f}" if got["length"] is not None else "-"
+        print(f"{temperature:>4g}{batch:>7}{mode:>12}{got['tok_s']:>11.1f}{ratio:>13.2f}x{accept:>9}{length:>8}")
+
+
+if __name__ == "__main__":
+    main()

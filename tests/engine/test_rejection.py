@@ -1,0 +1,119 @@
+"""The lossless speculative-sampling rule (`engine/rejection.py`), vectorised over 10^5 seeded sequences.
+
+Worked examples of the one-hot drafter's acceptance; then the distribution of the first two tokens a sequence
+commits, drafted and verified as the engine does it (k = 2 drafts, a second step when the first draft is
+rejected), against the exact joint distribution p(t1) p(t2 | t1) of a small target, by total-variation
+distance within sampling error: for the one-hot drafter (the MTP layer's greedy drafts) and for a drafter
+that samples from a general q, with targets truncated by top-k and top-p. A rule that accepts every draft in
+the target's support fails the same bound, so the test can fail."""
+
+import functools
+import math
+
+import pytest
+import torch
+
+from spmoe.engine.rejection import accept_drafts, rejection_sample
+from spmoe.engine.sampling import Sampler, SamplingParams, exponential_noise, race, seed_keys
+
+
+@pytest.mark.parametrize(
+    "drafts, choices, accepted",
+    [
+        # fed [t, 5, 7, 9]: the target drew 5 after t, 7 after 5, 9 after 7 and 4 after 9 -> all 3 drafts and
+        # the bonus token 4
+        ([5, 7, 9], [5, 7, 9, 4], 3),
+        # the target drew 8 where 7 was drafted: 5 is accepted, 8 replaces 7, 9 is discarded although it equals
+        # the target's draw at its position
+        ([5, 7, 9], [5, 8, 9, 4], 1),
+        ([5, 7, 9], [6, 7, 9, 4], 0),  # the first draft is wrong: only the target's own token
+        ([5, 7, 9], [5, 7, 2, 4], 2),  # the last draft is wrong
+        ([5, -1, -1], [5, 2, 0, 0], 1),  # one real draft (padding after it), accepted, plus the bonus
+        ([5, -1, -1], [3, 2, 0, 0], 0),
+        ([-1, -1, -1], [3, 0, 0, 0], 0),  # no drafts: the target's draw alone
+        ([4, 4, -1], [4, 4, 4, 4], 2),  # repeated tokens; the padding never matches
+    ],
+)
+def test_one_hot_acceptance_worked_examples(drafts, choices, accepted):
+    num = torch.tensor([sum(d >= 0 for d in drafts)])
+    got = accept_drafts(torch.tensor([drafts]), num, torch.tensor([choices]))
+    assert got.tolist() == [accepted]
+
+
+V, K, N = 7, 2, 100_000
+
+
+def drawn_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits `[m, V]` -> `[m, V]` float32: the distribution the sampler draws each row's token from with
+    these settings (the softmax of `Sampler.process`'s second tensor), as the engine does with and without
+    speculation."""
+    sampler = Sampler(1, logits.shape[-1])
+    row = sampler.add(params, [0])
+    rows = logits.shape[0]
+    return torch.softmax(sampler.process(logits, [row] * rows, [0] * rows)[1], dim=-1)
+
+
+def processed(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits `[..., V]` -> the target's distribution: temperature 0.8, top-k and top-p."""
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    return drawn_probs(logits.reshape(-1, V), params).reshape(logits.shape)
+
+
+@functools.cache
+def seeded_noise() -> torch.Tensor:
+    """`[N, K + 1, V]`: the Exp(1) noise of seeds 0 .. N-1 at output indices 0 .. K, as the engine draws it."""
+    keys = torch.stack(seed_keys(torch.arange(N)), dim=1)  # the hash works on int64 tensors too
+    return exponential_noise(keys.repeat_interleave(K + 1, 0), torch.arange(K + 1).repeat(N), V).view(N, K + 1, V)
+
+
+def two_tokens(rule: str, top_k: int, top_p: float) -> tuple[float, float, float, float]:
+    """N sequences (seeds 0 .. N-1) draft K tokens and verify them once; a sequence that accepted no draft
+    takes its second token in a second step (the target's draw at output index 1). -> (total-variation
+    distance of the empirical (t1, t2) from p(t1) p(t2 | t1), its sampling-error bound, the empirical
+    acceptance rate of the first draft, its exact value)."""
+    gen = torch.Generator().manual_seed(11)
+    target = processed(torch.randn(1 + V + V * V, V, generator=gen) * 1.5, top_k, top_p)
+    p0, p1, p2 = target[0], target[1 : 1 + V], target[1 + V :].reshape(V, V, V)  # p(.), p(. | a), p(. | a, b)
+    noise = seeded_noise()
+    if rule == "one-hot":  # a deterministic drafter: the target's mode first, then the mode or its neighbour
+        q0, q1 = torch.eye(V)[p0.argmax()], torch.eye(V)[(p1.argmax(-1) + torch.arange(V) % 2) % V]
+    else:
+        q = torch.softmax(torch.randn(1 + V, V, generator=gen) * 1.5, dim=-1)
+        q0, q1 = q[0], q[1:]
+    x1 = torch.multinomial(q0.expand(N, V), 1, replacement=True, generator=gen)[:, 0]
+    x2 = torch.multinomial(q1[x1], 1, generator=gen)[:, 0]
+    drafts = torch.stack([x1, x2], dim=1)
+    probs = torch.stack([p0.expand(N, V), p1[x1], p2[x1, x2]], dim=1)  # [N, K + 1, V]
+    if rule == "one-hot":
+        tokens = race(probs, noise)
+        accepted = accept_drafts(drafts, torch.full((N,), K), tokens)
+    else:
+        draft_probs = torch.stack([q0.expand(N, V), q1[x1]], dim=1)
+        if rule == "accept-all":
+            draft_probs = torch.zeros_like(draft_probs)  # u * 0 < p(x): every draft in the support is kept
+        accepted, tokens = rejection_sample(probs, drafts, draft_probs, noise)
+    t1 = tokens[:, 0]
+    second_step = race(p1[t1], noise[:, 1])  # the next step's draw at output index 1, after t1
+    t2 = torch.where(accepted >= 1, tokens[:, 1], second_step)
+    counts = torch.bincount(t1 * V + t2, minlength=V * V).double() / N
+    exact = (p0[:, None] * p1).reshape(-1).double()
+    tv = 0.5 * (counts - exact).abs().sum().item()
+    # 0.5 * sum of each cell's standard deviation: about 1.25x the expected distance of an exact sampler
+    bound = 2 * 0.5 * sum(math.sqrt(p * (1 - p) / N) for p in exact.tolist())
+    first_rate = (accepted >= 1).double().mean().item()
+    exact_rate = (torch.minimum(p0, q0).sum() if rule != "one-hot" else p0[q0.argmax()]).item()
+    return tv, bound, first_rate, exact_rate
+
+
+@pytest.mark.parametrize("rule", ["one-hot", "general"])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 1.0), (0, 0.8), (5, 0.9)])
+def test_committed_tokens_follow_the_target_distribution(rule, top_k, top_p):
+    tv, bound, rate, exact_rate = two_tokens(rule, top_k, top_p)
+    assert tv < bound, (tv, bound)
+    assert 0.05 < rate < 0.95  # drafts are both accepted and rejected
+    assert abs(rate - exact_rate) < 4 * math.sqrt(exact_rate * (1 - exact_rate) / N)  # min(1, p/q) on average
+
+
+def test_a_rule_that_keeps_every_draft_fails_the_same_bound():
+    tv, bound, _, _ = two_tokens("accept-all", 4, 1.0)
+    assert tv > 3 * bound, (tv, bound)

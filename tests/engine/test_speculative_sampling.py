@@ -1,0 +1,147 @@
+"""Sampled requests with MTP speculation follow the target's own distribution, end to end.
+
+One spawned rank runs a speculating engine (k = 2) on the tiny checkpoint whose MTP layer agrees with the
+target often (`conftest.py`: the LM head is a permutation of the embedding), so drafts are both accepted and
+rejected: thousands of seeded requests for the same one-token prompt in one batch, in two sampled settings,
+with greedy requests mixed in. The two tokens of the sampled requests are compared with the exact
+distribution p(t1) p(t2 | t1), enumerated from transformers' forward of every continuation and
+processed with the same temperature and top-p, by a chi-square test; the same counts against the other
+setting's distribution fail it (the test can tell distributions apart). Greedy rows give the plain greedy
+tokens, and a seeded request gives the same tokens in a smaller batch and without speculation."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from spmoe.config import ParallelConfig
+from spmoe.distributed import spawn
+from spmoe.engine.sampling import SamplingParams
+
+from .test_rejection import drawn_probs
+
+PROMPT, NEW, K = [23], 2, 2  # a prompt whose continuations MTP often drafts right
+SETTINGS = {"cool": SamplingParams(temperature=0.3), "nucleus": SamplingParams(temperature=0.5, top_p=0.8)}
+PER_SETTING, GREEDY = 600, 16
+LOGPROB_REQUESTS = [  # logprobs with penalties and a bias: the processed rows, drafts counted as generated
+    SamplingParams(0.8, seed=7, logprobs=2, frequency_penalty=0.5, logit_bias=((5, 2.0),)),
+    SamplingParams(logprobs=1, presence_penalty=-1.0),
+    SamplingParams(1.0, seed=8, top_k=4, logprobs=0),
+]
+
+
+def requests(per_setting: int) -> list[SamplingParams]:
+    """Every setting's seeded requests and the greedy ones, interleaved (a mixed batch)."""
+    out = []
+    for i in range(per_setting):
+        out += [replace(params, seed=1000 * j + i) for j, params in enumerate(SETTINGS.values())]
+        if i < GREEDY:
+            out.append(SamplingParams())
+    return out
+
+
+def generate(folder: str, per_setting: int = PER_SETTING) -> dict:
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.kv_cache import KVCache
+    from spmoe.engine.request import Request
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    model = load_model(folder, ParallelConfig(), with_mtp=True)
+    params = requests(per_setting)
+
+    def run(sampling: list[SamplingParams], k: int):
+        engine = Engine(model, KVCache.for_model(model, len(sampling), len(PROMPT) + NEW + K), k)
+        return engine.generate([PROMPT] * len(sampling), NEW, sampling)
+
+    def with_logprobs(k: int) -> list[tuple[list[int], list]]:
+        """Each of LOGPROB_REQUESTS' (tokens, logprobs), 8 tokens each, in one batch."""
+        engine = Engine(model, KVCache.for_model(model, len(LOGPROB_REQUESTS), len(PROMPT) + 8 + K), k)
+        for i, sampling in enumerate(LOGPROB_REQUESTS):
+            engine.add_request(Request(str(i), PROMPT, 8, sampling))
+        got = [([], []) for _ in LOGPROB_REQUESTS]
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[int(out.request_id)][0].extend(out.new_token_ids)
+                got[int(out.request_id)][1].extend(out.logprobs or [])
+        return got
+
+    spec = run(params, K)
+    return {
+        "params": params,
+        "outputs": spec.outputs,
+        "speculative": spec.stats["speculative"],
+        "plain_greedy": run([SamplingParams()], 0).outputs[0],
+        "subset": run(params[:40], K).outputs,
+        "unspeculated": run(params[:40], 0).outputs,
+        "logprobs": with_logprobs(K),
+        "logprobs_unspeculated": with_logprobs(0),
+    }
+
+
+def exact_distributions(folder: str) -> dict[str, torch.Tensor]:
+    """setting -> `[V, V]` the exact probability of each two first tokens, from transformers' logits."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        vocab = model.config.vocab_size
+        grid = torch.arange(vocab)
+        first = model(torch.tensor([PROMPT])).logits[0, -1:]  # [1, V]
+        second = model(torch.stack([torch.full((vocab,), PROMPT[0]), grid], 1)).logits[:, -1]  # [V, V]
+    out = {}
+    for name, params in SETTINGS.items():
+        out[name] = drawn_probs(first, params).double()[0][:, None] * drawn_probs(second, params).double()
+    return out
+
+
+def chi_square_p(tokens: list[list[int]], exact: torch.Tensor) -> float:
+    """The chi-square test's p-value of the observed pairs against `exact` `[V, V]`: cells expected at least 5
+    times on their own, the others pooled into one."""
+    vocab, n = exact.shape[0], len(tokens)
+    index = torch.tensor([a * vocab + b for a, b in tokens])
+    observed = torch.bincount(index, minlength=vocab**2).double()
+    expected = exact.reshape(-1) * n
+    big = expected >= 5
+    observed = torch.cat([observed[big], observed[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor(float(len(observed) - 1), dtype=torch.float64)
+    return torch.special.gammaincc(dof / 2, statistic / 2).item()
+
+
+@pytest.fixture(scope="module")
+def sampled(engine_checkpoint):
+    return spawn(generate, 1, engine_checkpoint)[0], exact_distributions(engine_checkpoint)
+
+
+def test_sampled_continuations_follow_the_target_distribution(sampled):
+    got, exact = sampled
+    by_setting = {name: [] for name in SETTINGS}
+    for params, tokens in zip(got["params"], got["outputs"]):
+        for name, setting in SETTINGS.items():
+            if not params.greedy and replace(params, seed=0) == replace(setting, seed=0):
+                by_setting[name].append(tokens)
+    assert [len(v) for v in by_setting.values()] == [PER_SETTING] * len(SETTINGS)
+    spec = got["speculative"]
+    assert 0.05 < spec["per_position"][0] < 0.95, spec  # first drafts both accepted and rejected
+    for name, tokens in by_setting.items():
+        assert chi_square_p(tokens, exact[name]) > 1e-3, name
+    assert chi_square_p(by_setting["cool"], exact["nucleus"]) < 1e-6  # the test tells the settings apart
+
+
+def test_greedy_rows_and_seeds_in_a_speculating_batch(sampled):
+    got, _ = sampled
+    greedy = [tokens for params, tokens in zip(got["params"], got["outputs"]) if params.greedy]
+    assert greedy == [got["plain_greedy"]] * GREEDY
+    assert got["subset"] == got["outputs"][:40]  # a request's seed decides its tokens, whatever the batch
+    assert got["unspeculated"] == got["outputs"][:40]  # and the same tokens without speculation
+
+
+def test_logprobs_with_speculation_are_those_without(sampled):
+    got, _ = sampled
+    for (tokens, logprobs), (plain_tokens, plain_logprobs) in zip(got["logprobs"], got["logprobs_unspeculated"]):
+        assert tokens == plain_tokens and len(logprobs) == len(tokens) == 8
+        for (lp, top), (plain_lp, plain_top) in zip(logprobs, plain_logprobs):
+            assert lp == pytest.approx(plain_lp, abs=1e-4) and lp <= 0
+            assert [t for t, _ in top] == [t for t, _ in plain_top]
+            assert [v for _, v in top] == pytest.approx([v for _, v in plain_top], abs=1e-4)
