@@ -2,11 +2,14 @@
 all have different settings (greedy, sampled, penalties, logit_bias, min_tokens, top_k / top_p / min_p), and the
 same logprobs within 1e-4: the hashed noise is integer arithmetic, identical on both."""
 
+import pytest
 import torch
 
 from spmoe.engine.sampling import Sampler, SamplingParams
 
 from ..multigpu import requires_gpus
+
+pytestmark = pytest.mark.gpu
 
 VOCAB = 154880
 SETTINGS = [
