@@ -23,7 +23,7 @@ from spmoe.distributed import spawn
 from spmoe.distributed.launcher import free_port
 from spmoe.entrypoints.cli import main
 from spmoe.entrypoints.demo import write_demo_tokenizer
-from spmoe.entrypoints.serve.tokenizer import chat_prompt_ids, load_tokenizer
+from spmoe.entrypoints.serve.tokenizer import chat_prompt_text, load_tokenizer
 from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 from tests.engine.conftest import ENGINE_CONFIG
 from tests.engine.test_engine_grammar import ENGINE_SCHEMAS
@@ -154,7 +154,8 @@ def test_greedy_text_equals_spmoe_generate(server, checkpoint, tmp_path):
     client = openai_client(base)
     assert [m.id for m in client.models.list()] == ["tiny"]
     prompt, messages, max_new = "The café in Zürich", [{"role": "user", "content": "Hello there"}], 12
-    prompts = [tokenizer.encode(prompt), chat_prompt_ids(tokenizer, messages)]
+    chat = tokenizer.encode(chat_prompt_text(tokenizer, messages), add_special_tokens=False)
+    prompts = [tokenizer.encode(prompt), chat]
     expected = [
         tokenizer.decode(out, skip_special_tokens=True)
         for out in generate_tokens(tmp_path, checkpoint, prompts, max_new, tokenizer.eos_token_id)

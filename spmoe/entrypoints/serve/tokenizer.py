@@ -64,14 +64,6 @@ def chat_prompt_text(
         raise ValueError(f"the chat template failed on these messages: {type(e).__name__}: {e}"[:400]) from None
 
 
-def chat_prompt_ids(
-    tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
-) -> list[int]:
-    """The same, as token ids."""
-    text = chat_prompt_text(tokenizer, messages, tools, template_kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def longest_token_bytes(tokenizer) -> int:
     """The UTF-8 length of the longest entry of the vocabulary (special tokens included): no token stands for
     more bytes of text than this, so a text of more than `n` times as many bytes has more than `n` tokens. (A
