@@ -419,12 +419,13 @@ def test_kernels_at_large_batch_and_context(batch, context, kv_cache_dtype):
     tables = [order[i * used : (i + 1) * used] + [cache.scratch_block] * (width - used) for i in range(batch)]
     fill = cache.view(tables, [0] * batch, [context] * batch)
     n = batch * context
-    fill.write_latent(
-        0,
+    write_latent(
+        fill.layer(0),
+        fill.slot_mapping,
         torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
         torch.randn(n, 64, device="cuda", generator=gen).bfloat16(),
     )
-    fill.write_index_key(0, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
+    write_index_key(fill.layer(0), fill.slot_mapping, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
     del fill
     rows = cache.layers[0]
     for view in (
