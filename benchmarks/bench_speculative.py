@@ -10,8 +10,11 @@ target and the MTP layer predict. The acceptance rate printed per row says how o
 
 Per row: `--new-tokens` tokens after a `--prompt-len` random prompt per sequence, on the paged cache; decode
 tokens/s = tokens committed by decode steps / (the decode steps' seconds + the MTP draft steps' seconds), from
-the engine's own phase timings; each configuration runs once untimed first (Triton's JIT, graph capture).
-Speculation runs eagerly (CUDA graphs capture the plain decode step only).
+the engine's own phase timings, and its ratio to k = 0 in the same mode (eager or CUDA graphs); "target ms":
+one decode step of the target (with k drafts: the verification of k + 1 tokens per sequence, with the
+choice of tokens), and its ratio to the plain decode step (goal at batch 1-16: <= 1 + 0.1 k); "draft ms":
+the drafter's k forwards of one step. Each configuration runs once untimed first (Triton's JIT, graph
+capture).
 
     python benchmarks/bench_speculative.py [--layers 4] [--batches 1 16 64] [--drafts 1 2 3] [--temperatures 0 1]
 """
@@ -66,10 +69,13 @@ def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: boo
     engine.generate(prompts, 4, sampling)  # untimed: compiles, captures, allocations
     stats = engine.generate(prompts, args.new_tokens, sampling).stats
     spec = stats.get("speculative", {})
+    target, drafter = stats["phases"]["decode"], stats["phases"]["draft"]
     del engine, cache
     torch.cuda.empty_cache()
     return {
         "tok_s": stats["decode_tokens_per_s"],
+        "target_ms": 1e3 * target["seconds"] / max(target["forwards"], 1),  # one decode (verification) step
+        "draft_ms": 1e3 * drafter["seconds"] * k / max(drafter["forwards"], 1) if k else None,  # k MTP forwards
         "accept": spec.get("acceptance_rate"),
         "length": spec.get("mean_accepted_length"),
     }
@@ -84,18 +90,16 @@ def run(args) -> list[tuple]:
     model = build_model(cfg, ParallelConfig(tensor_parallel_size=1), True, set(), dtype, args.device).eval()
     agreeing_weights(model, args.residual_scale)
     rows = []
+    modes = ("eager", "graphs") if args.device == "cuda" else ("eager",)  # graphs: CUDA only
     for temperature in args.temperatures:
         for batch in args.batches:
-            modes = (False, True) if args.device == "cuda" else (False,)  # graphs: CUDA only
-            plain = {graphs: decode_rate(model, args, batch, 0, temperature, graphs) for graphs in modes}
-            rows.append((temperature, batch, "k=0 eager", plain[False], 1.0))
-            if True in plain:
-                ratio = plain[True]["tok_s"] / plain[False]["tok_s"]
-                rows.append((temperature, batch, "k=0 graphs", plain[True], ratio))
-            for k in args.drafts:
-                got = decode_rate(model, args, batch, k, temperature, False)
-                rows.append((temperature, batch, f"k={k} eager", got, got["tok_s"] / plain[False]["tok_s"]))
-                print(f"T={temperature} batch {batch} k={k}: {got['tok_s']:.1f} tokens/s", flush=True)
+            for mode in modes:
+                plain = None
+                for k in (0, *args.drafts):
+                    got = decode_rate(model, args, batch, k, temperature, mode == "graphs")
+                    plain = plain or got
+                    rows.append((temperature, batch, mode, k, got, plain))
+                    print(f"T={temperature} batch {batch} {mode} k={k}: {got['tok_s']:.1f} tokens/s", flush=True)
     return rows
 
 
@@ -112,11 +116,18 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32) to check the script")
     args = parser.parse_args()
     rows = spawn(run, 1, args)[0]
-    print(f"{'T':>4}{'batch':>7}{'mode':>12}{'tokens/s':>11}{'vs k=0 eager':>14}{'accept':>9}{'length':>8}")
-    for temperature, batch, mode, got, ratio in rows:
+    print(
+        f"{'T':>4}{'batch':>7}{'mode':>8}{'k':>3}{'tokens/s':>11}{'vs k=0':>8}{'target ms':>11}{'vs k=0':>8}"
+        f"{'draft ms':>10}{'accept':>9}{'length':>8}"
+    )
+    for temperature, batch, mode, k, got, plain in rows:
         accept = f"{got['accept']:.1%}" if got["accept"] is not None else "-"
         length = f"{got['length']:.2f}" if got["length"] is not None else "-"
-        print(f"{temperature:>4g}{batch:>7}{mode:>12}{got['tok_s']:>11.1f}{ratio:>13.2f}x{accept:>9}{length:>8}")
+        draft = f"{got['draft_ms']:.3f}" if got["draft_ms"] is not None else "-"
+        print(
+            f"{temperature:>4g}{batch:>7}{mode:>8}{k:>3}{got['tok_s']:>11.1f}{got['tok_s'] / plain['tok_s']:>7.2f}x"
+            f"{got['target_ms']:>11.3f}{got['target_ms'] / plain['target_ms']:>7.2f}x{draft:>10}{accept:>9}{length:>8}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,19 @@
-"""CUDA graphs for the plain decode step (one new token per live sequence), SP on or off.
+"""CUDA graphs for the decode step (one new token per live sequence, or with MTP speculation its token and its
+k drafts), SP on or off.
 
 Launching a decode step's few hundred small kernels and collectives one by one costs more than running them
 at small batches. Instead the step (the model, then the LM head) is captured once per padded batch size B in
 `BATCH_SIZES` up to the engine's sequence count, and each decode step replays the smallest graph that fits.
-Pad rows get token 0 at position 0 in the cache's scratch slot or block; they attend only themselves and
-their logits are dropped.
+Pad sequences get token 0 at positions 0 .. T - 1 in the cache's scratch slot or block; they attend only
+themselves and their logits are dropped.
+
+With speculation (k drafts) each sequence feeds T = 1 + k tokens at positions p .. p + k, laid out in
+sequence order (row b * T + j), and a second graph per B holds the MTP drafter's step (`draft_tokens`;
+`speculative.MtpDrafter` is its eager form): the catch-up over all B * T fed rows (a row past a sequence's
+last verified position writes an MTP cache row that a later write replaces before anything reads it, as the
+target's rejected rows do), then its k - 1 one-token steps. The host's only work between the two replays is
+the choice of tokens (the sampler and the acceptance rule), which also says which row is each sequence's last
+verified one.
 
 Every B is captured at start-up (largest first, the others share its memory pool), on every rank in the same
 order, so nothing is captured while serving; `captures` counts them.
@@ -16,7 +25,9 @@ order, so nothing is captured while serving; `captures` counts them.
   blocks up to the row's position (the rest of its row are -inf keys, written without a load), `cache_rows`
   and sparse MLA look up only the selected positions. Each step copies only the table columns its longest
   sequence uses; stale entries beyond a row's own length are never read (every kernel masks positions past
-  the row's position), and a pad row's first entry is always the scratch block, where it writes.
+  the row's position), and a pad row's first entry is always the scratch block, where it writes. The
+  tables have one more row than sequences, all scratch: the drafter's steps of a sequence that stops this
+  step write there (its own table may hold no room past its last token).
 
 Captured, the step must not sync the host nor change shape with the data. Hence it needs: DP = 1 (DP ranks
 would have to agree on B each step), the `allgather_reducescatter` dispatch (`all_to_all` reads its counts
@@ -37,12 +48,26 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 @dataclass
+class CapturedDraft:
+    """The drafter's step of one batch size B (with k drafts, T = 1 + k fed tokens per sequence)."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # [B * T + 3 * B] int64: the token after each fed row, then per sequence its last
+    # verified row, where its one-token steps write (`DecodeGraphs.draft`) and their first position
+    drafts: torch.Tensor  # [B, k] int64, rewritten by each replay
+    collectives: CommStats  # of one replay, counted at capture
+
+
+@dataclass
 class CapturedStep:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [3, B] int64: token ids, KV cache slots (paged: the row's own index), positions
-    block_tables: torch.Tensor | None  # [B, W] int32 (paged cache: W = `DecodeGraphs.width`), else None
-    logits: torch.Tensor  # [B, V] float32, rewritten by each replay
+    inputs: torch.Tensor  # [3, B * T] int64: token ids, where (slot cache: the row's slot; paged: its
+    # sequence's row of block_tables), positions
+    block_tables: torch.Tensor | None  # [B + 1, W] int32 (paged cache: W = `DecodeGraphs.width`), else None
+    logits: torch.Tensor  # [B * T, V] float32, rewritten by each replay
+    hidden: torch.Tensor  # [B * T, H] the post-norm hidden the logits come from (the drafter's input)
     collectives: CommStats  # of one replay, counted at capture
+    draft: CapturedDraft | None  # with speculation
 
 
 def deployment_problems(device_type: str, dp_size: int, ep_backend: str) -> list[str]:
@@ -77,20 +102,63 @@ def padded_tables(tables: list[list[int]], rows: int, width: int, scratch: int) 
     return out
 
 
+def step_view(cache: KVCache | PagedKVCache, where: torch.Tensor, positions: torch.Tensor, block_tables):
+    """The cache view of rows `[N]` at `positions` `[N]`: `where` is each row's slot (slot cache) or its
+    sequence's row of block_tables `[S, W]` (paged cache)."""
+    if block_tables is None:
+        return cache.decode_view(where, positions)
+    return cache.decode_view(block_tables, where, positions)
+
+
 def decode_logits(
     model: DeepseekV32ForCausalLM,
     cache: KVCache | PagedKVCache,
     inputs: torch.Tensor,
     block_tables: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The step a graph captures, run eagerly: inputs `[3, B]` (ids, slots, positions; paged: ids, row index,
-    positions) and, paged, block_tables `[B, W]` -> logits `[B, V]`."""
+    """The step a graph captures, run eagerly: inputs `[3, N]` (ids, where, positions; see `step_view`) and,
+    paged, block_tables `[S, W]` -> logits `[N, V]`."""
+    return model.compute_logits(decode_hidden(model, cache, inputs, block_tables))
+
+
+def decode_hidden(model: DeepseekV32ForCausalLM, cache, inputs: torch.Tensor, block_tables) -> torch.Tensor:
+    """`decode_logits`' post-norm hidden `[N, H]`, before the LM head."""
     ids, where, positions = inputs
-    if block_tables is None:
-        view = cache.decode_view(where, positions)
-    else:
-        view = cache.decode_view(block_tables, where, positions)
-    return model.compute_logits(model.forward_hidden(ids, positions, [1] * ids.shape[0], view))
+    return model.forward_hidden(ids, positions, [1] * ids.shape[0], step_view(cache, where, positions, block_tables))
+
+
+def draft_tokens(
+    model: DeepseekV32ForCausalLM,
+    cache: KVCache | PagedKVCache,
+    inputs: torch.Tensor,
+    block_tables: torch.Tensor | None,
+    hidden: torch.Tensor,
+    next_ids: torch.Tensor,
+    last: torch.Tensor,
+    where: torch.Tensor,
+    first: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """The drafter's step a graph captures, run eagerly, after a target step over S sequences of T fed rows:
+    inputs `[3, S * T]` and block_tables as that step's, hidden `[S * T, H]` its post-norm hidden; next_ids
+    `[S * T]` the token after each fed row; per sequence `[S]`: last, its last verified row; where and first,
+    the room (see `step_view`) and first position of its k - 1 one-token steps -> drafts `[S, k]` int64.
+
+    The MTP layer catches up on every fed row (rows past a sequence's last verified one write cache rows that
+    are rewritten before they are read), its draft comes from the last verified row, and each next draft from
+    a one-token step fed the previous draft and the MTP layer's own post-norm hidden."""
+    _, rows_where, positions = inputs
+    view = step_view(cache, rows_where, positions, block_tables)
+    h = model.forward_draft_hidden(next_ids, positions, hidden, [1] * next_ids.shape[0], view)[last]  # [S, H]
+    tokens = model.compute_draft_logits(h).argmax(-1)  # [S]
+    drafts, ones = [tokens], [1] * last.shape[0]
+    for i in range(k - 1):
+        step_positions = first + i
+        view = step_view(cache, where, step_positions, block_tables)
+        h = model.forward_draft_hidden(tokens, step_positions, h, ones, view)
+        tokens = model.compute_draft_logits(h).argmax(-1)
+        drafts.append(tokens)
+    return torch.stack(drafts, dim=1)
 
 
 class DecodeGraphs:
@@ -101,10 +169,12 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_model_len: int | None = None,
         on_capture=None,
+        drafts: int = 0,
     ):
-        """Captures one graph per size in `graph_sizes(max_num_seqs)` now, on every rank in the same order.
-        Paged cache: block tables of `table_width(cache, max_model_len)` blocks (None: the whole cache).
-        `on_capture(size)` is called before each capture (progress output)."""
+        """Captures one graph per size in `graph_sizes(max_num_seqs)` now (with `drafts` > 0 speculative
+        steps: each sequence feeds 1 + drafts tokens, and a drafter's graph per size too), on every rank in
+        the same order. Paged cache: block tables of `table_width(cache, max_model_len)` blocks (None: the
+        whole cache). `on_capture(size)` is called before each capture (progress output)."""
         problems = deployment_problems(cache.device.type, get_parallel_state().dp_size, model.parallel.ep_backend)
         capturable, experts = model.graph_capturable
         if not capturable:
@@ -113,11 +183,13 @@ class DecodeGraphs:
             )
         if problems:
             raise ValueError("CUDA graphs for decode need " + "; ".join(problems))
-        self.model, self.cache, self.max_num_seqs = model, cache, max_num_seqs
+        self.model, self.cache, self.max_num_seqs, self.drafts = model, cache, max_num_seqs, drafts
+        self.tokens_per_seq = 1 + drafts
         self.paged = isinstance(cache, PagedKVCache)
         self.width = table_width(cache, max_model_len or cache.capacity_tokens) if self.paged else 0
         self.steps: dict[int, CapturedStep] = {}  # B -> graph
         self.captures = 0  # graphs captured by this object, ever
+        self.replayed: CapturedStep | None = None  # the step replayed last, whose rows `draft` continues
         self._pool = None
         for size in reversed(graph_sizes(max_num_seqs)):  # largest first, the others reuse its memory
             if on_capture is not None:
@@ -128,48 +200,79 @@ class DecodeGraphs:
         """The padded batch sizes captured."""
         return sorted(self.steps)
 
+    def fits(self, num_tokens: list[int]) -> bool:
+        """Whether a decode step whose sequences feed `num_tokens` each can replay a graph."""
+        return 0 < len(num_tokens) <= self.max_num_seqs and all(n == self.tokens_per_seq for n in num_tokens)
+
     def eager_step(self, inputs: torch.Tensor, block_tables: torch.Tensor | None = None) -> torch.Tensor:
         """`decode_logits` of this model and cache."""
         return decode_logits(self.model, self.cache, inputs, block_tables)
 
     def _capture(self, size: int) -> None:
-        device = self.cache.device
-        inputs = torch.zeros(3, size, dtype=torch.long, device=device)
+        device, per_seq, k = self.cache.device, self.tokens_per_seq, self.drafts
+        inputs = torch.zeros(3, size * per_seq, dtype=torch.long, device=device)
+        inputs[2] = torch.arange(per_seq, device=device).repeat(size)  # pad sequences: positions 0 .. T - 1
         tables = None
         if self.paged:
-            inputs[1] = torch.arange(size, device=device)
-            tables = torch.full((size, self.width), self.cache.scratch_block, dtype=torch.int32, device=device)
+            inputs[1] = torch.arange(size, device=device).repeat_interleave(per_seq)
+            tables = torch.full((size + 1, self.width), self.cache.scratch_block, dtype=torch.int32, device=device)
         else:
             inputs[1] = self.cache.scratch_slot
+        draft_inputs = torch.zeros(size * per_seq + 3 * size, dtype=torch.long, device=device)
+        if k:
+            self._pad_draft_inputs(draft_inputs, size, 0)
+
+        def target():
+            hidden = decode_hidden(self.model, self.cache, inputs, tables)
+            return self.model.compute_logits(hidden), hidden
+
+        def drafter(hidden):
+            return draft_tokens(self.model, self.cache, inputs, tables, hidden, *self._split(draft_inputs, size), k)
+
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad():
             with torch.cuda.stream(side):  # warm-up: compiles kernels, sets up communicators
-                self.eager_step(inputs, tables)
+                _, hidden = target()
+                if k:
+                    drafter(hidden)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with count_collectives() as collectives, torch.cuda.graph(graph, pool=self._pool):
-                logits = self.eager_step(inputs, tables)
-        self._pool = graph.pool()
-        self.steps[size] = CapturedStep(graph, inputs, tables, logits, collectives)
+                logits, hidden = target()
+            self._pool = graph.pool()
+            draft = None
+            if k:
+                draft_graph = torch.cuda.CUDAGraph()
+                with count_collectives() as draft_collectives, torch.cuda.graph(draft_graph, pool=self._pool):
+                    drafts = drafter(hidden)
+                draft = CapturedDraft(draft_graph, draft_inputs, drafts, draft_collectives)
+                self.captures += 1
+        self.steps[size] = CapturedStep(graph, inputs, tables, logits, hidden, collectives, draft)
         self.captures += 1
 
-    def step(self, ids: list[int], locations: list, positions: list[int], stats: CommStats) -> torch.Tensor:
-        """One decode step for `len(ids)` sequences (`locations`: their slots, or block tables) -> logits
-        `[len(ids), V]` (a view of the graph's output, valid until the next step). Adds the replayed
+    def step(self, ids: list[list[int]], locations: list, starts: list[int], stats: CommStats) -> torch.Tensor:
+        """One decode step for `len(ids)` sequences, each feeding its T tokens `ids[i]` from position `starts[i]`
+        (`locations`: their slots, or block tables) -> logits `[len(ids) * T, V]` (a view of the graph's
+        output, valid until the next step; row i * T + j follows token j of sequence i). Adds the replayed
         collectives to `stats`."""
-        count = len(ids)
-        if count > self.max_num_seqs:
+        count, per_seq = len(ids), self.tokens_per_seq
+        if not self.fits([len(t) for t in ids]):
             raise ValueError(
-                f"{count} sequences in one decode step; graphs were captured for up to {self.max_num_seqs}"
+                f"a decode step of {count} sequences feeding {sorted({len(t) for t in ids})} tokens; graphs were "
+                f"captured for up to {self.max_num_seqs} sequences of {per_seq}"
             )
         size = min(s for s in graph_sizes(self.max_num_seqs) if s >= count)
         captured, pad = self.steps[size], size - count
+        flat_ids = [t for seq in ids for t in seq] + [0] * (pad * per_seq)
+        positions = [s + j for s in starts + [0] * pad for j in range(per_seq)]
         if not self.paged:
-            if any(p >= self.cache.max_len for p in positions):
-                raise ValueError(f"a decode position reaches {max(positions)}; the cache holds {self.cache.max_len}")
-            host = torch.tensor([ids + [0] * pad, locations + [self.cache.scratch_slot] * pad, positions + [0] * pad])
-            captured.inputs.copy_(host)
+            if any(s + per_seq > self.cache.max_len for s in starts):
+                raise ValueError(
+                    f"a decode position reaches {max(starts) + per_seq - 1}; the cache holds {self.cache.max_len}"
+                )
+            where = [slot for slot in locations for _ in range(per_seq)] + [self.cache.scratch_slot] * (pad * per_seq)
+            captured.inputs.copy_(torch.tensor([flat_ids, where, positions]))
         else:
             used = max(len(table) for table in locations)
             if used > self.width:
@@ -178,8 +281,48 @@ class DecodeGraphs:
                     f"(max_model_len)"
                 )
             tables = padded_tables(locations, size, used, self.cache.scratch_block)
-            captured.inputs[0::2].copy_(torch.tensor([ids + [0] * pad, positions + [0] * pad]))
-            captured.block_tables[:, :used].copy_(torch.from_numpy(tables))
+            captured.inputs[0::2].copy_(torch.tensor([flat_ids, positions]))
+            captured.block_tables[:size, :used].copy_(torch.from_numpy(tables))
         captured.graph.replay()
         stats.add(captured.collectives)
-        return captured.logits[:count]
+        self.replayed = captured
+        return captured.logits[: count * per_seq]
+
+    def draft(
+        self, next_ids: list[list[int]], last: list[int], starts: list[int | None], locations: list, stats: CommStats
+    ) -> list[list[int]]:
+        """The drafter's step after the target's `step`, for its sequences (`locations`: as given to `step`):
+        `next_ids[i]`: the token after each of sequence i's T fed positions (past its last verified one:
+        anything); `last[i]`: the index (< T) of its last verified position; `starts[i]`: the position of its
+        first one-token step (after its last verified position), or None for a sequence that stops this step
+        (its steps write the scratch room: its own may end at its last token). -> k drafts per sequence. Adds
+        the replayed collectives to `stats`."""
+        captured, per_seq = self.replayed, self.tokens_per_seq
+        if captured is None or captured.draft is None:
+            raise RuntimeError("the drafter's graph runs after a replayed speculative target step")
+        size, count = captured.inputs.shape[1] // per_seq, len(next_ids)
+        host = torch.zeros(size * per_seq + 3 * size, dtype=torch.long)
+        ids, rows, where, first = self._split(host, size)
+        self._pad_draft_inputs(host, size, count)
+        ids[: count * per_seq] = torch.tensor([t for seq in next_ids for t in seq])
+        rows[:count] = torch.tensor([i * per_seq + j for i, j in enumerate(last)])
+        scratch = size if self.paged else self.cache.scratch_slot
+        own = range(count) if self.paged else locations
+        where[:count] = torch.tensor([scratch if s is None else w for s, w in zip(starts, own)])
+        first[:count] = torch.tensor([0 if s is None else s for s in starts])
+        captured.draft.inputs.copy_(host)
+        captured.draft.graph.replay()
+        stats.add(captured.draft.collectives)
+        return captured.draft.drafts[:count].tolist()
+
+    def _pad_draft_inputs(self, inputs: torch.Tensor, size: int, count: int) -> None:
+        """Pad sequences count .. size - 1 of a drafter's inputs: last row their first, their one-token steps in
+        the scratch room from position 0."""
+        _, rows, where, first = self._split(inputs, size)
+        rows[count:] = torch.arange(count, size, device=inputs.device) * self.tokens_per_seq
+        where[count:] = size if self.paged else self.cache.scratch_slot
+        first[count:] = 0
+
+    def _split(self, inputs: torch.Tensor, size: int) -> list[torch.Tensor]:
+        """A drafter's flat inputs -> (next ids `[B * T]`, last rows `[B]`, where `[B]`, first positions `[B]`)."""
+        return list(inputs.split([size * self.tokens_per_seq, size, size, size]))

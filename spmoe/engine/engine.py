@@ -14,7 +14,7 @@ One step is three calls on named records (`sequence.py`):
    preempting when it runs out.
 2. `ModelRunner.run(batch) -> StepResult` (`model_runner.py`): one target forward over every scheduled
    sequence's tokens, laid end to end (a chunk of a prompt, else its last token followed by its drafts when
-   speculating; with `cuda_graphs`, plain decode steps replay a captured graph), the choice of each sampling
+   speculating; with `cuda_graphs`, decode steps replay a captured graph), the choice of each sampling
    sequence's tokens (every row of the step through the batched `Sampler`, `sampling.py`, then the lossless
    acceptance of drafts, `rejection.py`, for greedy and sampled requests alike), the prompt logprobs asked
    for, and the MTP drafter's next drafts.
@@ -125,11 +125,6 @@ class Engine:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and not model.num_draft_layers:
             raise ValueError("speculative decoding needs the MTP layer: load the model with with_mtp=True")
-        if num_speculative_tokens and cuda_graphs:
-            raise ValueError(
-                "CUDA graphs capture the plain decode step only; speculative decoding runs eagerly, "
-                "so pass one or the other"
-            )
         self.model, self.cache, self.k, self.grammars = model, cache, num_speculative_tokens, grammars
         if isinstance(cache, PagedKVCache):
             # the MTP layer's row at a position embeds the next token: a block depends on one token past it

@@ -1,7 +1,8 @@
 """One step on the model: `run(batch) -> StepResult`.
 
-1. One target forward over every scheduled sequence's tokens, laid end to end: run eagerly or, for a plain
-   decode step, replayed from a CUDA graph (`cuda_graphs.py`); the logits of the rows the step commits from.
+1. One target forward over every scheduled sequence's tokens, laid end to end: run eagerly or, for a decode
+   step (one token per sequence, or with speculation its token and its k drafts), replayed from a CUDA graph
+   (`cuda_graphs.py`); the logits of the rows the step commits from.
 2. The choice: every row the step commits from goes through the batched `Sampler` at once (each row with
    its request's settings); a sequence takes the token of its last row, or, when it fed drafts, the drafts
    the target keeps and the target's next draw, by the lossless rule of `rejection.py` (each row's draw is
@@ -13,7 +14,8 @@
    (structured output, `grammar.py`) first has the tokens its grammar does not allow next masked out of its
    row, for the whole batch at once.
 3. When speculating, the MTP drafter catches up on the fed positions and proposes each sequence's next
-   drafts (`speculative.py`). Under DP every rank runs the draft step, even an empty one.
+   drafts (`speculative.py`; after a replayed target step, the drafter's graph of the same batch size).
+   Under DP every rank runs the draft step, even an empty one.
 
 It reads the sequences and changes none of them: `Scheduler.update` commits what it returns.
 """
@@ -64,7 +66,9 @@ class ModelRunner:
                 f"warming up: capturing the decode step's CUDA graph for batch {size} "
                 f"({len(sizes) - sorted(sizes).index(size)}/{len(sizes)})"
             )
-        self.graphs = DecodeGraphs(model, cache, max_num_seqs, max_model_len, on_capture) if cuda_graphs else None
+        self.graphs = None
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(model, cache, max_num_seqs, max_model_len, on_capture, num_speculative_tokens)
         self.drafter = MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None
 
     @torch.no_grad()
@@ -88,8 +92,8 @@ class ModelRunner:
         or None when a CUDA graph ran). No sequences: an empty forward (a DP rank that must keep in step).
         Replayed collectives are added to `collectives`."""
         tokens = batch.tokens()
-        if self.graphs is not None and batch.decode:
-            return self.graphs.step([t[0] for t in tokens], batch.locations, batch.starts, collectives), None
+        if self.graphs is not None and batch.decode and self.graphs.fits(batch.num_tokens):
+            return self.graphs.step(tokens, batch.locations, batch.starts, collectives), None
         lens = [len(t) for t in tokens]
         view = self.cache.view(batch.locations, batch.starts, lens)
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=view.positions.device)
@@ -174,10 +178,13 @@ class ModelRunner:
             fed += n
         return out
 
-    def draft(self, batch: ScheduledBatch, result: StepResult, hidden: torch.Tensor) -> list[list[int]]:
+    def draft(self, batch: ScheduledBatch, result: StepResult, hidden: torch.Tensor | None) -> list[list[int]]:
         """The MTP layer catches up on every position the target fed and kept: a prompt chunk before the last
         only fills its cache rows; a sequence that committed tokens and goes on gets its next drafts.
+        `hidden`: the target's (`forward`), None after a replayed target step (the drafter's graph follows).
         -> the drafts per scheduled sequence ([] for the others)."""
+        if hidden is None:
+            return self.draft_replayed(batch, result)
         to_draft, fed = [], 0  # (its index, first fed position, the token after each, the target's hidden there)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             tokens = result.token_ids[i]
@@ -207,6 +214,24 @@ class ModelRunner:
         phase.forwards += k
         phase.tokens_fed += sum(len(ids) for _, _, ids, _ in to_draft) + (k - 1) * len(to_draft)
         return drafts
+
+    def draft_replayed(self, batch: ScheduledBatch, result: StepResult) -> list[list[int]]:
+        """`draft` after a replayed target step: the drafter's graph catches up on every fed position (each
+        sequence's committed tokens are the tokens after its verified ones) and drafts from its last verified
+        one; a sequence that stops gets none."""
+        k, per_seq = self.drafter.k, 1 + self.drafter.k
+        next_ids, last, starts = [], [], []
+        for tokens, seq, start in zip(result.token_ids, batch.seqs, batch.starts):
+            goes_on = bool(tokens) and seq.until_stop(tokens)[1] is None
+            next_ids.append((tokens + [0] * per_seq)[:per_seq])
+            last.append(max(len(tokens) - 1, 0))
+            starts.append(start + len(tokens) if goes_on else None)
+        phase = self.stats.phases["draft"]
+        with phase.measure():
+            proposed = self.graphs.draft(next_ids, last, starts, batch.locations, phase.collectives)
+        phase.forwards += k
+        phase.tokens_fed += len(batch.seqs) * (per_seq + k - 1)
+        return [new if start is not None else [] for new, start in zip(proposed, starts)]
 
 
 def mask_by_grammars(committing: list[Sequence], logits: torch.Tensor) -> None:

@@ -53,7 +53,8 @@ def test_auto_device_dtype_and_graphs(tmp_path, monkeypatch):
     capturable = type("Model", (), {"graph_capturable": (True, "triton")})()
     syncing = type("Model", (), {"graph_capturable": (False, "torch")})()
     assert on_gpu.use_cuda_graphs(capturable) and not on_gpu.use_cuda_graphs(syncing)
-    for argv in (["--enforce-eager"], ["--dp", "2"], ["--speculative-config.method", "mtp"], ["--device", "cpu"]):
+    for argv in (["--enforce-eager"], ["--dp", "2"], ["--device", "cpu"]):
         assert not parse(argv, tmp_path).use_cuda_graphs(capturable), argv
+    assert parse(["--speculative-config.method", "mtp"], tmp_path).use_cuda_graphs(capturable)  # MTP in graphs too
     assert parse(["--cuda-graphs"], tmp_path).use_cuda_graphs(syncing)  # asked: the engine then says why not
     assert EngineArgs().cuda_graphs is False and not EngineArgs(device="cuda").use_cuda_graphs(capturable)

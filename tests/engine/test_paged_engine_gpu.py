@@ -69,3 +69,74 @@ def test_paged_engine_graphs(tmp_path):
     assert ((graphed[1] - eager[1]).abs().max() / eager[1].abs().max()).item() < 2e-2
     agree = sum(a == b for p, d in zip(eager[0], dense[0]) for a, b in zip(p, d)) / sum(map(len, dense[0]))
     assert agree >= 0.9, agree  # bf16: dense and sparse attention round differently
+
+
+def speculating_engines(folder: str) -> dict:
+    from spmoe.engine.cuda_graphs import draft_tokens
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.sampling import SamplingParams
+    from spmoe.engine.warmup import warm_up
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    model = load_model(folder, ParallelConfig(tensor_parallel_size=1), torch.bfloat16, "cuda", with_mtp=True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, CONFIG["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS[:3]]
+    out = {}
+    for name, graphs in (("eager", False), ("graphs", True)):
+        engine = Engine(
+            model, PagedKVCache.for_model(model, 2**26), num_speculative_tokens=SPEC_K, cuda_graphs=graphs,
+            max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512,
+        )  # fmt: skip
+        warm_up(engine, lambda line: None)
+        greedy = engine.generate(prompts, 16, record_logits=True)
+        sampled = engine.generate(prompts, 16, SamplingParams(temperature=1.0, seed=3))
+        m = engine.metrics()
+        out[name] = (greedy.outputs, torch.cat(greedy.logits), sampled.outputs)
+        out[name, "speculative"] = (greedy.stats["speculative"], sampled.stats["speculative"])
+        out[name, "counts"] = (engine.graph_captures(), m.compiles_after_ready)
+    # the last replayed step again, replayed and eagerly over the graph's own inputs
+    graphs = engine.runner.graphs
+    captured = graphs.replayed
+    size = captured.inputs.shape[1] // (1 + SPEC_K)
+    with torch.no_grad():
+        captured.graph.replay()
+        replayed = captured.logits.clone()
+        eager = graphs.eager_step(captured.inputs, captured.block_tables)
+        captured.draft.graph.replay()
+        drafts = captured.draft.drafts.clone()
+        eager_drafts = draft_tokens(
+            model, graphs.cache, captured.inputs, captured.block_tables, captured.hidden,
+            *captured.draft.inputs.split([size * (1 + SPEC_K), size, size, size]), SPEC_K,
+        )  # fmt: skip
+    out["replay logit error"] = ((replayed - eager).abs().max() / eager.abs().max()).item()
+    out["replay drafts"] = (drafts.tolist(), eager_drafts.tolist())
+    return out
+
+
+SPEC_K = 2
+
+
+@pytest.mark.gpu
+@requires_gpus(1)
+def test_speculative_decode_in_graphs(tmp_path):
+    """MTP speculation (k = 2) with the verification and draft steps replayed from CUDA graphs generates what
+    the eager speculating engine does (greedy: the same tokens; seeded sampling: nearly all the same, bf16 over
+    padded shapes), two graphs per batch size, and a replay equals the same step run eagerly."""
+    from spmoe.models.deepseek_v32.weights import write_random_checkpoint
+
+    spawn(write_random_checkpoint, 1, {**CONFIG, "num_nextn_predict_layers": 1}, tmp_path, 1)
+    got = spawn(speculating_engines, 1, str(tmp_path), device="cuda")[0]
+    print({name: value for name, value in got.items() if isinstance(name, tuple) or "replay" in name})
+    eager, graphed = got["eager"], got["graphs"]
+    assert graphed[0] == eager[0], "greedy tokens differ between eager and replayed speculation"
+    assert ((graphed[1] - eager[1]).abs().max() / eager[1].abs().max()).item() < 2e-2
+    same = sum(a == b for p, q in zip(eager[2], graphed[2]) for a, b in zip(p, q)) / sum(map(len, eager[2]))
+    assert same >= 0.9, same
+    captures, _ = got["graphs", "counts"]
+    assert captures == 6, "a target and a drafter graph per batch size (1, 2, 4), none while generating"
+    for spec in got["graphs", "speculative"]:
+        assert spec["verify_steps"] > 0
+    assert got["replay logit error"] < 1e-3, got["replay logit error"]
+    drafts, eager_drafts = got["replay drafts"]
+    assert drafts == eager_drafts
