@@ -11,7 +11,8 @@
    logprobs also gets the logprobs of the prompt tokens it fed (`prompt_logprobs`), from the hidden states,
    a slice of rows at a time. A sequence with a grammar
    (structured output, `grammar.py`) first has the tokens its grammar does not allow next masked out of its
-   row, for the whole batch at once.
+   row (each row of a sequence that fed drafts: by its grammar after the drafts before it), for the whole batch
+   at once.
 3. When speculating, the MTP drafter catches up on the fed positions and proposes each sequence's next
    drafts (`speculative.py`). Under DP every rank runs the draft step, even an empty one.
 
@@ -102,7 +103,7 @@ class ModelRunner:
         """logits `[R, V]` (see `forward`) -> each sequence's committed tokens, accepted drafts, finite flag and,
         when asked, logprobs. Every row goes through the sampler in one call: row j of a sequence that fed d
         drafts chooses its (len(output) + j)-th token, after the first j drafts."""
-        mask_by_grammars([s for s, last in zip(batch.seqs, batch.samples) if last], logits)
+        most_tokens = iter(mask_by_grammars([s for s, last in zip(batch.seqs, batch.samples) if last], logits))
         rows, generated, preceding, spans = [], [], [], []
         for seq, last in zip(batch.seqs, batch.samples):
             first = len(rows)
@@ -122,7 +123,8 @@ class ModelRunner:
                 choices = chosen.token_ids[span]
                 if seq.drafts:
                     accepted = accepted_of[len(result.token_ids)]
-                candidates = choices[: accepted + 1]
+                candidates = choices[: min(accepted + 1, next(most_tokens))]
+                accepted = min(accepted, len(candidates))  # its grammar ended at a draft: none kept after it
                 finite = all(chosen.finite[span][: len(candidates)])
                 if finite:
                     tokens, _ = seq.until_stop(candidates)
@@ -209,13 +211,15 @@ class ModelRunner:
         return drafts
 
 
-def mask_by_grammars(committing: list[Sequence], logits: torch.Tensor) -> None:
-    """logits `[m, V]`, one row per committing sequence (a grammar comes without drafts) -> in place, the tokens
-    each sequence's grammar does not allow next at the dtype's lowest finite value (not -inf: the non-finite
-    check that follows is for the model's NaN / inf). Rows of sequences without a grammar are untouched."""
-    masks = fill_bitmask([s.grammar for s in committing], logits.shape[-1])
+def mask_by_grammars(committing: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """logits `[R, V]`, 1 + len(drafts) rows per committing sequence (see `forward`) -> in place, the tokens each
+    sequence's grammar does not allow at each row (row j: after its first j drafts, `grammar.fill_bitmask`) at
+    the dtype's lowest finite value (not -inf: the non-finite check that follows is for the model's NaN / inf).
+    Rows of sequences without a grammar are untouched. -> per committing sequence, the most tokens it can
+    commit (fewer than 1 + its drafts when its grammar ends at one of them)."""
+    masks = fill_bitmask([s.grammar for s in committing], logits.shape[-1], [s.drafts for s in committing])
     if masks is None:
-        return
-    bitmask, rows = masks
-    apply_bitmask(logits, bitmask, rows)
-    logits[rows] = logits[rows].clamp(min=torch.finfo(logits.dtype).min)
+        return [1 + len(s.drafts) for s in committing]
+    apply_bitmask(logits, masks.bitmask, masks.rows)
+    logits[masks.rows] = logits[masks.rows].clamp(min=torch.finfo(logits.dtype).min)
+    return masks.most_tokens

@@ -1,6 +1,7 @@
-"""Structured output inside the engine, on 2 TP ranks (gloo): 10 schemas x 5 sampled requests and 2 free ones
-in one continuous batch of the random-weight model; every constrained output is valid under its schema, every
-rank commits the same tokens, and a grammar that starts after the reasoning leaves the reasoning free."""
+"""Structured output inside the engine, on 2 TP ranks (gloo): 10 schemas x 5 sampled requests, one greedy request
+per schema and 2 free ones in one continuous batch of the random-weight model, without and with MTP speculation
+(k = 2; the checkpoint's MTP layer agrees with the target often, `write_random_checkpoint`); every constrained
+output is valid under its schema, speculation changes no token, and every rank commits the same tokens."""
 
 import json
 
@@ -15,6 +16,7 @@ from tests.engine.test_grammar import SCHEMAS
 CONFIG = {**ENGINE_CONFIG, "vocab_size": 264, "max_position_embeddings": 1024}  # the demo tokenizer's vocabulary
 PROMPT = [11, 42, 7, 99]
 MAX_NEW = 300
+DRAFTS = 2  # MTP drafts per step in the speculating engine
 # the random model closes a free string after ~200 bytes on average: the one unbounded string gets a bound here
 UNBOUNDED = 8
 BOUNDED = dict(
@@ -39,8 +41,6 @@ def run_constrained(folder: str) -> dict:
     model = load_model(folder, ParallelConfig(tensor_parallel_size=2), with_mtp=True)
     tokenizer = load_tokenizer(folder)
     grammars = GrammarCompiler.from_tokenizer(tokenizer, CONFIG["vocab_size"])
-    cache = PagedKVCache.for_model(model, 64 << 20)
-    engine = Engine(model, cache, max_num_seqs=64, max_model_len=1024, grammars=grammars)
     eos = (tokenizer.eos_token_id,)
     requests = [
         Request(
@@ -55,28 +55,48 @@ def run_constrained(folder: str) -> dict:
         for j in range(5)
     ]
     requests += [
+        Request(f"g{i}", PROMPT, MAX_NEW, SamplingParams(), eos, GrammarSpec("json_schema", json.dumps(schema)))
+        for i, schema in enumerate(ENGINE_SCHEMAS)
+    ]
+    requests += [
         Request("free-0", PROMPT, 12, SamplingParams(1.0, 1.0, 7), ()),
         Request("free-1", PROMPT, 12, SamplingParams(), ()),
     ]
-    outputs, reasons = {r.request_id: [] for r in requests}, {}
-    for request in requests:
-        engine.add_request(request)
-    with torch.no_grad():
-        while engine.has_unfinished():
-            for out in engine.step():
-                outputs[out.request_id] += out.new_token_ids
-                if out.finish_reason:
-                    reasons[out.request_id] = (out.finish_reason, out.error)
+
+    def run(drafts: int) -> tuple[dict, dict, tuple[int, int]]:
+        """-> every request's tokens, (finish reason, error), and (drafts proposed, accepted)."""
+        cache = PagedKVCache.for_model(model, 64 << 20)
+        engine = Engine(model, cache, drafts, max_num_seqs=64, max_model_len=1024, grammars=grammars)
+        outputs, reasons = {r.request_id: [] for r in requests}, {}
+        for request in requests:
+            engine.add_request(request)
+        with torch.no_grad():
+            while engine.has_unfinished():
+                for out in engine.step():
+                    outputs[out.request_id] += out.new_token_ids
+                    if out.finish_reason:
+                        reasons[out.request_id] = (out.finish_reason, out.error)
+        metrics = engine.metrics()
+        return outputs, reasons, (metrics.draft_proposed, metrics.draft_accepted)
+
+    outputs, reasons, _ = run(0)
+    speculated, speculated_reasons, drafts = run(DRAFTS)
     refusals = []
-    for engine in (
-        Engine(model, PagedKVCache.for_model(model, 8 << 20), max_num_seqs=4, max_model_len=64),
-        Engine(model, PagedKVCache.for_model(model, 8 << 20), 1, max_num_seqs=4, max_model_len=64, grammars=grammars),
-    ):
-        try:
-            engine.validate(Request("g", PROMPT, 4, SamplingParams(), eos, GrammarSpec("json_object")))
-        except ValueError as e:
-            refusals.append(str(e))
-    return {"rank": state.rank, "outputs": outputs, "reasons": reasons, "refusals": refusals}
+    try:
+        Engine(model, PagedKVCache.for_model(model, 8 << 20), max_num_seqs=4, max_model_len=64).validate(
+            Request("g", PROMPT, 4, SamplingParams(), eos, GrammarSpec("json_object"))
+        )
+    except ValueError as e:
+        refusals.append(str(e))
+    return {
+        "rank": state.rank,
+        "outputs": outputs,
+        "reasons": reasons,
+        "speculated": speculated,
+        "speculated_reasons": speculated_reasons,
+        "drafts": drafts,
+        "refusals": refusals,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -96,27 +116,35 @@ def test_every_constrained_output_is_valid(constrained):
     (rank0, _), tokenizer = constrained
     eos = tokenizer.eos_token_id
     valid = 0
-    for i, schema in enumerate(ENGINE_SCHEMAS):
-        for j in range(5):
-            rid = f"s{i}-{j}"
-            assert rank0["reasons"][rid] == ("stop", None), (rid, rank0["reasons"][rid])
-            tokens = rank0["outputs"][rid]
-            assert tokens[-1] == eos
-            # the text the server would send (a byte sequence that is no UTF-8 becomes U+FFFD)
-            jsonschema.validate(json.loads(tokenizer.decode(tokens[:-1])), schema)
-            valid += 1
-    assert valid == 50
-    assert [len(rank0["outputs"][f"free-{k}"]) for k in (0, 1)] == [12, 12]  # no grammar: untouched
+    for outputs, reasons in ((rank0["outputs"], rank0["reasons"]), (rank0["speculated"], rank0["speculated_reasons"])):
+        for i, schema in enumerate(ENGINE_SCHEMAS):
+            for rid in [f"s{i}-{j}" for j in range(5)] + [f"g{i}"]:
+                assert reasons[rid] == ("stop", None), (rid, reasons[rid])
+                tokens = outputs[rid]
+                assert tokens[-1] == eos
+                # the text the server would send (a byte sequence that is no UTF-8 becomes U+FFFD)
+                jsonschema.validate(json.loads(tokenizer.decode(tokens[:-1])), schema)
+                valid += 1
+        assert [len(outputs[f"free-{k}"]) for k in (0, 1)] == [12, 12]  # no grammar: untouched
+    assert valid == 2 * 60
+
+
+def test_speculation_commits_the_tokens_it_would_without(constrained):
+    """MTP drafts (k = 2) change no token of a constrained request, greedy or seeded: each row of a sequence that
+    fed drafts is masked by its grammar after those drafts; and the drafts were both accepted and rejected."""
+    (rank0, _), _ = constrained
+    assert rank0["speculated"] == rank0["outputs"]
+    assert rank0["speculated_reasons"] == rank0["reasons"]
+    proposed, accepted = rank0["drafts"]
+    assert 0 < accepted < proposed, rank0["drafts"]
 
 
 def test_every_rank_commits_the_same_tokens(constrained):
     (rank0, rank1), _ = constrained
     assert rank0["outputs"] == rank1["outputs"]
+    assert rank0["speculated"] == rank1["speculated"]
 
 
-def test_refused_without_a_compiler_or_with_speculation(constrained):
+def test_refused_without_a_compiler(constrained):
     (rank0, _), _ = constrained
-    assert rank0["refusals"] == [
-        "request 'g' has a grammar, but this engine has no compiler",
-        "structured output (a grammar) is not applied to MTP drafts: serve without speculation for it",
-    ]
+    assert rank0["refusals"] == ["request 'g' has a grammar, but this engine has no compiler"]
