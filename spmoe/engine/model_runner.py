@@ -14,7 +14,8 @@
    row (each row of a sequence that fed drafts: by its grammar after the drafts before it), for the whole batch
    at once.
 3. When speculating, the MTP drafter catches up on the fed positions and proposes each sequence's next
-   drafts (`speculative.py`). Under DP every rank runs the draft step, even an empty one.
+   drafts (`speculative.py`; a sequence with a grammar among the tokens its grammar allows). Under DP every
+   rank runs the draft step, even an empty one.
 
 It reads the sequences and changes none of them: `Scheduler.update` commits what it returns.
 """
@@ -25,7 +26,7 @@ import torch
 
 from spmoe.distributed import CommStats
 from spmoe.engine.cuda_graphs import DecodeGraphs, graph_sizes
-from spmoe.engine.grammar import apply_bitmask, fill_bitmask
+from spmoe.engine.grammar import DraftGrammars, apply_bitmask, fill_bitmask
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.engine.rejection import accept_drafts
@@ -197,12 +198,23 @@ class ModelRunner:
             hidden_fed = [h for *_, h in to_draft] or [
                 torch.zeros(0, self.model.cfg.hidden_size, dtype=self.cache.dtype, device=self.cache.device)
             ]
-            proposed = self.drafter.propose(
-                [batch.locations[i] for i, *_ in to_draft],
-                [start for _, start, *_ in to_draft],
-                [ids for _, _, ids, _ in to_draft],
-                torch.cat(hidden_fed),
-            )
+            grammars = None
+            if any(batch.seqs[i].grammar is not None and batch.samples[i] for i, *_ in to_draft):
+                grammars = DraftGrammars(
+                    [batch.seqs[i].grammar if batch.samples[i] else None for i, *_ in to_draft],
+                    [result.token_ids[i] for i, *_ in to_draft],
+                )
+            try:
+                proposed = self.drafter.propose(
+                    [batch.locations[i] for i, *_ in to_draft],
+                    [start for _, start, *_ in to_draft],
+                    [ids for _, _, ids, _ in to_draft],
+                    torch.cat(hidden_fed),
+                    grammars,
+                )
+            finally:
+                if grammars is not None:
+                    grammars.rewind()  # the committed tokens advance them in `Scheduler.update`
         for (i, *_), new in zip(to_draft, proposed):
             if batch.samples[i]:
                 drafts[i] = new
