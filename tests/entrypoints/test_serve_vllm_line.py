@@ -107,7 +107,7 @@ def test_generation_defaults_apply_to_what_a_request_leaves_out(server):
 
 def test_structured_output_on_the_speculating_server(server):
     """The recipe line speculates (MTP, 1 draft): a response_format request is answered with JSON valid under its
-    schema, sampled (the model's default temperature) and greedy."""
+    schema, sampled (the model's default temperature) and greedy; a choice with a stop string stops at it."""
     import jsonschema
 
     base, _ = server
@@ -129,6 +129,18 @@ def test_structured_output_on_the_speculating_server(server):
         ).choices[0]
         assert reply.finish_reason == "stop", reply
         jsonschema.validate(json.loads(reply.message.content), schema)
+    # a stop string cuts the constrained text there, whatever else the step committed with it (accepted drafts)
+    choices = ["red fox", "blue jay", "green owl"]
+    for seed in range(4):
+        reply = client.completions.create(
+            model="glm",
+            prompt="A bird:",
+            max_tokens=32,
+            seed=seed,
+            stop=[" "],
+            extra_body={"structured_outputs": {"choice": choices}},
+        ).choices[0]
+        assert reply.finish_reason == "stop" and reply.text in ("red", "blue", "green"), reply
 
 
 @pytest.mark.parametrize(
