@@ -12,9 +12,13 @@ import pytest
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from tests.engine.conftest import ENGINE_CONFIG
+from tests.engine.test_cuda_graphs import GRAPH_CONFIG
 from tests.engine.test_grammar import SCHEMAS
+from tests.multigpu import requires_gpus
 
 CONFIG = {**ENGINE_CONFIG, "vocab_size": 264, "max_position_embeddings": 1024}  # the demo tokenizer's vocabulary
+# the GPU's Triton kernels want wider layers (as in test_paged_engine_gpu.py)
+GPU_CONFIG = {**GRAPH_CONFIG, "index_topk": 64, "kv_lora_rank": 128, "vocab_size": 264, "max_position_embeddings": 1024}
 PROMPT = [11, 42, 7, 99]
 MAX_NEW = 300
 DRAFTS = 2  # MTP drafts per step in the speculating engine
@@ -26,7 +30,8 @@ BOUNDED = dict(
 ENGINE_SCHEMAS = [BOUNDED if i == UNBOUNDED else schema for i, schema in enumerate(SCHEMAS)]
 
 
-def run_constrained(folder: str) -> dict:
+def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = False) -> dict:
+    """Every request with and without speculation on `tp` ranks of `device` (float32, or bfloat16 with `bf16`)."""
     import torch
 
     from spmoe.distributed import get_parallel_state
@@ -39,7 +44,8 @@ def run_constrained(folder: str) -> dict:
     from spmoe.models.deepseek_v32.weights import load_model
 
     state = get_parallel_state()
-    model = load_model(folder, ParallelConfig(tensor_parallel_size=2), with_mtp=True)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = load_model(folder, ParallelConfig(tensor_parallel_size=tp), dtype, device, with_mtp=True)
     tokenizer = load_tokenizer(folder)
     grammars = GrammarCompiler.from_tokenizer(tokenizer, CONFIG["vocab_size"])
     eos = (tokenizer.eos_token_id,)
@@ -107,24 +113,35 @@ def run_constrained(folder: str) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def constrained(tmp_path_factory):
+def checkpoint(folder, config: dict):
+    """`folder` with a random checkpoint of `config` and the demo tokenizer -> the tokenizer."""
     from spmoe.entrypoints.demo import write_demo_tokenizer
     from spmoe.entrypoints.serve.tokenizer import load_tokenizer
     from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 
-    folder = tmp_path_factory.mktemp("grammar_ckpt")
-    spawn(write_random_checkpoint, 1, CONFIG, folder, 1)
+    spawn(write_random_checkpoint, 1, config, folder, 1)
     write_demo_tokenizer(folder)
+    return load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def constrained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("grammar_ckpt")
+    tokenizer = checkpoint(folder, CONFIG)
     results = spawn(run_constrained, 2, str(folder), config=ParallelConfig(tensor_parallel_size=2), timeout_s=600)
-    return results, load_tokenizer(folder)
+    return results, tokenizer
 
 
 def test_every_constrained_output_is_valid(constrained):
     (rank0, _), tokenizer = constrained
+    assert_valid(rank0, tokenizer)
+
+
+def assert_valid(got: dict, tokenizer) -> None:
+    """Every constrained output of both runs ends with the eos and is valid under its schema."""
     eos = tokenizer.eos_token_id
     valid = 0
-    for outputs, reasons in ((rank0["outputs"], rank0["reasons"]), (rank0["speculated"], rank0["speculated_reasons"])):
+    for outputs, reasons in ((got["outputs"], got["reasons"]), (got["speculated"], got["speculated_reasons"])):
         for i, schema in enumerate(ENGINE_SCHEMAS):
             for rid in [f"s{i}-{j}" for j in range(5)] + [f"g{i}", f"n{i}"]:
                 assert reasons[rid] == ("stop", None), (rid, reasons[rid])
@@ -159,3 +176,17 @@ def test_every_rank_commits_the_same_tokens(constrained):
 def test_refused_without_a_compiler(constrained):
     (rank0, _), _ = constrained
     assert rank0["refusals"] == ["request 'g' has a grammar, but this engine has no compiler"]
+
+
+@pytest.mark.gpu
+@requires_gpus(1)
+def test_constrained_speculation_on_the_gpu(tmp_path):
+    """bfloat16 with the Triton kernels on one GPU, xgrammar's Triton bitmask kernel on the verified rows and on the
+    drafter's logits: every output valid, drafts both accepted and rejected. (The tokens with and without
+    speculation may differ: bfloat16 rounds the k + 1 rows of a verify step differently from one decode row.)"""
+    tokenizer = checkpoint(tmp_path, GPU_CONFIG)
+    got = spawn(run_constrained, 1, str(tmp_path), 1, "cuda", True, device="cuda", timeout_s=600)[0]
+    print("generated, proposed, accepted:", got["counts"], got["speculated_counts"])
+    assert_valid(got, tokenizer)
+    _, proposed, accepted = got["speculated_counts"]
+    assert 0 < accepted < proposed
