@@ -17,7 +17,8 @@
    drafts (`speculative.py`; a sequence with a grammar among the tokens its grammar allows). Under DP every
    rank runs the draft step, even an empty one.
 
-It reads the sequences and changes none of them: `Scheduler.update` commits what it returns.
+It reads the sequences and changes none of them (grammars walk over drafts and are rolled back):
+`Scheduler.update` commits what it returns.
 """
 
 from itertools import accumulate
