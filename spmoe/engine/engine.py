@@ -194,10 +194,6 @@ class Engine:
         if request.grammar is not None:
             if self.grammars is None:
                 raise ValueError(f"request {request.request_id!r} has a grammar, but this engine has no compiler")
-            if self.k:
-                raise ValueError(
-                    "structured output (a grammar) is not applied to MTP drafts: serve without speculation for it"
-                )
 
     def add_request(self, request: Request, record_logits: bool = False) -> Sequence:
         """Queue a request; it joins the running batch when the cache has room. `record_logits` keeps the

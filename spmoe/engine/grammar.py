@@ -16,7 +16,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -143,14 +143,27 @@ class SequenceGrammar:
         self.start_after = list(start_after)
         self.recent: list[int] = []  # the last generated tokens, while waiting for `start_after`
         self.active = not start_after
+        self.matched = 0  # tokens the matcher has taken (what `rewind` rolls it back by)
 
     def accept(self, token: int) -> bool:
-        """Advance by a committed token; False if the grammar does not allow it (the matcher does not move)."""
+        """Advance by a token; False if the grammar does not allow it (the matcher does not move)."""
         if self.active:
-            return self.matcher.accept_token(token)
+            taken = self.matcher.accept_token(token)
+            self.matched += taken
+            return taken
         self.recent = (self.recent + [token])[-len(self.start_after) :]
         self.active = self.recent == self.start_after
         return True
+
+    def position(self) -> tuple[int, list[int], bool]:
+        """Where it stands now, for `rewind`: walking over drafts is undone once their rows are masked."""
+        return self.matched, self.recent, self.active
+
+    def rewind(self, position: tuple[int, list[int], bool]) -> None:
+        """Back to a `position` taken before: the matcher rolls back the tokens it took since."""
+        matched, self.recent, self.active = position
+        self.matcher.rollback(self.matched - matched)
+        self.matched = matched
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into `bitmask[row]` (`[W]` int32, bit t % 32 of word t // 32 for token
@@ -167,18 +180,89 @@ class SequenceGrammar:
         return self.matcher.is_terminated()
 
 
-def fill_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
-    """The step's sequences (None: no grammar) -> (bitmask `[m, ceil(V / 32)]` int32 on the CPU, the rows that
-    have a grammar), or None when no row has one. The rows whose grammar has started are filled together by
-    xgrammar's batch matcher (its threads); the others allow every token."""
-    rows = [i for i, g in enumerate(grammars) if g is not None]
-    if not rows:
+class GrammarMasks(NamedTuple):
+    """What `fill_bitmask` gives for a step: `bitmask` `[R, ceil(V / 32)]` int32 on the CPU (R: every logits row
+    of the step), `rows`: the rows that have a grammar, and per sequence `most_tokens`: the most tokens it can
+    commit this step (1 + its drafts, or fewer when its grammar takes its stop token among the drafts: it ends
+    there)."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+    most_tokens: list[int]
+
+
+def fill_bitmask(
+    grammars: list[SequenceGrammar | None], vocab_size: int, drafts: list[list[int]] | None = None
+) -> GrammarMasks | None:
+    """The step's committing sequences (None: no grammar) and the MTP drafts each fed (None: no drafts) -> their
+    masks, or None when no sequence has a grammar. Sequence i has 1 + len(drafts[i]) rows, one after another.
+
+    Row j of sequence i holds what its grammar allows after its first j drafts: the mask it would get without
+    speculation once it had committed them. The grammars walk over the drafts, one draft position at a time,
+    and the rows of each position are filled together by xgrammar's batch matcher (its threads): k + 1 batched
+    fills for k drafts. Then every grammar is rewound to where it was: the tokens the step commits advance it
+    (`Scheduler.update`). A sequence stops walking at a draft its grammar refuses, or once its grammar has taken
+    its stop token; its later rows allow every token and are never committed from (the row before a refused
+    draft masks that draft, so the target's choice there rejects it; after the stop token it ends). Rows whose
+    grammar has not started allow every token."""
+    drafts = drafts if drafts is not None else [[] for _ in grammars]
+    if all(g is None for g in grammars):
         return None
-    bitmask = xgrammar().allocate_token_bitmask(len(grammars), vocab_size)  # every bit set: every token allowed
-    started = [i for i in rows if grammars[i].active]
-    if started:
-        _batch_matcher().batch_fill_next_token_bitmask([grammars[i].matcher for i in started], bitmask, started)
-    return bitmask, rows
+    firsts = [0]
+    for fed in drafts:
+        firsts.append(firsts[-1] + 1 + len(fed))
+    bitmask = xgrammar().allocate_token_bitmask(firsts[-1], vocab_size)  # every bit set: every token allowed
+    walking = [i for i, g in enumerate(grammars) if g is not None]
+    rows = [firsts[i] + j for i in walking for j in range(1 + len(drafts[i]))]
+    most_tokens = [1 + len(fed) for fed in drafts]
+    before = {i: grammars[i].position() for i in walking if drafts[i]}
+    for j in range(1 + max(len(drafts[i]) for i in walking)):
+        started = [i for i in walking if grammars[i].active]
+        if started:
+            indices = [firsts[i] + j for i in started]
+            _batch_matcher().batch_fill_next_token_bitmask([grammars[i].matcher for i in started], bitmask, indices)
+        walking = [i for i in walking if j < len(drafts[i]) and grammars[i].accept(drafts[i][j])]
+        for i in walking:
+            if grammars[i].finished:  # its draft j + 1 is the stop token: nothing after it is committed
+                most_tokens[i] = j + 1
+        walking = [i for i in walking if not grammars[i].finished]
+    for i, position in before.items():
+        grammars[i].rewind(position)
+    return GrammarMasks(bitmask, rows, most_tokens)
+
+
+class DraftGrammars:
+    """The grammars of the sequences the MTP drafter drafts for (None: no grammar), walked ahead over the tokens
+    the step commits and then over each draft, so that every draft is the drafter's best token among those its
+    grammar allows: fewer drafts for the target to reject. Only the acceptance rate depends on it (the target's
+    rows are masked on their own, `fill_bitmask`). `rewind` puts every grammar back where it was."""
+
+    def __init__(self, grammars: list[SequenceGrammar | None], committed: list[list[int]]):
+        """`committed[i]`: the tokens sequence i commits this step (its grammar has not taken them yet)."""
+        self.grammars = grammars
+        self.before = {i: g.position() for i, g in enumerate(grammars) if g is not None}
+        self.walking = [i for i in self.before if all(map(grammars[i].accept, committed[i]))]
+        self.walking = [i for i in self.walking if not grammars[i].finished]
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Draft logits `[S, V]`, one row per drafted sequence -> in place, -inf at the tokens each grammar does not
+        allow next (one batched fill and apply; rows without a started grammar untouched)."""
+        started = [i for i in self.walking if self.grammars[i].active]
+        if not started:
+            return
+        bitmask = xgrammar().allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+        _batch_matcher().batch_fill_next_token_bitmask([self.grammars[i].matcher for i in started], bitmask, started)
+        apply_bitmask(logits, bitmask, started)
+
+    def advance(self, drafts: list[int]) -> None:
+        """Walk every grammar over its sequence's new draft (`drafts[i]`); a grammar that refuses it (the drafter's
+        row allowed nothing) or ends with it stops walking: its later drafts are the drafter's own."""
+        self.walking = [i for i in self.walking if self.grammars[i].accept(drafts[i])]
+        self.walking = [i for i in self.walking if not self.grammars[i].finished]
+
+    def rewind(self) -> None:
+        for i, position in self.before.items():
+            self.grammars[i].rewind(position)
 
 
 @functools.cache

@@ -12,12 +12,16 @@
    logprobs also gets the logprobs of the prompt tokens it fed (`prompt_logprobs`), from the hidden states,
    a slice of rows at a time. A sequence with a grammar
    (structured output, `grammar.py`) first has the tokens its grammar does not allow next masked out of its
-   row, for the whole batch at once.
+   row (each row of a sequence that fed drafts: by its grammar after the drafts before it), for the whole batch
+   at once.
 3. When speculating, the MTP drafter catches up on the fed positions and proposes each sequence's next
-   drafts (`speculative.py`; after a replayed target step, the drafter's graph of the same batch size).
-   Under DP every rank runs the draft step, even an empty one.
+   drafts (`speculative.py`; a sequence with a grammar among the tokens its grammar allows). After a replayed
+   target step the drafter's graph of the same batch size runs, unless a sequence has a grammar: the eager
+   drafter then masks each draft step (from the graph's hidden states). Under DP every rank runs the draft
+   step, even an empty one.
 
-It reads the sequences and changes none of them: `Scheduler.update` commits what it returns.
+It reads the sequences and changes none of them (grammars walk over drafts and are rolled back):
+`Scheduler.update` commits what it returns.
 """
 
 from itertools import accumulate
@@ -26,7 +30,7 @@ import torch
 
 from spmoe.distributed import CommStats
 from spmoe.engine.cuda_graphs import DecodeGraphs, graph_sizes
-from spmoe.engine.grammar import apply_bitmask, fill_bitmask
+from spmoe.engine.grammar import DraftGrammars, apply_bitmask, fill_bitmask
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.engine.rejection import accept_drafts
@@ -106,7 +110,7 @@ class ModelRunner:
         """logits `[R, V]` (see `forward`) -> each sequence's committed tokens, accepted drafts, finite flag and,
         when asked, logprobs. Every row goes through the sampler in one call: row j of a sequence that fed d
         drafts chooses its (len(output) + j)-th token, after the first j drafts."""
-        mask_by_grammars([s for s, last in zip(batch.seqs, batch.samples) if last], logits)
+        most_tokens = iter(mask_by_grammars([s for s, last in zip(batch.seqs, batch.samples) if last], logits))
         rows, generated, preceding, spans = [], [], [], []
         for seq, last in zip(batch.seqs, batch.samples):
             first = len(rows)
@@ -126,7 +130,8 @@ class ModelRunner:
                 choices = chosen.token_ids[span]
                 if seq.drafts:
                     accepted = accepted_of[len(result.token_ids)]
-                candidates = choices[: accepted + 1]
+                candidates = choices[: min(accepted + 1, next(most_tokens))]
+                accepted = min(accepted, len(candidates))  # its grammar ended at a draft: none kept after it
                 finite = all(chosen.finite[span][: len(candidates)])
                 if finite:
                     tokens, _ = seq.until_stop(candidates)
@@ -183,8 +188,10 @@ class ModelRunner:
         only fills its cache rows; a sequence that committed tokens and goes on gets its next drafts.
         `hidden`: the target's (`forward`), None after a replayed target step (the drafter's graph follows).
         -> the drafts per scheduled sequence ([] for the others)."""
-        if hidden is None:
-            return self.draft_replayed(batch, result)
+        if hidden is None:  # the target step replayed a graph
+            if all(seq.grammar is None for seq in batch.seqs):
+                return self.draft_replayed(batch, result)
+            hidden = self.graphs.replayed.hidden  # the eager drafter masks each draft step by the grammars
         to_draft, fed = [], 0  # (its index, first fed position, the token after each, the target's hidden there)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             tokens = result.token_ids[i]
@@ -202,12 +209,23 @@ class ModelRunner:
             hidden_fed = [h for *_, h in to_draft] or [
                 torch.zeros(0, self.model.cfg.hidden_size, dtype=self.cache.dtype, device=self.cache.device)
             ]
-            proposed = self.drafter.propose(
-                [batch.locations[i] for i, *_ in to_draft],
-                [start for _, start, *_ in to_draft],
-                [ids for _, _, ids, _ in to_draft],
-                torch.cat(hidden_fed),
-            )
+            grammars = None
+            if any(batch.seqs[i].grammar is not None and batch.samples[i] for i, *_ in to_draft):
+                grammars = DraftGrammars(
+                    [batch.seqs[i].grammar if batch.samples[i] else None for i, *_ in to_draft],
+                    [result.token_ids[i] for i, *_ in to_draft],
+                )
+            try:
+                proposed = self.drafter.propose(
+                    [batch.locations[i] for i, *_ in to_draft],
+                    [start for _, start, *_ in to_draft],
+                    [ids for _, _, ids, _ in to_draft],
+                    torch.cat(hidden_fed),
+                    grammars,
+                )
+            finally:
+                if grammars is not None:
+                    grammars.rewind()  # the committed tokens advance them in `Scheduler.update`
         for (i, *_), new in zip(to_draft, proposed):
             if batch.samples[i]:
                 drafts[i] = new
@@ -234,13 +252,15 @@ class ModelRunner:
         return [new if start is not None else [] for new, start in zip(proposed, starts)]
 
 
-def mask_by_grammars(committing: list[Sequence], logits: torch.Tensor) -> None:
-    """logits `[m, V]`, one row per committing sequence (a grammar comes without drafts) -> in place, the tokens
-    each sequence's grammar does not allow next at the dtype's lowest finite value (not -inf: the non-finite
-    check that follows is for the model's NaN / inf). Rows of sequences without a grammar are untouched."""
-    masks = fill_bitmask([s.grammar for s in committing], logits.shape[-1])
+def mask_by_grammars(committing: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """logits `[R, V]`, 1 + len(drafts) rows per committing sequence (see `forward`) -> in place, the tokens each
+    sequence's grammar does not allow at each row (row j: after its first j drafts, `grammar.fill_bitmask`) at
+    the dtype's lowest finite value (not -inf: the non-finite check that follows is for the model's NaN / inf).
+    Rows of sequences without a grammar are untouched. -> per committing sequence, the most tokens it can
+    commit (fewer than 1 + its drafts when its grammar ends at one of them)."""
+    masks = fill_bitmask([s.grammar for s in committing], logits.shape[-1], [s.drafts for s in committing])
     if masks is None:
-        return
-    bitmask, rows = masks
-    apply_bitmask(logits, bitmask, rows)
-    logits[rows] = logits[rows].clamp(min=torch.finfo(logits.dtype).min)
+        return [1 + len(s.drafts) for s in committing]
+    apply_bitmask(logits, masks.bitmask, masks.rows)
+    logits[masks.rows] = logits[masks.rows].clamp(min=torch.finfo(logits.dtype).min)
+    return masks.most_tokens

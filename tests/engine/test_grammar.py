@@ -135,7 +135,7 @@ def sample_batch(compiler, specs: list[GrammarSpec | None], seed: int, max_steps
         logits = torch.randn(len(running), VOCAB, generator=generator) * 2
         masks = fill_bitmask([grammars[i] for i in running], VOCAB)
         if masks is not None:
-            apply_bitmask(logits, *masks)
+            apply_bitmask(logits, masks.bitmask, masks.rows)
         tokens = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1).tolist()
         for i, token in zip(list(running), tokens):
             grammar = grammars[i]
@@ -221,7 +221,8 @@ def test_batched_fill_matches_one_at_a_time(compiler, tokenizer):
     grammars = [compiler.matcher(spec) for spec in specs] + [None, compiler.matcher(specs[0], start_after=end)]
     texts = ['{"name": "ab', '{"user": {"id": 1', '[{"x": 0.5}', '{"color": "re', "", "no </think>{"]
     for step in range(12):
-        batched, rows = fill_bitmask(grammars, VOCAB)
+        batched, rows, most_tokens = fill_bitmask(grammars, VOCAB)
+        assert most_tokens == [1] * len(grammars)
         assert rows == [0, 1, 2, 3, 5]
         one = torch.full_like(batched, -1)
         for row in rows:
@@ -230,6 +231,54 @@ def test_batched_fill_matches_one_at_a_time(compiler, tokenizer):
         for grammar, text in zip(grammars, texts):
             if grammar is not None and step < len(text):
                 assert grammar.accept(tokenizer.encode(text[step], add_special_tokens=False)[0])
+
+
+def test_draft_rows_are_the_masks_after_committing_the_drafts(compiler, tokenizer):
+    """With MTP drafts, row j of a sequence is the mask its grammar gives after committing its first j drafts
+    (a fresh grammar walked over them, filled alone); rows past a draft the grammar refuses, or past its stop
+    token, allow everything; the most tokens it can commit stop at its stop token; and every grammar is left
+    where it was."""
+    eos = tokenizer.eos_token_id
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    cases = [  # (spec, start_after, committed, drafts)
+        (GrammarSpec("json_schema", json.dumps(SCHEMAS[0])), (), '{"na', ids('me": "')),  # all allowed
+        (GrammarSpec("choice", '["yes", "no"]'), (), "", ids("yxe")),  # "x" refused: the rows after it are free
+        (GrammarSpec("choice", '["ok"]'), (), "o", ids("k") + [eos] + ids("z")),  # it ends inside the drafts
+        (None, (), "", ids("ab")),
+        (GrammarSpec("choice", '["ok"]'), end, "</think", ids(">ok")),  # it starts inside the drafts
+        (GrammarSpec("regex", "[0-9]+"), (), "1", []),  # no drafts
+    ]
+    grammars, drafts = [], []
+    for spec, start_after, committed, fed in cases:
+        grammar = compiler.matcher(spec, start_after) if spec else None
+        for token in ids(committed):
+            assert grammar.accept(token)
+        grammars.append(grammar)
+        drafts.append(fed)
+    before = fill_bitmask(grammars, VOCAB)
+    masks = fill_bitmask(grammars, VOCAB, drafts)
+    assert masks.most_tokens == [7, 4, 2, 3, 4, 1]
+    assert masks.rows == list(range(15)) + list(range(18, 23))  # the sequence without a grammar: rows 15-17
+    expected, first = torch.full_like(masks.bitmask, -1), 0
+    for spec, start_after, committed, fed in cases:
+        for j in range(1 + len(fed)):
+            if spec is not None:
+                walker = compiler.matcher(spec, start_after)
+                walked = all(walker.accept(t) for t in ids(committed) + fed[:j])
+                if walked and not walker.finished:
+                    walker.fill(expected, first + j)
+        first += 1 + len(fed)
+    assert torch.equal(masks.bitmask, expected)
+    assert (masks.bitmask[7:9] != -1).any(-1).all()  # "yes" or "no", then "es" after "y", ...
+    assert torch.equal(masks.bitmask[9:11], torch.full_like(masks.bitmask[9:11], -1))  # ... nothing after "x"
+    after = fill_bitmask(grammars, VOCAB)  # rewound: the same masks as before the drafts
+    assert torch.equal(after.bitmask, before.bitmask) and after.rows == before.rows
+    assert [g.active for g in grammars if g] == [True, True, True, False, True]
+    assert grammars[2].accept(ids("k")[0]) and grammars[2].accept(eos) and grammars[2].finished
 
 
 def test_grammar_starts_after_the_reasoning(compiler, tokenizer):

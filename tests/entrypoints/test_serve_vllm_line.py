@@ -1,6 +1,7 @@
 """vLLM's launch line with `vllm` replaced by `spmoe`: one real server (TP 2, gloo, CPU) started by the GLM-5.2
 recipe line, the model given as a Hugging Face id found in a Hugging Face cache laid out by hand (offline),
-with the checkpoint's generation defaults; and the refused flags, each one line before any rank starts."""
+with the checkpoint's generation defaults and structured output while it speculates; and the refused flags, each
+one line before any rank starts."""
 
 import json
 import os
@@ -102,6 +103,44 @@ def test_generation_defaults_apply_to_what_a_request_leaves_out(server):
     again = client.completions.create(model="glm-5.2", prompt="Hello", seed=5, extra_body={"ignore_eos": True})
     other = client.completions.create(model="glm-5.2", prompt="Hello", seed=6, extra_body={"ignore_eos": True})
     assert again.choices[0].text == left_out.choices[0].text != other.choices[0].text
+
+
+def test_structured_output_on_the_speculating_server(server):
+    """The recipe line speculates (MTP, 1 draft): a response_format request is answered with JSON valid under its
+    schema, sampled (the model's default temperature) and greedy; a choice with a stop string stops at it."""
+    import jsonschema
+
+    base, _ = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer", "maximum": 99}},
+        "required": ["color", "size"],
+    }
+    for temperature in (None, 0):
+        reply = client.chat.completions.create(
+            model="glm",
+            messages=[{"role": "user", "content": "A color and a size, as JSON"}],
+            max_tokens=64,
+            seed=3,
+            temperature=temperature,
+            response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}},
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        ).choices[0]
+        assert reply.finish_reason == "stop", reply
+        jsonschema.validate(json.loads(reply.message.content), schema)
+    # a stop string cuts the constrained text there, whatever else the step committed with it (accepted drafts)
+    choices = ["red fox", "blue jay", "green owl"]
+    for seed in range(4):
+        reply = client.completions.create(
+            model="glm",
+            prompt="A bird:",
+            max_tokens=32,
+            seed=seed,
+            stop=[" "],
+            extra_body={"structured_outputs": {"choice": choices}},
+        ).choices[0]
+        assert reply.finish_reason == "stop" and reply.text in ("red", "blue", "green"), reply
 
 
 @pytest.mark.parametrize(

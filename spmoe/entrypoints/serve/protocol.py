@@ -97,7 +97,7 @@ class SamplingFields(Strict):
 
     model: str
     max_tokens: int | None = Field(None, ge=0)  # 0: only with echo (completions)
-    temperature: float | None = Field(None, ge=0)  # None: 1 (OpenAI's default), or 0 on a speculating server
+    temperature: float | None = Field(None, ge=0)  # None: the generation default, else 1 (OpenAI's)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
     min_p: float | None = Field(None, ge=0, le=1)
