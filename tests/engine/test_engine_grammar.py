@@ -79,7 +79,8 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
         """-> every request's tokens, (finish reason, error), and (tokens generated, drafts proposed, accepted) as
         the engine counted them."""
         cache = PagedKVCache.for_model(model, 64 << 20)
-        engine = Engine(model, cache, drafts, max_num_seqs=64, max_model_len=1024, grammars=grammars)
+        graphs = device == "cuda"  # on the GPU the decode and verification steps replay CUDA graphs
+        engine = Engine(model, cache, drafts, graphs, max_num_seqs=64, max_model_len=1024, grammars=grammars)
         outputs, reasons = {r.request_id: [] for r in requests}, {}
         for request in requests:
             engine.add_request(request)
@@ -181,8 +182,9 @@ def test_refused_without_a_compiler(constrained):
 @pytest.mark.gpu
 @requires_gpus(1)
 def test_constrained_speculation_on_the_gpu(tmp_path):
-    """bfloat16 with the Triton kernels on one GPU, xgrammar's Triton bitmask kernel on the verified rows and on the
-    drafter's logits: every output valid, drafts both accepted and rejected. (The tokens with and without
+    """bfloat16 with the Triton kernels on one GPU, decode and verification steps replayed from CUDA graphs,
+    xgrammar's Triton bitmask kernel on the verified rows and on the drafter's logits (the drafter eager from the
+    graph's hidden states): every output valid, drafts both accepted and rejected. (The tokens with and without
     speculation may differ: bfloat16 rounds the k + 1 rows of a verify step differently from one decode row.)"""
     tokenizer = checkpoint(tmp_path, GPU_CONFIG)
     got = spawn(run_constrained, 1, str(tmp_path), 1, "cuda", True, device="cuda", timeout_s=600)[0]
