@@ -7,8 +7,9 @@ blocks rank 0 reuses raises instead of computing something else.
 
 Two rounds of requests run through one engine: the second round's prompts share prefixes of random lengths
 with the first round's (an exact block multiple, a prompt that is a whole earlier prompt, a prompt that is
-exactly a cached block, random lengths), so they are admitted with cached blocks. One spawned group runs every
-case; the comparisons happen here.
+exactly a cached block, random lengths), so they are admitted with cached blocks. One spawned group (TP 2)
+runs every case; the comparisons happen here. A second group, DP 2 x TP 2 (it needs 4 ranks), runs both
+rounds through the serving loop: each DP group's TP rank 1 follows its own group's TP rank 0.
 """
 
 import torch
