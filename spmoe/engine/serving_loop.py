@@ -74,7 +74,9 @@ def schedule_in_group(engine) -> ScheduledBatch | None:
     return engine.schedule(broadcast_object(None, state.tp_control_group, src=first))
 
 
-def finish_step(engine, plan: StepPlan, batch: ScheduledBatch | None):
+def finish_step(
+    engine, plan: StepPlan, batch: ScheduledBatch | None
+) -> tuple[list[RequestOutput], EngineMetrics] | None:
     """Run the plan's scheduled batch on this rank. -> on rank 0, every DP group's outputs and their metrics
     combined; None on the other ranks."""
     state = get_parallel_state()
