@@ -1,23 +1,37 @@
 """Prefix caching off and on, side by side in one run, on workloads whose prompts repeat what earlier requests
-sent: time to first token (TTFT) and throughput.
+sent: time to first token (TTFT) and throughput, for the chat and agent workloads over a sweep of concurrency.
 
 Workloads (token ids random; `--scale` multiplies every length; `--tiny`: a CPU smoke run, `Workload.smoke`):
 - repeat: one prompt of 8192 + 64 tokens, then a second with the same 8192-token head and another 64-token
-  tail; TTFT of each, one at a time.
-- chat: 16 conversations under one 1024-token system prompt, 4 turns each: a turn's prompt is the
-  conversation so far (system prompt, earlier user messages and replies) plus a new 256-token user message;
-  the reply has 64 tokens. All conversations run at once; each sends its next turn when its reply ends.
-- agent: 8 agents sharing 8192 tokens of tool definitions, 4 turns each adding a 512-token tool result, with
-  64-token replies (tool calls), the same way.
-Every request decodes greedily to its length (no eos). Per workload and setting: requests, prompt tokens,
-the prompt tokens the engine computed (the rest came from the cache) and the hit rate, TTFT p50 / p90 (from
-adding the request to the step that returns its first token), wall seconds, requests/s and output tokens/s.
+  tail; TTFT of each, one at a time. Its line: the second request's TTFT / the first's (goal <= 10% on).
+- chat: conversations under one 1024-token system prompt, 4 turns each: a turn's prompt is the conversation
+  so far (system prompt, earlier user messages and replies) plus a new 256-token user message; the reply has
+  64 tokens.
+- agent: agents sharing 8192 tokens of tool definitions, 4 turns each adding a 512-token tool result, with
+  64-token replies (tool calls).
+Chat and agent run at each level of `--concurrency` / `--agent-concurrency` (conversations at once: 1 4 16
+64 and 1 4 16 by default), each level max(level, `--min-conversations`) conversations in a closed loop: a
+conversation sends its next turn when its reply ends, and a new conversation starts when one ends, so that
+`level` are in flight at once. Each level has its own random tokens (its own system prompt): nothing hits
+across levels or workloads. Every request decodes greedily to its length (no eos).
+
+Per level and setting: requests, prompt tokens, the prompt tokens the engine computed (the rest came from the
+cache) and the hit rate, TTFT p50 / p90 (from adding the request to the step that returns its first token),
+wall seconds, requests/s and output tokens/s. Then the goal's comparison, one line per workload: caching
+off's TTFT p50 and throughput at the reference level (`--reference`; default the second highest, so that
+caching on has a level above it to reach that TTFT with), and caching on's
+throughput at that same TTFT p50: from its highest level whose TTFT p50 is at or below it, interpolated
+linearly on the (TTFT p50, requests/s) curve towards the next level (whose TTFT p50 is above it); when its
+highest level stays below, that level's throughput (a lower bound: more concurrency would add throughput
+until its TTFT reached caching off's); -> the ratio (goal >= 2x for chat; in requests/s, which is output
+tokens/s over a fixed reply length).
 
 The model: GLM-5.2 widths with `--layers` layers (default 4: 1 dense, 3 MoE of 64 experts top-8), random
 bf16 weights, one GPU, CUDA graphs for decode steps; one engine per setting, each with a paged cache of
 `--kv-cache-memory` GiB, both warmed up by one untimed pass of a small chat workload longer than `index_topk`;
-the workloads then run on them in turn, off before on (each workload has its own random tokens, so nothing
-hits across workloads).
+the workloads then run on them in turn, off before on at each level, with a progress line per level and
+setting. The default sweep is sized for about 4 minutes on one H200 at most: caching off computes 1.54 M prompt
+tokens in all (a 32768-token prefill takes ~0.5 s there) and each setting runs about 3,300 decode steps.
 
     python benchmarks/bench_prefix_cache.py
     python benchmarks/bench_prefix_cache.py --tiny        # CPU smoke: a tiny model, short workloads
@@ -57,59 +71,68 @@ TINY = dict(  # a model the CPU runs in seconds, shaped like GLM-5.2 (an indexer
 
 @dataclass(frozen=True)
 class Workload:
-    """`agents` conversations of `turns` turns under one shared head of `shared` tokens: a turn adds `user`
-    tokens to the conversation and its reply `output` tokens. `concurrent`: the conversations run at once
-    (else one request at a time)."""
+    """`conversations` conversations of `turns` turns under one shared head of `shared` tokens, `concurrency`
+    of them at once: a turn adds `user` tokens to the conversation and its reply `output` tokens."""
 
     shared: int
-    agents: int
+    conversations: int
     turns: int
     user: int
     output: int
-    concurrent: bool = True
+    concurrency: int = 1
 
     def scaled(self, factor: float) -> "Workload":
         size = lambda n: max(1, round(n * factor))  # noqa: E731
         return replace(self, shared=size(self.shared), user=size(self.user), output=size(self.output))
 
     def smoke(self) -> "Workload":
-        """A CPU-sized version: lengths / 16, at most 3 conversations of 3 turns with 4-token replies."""
+        """A CPU-sized version: lengths / 16, at most 3 turns with 4-token replies."""
         small = self.scaled(1 / 16)
-        return replace(small, agents=min(3, self.agents), turns=min(3, self.turns), output=min(4, small.output))
+        return replace(small, turns=min(3, self.turns), output=min(4, small.output))
+
+    def at(self, concurrency: int, min_conversations: int) -> "Workload":
+        """`concurrency` conversations at once, max(`concurrency`, `min_conversations`) in all."""
+        return replace(self, concurrency=concurrency, conversations=max(concurrency, min_conversations))
+
+    def describe(self) -> str:
+        return f"shared {self.shared} tokens, {self.turns} turns of +{self.user} tokens, {self.output}-token replies"
 
 
 WORKLOADS = {
-    "repeat": Workload(shared=8192, agents=2, turns=1, user=64, output=1, concurrent=False),
-    "chat": Workload(shared=1024, agents=16, turns=4, user=256, output=64),
-    "agent": Workload(shared=8192, agents=8, turns=4, user=512, output=64),
+    "repeat": Workload(shared=8192, conversations=2, turns=1, user=64, output=1),
+    "chat": Workload(shared=1024, conversations=16, turns=4, user=256, output=64),
+    "agent": Workload(shared=8192, conversations=8, turns=4, user=512, output=64),
 }
 
 
 def run_workload(engine, work: Workload, vocab: int, seed: int) -> dict:
     """Drive the engine through the workload (closed loop: a conversation's next turn is added when its reply
-    ends). -> the figures of one table column."""
+    ends, a new conversation starts when one ends). -> the figures of one row."""
     from spmoe.engine.request import Request
 
     rng = random.Random(seed)
     tokens = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
     shared = tokens(work.shared)
-    history = [list(shared) for _ in range(work.agents)]
-    turns_done = [0] * work.agents
+    history, turns_done = [], []
     added, first, outputs, ttft, prompt_tokens = {}, {}, {}, [], 0
     before = engine.metrics()
 
-    def send(agent: int) -> None:
+    def send(conversation: int) -> None:
         nonlocal prompt_tokens
-        history[agent] += tokens(work.user)
-        request_id = f"{agent}-{turns_done[agent]}"
-        engine.add_request(Request(request_id, list(history[agent]), work.output))
+        history[conversation] += tokens(work.user)
+        request_id = f"{conversation}-{turns_done[conversation]}"
+        engine.add_request(Request(request_id, list(history[conversation]), work.output))
         added[request_id], outputs[request_id] = time.perf_counter(), []
-        prompt_tokens += len(history[agent])
+        prompt_tokens += len(history[conversation])
+
+    def start() -> None:
+        history.append(list(shared))
+        turns_done.append(0)
+        send(len(history) - 1)
 
     began = time.perf_counter()
-    queue = list(range(work.agents))
-    for agent in queue if work.concurrent else queue[:1]:
-        send(agent)
+    for _ in range(min(work.concurrency, work.conversations)):
+        start()
     while engine.has_unfinished():
         finished = []
         for out in engine.step():
@@ -121,13 +144,13 @@ def run_workload(engine, work: Workload, vocab: int, seed: int) -> dict:
             if out.finish_reason is not None:
                 finished.append(out.request_id)
         for request_id in finished:
-            agent = int(request_id.split("-")[0])
-            history[agent] += outputs[request_id]
-            turns_done[agent] += 1
-            if turns_done[agent] < work.turns:
-                send(agent)
-            elif not work.concurrent and agent + 1 < work.agents:
-                send(agent + 1)
+            conversation = int(request_id.split("-")[0])
+            history[conversation] += outputs[request_id]
+            turns_done[conversation] += 1
+            if turns_done[conversation] < work.turns:
+                send(conversation)
+            elif len(history) < work.conversations:
+                start()
     seconds = time.perf_counter() - began
     after = engine.metrics()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
@@ -146,6 +169,23 @@ def run_workload(engine, work: Workload, vocab: int, seed: int) -> dict:
         "requests/s": len(outputs) / seconds,
         "output tok/s": generated / seconds,
     }
+
+
+def throughput_at_ttft(curve: list[tuple[int, float, float]], target: float) -> tuple[float, str, bool] | None:
+    """Caching on's requests/s at TTFT p50 `target` ms, from its levels `curve` [(level, TTFT p50 ms,
+    requests/s)] in increasing level: take the highest level whose TTFT p50 is at or below `target`; if a level
+    above it exists (its TTFT p50 is above `target`), interpolate linearly between the two at `target`, else
+    its throughput is a lower bound. -> (requests/s, how it was found, whether a lower bound), None if every
+    level is above."""
+    below = [i for i, (_, ttft, _) in enumerate(curve) if ttft <= target]
+    if not below:
+        return None
+    low, t0, x0 = curve[below[-1]]
+    if below[-1] + 1 == len(curve):
+        return x0, f"its highest level, {low} at once, has TTFT p50 {t0:.1f} ms: a lower bound", True
+    high, t1, x1 = curve[below[-1] + 1]
+    value = x0 + (x1 - x0) * (target - t0) / (t1 - t0)
+    return value, f"interpolated between {low} and {high} at once, TTFT p50 {t0:.1f} and {t1:.1f} ms", False
 
 
 def run(args) -> list[tuple[str, dict, dict]]:
@@ -178,38 +218,89 @@ def run(args) -> list[tuple[str, dict, dict]]:
         for caching in (False, True)
     }
 
-    workloads = {
-        name: WORKLOADS[name].smoke() if args.tiny else WORKLOADS[name].scaled(args.scale) for name in args.workloads
-    }
+    def smaller(work: Workload) -> Workload:
+        return work.smoke() if args.tiny else work.scaled(args.scale)
+
     # past index_topk, so that the indexer's scoring kernels (which shorter contexts skip) compile here too
-    warm = Workload(shared=2 * cfg.index_topk + 64, agents=4, turns=2, user=64, output=8)
+    warm = Workload(shared=2 * cfg.index_topk + 64, conversations=4, turns=2, user=64, output=8, concurrency=4)
     for engine in engines.values():
         run_workload(engine, warm, cfg.vocab_size, seed=-1)
-    rows = []
-    for index, (name, work) in enumerate(workloads.items()):  # each workload its own tokens: no hits across them
-        off = run_workload(engines[False], work, cfg.vocab_size, args.seed + index)
-        on = run_workload(engines[True], work, cfg.vocab_size, args.seed + index)
-        rows.append((name, work, off, on))
-    return rows
-
-
-def print_table(rows) -> None:
-    for name, work, off, on in rows:
-        print(
-            f"\n{name}: shared {work.shared} tokens, {work.agents} conversations x {work.turns} turns, "
-            f"+{work.user} tokens a turn, {work.output}-token replies"
-            f"{'' if work.concurrent else ', one request at a time'}"
-        )
-        print(f"{'':>16}{'caching off':>14}{'caching on':>14}{'on / off':>10}")
-        for key in off:
-            ratio = f"{on[key] / off[key]:>10.2f}" if off[key] else ""
-            fmt = ".1%" if key == "hit rate" else (".0f" if isinstance(off[key], int) else ".2f")
-            print(f"{key:>16}{off[key]:>14{fmt}}{on[key]:>14{fmt}}{ratio}")
-        if not work.concurrent:
-            print(
-                f"second request's TTFT / first's: caching off {off['TTFT last ms'] / off['TTFT first ms']:.1%}, "
-                f"on {on['TTFT last ms'] / on['TTFT first ms']:.1%}"
+    results, seed, began = {}, args.seed, time.perf_counter()
+    for name in args.workloads:
+        levels = {"repeat": [1], "chat": args.concurrency, "agent": args.agent_concurrency}[name]
+        for level in levels:
+            work = (
+                smaller(WORKLOADS[name])
+                if name == "repeat"
+                else smaller(WORKLOADS[name]).at(level, args.min_conversations)
             )
+            seed += 1  # each level its own tokens: no hits across levels or workloads
+            for caching in (False, True):
+                row = run_workload(engines[caching], work, cfg.vocab_size, seed)
+                results[name, level, caching] = (work, row)
+                print(
+                    f"[{time.perf_counter() - began:6.1f} s] {name} {level} at once, "
+                    f"caching {'on' if caching else 'off'}: "
+                    f"{row['requests']} requests in {row['seconds']:.1f} s, TTFT p50 {row['TTFT p50 ms']:.1f} ms, "
+                    f"hit rate {row['hit rate']:.1%}",
+                    flush=True,
+                )
+    return results
+
+
+COLUMNS = ("requests", "prompt tokens", "computed", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "requests/s")
+COLUMNS += ("output tok/s", "seconds")
+
+
+def print_tables(results: dict, reference: int | None, min_conversations: int) -> None:
+    names = dict.fromkeys(name for name, _, _ in results)
+    for name in names:
+        levels = sorted({level for n, level, _ in results if n == name})
+        work = results[name, levels[0], False][0]
+        if name == "repeat":
+            off, on = results[name, 1, False][1], results[name, 1, True][1]
+            print(f"\nrepeat: {work.describe()}, {work.conversations} requests one at a time")
+            print(f"{'':>16}{'caching off':>14}{'caching on':>14}{'on / off':>10}")
+            for key in off:
+                ratio = f"{on[key] / off[key]:>10.2f}" if off[key] else ""
+                fmt = ".1%" if key == "hit rate" else (".0f" if isinstance(off[key], int) else ".2f")
+                print(f"{key:>16}{off[key]:>14{fmt}}{on[key]:>14{fmt}}{ratio}")
+            print(
+                f"repeat: second request's TTFT / first's (goal <= 10% with caching on): caching off "
+                f"{off['TTFT last ms'] / off['TTFT first ms']:.1%}, on {on['TTFT last ms'] / on['TTFT first ms']:.1%}"
+            )
+            continue
+        print(f"\n{name}: {work.describe()}; a level of n at once runs max(n, {min_conversations}) conversations")
+        print(f"{'at once':>8}{'caching':>8}" + "".join(f"{key:>14}" for key in COLUMNS))
+        for level in levels:
+            for caching in (False, True):
+                row = results[name, level, caching][1]
+                cells = "".join(
+                    f"{row[key]:>14.1%}"
+                    if key == "hit rate"
+                    else f"{row[key]:>14}"
+                    if isinstance(row[key], int)
+                    else f"{row[key]:>14.2f}"
+                    for key in COLUMNS
+                )
+                print(f"{level:>8}{'on' if caching else 'off':>8}{cells}")
+        at = reference if reference in levels else levels[-2 if len(levels) > 1 else -1]
+        off = results[name, at, False][1]
+        curve = [
+            (level, results[name, level, True][1]["TTFT p50 ms"], results[name, level, True][1]["requests/s"])
+            for level in levels
+        ]
+        found = throughput_at_ttft(curve, off["TTFT p50 ms"])
+        head = (
+            f"{name}: equal TTFT p50: caching off at {at} at once: TTFT p50 {off['TTFT p50 ms']:.1f} ms, "
+            f"{off['requests/s']:.2f} requests/s; caching on at that TTFT p50"
+        )
+        if found is None:
+            print(f"{head}: none (every level of caching on is above it)")
+        else:
+            value, how, lower_bound = found
+            ratio = f"{'>= ' if lower_bound else ''}{value / off['requests/s']:.2f}x"
+            print(f"{head} ({how}): {'>= ' if lower_bound else ''}{value:.2f} requests/s -> {ratio} (goal >= 2x)")
 
 
 def main() -> None:
@@ -217,16 +308,32 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every token count")
-    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", help="chat conversations at once (1 4 16 64; --tiny 1 2 4)"
+    )
+    parser.add_argument("--agent-concurrency", type=int, nargs="+", help="agents at once (1 4 16; --tiny 1 2 4)")
+    parser.add_argument("--min-conversations", type=int, default=4, help="conversations a level runs, at least")
+    parser.add_argument(
+        "--reference", type=int, help="caching off's level for the equal-TTFT line (default: the second highest)"
+    )
+    parser.add_argument("--max-num-seqs", type=int, help="default: the highest level")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--kv-cache-memory", type=float, default=8.0, help="paged cache GiB per setting")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short workloads")
     args = parser.parse_args()
+    args.concurrency = sorted(set(args.concurrency or ([1, 2, 4] if args.tiny else [1, 4, 16, 64])))
+    args.agent_concurrency = sorted(set(args.agent_concurrency or ([1, 2, 4] if args.tiny else [1, 4, 16])))
+    levels = args.concurrency + args.agent_concurrency
+    if min(levels) < 1 or args.min_conversations < 1:
+        parser.error(
+            f"concurrency levels and --min-conversations must be >= 1, got {levels} and {args.min_conversations}"
+        )
+    args.max_num_seqs = args.max_num_seqs or max(levels)
     if args.tiny and args.kv_cache_memory == parser.get_default("kv_cache_memory"):
         args.kv_cache_memory = 0.125
-    (rows,) = spawn(run, 1, args, device="cpu" if args.tiny else "cuda", timeout_s=3600)
-    print_table(rows)
+    (results,) = spawn(run, 1, args, device="cpu" if args.tiny else "cuda", timeout_s=3600)
+    print_tables(results, args.reference, args.min_conversations)
 
 
 if __name__ == "__main__":

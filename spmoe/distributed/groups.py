@@ -1,9 +1,10 @@
 """Process groups: initialise from the torchrun environment, build the TP / DP / EP groups, tear down.
 
 gloo on CPU, NCCL on CUDA; on both, a gloo `control_group` over every rank carries host objects (the serving
-loop's step plans, job results; `comm.broadcast_object` / `comm.gather_object`). Every collective carries
-`timeout_s`, so a dead peer turns into an error on the
-surviving ranks instead of a hang. On CUDA the TP and EP groups also get the one-shot kernels for small
+loop's step plans, job results; `comm.broadcast_object` / `comm.gather_object`), and under DP a gloo
+`tp_control_group` over each DP group's ranks (its TP rank 0's admissions; the control group without DP).
+Every collective carries `timeout_s`, so a dead peer turns into an error on the surviving ranks instead of a
+hang. On CUDA the TP and EP groups also get the one-shot kernels for small
 collectives where the GPUs support them (`comm.enable_one_shot`).
 """
 
@@ -32,6 +33,7 @@ class ParallelState:
     tp_group: dist.ProcessGroup
     ep_group: dist.ProcessGroup
     control_group: dist.ProcessGroup  # gloo, every rank: host objects only
+    tp_control_group: dist.ProcessGroup | None  # gloo, this rank's DP group (None: a group of one rank)
 
     @property
     def tp_size(self) -> int:
@@ -101,15 +103,24 @@ def init_distributed(
     )
     tp = config.tensor_parallel_size
     tp_group = dist.group.WORLD
+    control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    tp_control_group = control_group
     if config.data_parallel_size > 1:
         # new_group must be called by every rank for every group, in the same order.
         for d in range(config.data_parallel_size):
-            group = dist.new_group(list(range(d * tp, (d + 1) * tp)))
+            ranks = list(range(d * tp, (d + 1) * tp))
+            group = dist.new_group(ranks)
+            control = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s)) if tp > 1 else None
             if d == rank // tp:
-                tp_group = group
-    control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                tp_group, tp_control_group = group, control
     _STATE = ParallelState(
-        config=config, rank=rank, device=dev, tp_group=tp_group, ep_group=dist.group.WORLD, control_group=control_group
+        config=config,
+        rank=rank,
+        device=dev,
+        tp_group=tp_group,
+        ep_group=dist.group.WORLD,
+        control_group=control_group,
+        tp_control_group=tp_control_group,
     )
     if backend == "nccl":
         groups = [("TP", tp_group)] + ([("EP", dist.group.WORLD)] if tp_group is not dist.group.WORLD else [])

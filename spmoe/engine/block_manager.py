@@ -30,8 +30,10 @@ of an engine, and so of its manager.
   computed for its logits.
 - `fork` gives a new sequence another's full blocks for a shared prompt (`n` > 1 choices), copying nothing.
 
-Every call is deterministic (no clocks, no randomness, hashes by SHA-256 of the token ids), so equal call
-sequences give equal tables on every rank.
+Every call is deterministic (no clocks, no randomness, hashes by SHA-256 of the token ids). Which blocks a
+new sequence reuses is decided by one rank's lookup; the other ranks pass that decision to `allocate`
+(`reuse`), take the blocks of that many tokens from their own caches by the same hashes, and raise if they
+lack one (their caches diverged).
 """
 
 import hashlib
@@ -133,12 +135,21 @@ class BlockManager:
     # -- changes ----------------------------------------------------------------------------------------------
 
     def allocate(
-        self, seq_id: int, num_tokens: int, token_ids: Sequence[int] = (), hashes: list[bytes] | None = None
+        self,
+        seq_id: int,
+        num_tokens: int,
+        token_ids: Sequence[int] = (),
+        hashes: list[bytes] | None = None,
+        reuse: int | None = None,
     ) -> int:
         """Room for a new sequence's first `num_tokens` tokens, its prompt being `token_ids` (empty: nothing to
         look up). Its leading blocks are the longest cached chain matching the prompt, the rest fresh blocks.
         -> the tokens already cached (a multiple of the block size, fewer than the prompt and than
         `num_tokens`): the sequence computes from there.
+
+        `reuse`: the cached tokens another rank decided this sequence reuses (its own lookup found them): this
+        manager takes exactly the blocks of that many tokens, found by their chain hashes, instead of looking
+        the prompt up; RuntimeError if it does not hold them all (the ranks' caches diverged).
 
         `hashes` (optional): a list the caller keeps for the sequence's life, holding the chain hashes of its
         first blocks as far as they were computed (empty at first). Its tokens are only ever appended to, so
@@ -149,7 +160,7 @@ class BlockManager:
         if num_tokens < 1:
             raise ValueError(f"a sequence needs at least 1 token, got {num_tokens}")
         chain = [] if hashes is None else hashes
-        hit = self._hit_blocks(token_ids, chain)
+        hit = self._hit_blocks(token_ids, chain) if reuse is None else self._reused_blocks(token_ids, chain, reuse)
         cached = len(hit) * self.block_size
         if num_tokens <= cached:
             raise ValueError(
@@ -258,6 +269,24 @@ class BlockManager:
             if chain[i] not in self._block_of:
                 break
             blocks.append(self._block_of[chain[i]])
+        return blocks
+
+    def _reused_blocks(self, token_ids: Sequence[int], chain: list[bytes], reuse: int) -> list[int]:
+        """The cached blocks of the first `reuse` tokens of a prompt, which another rank's lookup found cached;
+        `chain` is extended with their hashes. RuntimeError where this cache lacks one of them."""
+        size = self.block_size
+        if reuse < 0 or reuse % size or (reuse and reuse >= len(token_ids)) or (reuse and not self.enable_caching):
+            raise ValueError(
+                f"reusing {reuse} cached tokens of a {len(token_ids)}-token prompt: a multiple of {size} below the "
+                f"prompt's length expected{'' if self.enable_caching else ', and 0 with prefix caching off'}"
+            )
+        self._extend_chain(chain, token_ids, reuse // size)
+        blocks = [self._block_of.get(digest) for digest in chain[: reuse // size]]
+        if None in blocks:
+            raise RuntimeError(
+                f"the deciding rank reuses {reuse} cached prompt tokens, but this rank's prefix cache holds only the "
+                f"first {blocks.index(None) * size} of them: the ranks' caches diverged"
+            )
         return blocks
 
     def _extend_chain(self, chain: list[bytes], token_ids: Sequence[int], num_blocks: int) -> None:

@@ -10,8 +10,9 @@ path; the default of `spmoe generate` and `spmoe serve`) or the slot cache (`KVC
 
 One step is three calls on named records (`sequence.py`):
 1. `Scheduler.schedule() -> ScheduledBatch` (`scheduler.py`): decode tokens first, then prompt chunks under the
-   token budget; admit waiting requests while the cache has room; grow every running sequence's room,
-   preempting when it runs out.
+   token budget; admit waiting requests while the cache has room (decided on the DP group's TP rank 0, with
+   what each reuses from the prefix cache, and followed by the other ranks: `serving_loop.py`); grow every
+   running sequence's room, preempting when it runs out.
 2. `ModelRunner.run(batch) -> StepResult` (`model_runner.py`): one target forward over every scheduled
    sequence's tokens, laid end to end (a chunk of a prompt, else its last token followed by its drafts when
    speculating; with `cuda_graphs`, decode steps replay a captured graph), the choice of each sampling
@@ -41,8 +42,8 @@ from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
 from spmoe.engine.sampling import Sampler, SamplingParams
 from spmoe.engine.scheduler import BlockRoom, Scheduler, SlotRoom
-from spmoe.engine.sequence import Sequence
-from spmoe.engine.serving_loop import run_to_completion
+from spmoe.engine.sequence import ScheduledBatch, Sequence
+from spmoe.engine.serving_loop import run_to_completion, schedule_in_group
 from spmoe.engine.stats import KernelCompiles, StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
@@ -236,10 +237,25 @@ class Engine:
         )
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the batch, commit. -> one output per request that committed tokens this step (a
-        prompt chunk before the last commits none). With nothing to run it returns at once, except under DP,
-        where every rank must run every step."""
-        batch = self.scheduler.schedule()
+        """Schedule (the DP group's TP rank 0 decides what joins, the other TP ranks follow:
+        `serving_loop.schedule_in_group`), run the batch, commit. -> one output per request that committed tokens
+        this step (a prompt chunk before the last commits none). With nothing to run it returns at once, except
+        under DP, where every rank must run every step."""
+        return self.run(schedule_in_group(self))
+
+    def schedule(self, admissions: list[tuple[str, int]] | None = None) -> ScheduledBatch | None:
+        """The step's batch (`Scheduler.schedule`): `admissions` None: this rank decides which waiting requests
+        join and what they reuse from the prefix cache (the batch's `admissions`); else it follows the deciding
+        rank's."""
+        return self.scheduler.schedule(admissions)
+
+    def has_waiting(self) -> bool:
+        """Whether a request waits to join the running batch."""
+        return bool(self.scheduler.waiting)
+
+    def run(self, batch: ScheduledBatch | None) -> list[RequestOutput]:
+        """Run a scheduled batch and commit it. -> one output per request that committed tokens (none for
+        None: nothing to run)."""
         if batch is None:
             return []
         before = self._compiles()

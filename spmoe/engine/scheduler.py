@@ -37,8 +37,9 @@ written (`cache_written`), so that its full blocks become cached: with MTP a pos
 the drafter has caught up on it, which it does in the step that verifies it, except for a sequence that
 finishes there. Preemption and finishing free a sequence's references; its cached blocks stay for later
 requests until a new block needs their room. Every rank of a DP group runs this scheduler on the same plans and
-the same sampled tokens, and nothing in it depends on anything else (hashes are SHA-256 of token ids, eviction
-is by order of use), so every rank reuses the same blocks.
+the same sampled tokens, but only the group's TP rank 0 decides admissions (which waiting sequences join, each
+with how many cached tokens: the batch's `admissions`); the other ranks follow them (`schedule(admissions)`),
+never looking a prompt up themselves, and raise if they cannot (`serving_loop.py` carries the decisions).
 """
 
 from collections import deque
@@ -79,8 +80,11 @@ class SlotRoom:
         """Whether a new sequence of up to `num_tokens` tokens can get room now."""
         return self.cache.free_slots > 0 and self.fits(num_tokens)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> int:
-        """A slot for `seq`. -> 0: nothing of it is cached."""
+    def allocate(self, seq: Sequence, num_tokens: int, reuse: int | None = None) -> int:
+        """A slot for `seq` (`reuse`: what the deciding rank found cached, 0 here). -> 0: nothing of it is
+        cached."""
+        if reuse:
+            raise ValueError(f"the slot cache keeps no prefix; the deciding rank reuses {reuse} tokens")
         seq.cache_id = self.cache.allocate()
         return 0
 
@@ -165,11 +169,12 @@ class BlockRoom:
         logprobs (they come from the forward over the prompt: a cached block would skip them)."""
         return [] if seq.wants_prompt_logprobs else seq.pending
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> int:
-        """Room for `num_tokens` tokens of a new sequence, its cached prefix included. -> the tokens of what it
-        feeds (`pending`) already cached."""
+    def allocate(self, seq: Sequence, num_tokens: int, reuse: int | None = None) -> int:
+        """Room for `num_tokens` tokens of a new sequence, its cached prefix included: the longest one cached,
+        or the `reuse` tokens the deciding rank found (RuntimeError if this cache lacks them). -> the tokens of
+        what it feeds (`pending`) already cached."""
         seq.cache_id, self._next_id = self._next_id, self._next_id + 1
-        cached = self.blocks.allocate(seq.cache_id, num_tokens, self._lookup(seq), seq.block_hashes)
+        cached = self.blocks.allocate(seq.cache_id, num_tokens, self._lookup(seq), seq.block_hashes, reuse)
         self._note_peak()
         return cached
 
@@ -259,10 +264,16 @@ class Scheduler:
         seq.pending, seq.prefilling = list(seq.request.prompt), True
         self.waiting.append(seq)
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, admissions: list[tuple[str, int]] | None = None) -> ScheduledBatch | None:
         """-> the sequences that run this step, in admission order, with the tokens each feeds from the head of
         its `pending`; a sequence samples this step iff it feeds all its pending tokens. None: nothing to run
-        (unless `keep_in_step`: then an empty batch)."""
+        (unless `keep_in_step`: then an empty batch).
+
+        `admissions`: None: this scheduler decides which waiting sequences join and how many of their tokens
+        come from the prefix cache, and the batch's `admissions` say so. Else the deciding rank's decisions
+        (request id, tokens it reuses), in order, which this scheduler follows instead of deciding: it admits
+        exactly those, each with those cached tokens, and raises RuntimeError where it cannot (the ranks
+        diverged)."""
         budget = self.max_num_batched_tokens - sum(len(s.pending) for s in self.running if not s.prefilling)
         work = []
         for seq in list(self.running):
@@ -274,22 +285,10 @@ class Scheduler:
             if self._make_room(seq, self._room_for(seq, seq.cached + count)):
                 work.append((seq, count))
                 budget -= count if seq.prefilling else 0
-        while self.waiting and budget > 0 and len(self.running) < self.room.max_num_seqs:
-            seq = self.waiting[0]
-            cached = self.room.cached_prefix(seq)
-            if self._twin_prefilling(seq, cached):
-                break
-            count = min(len(seq.pending) - cached, budget)
-            if not self.room.can_allocate(self._room_for(seq, cached + count), seq):
-                break
-            self.waiting.popleft()
-            seq.cached = self.room.allocate(seq, self._room_for(seq, cached + count))
-            seq.pending = seq.pending[seq.cached :]
-            request = seq.request
-            seq.sample_row = self.sampler.add(request.sampling, request.prompt, request.eos_token_ids, seq.output)
-            self.running.append(seq)
-            work.append((seq, count))
-            budget -= count
+        if admissions is None:
+            admitted = self._decide_admissions(budget, work)
+        else:
+            admitted = self._follow_admissions(admissions, budget, work)
         if not work and not self.keep_in_step:
             return None
         self.steps += 1
@@ -301,7 +300,53 @@ class Scheduler:
             [n == len(s.pending) for s, n in work],
             all(not s.prefilling for s, _ in work),
             self.steps,
+            admitted,
         )
+
+    def _decide_admissions(self, budget: int, work: list) -> list[tuple[str, int]]:
+        """Admit waiting sequences, first come first served, while the budget, `max_num_seqs` and the cache
+        allow, each with its longest cached prefix; each joins `work` with its first chunk. -> (request id,
+        tokens reused) of each, in order."""
+        admitted = []
+        while self.waiting and budget > 0 and len(self.running) < self.room.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.room.cached_prefix(seq)
+            if self._twin_prefilling(seq, cached):
+                break
+            count = min(len(seq.pending) - cached, budget)
+            if not self.room.can_allocate(self._room_for(seq, cached + count), seq):
+                break
+            budget -= self._admit(seq, count, cached, None, work)
+            admitted.append((seq.request_id, cached))
+        return admitted
+
+    def _follow_admissions(self, admissions: list[tuple[str, int]], budget: int, work: list) -> list:
+        """Admit what the deciding rank admitted (`admissions`: request id, tokens reused), each with those
+        cached tokens (RuntimeError where this rank's state cannot: the ranks diverged). -> `admissions`."""
+        for request_id, reuse in admissions:
+            seq = self.waiting[0] if self.waiting else None
+            full = budget <= 0 or len(self.running) >= self.room.max_num_seqs
+            if seq is None or seq.request_id != request_id or full:
+                raise RuntimeError(
+                    f"the deciding rank admits request {request_id!r} with {reuse} cached tokens, but this rank's "
+                    f"next waiting request is {seq and seq.request_id!r}, with {budget} tokens of budget and "
+                    f"{len(self.running)} of {self.room.max_num_seqs} sequences running: the ranks diverged"
+                )
+            budget -= self._admit(seq, min(len(seq.pending) - reuse, budget), reuse, reuse, work)
+        return admissions
+
+    def _admit(self, seq: Sequence, count: int, cached: int, reuse: int | None, work: list) -> int:
+        """Move the first waiting sequence `seq` to the running batch with room for its `cached` tokens and a
+        first chunk of `count` (`reuse`: the cached tokens as the deciding rank found them, None: look them
+        up); it joins `work`. -> `count`."""
+        self.waiting.popleft()
+        seq.cached = self.room.allocate(seq, self._room_for(seq, cached + count), reuse)
+        seq.pending = seq.pending[seq.cached :]
+        request = seq.request
+        seq.sample_row = self.sampler.add(request.sampling, request.prompt, request.eos_token_ids, seq.output)
+        self.running.append(seq)
+        work.append((seq, count))
+        return count
 
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Commit a step's result. -> one output per sequence that sampled (a prompt chunk before the last

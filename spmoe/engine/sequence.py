@@ -68,7 +68,8 @@ class ScheduledBatch:
     a slot of the slot cache, a block table of the paged one), and whether it samples (it feeds all it has
     pending; a prompt chunk before the last does not). `decode`: every sequence feeds one decode token after
     its prefix (no prompt chunk), so a captured CUDA graph can run it. `step`: the step's number since the
-    statistics were reset, for error messages. No sequences: an empty step that keeps the DP ranks in step."""
+    statistics were reset, for error messages. `admissions`: which waiting sequences joined this step and with
+    how many cached tokens. No sequences: an empty step that keeps the DP ranks in step."""
 
     seqs: list[Sequence]
     num_tokens: list[int]
@@ -77,6 +78,9 @@ class ScheduledBatch:
     samples: list[bool]
     decode: bool
     step: int
+    # the waiting sequences this step admitted: (request id, prompt tokens it reuses from the prefix cache), as
+    # the deciding rank sends them to the others (`serving_loop`)
+    admissions: list[tuple[str, int]] = field(default_factory=list)
 
     def tokens(self) -> list[list[int]]:
         """What each sequence feeds this step."""

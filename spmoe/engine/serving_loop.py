@@ -10,6 +10,17 @@ rank over the gloo control group, and every rank applies it and runs the step; u
 DP group sends its outputs and metrics back to rank 0 (`ServingLoop.step`). The other ranks apply plans until
 the shutdown (`worker_loop`).
 
+Which waiting requests join a step, and how many of their prompt tokens come from the prefix cache, is decided
+on one rank of each DP group, its TP rank 0, and followed by the others, which never look a prompt up
+themselves (`Scheduler.schedule(admissions)`): a rank whose cache cannot give what the decision reuses raises
+instead of computing something else. Without DP, rank 0 schedules its step before sending the plan, and the
+plan carries its admissions (`StepPlan.admissions`). Under DP, each DP group's TP rank 0 schedules after the
+plan and sends its admissions to its TP peers over the group's gloo control group (`schedule_in_group`); so
+does the batch job. That exchange happens only in a step where the group has waiting requests: with none
+waiting (the ranks of a group agree on that, having admitted the same), the step admits nothing. The block ids
+themselves need not travel: each rank's block tables address its own pool, and a rank finds the blocks to
+reuse by the same chain hashes (`BlockManager.allocate(reuse=...)`).
+
 The batch job knows its requests up front, so it needs no plan per step: each DP group adds its own share,
 and every rank steps until no rank has work left (`run_to_completion`; with DP > 1 one tiny all-reduce per
 step says whether any rank still has).
@@ -22,6 +33,7 @@ import torch
 from spmoe.distributed import get_parallel_state
 from spmoe.distributed.comm import all_reduce, broadcast_object, gather_object
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
+from spmoe.engine.sequence import ScheduledBatch
 
 
 @dataclass
@@ -31,18 +43,44 @@ class StepPlan:
     command: str  # "step" (run one engine step), "idle" (the heartbeat: nothing to run), "shutdown"
     new: list[tuple[Request, int]] = field(default_factory=list)  # requests and the DP group that runs each
     aborts: list[str] = field(default_factory=list)  # request ids
+    # without DP, in a "step": the requests rank 0 admits and the prompt tokens each reuses from the prefix
+    # cache, which every other rank follows; None under DP (each DP group's TP rank 0 decides for its group)
+    admissions: list[tuple[str, int]] | None = None
 
 
-def apply_plan(engine, plan: StepPlan) -> tuple[list[RequestOutput], EngineMetrics] | None:
-    """Apply the plan on this rank and run its step. -> on rank 0, every DP group's outputs and their metrics
-    combined; None on the other ranks."""
+def apply_requests(engine, plan: StepPlan) -> None:
+    """This rank's DP group's new requests and the aborts of the plan, into its engine."""
     state = get_parallel_state()
     for request, dp_group in plan.new:
         if dp_group == state.dp_rank:
             engine.add_request(request)
     for request_id in plan.aborts:
         engine.abort(request_id)
-    outputs = engine.step() if plan.command == "step" else []
+
+
+def schedule_in_group(engine) -> ScheduledBatch | None:
+    """This step's batch on every rank of a DP group: its TP rank 0 decides the admissions and sends them to
+    the group's other ranks, which follow them. With nothing waiting nothing is admitted, and nothing sent."""
+    state = get_parallel_state()
+    if state.tp_size == 1:
+        return engine.schedule()
+    if not engine.has_waiting():
+        return engine.schedule([])
+    first = state.dp_rank * state.tp_size  # the group's TP rank 0
+    if state.tp_rank == 0:
+        batch = engine.schedule()
+        broadcast_object(batch.admissions if batch is not None else [], state.tp_control_group, src=first)
+        return batch
+    return engine.schedule(broadcast_object(None, state.tp_control_group, src=first))
+
+
+def finish_step(
+    engine, plan: StepPlan, batch: ScheduledBatch | None
+) -> tuple[list[RequestOutput], EngineMetrics] | None:
+    """Run the plan's scheduled batch on this rank. -> on rank 0, every DP group's outputs and their metrics
+    combined; None on the other ranks."""
+    state = get_parallel_state()
+    outputs = engine.run(batch) if plan.command == "step" else []
     if state.dp_size == 1:
         return (outputs, engine.metrics()) if state.rank == 0 else None
     parts = gather_object((outputs, engine.metrics()) if state.tp_rank == 0 else None, state.control_group)
@@ -57,7 +95,11 @@ def worker_loop(engine) -> None:
     state = get_parallel_state()
     while True:
         plan = broadcast_object(None, state.control_group)
-        apply_plan(engine, plan)
+        apply_requests(engine, plan)
+        batch = None
+        if plan.command == "step":
+            batch = schedule_in_group(engine) if plan.admissions is None else engine.schedule(plan.admissions)
+        finish_step(engine, plan, batch)
         if plan.command == "shutdown":
             return
 
@@ -90,10 +132,18 @@ class ServingLoop:
         return plan
 
     def step(self, plan: StepPlan) -> tuple[list[RequestOutput], EngineMetrics]:
-        """Send the plan to every rank and run it here. -> every DP group's outputs and metrics; finished
+        """Apply the plan here (without DP, schedule its step: its admissions go in the plan), send it to every
+        rank and run it here. -> every DP group's outputs and metrics; finished
         requests are no longer live."""
+        apply_requests(self.engine, plan)
+        batch = None
+        if plan.command == "step" and self.state.dp_size == 1:
+            batch = self.engine.schedule()  # rank 0 decides; the plan tells the others
+            plan.admissions = batch.admissions if batch is not None else []
         broadcast_object(plan, self.state.control_group)
-        outputs, metrics = apply_plan(self.engine, plan)
+        if plan.command == "step" and self.state.dp_size > 1:
+            batch = schedule_in_group(self.engine)
+        outputs, metrics = finish_step(self.engine, plan, batch)
         for out in outputs:
             if out.finish_reason is not None:
                 self.dp_of.pop(out.request_id, None)

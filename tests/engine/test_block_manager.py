@@ -237,6 +237,34 @@ def test_a_held_cached_block_is_shared_not_evicted():
     audit(blocks, {})
 
 
+def test_reuse_follows_the_deciding_rank_or_fails_clearly():
+    blocks = BlockManager(8, 2, enable_caching=True)
+    rows = Rows(blocks)
+    a = [1, 2, 3, 4, 5]
+    blocks.allocate(0, 5, a)
+    rows.write(0, a, 0, 5)
+    assert blocks.cached_prefix(a) == 4
+    # the deciding rank reused 2 tokens: this manager takes that block and no more, though it holds the next one
+    assert blocks.allocate(1, 5, a, reuse=2) == 2 and blocks.block_table(1)[0] == blocks.block_table(0)[0]
+    assert blocks.block_table(1)[1] != blocks.block_table(0)[1] and blocks.hits == 2
+    assert blocks.allocate(2, 5, a, reuse=0) == 0 and not set(blocks.block_table(2)) & set(blocks.block_table(0))
+    rows.check(1, a, 2)
+    for seq_id in (0, 1, 2):
+        blocks.free(seq_id)
+    blocks.allocate(3, 16)  # every block: the cached ones are evicted
+    blocks.free(3)
+    with pytest.raises(
+        RuntimeError, match="reuses 4 cached prompt tokens, but this rank's prefix cache holds only the first 0"
+    ):
+        blocks.allocate(4, 5, a, reuse=4)
+    with pytest.raises(ValueError, match="a multiple of 2 below the prompt's length expected"):
+        blocks.allocate(4, 5, a, reuse=3)
+    with pytest.raises(ValueError, match="and 0 with prefix caching off"):
+        BlockManager(6, 2).allocate(0, 5, a, reuse=2)
+    assert 4 not in blocks
+    audit(blocks, {})
+
+
 @pytest.mark.parametrize("enable_caching", [False, True])
 def test_fork_shares_the_written_full_blocks(enable_caching):
     blocks = BlockManager(8, 4, enable_caching=enable_caching, lookahead=1)

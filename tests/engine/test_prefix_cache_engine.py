@@ -1,18 +1,24 @@
 """Prefix caching in the engine: the same tokens and logits with caching on as with it off, at TP 2 with SP
 off and on, with MTP speculation (the drafts too: the MTP layer's rows of reused blocks are exact), and with a
-cache so small that sequences preempt each other; every TP rank reuses the same blocks.
+cache so small that sequences preempt each other; every TP rank reuses the same blocks, as rank 0 decides:
+rank 1's own prefix-cache lookup is made to find nothing, and it still reuses what rank 0 reuses, in the batch
+job and in the serving loop (the decisions travelling in the step plans); a rank 1 whose cache lost the
+blocks rank 0 reuses raises instead of computing something else.
 
 Two rounds of requests run through one engine: the second round's prompts share prefixes of random lengths
 with the first round's (an exact block multiple, a prompt that is a whole earlier prompt, a prompt that is
-exactly a cached block, random lengths), so they are admitted with cached blocks. One spawned group runs every
-case; the comparisons happen here.
+exactly a cached block, random lengths), so they are admitted with cached blocks. One spawned group (TP 2)
+runs every case; the comparisons happen here. A second group, DP 2 x TP 2 (it needs 4 ranks), runs both
+rounds through the serving loop: each DP group's TP rank 1 follows its own group's TP rank 0.
 """
 
 import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
+from spmoe.distributed.comm import broadcast_object
 from spmoe.engine.paged_cache import BLOCK_SIZE
+from spmoe.engine.request import Request
 
 from .conftest import ENGINE_CONFIG
 
@@ -50,7 +56,9 @@ def rounds() -> tuple[list[list[int]], list[list[int]]]:
 
 def on_and_off(folder: str) -> dict:
     """-> {(case, caching): (outputs of both rounds, their logits `[tokens, V]`, the MTP drafts and prompt rows
-    (`record_drafts`), the second round's stats)}."""
+    (`record_drafts`), the second round's stats)}, and the serving loop's and the divergence's results
+    (`through_serving_loop`, `diverged`). Rank 1's own prefix-cache lookup always finds nothing
+    (`blind_lookup`): its engines reuse only what rank 0 tells them."""
     from spmoe.engine.engine import Engine
     from spmoe.engine.paged_cache import PagedKVCache
     from spmoe.models.deepseek_v32.weights import load_model
@@ -71,6 +79,7 @@ def on_and_off(folder: str) -> dict:
                 max_num_batched_tokens=BUDGET,
                 enable_prefix_caching=caching,
             )
+            blind_lookup(engine)
             recorded = record_drafts(engine) if k else {}
             outputs, logits, drafts = [], [], {}
             for number, prompts in enumerate(rounds()):  # both rounds name their requests generate-0, -1, ...
@@ -80,7 +89,76 @@ def on_and_off(folder: str) -> dict:
                 drafts.update({(number, key): value for key, value in recorded.items()})
                 recorded.clear()
             results[case, caching] = (outputs, torch.cat(logits), drafts, gen.stats)
+    results["serving loop"] = through_serving_loop(caching_engine(models["off"]))
+    results["diverged"] = diverged(caching_engine(models["off"]))
     return results
+
+
+def caching_engine(model, caching: bool = True):
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.paged_cache import PagedKVCache
+
+    cache = PagedKVCache.for_model(model, 2**22)
+    return blind_lookup(Engine(model, cache, max_num_batched_tokens=BUDGET, enable_prefix_caching=caching))
+
+
+def blind_lookup(engine):
+    """On every TP rank but 0, the engine's own prefix-cache lookup finds nothing: only reuse that its DP
+    group's TP rank 0 decides (and this rank's cache holds) can happen there. -> the engine."""
+    if get_parallel_state().tp_rank != 0:
+        engine.scheduler.room.blocks._hit_blocks = lambda token_ids, hashes: []
+    return engine
+
+
+def through_serving_loop(engine) -> tuple[list[list[int]], dict] | None:
+    """Both rounds through the serving loop (rank 0 plans, rank 1 applies the plans in `worker_loop`). -> on
+    every rank, the outputs in `generate`'s order (None on rank 1) and the engine's KV cache stats."""
+    from spmoe.engine.engine import per_prompt
+    from spmoe.engine.sampling import SamplingParams
+    from spmoe.engine.serving_loop import ServingLoop, worker_loop
+
+    if get_parallel_state().rank != 0:
+        worker_loop(engine)
+        return None, engine.scheduler.room.stats()
+    loop, outputs = ServingLoop(engine), []
+    for number, prompts in enumerate(rounds()):
+        tokens = {f"{number}-{i}": [] for i in range(len(prompts))}
+        requests = [
+            Request(request_id, prompt, MAX_NEW, params)
+            for request_id, prompt, params in zip(tokens, prompts, per_prompt(SamplingParams(), len(prompts)))
+        ]
+        plan = loop.plan(requests, [])
+        while plan.command == "step":
+            for out in loop.step(plan)[0]:
+                tokens[out.request_id] += out.new_token_ids
+            plan = loop.plan([], [])
+        outputs += tokens.values()
+    loop.step(loop.plan([], [], shutdown=True))
+    return outputs, engine.scheduler.room.stats()
+
+
+def diverged(engine) -> str | None:
+    """The first round on both ranks, then rank 1's cache loses every cached block (one sequence takes the whole
+    pool); rank 0 schedules the second round's first step and sends its admissions, and rank 1 follows them.
+    -> on rank 1 the error it raised (None if it raised none); None on rank 0. No forward runs after."""
+    state = get_parallel_state()
+    first, second = rounds()
+    engine.generate(first, MAX_NEW)
+    if state.rank != 0:
+        blocks = engine.scheduler.room.blocks
+        blocks.allocate(-1, blocks.capacity_tokens)
+        blocks.free(-1)
+    for i, prompt in enumerate(second):
+        engine.add_request(Request(f"second-{i}", prompt, MAX_NEW))
+    if state.rank == 0:
+        broadcast_object(engine.schedule().admissions, state.control_group)
+        return None
+    admissions = broadcast_object(None, state.control_group)
+    try:
+        engine.schedule(admissions)
+    except RuntimeError as error:
+        return str(error)
+    return None
 
 
 def record_drafts(engine) -> dict:
@@ -131,5 +209,36 @@ def test_prefix_caching_changes_no_output(engine_checkpoint):
             assert cache["prefix_cache_hits"] == WANT_HITS[k], case
         else:
             assert stats["preemptions"] > 0 and cache["prefix_cache_hits"] > 0, case
-        for rank in ranks[1:]:  # every TP rank made the same decisions
+        for rank in ranks[1:]:  # every TP rank made rank 0's decisions, its own lookup finding nothing
             assert rank[case, True][0] == outputs and rank[case, True][3]["kv_cache"] == cache, case
+    # the serving loop: the same tokens, and rank 1 reuses what rank 0 reuses, told by the step plans
+    outputs, cache = ranks[0]["serving loop"]
+    assert outputs == ranks[0]["sp off", False][0]
+    assert cache["prefix_cache_hits"] == WANT_HITS[0] and ranks[1]["serving loop"][1] == cache
+    # rank 0 reuses the 128 cached tokens of the second round's first prompt, which rank 1 no longer holds
+    assert ranks[0]["diverged"] is None
+    assert ranks[1]["diverged"] == (
+        "the deciding rank reuses 128 cached prompt tokens, but this rank's prefix cache holds only the first 0 of "
+        "them: the ranks' caches diverged"
+    )
+
+
+def data_parallel(folder: str) -> dict:
+    """DP 2 x TP 2: both rounds through the serving loop with caching off and on. -> {caching: (outputs on rank
+    0, this rank's KV cache stats)}."""
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    model = load_model(folder, ParallelConfig(tensor_parallel_size=2, data_parallel_size=2))
+    return {caching: through_serving_loop(caching_engine(model, caching)) for caching in (False, True)}
+
+
+def test_each_dp_group_follows_its_own_tp_rank_0(engine_checkpoint):
+    """Under DP each DP group's TP rank 0 decides its group's reuse and sends it to its TP peer (whose own
+    lookup finds nothing): the same tokens as without caching, and both ranks of a group reuse the same."""
+    ranks = spawn(
+        data_parallel, 4, engine_checkpoint, config=ParallelConfig(tensor_parallel_size=2, data_parallel_size=2)
+    )
+    assert ranks[0][True][0] == ranks[0][False][0]
+    hits = [rank[True][1]["prefix_cache_hits"] for rank in ranks]
+    assert hits[0] > 0 and hits[2] > 0 and hits[1] == hits[0] and hits[3] == hits[2]
+    assert ranks[1][True][1] == ranks[0][True][1] and ranks[3][True][1] == ranks[2][True][1]

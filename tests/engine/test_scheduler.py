@@ -4,8 +4,9 @@ the token budget, admission only into free blocks, and preemption of the most re
 committing hand-made step results: eos, length, non-finite logits, drafts accepted and rejected, a prompt
 chunk that does not sample; prefix caching: admission with the cached prefix (a shared head, an exact block
 multiple, the whole prompt), chunks continuing from it, a preempted sequence finding its own blocks again, and
-eviction of unreferenced cached blocks when room is needed."""
+eviction of unreferenced cached blocks when room is needed; a scheduler following another's admissions."""
 
+import pytest
 import torch
 
 from spmoe.config import ModelConfig
@@ -200,3 +201,33 @@ def test_a_twin_waits_for_the_prompt_blocks_it_shares():
     assert pairs(batch) == [("n0", 1), ("n1", 2), ("n2", 2), ("other", 20)]  # the twins compute 2 tokens each
     assert batch.starts[1:3] == [128, 128] and room.blocks.num_used_blocks == 3 + 1 + 1 + 1
     assert room.location(choices[1])[:2] == room.location(choices[0])[:2] == room.location(choices[2])[:2]
+
+
+def test_a_follower_admits_what_the_decider_admits():
+    """Two schedulers as two ranks: the decider's admissions (request id, tokens reused) make the follower's
+    batch; admissions in another order than its waiting queue are a one-line error."""
+    rooms = [paged_room(6, prefix_caching=True) for _ in range(2)]
+    decider, follower = (Scheduler(room, sampler_for(room), max_num_batched_tokens=100) for room in rooms)
+    for scheduler in (decider, follower):
+        scheduler.add(sequence("a", 130))
+        for _ in range(2):
+            feed(scheduler, scheduler.schedule())  # a: 100 tokens, then 30 and its first token
+        scheduler.add(sequence("b", 140))  # its first two blocks are a's
+        scheduler.add(sequence("c", 10))
+    batch = decider.schedule()
+    assert batch.admissions == [("b", 128), ("c", 0)] and pairs(batch) == [("a", 1), ("b", 12), ("c", 10)]
+    followed = follower.schedule(batch.admissions)
+    assert (
+        pairs(followed) == pairs(batch) and followed.starts == batch.starts and followed.admissions == batch.admissions
+    )
+    assert followed.locations == batch.locations and rooms[1].prefix_cache_counts() == (280, 128)
+    # the follower refuses admissions it cannot follow (budget: 100 - a's decode token - b's 12 - c's 10)
+    for scheduler in (decider, follower):
+        scheduler.add(sequence("d", 70))
+        scheduler.add(sequence("e", 70))
+    with pytest.raises(RuntimeError) as error:
+        follower.schedule([("e", 0)])
+    assert str(error.value) == (
+        "the deciding rank admits request 'e' with 0 cached tokens, but this rank's next waiting request is "
+        "'d', with 77 tokens of budget and 3 of 8 sequences running: the ranks diverged"
+    )
