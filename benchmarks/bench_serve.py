@@ -17,10 +17,19 @@ server's `usage`. No warm-up request is sent: the server warms itself before it 
     spmoe serve --model DIR --tp 2 --device cuda --dtype bfloat16 &
     python benchmarks/bench_serve.py --concurrency 1 16 64 256 --request-rate 20 --input-len 1024 --output-len 128
 
-`--sampling plain processed` runs every level once per setting, side by side: `plain` is greedy with nothing
+`--sampling plain processed` runs every level per setting, side by side: `plain` is greedy with nothing
 else; `processed` is greedy with logprobs=5 and presence, frequency and repetition penalties on every request
-(the sampler's logits processing, penalty counts and logprobs all at work), then prints processed / plain for
-the output token rate and the median TPOT. Each setting gets fresh prompts (none finds the other's cached).
+(the sampler's logits processing, penalty counts and logprobs all at work). So that the order of the settings
+does not bias their ratio (the first run paid kernels compiled after ready and the device's first-run effects),
+each level first runs every setting once untimed (rows marked `warm-up`), then `--rounds` timed rounds that
+alternate the settings (plain, processed, plain, processed, ...), each row printed; then it prints processed /
+plain for the output token rate and the median TPOT: the median over the rounds of each round's ratio, and
+each round's. Each run gets fresh prompts (none finds another's cached).
+
+`--json PATH` also writes every run's figures and the ratios as JSON (`{"runs": [...], "ratios": [...]}`),
+for scripts (`bench_serve_vs_generate.py` reads it).
+
+    python benchmarks/bench_serve.py --concurrency 64 --num-prompts 128 --sampling plain processed --rounds 2
 """
 
 import argparse
@@ -30,6 +39,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -178,18 +188,28 @@ def main() -> None:
         nargs="+",
         choices=list(SAMPLING),
         default=["plain"],
-        help="request settings, each level run once per setting (default plain; see above)",
+        help="request settings, each level run per setting (default plain; see above)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with several --sampling settings: timed rounds per level, after an untimed warm-up (default 1)",
+    )
+    parser.add_argument("--json", type=Path, help="also write every run's figures and the ratios there (JSON)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     base = args.base_url.rstrip("/")
     model = args.model or httpx.get(base + "/models").json()["data"][0]["id"]
     rng = random.Random(args.seed)
     print(f"bench_serve: {base}, model {model!r}, {args.input_len} prompt tokens -> {args.output_len} output tokens")
     print(
-        f"{'level':>12}{'sampling':>10}{'requests':>9}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
-        f"{'1st TTFT':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'hit rate':>10}{'accept':>8}{'length':>8}{'steps':>7}"
-        f"{'compiling':>10}{'after ready':>12}  (ms)"
+        f"{'level':>12}{'sampling':>10}{'round':>8}{'requests':>9}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}"
+        f"{'TTFT p99':>10}{'1st TTFT':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'hit rate':>10}{'accept':>8}{'length':>8}"
+        f"{'steps':>7}{'compiling':>10}{'after ready':>12}  (ms)"
     )
+    runs, ratios = [], []
     levels = [(c, None) for c in args.concurrency] + [(None, r) for r in args.request_rate]
     for concurrency, rate in levels:
         count = args.num_prompts or max(8, 4 * (concurrency or 16))
@@ -198,8 +218,10 @@ def main() -> None:
             for i in range(1, count):
                 arrivals[i] = arrivals[i - 1] + rng.expovariate(rate)
         level = f"c={concurrency}" if rate is None else f"rate={rate:g}/s"
-        rates, tpots = {}, {}
-        for sampling in args.sampling:
+        # side by side: one untimed run of each setting first, then the settings in turn, round after round
+        order = [("warm-up", s) for s in args.sampling] if len(args.sampling) > 1 else []
+        order += [(str(r + 1), s) for r in range(args.rounds) for s in args.sampling]
+        for round_, sampling in order:
             prompts = [[rng.randrange(args.token_id_limit) for _ in range(args.input_len)] for _ in range(count)]
             before = server_counters(base)
             results, seconds = asyncio.run(
@@ -209,19 +231,55 @@ def main() -> None:
             ttft = [r.ttft_s * 1e3 for r in results]
             tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None] or [float("nan")]
             output_tokens = sum(r.output_tokens for r in results)
-            rates[sampling], tpots[sampling] = output_tokens / seconds, statistics.median(tpot)
+            run = dict(
+                level=level,
+                sampling=sampling,
+                round=round_,
+                requests=count,
+                seconds=seconds,
+                output_tokens=output_tokens,
+                req_per_s=count / seconds,
+                out_tok_per_s=output_tokens / seconds,
+                ttft_p50_ms=statistics.median(ttft),
+                ttft_p99_ms=percentile(ttft, 99),
+                first_ttft_ms=ttft[0],
+                tpot_p50_ms=statistics.median(tpot),
+                tpot_p99_ms=percentile(tpot, 99),
+                counters={k: after[k] - before[k] for k in after if k in before},
+            )
+            runs.append(run)
             print(
-                f"{level:>12}{sampling:>10}{count:>9}{count / seconds:>8.2f}{output_tokens / seconds:>11.1f}"
-                f"{statistics.median(ttft):>10.1f}{percentile(ttft, 99):>10.1f}{ttft[0]:>10.1f}"
-                f"{statistics.median(tpot):>10.2f}{percentile(tpot, 99):>10.2f}{counted(before, after)}",
+                f"{level:>12}{sampling:>10}{round_:>8}{count:>9}{run['req_per_s']:>8.2f}{run['out_tok_per_s']:>11.1f}"
+                f"{run['ttft_p50_ms']:>10.1f}{run['ttft_p99_ms']:>10.1f}{run['first_ttft_ms']:>10.1f}"
+                f"{run['tpot_p50_ms']:>10.2f}{run['tpot_p99_ms']:>10.2f}{counted(before, after)}",
                 flush=True,
             )
         if {"plain", "processed"} <= set(args.sampling):
+            ratios.append(processed_over_plain(level, [r for r in runs if r["level"] == level]))
+            ratio = ratios[-1]
+            rounds = {
+                key: " ".join(f"{v:.3f}" for v in ratio[key + "_rounds"]) for key in ("out_tok_per_s", "tpot_p50")
+            }
             print(
-                f"{level:>12} processed / plain: out tok/s {rates['processed'] / rates['plain']:.3f}, "
-                f"TPOT p50 {tpots['processed'] / tpots['plain']:.3f}",
+                f"{level:>12} processed / plain, median of {args.rounds} round(s): out tok/s "
+                f"{ratio['out_tok_per_s']:.3f} ({rounds['out_tok_per_s']}), TPOT p50 {ratio['tpot_p50']:.3f} "
+                f"({rounds['tpot_p50']})",
                 flush=True,
             )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"runs": runs, "ratios": ratios}, indent=1))
+
+
+def processed_over_plain(level: str, runs: list[dict]) -> dict:
+    """A level's timed runs -> processed / plain per round (each round's runs of the two settings) for the output
+    token rate and the median TPOT, and the median over the rounds."""
+    timed = {(r["round"], r["sampling"]): r for r in runs if r["round"] != "warm-up"}
+    rounds = sorted({round_ for round_, _ in timed}, key=int)
+    ratio = {"level": level}
+    for key, column in (("out_tok_per_s", "out_tok_per_s"), ("tpot_p50", "tpot_p50_ms")):
+        each = [timed[r, "processed"][column] / timed[r, "plain"][column] for r in rounds]
+        ratio[key], ratio[key + "_rounds"] = statistics.median(each), each
+    return ratio
 
 
 if __name__ == "__main__":

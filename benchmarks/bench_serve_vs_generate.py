@@ -13,17 +13,20 @@ output token rates (generated tokens / wall time of the batch, prefill included)
     python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg -- --device cuda --dtype bfloat16 --cuda-graphs
 
 With `--sampling plain processed` it skips generate and runs bench_serve with those settings side by side
-(the cost of logprobs and penalties on every sequence); `--vocab-size 154880` gives the checkpoint GLM-5.2's
-vocabulary, which is what that cost scales with (ids past the tokenizer's 264 decode to nothing):
+(the cost of logprobs and penalties on every sequence): an untimed warm-up run of each, then `--rounds`
+rounds alternating them, and the median of the rounds' processed / plain ratios. `--vocab-size 154880` gives
+the checkpoint GLM-5.2's vocabulary, which is what that cost scales with (ids past the tokenizer's 264 decode
+to nothing):
 
     python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg-vocab --vocab-size 154880 --concurrency 64 \
-        --num-prompts 128 --input-len 128 --output-len 128 --sampling plain processed \
+        --num-prompts 128 --input-len 128 --output-len 128 --sampling plain processed --rounds 3 \
         -- --device cuda --dtype bfloat16 --cuda-graphs
 """
 
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -79,6 +82,8 @@ def run_generate(folder: Path, args, rest: list[str]) -> float:
 
 
 def run_serve(folder: Path, args, rest: list[str]) -> float:
+    """`spmoe serve` loaded by bench_serve at `--concurrency` with `--sampling` -> the median output token rate
+    of the timed runs of the first setting (bench_serve's JSON, not its printed table)."""
     port = free_port()
     server = subprocess.Popen(
         [
@@ -122,13 +127,20 @@ def run_serve(folder: Path, args, rest: list[str]) -> float:
                 str(args.seed),
                 "--sampling",
                 *args.sampling,
+                "--rounds",
+                str(args.rounds),
+                "--json",
+                str(folder / "bench_serve.json"),
             ],
             check=True,
             capture_output=True,
             text=True,
         )
         print(bench.stdout, end="", flush=True)
-        return float(bench.stdout.strip().splitlines()[-1].split()[4])  # the level's out tok/s
+        runs = json.loads((folder / "bench_serve.json").read_text())["runs"]
+        return statistics.median(
+            r["out_tok_per_s"] for r in runs if r["sampling"] == args.sampling[0] and r["round"] != "warm-up"
+        )
     finally:
         server.terminate()
         began = time.monotonic()
@@ -150,6 +162,9 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=264, help="the checkpoint's vocabulary (default 264)")
     parser.add_argument(
         "--sampling", nargs="+", help="only serve, with these bench_serve --sampling settings side by side"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="bench_serve --rounds: timed rounds of the --sampling settings"
     )
     args, rest = parser.parse_known_args()
     rest = [a for a in rest if a != "--"]

@@ -28,7 +28,8 @@ of an engine, and so of its manager.
 - `allocate` with a prompt's token ids takes the longest chain of cached blocks that matches its first
   tokens and returns how many tokens that covers: never the whole prompt, since the last prompt token must be
   computed for its logits.
-- `fork` gives a new sequence another's full blocks for a shared prompt (`n` > 1 choices), copying nothing.
+- `fork` gives a new sequence another's full blocks for a shared prompt (`n` > 1 choices), copying nothing:
+  with caching on or off (the blocks are reference-counted either way).
 
 Every call is deterministic (no clocks, no randomness, hashes by SHA-256 of the token ids). Which blocks a
 new sequence reuses is decided by one rank's lookup; the other ranks pass that decision to `allocate`
@@ -183,25 +184,40 @@ class BlockManager:
             self.hits += cached
         return cached
 
+    def fork_blocks(self, num_tokens: int) -> int:
+        """The full blocks of a prompt of `num_tokens` tokens whose rows depend on its tokens only: every full
+        block, less the last one when its `lookahead` tokens lie past the prompt (they are each fork's own)."""
+        return max(0, num_tokens - self.lookahead) // self.block_size
+
+    def can_fork(self, num_tokens: int) -> bool:
+        """Whether `fork` of a prompt of `num_tokens` tokens finds the fresh blocks it needs now."""
+        return self.blocks_for(num_tokens) - self.fork_blocks(num_tokens) <= self.num_free_blocks
+
     def fork(self, parent_id: int, child_id: int, num_tokens: int) -> int:
-        """A new sequence `child_id` whose first `num_tokens` tokens (a prompt, at least 1 token) are the first
-        ones of `parent_id`, which has written them (`cache_blocks`): it holds the parent's blocks below its
-        last full block boundary before the last token, and fresh blocks for the rest, which it computes.
-        -> the tokens shared (a multiple of the block size)."""
+        """A new sequence `child_id` whose first `num_tokens` tokens (a prompt) are the first ones of
+        `parent_id`, which holds room for them and has written their rows, or writes them in the step that
+        forks (the child reads none before the next step): the child holds the parent's `fork_blocks` blocks,
+        copying nothing, and fresh blocks for the rest of the prompt, which it computes itself. -> the tokens
+        shared (a multiple of the block size)."""
         if child_id in self._tables:
             raise ValueError(f"sequence {child_id} already holds {len(self._tables[child_id])} blocks")
         if num_tokens < 1:
             raise ValueError(f"a sequence needs at least 1 token, got {num_tokens}")
-        shared = self._tables[self._check(parent_id)][
-            : min((num_tokens - 1) // self.block_size, self._written[parent_id])
-        ]
+        if self.reserved(parent_id) < num_tokens:
+            raise ValueError(
+                f"sequence {child_id} forks {num_tokens} tokens of sequence {parent_id}, which holds room for "
+                f"{self.reserved(parent_id)}"
+            )
+        shared = self._tables[parent_id][: self.fork_blocks(num_tokens)]
         fresh = self.blocks_for(num_tokens) - len(shared)
         self._need(fresh, f"sequence {child_id} forked from {parent_id} with {num_tokens} tokens")
         for block in shared:
             self._hold(block)
         self._tables[child_id] = shared + [self._take_block() for _ in range(fresh)]
         self._reserved[child_id] = num_tokens
-        self._chains[child_id], self._written[child_id] = self._chains[parent_id][: len(shared)], len(shared)
+        # the parent may not have hashed every shared block yet: the child's chain is extended when needed
+        self._chains[child_id] = self._chains[parent_id][: len(shared)]
+        self._written[child_id] = len(shared)
         return len(shared) * self.block_size
 
     def grow(self, seq_id: int, num_tokens: int) -> list[int]:
@@ -218,14 +234,14 @@ class BlockManager:
         """`seq_id` has written the rows of its first `num_written` positions, whose token ids (and any known
         after them) are `token_ids`: each full block among them whose `lookahead` tokens are known gets its
         hash, and becomes cached unless an equal block already is (this one then stays private to `seq_id`).
-        `fork` shares the blocks done here. A no-op for blocks already done."""
+        A no-op for blocks already done."""
         if num_written > len(token_ids):
             raise ValueError(
                 f"sequence {seq_id} wrote {num_written} positions; their token ids expected, got {len(token_ids)}"
             )
         table = self._tables[self._check(seq_id)]
         complete = self._complete_blocks(seq_id, num_written, len(token_ids))
-        if self.enable_caching:  # (without caching only the count matters, for `fork`)
+        if self.enable_caching:  # (without caching only the count matters, for `would_cache`)
             self._extend_chain(self._chains[seq_id], token_ids, complete)
             for i in range(self._written[seq_id], complete):
                 digest = self._chains[seq_id][i]

@@ -7,13 +7,13 @@
    its request's settings); a sequence takes the token of its last row, or, when it fed drafts, the drafts
    the target keeps and the target's next draw, by the lossless rule of `rejection.py` (each row's draw is
    the one it would make without drafts: greedy and sampled requests alike, the same seeded noise, the same
-   logprobs); the tokens are cut at its first eos id
-   or its token limit. A row that is not finite gives no token. A sequence whose request asks for prompt
-   logprobs also gets the logprobs of the prompt tokens it fed (`prompt_logprobs`), from the hidden states,
-   a slice of rows at a time. A sequence with a grammar
-   (structured output, `grammar.py`) first has the tokens its grammar does not allow next masked out of its
-   row (each row of a sequence that fed drafts: by its grammar after the drafts before it), for the whole batch
-   at once.
+   logprobs); the tokens are cut at its first eos id or its token limit. A fork (the n choices of a prompt,
+   `ScheduledBatch.forks`) draws its first token from a copy of the row of the prompt's last token, with its
+   own settings. A row that is not finite gives no token. A sequence whose request asks for prompt logprobs
+   also gets the logprobs of the prompt tokens it fed (`prompt_logprobs`), from the hidden states, a slice of
+   rows at a time. A sequence with a grammar (structured output, `grammar.py`) first has the tokens its
+   grammar does not allow next masked out of its row (each row of a sequence that fed drafts: by its grammar
+   after the drafts before it), for the whole batch at once.
 3. When speculating, the MTP drafter catches up on the fed positions and proposes each sequence's next
    drafts (`speculative.py`; a sequence with a grammar among the tokens its grammar allows). After a replayed
    target step the drafter's graph of the same batch size runs, unless a sequence has a grammar: the eager
@@ -108,9 +108,9 @@ class ModelRunner:
 
     def choose(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
         """logits `[R, V]` (see `forward`) -> each sequence's committed tokens, accepted drafts, finite flag and,
-        when asked, logprobs. Every row goes through the sampler in one call: row j of a sequence that fed d
-        drafts chooses its (len(output) + j)-th token, after the first j drafts."""
-        most_tokens = iter(mask_by_grammars([s for s, last in zip(batch.seqs, batch.samples) if last], logits))
+        when asked, logprobs, then each fork's. Every row goes through the sampler in one call: row j of a
+        sequence that fed d drafts chooses its (len(output) + j)-th token, after the first j drafts; a fork
+        chooses its first token from a copy of its source's row (a grammar masks the copy only)."""
         rows, generated, preceding, spans = [], [], [], []
         for seq, last in zip(batch.seqs, batch.samples):
             first = len(rows)
@@ -120,11 +120,22 @@ class ModelRunner:
                     generated.append(len(seq.output) + j)
                     preceding.append(seq.drafts[:j])
             spans.append(slice(first, len(rows)))
+        committing = list(zip(batch.seqs, batch.samples))
+        if batch.forks:
+            # a source's prompt completes this step: it has no drafts, its one row is its last prompt token's
+            logits = torch.cat([logits, logits[[spans[source].start for _, source in batch.forks]]])
+            for seq, _ in batch.forks:
+                spans.append(slice(len(rows), len(rows) + 1))
+                rows.append(seq.sample_row)
+                generated.append(len(seq.output))
+                preceding.append([])
+                committing.append((seq, True))
+        most_tokens = iter(mask_by_grammars([s for s, last in committing if last], logits))
         chosen = self.sampler.sample(logits, rows, generated, preceding if any(preceding) else None)
-        accepted_of = self._accepted(batch, chosen.token_ids, spans) if any(preceding) else None
-        wants_logprobs = any(s.request.sampling.logprobs is not None for s in batch.seqs)
+        accepted_of = self._accepted(batch, chosen.token_ids, spans[: len(batch.seqs)]) if any(preceding) else None
+        wants_logprobs = any(s.request.sampling.logprobs is not None for s, _ in committing)
         result = StepResult([], [], [], logit_rows=[], logprobs=[] if wants_logprobs else None)
-        for seq, last, span in zip(batch.seqs, batch.samples, spans):
+        for (seq, last), span in zip(committing, spans):
             tokens, accepted, finite, recorded, logprobs = [], 0, True, None, None
             if last:
                 choices = chosen.token_ids[span]
@@ -185,14 +196,16 @@ class ModelRunner:
 
     def draft(self, batch: ScheduledBatch, result: StepResult, hidden: torch.Tensor | None) -> list[list[int]]:
         """The MTP layer catches up on every position the target fed and kept: a prompt chunk before the last
-        only fills its cache rows; a sequence that committed tokens and goes on gets its next drafts.
+        only fills its cache rows; a sequence that committed tokens and goes on gets its next drafts; one that
+        ends in the step its forks took its prompt's blocks fills the rows of its prompt (but the last token's).
         `hidden`: the target's (`forward`), None after a replayed target step (the drafter's graph follows).
-        -> the drafts per scheduled sequence ([] for the others)."""
+        -> the drafts per scheduled sequence ([] for the others; a fork gets its first drafts after it fed)."""
         if hidden is None:  # the target step replayed a graph
             if all(seq.grammar is None for seq in batch.seqs):
                 return self.draft_replayed(batch, result)
             hidden = self.graphs.replayed.hidden  # the eager drafter masks each draft step by the grammars
         to_draft, fed = [], 0  # (its index, first fed position, the token after each, the target's hidden there)
+        sources = {source for _, source in batch.forks}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             tokens = result.token_ids[i]
             if not batch.samples[i]:
@@ -200,6 +213,8 @@ class ModelRunner:
             elif tokens and seq.until_stop(tokens)[1] is None:
                 verified = n - (len(seq.drafts) - result.accepted[i])
                 to_draft.append((i, seq.cached, seq.pending[1:verified] + [tokens[-1]], hidden[fed : fed + verified]))
+            elif i in sources and n > 1:  # it ends here, but its forks hold its prompt's blocks: their rows too
+                to_draft.append((i, seq.cached, seq.pending[1:n], hidden[fed : fed + n - 1]))
             fed += n
         drafts = [[] for _ in batch.seqs]
         if not to_draft and not self.keep_in_step:

@@ -22,16 +22,26 @@ or once its grammar is complete ("stop"), at its token limit ("length"), or with
 not finite ("error"), freeing its room. The committed tokens are counted in the sampler's rows in one scatter
 per step; prompt logprobs gather chunk by chunk and go out with the sequence's first tokens.
 
+Forks: prefill once, then fork (`BlockRoom` only, with prefix caching or without). A waiting sequence whose
+prompt equals the one a running sequence is computing for the first time (the n choices of a request) waits
+for it. In the step that completes that prompt, it joins the batch as a fork (`ScheduledBatch.forks`): it
+feeds nothing, draws its first token from the prompt's last logits row with its own sampling row, seed and
+output index, and holds the source's full prompt blocks (`BlockManager.fork`). A partly filled last block
+cannot be shared (each choice writes its own tokens after the prompt), nor with MTP the block of the last
+prompt token (its MTP row embeds the choice's first token): the fork recomputes those positions in its next
+step, fed with its first token (at most a block's positions). From then on a fork is a sequence like any
+other (preempted, aborted, finished alone).
+
 The scheduler asks the cache about room in tokens, through a room's small interface (`fits`, `cached_prefix`,
-`can_allocate`, `allocate`, `can_grow`, `grow`, `cache_written`, `free`, `location`, `usage`,
-`prefix_cache_counts`): `SlotRoom` over the slot `KVCache` (the dense reference), `BlockRoom` over the paged
-cache's blocks.
+`can_allocate`, `allocate`, `can_grow`, `grow`, `forks`, `can_fork`, `fork`, `cache_written`, `free`,
+`location`, `usage`, `prefix_cache_counts`): `SlotRoom` over the slot `KVCache` (the dense reference),
+`BlockRoom` over the paged cache's blocks.
 
 Prefix caching (`BlockRoom` with `enable_prefix_caching`; see `block_manager.py`). A waiting sequence is
 admitted with the longest chain of cached full blocks that matches what it feeds (its prompt, or after a
 preemption its prompt and output): its `cached` count starts there and its prompt chunks continue from it.
-A waiting sequence whose first block of prompt a running sequence is still prefilling waits for it (the n
-choices of a request: the prompt is computed and held once, each choice adds its last partial block).
+A waiting sequence whose first block of prompt a running sequence is still prefilling waits for it (prompts
+that begin alike: the shared blocks are computed and held once).
 After each step `update` tells the room how many leading positions of each sequence have all their rows
 written (`cache_written`), so that its full blocks become cached: with MTP a position's rows are complete once
 the drafter has caught up on it, which it does in the step that verifies it, except for a sequence that
@@ -50,6 +60,8 @@ from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.engine.request import Request, RequestOutput
 from spmoe.engine.sampling import Sampler
 from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
+
+FORKED = -1  # an admission's reuse for a sequence that joins as a fork (`ScheduledBatch.forks`)
 
 
 class SlotRoom:
@@ -75,6 +87,8 @@ class SlotRoom:
     def shared_block(self) -> int | None:
         """No prefix cache: nothing is shared."""
         return None
+
+    forks = False  # a slot holds one sequence's rows: the n choices of a request compute their prompts each
 
     def can_allocate(self, num_tokens: int, seq: Sequence) -> bool:
         """Whether a new sequence of up to `num_tokens` tokens can get room now."""
@@ -162,6 +176,20 @@ class BlockRoom:
     def can_allocate(self, num_tokens: int, seq: Sequence) -> bool:
         """Whether waiting `seq` fits now with room for `num_tokens` tokens in all, its cached prefix included."""
         return self.blocks.can_allocate(num_tokens, self._lookup(seq), seq.block_hashes)
+
+    forks = True  # sequences with the same prompt share its full blocks (`fork`), with prefix caching or not
+
+    def can_fork(self, seq: Sequence) -> bool:
+        """Whether waiting `seq` can fork from a sequence with its prompt now (the blocks it needs are free)."""
+        return self.blocks.can_fork(len(seq.request.prompt))
+
+    def fork(self, source: Sequence, seq: Sequence) -> int:
+        """Room for waiting `seq`'s prompt, which running `source` has (or writes this step): it shares the
+        source's full blocks (`BlockManager.fork`). -> the prompt tokens shared: it computes the rest."""
+        seq.cache_id, self._next_id = self._next_id, self._next_id + 1
+        shared = self.blocks.fork(source.cache_id, seq.cache_id, len(seq.request.prompt))
+        self._note_peak()
+        return shared
 
     @staticmethod
     def _lookup(seq: Sequence) -> list[int]:
@@ -271,9 +299,9 @@ class Scheduler:
 
         `admissions`: None: this scheduler decides which waiting sequences join and how many of their tokens
         come from the prefix cache, and the batch's `admissions` say so. Else the deciding rank's decisions
-        (request id, tokens it reuses), in order, which this scheduler follows instead of deciding: it admits
-        exactly those, each with those cached tokens, and raises RuntimeError where it cannot (the ranks
-        diverged)."""
+        (request id, tokens it reuses or `FORKED`), in order, which this scheduler follows instead of deciding: it
+        admits exactly those, each with those cached tokens or as a fork, and raises RuntimeError where it cannot
+        (the ranks diverged)."""
         budget = self.max_num_batched_tokens - sum(len(s.pending) for s in self.running if not s.prefilling)
         work = []
         for seq in list(self.running):
@@ -286,9 +314,9 @@ class Scheduler:
                 work.append((seq, count))
                 budget -= count if seq.prefilling else 0
         if admissions is None:
-            admitted = self._decide_admissions(budget, work)
+            admitted, forks = self._decide_admissions(budget, work)
         else:
-            admitted = self._follow_admissions(admissions, budget, work)
+            admitted, forks = self._follow_admissions(admissions, budget, work)
         if not work and not self.keep_in_step:
             return None
         self.steps += 1
@@ -301,15 +329,28 @@ class Scheduler:
             all(not s.prefilling for s, _ in work),
             self.steps,
             admitted,
+            forks,
         )
 
-    def _decide_admissions(self, budget: int, work: list) -> list[tuple[str, int]]:
+    def _decide_admissions(self, budget: int, work: list) -> tuple[list[tuple[str, int]], list]:
         """Admit waiting sequences, first come first served, while the budget, `max_num_seqs` and the cache
-        allow, each with its longest cached prefix; each joins `work` with its first chunk. -> (request id,
-        tokens reused) of each, in order."""
-        admitted = []
-        while self.waiting and budget > 0 and len(self.running) < self.room.max_num_seqs:
+        allow, each with its longest cached prefix (it joins `work` with its first chunk), or forked from the
+        sequence whose prompt it shares, in the step that completes that prompt (`_fork_source`). -> (request
+        id, tokens reused or `FORKED`) of each, in order, and the forks (the fork, its source's index in
+        `work`)."""
+        admitted, forks = [], []
+        while self.waiting and len(self.running) < self.room.max_num_seqs:
             seq = self.waiting[0]
+            source = self._fork_source(seq)
+            if source is not None:  # it waits for the source's prompt, and forks in the step that completes it
+                index = self._completing(source, work)
+                if index is None or not self.room.can_fork(seq):
+                    break
+                forks.append((self._fork(seq, source), index))
+                admitted.append((seq.request_id, FORKED))
+                continue
+            if budget <= 0:
+                break
             cached = self.room.cached_prefix(seq)
             if self._twin_prefilling(seq, cached):
                 break
@@ -318,22 +359,35 @@ class Scheduler:
                 break
             budget -= self._admit(seq, count, cached, None, work)
             admitted.append((seq.request_id, cached))
-        return admitted
+        return admitted, forks
 
-    def _follow_admissions(self, admissions: list[tuple[str, int]], budget: int, work: list) -> list:
-        """Admit what the deciding rank admitted (`admissions`: request id, tokens reused), each with those
-        cached tokens (RuntimeError where this rank's state cannot: the ranks diverged). -> `admissions`."""
+    def _follow_admissions(self, admissions: list[tuple[str, int]], budget: int, work: list) -> tuple[list, list]:
+        """Admit what the deciding rank admitted (`admissions`: request id, tokens reused or `FORKED`), each
+        with those cached tokens or forked (RuntimeError where this rank's state cannot: the ranks diverged).
+        -> `admissions` and the forks, as `_decide_admissions`."""
+        forks = []
         for request_id, reuse in admissions:
             seq = self.waiting[0] if self.waiting else None
-            full = budget <= 0 or len(self.running) >= self.room.max_num_seqs
-            if seq is None or seq.request_id != request_id or full:
+            full = len(self.running) >= self.room.max_num_seqs or (reuse != FORKED and budget <= 0)
+            source = self._fork_source(seq) if seq is not None and reuse == FORKED else None
+            index = self._completing(source, work) if source is not None else None
+            if seq is None or seq.request_id != request_id or full or (reuse == FORKED and index is None):
                 raise RuntimeError(
-                    f"the deciding rank admits request {request_id!r} with {reuse} cached tokens, but this rank's "
-                    f"next waiting request is {seq and seq.request_id!r}, with {budget} tokens of budget and "
+                    f"the deciding rank admits request {request_id!r} "
+                    f"{'as a fork' if reuse == FORKED else f'with {reuse} cached tokens'}, but this rank's next "
+                    f"waiting request is {seq and seq.request_id!r}, with {budget} tokens of budget and "
                     f"{len(self.running)} of {self.room.max_num_seqs} sequences running: the ranks diverged"
                 )
-            budget -= self._admit(seq, min(len(seq.pending) - reuse, budget), reuse, reuse, work)
-        return admissions
+            if reuse == FORKED:
+                forks.append((self._fork(seq, source), index))
+            else:
+                budget -= self._admit(seq, min(len(seq.pending) - reuse, budget), reuse, reuse, work)
+        return admissions, forks
+
+    @staticmethod
+    def _completing(source: Sequence, work: list) -> int | None:
+        """The index in `work` of `source` if it feeds the rest of its prompt this step, else None."""
+        return next((i for i, (s, n) in enumerate(work) if s is source and n == len(s.pending)), None)
 
     def _admit(self, seq: Sequence, count: int, cached: int, reuse: int | None, work: list) -> int:
         """Move the first waiting sequence `seq` to the running batch with room for its `cached` tokens and a
@@ -342,25 +396,40 @@ class Scheduler:
         self.waiting.popleft()
         seq.cached = self.room.allocate(seq, self._room_for(seq, cached + count), reuse)
         seq.pending = seq.pending[seq.cached :]
-        request = seq.request
-        seq.sample_row = self.sampler.add(request.sampling, request.prompt, request.eos_token_ids, seq.output)
+        self._take_sampler_row(seq)
         self.running.append(seq)
         work.append((seq, count))
         return count
+
+    def _fork(self, seq: Sequence, source: Sequence) -> Sequence:
+        """Move the first waiting sequence `seq` to the running batch as a fork of `source`: it holds the full
+        blocks of their prompt. -> `seq`."""
+        self.waiting.popleft()
+        seq.cached = self.room.fork(source, seq)
+        self._take_sampler_row(seq)
+        self.running.append(seq)
+        return seq
+
+    def _take_sampler_row(self, seq: Sequence) -> None:
+        """An admitted sequence takes its sampler row (a preempted one's output counted again)."""
+        request = seq.request
+        seq.sample_row = self.sampler.add(request.sampling, request.prompt, request.eos_token_ids, seq.output)
 
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Commit a step's result. -> one output per sequence that sampled (a prompt chunk before the last
         commits nothing and has none)."""
         outputs, counted_rows, counted_tokens = [], [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            if result.prompt_logprobs is not None and result.prompt_logprobs[i] is not None:
+        forks = [seq for seq, _ in batch.forks]  # each fed nothing and drew its first token (after the others)
+        for i, (seq, n, samples) in enumerate(
+            zip(batch.seqs + forks, batch.num_tokens + [0] * len(forks), batch.samples + [True] * len(forks))
+        ):
+            if result.prompt_logprobs is not None and i < len(batch.seqs) and result.prompt_logprobs[i] is not None:
                 seq.prompt_logprobs += result.prompt_logprobs[i]
-            if not batch.samples[i]:  # a prompt chunk
+            if not samples:  # a prompt chunk
                 seq.cached += n
                 seq.pending = seq.pending[n:]
                 self.room.cache_written(seq, seq.cached)
                 continue
-            seq.prefilling = False
             if not result.finite[i]:
                 seq.error = (
                     f"non-finite logits (NaN or inf) at step {batch.step} ({'decode' if seq.cached else 'prefill'}) "
@@ -393,8 +462,12 @@ class Scheduler:
             seq.cached += verified
             if reason is None:
                 self.room.cache_written(seq, seq.cached)
-            seq.drafts = result.drafts[i] if result.drafts is not None and reason is None else []
-            seq.pending = [tokens[-1]] + seq.drafts
+            seq.drafts = (
+                result.drafts[i] if result.drafts is not None and reason is None and i < len(batch.seqs) else []
+            )
+            # a fork feeds next the rest of its prompt that it does not share, then its first token
+            seq.pending = seq.request.prompt[seq.cached :] + [tokens[-1]] + seq.drafts
+            seq.prefilling = seq.cached < len(seq.request.prompt)
         self.sampler.commit(counted_rows, counted_tokens)
         return outputs
 
@@ -415,9 +488,21 @@ class Scheduler:
     def _output(seq: Sequence, tokens: list[int]) -> RequestOutput:
         return RequestOutput(seq.request_id, tokens, seq.finish_reason, seq.error, len(seq.request.prompt))
 
+    def _fork_source(self, seq: Sequence) -> Sequence | None:
+        """The running sequence that waiting `seq` forks from: the first one computing the same prompt for the
+        first time (the n choices of a request, the same prompt sent twice). `seq` waits for it to complete the
+        prompt, then takes its first token from that prompt's last logits row and shares its full blocks. None:
+        `seq` computes its own prompt (no such sequence, no blocks to share, it resumes after a preemption
+        with tokens of its own, or it wants its prompt's logprobs, which come from its own forward)."""
+        if not self.room.forks or seq.output or seq.wants_prompt_logprobs:
+            return None
+        prompt = seq.request.prompt
+        return next((s for s in self.running if s.prefilling and not s.output and s.request.prompt == prompt), None)
+
     def _twin_prefilling(self, seq: Sequence, cached: int) -> bool:
         """Whether a running sequence still prefilling will write more full blocks that waiting `seq` begins
-        with than the `cached` tokens it finds now (the n choices of one request, the same prompt sent twice).
+        with than the `cached` tokens it finds now (prompts that begin alike: a system prompt, a conversation
+        that goes on; an equal prompt forks instead: `_fork_source`).
         It then waits (and those behind it) until those blocks are written, to share them from the prefix cache
         instead of computing and holding its own copy. Not with caching off, nor for a sequence that wants its
         prompt's logprobs."""

@@ -69,7 +69,13 @@ class ScheduledBatch:
     pending; a prompt chunk before the last does not). `decode`: every sequence feeds one decode token after
     its prefix (no prompt chunk), so a captured CUDA graph can run it. `step`: the step's number since the
     statistics were reset, for error messages. `admissions`: which waiting sequences joined this step and with
-    how many cached tokens. No sequences: an empty step that keeps the DP ranks in step."""
+    how many cached tokens (`scheduler.FORKED`: as a fork). No sequences: an empty step that keeps the DP ranks
+    in step.
+
+    `forks`: sequences that feed nothing and draw their first token from the logits row of another one's last
+    prompt token (the n choices of a request: the prompt is computed once), as (the fork, the index in `seqs`
+    of the sequence whose prompt completes this step). Each draws with its own sampling row, seed and output
+    index 0, as it would from its own forward; it holds the full blocks of that prompt from here on."""
 
     seqs: list[Sequence]
     num_tokens: list[int]
@@ -81,6 +87,7 @@ class ScheduledBatch:
     # the waiting sequences this step admitted: (request id, prompt tokens it reuses from the prefix cache), as
     # the deciding rank sends them to the others (`serving_loop`)
     admissions: list[tuple[str, int]] = field(default_factory=list)
+    forks: list[tuple[Sequence, int]] = field(default_factory=list)
 
     def tokens(self) -> list[list[int]]:
         """What each sequence feeds this step."""
@@ -89,7 +96,8 @@ class ScheduledBatch:
 
 @dataclass
 class StepResult:
-    """What one forward chose, per scheduled sequence (in the batch's order).
+    """What one forward chose, per scheduled sequence (in the batch's order), then per fork (`batch.forks`'s
+    order) for `token_ids`, `accepted`, `finite`, `logit_rows` and `logprobs`.
 
     `token_ids`: the tokens it commits (none for a prompt chunk that does not sample, or when its logits were
     not finite), already cut at its first eos id or its token limit; `accepted`: how many of its drafts the

@@ -5,7 +5,8 @@ Every rank of a TP group runs the same steps on the same requests; under DP ever
 MoE dispatch spans all of them), a DP group with nothing to run taking an empty step.
 
 The serving loop: rank 0 decides everything. Each iteration it plans a step (`StepPlan`: the new requests,
-each given to the least loaded DP group, the aborts, and whether to step at all), sends the plan to every
+each given to the least loaded DP group, or with the prompt of another new one to that one's, the aborts, and
+whether to step at all), sends the plan to every
 rank over the gloo control group, and every rank applies it and runs the step; under DP > 1 TP rank 0 of each
 DP group sends its outputs and metrics back to rank 0 (`ServingLoop.step`). The other ranks apply plans until
 the shutdown (`worker_loop`).
@@ -116,15 +117,20 @@ class ServingLoop:
         return bool(self.dp_of)
 
     def plan(self, new: list[Request], aborts: list[str], shutdown: bool = False) -> StepPlan:
-        """The next step: each new request goes to the least loaded DP group; an abort of a request that is
-        not live is dropped; the command is "step" while any request is live."""
-        plan = StepPlan("idle")
+        """The next step: each new request goes to the least loaded DP group, but one whose prompt equals an
+        earlier new request's goes to that one's group (the n choices of a request fork there, sharing the
+        prompt's blocks); an abort of a request that is not live is dropped; the command is "step" while any
+        request is live."""
+        plan, group_of_prompt = StepPlan("idle"), {}
         for request in new:
-            load = [0] * self.state.dp_size
-            for group in self.dp_of.values():
-                load[group] += 1
-            self.dp_of[request.request_id] = load.index(min(load))
-            plan.new.append((request, self.dp_of[request.request_id]))
+            group = group_of_prompt.get(tuple(request.prompt))
+            if group is None:
+                load = [0] * self.state.dp_size
+                for placed in self.dp_of.values():
+                    load[placed] += 1
+                group = group_of_prompt[tuple(request.prompt)] = load.index(min(load))
+            self.dp_of[request.request_id] = group
+            plan.new.append((request, group))
         for request_id in aborts:
             if self.dp_of.pop(request_id, None) is not None:
                 plan.aborts.append(request_id)

@@ -266,30 +266,34 @@ def test_reuse_follows_the_deciding_rank_or_fails_clearly():
 
 
 @pytest.mark.parametrize("enable_caching", [False, True])
-def test_fork_shares_the_written_full_blocks(enable_caching):
-    blocks = BlockManager(8, 4, enable_caching=enable_caching, lookahead=1)
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_fork_shares_the_prompts_full_blocks(enable_caching, lookahead):
+    """A fork holds the parent's full prompt blocks, but with lookahead the block whose last row embeds the token
+    after the prompt (each fork's own first token); a partly filled block is its own."""
+    blocks = BlockManager(8, 4, enable_caching=enable_caching, lookahead=lookahead)
     rows = Rows(blocks)
-    prompt = list(range(10))
-    blocks.allocate(0, 10, prompt)
-    assert blocks.fork(0, 1, 10) == 0  # nothing written yet
-    blocks.free(1)
-    rows.write(0, prompt, 0, 6)  # block 0 and its lookahead token are written
-    assert blocks.fork(0, 1, 10) == 4
-    rows.write(0, prompt, 6, 10)
-    assert blocks.fork(0, 2, 10) == 8  # two full blocks before the last token; the rest is computed
-    rows.check(2, prompt, 8)
-    assert blocks.fork(0, 3, 8) == 4  # a prompt of 8: its last token's block is its own
-    assert blocks.block_table(2)[:2] == blocks.block_table(0)[:2]
-    assert blocks.block_table(2)[2] not in blocks.block_table(0)
-    rows.write(2, prompt + [20, 21, 22], 8, 12)  # its third block full, and the token after it known
-    tables = {s: blocks.block_table(s) for s in (0, 1, 2, 3)}
+    prompt = list(range(8))  # two full blocks
+    blocks.allocate(0, 9, prompt)
+    rows.write(0, prompt + [20], 0, 8)  # the parent's prompt, and its first token known
+    shared = 8 if lookahead == 0 else 4
+    assert blocks.fork(0, 1, 8) == shared
+    child = prompt + [30, 31]  # its own first token: the shared rows are still what computing them gives
+    rows.check(1, child, shared)
+    assert blocks.block_table(1)[: shared // 4] == blocks.block_table(0)[: shared // 4]
+    blocks.grow(1, 1)
+    rows.write(1, child, shared, 9)  # it computes the rest itself, in blocks of its own
+    assert blocks.fork(0, 2, 6) == 4  # 6 tokens: the second block is partly filled
+    assert blocks.block_table(2)[0] == blocks.block_table(0)[0]
+    assert blocks.block_table(2)[1] not in blocks.block_table(0) + blocks.block_table(1)
+    tables = {s: blocks.block_table(s) for s in (0, 1, 2)}
     audit(blocks, tables)
+    assert blocks.num_used_blocks == len({b for table in tables.values() for b in table}) == 3 + (3 - shared // 4) + 1
     blocks.free(0)
-    assert blocks.num_used_blocks == 6  # 0's first two (still shared), 2 of 1's own, 1 of 2's, 1 of 3's
-    for seq_id in (1, 2, 3):
+    with pytest.raises(ValueError, match="sequence 4 forks 8 tokens of sequence 2, which holds room for 6"):
+        blocks.fork(2, 4, 8)
+    for seq_id in (1, 2):
         blocks.free(seq_id)
     audit(blocks, {})
-    assert blocks.num_cached_blocks == (3 if enable_caching else 0)
 
 
 def test_bad_prefix_calls_raise_clear_errors():
@@ -371,10 +375,10 @@ def test_no_leaked_block_after_1000_random_requests(lookahead):
             parent = rng.choice(sorted(running))
             tokens, done, known, _ = running[parent]
             prompt = tokens[:known]
-            if blocks.blocks_for(len(prompt)) > blocks.num_free_blocks:
+            if done < len(prompt) or not blocks.can_fork(len(prompt)):  # forks once the prompt is written
                 continue
             shared = blocks.fork(parent, next_id, len(prompt))
-            assert shared % size == 0 and shared <= min(done, len(prompt) - 1)
+            assert shared == (len(prompt) - lookahead) // size * size
             child = prompt + [rng.randrange(3) for _ in range(rng.randrange(4))]
             rows.check(next_id, child, shared)
             running[next_id] = [child, shared, len(prompt), []]

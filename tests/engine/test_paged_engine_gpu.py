@@ -2,7 +2,8 @@
 graphs (one per batch size, captured when the engine is built, block tables padded to max_model_len) generate
 what the eager paged engine does, and what the dense reference engine does, for contexts below and above
 index_topk over 1 to 5 blocks of the 8 a table holds, prompts chunked by a small token budget; nothing is
-captured after the engine is warm."""
+captured after the engine is warm. n = 4 choices of one prompt fork from the first and get what each gets
+alone."""
 
 import pytest
 import torch
@@ -46,7 +47,29 @@ def engines(folder: str) -> dict:
         out[name, "kernel compiles"] = m.kernel_compiles
         out[name, "log"] = lines
         out[name, "width"] = engine.runner.graphs.width if graphs else None
+        if graphs:
+            out["choices"] = choices_and_alone(engine, prompts[2])
     return out
+
+
+def choices_and_alone(engine, prompt: list[int]) -> tuple:
+    """4 sampled choices of `prompt` (seeds 7..10: the first computes the prompt, the others fork from it), then
+    each alone. -> (the choices' tokens, each alone's, their logits `[4, 16, V]` each, the prompt tokens the
+    choices looked up in the prefix cache: only the first one's when the others forked)."""
+    from spmoe.engine.sampling import SamplingParams
+
+    samplings = [SamplingParams(1.0, seed=7 + i) for i in range(4)]
+    queries = engine.scheduler.room.prefix_cache_counts()[0]
+    choices = engine.generate([prompt] * 4, 16, samplings, record_logits=True)
+    queries = engine.scheduler.room.prefix_cache_counts()[0] - queries
+    alone = [engine.generate([prompt], 16, [params], record_logits=True) for params in samplings]
+    return (
+        choices.outputs,
+        [gen.outputs[0] for gen in alone],
+        torch.stack(choices.logits).float().cpu(),
+        torch.stack([gen.logits[0] for gen in alone]).float().cpu(),
+        queries,
+    )
 
 
 @pytest.mark.gpu
@@ -69,6 +92,18 @@ def test_paged_engine_graphs(tmp_path):
     assert ((graphed[1] - eager[1]).abs().max() / eager[1].abs().max()).item() < 2e-2
     agree = sum(a == b for p, d in zip(eager[0], dense[0]) for a, b in zip(p, d)) / sum(map(len, dense[0]))
     assert agree >= 0.9, agree  # bf16: dense and sparse attention round differently
+
+    # n = 4 on CUDA with graphs: the choices fork (one prompt lookup), each draws its first token from the
+    # prompt's last row as it does alone; later rows come from the shared blocks and a recomputed last block,
+    # whose bf16 rounding may differ from the lone run's
+    choices, alone, choice_logits, alone_logits, queries = got["choices"]
+    assert queries == PROMPT_LENS[2] and len({tuple(c) for c in choices}) == 4
+    assert [c[0] for c in choices] == [a[0] for a in alone]
+    first, want = choice_logits[:, 0], alone_logits[:, 0]  # the prompt's last token's row, the same forward
+    assert ((first - want).abs().max() / want.abs().max()).item() < 1e-3
+    same = sum(a == b for c, d in zip(choices, alone) for a, b in zip(c, d)) / (4 * 16)
+    print("n = 4: tokens equal to the lone runs'", same)
+    assert same >= 0.9, same
 
 
 def speculating_engines(folder: str) -> dict:

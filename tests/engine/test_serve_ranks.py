@@ -148,15 +148,15 @@ def test_serve_on_two_ranks(tp, dp, engine_checkpoint, reference):
 def failing_front_end(report: str, client) -> None:
     """Breaks rank 0's engine at its third step, then waits on a request as a server would; writes the
     error output it got to the file `report`."""
-    steps, step = [0], client.engine.step
+    steps, run = [0], client.engine.run  # the serving loop schedules, then runs the batch
 
-    def broken_step():
+    def broken_run(batch):
         steps[0] += 1
         if steps[0] == 3:
             raise RuntimeError("injected failure")
-        return step()
+        return run(batch)
 
-    client.engine.step = broken_step
+    client.engine.run = broken_run
 
     async def wait() -> None:
         async for out in client.generate(Request("r", PROMPTS[0], MAX_NEW)):
