@@ -55,9 +55,9 @@ def drive(engine, seqs, aborts: dict[int, int]) -> dict:
     room = engine.scheduler.room
     schedule = engine.scheduler.schedule
 
-    def schedule_and_count():
+    def schedule_and_count(admissions=None):
         nonlocal peak
-        batch = schedule()
+        batch = schedule(admissions)
         if batch is not None:
             forked.update(seq.request_id for seq, _ in batch.forks)
             peak = max(peak, len({b for s in engine.scheduler.running for b in room.location(s)}))
