@@ -4,10 +4,9 @@ against temperature sampling with top_p. Run on the GPU to see what the processo
 
     python benchmarks/bench_sampler.py --device cuda --batch 1 16 64 --vocab 154880
 
-The logits are Gaussian times `--logit-scale`. What top_p costs depends on how many tokens it keeps: at the
-default scale 5, top_p 0.95 keeps tens to hundreds of GLM-5.2's 154880 tokens (a trained model's next-token
-distribution is that peaked or more), and the sampler reads the kept set off each row's 1024 largest logits;
-at scale 1 it keeps about 115000, and every row goes through the full sort (the worst case).
+The logits are Gaussian times `--logit-scale`: at the default scale 5, top_p 0.95 keeps tens to hundreds of
+GLM-5.2's 154880 tokens (a trained model's next-token distribution is that peaked or more); at scale 1 it
+keeps about 115000. (The sampler sorts every row in full either way; this tells a faster top_p apart.)
 """
 
 import argparse

@@ -10,8 +10,7 @@ The order `Sampler` applies them in, and why (a grammar's mask comes before all 
 1. `suppress_tokens`: `min_tokens` keeps the eos and stop ids out until enough tokens are out;
 2. `add_logit_bias`: the client's additive bias;
 3. `apply_penalties`: repetition, frequency and presence penalties from the tokens already generated;
-4. `scale_by_temperature`; 5. `apply_min_p`; 6. `truncate_top_k_top_p` (truncation of the distribution drawn from:
-   `apply_top_k_top_p`'s result from each row's largest logits, the full sort only for the rows that need it).
+4. `scale_by_temperature`; 5. `apply_min_p`; 6. `apply_top_k_top_p` (truncation of the distribution drawn from).
 """
 
 import torch
@@ -94,45 +93,3 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop_sorted |= sorted_logits == NEG_INF
     last_kept = sorted_logits.gather(1, ((~drop_sorted).sum(-1, keepdim=True) - 1).clamp(min=0))
     return logits.masked_fill_(logits < last_kept, NEG_INF)
-
-
-TRUNCATION_CANDIDATES = 1024  # the largest logits per row that `truncate_top_k_top_p` looks at first
-
-
-def truncate_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int = TRUNCATION_CANDIDATES
-) -> torch.Tensor:
-    """`apply_top_k_top_p` (its arguments and result) without sorting the whole vocabulary where it is not
-    needed: a row's kept set is read off its `candidates` largest logits (one `topk`) when it lies inside
-    them, which is what a peaked distribution's nucleus does; the other rows (a nucleus or a top_k wider than
-    the candidates, or a cut whose value ties with a token outside them) go through `apply_top_k_top_p`.
-
-    A contained row keeps every token whose logit is at least its last kept candidate's: the full sort's set
-    (the probabilities come from the same logits, normalised over the top_k-kept mass), up to the rounding of
-    a sum that lands exactly on top_p."""
-    vocab = logits.shape[-1]
-    width = min(candidates, vocab)
-    values = logits.topk(width, dim=-1).values  # [m, c], descending
-    k_cut, nucleus = ((top_k > 0) & (top_k < vocab))[:, None], (top_p < 1)[:, None]  # [m, 1] each
-    kth = values.gather(1, (top_k.clamp(min=1, max=width) - 1)[:, None])
-    kth = torch.where(k_cut, kth, NEG_INF)  # the smallest logit top_k keeps (ties included)
-    top = values[:, :1]
-    # the normaliser of the top_k-kept distribution: its candidates, or (top_k off) the whole row
-    kept_candidates = torch.where(values >= kth, torch.exp(values - top), 0.0)
-    whole_row = torch.exp(logits - top).sum(-1, keepdim=True)
-    probs = kept_candidates / torch.where(k_cut, kept_candidates.sum(-1, keepdim=True), whole_row)
-    before = probs.cumsum(-1) - probs  # the mass of the more likely candidates
-    keep = (values >= kth) & ~((before >= top_p[:, None]) & nucleus)
-    last_kept = values.gather(1, (keep.sum(-1, keepdim=True) - 1).clamp(min=0))  # [m, 1]
-    last_kept = torch.where(k_cut | nucleus, last_kept, NEG_INF)  # no cut: nothing to drop
-    # settled by the candidates: every token top_k keeps is one (its normaliser is right), and no token outside
-    # them reaches the last kept one (a nucleus wider than the candidates keeps them all, the last included)
-    every = width == vocab
-    k_inside = ~k_cut | (kth > values[:, -1:]) | every  # (a top_k past the candidates: kth is the last one)
-    p_inside = (last_kept > values[:, -1:]) | every | ~(k_cut | nucleus)
-    contained = (k_inside & p_inside).squeeze(1)
-    logits.masked_fill_(contained[:, None] & (logits < last_kept), NEG_INF)
-    rest = (~contained).nonzero().squeeze(1)
-    if rest.numel():  # the rows the candidates do not settle: the full sort
-        logits[rest] = apply_top_k_top_p(logits[rest], top_k[rest], top_p[rest])
-    return logits

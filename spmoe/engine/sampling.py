@@ -40,9 +40,9 @@ from spmoe.engine.logits_processors import (
     add_logit_bias,
     apply_min_p,
     apply_penalties,
+    apply_top_k_top_p,
     scale_by_temperature,
     suppress_tokens,
-    truncate_top_k_top_p,
 )
 
 MAX_LOGPROBS = 20  # the most top logprobs a row may ask for (OpenAI's limit)
@@ -294,7 +294,7 @@ class Sampler:
         if any(p.min_p for p in params):
             apply_min_p(drawn, self.min_p[row])
         if any(p.truncated for p in params):
-            truncate_top_k_top_p(drawn, self.top_k[row], self.top_p[row])
+            apply_top_k_top_p(drawn, self.top_k[row], self.top_p[row])
         return out, drawn, finite
 
     def sample(

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from spmoe.engine.logits_processors import apply_top_k_top_p, truncate_top_k_top_p
+from spmoe.engine.logits_processors import apply_top_k_top_p
 from spmoe.engine.sampling import (
     Sampler,
     SamplingParams,
@@ -125,48 +125,8 @@ def test_top_p_keeps_ties_with_the_token_that_crosses_it():
     logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.0]])
     mass = math.exp(3) / (math.exp(3) + 3 * math.exp(2) + 1)
     assert 0.4 < mass < 0.5
-    for truncate in (apply_top_k_top_p, truncate_top_k_top_p):
-        got = truncate(logits.clone(), torch.tensor([0]), torch.tensor([0.5]))
-        assert torch.isfinite(got[0]).tolist() == [True, True, True, True, False], truncate.__name__
-
-
-def test_truncation_from_candidates_equals_the_full_sort(monkeypatch):
-    """`truncate_top_k_top_p` (the sampler's path: a row's largest logits first) against `apply_top_k_top_p`
-    (one full sort) over peaked, flat, tied and mostly masked rows, each under top_k / top_p settings from
-    none to narrower and wider than the candidates: the same logits out, bit for bit; some rows settled by the
-    candidates and some by the full sort."""
-    import spmoe.engine.logits_processors as processors
-
-    vocab, candidates, gen = 300, 16, torch.Generator().manual_seed(0)
-    shapes = {
-        "peaked": lambda: torch.randn(vocab, generator=gen) * 8,
-        "flat": lambda: torch.randn(vocab, generator=gen) * 0.3,
-        "tied": lambda: torch.randint(0, 4, (vocab,), generator=gen).float(),
-        "masked": lambda: torch.randn(vocab, generator=gen).masked_fill(torch.rand(vocab, generator=gen) < 0.9, NEG),
-        # one likely token, then a tie that runs past the candidates: its mass decides where top_p cuts
-        "tie past the candidates": lambda: torch.cat([torch.tensor([5.0]), torch.ones(vocab - 1)]),
-    }
-    rows, top_k, top_p = [], [], []
-    for make in shapes.values():
-        for k in (0, 1, 2, 3, candidates, candidates + 1, vocab - 1, vocab):
-            for p in (1.0, 1e-6, 0.3, 0.9, 0.999):
-                rows.append(make())
-                top_k.append(k)
-                top_p.append(p)
-    logits, top_k, top_p = torch.stack(rows), torch.tensor(top_k), torch.tensor(top_p)
-    want = apply_top_k_top_p(logits.clone(), top_k, top_p)
-    sorted_rows = []
-    full_sort = processors.apply_top_k_top_p
-    monkeypatch.setattr(
-        processors, "apply_top_k_top_p", lambda x, k, p: sorted_rows.append(len(x)) or full_sort(x, k, p)
-    )
-    got = truncate_top_k_top_p(logits.clone(), top_k, top_p, candidates)
-    assert torch.equal(got, want), (got != want).any(-1).nonzero().flatten().tolist()
-    assert 0 < sum(sorted_rows) < len(rows), sorted_rows  # both paths ran
-    sorted_rows.clear()  # a narrow cut of a peaked row is the candidates' to settle
-    peaked = torch.stack([shapes["peaked"]() for _ in range(4)])
-    truncate_top_k_top_p(peaked, torch.tensor([1, 3, 0, 2]), torch.tensor([1.0, 0.3, 1e-6, 0.5]), candidates)
-    assert not sorted_rows
+    got = apply_top_k_top_p(logits.clone(), torch.tensor([0]), torch.tensor([0.5]))
+    assert torch.isfinite(got[0]).tolist() == [True, True, True, True, False]
 
 
 def test_commit_counts_by_scatter_and_drafts_count_as_preceding_tokens():
