@@ -7,8 +7,8 @@ show nothing more is compiled or captured afterwards.
   `captures` counts them.
 - `warm_up(engine)`: runs the engine over a few synthetic requests of lengths that take the step's kernels
   through the shapes serving meets (one-token and odd-length prompts, a prompt chunked by the token budget,
-  decode steps of up to that many sequences, greedy and sampled), then one request at a time through steps
-  of every size class (`warmup_step_sizes`), then resets the engine's statistics. Whatever it compiles is not
+  decode steps of up to that many sequences, greedy and sampled), then steps of every size class on their
+  own (`warmup_step_sizes`), then resets the engine's statistics. Whatever it compiles is not
   compiled again; what it cannot foresee is counted.
 
 Why the step sizes: a step that is not a captured decode step runs its kernels eagerly over its N tokens, and
@@ -41,15 +41,20 @@ def warmup_prompt_lengths(max_num_batched_tokens: int, longest: int, count: int)
     return [min(n, longest) for n in lengths[: max(3, count)]]
 
 
-def warmup_step_sizes(max_num_batched_tokens: int, longest: int) -> list[int]:
-    """Token counts of the warm-up's one-request steps: 2**k - 1, 2**k and 2**k + 1 for every 2**k up to the
+def warmup_step_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts of the warm-up's steps of their own: 2**k - 1, 2**k and 2**k + 1 for every 2**k up to the
     token budget (so each power-of-two bucket of N meets a multiple of 16 and an odd count, and N = 1 runs),
-    none above the budget or `longest`."""
+    none above the budget."""
     sizes, power = set(), 1
     while power <= max_num_batched_tokens:
         sizes.update((power - 1, power, power + 1))
         power *= 2
-    return sorted(n for n in sizes if 1 <= n <= min(max_num_batched_tokens, longest))
+    return sorted(n for n in sizes if 1 <= n <= max_num_batched_tokens)
+
+
+def warmup_step_prompts(tokens: int, longest: int) -> list[int]:
+    """Prompt lengths that make one step of `tokens` tokens: as few prompts as fit `longest` each."""
+    return [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else [])
 
 
 def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
@@ -69,11 +74,13 @@ def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
             room.max_tokens_per_sequence - new_tokens - engine.k,
             min(room.max_num_seqs, MAX_WARMUP_REQUESTS),
         )
-        sizes = warmup_step_sizes(engine.scheduler.max_num_batched_tokens, room.max_tokens_per_sequence - 1 - engine.k)
+        longest = room.max_tokens_per_sequence - 1 - engine.k  # a prompt, its one new token and the drafts
+        steps = [warmup_step_prompts(n, longest) for n in warmup_step_sizes(engine.scheduler.max_num_batched_tokens)]
+        steps = [prompts for prompts in steps if len(prompts) <= room.max_num_seqs]  # each one step
         if log is not None:
             log(
                 f"warming up: {len(lengths)} requests of {min(lengths)}-{max(lengths)} prompt tokens, then "
-                f"{len(sizes)} one at a time ({min(sizes)}-{max(sizes)} tokens a step)"
+                f"{len(steps)} steps of their own ({sum(steps[0])}-{sum(steps[-1])} tokens)"
             )
         vocab = engine.model.cfg.vocab_size
 
@@ -86,8 +93,11 @@ def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
         for i, n in enumerate(lengths):
             engine.add_request(request(i, n, new_tokens))
         run_to_completion(engine)
-        for i, n in enumerate(sizes, start=len(lengths)):  # one prefill step of n tokens each
-            engine.add_request(request(i, n, 1))
+        i = len(lengths)
+        for prompts in steps:  # one prefill step of sum(prompts) tokens each
+            for n in prompts:
+                engine.add_request(request(i, n, 1))
+                i += 1
             run_to_completion(engine)
     warm = engine.metrics()
     engine.mark_ready()
