@@ -12,6 +12,12 @@ output token rates (generated tokens / wall time of the batch, prefill included)
 
     python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg -- --device cuda --dtype bfloat16 --cuda-graphs
 
+On the CPU, `--widths demo` (the demo's small widths) makes the model step cheap enough that the front end's
+cost per token shows:
+
+    python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg-demo --widths demo --concurrency 64 \
+        --num-prompts 128 --input-len 16 --output-len 64 -- --device cpu
+
 With `--sampling plain processed` it skips generate and runs bench_serve with those settings side by side
 (the cost of logprobs and penalties on every sequence); `--vocab-size 154880` gives the checkpoint GLM-5.2's
 vocabulary, which is what that cost scales with (the tokenizer gets a token for every id: id i >= 264 is " w<i>"):
