@@ -12,11 +12,17 @@ output token rates (generated tokens / wall time of the batch, prefill included)
 
     python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg -- --device cuda --dtype bfloat16 --cuda-graphs
 
+On the CPU, `--widths demo` (the demo's small widths) makes the model step cheap enough that the front end's
+cost per token shows:
+
+    python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg-demo --widths demo --concurrency 64 \
+        --num-prompts 128 --input-len 16 --output-len 64 -- --device cpu
+
 With `--sampling plain processed` it skips generate and runs bench_serve with those settings side by side
 (the cost of logprobs and penalties on every sequence): an untimed warm-up run of each, then `--rounds`
 rounds alternating them, and the median of the rounds' processed / plain ratios. `--vocab-size 154880` gives
-the checkpoint GLM-5.2's vocabulary, which is what that cost scales with (ids past the tokenizer's 264 decode
-to nothing):
+the checkpoint GLM-5.2's vocabulary, which is what that cost scales with (the tokenizer gets a token for every
+id: id i >= 264 is " w<i>"):
 
     python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg-vocab --vocab-size 154880 --concurrency 64 \
         --num-prompts 128 --input-len 128 --output-len 128 --sampling plain processed --rounds 3 \
@@ -36,17 +42,42 @@ from bench_generate import glm_config
 
 from spmoe.distributed import spawn
 from spmoe.distributed.launcher import free_port
+from spmoe.entrypoints.demo import CONFIG as DEMO_CONFIG
 from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 
 
-def write_checkpoint(folder: Path, experts: int, vocab_size: int) -> None:
-    config = glm_config(2) | dict(
-        n_routed_experts=experts, vocab_size=vocab_size, eos_token_id=[], max_position_embeddings=8192
+def write_checkpoint(folder: Path, experts: int, vocab_size: int, widths: str) -> None:
+    """GLM-5.2's widths, or (`widths` "demo") the demo's small ones, for a model step cheap enough on the CPU
+    that the front end's cost shows."""
+    base = glm_config(2) if widths == "glm" else DEMO_CONFIG | dict(num_hidden_layers=2, num_nextn_predict_layers=0)
+    config = base | dict(
+        mlp_layer_types=["dense", "sparse"],
+        indexer_types=["full", "full"],
+        n_routed_experts=experts,
+        vocab_size=vocab_size,
+        eos_token_id=[],
+        max_position_embeddings=8192,
     )
     if not (folder / "model.safetensors").is_file():
         spawn(write_random_checkpoint, 1, config, folder, 0)
     write_demo_tokenizer(folder)
+    widen_tokenizer(folder, vocab_size)
+
+
+def widen_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Give every id of a vocabulary wider than the demo tokenizer's a token of its own: id i >= 264 is the text
+    " w<i>". (Without it those ids decode to nothing, and the server sends no text until the end of a request:
+    its first chunk comes at the end, and the time per output token looks like none.)"""
+    path = folder / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    vocab = spec["model"]["vocab"]  # the byte-level characters of bytes 0-255 -> their ids
+    byte_char = {b: c for c, b in vocab.items()}
+    for token in spec["added_tokens"]:  # in the model's vocabulary too, or they would be given new ids after it
+        vocab[token["content"]] = token["id"]
+    for i in range(len(vocab), vocab_size):
+        vocab["".join(byte_char[b] for b in f" w{i}".encode())] = i
+    path.write_text(json.dumps(spec))
 
 
 def run_generate(folder: Path, args, rest: list[str]) -> float:
@@ -161,6 +192,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=264, help="the checkpoint's vocabulary (default 264)")
     parser.add_argument(
+        "--widths",
+        choices=["glm", "demo"],
+        default="glm",
+        help="GLM-5.2's (default) or the demo's small widths (for the CPU: the front end's cost per token shows)",
+    )
+    parser.add_argument(
         "--sampling", nargs="+", help="only serve, with these bench_serve --sampling settings side by side"
     )
     parser.add_argument(
@@ -168,7 +205,7 @@ def main() -> None:
     )
     args, rest = parser.parse_known_args()
     rest = [a for a in rest if a != "--"]
-    write_checkpoint(args.folder, args.experts, args.vocab_size)
+    write_checkpoint(args.folder, args.experts, args.vocab_size, args.widths)
     if args.sampling:
         run_serve(args.folder, args, rest)
         return

@@ -173,7 +173,10 @@ def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[i
 
 def broadcast_object(obj, group, src: int = 0):
     """A picklable host object from global rank `src` to every rank of `group` (the gloo control group) ->
-    the object on every rank (`obj` is ignored on the others)."""
+    the object on every rank (`obj` is ignored on the others). A group of one rank returns `obj` as it is
+    (not pickled: `spmoe serve` on one rank broadcasts a plan every step)."""
+    if dist.get_world_size(group) == 1:
+        return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]

@@ -7,8 +7,18 @@ show nothing more is compiled or captured afterwards.
   `captures` counts them.
 - `warm_up(engine)`: runs the engine over a few synthetic requests of lengths that take the step's kernels
   through the shapes serving meets (one-token and odd-length prompts, a prompt chunked by the token budget,
-  decode steps of up to that many sequences, greedy and sampled), then resets the
-  engine's statistics. Whatever it compiles is not compiled again; what it cannot foresee is counted.
+  decode steps of up to that many sequences, greedy and sampled), then steps of every size class on their
+  own (`warmup_step_sizes`), then resets the engine's statistics. Whatever it compiles is not
+  compiled again; what it cannot foresee is counted.
+
+Why the step sizes: a step that is not a captured decode step runs its kernels eagerly over its N tokens, and
+Triton compiles a kernel again for each new value of a `tl.constexpr` argument and for an integer argument
+that becomes 1 or a multiple of 16 (its specialisation). The constexprs that vary between steps are derived
+from N (and the step's block-table width, which grows with the longest context) by `next_power_of_2` or by
+thresholds at powers of two: the MoE alignment's and router's blocks, the expert tiles by pairs per expert,
+the indexer's and sparse MLA's decode or prefill tiles and split counts. A serving step's N is a prompt chunk
+plus the decoding sequences, any number up to the token budget: the first requests under load brought N the
+warm-up's batch had not (a 128-token prompt alone, 63 of them with one decode token), and compiled then.
 """
 
 import time
@@ -31,6 +41,22 @@ def warmup_prompt_lengths(max_num_batched_tokens: int, longest: int, count: int)
     return [min(n, longest) for n in lengths[: max(3, count)]]
 
 
+def warmup_step_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts of the warm-up's steps of their own: 2**k - 1, 2**k and 2**k + 1 for every 2**k up to the
+    token budget (so each power-of-two bucket of N meets a multiple of 16 and an odd count, and N = 1 runs),
+    none above the budget."""
+    sizes, power = set(), 1
+    while power <= max_num_batched_tokens:
+        sizes.update((power - 1, power, power + 1))
+        power *= 2
+    return sorted(n for n in sizes if 1 <= n <= max_num_batched_tokens)
+
+
+def warmup_step_prompts(tokens: int, longest: int) -> list[int]:
+    """Prompt lengths that make one step of `tokens` tokens: as few prompts as fit `longest` each."""
+    return [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else [])
+
+
 def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
     """Run the warm-up requests through `engine` (on every rank of the job alike; `run_requests` None: only
     on CUDA, where there is something to compile), then mark it ready (its step statistics start afresh).
@@ -48,15 +74,31 @@ def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
             room.max_tokens_per_sequence - new_tokens - engine.k,
             min(room.max_num_seqs, MAX_WARMUP_REQUESTS),
         )
+        longest = room.max_tokens_per_sequence - 1 - engine.k  # a prompt, its one new token and the drafts
+        steps = [warmup_step_prompts(n, longest) for n in warmup_step_sizes(engine.scheduler.max_num_batched_tokens)]
+        steps = [prompts for prompts in steps if len(prompts) <= room.max_num_seqs]  # each one step
         if log is not None:
-            log(f"warming up: {len(lengths)} requests of {min(lengths)}-{max(lengths)} prompt tokens")
+            log(
+                f"warming up: {len(lengths)} requests of {min(lengths)}-{max(lengths)} prompt tokens, then "
+                f"{len(steps)} steps of their own ({sum(steps[0])}-{sum(steps[-1])} tokens)"
+            )
         vocab = engine.model.cfg.vocab_size
-        for i, n in enumerate(lengths):
+
+        def request(i: int, n: int, max_new_tokens: int) -> Request:
             sampled = i % 2  # greedy and sampled requests, with speculation too
             sampling = SamplingParams(temperature=1.0, seed=i) if sampled else SamplingParams()
             prompt = [(7 * i + 3 * j + 1) % vocab for j in range(n)]
-            engine.add_request(Request(f"warmup-{i}", prompt, new_tokens, sampling))
+            return Request(f"warmup-{i}", prompt, max_new_tokens, sampling)
+
+        for i, n in enumerate(lengths):
+            engine.add_request(request(i, n, new_tokens))
         run_to_completion(engine)
+        i = len(lengths)
+        for prompts in steps:  # one prefill step of sum(prompts) tokens each
+            for n in prompts:
+                engine.add_request(request(i, n, 1))
+                i += 1
+            run_to_completion(engine)
     warm = engine.metrics()
     engine.mark_ready()
     seconds = time.perf_counter() - began

@@ -2,7 +2,8 @@
 EngineClient from asyncio: concurrent requests get the tokens `generate` gives; one consumer that stops
 iterating and one task that is cancelled free their cache for the waiting requests; a bad request and a full
 queue are errors at once; an idle spell longer than the process group's timeout passes (the heartbeat); the
-shutdown returns every rank. A failing engine loop ends its requests with an error and stops every rank.
+shutdown returns every rank. A failing engine loop ends its requests with an error and stops every rank. And,
+without ranks: a step's outputs reach the event loop in one call.
 
 One spawned group per layout runs every case; the comparisons happen here.
 """
@@ -184,3 +185,34 @@ def test_engine_failure_stops_every_rank(engine_checkpoint, tmp_path):
         )
     assert report.read_text() == "RuntimeError: injected failure"
     assert time.monotonic() - began < 40  # not the front end's 60 s wait
+
+
+def test_a_steps_outputs_reach_the_event_loop_in_one_call():
+    """The engine loop hands a step's outputs over in one `call_soon_threadsafe` per event loop, each output
+    to its request's queue in order; a finished request's stream is forgotten, an unknown one's output dropped."""
+    from spmoe.engine.request import RequestOutput
+    from spmoe.entrypoints.serve.client import EngineClient
+
+    class Loop:  # records what would run on the event loop
+        def __init__(self):
+            self.calls = []
+
+        def call_soon_threadsafe(self, fn, *args):
+            self.calls.append((fn, args))
+
+    loop, other = Loop(), Loop()
+    queues = {name: asyncio.Queue() for name in ("a", "b", "c")}
+    streams = {"a": (loop, queues["a"]), "b": (loop, queues["b"]), "c": (other, queues["c"])}
+    outputs = [
+        RequestOutput("a", [1], None),
+        RequestOutput("b", [2], "length"),
+        RequestOutput("gone", [3], None),
+        RequestOutput("c", [4], None),
+    ]
+    EngineClient._hand_out(streams, outputs)
+    assert len(loop.calls) == 1 and len(other.calls) == 1
+    for fn, args in loop.calls + other.calls:
+        fn(*args)
+    got = {name: [q.get_nowait().new_token_ids for _ in range(q.qsize())] for name, q in queues.items()}
+    assert got == {"a": [[1]], "b": [[2]], "c": [[4]]}
+    assert set(streams) == {"a", "c"}  # b finished

@@ -18,7 +18,7 @@ from spmoe.engine.engine import Engine
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.engine.request import Request
 from spmoe.engine.stats import KernelCompiles
-from spmoe.engine.warmup import warm_up, warmup_prompt_lengths
+from spmoe.engine.warmup import warm_up, warmup_prompt_lengths, warmup_step_prompts, warmup_step_sizes
 from spmoe.models.deepseek_v32.weights import load_model
 
 from .conftest import ENGINE_CONFIG
@@ -93,11 +93,31 @@ def compile_counting_case(model):
 def warm_up_case(model):
     KernelCompiles.count = 0
     engine = Engine(model, PagedKVCache.for_model(model, 2**22), max_num_seqs=5, max_num_batched_tokens=24)
-    lines = []
-    done = warm_up(engine, lines.append, run_requests=True)
+    lines, step_tokens = [], []
+    hook = engine.model.model.register_forward_pre_hook(lambda _, args: step_tokens.append(args[0].shape[0]))
+    try:
+        done = warm_up(engine, lines.append, run_requests=True)
+    finally:
+        hook.remove()
     m = engine.metrics()
-    assert lines[0] == "warming up: 5 requests of 1-57 prompt tokens" and lines[-1].startswith("warm: 0 kernel")
-    assert done["generated_tokens"] == 5 * 4 and done["steps"] > 5 and not engine.has_unfinished()
+    assert lines[0] == "warming up: 5 requests of 1-57 prompt tokens, then 11 steps of their own (1-17 tokens)"
+    assert lines[-1].startswith("warm: 0 kernel")
+    sizes = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17]  # 2**k - 1, 2**k, 2**k + 1 up to the budget of 24
+    assert warmup_step_sizes(24) == sizes
+    assert warmup_step_prompts(17, 8) == [8, 8, 1] and warmup_step_prompts(16, 8) == [8, 8]  # longer than a prompt
+    assert step_tokens[-len(sizes) :] == sizes  # each a step of its own, after the batch of requests
+    assert done["generated_tokens"] == 5 * 4 + len(sizes) and done["steps"] > 5 + len(sizes)
+    short = Engine(
+        model, PagedKVCache.for_model(model, 2**22), max_num_seqs=5, max_num_batched_tokens=24, max_model_len=12
+    )
+    step_tokens.clear()
+    hook = short.model.model.register_forward_pre_hook(lambda _, args: step_tokens.append(args[0].shape[0]))
+    try:
+        warm_up(short, run_requests=True)  # prompts of at most 11 tokens: steps of 15-17 take two
+    finally:
+        hook.remove()
+    assert step_tokens[-len(sizes) :] == sizes and not short.has_unfinished()
+    assert not engine.has_unfinished()
     assert (m.generated_tokens, m.steps) == (0, 0)  # the counters start at ready
     assert engine.scheduler.room.usage() == 0 and m.compiles_after_ready == 0
     assert engine.stats.phases["decode"].forwards == 0  # the statistics start afresh at ready

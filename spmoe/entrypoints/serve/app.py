@@ -26,6 +26,7 @@ import json
 import logging
 import random
 import secrets
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -206,7 +207,9 @@ class OpenAIApi:
         self.text_work = ThreadPoolExecutor(1, thread_name_prefix="spmoe-tokenize")
         self.unavailable: str | None = None  # why new requests get 503 (`stop`)
         self.open_requests = 0  # requests between their admission and their last piece
-        self._ended: asyncio.Future | None = None  # done once `stop` ends the requests still open
+        self._waiting: set[asyncio.Task] = set()  # tasks waiting for an open request's next piece
+        self._ending = False  # True once `stop` ends the requests still open
+        self._ending_tasks: set[asyncio.Task] = set()  # the tasks `stop` cancelled to end them
 
     async def health(self) -> Response:
         if self.unavailable is not None:
@@ -574,23 +577,26 @@ class OpenAIApi:
 
     async def _until_stopped(self, pieces):
         """`pieces`, counted in `open_requests`, until `stop` ends the requests still open: then ApiError 503
-        (the engine's request is aborted as the inner iterator closes)."""
-        if self._ended is None:
-            self._ended = asyncio.get_running_loop().create_future()
+        (the engine's request is aborted as the inner iterator closes). `stop` cancels the tasks waiting here
+        (`_waiting`); a piece costs no task of its own."""
         self.open_requests += 1
         try:
             async with aclosing(pieces):
                 while True:
-                    following = asyncio.ensure_future(anext(pieces))
-                    try:
-                        await asyncio.wait((following, self._ended), return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        if not following.done():
-                            following.cancel()
-                            await asyncio.wait((following,))  # the cancellation lands before `pieces` closes
-                    if following.cancelled():
+                    if self._ending:  # `stop` ended the open requests while this one was not waiting
                         raise ApiError(503, f"{self.unavailable}; this request was ended before it finished")
-                    piece = following.result()
+                    task = asyncio.current_task()
+                    self._waiting.add(task)
+                    try:
+                        piece = await anext(pieces)
+                    except asyncio.CancelledError:
+                        if task not in self._ending_tasks:
+                            raise
+                        if sys.version_info >= (3, 11):
+                            task.uncancel()  # the cancellation was `stop`'s, not the task's owner's
+                        raise ApiError(503, f"{self.unavailable}; this request was ended before it finished") from None
+                    finally:
+                        self._waiting.discard(task)
                     yield piece
                     if piece.finish_reason is not None:
                         return
@@ -605,8 +611,10 @@ class OpenAIApi:
         deadline = time.monotonic() + grace_s
         while self.open_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self._ended is not None and not self._ended.done():
-            self._ended.set_result(None)
+        self._ending = True
+        self._ending_tasks.update(self._waiting)
+        for task in self._ending_tasks:
+            task.cancel()
         deadline = time.monotonic() + END_WAIT_S
         while self.open_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -714,6 +722,48 @@ async def _rest(pieces, first: Piece) -> list[Piece]:
     return got
 
 
+async def _choice_pieces(i: int, pieces, firsts, label: str):
+    """Choice i's pieces as (i, piece, whether it is the first), from its first to the one with a
+    finish_reason; an error ends them as (i, ApiError, False)."""
+    try:
+        piece = firsts[i]
+        yield i, piece, True
+        while piece.finish_reason is None:
+            piece = await anext(pieces[i])
+            yield i, piece, False
+    except ApiError as e:
+        yield i, e, False
+    except Exception:  # noqa: BLE001 - the client gets the error chunk and [DONE], the log the details
+        yield i, _internal_error(f"the stream of {label}"), False
+
+
+async def _merged(pieces, firsts, label: str):
+    """Every choice's `_choice_pieces`, merged in the order they come. One choice is read as it is (no task
+    and queue between its pieces and the stream); several through a task each."""
+    if len(pieces) == 1:
+        async with aclosing(_choice_pieces(0, pieces, firsts, label)) as only:
+            async for item in only:
+                yield item
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def follow(i: int) -> None:
+        async with aclosing(_choice_pieces(i, pieces, firsts, label)) as choice:
+            async for item in choice:
+                merged.put_nowait(item)
+
+    tasks = [asyncio.ensure_future(follow(i)) for i in range(len(pieces))]
+    try:
+        open_choices = len(pieces)
+        while open_choices:
+            item = await merged.get()
+            yield item
+            piece = item[1]
+            open_choices -= isinstance(piece, ApiError) or piece.finish_reason is not None
+    finally:
+        await _cancel(tasks)
+
+
 async def _events(streams: AsyncExitStack, pieces, firsts, render: Render, head, body: SamplingFields, prompt_tokens):
     """Server-sent events: chunks from every choice as they come (chat: first a chunk with the role per
     choice), the usage chunk if asked (with `continuous_usage_stats`, usage so far in every chunk), then
@@ -729,37 +779,18 @@ async def _events(streams: AsyncExitStack, pieces, firsts, render: Render, head,
             payload["usage"] = None
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def follow(i: int) -> None:
-        try:
-            piece = firsts[i]
-            await merged.put((i, piece, True))
-            while piece.finish_reason is None:
-                piece = await anext(pieces[i])
-                await merged.put((i, piece, False))
-        except ApiError as e:
-            await merged.put((i, e, False))
-        except Exception:  # noqa: BLE001 - the client gets the error chunk and [DONE], the log the details
-            await merged.put((i, _internal_error(f"the stream of {head['id']}"), False))
-
     async with streams:
-        tasks = [asyncio.ensure_future(follow(i)) for i in range(len(pieces))]
-        try:
-            if render.kind == "chat.completion":
-                yield event([render.role_delta(i) for i in range(len(pieces))], with_usage=False)
-            open_choices = len(pieces)
-            while open_choices:
-                i, piece, first = await merged.get()
+        if render.kind == "chat.completion":
+            yield event([render.role_delta(i) for i in range(len(pieces))], with_usage=False)
+        open_choices = len(pieces)
+        async with aclosing(_merged(pieces, firsts, head["id"])) as merged:
+            async for i, piece, first in merged:
                 if isinstance(piece, ApiError):
                     yield f"data: {json.dumps(piece.body())}\n\n"
                     break
                 yield event([render.choice(i, piece, first, stream=True)])
                 open_choices -= piece.finish_reason is not None
-            else:
-                if body.include_usage:
-                    total = usage(prompt_tokens, sum(g.completion_tokens for g in generations))
-                    yield f"data: {json.dumps({**head, 'object': chunk_kind, 'choices': [], 'usage': total})}\n\n"
-        finally:
-            await _cancel(tasks)
+        if not open_choices and body.include_usage:
+            total = usage(prompt_tokens, sum(g.completion_tokens for g in generations))
+            yield f"data: {json.dumps({**head, 'object': chunk_kind, 'choices': [], 'usage': total})}\n\n"
     yield "data: [DONE]\n\n"

@@ -4,7 +4,9 @@
 Rank 0's engine loop runs in a thread beside the front end's event loop; each iteration it drains its inbox
 (new requests from `EngineClient.generate`, aborts from consumers that went away, the shutdown) into the
 next step plan, runs it on every rank through the engine's serving loop (`spmoe.engine.serving_loop`), and
-hands each output to its request's asyncio queue (`loop.call_soon_threadsafe`).
+hands the step's outputs to their requests' asyncio queues in one call onto the event loop
+(`loop.call_soon_threadsafe`): the engine loop never waits for the front end, and wakes it once a step, not
+once a stream (each wake-up is a write to the event loop's pipe and a hand-over of the GIL).
 
 When nothing is live, rank 0 waits on its inbox for up to `HEARTBEAT_S` and then sends an idle plan anyway,
 so the other ranks, blocked on the next plan, never reach the process group's timeout.
@@ -162,8 +164,9 @@ class EngineClient:
         except BaseException as e:  # noqa: BLE001 - the front end must learn of it, not hang
             self.error = f"{type(e).__name__}: {e}"
             loops = {loop for loop, _ in streams.values()}
-            for request_id in list(streams):
-                self._deliver(streams, RequestOutput(request_id, [], "error", error=self.error))
+            self._hand_out(
+                streams, [RequestOutput(request_id, [], "error", error=self.error) for request_id in streams]
+            )
             if not self._closing:  # stop the front end as Ctrl-C would; serve_rank then raises the error
                 for loop in loops:  # once each event loop has run its streams' error outputs
                     try:
@@ -177,8 +180,7 @@ class EngineClient:
                     if self.front_end_stopped.wait(1.0):
                         break
             return
-        for request_id in list(streams):
-            self._deliver(streams, RequestOutput(request_id, [], "abort"))
+        self._hand_out(streams, [RequestOutput(request_id, [], "abort") for request_id in streams])
 
     def _loop(self, state, streams: dict) -> None:
         loop = ServingLoop(self.engine)
@@ -187,8 +189,7 @@ class EngineClient:
             self._iteration_began = time.monotonic()
             outputs, self._metrics = loop.step(plan)
             self._iteration_began = None
-            for out in outputs:
-                self._deliver(streams, out)
+            self._hand_out(streams, outputs)
             if plan.command == "shutdown":
                 return
 
@@ -215,16 +216,25 @@ class EngineClient:
         return loop.plan(new, aborts, shutdown)
 
     @staticmethod
-    def _deliver(streams: dict, out: RequestOutput) -> None:
-        """Hand an output to its request's queue (dropped if the consumer has gone)."""
-        target = streams.pop(out.request_id, None) if out.finish_reason is not None else streams.get(out.request_id)
-        if target is None:
-            return
-        loop, outputs = target
-        try:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-        except RuntimeError:  # the event loop has closed
-            pass
+    def _hand_out(streams: dict, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their requests' queues (an output whose consumer has gone is dropped): one
+        `call_soon_threadsafe` per event loop with all of them."""
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            target = streams.pop(out.request_id, None) if out.finish_reason is not None else streams.get(out.request_id)
+            if target is not None:
+                per_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in per_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_each, items)
+            except RuntimeError:  # the event loop has closed
+                pass
+
+
+def _put_each(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """On the event loop: each output into its request's queue."""
+    for outputs, out in items:
+        outputs.put_nowait(out)
 
 
 def serve_rank(
