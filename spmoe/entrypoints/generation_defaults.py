@@ -64,15 +64,12 @@ class GenerationDefaults:
         the client sent)."""
         return {**request, **{name: value for name, value in self.values.items() if name not in given}}
 
-    def describe(self, applied: tuple[str, ...]) -> str:
-        """The defaults in force, for the log; those whose request field is not in `applied` (the server has
-        no such sampling field) are named as not applied."""
+    def describe(self) -> str:
+        """The defaults in force, for the log."""
         if not self.values:
             return "generation defaults: none from the model (OpenAI's defaults)"
-        used = ", ".join(f"{name}={value}" for name, value in self.values.items() if name in applied)
-        line = f"generation defaults from {self.source}: {used or 'none applied'} (a request's own fields win)"
-        left = [f"{name}={value}" for name, value in self.values.items() if name not in applied]
-        return line + (f"; not applied: {', '.join(left)}" if left else "")
+        used = ", ".join(f"{name}={value}" for name, value in self.values.items())
+        return f"generation defaults from {self.source}: {used} (a request's own fields win)"
 
 
 def _read(path: Path) -> dict:

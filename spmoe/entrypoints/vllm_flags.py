@@ -30,7 +30,6 @@ class VllmFlag:
     value: str | None = None  # the flag takes a value (its metavar); None: a switch
     allowed: Callable[[str], bool] | None = None  # refused: values that are accepted after all
     declared_here: bool = False  # noted flags that spmoe has nothing to do for: this module accepts them
-    pending: str = ""  # taken / noted flags that another piece of work brings: which
 
 
 def _is(*values: str) -> Callable[[str], bool]:
@@ -304,6 +303,6 @@ def markdown_table() -> str:
             only = " (other values)" if flag.allowed is not None else ""
             text = f"not supported{only}: {flag.note}; {flag.instead}"
         else:
-            text = flag.note + (f" (lands with {flag.pending})" if flag.pending else "")
+            text = flag.note
         rows.append(f"| {names} | {VERDICT_TITLES[flag.verdict]} | {text.replace('|', '/')} |")
     return "\n".join(rows) + "\n"

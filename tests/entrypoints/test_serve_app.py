@@ -612,11 +612,19 @@ def test_routes_headers_and_unknown_fields(served, tokenizer, caplog):
                 headers={"X-Request-Id": "req-77"},
             )
             assert response.status_code == 200 and response.headers["x-request-id"] == "req-77"
-    warnings = [r.getMessage() for r in caplog.records if "not supported and is ignored" in r.getMessage()]
-    assert sorted(warnings) == [
-        "[req-77] the request field 'frobnicate' is not supported and is ignored (logged once per field name)",
-        "[req-77] the request field 'suffix' is not supported and is ignored (logged once per field name)",
+    warnings = [r.getMessage() for r in caplog.records if "not supported and ignored" in r.getMessage()]
+    assert warnings == [
+        "[req-77] request fields not supported and ignored (each name logged once): 'frobnicate', 'suffix'"
     ]
+    # a client sending new names without end: one line a request, and none past the first 256 names
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="spmoe.serve"):
+        for names in ([f"flood{i}" for i in range(300)], ["one-more"]):
+            body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1, **dict.fromkeys(names, 0)}
+            assert http.post("/v1/completions", json=body).status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "not supported and ignored" in r.getMessage()]
+    assert len(warnings) == 1 and "no more after 256 names" in warnings[0], warnings
+    assert "'flood7' and " in warnings[0] and "'flood8'" not in warnings[0]
 
 
 def test_bad_chat_inputs_are_400(served):

@@ -26,7 +26,6 @@ import json
 import logging
 import random
 import secrets
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +64,8 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 OPEN_ROUTES = ("/health", "/metrics")  # the routes that need no API key
 END_WAIT_S = 5.0  # how long `stop` waits for the requests it ended to send their last chunk
 RETRY_AFTER_S = "1"  # what a 503 tells the client to wait
+MAX_LOGGED_FIELDS = 256  # unknown request field names logged (and remembered) at most, over the server's life
+MAX_NAMES_A_LINE = 8  # of them named in one request's log line
 log = logging.getLogger("spmoe.serve")
 
 
@@ -201,7 +202,7 @@ class OpenAIApi:
         self.max_prompt_bytes = client.max_model_len * self.token_bytes  # more cannot fit (see _check_text_size)
         self.metrics = ServeMetrics(client, self.model_name)
         self.created = int(time.time())
-        self.logged_fields: set[str] = set()  # unknown request fields already logged
+        self.logged_fields: set[str] = set()  # unknown request fields already logged (at most MAX_LOGGED_FIELDS)
         # One worker: a tokenizer is not safe to use from several threads at once, and one thread keeps the
         # event loop free, which is what matters.
         self.text_work = ThreadPoolExecutor(1, thread_name_prefix="spmoe-tokenize")
@@ -271,9 +272,11 @@ class OpenAIApi:
 
     async def completions(self, http: Request):
         raw = await self._json_body(http)
-        if isinstance(raw, dict) and isinstance(raw.get("prompt"), list) and raw["prompt"]:
-            longest = max(len(p) if isinstance(p, list) else 1 for p in raw["prompt"])  # before validating it
-            self._max_new_tokens(longest if isinstance(raw["prompt"][0], list) else len(raw["prompt"]), None, None)
+        prompt = raw.get("prompt") if isinstance(raw, dict) else None
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):  # token ids, before validating
+            batch = isinstance(prompt[0], list)  # a list of id lists: the longest counts
+            longest = max((len(p) for p in prompt if isinstance(p, list)), default=0) if batch else len(prompt)
+            self._max_new_tokens(longest, None, None)
         body = self._parse(CompletionRequest, raw, http)
         self._check_model(body.model)
         if body.best_of is not None and body.best_of != body.n:
@@ -351,7 +354,7 @@ class OpenAIApi:
         a bad one is a 400 here and the engine's compile is a cache hit."""
         fields = {name: getattr(body, name) for name in STRUCTURED_OUTPUT_FIELDS} | extra
         try:
-            spec = grammar_for_request(fields, tools)
+            spec = await asyncio.to_thread(grammar_for_request, fields, tools)  # tool grammars build with xgrammar
             if spec is not None:  # the engine's compiler on rank 0: its own compile is then a cache hit
                 await asyncio.to_thread(self.client.grammars.compile, spec)
         except ValueError as e:
@@ -418,16 +421,20 @@ class OpenAIApi:
         return ids
 
     def _parse(self, model, raw, http: Request):
-        """`parse`, and each field name the server does not know logged once (the request still runs)."""
+        """`parse`, and the field names the server does not know logged once each, in one line per request (the
+        request still runs). A client sending new names without end is logged for the first MAX_LOGGED_FIELDS."""
         body = parse(model, raw)
-        for name in body.model_extra or {}:
-            if name not in self.logged_fields:
-                self.logged_fields.add(name)
-                log.warning(
-                    "[%s] the request field '%s' is not supported and is ignored (logged once per field name)",
-                    http.state.request_id,
-                    name,
-                )
+        room = MAX_LOGGED_FIELDS - len(self.logged_fields)
+        new = [name for name in body.model_extra or {} if name not in self.logged_fields][: max(room, 0)]
+        if new:
+            self.logged_fields.update(new)
+            log.warning(
+                "[%s] request fields not supported and ignored (each name logged once%s): %s",
+                http.state.request_id,
+                f"; no more after {MAX_LOGGED_FIELDS} names" if len(self.logged_fields) == MAX_LOGGED_FIELDS else "",
+                ", ".join(repr(name[:64]) for name in new[:MAX_NAMES_A_LINE])
+                + (f" and {len(new) - MAX_NAMES_A_LINE} more" if len(new) > MAX_NAMES_A_LINE else ""),
+            )
         return body
 
     def _seed(self, body: SamplingFields) -> int:
@@ -560,8 +567,9 @@ class OpenAIApi:
             try:
                 while not all(task.done() for task in collect):
                     await asyncio.wait(collect, timeout=0.25)
-                    if any(t.done() and t.exception() for t in collect):
-                        break
+                    failed = next((t.exception() for t in collect if t.done() and t.exception()), None)
+                    if failed is not None:  # the others may still run: the failure is the answer
+                        raise failed
                     if await http.is_disconnected():  # leaving aborts the requests
                         return Response(status_code=499)
                 got = [task.result() for task in collect]
@@ -592,8 +600,7 @@ class OpenAIApi:
                     except asyncio.CancelledError:
                         if task not in self._ending_tasks:
                             raise
-                        if sys.version_info >= (3, 11):
-                            task.uncancel()  # the cancellation was `stop`'s, not the task's owner's
+                        task.uncancel()  # the cancellation was `stop`'s, not the task's owner's
                         raise ApiError(503, f"{self.unavailable}; this request was ended before it finished") from None
                     finally:
                         self._waiting.discard(task)

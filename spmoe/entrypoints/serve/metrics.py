@@ -35,7 +35,7 @@ class EngineCollector:
 
     def collect(self):
         m = self.client.metrics()
-        for kind, name, text, value in (
+        rows = (
             (GaugeMetricFamily, "num_requests_running", "Requests in the running batch", m.running),
             (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled", m.waiting),
             (GaugeMetricFamily, "kv_cache_usage_perc", "Share of the KV cache in use (1 = full)", m.kv_cache_usage),
@@ -63,19 +63,18 @@ class EngineCollector:
                 "Kernel compiles and CUDA graph captures after the server reported ready (0 when warm-up foresaw all)",
                 m.compiles_after_ready,
             ),
-        ):
+        )
+        if self.client.num_speculative_tokens:
+            rows += (
+                (CounterMetricFamily, "spec_decode_num_drafts", "Verifications of a sequence's MTP drafts", m.drafts),
+                (CounterMetricFamily, "spec_decode_num_draft_tokens", "MTP draft tokens proposed", m.draft_proposed),
+                (CounterMetricFamily, "spec_decode_num_accepted_tokens", "MTP draft tokens accepted", m.draft_accepted),
+            )
+        for kind, name, text, value in rows:
             family = kind(PREFIX + name, text, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
         if self.client.num_speculative_tokens:
-            for name, text, value in (
-                ("num_drafts", "Verifications of a sequence's MTP drafts", m.drafts),
-                ("num_draft_tokens", "MTP draft tokens proposed", m.draft_proposed),
-                ("num_accepted_tokens", "MTP draft tokens accepted", m.draft_accepted),
-            ):
-                family = CounterMetricFamily(f"{PREFIX}spec_decode_{name}", text, labels=["model_name"])
-                family.add_metric([self.model_name], value)
-                yield family
             per_position = CounterMetricFamily(
                 PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                 "MTP drafts accepted, by draft position",

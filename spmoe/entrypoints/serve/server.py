@@ -33,7 +33,6 @@ from spmoe.entrypoints.serve.supervisor import StopPolicy
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer, read_chat_template
 from spmoe.entrypoints.vllm_flags import add_vllm_flags
 
-APPLIED_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")  # all of them
 CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format; auto is string
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -307,7 +306,7 @@ def cmd_serve(args) -> int:
         notes.append(f"device {engine_args.device}: {found} (--device overrides)")
     if engine_args.enable_expert_parallel:
         notes.append("--enable-expert-parallel: spmoe's routed experts are always expert-parallel over all ranks")
-    notes.append(defaults.describe(APPLIED_DEFAULTS))
+    notes.append(defaults.describe())
     for note in notes:
         print(f"spmoe serve: {note}", file=sys.stderr, flush=True)
     stop = run_serve(model, engine_args, args.max_num_waiting, front)
