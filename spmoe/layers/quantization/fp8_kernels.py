@@ -34,10 +34,10 @@ import triton.language as tl
 
 from spmoe.layers.moe.experts.triton_kernels import quantize_fp8
 from spmoe.layers.quantization.fp8 import FP8_GROUP, FP8_MAX
+from spmoe.layers.sparse_attention_triton import NUM_SMS_TARGET
 
 BLOCK = 128  # the weight block and activation group this module's kernels take
 QUANTIZE_INSIDE_ROWS = 16  # up to this many rows the GEMM quantises its activations itself
-NUM_SMS_TARGET = 264  # programs to aim for at decode (2 per H200 multiprocessor)
 
 
 class MatmulConfig(NamedTuple):

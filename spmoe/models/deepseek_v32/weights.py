@@ -226,7 +226,7 @@ def random_model(
     state = get_parallel_state()
     with torch.no_grad():
         for key, (dest, dim, _) in sorted(_plan(model).items()):
-            if key.endswith("weight_scale_inv"):
+            if key.endswith(cfg.fp8_scale_suffix):
                 dest.fill_(1.0)
                 continue
             full = list(dest.shape)
@@ -400,8 +400,8 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
             raise ValueError(
                 f"tensor {key}: checkpoint dtype {dtype}; expected a floating-point tensor (F32, BF16, F16 or F8_E4M3)"
             )
-        if raw and dest.dtype == torch.float8_e4m3fn and ckpt.dtype(key) != dest.dtype:
-            raise ValueError(f"tensor {key}: the layer holds FP8 e4m3 weights, the checkpoint stores {ckpt.dtype(key)}")
+        if raw and dest.dtype == torch.float8_e4m3fn and dtype != dest.dtype:
+            raise ValueError(f"tensor {key}: the layer holds FP8 e4m3 weights, the checkpoint stores {dtype}")
         with torch.no_grad():
             dest.copy_(ckpt.read(key, dim, start, start + (dest.shape[dim] if dim is not None else 0), raw))
         if show and (done % max(1, len(plan) // 20) == 0 or done == len(plan)):
