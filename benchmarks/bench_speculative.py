@@ -66,7 +66,7 @@ def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: boo
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
     sampling = SamplingParams(temperature=temperature, seed=1)
-    engine.generate(prompts, 4, sampling)  # untimed: compiles, captures, allocations
+    engine.generate(prompts, args.new_tokens, sampling)  # untimed, as long as the timed run: compiles, captures
     stats = engine.generate(prompts, args.new_tokens, sampling).stats
     spec = stats.get("speculative", {})
     target, drafter = stats["phases"]["decode"], stats["phases"]["draft"]

@@ -2,6 +2,7 @@
 12 experts divide by EP 1 to 4)."""
 
 import pytest
+import torch
 
 ENGINE_CONFIG = dict(
     model_type="glm_moe_dsa",
@@ -43,3 +44,8 @@ def engine_checkpoint(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("engine_ckpt")
     spawn(write_random_checkpoint, 1, ENGINE_CONFIG, folder, 1)
     return str(folder)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|."""
+    return ((got - want).abs().max() / want.abs().max()).item()

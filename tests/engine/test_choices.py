@@ -10,7 +10,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from spmoe.engine.paged_cache import BLOCK_SIZE
 
-from .conftest import ENGINE_CONFIG
+from .conftest import ENGINE_CONFIG, relative_error
 
 MAX_NEW = 5
 BUDGET = 48  # prompts are fed in chunks (3 steps), and so is what a fork recomputes with MTP
@@ -126,10 +126,6 @@ def forked_and_alone(folder: str) -> dict:
         everything = {i: FORK_STEP + 1 for i in range(4)}
         results["abort all", prompt_len] = run_choices(aborting, prompt[::-1], everything)
     return results
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def test_each_choice_gets_what_it_gets_alone(engine_checkpoint):

@@ -102,8 +102,9 @@ def test_penalties_steer_greedy_and_sampled_requests(ran):
         row = [v + 2.0 * before.count(t) + 1.0 * (t in before) for t, v in enumerate(logits[len(PROMPT) - 1 + j])]
         assert token == max(range(len(row)), key=lambda t: row[t])
     assert greedy["tokens"] != plain  # the penalty changed something
-    assert len(set(greedy["tokens"])) < len(greedy["tokens"])  # the plain output has no repeat
+    assert len(set(greedy["tokens"])) < len(greedy["tokens"])  # negative penalties: it repeats itself
     sampled, logits = ran["got"]["penalised_sampled"], ran["forward"]["penalised_sampled"]
+    assert len(sampled["logprobs"]) == len(sampled["tokens"]) > 0  # the loop below checks every token
     for j, (token, (lp, top)) in enumerate(zip(sampled["tokens"], sampled["logprobs"])):
         before, row = sampled["tokens"][:j], list(logits[len(PROMPT) - 1 + j])
         row[5] += 3.0

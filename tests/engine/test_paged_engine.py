@@ -14,7 +14,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
 from spmoe.entrypoints.jobs import split_for_dp
 
-from .conftest import ENGINE_CONFIG
+from .conftest import ENGINE_CONFIG, relative_error
 
 # index_topk is 4: the first prompt's context stays below it for its first steps, the others go far above it
 # and over several blocks of 64; a budget of 24 tokens prefills the long prompts in chunks beside decodes
@@ -56,10 +56,6 @@ def paged_and_dense(folder: str, modes: list[tuple[str, str]]) -> dict:
                 )
                 results[sp, scope, case, name] = (gen.outputs, torch.cat(gen.logits), gen.stats)
     return results
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def check_layout(ranks: list[dict], label: str) -> None:

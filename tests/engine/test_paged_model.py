@@ -7,7 +7,7 @@ import torch
 
 from spmoe.distributed import get_parallel_state, spawn
 
-from .conftest import ENGINE_CONFIG
+from .conftest import ENGINE_CONFIG, relative_error
 
 TOPK = 8
 CONFIG = {**ENGINE_CONFIG, "index_topk": TOPK, "kv_lora_rank": 128}
@@ -59,10 +59,6 @@ def paged_against_dense(folder: str) -> dict:
         static = paged.decode_view(padded, torch.arange(4), positions)
         got = model(torch.cat([ids, torch.zeros(1, dtype=torch.long)]), positions, [1] * 4, static)[:3]
     return {"steps": errors, "static": relative_error(got, want)}
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def test_paged_model_equals_dense(tmp_path):

@@ -21,7 +21,7 @@ from spmoe.distributed.comm import broadcast_object
 from spmoe.engine.paged_cache import BLOCK_SIZE
 from spmoe.engine.request import Request
 
-from .conftest import ENGINE_CONFIG
+from .conftest import ENGINE_CONFIG, relative_error
 
 MAX_NEW = 6
 BUDGET = 24  # prompts are prefilled in chunks
@@ -205,10 +205,6 @@ def record_drafts(engine) -> dict:
 
     engine.runner.draft = draft_and_record
     return recorded
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def test_prefix_caching_changes_no_output(engine_checkpoint):

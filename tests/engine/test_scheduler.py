@@ -350,3 +350,4 @@ def test_four_choices_hold_at_most_a_quarter_more_blocks_than_one(prompt_len):
     one, four = peak_blocks_of_choices(prompt_len, 1), peak_blocks_of_choices(prompt_len, 4)
     assert one == -(-(prompt_len + 16 - 1) // BLOCK_SIZE)  # the last output token is never fed
     assert four <= 1.25 * one, (prompt_len, one, four)
+    assert four == one + 3, (prompt_len, one, four)  # one block of its own for each further choice

@@ -239,6 +239,7 @@ def test_logprobs_echo_penalties_and_n_from_the_real_engine(server, checkpoint):
         if i >= len(prompt):  # greedy: the most likely token, and the top 3 in order
             assert want[token] == max(want)
             assert sorted(lp.top_logprobs[i].values(), reverse=True) == pytest.approx(sorted(want)[::-1][:3], abs=1e-4)
+    assert len(steered.logprobs.token_logprobs) == len(penalised) > 0  # the loop below checks every token
     for j, token in enumerate(penalised):  # greedy under frequency_penalty -2: the argmax of the penalised logits
         row = [v + 2.0 * penalised[:j].count(t) for t, v in enumerate(logits[1][len(prompt) - 1 + j])]
         assert token == max(range(len(row)), key=lambda t: row[t])
