@@ -60,6 +60,7 @@ class CapturedDraft:
 
 @dataclass
 class CapturedStep:
+    size: int  # B, the sequences it runs (pads included)
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [3, B * T] int64: token ids, where (slot cache: the row's slot; paged: its
     # sequence's row of block_tables), positions
@@ -248,7 +249,7 @@ class DecodeGraphs:
                     drafts = drafter(hidden)
                 draft = CapturedDraft(draft_graph, draft_inputs, drafts, draft_collectives)
                 self.captures += 1
-        self.steps[size] = CapturedStep(graph, inputs, tables, logits, hidden, collectives, draft)
+        self.steps[size] = CapturedStep(size, graph, inputs, tables, logits, hidden, collectives, draft)
         self.captures += 1
 
     def step(self, ids: list[list[int]], locations: list, starts: list[int], stats: CommStats) -> torch.Tensor:
@@ -300,7 +301,7 @@ class DecodeGraphs:
         captured, per_seq = self.replayed, self.tokens_per_seq
         if captured is None or captured.draft is None:
             raise RuntimeError("the drafter's graph runs after a replayed speculative target step")
-        size, count = captured.inputs.shape[1] // per_seq, len(next_ids)
+        size, count = captured.size, len(next_ids)
         host = torch.zeros(size * per_seq + 3 * size, dtype=torch.long)
         ids, rows, where, first = self._split(host, size)
         self._pad_draft_inputs(host, size, count)

@@ -79,7 +79,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepResult:
         phase = self.stats.target_phase(batch)
         with phase.measure():
-            logits, hidden = self.forward(batch, phase.collectives)
+            logits, hidden, replayed = self.forward(batch, phase.collectives)
             result = self.choose(batch, logits)
             if any(s.wants_prompt_logprobs for s in batch.seqs):
                 result.prompt_logprobs = self.prompt_logprobs(batch, hidden)
@@ -87,24 +87,29 @@ class ModelRunner:
         phase.tokens_fed += sum(batch.num_tokens)
         phase.tokens_committed += sum(map(len, result.token_ids))
         if self.drafter is not None:
-            result.drafts = self.draft(batch, result, hidden)
+            result.drafts = self.draft(batch, result, hidden, replayed)
         return result
 
-    def forward(self, batch: ScheduledBatch, collectives: CommStats) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: ScheduledBatch, collectives: CommStats) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The target forward -> (logits `[R, V]` float32 of the R rows the step commits from: the last
-        1 + drafts rows of each sequence that samples, the FULL post-norm hidden `[N, H]` of all N fed tokens,
-        or None when a CUDA graph ran). No sequences: an empty forward (a DP rank that must keep in step).
-        Replayed collectives are added to `collectives`."""
+        1 + drafts rows of each sequence that samples, the FULL post-norm hidden of the N fed tokens (`[N, H]`;
+        a replayed graph's has pad rows after them), whether a CUDA graph ran). No sequences: an empty forward
+        (a DP rank that must keep in step). Replayed collectives are added to `collectives`."""
         tokens = batch.tokens()
         if self.graphs is not None and batch.decode and self.graphs.fits(batch.num_tokens):
-            return self.graphs.step(tokens, batch.locations, batch.starts, collectives), None
+            logits = self.graphs.step(tokens, batch.locations, batch.starts, collectives)
+            return logits, self.graphs.replayed.hidden, True
         lens = [len(t) for t in tokens]
         view = self.cache.view(batch.locations, batch.starts, lens)
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=view.positions.device)
         hidden = self.model.forward_hidden(ids, view.positions, lens, view)  # FULL [N, H]
         logit_rows = [1 + len(s.drafts) if last else 0 for s, last in zip(batch.seqs, batch.samples)]
         rows = [r for end, m in zip(accumulate(lens), logit_rows) for r in range(end - m, end)]
-        return self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long, device=hidden.device)), hidden
+        return (
+            self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long, device=hidden.device)),
+            hidden,
+            False,
+        )
 
     def choose(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
         """logits `[R, V]` (see `forward`) -> each sequence's committed tokens, accepted drafts, finite flag and,
@@ -194,16 +199,15 @@ class ModelRunner:
             fed += n
         return out
 
-    def draft(self, batch: ScheduledBatch, result: StepResult, hidden: torch.Tensor | None) -> list[list[int]]:
+    def draft(self, batch: ScheduledBatch, result: StepResult, hidden: torch.Tensor, replayed: bool) -> list[list[int]]:
         """The MTP layer catches up on every position the target fed and kept: a prompt chunk before the last
         only fills its cache rows; a sequence that committed tokens and goes on gets its next drafts; one that
         ends in the step its forks took its prompt's blocks fills the rows of its prompt (but the last token's).
-        `hidden`: the target's (`forward`), None after a replayed target step (the drafter's graph follows).
+        `hidden`, `replayed`: the target's (`forward`); after a replayed target step the drafter's graph
+        follows, unless a sequence has a grammar (the eager drafter masks each draft step by the grammars).
         -> the drafts per scheduled sequence ([] for the others; a fork gets its first drafts after it fed)."""
-        if hidden is None:  # the target step replayed a graph
-            if all(seq.grammar is None for seq in batch.seqs):
-                return self.draft_replayed(batch, result)
-            hidden = self.graphs.replayed.hidden  # the eager drafter masks each draft step by the grammars
+        if replayed and all(seq.grammar is None for seq in batch.seqs):
+            return self.draft_replayed(batch, result)
         to_draft, fed = [], 0  # (its index, first fed position, the token after each, the target's hidden there)
         sources = {source for _, source in batch.forks}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):

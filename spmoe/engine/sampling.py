@@ -314,22 +314,19 @@ class Sampler:
             )
         plain = all(p.greedy and p.logprobs is None for p in params)
         if plain and not any(p.min_tokens > g or p.logit_bias or p.penalised for p, g in zip(params, generated)):
-            ids, finite = logits.argmax(-1), torch.isfinite(logits).all(-1)  # what greedy always was
-            picked = torch.stack([ids, finite.long()]).tolist()
-            none = [None] * len(rows)
-            return SampledTokens(picked[0], [bool(f) for f in picked[1]], none, none)
+            return _without_logprobs(logits.argmax(-1), torch.isfinite(logits).all(-1))  # what greedy always was
         best, drawn, finite = self.process(logits, rows, generated, preceding)
         ids = best.argmax(-1)
-        if not all(p.greedy for p in params):
-            index = torch.tensor(generated, dtype=torch.int64).to(self.device, non_blocking=True)
-            row = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        sampled = [j for j, p in enumerate(params) if not p.greedy]
+        if sampled:  # the noise of the sampled rows only: `[rows, V]` of it is the step's largest temporary
+            at = torch.tensor(sampled, dtype=torch.int64).to(self.device, non_blocking=True)
+            index = torch.tensor([generated[j] for j in sampled], dtype=torch.int64).to(self.device, non_blocking=True)
+            row = torch.tensor([rows[j] for j in sampled], dtype=torch.int64).to(self.device, non_blocking=True)
             noise = exponential_noise(self.keys[row], index, self.vocab_size)
-            ids = torch.where(self.temperature[row] > 0, race(torch.softmax(drawn, dim=-1), noise), ids)
+            ids = ids.index_copy(0, at, race(torch.softmax(drawn[at], dim=-1), noise))
         width = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if width is None:
-            picked = torch.stack([ids, finite.long()]).tolist()
-            none = [None] * len(rows)
-            return SampledTokens(picked[0], [bool(f) for f in picked[1]], none, none)
+            return _without_logprobs(ids, finite)
         logprobs = torch.log_softmax(drawn, dim=-1)
         top = logprobs.topk(width, dim=-1) if width else None
         columns = [ids.double()[:, None], finite.double()[:, None], logprobs.gather(1, ids[:, None]).double()]
@@ -365,6 +362,13 @@ class Sampler:
         table[row] = -1
         if ids:
             table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+
+
+def _without_logprobs(ids: torch.Tensor, finite: torch.Tensor) -> SampledTokens:
+    """Chosen ids and finite flags `[m]` -> the choices without logprobs, in one host transfer."""
+    picked = torch.stack([ids, finite.long()]).tolist()
+    none = [None] * len(picked[0])
+    return SampledTokens(picked[0], [bool(f) for f in picked[1]], none, none)
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> list[tuple[float, list]]:

@@ -133,7 +133,7 @@ def speculating_engines(folder: str) -> dict:
     # the last replayed step again, replayed and eagerly over the graph's own inputs
     graphs = engine.runner.graphs
     captured = graphs.replayed
-    size = captured.inputs.shape[1] // (1 + SPEC_K)
+    size = captured.size
     with torch.no_grad():
         captured.graph.replay()
         replayed = captured.logits.clone()
