@@ -192,8 +192,8 @@ def record_drafts(engine) -> dict:
     recorded, draft = {}, engine.runner.draft
     mtp = engine.cache.layers[engine.model.cfg.num_hidden_layers]
 
-    def draft_and_record(batch, result, hidden):
-        proposed = draft(batch, result, hidden)
+    def draft_and_record(batch, result, hidden, replayed):
+        proposed = draft(batch, result, hidden, replayed)
         for seq, table, new in zip(batch.seqs, batch.locations, proposed):
             if new:
                 recorded[seq.request_id, len(seq.output)] = new
