@@ -1,6 +1,7 @@
-"""One decode step against its bytes roofline on one GPU (TP 1), with the fused Triton kernels (add + RMSNorm,
-rope in place, the router, absorbed MLA's per-head projections, among others; cos/sin looked up in the model's
-table) and with their torch references (`spmoe.layers.fused.ENABLED` off), in one run.
+"""One decode step (or one short prompt chunk after a cached context) against its bytes roofline on one GPU
+(TP 1), with the fused Triton kernels (add + RMSNorm, rope in place, the router, absorbed MLA's per-head
+projections, among others; cos/sin looked up in the model's table) and with their torch references
+(`spmoe.layers.fused.ENABLED` off), in one run.
 
 The model: GLM-5.2 widths (H 6144, 64 heads, q_lora 2048, kv_lora 512, DSA indexer) in 4 layers, 1 dense and
 3 MoE of 64 experts top-8 + 1 shared, vocab 32768, random bf16 weights, Triton experts, the paged latent
@@ -11,6 +12,10 @@ and prints the FP8 speed-up per case. Each case prefills B sequences of `context
 most `PREFILL_TOKENS` tokens), then times the step that decodes one more token per sequence (model + LM
 head), launched eagerly and replayed from a CUDA graph (CUDA-event median). "busy ms" sums the device time
 of the kernels one eager step launches: graph ms minus busy ms is the time the GPU sits between kernels.
+
+A case "BxC" decodes one token for each of B sequences of C cached tokens; "BxC+T" feeds T prompt tokens per
+sequence after its C cached ones and computes the logits of each sequence's last one (the step the engine
+replays from a chunk graph for B = 1: the second turn of a conversation whose history is cached).
 
 Each case's block tables are as wide as the engine's CUDA graphs make them: a power of 2 of blocks covering the
 context and the new token. Up to index_topk positions the indexer selects every visible row without scoring;
@@ -32,6 +37,7 @@ in the tables the indexer selects every visible row without scoring; wider table
     python benchmarks/bench_decode_step.py [--cases 1x16 8x512 1x4096] [--weights bf16 fp8] [--kernels fused]
     python benchmarks/bench_decode_step.py --cases 1x1024 48x1024 64x1024 128x1024 256x1024 256x4096
     python benchmarks/bench_decode_step.py --cases 1x2048 64x1024 256x1024 --widths pow2 32768 --kernels fused
+    python benchmarks/bench_decode_step.py --cases 1x8192+16 1x8192+64 1x8192+256 1x0+64 --kernels fused
 """
 
 import argparse
@@ -109,61 +115,74 @@ def models(weights: list[str]) -> dict:
     return {kind: out[kind] for kind in weights}
 
 
-def run(cases: list[tuple[int, int]], weights: list[str], kernel_kinds: list[str], widths: list[str]):
+def parse_case(case: str) -> tuple[int, int, int]:
+    """ "BxC" or "BxC+T" -> (B sequences, C cached tokens each, T tokens each feeds)."""
+    batch, rest = case.split("x")
+    context, _, tokens = rest.partition("+")
+    return int(batch), int(context), int(tokens or 1)
+
+
+def run(cases: list[tuple[int, int, int]], weights: list[str], kernel_kinds: list[str], widths: list[str]):
     rows = []
     for kind, model in models(weights).items():
         rows += run_model(model, kind, cases, kernel_kinds, widths)
     return rows
 
 
-def table_width(name: str, context: int) -> int:
-    """Blocks in a case's block tables: "pow2" (a power of 2 covering the context and the new token), or a
+def table_width(name: str, context: int, tokens: int) -> int:
+    """Blocks in a case's block tables: "pow2" (a power of 2 covering the context and the new tokens), or a
     max_model_len's."""
-    used = -(-(context + 1) // BLOCK_SIZE)
+    used = -(-(context + tokens) // BLOCK_SIZE)
     return 1 << (used - 1).bit_length() if name == "pow2" else -(-int(name) // BLOCK_SIZE)
 
 
-def run_model(model, weights: str, cases: list[tuple[int, int]], kernel_kinds: list[str], widths: list[str]):
+def run_model(model, weights: str, cases: list[tuple[int, int, int]], kernel_kinds: list[str], widths: list[str]):
     cfg = model.cfg
-    blocks_per_seq = {c: -(-(c + 1) // BLOCK_SIZE) for _, c in cases}
+    blocks_per_seq = {(c, t): -(-(c + t) // BLOCK_SIZE) for _, c, t in cases}
     block_bytes = PagedKVCache.for_model(model, 1 << 24).bytes_per_token * BLOCK_SIZE
-    cache = PagedKVCache.for_model(model, (max(b * blocks_per_seq[c] for b, c in cases) + 1) * block_bytes)
+    cache = PagedKVCache.for_model(model, (max(b * blocks_per_seq[c, t] for b, c, t in cases) + 1) * block_bytes)
     rows = []
-    for batch, context in cases:
-        used = blocks_per_seq[context]
+    for batch, context, tokens in cases:
+        used = blocks_per_seq[context, tokens]
         tables = [list(range(i * used, (i + 1) * used)) for i in range(batch)]
         gen = torch.Generator(device="cuda").manual_seed(batch)
-        next_ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=gen)
+        next_ids = torch.randint(0, cfg.vocab_size, (batch * tokens,), device="cuda", generator=gen)
         with torch.no_grad():
-            group = max(1, PREFILL_TOKENS // context)  # sequences per prefill forward, as an engine's token budget
-            for first in range(0, batch, group):
+            group = max(1, PREFILL_TOKENS // max(context, 1))  # sequences per prefill forward, as a token budget
+            for first in range(0, batch if context else 0, group):
                 part = tables[first : first + group]
                 prompt = cache.view(part, [0] * len(part), [context] * len(part))
                 ids = torch.randint(0, cfg.vocab_size, (len(part) * context,), device="cuda", generator=gen)
                 model.forward_hidden(ids, prompt.positions, [context] * len(part), prompt)
         for width_name in widths:
-            width = table_width(width_name, context)
+            width = table_width(width_name, context, tokens)
             decode = cache.decode_view(
                 torch.from_numpy(padded_tables(tables, batch, width, cache.scratch_block)).cuda(),
-                torch.arange(batch, device="cuda"),
-                torch.full((batch,), context, dtype=torch.long, device="cuda"),
+                torch.arange(batch, device="cuda").repeat_interleave(tokens),
+                context + torch.arange(tokens, device="cuda").repeat(batch),
             )
             rows += time_step(
-                model, cache, weights, batch, context, f"{width_name}:{width}", next_ids, decode, kernel_kinds
+                model, cache, weights, (batch, context, tokens), f"{width_name}:{width}", next_ids, decode, kernel_kinds
             )
     fused.ENABLED = True
     return rows
 
 
-def time_step(model, cache, weights, batch, context, width, next_ids, decode, kernel_kinds) -> list[tuple]:
-    """One decode step over the view `decode`, eager and replayed, per kernel kind -> the rows `run` returns."""
+def time_step(model, cache, weights, case, width, next_ids, decode, kernel_kinds) -> list[tuple]:
+    """One step over the view `decode` (case: B, C, T as `parse_case`), eager and replayed, per kernel kind ->
+    the rows `run` returns."""
+    batch, context, tokens = case
     rows = []
     with torch.no_grad():
+        # a decode step's logits are every row's; a prompt chunk's its last token's
+        logit_rows = torch.arange(batch, device="cuda") * tokens + tokens - 1 if tokens > 1 else None
 
         def step():
-            return model.compute_logits(model.forward_hidden(next_ids, decode.positions, [1] * batch, decode))
+            hidden = model.forward_hidden(next_ids, decode.positions, [1] * batch * tokens, decode)
+            return model.compute_logits(hidden, logit_rows)
 
-        floor = step_bytes(model, cache, batch, context, touched_experts(model, step)) / BANDWIDTH * 1e3
+        touched = touched_experts(model, step)
+        floor = step_bytes(model, cache, batch * tokens, context + tokens - 1, touched) / BANDWIDTH * 1e3
         for kernels in kernel_kinds:
             fused.ENABLED = kernels == "fused"
             eager = cuda_ms(step, 20, warmup=2)
@@ -177,7 +196,7 @@ def time_step(model, cache, weights, batch, context, width, next_ids, decode, ke
                 (
                     weights,
                     batch,
-                    context,
+                    f"{context}+{tokens}" if tokens > 1 else context,
                     width,
                     kernels,
                     eager,
@@ -194,12 +213,12 @@ def time_step(model, cache, weights, batch, context, width, next_ids, decode, ke
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="*", default=["1x16", "8x512", "1x4096"], help="BATCHxCONTEXT decode cases")
+    p.add_argument("--cases", nargs="*", default=["1x16", "8x512", "1x4096"], help="BxC decode or BxC+T chunk cases")
     p.add_argument("--weights", nargs="+", choices=("bf16", "fp8"), default=["bf16"], help="weights to time")
     p.add_argument("--kernels", nargs="+", choices=("torch", "fused"), default=["torch", "fused"])
     p.add_argument("--widths", nargs="+", default=["pow2"], help="block-table widths: pow2 and/or max_model_len values")
     args = p.parse_args()
-    cases = [tuple(int(v) for v in case.split("x")) for case in args.cases]
+    cases = [parse_case(case) for case in args.cases]
     rows = spawn(run, 1, cases, args.weights, args.kernels, args.widths, config=ParallelConfig(), device="cuda")[0]
     print(
         f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; GLM-5.2 widths, 4 layers (1 dense + 3 "

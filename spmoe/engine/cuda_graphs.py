@@ -1,5 +1,5 @@
 """CUDA graphs for the decode step (one new token per live sequence, or with MTP speculation its token and its
-k drafts), SP on or off.
+k drafts) and for a step that feeds one sequence's short prompt chunk, SP on or off.
 
 Launching a decode step's few hundred small kernels and collectives one by one costs more than running them
 at small batches. Instead the step (the model, then the LM head) is captured once per padded batch size B in
@@ -15,7 +15,15 @@ target's rejected rows do), then its k - 1 one-token steps. The host's only work
 the choice of tokens (the sampler and the acceptance rule), which also says which row is each sequence's last
 verified one.
 
-Every B is captured at start-up (largest first, the others share its memory pool), on every rank in the same
+Paged cache: a step that feeds one prompt chunk of n <= 256 tokens and nothing else (the second turn of a
+conversation whose history is cached, a short prompt on an idle server) replays the chunk graph of the
+smallest captured size C >= n in `CHUNK_TOKENS`: the same rows as n tokens of one sequence in a
+verification step, laid out as the decode step lays them out, so it computes what the eager step computes.
+Its C - n pad rows name the all-scratch table row, at positions 0 .. C - n - 1; it computes the logits of
+one row, the chunk's last (`CapturedStep.logit_row`). Steps that mix sequences, or feed longer chunks, run
+eagerly, as every prompt step of the slot cache does (its graph rows each read a whole slot).
+
+Every graph is captured at start-up (largest first, the others share its memory pool), on every rank in the same
 order, so nothing is captured while serving; `captures` counts them.
 
 - Slot cache: a row reads its slot's `max_len` positions.
@@ -45,6 +53,7 @@ from spmoe.engine.paged_cache import PagedKVCache
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CHUNK_TOKENS = (16, 32, 64, 128, 256)  # one sequence's prompt chunk, padded to the next
 
 
 @dataclass
@@ -60,15 +69,19 @@ class CapturedDraft:
 
 @dataclass
 class CapturedStep:
+    """A decode step of B sequences feeding T tokens each (N = B * T rows), or a prompt chunk of one sequence
+    (B = 1, N = T = its padded size)."""
+
     size: int  # B, the sequences it runs (pads included)
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [3, B * T] int64: token ids, where (slot cache: the row's slot; paged: its
+    inputs: torch.Tensor  # [3, N] int64: token ids, where (slot cache: the row's slot; paged: its
     # sequence's row of block_tables), positions
     block_tables: torch.Tensor | None  # [B + 1, W] int32 (paged cache: W = `DecodeGraphs.width`), else None
-    logits: torch.Tensor  # [B * T, V] float32, rewritten by each replay
-    hidden: torch.Tensor  # [B * T, H] the post-norm hidden the logits come from (the drafter's input)
+    logits: torch.Tensor  # [N, V] float32 (a chunk: [1, V], of row `logit_row`), rewritten by each replay
+    hidden: torch.Tensor  # [N, H] the post-norm hidden the logits come from (the drafter's input)
     collectives: CommStats  # of one replay, counted at capture
-    draft: CapturedDraft | None  # with speculation
+    draft: CapturedDraft | None  # with speculation (decode steps)
+    logit_row: torch.Tensor | None = None  # [1] int64: a chunk's last real row
 
 
 def deployment_problems(device_type: str, dp_size: int, ep_backend: str) -> list[str]:
@@ -89,6 +102,12 @@ def graph_sizes(max_batch: int) -> list[int]:
     return [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
 
 
+def chunk_sizes(max_num_batched_tokens: int) -> list[int]:
+    """The padded sizes of the prompt-chunk graphs for a step token budget of `max_num_batched_tokens`."""
+    most = min(max_num_batched_tokens, CHUNK_TOKENS[-1])
+    return [n for n in CHUNK_TOKENS if n < most] + [most]
+
+
 def table_width(cache: PagedKVCache, max_model_len: int) -> int:
     """Blocks in a captured step's block tables: enough for `max_model_len` positions, at most the cache's."""
     return min(-(-max_model_len // cache.block_size), cache.num_blocks)
@@ -101,6 +120,14 @@ def padded_tables(tables: list[list[int]], rows: int, width: int, scratch: int) 
     for row, table in enumerate(tables):
         out[row, : len(table)] = table
     return out
+
+
+def chunk_rows(tokens: list[int], start: int, size: int, where: int, pad_where: int) -> list[list[int]]:
+    """The inputs `[3, size]` (ids, where, positions; see `step_view`) of a prompt-chunk graph: `tokens` at
+    positions `start` .. in `where`, then `size - len(tokens)` pad rows of token 0 in `pad_where` at positions
+    0 ..."""
+    n, pad = len(tokens), size - len(tokens)
+    return [tokens + [0] * pad, [where] * n + [pad_where] * pad, list(range(start, start + n)) + list(range(pad))]
 
 
 def step_view(cache: KVCache | PagedKVCache, where: torch.Tensor, positions: torch.Tensor, block_tables):
@@ -171,11 +198,14 @@ class DecodeGraphs:
         max_model_len: int | None = None,
         on_capture=None,
         drafts: int = 0,
+        max_num_batched_tokens: int = 0,
     ):
         """Captures one graph per size in `graph_sizes(max_num_seqs)` now (with `drafts` > 0 speculative
-        steps: each sequence feeds 1 + drafts tokens, and a drafter's graph per size too), on every rank in
-        the same order. Paged cache: block tables of `table_width(cache, max_model_len)` blocks (None: the
-        whole cache). `on_capture(size)` is called before each capture (progress output)."""
+        steps: each sequence feeds 1 + drafts tokens, and a drafter's graph per size too), then, paged, one per
+        size in `chunk_sizes(max_num_batched_tokens)` (0: none), on every rank in the same order. Paged cache:
+        block tables of `table_width(cache, max_model_len)` blocks (None: the whole cache).
+        `on_capture(kind, size, index, count)` is called before each capture (progress output): kind "decode"
+        (size: B) or "chunk" (size: tokens), the index-th of count."""
         problems = deployment_problems(cache.device.type, get_parallel_state().dp_size, model.parallel.ep_backend)
         capturable, experts = model.graph_capturable
         if not capturable:
@@ -189,13 +219,20 @@ class DecodeGraphs:
         self.paged = isinstance(cache, PagedKVCache)
         self.width = table_width(cache, max_model_len or cache.capacity_tokens) if self.paged else 0
         self.steps: dict[int, CapturedStep] = {}  # B -> graph
+        self.chunks: dict[int, CapturedStep] = {}  # padded chunk tokens -> graph
         self.captures = 0  # graphs captured by this object, ever
         self.replayed: CapturedStep | None = None  # the step replayed last, whose rows `draft` continues
         self._pool = None
-        for size in reversed(graph_sizes(max_num_seqs)):  # largest first, the others reuse its memory
+        plan = [("decode", size) for size in reversed(graph_sizes(max_num_seqs))]  # largest first: the others
+        if self.paged and max_num_batched_tokens:  # reuse its memory
+            plan += [("chunk", tokens) for tokens in reversed(chunk_sizes(max_num_batched_tokens))]
+        for index, (kind, size) in enumerate(plan, 1):
             if on_capture is not None:
-                on_capture(size)
-            self._capture(size)
+                on_capture(kind, size, index, len(plan))
+            if kind == "decode":
+                self._capture(size)
+            else:
+                self._capture_chunk(size)
 
     def batch_sizes(self) -> list[int]:
         """The padded batch sizes captured."""
@@ -204,6 +241,11 @@ class DecodeGraphs:
     def fits(self, num_tokens: list[int]) -> bool:
         """Whether a decode step whose sequences feed `num_tokens` each can replay a graph."""
         return 0 < len(num_tokens) <= self.max_num_seqs and all(n == self.tokens_per_seq for n in num_tokens)
+
+    def fits_chunk(self, num_tokens: list[int]) -> bool:
+        """Whether a prompt step whose sequences feed `num_tokens` each can replay a chunk graph: one sequence,
+        at most the largest chunk size."""
+        return len(num_tokens) == 1 and 0 < num_tokens[0] <= max(self.chunks, default=0)
 
     def eager_step(self, inputs: torch.Tensor, block_tables: torch.Tensor | None = None) -> torch.Tensor:
         """`decode_logits` of this model and cache."""
@@ -230,27 +272,48 @@ class DecodeGraphs:
         def drafter(hidden):
             return draft_tokens(self.model, self.cache, inputs, tables, hidden, *self._split(draft_inputs, size), k)
 
+        self._warm(lambda: drafter(target()[1]) if k else target())
+        graph, (logits, hidden), collectives = self._record(target)
+        draft = None
+        if k:
+            draft_graph, drafts, draft_collectives = self._record(lambda: drafter(hidden))
+            draft = CapturedDraft(draft_graph, draft_inputs, drafts, draft_collectives)
+        self.steps[size] = CapturedStep(size, graph, inputs, tables, logits, hidden, collectives, draft)
+
+    def _capture_chunk(self, tokens: int) -> None:
+        """The graph of one sequence's prompt chunk of up to `tokens` tokens (paged cache), captured with every
+        row a pad row."""
+        device = self.cache.device
+        inputs = torch.tensor(chunk_rows([], 0, tokens, 0, 1), device=device)  # row 1 of the tables: all scratch
+        tables = torch.full((2, self.width), self.cache.scratch_block, dtype=torch.int32, device=device)
+        logit_row = torch.zeros(1, dtype=torch.long, device=device)
+
+        def target():
+            hidden = decode_hidden(self.model, self.cache, inputs, tables)
+            return self.model.compute_logits(hidden, logit_row), hidden
+
+        self._warm(target)
+        graph, (logits, hidden), collectives = self._record(target)
+        self.chunks[tokens] = CapturedStep(1, graph, inputs, tables, logits, hidden, collectives, None, logit_row)
+
+    def _warm(self, run) -> None:
+        """Run `run` once eagerly on a side stream before capturing it: compiles its kernels, sets up the
+        communicators."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad():
-            with torch.cuda.stream(side):  # warm-up: compiles kernels, sets up communicators
-                _, hidden = target()
-                if k:
-                    drafter(hidden)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with count_collectives() as collectives, torch.cuda.graph(graph, pool=self._pool):
-                logits, hidden = target()
-            self._pool = graph.pool()
-            draft = None
-            if k:
-                draft_graph = torch.cuda.CUDAGraph()
-                with count_collectives() as draft_collectives, torch.cuda.graph(draft_graph, pool=self._pool):
-                    drafts = drafter(hidden)
-                draft = CapturedDraft(draft_graph, draft_inputs, drafts, draft_collectives)
-                self.captures += 1
-        self.steps[size] = CapturedStep(size, graph, inputs, tables, logits, hidden, collectives, draft)
+        with torch.no_grad(), torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+
+    def _record(self, run) -> tuple[torch.cuda.CUDAGraph, object, CommStats]:
+        """Capture `run` into the memory pool all graphs share (one replays at a time) -> (the graph, what `run`
+        returned: its tensors are the graph's outputs, the collectives of one replay)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), count_collectives() as collectives, torch.cuda.graph(graph, pool=self._pool):
+            out = run()
+        self._pool = graph.pool()
         self.captures += 1
+        return graph, out, collectives
 
     def step(self, ids: list[list[int]], locations: list, starts: list[int], stats: CommStats) -> torch.Tensor:
         """One decode step for `len(ids)` sequences, each feeding its T tokens `ids[i]` from position `starts[i]`
@@ -288,6 +351,30 @@ class DecodeGraphs:
         stats.add(captured.collectives)
         self.replayed = captured
         return captured.logits[: count * per_seq]
+
+    def chunk(self, tokens: list[int], table: list[int], start: int, stats: CommStats) -> torch.Tensor:
+        """One prompt step of one sequence feeding `tokens` from position `start` into the blocks `table` ->
+        the logits `[1, V]` of its last token (a view of the graph's output, valid until the next step;
+        `replayed.hidden[: len(tokens)]` is the chunk's hidden). Adds the replayed collectives to `stats`."""
+        n = len(tokens)
+        if not self.fits_chunk([n]):
+            raise ValueError(
+                f"a prompt chunk of {n} tokens; chunk graphs were captured for 1 .. {max(self.chunks, default=0)}"
+            )
+        if len(table) > self.width:
+            raise ValueError(
+                f"a block table of {len(table)} blocks in a prompt step; graphs were captured for {self.width} "
+                f"(max_model_len)"
+            )
+        size = min(c for c in self.chunks if c >= n)
+        captured = self.chunks[size]
+        captured.block_tables[0, : len(table)].copy_(torch.tensor(table, dtype=torch.int32))
+        captured.inputs.copy_(torch.tensor(chunk_rows(tokens, start, size, 0, 1)))  # row 1: all scratch
+        captured.logit_row.fill_(n - 1)
+        captured.graph.replay()
+        stats.add(captured.collectives)
+        self.replayed = captured
+        return captured.logits
 
     def draft(
         self, next_ids: list[list[int]], last: list[int], starts: list[int | None], locations: list, stats: CommStats

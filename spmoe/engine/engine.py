@@ -121,7 +121,8 @@ class Engine:
         most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot);
         `enable_prefix_caching`: a paged cache keeps full blocks for later requests with the same prefix;
         `grammars`: compiles the grammars of structured-output requests (None: such requests are refused). With
-        `cuda_graphs` every decode graph is captured here (`log(line)`: a progress line for each)."""
+        `cuda_graphs` every graph (decode steps, prompt chunks) is captured here (`log(line)`: a progress line
+        for each)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and not model.num_draft_layers:
@@ -148,6 +149,7 @@ class Engine:
             cuda_graphs,
             keep_in_step,
             room.max_tokens_per_sequence,
+            max_num_batched_tokens,
             log,
         )
         self._ready_count: int | None = None  # compiles + captures when the engine was marked warm

@@ -1,8 +1,9 @@
 """One step on the model: `run(batch) -> StepResult`.
 
 1. One target forward over every scheduled sequence's tokens, laid end to end: run eagerly or, for a decode
-   step (one token per sequence, or with speculation its token and its k drafts), replayed from a CUDA graph
-   (`cuda_graphs.py`); the logits of the rows the step commits from.
+   step (one token per sequence, or with speculation its token and its k drafts) and for a step of one
+   sequence's short prompt chunk, replayed from a CUDA graph (`cuda_graphs.py`); the logits of the rows the
+   step commits from.
 2. The choice: every row the step commits from goes through the batched `Sampler` at once (each row with
    its request's settings); a sequence takes the token of its last row, or, when it fed drafts, the drafts
    the target keeps and the target's next draw, by the lossless rule of `rejection.py` (each row's draw is
@@ -16,7 +17,7 @@
    after the drafts before it), for the whole batch at once.
 3. When speculating, the MTP drafter catches up on the fed positions and proposes each sequence's next
    drafts (`speculative.py`; a sequence with a grammar among the tokens its grammar allows). After a replayed
-   target step the drafter's graph of the same batch size runs, unless a sequence has a grammar: the eager
+   decode step the drafter's graph of the same batch size runs, unless a sequence has a grammar: the eager
    drafter then masks each draft step (from the graph's hidden states). Under DP every rank runs the draft
    step, even an empty one.
 
@@ -29,7 +30,7 @@ from itertools import accumulate
 import torch
 
 from spmoe.distributed import CommStats
-from spmoe.engine.cuda_graphs import DecodeGraphs, graph_sizes
+from spmoe.engine.cuda_graphs import CapturedStep, DecodeGraphs
 from spmoe.engine.grammar import DraftGrammars, apply_bitmask, fill_bitmask
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
@@ -55,24 +56,28 @@ class ModelRunner:
         cuda_graphs: bool = False,
         keep_in_step: bool = False,
         max_model_len: int | None = None,
+        max_num_batched_tokens: int = 0,
         log=None,
     ):
         """`stats`: where the forwards are counted; `sampler`: the sequences' sampling rows (the scheduler
         takes and frees them); `keep_in_step`: run the draft step even with nothing to
         draft (under DP, where every rank runs every step); `max_model_len`: the most positions a sequence
-        takes (the width of the graphs' block tables); `log(line)`: progress while capturing graphs."""
+        takes (the width of the graphs' block tables); `max_num_batched_tokens`: the step's token budget (the
+        largest prompt-chunk graph); `log(line)`: progress while capturing graphs."""
         self.model, self.cache, self.stats, self.keep_in_step = model, cache, stats, keep_in_step
         self.sampler = sampler
         on_capture = None
         if log is not None:
-            sizes = graph_sizes(max_num_seqs)
-            on_capture = lambda size: log(  # noqa: E731
-                f"warming up: capturing the decode step's CUDA graph for batch {size} "
-                f"({len(sizes) - sorted(sizes).index(size)}/{len(sizes)})"
-            )
+
+            def on_capture(kind: str, size: int, index: int, count: int) -> None:
+                step = f"the decode step for batch {size}" if kind == "decode" else f"a prompt chunk of {size} tokens"
+                log(f"warming up: capturing the CUDA graph of {step} ({index}/{count})")
+
         self.graphs = None
         if cuda_graphs:
-            self.graphs = DecodeGraphs(model, cache, max_num_seqs, max_model_len, on_capture, num_speculative_tokens)
+            self.graphs = DecodeGraphs(
+                model, cache, max_num_seqs, max_model_len, on_capture, num_speculative_tokens, max_num_batched_tokens
+            )
         self.drafter = MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None
 
     @torch.no_grad()
@@ -80,6 +85,7 @@ class ModelRunner:
         phase = self.stats.target_phase(batch)
         with phase.measure():
             logits, hidden, replayed = self.forward(batch, phase.collectives)
+            phase.replays += replayed is not None
             result = self.choose(batch, logits)
             if any(s.wants_prompt_logprobs for s in batch.seqs):
                 result.prompt_logprobs = self.prompt_logprobs(batch, hidden)
@@ -90,15 +96,20 @@ class ModelRunner:
             result.drafts = self.draft(batch, result, hidden, replayed)
         return result
 
-    def forward(self, batch: ScheduledBatch, collectives: CommStats) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def forward(
+        self, batch: ScheduledBatch, collectives: CommStats
+    ) -> tuple[torch.Tensor, torch.Tensor, CapturedStep | None]:
         """The target forward -> (logits `[R, V]` float32 of the R rows the step commits from: the last
         1 + drafts rows of each sequence that samples, the FULL post-norm hidden of the N fed tokens (`[N, H]`;
-        a replayed graph's has pad rows after them), whether a CUDA graph ran). No sequences: an empty forward
-        (a DP rank that must keep in step). Replayed collectives are added to `collectives`."""
-        tokens = batch.tokens()
-        if self.graphs is not None and batch.decode and self.graphs.fits(batch.num_tokens):
-            logits = self.graphs.step(tokens, batch.locations, batch.starts, collectives)
-            return logits, self.graphs.replayed.hidden, True
+        a replayed graph's has pad rows after them), the CUDA graph that ran or None). No sequences: an empty
+        forward (a DP rank that must keep in step). Replayed collectives are added to `collectives`."""
+        tokens, graphs = batch.tokens(), self.graphs
+        if graphs is not None and batch.decode and graphs.fits(batch.num_tokens):
+            logits = graphs.step(tokens, batch.locations, batch.starts, collectives)
+            return logits, graphs.replayed.hidden, graphs.replayed
+        if graphs is not None and not batch.decode and graphs.fits_chunk(batch.num_tokens):
+            logits = graphs.chunk(tokens[0], batch.locations[0], batch.starts[0], collectives)
+            return logits[: 1 if batch.samples[0] else 0], graphs.replayed.hidden, graphs.replayed
         lens = [len(t) for t in tokens]
         view = self.cache.view(batch.locations, batch.starts, lens)
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=view.positions.device)
@@ -108,7 +119,7 @@ class ModelRunner:
         return (
             self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long, device=hidden.device)),
             hidden,
-            False,
+            None,
         )
 
     def choose(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
@@ -199,14 +210,16 @@ class ModelRunner:
             fed += n
         return out
 
-    def draft(self, batch: ScheduledBatch, result: StepResult, hidden: torch.Tensor, replayed: bool) -> list[list[int]]:
+    def draft(
+        self, batch: ScheduledBatch, result: StepResult, hidden: torch.Tensor, replayed: CapturedStep | None
+    ) -> list[list[int]]:
         """The MTP layer catches up on every position the target fed and kept: a prompt chunk before the last
         only fills its cache rows; a sequence that committed tokens and goes on gets its next drafts; one that
         ends in the step its forks took its prompt's blocks fills the rows of its prompt (but the last token's).
-        `hidden`, `replayed`: the target's (`forward`); after a replayed target step the drafter's graph
+        `hidden`, `replayed`: the target's (`forward`); after a replayed decode step the drafter's graph
         follows, unless a sequence has a grammar (the eager drafter masks each draft step by the grammars).
         -> the drafts per scheduled sequence ([] for the others; a fork gets its first drafts after it fed)."""
-        if replayed and all(seq.grammar is None for seq in batch.seqs):
+        if replayed is not None and replayed.draft is not None and all(seq.grammar is None for seq in batch.seqs):
             return self.draft_replayed(batch, result)
         to_draft, fed = [], 0  # (its index, first fed position, the token after each, the target's hidden there)
         sources = {source for _, source in batch.forks}

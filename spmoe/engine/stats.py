@@ -18,6 +18,7 @@ PHASES = ("prefill", "decode", "draft")
 @dataclass
 class Phase:
     forwards: int = 0
+    replays: int = 0  # forwards replayed from a CUDA graph
     tokens_fed: int = 0
     tokens_committed: int = 0
     seconds: float = 0.0
@@ -34,6 +35,7 @@ class Phase:
     def as_dict(self) -> dict:
         return {
             "forwards": self.forwards,
+            "replays": self.replays,
             "tokens_fed": self.tokens_fed,
             "tokens_committed": self.tokens_committed,
             "seconds": self.seconds,

@@ -1,6 +1,7 @@
 """The engine over the paged cache on one GPU, bfloat16 with the Triton kernels: decode steps replayed from CUDA
 graphs (one per batch size, captured when the engine is built, block tables padded to max_model_len) generate
-what the eager paged engine does, and what the dense reference engine does, for contexts below and above
+what the eager paged engine does (and so does the next turn of a conversation, whose uncached tokens one
+chunk graph computes), and what the dense reference engine does, for contexts below and above
 index_topk over 1 to 5 blocks of the 8 a table holds, prompts chunked by a small token budget; nothing is
 captured after the engine is warm. n = 4 choices of one prompt fork from the first and get what each gets
 alone."""
@@ -28,6 +29,7 @@ def engines(folder: str) -> dict:
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1), torch.bfloat16, "cuda")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, CONFIG["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    turn = prompts[2] + torch.randint(0, CONFIG["vocab_size"], (40,), generator=gen).tolist()  # its next turn
     out = {}
     for name, cache, graphs in (
         ("dense", KVCache.for_model(model, 4, 340), False),
@@ -47,6 +49,11 @@ def engines(folder: str) -> dict:
         out[name, "kernel compiles"] = m.kernel_compiles
         out[name, "log"] = lines
         out[name, "width"] = engine.runner.graphs.width if graphs else None
+        if name != "dense":  # the next turn of prompt 2: its full blocks cached, 62 tokens to compute
+            hits = engine.metrics().prefix_cache_hits
+            second = engine.generate([turn], 16, record_logits=True)
+            replays = second.stats["phases"]["prefill"]["replays"]
+            out[name, "turn"] = (second.outputs, second.logits[0], replays, engine.metrics().prefix_cache_hits - hits)
         if graphs:
             out["choices"] = choices_and_alone(engine, prompts[2])
     return out
@@ -84,14 +91,24 @@ def test_paged_engine_graphs(tmp_path):
     assert graphed[0] == eager[0]
     assert graphed[2] == [1, 2, 4] and got["paged_graphs", "width"] == 8  # 512 positions
     captures, after_ready, _, _ = got["paged_graphs", "counts"]
-    assert captures == 3, "one graph per batch size, none while generating"
-    capture_lines = [line for line in got["paged_graphs", "log"] if "capturing" in line]
-    assert [line.split("batch ")[1].split(" ")[0] for line in capture_lines] == ["4", "2", "1"], capture_lines
+    assert captures == 7, "one graph per batch size and per chunk size, none while generating"
+    capture_lines = [line.split("graph of ")[1] for line in got["paged_graphs", "log"] if "capturing" in line]
+    steps = [f"the decode step for batch {b}" for b in (4, 2, 1)]
+    steps += [f"a prompt chunk of {n} tokens" for n in (128, 64, 32, 16)]
+    assert capture_lines == [f"{step} ({i}/7)" for i, step in enumerate(steps, 1)], capture_lines
     assert got["dense", "kernel compiles"] > 0  # Triton's hook counts what the first engine compiled
     print("compiles or captures after ready:", after_ready)
     assert ((graphed[1] - eager[1]).abs().max() / eager[1].abs().max()).item() < 2e-2
     agree = sum(a == b for p, d in zip(eager[0], dense[0]) for a, b in zip(p, d)) / sum(map(len, dense[0]))
     assert agree >= 0.9, agree  # bf16: dense and sparse attention round differently
+
+    # the next turn: its 62 new tokens in one chunk graph of 64 (eagerly without graphs), the same tokens
+    (eager_turn, eager_logits, eager_replays, eager_hits), (turn, logits, replays, hits) = (
+        got["paged", "turn"], got["paged_graphs", "turn"]
+    )  # fmt: skip
+    assert hits == eager_hits == 128 and (replays, eager_replays) == (1, 0), (hits, eager_hits, replays)
+    assert turn == eager_turn
+    assert ((logits - eager_logits).abs().max() / eager_logits.abs().max()).item() < 2e-2
 
     # n = 4 on CUDA with graphs: the choices fork (one prompt lookup), each draws its first token from the
     # prompt's last row as it does alone; later rows come from the shared blocks and a recomputed last block,
@@ -169,7 +186,7 @@ def test_speculative_decode_in_graphs(tmp_path):
     same = sum(a == b for p, q in zip(eager[2], graphed[2]) for a, b in zip(p, q)) / sum(map(len, eager[2]))
     assert same >= 0.9, same
     captures, _ = got["graphs", "counts"]
-    assert captures == 6, "a target and a drafter graph per batch size (1, 2, 4), none while generating"
+    assert captures == 10, "a target and a drafter graph per batch size (1, 2, 4), a chunk graph per chunk size"
     for spec in got["graphs", "speculative"]:
         assert spec["verify_steps"] > 0
     assert got["replay logit error"] < 1e-3, got["replay logit error"]
