@@ -2,11 +2,16 @@
 greedy against every row with logprobs=5 and presence / frequency / repetition penalties (greedy or sampled),
 against temperature sampling with top_p. Run on the GPU to see what the processors cost per decode step:
 
-    python benchmarks/bench_sampler.py --device cuda --batch 1 16 64 --vocab 154880
+    python benchmarks/bench_sampler.py --device cuda --batch 1 16 64 256 --vocab 154880
+
+A second table sets the two ways of finding the top_k / top_p threshold side by side, for top_p 0.95 and for
+top_k 50 + top_p 0.95: the full sort (`top_k_top_p_threshold_by_sort`) against the Triton kernel
+(`top_k_top_p_triton`), alone ("threshold") and inside a whole `sample()` call (`spmoe.layers.fused.ENABLED`
+off: the sort; on: the kernel), with the sort's time over the kernel's.
 
 The logits are Gaussian times `--logit-scale`: at the default scale 5, top_p 0.95 keeps tens to hundreds of
 GLM-5.2's 154880 tokens (a trained model's next-token distribution is that peaked or more); at scale 1 it
-keeps about 115000. (The sampler sorts every row in full either way; this tells a faster top_p apart.)
+keeps about 115000 (the kernel's search then narrows a dense crossing: its slowest case).
 """
 
 import argparse
@@ -14,7 +19,9 @@ import argparse
 import torch
 from timing import cuda_ms
 
+from spmoe.engine.logits_processors import top_k_top_p_threshold_by_sort
 from spmoe.engine.sampling import Sampler, SamplingParams
+from spmoe.layers import fused
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, logprobs=5)
 SETTINGS = {
@@ -23,13 +30,50 @@ SETTINGS = {
     "sampled, top_p 0.95": SamplingParams(1.0, top_p=0.95),
     "sampled, top_p 0.95 + logprobs + penalties": SamplingParams(1.0, top_p=0.95, **PENALTIES),
 }
+TRUNCATIONS = {
+    "top_p 0.95": SamplingParams(1.0, top_p=0.95),
+    "top_k 50 + top_p 0.95": SamplingParams(1.0, top_k=50, top_p=0.95),
+}
+
+
+def sample_ms(params: SamplingParams, logits: torch.Tensor, reps: int) -> float:
+    """Median ms of one `Sampler.sample` call with every row of `logits` `[m, V]` on `params`."""
+    batch, vocab = logits.shape
+    sampler = Sampler(batch, vocab, logits.device)
+    rows = [sampler.add(params, list(range(100)), output=list(range(50, 80))) for _ in range(batch)]
+    return cuda_ms(lambda: sampler.sample(logits, rows, [30] * batch), reps, warmup=2)
+
+
+def compare_truncations(args) -> None:
+    """The sort and the kernel side by side: threshold alone and whole sample() calls, ms per call."""
+    from spmoe.engine.top_k_top_p_triton import top_k_top_p_threshold
+
+    print(f"top_k / top_p threshold, sort vs Triton kernel: ms per call, vocab {args.vocab}")
+    columns = ("setting", 22), ("batch", 6), ("threshold sort", 15), ("kernel", 8), ("x", 6), ("sample() sort", 14)
+    print(" ".join(f"{name:>{width}}" for name, width in columns + (("kernel", 8), ("x", 6))))
+    for name, params in TRUNCATIONS.items():
+        for batch in args.batch:
+            logits = torch.randn(batch, args.vocab, device=args.device) * args.logit_scale
+            top_k = torch.full((batch,), params.top_k, dtype=torch.int64, device=args.device)
+            top_p = torch.full((batch,), params.top_p, device=args.device)
+            sort = cuda_ms(lambda: top_k_top_p_threshold_by_sort(logits, top_k, top_p), args.reps, warmup=2)
+            kernel = cuda_ms(lambda: top_k_top_p_threshold(logits, top_k, top_p), args.reps, warmup=2)
+            fused.ENABLED = False
+            sort_sample = sample_ms(params, logits, args.reps)
+            fused.ENABLED = True
+            kernel_sample = sample_ms(params, logits, args.reps)
+            print(
+                f"{name:>22} {batch:>6} {sort:>15.3f} {kernel:>8.3f} {sort / kernel:>5.1f}x {sort_sample:>14.3f} "
+                f"{kernel_sample:>8.3f} {sort_sample / kernel_sample:>5.1f}x",
+                flush=True,
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--vocab", type=int, default=154880, help="GLM-5.2's vocabulary by default")
     parser.add_argument("--logit-scale", type=float, default=5.0, help="logits = Gaussian x this")
     args = parser.parse_args()
@@ -39,12 +83,9 @@ def main() -> None:
     print(f"{'batch':>6}  " + "".join(f"{name:>46}" for name in SETTINGS))
     for batch in args.batch:
         logits = torch.randn(batch, args.vocab, device=args.device) * args.logit_scale
-        times = []
-        for params in SETTINGS.values():
-            sampler = Sampler(batch, args.vocab, args.device)
-            rows = [sampler.add(params, list(range(100)), output=list(range(50, 80))) for _ in range(batch)]
-            times.append(cuda_ms(lambda: sampler.sample(logits, rows, [30] * batch), args.reps, warmup=2))
+        times = [sample_ms(params, logits, args.reps) for params in SETTINGS.values()]
         print(f"{batch:>6}  " + "".join(f"{t:>46.3f}" for t in times), flush=True)
+    compare_truncations(args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ The order `Sampler` applies them in, and why (a grammar's mask comes before all 
 
 import torch
 
+from spmoe.layers.fused import use_fused
+
 NEG_INF = float("-inf")
 
 
@@ -75,13 +77,30 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits `[m, V]`; top_k `[m]` int64 (0: off); top_p `[m]` in (0, 1] (1: off). One sort serves both.
+    """logits `[m, V]`; top_k `[m]` int64 (0: off); top_p `[m]` in (0, 1] (1: off).
 
-    - top_k keeps the tokens whose logit is at least the k-th largest (ties at the k-th value all stay);
+    - top_k keeps the tokens whose logit is at least the k-th largest (ties at the k-th value all stay; k >= V
+      keeps all);
     - top_p then keeps, of the distribution that top_k left (renormalised), the smallest set of most likely
       tokens whose mass reaches top_p, the token that crosses top_p included, and every token tied with it
-      (whatever order the sort put ties in).
-    Everything else gets -inf."""
+      (whatever order a sort would put ties in); top_p 1 keeps all.
+    Everything else gets -inf. What is kept is every token at or above one threshold per row: the logit of the
+    last token kept. On CUDA with triton it comes from one Triton kernel, a bisection that sums the mass in
+    float64 (`top_k_top_p_triton`); elsewhere from a full sort, whose mass is a float32 cumulative sum
+    (`top_k_top_p_threshold_by_sort`, the reference). Where the mass above the crossing token lies within float32
+    rounding of top_p, the two may keep one group of equal tokens more or less; elsewhere they keep the same."""
+    if use_fused(logits):
+        from spmoe.engine.top_k_top_p_triton import top_k_top_p_threshold
+
+        threshold = top_k_top_p_threshold(logits, top_k, top_p)
+    else:
+        threshold = top_k_top_p_threshold_by_sort(logits, top_k, top_p)
+    return logits.masked_fill_(logits < threshold, NEG_INF)
+
+
+def top_k_top_p_threshold_by_sort(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`apply_top_k_top_p`'s threshold from one full sort of every row (the arguments as there) -> `[m, 1]`: the
+    logit of the last token each row keeps."""
     vocab = logits.shape[-1]
     sorted_logits = logits.sort(dim=-1, descending=True).values
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
@@ -91,5 +110,4 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     before = probs.cumsum(-1) - probs  # the mass of the more likely tokens
     drop_sorted = (before >= top_p[:, None]) & (top_p < 1)[:, None]  # top_p 1: keep all (no rounding losses)
     drop_sorted |= sorted_logits == NEG_INF
-    last_kept = sorted_logits.gather(1, ((~drop_sorted).sum(-1, keepdim=True) - 1).clamp(min=0))
-    return logits.masked_fill_(logits < last_kept, NEG_INF)
+    return sorted_logits.gather(1, ((~drop_sorted).sum(-1, keepdim=True) - 1).clamp(min=0))

@@ -87,8 +87,8 @@ def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
         vocab = engine.model.cfg.vocab_size
 
         def request(i: int, n: int, max_new_tokens: int) -> Request:
-            sampled = i % 2  # greedy and sampled requests, with speculation too
-            sampling = SamplingParams(temperature=1.0, seed=i) if sampled else SamplingParams()
+            sampled = i % 2  # greedy and sampled requests (top_p: its Triton kernel), with speculation too
+            sampling = SamplingParams(temperature=1.0, top_p=0.95, seed=i) if sampled else SamplingParams()
             prompt = [(7 * i + 3 * j + 1) % vocab for j in range(n)]
             return Request(f"warmup-{i}", prompt, max_new_tokens, sampling)
 
