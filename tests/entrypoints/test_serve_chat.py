@@ -265,3 +265,42 @@ def test_completions_take_structured_output(tokenizer):
     client.completions.create(model="glm", prompt="Q", max_tokens=4, extra_body={"guided_choice": ["yes", "no"]})
     assert engine.requests[-1].grammar == GrammarSpec("choice", '["yes", "no"]')
     assert engine.requests[-1].grammar_start_after == ()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stream_sends_no_empty_delta_and_loses_no_logprobs(tokenizer, n):
+    """While the parsers hold text back (a `</think>` or a tool call coming a byte at a time) no chunk goes out;
+    the held tokens' logprobs go with the next chunk that has text. Only the role chunk, the finish_reason chunk
+    and the usage chunk may carry no text."""
+    engine = AgentEngine(tokenizer)
+    client = _client(engine, tokenizer, GLM)
+    chunks = list(
+        client.chat.completions.create(
+            model="glm",
+            messages=[USER],
+            tools=[TOOL],
+            n=n,
+            stream=True,
+            logprobs=True,
+            top_logprobs=2,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == n * len(
+        engine.script
+    )
+    for index in range(n):
+        mine = [c.choices[0] for c in chunks[1:-1] if c.choices[0].index == index]
+        assert mine and mine[-1].finish_reason == "tool_calls"
+        for choice in mine[:-1]:
+            delta = choice.delta
+            assert choice.finish_reason is None
+            assert delta.content or delta.tool_calls or (delta.model_extra or {}).get("reasoning_content"), choice
+        logprobs = [entry for choice in mine for entry in choice.logprobs.content]
+        generated = engine.script  # the text's bytes, then the eos id
+        assert [bytes(entry.bytes) for entry in logprobs] == [bytes([t]) for t in generated[:-1]] + [b"<|end|>"]
+        assert [entry.logprob for entry in logprobs] == [-t / 100 for t in generated]
+        assert [[top.logprob for top in entry.top_logprobs] for entry in logprobs] == [
+            [-t / 100, -7.0] for t in generated
+        ]
+        assert len(mine) < len(generated)  # a token a step, some held back: their logprobs came later

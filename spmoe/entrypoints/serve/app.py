@@ -656,6 +656,7 @@ class Render:
         self.parsers = parsers
         self.token_ids = token_ids  # name tokens by id (`return_tokens_as_token_ids`)
         self.offsets = [0] * len(choices)  # completions' text_offset so far, per choice
+        self.held: list[tuple[list[int], list]] = [([], [])] * len(choices)  # per choice: tokens not sent yet
 
     def whole(self, i: int, pieces: list[Piece]) -> dict:
         merged = Piece(
@@ -666,7 +667,9 @@ class Render:
         )
         return self.choice(i, merged, first=True, stream=False)
 
-    def choice(self, i: int, piece: Piece, first: bool, stream: bool) -> dict:
+    def choice(self, i: int, piece: Piece, first: bool, stream: bool) -> dict | None:
+        """The choice of a whole response, or of a stream chunk; None for a chunk that would carry nothing (a
+        chat parser holds its text back, no finish_reason): its tokens' logprobs go with the next chunk."""
         choice, generation = self.choices[i], self.generations[i]
         text, ids, logprobs = piece.text, list(piece.token_ids), list(piece.logprobs)
         if first and choice.prompt_text is not None:
@@ -683,6 +686,13 @@ class Render:
                 "finish_reason": piece.finish_reason,
             }
         body = self.parsers[i](text, piece.finish_reason, stream)
+        if stream:
+            held_ids, held_logprobs = self.held[i]
+            ids, logprobs = held_ids + ids, held_logprobs + logprobs
+            if not body["delta"] and body["finish_reason"] is None:
+                self.held[i] = ids, logprobs
+                return None
+            self.held[i] = [], []
         body["index"] = choice.index
         body["logprobs"] = {"content": self._chat_logprobs(ids, logprobs)} if wanted else None
         return body
@@ -773,8 +783,9 @@ async def _merged(pieces, firsts, label: str):
 
 async def _events(streams: AsyncExitStack, pieces, firsts, render: Render, head, body: SamplingFields, prompt_tokens):
     """Server-sent events: chunks from every choice as they come (chat: first a chunk with the role per
-    choice), the usage chunk if asked (with `continuous_usage_stats`, usage so far in every chunk), then
-    `[DONE]`. An error after the stream started comes as a chunk with an `error` object."""
+    choice; later no chunk with an empty delta but the one with the finish_reason), the usage chunk if asked
+    (with `continuous_usage_stats`, usage so far in every chunk), then `[DONE]`. An error after the stream
+    started comes as a chunk with an `error` object."""
     chunk_kind = render.kind + ".chunk" if render.kind == "chat.completion" else render.kind
     generations = render.generations
 
@@ -795,7 +806,9 @@ async def _events(streams: AsyncExitStack, pieces, firsts, render: Render, head,
                 if isinstance(piece, ApiError):
                     yield f"data: {json.dumps(piece.body())}\n\n"
                     break
-                yield event([render.choice(i, piece, first, stream=True)])
+                choice = render.choice(i, piece, first, stream=True)
+                if choice is not None:
+                    yield event([choice])
                 open_choices -= piece.finish_reason is not None
         if not open_choices and body.include_usage:
             total = usage(prompt_tokens, sum(g.completion_tokens for g in generations))
