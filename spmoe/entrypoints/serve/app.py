@@ -57,7 +57,7 @@ from spmoe.entrypoints.serve.protocol import (
     parse,
 )
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration, usage
-from spmoe.entrypoints.serve.tokenizer import chat_prompt_text, eos_token_ids, longest_token_bytes
+from spmoe.entrypoints.serve.tokenizer import TokenTexts, chat_prompt_text, eos_token_ids, longest_token_bytes
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
@@ -199,6 +199,7 @@ class OpenAIApi:
         self.max_request_bytes = max_request_bytes
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.token_bytes = longest_token_bytes(tokenizer)
+        self.token_texts = TokenTexts(tokenizer)  # how logprobs name tokens
         self.max_prompt_bytes = client.max_model_len * self.token_bytes  # more cannot fit (see _check_text_size)
         self.metrics = ServeMetrics(client, self.model_name)
         self.created = int(time.time())
@@ -557,7 +558,7 @@ class OpenAIApi:
             raise failed
         prompt_tokens = sum(len(c.prompt) for c in choices if c.index % body.n == 0)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        render = Render(self.tokenizer, kind, choices, generations, parsers, body.return_tokens_as_token_ids)
+        render = Render(self.token_texts, kind, choices, generations, parsers, body.return_tokens_as_token_ids)
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:  # a client that goes away cancels the stream, which aborts the requests
             events = _events(streams, pieces, firsts, render, head, body, prompt_tokens)
@@ -645,14 +646,14 @@ class Render:
 
     def __init__(
         self,
-        tokenizer,
+        token_texts: TokenTexts,
         kind: str,
         choices: list[Choice],
         generations: list[TextGeneration],
         parsers: list | None,
         token_ids: bool = False,
     ):
-        self.tokenizer, self.kind, self.choices, self.generations = tokenizer, kind, choices, generations
+        self.token_texts, self.kind, self.choices, self.generations = token_texts, kind, choices, generations
         self.parsers = parsers
         self.token_ids = token_ids  # name tokens by id (`return_tokens_as_token_ids`)
         self.offsets = [0] * len(choices)  # completions' text_offset so far, per choice
@@ -701,11 +702,14 @@ class Render:
         delta = {"role": "assistant", "content": ""}
         return {"index": self.choices[i].index, "delta": delta, "logprobs": None, "finish_reason": None}
 
-    def _token(self, token_id: int) -> str:
-        return f"token_id:{token_id}" if self.token_ids else self.tokenizer.decode([token_id])
+    def _names(self, ids: list[int], logprobs: list) -> dict[int, str]:
+        """Every token of `ids` and of their top logprobs -> how logprobs name it, decoded together."""
+        every = list(dict.fromkeys([*ids, *(t for lp in logprobs if lp is not None for t, _ in lp[1])]))
+        return dict(zip(every, [f"token_id:{t}" for t in every] if self.token_ids else self.token_texts(every)))
 
     def _completion_logprobs(self, i: int, ids: list[int], logprobs: list) -> dict:
-        tokens = [self._token(t) for t in ids]
+        names = self._names(ids, logprobs)
+        tokens = [names[t] for t in ids]
         offsets = []
         for token in tokens:
             offsets.append(self.offsets[i])
@@ -713,13 +717,15 @@ class Render:
         return {
             "tokens": tokens,
             "token_logprobs": [None if lp is None else lp[0] for lp in logprobs],
-            "top_logprobs": [None if lp is None else {self._token(t): v for t, v in lp[1]} for lp in logprobs],
+            "top_logprobs": [None if lp is None else {names[t]: v for t, v in lp[1]} for lp in logprobs],
             "text_offset": offsets,
         }
 
     def _chat_logprobs(self, ids: list[int], logprobs: list) -> list[dict]:
+        names = self._names(ids, logprobs)
+
         def entry(token_id: int, value: float) -> dict:
-            token = self._token(token_id)
+            token = names[token_id]
             return {"token": token, "logprob": value, "bytes": list(token.encode())}
 
         return [{**entry(t, lp[0]), "top_logprobs": [entry(tt, v) for tt, v in lp[1]]} for t, lp in zip(ids, logprobs)]
