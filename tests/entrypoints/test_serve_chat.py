@@ -140,17 +140,25 @@ class Weather(pydantic.BaseModel):
     days: int
 
 
-def test_client_helpers(tokenizer):
+def test_client_helpers(tokenizer, monkeypatch):
     """`parse()` with a pydantic response_format, and `stream()` with a strict pydantic tool, read the replies;
-    the request carries the grammar, to start after the reasoning."""
+    the request carries the grammar, to start after the reasoning, whose end tag the server encoded once."""
     engine = AgentEngine(tokenizer)
     client = _client(engine, tokenizer, GLM)
+    encoded, encode = [], tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(text) or encode(text, **kw))
     engine.reply = 'Thinking.</think>{"city": "Oslo", "days": 3}'
-    parsed = client.chat.completions.parse(model="glm", messages=[USER], response_format=Weather)
-    assert parsed.choices[0].message.parsed == Weather(city="Oslo", days=3)
-    request = engine.requests[-1]
-    assert request.grammar.kind == "json_schema" and json.loads(request.grammar.text)["required"] == ["city", "days"]
-    assert request.grammar_start_after == tuple(tokenizer.encode("</think>"))
+    for _ in range(2):
+        parsed = client.chat.completions.parse(model="glm", messages=[USER], response_format=Weather)
+        assert parsed.choices[0].message.parsed == Weather(city="Oslo", days=3)
+        request = engine.requests[-1]
+        assert request.grammar.kind == "json_schema" and json.loads(request.grammar.text)["required"] == [
+            "city",
+            "days",
+        ]
+        assert request.grammar_start_after == tuple(encode("</think>"))
+    assert encoded and "</think>" not in encoded  # the prompts and replies went through it, never the tag
+    monkeypatch.undo()
 
     engine.reply = CALL
     tool = openai.pydantic_function_tool(Weather, name="get_weather")

@@ -42,7 +42,13 @@ from spmoe.engine.grammar import GrammarSpec
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
-from spmoe.entrypoints.serve.chat import ChatChoices, ChatOptions, effective_tool_choice, reasoning_end_ids
+from spmoe.entrypoints.serve.chat import (
+    ChatChoices,
+    ChatOptions,
+    effective_tool_choice,
+    grammar_start_after,
+    reasoning_end_ids,
+)
 from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.constraints import STRUCTURED_OUTPUT_FIELDS, grammar_for_request
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -196,6 +202,7 @@ class OpenAIApi:
         self.defaults, self.content_format = settings.defaults, settings.chat_template_content_format
         self.seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
         self.chat = settings.chat
+        self.reasoning_end_ids = reasoning_end_ids(settings.chat, tokenizer)  # where a chat grammar may start
         self.max_request_bytes = max_request_bytes
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.token_bytes = longest_token_bytes(tokenizer)
@@ -342,7 +349,7 @@ class OpenAIApi:
         max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, self.defaults.values.get("max_tokens"))
         tool_fields = {"tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls}
         grammar = await self._grammar(body, tool_fields, tools)
-        start_after = reasoning_end_ids(self.chat, body.chat_template_kwargs, self.tokenizer) if grammar else ()
+        start_after = grammar_start_after(self.reasoning_end_ids, body.chat_template_kwargs) if grammar else ()
         logprobs, seed = (body.top_logprobs or 0) if body.logprobs else None, self._seed(body)
         choices = [
             Choice(i, prompt, None, max_new, self._sampling(body, seed, i, logprobs, None, max_new))
