@@ -27,13 +27,6 @@ from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer, TokenTexts
 REPLY = "Grüße, wörld € 🙂 and more"  # 2-, 3- and 4-byte characters: split over byte tokens
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tokenizer")
-    write_demo_tokenizer(folder)
-    return load_tokenizer(folder)
-
-
 def test_load_tokenizer_without_one_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="has no tokenizer: expected tokenizer.json"):
         load_tokenizer(tmp_path)

@@ -52,16 +52,6 @@ class AgentEngine(ScriptedEngineClient):
             yield out
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from spmoe.entrypoints.demo import write_demo_tokenizer
-    from spmoe.entrypoints.serve.tokenizer import load_tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    write_demo_tokenizer(folder)
-    return load_tokenizer(folder)
-
-
 def _client(engine, tokenizer, options: ChatOptions) -> openai.OpenAI:
     http = TestClient(build_app(engine, tokenizer, ApiSettings(["glm"], chat=options)), raise_server_exceptions=False)
     return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
