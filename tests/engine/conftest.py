@@ -1,5 +1,8 @@
 """A tiny deterministic checkpoint with an MTP layer, written by spmoe itself (dims divide by TP 1, 2 and 3;
-12 experts divide by EP 1 to 4)."""
+12 experts divide by EP 1 to 4), and what several engine tests share: the log-softmax and relative-error
+references, n choices against each alone."""
+
+import math
 
 import pytest
 import torch
@@ -44,6 +47,13 @@ def engine_checkpoint(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("engine_ckpt")
     spawn(write_random_checkpoint, 1, ENGINE_CONFIG, folder, 1)
     return str(folder)
+
+
+def log_softmax(row: list[float]) -> list[float]:
+    """The reference log-probabilities of one row of logits, in float64 (-inf entries stay -inf)."""
+    top = max(row)
+    total = math.log(sum(math.exp(v - top) for v in row if v != float("-inf")))
+    return [v - top - total for v in row]
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
