@@ -16,22 +16,26 @@ conversation sends its next turn when its reply ends, and a new conversation sta
 across levels or workloads. Every request decodes greedily to its length (no eos).
 
 Per level and setting: requests, prompt tokens, the prompt tokens the engine computed (the rest came from the
-cache) and the hit rate, TTFT p50 / p90 (from adding the request to the step that returns its first token),
-wall seconds, requests/s and output tokens/s. Then the goal's comparison, one line per workload: caching
-off's TTFT p50 and throughput at the reference level (`--reference`; default the second highest, so that
-caching on has a level above it to reach that TTFT with), and caching on's
-throughput at that same TTFT p50: from its highest level whose TTFT p50 is at or below it, interpolated
-linearly on the (TTFT p50, requests/s) curve towards the next level (whose TTFT p50 is above it); when its
-highest level stays below, that level's throughput (a lower bound: more concurrency would add throughput
-until its TTFT reached caching off's); -> the ratio (goal >= 2x for chat; in requests/s, which is output
-tokens/s over a fixed reply length).
+cache) and the hit rate, `compile steps`: the steps in which a Triton kernel variant compiled (a row with any
+carries compile time in its figures), TTFT p50 / p90 (from adding the request to the step that returns its first
+token), wall seconds, requests/s and output tokens/s. Then the goal's comparison, one line per workload: caching
+off's TTFT p50 and throughput at the reference level (`--reference`; default the second highest, so that caching
+on has a level above it to reach that TTFT with), and caching on's throughput at that same TTFT p50: from its
+highest level whose TTFT p50 is at or below it, interpolated linearly on the (TTFT p50, requests/s) curve towards
+the next level (whose TTFT p50 is above it); when its highest level stays below, that level's throughput (a lower
+bound: more concurrency would add throughput until its TTFT reached caching off's); -> the ratio (goal >= 2x for
+chat; in requests/s, which is output tokens/s over a fixed reply length).
 
-The model: GLM-5.2 widths with `--layers` layers (default 4: 1 dense, 3 MoE of 64 experts top-8), random
-bf16 weights, one GPU, CUDA graphs for decode steps; one engine per setting, each with a paged cache of
-`--kv-cache-memory` GiB, both warmed up by one untimed pass of a small chat workload longer than `index_topk`;
-the workloads then run on them in turn, off before on at each level, with a progress line per level and
-setting. The default sweep is sized for about 4 minutes on one H200 at most: caching off computes 1.54 M prompt
-tokens in all (a 32768-token prefill takes ~0.5 s there) and each setting runs about 3,300 decode steps.
+The model: GLM-5.2 widths with `--layers` layers (default 4: 1 dense, 3 MoE of 64 experts top-8), random bf16
+weights, one GPU, CUDA graphs for decode steps; one engine per setting, each with a paged cache of
+`--kv-cache-memory` GiB, both warmed up as the server warms up (`warmup.warm_up`: prefill steps of every size
+class up to the token budget, on CUDA) and by one untimed pass of a small chat workload longer than `index_topk`.
+The workloads then run on them in turn, the setting that goes first alternating level by level (off first at the
+first level, on first at the next, and so on across workloads), so that neither setting is always the one to meet
+a new kernel variant (the prefill chunk shapes of cached prompts differ from uncached ones'), with a progress line
+per level and setting. The default sweep is sized for about 4 minutes of workloads on one H200 at most: caching
+off computes 1.54 M prompt tokens in all (a 32768-token prefill takes ~0.5 s there) and each setting runs about
+3,300 decode steps.
 
     python benchmarks/bench_prefix_cache.py
     python benchmarks/bench_prefix_cache.py --tiny        # CPU smoke: a tiny model, short workloads
@@ -161,6 +165,7 @@ def run_workload(engine, work: Workload, vocab: int, seed: int | str) -> dict:
         "prompt tokens": prompt_tokens,
         "computed": prompt_tokens - hits,
         "hit rate": hits / queries if queries else 0.0,
+        "compile steps": after.steps_compiling - before.steps_compiling,
         "TTFT p50 ms": statistics.median(ttft) * 1e3,
         "TTFT p90 ms": sorted(ttft)[min(len(ttft) - 1, round(0.9 * (len(ttft) - 1)))] * 1e3,
         "TTFT first ms": ttft[0] * 1e3,
@@ -191,6 +196,7 @@ def throughput_at_ttft(curve: list[tuple[int, float, float]], target: float) -> 
 def run(args) -> list[tuple[str, dict, dict]]:
     from spmoe.engine.engine import Engine
     from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.warmup import warm_up
     from spmoe.models.deepseek_v32.weights import build_model
 
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
@@ -227,8 +233,15 @@ def run(args) -> list[tuple[str, dict, dict]]:
     shared = max(2 * cfg.index_topk, smaller(WORKLOADS["repeat"]).shared) + 64
     warm = Workload(shared=shared, conversations=4, turns=2, user=64, output=8, concurrency=4)
     for engine in engines.values():
+        warm_up(engine)
         run_workload(engine, warm, cfg.vocab_size, seed="warm-up")
-    results, seed, began = {}, args.seed, time.perf_counter()
+    print(
+        "both engines warmed up (the server's warm-up, then a small chat workload); the setting that runs first "
+        "alternates level by level (off first at the first level); 'compile steps': a row's steps in which a "
+        "kernel variant compiled",
+        flush=True,
+    )
+    results, seed, began, turn = {}, args.seed, time.perf_counter(), 0
     for name in args.workloads:
         levels = {"repeat": [1], "chat": args.concurrency, "agent": args.agent_concurrency}[name]
         for level in levels:
@@ -238,21 +251,22 @@ def run(args) -> list[tuple[str, dict, dict]]:
                 else smaller(WORKLOADS[name]).at(level, args.min_conversations)
             )
             seed += 1  # each level its own tokens: no hits across levels or workloads
-            for caching in (False, True):
+            order, turn = ((False, True) if turn % 2 == 0 else (True, False)), turn + 1
+            for caching in order:
                 row = run_workload(engines[caching], work, cfg.vocab_size, seed)
                 results[name, level, caching] = (work, row)
                 print(
                     f"[{time.perf_counter() - began:6.1f} s] {name} {level} at once, "
                     f"caching {'on' if caching else 'off'}: "
                     f"{row['requests']} requests in {row['seconds']:.1f} s, TTFT p50 {row['TTFT p50 ms']:.1f} ms, "
-                    f"hit rate {row['hit rate']:.1%}",
+                    f"hit rate {row['hit rate']:.1%}, {row['compile steps']} steps compiling",
                     flush=True,
                 )
     return results
 
 
 COLUMNS = ("requests", "prompt tokens", "computed", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "requests/s")
-COLUMNS += ("output tok/s", "seconds")
+COLUMNS += ("output tok/s", "seconds", "compile steps")
 
 
 def print_tables(results: dict, reference: int | None, min_conversations: int) -> None:

@@ -21,8 +21,9 @@ server's `usage`. No warm-up request is sent: the server warms itself before it 
 else; `processed` is greedy with logprobs=5 and presence, frequency and repetition penalties on every request
 (the sampler's logits processing, penalty counts and logprobs all at work). So that the order of the settings
 does not bias their ratio (the first run paid kernels compiled after ready and the device's first-run effects),
-each level first runs every setting once untimed (rows marked `warm-up`), then `--rounds` timed rounds that
-alternate the settings (plain, processed, plain, processed, ...), each row printed; then it prints processed /
+each level first runs every setting once untimed (rows marked `warm-up`), then `--rounds` timed rounds of every
+setting, the order reversed every other round (round 1 plain then processed, round 2 processed then plain, ...:
+with an even `--rounds` each goes first as often), each row printed; then it prints processed /
 plain for the output token rate and the median TPOT: the median over the rounds of each round's ratio, and
 each round's. Each run gets fresh prompts (none finds another's cached).
 
@@ -218,9 +219,10 @@ def main() -> None:
             for i in range(1, count):
                 arrivals[i] = arrivals[i - 1] + rng.expovariate(rate)
         level = f"c={concurrency}" if rate is None else f"rate={rate:g}/s"
-        # side by side: one untimed run of each setting first, then the settings in turn, round after round
+        # side by side: one untimed run of each setting first, then the settings in turn, round after round, the
+        # order reversed every other round so that no setting always goes first
         order = [("warm-up", s) for s in args.sampling] if len(args.sampling) > 1 else []
-        order += [(str(r + 1), s) for r in range(args.rounds) for s in args.sampling]
+        order += [(str(r + 1), s) for r in range(args.rounds) for s in args.sampling[:: 1 if r % 2 == 0 else -1]]
         for round_, sampling in order:
             prompts = [[rng.randrange(args.token_id_limit) for _ in range(args.input_len)] for _ in range(count)]
             before = server_counters(base)

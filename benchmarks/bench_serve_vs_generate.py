@@ -20,9 +20,9 @@ cost per token shows:
 
 With `--sampling plain processed` it skips generate and runs bench_serve with those settings side by side
 (the cost of logprobs and penalties on every sequence): an untimed warm-up run of each, then `--rounds`
-rounds alternating them, and the median of the rounds' processed / plain ratios. `--vocab-size 154880` gives
-the checkpoint GLM-5.2's vocabulary, which is what that cost scales with (the tokenizer gets a token for every
-id: id i >= 264 is " w<i>"):
+rounds of both, the first of the two alternating round by round, and the median of the rounds' processed /
+plain ratios. `--vocab-size 154880` gives the checkpoint GLM-5.2's vocabulary, which is what that cost scales
+with (the tokenizer gets a token for every id: id i >= 264 is " w<i>"):
 
     python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg-vocab --vocab-size 154880 --concurrency 64 \
         --num-prompts 128 --input-len 128 --output-len 128 --sampling plain processed --rounds 3 \

@@ -1,5 +1,8 @@
 """A tiny deterministic checkpoint with an MTP layer, written by spmoe itself (dims divide by TP 1, 2 and 3;
-12 experts divide by EP 1 to 4)."""
+12 experts divide by EP 1 to 4), and what several engine tests share: the log-softmax and relative-error
+references, n choices against each alone."""
+
+import math
 
 import pytest
 import torch
@@ -46,6 +49,35 @@ def engine_checkpoint(tmp_path_factory) -> str:
     return str(folder)
 
 
+def log_softmax(row: list[float]) -> list[float]:
+    """The reference log-probabilities of one row of logits, in float64 (-inf entries stay -inf)."""
+    top = max(row)
+    total = math.log(sum(math.exp(v - top) for v in row if v != float("-inf")))
+    return [v - top - total for v in row]
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got - want| / max |want|."""
     return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def choices_and_alone(engine, prompt: list[int], seeds: list[int], max_new: int) -> tuple:
+    """One request of len(seeds) sampled choices of `prompt` (the first computes the prompt, the others fork from
+    it), then each choice's sampling alone. -> (the choices' tokens, each alone's, their logits `[n, max_new, V]`
+    float32 on the CPU, each alone's likewise, the prompt tokens the choices looked up in the prefix cache, the
+    cache blocks in use after the last lone run)."""
+    from spmoe.engine.sampling import SamplingParams
+
+    samplings = [SamplingParams(1.0, seed=seed) for seed in seeds]
+    queries = engine.scheduler.room.prefix_cache_counts()[0]
+    choices = engine.generate([prompt] * len(seeds), max_new, samplings, record_logits=True)
+    queries = engine.scheduler.room.prefix_cache_counts()[0] - queries
+    alone = [engine.generate([prompt], max_new, [params], record_logits=True) for params in samplings]
+    return (
+        choices.outputs,
+        [gen.outputs[0] for gen in alone],
+        torch.stack(choices.logits).float().cpu(),
+        torch.stack([gen.logits[0] for gen in alone]).float().cpu(),
+        queries,
+        alone[-1].stats["kv_cache"]["blocks_in_use"],
+    )

@@ -4,13 +4,13 @@ requests with penalties take the argmax of the penalised logits, step by step; a
 are those of its processed distribution. Every request of the batch has different settings. A later request
 for prompt logprobs of a prompt whose first block is in the prefix cache still gets them all."""
 
-import math
-
 import pytest
 
 from spmoe.distributed import spawn
 from spmoe.engine.request import Request
 from spmoe.engine.sampling import SamplingParams
+
+from .conftest import log_softmax
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 7, 7, 21] * 7  # 70 tokens: one full block of 64 for the prefix cache
 MAX_NEW = 6
@@ -68,12 +68,6 @@ def run_engine_and_forward(folder: str) -> dict:
 @pytest.fixture(scope="module")
 def ran(engine_checkpoint):
     return spawn(run_engine_and_forward, 1, engine_checkpoint)[0]
-
-
-def log_softmax(row: list[float]) -> list[float]:
-    top = max(row)
-    total = math.log(sum(math.exp(v - top) for v in row if v != float("-inf")))
-    return [v - top - total for v in row]
 
 
 def test_logprobs_and_prompt_logprobs_equal_a_float32_forward(ran):

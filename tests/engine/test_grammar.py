@@ -9,14 +9,11 @@ import pytest
 import torch
 
 from spmoe.engine.grammar import (
-    GrammarCompiler,
     GrammarSpec,
     apply_bitmask,
     apply_bitmask_reference,
     fill_bitmask,
 )
-from spmoe.entrypoints.demo import write_demo_tokenizer
-from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 
 VOCAB = 264  # the demo tokenizer: 256 bytes + 8 special tokens, "<|end|>" (256) the eos
 SCHEMAS = [
@@ -108,18 +105,6 @@ SCHEMAS = [
         "required": ["start", "end"],
     },
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tokenizer")
-    write_demo_tokenizer(folder)
-    return load_tokenizer(folder)
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    return GrammarCompiler.from_tokenizer(tokenizer, VOCAB)
 
 
 def sample_batch(compiler, specs: list[GrammarSpec | None], seed: int, max_steps: int = 4000) -> list[list[int]]:

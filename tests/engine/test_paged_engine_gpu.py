@@ -13,6 +13,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 
 from ..multigpu import requires_gpus
+from .conftest import choices_and_alone
 from .test_cuda_graphs import GRAPH_CONFIG
 
 CONFIG = {**GRAPH_CONFIG, "index_topk": 64, "kv_lora_rank": 128}
@@ -55,28 +56,8 @@ def engines(folder: str) -> dict:
             replays = second.stats["phases"]["prefill"]["replays"]
             out[name, "turn"] = (second.outputs, second.logits[0], replays, engine.metrics().prefix_cache_hits - hits)
         if graphs:
-            out["choices"] = choices_and_alone(engine, prompts[2])
+            out["choices"] = choices_and_alone(engine, prompts[2], [7, 8, 9, 10], 16)
     return out
-
-
-def choices_and_alone(engine, prompt: list[int]) -> tuple:
-    """4 sampled choices of `prompt` (seeds 7..10: the first computes the prompt, the others fork from it), then
-    each alone. -> (the choices' tokens, each alone's, their logits `[4, 16, V]` each, the prompt tokens the
-    choices looked up in the prefix cache: only the first one's when the others forked)."""
-    from spmoe.engine.sampling import SamplingParams
-
-    samplings = [SamplingParams(1.0, seed=7 + i) for i in range(4)]
-    queries = engine.scheduler.room.prefix_cache_counts()[0]
-    choices = engine.generate([prompt] * 4, 16, samplings, record_logits=True)
-    queries = engine.scheduler.room.prefix_cache_counts()[0] - queries
-    alone = [engine.generate([prompt], 16, [params], record_logits=True) for params in samplings]
-    return (
-        choices.outputs,
-        [gen.outputs[0] for gen in alone],
-        torch.stack(choices.logits).float().cpu(),
-        torch.stack([gen.logits[0] for gen in alone]).float().cpu(),
-        queries,
-    )
 
 
 @pytest.mark.gpu
@@ -113,7 +94,7 @@ def test_paged_engine_graphs(tmp_path):
     # n = 4 on CUDA with graphs: the choices fork (one prompt lookup), each draws its first token from the
     # prompt's last row as it does alone; later rows come from the shared blocks and a recomputed last block,
     # whose bf16 rounding may differ from the lone run's
-    choices, alone, choice_logits, alone_logits, queries = got["choices"]
+    choices, alone, choice_logits, alone_logits, queries, _ = got["choices"]
     assert queries == PROMPT_LENS[2] and len({tuple(c) for c in choices}) == 4
     assert [c[0] for c in choices] == [a[0] for a in alone]
     first, want = choice_logits[:, 0], alone_logits[:, 0]  # the prompt's last token's row, the same forward

@@ -21,9 +21,11 @@ from spmoe.distributed.comm import broadcast_object
 from spmoe.engine.paged_cache import BLOCK_SIZE
 from spmoe.engine.request import Request
 
-from .conftest import ENGINE_CONFIG, relative_error
+from .conftest import ENGINE_CONFIG, choices_and_alone, relative_error
 
 MAX_NEW = 6
+# n = 3 sampled choices of one 70-token prompt, then each alone (choices_and_alone)
+CHOICES_PROMPT = torch.randint(0, ENGINE_CONFIG["vocab_size"], (70,), generator=torch.Generator().manual_seed(1))
 BUDGET = 24  # prompts are prefilled in chunks
 CASES = {  # name -> (SP, MTP drafts, cache blocks; None: room for everything)
     "sp off": ("off", 0, None),
@@ -90,7 +92,7 @@ def on_and_off(folder: str) -> dict:
                 drafts.update({(number, key): value for key, value in recorded.items()})
                 recorded.clear()
             results[case, caching] = (outputs, torch.cat(logits), drafts, gen.stats)
-            results[case, caching, "choices"] = choices_and_alone(engine)
+            results[case, caching, "choices"] = choices_and_alone(engine, CHOICES_PROMPT.tolist(), [5, 6, 7], MAX_NEW)
     results["serving loop"] = through_serving_loop(caching_engine(models["off"]))
     results["diverged"] = diverged(caching_engine(models["off"]))
     return results
@@ -163,28 +165,6 @@ def diverged(engine) -> str | None:
     return None
 
 
-def choices_and_alone(engine) -> tuple:
-    """3 choices of one 70-token prompt (seeds 5, 6, 7: the first computes the prompt, the others fork from it),
-    then each alone. -> (the choices' tokens and logits, each alone's, prompt tokens the choices looked up in
-    the prefix cache)."""
-    from spmoe.engine.sampling import SamplingParams
-
-    prompt = torch.randint(0, ENGINE_CONFIG["vocab_size"], (70,), generator=torch.Generator().manual_seed(1)).tolist()
-    samplings = [SamplingParams(1.0, seed=5 + i) for i in range(3)]
-    queries = engine.scheduler.room.prefix_cache_counts()[0]
-    choices = engine.generate([prompt] * 3, MAX_NEW, samplings, record_logits=True)
-    queries = engine.scheduler.room.prefix_cache_counts()[0] - queries
-    alone = [engine.generate([prompt], MAX_NEW, [params], record_logits=True) for params in samplings]
-    return (
-        choices.outputs,
-        torch.cat(choices.logits),
-        [gen.outputs[0] for gen in alone],
-        torch.cat([gen.logits[0] for gen in alone]),
-        queries,
-        alone[-1].stats["kv_cache"]["blocks_in_use"],
-    )
-
-
 def record_drafts(engine) -> dict:
     """Wrap the model runner's draft step: -> a dict it fills with each sequence's drafts, keyed by (request
     id, tokens it had generated before the step), and with the MTP layer's cache rows of each prompt once the
@@ -232,7 +212,7 @@ def test_prefix_caching_changes_no_output(engine_checkpoint):
         for rank in ranks[1:]:  # every TP rank made rank 0's decisions, its own lookup finding nothing
             assert rank[case, True][0] == outputs and rank[case, True][3]["kv_cache"] == cache, case
         for caching in (False, True):  # n = 3: each choice gets what it gets alone, the prompt computed once
-            got, logits, alone, alone_logits, queries, blocks_in_use = ranks[0][case, caching, "choices"]
+            got, alone, logits, alone_logits, queries, blocks_in_use = ranks[0][case, caching, "choices"]
             assert got == alone and len(set(map(tuple, got))) == 3, (case, caching)
             assert relative_error(logits, alone_logits) < 1e-4, (case, caching)
             assert queries == (70 if caching else 0) and blocks_in_use == 0, (case, caching)

@@ -1,6 +1,7 @@
 """The lossless speculative-sampling rule (`engine/rejection.py`), vectorised over 10^5 seeded sequences.
 
-Worked examples of the one-hot drafter's acceptance; then the distribution of the first two tokens a sequence
+Worked examples of what a sequence commits (its accepted drafts, then the target's draw after them) under the
+one-hot drafter's rule and the general one; then the distribution of the first two tokens a sequence
 commits, drafted and verified as the engine does it (k = 2 drafts, a second step when the first draft is
 rejected), against the exact joint distribution p(t1) p(t2 | t1) of a small target, by total-variation
 distance within sampling error: for the one-hot drafter (the MTP layer's greedy drafts) and for a drafter
@@ -18,26 +19,50 @@ from spmoe.engine.sampling import Sampler, SamplingParams, exponential_noise, ra
 
 
 @pytest.mark.parametrize(
-    "drafts, choices, accepted",
+    "drafts, choices, accepted, committed",
     [
         # fed [t, 5, 7, 9]: the target drew 5 after t, 7 after 5, 9 after 7 and 4 after 9 -> all 3 drafts and
         # the bonus token 4
-        ([5, 7, 9], [5, 7, 9, 4], 3),
+        ([5, 7, 9], [5, 7, 9, 4], 3, [5, 7, 9, 4]),
         # the target drew 8 where 7 was drafted: 5 is accepted, 8 replaces 7, 9 is discarded although it equals
         # the target's draw at its position
-        ([5, 7, 9], [5, 8, 9, 4], 1),
-        ([5, 7, 9], [6, 7, 9, 4], 0),  # the first draft is wrong: only the target's own token
-        ([5, 7, 9], [5, 7, 2, 4], 2),  # the last draft is wrong
-        ([5, -1, -1], [5, 2, 0, 0], 1),  # one real draft (padding after it), accepted, plus the bonus
-        ([5, -1, -1], [3, 2, 0, 0], 0),
-        ([-1, -1, -1], [3, 0, 0, 0], 0),  # no drafts: the target's draw alone
-        ([4, 4, -1], [4, 4, 4, 4], 2),  # repeated tokens; the padding never matches
+        ([5, 7, 9], [5, 8, 9, 4], 1, [5, 8]),
+        ([5, 7, 9], [6, 7, 9, 4], 0, [6]),  # the first draft is wrong: only the target's own token
+        ([5, 7, 9], [5, 7, 2, 4], 2, [5, 7, 2]),  # the last draft is wrong
+        ([5, -1, -1], [5, 2, 0, 0], 1, [5, 2]),  # one real draft (padding after it), accepted, plus the bonus
+        ([5, -1, -1], [3, 2, 0, 0], 0, [3]),
+        ([-1, -1, -1], [3, 0, 0, 0], 0, [3]),  # no drafts: the target's draw alone
+        ([4, 4, -1], [4, 4, 4, 4], 2, [4, 4, 4]),  # repeated tokens; the padding never matches
     ],
 )
-def test_one_hot_acceptance_worked_examples(drafts, choices, accepted):
+def test_one_hot_acceptance_worked_examples(drafts, choices, accepted, committed):
     num = torch.tensor([sum(d >= 0 for d in drafts)])
     got = accept_drafts(torch.tensor([drafts]), num, torch.tensor([choices]))
     assert got.tolist() == [accepted]
+    kept = choices[: got.item() + 1]  # what the row commits: its accepted drafts, then the target's draw
+    assert kept == committed and kept[:accepted] == drafts[:accepted]
+
+
+def test_general_rule_worked_examples():
+    """Distributions that leave the rule no chance, whatever the noise: a draft with p(x) >= q(x) is always
+    kept, one with p(x) = 0 never; the draw at a rejection comes from max(0, p - q) (one-hot here, unlike p),
+    the bonus from p_K. Three rows (K = 2, V = 4): both drafts kept and the bonus; the second rejected; the
+    first rejected. Each commits its kept drafts, then the draw after them."""
+    p, q = torch.full((3, 3, 4), 0.25), torch.zeros(3, 2, 4)
+    p[0, 0], q[0, 0] = torch.tensor([0.1, 0.6, 0.3, 0.0]), torch.tensor([0.0, 0.5, 0.5, 0.0])  # keeps 1
+    p[0, 1], q[0, 1] = torch.tensor([0.2, 0.0, 0.8, 0.0]), torch.tensor([0.0, 0.0, 0.7, 0.3])  # keeps 2
+    p[0, 2] = torch.tensor([0.0, 0.0, 0.0, 1.0])  # the bonus: 3
+    p[1, 0], q[1, 0] = p[0, 0], q[0, 0]  # keeps 1
+    p[1, 1], q[1, 1] = torch.tensor([0.4, 0.0, 0.6, 0.0]), torch.tensor([0.4, 0.0, 0.0, 0.6])  # rejects 3: 2
+    p[2, 0], q[2, 0] = torch.tensor([0.0, 0.3, 0.0, 0.7]), torch.tensor([0.5, 0.5, 0.0, 0.0])  # rejects 0: 3
+    q[2, 1] = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    drafts = torch.tensor([[1, 2], [1, 3], [0, 1]])
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        noise = -torch.rand(3, 3, 4, generator=gen).log()  # Exp(1)
+        accepted, tokens = rejection_sample(p, drafts, q, noise)
+        assert accepted.tolist() == [2, 1, 0]
+        assert [row[: a + 1] for row, a in zip(tokens.tolist(), accepted.tolist())] == [[1, 2, 3], [1, 2], [3]]
 
 
 V, K, N = 7, 2, 100_000

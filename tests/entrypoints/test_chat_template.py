@@ -3,9 +3,6 @@ tool calls, the tool's result) renders as GLM lays it out, and thinking can be s
 
 import pytest
 
-from spmoe.entrypoints.demo import write_demo_tokenizer
-from spmoe.entrypoints.serve.tokenizer import load_tokenizer
-
 TOOL = {
     "type": "function",
     "function": {
@@ -30,13 +27,6 @@ HISTORY = [
     },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tokenizer")
-    write_demo_tokenizer(folder)
-    return load_tokenizer(folder)
 
 
 def test_agent_history(tokenizer):

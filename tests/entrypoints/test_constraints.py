@@ -6,10 +6,10 @@ import json
 import jsonschema
 import pytest
 
-from spmoe.engine.grammar import GrammarCompiler, GrammarSpec
+from spmoe.engine.grammar import GrammarSpec
 from spmoe.entrypoints.serve.constraints import grammar_for_request
 from spmoe.entrypoints.serve.parsers.tool_calls import GlmToolCallParser, assemble_tool_calls
-from tests.engine.test_grammar import VOCAB, sample_batch
+from tests.engine.test_grammar import sample_batch
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 CANONICAL = json.dumps(SCHEMA, sort_keys=True)
@@ -128,16 +128,6 @@ def test_bad_argument_schema():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"type": "foo"}}}}}]
     with pytest.raises(ValueError, match="the schema of f's argument 'x' does not compile: Unsupported type \"foo\""):
         grammar_for_request({"tool_choice": "required"}, tools)
-
-
-@pytest.fixture(scope="module")
-def compiler(tmp_path_factory):
-    from spmoe.entrypoints.demo import write_demo_tokenizer
-    from spmoe.entrypoints.serve.tokenizer import load_tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    write_demo_tokenizer(folder)
-    return GrammarCompiler.from_tokenizer(load_tokenizer(folder), VOCAB)
 
 
 def _calls(tokens: list[int]):

@@ -4,7 +4,6 @@ bad requests; SIGTERM during streams (a drain, exit 0); a second server whose ra
 watchdog); and the one-line errors for bad options before any rank starts."""
 
 import json
-import math
 import os
 import signal
 import socket
@@ -25,7 +24,7 @@ from spmoe.entrypoints.cli import main
 from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.serve.tokenizer import chat_prompt_text, load_tokenizer
 from spmoe.models.deepseek_v32.weights import write_random_checkpoint
-from tests.engine.conftest import ENGINE_CONFIG
+from tests.engine.conftest import ENGINE_CONFIG, log_softmax
 from tests.engine.test_engine_grammar import ENGINE_SCHEMAS
 
 SERVE_CONFIG = {**ENGINE_CONFIG, "vocab_size": 264}  # the demo tokenizer: 256 bytes + 8 special tokens
@@ -197,12 +196,6 @@ def forward_logits(folder: str, sequences: list[list[int]]) -> list[list[list[fl
     model = load_model(folder, ParallelConfig())
     with torch.no_grad():
         return [model(torch.tensor(ids), torch.arange(len(ids)), [len(ids)]).float().tolist() for ids in sequences]
-
-
-def log_softmax(row: list[float]) -> list[float]:
-    top = max(row)
-    total = math.log(sum(math.exp(v - top) for v in row))
-    return [v - top - total for v in row]
 
 
 def test_logprobs_echo_penalties_and_n_from_the_real_engine(server, checkpoint):

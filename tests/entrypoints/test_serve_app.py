@@ -22,16 +22,9 @@ from spmoe.entrypoints.serve.app import ApiSettings, FrontEndLimits, build_app
 from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.streaming import StopStrings
 from spmoe.entrypoints.serve.supervisor import StopPolicy, supervise
-from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
+from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer, TokenTexts, load_tokenizer, read_chat_template
 
 REPLY = "Grüße, wörld € 🙂 and more"  # 2-, 3- and 4-byte characters: split over byte tokens
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tokenizer")
-    write_demo_tokenizer(folder)
-    return load_tokenizer(folder)
 
 
 def test_load_tokenizer_without_one_is_a_clear_error(tmp_path):
@@ -56,6 +49,25 @@ def test_detokenizer_lets_an_unfinished_character_out_at_the_end(tokenizer):
     detok = IncrementalDetokenizer(tokenizer)
     assert detok.push(tokenizer.encode("ab") + list("€".encode())[:2]) == ""
     assert detok.flush() == "ab\ufffd"
+
+
+def test_token_texts_decode_each_id_once_as_decode_does(tokenizer):
+    """Every id's text as `decode([id])` gives it (a lone byte of a longer character is U+FFFD, a special token
+    its name), the ids not seen before decoded in one batched call, each id at most once."""
+    calls = []
+
+    class Counting:
+        def batch_decode(self, sequences):
+            calls.append(sequences)
+            return tokenizer.batch_decode(sequences)
+
+    texts = TokenTexts(Counting())
+    every = list(range(len(tokenizer)))
+    assert texts([65, 195, 65, tokenizer.eos_token_id]) == ["A", "\ufffd", "A", "<|end|>"]
+    assert calls == [[[65], [195], [tokenizer.eos_token_id]]]
+    assert texts(every[::-1]) == [tokenizer.decode([t]) for t in every[::-1]]
+    assert len(calls) == 2 and sorted(t for (t,) in calls[1]) == sorted(set(every) - {65, 195, tokenizer.eos_token_id})
+    assert texts([7, 65]) == [tokenizer.decode([7]), "A"] and len(calls) == 2
 
 
 def test_stop_strings_hold_back_a_possible_start():

@@ -52,16 +52,6 @@ class AgentEngine(ScriptedEngineClient):
             yield out
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from spmoe.entrypoints.demo import write_demo_tokenizer
-    from spmoe.entrypoints.serve.tokenizer import load_tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    write_demo_tokenizer(folder)
-    return load_tokenizer(folder)
-
-
 def _client(engine, tokenizer, options: ChatOptions) -> openai.OpenAI:
     http = TestClient(build_app(engine, tokenizer, ApiSettings(["glm"], chat=options)), raise_server_exceptions=False)
     return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
@@ -140,17 +130,25 @@ class Weather(pydantic.BaseModel):
     days: int
 
 
-def test_client_helpers(tokenizer):
+def test_client_helpers(tokenizer, monkeypatch):
     """`parse()` with a pydantic response_format, and `stream()` with a strict pydantic tool, read the replies;
-    the request carries the grammar, to start after the reasoning."""
+    the request carries the grammar, to start after the reasoning, whose end tag the server encoded once."""
     engine = AgentEngine(tokenizer)
     client = _client(engine, tokenizer, GLM)
+    encoded, encode = [], tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(text) or encode(text, **kw))
     engine.reply = 'Thinking.</think>{"city": "Oslo", "days": 3}'
-    parsed = client.chat.completions.parse(model="glm", messages=[USER], response_format=Weather)
-    assert parsed.choices[0].message.parsed == Weather(city="Oslo", days=3)
-    request = engine.requests[-1]
-    assert request.grammar.kind == "json_schema" and json.loads(request.grammar.text)["required"] == ["city", "days"]
-    assert request.grammar_start_after == tuple(tokenizer.encode("</think>"))
+    for _ in range(2):
+        parsed = client.chat.completions.parse(model="glm", messages=[USER], response_format=Weather)
+        assert parsed.choices[0].message.parsed == Weather(city="Oslo", days=3)
+        request = engine.requests[-1]
+        assert request.grammar.kind == "json_schema" and json.loads(request.grammar.text)["required"] == [
+            "city",
+            "days",
+        ]
+        assert request.grammar_start_after == tuple(encode("</think>"))
+    assert encoded and "</think>" not in encoded  # the prompts and replies went through it, never the tag
+    monkeypatch.undo()
 
     engine.reply = CALL
     tool = openai.pydantic_function_tool(Weather, name="get_weather")
@@ -265,3 +263,42 @@ def test_completions_take_structured_output(tokenizer):
     client.completions.create(model="glm", prompt="Q", max_tokens=4, extra_body={"guided_choice": ["yes", "no"]})
     assert engine.requests[-1].grammar == GrammarSpec("choice", '["yes", "no"]')
     assert engine.requests[-1].grammar_start_after == ()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stream_sends_no_empty_delta_and_loses_no_logprobs(tokenizer, n):
+    """While the parsers hold text back (a `</think>` or a tool call coming a byte at a time) no chunk goes out;
+    the held tokens' logprobs go with the next chunk that has text. Only the role chunk, the finish_reason chunk
+    and the usage chunk may carry no text."""
+    engine = AgentEngine(tokenizer)
+    client = _client(engine, tokenizer, GLM)
+    chunks = list(
+        client.chat.completions.create(
+            model="glm",
+            messages=[USER],
+            tools=[TOOL],
+            n=n,
+            stream=True,
+            logprobs=True,
+            top_logprobs=2,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == n * len(
+        engine.script
+    )
+    for index in range(n):
+        mine = [c.choices[0] for c in chunks[1:-1] if c.choices[0].index == index]
+        assert mine and mine[-1].finish_reason == "tool_calls"
+        for choice in mine[:-1]:
+            delta = choice.delta
+            assert choice.finish_reason is None
+            assert delta.content or delta.tool_calls or (delta.model_extra or {}).get("reasoning_content"), choice
+        logprobs = [entry for choice in mine for entry in choice.logprobs.content]
+        generated = engine.script  # the text's bytes, then the eos id
+        assert [bytes(entry.bytes) for entry in logprobs] == [bytes([t]) for t in generated[:-1]] + [b"<|end|>"]
+        assert [entry.logprob for entry in logprobs] == [-t / 100 for t in generated]
+        assert [[top.logprob for top in entry.top_logprobs] for entry in logprobs] == [
+            [-t / 100, -7.0] for t in generated
+        ]
+        assert len(mine) < len(generated)  # a token a step, some held back: their logprobs came later

@@ -42,7 +42,13 @@ from spmoe.engine.grammar import GrammarSpec
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.engine.sampling import SamplingParams
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
-from spmoe.entrypoints.serve.chat import ChatChoices, ChatOptions, effective_tool_choice, reasoning_end_ids
+from spmoe.entrypoints.serve.chat import (
+    ChatChoices,
+    ChatOptions,
+    effective_tool_choice,
+    grammar_start_after,
+    reasoning_end_ids,
+)
 from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.constraints import STRUCTURED_OUTPUT_FIELDS, grammar_for_request
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -57,7 +63,7 @@ from spmoe.entrypoints.serve.protocol import (
     parse,
 )
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration, usage
-from spmoe.entrypoints.serve.tokenizer import chat_prompt_text, eos_token_ids, longest_token_bytes
+from spmoe.entrypoints.serve.tokenizer import TokenTexts, chat_prompt_text, eos_token_ids, longest_token_bytes
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
@@ -196,9 +202,11 @@ class OpenAIApi:
         self.defaults, self.content_format = settings.defaults, settings.chat_template_content_format
         self.seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
         self.chat = settings.chat
+        self.reasoning_end_ids = reasoning_end_ids(settings.chat, tokenizer)  # where a chat grammar may start
         self.max_request_bytes = max_request_bytes
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.token_bytes = longest_token_bytes(tokenizer)
+        self.token_texts = TokenTexts(tokenizer)  # how logprobs name tokens
         self.max_prompt_bytes = client.max_model_len * self.token_bytes  # more cannot fit (see _check_text_size)
         self.metrics = ServeMetrics(client, self.model_name)
         self.created = int(time.time())
@@ -341,7 +349,7 @@ class OpenAIApi:
         max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, self.defaults.values.get("max_tokens"))
         tool_fields = {"tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls}
         grammar = await self._grammar(body, tool_fields, tools)
-        start_after = reasoning_end_ids(self.chat, body.chat_template_kwargs, self.tokenizer) if grammar else ()
+        start_after = grammar_start_after(self.reasoning_end_ids, body.chat_template_kwargs) if grammar else ()
         logprobs, seed = (body.top_logprobs or 0) if body.logprobs else None, self._seed(body)
         choices = [
             Choice(i, prompt, None, max_new, self._sampling(body, seed, i, logprobs, None, max_new))
@@ -557,7 +565,7 @@ class OpenAIApi:
             raise failed
         prompt_tokens = sum(len(c.prompt) for c in choices if c.index % body.n == 0)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        render = Render(self.tokenizer, kind, choices, generations, parsers, body.return_tokens_as_token_ids)
+        render = Render(self.token_texts, kind, choices, generations, parsers, body.return_tokens_as_token_ids)
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:  # a client that goes away cancels the stream, which aborts the requests
             events = _events(streams, pieces, firsts, render, head, body, prompt_tokens)
@@ -645,17 +653,18 @@ class Render:
 
     def __init__(
         self,
-        tokenizer,
+        token_texts: TokenTexts,
         kind: str,
         choices: list[Choice],
         generations: list[TextGeneration],
         parsers: list | None,
         token_ids: bool = False,
     ):
-        self.tokenizer, self.kind, self.choices, self.generations = tokenizer, kind, choices, generations
+        self.token_texts, self.kind, self.choices, self.generations = token_texts, kind, choices, generations
         self.parsers = parsers
         self.token_ids = token_ids  # name tokens by id (`return_tokens_as_token_ids`)
         self.offsets = [0] * len(choices)  # completions' text_offset so far, per choice
+        self.held: list[tuple[list[int], list]] = [([], [])] * len(choices)  # per choice: tokens not sent yet
 
     def whole(self, i: int, pieces: list[Piece]) -> dict:
         merged = Piece(
@@ -666,7 +675,9 @@ class Render:
         )
         return self.choice(i, merged, first=True, stream=False)
 
-    def choice(self, i: int, piece: Piece, first: bool, stream: bool) -> dict:
+    def choice(self, i: int, piece: Piece, first: bool, stream: bool) -> dict | None:
+        """The choice of a whole response, or of a stream chunk; None for a chunk that would carry nothing (a
+        chat parser holds its text back, no finish_reason): its tokens' logprobs go with the next chunk."""
         choice, generation = self.choices[i], self.generations[i]
         text, ids, logprobs = piece.text, list(piece.token_ids), list(piece.logprobs)
         if first and choice.prompt_text is not None:
@@ -683,6 +694,13 @@ class Render:
                 "finish_reason": piece.finish_reason,
             }
         body = self.parsers[i](text, piece.finish_reason, stream)
+        if stream:
+            held_ids, held_logprobs = self.held[i]
+            ids, logprobs = held_ids + ids, held_logprobs + logprobs
+            if not body["delta"] and body["finish_reason"] is None:
+                self.held[i] = ids, logprobs
+                return None
+            self.held[i] = [], []
         body["index"] = choice.index
         body["logprobs"] = {"content": self._chat_logprobs(ids, logprobs)} if wanted else None
         return body
@@ -691,11 +709,14 @@ class Render:
         delta = {"role": "assistant", "content": ""}
         return {"index": self.choices[i].index, "delta": delta, "logprobs": None, "finish_reason": None}
 
-    def _token(self, token_id: int) -> str:
-        return f"token_id:{token_id}" if self.token_ids else self.tokenizer.decode([token_id])
+    def _names(self, ids: list[int], logprobs: list) -> dict[int, str]:
+        """Every token of `ids` and of their top logprobs -> how logprobs name it, decoded together."""
+        every = list(dict.fromkeys([*ids, *(t for lp in logprobs if lp is not None for t, _ in lp[1])]))
+        return dict(zip(every, [f"token_id:{t}" for t in every] if self.token_ids else self.token_texts(every)))
 
     def _completion_logprobs(self, i: int, ids: list[int], logprobs: list) -> dict:
-        tokens = [self._token(t) for t in ids]
+        names = self._names(ids, logprobs)
+        tokens = [names[t] for t in ids]
         offsets = []
         for token in tokens:
             offsets.append(self.offsets[i])
@@ -703,13 +724,15 @@ class Render:
         return {
             "tokens": tokens,
             "token_logprobs": [None if lp is None else lp[0] for lp in logprobs],
-            "top_logprobs": [None if lp is None else {self._token(t): v for t, v in lp[1]} for lp in logprobs],
+            "top_logprobs": [None if lp is None else {names[t]: v for t, v in lp[1]} for lp in logprobs],
             "text_offset": offsets,
         }
 
     def _chat_logprobs(self, ids: list[int], logprobs: list) -> list[dict]:
+        names = self._names(ids, logprobs)
+
         def entry(token_id: int, value: float) -> dict:
-            token = self._token(token_id)
+            token = names[token_id]
             return {"token": token, "logprob": value, "bytes": list(token.encode())}
 
         return [{**entry(t, lp[0]), "top_logprobs": [entry(tt, v) for tt, v in lp[1]]} for t, lp in zip(ids, logprobs)]
@@ -773,8 +796,9 @@ async def _merged(pieces, firsts, label: str):
 
 async def _events(streams: AsyncExitStack, pieces, firsts, render: Render, head, body: SamplingFields, prompt_tokens):
     """Server-sent events: chunks from every choice as they come (chat: first a chunk with the role per
-    choice), the usage chunk if asked (with `continuous_usage_stats`, usage so far in every chunk), then
-    `[DONE]`. An error after the stream started comes as a chunk with an `error` object."""
+    choice; later no chunk with an empty delta but the one with the finish_reason), the usage chunk if asked
+    (with `continuous_usage_stats`, usage so far in every chunk), then `[DONE]`. An error after the stream
+    started comes as a chunk with an `error` object."""
     chunk_kind = render.kind + ".chunk" if render.kind == "chat.completion" else render.kind
     generations = render.generations
 
@@ -795,7 +819,9 @@ async def _events(streams: AsyncExitStack, pieces, firsts, render: Render, head,
                 if isinstance(piece, ApiError):
                     yield f"data: {json.dumps(piece.body())}\n\n"
                     break
-                yield event([render.choice(i, piece, first, stream=True)])
+                choice = render.choice(i, piece, first, stream=True)
+                if choice is not None:
+                    yield event([choice])
                 open_choices -= piece.finish_reason is not None
         if not open_choices and body.include_usage:
             total = usage(prompt_tokens, sum(g.completion_tokens for g in generations))

@@ -51,12 +51,20 @@ def effective_tool_choice(tools: list[dict] | None, tool_choice, options: ChatOp
     return tool_choice
 
 
-def reasoning_end_ids(options: ChatOptions, chat_template_kwargs: dict, tokenizer) -> tuple[int, ...]:
-    """Where a constrained chat output's grammar starts: after the tokens of `</think>` when the reasoning
-    parser is on and the request thinks (the reasoning is free), else at the first token (())."""
-    if options.reasoning_parser is None or not thinking_enabled(chat_template_kwargs):
+def reasoning_end_ids(options: ChatOptions, tokenizer) -> tuple[int, ...]:
+    """The tokens of `</think>` when the reasoning parser is on, else (): encoded once a server, for
+    `grammar_start_after`."""
+    if options.reasoning_parser is None:
         return ()
     return tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
+
+
+def grammar_start_after(end_ids: tuple[int, ...], chat_template_kwargs: dict) -> tuple[int, ...]:
+    """Where a constrained chat output's grammar starts: after `end_ids` (`reasoning_end_ids`: () without the
+    reasoning parser) when the request thinks (the reasoning is free), else at the first token (())."""
+    if not end_ids or not thinking_enabled(chat_template_kwargs):
+        return ()
+    return end_ids
 
 
 def _shown(tool_choice) -> str:

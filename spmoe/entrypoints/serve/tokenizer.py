@@ -78,6 +78,21 @@ def eos_token_ids(tokenizer, model_eos: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(model_eos + extra))
 
 
+class TokenTexts:
+    """Each token's own text, `tokenizer.decode([id])` (how logprobs name tokens), remembered for the server's
+    life (at most one string per vocabulary entry): the ids not seen before are decoded in one batched call."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.known: dict[int, str] = {}
+
+    def __call__(self, ids: list[int]) -> list[str]:
+        new = list(dict.fromkeys(t for t in ids if t not in self.known))
+        if new:
+            self.known.update(zip(new, self.tokenizer.batch_decode([[t] for t in new])))
+        return [self.known[t] for t in ids]
+
+
 class IncrementalDetokenizer:
     """Token ids in, text out, a piece at a time, never a broken character.
 

@@ -1,0 +1,22 @@
+"""Fixtures for every test folder: the demo checkpoint's tokenizer (`spmoe.entrypoints.demo`: token b < 256 is
+byte b, then 8 special tokens, `<|end|>` the eos) loaded as the server loads one, and a grammar compiler over it."""
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from spmoe.entrypoints.demo import write_demo_tokenizer
+    from spmoe.entrypoints.serve.tokenizer import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    write_demo_tokenizer(folder)
+    return load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    """A GrammarCompiler over the demo tokenizer's 264 tokens."""
+    from spmoe.engine.grammar import GrammarCompiler
+
+    return GrammarCompiler.from_tokenizer(tokenizer, len(tokenizer))
