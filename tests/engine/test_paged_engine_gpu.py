@@ -108,7 +108,9 @@ def speculating_engines(folder: str) -> dict:
     from spmoe.engine.cuda_graphs import draft_tokens
     from spmoe.engine.engine import Engine
     from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.request import Request
     from spmoe.engine.sampling import SamplingParams
+    from spmoe.engine.serving_loop import run_to_completion
     from spmoe.engine.warmup import warm_up
     from spmoe.models.deepseek_v32.weights import load_model
 
@@ -128,7 +130,12 @@ def speculating_engines(folder: str) -> dict:
         out[name] = (greedy.outputs, torch.cat(greedy.logits), sampled.outputs)
         out[name, "speculative"] = (greedy.stats["speculative"], sampled.stats["speculative"])
         out[name, "counts"] = (engine.graph_captures(), m.compiles_after_ready)
-    # the last replayed step again, replayed and eagerly over the graph's own inputs
+    # a replayed step of a sequence that goes on (a stopping one's one-token steps all write the scratch block,
+    # whose rows every pad and stopping sequence shares: their drafts are dropped), again, replayed and eagerly
+    # over the graph's own inputs
+    engine.add_request(Request("replay check", prompts[0], 40))
+    for _ in range(4):  # its prompt, then decode steps
+        engine.step()
     graphs = engine.runner.graphs
     captured = graphs.replayed
     size = captured.size
@@ -143,7 +150,8 @@ def speculating_engines(folder: str) -> dict:
             *captured.draft.inputs.split([size * (1 + SPEC_K), size, size, size]), SPEC_K,
         )  # fmt: skip
     out["replay logit error"] = ((replayed - eager).abs().max() / eager.abs().max()).item()
-    out["replay drafts"] = (drafts.tolist(), eager_drafts.tolist())
+    out["replay drafts"] = (size, drafts.tolist(), eager_drafts.tolist())
+    run_to_completion(engine)
     return out
 
 
@@ -171,5 +179,5 @@ def test_speculative_decode_in_graphs(tmp_path):
     for spec in got["graphs", "speculative"]:
         assert spec["verify_steps"] > 0
     assert got["replay logit error"] < 1e-3, got["replay logit error"]
-    drafts, eager_drafts = got["replay drafts"]
-    assert drafts == eager_drafts
+    size, drafts, eager_drafts = got["replay drafts"]
+    assert size == 1 and drafts == eager_drafts
