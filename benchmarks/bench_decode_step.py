@@ -14,8 +14,9 @@ head), launched eagerly and replayed from a CUDA graph (CUDA-event median). "bus
 of the kernels one eager step launches: graph ms minus busy ms is the time the GPU sits between kernels.
 
 A case "BxC" decodes one token for each of B sequences of C cached tokens; "BxC+T" feeds T prompt tokens per
-sequence after its C cached ones and computes the logits of each sequence's last one (the step the engine
-replays from a chunk graph for B = 1: the second turn of a conversation whose history is cached).
+sequence after its C cached ones and computes the logits of each sequence's last one; parts joined by ","
+make one step ("63x1024,1x0+128": 63 sequences decoding beside a 128-token prompt). The engine replays
+every step of up to 512 tokens from a graph (a decode step's, or a mixed step's); longer steps run eagerly.
 
 Each case's block tables are as wide as the engine's CUDA graphs make them: a power of 2 of blocks covering the
 context and the new token. Up to index_topk positions the indexer selects every visible row without scoring;
@@ -37,7 +38,7 @@ in the tables the indexer selects every visible row without scoring; wider table
     python benchmarks/bench_decode_step.py [--cases 1x16 8x512 1x4096] [--weights bf16 fp8] [--kernels fused]
     python benchmarks/bench_decode_step.py --cases 1x1024 48x1024 64x1024 128x1024 256x1024 256x4096
     python benchmarks/bench_decode_step.py --cases 1x2048 64x1024 256x1024 --widths pow2 32768 --kernels fused
-    python benchmarks/bench_decode_step.py --cases 1x8192+16 1x8192+64 1x8192+256 1x0+64 --kernels fused
+    python benchmarks/bench_decode_step.py --cases 1x8192+64 63x1024,1x0+128 15x1024,1x8192+256 --kernels fused
 """
 
 import argparse
@@ -70,21 +71,23 @@ PREFILL_TOKENS = 16384  # the sequences of a case are prefilled in forwards of a
 TOP = 40  # kernels listed per profile
 
 
-def step_bytes(model, cache: PagedKVCache, batch: int, context: int, experts_touched: list[int]) -> int:
-    """The bytes one decode step of `batch` tokens at `context` must read (see the module docstring)."""
+def step_bytes(model, cache: PagedKVCache, rows: list[tuple[int, int]], experts_touched: list[int]) -> int:
+    """The bytes one step must read (see the module docstring): `rows` lists (tokens, the context each
+    attends) of its parts."""
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     routed = {id(p) for m in moe for p in m.experts.parameters()}
     embedding = model.model.embed_tokens.weight
     total = nbytes(p for p in model.parameters() if id(p) not in routed and p is not embedding)
-    total += batch * embedding.shape[1] * embedding.element_size()
+    total += sum(n for n, _ in rows) * embedding.shape[1] * embedding.element_size()
     for m, touched in zip(moe, experts_touched):
         total += nbytes(m.experts.parameters()) // m.experts.count * touched
     for layer in cache.layers.values():
         latent_row = nbytes(t[0] for t in (layer.latent, layer.latent_scale, layer.rope) if t is not None)
         index_row = nbytes(t[0] for t in (layer.index_key, layer.index_scale) if t is not None)
-        scored = context + 1 if context + 1 > model.cfg.index_topk else 0  # else every visible row, unscored
-        total += batch * (scored * index_row + min(context + 1, model.cfg.index_topk) * latent_row)
+        for n, context in rows:
+            scored = context + 1 if context + 1 > model.cfg.index_topk else 0  # else every visible row, unscored
+            total += n * (scored * index_row + min(context + 1, model.cfg.index_topk) * latent_row)
     return total
 
 
@@ -115,14 +118,18 @@ def models(weights: list[str]) -> dict:
     return {kind: out[kind] for kind in weights}
 
 
-def parse_case(case: str) -> tuple[int, int, int]:
-    """ "BxC" or "BxC+T" -> (B sequences, C cached tokens each, T tokens each feeds)."""
-    batch, rest = case.split("x")
-    context, _, tokens = rest.partition("+")
-    return int(batch), int(context), int(tokens or 1)
+def parse_case(case: str) -> list[tuple[int, int, int]]:
+    """ "BxC", "BxC+T", or parts joined by "," (one step) -> [(B sequences, C cached tokens each, T tokens each
+    feeds)]."""
+    parts = []
+    for part in case.split(","):
+        batch, rest = part.split("x")
+        context, _, tokens = rest.partition("+")
+        parts.append((int(batch), int(context), int(tokens or 1)))
+    return parts
 
 
-def run(cases: list[tuple[int, int, int]], weights: list[str], kernel_kinds: list[str], widths: list[str]):
+def run(cases: list[list[tuple[int, int, int]]], weights: list[str], kernel_kinds: list[str], widths: list[str]):
     rows = []
     for kind, model in models(weights).items():
         rows += run_model(model, kind, cases, kernel_kinds, widths)
@@ -136,53 +143,63 @@ def table_width(name: str, context: int, tokens: int) -> int:
     return 1 << (used - 1).bit_length() if name == "pow2" else -(-int(name) // BLOCK_SIZE)
 
 
-def run_model(model, weights: str, cases: list[tuple[int, int, int]], kernel_kinds: list[str], widths: list[str]):
+def run_model(model, weights: str, cases: list[list[tuple[int, int, int]]], kernel_kinds: list[str], widths):
     cfg = model.cfg
-    blocks_per_seq = {(c, t): -(-(c + t) // BLOCK_SIZE) for _, c, t in cases}
+    blocks = lambda c, t: -(-(c + t) // BLOCK_SIZE)  # noqa: E731
     block_bytes = PagedKVCache.for_model(model, 1 << 24).bytes_per_token * BLOCK_SIZE
-    cache = PagedKVCache.for_model(model, (max(b * blocks_per_seq[c, t] for b, c, t in cases) + 1) * block_bytes)
+    most = max(sum(b * blocks(c, t) for b, c, t in parts) for parts in cases)
+    cache = PagedKVCache.for_model(model, (most + 1) * block_bytes)
     rows = []
-    for batch, context, tokens in cases:
-        used = blocks_per_seq[context, tokens]
-        tables = [list(range(i * used, (i + 1) * used)) for i in range(batch)]
-        gen = torch.Generator(device="cuda").manual_seed(batch)
-        next_ids = torch.randint(0, cfg.vocab_size, (batch * tokens,), device="cuda", generator=gen)
+    for parts in cases:
+        tables, starts, lens, first = [], [], [], 0
+        for batch, context, tokens in parts:
+            used = blocks(context, tokens)
+            tables += [list(range(first + i * used, first + (i + 1) * used)) for i in range(batch)]
+            starts += [context] * batch
+            lens += [tokens] * batch
+            first += batch * used
+        gen = torch.Generator(device="cuda").manual_seed(len(tables))
+        next_ids = torch.randint(0, cfg.vocab_size, (sum(lens),), device="cuda", generator=gen)
         with torch.no_grad():
-            group = max(1, PREFILL_TOKENS // max(context, 1))  # sequences per prefill forward, as a token budget
-            for first in range(0, batch if context else 0, group):
-                part = tables[first : first + group]
-                prompt = cache.view(part, [0] * len(part), [context] * len(part))
-                ids = torch.randint(0, cfg.vocab_size, (len(part) * context,), device="cuda", generator=gen)
-                model.forward_hidden(ids, prompt.positions, [context] * len(part), prompt)
+            first = 0
+            for batch, context, _ in parts:  # sequences of one part prefilled together, as an engine's token budget
+                group = max(1, PREFILL_TOKENS // max(context, 1))
+                for at in range(first, first + batch if context else first, group):
+                    part = tables[at : min(at + group, first + batch)]
+                    prompt = cache.view(part, [0] * len(part), [context] * len(part))
+                    ids = torch.randint(0, cfg.vocab_size, (len(part) * context,), device="cuda", generator=gen)
+                    model.forward_hidden(ids, prompt.positions, [context] * len(part), prompt)
+                first += batch
         for width_name in widths:
-            width = table_width(width_name, context, tokens)
+            width = max(table_width(width_name, c, t) for _, c, t in parts)
+            seq_index = torch.arange(len(tables)).repeat_interleave(torch.tensor(lens))
+            positions = torch.cat([torch.arange(c, c + n) for c, n in zip(starts, lens)])
             decode = cache.decode_view(
-                torch.from_numpy(padded_tables(tables, batch, width, cache.scratch_block)).cuda(),
-                torch.arange(batch, device="cuda").repeat_interleave(tokens),
-                context + torch.arange(tokens, device="cuda").repeat(batch),
+                torch.from_numpy(padded_tables(tables, len(tables), width, cache.scratch_block)).cuda(),
+                seq_index.cuda(),
+                positions.cuda(),
             )
-            rows += time_step(
-                model, cache, weights, (batch, context, tokens), f"{width_name}:{width}", next_ids, decode, kernel_kinds
-            )
+            rows += time_step(model, cache, weights, parts, f"{width_name}:{width}", next_ids, decode, kernel_kinds)
     fused.ENABLED = True
     return rows
 
 
-def time_step(model, cache, weights, case, width, next_ids, decode, kernel_kinds) -> list[tuple]:
-    """One step over the view `decode` (case: B, C, T as `parse_case`), eager and replayed, per kernel kind ->
-    the rows `run` returns."""
-    batch, context, tokens = case
+def time_step(model, cache, weights, parts, width, next_ids, decode, kernel_kinds) -> list[tuple]:
+    """One step over the view `decode` (parts: as `parse_case`), eager and replayed, per kernel kind -> the rows
+    `run` returns."""
     rows = []
+    lens = [t for b, _, t in parts for _ in range(b)]
+    # each sequence's last fed token's logits (a decode token's, a prompt chunk's last): what a step commits from
+    logit_rows = None if all(n == 1 for n in lens) else (torch.tensor(lens).cumsum(0) - 1).cuda()
+    name = ",".join(f"{b}x{c}" + (f"+{t}" if t > 1 else "") for b, c, t in parts)
     with torch.no_grad():
-        # a decode step's logits are every row's; a prompt chunk's its last token's
-        logit_rows = torch.arange(batch, device="cuda") * tokens + tokens - 1 if tokens > 1 else None
 
         def step():
-            hidden = model.forward_hidden(next_ids, decode.positions, [1] * batch * tokens, decode)
+            hidden = model.forward_hidden(next_ids, decode.positions, [1] * sum(lens), decode)
             return model.compute_logits(hidden, logit_rows)
 
         touched = touched_experts(model, step)
-        floor = step_bytes(model, cache, batch * tokens, context + tokens - 1, touched) / BANDWIDTH * 1e3
+        floor = step_bytes(model, cache, [(b * t, c + t - 1) for b, c, t in parts], touched) / BANDWIDTH * 1e3
         for kernels in kernel_kinds:
             fused.ENABLED = kernels == "fused"
             eager = cuda_ms(step, 20, warmup=2)
@@ -195,8 +212,7 @@ def time_step(model, cache, weights, case, width, next_ids, decode, kernel_kinds
             rows.append(
                 (
                     weights,
-                    batch,
-                    f"{context}+{tokens}" if tokens > 1 else context,
+                    name,
                     width,
                     kernels,
                     eager,
@@ -213,7 +229,7 @@ def time_step(model, cache, weights, case, width, next_ids, decode, kernel_kinds
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="*", default=["1x16", "8x512", "1x4096"], help="BxC decode or BxC+T chunk cases")
+    p.add_argument("--cases", nargs="*", default=["1x16", "8x512", "1x4096"], help="BxC, BxC+T, parts joined by ','")
     p.add_argument("--weights", nargs="+", choices=("bf16", "fp8"), default=["bf16"], help="weights to time")
     p.add_argument("--kernels", nargs="+", choices=("torch", "fused"), default=["torch", "fused"])
     p.add_argument("--widths", nargs="+", default=["pow2"], help="block-table widths: pow2 and/or max_model_len values")
@@ -225,34 +241,28 @@ def main():
         f"MoE, 64 experts top-8), vocab 32768, bf16 activations, TP 1, paged cache; roofline = bytes read / 4.3 TB/s"
     )
     print(
-        f"{'weights':>7} {'batch':>5} {'context':>7} {'width:blocks':>12} {'kernels':>7} {'eager ms':>9} "
+        f"{'weights':>7} {'case':>18} {'width:blocks':>12} {'kernels':>7} {'eager ms':>9} "
         f"{'graph ms':>9} {'floor ms':>9} {'% roofline':>10} {'busy ms':>8} {'GPU ops/step':>12}  "
         "GPU ops per decoder layer"
     )
-    for weights, batch, context, width, kernels, eager, graph, floor, busy, ops, per_layer, _ in rows:
+    for weights, case, width, kernels, eager, graph, floor, busy, ops, per_layer, _ in rows:
         print(
-            f"{weights:>7} {batch:>5} {context:>7} {width:>12} {kernels:>7} {eager:>9.3f} {graph:>9.3f} {floor:>9.3f} "
+            f"{weights:>7} {case:>18} {width:>12} {kernels:>7} {eager:>9.3f} {graph:>9.3f} {floor:>9.3f} "
             f"{100 * floor / graph:>9.1f}% {busy:>8.3f} {ops:>12}  {[launch_count(layer) for layer in per_layer]}"
         )
-    graph_ms = {(w, b, c, t, k): g for w, b, c, t, k, _, g, *_ in rows}
-    for (weights, batch, context, width, kernels), ms in graph_ms.items():
-        if weights == "fp8" and ("bf16", batch, context, width, kernels) in graph_ms:
-            bf16 = graph_ms["bf16", batch, context, width, kernels]
-            print(
-                f"FP8 speed-up, batch {batch} context {context}, {width}, {kernels}, graphs: {bf16 / ms:.2f}x "
-                f"({bf16:.3f} -> {ms:.3f} ms)"
-            )
-    for weights, batch, context, width, kernels, *_, top in rows:
-        print(
-            f"\ntop kernels, {weights} weights, batch {batch} context {context}, {width}, {kernels} (one eager "
-            "step): launches, total us"
-        )
+    graph_ms = {(w, c, t, k): g for w, c, t, k, _, g, *_ in rows}
+    for (weights, case, width, kernels), ms in graph_ms.items():
+        if weights == "fp8" and ("bf16", case, width, kernels) in graph_ms:
+            bf16 = graph_ms["bf16", case, width, kernels]
+            print(f"FP8 speed-up, {case}, {width}, {kernels}, graphs: {bf16 / ms:.2f}x ({bf16:.3f} -> {ms:.3f} ms)")
+    for weights, case, width, kernels, *_, top in rows:
+        print(f"\ntop kernels, {weights} weights, {case}, {width}, {kernels} (one eager step): launches, total us")
         for name, (count, micros) in top:
             print(f"  {count:>4} {micros:>9.1f}  {name[:110]}")
-    for weights, batch, context, width, kernels, *_, per_layer, _ in rows:
+    for weights, case, width, kernels, *_, per_layer, _ in rows:
         if kernels != "fused":
             continue
-        print(f"\nGPU operations of each decoder layer, {weights}, batch {batch} context {context}, {width}")
+        print(f"\nGPU operations of each decoder layer, {weights}, {case}, {width}")
         for index, ops in enumerate(per_layer):
             print(f"layer {index}: " + ", ".join(f"{n} x {name[:60]}" for name, (n, _) in sorted(ops.items())))
 

@@ -1,5 +1,5 @@
 """CUDA graphs for the decode step (one new token per live sequence, or with MTP speculation its token and its
-k drafts) and for a step that feeds one sequence's short prompt chunk, SP on or off.
+k drafts) and for any other step of up to 512 tokens (paged cache), SP on or off.
 
 Launching a decode step's few hundred small kernels and collectives one by one costs more than running them
 at small batches. Instead the step (the model, then the LM head) is captured once per padded batch size B in
@@ -15,13 +15,14 @@ target's rejected rows do), then its k - 1 one-token steps. The host's only work
 the choice of tokens (the sampler and the acceptance rule), which also says which row is each sequence's last
 verified one.
 
-Paged cache: a step that feeds one prompt chunk of n <= 256 tokens and nothing else (the second turn of a
-conversation whose history is cached, a short prompt on an idle server) replays the chunk graph of the
-smallest captured size C >= n in `CHUNK_TOKENS`: the same rows as n tokens of one sequence in a
-verification step, laid out as the decode step lays them out, so it computes what the eager step computes.
-Its C - n pad rows name the all-scratch table row, at positions 0 .. C - n - 1; it computes the logits of
-one row, the chunk's last (`CapturedStep.logit_row`). Steps that mix sequences, or feed longer chunks, run
-eagerly, as every prompt step of the slot cache does (its graph rows each read a whole slot).
+Paged cache: any other step of N <= 512 fed tokens (a prompt chunk beside the decoding sequences, the next
+turn of a conversation whose history is cached, a speculative step whose sequences feed different counts)
+replays the mixed graph of the smallest captured size R >= N in `MIXED_TOKENS`. Its rows are laid end to
+end as the eager step lays them (sequence i's tokens at their positions, each row naming table row i), then
+R - N pad rows name the all-scratch table row, at positions within the scratch block; it computes the logits
+of the rows the step commits from only (`CapturedStep.logit_rows`, padded with row 0). Each row reads the
+cache by its own position and table, so it computes what the eager step computes. Longer steps run eagerly,
+as every step but decode does on the slot cache (its graph rows each read a whole slot).
 
 Every graph is captured at start-up (largest first, the others share its memory pool), on every rank in the same
 order, so nothing is captured while serving; `captures` counts them.
@@ -49,11 +50,11 @@ import torch
 
 from spmoe.distributed import CommStats, count_collectives, get_parallel_state
 from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.paged_cache import PagedKVCache
+from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-CHUNK_TOKENS = (16, 32, 64, 128, 256)  # one sequence's prompt chunk, padded to the next
+MIXED_TOKENS = (16, 32, 64, 128, 256, 512)  # a step's fed tokens, padded to the next
 
 
 @dataclass
@@ -62,26 +63,26 @@ class CapturedDraft:
 
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [B * T + 3 * B] int64: the token after each fed row, then per sequence its last
-    # verified row, where its one-token steps write (`DecodeGraphs.draft`) and their first position
+    # verified row, where its one-token steps write (`StepGraphs.draft`) and their first position
     drafts: torch.Tensor  # [B, k] int64, rewritten by each replay
     collectives: CommStats  # of one replay, counted at capture
 
 
 @dataclass
 class CapturedStep:
-    """A decode step of B sequences feeding T tokens each (N = B * T rows), or a prompt chunk of one sequence
-    (B = 1, N = T = its padded size)."""
+    """A decode step of B sequences feeding T tokens each (N = B * T rows), or a mixed step of N rows over up to
+    B sequences."""
 
-    size: int  # B, the sequences it runs (pads included)
+    size: int  # B, the sequences it runs (pads included), or a mixed step's table rows but the scratch one
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [3, N] int64: token ids, where (slot cache: the row's slot; paged: its
     # sequence's row of block_tables), positions
-    block_tables: torch.Tensor | None  # [B + 1, W] int32 (paged cache: W = `DecodeGraphs.width`), else None
-    logits: torch.Tensor  # [N, V] float32 (a chunk: [1, V], of row `logit_row`), rewritten by each replay
+    block_tables: torch.Tensor | None  # [B + 1, W] int32 (paged cache: W = `StepGraphs.width`), else None
+    logits: torch.Tensor  # [N, V] float32 (mixed: [L, V], of rows `logit_rows`), rewritten by each replay
     hidden: torch.Tensor  # [N, H] the post-norm hidden the logits come from (the drafter's input)
     collectives: CommStats  # of one replay, counted at capture
     draft: CapturedDraft | None  # with speculation (decode steps)
-    logit_row: torch.Tensor | None = None  # [1] int64: a chunk's last real row
+    logit_rows: torch.Tensor | None = None  # mixed: [L] int64, the rows whose logits it computes
 
 
 def deployment_problems(device_type: str, dp_size: int, ep_backend: str) -> list[str]:
@@ -102,10 +103,10 @@ def graph_sizes(max_batch: int) -> list[int]:
     return [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
 
 
-def chunk_sizes(max_num_batched_tokens: int) -> list[int]:
-    """The padded sizes of the prompt-chunk graphs for a step token budget of `max_num_batched_tokens`."""
-    most = min(max_num_batched_tokens, CHUNK_TOKENS[-1])
-    return [n for n in CHUNK_TOKENS if n < most] + [most]
+def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
+    """The padded sizes of the mixed-step graphs for a step token budget of `max_num_batched_tokens`."""
+    most = min(max_num_batched_tokens, MIXED_TOKENS[-1])
+    return [n for n in MIXED_TOKENS if n < most] + [most]
 
 
 def table_width(cache: PagedKVCache, max_model_len: int) -> int:
@@ -122,12 +123,15 @@ def padded_tables(tables: list[list[int]], rows: int, width: int, scratch: int) 
     return out
 
 
-def chunk_rows(tokens: list[int], start: int, size: int, where: int, pad_where: int) -> list[list[int]]:
-    """The inputs `[3, size]` (ids, where, positions; see `step_view`) of a prompt-chunk graph: `tokens` at
-    positions `start` .. in `where`, then `size - len(tokens)` pad rows of token 0 in `pad_where` at positions
-    0 ..."""
-    n, pad = len(tokens), size - len(tokens)
-    return [tokens + [0] * pad, [where] * n + [pad_where] * pad, list(range(start, start + n)) + list(range(pad))]
+def mixed_rows(tokens: list[list[int]], starts: list[int], size: int, pad_where: int) -> list[list[int]]:
+    """The inputs `[3, size]` (ids, where, positions; see `step_view`) of a mixed-step graph: sequence i's
+    `tokens[i]` at positions `starts[i]` .. in table row i, laid end to end, then pad rows of token 0 in table
+    row `pad_where`, at positions within its first block (`BLOCK_SIZE`)."""
+    ids = [t for seq in tokens for t in seq]
+    where = [i for i, seq in enumerate(tokens) for _ in seq]
+    positions = [start + j for seq, start in zip(tokens, starts) for j in range(len(seq))]
+    pad = size - len(ids)
+    return [ids + [0] * pad, where + [pad_where] * pad, positions + [j % BLOCK_SIZE for j in range(pad)]]
 
 
 def step_view(cache: KVCache | PagedKVCache, where: torch.Tensor, positions: torch.Tensor, block_tables):
@@ -189,7 +193,7 @@ def draft_tokens(
     return torch.stack(drafts, dim=1)
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(
         self,
         model: DeepseekV32ForCausalLM,
@@ -201,11 +205,11 @@ class DecodeGraphs:
         max_num_batched_tokens: int = 0,
     ):
         """Captures one graph per size in `graph_sizes(max_num_seqs)` now (with `drafts` > 0 speculative
-        steps: each sequence feeds 1 + drafts tokens, and a drafter's graph per size too), then, paged, one per
-        size in `chunk_sizes(max_num_batched_tokens)` (0: none), on every rank in the same order. Paged cache:
-        block tables of `table_width(cache, max_model_len)` blocks (None: the whole cache).
+        steps: each sequence feeds 1 + drafts tokens, and a drafter's graph per size too), then, paged, a mixed
+        step's per size in `mixed_sizes(max_num_batched_tokens)` (0: none), on every rank in the same order.
+        Paged cache: block tables of `table_width(cache, max_model_len)` blocks (None: the whole cache).
         `on_capture(kind, size, index, count)` is called before each capture (progress output): kind "decode"
-        (size: B) or "chunk" (size: tokens), the index-th of count."""
+        (size: B) or "mixed" (size: tokens), the index-th of count."""
         problems = deployment_problems(cache.device.type, get_parallel_state().dp_size, model.parallel.ep_backend)
         capturable, experts = model.graph_capturable
         if not capturable:
@@ -219,20 +223,20 @@ class DecodeGraphs:
         self.paged = isinstance(cache, PagedKVCache)
         self.width = table_width(cache, max_model_len or cache.capacity_tokens) if self.paged else 0
         self.steps: dict[int, CapturedStep] = {}  # B -> graph
-        self.chunks: dict[int, CapturedStep] = {}  # padded chunk tokens -> graph
+        self.mixed: dict[int, CapturedStep] = {}  # padded tokens -> graph
         self.captures = 0  # graphs captured by this object, ever
         self.replayed: CapturedStep | None = None  # the step replayed last, whose rows `draft` continues
         self._pool = None
         plan = [("decode", size) for size in reversed(graph_sizes(max_num_seqs))]  # largest first: the others
         if self.paged and max_num_batched_tokens:  # reuse its memory
-            plan += [("chunk", tokens) for tokens in reversed(chunk_sizes(max_num_batched_tokens))]
+            plan += [("mixed", tokens) for tokens in reversed(mixed_sizes(max_num_batched_tokens))]
         for index, (kind, size) in enumerate(plan, 1):
             if on_capture is not None:
                 on_capture(kind, size, index, len(plan))
             if kind == "decode":
                 self._capture(size)
             else:
-                self._capture_chunk(size)
+                self._capture_mixed(size)
 
     def batch_sizes(self) -> list[int]:
         """The padded batch sizes captured."""
@@ -242,10 +246,10 @@ class DecodeGraphs:
         """Whether a decode step whose sequences feed `num_tokens` each can replay a graph."""
         return 0 < len(num_tokens) <= self.max_num_seqs and all(n == self.tokens_per_seq for n in num_tokens)
 
-    def fits_chunk(self, num_tokens: list[int]) -> bool:
-        """Whether a prompt step whose sequences feed `num_tokens` each can replay a chunk graph: one sequence,
-        at most the largest chunk size."""
-        return len(num_tokens) == 1 and 0 < num_tokens[0] <= max(self.chunks, default=0)
+    def fits_mixed(self, num_tokens: list[int]) -> bool:
+        """Whether a step whose sequences feed `num_tokens` each can replay a mixed graph: at most the largest
+        size's tokens over at most `max_num_seqs` sequences."""
+        return 0 < len(num_tokens) <= self.max_num_seqs and 0 < sum(num_tokens) <= max(self.mixed, default=0)
 
     def eager_step(self, inputs: torch.Tensor, block_tables: torch.Tensor | None = None) -> torch.Tensor:
         """`decode_logits` of this model and cache."""
@@ -280,21 +284,21 @@ class DecodeGraphs:
             draft = CapturedDraft(draft_graph, draft_inputs, drafts, draft_collectives)
         self.steps[size] = CapturedStep(size, graph, inputs, tables, logits, hidden, collectives, draft)
 
-    def _capture_chunk(self, tokens: int) -> None:
-        """The graph of one sequence's prompt chunk of up to `tokens` tokens (paged cache), captured with every
-        row a pad row."""
-        device = self.cache.device
-        inputs = torch.tensor(chunk_rows([], 0, tokens, 0, 1), device=device)  # row 1 of the tables: all scratch
-        tables = torch.full((2, self.width), self.cache.scratch_block, dtype=torch.int32, device=device)
-        logit_row = torch.zeros(1, dtype=torch.long, device=device)
+    def _capture_mixed(self, tokens: int) -> None:
+        """The graph of a mixed step of up to `tokens` rows over up to min(tokens, max_num_seqs) sequences
+        (paged cache), captured with every row a pad row."""
+        device, count = self.cache.device, min(tokens, self.max_num_seqs)
+        inputs = torch.tensor(mixed_rows([], [], tokens, count), device=device)
+        tables = torch.full((count + 1, self.width), self.cache.scratch_block, dtype=torch.int32, device=device)
+        logit_rows = torch.zeros(min(tokens, count * self.tokens_per_seq), dtype=torch.long, device=device)
 
         def target():
             hidden = decode_hidden(self.model, self.cache, inputs, tables)
-            return self.model.compute_logits(hidden, logit_row), hidden
+            return self.model.compute_logits(hidden, logit_rows), hidden
 
         self._warm(target)
         graph, (logits, hidden), collectives = self._record(target)
-        self.chunks[tokens] = CapturedStep(1, graph, inputs, tables, logits, hidden, collectives, None, logit_row)
+        self.mixed[tokens] = CapturedStep(count, graph, inputs, tables, logits, hidden, collectives, None, logit_rows)
 
     def _warm(self, run) -> None:
         """Run `run` once eagerly on a side stream before capturing it: compiles its kernels, sets up the
@@ -352,29 +356,40 @@ class DecodeGraphs:
         self.replayed = captured
         return captured.logits[: count * per_seq]
 
-    def chunk(self, tokens: list[int], table: list[int], start: int, stats: CommStats) -> torch.Tensor:
-        """One prompt step of one sequence feeding `tokens` from position `start` into the blocks `table` ->
-        the logits `[1, V]` of its last token (a view of the graph's output, valid until the next step;
-        `replayed.hidden[: len(tokens)]` is the chunk's hidden). Adds the replayed collectives to `stats`."""
-        n = len(tokens)
-        if not self.fits_chunk([n]):
+    def mixed_step(
+        self, tokens: list[list[int]], tables: list[list[int]], starts: list[int], logit_rows: list[int], stats
+    ) -> torch.Tensor:
+        """One step of the sequences feeding `tokens[i]` from position `starts[i]` into the blocks `tables[i]`
+        -> the logits `[len(logit_rows), V]` of the fed rows `logit_rows` (indices into the tokens laid end to
+        end; a view of the graph's output, valid until the next step; `replayed.hidden[:N]` is the fed rows'
+        hidden). Adds the replayed collectives to `stats`."""
+        fed = sum(map(len, tokens))
+        if not self.fits_mixed([len(t) for t in tokens]):
             raise ValueError(
-                f"a prompt chunk of {n} tokens; chunk graphs were captured for 1 .. {max(self.chunks, default=0)}"
+                f"a step of {len(tokens)} sequences feeding {fed} tokens; mixed graphs were captured for up to "
+                f"{self.max_num_seqs} sequences and {max(self.mixed, default=0)} tokens"
             )
-        if len(table) > self.width:
+        size = min(n for n in self.mixed if n >= fed)
+        captured, used = self.mixed[size], max(len(table) for table in tables)
+        if len(tokens) > captured.size or len(logit_rows) > captured.logit_rows.shape[0]:
             raise ValueError(
-                f"a block table of {len(table)} blocks in a prompt step; graphs were captured for {self.width} "
-                f"(max_model_len)"
+                f"a step of {len(tokens)} sequences and {len(logit_rows)} logits rows; the mixed graph of {size} "
+                f"tokens holds {captured.size} and {captured.logit_rows.shape[0]}"
             )
-        size = min(c for c in self.chunks if c >= n)
-        captured = self.chunks[size]
-        captured.block_tables[0, : len(table)].copy_(torch.tensor(table, dtype=torch.int32))
-        captured.inputs.copy_(torch.tensor(chunk_rows(tokens, start, size, 0, 1)))  # row 1: all scratch
-        captured.logit_row.fill_(n - 1)
+        if used > self.width:
+            raise ValueError(
+                f"a block table of {used} blocks in a step; graphs were captured for {self.width} (max_model_len)"
+            )
+        captured.block_tables[: len(tables), :used].copy_(
+            torch.from_numpy(padded_tables(tables, len(tables), used, self.cache.scratch_block))
+        )
+        captured.inputs.copy_(torch.tensor(mixed_rows(tokens, starts, size, captured.size)))
+        padded_rows = logit_rows + [0] * (captured.logit_rows.shape[0] - len(logit_rows))
+        captured.logit_rows.copy_(torch.tensor(padded_rows))
         captured.graph.replay()
         stats.add(captured.collectives)
         self.replayed = captured
-        return captured.logits
+        return captured.logits[: len(logit_rows)]
 
     def draft(
         self, next_ids: list[list[int]], last: list[int], starts: list[int | None], locations: list, stats: CommStats

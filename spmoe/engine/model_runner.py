@@ -1,9 +1,9 @@
 """One step on the model: `run(batch) -> StepResult`.
 
 1. One target forward over every scheduled sequence's tokens, laid end to end: run eagerly or, for a decode
-   step (one token per sequence, or with speculation its token and its k drafts) and for a step of one
-   sequence's short prompt chunk, replayed from a CUDA graph (`cuda_graphs.py`); the logits of the rows the
-   step commits from.
+   step (one token per sequence, or with speculation its token and its k drafts) and, paged, for any other
+   step of up to 512 tokens, replayed from a CUDA graph (`cuda_graphs.py`); the logits of the rows the step
+   commits from.
 2. The choice: every row the step commits from goes through the batched `Sampler` at once (each row with
    its request's settings); a sequence takes the token of its last row, or, when it fed drafts, the drafts
    the target keeps and the target's next draw, by the lossless rule of `rejection.py` (each row's draw is
@@ -30,7 +30,7 @@ from itertools import accumulate
 import torch
 
 from spmoe.distributed import CommStats
-from spmoe.engine.cuda_graphs import CapturedStep, DecodeGraphs
+from spmoe.engine.cuda_graphs import CapturedStep, StepGraphs
 from spmoe.engine.grammar import DraftGrammars, apply_bitmask, fill_bitmask
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import PagedKVCache
@@ -63,19 +63,19 @@ class ModelRunner:
         takes and frees them); `keep_in_step`: run the draft step even with nothing to
         draft (under DP, where every rank runs every step); `max_model_len`: the most positions a sequence
         takes (the width of the graphs' block tables); `max_num_batched_tokens`: the step's token budget (the
-        largest prompt-chunk graph); `log(line)`: progress while capturing graphs."""
+        largest mixed-step graph); `log(line)`: progress while capturing graphs."""
         self.model, self.cache, self.stats, self.keep_in_step = model, cache, stats, keep_in_step
         self.sampler = sampler
         on_capture = None
         if log is not None:
 
             def on_capture(kind: str, size: int, index: int, count: int) -> None:
-                step = f"the decode step for batch {size}" if kind == "decode" else f"a prompt chunk of {size} tokens"
+                step = f"the decode step for batch {size}" if kind == "decode" else f"a step of up to {size} tokens"
                 log(f"warming up: capturing the CUDA graph of {step} ({index}/{count})")
 
         self.graphs = None
         if cuda_graphs:
-            self.graphs = DecodeGraphs(
+            self.graphs = StepGraphs(
                 model, cache, max_num_seqs, max_model_len, on_capture, num_speculative_tokens, max_num_batched_tokens
             )
         self.drafter = MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None
@@ -107,15 +107,15 @@ class ModelRunner:
         if graphs is not None and batch.decode and graphs.fits(batch.num_tokens):
             logits = graphs.step(tokens, batch.locations, batch.starts, collectives)
             return logits, graphs.replayed.hidden, graphs.replayed
-        if graphs is not None and not batch.decode and graphs.fits_chunk(batch.num_tokens):
-            logits = graphs.chunk(tokens[0], batch.locations[0], batch.starts[0], collectives)
-            return logits[: 1 if batch.samples[0] else 0], graphs.replayed.hidden, graphs.replayed
         lens = [len(t) for t in tokens]
+        logit_rows = [1 + len(s.drafts) if last else 0 for s, last in zip(batch.seqs, batch.samples)]
+        rows = [r for end, m in zip(accumulate(lens), logit_rows) for r in range(end - m, end)]
+        if graphs is not None and graphs.fits_mixed(lens):
+            logits = graphs.mixed_step(tokens, batch.locations, batch.starts, rows, collectives)
+            return logits, graphs.replayed.hidden, graphs.replayed
         view = self.cache.view(batch.locations, batch.starts, lens)
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=view.positions.device)
         hidden = self.model.forward_hidden(ids, view.positions, lens, view)  # FULL [N, H]
-        logit_rows = [1 + len(s.drafts) if last else 0 for s, last in zip(batch.seqs, batch.samples)]
-        rows = [r for end, m in zip(accumulate(lens), logit_rows) for r in range(end - m, end)]
         return (
             self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long, device=hidden.device)),
             hidden,

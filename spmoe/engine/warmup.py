@@ -3,8 +3,8 @@ show nothing more is compiled or captured afterwards.
 
 - `stats.KernelCompiles`: Triton kernel variants loaded in this process (a new specialisation compiled, or
   read from Triton's disk cache: either way a pause of milliseconds to seconds in the step that meets it).
-- CUDA graphs are captured when the engine is built (`DecodeGraphs`: one per padded batch size, one per
-  prompt-chunk size); its `captures` counts them.
+- CUDA graphs are captured when the engine is built (`StepGraphs`: one per padded batch size of a decode
+  step, one per padded token count of any other step up to 512); its `captures` counts them.
 - `warm_up(engine)`: runs the engine over a few synthetic requests of lengths that take the step's kernels
   through the shapes serving meets (one-token and odd-length prompts, a prompt chunked by the token budget,
   decode steps of up to that many sequences, greedy and sampled), then steps of every size class on their
@@ -53,10 +53,8 @@ def warmup_step_sizes(max_num_batched_tokens: int) -> list[int]:
 
 
 def warmup_step_prompts(tokens: int, longest: int) -> list[int]:
-    """Prompt lengths that make one step of `tokens` tokens: as few prompts as fit `longest` each, and two at
-    least (a step of one prompt may replay a chunk graph; these steps are for the eager kernels)."""
-    prompts = [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else [])
-    return [tokens - 1, 1] if len(prompts) == 1 and tokens > 1 else prompts
+    """Prompt lengths that make one step of `tokens` tokens: as few prompts as fit `longest` each."""
+    return [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else [])
 
 
 def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:

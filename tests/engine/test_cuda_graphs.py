@@ -24,7 +24,7 @@ GRAPH_CONFIG = {
 
 
 def graph_cases(folder: str) -> dict:
-    from spmoe.engine.cuda_graphs import DecodeGraphs
+    from spmoe.engine.cuda_graphs import StepGraphs
     from spmoe.engine.engine import Engine
     from spmoe.engine.kv_cache import KVCache
     from spmoe.models.deepseek_v32.weights import load_model
@@ -36,7 +36,7 @@ def graph_cases(folder: str) -> dict:
         )
         out[sp, "experts"] = model.model.experts_backend.name
         cache = KVCache.for_model(model, 4, 16)
-        graphs = DecodeGraphs(model, cache, cache.max_seqs)
+        graphs = StepGraphs(model, cache, cache.max_seqs)
         prompts = [[5, 6, 7], [8], [9, 10]]
         slots = [cache.allocate() for _ in prompts]
         with torch.no_grad():

@@ -1,10 +1,10 @@
 """The engine over the paged cache on one GPU, bfloat16 with the Triton kernels: decode steps replayed from CUDA
-graphs (one per batch size, captured when the engine is built, block tables padded to max_model_len) generate
-what the eager paged engine does (and so does the next turn of a conversation, whose uncached tokens one
-chunk graph computes), and what the dense reference engine does, for contexts below and above
-index_topk over 1 to 5 blocks of the 8 a table holds, prompts chunked by a small token budget; nothing is
-captured after the engine is warm. n = 4 choices of one prompt fork from the first and get what each gets
-alone."""
+graphs (one per batch size, captured when the engine is built, block tables padded to max_model_len) and
+prompt steps of up to 128 tokens replayed from mixed-step graphs generate what the eager paged engine does
+(the next turn of a conversation too, whose uncached tokens one step computes), and what the dense reference
+engine does, for contexts below and above index_topk over 1 to 5 blocks of the 8 a table holds, prompts
+chunked by a small token budget; nothing is captured after the engine is warm. n = 4 choices of one prompt
+fork from the first and get what each gets alone."""
 
 import pytest
 import torch
@@ -72,10 +72,10 @@ def test_paged_engine_graphs(tmp_path):
     assert graphed[0] == eager[0]
     assert graphed[2] == [1, 2, 4] and got["paged_graphs", "width"] == 8  # 512 positions
     captures, after_ready, _, _ = got["paged_graphs", "counts"]
-    assert captures == 7, "one graph per batch size and per chunk size, none while generating"
+    assert captures == 7, "one graph per batch size and per mixed-step size, none while generating"
     capture_lines = [line.split("graph of ")[1] for line in got["paged_graphs", "log"] if "capturing" in line]
     steps = [f"the decode step for batch {b}" for b in (4, 2, 1)]
-    steps += [f"a prompt chunk of {n} tokens" for n in (128, 64, 32, 16)]
+    steps += [f"a step of up to {n} tokens" for n in (128, 64, 32, 16)]
     assert capture_lines == [f"{step} ({i}/7)" for i, step in enumerate(steps, 1)], capture_lines
     assert got["dense", "kernel compiles"] > 0  # Triton's hook counts what the first engine compiled
     print("compiles or captures after ready:", after_ready)
@@ -83,7 +83,7 @@ def test_paged_engine_graphs(tmp_path):
     agree = sum(a == b for p, d in zip(eager[0], dense[0]) for a, b in zip(p, d)) / sum(map(len, dense[0]))
     assert agree >= 0.9, agree  # bf16: dense and sparse attention round differently
 
-    # the next turn: its 62 new tokens in one chunk graph of 64 (eagerly without graphs), the same tokens
+    # the next turn: its 62 new tokens in one mixed-step graph of 64 (eagerly without graphs), the same tokens
     (eager_turn, eager_logits, eager_replays, eager_hits), (turn, logits, replays, hits) = (
         got["paged", "turn"], got["paged_graphs", "turn"]
     )  # fmt: skip
@@ -175,7 +175,7 @@ def test_speculative_decode_in_graphs(tmp_path):
     same = sum(a == b for p, q in zip(eager[2], graphed[2]) for a, b in zip(p, q)) / sum(map(len, eager[2]))
     assert same >= 0.9, same
     captures, _ = got["graphs", "counts"]
-    assert captures == 10, "a target and a drafter graph per batch size (1, 2, 4), a chunk graph per chunk size"
+    assert captures == 10, "a target and a drafter graph per batch size (1, 2, 4), a mixed-step graph per size"
     for spec in got["graphs", "speculative"]:
         assert spec["verify_steps"] > 0
     assert got["replay logit error"] < 1e-3, got["replay logit error"]

@@ -105,11 +105,8 @@ def warm_up_case(model):
     sizes = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17]  # 2**k - 1, 2**k, 2**k + 1 up to the budget of 24
     assert warmup_step_sizes(24) == sizes
     assert warmup_step_prompts(17, 8) == [8, 8, 1] and warmup_step_prompts(16, 8) == [8, 8]  # longer than a prompt
-    assert warmup_step_prompts(5, 8) == [4, 1] and warmup_step_prompts(8, 8) == [7, 1]  # two prompts: eager
-    assert warmup_step_prompts(1, 8) == [1]
     assert step_tokens[-len(sizes) :] == sizes  # each a step of its own, after the batch of requests
-    # a token per prompt: the one-token step has one prompt, every other step two
-    assert done["generated_tokens"] == 5 * 4 + 1 + 2 * (len(sizes) - 1) and done["steps"] > 5 + len(sizes)
+    assert done["generated_tokens"] == 5 * 4 + len(sizes) and done["steps"] > 5 + len(sizes)
     short = Engine(
         model, PagedKVCache.for_model(model, 2**22), max_num_seqs=5, max_num_batched_tokens=24, max_model_len=12
     )
