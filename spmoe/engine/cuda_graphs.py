@@ -54,7 +54,9 @@ from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-MIXED_TOKENS = (16, 32, 64, 128, 256, 512)  # a step's fed tokens, padded to the next
+# a step's fed tokens, padded to the next: above about 200 tokens a step's time grows with its rows
+# (`bench_decode_step.py`), so the sizes are close enough that padding adds at most a quarter above 128
+MIXED_TOKENS = (16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 @dataclass

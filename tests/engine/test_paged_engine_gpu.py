@@ -72,11 +72,11 @@ def test_paged_engine_graphs(tmp_path):
     assert graphed[0] == eager[0]
     assert graphed[2] == [1, 2, 4] and got["paged_graphs", "width"] == 8  # 512 positions
     captures, after_ready, _, _ = got["paged_graphs", "counts"]
-    assert captures == 7, "one graph per batch size and per mixed-step size, none while generating"
+    assert captures == 9, "one graph per batch size and per mixed-step size, none while generating"
     capture_lines = [line.split("graph of ")[1] for line in got["paged_graphs", "log"] if "capturing" in line]
     steps = [f"the decode step for batch {b}" for b in (4, 2, 1)]
-    steps += [f"a step of up to {n} tokens" for n in (128, 64, 32, 16)]
-    assert capture_lines == [f"{step} ({i}/7)" for i, step in enumerate(steps, 1)], capture_lines
+    steps += [f"a step of up to {n} tokens" for n in (128, 96, 64, 32, 16)]
+    assert capture_lines == [f"{step} ({i}/9)" for i, step in enumerate(steps, 1)], capture_lines
     assert got["dense", "kernel compiles"] > 0  # Triton's hook counts what the first engine compiled
     print("compiles or captures after ready:", after_ready)
     assert ((graphed[1] - eager[1]).abs().max() / eager[1].abs().max()).item() < 2e-2
@@ -175,7 +175,7 @@ def test_speculative_decode_in_graphs(tmp_path):
     same = sum(a == b for p, q in zip(eager[2], graphed[2]) for a, b in zip(p, q)) / sum(map(len, eager[2]))
     assert same >= 0.9, same
     captures, _ = got["graphs", "counts"]
-    assert captures == 10, "a target and a drafter graph per batch size (1, 2, 4), a mixed-step graph per size"
+    assert captures == 11, "a target and a drafter graph per batch size (1, 2, 4), a mixed-step graph per size"
     for spec in got["graphs", "speculative"]:
         assert spec["verify_steps"] > 0
     assert got["replay logit error"] < 1e-3, got["replay logit error"]
