@@ -1,0 +1,140 @@
+"""The engine's CUDA-graph steps (`cuda_graphs.StepGraphs`: decode, drafter and mixed-step graphs) driven on
+the CPU, each "graph" replayed by running its captured function again on its static inputs (`EagerReplay`:
+what a replay computes, without CUDA), against the eager engine: the same tokens, logprobs and prompt
+logprobs, over prompt chunks beside decoding sequences, a cached conversation's next turn, n = 3 forks,
+greedy and sampled requests with penalties, with and without MTP speculation (k = 2). The graph engine must
+have replayed both decode and mixed steps. What this leaves to the GPU tests: the capture itself and the
+kernels inside a real graph (`test_paged_engine_gpu.py`)."""
+
+import torch
+
+from spmoe.config import ParallelConfig
+from spmoe.distributed import spawn
+
+from .conftest import ENGINE_CONFIG
+
+BUDGET = 48  # tokens a step feeds: prompts are chunked beside the decoding sequences
+PROMPT_LENS = (5, 40, 70, 130)
+
+
+class EagerReplay:
+    """Stands in for a captured graph: `replay()` runs the captured function again and writes what it returns
+    into the tensors the capture returned (the graph's outputs)."""
+
+    def __init__(self, run, outputs):
+        self.run, self.outputs = run, outputs
+
+    def replay(self) -> None:
+        fresh = self.run()
+        pairs = zip(self.outputs, fresh) if isinstance(fresh, tuple) else [(self.outputs, fresh)]
+        for static, new in pairs:
+            static.copy_(new)
+
+
+def cpu_step_graphs():
+    """`StepGraphs` whose captures are `EagerReplay`s, allowed on the CPU."""
+    from spmoe.distributed import CommStats
+    from spmoe.engine import cuda_graphs
+
+    class CpuStepGraphs(cuda_graphs.StepGraphs):
+        def _warm(self, run) -> None:
+            pass
+
+        def _record(self, run):
+            with torch.no_grad():
+                outputs = run()
+            self.captures += 1
+            return EagerReplay(run, outputs), outputs, CommStats()
+
+    return CpuStepGraphs
+
+
+def run_waves(engine, prompts: list[list[int]], extra: list[int]) -> dict:
+    """Three waves, each run to its end: four requests at once (greedy; sampled with top_p and logprobs;
+    greedy with prompt logprobs; sampled with penalties), the next turn of the longest conversation (its
+    prompt and output cached, `extra` new tokens), then n = 3 sampled choices of one prompt. -> request id ->
+    (tokens, logprobs of the chosen tokens, prompt logprobs), and the graph replays per phase."""
+    from spmoe.engine.request import Request
+    from spmoe.engine.sampling import SamplingParams
+
+    settings = [
+        SamplingParams(),
+        SamplingParams(1.0, top_p=0.9, seed=5, logprobs=2),
+        SamplingParams(prompt_logprobs=1),
+        SamplingParams(1.0, seed=6, presence_penalty=0.5, frequency_penalty=0.3),
+    ]
+    got, replays = {}, {"prefill": 0, "decode": 0}
+
+    def wave(requests):
+        for request in requests:
+            engine.add_request(request)
+            got[request.request_id] = ([], [], None)
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens, logprobs, prompt = got[out.request_id]
+                tokens += out.new_token_ids
+                logprobs += [chosen for chosen, _ in out.logprobs or []]  # (logprob, top entries) per token
+                if out.prompt_logprobs is not None:
+                    prompt = [None if entry is None else entry[0] for entry in out.prompt_logprobs]
+                got[out.request_id] = (tokens, logprobs, prompt)
+        for name in replays:
+            replays[name] += engine.stats.phases[name].replays
+
+    wave([Request(f"first-{i}", p, 10, s) for i, (p, s) in enumerate(zip(prompts, settings))])
+    turn = prompts[3] + got["first-3"][0] + extra
+    wave([Request("turn", turn, 8, SamplingParams(logprobs=1))])
+    wave([Request(f"choice-{i}", prompts[1], 6, SamplingParams(1.0, seed=20 + i)) for i in range(3)])
+    return {"outputs": got, "replays": replays}
+
+
+def graph_and_eager_engines(folder: str) -> dict:
+    from spmoe.engine import cuda_graphs, model_runner
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    # the CPU is no CUDA device and its experts sync the host: allowed here, where nothing is captured
+    cuda_graphs.deployment_problems = lambda *args: []
+    DeepseekV32ForCausalLM.graph_capturable = property(lambda self: (True, "replayed eagerly"))
+    model_runner.StepGraphs = cpu_step_graphs()
+
+    model = load_model(folder, ParallelConfig(), with_mtp=True)
+    gen = torch.Generator().manual_seed(0)
+    vocab = ENGINE_CONFIG["vocab_size"]
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    extra = torch.randint(0, vocab, (20,), generator=gen).tolist()
+    out = {}
+    for k in (0, 2):
+        for graphs in (False, True):
+            engine = Engine(
+                model, PagedKVCache.for_model(model, 2**22), num_speculative_tokens=k, cuda_graphs=graphs,
+                max_num_seqs=4, max_num_batched_tokens=BUDGET, max_model_len=512,
+            )  # fmt: skip
+            out[k, graphs] = run_waves(engine, prompts, extra)
+            out[k, graphs, "captures"] = engine.graph_captures()
+    return out
+
+
+def test_graph_steps_replayed_on_the_cpu_match_the_eager_engine(engine_checkpoint):
+    got = spawn(graph_and_eager_engines, 1, engine_checkpoint)[0]
+    for k in (0, 2):
+        eager, graphed = got[k, False], got[k, True]
+        # decode graphs for batches 1, 2, 4 (and their drafters with k > 0), mixed steps of 16, 32, 48 tokens
+        assert got[k, True, "captures"] == 3 * (2 if k else 1) + 3 and got[k, False, "captures"] == 0
+        assert eager["replays"] == {"prefill": 0, "decode": 0}
+        assert graphed["replays"]["prefill"] > 0 and graphed["replays"]["decode"] > 0, graphed["replays"]
+        assert set(graphed["outputs"]) == set(eager["outputs"])
+        for request_id, (tokens, logprobs, prompt) in eager["outputs"].items():
+            g_tokens, g_logprobs, g_prompt = graphed["outputs"][request_id]
+            assert g_tokens == tokens and tokens, (k, request_id, tokens, g_tokens)
+            assert len(g_logprobs) == len(logprobs)
+            for a, b in zip(g_logprobs, logprobs):
+                assert abs(a - b) < 1e-4, (k, request_id, a, b)
+            assert (g_prompt is None) == (prompt is None), request_id
+            if prompt is not None:
+                assert len(g_prompt) == len(prompt) == PROMPT_LENS[2] and g_prompt[0] is None
+                assert max(abs(a - b) for a, b in zip(g_prompt[1:], prompt[1:])) < 1e-4
+        # the logprobs asked for were produced (not silently empty)
+        assert len(eager["outputs"]["first-1"][1]) == len(eager["outputs"]["first-1"][0]) > 0
+        assert len(eager["outputs"]["turn"][1]) == len(eager["outputs"]["turn"][0]) > 0
