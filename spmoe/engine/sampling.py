@@ -130,20 +130,33 @@ def seed_keys(seed: int) -> tuple[int, int]:
     return first, mix32(first ^ 0xBB67AE85)
 
 
-def exponential_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+def noise_bits(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys `[m, 2]` int64 (`seed_keys` of each row's seed), index `[m]` int64 (the output index of the token
-    each row chooses) -> `[m, vocab]` float32 Exp(1) noise, a function of (keys, index, token id) only.
+    each row chooses) -> `[m, vocab]` int64: 32 hash bits per token, a function of (keys, index, token id) only.
 
     Two hash rounds per element, each keyed by a different mix of (seed, index): rows whose first keys happen
-    to lie close together still get unrelated noise. The top 24 bits make a uniform u in (0, 1), exactly
-    representable in float32; -log(u) is Exp(1)."""
+    to lie close together still get unrelated noise."""
     index = index & MASK32
     a = mix32(keys[:, 0] ^ index)[:, None]
     b = mix32((keys[:, 1] + index) & MASK32)[:, None]
     ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)
-    bits = mix32(mix32((ids + a) & MASK32) ^ b)
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    return mix32(mix32((ids + a) & MASK32) ^ b)
+
+
+def exponential_of(bits: torch.Tensor) -> torch.Tensor:
+    """Hash bits (int64 in [0, 2**32)) -> float32 Exp(1) noise of the same shape, in (0, 16.7).
+
+    The top 23 bits v make u = (v + 0.5) / 2**23 in (0, 1), exactly: 2v + 1 < 2**24 fits float32's
+    significand (24 bits would not: v + 0.5 then rounds, and the largest v to u = 1, noise -0.0, and a ratio
+    0 / -0.0 = NaN that argmax takes, drawing an excluded token). -log(u) is Exp(1), never 0."""
+    uniform = ((bits >> 9).to(torch.float32) + 0.5) * 2.0**-23
     return -torch.log(uniform)
+
+
+def exponential_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys `[m, 2]`, index `[m]` (as for `noise_bits`) -> `[m, vocab]` float32 Exp(1) noise: the exponential
+    of each token's hash bits."""
+    return exponential_of(noise_bits(keys, index, vocab))
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from spmoe.engine.sampling import (
     Sampler,
     SamplingParams,
     exponential_noise,
+    exponential_of,
     mix32,
     prompt_logprobs,
     seed_keys,
@@ -202,6 +203,23 @@ def test_the_hash_is_the_same_on_python_ints_and_tensors_and_uniform_enough():
     noise = exponential_noise(torch.tensor([seed_keys(0)]), torch.tensor([0]), 200000)[0]
     assert noise.mean().item() == pytest.approx(1.0, abs=0.01)  # Exp(1): mean 1, variance 1
     assert noise.var().item() == pytest.approx(1.0, abs=0.02)
+
+
+def test_the_noise_is_positive_at_every_uniform_so_no_excluded_token_is_drawn():
+    """Every value of the top 23 bits (the low 9 set, as high as bits go) gives noise in (0, 16.7) whose
+    exp(-noise) is (v + 0.5) / 2**23; a noise of 0 would make an excluded token's ratio 0 / 0 = NaN, which
+    argmax takes. At seed 7, output indices 91, 116, 169 and 170 of 154880 tokens, a 24-bit uniform rounded to
+    1.0 on an excluded token: top_k 1 must still draw the argmax there."""
+    top = torch.arange(2**23, dtype=torch.int64)
+    noise = exponential_of(top << 9 | 511)
+    assert torch.isfinite(noise).all() and noise.min().item() > 0 and noise.max().item() < 16.7
+    exact = (top.double() + 0.5) * 2.0**-23
+    assert torch.allclose(torch.exp(-noise.double()), exact, rtol=1e-6, atol=0)
+    vocab, indices = 154880, [91, 116, 169, 170]
+    sampler = Sampler(4, vocab)
+    row = sampler.add(SamplingParams(1.0, top_k=1, seed=7), [0])
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1)).expand(4, -1)
+    assert sampler.sample(logits, [row] * 4, indices).token_ids == [logits[0].argmax().item()] * 4
 
 
 def test_a_seed_fixes_the_token_whatever_else_is_in_the_batch():
