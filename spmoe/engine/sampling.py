@@ -13,7 +13,9 @@ The E_i are not read from a stateful generator but computed from (the request's 
 being chosen in its output, i) by an integer hash (`exponential_noise`). So a request's tokens depend on its
 seed and logits only: not on the other rows of the batch, not on how many steps it waited or was preempted,
 and every TP rank, holding the same logits, draws the same token without communicating. The same noise at
-the same index also serves a verification step that chooses several tokens of one sequence at once.
+the same index also serves a verification step that chooses several tokens of one sequence at once. On CUDA
+one Triton kernel hashes the noise in registers and races in the same pass (`draw_tokens`), the same draw
+without the `[rows, V]` noise.
 
 **Greedy is exact:** a greedy row (temperature 0) takes the argmax of its logits after the processors that
 change which token is best (grammar mask, min_tokens, logit_bias, penalties); with none of them set it is
@@ -44,6 +46,7 @@ from spmoe.engine.logits_processors import (
     scale_by_temperature,
     suppress_tokens,
 )
+from spmoe.layers.fused import use_fused
 
 MAX_LOGPROBS = 20  # the most top logprobs a row may ask for (OpenAI's limit)
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
@@ -162,6 +165,25 @@ def exponential_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> to
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """probs `[..., V]`, noise `[..., V]` Exp(1) -> `[...]` int64: argmax probs / noise, a draw from probs."""
     return (probs / noise).argmax(-1)
+
+
+def draw_tokens(logits: torch.Tensor, at: torch.Tensor, keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """logits `[m, V]` float32; at `[s]` int64: the rows that draw; keys `[s, 2]` and index `[s]` of each drawing
+    row (as for `noise_bits`) -> `[s]` int64: its token, raced over softmax(logits[at[j]]) with its noise. On
+    CUDA with triton one kernel that hashes the noise in registers (`seeded_race_triton`: the same noise, the
+    same token but at near-ties of the two largest ratios); elsewhere `draw_tokens_by_torch`."""
+    if use_fused(logits):
+        from spmoe.engine.seeded_race_triton import seeded_race
+
+        return seeded_race(logits, at, keys, index)
+    return draw_tokens_by_torch(logits, at, keys, index)
+
+
+def draw_tokens_by_torch(
+    logits: torch.Tensor, at: torch.Tensor, keys: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """`draw_tokens` by `exponential_noise` and `race` (the reference): `[s, V]` noise and probabilities."""
+    return race(torch.softmax(logits[at], dim=-1), exponential_noise(keys, index, logits.shape[1]))
 
 
 # -- the batched sampler -------------------------------------------------------------------------------------
@@ -331,12 +353,10 @@ class Sampler:
         best, drawn, finite = self.process(logits, rows, generated, preceding)
         ids = best.argmax(-1)
         sampled = [j for j, p in enumerate(params) if not p.greedy]
-        if sampled:  # the noise of the sampled rows only: `[rows, V]` of it is the step's largest temporary
-            at = torch.tensor(sampled, dtype=torch.int64).to(self.device, non_blocking=True)
-            index = torch.tensor([generated[j] for j in sampled], dtype=torch.int64).to(self.device, non_blocking=True)
-            row = torch.tensor([rows[j] for j in sampled], dtype=torch.int64).to(self.device, non_blocking=True)
-            noise = exponential_noise(self.keys[row], index, self.vocab_size)
-            ids = ids.index_copy(0, at, race(torch.softmax(drawn[at], dim=-1), noise))
+        if sampled:  # the sampled rows only: the reference's noise, `[rows, V]`, is the step's largest temporary
+            picked = [sampled, [generated[j] for j in sampled], [rows[j] for j in sampled]]
+            at, index, row = torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)
+            ids = ids.index_copy(0, at, draw_tokens(drawn, at, self.keys[row], index))
         width = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if width is None:
             return _without_logprobs(ids, finite)

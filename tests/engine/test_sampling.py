@@ -13,8 +13,10 @@ import torch
 
 from spmoe.engine.logits_processors import apply_top_k_top_p
 from spmoe.engine.sampling import (
+    MASK32,
     Sampler,
     SamplingParams,
+    draw_tokens,
     exponential_noise,
     exponential_of,
     mix32,
@@ -220,6 +222,24 @@ def test_the_noise_is_positive_at_every_uniform_so_no_excluded_token_is_drawn():
     row = sampler.add(SamplingParams(1.0, top_k=1, seed=7), [0])
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1)).expand(4, -1)
     assert sampler.sample(logits, [row] * 4, indices).token_ids == [logits[0].argmax().item()] * 4
+
+
+def test_draw_tokens_races_each_drawing_row_with_its_own_noise():
+    """`draw_tokens` off CUDA (the torch reference) on a subset of rows in any order, one twice: each drawing
+    row's token is the argmax of softmax / noise with the noise hashed here from Python ints, token by token."""
+    vocab = 50
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(2)) * 2
+    logits[1, 10:] = NEG
+    at = torch.tensor([3, 1, 3, 0])
+    seeds, index = [5, 2**63 - 1, 6, 0], [0, 2**32 - 1, 7, 2**32 + 3]
+    keys = torch.tensor([seed_keys(seed) for seed in seeds])
+    got = draw_tokens(logits, at, keys, torch.tensor(index)).tolist()
+    for j, row in enumerate(at.tolist()):
+        (k0, k1), i = seed_keys(seeds[j]), index[j] & MASK32
+        a, b = mix32(k0 ^ i), mix32((k1 + i) & MASK32)
+        noise = [-math.log(((mix32(mix32((t + a) & MASK32) ^ b) >> 9) + 0.5) / 2**23) for t in range(vocab)]
+        probs = softmax(logits[row].tolist())
+        assert got[j] == max(range(vocab), key=lambda t: probs[t] / noise[t])
 
 
 def test_a_seed_fixes_the_token_whatever_else_is_in_the_batch():
