@@ -357,24 +357,27 @@ class Sampler:
             picked = [sampled, [generated[j] for j in sampled], [rows[j] for j in sampled]]
             at, index, row = torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)
             ids = ids.index_copy(0, at, draw_tokens(drawn, at, self.keys[row], index))
-        width = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        if width is None:
+        asked = [j for j, p in enumerate(params) if p.logprobs is not None]
+        if not asked:
             return _without_logprobs(ids, finite)
-        logprobs = torch.log_softmax(drawn, dim=-1)
-        top = logprobs.topk(width, dim=-1) if width else None
-        columns = [ids.double()[:, None], finite.double()[:, None], logprobs.gather(1, ids[:, None]).double()]
-        if top is not None:
-            columns += [top.indices.double(), top.values.double()]
-        table = torch.cat(columns, dim=1).tolist()  # the one host transfer: ids, flags, logprobs
-        chosen, tops = [], []
-        for p, line in zip(params, table):
-            wanted = p.logprobs is not None
-            chosen.append(line[2] if wanted else None)
-            k = p.logprobs if wanted else 0
-            tops.append(
-                [(int(t), v) for t, v in zip(line[3 : 3 + k], line[3 + width : 3 + width + k])] if wanted else None
-            )
-        return SampledTokens([int(line[0]) for line in table], [bool(line[1]) for line in table], chosen, tops)
+        m, a, width = len(params), len(asked), max(params[j].logprobs for j in asked)
+        source, chosen_ids = drawn, ids
+        if a < m:  # the rows that asked only: log_softmax and topk are per row, the others' would be dropped
+            where = torch.tensor(asked, dtype=torch.int64).to(self.device, non_blocking=True)
+            source, chosen_ids = drawn[where], ids[where]
+        logprobs = torch.log_softmax(source, dim=-1)  # [a, V]
+        parts = [ids.double(), finite.double(), logprobs.gather(1, chosen_ids[:, None])[:, 0].double()]
+        if width:
+            top = logprobs.topk(width, dim=-1)  # [a, width]
+            parts += [top.indices.flatten().double(), top.values.flatten().double()]
+        flat = torch.cat(parts).tolist()  # the one host transfer: ids, flags, then the asking rows' logprobs
+        chosen, tops = [None] * m, [None] * m
+        top_ids, top_values = flat[2 * m + a : 2 * m + a + a * width], flat[2 * m + a + a * width :]
+        for n, j in enumerate(asked):
+            k, first = params[j].logprobs, n * width
+            chosen[j] = flat[2 * m + n]
+            tops[j] = [(int(t), v) for t, v in zip(top_ids[first : first + k], top_values[first : first + k])]
+        return SampledTokens([int(t) for t in flat[:m]], [bool(f) for f in flat[m : 2 * m]], chosen, tops)
 
     # -- helpers -------------------------------------------------------------------------------------------
 

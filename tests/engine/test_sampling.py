@@ -287,6 +287,27 @@ def test_logprobs_are_those_of_the_distribution_drawn_from():
     assert out.top_logprobs[0] == []
 
 
+def test_logprobs_of_the_rows_that_asked_are_those_of_a_batch_where_every_row_asked():
+    """Only the asking rows' log_softmax and topk are computed: interleaved with rows that did not ask, each gets
+    what it gets when every row asks, bit for bit (the first k of the top 5), and the others get None."""
+    vocab, wanted = 1000, [None, 3, None, 0, 5, None, 1]
+    logits = torch.randn(len(wanted), vocab, generator=torch.Generator().manual_seed(8)) * 3
+    settings = [SamplingParams(0.8 if i % 2 else 0.0, top_p=0.9, seed=i) for i in range(len(wanted))]
+
+    def sample(logprobs):
+        sampler = Sampler(len(wanted), vocab)
+        rows = [sampler.add(SamplingParams(**{**p.__dict__, "logprobs": k}), [0]) for p, k in zip(settings, logprobs)]
+        return sampler.sample(logits, rows, list(range(len(wanted))))
+
+    some, every = sample(wanted), sample([5] * len(wanted))
+    assert some.token_ids == every.token_ids
+    for j, k in enumerate(wanted):
+        if k is None:
+            assert some.logprobs[j] is None and some.top_logprobs[j] is None
+        else:
+            assert some.logprobs[j] == every.logprobs[j] and some.top_logprobs[j] == every.top_logprobs[j][:k]
+
+
 def test_prompt_logprobs_are_the_raw_log_probabilities():
     logits = rand_logits(5, seed=4)
     next_ids = [3, 0, 11, 7, 7]
