@@ -1,6 +1,6 @@
-"""A kernel for tests alone: the hash bits and the noise that `seeded_race_triton`'s own helpers compute for
-every token of each row, written out `[s, V]` to compare with `sampling.noise_bits` / `exponential_noise`.
-Imported only where triton is installed."""
+"""Kernels for tests alone: the hash bits and the noise that `seeded_race_triton`'s own helpers compute for
+every token of each row, written out `[s, V]` to compare with `sampling.noise_bits` / `exponential_noise`, and
+the noise of given bits (`sampling.exponential_of`). Imported only where triton is installed."""
 
 import torch
 import triton
@@ -29,3 +29,18 @@ def kernel_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> tuple[t
     noise = torch.empty(s, vocab, dtype=torch.float32, device=keys.device)
     _probe_kernel[(s,)](keys.contiguous(), index.contiguous(), bits, noise, vocab, BLOCK=1024)
     return bits, noise
+
+
+@triton.jit
+def _exponential_kernel(bits_ptr, noise_ptr, n, BLOCK: tl.constexpr):
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.load(bits_ptr + at, mask=at < n, other=0).to(tl.uint32)
+    tl.store(noise_ptr + at, exponential(bits), mask=at < n)
+
+
+def kernel_exponential(bits: torch.Tensor) -> torch.Tensor:
+    """bits `[n]` int64 in [0, 2**32) -> `[n]` float32: the race kernel's noise of each."""
+    noise = torch.empty(bits.shape, dtype=torch.float32, device=bits.device)
+    block = 1 << 16
+    _exponential_kernel[(triton.cdiv(bits.numel(), block),)](bits.contiguous(), noise, bits.numel(), BLOCK=block)
+    return noise

@@ -1,13 +1,13 @@
 """The Triton seeded race (`seeded_race_triton`) against the torch reference it replaces (`draw_tokens_by_torch`:
 `exponential_noise` + `race` over the softmax). Its hash bits are `noise_bits`' bit for bit and its noise
-`exponential_noise`'s within a few ulp (its log against torch's). The tokens it draws are the reference's over a
-matrix of rows (V 1000 and 154880; temperature-scaled logits, -inf and float32-lowest masks, one-token rows,
-all-equal rows, an all -inf row, seeds and output indices near 0 and 2**32, batches 1 to 256, a subset `at` of
-the rows in any order, repeats included), except at near-ties, which are counted and must be few; and every token
-it draws is within a near-tie of the exact race winner, computed here in float64. Its draws at many output indices
-of one small row follow the row's softmax (total variation within sampling error). On CUDA, where the sampler
-draws with it; on the CPU too under Triton's interpreter (`TRITON_INTERPRET=1` with triton installed, which CPU
-CI is not)."""
+`exponential_noise`'s within a few ulp (its log against torch's), positive at every one of the 2**23 uniforms.
+The tokens it draws are the reference's over a matrix of rows (V 1000 and 154880; temperature-scaled logits, -inf
+and float32-lowest masks, one-token rows, all-equal rows, an all -inf row, seeds and output indices near 0 and
+2**32, batches 1 to 256, a subset `at` of the rows in any order, repeats included), except at near-ties, which
+are counted and must be few; every token it draws is within a near-tie of the exact race winner, computed here in
+float64; exact ties go to the first token. Its draws at many output indices of one small row follow the row's
+softmax (total variation within sampling error). On CUDA, where the sampler draws with it; on the CPU too under
+Triton's interpreter (`TRITON_INTERPRET=1` with triton installed, which CPU CI is not)."""
 
 import math
 import os
@@ -20,6 +20,7 @@ from spmoe.engine.sampling import (
     SamplingParams,
     draw_tokens_by_torch,
     exponential_noise,
+    exponential_of,
     noise_bits,
     seed_keys,
 )
@@ -84,6 +85,18 @@ def test_kernel_hashes_the_reference_bits(device):
     bits, noise = kernel_noise(keys, index, vocab)
     assert torch.equal(bits, noise_bits(keys, index, vocab))
     want = exponential_noise(keys, index, vocab)
+    ulps = (noise.view(torch.int32).long() - want.view(torch.int32).long()).abs()
+    assert ulps.max().item() <= 4 and (noise > 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_noise_at_every_uniform(device):
+    """All 2**23 values of the top 23 bits (the low 9 bits set): the kernel's noise is positive (a 0 would draw
+    excluded tokens) and `exponential_of`'s within a few ulp."""
+    from .seeded_race_probe import kernel_exponential
+
+    bits = torch.arange(2**23, dtype=torch.int64, device=device) << 9 | 511
+    noise, want = kernel_exponential(bits), exponential_of(bits)
     ulps = (noise.view(torch.int32).long() - want.view(torch.int32).long()).abs()
     assert ulps.max().item() <= 4 and (noise > 0).all()
 
