@@ -8,11 +8,12 @@ arithmetic wraps where the reference masks with 2**32 - 1: the bits are identica
 as `sampling.exponential_of`, E = -log(u). The reference takes argmax softmax(x)_i / E_i = argmax
 (exp(x_i - M) / S) / E_i, S = sum exp(x - M) > 0: dividing every ratio of a row by the same positive S does not
 change which one is largest, so both pick the same token in exact arithmetic. In float32 they differ by
-rounding alone (the reference's division by S; Triton's exp and log, approximate on NVIDIA, against torch's):
-a few 1e-7 of a ratio, so only where the two largest ratios of a row lie that close (a near-tie) may the kernel
-pick the other one. Exact ties go to the first token, as torch's argmax.
+rounding alone (the reference's division by S; Triton's exp, ex2.approx of (x - M) log2(e) on NVIDIA, and its
+log against torch's): up to about 1e-6 of a ratio over the range of x - M that can win, so only where the two
+largest ratios of a row lie that close (a near-tie) may the kernel pick the other one. Exact ties go to the
+first token, as torch's argmax.
 
-Excluded tokens (-inf, or the float32 lowest of a grammar's mask) have exp(x - M) = 0 and ratio 0, while the
+Excluded tokens (-inf, or a grammar mask's float32 lowest below the row's max) have exp(x - M) = 0, ratio 0; the
 max token's is at least 1 / 16.7 (E < 16.7): they are never drawn. A row that is all -inf (`Sampler.process`
 flags it not finite) draws token 0, as the reference's argmax over its NaN ratios does.
 
