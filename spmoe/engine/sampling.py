@@ -354,8 +354,12 @@ class Sampler:
         ids = best.argmax(-1)
         sampled = [j for j, p in enumerate(params) if not p.greedy]
         if sampled:  # the sampled rows only: the reference's noise, `[rows, V]`, is the step's largest temporary
-            picked = [sampled, [generated[j] for j in sampled], [rows[j] for j in sampled]]
-            at, index, row = torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)
+            # one transfer; each list padded to an even length, so that every one starts 16-byte aligned whatever
+            # the count (Triton compiles a kernel per alignment of its pointers: no new compile after warm-up)
+            pad = [0] * (len(sampled) % 2)
+            picked = [sampled + pad, [generated[j] for j in sampled] + pad, [rows[j] for j in sampled] + pad]
+            picked = torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)
+            at, index, row = picked[:, : len(sampled)]
             ids = ids.index_copy(0, at, draw_tokens(drawn, at, self.keys[row], index))
         asked = [j for j, p in enumerate(params) if p.logprobs is not None]
         if not asked:
