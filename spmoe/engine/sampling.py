@@ -13,7 +13,9 @@ The E_i are not read from a stateful generator but computed from (the request's 
 being chosen in its output, i) by an integer hash (`exponential_noise`). So a request's tokens depend on its
 seed and logits only: not on the other rows of the batch, not on how many steps it waited or was preempted,
 and every TP rank, holding the same logits, draws the same token without communicating. The same noise at
-the same index also serves a verification step that chooses several tokens of one sequence at once.
+the same index also serves a verification step that chooses several tokens of one sequence at once. On CUDA
+one Triton kernel hashes the noise in registers and races in the same pass (`draw_tokens`), the same draw
+without the `[rows, V]` noise.
 
 **Greedy is exact:** a greedy row (temperature 0) takes the argmax of its logits after the processors that
 change which token is best (grammar mask, min_tokens, logit_bias, penalties); with none of them set it is
@@ -44,6 +46,7 @@ from spmoe.engine.logits_processors import (
     scale_by_temperature,
     suppress_tokens,
 )
+from spmoe.layers.fused import use_fused
 
 MAX_LOGPROBS = 20  # the most top logprobs a row may ask for (OpenAI's limit)
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
@@ -130,25 +133,57 @@ def seed_keys(seed: int) -> tuple[int, int]:
     return first, mix32(first ^ 0xBB67AE85)
 
 
-def exponential_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+def noise_bits(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys `[m, 2]` int64 (`seed_keys` of each row's seed), index `[m]` int64 (the output index of the token
-    each row chooses) -> `[m, vocab]` float32 Exp(1) noise, a function of (keys, index, token id) only.
+    each row chooses) -> `[m, vocab]` int64: 32 hash bits per token, a function of (keys, index, token id) only.
 
     Two hash rounds per element, each keyed by a different mix of (seed, index): rows whose first keys happen
-    to lie close together still get unrelated noise. The top 24 bits make a uniform u in (0, 1), exactly
-    representable in float32; -log(u) is Exp(1)."""
+    to lie close together still get unrelated noise."""
     index = index & MASK32
     a = mix32(keys[:, 0] ^ index)[:, None]
     b = mix32((keys[:, 1] + index) & MASK32)[:, None]
     ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)
-    bits = mix32(mix32((ids + a) & MASK32) ^ b)
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    return mix32(mix32((ids + a) & MASK32) ^ b)
+
+
+def exponential_of(bits: torch.Tensor) -> torch.Tensor:
+    """Hash bits (int64 in [0, 2**32)) -> float32 Exp(1) noise of the same shape, in (0, 16.7).
+
+    The top 23 bits v make u = (v + 0.5) / 2**23 in (0, 1), exactly: 2v + 1 < 2**24 fits float32's
+    significand (24 bits would not: v + 0.5 then rounds, and the largest v to u = 1, noise -0.0, and a ratio
+    0 / -0.0 = NaN that argmax takes, drawing an excluded token). -log(u) is Exp(1), never 0."""
+    uniform = ((bits >> 9).to(torch.float32) + 0.5) * 2.0**-23
     return -torch.log(uniform)
+
+
+def exponential_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys `[m, 2]`, index `[m]` (as for `noise_bits`) -> `[m, vocab]` float32 Exp(1) noise: the exponential
+    of each token's hash bits."""
+    return exponential_of(noise_bits(keys, index, vocab))
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """probs `[..., V]`, noise `[..., V]` Exp(1) -> `[...]` int64: argmax probs / noise, a draw from probs."""
     return (probs / noise).argmax(-1)
+
+
+def draw_tokens(logits: torch.Tensor, at: torch.Tensor, keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """logits `[m, V]` float32; at `[s]` int64: the rows that draw; keys `[s, 2]` and index `[s]` of each drawing
+    row (as for `noise_bits`) -> `[s]` int64: its token, raced over softmax(logits[at[j]]) with its noise. On
+    CUDA with triton one kernel that hashes the noise in registers (`seeded_race_triton`: the same noise, the
+    same token but at near-ties of the two largest ratios); elsewhere `draw_tokens_by_torch`."""
+    if use_fused(logits):
+        from spmoe.engine.seeded_race_triton import seeded_race
+
+        return seeded_race(logits, at, keys, index)
+    return draw_tokens_by_torch(logits, at, keys, index)
+
+
+def draw_tokens_by_torch(
+    logits: torch.Tensor, at: torch.Tensor, keys: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """`draw_tokens` by `exponential_noise` and `race` (the reference): `[s, V]` noise and probabilities."""
+    return race(torch.softmax(logits[at], dim=-1), exponential_noise(keys, index, logits.shape[1]))
 
 
 # -- the batched sampler -------------------------------------------------------------------------------------
@@ -318,30 +353,35 @@ class Sampler:
         best, drawn, finite = self.process(logits, rows, generated, preceding)
         ids = best.argmax(-1)
         sampled = [j for j, p in enumerate(params) if not p.greedy]
-        if sampled:  # the noise of the sampled rows only: `[rows, V]` of it is the step's largest temporary
-            at = torch.tensor(sampled, dtype=torch.int64).to(self.device, non_blocking=True)
-            index = torch.tensor([generated[j] for j in sampled], dtype=torch.int64).to(self.device, non_blocking=True)
-            row = torch.tensor([rows[j] for j in sampled], dtype=torch.int64).to(self.device, non_blocking=True)
-            noise = exponential_noise(self.keys[row], index, self.vocab_size)
-            ids = ids.index_copy(0, at, race(torch.softmax(drawn[at], dim=-1), noise))
-        width = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        if width is None:
+        if sampled:  # the sampled rows only: the reference's noise, `[rows, V]`, is the step's largest temporary
+            # one transfer; each list padded to an even length, so that every one starts 16-byte aligned whatever
+            # the count (Triton compiles a kernel per alignment of its pointers: no new compile after warm-up)
+            pad = [0] * (len(sampled) % 2)
+            picked = [sampled + pad, [generated[j] for j in sampled] + pad, [rows[j] for j in sampled] + pad]
+            picked = torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)
+            at, index, row = picked[:, : len(sampled)]
+            ids = ids.index_copy(0, at, draw_tokens(drawn, at, self.keys[row], index))
+        asked = [j for j, p in enumerate(params) if p.logprobs is not None]
+        if not asked:
             return _without_logprobs(ids, finite)
-        logprobs = torch.log_softmax(drawn, dim=-1)
-        top = logprobs.topk(width, dim=-1) if width else None
-        columns = [ids.double()[:, None], finite.double()[:, None], logprobs.gather(1, ids[:, None]).double()]
-        if top is not None:
-            columns += [top.indices.double(), top.values.double()]
-        table = torch.cat(columns, dim=1).tolist()  # the one host transfer: ids, flags, logprobs
-        chosen, tops = [], []
-        for p, line in zip(params, table):
-            wanted = p.logprobs is not None
-            chosen.append(line[2] if wanted else None)
-            k = p.logprobs if wanted else 0
-            tops.append(
-                [(int(t), v) for t, v in zip(line[3 : 3 + k], line[3 + width : 3 + width + k])] if wanted else None
-            )
-        return SampledTokens([int(line[0]) for line in table], [bool(line[1]) for line in table], chosen, tops)
+        m, a, width = len(params), len(asked), max(params[j].logprobs for j in asked)
+        source, chosen_ids = drawn, ids
+        if a < m:  # the rows that asked only: log_softmax and topk are per row, the others' would be dropped
+            where = torch.tensor(asked, dtype=torch.int64).to(self.device, non_blocking=True)
+            source, chosen_ids = drawn[where], ids[where]
+        logprobs = torch.log_softmax(source, dim=-1)  # [a, V]
+        parts = [ids.double(), finite.double(), logprobs.gather(1, chosen_ids[:, None])[:, 0].double()]
+        if width:
+            top = logprobs.topk(width, dim=-1)  # [a, width]
+            parts += [top.indices.flatten().double(), top.values.flatten().double()]
+        flat = torch.cat(parts).tolist()  # the one host transfer: ids, flags, then the asking rows' logprobs
+        chosen, tops = [None] * m, [None] * m
+        top_ids, top_values = flat[2 * m + a : 2 * m + a + a * width], flat[2 * m + a + a * width :]
+        for n, j in enumerate(asked):
+            k, first = params[j].logprobs, n * width
+            chosen[j] = flat[2 * m + n]
+            tops[j] = [(int(t), v) for t, v in zip(top_ids[first : first + k], top_values[first : first + k])]
+        return SampledTokens([int(t) for t in flat[:m]], [bool(f) for f in flat[m : 2 * m]], chosen, tops)
 
     # -- helpers -------------------------------------------------------------------------------------------
 

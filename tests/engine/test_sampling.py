@@ -13,9 +13,12 @@ import torch
 
 from spmoe.engine.logits_processors import apply_top_k_top_p
 from spmoe.engine.sampling import (
+    MASK32,
     Sampler,
     SamplingParams,
+    draw_tokens,
     exponential_noise,
+    exponential_of,
     mix32,
     prompt_logprobs,
     seed_keys,
@@ -204,6 +207,41 @@ def test_the_hash_is_the_same_on_python_ints_and_tensors_and_uniform_enough():
     assert noise.var().item() == pytest.approx(1.0, abs=0.02)
 
 
+def test_the_noise_is_positive_at_every_uniform_so_no_excluded_token_is_drawn():
+    """Every value of the top 23 bits (the low 9 set, as high as bits go) gives noise in (0, 16.7) whose
+    exp(-noise) is (v + 0.5) / 2**23; a noise of 0 would make an excluded token's ratio 0 / 0 = NaN, which
+    argmax takes. At seed 7, output indices 91, 116, 169 and 170 of 154880 tokens, a 24-bit uniform rounded to
+    1.0 on an excluded token: top_k 1 must still draw the argmax there."""
+    top = torch.arange(2**23, dtype=torch.int64)
+    noise = exponential_of(top << 9 | 511)
+    assert torch.isfinite(noise).all() and noise.min().item() > 0 and noise.max().item() < 16.7
+    exact = (top.double() + 0.5) * 2.0**-23
+    assert torch.allclose(torch.exp(-noise.double()), exact, rtol=1e-6, atol=0)
+    vocab, indices = 154880, [91, 116, 169, 170]
+    sampler = Sampler(4, vocab)
+    row = sampler.add(SamplingParams(1.0, top_k=1, seed=7), [0])
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1)).expand(4, -1)
+    assert sampler.sample(logits, [row] * 4, indices).token_ids == [logits[0].argmax().item()] * 4
+
+
+def test_draw_tokens_races_each_drawing_row_with_its_own_noise():
+    """`draw_tokens` off CUDA (the torch reference) on a subset of rows in any order, one twice: each drawing
+    row's token is the argmax of softmax / noise with the noise hashed here from Python ints, token by token."""
+    vocab = 50
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(2)) * 2
+    logits[1, 10:] = NEG
+    at = torch.tensor([3, 1, 3, 0])
+    seeds, index = [5, 2**63 - 1, 6, 0], [0, 2**32 - 1, 7, 2**32 + 3]
+    keys = torch.tensor([seed_keys(seed) for seed in seeds])
+    got = draw_tokens(logits, at, keys, torch.tensor(index)).tolist()
+    for j, row in enumerate(at.tolist()):
+        (k0, k1), i = seed_keys(seeds[j]), index[j] & MASK32
+        a, b = mix32(k0 ^ i), mix32((k1 + i) & MASK32)
+        noise = [-math.log(((mix32(mix32((t + a) & MASK32) ^ b) >> 9) + 0.5) / 2**23) for t in range(vocab)]
+        probs = softmax(logits[row].tolist())
+        assert got[j] == max(range(vocab), key=lambda t: probs[t] / noise[t])
+
+
 def test_a_seed_fixes_the_token_whatever_else_is_in_the_batch():
     logits = rand_logits(6, seed=9)
     params = SamplingParams(1.0, top_p=0.95, seed=42)
@@ -247,6 +285,27 @@ def test_logprobs_are_those_of_the_distribution_drawn_from():
     out = plain.sample(logits[:1], [row], [0])
     assert out.logprobs[0] == pytest.approx(math.log(softmax(logits[0].tolist())[out.token_ids[0]]), abs=1e-5)
     assert out.top_logprobs[0] == []
+
+
+def test_logprobs_of_the_rows_that_asked_are_those_of_a_batch_where_every_row_asked():
+    """Only the asking rows' log_softmax and topk are computed: interleaved with rows that did not ask, each gets
+    what it gets when every row asks, bit for bit (the first k of the top 5), and the others get None."""
+    vocab, wanted = 1000, [None, 3, None, 0, 5, None, 1]
+    logits = torch.randn(len(wanted), vocab, generator=torch.Generator().manual_seed(8)) * 3
+    settings = [SamplingParams(0.8 if i % 2 else 0.0, top_p=0.9, seed=i) for i in range(len(wanted))]
+
+    def sample(logprobs):
+        sampler = Sampler(len(wanted), vocab)
+        rows = [sampler.add(SamplingParams(**{**p.__dict__, "logprobs": k}), [0]) for p, k in zip(settings, logprobs)]
+        return sampler.sample(logits, rows, list(range(len(wanted))))
+
+    some, every = sample(wanted), sample([5] * len(wanted))
+    assert some.token_ids == every.token_ids
+    for j, k in enumerate(wanted):
+        if k is None:
+            assert some.logprobs[j] is None and some.top_logprobs[j] is None
+        else:
+            assert some.logprobs[j] == every.logprobs[j] and some.top_logprobs[j] == every.top_logprobs[j][:k]
 
 
 def test_prompt_logprobs_are_the_raw_log_probabilities():
