@@ -27,9 +27,12 @@ bound: more concurrency would add throughput until its TTFT reached caching off'
 chat; in requests/s, which is output tokens/s over a fixed reply length).
 
 The model: GLM-5.2 widths with `--layers` layers (default 4: 1 dense, 3 MoE of 64 experts top-8), random bf16
-weights, one GPU, CUDA graphs for decode steps; one engine per setting, each with a paged cache of
-`--kv-cache-memory` GiB, both warmed up as the server warms up (`warmup.warm_up`: prefill steps of every size
-class up to the token budget, on CUDA) and by one untimed pass of a small chat workload longer than `index_topk`.
+weights, one GPU, CUDA graphs (decode steps, and mixed steps of up to 512 tokens) whose block tables are
+`--max-model-len` positions wide (default: the run's longest sequence, 10496 tokens at scale 1; before
+2026-12-02 the whole cache, 1.5 M positions, which the indexer kernel's grid grows with); one engine per
+setting, each with a paged cache of `--kv-cache-memory` GiB, both warmed up as the server warms up
+(`warmup.warm_up`: prefill steps of every size class up to the token budget, on CUDA) and by one untimed pass
+of a small chat workload longer than `index_topk`.
 The workloads then run on them in turn, the setting that goes first alternating level by level (off first at the
 first level, on first at the next, and so on across workloads), so that neither setting is always the one to meet
 a new kernel variant (the prefill chunk shapes of cached prompts differ from uncached ones'), with a progress line
@@ -97,6 +100,11 @@ class Workload:
     def at(self, concurrency: int, min_conversations: int) -> "Workload":
         """`concurrency` conversations at once, max(`concurrency`, `min_conversations`) in all."""
         return replace(self, concurrency=concurrency, conversations=max(concurrency, min_conversations))
+
+    @property
+    def longest(self) -> int:
+        """The tokens of a conversation's last turn with its reply."""
+        return self.shared + self.turns * (self.user + self.output)
 
     def describe(self) -> str:
         return f"shared {self.shared} tokens, {self.turns} turns of +{self.user} tokens, {self.output}-token replies"
@@ -212,18 +220,6 @@ def run(args) -> list[tuple[str, dict, dict]]:
         flush=True,
     )
 
-    engines = {
-        caching: Engine(
-            model,
-            caches[caching],
-            cuda_graphs=device == "cuda",
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=caching,
-        )
-        for caching in (False, True)
-    }
-
     def smaller(work: Workload) -> Workload:
         return work.smoke() if args.tiny else work.scaled(args.scale)
 
@@ -232,11 +228,26 @@ def run(args) -> list[tuple[str, dict, dict]]:
     # tokens (a string seed: random.Random(-n) draws what random.Random(n) does)
     shared = max(2 * cfg.index_topk, smaller(WORKLOADS["repeat"]).shared) + 64
     warm = Workload(shared=shared, conversations=4, turns=2, user=64, output=8, concurrency=4)
+    longest = max(w.longest for w in [warm] + [smaller(WORKLOADS[name]) for name in args.workloads])
+    max_model_len = args.max_model_len or longest
+    engines = {
+        caching: Engine(
+            model,
+            caches[caching],
+            cuda_graphs=device == "cuda",
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=caching,
+        )
+        for caching in (False, True)
+    }
     for engine in engines.values():
         warm_up(engine)
         run_workload(engine, warm, cfg.vocab_size, seed="warm-up")
     print(
-        "both engines warmed up (the server's warm-up, then a small chat workload); the setting that runs first "
+        f"max_model_len {max_model_len} (the graphs' block tables); both engines warmed up (the server's warm-up, "
+        "then a small chat workload); the setting that runs first "
         "alternates level by level (off first at the first level); 'compile steps': a row's steps in which a "
         "kernel variant compiled",
         flush=True,
@@ -335,6 +346,9 @@ def main() -> None:
     )
     parser.add_argument("--max-num-seqs", type=int, help="default: the highest level")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--max-model-len", type=int, help="positions a sequence may take (default: the run's longest sequence)"
+    )
     parser.add_argument("--kv-cache-memory", type=float, default=8.0, help="paged cache GiB per setting")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short workloads")
