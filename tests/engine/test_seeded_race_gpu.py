@@ -10,7 +10,6 @@ softmax (total variation within sampling error). On CUDA, where the sampler draw
 Triton's interpreter (`TRITON_INTERPRET=1` with triton installed, which CPU CI is not)."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -24,17 +23,12 @@ from spmoe.engine.sampling import (
     noise_bits,
     seed_keys,
 )
-from spmoe.layers.fused import TRITON_INSTALLED
 
-from ..multigpu import requires_gpus
+from ..multigpu import kernel_devices, requires_gpus
 
 pytestmark = pytest.mark.gpu
 
-INTERPRETED = TRITON_INSTALLED and os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param("cuda", marks=requires_gpus(1)),
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="needs triton and TRITON_INTERPRET=1")),
-]
+DEVICES = kernel_devices()
 LOWEST = torch.finfo(torch.float32).min
 NEAR = 1e-5  # a near-tie: the two largest ratios of a row within this (relative); float32 rounding is ~1e-6
 MOST_NEAR_TIES = 2  # of all the rows of a test: each near-tie has odds of about 1e-6 on these rows

@@ -5,23 +5,16 @@ float32 lowest value from masks, both zeros, all-equal rows, tiny top_p, top_k >
 truncate nothing. On CUDA; on the CPU too under Triton's interpreter (`TRITON_INTERPRET=1` with triton
 installed, which CPU CI is not)."""
 
-import os
-
 import pytest
 import torch
 
 from spmoe.engine.logits_processors import apply_top_k_top_p, top_k_top_p_threshold_by_sort
-from spmoe.layers.fused import TRITON_INSTALLED
 
-from ..multigpu import requires_gpus
+from ..multigpu import kernel_devices
 
 pytestmark = pytest.mark.gpu
 
-INTERPRETED = TRITON_INSTALLED and os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param("cuda", marks=requires_gpus(1)),
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="needs triton and TRITON_INTERPRET=1")),
-]
+DEVICES = kernel_devices()
 LOWEST = torch.finfo(torch.float32).min
 MARGIN = 1e-5  # rows compared exactly: the mass above the crossing token is at least this far from top_p
 TOLERANCE = 2e-6  # the kernel's float32 weights (1e-7 x (1 + |x - max|) each): the rule's kept set at a top_p
