@@ -50,6 +50,10 @@ from spmoe.layers.fused import use_fused
 
 MAX_LOGPROBS = 20  # the most top logprobs a row may ask for (OpenAI's limit)
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
+# temperatures below this are greedy: dividing logits by less overflows float32 (vLLM draws the same line)
+GREEDY_BELOW = 1e-5
+# repetition_penalty's range: a logit is divided or multiplied by it, so outside it a row overflows to inf
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class SamplingParams:
     tokens were generated; `logprobs`: None, or how many most likely tokens to report beside the chosen one's
     logprob (0..20); `prompt_logprobs`: the same for the prompt's tokens (the server's `echo`)."""
 
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0 (below `GREEDY_BELOW`): greedy
     top_p: float = 1.0
     seed: int = 0
     top_k: int = 0  # 0: off
@@ -87,8 +91,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:  # NaN too
+            raise ValueError(
+                f"repetition_penalty must be in [{low:g}, {high:g}] (1 = off), got {self.repetition_penalty}"
+            )
         for token, bias in self.logit_bias:
             if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}")
@@ -101,7 +108,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalised(self) -> bool:
@@ -239,11 +246,11 @@ class Sampler:
         row = self._free.pop()
         self.params[row] = params
         for column, value in (
-            (self.temperature, params.temperature),
+            (self.temperature, 0.0 if params.greedy else params.temperature),
             (self.top_p, params.top_p),
             (self.min_p, params.min_p),
-            (self.top_k, params.top_k),
-            (self.min_tokens, params.min_tokens),
+            (self.top_k, min(params.top_k, self.vocab_size)),  # more is all of them; any int fits int64 so
+            (self.min_tokens, min(params.min_tokens, 2**62)),  # no client's value fails the write
             (self.presence, params.presence_penalty),
             (self.frequency, params.frequency_penalty),
             (self.repetition, params.repetition_penalty),

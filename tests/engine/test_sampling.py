@@ -336,7 +336,9 @@ def test_rows_that_are_not_finite_or_allow_nothing_are_flagged():
         (dict(top_k=-1), "top_k must be >= 0 (0 = off), got -1"),
         (dict(min_p=1.5), "min_p must be in [0, 1], got 1.5"),
         (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5"),
-        (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0 (1 = off), got 0.0"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be in [0.001, 1000] (1 = off), got 0.0"),
+        (dict(repetition_penalty=1e-39), "repetition_penalty must be in [0.001, 1000] (1 = off), got 1e-39"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty must be in [0.001, 1000] (1 = off), got nan"),
         (dict(logit_bias=((3, 101.0),)), "logit_bias maps token ids >= 0 to biases in [-100, 100], got 3: 101.0"),
         (dict(min_tokens=-1), "min_tokens must be >= 0, got -1"),
         (dict(logprobs=21), "logprobs must be in [0, 20], got 21"),
@@ -346,6 +348,23 @@ def test_bad_parameters_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError) as info:
         SamplingParams(**kwargs)
     assert str(info.value) == message
+
+
+def test_tiny_temperatures_are_greedy_and_huge_counts_are_stored():
+    """A temperature below `GREEDY_BELOW` chooses the argmax, with greedy's logprobs (temperature 1): dividing
+    by it would overflow the logits (1e-50 rounded to 0 in the float32 column and drew at temperature 1); a
+    top_k or min_tokens past int64 no longer fails the write into the row (which took the row and raised)."""
+    logits = rand_logits(3, seed=4)
+    sampler = Sampler(3, V)
+    rows = [
+        sampler.add(SamplingParams(1e-50, seed=1, logprobs=1), [0]),
+        sampler.add(SamplingParams(1e-39, seed=2), [0]),
+        sampler.add(SamplingParams(1.0, top_k=2**63, min_tokens=2**64, seed=3), [0]),
+    ]
+    got = sampler.sample(logits, rows, [0, 0, 0])
+    assert got.token_ids[:2] == logits[:2].argmax(-1).tolist() and all(got.finite)
+    assert abs(got.logprobs[0] - torch.log_softmax(logits[0], -1).max().item()) < 1e-6
+    assert sampler.top_k[rows[2]].item() == V and sampler.min_tokens[rows[2]].item() == 2**62
 
 
 def test_rows_run_out_and_come_back():

@@ -245,6 +245,19 @@ def test_logprobs_echo_penalties_and_n_from_the_real_engine(server, checkpoint):
     assert [c.text for c in four.choices] == [c.text for c in again.choices]  # seeded: reproducible
     assert len({c.text for c in four.choices}) > 1  # and the choices differ
 
+    # values a client may send that once broke the engine loop (top_k past int64) or drew at temperature 1
+    # (a temperature that rounds to 0 in float32): the server answers, and keeps answering
+    extreme = {"top_k": 2**63, "ignore_eos": True, "return_tokens_as_token_ids": True}
+    tiny = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=5, temperature=1e-50, seed=3, logprobs=0, extra_body=extreme
+    ).choices[0]
+    assert tokens_of(tiny.logprobs.tokens) == output  # greedy
+    refused = httpx.post(
+        base + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, "repetition_penalty": 1e-39}
+    )
+    assert refused.status_code == 400 and "repetition_penalty must be in [0.001, 1000]" in refused.text
+    assert client.completions.create(model="tiny", prompt="Once", max_tokens=2).choices[0].text
+
 
 def tokens_of(strings: list[str]) -> list[int]:
     """Token ids back from the token strings of a request with return_tokens_as_token_ids."""
