@@ -15,11 +15,13 @@ of the kernels one eager step launches: graph ms minus busy ms is the time the G
 
 A case "BxC" decodes one token for each of B sequences of C cached tokens; "BxC+T" feeds T prompt tokens per
 sequence after its C cached ones and computes the logits of each sequence's last one; parts joined by ","
-make one step ("63x1024,1x0+128": 63 sequences decoding beside a 128-token prompt). The engine replays
-every step of up to 512 tokens from a graph (a decode step's, or a mixed step's); longer steps run eagerly.
+make one step ("63x1024,1x0+128": 63 sequences decoding beside a 128-token prompt). The "graph" column
+captures exactly the case's rows; the engine replays every step of up to 512 tokens from a graph too (a
+decode step's, or a mixed step's), but pads the rows to its graph sizes and its tables are max_model_len
+wide.
 
-Each case's block tables are as wide as the engine's CUDA graphs make them: a power of 2 of blocks covering the
-context and the new token. Up to index_topk positions the indexer selects every visible row without scoring;
+Each case's block tables are as wide as `--widths` says: by default a power of 2 of blocks covering the
+context and the new tokens. Up to index_topk positions the indexer selects every visible row without scoring;
 "1x4096" takes the path that scores and takes the top-k.
 
 The roofline: the bytes the step must read (as the weights are stored: FP8 weights count 1 byte and their

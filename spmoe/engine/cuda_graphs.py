@@ -19,10 +19,11 @@ Paged cache: any other step of N <= 512 fed tokens (a prompt chunk beside the de
 turn of a conversation whose history is cached, a speculative step whose sequences feed different counts)
 replays the mixed graph of the smallest captured size R >= N in `MIXED_TOKENS`. Its rows are laid end to
 end as the eager step lays them (sequence i's tokens at their positions, each row naming table row i), then
-R - N pad rows name the all-scratch table row, at positions within the scratch block; it computes the logits
-of the rows the step commits from only (`CapturedStep.logit_rows`, padded with row 0). Each row reads the
-cache by its own position and table, so it computes what the eager step computes. Longer steps run eagerly,
-as every step but decode does on the slot cache (its graph rows each read a whole slot).
+R - N pad rows name the all-scratch table row, at positions within the scratch block. The graph holds the
+model only: the logits of the rows the step commits from are computed after the replay, eagerly (one GEMM
+over exactly those rows; a `[rows, V]` float32 output per graph would hold gigabytes across the sizes). Each
+row reads the cache by its own position and table, so it computes what the eager step computes. Longer steps
+run eagerly, as every step but decode does on the slot cache (its graph rows each read a whole slot).
 
 Every graph is captured at start-up (largest first, the others share its memory pool), on every rank in the same
 order, so nothing is captured while serving; `captures` counts them.
@@ -80,11 +81,10 @@ class CapturedStep:
     inputs: torch.Tensor  # [3, N] int64: token ids, where (slot cache: the row's slot; paged: its
     # sequence's row of block_tables), positions
     block_tables: torch.Tensor | None  # [B + 1, W] int32 (paged cache: W = `StepGraphs.width`), else None
-    logits: torch.Tensor  # [N, V] float32 (mixed: [L, V], of rows `logit_rows`), rewritten by each replay
+    logits: torch.Tensor | None  # [N, V] float32, rewritten by each replay (mixed: None, computed after it)
     hidden: torch.Tensor  # [N, H] the post-norm hidden the logits come from (the drafter's input)
     collectives: CommStats  # of one replay, counted at capture
     draft: CapturedDraft | None  # with speculation (decode steps)
-    logit_rows: torch.Tensor | None = None  # mixed: [L] int64, the rows whose logits it computes
 
 
 def deployment_problems(device_type: str, dp_size: int, ep_backend: str) -> list[str]:
@@ -288,19 +288,17 @@ class StepGraphs:
 
     def _capture_mixed(self, tokens: int) -> None:
         """The graph of a mixed step of up to `tokens` rows over up to min(tokens, max_num_seqs) sequences
-        (paged cache), captured with every row a pad row."""
+        (paged cache), captured with every row a pad row: the model, not the LM head."""
         device, count = self.cache.device, min(tokens, self.max_num_seqs)
         inputs = torch.tensor(mixed_rows([], [], tokens, count), device=device)
         tables = torch.full((count + 1, self.width), self.cache.scratch_block, dtype=torch.int32, device=device)
-        logit_rows = torch.zeros(min(tokens, count * self.tokens_per_seq), dtype=torch.long, device=device)
 
         def target():
-            hidden = decode_hidden(self.model, self.cache, inputs, tables)
-            return self.model.compute_logits(hidden, logit_rows), hidden
+            return decode_hidden(self.model, self.cache, inputs, tables)
 
         self._warm(target)
-        graph, (logits, hidden), collectives = self._record(target)
-        self.mixed[tokens] = CapturedStep(count, graph, inputs, tables, logits, hidden, collectives, None, logit_rows)
+        graph, hidden, collectives = self._record(target)
+        self.mixed[tokens] = CapturedStep(count, graph, inputs, tables, None, hidden, collectives, None)
 
     def _warm(self, run) -> None:
         """Run `run` once eagerly on a side stream before capturing it: compiles its kernels, sets up the
@@ -363,20 +361,25 @@ class StepGraphs:
     ) -> torch.Tensor:
         """One step of the sequences feeding `tokens[i]` from position `starts[i]` into the blocks `tables[i]`
         -> the logits `[len(logit_rows), V]` of the fed rows `logit_rows` (indices into the tokens laid end to
-        end; a view of the graph's output, valid until the next step; `replayed.hidden[:N]` is the fed rows'
-        hidden). Adds the replayed collectives to `stats`."""
+        end), computed after the replay; `replayed.hidden[:N]` is the fed rows' hidden, valid until the next
+        step. Adds the replayed collectives to `stats`."""
         fed = sum(map(len, tokens))
         if not self.fits_mixed([len(t) for t in tokens]):
             raise ValueError(
                 f"a step of {len(tokens)} sequences feeding {fed} tokens; mixed graphs were captured for up to "
                 f"{self.max_num_seqs} sequences and {max(self.mixed, default=0)} tokens"
             )
+        for i, (table, start, seq) in enumerate(zip(tables, starts, tokens)):
+            if start + len(seq) > len(table) * self.cache.block_size:  # else it would write a stale column
+                raise ValueError(
+                    f"sequence {i} needs {start + len(seq)} positions; its {len(table)} blocks hold "
+                    f"{len(table) * self.cache.block_size}"
+                )
         size = min(n for n in self.mixed if n >= fed)
         captured, used = self.mixed[size], max(len(table) for table in tables)
-        if len(tokens) > captured.size or len(logit_rows) > captured.logit_rows.shape[0]:
+        if len(tokens) > captured.size:
             raise ValueError(
-                f"a step of {len(tokens)} sequences and {len(logit_rows)} logits rows; the mixed graph of {size} "
-                f"tokens holds {captured.size} and {captured.logit_rows.shape[0]}"
+                f"a step of {len(tokens)} sequences; the mixed graph of {size} tokens holds {captured.size}"
             )
         if used > self.width:
             raise ValueError(
@@ -386,12 +389,11 @@ class StepGraphs:
             torch.from_numpy(padded_tables(tables, len(tables), used, self.cache.scratch_block))
         )
         captured.inputs.copy_(torch.tensor(mixed_rows(tokens, starts, size, captured.size)))
-        padded_rows = logit_rows + [0] * (captured.logit_rows.shape[0] - len(logit_rows))
-        captured.logit_rows.copy_(torch.tensor(padded_rows))
         captured.graph.replay()
         stats.add(captured.collectives)
         self.replayed = captured
-        return captured.logits[: len(logit_rows)]
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=captured.hidden.device)
+        return self.model.compute_logits(captured.hidden, rows)
 
     def draft(
         self, next_ids: list[list[int]], last: list[int], starts: list[int | None], locations: list, stats: CommStats

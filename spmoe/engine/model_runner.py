@@ -280,6 +280,7 @@ class ModelRunner:
         with phase.measure():
             proposed = self.graphs.draft(next_ids, last, starts, batch.locations, phase.collectives)
         phase.forwards += k
+        phase.replays += 1
         phase.tokens_fed += len(batch.seqs) * (per_seq + k - 1)
         return [new if start is not None else [] for new, start in zip(proposed, starts)]
 

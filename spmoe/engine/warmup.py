@@ -11,7 +11,8 @@ show nothing more is compiled or captured afterwards.
   own (`warmup_step_sizes`), then resets the engine's statistics. Whatever it compiles is not
   compiled again; what it cannot foresee is counted.
 
-Why the step sizes: a step that is not a captured decode step runs its kernels eagerly over its N tokens, and
+Why the step sizes: a step that replays no graph (without graphs, or longer than the largest mixed-step
+graph) runs its kernels eagerly over its N tokens, and
 Triton compiles a kernel again for each new value of a `tl.constexpr` argument and for an integer argument
 that becomes 1 or a multiple of 16 (its specialisation). The constexprs that vary between steps are derived
 from N (and the step's block-table width, which grows with the longest context) by `next_power_of_2` or by

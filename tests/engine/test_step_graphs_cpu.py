@@ -37,8 +37,22 @@ def cpu_step_graphs():
     from spmoe.engine import cuda_graphs
 
     class CpuStepGraphs(cuda_graphs.StepGraphs):
+        replays = {"step": 0, "mixed_step": 0, "draft": 0}  # calls of each kind of replay, for the test
+
         def _warm(self, run) -> None:
             pass
+
+        def step(self, *args):
+            CpuStepGraphs.replays["step"] += 1
+            return super().step(*args)
+
+        def mixed_step(self, *args):
+            CpuStepGraphs.replays["mixed_step"] += 1
+            return super().mixed_step(*args)
+
+        def draft(self, *args):
+            CpuStepGraphs.replays["draft"] += 1
+            return super().draft(*args)
 
         def _record(self, run):
             with torch.no_grad():
@@ -56,6 +70,7 @@ def run_waves(engine, prompts: list[list[int]], extra: list[int]) -> dict:
     (tokens, logprobs of the chosen tokens, prompt logprobs), and the graph replays per phase."""
     from spmoe.engine.request import Request
     from spmoe.engine.sampling import SamplingParams
+    from spmoe.engine.stats import PHASES
 
     settings = [
         SamplingParams(),
@@ -63,7 +78,7 @@ def run_waves(engine, prompts: list[list[int]], extra: list[int]) -> dict:
         SamplingParams(prompt_logprobs=1),
         SamplingParams(1.0, seed=6, presence_penalty=0.5, frequency_penalty=0.3),
     ]
-    got, replays = {}, {"prefill": 0, "decode": 0}
+    got = {}
 
     def wave(requests):
         for request in requests:
@@ -77,14 +92,12 @@ def run_waves(engine, prompts: list[list[int]], extra: list[int]) -> dict:
                 if out.prompt_logprobs is not None:
                     prompt = [None if entry is None else entry[0] for entry in out.prompt_logprobs]
                 got[out.request_id] = (tokens, logprobs, prompt)
-        for name in replays:
-            replays[name] += engine.stats.phases[name].replays
 
     wave([Request(f"first-{i}", p, 10, s) for i, (p, s) in enumerate(zip(prompts, settings))])
     turn = prompts[3] + got["first-3"][0] + extra
     wave([Request("turn", turn, 8, SamplingParams(logprobs=1))])
     wave([Request(f"choice-{i}", prompts[1], 6, SamplingParams(1.0, seed=20 + i)) for i in range(3)])
-    return {"outputs": got, "replays": replays}
+    return {"outputs": got, "replays": {name: engine.stats.phases[name].replays for name in PHASES}}
 
 
 def graph_and_eager_engines(folder: str) -> dict:
@@ -97,7 +110,7 @@ def graph_and_eager_engines(folder: str) -> dict:
     # the CPU is no CUDA device and its experts sync the host: allowed here, where nothing is captured
     cuda_graphs.deployment_problems = lambda *args: []
     DeepseekV32ForCausalLM.graph_capturable = property(lambda self: (True, "replayed eagerly"))
-    model_runner.StepGraphs = cpu_step_graphs()
+    graphs_class = model_runner.StepGraphs = cpu_step_graphs()
 
     model = load_model(folder, ParallelConfig(), with_mtp=True)
     gen = torch.Generator().manual_seed(0)
@@ -111,8 +124,10 @@ def graph_and_eager_engines(folder: str) -> dict:
                 model, PagedKVCache.for_model(model, 2**22), num_speculative_tokens=k, cuda_graphs=graphs,
                 max_num_seqs=4, max_num_batched_tokens=BUDGET, max_model_len=512,
             )  # fmt: skip
+            before = dict(graphs_class.replays)
             out[k, graphs] = run_waves(engine, prompts, extra)
             out[k, graphs, "captures"] = engine.graph_captures()
+            out[k, graphs, "replays"] = {kind: graphs_class.replays[kind] - before[kind] for kind in before}
     return out
 
 
@@ -122,8 +137,11 @@ def test_graph_steps_replayed_on_the_cpu_match_the_eager_engine(engine_checkpoin
         eager, graphed = got[k, False], got[k, True]
         # decode graphs for batches 1, 2, 4 (and their drafters with k > 0), mixed steps of 16, 32, 48 tokens
         assert got[k, True, "captures"] == 3 * (2 if k else 1) + 3 and got[k, False, "captures"] == 0
-        assert eager["replays"] == {"prefill": 0, "decode": 0}
-        assert graphed["replays"]["prefill"] > 0 and graphed["replays"]["decode"] > 0, graphed["replays"]
+        assert eager["replays"] == {"prefill": 0, "decode": 0, "draft": 0}
+        assert got[k, False, "replays"] == {"step": 0, "mixed_step": 0, "draft": 0}
+        kinds = got[k, True, "replays"]  # each kind of graph replayed: decode steps, mixed steps, the drafter
+        assert kinds["step"] > 0 and kinds["mixed_step"] > 0 and (kinds["draft"] > 0) == (k > 0), kinds
+        assert graphed["replays"]["prefill"] > 0 and graphed["replays"]["draft"] == kinds["draft"], graphed["replays"]
         assert set(graphed["outputs"]) == set(eager["outputs"])
         for request_id, (tokens, logprobs, prompt) in eager["outputs"].items():
             g_tokens, g_logprobs, g_prompt = graphed["outputs"][request_id]
