@@ -20,8 +20,8 @@ turn of a conversation whose history is cached, a speculative step whose sequenc
 replays the mixed graph of the smallest captured size R >= N in `MIXED_TOKENS`. Its rows are laid end to
 end as the eager step lays them (sequence i's tokens at their positions, each row naming table row i), then
 R - N pad rows name the all-scratch table row, at positions within the scratch block. The graph holds the
-model only: the logits of the rows the step commits from are computed after the replay, eagerly (one GEMM
-over exactly those rows; a `[rows, V]` float32 output per graph would hold gigabytes across the sizes). Each
+model only: the model runner computes the logits of the rows the step commits from after the replay, as it
+does after an eager step (a `[rows, V]` float32 output per graph would hold gigabytes across the sizes). Each
 row reads the cache by its own position and table, so it computes what the eager step computes. Longer steps
 run eagerly, as every step but decode does on the slot cache (its graph rows each read a whole slot).
 
@@ -51,7 +51,7 @@ import torch
 
 from spmoe.distributed import CommStats, count_collectives, get_parallel_state
 from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
+from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, check_room
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -356,35 +356,24 @@ class StepGraphs:
         self.replayed = captured
         return captured.logits[: count * per_seq]
 
-    def mixed_step(
-        self, tokens: list[list[int]], tables: list[list[int]], starts: list[int], logit_rows: list[int], stats
-    ) -> torch.Tensor:
+    def mixed_step(self, tokens: list[list[int]], tables: list[list[int]], starts: list[int], stats) -> torch.Tensor:
         """One step of the sequences feeding `tokens[i]` from position `starts[i]` into the blocks `tables[i]`
-        -> the logits `[len(logit_rows), V]` of the fed rows `logit_rows` (indices into the tokens laid end to
-        end), computed after the replay; `replayed.hidden[:N]` is the fed rows' hidden, valid until the next
-        step. Adds the replayed collectives to `stats`."""
-        fed = sum(map(len, tokens))
-        if not self.fits_mixed([len(t) for t in tokens]):
+        -> the post-norm hidden `[size, H]` (the fed rows laid end to end first, then pad rows; valid until the
+        next step). Adds the replayed collectives to `stats`."""
+        lens = [len(t) for t in tokens]
+        if not self.fits_mixed(lens):
             raise ValueError(
-                f"a step of {len(tokens)} sequences feeding {fed} tokens; mixed graphs were captured for up to "
-                f"{self.max_num_seqs} sequences and {max(self.mixed, default=0)} tokens"
+                f"a step of {len(tokens)} sequences feeding {sum(lens)} tokens; mixed graphs were captured for up "
+                f"to {self.max_num_seqs} sequences and {max(self.mixed, default=0)} tokens"
             )
-        for i, (table, start, seq) in enumerate(zip(tables, starts, tokens)):
-            if start + len(seq) > len(table) * self.cache.block_size:  # else it would write a stale column
-                raise ValueError(
-                    f"sequence {i} needs {start + len(seq)} positions; its {len(table)} blocks hold "
-                    f"{len(table) * self.cache.block_size}"
-                )
-        size = min(n for n in self.mixed if n >= fed)
-        captured, used = self.mixed[size], max(len(table) for table in tables)
-        if len(tokens) > captured.size:
-            raise ValueError(
-                f"a step of {len(tokens)} sequences; the mixed graph of {size} tokens holds {captured.size}"
-            )
+        check_room(tables, starts, lens)
+        used = max(len(table) for table in tables)
         if used > self.width:
             raise ValueError(
                 f"a block table of {used} blocks in a step; graphs were captured for {self.width} (max_model_len)"
             )
+        size = min(n for n in self.mixed if n >= sum(lens))
+        captured = self.mixed[size]  # its table rows: min(size, max_num_seqs) >= the sequences, each feeding 1+
         captured.block_tables[: len(tables), :used].copy_(
             torch.from_numpy(padded_tables(tables, len(tables), used, self.cache.scratch_block))
         )
@@ -392,8 +381,7 @@ class StepGraphs:
         captured.graph.replay()
         stats.add(captured.collectives)
         self.replayed = captured
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=captured.hidden.device)
-        return self.model.compute_logits(captured.hidden, rows)
+        return captured.hidden
 
     def draft(
         self, next_ids: list[list[int]], last: list[int], starts: list[int | None], locations: list, stats: CommStats

@@ -107,19 +107,19 @@ class ModelRunner:
         if graphs is not None and batch.decode and graphs.fits(batch.num_tokens):
             logits = graphs.step(tokens, batch.locations, batch.starts, collectives)
             return logits, graphs.replayed.hidden, graphs.replayed
-        lens = [len(t) for t in tokens]
+        lens, replayed = [len(t) for t in tokens], None
+        if graphs is not None and graphs.fits_mixed(lens):
+            hidden, replayed = graphs.mixed_step(tokens, batch.locations, batch.starts, collectives), graphs.replayed
+        else:
+            view = self.cache.view(batch.locations, batch.starts, lens)
+            ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=view.positions.device)
+            hidden = self.model.forward_hidden(ids, view.positions, lens, view)  # FULL [N, H]
         logit_rows = [1 + len(s.drafts) if last else 0 for s, last in zip(batch.seqs, batch.samples)]
         rows = [r for end, m in zip(accumulate(lens), logit_rows) for r in range(end - m, end)]
-        if graphs is not None and graphs.fits_mixed(lens):
-            logits = graphs.mixed_step(tokens, batch.locations, batch.starts, rows, collectives)
-            return logits, graphs.replayed.hidden, graphs.replayed
-        view = self.cache.view(batch.locations, batch.starts, lens)
-        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=view.positions.device)
-        hidden = self.model.forward_hidden(ids, view.positions, lens, view)  # FULL [N, H]
         return (
             self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long, device=hidden.device)),
             hidden,
-            None,
+            replayed,
         )
 
     def choose(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:

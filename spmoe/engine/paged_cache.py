@@ -145,6 +145,16 @@ def build_paged_cache(
     return PagedKVCache(cfg, layers, cache_budget_bytes(device, gib, memory_fraction), dtype, device, kv_cache_dtype)
 
 
+def check_room(block_tables: list[list[int]], starts: list[int], lens: list[int]) -> None:
+    """Raise unless each sequence's blocks hold the `lens[i]` positions it writes from `starts[i]` (past them a
+    kernel would write through a padded or stale table entry)."""
+    for i, (table, start, n) in enumerate(zip(block_tables, starts, lens)):
+        if start + n > len(table) * BLOCK_SIZE:
+            raise ValueError(
+                f"sequence {i} needs {start + n} positions; its {len(table)} blocks hold {len(table) * BLOCK_SIZE}"
+            )
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -224,11 +234,7 @@ class PagedKVCache:
     def view(self, block_tables: list[list[int]], starts: list[int], lens: list[int]) -> "PagedCacheView":
         """One forward in which sequence i (blocks `block_tables[i]`, `starts[i]` tokens already cached) adds
         `lens[i]` new tokens at positions `starts[i] ...`, laid end to end."""
-        for i, (table, start, n) in enumerate(zip(block_tables, starts, lens)):
-            if start + n > len(table) * BLOCK_SIZE:
-                raise ValueError(
-                    f"sequence {i} needs {start + n} positions; its {len(table)} blocks hold {len(table) * BLOCK_SIZE}"
-                )
+        check_room(block_tables, starts, lens)
         width = max((len(t) for t in block_tables), default=1)  # an empty batch (a DP rank in step): [0, 1]
         tables = torch.tensor(
             [t + [self.scratch_block] * (width - len(t)) for t in block_tables], dtype=torch.int32
