@@ -10,10 +10,10 @@ The rule, for a drafter with distribution q_j at position j:
 - at the first rejection the token is drawn from the residual max(0, p_j - q_j), normalised;
 - after k accepted drafts one more token (the bonus) is drawn from p_k.
 
-Every draw is an exponential race (`sampling.race`) on seeded noise (`sampling.exponential_noise`, of the request's
-seed, the output index of the token being chosen and the token id): token = argmax_i p_i / E_i, E_i ~ Exp(1),
-picks i with probability p_i. So a request's tokens depend on its seed and the logits only, and every TP rank
-draws the same ones.
+Every draw is an exponential race on seeded noise (of the request's seed, the output index of the token being
+chosen and the token id; `sampling.draw_tokens`: on CUDA one kernel, elsewhere `exponential_noise` and
+`race`): token = argmax_i p_i / E_i, E_i ~ Exp(1), picks i with probability p_i. So a request's tokens depend
+on its seed and the logits only, and every TP rank draws the same ones.
 
 The MTP drafter is greedy: q_j is one-hot at x_j. Then the rule reads: accept x_j with probability p_j(x_j),
 else draw from p_j with x_j removed, renormalised. `accept_drafts` realises it by racing p_j itself and
