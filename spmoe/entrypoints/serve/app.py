@@ -361,10 +361,15 @@ class OpenAIApi:
         """The grammar the request's output must follow (None: none), compiled now, off the event loop, so that
         a bad one is a 400 here and the engine's compile is a cache hit."""
         fields = {name: getattr(body, name) for name in STRUCTURED_OUTPUT_FIELDS} | extra
-        try:
-            spec = await asyncio.to_thread(grammar_for_request, fields, tools)  # tool grammars build with xgrammar
+
+        def build() -> GrammarSpec | None:  # tool grammars build with xgrammar
+            spec = grammar_for_request(fields, tools)
             if spec is not None:  # the engine's compiler on rank 0: its own compile is then a cache hit
-                await asyncio.to_thread(self.client.grammars.compile, spec)
+                self.client.grammars.compile(spec)
+            return spec
+
+        try:
+            spec = await asyncio.to_thread(build)  # one hop off the event loop for both
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         return spec

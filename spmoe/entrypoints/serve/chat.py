@@ -62,9 +62,7 @@ def reasoning_end_ids(options: ChatOptions, tokenizer) -> tuple[int, ...]:
 def grammar_start_after(end_ids: tuple[int, ...], chat_template_kwargs: dict) -> tuple[int, ...]:
     """Where a constrained chat output's grammar starts: after `end_ids` (`reasoning_end_ids`: () without the
     reasoning parser) when the request thinks (the reasoning is free), else at the first token (())."""
-    if not end_ids or not thinking_enabled(chat_template_kwargs):
-        return ()
-    return end_ids
+    return end_ids if thinking_enabled(chat_template_kwargs) else ()
 
 
 def _shown(tool_choice) -> str:
