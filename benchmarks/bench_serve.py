@@ -149,10 +149,9 @@ def server_counters(base: str) -> dict[str, float]:
     return values
 
 
-def counted(before: dict[str, float], after: dict[str, float]) -> str:
-    """The level's columns from the counters: hit rate, MTP acceptance rate and mean accepted length, steps,
-    share compiling, compiles after ready."""
-    delta = {k: after[k] - before[k] for k in after if k in before}
+def counted(delta: dict[str, float], after: dict[str, float]) -> str:
+    """The level's columns from its counters' growth `delta` and their values `after` it: hit rate, MTP
+    acceptance rate and mean accepted length, steps, share compiling, compiles after ready."""
     hit_rate = f"{delta['hits'] / delta['queries']:.1%}" if delta.get("queries") else "-"
     accept = f"{delta['accepted'] / delta['draft_tokens']:.1%}" if delta.get("draft_tokens") else "-"
     length = f"{1 + delta['accepted'] / delta['drafts']:.2f}" if delta.get("drafts") else "-"
@@ -247,13 +246,13 @@ def main() -> None:
                 first_ttft_ms=ttft[0],
                 tpot_p50_ms=statistics.median(tpot),
                 tpot_p99_ms=percentile(tpot, 99),
-                counters={k: after[k] - before[k] for k in after if k in before},
+                counters={k: after[k] - before[k] for k in after if k in before},  # what the level added
             )
             runs.append(run)
             print(
                 f"{level:>12}{sampling:>10}{round_:>8}{count:>9}{run['req_per_s']:>8.2f}{run['out_tok_per_s']:>11.1f}"
                 f"{run['ttft_p50_ms']:>10.1f}{run['ttft_p99_ms']:>10.1f}{run['first_ttft_ms']:>10.1f}"
-                f"{run['tpot_p50_ms']:>10.2f}{run['tpot_p99_ms']:>10.2f}{counted(before, after)}",
+                f"{run['tpot_p50_ms']:>10.2f}{run['tpot_p99_ms']:>10.2f}{counted(run['counters'], after)}",
                 flush=True,
             )
         if {"plain", "processed"} <= set(args.sampling):
