@@ -33,7 +33,7 @@ class ParallelState:
     tp_group: dist.ProcessGroup
     ep_group: dist.ProcessGroup
     control_group: dist.ProcessGroup  # gloo, every rank: host objects only
-    tp_control_group: dist.ProcessGroup | None  # gloo, this rank's DP group (None: a group of one rank)
+    tp_control_group: dist.ProcessGroup  # gloo, this rank's DP group's ranks (the control group without DP)
 
     @property
     def tp_size(self) -> int:
@@ -110,7 +110,7 @@ def init_distributed(
         for d in range(config.data_parallel_size):
             ranks = list(range(d * tp, (d + 1) * tp))
             group = dist.new_group(ranks)
-            control = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s)) if tp > 1 else None
+            control = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
             if d == rank // tp:
                 tp_group, tp_control_group = group, control
     _STATE = ParallelState(
