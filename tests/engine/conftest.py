@@ -81,3 +81,20 @@ def choices_and_alone(engine, prompt: list[int], seeds: list[int], max_new: int)
         queries,
         alone[-1].stats["kv_cache"]["blocks_in_use"],
     )
+
+
+def cache_state(cache) -> dict:
+    """A copy of every tensor of every layer of a paged cache: (layer, field) -> rows."""
+    return {
+        (layer, name): t.clone()
+        for layer, rows in cache.layers.items()
+        for name, t in vars(rows).items()
+        if t is not None
+    }
+
+
+def cache_slot(table: list[int], position: int) -> int:
+    """The paged cache row that `position` of a sequence with blocks `table` writes."""
+    from spmoe.engine.paged_cache import BLOCK_SIZE
+
+    return table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE

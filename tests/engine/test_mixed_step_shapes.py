@@ -11,8 +11,7 @@ import torch
 
 from spmoe.distributed import spawn
 
-from .conftest import ENGINE_CONFIG
-from .test_speculative_step_shapes import cache_state
+from .conftest import ENGINE_CONFIG, cache_slot, cache_state
 
 WIDTH, TABLE_ROWS = 8, 5  # the captured tables: blocks per row, rows (the last all scratch)
 STALE = 20  # a block another sequence holds, left in every table entry the step does not use
@@ -69,8 +68,7 @@ def mixed_cases(folder: str) -> list[dict]:
             hidden = decode_hidden(model, cache, inputs, padded)
             logits = model.compute_logits(hidden, rows)
 
-            slot = lambda table, p: table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE  # noqa: E731
-            written = sorted({slot(t, c + j) for t, c, n in zip(tables, starts, lens) for j in range(n)})
+            written = sorted({cache_slot(t, c + j) for t, c, n in zip(tables, starts, lens) for j in range(n)})
             untouched, row_error = True, 0.0
             for key, t in cache_state(cache).items():
                 keep = torch.ones(t.shape[0], dtype=torch.bool)

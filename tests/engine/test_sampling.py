@@ -350,6 +350,25 @@ def test_bad_parameters_are_one_line_errors(kwargs, message):
     assert str(info.value) == message
 
 
+def test_the_sort_keeps_what_the_rule_keeps_on_the_kernel_tests_rows():
+    """The CPU's top_k / top_p threshold (`top_k_top_p_threshold_by_sort`) against the float64 rule over the rows
+    the kernel's GPU test uses (ties at the k-th value and at the crossing token, -inf masks, flat rows): the
+    same tokens kept wherever no rounding can move the crossing."""
+    from spmoe.engine.logits_processors import top_k_top_p_threshold_by_sort
+
+    from .test_top_k_top_p_gpu import MARGIN, kept_count, reference_threshold, rows_at
+
+    rows = [(row, k, p) for row, k, p, exact in rows_at(1000) if exact]
+    top_k = torch.tensor([k for _, k, _ in rows])
+    top_p = torch.tensor([p for _, _, p in rows], dtype=torch.float32)
+    by_sort = top_k_top_p_threshold_by_sort(torch.stack([r for r, _, _ in rows]), top_k, top_p)
+    assert len(rows) > 20
+    for j, (row, k, _) in enumerate(rows):
+        want, margin = reference_threshold(row, k, top_p[j].item())
+        assert margin >= MARGIN, (j, margin)
+        assert kept_count(row, by_sort[j, 0].item()) == kept_count(row, want), j
+
+
 def test_tiny_temperatures_are_greedy_and_huge_counts_are_stored():
     """A temperature below `GREEDY_BELOW` chooses the argmax, with greedy's logprobs (temperature 1): dividing
     by it would overflow the logits (1e-50 rounded to 0 in the float32 column and drew at temperature 1); a

@@ -14,21 +14,12 @@ import torch
 
 from spmoe.distributed import spawn
 
-from .conftest import ENGINE_CONFIG
+from .conftest import ENGINE_CONFIG, cache_slot, cache_state
 
 K = 2
 T = 1 + K
 PROMPT_LENS = (5, 70, 130, 9)  # the last sequence stops in the step under test
 LAST = (0, 2, 1, 1)  # each sequence's last verified row (accepted drafts)
-
-
-def cache_state(cache) -> dict:
-    return {
-        (layer, name): t.clone()
-        for layer, rows in cache.layers.items()
-        for name, t in vars(rows).items()
-        if t is not None
-    }
 
 
 def fixed_shape_cases(folder: str) -> dict:
@@ -107,12 +98,11 @@ def fixed_shape_cases(folder: str) -> dict:
         may_write = set(range(cache.scratch_block * BLOCK_SIZE, (cache.scratch_block + 1) * BLOCK_SIZE))
         both_wrote = set()
         for i, (table, n, a) in enumerate(zip(tables, PROMPT_LENS, LAST)):
-            slot = lambda p, table=table: table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE  # noqa: E731
-            may_write |= {slot(n + j) for j in range(T)}
+            may_write |= {cache_slot(table, n + j) for j in range(T)}
             if goes_on[i]:
-                steps = {slot(n + a + 1 + j) for j in range(K - 1)}
+                steps = {cache_slot(table, n + a + 1 + j) for j in range(K - 1)}
                 may_write |= steps
-                both_wrote |= {slot(n + j) for j in range(a + 1)} | steps
+                both_wrote |= {cache_slot(table, n + j) for j in range(a + 1)} | steps
         untouched, mtp_error = True, 0.0
         for (layer, name), t in cache_state(cache).items():
             keep = torch.ones(t.shape[0], dtype=torch.bool)
