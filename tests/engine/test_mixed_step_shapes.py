@@ -11,7 +11,7 @@ import torch
 
 from spmoe.distributed import spawn
 
-from .conftest import ENGINE_CONFIG, cache_slot, cache_state
+from .conftest import ENGINE_CONFIG, cache_slot, cache_state, relative_error
 
 WIDTH, TABLE_ROWS = 8, 5  # the captured tables: blocks per row, rows (the last all scratch)
 STALE = 20  # a block another sequence holds, left in every table entry the step does not use
@@ -81,8 +81,8 @@ def mixed_cases(folder: str) -> list[dict]:
             out.append(
                 {
                     "case": (seqs, size),
-                    "hidden error": ((hidden[:fed] - eager).abs().max() / eager.abs().max()).item(),
-                    "logit error": ((logits - eager_logits).abs().max() / eager_logits.abs().max()).item(),
+                    "hidden error": relative_error(hidden[:fed], eager),
+                    "logit error": relative_error(logits, eager_logits),
                     "untouched": untouched,
                     "row error": row_error,
                     "rows": tuple(hidden.shape),

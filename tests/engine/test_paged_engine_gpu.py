@@ -13,7 +13,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 
 from ..multigpu import requires_gpus
-from .conftest import choices_and_alone
+from .conftest import choices_and_alone, relative_error
 from .test_cuda_graphs import GRAPH_CONFIG
 
 CONFIG = {**GRAPH_CONFIG, "index_topk": 64, "kv_lora_rank": 128}
@@ -80,7 +80,7 @@ def test_paged_engine_graphs(tmp_path):
     assert got["dense", "kernel compiles"] > 0  # Triton's hook counts what the first engine compiled
     print("compiles or captures after ready:", after_ready)
     assert after_ready == 0
-    assert ((graphed[1] - eager[1]).abs().max() / eager[1].abs().max()).item() < 2e-2
+    assert relative_error(graphed[1], eager[1]) < 2e-2
     agree = sum(a == b for p, d in zip(eager[0], dense[0]) for a, b in zip(p, d)) / sum(map(len, dense[0]))
     assert agree >= 0.9, agree  # bf16: dense and sparse attention round differently
 
@@ -90,7 +90,7 @@ def test_paged_engine_graphs(tmp_path):
     )  # fmt: skip
     assert hits == eager_hits == 128 and (replays, eager_replays) == (1, 0), (hits, eager_hits, replays)
     assert turn == eager_turn
-    assert ((logits - eager_logits).abs().max() / eager_logits.abs().max()).item() < 2e-2
+    assert relative_error(logits, eager_logits) < 2e-2
 
     # n = 4 on CUDA with graphs: the choices fork (one prompt lookup), each draws its first token from the
     # prompt's last row as it does alone; later rows come from the shared blocks and a recomputed last block,
@@ -99,7 +99,7 @@ def test_paged_engine_graphs(tmp_path):
     assert queries == PROMPT_LENS[2] and len({tuple(c) for c in choices}) == 4
     assert [c[0] for c in choices] == [a[0] for a in alone]
     first, want = choice_logits[:, 0], alone_logits[:, 0]  # the prompt's last token's row, the same forward
-    assert ((first - want).abs().max() / want.abs().max()).item() < 1e-3
+    assert relative_error(first, want) < 1e-3
     same = sum(a == b for c, d in zip(choices, alone) for a, b in zip(c, d)) / (4 * 16)
     print("n = 4: tokens equal to the lone runs'", same)
     assert same >= 0.9, same
@@ -150,7 +150,7 @@ def speculating_engines(folder: str) -> dict:
             model, graphs.cache, captured.inputs, captured.block_tables, captured.hidden,
             *captured.draft.inputs.split([size * (1 + SPEC_K), size, size, size]), SPEC_K,
         )  # fmt: skip
-    out["replay logit error"] = ((replayed - eager).abs().max() / eager.abs().max()).item()
+    out["replay logit error"] = relative_error(replayed, eager)
     out["replay drafts"] = (size, drafts.tolist(), eager_drafts.tolist())
     run_to_completion(engine)
     return out
@@ -172,7 +172,7 @@ def test_speculative_decode_in_graphs(tmp_path):
     print({name: value for name, value in got.items() if isinstance(name, tuple) or "replay" in name})
     eager, graphed = got["eager"], got["graphs"]
     assert graphed[0] == eager[0], "greedy tokens differ between eager and replayed speculation"
-    assert ((graphed[1] - eager[1]).abs().max() / eager[1].abs().max()).item() < 2e-2
+    assert relative_error(graphed[1], eager[1]) < 2e-2
     same = sum(a == b for p, q in zip(eager[2], graphed[2]) for a, b in zip(p, q)) / sum(map(len, eager[2]))
     assert same >= 0.9, same
     captures, _ = got["graphs", "counts"]
