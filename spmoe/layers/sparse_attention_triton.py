@@ -1,14 +1,17 @@
 """Triton kernels for DSA sparse attention over the paged cache (see `sparse_attention` for the math and the
 cache layout); each matches its torch reference there.
 
-- `indexer_order_keys`: one program per (tile of consecutive tokens, run of cache blocks). Per block it reads
-  the block's 64 indexer keys straight from the cache (FP8 or bf16), scores them against the query heads of
-  every token of the tile with one `tl.dot` (`[64, d] x [d, tokens * heads]`), relu, weighted sum over each
-  token's heads, times the key's scale, and writes the ordering keys (`order_keys`) of its 64 positions for
-  each token, -inf past the token's position. Blocks past every token of the tile are written -inf without a
-  load. A tile whose tokens belong to several sequences (other block tables) goes token by token. Decode
-  steps take tiles of one token and one block (a program per token and block); prefill chunks share each key
-  load among 4 tokens (`INDEXER_PREFILL_TILES`).
+- `indexer_order_keys`: tiles of (consecutive tokens, a run of cache blocks). Per block it reads the block's
+  64 indexer keys straight from the cache (FP8 or bf16), scores them against the query heads of every token
+  of the tile with one `tl.dot` (`[64, d] x [d, tokens * heads]`), relu, weighted sum over each token's
+  heads, times the key's scale, and writes the ordering keys (`order_keys`) of its 64 positions for each
+  token, -inf past the token's position. Blocks past every token of the tile are written -inf without a
+  load, or (`fill_past=False`) not at all. A tile whose tokens belong to several sequences (other block
+  tables) goes token by token. Decode steps take tiles of one token and one block; prefill chunks share each
+  key load among 4 tokens (`INDEXER_PREFILL_TILES`). Program (token tile, j) takes the block tiles j, j + P,
+  j + 2P, ... (P by the shape, `indexer_programs`): up to the table's end, or without `fill_past` up to its
+  tokens' largest position, so tables as wide as max_model_len (CUDA graphs) cost programs by the GPU's
+  size, not by the table's width.
 - `topk_rows`: the indexer's top-k for a few tokens (decode), bounded by each token's own position, not by the
   block tables' width: one program per token. Up to k visible positions it writes their rows at once; past
   that, a radix select over the visible keys' 8 bytes (a 256-bin histogram per byte, from the top) finds the
@@ -53,6 +56,7 @@ PREFILL_TILES = (64, 64, 8, 2)
 # one token per program and block, as many programs as blocks. Prefill (from INDEXER_TILE_MIN_TOKENS tokens):
 # TOKENS tokens of a sequence share each key block they load (one [BLOCK, d] x [d, TOKENS * heads] dot) and a
 # program walks BLOCKS blocks with its queries held; with fewer than INDEXER_MIN_PROGRAMS programs, one block each.
+# Past NUM_SMS_TARGET tiles of blocks a program takes several tiles in turn (`indexer_programs`).
 # Measured (--indexer-sweep, 8192 tokens at positions 0 .. 8191): 0.80 ms (343 TFLOP/s) with the bf16 cache and
 # 0.60 ms with the FP8 cache, 8 tokens per tile the same within 1%, against 3.3 ms and 1.6 ms for the decode tiles.
 INDEXER_DECODE_TILES = (1, 1, 4, 1)
@@ -155,6 +159,61 @@ def _index_tokens(
 
 
 @triton.jit
+def _index_tiles(
+    q,
+    weights,
+    token,
+    position,
+    write,
+    k_ptr,
+    ks_ptr,
+    table_ptr,
+    out_ptr,
+    stride_out,
+    first_tile,
+    tile_step,
+    max_blocks,
+    HAS_SCALE: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    FILL_PAST: tl.constexpr,
+):
+    """`_index_tokens` over the tiles of BLOCKS blocks first_tile, first_tile + tile_step, ...: up to the table's
+    last (FILL_PAST), or to the tile holding the largest of the tokens' positions (the loop's bound is read
+    from device memory, so a program past every position runs no iteration and nothing goes to the host)."""
+    end_tile = tl.cdiv(max_blocks, BLOCKS)
+    if not FILL_PAST:
+        end_tile = tl.minimum(end_tile, (tl.max(position) // (BLOCK * BLOCKS) + 1).to(tl.int32))
+    for tile in range(first_tile, end_tile, tile_step):
+        first_block = tile * BLOCKS
+        _index_tokens(
+            q,
+            weights,
+            token,
+            position,
+            write,
+            k_ptr,
+            ks_ptr,
+            table_ptr,
+            out_ptr,
+            stride_out,
+            first_block,
+            tl.minimum(first_block + BLOCKS, max_blocks),
+            HAS_SCALE=HAS_SCALE,
+            DIM=DIM,
+            BLOCK=BLOCK,
+            TOKENS=TOKENS,
+            BLOCK_H=BLOCK_H,
+            FILL_PAST=FILL_PAST,
+        )
+
+
+# tile_step unspecialised: its value follows the shape (1, a multiple of 16 or another), and each class would be
+# one more compile of the kernel, for no gain in a loop's step
+@triton.jit(do_not_specialize=["tile_step"])
 def _indexer_kernel(
     q_ptr,
     w_ptr,
@@ -167,6 +226,7 @@ def _indexer_kernel(
     n,
     heads,
     max_blocks,
+    tile_step,
     stride_qn,
     stride_qh,
     stride_wn,
@@ -181,16 +241,15 @@ def _indexer_kernel(
     FILL_PAST: tl.constexpr,
 ):
     first_token = tl.program_id(0).to(tl.int64) * TOKENS
-    first_block = tl.program_id(1) * BLOCKS
-    end_block = tl.minimum(first_block + BLOCKS, max_blocks)
+    first_tile = tl.program_id(1)  # this program's tiles: first_tile, first_tile + tile_step, ...
     token = first_token + tl.arange(0, TOKENS)
     write = token < n
     clamped = tl.minimum(token, n - 1)  # the last tile's padding repeats its last token (computed, not written)
     seq = tl.load(seq_ptr + clamped).to(tl.int64)  # seq * table stride, as every row offset: int64
     position = tl.load(pos_ptr + clamped)
     if not FILL_PAST:
-        if first_block * BLOCK > tl.max(position):
-            return  # every block here is past every token's position, and nothing reads those keys
+        if first_tile * BLOCKS * BLOCK > tl.max(position):
+            return  # every tile of this program is past every token's position: no query load
     if tl.min(seq) == tl.max(seq):  # one sequence: one key load per block for the whole tile
         r = tl.arange(0, TOKENS * BLOCK_H)  # row r: token r // BLOCK_H, head r % BLOCK_H
         row_token, row_head = tl.minimum(first_token + r // BLOCK_H, n - 1), r % BLOCK_H
@@ -200,7 +259,7 @@ def _indexer_kernel(
             other=0.0,
         )
         weights = tl.load(w_ptr + row_token * stride_wn + row_head, mask=row_head < heads, other=0.0)
-        _index_tokens(
+        _index_tiles(
             q,
             weights,
             token,
@@ -211,12 +270,14 @@ def _indexer_kernel(
             tables_ptr + tl.min(seq) * stride_tab,
             out_ptr,
             stride_out,
-            first_block,
-            end_block,
+            first_tile,
+            tile_step,
+            max_blocks,
             HAS_SCALE=HAS_SCALE,
             DIM=DIM,
             BLOCK=BLOCK,
             TOKENS=TOKENS,
+            BLOCKS=BLOCKS,
             BLOCK_H=BLOCK_H,
             FILL_PAST=FILL_PAST,
         )
@@ -230,7 +291,7 @@ def _indexer_kernel(
                 other=0.0,
             )  # [BLOCK_H, DIM]
             weights = tl.load(w_ptr + one * stride_wn + h, mask=h < heads, other=0.0)
-            _index_tokens(
+            _index_tiles(
                 q,
                 weights,
                 one,
@@ -241,15 +302,44 @@ def _indexer_kernel(
                 tables_ptr + tl.max(tl.load(seq_ptr + one)).to(tl.int64) * stride_tab,
                 out_ptr,
                 stride_out,
-                first_block,
-                end_block,
+                first_tile,
+                tile_step,
+                max_blocks,
                 HAS_SCALE=HAS_SCALE,
                 DIM=DIM,
                 BLOCK=BLOCK,
                 TOKENS=1,
+                BLOCKS=BLOCKS,
                 BLOCK_H=BLOCK_H,
                 FILL_PAST=FILL_PAST,
             )
+
+
+def indexer_tiles(n: int, max_blocks: int) -> tuple[int, int, int, int]:
+    """The indexer's tiles for n tokens over tables of max_blocks blocks: `INDEXER_DECODE_TILES` below
+    `INDEXER_TILE_MIN_TOKENS` tokens, else `INDEXER_PREFILL_TILES` (with one block per tile while that leaves
+    fewer than `INDEXER_MIN_PROGRAMS` tiles)."""
+    tiles = INDEXER_DECODE_TILES if n < INDEXER_TILE_MIN_TOKENS else INDEXER_PREFILL_TILES
+    tokens, blocks = tiles[:2]
+    if triton.cdiv(n, tokens) * triton.cdiv(max_blocks, blocks) < INDEXER_MIN_PROGRAMS:
+        return (tokens, 1, *tiles[2:])
+    return tiles
+
+
+def indexer_programs(token_tiles: int, block_tiles: int) -> int:
+    """The indexer's programs per tile of tokens (the grid's second dimension) for `token_tiles` tiles of
+    tokens over tables of `block_tiles` tiles of blocks: at least `NUM_SMS_TARGET`, so that one sequence much
+    longer than the others of its step still spreads its keys over every multiprocessor (at 128k positions
+    each of its programs takes 8 decode tiles), and at least `INDEXER_MIN_PROGRAMS` in all; never more than
+    the tiles there are (so up to NUM_SMS_TARGET tiles, one program per tile, the loop taken once).
+
+    A function of the shapes alone, never of the positions: the tiles a step needs follow its positions,
+    which live on the device; reading them would stall the host at every layer and could not be captured, and
+    a CUDA graph replays the grid of its capture at every context (the engine's graphs take tables as wide as
+    max_model_len). Each program instead walks its tiles up to its tokens' largest position, a bound it loads
+    itself, and the programs past every position return at once. 32 decode tokens take 8,448 programs at
+    any width, where a program per tile of the table took 65,536 at 128k positions and 762,592 at 1.5 M."""
+    return min(block_tiles, max(NUM_SMS_TARGET, triton.cdiv(INDEXER_MIN_PROGRAMS, token_tiles)))
 
 
 def indexer_order_keys(
@@ -262,12 +352,13 @@ def indexer_order_keys(
     block_size: int,
     tiles: tuple[int, int, int, int] | None = None,
     fill_past: bool = True,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """As `indexer_order_keys_torch`: q `[N, h, d]`, weights `[N, h]` float32 -> keys `[N, max_blocks * B]`
     (not `fill_past`: the keys past each token's position are left unwritten, for `topk_rows`).
-    tiles: (tokens per program, cache blocks per program, num_warps, num_stages), by default chosen by the
-    shape: `INDEXER_DECODE_TILES` below `INDEXER_TILE_MIN_TOKENS` tokens, else `INDEXER_PREFILL_TILES` (with
-    one block per program while that leaves fewer than `INDEXER_MIN_PROGRAMS` programs)."""
+    tiles: (tokens per tile, cache blocks per tile, num_warps, num_stages), by default `indexer_tiles`.
+    programs: programs per tile of tokens, each taking every programs-th tile of blocks; by default
+    `indexer_programs` of the shape."""
     n, heads, dim = q.shape
     max_blocks = block_tables.shape[1]
     out = torch.empty(n, max_blocks * block_size, dtype=torch.int64, device=q.device)
@@ -278,14 +369,14 @@ def indexer_order_keys(
             f"the indexer kernel needs unit-stride rows: q strides {q.stride()}, cache rows "
             f"{cache.index_key.stride()} for dim {dim}"
         )
-    if tiles is None:
-        tiles = INDEXER_DECODE_TILES if n < INDEXER_TILE_MIN_TOKENS else INDEXER_PREFILL_TILES
-        tokens, blocks = tiles[:2]
-        if triton.cdiv(n, tokens) * triton.cdiv(max_blocks, blocks) < INDEXER_MIN_PROGRAMS:
-            tiles = (tokens, 1, *tiles[2:])
-    tokens, blocks, num_warps, num_stages = tiles
+    tokens, blocks, num_warps, num_stages = tiles or indexer_tiles(n, max_blocks)
+    token_tiles, block_tiles = triton.cdiv(n, tokens), triton.cdiv(max_blocks, blocks)
+    if programs is None:
+        programs = indexer_programs(token_tiles, block_tiles)
+    elif not 0 < programs <= block_tiles:
+        raise ValueError(f"indexer programs per token tile must be in [1, {block_tiles}], got {programs}")
     has_scale = cache.index_scale is not None
-    _indexer_kernel[(triton.cdiv(n, tokens), triton.cdiv(max_blocks, blocks))](
+    _indexer_kernel[(token_tiles, programs)](
         q,
         weights,
         cache.index_key,
@@ -297,6 +388,7 @@ def indexer_order_keys(
         n,
         heads,
         max_blocks,
+        programs,
         q.stride(0),
         q.stride(1),
         weights.stride(0),
