@@ -13,7 +13,7 @@ import torch
 
 from spmoe.config import ModelConfig
 from spmoe.layers import fused
-from spmoe.layers.paged_rows import quantize_index_vectors, write_index_key, write_latent
+from spmoe.layers.paged_rows import PagedLayerCache, quantize_index_vectors, write_index_key, write_latent
 from spmoe.layers.sparse_attention import (
     cache_rows_torch,
     head_matmul,
@@ -26,9 +26,10 @@ from spmoe.layers.sparse_attention import (
     visible_rows,
 )
 
-from ..multigpu import requires_gpus
+from ..multigpu import kernel_devices, requires_gpus
 
 TOPK, BLOCK = 2048, 64
+DEVICES = kernel_devices()
 CONTEXTS = [700, 3000, 5000]  # three sequences
 GLM = dict(
     model_type="glm_moe_dsa",
@@ -231,6 +232,87 @@ def test_bounded_topk_over_padded_tables(kv_cache_dtype):
     for got in (topk_rows(sparse, TOPK, padded, seq_index, pos, BLOCK), indexer_topk(*args[:6], TOPK, BLOCK)):
         assert torch.equal(got.sort(-1).values, want.sort(-1).values)
     assert ((want >= 0).sum(-1) == torch.clamp(pos + 1, max=TOPK)).all()
+
+
+GRID_BLOCK, GRID_TOPK = 16, 32  # the grid test's block size and top-k
+# its tables' blocks and the programs per token tile it tries (None: the default by shape): the interpreter takes
+# about 10 ms a program and 20 ms a block of keys, so there the tables are narrow and only 3 programs are tried
+GRID_BLOCKS = {"cuda": 512, "cpu": 24}
+GRID_PROGRAMS = {"cuda": (None, 1, 3), "cpu": (3,)}
+
+
+def exact_indexer_case(n: int, blocks: int, device: str, kv_cache_dtype: str, gen: torch.Generator):
+    """The indexer's inputs (q, weights, cache rows, tables, seq_index, positions) for n tokens of 4 sequences,
+    each with a table of `blocks` scattered blocks of GRID_BLOCK: runs of 8 then of 3 tokens per sequence (tiles
+    of 4 tokens of one sequence, and tiles straddling two), positions below 100 but for tokens n - 8 .. n - 5
+    (from n = 64: sequence 1 at 40 .. 37 positions before the table's end) and the last token (sequence 0, at
+    the table's next-to-last position). Integer queries and keys in [-3, 3], weights in eighths of both signs,
+    scales powers of 2: every score is exact in float32 in any order of the sums, so keys compare bit for bit."""
+    width = blocks * GRID_BLOCK
+    cached = 4 * blocks + 1
+    fp8 = kv_cache_dtype == "fp8"
+    # the 16-bit cache: bf16, but float16 under the interpreter, whose bf16 dot is not the GPU's
+    key_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16 if device == "cuda" else torch.float16
+    ints = lambda *shape: torch.randint(-3, 4, shape, generator=gen).float()  # noqa: E731
+    rows = PagedLayerCache(
+        None,
+        None,
+        None,
+        ints(cached * GRID_BLOCK, 32).to(key_dtype).to(device),
+        (2.0 ** torch.randint(-3, 4, (cached * GRID_BLOCK, 1), generator=gen)).to(device) if fp8 else None,
+    )
+    tables = torch.randperm(cached, generator=gen)[: 4 * blocks].view(4, blocks).int()
+    seq_index = torch.tensor([(i // (8 if i < n // 2 else 3)) % 4 for i in range(n)])
+    positions = torch.randint(0, 100, (n,), generator=gen)
+    if n >= 64:
+        seq_index[n - 8 : n - 4] = 1
+        positions[n - 8 : n - 4] = torch.arange(width - 40, width - 36)
+    seq_index[-1], positions[-1] = 0, width - 2
+    q = ints(n, 4, 32).to(key_dtype)
+    weights = torch.randint(-8, 9, (n, 4), generator=gen) / 8
+    return (
+        tuple(x.to(device) for x in (q, weights))
+        + (rows,)
+        + tuple(x.to(device) for x in (tables, seq_index, positions))
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_indexer_grid_over_wide_tables(device, kv_cache_dtype):
+    """The indexer's grid of programs per token tile (`indexer_programs`, or 1 and 3) over tables much wider than
+    most positions (as a CUDA graph's), each program walking several tiles of blocks where the tokens' positions
+    need more tiles than there are programs: the keys equal the reference's bit for bit (exact scores), all of
+    them with `fill_past`, those up to each token's position without; and `topk_rows` over the latter picks the
+    reference's rows. Decode tiles (1, 5, 63 tokens) and prefill tiles (64, 320 tokens; one sequence or two)."""
+    from spmoe.layers.sparse_attention_triton import indexer_order_keys, indexer_programs, topk_rows
+
+    blocks = GRID_BLOCKS[device]
+    # on CUDA the default grid loops too: decode tiles of 1 token, fewer programs than the last token's tiles
+    assert device == "cpu" or indexer_programs(5, blocks) < blocks - 1
+    gen = torch.Generator().manual_seed(5)
+    for n in (1, 5, 63, 64, 320):
+        args = (*exact_indexer_case(n, blocks, device, kv_cache_dtype, gen), GRID_BLOCK)
+        q, weights, rows, tables, seq_index, positions, _ = args
+        want = torch.cat(
+            [
+                indexer_order_keys_torch(q[c], weights[c], rows, tables, seq_index[c], positions[c], GRID_BLOCK)
+                for c in torch.arange(n, device=device).split(64)  # [64, L, d] gathered keys at a time
+            ]
+        )
+        visible = torch.arange(want.shape[1], device=device) <= positions[:, None]
+        for programs in GRID_PROGRAMS[device]:
+            label = (n, programs)
+            full = indexer_order_keys(*args, fill_past=True, programs=programs)
+            assert torch.equal(full, want), label
+            sparse = indexer_order_keys(*args, fill_past=False, programs=programs)
+            assert torch.equal(sparse[visible], want[visible]), label
+        got = topk_rows(sparse, GRID_TOPK, tables, seq_index, positions, GRID_BLOCK)
+        reference = rows_of_best(want, GRID_TOPK, tables, seq_index, GRID_BLOCK)
+        assert torch.equal(got.sort(-1).values, reference.sort(-1).values), n
+    with pytest.raises(ValueError, match="indexer programs per token tile must be in"):
+        indexer_order_keys(*args, programs=0)
 
 
 def bf16_attention_layer(cfg: ModelConfig):
