@@ -21,6 +21,13 @@ positions x 32 heads x 128 x 2), with the prefill tiles (the default's pick ther
     python benchmarks/bench_sparse_attention.py --sweep    # sparse MLA tile configs at a 32k context
     python benchmarks/bench_sparse_attention.py --prefill-sweep    # the same for 8192 tokens of a prefill
     python benchmarks/bench_sparse_attention.py --indexer-sweep    # indexer tile configs for that prefill
+    python benchmarks/bench_sparse_attention.py --indexer-grid    # its programs per token tile, wide tables
+
+`--indexer-grid`: ms of `indexer_order_keys(fill_past=False)` (the indexer of steps of up to 512 tokens, before
+`topk_rows`) over block tables padded to a width, as the engine's CUDA graphs pad them to max_model_len, per
+number of programs per token tile P: one per tile of the table (the grid before `indexer_programs`), the
+default, and just enough for INDEXER_MIN_PROGRAMS in all; each with its grid (token tiles x P). Steps: 32 and
+256 sequences at 1024 tokens, 31 at 1024 beside one at 128k, 64 at 1024 beside a 256-token prompt.
 """
 
 import argparse
@@ -38,8 +45,11 @@ from spmoe.layers.rotary import Rotary
 from spmoe.layers.sparse_attention import indexer_topk, rows_of_best, sparse_mla
 from spmoe.layers.sparse_attention_triton import (
     INDEXER_DECODE_TILES,
+    INDEXER_MIN_PROGRAMS,
     INDEXER_PREFILL_TILES,
     indexer_order_keys,
+    indexer_programs,
+    indexer_tiles,
 )
 from spmoe.layers.sparse_attention_triton import (
     sparse_mla as triton_sparse_mla,
@@ -53,6 +63,14 @@ PREFILL_SWEEP = [(h, k, w, 2) for h in (16, 32, 64) for k in (16, 32, 64) for w 
 PREFILL_TOKENS, PREFILL_CONTEXT = 8192, 32768
 # the indexer's tiles (tokens per program, blocks per program, num_warps, num_stages) for a prefill of 8192 tokens
 INDEXER_SWEEP = [(t, b, w, 3) for t in (2, 4, 8) for b in (4, 16) for w in (4, 8)]
+# --indexer-grid's steps: parts of (sequences, cached tokens each, new tokens each), as bench_decode_step's cases
+GRID_STEPS = {
+    "32x1024": [(32, 1024, 1)],
+    "31x1024,1x131071": [(31, 1024, 1), (1, 131071, 1)],
+    "256x1024": [(256, 1024, 1)],
+    "64x1024,1x0+256": [(64, 1024, 1), (1, 0, 256)],
+}
+GRID_WIDTHS = ["pow2", 131072, 1525184]  # a power of 2 of blocks covering the step, or a max_model_len
 
 
 def fill(cache: PagedKVCache, tokens: int) -> None:
@@ -260,6 +278,57 @@ def indexer_prefill(cfg: ModelConfig, configs: list, fp8_best: int = 0) -> None:
         print("best indexer prefill tiles:", " ".join(map(str, best)))
 
 
+def indexer_grid(cfg: ModelConfig) -> None:
+    """ms of `indexer_order_keys(fill_past=False)` for each of GRID_STEPS over tables of each of GRID_WIDTHS, per
+    programs per token tile (see the module docstring), with the bf16 and the FP8 cache."""
+    print("indexer over tables padded to a width: ms (CUDA graph) per programs per token tile P, grid T x P")
+    print(f"{'cache':>5} {'step':>18} {'width:blocks':>13} {'per tile':>22} {'default':>22} {'fewest':>22}")
+    used = lambda parts: sum(b * -(-(c + t) // BLOCK_SIZE) for b, c, t in parts)  # noqa: E731
+    most = max(used(parts) for parts in GRID_STEPS.values())
+    for kv_cache_dtype in ("auto", "fp8"):
+        cache = kernel_inputs(cfg, kv_cache_dtype, most * BLOCK_SIZE, 1)[0]
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        for name, parts in GRID_STEPS.items():
+            tables, seq_index, positions, first = [], [], [], 0
+            for batch, context, tokens in parts:
+                blocks = -(-(context + tokens) // BLOCK_SIZE)
+                for _ in range(batch):
+                    seq_index += [len(tables)] * tokens
+                    positions += range(context, context + tokens)
+                    tables.append(list(range(first, first + blocks)))
+                    first += blocks
+            n = len(positions)
+            q = torch.randn(n, cfg.index_n_heads, cfg.index_head_dim, device="cuda", generator=gen).bfloat16()
+            weights = torch.rand(n, cfg.index_n_heads, device="cuda", generator=gen)
+            if kv_cache_dtype == "fp8":
+                q, q_scale = quantize_index_vectors(q)
+                weights = weights * q_scale.squeeze(-1)
+            step = (torch.tensor(seq_index, device="cuda"), torch.tensor(positions, device="cuda"))
+            for width in GRID_WIDTHS:
+                longest = max(len(t) for t in tables)
+                blocks = 1 << (longest - 1).bit_length() if width == "pow2" else -(-width // BLOCK_SIZE)
+                padded = torch.full((len(tables), blocks), cache.scratch_block, dtype=torch.int32)
+                for row, table in enumerate(tables):
+                    padded[row, : len(table)] = torch.tensor(table)
+                args = (q, weights, cache.layers[0], padded.to("cuda"), *step, BLOCK_SIZE)
+                tokens, per_tile = indexer_tiles(n, blocks)[:2]
+                token_tiles, block_tiles = -(-n // tokens), -(-blocks // per_tile)
+                cells = []
+                for programs in (
+                    block_tiles,
+                    indexer_programs(token_tiles, block_tiles),
+                    min(block_tiles, -(-INDEXER_MIN_PROGRAMS // token_tiles)),
+                ):
+                    t = timed(lambda: indexer_order_keys(*args, fill_past=False, programs=programs))
+                    cells.append(f"{'OOM' if t is None else f'{t:.4f}'} ({token_tiles}x{programs})")
+                print(
+                    f"{kv_cache_dtype:>5} {name:>18} {f'{width}:{blocks}':>13} " + " ".join(f"{c:>22}" for c in cells),
+                    flush=True,
+                )
+        del cache
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
@@ -275,6 +344,11 @@ def main():
         action="store_true",
         help="time the indexer tile configs for a prefill of 8192 tokens instead",
     )
+    parser.add_argument(
+        "--indexer-grid",
+        action="store_true",
+        help="time the indexer's programs per token tile over tables padded to max_model_len instead",
+    )
     args = parser.parse_args()
     cfg = ModelConfig.from_dict(
         {**GLM, "num_hidden_layers": 1, "mlp_layer_types": ["sparse"], "indexer_types": ["full"]}
@@ -289,6 +363,8 @@ def main():
         return prefill_sweep(cfg)
     if args.indexer_sweep:
         return indexer_prefill(cfg, INDEXER_SWEEP, fp8_best=4)
+    if args.indexer_grid:
+        return indexer_grid(cfg)
     print(
         f"{'cache':>5} {'context':>7} {'batch':>5} {'scores':>7} {'top-k':>7} {'mla':>7} {'roofline %':>10} "
         f"{'paged layer':>11} {'dense layer':>11}"
