@@ -6,7 +6,9 @@ and the unsorted top-k behind the selection; the whole paged MLAttention against
 (contexts <= index_topk), and above index_topk with the fused kernels against their torch references; absorbed
 MLA's per-head projections of a few tokens (`head_matmul`) against the batched GEMM, at 64 heads and TP shares of
 them. `check_head_matmul` takes the device and dtype, so it also runs on CPU under the Triton interpreter
-(float16: the interpreter's bf16 dot is not the GPU's)."""
+(float16: the interpreter's bf16 dot is not the GPU's). The indexer's grid over tables much wider than the
+positions (programs walking several tiles of blocks), exact against the reference, on CUDA and on the CPU
+under the interpreter (`kernel_devices`)."""
 
 import pytest
 import torch
