@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -112,6 +113,7 @@ def test_structured_output_on_the_speculating_server(server):
 
     base, _ = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    drafted_before = spec_counter(base, "spmoe:spec_decode_num_draft_tokens")
     schema = {
         "type": "object",
         "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer", "maximum": 99}},
@@ -141,6 +143,22 @@ def test_structured_output_on_the_speculating_server(server):
             extra_body={"structured_outputs": {"choice": choices}},
         ).choices[0]
         assert reply.finish_reason == "stop" and reply.text in ("red", "blue", "green"), reply
+    # the constrained requests were speculated: every step of theirs drafted a token (6 requests, >= 1 step each)
+    assert spec_counter(base, "spmoe:spec_decode_num_draft_tokens") - drafted_before >= 6
+
+
+def spec_counter(base: str, name: str) -> float:
+    """The server's counter `name` (summed over its labels) from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name + "_total"
+    )
 
 
 @pytest.mark.parametrize(
