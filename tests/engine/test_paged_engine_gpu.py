@@ -1,6 +1,7 @@
 """The engine over the paged cache on one GPU, bfloat16 with the Triton kernels: decode steps replayed from CUDA
 graphs (one per batch size, captured when the engine is built, block tables padded to max_model_len) and
-prompt steps of up to 128 tokens replayed from mixed-step graphs generate what the eager paged engine does
+prompt steps of up to 320 tokens replayed from mixed-step graphs generate what the eager paged engine does
+(the first step's 320 rows take the sparse MLA kernel's prefill tiles inside the graph)
 (the next turn of a conversation too, whose uncached tokens one step computes), and what the dense reference
 engine does, for contexts below and above index_topk over 1 to 5 blocks of the 8 a table holds, prompts
 chunked by a small token budget; nothing is captured after the engine is warm. n = 4 choices of one prompt
@@ -18,6 +19,10 @@ from .test_cuda_graphs import GRAPH_CONFIG
 
 CONFIG = {**GRAPH_CONFIG, "index_topk": 64, "kv_lora_rank": 128}
 PROMPT_LENS = (5, 40, 150, 300)  # the longer two attend more than index_topk positions
+# the first step feeds 320 of the prompts' 495 tokens (the last prompt chunked): 320 rows of 8 heads take the
+# prefill tiles of the sparse MLA kernel (from NUM_SMS_TARGET = 264 rows x head groups) and of the indexer
+STEP_TOKENS = 320
+MIXED = (320, 256, 224, 192, 160, 128, 96, 64, 32, 16)  # the mixed-step graphs for that budget, largest first
 
 
 def engines(folder: str) -> dict:
@@ -39,12 +44,13 @@ def engines(folder: str) -> dict:
     ):
         lines = []
         engine = Engine(
-            model, cache, cuda_graphs=graphs, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512,
-            log=lines.append,
+            model, cache, cuda_graphs=graphs, max_num_seqs=4, max_num_batched_tokens=STEP_TOKENS,
+            max_model_len=512, log=lines.append,
         )  # fmt: skip
         warm_up(engine, lines.append)
         gen = engine.generate(prompts, 16, record_logits=True)
         out[name] = (gen.outputs, torch.cat(gen.logits), gen.stats["cuda_graph_batch_sizes"])
+        out[name, "prompt replays"] = gen.stats["phases"]["prefill"]["replays"]
         m = engine.metrics()
         out[name, "counts"] = (engine.graph_captures(), m.compiles_after_ready, m.steps_compiling, m.steps)
         out[name, "kernel compiles"] = m.kernel_compiles
@@ -70,13 +76,15 @@ def test_paged_engine_graphs(tmp_path):
     eager, graphed, dense = got["paged"], got["paged_graphs"], got["dense"]
     print({name: value for name, value in got.items() if isinstance(name, tuple)})
     assert graphed[0] == eager[0]
+    # the prompts' two steps (320 rows; the last chunk beside the first tokens' decode rows) replayed graphs
+    assert (got["paged_graphs", "prompt replays"], got["paged", "prompt replays"]) == (2, 0)
     assert graphed[2] == [1, 2, 4] and got["paged_graphs", "width"] == 8  # 512 positions
     captures, after_ready, _, _ = got["paged_graphs", "counts"]
-    assert captures == 8, "one graph per batch size and per mixed-step size, none while generating"
+    assert captures == 3 + len(MIXED), "one graph per batch size and per mixed-step size, none while generating"
     capture_lines = [line.split("graph of ")[1] for line in got["paged_graphs", "log"] if "capturing" in line]
     steps = [f"the decode step for batch {b}" for b in (4, 2, 1)]
-    steps += [f"a step of up to {n} tokens" for n in (128, 96, 64, 32, 16)]
-    assert capture_lines == [f"{step} ({i}/8)" for i, step in enumerate(steps, 1)], capture_lines
+    steps += [f"a step of up to {n} tokens" for n in MIXED]
+    assert capture_lines == [f"{step} ({i}/{len(steps)})" for i, step in enumerate(steps, 1)], capture_lines
     assert got["dense", "kernel compiles"] > 0  # Triton's hook counts what the first engine compiled
     print("compiles or captures after ready:", after_ready)
     assert after_ready == 0
