@@ -1,22 +1,29 @@
-"""MTP speculation against plain decoding on one GPU: decode tokens/s with k = 1, 2, 3 drafts per step at
-batch 1, 16 and 64, greedy and sampled, against no speculation (eager, and replayed from CUDA graphs).
+"""MTP speculation against plain decoding, on one GPU or on `--tp` GPUs (TP attention, the experts split over
+the ranks): decode tokens/s with k = 1, 2, 3 drafts per step at batch 1, 16 and 64, greedy and sampled, against
+no speculation (eager, and replayed from CUDA graphs).
 
-The model is GLM-5.2 wide with a few layers (default 4: 1 dense, 3 MoE of 64 experts top-8) and its MTP layer,
-random bf16 weights generated on the device, built so that the MTP layer agrees with the target often (as the
-demo's checkpoint is): the LM head is a permutation of the embedding, the MTP layer's eh_proj passes the next
-token's embedding through, and every layer's output projections are scaled down (`--residual-scale`), so the
-hidden state stays close to the token's embedding and each token has one likely successor that both the
-target and the MTP layer predict. The acceptance rate printed per row says how often they did agree.
+The model is GLM-5.2 wide with a few layers (default 4: 1 dense, 3 MoE of `--experts` experts top-8, vocab
+`--vocab`) and its MTP layer, random bf16 weights generated on the device, built so that the MTP layer agrees
+with the target often (as the demo's checkpoint is): the LM head is a permutation of the embedding, the MTP
+layer's eh_proj passes the next token's embedding through, and every layer's output projections are scaled
+down (`--residual-scale`), so the hidden state stays close to the token's embedding and each token has one
+likely successor that both the target and the MTP layer predict. The acceptance rate printed per row says how
+often they did agree. With `--tp N` every rank runs the same generations, as `spmoe generate` does under TP;
+at batch 1 a step is then set by the collectives and their latency more than by one GPU's weight bytes.
 
 Per row: `--new-tokens` tokens after a `--prompt-len` random prompt per sequence, on the paged cache; decode
 tokens/s = tokens committed by decode steps / (the decode steps' seconds + the MTP draft steps' seconds), from
-the engine's own phase timings, and its ratio to k = 0 in the same mode (eager or CUDA graphs); "target ms":
-one decode step of the target (with k drafts: the verification of k + 1 tokens per sequence, with the
-choice of tokens), and its ratio to the plain decode step (goal at batch 1-16: <= 1 + 0.1 k); "draft ms":
+the engine's own phase timings (rank 0's), and its ratio to k = 0 in the same mode (eager or CUDA graphs);
+"target ms": one decode step of the target (with k drafts: the verification of k + 1 tokens per sequence, with
+the choice of tokens), and its ratio to the plain decode step (goal at batch 1-16: <= 1 + 0.1 k); "draft ms":
 the drafter's k forwards of one step. Each configuration runs once untimed first (Triton's JIT, graph
 capture).
 
     python benchmarks/bench_speculative.py [--layers 4] [--batches 1 16 64] [--drafts 1 2 3] [--temperatures 0 1]
+    python benchmarks/bench_speculative.py --tp 8 --experts 256 --vocab 154880 --layers 16 --batches 1 16 \\
+        --drafts 1 3 --temperatures 0          # GLM-5.2's shape on 8 GPUs, expert parallel
+    python benchmarks/bench_speculative.py --device cpu --tp 2 --layers 2 --experts 8 --batches 1 --drafts 1 \\
+        --temperatures 0 --prompt-len 16 --new-tokens 8   # the script itself, on the CPU (float32, gloo)
 """
 
 import argparse
@@ -27,21 +34,30 @@ from bench_dp import random_weights
 from bench_generate import glm_config
 
 from spmoe.config import ModelConfig, ParallelConfig
-from spmoe.distributed import spawn
+from spmoe.config.parallel import SP_MODES
+from spmoe.distributed import get_parallel_state, spawn
+from spmoe.engine.args import check_device
 
 
 def agreeing_weights(model, residual_scale: float) -> None:
-    """Random weights (seeded by name), then the structure the MTP layer finds: LM head = a permutation of the
-    embedding, eh_proj = [identity, 0] (the next token's embedding passes through), output projections of
-    attention and MLPs scaled by `residual_scale` (the residual stream stays near the token's embedding)."""
+    """Random weights (seeded by name, so replicated ones agree across ranks), then the structure the MTP layer
+    finds: LM head = a permutation of the embedding, eh_proj = [identity, 0] (the next token's embedding passes
+    through), output projections of attention and MLPs scaled by `residual_scale` (the residual stream stays
+    near the token's embedding). Under TP the embedding and the LM head hold a slice of the vocab rows each:
+    every rank draws the same full `[V, H]` embedding and copies its own rows of it and of its permutation."""
     random_weights(model)
     with torch.no_grad():
-        embed = model.model.embed_tokens.weight
-        perm = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(zlib.crc32(b"perm")))
-        model.lm_head.weight.copy_(embed[perm.to(embed.device)])
+        embed, head = model.model.embed_tokens, model.lm_head
+        vocab, hidden = model.cfg.vocab_size, model.cfg.hidden_size
+        device, dtype = embed.weight.device, embed.weight.dtype
+        gen = torch.Generator(device=device).manual_seed(zlib.crc32(b"embed"))
+        full = torch.empty(vocab, hidden, dtype=dtype, device=device).normal_(0, hidden**-0.5, generator=gen)
+        perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(zlib.crc32(b"perm"))).to(device)
+        embed.weight.copy_(full[embed.start : embed.start + embed.weight.shape[0]])
+        head.weight.copy_(full[perm[head.start : head.start + head.weight.shape[0]]])
+        del full
         for name, p in model.named_parameters():
-            if name.endswith("eh_proj.weight"):
-                hidden = p.shape[0]
+            if name.endswith("eh_proj.weight"):  # [H, 2H], replicated
                 p.zero_()
                 p[:, :hidden].copy_(torch.eye(hidden, dtype=p.dtype, device=p.device))
             elif "o_proj" in name or "down_proj" in name:
@@ -50,17 +66,18 @@ def agreeing_weights(model, residual_scale: float) -> None:
 
 def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: bool) -> dict:
     from spmoe.engine.engine import Engine
-    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.paged_cache import build_paged_cache
     from spmoe.engine.sampling import SamplingParams
 
-    cache = PagedKVCache.for_model(model, int(args.kv_cache_memory * 2**30), "auto")
+    longest = args.prompt_len + args.new_tokens + k
+    cache = build_paged_cache(model, args.kv_cache_memory, None, "auto", batch, longest)
     engine = Engine(
         model,
         cache,
         num_speculative_tokens=k,
         cuda_graphs=graphs,
         max_num_seqs=batch,
-        max_model_len=args.prompt_len + args.new_tokens + k,
+        max_model_len=longest,
         enable_prefix_caching=False,
     )
     gen = torch.Generator().manual_seed(batch)
@@ -81,13 +98,26 @@ def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: boo
     }
 
 
-def run(args) -> list[tuple]:
+def model_config(args) -> ModelConfig:
+    """GLM-5.2 widths, `--layers` layers, `--experts` routed experts, `--vocab` tokens, one MTP layer."""
+    raw = glm_config(args.layers)
+    return ModelConfig.from_dict(
+        {**raw, "n_routed_experts": args.experts, "vocab_size": args.vocab, "num_nextn_predict_layers": 1}
+    )
+
+
+def parallel_config(args) -> ParallelConfig:
+    return ParallelConfig(tensor_parallel_size=args.tp, sp=args.sp)
+
+
+def run(args) -> list[tuple] | None:
+    """One rank's share: every rank builds its part of the model and runs the same generations (as
+    `spmoe generate` does under TP) -> rank 0's rows, None on the others."""
     from spmoe.models.deepseek_v32.weights import build_model
 
-    raw = {**glm_config(args.layers), "num_nextn_predict_layers": 1}
-    cfg = ModelConfig.from_dict(raw)
+    state = get_parallel_state()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = build_model(cfg, ParallelConfig(tensor_parallel_size=1), True, set(), dtype, args.device).eval()
+    model = build_model(model_config(args), parallel_config(args), True, set(), dtype, state.device).eval()
     agreeing_weights(model, args.residual_scale)
     rows = []
     modes = ("eager", "graphs") if args.device == "cuda" else ("eager",)  # graphs: CUDA only
@@ -99,23 +129,53 @@ def run(args) -> list[tuple]:
                     got = decode_rate(model, args, batch, k, temperature, mode == "graphs")
                     plain = plain or got
                     rows.append((temperature, batch, mode, k, got, plain))
-                    print(f"T={temperature} batch {batch} {mode} k={k}: {got['tok_s']:.1f} tokens/s", flush=True)
-    return rows
+                    if state.rank == 0:
+                        print(f"T={temperature} batch {batch} {mode} k={k}: {got['tok_s']:.1f} tokens/s", flush=True)
+    return rows if state.rank == 0 else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=1, help="ranks (one GPU each): TP attention, experts split over them")
+    parser.add_argument("--sp", choices=SP_MODES, default="auto", help="sequence-parallel MoE")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=64, help="routed experts per MoE layer (GLM-5.2: 256)")
+    parser.add_argument("--vocab", type=int, default=32768, help="vocab size (GLM-5.2: 154880)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 3], help="k values besides 0")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--residual-scale", type=float, default=0.05)
-    parser.add_argument("--kv-cache-memory", type=float, default=8.0, help="GiB for the paged cache")
-    parser.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32) to check the script")
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        help="GiB for the paged cache (default: 8 on CUDA, on the CPU room for the batch)",
+    )
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cuda (bf16), or cpu (float32) to check the script"
+    )
     args = parser.parse_args()
-    rows = spawn(run, 1, args)[0]
+    if args.kv_cache_memory is None and args.device == "cuda":
+        args.kv_cache_memory = 8.0
+    parallel = parallel_config(args)
+    try:
+        cfg = model_config(args)
+        if args.experts < cfg.num_experts_per_tok:
+            raise ValueError(
+                f"--experts must be at least {cfg.num_experts_per_tok} (experts per token), got {args.experts}"
+            )
+        cfg.check_parallel(parallel)
+        check_device(args.device, args.tp)
+    except ValueError as e:
+        parser.error(str(e))
+    rows = spawn(run, args.tp, args, config=parallel, device=args.device)[0]
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(
+        f"{device} x{args.tp} (TP {args.tp}, experts split over the ranks, sequence-parallel MoE "
+        f"{'on' if parallel.use_sequence_parallel_moe else 'off'} (--sp {args.sp})); GLM-5.2 widths, {args.layers} "
+        f"layers + MTP, {args.experts} experts, vocab {args.vocab}, {'bf16' if args.device == 'cuda' else 'float32'}"
+    )
     print(
         f"{'T':>4}{'batch':>7}{'mode':>8}{'k':>3}{'tokens/s':>11}{'vs k=0':>8}{'target ms':>11}{'vs k=0':>8}"
         f"{'draft ms':>10}{'accept':>9}{'length':>8}"
