@@ -30,7 +30,6 @@ import argparse
 import zlib
 
 import torch
-from bench_dp import random_weights
 from bench_generate import glm_config
 
 from spmoe.config import ModelConfig, ParallelConfig
@@ -40,12 +39,12 @@ from spmoe.engine.args import check_device
 
 
 def agreeing_weights(model, residual_scale: float) -> None:
-    """Random weights (seeded by name, so replicated ones agree across ranks), then the structure the MTP layer
-    finds: LM head = a permutation of the embedding, eh_proj = [identity, 0] (the next token's embedding passes
-    through), output projections of attention and MLPs scaled by `residual_scale` (the residual stream stays
-    near the token's embedding). Under TP the embedding and the LM head hold a slice of the vocab rows each:
-    every rank draws the same full `[V, H]` embedding and copies its own rows of it and of its permutation."""
-    random_weights(model)
+    """On a model of random weights (`random_model`: the same whatever the number of ranks), the structure the
+    MTP layer finds: LM head = a permutation of the embedding, eh_proj = [identity, 0] (the next token's
+    embedding passes through), output projections of attention and MLPs scaled by `residual_scale` (the
+    residual stream stays near the token's embedding). Under TP the embedding and the LM head hold a slice of
+    the vocab rows each: every rank draws the same full `[V, H]` embedding and copies its own rows of it and of
+    its permutation."""
     with torch.no_grad():
         embed, head = model.model.embed_tokens, model.lm_head
         vocab, hidden = model.cfg.vocab_size, model.cfg.hidden_size
@@ -113,11 +112,11 @@ def parallel_config(args) -> ParallelConfig:
 def run(args) -> list[tuple] | None:
     """One rank's share: every rank builds its part of the model and runs the same generations (as
     `spmoe generate` does under TP) -> rank 0's rows, None on the others."""
-    from spmoe.models.deepseek_v32.weights import build_model
+    from spmoe.models.deepseek_v32.weights import random_model
 
     state = get_parallel_state()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = build_model(model_config(args), parallel_config(args), True, set(), dtype, state.device).eval()
+    model = random_model(model_config(args), parallel_config(args), dtype, state.device, with_mtp=True)
     agreeing_weights(model, args.residual_scale)
     rows = []
     modes = ("eager", "graphs") if args.device == "cuda" else ("eager",)  # graphs: CUDA only
