@@ -171,9 +171,9 @@ def main() -> None:
     rows = spawn(run, args.tp, args, config=parallel, device=args.device)[0]
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(
-        f"{device} x{args.tp} (TP {args.tp}, experts split over the ranks, sequence-parallel MoE "
-        f"{'on' if parallel.use_sequence_parallel_moe else 'off'} (--sp {args.sp})); GLM-5.2 widths, {args.layers} "
-        f"layers + MTP, {args.experts} experts, vocab {args.vocab}, {'bf16' if args.device == 'cuda' else 'float32'}"
+        f"{device} x{args.tp}: TP {args.tp}, {args.experts // args.tp} of {args.experts} experts per rank, "
+        f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} (--sp {args.sp}); GLM-5.2 "
+        f"widths, {args.layers} layers + MTP, vocab {args.vocab}, {'bf16' if args.device == 'cuda' else 'float32'}"
     )
     print(
         f"{'T':>4}{'batch':>7}{'mode':>8}{'k':>3}{'tokens/s':>11}{'vs k=0':>8}{'target ms':>11}{'vs k=0':>8}"
