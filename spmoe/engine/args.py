@@ -202,7 +202,8 @@ class EngineArgs:
         metadata=option(
             "--max-num-seqs",
             type=int,
-            help="sequences running at once per DP group; more wait (default: generate every prompt, serve 8)",
+            help="sequences running at once per DP group; more wait (default: generate every prompt; serve 256 on "
+            "CUDA, 8 on the CPU)",
         ),
     )
     max_model_len: int | None = field(
@@ -213,7 +214,7 @@ class EngineArgs:
             metavar="LEN",
             help="KV cache positions per sequence: prompt + output + drafts; 2048, 128k (x1000), 128K (x1024) "
             "(default: generate the longest "
-            "prompt + max new tokens + drafts; serve the model's max_position_embeddings, at most 2048)",
+            "prompt + max new tokens + drafts; serve the model's max_position_embeddings, on the CPU at most 2048)",
         ),
     )
     max_num_batched_tokens: int = field(

@@ -119,7 +119,8 @@ def check_paged_budget(
     if longest > blocks * BLOCK_SIZE:
         raise ValueError(
             f"a sequence needs {longest} KV cache positions (prompt, new tokens and drafts); "
-            f"--kv-cache-memory {gib} GiB holds {blocks * BLOCK_SIZE} tokens in all"
+            f"--kv-cache-memory {gib} GiB holds {blocks * BLOCK_SIZE} tokens in all: raise --kv-cache-memory or "
+            f"ask for fewer positions with --max-model-len"
         )
 
 

@@ -134,8 +134,13 @@ VLLM_FLAGS = (
     VllmFlag(("--eplb-config",), "refused", "expert load balancing", "leave the flag out", value="JSON"),
     VllmFlag(("--enable-dbo",), "refused", "dual-batch overlap", "leave the flag out"),
     # Memory, batching, the KV cache.
-    VllmFlag(("--max-model-len",), "taken", "with vLLM's suffixes: 1k = 1000, 1K = 1024, 128k", value="LEN"),
-    VllmFlag(("--max-num-seqs",), "taken", "requests decoded at once per DP group", value="N"),
+    VllmFlag(
+        ("--max-model-len",),
+        "taken",
+        "with vLLM's suffixes: 1k = 1000, 1K = 1024, 128k; default on CUDA the model's max_position_embeddings",
+        value="LEN",
+    ),
+    VllmFlag(("--max-num-seqs",), "taken", "requests decoded at once per DP group; default on CUDA 256", value="N"),
     VllmFlag(("--max-num-batched-tokens",), "taken", "tokens one step feeds; prompts prefill in chunks", value="N"),
     VllmFlag(("--gpu-memory-utilization",), "noted", "the share of GPU memory free after the weights", value="F"),
     VllmFlag(("--kv-cache-dtype",), "noted", "auto, fp8 or fp8_e4m3 (e4m3 with a scale per 128 values)", value="T"),

@@ -1,6 +1,7 @@
 """The paged cache's limits, checked before any rank starts: a one-line error naming the limit and the value
 for a budget that holds no block, a sequence longer than the whole cache, and options that do not go together;
-the same checks for `spmoe serve`, and the engine's own check of a request against its cache."""
+the same checks for `spmoe serve` on its defaults (settled per device), and the engine's own check of a request
+against its cache."""
 
 import json
 
@@ -90,8 +91,56 @@ def test_serve_checks_the_budget(engine_checkpoint):
 
     with pytest.raises(ValueError, match="--kv-cache-memory 1e-06 GiB holds no block"):
         check_serve(engine_checkpoint, EngineArgs(kv_cache_memory=1e-6))
-    with pytest.raises(ValueError, match="a sequence needs 2048 KV cache positions"):  # max_model_len 2048
+    # the settled default max_model_len (2048 on the CPU: the config states no max_position_embeddings)
+    with pytest.raises(ValueError) as e:
         check_serve(engine_checkpoint, EngineArgs(kv_cache_memory=TWO_BLOCKS_GIB))
+    assert str(e.value) == (
+        f"a sequence needs 2048 KV cache positions (prompt, new tokens and drafts); --kv-cache-memory "
+        f"{TWO_BLOCKS_GIB} GiB holds 128 tokens in all: raise --kv-cache-memory or ask for fewer positions with "
+        f"--max-model-len"
+    )
+    args, waiting = check_serve(engine_checkpoint, EngineArgs(kv_cache_memory=TWO_BLOCKS_GIB, max_model_len=128))
+    assert (args.max_num_seqs, args.max_model_len, waiting) == (8, 128, 64)
+    assert check_serve(engine_checkpoint, EngineArgs(max_num_seqs=2), max_num_waiting=7)[1] == 7
+    with pytest.raises(ValueError, match="--max-num-waiting must be >= 1, got 0"):
+        check_serve(engine_checkpoint, EngineArgs(), max_num_waiting=0)
+
+
+@pytest.mark.parametrize(
+    "device, positions, given, expected",
+    [
+        # (max_num_seqs, max_model_len) given, None: left to the default -> with max_num_waiting's default
+        ("cuda", 202752, (None, None), (256, 202752, 1024)),  # a GPU: vLLM's 256 and the whole context
+        ("cpu", 202752, (None, None), (8, 2048, 64)),  # the CPU: small, the paged cache sized from them
+        ("cpu", 1000, (None, None), (8, 1000, 64)),
+        ("cuda", None, (None, None), (256, 2048, 1024)),  # no stated context: 2048
+        ("cuda", 202752, (3, 100), (3, 100, 64)),  # the flags win; the waiting queue at least 64
+        ("cuda", 202752, (100, None), (100, 202752, 400)),
+        ("cpu", 4096, (32, 4096), (32, 4096, 128)),
+    ],
+)
+def test_serve_defaults_settle_per_device(device, positions, given, expected):
+    """`for_model` and `default_max_num_waiting` are pure: "cuda" needs no GPU here."""
+    from spmoe.config import ModelConfig
+    from spmoe.engine.args import EngineArgs
+    from spmoe.entrypoints.serve.client import default_max_num_waiting, for_model
+    from tests.engine.conftest import ENGINE_CONFIG
+
+    cfg = ModelConfig.from_dict({**ENGINE_CONFIG, "max_position_embeddings": positions})
+    max_num_seqs, max_model_len = given
+    args = for_model(EngineArgs(device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len), cfg)
+    assert (args.max_num_seqs, args.max_model_len, default_max_num_waiting(args)) == expected
+    assert args.device == device
+
+
+def test_serve_waiting_default_counts_every_dp_group():
+    from spmoe.config import ModelConfig
+    from spmoe.engine.args import EngineArgs
+    from spmoe.entrypoints.serve.client import default_max_num_waiting, for_model
+    from tests.engine.conftest import ENGINE_CONFIG
+
+    args = for_model(EngineArgs(device="cuda", dp=2), ModelConfig.from_dict(ENGINE_CONFIG))
+    assert default_max_num_waiting(args) == 2048  # 4 x 256 running in each of 2 groups
 
 
 def engine_rejects(folder: str) -> str:

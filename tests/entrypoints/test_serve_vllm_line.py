@@ -83,6 +83,9 @@ def test_the_recipe_line_serves_the_model_id_from_the_cache(server, hf_home):
         "max_tokens=5",
         f"spmoe serve: {snapshot} on 2 local ranks (tp=2, dp=1, sequence-parallel MoE off (--sp auto, scope moe), "
         "MTP with 1 drafts, float32 on cpu",
+        # --max-num-seqs 2 and --max-model-len 128k given; the CPU's waiting default, at least 64
+        "spmoe serve: max_num_seqs 2 per DP group, max_model_len 128000, max_num_waiting 64 (on cpu, the defaults "
+        "where no flag gives them)",
     ):
         assert line in text, text
     assert "device cpu: no GPU is visible" in text or "device cuda: a GPU is visible" in text

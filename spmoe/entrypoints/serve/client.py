@@ -35,9 +35,14 @@ from spmoe.engine.warmup import warm_up
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 
 HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
-DEFAULT_MAX_NUM_SEQS = 8  # requests running at once per DP group unless asked
-DEFAULT_MAX_MODEL_LEN = 2048  # positions per request unless asked, or fewer if the model has fewer
-DEFAULT_MAX_NUM_WAITING = 64  # requests waiting to start beyond which a new one gets QueueFull
+# serve's defaults for what the command line leaves out (`for_model`, `default_max_num_waiting`). On CUDA, as
+# vLLM's: 256 requests running at once per DP group and the model's whole context. On the CPU (the tests, the
+# demo) small ones: there the paged cache without a size holds max_num_seqs x max_model_len tokens.
+CUDA_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_SEQS = 8
+CPU_MAX_MODEL_LEN = 2048  # at most; also the length for a config that states no max_position_embeddings
+WAITING_PER_RUNNING = 4  # max_num_waiting: this many per request that can run at once, so a burst still queues,
+MIN_MAX_NUM_WAITING = 64  # and at least this many; one more waiting request gets QueueFull (503)
 
 
 class QueueFull(RuntimeError):
@@ -45,32 +50,43 @@ class QueueFull(RuntimeError):
 
 
 def for_model(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
-    """The engine options with serve's defaults settled for the model: `DEFAULT_MAX_NUM_SEQS` requests at once,
-    `max_model_len` the model's max_position_embeddings, at most `DEFAULT_MAX_MODEL_LEN`."""
+    """The engine options with serve's defaults settled for the model on `args.device` (settled too): on CUDA
+    `CUDA_MAX_NUM_SEQS` requests at once and the model's max_position_embeddings; on the CPU `CPU_MAX_NUM_SEQS`
+    and at most `CPU_MAX_MODEL_LEN`. An option the command line gives stays."""
+    positions = cfg.max_position_embeddings or CPU_MAX_MODEL_LEN
+    on_cuda = args.device == "cuda"
     return replace(
         args,
-        max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-        max_model_len=args.max_model_len
-        or min(DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings or DEFAULT_MAX_MODEL_LEN),
+        max_num_seqs=args.max_num_seqs or (CUDA_MAX_NUM_SEQS if on_cuda else CPU_MAX_NUM_SEQS),
+        max_model_len=args.max_model_len or (positions if on_cuda else min(CPU_MAX_MODEL_LEN, positions)),
     )
 
 
-def check_serve(model_dir: str, args: EngineArgs, max_num_waiting: int = DEFAULT_MAX_NUM_WAITING) -> ModelConfig:
-    """What can be checked before starting any rank: the engine options against the checkpoint
-    (`EngineArgs.check`) and the queue's limit. -> the model config."""
-    if max_num_waiting < 1:
-        raise ValueError(f"--max-num-waiting must be >= 1, got {max_num_waiting}")
+def default_max_num_waiting(args: EngineArgs) -> int:
+    """--max-num-waiting's default for settled `args`: `WAITING_PER_RUNNING` per request that can run at once
+    over all DP groups (rank 0's front end feeds every group), at least `MIN_MAX_NUM_WAITING`."""
+    return max(MIN_MAX_NUM_WAITING, WAITING_PER_RUNNING * args.max_num_seqs * args.dp)
+
+
+def check_serve(model_dir: str, args: EngineArgs, max_num_waiting: int | None = None) -> tuple[EngineArgs, int]:
+    """What can be checked before starting any rank: the engine options, serve's defaults settled
+    (`for_model`), against the checkpoint (`EngineArgs.check`), and the queue's limit (None: its default,
+    `default_max_num_waiting`). -> the settled options and queue limit, as `serve_rank` takes them."""
     cfg = args.model_config(model_dir)
     args = for_model(args, cfg)
     args.check(cfg, args.max_model_len)
-    return cfg
+    if max_num_waiting is None:
+        max_num_waiting = default_max_num_waiting(args)
+    if max_num_waiting < 1:
+        raise ValueError(f"--max-num-waiting must be >= 1, got {max_num_waiting}")
+    return args, max_num_waiting
 
 
 class EngineClient:
     """Rank 0's engine, seen from the asyncio front end. `generate` and `metrics` are called on the event
     loop; the engine loop runs in its own thread (`start` / `close`)."""
 
-    def __init__(self, engine: Engine, max_model_len: int, max_num_waiting: int = DEFAULT_MAX_NUM_WAITING):
+    def __init__(self, engine: Engine, max_model_len: int, max_num_waiting: int):
         self.engine = engine
         self.max_model_len = max_model_len
         self.max_num_waiting = max_num_waiting
@@ -243,9 +259,9 @@ def serve_rank(
     """Run on every rank: load the model and build the engine. Rank 0 starts the engine loop, calls
     `start_front_end(client)` (which blocks until the server stops; -> SIGTERM if it reached rank 0, else
     None), then shuts every rank's loop down and returns what `start_front_end` returned; the other ranks run
-    the worker loop and return None. `tokenizer_dir` (default `model_dir`): for grammars."""
+    the worker loop and return None. `args` and `max_num_waiting`: settled (`check_serve`); `tokenizer_dir`
+    (default `model_dir`): for grammars."""
     state = get_parallel_state()
-    args = for_model(args, args.model_config(model_dir))
     model = args.load_model(model_dir, state.device)
     # every rank compiles the grammars of structured-output requests itself, the same from the same spec
     grammars = GrammarCompiler(partial(load_tokenizer, tokenizer_dir or model_dir), model.cfg.vocab_size)

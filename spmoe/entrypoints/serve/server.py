@@ -27,7 +27,7 @@ from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.model_source import resolve_model
 from spmoe.entrypoints.serve.app import DEFAULT_MAX_REQUEST_BYTES, FrontEndLimits
 from spmoe.entrypoints.serve.chat import ChatOptions
-from spmoe.entrypoints.serve.client import DEFAULT_MAX_NUM_WAITING, check_serve, serve_rank
+from spmoe.entrypoints.serve.client import MIN_MAX_NUM_WAITING, WAITING_PER_RUNNING, check_serve, serve_rank
 from spmoe.entrypoints.serve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 from spmoe.entrypoints.serve.supervisor import StopPolicy
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer, read_chat_template
@@ -138,14 +138,21 @@ def check_address(host: str, port: int) -> None:
             raise ValueError(f"--host {host} --port {port}: the address {reason}") from None
 
 
-def run_serve(model_dir: str, args: EngineArgs, max_num_waiting: int, front: FrontEndOptions) -> int | None:
-    """Validate, then serve until stopped. -> SIGTERM if it reached rank 0 itself (under torchrun), else None."""
+def run_serve(model_dir: str, args: EngineArgs, max_num_waiting: int | None, front: FrontEndOptions) -> int | None:
+    """Validate, settle serve's defaults (`check_serve`), then serve until stopped. -> SIGTERM if it reached
+    rank 0 itself (under torchrun), else None."""
     if not Path(model_dir, "config.json").is_file():
         raise ValueError(f"--model {model_dir}: expected a checkpoint folder with config.json, found none")
-    check_serve(model_dir, args, max_num_waiting)
+    args, max_num_waiting = check_serve(model_dir, args, max_num_waiting)
     load_tokenizer(front.tokenizer_dir, front.chat_template)
     check_address(front.host, front.port)
     parallel = args.parallel_config()
+    print(
+        f"spmoe serve: max_num_seqs {args.max_num_seqs} per DP group, max_model_len {args.max_model_len}, "
+        f"max_num_waiting {max_num_waiting} (on {args.device}, the defaults where no flag gives them)",
+        file=sys.stderr,
+        flush=True,
+    )
     print(
         f"spmoe serve: {model_dir} on {parallel.world_size} local ranks ({args.describe(parallel)}); "
         f"loading the weights",
@@ -233,8 +240,8 @@ def add_serve_args(p) -> None:
     p.add_argument(
         "--max-num-waiting",
         type=int,
-        default=DEFAULT_MAX_NUM_WAITING,
-        help=f"requests that may wait to start; one more gets 503 (default {DEFAULT_MAX_NUM_WAITING})",
+        help=f"requests that may wait to start; one more gets 503 (default {WAITING_PER_RUNNING} x --max-num-seqs "
+        f"x --dp, at least {MIN_MAX_NUM_WAITING})",
     )
     p.add_argument("--seed", type=int, help="seeds the sampling seeds of requests that give none (default: random)")
     p.add_argument(
