@@ -156,3 +156,17 @@ def test_graph_steps_replayed_on_the_cpu_match_the_eager_engine(engine_checkpoin
         # the logprobs asked for were produced (not silently empty)
         assert len(eager["outputs"]["first-1"][1]) == len(eager["outputs"]["first-1"][0]) > 0
         assert len(eager["outputs"]["turn"][1]) == len(eager["outputs"]["turn"][0]) > 0
+
+
+def test_decode_graph_sizes_pad_at_most_a_quarter_above_32_sequences():
+    """Every batch up to the engine's sequences replays a captured size (the smallest that fits, as `StepGraphs`
+    picks it): below 2x its rows up to 32, at most a quarter more above; 18 graphs at the CUDA default of 256."""
+    from spmoe.engine.cuda_graphs import graph_sizes
+
+    for max_batch in (1, 3, 32, 100, 256, 512):
+        sizes = graph_sizes(max_batch)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch, sizes
+        for n in range(1, max_batch + 1):
+            padded = min(s for s in sizes if s >= n)
+            assert padded < 2 * n and (n <= 32 or 4 * (padded - n) <= n), (max_batch, n, padded)
+    assert len(graph_sizes(256)) == 18
