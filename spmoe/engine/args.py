@@ -502,7 +502,8 @@ class EngineArgs:
 
     def build_kv_cache(self, model, max_num_seqs: int, max_len: int) -> KVCache | PagedKVCache:
         """Dense: one slot of `max_len` positions for each of `max_num_seqs` sequences; or paged
-        (`build_paged_cache`: on CPU without a size, room for `max_num_seqs` x `max_len` tokens)."""
+        (`build_paged_cache`: on CPU without a size, room for `max_num_seqs` x `max_len` tokens; on CUDA, room
+        for at least one sequence of `max_len`)."""
         if self.kv_cache == "dense":
             return KVCache.for_model(model, max_num_seqs, max_len)
         return build_paged_cache(

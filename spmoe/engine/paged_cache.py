@@ -116,11 +116,16 @@ def check_paged_budget(
             f"--kv-cache-memory {gib} GiB holds no block: one block of {BLOCK_SIZE} tokens in each of "
             f"the {len(model_layers(cfg, with_mtp))} attention layers takes {per_token * BLOCK_SIZE} B"
         )
-    if longest > blocks * BLOCK_SIZE:
+    check_sequence_fits(longest, blocks * BLOCK_SIZE, f"--kv-cache-memory {gib} GiB", "--kv-cache-memory")
+
+
+def check_sequence_fits(longest: int, capacity_tokens: int, budget: str, flag: str) -> None:
+    """Raise unless a sequence of `longest` positions fits a cache of `capacity_tokens` tokens in all, sized by
+    `budget` (what the message says of it) from option `flag`."""
+    if longest > capacity_tokens:
         raise ValueError(
-            f"a sequence needs {longest} KV cache positions (prompt, new tokens and drafts); "
-            f"--kv-cache-memory {gib} GiB holds {blocks * BLOCK_SIZE} tokens in all: raise --kv-cache-memory or "
-            f"ask for fewer positions with --max-model-len"
+            f"a sequence needs {longest} KV cache positions (prompt, new tokens and drafts); {budget} holds "
+            f"{capacity_tokens} tokens in all: raise {flag} or ask for fewer positions with --max-model-len"
         )
 
 
@@ -130,20 +135,26 @@ def build_paged_cache(
     memory_fraction: float | None,
     kv_cache_dtype: str,
     default_seqs: int,
-    default_len: int,
+    longest: int,
 ) -> "PagedKVCache":
     """The paged cache sized from `gib` GiB, else `memory_fraction` of the free GPU memory; with neither, on
-    CUDA `DEFAULT_GPU_MEMORY_UTILIZATION` of it, on CPU room for `default_seqs` sequences of `default_len`
-    tokens, each in its own blocks."""
+    CUDA `DEFAULT_GPU_MEMORY_UTILIZATION` of it, on CPU room for `default_seqs` sequences of `longest`
+    tokens, each in its own blocks. A share of the free memory, known only now, must hold a sequence of
+    `longest` positions (`check_paged_budget` checked the other budgets before any rank started)."""
     cfg, layers, dtype, device = cache_layout(model)
     if gib is None and memory_fraction is None:
         if device.type == "cuda":
             memory_fraction = DEFAULT_GPU_MEMORY_UTILIZATION
         else:
-            blocks = default_seqs * -(-default_len // BLOCK_SIZE)
+            blocks = default_seqs * -(-longest // BLOCK_SIZE)
             budget = blocks * BLOCK_SIZE * token_bytes(cfg, layers, dtype, kv_cache_dtype)
             return PagedKVCache(cfg, layers, budget, dtype, device, kv_cache_dtype)
-    return PagedKVCache(cfg, layers, cache_budget_bytes(device, gib, memory_fraction), dtype, device, kv_cache_dtype)
+    budget = cache_budget_bytes(device, gib, memory_fraction)
+    if gib is None:
+        capacity = budget // (token_bytes(cfg, layers, dtype, kv_cache_dtype) * BLOCK_SIZE) * BLOCK_SIZE
+        said = f"--gpu-memory-utilization {memory_fraction} ({budget / 2**30:.2f} GiB of this GPU's free memory)"
+        check_sequence_fits(longest, capacity, said, "--gpu-memory-utilization")
+    return PagedKVCache(cfg, layers, budget, dtype, device, kv_cache_dtype)
 
 
 def check_room(block_tables: list[list[int]], starts: list[int], lens: list[int]) -> None:

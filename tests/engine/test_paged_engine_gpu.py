@@ -190,3 +190,35 @@ def test_speculative_decode_in_graphs(tmp_path):
     assert got["replay logit error"] < 1e-3, got["replay logit error"]
     size, drafts, eager_drafts = got["replay drafts"]
     assert size == 1 and drafts == eager_drafts
+
+
+def fraction_budgets(folder: str) -> dict:
+    from spmoe.engine.paged_cache import build_paged_cache
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    model = load_model(folder, ParallelConfig(tensor_parallel_size=1), torch.bfloat16, "cuda")
+    out = {"fits": build_paged_cache(model, None, 0.001, "auto", 4, 512).capacity_tokens}
+    try:
+        build_paged_cache(model, None, 0.001, "auto", 4, 10**9)
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+@pytest.mark.gpu
+@requires_gpus(1)
+def test_a_share_of_free_memory_must_hold_the_longest_sequence(tmp_path):
+    """The budget known only once the weights are loaded (a share of the free memory) gets the same one-line
+    error as --kv-cache-memory's when a sequence of max_model_len positions cannot fit it."""
+    from spmoe.models.deepseek_v32.weights import write_random_checkpoint
+
+    spawn(write_random_checkpoint, 1, CONFIG, tmp_path, 1)
+    got = spawn(fraction_budgets, 1, str(tmp_path), device="cuda")[0]
+    assert got["fits"] >= 512, got
+    error = got.get("error", "")
+    assert error.startswith(
+        "a sequence needs 1000000000 KV cache positions (prompt, new tokens and drafts); --gpu-memory-utilization "
+        "0.001 ("
+    ) and error.endswith(
+        "tokens in all: raise --gpu-memory-utilization or ask for fewer positions with --max-model-len"
+    ), got
