@@ -122,12 +122,12 @@ class Engine:
         `enable_prefix_caching`: a paged cache keeps full blocks for later requests with the same prefix;
         `grammars`: compiles the grammars of structured-output requests (None: such requests are refused). With
         `cuda_graphs` every graph (decode steps, prompt chunks) is captured here (`log(line)`: a progress line
-        for each)."""
+        for each; once the engine is ready, a line for each kernel variant a step compiled)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and not model.num_draft_layers:
             raise ValueError("speculative decoding needs the MTP layer: load the model with with_mtp=True")
-        self.model, self.cache, self.k, self.grammars = model, cache, num_speculative_tokens, grammars
+        self.model, self.cache, self.k, self.grammars, self.log = model, cache, num_speculative_tokens, grammars, log
         if isinstance(cache, PagedKVCache):
             # the MTP layer's row at a position embeds the next token: a block depends on one token past it
             lookahead = 1 if num_speculative_tokens else 0
@@ -260,11 +260,14 @@ class Engine:
         None: nothing to run)."""
         if batch is None:
             return []
-        before = self._compiles()
+        before, kernels_before = self._compiles(), KernelCompiles.count
         result = self.runner.run(batch)
         self.stats.record(batch, result)
         self.stats.totals.steps += 1
         self.stats.totals.steps_compiling += self._compiles() > before
+        if self._ready_count is not None and self.log is not None:  # what warming up did not foresee, named
+            for name in KernelCompiles.names[kernels_before : KernelCompiles.count]:
+                self.log(f"compiled after ready, in a step of {sum(batch.num_tokens)} tokens: {name}")
         return self.scheduler.update(batch, result)
 
     # The batch job.

@@ -44,11 +44,13 @@ class Phase:
 
 
 class KernelCompiles:
-    """The process's count of Triton kernel variants loaded (compiled, or read from Triton's disk cache),
-    by Triton's post-compile hook: one hook for the process, chained to any that was there before. Without
-    Triton (CPU) it stays 0."""
+    """The process's Triton kernel variants loaded (compiled, or read from Triton's disk cache), by Triton's
+    post-compile hook: one hook for the process, chained to any that was there before. `count` of them and
+    `names`, each as Triton describes it (the kernel, its launch options and argument specialisations).
+    Without Triton (CPU) both stay empty."""
 
     count = 0
+    names: list[str] = []
     _installed = False
 
     @classmethod
@@ -61,6 +63,7 @@ class KernelCompiles:
 
         def counted(*args, **kwargs):
             cls.count += 1
+            cls.names.append(str(kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "a Triton kernel")))
             if previous is not None:
                 return previous(*args, **kwargs)
             return None

@@ -61,16 +61,20 @@ def padded_tables_case(model):
 def compile_counting_case(model):
     """A kernel compiled during a step (simulated: the counter moves inside the model's forward) is counted in
     that step, and after `mark_ready` in `compiles_after_ready`; steps that compile nothing are not; the step
-    counters start afresh at ready, the process's compile count does not."""
-    KernelCompiles.count = 0
-    engine = Engine(model, PagedKVCache.for_model(model, 2**22), max_num_seqs=2)
+    counters start afresh at ready, the process's compile count does not; the log names each kernel compiled
+    after ready, and only those."""
+    KernelCompiles.count, KernelCompiles.names = 0, []
+    lines = []
+    engine = Engine(model, PagedKVCache.for_model(model, 2**22), max_num_seqs=2, log=lines.append)
     compile_in = {2, 5}  # forward calls (1-based) that "compile"
-    calls = [0]
+    calls, fed = [0], {}
 
-    def hook(*_):
+    def hook(_, args):
         calls[0] += 1
         if calls[0] in compile_in:
             KernelCompiles.count += 1
+            KernelCompiles.names.append(f"_kernel_{calls[0]}")
+            fed[calls[0]] = args[0].shape[0]  # the step's tokens, as the model sees them
 
     handle = model.model.register_forward_pre_hook(hook)
     try:
@@ -88,6 +92,7 @@ def compile_counting_case(model):
     m = engine.metrics()
     assert calls[0] >= 5 and m.steps == calls[0] - calls_at_ready  # steps since ready
     assert (m.steps_compiling, m.kernel_compiles, m.compiles_after_ready, m.graph_captures) == (1, 2, 1, 0)
+    assert lines == [f"compiled after ready, in a step of {fed[5]} tokens: _kernel_5"], lines
 
 
 def warm_up_case(model):
