@@ -159,7 +159,7 @@ class Engine:
         return self.runner.graphs.captures if self.runner.graphs is not None else 0
 
     def _compiles(self) -> int:
-        return KernelCompiles.count + self.graph_captures()
+        return len(KernelCompiles.names) + self.graph_captures()
 
     def mark_ready(self) -> None:
         """The engine is warm (`warmup.warm_up`): its step statistics and counters (`metrics()`: steps, tokens)
@@ -231,7 +231,7 @@ class Engine:
             self.scheduler.preemptions,
             totals.steps,
             totals.steps_compiling,
-            KernelCompiles.count,
+            len(KernelCompiles.names),
             self.graph_captures(),
             0 if self._ready_count is None else self._compiles() - self._ready_count,
             totals.drafts,
@@ -260,13 +260,13 @@ class Engine:
         None: nothing to run)."""
         if batch is None:
             return []
-        before, kernels_before = self._compiles(), KernelCompiles.count
+        before, kernels_before = self._compiles(), len(KernelCompiles.names)
         result = self.runner.run(batch)
         self.stats.record(batch, result)
         self.stats.totals.steps += 1
         self.stats.totals.steps_compiling += self._compiles() > before
         if self._ready_count is not None and self.log is not None:  # what warming up did not foresee, named
-            for name in KernelCompiles.names[kernels_before : KernelCompiles.count]:
+            for name in KernelCompiles.names[kernels_before:]:
                 self.log(f"compiled after ready, in a step of {sum(batch.num_tokens)} tokens: {name}")
         return self.scheduler.update(batch, result)
 

@@ -45,11 +45,10 @@ class Phase:
 
 class KernelCompiles:
     """The process's Triton kernel variants loaded (compiled, or read from Triton's disk cache), by Triton's
-    post-compile hook: one hook for the process, chained to any that was there before. `count` of them and
-    `names`, each as Triton describes it (the kernel, its launch options and argument specialisations).
-    Without Triton (CPU) both stay empty."""
+    post-compile hook: one hook for the process, chained to any that was there before. `names`: each as Triton
+    describes it (the kernel, its launch options and argument specialisations), in load order; empty without
+    Triton (CPU)."""
 
-    count = 0
     names: list[str] = []
     _installed = False
 
@@ -62,7 +61,6 @@ class KernelCompiles:
         previous = triton.knobs.runtime.jit_post_compile_hook
 
         def counted(*args, **kwargs):
-            cls.count += 1
             cls.names.append(str(kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "a Triton kernel")))
             if previous is not None:
                 return previous(*args, **kwargs)

@@ -107,7 +107,7 @@ def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
         "seconds": seconds,
         "steps": warm.steps,
         "generated_tokens": warm.generated_tokens,
-        "kernel_compiles": KernelCompiles.count,
+        "kernel_compiles": len(KernelCompiles.names),
         "graph_captures": engine.graph_captures(),
     }
     if log is not None:

@@ -63,7 +63,7 @@ def compile_counting_case(model):
     that step, and after `mark_ready` in `compiles_after_ready`; steps that compile nothing are not; the step
     counters start afresh at ready, the process's compile count does not; the log names each kernel compiled
     after ready, and only those."""
-    KernelCompiles.count, KernelCompiles.names = 0, []
+    KernelCompiles.names = []
     lines = []
     engine = Engine(model, PagedKVCache.for_model(model, 2**22), max_num_seqs=2, log=lines.append)
     compile_in = {2, 5}  # forward calls (1-based) that "compile"
@@ -72,7 +72,6 @@ def compile_counting_case(model):
     def hook(_, args):
         calls[0] += 1
         if calls[0] in compile_in:
-            KernelCompiles.count += 1
             KernelCompiles.names.append(f"_kernel_{calls[0]}")
             fed[calls[0]] = args[0].shape[0]  # the step's tokens, as the model sees them
 
@@ -96,7 +95,7 @@ def compile_counting_case(model):
 
 
 def warm_up_case(model):
-    KernelCompiles.count = 0
+    KernelCompiles.names = []
     engine = Engine(model, PagedKVCache.for_model(model, 2**22), max_num_seqs=5, max_num_batched_tokens=24)
     lines, step_tokens = [], []
     hook = engine.model.model.register_forward_pre_hook(lambda _, args: step_tokens.append(args[0].shape[0]))
