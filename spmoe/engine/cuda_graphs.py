@@ -348,15 +348,8 @@ class StepGraphs:
             where = [slot for slot in locations for _ in range(per_seq)] + [self.cache.scratch_slot] * (pad * per_seq)
             captured.inputs.copy_(torch.tensor([flat_ids, where, positions]))
         else:
-            used = max(len(table) for table in locations)
-            if used > self.width:
-                raise ValueError(
-                    f"a block table of {used} blocks in a decode step; graphs were captured for {self.width} "
-                    f"(max_model_len)"
-                )
-            tables = padded_tables(locations, size, used, self.cache.scratch_block)
+            self._load_tables(captured, locations, size)
             captured.inputs[0::2].copy_(torch.tensor([flat_ids, positions]))
-            captured.block_tables[:size, :used].copy_(torch.from_numpy(tables))
         captured.graph.replay()
         stats.add(captured.collectives)
         self.replayed = captured
@@ -373,21 +366,27 @@ class StepGraphs:
                 f"to {self.max_num_seqs} sequences and {max(self.mixed, default=0)} tokens"
             )
         check_room(tables, starts, lens)
-        used = max(len(table) for table in tables)
-        if used > self.width:
-            raise ValueError(
-                f"a block table of {used} blocks in a step; graphs were captured for {self.width} (max_model_len)"
-            )
         size = min(n for n in self.mixed if n >= sum(lens))
         captured = self.mixed[size]  # its table rows: min(size, max_num_seqs) >= the sequences, each feeding 1+
-        captured.block_tables[: len(tables), :used].copy_(
-            torch.from_numpy(padded_tables(tables, len(tables), used, self.cache.scratch_block))
-        )
+        self._load_tables(captured, tables, len(tables))
         captured.inputs.copy_(torch.tensor(mixed_rows(tokens, starts, size, captured.size)))
         captured.graph.replay()
         stats.add(captured.collectives)
         self.replayed = captured
         return captured.hidden
+
+    def _load_tables(self, captured: CapturedStep, tables: list[list[int]], rows: int) -> None:
+        """Write the step's block tables into the first `rows` table rows of `captured` (rows past `tables`:
+        the scratch block), as wide as the widest of them; the columns past it keep stale ids, which no row
+        reads (each reads up to its own position)."""
+        used = max(len(table) for table in tables)
+        if used > self.width:
+            raise ValueError(
+                f"a block table of {used} blocks in a step; graphs were captured for {self.width} (max_model_len)"
+            )
+        captured.block_tables[:rows, :used].copy_(
+            torch.from_numpy(padded_tables(tables, rows, used, self.cache.scratch_block))
+        )
 
     def draft(
         self, next_ids: list[list[int]], last: list[int], starts: list[int | None], locations: list, stats: CommStats
