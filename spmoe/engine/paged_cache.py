@@ -150,11 +150,11 @@ def build_paged_cache(
             budget = blocks * BLOCK_SIZE * token_bytes(cfg, layers, dtype, kv_cache_dtype)
             return PagedKVCache(cfg, layers, budget, dtype, device, kv_cache_dtype)
     budget = cache_budget_bytes(device, gib, memory_fraction)
+    cache = PagedKVCache(cfg, layers, budget, dtype, device, kv_cache_dtype)
     if gib is None:
-        capacity = budget // (token_bytes(cfg, layers, dtype, kv_cache_dtype) * BLOCK_SIZE) * BLOCK_SIZE
         said = f"--gpu-memory-utilization {memory_fraction} ({budget / 2**30:.2f} GiB of this GPU's free memory)"
-        check_sequence_fits(longest, capacity, said, "--gpu-memory-utilization")
-    return PagedKVCache(cfg, layers, budget, dtype, device, kv_cache_dtype)
+        check_sequence_fits(longest, cache.capacity_tokens, said, "--gpu-memory-utilization")
+    return cache
 
 
 def check_room(block_tables: list[list[int]], starts: list[int], lens: list[int]) -> None:
