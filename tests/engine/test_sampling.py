@@ -384,6 +384,10 @@ def test_tiny_temperatures_are_greedy_and_huge_counts_are_stored():
     assert got.token_ids[:2] == logits[:2].argmax(-1).tolist() and all(got.finite)
     assert abs(got.logprobs[0] - torch.log_softmax(logits[0], -1).max().item()) < 1e-6
     assert sampler.top_k[rows[2]].item() == V and sampler.min_tokens[rows[2]].item() == 2**62
+    # and the clamped row draws what the same seed draws with no top_k and no min_tokens
+    plain = Sampler(1, V)
+    alone = plain.sample(logits[2:], [plain.add(SamplingParams(1.0, seed=3), [0])], [0])
+    assert got.token_ids[2] == alone.token_ids[0]
 
 
 def test_rows_run_out_and_come_back():
