@@ -33,10 +33,12 @@ default, and just enough for INDEXER_MIN_PROGRAMS in all; each with its grid (to
 import argparse
 
 import torch
+from bench_decode_step import parse_case
 from bench_dp import GLM, random_weights
 from timing import cuda_ms, graphed
 
 from spmoe.config import ModelConfig
+from spmoe.engine.cuda_graphs import padded_tables
 from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.layers.attention import AttentionBatch, MLAttention
@@ -63,13 +65,8 @@ PREFILL_SWEEP = [(h, k, w, 2) for h in (16, 32, 64) for k in (16, 32, 64) for w 
 PREFILL_TOKENS, PREFILL_CONTEXT = 8192, 32768
 # the indexer's tiles (tokens per program, blocks per program, num_warps, num_stages) for a prefill of 8192 tokens
 INDEXER_SWEEP = [(t, b, w, 3) for t in (2, 4, 8) for b in (4, 16) for w in (4, 8)]
-# --indexer-grid's steps: parts of (sequences, cached tokens each, new tokens each), as bench_decode_step's cases
-GRID_STEPS = {
-    "32x1024": [(32, 1024, 1)],
-    "31x1024,1x131071": [(31, 1024, 1), (1, 131071, 1)],
-    "256x1024": [(256, 1024, 1)],
-    "64x1024,1x0+256": [(64, 1024, 1), (1, 0, 256)],
-}
+# --indexer-grid's steps, as bench_decode_step's cases (`parse_case`)
+GRID_STEPS = ("32x1024", "31x1024,1x131071", "256x1024", "64x1024,1x0+256")
 GRID_WIDTHS = ["pow2", 131072, 1525184]  # a power of 2 of blocks covering the step, or a max_model_len
 
 
@@ -284,11 +281,12 @@ def indexer_grid(cfg: ModelConfig) -> None:
     print("indexer over tables padded to a width: ms (CUDA graph) per programs per token tile P, grid T x P")
     print(f"{'cache':>5} {'step':>18} {'width:blocks':>13} {'per tile':>22} {'default':>22} {'fewest':>22}")
     used = lambda parts: sum(b * -(-(c + t) // BLOCK_SIZE) for b, c, t in parts)  # noqa: E731
-    most = max(used(parts) for parts in GRID_STEPS.values())
+    steps = {name: parse_case(name) for name in GRID_STEPS}
+    most = max(used(parts) for parts in steps.values())
     for kv_cache_dtype in ("auto", "fp8"):
         cache = kernel_inputs(cfg, kv_cache_dtype, most * BLOCK_SIZE, 1)[0]
         gen = torch.Generator(device="cuda").manual_seed(5)
-        for name, parts in GRID_STEPS.items():
+        for name, parts in steps.items():
             tables, seq_index, positions, first = [], [], [], 0
             for batch, context, tokens in parts:
                 blocks = -(-(context + tokens) // BLOCK_SIZE)
@@ -307,10 +305,8 @@ def indexer_grid(cfg: ModelConfig) -> None:
             for width in GRID_WIDTHS:
                 longest = max(len(t) for t in tables)
                 blocks = 1 << (longest - 1).bit_length() if width == "pow2" else -(-width // BLOCK_SIZE)
-                padded = torch.full((len(tables), blocks), cache.scratch_block, dtype=torch.int32)
-                for row, table in enumerate(tables):
-                    padded[row, : len(table)] = torch.tensor(table)
-                args = (q, weights, cache.layers[0], padded.to("cuda"), *step, BLOCK_SIZE)
+                padded = torch.from_numpy(padded_tables(tables, len(tables), blocks, cache.scratch_block)).cuda()
+                args = (q, weights, cache.layers[0], padded, *step, BLOCK_SIZE)
                 tokens, per_tile = indexer_tiles(n, blocks)[:2]
                 token_tiles, block_tiles = -(-n // tokens), -(-blocks // per_tile)
                 cells = []
