@@ -1,7 +1,14 @@
 """Fixtures for every test folder: the demo checkpoint's tokenizer (`spmoe.entrypoints.demo`: token b < 256 is
-byte b, then 8 special tokens, `<|end|>` the eos) loaded as the server loads one, and a grammar compiler over it."""
+byte b, then 8 special tokens, `<|end|>` the eos) loaded as the server loads one, and a grammar compiler over it;
+and `relative_error`, for comparisons of tensors."""
 
 import pytest
+import torch
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|."""
+    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 @pytest.fixture(scope="module")

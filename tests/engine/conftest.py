@@ -56,11 +56,6 @@ def log_softmax(row: list[float]) -> list[float]:
     return [v - top - total for v in row]
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want|."""
-    return ((got - want).abs().max() / want.abs().max()).item()
-
-
 def choices_and_alone(engine, prompt: list[int], seeds: list[int], max_new: int) -> tuple:
     """One request of len(seeds) sampled choices of `prompt` (the first computes the prompt, the others fork from
     it), then each choice's sampling alone. -> (the choices' tokens, each alone's, their logits `[n, max_new, V]`

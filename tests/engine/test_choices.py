@@ -10,7 +10,8 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from spmoe.engine.paged_cache import BLOCK_SIZE
 
-from .conftest import ENGINE_CONFIG, relative_error
+from ..conftest import relative_error
+from .conftest import ENGINE_CONFIG
 
 MAX_NEW = 5
 BUDGET = 48  # prompts are fed in chunks (3 steps), and so is what a fork recomputes with MTP

@@ -11,7 +11,8 @@ import torch
 
 from spmoe.distributed import spawn
 
-from .conftest import ENGINE_CONFIG, cache_slot, cache_state, relative_error
+from ..conftest import relative_error
+from .conftest import ENGINE_CONFIG, cache_slot, cache_state
 
 WIDTH, TABLE_ROWS = 8, 5  # the captured tables: blocks per row, rows (the last all scratch)
 STALE = 20  # a block another sequence holds, left in every table entry the step does not use

@@ -14,7 +14,8 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
 from spmoe.entrypoints.jobs import split_for_dp
 
-from .conftest import ENGINE_CONFIG, relative_error
+from ..conftest import relative_error
+from .conftest import ENGINE_CONFIG
 
 # index_topk is 4: the first prompt's context stays below it for its first steps, the others go far above it
 # and over several blocks of 64; a budget of 24 tokens prefills the long prompts in chunks beside decodes

@@ -13,8 +13,9 @@ import torch
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 
+from ..conftest import relative_error
 from ..multigpu import requires_gpus
-from .conftest import choices_and_alone, relative_error
+from .conftest import choices_and_alone
 from .test_cuda_graphs import GRAPH_CONFIG
 
 CONFIG = {**GRAPH_CONFIG, "index_topk": 64, "kv_lora_rank": 128}

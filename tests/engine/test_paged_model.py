@@ -7,7 +7,8 @@ import torch
 
 from spmoe.distributed import get_parallel_state, spawn
 
-from .conftest import ENGINE_CONFIG, relative_error
+from ..conftest import relative_error
+from .conftest import ENGINE_CONFIG
 
 TOPK = 8
 CONFIG = {**ENGINE_CONFIG, "index_topk": TOPK, "kv_lora_rank": 128}

@@ -21,7 +21,8 @@ from spmoe.distributed.comm import broadcast_object
 from spmoe.engine.paged_cache import BLOCK_SIZE
 from spmoe.engine.request import Request
 
-from .conftest import ENGINE_CONFIG, choices_and_alone, relative_error
+from ..conftest import relative_error
+from .conftest import ENGINE_CONFIG, choices_and_alone
 
 MAX_NEW = 6
 # n = 3 sampled choices of one 70-token prompt, then each alone (choices_and_alone)

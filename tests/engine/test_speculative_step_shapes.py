@@ -14,7 +14,8 @@ import torch
 
 from spmoe.distributed import spawn
 
-from .conftest import ENGINE_CONFIG, cache_slot, cache_state, relative_error
+from ..conftest import relative_error
+from .conftest import ENGINE_CONFIG, cache_slot, cache_state
 
 K = 2
 T = 1 + K

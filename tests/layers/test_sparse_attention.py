@@ -16,6 +16,8 @@ from spmoe.layers.quantization.fp8 import dequantize, hadamard_matrix, hadamard_
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.sparse_attention import indexer_topk, order_keys, sparse_mla_torch, visible_rows
 
+from ..conftest import relative_error
+
 TOPK = 8
 CONFIG = dict(
     model_type="glm_moe_dsa",
@@ -102,10 +104,6 @@ def run_steps(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> list[tuple[torc
         for s, n in step:
             cached[s] += n
     return results
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def test_paged_sparse_equals_dense():
