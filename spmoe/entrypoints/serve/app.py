@@ -438,7 +438,7 @@ class OpenAIApi:
         request still runs). A client sending new names without end is logged for the first MAX_LOGGED_FIELDS."""
         body = parse(model, raw)
         room = MAX_LOGGED_FIELDS - len(self.logged_fields)
-        new = [name for name in body.model_extra or {} if name not in self.logged_fields][: max(room, 0)]
+        new = [name for name in body.model_extra or {} if name not in self.logged_fields][:room]
         if new:
             self.logged_fields.update(new)
             log.warning(
