@@ -75,7 +75,7 @@ TOP = 40  # kernels listed per profile
 
 def step_bytes(model, cache: PagedKVCache, rows: list[tuple[int, int]], experts_touched: list[int]) -> int:
     """The bytes one step must read (see the module docstring): `rows` lists (tokens, the context each
-    attends) of its parts."""
+    attends) of its parts: a chunk's token j after c cached ones attends c + j positions, each a row of its own."""
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     routed = {id(p) for m in moe for p in m.experts.parameters()}
@@ -201,7 +201,7 @@ def time_step(model, cache, weights, parts, width, next_ids, decode, kernel_kind
             return model.compute_logits(hidden, logit_rows)
 
         touched = touched_experts(model, step)
-        floor = step_bytes(model, cache, [(b * t, c + t - 1) for b, c, t in parts], touched) / BANDWIDTH * 1e3
+        floor = step_bytes(model, cache, [(b, c + j) for b, c, t in parts for j in range(t)], touched) / BANDWIDTH * 1e3
         for kernels in kernel_kinds:
             fused.ENABLED = kernels == "fused"
             eager = cuda_ms(step, 20, warmup=2)
