@@ -159,12 +159,7 @@ def main() -> None:
         args.kv_cache_memory = 8.0
     parallel = parallel_config(args)
     try:
-        cfg = model_config(args)
-        if args.experts < cfg.num_experts_per_tok:
-            raise ValueError(
-                f"--experts must be at least {cfg.num_experts_per_tok} (experts per token), got {args.experts}"
-            )
-        cfg.check_parallel(parallel)
+        model_config(args).check_parallel(parallel)
         check_device(args.device, args.tp)
     except ValueError as e:
         parser.error(str(e))

@@ -166,6 +166,11 @@ class ModelConfig:
             raise ValueError(
                 f"router groups do not fit: n_routed_experts={experts}, n_group={n_group}, topk_group={topk_group}"
             )
+        if raw["num_experts_per_tok"] > experts // n_group * topk_group:
+            raise ValueError(
+                f"num_experts_per_tok={raw['num_experts_per_tok']} is more than the {experts // n_group * topk_group} "
+                f"experts a token's {topk_group} of {n_group} router groups hold (n_routed_experts={experts})"
+            )
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
