@@ -172,14 +172,14 @@ def run_model(model, weights: str, cases: list[list[tuple[int, int, int]]], kern
                     ids = torch.randint(0, cfg.vocab_size, (len(part) * context,), device="cuda", generator=gen)
                     model.forward_hidden(ids, prompt.positions, [context] * len(part), prompt)
                 first += batch
+        seq_index = torch.arange(len(tables)).repeat_interleave(torch.tensor(lens)).cuda()
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(starts, lens)]).cuda()
         for width_name in widths:
             width = max(table_width(width_name, c, t) for _, c, t in parts)
-            seq_index = torch.arange(len(tables)).repeat_interleave(torch.tensor(lens))
-            positions = torch.cat([torch.arange(c, c + n) for c, n in zip(starts, lens)])
             decode = cache.decode_view(
                 torch.from_numpy(padded_tables(tables, len(tables), width, cache.scratch_block)).cuda(),
-                seq_index.cuda(),
-                positions.cuda(),
+                seq_index,
+                positions,
             )
             rows += time_step(model, cache, weights, parts, f"{width_name}:{width}", next_ids, decode, kernel_kinds)
     fused.ENABLED = True

@@ -10,6 +10,8 @@ import pytest
 from spmoe.config import ParallelConfig
 from spmoe.entrypoints.cli import main
 
+from .conftest import ENGINE_CONFIG
+
 # the engine checkpoint without MTP: 3 layers of 16 + 8 float32 values, indexer keys of 16 on 2 of them
 BYTES_PER_TOKEN = 3 * 24 * 4 + 2 * 16 * 4
 TWO_BLOCKS_GIB = 2 * 64 * BYTES_PER_TOKEN / 2**30
@@ -124,7 +126,6 @@ def test_serve_defaults_settle_per_device(device, positions, given, expected):
     from spmoe.config import ModelConfig
     from spmoe.engine.args import EngineArgs
     from spmoe.entrypoints.serve.client import default_max_num_waiting, for_model
-    from tests.engine.conftest import ENGINE_CONFIG
 
     cfg = ModelConfig.from_dict({**ENGINE_CONFIG, "max_position_embeddings": positions})
     max_num_seqs, max_model_len = given
@@ -137,7 +138,6 @@ def test_serve_waiting_default_counts_every_dp_group():
     from spmoe.config import ModelConfig
     from spmoe.engine.args import EngineArgs
     from spmoe.entrypoints.serve.client import default_max_num_waiting, for_model
-    from tests.engine.conftest import ENGINE_CONFIG
 
     args = for_model(EngineArgs(device="cuda", dp=2), ModelConfig.from_dict(ENGINE_CONFIG))
     assert default_max_num_waiting(args) == 2048  # 4 x 256 running in each of 2 groups
@@ -173,8 +173,6 @@ def test_view_rejects_block_ids_outside_the_cache():
 
     from spmoe.config import ModelConfig
     from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, token_bytes
-
-    from .conftest import ENGINE_CONFIG
 
     cfg = ModelConfig.from_dict(ENGINE_CONFIG)
     cache = PagedKVCache(
