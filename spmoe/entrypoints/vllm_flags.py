@@ -137,10 +137,16 @@ VLLM_FLAGS = (
     VllmFlag(
         ("--max-model-len",),
         "taken",
-        "with vLLM's suffixes: 1k = 1000, 1K = 1024, 128k; default on CUDA the model's max_position_embeddings",
+        "with vLLM's suffixes: 1k = 1000, 1K = 1024, 128k; default on CUDA the model's max_position_embeddings, "
+        "on the CPU at most 2048",
         value="LEN",
     ),
-    VllmFlag(("--max-num-seqs",), "taken", "requests decoded at once per DP group; default on CUDA 256", value="N"),
+    VllmFlag(
+        ("--max-num-seqs",),
+        "taken",
+        "requests decoded at once per DP group; default 256 on CUDA, 8 on the CPU",
+        value="N",
+    ),
     VllmFlag(("--max-num-batched-tokens",), "taken", "tokens one step feeds; prompts prefill in chunks", value="N"),
     VllmFlag(("--gpu-memory-utilization",), "noted", "the share of GPU memory free after the weights", value="F"),
     VllmFlag(("--kv-cache-dtype",), "noted", "auto, fp8 or fp8_e4m3 (e4m3 with a scale per 128 values)", value="T"),
