@@ -46,13 +46,31 @@ def tree_rss_bytes(pid: int) -> int:
             status = Path(f"/proc/{current}/status").read_text()
         except OSError:
             continue
-        total += next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        total += next(
+            (
+                int(line.split()[1]) * 1024
+                for line in status.splitlines()
+                if line.startswith("VmRSS:")
+            ),
+            0,
+        )
     return total
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [sys.executable, "-m", "spmoe", "serve", "--tp", "2", "--port", str(port), "--served-model-name", "m"]
+    command = [
+        sys.executable,
+        "-m",
+        "spmoe",
+        "serve",
+        "--tp",
+        "2",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "m",
+    ]
     command += ["--model", args.model] if args.model else []
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
@@ -61,7 +79,9 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
             break
     else:
         raise SystemExit(f"spmoe serve exited with {proc.wait()} before it was ready")
-    threading.Thread(target=lambda: [sys.stderr.write(line) for line in proc.stderr], daemon=True).start()
+    threading.Thread(
+        target=lambda: [sys.stderr.write(line) for line in proc.stderr], daemon=True
+    ).start()
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -76,7 +96,10 @@ def probe_health(base: str, stop, latencies) -> None:
 
 
 def health_latencies(
-    base: str, seconds: float | None, until: threading.Event | None = None, started: threading.Event | None = None
+    base: str,
+    seconds: float | None,
+    until: threading.Event | None = None,
+    started: threading.Event | None = None,
 ) -> list[float]:
     """/health latencies from a separate process, from its first probe (then `started` is set) for `seconds`
     or until `until` is set."""
@@ -120,27 +143,49 @@ def oversized(base: str, kind: str, body, results: dict) -> None:
 
 
 def stream(base: str, i: int, finished: list) -> None:
-    body = {"model": "m", "prompt": f"stream {i}:", "max_tokens": 16, "stream": True, "ignore_eos": True}
+    body = {
+        "model": "m",
+        "prompt": f"stream {i}:",
+        "max_tokens": 16,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=600) as response:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-    if response.status_code == 200 and lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in lines[-2]:
+    if (
+        response.status_code == 200
+        and lines[-1] == "data: [DONE]"
+        and '"finish_reason": "length"' in lines[-2]
+    ):
         finished.append(i)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", help="checkpoint folder (default: the demo checkpoint)")
-    p.add_argument("--streams", type=int, default=64, help="concurrent streaming completions (default 64)")
+    p.add_argument(
+        "--streams", type=int, default=64, help="concurrent streaming completions (default 64)"
+    )
     args = p.parse_args()
     proc, base = start_server(args)
     try:
-        httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "warm", "max_tokens": 2}, timeout=120)
+        httpx.post(
+            base + "/v1/completions",
+            json={"model": "m", "prompt": "warm", "max_tokens": 2},
+            timeout=120,
+        )
         idle = health_latencies(base, 5.0)
         rss_before = peak = tree_rss_bytes(proc.pid)
         bodies = {  # built before the clock starts
-            "100 MB body, Content-Length": b'{"model": "m", "prompt": "' + b"x" * (100 * MB) + b'"}',
+            "100 MB body, Content-Length": b'{"model": "m", "prompt": "'
+            + b"x" * (100 * MB)
+            + b'"}',
             "100 MB body, chunked": chunks(b"x" * MB, 100),
-            "20 MB prompt": json.dumps({"model": "m", "prompt": "word " * (4 * MB), "max_tokens": 4}).encode(),
+            "20 MB prompt": json.dumps(
+                {"model": "m", "prompt": "word " * (4 * MB), "max_tokens": 4}
+            ).encode(),
         }
         done = threading.Event()
 
@@ -152,15 +197,20 @@ def main() -> None:
 
         finished: list[int] = []
         results: dict = {}
-        threads = [threading.Thread(target=stream, args=(base, i, finished)) for i in range(args.streams)]
+        threads = [
+            threading.Thread(target=stream, args=(base, i, finished)) for i in range(args.streams)
+        ]
         threads += [
-            threading.Thread(target=oversized, args=(base, kind, body, results)) for kind, body in bodies.items()
+            threading.Thread(target=oversized, args=(base, kind, body, results))
+            for kind, body in bodies.items()
         ]
         health: list[float] = []
         probing = threading.Event()
         watchers = [
             threading.Thread(target=watch_memory),
-            threading.Thread(target=lambda: health.extend(health_latencies(base, None, done, probing))),
+            threading.Thread(
+                target=lambda: health.extend(health_latencies(base, None, done, probing))
+            ),
         ]
         for t in watchers:
             t.start()
@@ -177,7 +227,9 @@ def main() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)
-    print(f"\nserver: TP 2 CPU, {os.cpu_count()} cores; {args.streams} streams of 16 tokens + 3 oversized requests")
+    print(
+        f"\nserver: TP 2 CPU, {os.cpu_count()} cores; {args.streams} streams of 16 tokens + 3 oversized requests"
+    )
     for kind in bodies:
         outcome, took = results[kind]
         print(f"  {kind:<28} -> {outcome} ({took:.2f} s)")

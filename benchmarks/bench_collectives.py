@@ -57,7 +57,9 @@ def symm_mem_all_reduce(rows: int):
 
         buffer = symm_mem.empty(rows, H, dtype=torch.bfloat16, device="cuda")
         symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
-        return lambda: torch.ops.symm_mem.one_shot_all_reduce(buffer, "sum", dist.group.WORLD.group_name)
+        return lambda: torch.ops.symm_mem.one_shot_all_reduce(
+            buffer, "sum", dist.group.WORLD.group_name
+        )
     except Exception as e:  # noqa: BLE001 - reported as n/a with the reason
         return f"n/a ({type(e).__name__})"
 
@@ -69,9 +71,15 @@ def run():
     one_shot = OneShot(group, state.device)
     for rows in ROWS:
         n = shard_rows(rows, t)
-        shard, shard2 = torch.randn(n, H, device="cuda").bfloat16(), torch.randn(n, H, device="cuda").bfloat16()
+        shard, shard2 = (
+            torch.randn(n, H, device="cuda").bfloat16(),
+            torch.randn(n, H, device="cuda").bfloat16(),
+        )
         full = torch.randn(n * t, H, device="cuda").bfloat16()
-        gathered, scattered = torch.empty(n * t, H, device="cuda").bfloat16(), torch.empty_like(shard)
+        gathered, scattered = (
+            torch.empty(n * t, H, device="cuda").bfloat16(),
+            torch.empty_like(shard),
+        )
         both = torch.empty(n * t, 2 * H, device="cuda").bfloat16()
         cases = {
             "nccl all_gather": lambda: dist.all_gather_into_tensor(gathered, shard, group=group),
@@ -81,7 +89,9 @@ def run():
             "nccl all_reduce": lambda: dist.all_reduce(full, group=group),
             "all_reduce (ours)": lambda: all_reduce(full, group),
             "fused gather (h, r)": lambda: _all_gather_sp_states(shard, shard2, rows),
-            "one gather of 2H": lambda: dist.all_gather_into_tensor(both, torch.cat([shard, shard2], 1), group=group),
+            "one gather of 2H": lambda: dist.all_gather_into_tensor(
+                both, torch.cat([shard, shard2], 1), group=group
+            ),
             "two gathers of H": lambda: (
                 dist.all_gather_into_tensor(gathered, shard, group=group),
                 dist.all_gather_into_tensor(gathered, shard2, group=group),
@@ -93,14 +103,18 @@ def run():
             ("all_reduce", full, full),
         ):
             if one_shot.fits(kind, x):
-                cases[f"one-shot {kind}"] = lambda kind=kind, x=x, out=out: one_shot.run(kind, x, out)
+                cases[f"one-shot {kind}"] = lambda kind=kind, x=x, out=out: one_shot.run(
+                    kind, x, out
+                )
         symm = symm_mem_all_reduce(n * t) if rows <= 1024 else "skipped (large)"
         for name, fn in cases.items():
             results.append((rows, name, *measure(fn)))
         if callable(symm):
             results.append((rows, "symm_mem one-shot all_reduce", *measure(symm)))
         else:
-            results.append((rows, f"symm_mem one-shot all_reduce {symm}", float("nan"), float("nan")))
+            results.append(
+                (rows, f"symm_mem one-shot all_reduce {symm}", float("nan"), float("nan"))
+            )
     return results if state.rank == 0 else None
 
 

@@ -69,11 +69,15 @@ MODEL = {
     "vocab_size": 32768,
 }
 BANDWIDTH = 4.3e12  # bytes/s
-PREFILL_TOKENS = 16384  # the sequences of a case are prefilled in forwards of at most this many tokens
+PREFILL_TOKENS = (
+    16384  # the sequences of a case are prefilled in forwards of at most this many tokens
+)
 TOP = 40  # kernels listed per profile
 
 
-def step_bytes(model, cache: PagedKVCache, rows: list[tuple[int, int]], experts_touched: list[int]) -> int:
+def step_bytes(
+    model, cache: PagedKVCache, rows: list[tuple[int, int]], experts_touched: list[int]
+) -> int:
     """The bytes one step must read (see the module docstring): `rows` lists (tokens, the context each
     attends) of its parts: a chunk's token j after c cached ones attends c + j positions, each a row of its own."""
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
@@ -85,10 +89,14 @@ def step_bytes(model, cache: PagedKVCache, rows: list[tuple[int, int]], experts_
     for m, touched in zip(moe, experts_touched):
         total += nbytes(m.experts.parameters()) // m.experts.count * touched
     for layer in cache.layers.values():
-        latent_row = nbytes(t[0] for t in (layer.latent, layer.latent_scale, layer.rope) if t is not None)
+        latent_row = nbytes(
+            t[0] for t in (layer.latent, layer.latent_scale, layer.rope) if t is not None
+        )
         index_row = nbytes(t[0] for t in (layer.index_key, layer.index_scale) if t is not None)
         for n, context in rows:
-            scored = context + 1 if context + 1 > model.cfg.index_topk else 0  # else every visible row, unscored
+            scored = (
+                context + 1 if context + 1 > model.cfg.index_topk else 0
+            )  # else every visible row, unscored
             total += n * (scored * index_row + min(context + 1, model.cfg.index_topk) * latent_row)
     return total
 
@@ -97,7 +105,9 @@ def touched_experts(model, step) -> list[int]:
     """Distinct routed experts each MoE layer's router picks in one eager `step`."""
     picked = []
     hooks = [
-        m.gate.register_forward_hook(lambda _m, _in, out: picked.append(int(out[0].unique().ge(0).sum())))
+        m.gate.register_forward_hook(
+            lambda _m, _in, out: picked.append(int(out[0].unique().ge(0).sum()))
+        )
         for m in model.modules()
         if isinstance(m, MoE)
     ]
@@ -131,7 +141,12 @@ def parse_case(case: str) -> list[tuple[int, int, int]]:
     return parts
 
 
-def run(cases: list[list[tuple[int, int, int]]], weights: list[str], kernel_kinds: list[str], widths: list[str]):
+def run(
+    cases: list[list[tuple[int, int, int]]],
+    weights: list[str],
+    kernel_kinds: list[str],
+    widths: list[str],
+):
     rows = []
     for kind, model in models(weights).items():
         rows += run_model(model, kind, cases, kernel_kinds, widths)
@@ -145,7 +160,9 @@ def table_width(name: str, context: int, tokens: int) -> int:
     return 1 << (used - 1).bit_length() if name == "pow2" else -(-int(name) // BLOCK_SIZE)
 
 
-def run_model(model, weights: str, cases: list[list[tuple[int, int, int]]], kernel_kinds: list[str], widths):
+def run_model(
+    model, weights: str, cases: list[list[tuple[int, int, int]]], kernel_kinds: list[str], widths
+):
     cfg = model.cfg
     blocks = lambda c, t: -(-(c + t) // BLOCK_SIZE)  # noqa: E731
     block_bytes = PagedKVCache.for_model(model, 1 << 24).bytes_per_token * BLOCK_SIZE
@@ -164,12 +181,18 @@ def run_model(model, weights: str, cases: list[list[tuple[int, int, int]]], kern
         next_ids = torch.randint(0, cfg.vocab_size, (sum(lens),), device="cuda", generator=gen)
         with torch.no_grad():
             first = 0
-            for batch, context, _ in parts:  # sequences of one part prefilled together, as an engine's token budget
+            for (
+                batch,
+                context,
+                _,
+            ) in parts:  # sequences of one part prefilled together, as an engine's token budget
                 group = max(1, PREFILL_TOKENS // max(context, 1))
                 for at in range(first, first + batch if context else first, group):
                     part = tables[at : min(at + group, first + batch)]
                     prompt = cache.view(part, [0] * len(part), [context] * len(part))
-                    ids = torch.randint(0, cfg.vocab_size, (len(part) * context,), device="cuda", generator=gen)
+                    ids = torch.randint(
+                        0, cfg.vocab_size, (len(part) * context,), device="cuda", generator=gen
+                    )
                     model.forward_hidden(ids, prompt.positions, [context] * len(part), prompt)
                 first += batch
         seq_index = torch.arange(len(tables)).repeat_interleave(torch.tensor(lens)).cuda()
@@ -177,11 +200,22 @@ def run_model(model, weights: str, cases: list[list[tuple[int, int, int]]], kern
         for width_name in widths:
             width = max(table_width(width_name, c, t) for _, c, t in parts)
             decode = cache.decode_view(
-                torch.from_numpy(padded_tables(tables, len(tables), width, cache.scratch_block)).cuda(),
+                torch.from_numpy(
+                    padded_tables(tables, len(tables), width, cache.scratch_block)
+                ).cuda(),
                 seq_index,
                 positions,
             )
-            rows += time_step(model, cache, weights, parts, f"{width_name}:{width}", next_ids, decode, kernel_kinds)
+            rows += time_step(
+                model,
+                cache,
+                weights,
+                parts,
+                f"{width_name}:{width}",
+                next_ids,
+                decode,
+                kernel_kinds,
+            )
     fused.ENABLED = True
     return rows
 
@@ -201,7 +235,11 @@ def time_step(model, cache, weights, parts, width, next_ids, decode, kernel_kind
             return model.compute_logits(hidden, logit_rows)
 
         touched = touched_experts(model, step)
-        floor = step_bytes(model, cache, [(b, c + j) for b, c, t in parts for j in range(t)], touched) / BANDWIDTH * 1e3
+        floor = (
+            step_bytes(model, cache, [(b, c + j) for b, c, t in parts for j in range(t)], touched)
+            / BANDWIDTH
+            * 1e3
+        )
         for kernels in kernel_kinds:
             fused.ENABLED = kernels == "fused"
             eager = cuda_ms(step, 20, warmup=2)
@@ -231,13 +269,34 @@ def time_step(model, cache, weights, parts, width, next_ids, decode, kernel_kind
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="*", default=["1x16", "8x512", "1x4096"], help="BxC, BxC+T, parts joined by ','")
-    p.add_argument("--weights", nargs="+", choices=("bf16", "fp8"), default=["bf16"], help="weights to time")
+    p.add_argument(
+        "--cases",
+        nargs="*",
+        default=["1x16", "8x512", "1x4096"],
+        help="BxC, BxC+T, parts joined by ','",
+    )
+    p.add_argument(
+        "--weights", nargs="+", choices=("bf16", "fp8"), default=["bf16"], help="weights to time"
+    )
     p.add_argument("--kernels", nargs="+", choices=("torch", "fused"), default=["torch", "fused"])
-    p.add_argument("--widths", nargs="+", default=["pow2"], help="block-table widths: pow2 and/or max_model_len values")
+    p.add_argument(
+        "--widths",
+        nargs="+",
+        default=["pow2"],
+        help="block-table widths: pow2 and/or max_model_len values",
+    )
     args = p.parse_args()
     cases = [parse_case(case) for case in args.cases]
-    rows = spawn(run, 1, cases, args.weights, args.kernels, args.widths, config=ParallelConfig(), device="cuda")[0]
+    rows = spawn(
+        run,
+        1,
+        cases,
+        args.weights,
+        args.kernels,
+        args.widths,
+        config=ParallelConfig(),
+        device="cuda",
+    )[0]
     print(
         f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; GLM-5.2 widths, 4 layers (1 dense + 3 "
         f"MoE, 64 experts top-8), vocab 32768, bf16 activations, TP 1, paged cache; roofline = bytes read / 4.3 TB/s"
@@ -256,9 +315,13 @@ def main():
     for (weights, case, width, kernels), ms in graph_ms.items():
         if weights == "fp8" and ("bf16", case, width, kernels) in graph_ms:
             bf16 = graph_ms["bf16", case, width, kernels]
-            print(f"FP8 speed-up, {case}, {width}, {kernels}, graphs: {bf16 / ms:.2f}x ({bf16:.3f} -> {ms:.3f} ms)")
+            print(
+                f"FP8 speed-up, {case}, {width}, {kernels}, graphs: {bf16 / ms:.2f}x ({bf16:.3f} -> {ms:.3f} ms)"
+            )
     for weights, case, width, kernels, *_, top in rows:
-        print(f"\ntop kernels, {weights} weights, {case}, {width}, {kernels} (one eager step): launches, total us")
+        print(
+            f"\ntop kernels, {weights} weights, {case}, {width}, {kernels} (one eager step): launches, total us"
+        )
         for name, (count, micros) in top:
             print(f"  {count:>4} {micros:>9.1f}  {name[:110]}")
     for weights, case, width, kernels, *_, per_layer, _ in rows:
@@ -266,7 +329,10 @@ def main():
             continue
         print(f"\nGPU operations of each decoder layer, {weights}, {case}, {width}")
         for index, ops in enumerate(per_layer):
-            print(f"layer {index}: " + ", ".join(f"{n} x {name[:60]}" for name, (n, _) in sorted(ops.items())))
+            print(
+                f"layer {index}: "
+                + ", ".join(f"{n} x {name[:60]}" for name, (n, _) in sorted(ops.items()))
+            )
 
 
 if __name__ == "__main__":

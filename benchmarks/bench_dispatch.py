@@ -52,7 +52,11 @@ def run():
     rows_out = []
     for rows in ROWS:
         x = torch.randn(rows, cfg.hidden_size, generator=gen, device="cuda").bfloat16()
-        ids = torch.rand(rows, cfg.n_routed_experts, generator=gen, device="cuda").topk(8, dim=-1).indices
+        ids = (
+            torch.rand(rows, cfg.n_routed_experts, generator=gen, device="cuda")
+            .topk(8, dim=-1)
+            .indices
+        )
         weights = torch.rand(rows, 8, generator=gen, device="cuda")
         result = {"rows": rows}
         for name, dispatch in DISPATCH.items():
@@ -75,10 +79,14 @@ def main():
         f"GPU {torch.cuda.get_device_name()} x2, torch {torch.__version__}; per rank n rows; ms (rank 0) and MiB "
         f"moved per rank"
     )
-    print(f"{'n':>6} {'AG/RS ms':>9} {'a2a ms':>8} {'a2a/AGRS':>9} {'AG/RS MiB':>10} {'a2a MiB':>8}")
+    print(
+        f"{'n':>6} {'AG/RS ms':>9} {'a2a ms':>8} {'a2a/AGRS':>9} {'AG/RS MiB':>10} {'a2a MiB':>8}"
+    )
     for r in results[0]:
         (t1, b1), (t2, b2) = r["allgather_reducescatter"], r["all_to_all"]
-        print(f"{r['rows']:>6} {t1:>9.3f} {t2:>8.3f} {t2 / t1:>9.2f} {b1 / 2**20:>10.2f} {b2 / 2**20:>8.2f}")
+        print(
+            f"{r['rows']:>6} {t1:>9.3f} {t2:>8.3f} {t2 / t1:>9.2f} {b1 / 2**20:>10.2f} {b2 / 2**20:>8.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -75,7 +75,9 @@ def timed_step(model, cache, seqs, starts, reps):
     view = cache.view(mine, [starts] * len(mine), lens)
     ids = torch.randint(0, GLM["vocab_size"], (sum(lens),), device="cuda")
     with torch.no_grad():
-        ms = cuda_ms(lambda: model.forward_hidden(ids, view.positions, lens, view), reps, barrier=True)
+        ms = cuda_ms(
+            lambda: model.forward_hidden(ids, view.positions, lens, view), reps, barrier=True
+        )
         with count_moe_work() as work:
             model.forward_hidden(ids, view.positions, lens, view)
     return ms, work.as_dict()
@@ -86,7 +88,9 @@ def run(layouts_for_this_world):
     rows = []
     for label, tp, dp, sp in layouts_for_this_world:
         parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sp=sp)
-        model = DeepseekV32ForCausalLM(ModelConfig.from_dict(GLM), parallel, torch.bfloat16, "cuda").eval()
+        model = DeepseekV32ForCausalLM(
+            ModelConfig.from_dict(GLM), parallel, torch.bfloat16, "cuda"
+        ).eval()
         random_weights(model)
         cache = KVCache.for_model(model, 64, 4096 + 8)
         for seqs, tokens in PREFILL:
@@ -105,12 +109,22 @@ def main():
     for tp, dp in ((2, 1), (1, 2)):
         layouts = [layout for layout in LAYOUTS if layout[1:3] == (tp, dp)]
         results += spawn(
-            run, 2, layouts, config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp), device="cuda"
+            run,
+            2,
+            layouts,
+            config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp),
+            device="cuda",
         )[0]
-    print(f"GPU {torch.cuda.get_device_name()} x2, torch {torch.__version__}; GLM-5.2 widths, 2 MoE layers, bf16")
-    print(f"{'layout':<14}{'step':<18}{'ms':>9}{'tokens/s':>11}  rank 0: rows dispatched, rows computed")
+    print(
+        f"GPU {torch.cuda.get_device_name()} x2, torch {torch.__version__}; GLM-5.2 widths, 2 MoE layers, bf16"
+    )
+    print(
+        f"{'layout':<14}{'step':<18}{'ms':>9}{'tokens/s':>11}  rank 0: rows dispatched, rows computed"
+    )
     for label, step, ms, tps, work in results:
-        print(f"{label:<14}{step:<18}{ms:>9.2f}{tps:>11.0f}  {work['rows_dispatched']:>6} {work['rows_computed']:>8}")
+        print(
+            f"{label:<14}{step:<18}{ms:>9.2f}{tps:>11.0f}  {work['rows_dispatched']:>6} {work['rows_computed']:>8}"
+        )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,11 @@ def routing(rows: int, gen):
     """-> global ids `[rows, 8]` of 256 (this rank owns experts [0, 128)), the same with -1 where not local,
     and the routing weights."""
     ids = torch.rand(rows, EXPERTS, generator=gen, device="cuda").topk(TOP_K, dim=-1).indices
-    return ids, torch.where(ids < LOCAL, ids, -1), torch.rand(rows, TOP_K, generator=gen, device="cuda")
+    return (
+        ids,
+        torch.where(ids < LOCAL, ids, -1),
+        torch.rand(rows, TOP_K, generator=gen, device="cuda"),
+    )
 
 
 def roofline(local_ids, weight_bytes: float, flops_rate: float) -> float:
@@ -49,7 +53,9 @@ def torch_loop(x, local, weights, w13, w2):
     for e in torch.unique(local[local >= 0]).tolist():
         rows, slot = torch.nonzero(local == e, as_tuple=True)
         gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
-        out.index_add_(0, rows, F.linear(F.silu(gate) * up, w2[e]) * weights[rows, slot, None].to(x.dtype))
+        out.index_add_(
+            0, rows, F.linear(F.silu(gate) * up, w2[e]) * weights[rows, slot, None].to(x.dtype)
+        )
     return out
 
 
@@ -59,11 +65,15 @@ def grouped_mm(x, local, weights, w13_t, w2_t):
     order = torch.argsort(torch.where(flat >= 0, flat, LOCAL), stable=True)
     counts = torch.bincount(flat[flat >= 0], minlength=LOCAL)
     offs = counts.cumsum(0).to(torch.int32)
-    kept = order[: int(offs[-1])]  # local pairs, grouped by expert (one host sync, as a user would write it)
+    kept = order[
+        : int(offs[-1])
+    ]  # local pairs, grouped by expert (one host sync, as a user would write it)
     rows = kept // TOP_K
     gate_up = torch._grouped_mm(x[rows], w13_t, offs=offs)  # [P, 2I]
     gate, up = gate_up.chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2_t, offs=offs) * weights.flatten()[kept, None].to(x.dtype)
+    y = torch._grouped_mm(F.silu(gate) * up, w2_t, offs=offs) * weights.flatten()[kept, None].to(
+        x.dtype
+    )
     return torch.zeros_like(x).index_add_(0, rows, y)
 
 
@@ -123,7 +133,14 @@ def sweep(args, gen, w13, w2, fp8):
                 if is_fp8 and (cfg["BLOCK_K"] != 128 or cfg["BLOCK_N"] > 128):
                     continue
                 try:
-                    results.append((cuda_ms(lambda: fused_moe(x, ids, weights, 0, *weights_args, config=cfg), 10), cfg))
+                    results.append(
+                        (
+                            cuda_ms(
+                                lambda: fused_moe(x, ids, weights, 0, *weights_args, config=cfg), 10
+                            ),
+                            cfg,
+                        )
+                    )
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped, and said
                     print(f"  {name} N={rows} {cfg}: {type(e).__name__}")
             best = min(results, key=lambda r: r[0])
@@ -136,8 +153,12 @@ def sweep(args, gen, w13, w2, fp8):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=DECODE + PREFILL)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--rows", type=lambda s: [int(v) for v in s.split(",")], default=DECODE + PREFILL
+    )
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)

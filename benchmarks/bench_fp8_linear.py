@@ -22,7 +22,13 @@ import torch.nn.functional as F
 from timing import cuda_ms
 
 from spmoe.layers.moe.experts.triton_kernels import quantize_fp8
-from spmoe.layers.quantization.fp8_kernels import MatmulConfig, decode_split, fp8_matmul, m_bucket, matmul_config
+from spmoe.layers.quantization.fp8_kernels import (
+    MatmulConfig,
+    decode_split,
+    fp8_matmul,
+    m_bucket,
+    matmul_config,
+)
 from spmoe.layers.quantization.fp8_linear import fp8_linear_torch, quantize_blocks
 
 SHAPES = {  # name: (n, k) at TP 1; x_proj's FP8 parts padded to 128-row blocks as MergedLinear holds them
@@ -43,7 +49,9 @@ REPS = 30
 def scaled_mm(xq, xs, w, ws):
     """cuBLAS's block-scaled FP8 GEMM: xq `[m, k]` e4m3 with scales `[m, k / 128]` (outer-dim-major, as it
     asks), w `[n, k]` e4m3 with `[n / 128, k / 128]` -> bf16 `[m, n]`."""
-    return torch._scaled_mm(xq, w.t(), scale_a=xs.t().contiguous().t(), scale_b=ws.t(), out_dtype=torch.bfloat16)
+    return torch._scaled_mm(
+        xq, w.t(), scale_a=xs.t().contiguous().t(), scale_b=ws.t(), out_dtype=torch.bfloat16
+    )
 
 
 def per_call_us(fn, copies: int) -> float:
@@ -83,10 +91,14 @@ def sweep(ms: list[int], gen) -> None:
     """Every candidate's time per shape and m (a line each, the table's own pick marked *), then the fastest
     per shape and m bucket as `MATMUL_CONFIGS` entries."""
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; Triton FP8 GEMM configs")
-    print("config = (block_m, block_n, split_k, num_warps, num_stages); us per call; * = matmul_config's pick")
+    print(
+        "config = (block_m, block_n, split_k, num_warps, num_stages); us per call; * = matmul_config's pick"
+    )
     picks = []
     for name, (n, k) in SHAPES.items():
-        w8, ws = quantize_blocks(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5)
+        w8, ws = quantize_blocks(
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
+        )
         copies = max(1, -(-L2_BYTES // w8.nbytes))
         ws8 = [(w8, ws)] + [(w8.clone(), ws.clone()) for _ in range(copies - 1)]
         for m in ms:
@@ -105,14 +117,22 @@ def sweep(ms: list[int], gen) -> None:
                     print(f"  {name} m {m} {tuple(cfg)}: {type(e).__name__}")
                     continue
                 timed.append((us, cfg))
-                rate = (w8.nbytes + 2 * m * (k + n)) / us / 1e3 if m <= 256 else 2 * m * n * k / us / 1e6
+                rate = (
+                    (w8.nbytes + 2 * m * (k + n)) / us / 1e3
+                    if m <= 256
+                    else 2 * m * n * k / us / 1e6
+                )
                 unit = "GB/s" if m <= 256 else "TF/s"
                 mark = "*" if cfg == chosen else " "
                 shape = f"{name:<26} n {n:>6} k {k:>6} m {m:>5}"
-                print(f"{shape} {mark} {tuple(cfg)!s:<22} {us:9.1f} us {rate:7.0f} {unit}", flush=True)
+                print(
+                    f"{shape} {mark} {tuple(cfg)!s:<22} {us:9.1f} us {rate:7.0f} {unit}", flush=True
+                )
             if timed:
                 us, best = min(timed)
-                picks.append(f"    ({m_bucket(m)}, {n}, {k}): {best!r},  # m {m}: {us:.1f} us, {name}")
+                picks.append(
+                    f"    ({m_bucket(m)}, {n}, {k}): {best!r},  # m {m}: {us:.1f} us, {name}"
+                )
     print("fastest per shape and m (as MATMUL_CONFIGS entries):")
     print("\n".join(picks), flush=True)
 
@@ -120,14 +140,20 @@ def sweep(ms: list[int], gen) -> None:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 8192])
-    p.add_argument("--sweep", action="store_true", help="time the Triton GEMM's launch configs instead")
+    p.add_argument(
+        "--sweep", action="store_true", help="time the Triton GEMM's launch configs instead"
+    )
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     if args.sweep:
         sweep(args.m, gen)
         return
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; us per call (GB/s | TFLOP/s)")
-    print(f"{'shape':<26} {'n':>6} {'k':>6} {'m':>5}  {'bf16 F.linear':>22} {'FP8 Triton':>22} {'FP8 _scaled_mm':>22}")
+    print(
+        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; us per call (GB/s | TFLOP/s)"
+    )
+    print(
+        f"{'shape':<26} {'n':>6} {'k':>6} {'m':>5}  {'bf16 F.linear':>22} {'FP8 Triton':>22} {'FP8 _scaled_mm':>22}"
+    )
     for name, (n, k) in SHAPES.items():
         w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
         w8, ws = quantize_blocks(w16)
@@ -154,10 +180,18 @@ def main():
                 error = float((got - want).norm() / want.norm())
                 if error > 1e-2:
                     raise ValueError(f"relative error {error:.3g} against the reference")
-                cells.append(rate(per_call_us(lambda i: scaled_mm(*quantize_fp8(x), *ws8[i]), copies8), w8.nbytes))
+                cells.append(
+                    rate(
+                        per_call_us(lambda i: scaled_mm(*quantize_fp8(x), *ws8[i]), copies8),
+                        w8.nbytes,
+                    )
+                )
             except (RuntimeError, ValueError) as e:
                 cells.append(f"refused: {str(e).splitlines()[0][:60]}")
-            print(f"{name:<26} {n:>6} {k:>6} {m:>5}  {cells[0]:>22} {cells[1]:>22} {cells[2]:>22}", flush=True)
+            print(
+                f"{name:<26} {n:>6} {k:>6} {m:>5}  {cells[0]:>22} {cells[1]:>22} {cells[2]:>22}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

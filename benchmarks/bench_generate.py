@@ -112,7 +112,9 @@ def attention_flops(cfg: ModelConfig, start: int, count: int, sparse: bool) -> f
     """FLOPs of attention (and the indexer) for positions start .. start + count - 1, summed over layers."""
     heads, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     total = 0.0
-    positions = torch.arange(start, start + count, dtype=torch.float64) + 1  # keys each position attends
+    positions = (
+        torch.arange(start, start + count, dtype=torch.float64) + 1
+    )  # keys each position attends
     if sparse:
         keys = positions.clamp(max=cfg.index_topk)
         total += float((2 * heads * keys * (2 * c + r)).sum())
@@ -123,7 +125,9 @@ def attention_flops(cfg: ModelConfig, start: int, count: int, sparse: bool) -> f
     return total * cfg.num_hidden_layers
 
 
-def decode_bytes(model, cfg: ModelConfig, context: int, kind: str, cache_bytes_per_token: int) -> float:
+def decode_bytes(
+    model, cfg: ModelConfig, context: int, kind: str, cache_bytes_per_token: int
+) -> float:
     """Bytes one decode token reads: the weights it multiplies by and the cache rows it reads."""
     weights = active_bytes(model, cfg)
     layers = cfg.num_hidden_layers
@@ -131,7 +135,9 @@ def decode_bytes(model, cfg: ModelConfig, context: int, kind: str, cache_bytes_p
     index_bytes = cfg.index_head_dim * (1 if kind == "fp8" else 2) + (4 if kind == "fp8" else 0)
     if kind == "dense":
         return weights + context * cache_bytes_per_token
-    return weights + layers * (min(context, cfg.index_topk) * (per_layer - index_bytes) + context * index_bytes)
+    return weights + layers * (
+        min(context, cfg.index_topk) * (per_layer - index_bytes) + context * index_bytes
+    )
 
 
 def run_case(model, cfg, kind: str, context: int, args) -> dict:
@@ -145,16 +151,21 @@ def run_case(model, cfg, kind: str, context: int, args) -> dict:
     if kind == "dense":
         cache = KVCache.for_model(model, 1, context + args.new_tokens)
     else:
-        cache = PagedKVCache.for_model(model, int(args.kv_cache_memory * 2**30), "fp8" if kind == "fp8" else "auto")
+        cache = PagedKVCache.for_model(
+            model, int(args.kv_cache_memory * 2**30), "fp8" if kind == "fp8" else "auto"
+        )
     engine = Engine(
         model,
         cache,
         cuda_graphs=True,
         max_num_seqs=1,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=context + args.new_tokens,  # the graphs' block tables: as wide as this case needs
+        max_model_len=context
+        + args.new_tokens,  # the graphs' block tables: as wide as this case needs
     )
-    prompt = torch.randint(0, cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(context)).tolist()
+    prompt = torch.randint(
+        0, cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(context)
+    ).tolist()
     engine.add_request(Request(f"{kind}-{context}", prompt, args.new_tokens))
     tokens, steps = [], []
     began = time.perf_counter()
@@ -165,7 +176,9 @@ def run_case(model, cfg, kind: str, context: int, args) -> dict:
     prefill_s = time.perf_counter() - began
     layer_launches = []
     while engine.has_unfinished():
-        if len(steps) == 2 and not layer_launches:  # one untimed eager step: the GPU ops of each decoder layer
+        if (
+            len(steps) == 2 and not layer_launches
+        ):  # one untimed eager step: the GPU ops of each decoder layer
             graphs, engine.runner.graphs = engine.runner.graphs, None
             per_layer, outs = layer_ops(model.model.layers, engine.step)
             engine.runner.graphs, layer_launches = graphs, [launch_count(ops) for ops in per_layer]
@@ -178,7 +191,9 @@ def run_case(model, cfg, kind: str, context: int, args) -> dict:
     decode_ms = statistics.median(steps[2:] or steps) * 1e3
     body, head = active_params(model, cfg)
     chunks = -(-context // args.max_num_batched_tokens)
-    flops = 2 * body * context + 2 * head * chunks + attention_flops(cfg, 0, context, kind != "dense")
+    flops = (
+        2 * body * context + 2 * head * chunks + attention_flops(cfg, 0, context, kind != "dense")
+    )
     layer_bytes = cache.bytes_per_token // cfg.num_hidden_layers
     return {
         "kind": kind,
@@ -203,20 +218,28 @@ def run(args) -> list[dict]:
 
     raw = glm_config(args.layers)
     cfg = ModelConfig.from_dict(raw)
-    model = build_model(cfg, ParallelConfig(tensor_parallel_size=1), False, set(), torch.bfloat16, "cuda").eval()
+    model = build_model(
+        cfg, ParallelConfig(tensor_parallel_size=1), False, set(), torch.bfloat16, "cuda"
+    ).eval()
     random_weights(model)
     models = {"bf16": model}
     if "fp8" in args.weights:
         with tempfile.TemporaryDirectory() as folder:
             write_fp8_checkpoint(model, raw, Path(folder))
-            models["fp8"] = load_model(folder, ParallelConfig(tensor_parallel_size=1), torch.bfloat16, "cuda")
+            models["fp8"] = load_model(
+                folder, ParallelConfig(tensor_parallel_size=1), torch.bfloat16, "cuda"
+            )
     rows = []
     for weights in args.weights:
         print(f"weights: {weights}", flush=True)
         rows += [{**row, "weights": weights} for row in run_model(models[weights], cfg, args)]
     for row in rows:
         twin = [
-            r for r in rows if r["weights"] == "bf16" and r["kind"] == row["kind"] and r["context"] == row["context"]
+            r
+            for r in rows
+            if r["weights"] == "bf16"
+            and r["kind"] == row["kind"]
+            and r["context"] == row["context"]
         ]
         if row["weights"] == "fp8" and twin and "decode_ms" in row and "decode_ms" in twin[0]:
             print(
@@ -243,10 +266,14 @@ def run_model(model, cfg, args) -> list[dict]:
     for context in args.contexts:
         for kind in args.kinds:
             if kind in oom:
-                rows.append({"kind": kind, "context": context, "skipped": "OOM at a smaller context"})
+                rows.append(
+                    {"kind": kind, "context": context, "skipped": "OOM at a smaller context"}
+                )
                 continue
             try:
-                run_case(model, cfg, kind, context, args)  # untimed: the first prefill of a size pays one-off costs
+                run_case(
+                    model, cfg, kind, context, args
+                )  # untimed: the first prefill of a size pays one-off costs
                 rows.append(run_case(model, cfg, kind, context, args))
             except torch.cuda.OutOfMemoryError as e:
                 oom.add(kind)
@@ -256,7 +283,9 @@ def run_model(model, cfg, args) -> list[dict]:
     decode = {(r["kind"], r["context"]): r["decode_ms"] for r in rows if "decode_ms" in r}
     for kind in args.kinds:
         if (kind, 2048) in decode and (kind, 32768) in decode:
-            print(f"{kind}: decode ms/step at 32k / at 2k = {decode[kind, 32768] / decode[kind, 2048]:.2f}")
+            print(
+                f"{kind}: decode ms/step at 32k / at 2k = {decode[kind, 32768] / decode[kind, 2048]:.2f}"
+            )
     return rows
 
 
@@ -265,8 +294,19 @@ def profile_prefill(model, cfg, args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run_case(model, cfg, "paged", args.max_num_batched_tokens, Namespace(**{**vars(args), "new_tokens": 3}))
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60), flush=True)
+        run_case(
+            model,
+            cfg,
+            "paged",
+            args.max_num_batched_tokens,
+            Namespace(**{**vars(args), "new_tokens": 3}),
+        )
+    print(
+        prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=30, max_name_column_width=60
+        ),
+        flush=True,
+    )
 
 
 def print_row(row: dict, rows: list[dict]) -> None:
@@ -276,7 +316,11 @@ def print_row(row: dict, rows: list[dict]) -> None:
         return
     agree = ""
     if row["kind"] == "fp8":
-        same = [r for r in rows if r["kind"] == "paged" and r["context"] == row["context"] and "tokens" in r]
+        same = [
+            r
+            for r in rows
+            if r["kind"] == "paged" and r["context"] == row["context"] and "tokens" in r
+        ]
         if same:
             matched = sum(a == b for a, b in zip(row["tokens"], same[0]["tokens"]))
             agree = f"  greedy = bf16 cache: {matched}/{len(row['tokens'])}"
@@ -298,8 +342,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     EngineArgs.add_cli_args(parser, ("max_num_batched_tokens", "kv_cache_memory"))
     parser.set_defaults(kv_cache_memory=8.0)  # the paged kinds' budget in GiB
-    parser.add_argument("--profile", action="store_true", help="print the kernels of one paged prefill chunk")
-    parser.add_argument("--weights", nargs="+", choices=("bf16", "fp8"), default=["bf16"], help="weights to run")
+    parser.add_argument(
+        "--profile", action="store_true", help="print the kernels of one paged prefill chunk"
+    )
+    parser.add_argument(
+        "--weights", nargs="+", choices=("bf16", "fp8"), default=["bf16"], help="weights to run"
+    )
     args = parser.parse_args()
     EngineArgs.from_cli(args)  # the engine options' checks
     spawn(run, 1, args, device="cuda", timeout_s=3600)

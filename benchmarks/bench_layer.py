@@ -53,16 +53,23 @@ def with_sp(mode: str, scope: str = "moe") -> ParallelConfig:
 def build_layer(cfg: ModelConfig, sp: bool, device: str) -> DeepseekV32DecoderLayer:
     """Layer 0 (MoE) of the plan: input SHARDED with SP, the embedding's PARTIAL sum without."""
     parallel = with_sp("on" if sp else "off")
-    experts = select_experts(ExpertsDeployment.for_layer(cfg, parallel, sp, torch.bfloat16, "cuda"), "auto")
+    experts = select_experts(
+        ExpertsDeployment.for_layer(cfg, parallel, sp, torch.bfloat16, "cuda"), "auto"
+    )
     with torch.device(device), _default_dtype(torch.bfloat16):
-        return DeepseekV32DecoderLayer(cfg, build_layer_plan(cfg, parallel).layers[0], experts, parallel.ep_backend)
+        return DeepseekV32DecoderLayer(
+            cfg, build_layer_plan(cfg, parallel).layers[0], experts, parallel.ep_backend
+        )
 
 
 def layer_inputs(cfg: ModelConfig, num_tokens: int, sp: bool, decode: bool):
     """(hidden, residual) in the layer's input layout, the same tokens with SP on and off, and the attention
     batch."""
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
-    hidden, residual = (torch.randn(num_tokens, cfg.hidden_size, generator=gen, device="cuda").bfloat16() for _ in "hr")
+    hidden, residual = (
+        torch.randn(num_tokens, cfg.hidden_size, generator=gen, device="cuda").bfloat16()
+        for _ in "hr"
+    )
     if sp:  # this rank's rows, pad rows zero
         hidden, residual = sp_shard(hidden), sp_shard(residual)
     lens = [1] * num_tokens if decode else [PREFILL_SEQ] * (num_tokens // PREFILL_SEQ)
@@ -90,18 +97,31 @@ def measure(layer, cfg, num_tokens: int, sp: bool, decode: bool) -> dict:
                 del replay
         except torch.OutOfMemoryError:  # dense attention over N^2 keys at the largest prefill
             torch.cuda.empty_cache()
-            return {"eager": float("nan"), "graph": float("nan"), "ops": 0, "collectives": "out of memory"}
+            return {
+                "eager": float("nan"),
+                "graph": float("nan"),
+                "ops": 0,
+                "collectives": "out of memory",
+            }
         copy = hidden.clone()  # outside the profile: the count is the layer's own launches
         with count_collectives() as stats:
             ops = launch_count(gpu_ops(lambda: layer(copy, residual, batch, None, num_tokens)))
     counts = {k: v["count"] for k, v in stats.counts.items() if v["count"]}
-    return {"eager": eager, "graph": graph, "ops": ops, "collectives": " ".join(f"{k} {v}" for k, v in counts.items())}
+    return {
+        "eager": eager,
+        "graph": graph,
+        "ops": ops,
+        "collectives": " ".join(f"{k} {v}" for k, v in counts.items()),
+    }
 
 
 def run(decode: list[int], prefill: list[int]):
     cfg = ModelConfig.from_dict(GLM)
     results = {}
-    for mode, sp in MODES.items():  # one layer at a time: on 2 GPUs each holds 128 experts, about 9.7 GB
+    for (
+        mode,
+        sp,
+    ) in MODES.items():  # one layer at a time: on 2 GPUs each holds 128 experts, about 9.7 GB
         layer = build_layer(cfg, sp, "cuda").eval()
         random_weights(layer)
         for num_tokens in decode + prefill:
@@ -142,8 +162,13 @@ def weight_gib() -> dict[str, float]:
         plan = build_layer_plan(cfg, parallel)
         total = sum(map(nbytes, vocab))
         for idx, count in ((0, 3), (3, layers - 3)):  # one dense, one MoE layer
-            with torch.device("meta"), _default_dtype(torch.bfloat16):  # dense expert weights, as Triton's
-                layer = DeepseekV32DecoderLayer(cfg, plan.layers[idx], TorchExperts, parallel.ep_backend)
+            with (
+                torch.device("meta"),
+                _default_dtype(torch.bfloat16),
+            ):  # dense expert weights, as Triton's
+                layer = DeepseekV32DecoderLayer(
+                    cfg, plan.layers[idx], TorchExperts, parallel.ep_backend
+                )
             total += count * nbytes(layer)
         out[label] = total / 2**30
     return out
@@ -152,12 +177,16 @@ def weight_gib() -> dict[str, float]:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1); TP x DP GPUs in all")
+    p.add_argument(
+        "--dp", type=int, default=1, help="data-parallel size (default 1); TP x DP GPUs in all"
+    )
     p.add_argument("--decode", type=int, nargs="*", default=DECODE)
     p.add_argument("--prefill", type=int, nargs="*", default=PREFILL)
     args = p.parse_args()
     layout = ParallelConfig(tensor_parallel_size=args.tp, data_parallel_size=args.dp)
-    results, memory = spawn(run, layout.world_size, args.decode, args.prefill, config=layout, device="cuda")[0]
+    results, memory = spawn(
+        run, layout.world_size, args.decode, args.prefill, config=layout, device="cuda"
+    )[0]
     auto = "on" if layout.use_sequence_parallel_moe else "off"
     print(
         f"GPU {torch.cuda.get_device_name()} x{layout.world_size}, torch {torch.__version__}, "
@@ -178,7 +207,9 @@ def main():
             f"{off['graph']:>10.3f} {on['graph']:>10.3f} {on['graph'] / off['graph']:>7.3f} {auto_vs_best:>9.3f}"
             f"   {off['ops']} / {on['ops']}, {off['collectives']} | {on['collectives']}"
         )
-    print(f"auto/best: auto's time over the better of on and off (graph times up to N={GRAPH_MAX}, then eager)")
+    print(
+        f"auto/best: auto's time over the better of on and off (graph times up to N={GRAPH_MAX}, then eager)"
+    )
     print("weight memory per rank, whole model (78 layers, no MTP), bf16:")
     for label, gib in memory.items():
         print(f"  {label:<18} {gib:8.2f} GiB  ({gib / memory['SP off']:.4f} x SP off)")

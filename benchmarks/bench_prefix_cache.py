@@ -90,7 +90,9 @@ class Workload:
 
     def scaled(self, factor: float) -> "Workload":
         size = lambda n: max(1, round(n * factor))  # noqa: E731
-        return replace(self, shared=size(self.shared), user=size(self.user), output=size(self.output))
+        return replace(
+            self, shared=size(self.shared), user=size(self.user), output=size(self.output)
+        )
 
     def smoke(self) -> "Workload":
         """A CPU-sized version: lengths / 16, at most 3 turns with 4-token replies."""
@@ -99,7 +101,9 @@ class Workload:
 
     def at(self, concurrency: int, min_conversations: int) -> "Workload":
         """`concurrency` conversations at once, max(`concurrency`, `min_conversations`) in all."""
-        return replace(self, concurrency=concurrency, conversations=max(concurrency, min_conversations))
+        return replace(
+            self, concurrency=concurrency, conversations=max(concurrency, min_conversations)
+        )
 
     @property
     def longest(self) -> int:
@@ -184,7 +188,9 @@ def run_workload(engine, work: Workload, vocab: int, seed: int | str) -> dict:
     }
 
 
-def throughput_at_ttft(curve: list[tuple[int, float, float]], target: float) -> tuple[float, str, bool] | None:
+def throughput_at_ttft(
+    curve: list[tuple[int, float, float]], target: float
+) -> tuple[float, str, bool] | None:
     """Caching on's requests/s at TTFT p50 `target` ms, from its levels `curve` [(level, TTFT p50 ms,
     requests/s)] in increasing level: take the highest level whose TTFT p50 is at or below `target`; if a level
     above it exists (its TTFT p50 is above `target`), interpolate linearly between the two at `target`, else
@@ -195,10 +201,18 @@ def throughput_at_ttft(curve: list[tuple[int, float, float]], target: float) -> 
         return None
     low, t0, x0 = curve[below[-1]]
     if below[-1] + 1 == len(curve):
-        return x0, f"its highest level, {low} at once, has TTFT p50 {t0:.1f} ms: a lower bound", True
+        return (
+            x0,
+            f"its highest level, {low} at once, has TTFT p50 {t0:.1f} ms: a lower bound",
+            True,
+        )
     high, t1, x1 = curve[below[-1] + 1]
     value = x0 + (x1 - x0) * (target - t0) / (t1 - t0)
-    return value, f"interpolated between {low} and {high} at once, TTFT p50 {t0:.1f} and {t1:.1f} ms", False
+    return (
+        value,
+        f"interpolated between {low} and {high} at once, TTFT p50 {t0:.1f} and {t1:.1f} ms",
+        False,
+    )
 
 
 def run(args) -> list[tuple[str, dict, dict]]:
@@ -209,9 +223,14 @@ def run(args) -> list[tuple[str, dict, dict]]:
 
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
     cfg = ModelConfig.from_dict({**glm_config(args.layers), **(TINY if args.tiny else {})})
-    model = build_model(cfg, ParallelConfig(tensor_parallel_size=1), False, set(), dtype, device).eval()
+    model = build_model(
+        cfg, ParallelConfig(tensor_parallel_size=1), False, set(), dtype, device
+    ).eval()
     random_weights(model)
-    caches = {caching: PagedKVCache.for_model(model, int(args.kv_cache_memory * 2**30)) for caching in (False, True)}
+    caches = {
+        caching: PagedKVCache.for_model(model, int(args.kv_cache_memory * 2**30))
+        for caching in (False, True)
+    }
     cache = caches[True]
     params = sum(p.numel() for p in model.parameters()) / 1e9
     print(
@@ -276,7 +295,15 @@ def run(args) -> list[tuple[str, dict, dict]]:
     return results
 
 
-COLUMNS = ("requests", "prompt tokens", "computed", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "requests/s")
+COLUMNS = (
+    "requests",
+    "prompt tokens",
+    "computed",
+    "hit rate",
+    "TTFT p50 ms",
+    "TTFT p90 ms",
+    "requests/s",
+)
 COLUMNS += ("output tok/s", "seconds", "compile steps")
 
 
@@ -291,14 +318,18 @@ def print_tables(results: dict, reference: int | None, min_conversations: int) -
             print(f"{'':>16}{'caching off':>14}{'caching on':>14}{'on / off':>10}")
             for key in off:
                 ratio = f"{on[key] / off[key]:>10.2f}" if off[key] else ""
-                fmt = ".1%" if key == "hit rate" else (".0f" if isinstance(off[key], int) else ".2f")
+                fmt = (
+                    ".1%" if key == "hit rate" else (".0f" if isinstance(off[key], int) else ".2f")
+                )
                 print(f"{key:>16}{off[key]:>14{fmt}}{on[key]:>14{fmt}}{ratio}")
             print(
                 f"repeat: second request's TTFT / first's (goal <= 10% with caching on): caching off "
                 f"{off['TTFT last ms'] / off['TTFT first ms']:.1%}, on {on['TTFT last ms'] / on['TTFT first ms']:.1%}"
             )
             continue
-        print(f"\n{name}: {work.describe()}; a level of n at once runs max(n, {min_conversations}) conversations")
+        print(
+            f"\n{name}: {work.describe()}; a level of n at once runs max(n, {min_conversations}) conversations"
+        )
         print(f"{'at once':>8}{'caching':>8}" + "".join(f"{key:>14}" for key in COLUMNS))
         for level in levels:
             for caching in (False, True):
@@ -315,7 +346,11 @@ def print_tables(results: dict, reference: int | None, min_conversations: int) -
         at = reference if reference in levels else levels[-2 if len(levels) > 1 else -1]
         off = results[name, at, False][1]
         curve = [
-            (level, results[name, level, True][1]["TTFT p50 ms"], results[name, level, True][1]["requests/s"])
+            (
+                level,
+                results[name, level, True][1]["TTFT p50 ms"],
+                results[name, level, True][1]["requests/s"],
+            )
             for level in levels
         ]
         found = throughput_at_ttft(curve, off["TTFT p50 ms"])
@@ -328,7 +363,9 @@ def print_tables(results: dict, reference: int | None, min_conversations: int) -
         else:
             value, how, lower_bound = found
             ratio = f"{'>= ' if lower_bound else ''}{value / off['requests/s']:.2f}x"
-            print(f"{head} ({how}): {'>= ' if lower_bound else ''}{value:.2f} requests/s -> {ratio} (goal >= 2x)")
+            print(
+                f"{head} ({how}): {'>= ' if lower_bound else ''}{value:.2f} requests/s -> {ratio} (goal >= 2x)"
+            )
 
 
 def main() -> None:
@@ -337,24 +374,41 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every token count")
     parser.add_argument(
-        "--concurrency", type=int, nargs="+", help="chat conversations at once (1 4 16 64; --tiny 1 2 4)"
+        "--concurrency",
+        type=int,
+        nargs="+",
+        help="chat conversations at once (1 4 16 64; --tiny 1 2 4)",
     )
-    parser.add_argument("--agent-concurrency", type=int, nargs="+", help="agents at once (1 4 16; --tiny 1 2 4)")
-    parser.add_argument("--min-conversations", type=int, default=4, help="conversations a level runs, at least")
     parser.add_argument(
-        "--reference", type=int, help="caching off's level for the equal-TTFT line (default: the second highest)"
+        "--agent-concurrency", type=int, nargs="+", help="agents at once (1 4 16; --tiny 1 2 4)"
+    )
+    parser.add_argument(
+        "--min-conversations", type=int, default=4, help="conversations a level runs, at least"
+    )
+    parser.add_argument(
+        "--reference",
+        type=int,
+        help="caching off's level for the equal-TTFT line (default: the second highest)",
     )
     parser.add_argument("--max-num-seqs", type=int, help="default: the highest level")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument(
-        "--max-model-len", type=int, help="positions a sequence may take (default: the run's longest sequence)"
+        "--max-model-len",
+        type=int,
+        help="positions a sequence may take (default: the run's longest sequence)",
     )
-    parser.add_argument("--kv-cache-memory", type=float, default=8.0, help="paged cache GiB per setting")
+    parser.add_argument(
+        "--kv-cache-memory", type=float, default=8.0, help="paged cache GiB per setting"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short workloads")
+    parser.add_argument(
+        "--tiny", action="store_true", help="CPU smoke run: a tiny model, short workloads"
+    )
     args = parser.parse_args()
     args.concurrency = sorted(set(args.concurrency or ([1, 2, 4] if args.tiny else [1, 4, 16, 64])))
-    args.agent_concurrency = sorted(set(args.agent_concurrency or ([1, 2, 4] if args.tiny else [1, 4, 16])))
+    args.agent_concurrency = sorted(
+        set(args.agent_concurrency or ([1, 2, 4] if args.tiny else [1, 4, 16]))
+    )
     levels = args.concurrency + args.agent_concurrency
     if min(levels) < 1 or args.min_conversations < 1:
         parser.error(

@@ -57,15 +57,26 @@ def compare_truncations(args) -> None:
     from spmoe.engine.top_k_top_p_triton import top_k_top_p_threshold
 
     print(f"top_k / top_p threshold, sort vs Triton kernel: ms per call, vocab {args.vocab}")
-    columns = ("setting", 22), ("batch", 6), ("threshold sort", 15), ("kernel", 8), ("x", 6), ("sample() sort", 14)
+    columns = (
+        ("setting", 22),
+        ("batch", 6),
+        ("threshold sort", 15),
+        ("kernel", 8),
+        ("x", 6),
+        ("sample() sort", 14),
+    )
     print(" ".join(f"{name:>{width}}" for name, width in columns + (("kernel", 8), ("x", 6))))
     for name, params in TRUNCATIONS.items():
         for batch in args.batch:
             logits = torch.randn(batch, args.vocab, device=args.device) * args.logit_scale
             top_k = torch.full((batch,), params.top_k, dtype=torch.int64, device=args.device)
             top_p = torch.full((batch,), params.top_p, device=args.device)
-            sort = cuda_ms(lambda: top_k_top_p_threshold_by_sort(logits, top_k, top_p), args.reps, warmup=2)
-            kernel = cuda_ms(lambda: top_k_top_p_threshold(logits, top_k, top_p), args.reps, warmup=2)
+            sort = cuda_ms(
+                lambda: top_k_top_p_threshold_by_sort(logits, top_k, top_p), args.reps, warmup=2
+            )
+            kernel = cuda_ms(
+                lambda: top_k_top_p_threshold(logits, top_k, top_p), args.reps, warmup=2
+            )
             fused.ENABLED = False
             sort_sample = sample_ms(params, logits, args.reps)
             fused.ENABLED = True
@@ -91,7 +102,9 @@ def compare_races(args) -> None:
         at = torch.arange(batch, device=args.device)
         keys = torch.tensor([seed_keys(seed) for seed in range(batch)], device=args.device)
         index = torch.full((batch,), 30, device=args.device)
-        torch_race = cuda_ms(lambda: draw_tokens_by_torch(logits, at, keys, index), args.reps, warmup=2)
+        torch_race = cuda_ms(
+            lambda: draw_tokens_by_torch(logits, at, keys, index), args.reps, warmup=2
+        )
         kernel = cuda_ms(lambda: seeded_race(logits, at, keys, index), args.reps, warmup=2)
         line = f"{batch:>6} {torch_race:>11.3f} {kernel:>8.3f} {torch_race / kernel:>5.1f}x"
         for params in RACES.values():
@@ -105,7 +118,9 @@ def compare_races(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -113,8 +128,12 @@ def main() -> None:
     parser.add_argument("--logit-scale", type=float, default=5.0, help="logits = Gaussian x this")
     args = parser.parse_args()
     if not args.device.startswith("cuda"):
-        raise SystemExit(f"bench_sampler: times CUDA calls; expected --device cuda, got {args.device}")
-    print(f"bench_sampler: {args.device}, vocab {args.vocab}, logit scale {args.logit_scale}; ms per sample() call")
+        raise SystemExit(
+            f"bench_sampler: times CUDA calls; expected --device cuda, got {args.device}"
+        )
+    print(
+        f"bench_sampler: {args.device}, vocab {args.vocab}, logit scale {args.logit_scale}; ms per sample() call"
+    )
     print(f"{'batch':>6}  " + "".join(f"{name:>46}" for name in SETTINGS))
     for batch in args.batch:
         logits = torch.randn(batch, args.vocab, device=args.device) * args.logit_scale

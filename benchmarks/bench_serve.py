@@ -53,17 +53,31 @@ class Result:
 
     @property
     def tpot_s(self) -> float | None:
-        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+        return (
+            (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+            if self.output_tokens > 1
+            else None
+        )
 
 
 SAMPLING = {
     "plain": {},
-    "processed": {"logprobs": 5, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+    "processed": {
+        "logprobs": 5,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.1,
+    },
 }
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int, sampling: str
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    sampling: str,
 ) -> Result:
     body = {
         "model": model,
@@ -79,7 +93,9 @@ async def one_request(
     ttft, usage = None, None
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
+            raise RuntimeError(
+                f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+            )
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -90,7 +106,9 @@ async def one_request(
                 ttft = time.perf_counter() - began
             usage = chunk.get("usage") or usage
     if usage is None:
-        raise RuntimeError("the stream had no usage chunk; expected one with stream_options.include_usage")
+        raise RuntimeError(
+            "the stream had no usage chunk; expected one with stream_options.include_usage"
+        )
     return Result(ttft, time.perf_counter() - began, usage["completion_tokens"])
 
 
@@ -153,7 +171,9 @@ def counted(delta: dict[str, float], after: dict[str, float]) -> str:
     """The level's columns from its counters' growth `delta` and their values `after` it: hit rate, MTP
     acceptance rate and mean accepted length, steps, share compiling, compiles after ready."""
     hit_rate = f"{delta['hits'] / delta['queries']:.1%}" if delta.get("queries") else "-"
-    accept = f"{delta['accepted'] / delta['draft_tokens']:.1%}" if delta.get("draft_tokens") else "-"
+    accept = (
+        f"{delta['accepted'] / delta['draft_tokens']:.1%}" if delta.get("draft_tokens") else "-"
+    )
     length = f"{1 + delta['accepted'] / delta['drafts']:.2f}" if delta.get("drafts") else "-"
     hit_rate = f"{hit_rate:>10}{accept:>8}{length:>8}"
     if "steps" not in delta:
@@ -168,14 +188,24 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--model", help="served model name (default: the server's first model)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64, 256])
-    parser.add_argument("--request-rate", type=float, nargs="*", default=[], help="Poisson arrival rates (req/s)")
-    parser.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, >= 8)")
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
-    parser.add_argument("--output-len", type=int, default=64, help="output tokens per request (default 64)")
+    parser.add_argument(
+        "--request-rate", type=float, nargs="*", default=[], help="Poisson arrival rates (req/s)"
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, help="requests per level (default: 4 x concurrency, >= 8)"
+    )
+    parser.add_argument(
+        "--input-len", type=int, default=128, help="prompt tokens per request (default 128)"
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=64, help="output tokens per request (default 64)"
+    )
     parser.add_argument(
         "--token-id-limit",
         type=int,
@@ -196,14 +226,18 @@ def main() -> None:
         default=1,
         help="with several --sampling settings: timed rounds per level, after an untimed warm-up (default 1)",
     )
-    parser.add_argument("--json", type=Path, help="also write every run's figures and the ratios there (JSON)")
+    parser.add_argument(
+        "--json", type=Path, help="also write every run's figures and the ratios there (JSON)"
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     base = args.base_url.rstrip("/")
     model = args.model or httpx.get(base + "/models").json()["data"][0]["id"]
     rng = random.Random(args.seed)
-    print(f"bench_serve: {base}, model {model!r}, {args.input_len} prompt tokens -> {args.output_len} output tokens")
+    print(
+        f"bench_serve: {base}, model {model!r}, {args.input_len} prompt tokens -> {args.output_len} output tokens"
+    )
     print(
         f"{'level':>12}{'sampling':>10}{'round':>8}{'requests':>9}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}"
         f"{'TTFT p99':>10}{'1st TTFT':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'hit rate':>10}{'accept':>8}{'length':>8}"
@@ -221,9 +255,16 @@ def main() -> None:
         # side by side: one untimed run of each setting first, then the settings in turn, round after round, the
         # order reversed every other round so that no setting always goes first
         order = [("warm-up", s) for s in args.sampling] if len(args.sampling) > 1 else []
-        order += [(str(r + 1), s) for r in range(args.rounds) for s in args.sampling[:: 1 if r % 2 == 0 else -1]]
+        order += [
+            (str(r + 1), s)
+            for r in range(args.rounds)
+            for s in args.sampling[:: 1 if r % 2 == 0 else -1]
+        ]
         for round_, sampling in order:
-            prompts = [[rng.randrange(args.token_id_limit) for _ in range(args.input_len)] for _ in range(count)]
+            prompts = [
+                [rng.randrange(args.token_id_limit) for _ in range(args.input_len)]
+                for _ in range(count)
+            ]
             before = server_counters(base)
             results, seconds = asyncio.run(
                 run_level(base, model, prompts, args.output_len, concurrency, arrivals, sampling)
@@ -246,7 +287,9 @@ def main() -> None:
                 first_ttft_ms=ttft[0],
                 tpot_p50_ms=statistics.median(tpot),
                 tpot_p99_ms=percentile(tpot, 99),
-                counters={k: after[k] - before[k] for k in after if k in before},  # what the level added
+                counters={
+                    k: after[k] - before[k] for k in after if k in before
+                },  # what the level added
             )
             runs.append(run)
             print(
@@ -259,7 +302,8 @@ def main() -> None:
             ratios.append(processed_over_plain(level, [r for r in runs if r["level"] == level]))
             ratio = ratios[-1]
             rounds = {
-                key: " ".join(f"{v:.3f}" for v in ratio[key + "_rounds"]) for key in ("out_tok_per_s", "tpot_p50")
+                key: " ".join(f"{v:.3f}" for v in ratio[key + "_rounds"])
+                for key in ("out_tok_per_s", "tpot_p50")
             }
             print(
                 f"{level:>12} processed / plain, median of {args.rounds} round(s): out tok/s "

@@ -50,7 +50,11 @@ from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 def write_checkpoint(folder: Path, experts: int, vocab_size: int, widths: str) -> None:
     """GLM-5.2's widths, or (`widths` "demo") the demo's small ones, for a model step cheap enough on the CPU
     that the front end's cost shows."""
-    base = glm_config(2) if widths == "glm" else DEMO_CONFIG | dict(num_hidden_layers=2, num_nextn_predict_layers=0)
+    base = (
+        glm_config(2)
+        if widths == "glm"
+        else DEMO_CONFIG | dict(num_hidden_layers=2, num_nextn_predict_layers=0)
+    )
     config = base | dict(
         mlp_layer_types=["dense", "sparse"],
         indexer_types=["full", "full"],
@@ -73,7 +77,9 @@ def widen_tokenizer(folder: Path, vocab_size: int) -> None:
     spec = json.loads(path.read_text())
     vocab = spec["model"]["vocab"]  # the byte-level characters of bytes 0-255 -> their ids
     byte_char = {b: c for c, b in vocab.items()}
-    for token in spec["added_tokens"]:  # in the model's vocabulary too, or they would be given new ids after it
+    for token in spec[
+        "added_tokens"
+    ]:  # in the model's vocabulary too, or they would be given new ids after it
         vocab[token["content"]] = token["id"]
     for i in range(len(vocab), vocab_size):
         vocab["".join(byte_char[b] for b in f" w{i}".encode())] = i
@@ -170,7 +176,9 @@ def run_serve(folder: Path, args, rest: list[str]) -> float:
         print(bench.stdout, end="", flush=True)
         runs = json.loads((folder / "bench_serve.json").read_text())["runs"]
         return statistics.median(
-            r["out_tok_per_s"] for r in runs if r["sampling"] == args.sampling[0] and r["round"] != "warm-up"
+            r["out_tok_per_s"]
+            for r in runs
+            if r["sampling"] == args.sampling[0] and r["round"] != "warm-up"
         )
     finally:
         server.terminate()
@@ -182,15 +190,21 @@ def run_serve(folder: Path, args, rest: list[str]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", type=Path, required=True, help="where the checkpoint is written (reused)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--folder", type=Path, required=True, help="where the checkpoint is written (reused)"
+    )
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=264, help="the checkpoint's vocabulary (default 264)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=264, help="the checkpoint's vocabulary (default 264)"
+    )
     parser.add_argument(
         "--widths",
         choices=["glm", "demo"],
@@ -198,10 +212,15 @@ def main() -> None:
         help="GLM-5.2's (default) or the demo's small widths (for the CPU: the front end's cost per token shows)",
     )
     parser.add_argument(
-        "--sampling", nargs="+", help="only serve, with these bench_serve --sampling settings side by side"
+        "--sampling",
+        nargs="+",
+        help="only serve, with these bench_serve --sampling settings side by side",
     )
     parser.add_argument(
-        "--rounds", type=int, default=1, help="bench_serve --rounds: timed rounds of the --sampling settings"
+        "--rounds",
+        type=int,
+        default=1,
+        help="bench_serve --rounds: timed rounds of the --sampling settings",
     )
     args, rest = parser.parse_known_args()
     rest = [a for a in rest if a != "--"]
@@ -212,7 +231,9 @@ def main() -> None:
     args.sampling = ["plain"]
     generated = run_generate(args.folder, args, rest)
     served = run_serve(args.folder, args, rest)
-    print(f"output tokens/s: generate {generated:.1f}, serve {served:.1f}, serve / generate {served / generated:.3f}")
+    print(
+        f"output tokens/s: generate {generated:.1f}, serve {served:.1f}, serve / generate {served / generated:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -61,23 +61,38 @@ HBM = 4.3e12
 REPS = 20
 SWEEP = [(h, k, w, 3) for h in (16, 32, 64) for k in (16, 32) for w in (4, 8)]
 # prefill: 64 heads x 512 float32 accumulators per program need 8+ warps at 64 heads per tile
-PREFILL_SWEEP = [(h, k, w, 2) for h in (16, 32, 64) for k in (16, 32, 64) for w in ((4, 8) if h < 64 else (8, 16))]
+PREFILL_SWEEP = [
+    (h, k, w, 2)
+    for h in (16, 32, 64)
+    for k in (16, 32, 64)
+    for w in ((4, 8) if h < 64 else (8, 16))
+]
 PREFILL_TOKENS, PREFILL_CONTEXT = 8192, 32768
 # the indexer's tiles (tokens per program, blocks per program, num_warps, num_stages) for a prefill of 8192 tokens
 INDEXER_SWEEP = [(t, b, w, 3) for t in (2, 4, 8) for b in (4, 16) for w in (4, 8)]
 # --indexer-grid's steps, as bench_decode_step's cases (`parse_case`)
 GRID_STEPS = ("32x1024", "31x1024,1x131071", "256x1024", "64x1024,1x0+256")
-GRID_WIDTHS = ["pow2", 131072, 1525184]  # a power of 2 of blocks covering the step, or a max_model_len
+GRID_WIDTHS = [
+    "pow2",
+    131072,
+    1525184,
+]  # a power of 2 of blocks covering the step, or a max_model_len
 
 
 def fill(cache: PagedKVCache, tokens: int) -> None:
     """Random rows 0 .. tokens - 1 of layer 0, written through the cache's own write path in chunks."""
     gen, chunk = torch.Generator(device="cuda").manual_seed(0), 1 << 14
-    for start in range(0, tokens, chunk):  # start is a multiple of BLOCK_SIZE: the chunk's blocks in order
+    for start in range(
+        0, tokens, chunk
+    ):  # start is a multiple of BLOCK_SIZE: the chunk's blocks in order
         n = min(chunk, tokens - start)
-        table = torch.arange(start // BLOCK_SIZE, -(-(start + n) // BLOCK_SIZE), dtype=torch.int32, device="cuda")
+        table = torch.arange(
+            start // BLOCK_SIZE, -(-(start + n) // BLOCK_SIZE), dtype=torch.int32, device="cuda"
+        )
         view = cache.decode_view(
-            table[None], torch.zeros(n, dtype=torch.long, device="cuda"), torch.arange(n, device="cuda")
+            table[None],
+            torch.zeros(n, dtype=torch.long, device="cuda"),
+            torch.arange(n, device="cuda"),
         )
         write_latent(
             view.layer(0),
@@ -85,7 +100,11 @@ def fill(cache: PagedKVCache, tokens: int) -> None:
             torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
             torch.randn(n, 64, device="cuda", generator=gen).bfloat16(),
         )
-        write_index_key(view.layer(0), view.slot_mapping, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
+        write_index_key(
+            view.layer(0),
+            view.slot_mapping,
+            torch.randn(n, 128, device="cuda", generator=gen).bfloat16(),
+        )
 
 
 def timed(fn) -> float | None:
@@ -104,7 +123,12 @@ def kernel_inputs(cfg: ModelConfig, kv_cache_dtype: str, context: int, batch: in
     blocks = -(-context // BLOCK_SIZE)
     probe = PagedKVCache(cfg, {0: True}, 10**7, torch.bfloat16, "cuda", kv_cache_dtype)
     cache = PagedKVCache(
-        cfg, {0: True}, batch * blocks * BLOCK_SIZE * probe.bytes_per_token, torch.bfloat16, "cuda", kv_cache_dtype
+        cfg,
+        {0: True},
+        batch * blocks * BLOCK_SIZE * probe.bytes_per_token,
+        torch.bfloat16,
+        "cuda",
+        kv_cache_dtype,
     )
     fill(cache, batch * blocks * BLOCK_SIZE)
     tables = torch.arange(batch * blocks, dtype=torch.int32, device="cuda").view(batch, blocks)
@@ -124,18 +148,33 @@ def kernel_inputs(cfg: ModelConfig, kv_cache_dtype: str, context: int, batch: in
 def run(cfg: ModelConfig, layer: MLAttention, kv_cache_dtype: str, context: int, batch: int) -> str:
     cache, view, q, weights, q_latent, q_rope = kernel_inputs(cfg, kv_cache_dtype, context, batch)
     rows_cache, positions = cache.layers[0], view.positions
-    keys_args = (q, weights, rows_cache, view.block_tables, view.seq_index, view.positions, BLOCK_SIZE)
+    keys_args = (
+        q,
+        weights,
+        rows_cache,
+        view.block_tables,
+        view.seq_index,
+        view.positions,
+        BLOCK_SIZE,
+    )
     keys = indexer_order_keys(*keys_args)
     selected = indexer_topk(*keys_args[:6], cfg.index_topk, BLOCK_SIZE)
     t_scores = timed(lambda: indexer_order_keys(*keys_args))
-    t_topk = timed(lambda: rows_of_best(keys, cfg.index_topk, view.block_tables, view.seq_index, BLOCK_SIZE))
+    t_topk = timed(
+        lambda: rows_of_best(keys, cfg.index_topk, view.block_tables, view.seq_index, BLOCK_SIZE)
+    )
     t_mla = timed(lambda: sparse_mla(q_latent, q_rope, rows_cache, selected, cfg.attention_scale))
     fp8 = kv_cache_dtype == "fp8"
     index_bytes = batch * context * (128 * (1 if fp8 else 2) + (4 if fp8 else 0))
     mla_bytes = batch * min(context, cfg.index_topk) * ((512 + 16 if fp8 else 1024) + 128)
     roofline = (index_bytes + mla_bytes) / HBM * 1e3 / (t_scores + t_topk + t_mla) * 100
 
-    x = torch.randn(batch, cfg.hidden_size, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    x = torch.randn(
+        batch,
+        cfg.hidden_size,
+        device="cuda",
+        generator=torch.Generator(device="cuda").manual_seed(2),
+    )
     x = x.bfloat16()
     rotary = Rotary(cfg, positions, torch.bfloat16)
     with torch.no_grad():
@@ -146,7 +185,9 @@ def run(cfg: ModelConfig, layer: MLAttention, kv_cache_dtype: str, context: int,
             try:
                 dense = KVCache(cfg, {0: True}, batch, context, torch.bfloat16, "cuda")
                 dense_view = dense.decode_view(torch.arange(batch, device="cuda"), positions)
-                t_dense = timed(lambda: layer(x, AttentionBatch(rotary, dense_view.allowed, dense_view), None))
+                t_dense = timed(
+                    lambda: layer(x, AttentionBatch(rotary, dense_view.allowed, dense_view), None)
+                )
                 del dense, dense_view
             except torch.OutOfMemoryError:
                 pass
@@ -166,7 +207,9 @@ def sweep(cfg: ModelConfig) -> None:
     print(f"{'cache':>5} {'batch':>5} " + " ".join(f"{f'{h}/{k}/{w}':>9}" for h, k, w, _ in SWEEP))
     for kv_cache_dtype in ("auto", "fp8"):
         for batch in (1, 8):
-            cache, view, q, weights, q_latent, q_rope = kernel_inputs(cfg, kv_cache_dtype, 32768, batch)
+            cache, view, q, weights, q_latent, q_rope = kernel_inputs(
+                cfg, kv_cache_dtype, 32768, batch
+            )
             selected = indexer_topk(
                 q,
                 weights,
@@ -180,7 +223,11 @@ def sweep(cfg: ModelConfig) -> None:
             times = []
             for tiles in SWEEP:
                 try:
-                    t = timed(lambda: triton_sparse_mla(q_latent, q_rope, cache.layers[0], selected, 0.1, tiles))
+                    t = timed(
+                        lambda: triton_sparse_mla(
+                            q_latent, q_rope, cache.layers[0], selected, 0.1, tiles
+                        )
+                    )
                     times.append(f"{t:>9.4f}")
                 except Exception as e:  # a config that does not compile (registers, shared memory)
                     times.append(f"{type(e).__name__[:9]:>9}")
@@ -209,10 +256,17 @@ def prefill_sweep(cfg: ModelConfig) -> None:
             for tiles in configs:
                 try:
                     t = cuda_ms(
-                        lambda: triton_sparse_mla(q_latent, q_rope, cache.layers[0], selected, 0.1, tiles), 5, warmup=1
+                        lambda: triton_sparse_mla(
+                            q_latent, q_rope, cache.layers[0], selected, 0.1, tiles
+                        ),
+                        5,
+                        warmup=1,
                     )
                 except Exception as e:  # a config that does not compile (registers, shared memory)
-                    print(f"{kv_cache_dtype:>5} {n:>6} {'/'.join(map(str, tiles)):>22} {type(e).__name__}", flush=True)
+                    print(
+                        f"{kv_cache_dtype:>5} {n:>6} {'/'.join(map(str, tiles)):>22} {type(e).__name__}",
+                        flush=True,
+                    )
                     continue
                 results[kv_cache_dtype, tiles] = t
                 print(
@@ -243,22 +297,40 @@ def indexer_prefill(cfg: ModelConfig, configs: list, fp8_best: int = 0) -> None:
     n = PREFILL_TOKENS
     flops = 2 * cfg.index_n_heads * cfg.index_head_dim * n * (n + 1) / 2
     print(f"indexer over a prefill: {n} tokens at positions 0 .. {n - 1} of one sequence")
-    print(f"{'cache':>5} {'tokens':>6} {'tiles tokens/blocks/warps/stages':>32} {'ms':>8} {'TFLOP/s':>8}")
+    print(
+        f"{'cache':>5} {'tokens':>6} {'tiles tokens/blocks/warps/stages':>32} {'ms':>8} {'TFLOP/s':>8}"
+    )
     results = {}
     for kv_cache_dtype in ("auto", "fp8"):
         cache, view, *_ = kernel_inputs(cfg, kv_cache_dtype, n, 1)
         view = cache.decode_view(
-            view.block_tables, torch.zeros(n, dtype=torch.long, device="cuda"), torch.arange(n, device="cuda")
+            view.block_tables,
+            torch.zeros(n, dtype=torch.long, device="cuda"),
+            torch.arange(n, device="cuda"),
         )
         gen = torch.Generator(device="cuda").manual_seed(4)
-        q = torch.randn(n, cfg.index_n_heads, cfg.index_head_dim, device="cuda", generator=gen).bfloat16()
+        q = torch.randn(
+            n, cfg.index_n_heads, cfg.index_head_dim, device="cuda", generator=gen
+        ).bfloat16()
         weights = torch.rand(n, cfg.index_n_heads, device="cuda", generator=gen)
         if kv_cache_dtype == "fp8":
             q, q_scale = quantize_index_vectors(q)
             weights = weights * q_scale.squeeze(-1)
-        args = (q, weights, cache.layers[0], view.block_tables, view.seq_index, view.positions, BLOCK_SIZE)
+        args = (
+            q,
+            weights,
+            cache.layers[0],
+            view.block_tables,
+            view.seq_index,
+            view.positions,
+            BLOCK_SIZE,
+        )
         bf16_times = sorted((t, tiles) for (dtype, tiles), t in results.items() if dtype == "auto")
-        for tiles in configs if kv_cache_dtype == "auto" or not fp8_best else [c for _, c in bf16_times[:fp8_best]]:
+        for tiles in (
+            configs
+            if kv_cache_dtype == "auto" or not fp8_best
+            else [c for _, c in bf16_times[:fp8_best]]
+        ):
             name = "/".join(map(str, tiles))
             try:
                 t = cuda_ms(lambda: indexer_order_keys(*args, tiles=tiles), 5, warmup=1)
@@ -266,7 +338,10 @@ def indexer_prefill(cfg: ModelConfig, configs: list, fp8_best: int = 0) -> None:
                 print(f"{kv_cache_dtype:>5} {n:>6} {name:>32} {type(e).__name__}", flush=True)
                 continue
             results[kv_cache_dtype, tiles] = t
-            print(f"{kv_cache_dtype:>5} {n:>6} {name:>32} {t:>8.3f} {flops / t / 1e9:>8.1f}", flush=True)
+            print(
+                f"{kv_cache_dtype:>5} {n:>6} {name:>32} {t:>8.3f} {flops / t / 1e9:>8.1f}",
+                flush=True,
+            )
         del cache, view, args
         torch.cuda.empty_cache()
     if fp8_best:
@@ -278,8 +353,12 @@ def indexer_prefill(cfg: ModelConfig, configs: list, fp8_best: int = 0) -> None:
 def indexer_grid(cfg: ModelConfig) -> None:
     """ms of `indexer_order_keys(fill_past=False)` for each of GRID_STEPS over tables of each of GRID_WIDTHS, per
     programs per token tile (see the module docstring), with the bf16 and the FP8 cache."""
-    print("indexer over tables padded to a width: ms (CUDA graph) per programs per token tile P, grid T x P")
-    print(f"{'cache':>5} {'step':>18} {'width:blocks':>13} {'per tile':>22} {'default':>22} {'fewest':>22}")
+    print(
+        "indexer over tables padded to a width: ms (CUDA graph) per programs per token tile P, grid T x P"
+    )
+    print(
+        f"{'cache':>5} {'step':>18} {'width:blocks':>13} {'per tile':>22} {'default':>22} {'fewest':>22}"
+    )
     used = lambda parts: sum(b * -(-(c + t) // BLOCK_SIZE) for b, c, t in parts)  # noqa: E731
     steps = {name: parse_case(name) for name in GRID_STEPS}
     most = max(used(parts) for parts in steps.values())
@@ -296,7 +375,9 @@ def indexer_grid(cfg: ModelConfig) -> None:
                     tables.append(list(range(first, first + blocks)))
                     first += blocks
             n = len(positions)
-            q = torch.randn(n, cfg.index_n_heads, cfg.index_head_dim, device="cuda", generator=gen).bfloat16()
+            q = torch.randn(
+                n, cfg.index_n_heads, cfg.index_head_dim, device="cuda", generator=gen
+            ).bfloat16()
             weights = torch.rand(n, cfg.index_n_heads, device="cuda", generator=gen)
             if kv_cache_dtype == "fp8":
                 q, q_scale = quantize_index_vectors(q)
@@ -304,8 +385,12 @@ def indexer_grid(cfg: ModelConfig) -> None:
             step = (torch.tensor(seq_index, device="cuda"), torch.tensor(positions, device="cuda"))
             for width in GRID_WIDTHS:
                 longest = max(len(t) for t in tables)
-                blocks = 1 << (longest - 1).bit_length() if width == "pow2" else -(-width // BLOCK_SIZE)
-                padded = torch.from_numpy(padded_tables(tables, len(tables), blocks, cache.scratch_block)).cuda()
+                blocks = (
+                    1 << (longest - 1).bit_length() if width == "pow2" else -(-width // BLOCK_SIZE)
+                )
+                padded = torch.from_numpy(
+                    padded_tables(tables, len(tables), blocks, cache.scratch_block)
+                ).cuda()
                 args = (q, weights, cache.layers[0], padded, *step, BLOCK_SIZE)
                 tokens, per_tile = indexer_tiles(n, blocks)[:2]
                 token_tiles, block_tiles = -(-n // tokens), -(-blocks // per_tile)
@@ -318,7 +403,8 @@ def indexer_grid(cfg: ModelConfig) -> None:
                     t = timed(lambda: indexer_order_keys(*args, fill_past=False, programs=programs))
                     cells.append(f"{'OOM' if t is None else f'{t:.4f}'} ({token_tiles}x{programs})")
                 print(
-                    f"{kv_cache_dtype:>5} {name:>18} {f'{width}:{blocks}':>13} " + " ".join(f"{c:>22}" for c in cells),
+                    f"{kv_cache_dtype:>5} {name:>18} {f'{width}:{blocks}':>13} "
+                    + " ".join(f"{c:>22}" for c in cells),
                     flush=True,
                 )
         del cache
@@ -329,7 +415,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--sweep", action="store_true", help="time the sparse MLA tile configs instead")
+    parser.add_argument(
+        "--sweep", action="store_true", help="time the sparse MLA tile configs instead"
+    )
     parser.add_argument(
         "--prefill-sweep",
         action="store_true",
@@ -352,7 +440,9 @@ def main():
     with torch.device("cuda"):
         layer = MLAttention(cfg, 0, 1, has_indexer=True).bfloat16()
     random_weights(layer)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per layer per decode step")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per layer per decode step"
+    )
     if args.sweep:
         return sweep(cfg)
     if args.prefill_sweep:

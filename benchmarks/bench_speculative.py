@@ -50,8 +50,12 @@ def agreeing_weights(model, residual_scale: float) -> None:
         vocab, hidden = model.cfg.vocab_size, model.cfg.hidden_size
         device, dtype = embed.weight.device, embed.weight.dtype
         gen = torch.Generator(device=device).manual_seed(zlib.crc32(b"embed"))
-        full = torch.empty(vocab, hidden, dtype=dtype, device=device).normal_(0, hidden**-0.5, generator=gen)
-        perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(zlib.crc32(b"perm"))).to(device)
+        full = torch.empty(vocab, hidden, dtype=dtype, device=device).normal_(
+            0, hidden**-0.5, generator=gen
+        )
+        perm = torch.randperm(
+            vocab, generator=torch.Generator().manual_seed(zlib.crc32(b"perm"))
+        ).to(device)
         embed.weight.copy_(full[embed.start : embed.start + embed.weight.shape[0]])
         head.weight.copy_(full[perm[head.start : head.start + head.weight.shape[0]]])
         del full
@@ -80,9 +84,13 @@ def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: boo
         enable_prefix_caching=False,
     )
     gen = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+    prompts = torch.randint(
+        0, model.cfg.vocab_size, (batch, args.prompt_len), generator=gen
+    ).tolist()
     sampling = SamplingParams(temperature=temperature, seed=1)
-    engine.generate(prompts, args.new_tokens, sampling)  # untimed, as long as the timed run: compiles, captures
+    engine.generate(
+        prompts, args.new_tokens, sampling
+    )  # untimed, as long as the timed run: compiles, captures
     stats = engine.generate(prompts, args.new_tokens, sampling).stats
     spec = stats.get("speculative", {})
     target, drafter = stats["phases"]["decode"], stats["phases"]["draft"]
@@ -90,8 +98,12 @@ def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: boo
     torch.cuda.empty_cache()
     return {
         "tok_s": stats["decode_tokens_per_s"],
-        "target_ms": 1e3 * target["seconds"] / max(target["forwards"], 1),  # one decode (verification) step
-        "draft_ms": 1e3 * drafter["seconds"] * k / max(drafter["forwards"], 1) if k else None,  # k MTP forwards
+        "target_ms": 1e3
+        * target["seconds"]
+        / max(target["forwards"], 1),  # one decode (verification) step
+        "draft_ms": 1e3 * drafter["seconds"] * k / max(drafter["forwards"], 1)
+        if k
+        else None,  # k MTP forwards
         "accept": spec.get("acceptance_rate"),
         "length": spec.get("mean_accepted_length"),
     }
@@ -101,7 +113,12 @@ def model_config(args) -> ModelConfig:
     """GLM-5.2 widths, `--layers` layers, `--experts` routed experts, `--vocab` tokens, one MTP layer."""
     raw = glm_config(args.layers)
     return ModelConfig.from_dict(
-        {**raw, "n_routed_experts": args.experts, "vocab_size": args.vocab, "num_nextn_predict_layers": 1}
+        {
+            **raw,
+            "n_routed_experts": args.experts,
+            "vocab_size": args.vocab,
+            "num_nextn_predict_layers": 1,
+        }
     )
 
 
@@ -116,7 +133,9 @@ def run(args) -> list[tuple] | None:
 
     state = get_parallel_state()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = random_model(model_config(args), parallel_config(args), dtype, state.device, with_mtp=True)
+    model = random_model(
+        model_config(args), parallel_config(args), dtype, state.device, with_mtp=True
+    )
     agreeing_weights(model, args.residual_scale)
     rows = []
     modes = ("eager", "graphs") if args.device == "cuda" else ("eager",)  # graphs: CUDA only
@@ -129,20 +148,36 @@ def run(args) -> list[tuple] | None:
                     plain = plain or got
                     rows.append((temperature, batch, mode, k, got, plain))
                     if state.rank == 0:
-                        print(f"T={temperature} batch {batch} {mode} k={k}: {got['tok_s']:.1f} tokens/s", flush=True)
+                        print(
+                            f"T={temperature} batch {batch} {mode} k={k}: {got['tok_s']:.1f} tokens/s",
+                            flush=True,
+                        )
     return rows if state.rank == 0 else None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, default=1, help="ranks (one GPU each): TP attention, experts split over them")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="ranks (one GPU each): TP attention, experts split over them",
+    )
     parser.add_argument("--sp", choices=SP_MODES, default="auto", help="sequence-parallel MoE")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=64, help="routed experts per MoE layer (GLM-5.2: 256)")
+    parser.add_argument(
+        "--experts", type=int, default=64, help="routed experts per MoE layer (GLM-5.2: 256)"
+    )
     parser.add_argument("--vocab", type=int, default=32768, help="vocab size (GLM-5.2: 154880)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 3], help="k values besides 0")
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy")
+    parser.add_argument(
+        "--drafts", type=int, nargs="+", default=[1, 2, 3], help="k values besides 0"
+    )
+    parser.add_argument(
+        "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy"
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--residual-scale", type=float, default=0.05)
@@ -152,7 +187,10 @@ def main() -> None:
         help="GiB for the paged cache (default: 8 on CUDA, on the CPU room for the batch)",
     )
     parser.add_argument(
-        "--device", choices=("cuda", "cpu"), default="cuda", help="cuda (bf16), or cpu (float32) to check the script"
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (bf16), or cpu (float32) to check the script",
     )
     args = parser.parse_args()
     if args.kv_cache_memory is None and args.device == "cuda":

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for the oracle tests' helper
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the repository root, for the oracle tests' helper
 from tests.models.deepseek_v32.conftest import make_nontrivial  # noqa: E402
 
 CONFIG = dict(
@@ -83,12 +85,16 @@ class PeakMemory:
                     try:
                         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                             if line.startswith("VmHWM:"):
-                                self.peaks[int(pid)] = max(self.peaks.get(int(pid), 0), int(line.split()[1]) * 1024)
+                                self.peaks[int(pid)] = max(
+                                    self.peaks.get(int(pid), 0), int(line.split()[1]) * 1024
+                                )
                     except OSError:  # the child has exited
                         pass
 
 
-def generate(folder: Path, prompt: list[int], args, work: Path) -> tuple[list[int], dict, dict[int, int], float]:
+def generate(
+    folder: Path, prompt: list[int], args, work: Path
+) -> tuple[list[int], dict, dict[int, int], float]:
     from spmoe.entrypoints.cli import main
 
     ids, out = work / "ids.json", work / "out.json"

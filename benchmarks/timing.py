@@ -63,7 +63,10 @@ def layer_ops(layers, step) -> tuple[list[dict[str, tuple[int, float]]], object]
     call of `step`, then each layer runs alone on them under the profiler (at TP 1 a layer changes none of its
     inputs; it rewrites the same cache rows). Returns what `step` returned too: (per-layer ops, step's result)."""
     calls = []
-    hooks = [layer.register_forward_hook(lambda m, args, _out: calls.append((m, args))) for layer in layers]
+    hooks = [
+        layer.register_forward_hook(lambda m, args, _out: calls.append((m, args)))
+        for layer in layers
+    ]
     try:
         result = step()
     finally:

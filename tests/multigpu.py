@@ -10,7 +10,9 @@ from spmoe.distributed import destroy_distributed, init_distributed, spawn
 
 def requires_gpus(count: int):
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return pytest.mark.skipif(have < count, reason=f"needs {count} CUDA GPUs, this machine has {have}")
+    return pytest.mark.skipif(
+        have < count, reason=f"needs {count} CUDA GPUs, this machine has {have}"
+    )
 
 
 def kernel_devices() -> list:
@@ -21,7 +23,10 @@ def kernel_devices() -> list:
     interpreted = TRITON_INSTALLED and os.environ.get("TRITON_INTERPRET") == "1"
     return [
         pytest.param("cuda", marks=requires_gpus(1)),
-        pytest.param("cpu", marks=pytest.mark.skipif(not interpreted, reason="needs triton and TRITON_INTERPRET=1")),
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(not interpreted, reason="needs triton and TRITON_INTERPRET=1"),
+        ),
     ]
 
 

@@ -26,7 +26,8 @@ def imports(path: Path) -> set[str]:
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found |= {
-                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module for a in node.names
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                for a in node.names
             }
     return {name for name in found if name in MODULES}
 
@@ -83,7 +84,10 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_upward_imports_are_found():
-    graph = {"spmoe.layers.a": {"spmoe.engine.b", "spmoe.config.c"}, "spmoe.engine.b": {"spmoe.layers.a"}}
+    graph = {
+        "spmoe.layers.a": {"spmoe.engine.b", "spmoe.config.c"},
+        "spmoe.engine.b": {"spmoe.layers.a"},
+    }
     assert upward_imports(graph) == ["spmoe.layers.a -> spmoe.engine.b"]
 
 
@@ -98,7 +102,9 @@ def test_no_upward_import():
 
 def uses_torch_distributed(path: Path) -> bool:
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
+        if isinstance(node, ast.Import) and any(
+            a.name.startswith("torch.distributed") for a in node.names
+        ):
             return True
         if (
             isinstance(node, ast.ImportFrom)

@@ -39,15 +39,21 @@ class ModelConfig:
     index_head_dim: int
     rms_norm_eps: float
     mlp_layer_types: tuple[str, ...]  # "dense" or "sparse" per layer
-    indexer_types: tuple[str, ...]  # "full" (runs the indexer) or "shared" (reuses the previous top-k)
+    indexer_types: tuple[
+        str, ...
+    ]  # "full" (runs the indexer) or "shared" (reuses the previous top-k)
     rope_theta: float
     rope_type: str  # "default" or "yarn"
-    rope_scaling: tuple  # yarn: (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
+    rope_scaling: (
+        tuple  # yarn: (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
+    )
     #                             mscale_all_dim, truncate); empty for default
     num_nextn_predict_layers: int
     fp8_block_size: tuple[int, int] | None  # FP8 e4m3 checkpoint with one scale per block, or None
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these
-    max_position_embeddings: int | None = None  # the longest sequence the model takes; None: not stated
+    max_position_embeddings: int | None = (
+        None  # the longest sequence the model takes; None: not stated
+    )
     # FP8 checkpoints: the suffix of a weight's block scales (DeepSeek / GLM `weight_scale_inv`, compressed-tensors
     # `weight_scale`; both multiply the stored values), and the modules the quantization config leaves unquantised
     # (regexes matched from the start of the module name: `modules_to_not_convert` / `ignore`)
@@ -99,7 +105,9 @@ class ModelConfig:
             ("vocab_size", self.vocab_size, t, "tensor_parallel_size"),
             ("n_routed_experts", self.n_routed_experts, ep, "the expert-parallel size"),
         ]
-        if not parallel.use_sequence_parallel_moe or parallel.sp_scope == "moe":  # TP-sharded dense MLPs
+        if (
+            not parallel.use_sequence_parallel_moe or parallel.sp_scope == "moe"
+        ):  # TP-sharded dense MLPs
             splits.append(("intermediate_size", self.intermediate_size, t, "tensor_parallel_size"))
         if not parallel.use_sequence_parallel_moe:  # TP-sharded shared experts
             splits.append(
@@ -123,7 +131,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
         if not isinstance(raw, dict):
-            raise ValueError(f"a model config must be a JSON object, got a {type(raw).__name__}: {str(raw)[:40]}")
+            raise ValueError(
+                f"a model config must be a JSON object, got a {type(raw).__name__}: {str(raw)[:40]}"
+            )
         try:
             return cls._from_dict(raw)
         except KeyError as e:
@@ -147,7 +157,9 @@ class ModelConfig:
                 f"{raw['num_key_value_heads']} and {raw['num_attention_heads']}"
             )
         if raw.get("q_lora_rank") is None:
-            raise ValueError("q_lora_rank must be set (the DSA indexer reads the q latent); got None")
+            raise ValueError(
+                "q_lora_rank must be set (the DSA indexer reads the q latent); got None"
+            )
         layers = raw["num_hidden_layers"]
         mlp_types = raw.get("mlp_layer_types") or _mlp_types_from_schedule(raw, layers)
         indexer_types = raw.get("indexer_types") or ["full"] * layers
@@ -156,9 +168,13 @@ class ModelConfig:
             ("indexer_types", indexer_types, ("full", "shared")),
         ):
             if len(values) != layers or any(v not in allowed for v in values):
-                raise ValueError(f"{name} must list one of {allowed} for each of the {layers} layers, got {values}")
+                raise ValueError(
+                    f"{name} must list one of {allowed} for each of the {layers} layers, got {values}"
+                )
         if indexer_types[0] != "full":
-            raise ValueError("indexer_types[0] must be 'full': a 'shared' layer reuses the top-k of an earlier one")
+            raise ValueError(
+                "indexer_types[0] must be 'full': a 'shared' layer reuses the top-k of an earlier one"
+            )
         rope_type, rope_theta, rope_scaling = _rope(raw)
         n_group, topk_group = raw.get("n_group") or 1, raw.get("topk_group") or 1
         experts = raw["n_routed_experts"]
@@ -257,10 +273,18 @@ def _check_types(raw: dict) -> None:
         value = raw[name] if name in REQUIRED_FLOATS else raw.get(name)
         if value is None and name in OPTIONAL_FLOATS:
             continue
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise ValueError(f"config field {name} must be a finite number, got {value!r} ({type(value).__name__})")
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+        ):
+            raise ValueError(
+                f"config field {name} must be a finite number, got {value!r} ({type(value).__name__})"
+            )
     if not isinstance(raw["norm_topk_prob"], bool):
-        raise ValueError(f"config field norm_topk_prob must be true or false, got {raw['norm_topk_prob']!r}")
+        raise ValueError(
+            f"config field norm_topk_prob must be true or false, got {raw['norm_topk_prob']!r}"
+        )
 
 
 def _require(raw: dict, key: str, supported) -> None:
@@ -270,11 +294,15 @@ def _require(raw: dict, key: str, supported) -> None:
 
 def _eos(value, vocab_size: int) -> tuple[int, ...]:
     ids = [] if value is None else [value] if isinstance(value, int) else value
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in ids
+    ):
         raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
     outside = [i for i in ids if not 0 <= i < vocab_size]
     if outside:
-        raise ValueError(f"eos_token_id {outside[0]} is not a token id: expected an int in [0, {vocab_size})")
+        raise ValueError(
+            f"eos_token_id {outside[0]} is not a token id: expected an int in [0, {vocab_size})"
+        )
     return tuple(ids)
 
 
@@ -293,7 +321,9 @@ def _rope(raw: dict) -> tuple[str, float, tuple]:
     if rope_type != "yarn":
         raise ValueError(f"rope_type {rope_type!r} is not supported; expected 'default' or 'yarn'")
     if params.get("attention_factor") is not None:
-        raise ValueError("yarn attention_factor is not supported; expected it derived from mscale / mscale_all_dim")
+        raise ValueError(
+            "yarn attention_factor is not supported; expected it derived from mscale / mscale_all_dim"
+        )
     return (
         "yarn",
         float(theta),
@@ -318,13 +348,19 @@ def _quantization(q: dict | None) -> dict:
         return {"fp8_block_size": None}
     if q.get("quant_method") == "compressed-tensors":
         return _compressed_tensors(q)
-    if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not q.get("weight_block_size"):
+    if (
+        q.get("quant_method") != "fp8"
+        or q.get("fmt", "e4m3") != "e4m3"
+        or not q.get("weight_block_size")
+    ):
         raise ValueError(
             f"quantization_config {q} is not supported; expected fp8 e4m3 with weight_block_size, or "
             f"compressed-tensors FP8 block"
         )
     if q.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(f"activation_scheme {q['activation_scheme']!r} is not supported; expected 'dynamic'")
+        raise ValueError(
+            f"activation_scheme {q['activation_scheme']!r} is not supported; expected 'dynamic'"
+        )
     block = tuple(q["weight_block_size"])
     if len(block) != 2:
         raise ValueError(f"weight_block_size must have two entries, got {block}")
@@ -356,27 +392,43 @@ def read_config(path: str | Path, overrides: dict | None = None) -> dict:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"a model config must be a JSON object, got a {type(raw).__name__}: {str(raw)[:40]}")
+        raise ValueError(
+            f"a model config must be a JSON object, got a {type(raw).__name__}: {str(raw)[:40]}"
+        )
     return merge_overrides(raw, overrides or {})
 
 
 def _compressed_tensors(q: dict) -> dict:
     groups = list((q.get("config_groups") or {}).values())
     if len(groups) != 1:
-        raise ValueError(f"compressed-tensors: expected one config group (FP8 block), got {len(groups)}")
+        raise ValueError(
+            f"compressed-tensors: expected one config group (FP8 block), got {len(groups)}"
+        )
     weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations") or {}
     block = tuple(weights.get("block_structure") or ())
-    fp8_weights = weights.get("type") == "float" and weights.get("num_bits") == 8 and weights.get("strategy") == "block"
+    fp8_weights = (
+        weights.get("type") == "float"
+        and weights.get("num_bits") == 8
+        and weights.get("strategy") == "block"
+    )
     if not fp8_weights or len(block) != 2 or weights.get("dynamic"):
         raise ValueError(
             f"compressed-tensors weights {weights} are not supported; expected static FP8 (type float, 8 bits) with "
             f"strategy block and a two-entry block_structure"
         )
-    if acts and (acts.get("type") != "float" or acts.get("num_bits") != 8 or not acts.get("dynamic")):
-        raise ValueError(f"compressed-tensors input_activations {acts} are not supported; expected dynamic FP8")
+    if acts and (
+        acts.get("type") != "float" or acts.get("num_bits") != 8 or not acts.get("dynamic")
+    ):
+        raise ValueError(
+            f"compressed-tensors input_activations {acts} are not supported; expected dynamic FP8"
+        )
     if q.get("format", "float-quantized") != "float-quantized":
-        raise ValueError(f"compressed-tensors format {q['format']!r} is not supported; expected 'float-quantized'")
-    ignored = tuple(p[3:] if p.startswith("re:") else re.escape(p) + "$" for p in q.get("ignore") or ())
+        raise ValueError(
+            f"compressed-tensors format {q['format']!r} is not supported; expected 'float-quantized'"
+        )
+    ignored = tuple(
+        p[3:] if p.startswith("re:") else re.escape(p) + "$" for p in q.get("ignore") or ()
+    )
     return {
         "fp8_block_size": block,
         "fp8_scale_suffix": "weight_scale",

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 SP_MODES = ("auto", "on", "off")
 SP_SCOPES = ("moe", "all")
 EP_BACKENDS = ("allgather_reducescatter", "all_to_all")
-MOE_BACKENDS = ("auto", "torch", "triton", "flashinfer_trtllm")  # see spmoe/layers/moe/experts/selection.py
+MOE_BACKENDS = (
+    "auto",
+    "torch",
+    "triton",
+    "flashinfer_trtllm",
+)  # see spmoe/layers/moe/experts/selection.py
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,9 @@ class ParallelConfig:
     enable_expert_parallel: bool = True
     sp: str = "auto"  # one of SP_MODES
     sp_scope: str = "moe"  # one of SP_SCOPES: only MoE layers are SP, or every layer
-    ep_backend: str = "allgather_reducescatter"  # one of EP_BACKENDS: how SP layers dispatch to experts
+    ep_backend: str = (
+        "allgather_reducescatter"  # one of EP_BACKENDS: how SP layers dispatch to experts
+    )
     moe_backend: str = "auto"  # one of MOE_BACKENDS: the expert kernels
 
     def __post_init__(self):

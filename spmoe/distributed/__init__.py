@@ -2,7 +2,12 @@
 and the communicator that applies it."""
 
 from spmoe.distributed.comm import CommStats, count_collectives
-from spmoe.distributed.groups import ParallelState, destroy_distributed, get_parallel_state, init_distributed
+from spmoe.distributed.groups import (
+    ParallelState,
+    destroy_distributed,
+    get_parallel_state,
+    init_distributed,
+)
 from spmoe.distributed.launcher import RankFailed, Stopped, launch, spawn
 from spmoe.distributed.layout import (
     Layout,

@@ -83,7 +83,11 @@ def disable_one_shot() -> None:
 def _one_shot(kind: str, x: torch.Tensor, group):
     """The group's one-shot kernels if they should take this call, else None (NCCL)."""
     one_shot = _ONE_SHOT.get(group)
-    return one_shot if one_shot is not None and one_shot.fits(kind, x, ONE_SHOT_MAX_BYTES[kind]) else None
+    return (
+        one_shot
+        if one_shot is not None and one_shot.fits(kind, x, ONE_SHOT_MAX_BYTES[kind])
+        else None
+    )
 
 
 @contextmanager
@@ -128,12 +132,21 @@ def one_shot_add_rms_norm(
     nothing run, where the group has no one-shot kernels or the call does not fit them. Counted as the
     collective alone would be (reduce-scatter and all-gather: the `[n * t, H]` padded rows)."""
     one_shot = _ONE_SHOT.get(group)
-    if one_shot is None or x.dim() != 2 or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+    if (
+        one_shot is None
+        or x.dim() != 2
+        or not x.is_cuda
+        or x.dtype not in (torch.bfloat16, torch.float16)
+    ):
         return None
     row_bytes = x.shape[1] * x.element_size()
     if one_shot.world * one_shot.norm_rows(kind, num_tokens) * row_bytes > ONE_SHOT_MAX_BYTES[kind]:
         return None  # the buffer bytes per rank, as `OneShot.buffer_bytes` counts them for the collective alone
-    counted = num_tokens if kind == "all_reduce" else one_shot.norm_rows(kind, num_tokens) * one_shot.world
+    counted = (
+        num_tokens
+        if kind == "all_reduce"
+        else one_shot.norm_rows(kind, num_tokens) * one_shot.world
+    )
     _record_bytes(kind, counted * row_bytes)
     return one_shot.add_rms_norm(kind, x, residual, norm.weight, norm.eps, num_tokens)
 
@@ -153,7 +166,9 @@ def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
     """`[m * world, ...]` partial sums -> `[m, ...]`: this rank's block of the sum."""
     world = dist.get_world_size(group)
     if x.shape[0] % world:
-        raise ValueError(f"reduce_scatter_rows needs rows divisible by the group size {world}, got {tuple(x.shape)}")
+        raise ValueError(
+            f"reduce_scatter_rows needs rows divisible by the group size {world}, got {tuple(x.shape)}"
+        )
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     _record("reduce_scatter", x)
     one_shot = _one_shot("reduce_scatter", x, group)
@@ -163,7 +178,9 @@ def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+def all_to_all_rows(
+    x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group
+) -> torch.Tensor:
     """Send `send_counts[j]` consecutive rows of `x` to rank j; receive `recv_counts[i]` rows from rank i."""
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     _record("all_to_all", x)

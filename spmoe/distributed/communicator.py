@@ -50,7 +50,9 @@ def fused_allreduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor | Non
     """
     state = get_parallel_state()
     if state.tp_size > 1:
-        fused = one_shot_add_rms_norm("all_reduce", partial, residual, norm, partial.shape[0], state.tp_group)
+        fused = one_shot_add_rms_norm(
+            "all_reduce", partial, residual, norm, partial.shape[0], state.tp_group
+        )
         if fused is not None:
             return fused
         partial = all_reduce(partial, state.tp_group)
@@ -74,7 +76,9 @@ def shard_like(full: torch.Tensor, layout: Layout) -> torch.Tensor:
     return sp_shard(full) if layout is Layout.SHARDED else full
 
 
-def final_norm(hidden: torch.Tensor, residual: torch.Tensor, norm, layout: Layout, num_tokens: int) -> torch.Tensor:
+def final_norm(
+    hidden: torch.Tensor, residual: torch.Tensor, norm, layout: Layout, num_tokens: int
+) -> torch.Tensor:
     """The last layer's (output, residual) in `layout` -> FULL `[N, H]` normed rows.
 
     SHARDED: the output is complete, so add-norm on the shard and gather H columns (not 2H). PARTIAL: reduce
@@ -90,9 +94,13 @@ class ExpertRows:
     """What one MoE call needs to know about its rows, from the layer plan and this step."""
 
     valid: int  # the real rows of the input; the rest are SP pad rows, which get no experts
-    group: dist.ProcessGroup | None  # the EP process group to dispatch over; None: run this rank's experts on every row
+    group: (
+        dist.ProcessGroup | None
+    )  # the EP process group to dispatch over; None: run this rank's experts on every row
     rows_max: int  # the largest row count over the EP group: every rank pads its block to it
-    keep_output: bool  # False: a TP peer keeps the same complete routed output, this rank contributes zero
+    keep_output: (
+        bool  # False: a TP peer keeps the same complete routed output, this rank contributes zero
+    )
 
 
 class LayerCommunicator:
@@ -108,7 +116,9 @@ class LayerCommunicator:
         """(hidden, residual) in `plan.input` -> (normed FULL `[N, H]` attention input, residual)."""
         plan, t = self.plan, get_parallel_state().tp_size
         rows = shard_rows(num_tokens, t) if plan.input is Layout.SHARDED else num_tokens
-        check_rows(hidden, rows, f"layer {plan.layer_idx} input ({plan.input.name}, N={num_tokens})")
+        check_rows(
+            hidden, rows, f"layer {plan.layer_idx} input ({plan.input.name}, N={num_tokens})"
+        )
         if plan.input is Layout.PARTIAL:
             return fused_allreduce_rms_norm(hidden, residual, norm)
         if self.residual_sharded:
@@ -124,7 +134,9 @@ class LayerCommunicator:
         )
         return norm.add_norm(hidden, residual)
 
-    def before_mlp(self, attn: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    def before_mlp(
+        self, attn: torch.Tensor, residual: torch.Tensor, norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention's PARTIAL `[N, H]` + residual -> (normed MLP input, residual), both in `plan.mlp_input`."""
         if not self.plan.use_sequence_parallel_moe:
             return fused_allreduce_rms_norm(attn, residual, norm)
@@ -135,7 +147,9 @@ class LayerCommunicator:
         )
         if fused is not None:
             return fused
-        return norm.add_norm(sp_reduce_scatter(attn), residual)  # the reduce-scatter leaves [n, H], complete
+        return norm.add_norm(
+            sp_reduce_scatter(attn), residual
+        )  # the reduce-scatter leaves [n, H], complete
 
     def expert_rows(self, num_tokens: int, max_tokens: int) -> ExpertRows:
         """num_tokens: this DP rank's N; max_tokens: the largest N over the DP ranks (`largest_dp_batch`)."""
@@ -144,6 +158,8 @@ class LayerCommunicator:
             n = shard_rows(num_tokens, state.tp_size)
             valid = min(n, max(0, num_tokens - state.tp_rank * n))  # pad rows sit at the tail
             return ExpertRows(valid, state.ep_group, shard_rows(max_tokens, state.tp_size), True)
-        if moe is Layout.FULL:  # every TP rank gets the same complete rows back; one keeps them -> PARTIAL
+        if (
+            moe is Layout.FULL
+        ):  # every TP rank gets the same complete rows back; one keeps them -> PARTIAL
             return ExpertRows(num_tokens, state.ep_group, max_tokens, state.tp_rank == 0)
         return ExpertRows(num_tokens, None, num_tokens, True)

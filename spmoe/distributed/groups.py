@@ -33,7 +33,9 @@ class ParallelState:
     tp_group: dist.ProcessGroup
     ep_group: dist.ProcessGroup
     control_group: dist.ProcessGroup  # gloo, every rank: host objects only
-    tp_control_group: dist.ProcessGroup  # gloo, this rank's DP group's ranks (the control group without DP)
+    tp_control_group: (
+        dist.ProcessGroup
+    )  # gloo, this rank's DP group's ranks (the control group without DP)
 
     @property
     def tp_size(self) -> int:
@@ -72,8 +74,12 @@ def init_distributed(
     """
     global _STATE
     if _STATE is not None:
-        raise RuntimeError("init_distributed() was already called in this process; call destroy_distributed() first")
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        raise RuntimeError(
+            "init_distributed() was already called in this process; call destroy_distributed() first"
+        )
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
     if missing:
         raise RuntimeError(f"init_distributed() needs the torchrun environment; missing {missing}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -123,7 +129,9 @@ def init_distributed(
         tp_control_group=tp_control_group,
     )
     if backend == "nccl":
-        groups = [("TP", tp_group)] + ([("EP", dist.group.WORLD)] if tp_group is not dist.group.WORLD else [])
+        groups = [("TP", tp_group)] + (
+            [("EP", dist.group.WORLD)] if tp_group is not dist.group.WORLD else []
+        )
         for name, group in groups:
             reason = enable_one_shot(group, dev) if dist.get_world_size(group) > 1 else None
             if reason and rank == 0:
@@ -144,8 +152,12 @@ def _loopback_store(rank: int, world: int, timeout_s: float) -> dist.TCPStore | 
     timeout = timedelta(seconds=timeout_s)
     if rank != 0:
         return dist.TCPStore(host, port, world, False, timeout)
-    listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-    return dist.TCPStore(host, port, world, True, timeout, master_listen_fd=listener.detach())  # the store owns it
+    listener = socket.create_server(
+        (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+    )
+    return dist.TCPStore(
+        host, port, world, True, timeout, master_listen_fd=listener.detach()
+    )  # the store owns it
 
 
 def _is_loopback(host: str) -> bool:
@@ -157,7 +169,9 @@ def _is_loopback(host: str) -> bool:
 
 def get_parallel_state() -> ParallelState:
     if _STATE is None:
-        raise RuntimeError("distributed state is not initialised; call spmoe.distributed.init_distributed() first")
+        raise RuntimeError(
+            "distributed state is not initialised; call spmoe.distributed.init_distributed() first"
+        )
     return _STATE
 
 

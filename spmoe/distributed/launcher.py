@@ -62,7 +62,9 @@ def free_port() -> int:
 
 def _die_with_parent(parent_pid: int) -> None:
     """In a rank: be killed when the parent dies, by the kernel (Linux) and by a watchdog thread."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent turns a Ctrl-C into killing every rank
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # the parent turns a Ctrl-C into killing every rank
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -79,7 +81,11 @@ def _die_with_parent(parent_pid: int) -> None:
 def _child(parent_pid, rank, world_size, port, fn, args, config, device, timeout_s, results):
     _die_with_parent(parent_pid)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -240,12 +246,19 @@ def _describe(errors: dict[int, str], died: set[int], world_size: int) -> str:
     dead = [r for r in errors if r in died]
     first = dead[0] if dead else next(iter(errors))
     reason = errors[first].strip().splitlines()[-1]
-    details = "\n".join(f"--- rank {r} of {world_size}:\n{errors[r].strip()}" for r in sorted(errors))
+    details = "\n".join(
+        f"--- rank {r} of {world_size}:\n{errors[r].strip()}" for r in sorted(errors)
+    )
     return f"rank {first} of {world_size} {reason if dead else 'failed: ' + reason}\n{details}"
 
 
 def launch(
-    fn, world_size: int, *args, config: ParallelConfig | None = None, device: str = "cpu", drain_s: float | None = None
+    fn,
+    world_size: int,
+    *args,
+    config: ParallelConfig | None = None,
+    device: str = "cpu",
+    drain_s: float | None = None,
 ):
     """Run `fn(*args)` on every rank; return rank 0's result (None on the other ranks under torchrun).
     `drain_s`: see `spawn` (under torchrun the agent's SIGTERM reaches every rank itself)."""

@@ -44,7 +44,9 @@ class LayerPlan:
 @dataclass(frozen=True)
 class ModelPlan:
     layers: tuple[LayerPlan, ...]  # the decoder layers, in order
-    mtp: tuple[LayerPlan, ...]  # the MTP layers; each takes the embedding and a hidden state, both complete
+    mtp: tuple[
+        LayerPlan, ...
+    ]  # the MTP layers; each takes the embedding and a hidden state, both complete
 
     @property
     def exit(self) -> Layout:
@@ -61,9 +63,13 @@ class ModelPlan:
                 groups.append([i, i, _cells(plan)])
         rows = [(f"layer {a}" if a == b else f"layers {a}-{b}", cells) for a, b, cells in groups]
         rows.append(("exit (final norm)", (self.exit.name, "-", "FULL", "-")))
-        rows += [(f"MTP {i} (layer {plan.layer_idx})", _cells(plan)) for i, plan in enumerate(self.mtp)]
+        rows += [
+            (f"MTP {i} (layer {plan.layer_idx})", _cells(plan)) for i, plan in enumerate(self.mtp)
+        ]
         lines = ["| layers | input | MLP input | output | MoE output |", "|---|---|---|---|---|"]
-        return "\n".join(lines + [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows])
+        return "\n".join(
+            lines + [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+        )
 
 
 def _cells(plan: LayerPlan) -> tuple[str, ...]:
@@ -81,12 +87,20 @@ def build_layer_plan(cfg: ModelConfig, parallel: ParallelConfig) -> ModelPlan:
     """
 
     def sp(idx: int) -> bool:
-        return parallel.use_sequence_parallel_moe and (cfg.layer_is_moe(idx) or parallel.sp_scope == "all")
+        return parallel.use_sequence_parallel_moe and (
+            cfg.layer_is_moe(idx) or parallel.sp_scope == "all"
+        )
 
     def plan(idx: int, input_layout: Layout) -> LayerPlan:
         moe = None
         if cfg.layer_is_moe(idx):
-            moe = Layout.SHARDED if sp(idx) else Layout.FULL if parallel.data_parallel_size > 1 else Layout.PARTIAL
+            moe = (
+                Layout.SHARDED
+                if sp(idx)
+                else Layout.FULL
+                if parallel.data_parallel_size > 1
+                else Layout.PARTIAL
+            )
         return LayerPlan(
             idx,
             input_layout,
@@ -100,4 +114,6 @@ def build_layer_plan(cfg: ModelConfig, parallel: ParallelConfig) -> ModelPlan:
         entry = Layout.SHARDED if sp(i) else Layout.PARTIAL  # the embedding's partial sum
         layers.append(plan(i, layers[-1].output if layers else entry))
     mtp_idx = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
-    return ModelPlan(tuple(layers), tuple(plan(i, Layout.SHARDED if sp(i) else Layout.FULL) for i in mtp_idx))
+    return ModelPlan(
+        tuple(layers), tuple(plan(i, Layout.SHARDED if sp(i) else Layout.FULL) for i in mtp_idx)
+    )

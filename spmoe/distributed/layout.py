@@ -36,7 +36,9 @@ def shard_rows(num_tokens: int, tp_size: int) -> int:
 def check_rows(x: torch.Tensor, rows: int, what: str) -> None:
     """Raise unless `x` is 2-D `[rows, H]`."""
     if x.dim() != 2 or x.shape[0] != rows:
-        raise ValueError(f"{what}: expected a 2-D tensor with {rows} rows, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{what}: expected a 2-D tensor with {rows} rows, got shape {tuple(x.shape)}"
+        )
 
 
 def sp_shard(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +61,9 @@ def sp_shard(x: torch.Tensor) -> torch.Tensor:
 
 def sp_all_gather(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """SHARDED `[n, H]` -> FULL `[N, H]`: one all-gather over the TP group, then drop the tail pad rows."""
-    check_rows(x, shard_rows(num_tokens, get_parallel_state().tp_size), f"sp_all_gather (N={num_tokens})")
+    check_rows(
+        x, shard_rows(num_tokens, get_parallel_state().tp_size), f"sp_all_gather (N={num_tokens})"
+    )
     return all_gather_rows(x, get_parallel_state().tp_group)[:num_tokens]
 
 
@@ -69,7 +73,9 @@ def sp_reduce_scatter(partial: torch.Tensor) -> torch.Tensor:
     A pad row of the result is a sum of zeros, so it is exactly zero.
     """
     if partial.dim() != 2:
-        raise ValueError(f"sp_reduce_scatter: expected a 2-D [N, H] partial sum, got shape {tuple(partial.shape)}")
+        raise ValueError(
+            f"sp_reduce_scatter: expected a 2-D [N, H] partial sum, got shape {tuple(partial.shape)}"
+        )
     t = get_parallel_state().tp_size
     pad = shard_rows(partial.shape[0], t) * t - partial.shape[0]
     if pad:

@@ -39,7 +39,14 @@ except ImportError:  # CPU-only installs: the one-shot path is simply unavailabl
 if triton is not None:
 
     @triton.jit
-    def _barrier(pads, pid, phase: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr):
+    def _barrier(
+        pads,
+        pid,
+        phase: tl.constexpr,
+        RANK: tl.constexpr,
+        WORLD: tl.constexpr,
+        PROGRAMS: tl.constexpr,
+    ):
         """Program `pid` of every rank meets program `pid` of every other rank (PROGRAMS flag slots per phase)."""
         tl.debug_barrier()  # this program's threads are done with their loads and stores
         slot = (phase * PROGRAMS + pid) * WORLD
@@ -73,7 +80,9 @@ if triton is not None:
         Every rank's buffer holds `[WORLD, numel]`: row j is what rank j sent it."""
         pid, step = tl.program_id(0), tl.num_programs(0) * BLOCK
         dtype = x_ptr.dtype.element_ty
-        for start in range(pid * BLOCK, numel, step):  # push this rank's rows into every rank's buffer
+        for start in range(
+            pid * BLOCK, numel, step
+        ):  # push this rank's rows into every rank's buffer
             offs = start + tl.arange(0, BLOCK)
             mask = offs < numel
             if KIND != 1:
@@ -91,24 +100,41 @@ if triton is not None:
             if KIND == 0:
                 for j in tl.static_range(WORLD):
                     tl.store(
-                        out_ptr + j * numel + offs, tl.load(own + j * numel + offs, mask=mask, volatile=True), mask=mask
+                        out_ptr + j * numel + offs,
+                        tl.load(own + j * numel + offs, mask=mask, volatile=True),
+                        mask=mask,
                     )
             else:
                 acc = tl.zeros([BLOCK], dtype=tl.float32)
                 for j in tl.static_range(WORLD):
                     acc += tl.load(own + j * numel + offs, mask=mask, volatile=True).to(tl.float32)
                 tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
-        _barrier(pads, pid, 1, RANK, WORLD, PROGRAMS)  # before any rank pushes the next call's rows here
+        _barrier(
+            pads, pid, 1, RANK, WORLD, PROGRAMS
+        )  # before any rank pushes the next call's rows here
 
     @triton.jit
     def _add_rms_norm_row(
-        x, row, res_ptr, w, out_ptr, res_out_ptr, cols, mask, out_mask, size, eps, HAS_RESIDUAL: tl.constexpr
+        x,
+        row,
+        res_ptr,
+        w,
+        out_ptr,
+        res_out_ptr,
+        cols,
+        mask,
+        out_mask,
+        size,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
     ):
         """One row x `[BLOCK]` (the tensor dtype): res_out[row] = x + res[row], out[row] = RMSNorm(that) * w
         (where `out_mask`), rounded as `RMSNorm.add_norm`. Returns the normed row (out's dtype)."""
         dtype = x.dtype
         if HAS_RESIDUAL:
-            x = x.to(tl.float32) + tl.load(res_ptr + row * size + cols, mask=mask, other=0.0).to(tl.float32)
+            x = x.to(tl.float32) + tl.load(res_ptr + row * size + cols, mask=mask, other=0.0).to(
+                tl.float32
+            )
             x = x.to(dtype)
         tl.store(res_out_ptr + row * size + cols, x, mask=mask)
         xf = x.to(tl.float32)
@@ -177,7 +203,9 @@ if triton is not None:
                 tl.store(peer + RANK * block + row * size + cols, values, mask=mask)
         _barrier(pads, pid, 0, RANK, WORLD, PROGRAMS)
         for row in range(pid, rows, programs):
-            if KIND == 0:  # the peers' normed rows (this rank's own were written above), up to `valid`
+            if (
+                KIND == 0
+            ):  # the peers' normed rows (this rank's own were written above), up to `valid`
                 own = tl.load(buffers + RANK).to(tl.pointer_type(out_ptr.dtype.element_ty))
                 for j in tl.static_range(WORLD):
                     if j != RANK:
@@ -190,9 +218,9 @@ if triton is not None:
                 own = tl.load(buffers + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
                 acc = tl.zeros([BLOCK], dtype=tl.float32)
                 for j in tl.static_range(WORLD):
-                    acc += tl.load(own + j * block + row * size + cols, mask=mask, other=0.0, volatile=True).to(
-                        tl.float32
-                    )
+                    acc += tl.load(
+                        own + j * block + row * size + cols, mask=mask, other=0.0, volatile=True
+                    ).to(tl.float32)
                 _add_rms_norm_row(
                     acc.to(x_ptr.dtype.element_ty),
                     row,
@@ -228,7 +256,9 @@ class OneShot:
         self.rank, self.world = handle.rank, handle.world_size
         needed = 2 * MAX_PROGRAMS * self.world * 4
         if handle.signal_pad_size < needed:
-            raise RuntimeError(f"the signal pad holds {handle.signal_pad_size} bytes, the kernel needs {needed}")
+            raise RuntimeError(
+                f"the signal pad holds {handle.signal_pad_size} bytes, the kernel needs {needed}"
+            )
         self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
         self.pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
         self.handle = handle  # keeps the mapping alive
@@ -239,7 +269,11 @@ class OneShot:
 
     def fits(self, kind: str, x: torch.Tensor, max_bytes: int = BUFFER_BYTES) -> bool:
         """Whether a `kind` call may take `x`: on a GPU, a dtype it sums, and within `max_bytes` of buffer."""
-        return x.dtype in DTYPES and x.is_cuda and self.buffer_bytes(kind, x) <= min(max_bytes, BUFFER_BYTES)
+        return (
+            x.dtype in DTYPES
+            and x.is_cuda
+            and self.buffer_bytes(kind, x) <= min(max_bytes, BUFFER_BYTES)
+        )
 
     def run(self, kind: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (contiguous) <- the `kind` collective of `x` (contiguous) over the group."""
@@ -287,7 +321,9 @@ class OneShot:
         A missing residual counts as zero. The normed rows are in the dtype of weight * x."""
         rows, size = self.norm_rows(kind, num_tokens), x.shape[1]
         out_dtype = torch.promote_types(weight.dtype, x.dtype)
-        needed = self.world * rows * size * (out_dtype if kind == "all_gather" else x.dtype).itemsize
+        needed = (
+            self.world * rows * size * (out_dtype if kind == "all_gather" else x.dtype).itemsize
+        )
         if needed > BUFFER_BYTES:
             raise ValueError(
                 f"one-shot {kind} + RMSNorm of {tuple(x.shape)} {x.dtype} needs {needed} buffer bytes "

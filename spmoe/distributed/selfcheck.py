@@ -8,7 +8,13 @@ import torch
 
 from spmoe.distributed.comm import count_collectives
 from spmoe.distributed.groups import get_parallel_state
-from spmoe.distributed.layout import _all_gather_sp_states, shard_rows, sp_all_gather, sp_reduce_scatter, sp_shard
+from spmoe.distributed.layout import (
+    _all_gather_sp_states,
+    shard_rows,
+    sp_all_gather,
+    sp_reduce_scatter,
+    sp_shard,
+)
 
 TOKEN_COUNTS = (0, 1, 2, 3, 5, 17)
 HIDDEN = 64
@@ -23,14 +29,19 @@ def layout_selfcheck() -> list[dict]:
             gen = torch.Generator().manual_seed(num_tokens)
             full = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
             residual = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
-            partials = [torch.randint(-8, 8, (num_tokens, HIDDEN), generator=gen).to(dtype) for _ in range(t)]
+            partials = [
+                torch.randint(-8, 8, (num_tokens, HIDDEN), generator=gen).to(dtype)
+                for _ in range(t)
+            ]
             n = shard_rows(num_tokens, t)
             expected_shard = torch.zeros(n * t, HIDDEN, dtype=dtype)
             expected_shard[:num_tokens] = sum(partials)
             with count_collectives() as stats:
                 gathered = sp_all_gather(sp_shard(full), num_tokens)
                 reduced = sp_reduce_scatter(partials[r])
-                hidden_full, residual_full = _all_gather_sp_states(sp_shard(full), sp_shard(residual), num_tokens)
+                hidden_full, residual_full = _all_gather_sp_states(
+                    sp_shard(full), sp_shard(residual), num_tokens
+                )
             err = max(
                 _max_err(gathered, full),
                 _max_err(reduced, expected_shard[r * n : (r + 1) * n]),

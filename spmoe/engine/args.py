@@ -44,7 +44,16 @@ from spmoe.models.deepseek_v32 import weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_CACHES = ("paged", "dense")
 SPECULATIVE_METHODS = ("mtp",)
-LAYOUT_OPTIONS = ("tp", "dp", "sp", "sp_scope", "ep_backend", "moe_backend", "dtype", "device")  # `spmoe forward`'s
+LAYOUT_OPTIONS = (
+    "tp",
+    "dp",
+    "sp",
+    "sp_scope",
+    "ep_backend",
+    "moe_backend",
+    "dtype",
+    "device",
+)  # `spmoe forward`'s
 
 
 def option(*flags: str, help: str, cli_default=field, **argparse_kwargs) -> dict:
@@ -101,7 +110,13 @@ class EngineArgs:
     # the parallel layout
     tp: int = field(
         default=1,
-        metadata=option("--tp", "--tensor-parallel-size", "-tp", type=int, help="tensor-parallel size (default 1)"),
+        metadata=option(
+            "--tp",
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            help="tensor-parallel size (default 1)",
+        ),
     )
     dp: int = field(
         default=1,
@@ -117,11 +132,14 @@ class EngineArgs:
     sp: str = field(
         default="auto",
         metadata=option(
-            "--sp", choices=SP_MODES, help="sequence-parallel MoE (default auto: on when tp > 1 and dp > 1)"
+            "--sp",
+            choices=SP_MODES,
+            help="sequence-parallel MoE (default auto: on when tp > 1 and dp > 1)",
         ),
     )
     sp_scope: str = field(
-        default="moe", metadata=option("--sp-scope", choices=SP_SCOPES, help="which layers are SP (default moe)")
+        default="moe",
+        metadata=option("--sp-scope", choices=SP_SCOPES, help="which layers are SP (default moe)"),
     )
     ep_backend: str = field(
         default="allgather_reducescatter",
@@ -285,7 +303,9 @@ class EngineArgs:
     num_speculative_tokens: int | None = field(
         default=None,
         metadata=option(
-            "--num-speculative-tokens", type=int, help="MTP drafts per step (default 1, with --speculative)"
+            "--num-speculative-tokens",
+            type=int,
+            help="MTP drafts per step (default 1, with --speculative)",
         ),
     )
     speculative_config: dict | None = field(
@@ -309,11 +329,15 @@ class EngineArgs:
     )
     enforce_eager: bool = field(
         default=False,
-        metadata=option("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly"),
+        metadata=option(
+            "--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly"
+        ),
     )
     block_size: int | None = field(
         default=None,
-        metadata=option("--block-size", type=int, help="the paged cache's block: 64 (the only size spmoe has)"),
+        metadata=option(
+            "--block-size", type=int, help="the paged cache's block: 64 (the only size spmoe has)"
+        ),
     )
 
     def __post_init__(self):
@@ -325,24 +349,44 @@ class EngineArgs:
         for f in fields(self):
             choices = f.metadata["argparse"].get("choices")
             value = getattr(self, f.name)
-            if choices is not None and value not in choices and not (value is None and f.default is None):
-                raise ValueError(f"{self.flag(f.name)} must be one of {tuple(choices)}, got {value!r}")
+            if (
+                choices is not None
+                and value not in choices
+                and not (value is None and f.default is None)
+            ):
+                raise ValueError(
+                    f"{self.flag(f.name)} must be one of {tuple(choices)}, got {value!r}"
+                )
         check_block_size(self.block_size)
         if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {tuple(DTYPES)} here, got {self.dtype!r} (from_cli settles auto)")
+            raise ValueError(
+                f"--dtype must be one of {tuple(DTYPES)} here, got {self.dtype!r} (from_cli settles auto)"
+            )
         if self.speculative_config is not None:
             if self.speculative is not None or self.num_speculative_tokens is not None:
-                raise ValueError("--speculative-config says what --speculative does; pass one or the other")
+                raise ValueError(
+                    "--speculative-config says what --speculative does; pass one or the other"
+                )
             SpeculativeConfig.parse(self.speculative_config)
         if self.cuda_graphs and self.enforce_eager:
             raise ValueError("--cuda-graphs and --enforce-eager contradict each other; pass one")
         if self.speculative is None and self.num_speculative_tokens is not None:
-            raise ValueError(f"--num-speculative-tokens {self.num_speculative_tokens} needs --speculative mtp")
-        if self.speculative is not None and self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"--num-speculative-tokens {self.num_speculative_tokens} needs --speculative mtp"
+            )
+        if (
+            self.speculative is not None
+            and self.num_speculative_tokens is not None
+            and self.num_speculative_tokens < 1
+        ):
             raise ValueError(
                 f"--speculative mtp needs --num-speculative-tokens >= 1, got {self.num_speculative_tokens}"
             )
-        if self.kv_cache == "dense" and (self.kv_cache_memory, self.gpu_memory_utilization, self.kv_cache_dtype) != (
+        if self.kv_cache == "dense" and (
+            self.kv_cache_memory,
+            self.gpu_memory_utilization,
+            self.kv_cache_dtype,
+        ) != (
             None,
             None,
             "auto",
@@ -364,14 +408,22 @@ class EngineArgs:
         return EngineArgs.__dataclass_fields__[name].metadata["flags"][0]
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None
+    ) -> None:
         """Every engine option (or those named in `only`) as a flag of `parser`, with its default and help."""
         group = parser.add_argument_group("engine options")
         for f in fields(cls):
             if only is None or f.name in only:
                 meta = f.metadata
                 default = meta.get("cli_default", f.default)
-                group.add_argument(*meta["flags"], dest=f.name, default=default, help=meta["help"], **meta["argparse"])
+                group.add_argument(
+                    *meta["flags"],
+                    dest=f.name,
+                    default=default,
+                    help=meta["help"],
+                    **meta["argparse"],
+                )
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace, model_dir: str | None = None) -> "EngineArgs":
@@ -450,7 +502,9 @@ class EngineArgs:
     def graphs_may_apply(self) -> bool:
         """Whether the deployment can have CUDA graphs (known before any rank starts): not --enforce-eager,
         CUDA, DP 1, the all-gather dispatch."""
-        return not (self.enforce_eager or deployment_problems(self.device, self.dp, self.ep_backend))
+        return not (
+            self.enforce_eager or deployment_problems(self.device, self.dp, self.ep_backend)
+        )
 
     def model_config(self, model_dir: str) -> ModelConfig:
         """The checkpoint's config with `--hf-overrides` merged in."""
@@ -479,7 +533,9 @@ class EngineArgs:
         cfg.check_parallel(parallel)
         check_device(self.device, parallel.world_size)
         if self.drafts and not cfg.num_nextn_predict_layers:
-            raise ValueError("--speculative mtp needs an MTP layer; the checkpoint has num_nextn_predict_layers = 0")
+            raise ValueError(
+                "--speculative mtp needs an MTP layer; the checkpoint has num_nextn_predict_layers = 0"
+            )
         if self.cuda_graphs:
             problems = deployment_problems(self.device, self.dp, self.ep_backend)
             if problems:
@@ -507,11 +563,21 @@ class EngineArgs:
         if self.kv_cache == "dense":
             return KVCache.for_model(model, max_num_seqs, max_len)
         return build_paged_cache(
-            model, self.kv_cache_memory, self.gpu_memory_utilization, self.kv_cache_dtype, max_num_seqs, max_len
+            model,
+            self.kv_cache_memory,
+            self.gpu_memory_utilization,
+            self.kv_cache_dtype,
+            max_num_seqs,
+            max_len,
         )
 
     def build_engine(
-        self, model, max_num_seqs: int, cache_len: int, grammars: GrammarCompiler | None = None, log=None
+        self,
+        model,
+        max_num_seqs: int,
+        cache_len: int,
+        grammars: GrammarCompiler | None = None,
+        log=None,
     ) -> Engine:
         """The engine over a new KV cache for `max_num_seqs` sequences of `cache_len` positions (the dense
         cache's slots; the paged cache's default room on CPU; without --max-model-len, the longest sequence, which
@@ -524,7 +590,8 @@ class EngineArgs:
             self.use_cuda_graphs(model),
             max_num_seqs,
             self.max_num_batched_tokens,
-            self.max_model_len or cache_len,  # the graphs' block tables: as wide as the job's longest sequence
+            self.max_model_len
+            or cache_len,  # the graphs' block tables: as wide as the job's longest sequence
             self.prefix_caching,
             grammars,
             log,

@@ -52,7 +52,9 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, lookahead: int = 0):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = False, lookahead: int = 0
+    ):
         """`enable_caching`: keep full blocks for later sequences (see the module docstring); `lookahead`: the
         tokens past a block's end that its rows depend on (1 when the engine drafts with MTP)."""
         if num_blocks < 1 or block_size < 1:
@@ -63,15 +65,23 @@ class BlockManager:
             raise ValueError(f"lookahead must be >= 0 tokens, got {lookahead}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_caching, self.lookahead = enable_caching, lookahead
-        self._free = list(range(num_blocks - 1, -1, -1))  # uncached, unreferenced; popped from the end: 0 first
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; least recently used first
+        self._free = list(
+            range(num_blocks - 1, -1, -1)
+        )  # uncached, unreferenced; popped from the end: 0 first
+        self._evictable: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # cached, unreferenced; least recently used first
         self._refs = [0] * num_blocks  # sequences holding each block
         self._hash_of: dict[int, bytes] = {}  # cached block -> its hash
         self._block_of: dict[bytes, int] = {}  # hash -> cached block
         self._tables: dict[int, list[int]] = {}
         self._reserved: dict[int, int] = {}
-        self._chains: dict[int, list[bytes]] = {}  # sequence -> the hashes of its leading blocks (memo)
-        self._written: dict[int, int] = {}  # sequence -> its leading blocks full, written and done by cache_blocks
+        self._chains: dict[
+            int, list[bytes]
+        ] = {}  # sequence -> the hashes of its leading blocks (memo)
+        self._written: dict[
+            int, int
+        ] = {}  # sequence -> its leading blocks full, written and done by cache_blocks
         self.queries = 0  # prompt tokens looked up in the prefix cache, since start
         self.hits = 0  # of those, tokens found cached
 
@@ -112,7 +122,9 @@ class BlockManager:
         as known, extended here as needed (a memo the caller keeps with its token ids; see `allocate`)."""
         return len(self._hit_blocks(token_ids, hashes)) * self.block_size
 
-    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] = (), hashes: list[bytes] | None = None) -> bool:
+    def can_allocate(
+        self, num_tokens: int, token_ids: Sequence[int] = (), hashes: list[bytes] | None = None
+    ) -> bool:
         """Whether a new sequence with room for `num_tokens` tokens, whose prompt is `token_ids` (for its cached
         prefix), fits now."""
         hit = self._hit_blocks(token_ids, hashes)
@@ -161,7 +173,11 @@ class BlockManager:
         if num_tokens < 1:
             raise ValueError(f"a sequence needs at least 1 token, got {num_tokens}")
         chain = [] if hashes is None else hashes
-        hit = self._hit_blocks(token_ids, chain) if reuse is None else self._reused_blocks(token_ids, chain, reuse)
+        hit = (
+            self._hit_blocks(token_ids, chain)
+            if reuse is None
+            else self._reused_blocks(token_ids, chain, reuse)
+        )
         cached = len(hit) * self.block_size
         if num_tokens <= cached:
             raise ValueError(
@@ -200,7 +216,9 @@ class BlockManager:
         copying nothing, and fresh blocks for the rest of the prompt, which it computes itself. -> the tokens
         shared (a multiple of the block size)."""
         if child_id in self._tables:
-            raise ValueError(f"sequence {child_id} already holds {len(self._tables[child_id])} blocks")
+            raise ValueError(
+                f"sequence {child_id} already holds {len(self._tables[child_id])} blocks"
+            )
         if num_tokens < 1:
             raise ValueError(f"a sequence needs at least 1 token, got {num_tokens}")
         if self.reserved(parent_id) < num_tokens:
@@ -252,7 +270,10 @@ class BlockManager:
     def would_cache(self, seq_id: int, num_written: int, num_known: int) -> bool:
         """Whether `cache_blocks` with `num_written` positions written and `num_known` token ids known would
         hash a new block (a caller can then build the token list only when it is needed)."""
-        return self._complete_blocks(seq_id, num_written, num_known) > self._written[self._check(seq_id)]
+        return (
+            self._complete_blocks(seq_id, num_written, num_known)
+            > self._written[self._check(seq_id)]
+        )
 
     def free(self, seq_id: int) -> None:
         """Give back every block of `seq_id` (finished, aborted or preempted). Its cached blocks stay cached,
@@ -280,7 +301,9 @@ class BlockManager:
         if not self.enable_caching:
             return []
         chain, blocks = [] if hashes is None else hashes, []
-        for i in range((len(token_ids) - 1) // self.block_size):  # block i ends at or before the last token
+        for i in range(
+            (len(token_ids) - 1) // self.block_size
+        ):  # block i ends at or before the last token
             self._extend_chain(chain, token_ids, i + 1)
             if chain[i] not in self._block_of:
                 break
@@ -291,7 +314,12 @@ class BlockManager:
         """The cached blocks of the first `reuse` tokens of a prompt, which another rank's lookup found cached;
         `chain` is extended with their hashes. RuntimeError where this cache lacks one of them."""
         size = self.block_size
-        if reuse < 0 or reuse % size or (reuse and reuse >= len(token_ids)) or (reuse and not self.enable_caching):
+        if (
+            reuse < 0
+            or reuse % size
+            or (reuse and reuse >= len(token_ids))
+            or (reuse and not self.enable_caching)
+        ):
             raise ValueError(
                 f"reusing {reuse} cached tokens of a {len(token_ids)}-token prompt: a multiple of {size} below the "
                 f"prompt's length expected{'' if self.enable_caching else ', and 0 with prefix caching off'}"
@@ -311,14 +339,17 @@ class BlockManager:
         size = self.block_size
         for i in range(len(chain), num_blocks):
             chain.append(
-                block_hash(chain[-1] if chain else None, token_ids[i * size : (i + 1) * size + self.lookahead])
+                block_hash(
+                    chain[-1] if chain else None,
+                    token_ids[i * size : (i + 1) * size + self.lookahead],
+                )
             )
 
     def _complete_blocks(self, seq_id: int, num_written: int, num_known: int) -> int:
         """Leading blocks of `seq_id` that are full, written, and whose lookahead tokens are known."""
-        return min(num_written, num_known - self.lookahead, len(self._tables[seq_id]) * self.block_size) // (
-            self.block_size
-        )
+        return min(
+            num_written, num_known - self.lookahead, len(self._tables[seq_id]) * self.block_size
+        ) // (self.block_size)
 
     def _unheld(self, blocks: list[int]) -> int:
         """How many of `blocks` (cached) nobody holds: taking them leaves fewer free blocks."""
@@ -339,7 +370,9 @@ class BlockManager:
         return block
 
     def _extra_blocks(self, seq_id: int, num_tokens: int) -> int:
-        return self.blocks_for(self._reserved[self._check(seq_id)] + num_tokens) - len(self._tables[seq_id])
+        return self.blocks_for(self._reserved[self._check(seq_id)] + num_tokens) - len(
+            self._tables[seq_id]
+        )
 
     def _need(self, blocks: int, what: str) -> None:
         if blocks > self.num_free_blocks:

@@ -60,7 +60,30 @@ from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 # the rows (above 128, at most 31 pad rows, about 0.25 ms). Each size is one more graph captured at start-up,
 # holding its [B * T, V] float32 logits (620 KB a row at 154880 tokens): up to 256, 18 graphs and 1519 rows,
 # 0.88 GiB x T (powers of two alone: 9 graphs, 511 rows, 0.29 GiB x T).
-BATCH_SIZES = (1, 2, 4, 8, 16, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+BATCH_SIZES = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    32,
+    40,
+    48,
+    56,
+    64,
+    80,
+    96,
+    112,
+    128,
+    160,
+    192,
+    224,
+    256,
+    320,
+    384,
+    448,
+    512,
+)
 # a step's fed tokens, padded to the next: above about 200 tokens a step's time grows with its rows
 # (`bench_decode_step.py`), so the sizes are close enough that padding adds at most a quarter above 128
 MIXED_TOKENS = (16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -71,7 +94,9 @@ class CapturedDraft:
     """The drafter's step of one batch size B (with k drafts, T = 1 + k fed tokens per sequence)."""
 
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [B * T + 3 * B] int64: the token after each fed row, then per sequence its last
+    inputs: (
+        torch.Tensor
+    )  # [B * T + 3 * B] int64: the token after each fed row, then per sequence its last
     # verified row, where its one-token steps write (`StepGraphs.draft`) and their first position
     drafts: torch.Tensor  # [B, k] int64, rewritten by each replay
     collectives: CommStats  # of one replay, counted at capture
@@ -86,8 +111,12 @@ class CapturedStep:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [3, N] int64: token ids, where (slot cache: the row's slot; paged: its
     # sequence's row of block_tables), positions
-    block_tables: torch.Tensor | None  # [B + 1, W] int32 (paged cache: W = `StepGraphs.width`), else None
-    logits: torch.Tensor | None  # [N, V] float32, rewritten by each replay (mixed: None, computed after it)
+    block_tables: (
+        torch.Tensor | None
+    )  # [B + 1, W] int32 (paged cache: W = `StepGraphs.width`), else None
+    logits: (
+        torch.Tensor | None
+    )  # [N, V] float32, rewritten by each replay (mixed: None, computed after it)
     hidden: torch.Tensor  # [N, H] the post-norm hidden the logits come from (the drafter's input)
     collectives: CommStats  # of one replay, counted at capture
     draft: CapturedDraft | None  # with speculation (decode steps)
@@ -131,7 +160,9 @@ def padded_tables(tables: list[list[int]], rows: int, width: int, scratch: int) 
     return out
 
 
-def mixed_rows(tokens: list[list[int]], starts: list[int], size: int, pad_where: int) -> list[list[int]]:
+def mixed_rows(
+    tokens: list[list[int]], starts: list[int], size: int, pad_where: int
+) -> list[list[int]]:
     """The inputs `[3, size]` (ids, where, positions; see `step_view`) of a mixed-step graph: sequence i's
     `tokens[i]` at positions `starts[i]` .. in table row i, laid end to end, then pad rows of token 0 in table
     row `pad_where`, at positions within its first block (`BLOCK_SIZE`)."""
@@ -139,10 +170,16 @@ def mixed_rows(tokens: list[list[int]], starts: list[int], size: int, pad_where:
     where = [i for i, seq in enumerate(tokens) for _ in seq]
     positions = [start + j for seq, start in zip(tokens, starts) for j in range(len(seq))]
     pad = size - len(ids)
-    return [ids + [0] * pad, where + [pad_where] * pad, positions + [j % BLOCK_SIZE for j in range(pad)]]
+    return [
+        ids + [0] * pad,
+        where + [pad_where] * pad,
+        positions + [j % BLOCK_SIZE for j in range(pad)],
+    ]
 
 
-def step_view(cache: KVCache | PagedKVCache, where: torch.Tensor, positions: torch.Tensor, block_tables):
+def step_view(
+    cache: KVCache | PagedKVCache, where: torch.Tensor, positions: torch.Tensor, block_tables
+):
     """The cache view of rows `[N]` at `positions` `[N]`: `where` is each row's slot (slot cache) or its
     sequence's row of block_tables `[S, W]` (paged cache)."""
     if block_tables is None:
@@ -161,10 +198,14 @@ def decode_logits(
     return model.compute_logits(decode_hidden(model, cache, inputs, block_tables))
 
 
-def decode_hidden(model: DeepseekV32ForCausalLM, cache, inputs: torch.Tensor, block_tables) -> torch.Tensor:
+def decode_hidden(
+    model: DeepseekV32ForCausalLM, cache, inputs: torch.Tensor, block_tables
+) -> torch.Tensor:
     """`decode_logits`' post-norm hidden `[N, H]`, before the LM head."""
     ids, where, positions = inputs
-    return model.forward_hidden(ids, positions, [1] * ids.shape[0], step_view(cache, where, positions, block_tables))
+    return model.forward_hidden(
+        ids, positions, [1] * ids.shape[0], step_view(cache, where, positions, block_tables)
+    )
 
 
 def draft_tokens(
@@ -189,7 +230,9 @@ def draft_tokens(
     a one-token step fed the previous draft and the MTP layer's own post-norm hidden."""
     _, rows_where, positions = inputs
     view = step_view(cache, rows_where, positions, block_tables)
-    h = model.forward_draft_hidden(next_ids, positions, hidden, [1] * next_ids.shape[0], view)[last]  # [S, H]
+    h = model.forward_draft_hidden(next_ids, positions, hidden, [1] * next_ids.shape[0], view)[
+        last
+    ]  # [S, H]
     tokens = model.compute_draft_logits(h).argmax(-1)  # [S]
     drafts, ones = [tokens], [1] * last.shape[0]
     for i in range(k - 1):
@@ -218,7 +261,9 @@ class StepGraphs:
         Paged cache: block tables of `table_width(cache, max_model_len)` blocks (None: the whole cache).
         `on_capture(kind, size, index, count)` is called before each capture (progress output): kind "decode"
         (size: B) or "mixed" (size: tokens), the index-th of count."""
-        problems = deployment_problems(cache.device.type, get_parallel_state().dp_size, model.parallel.ep_backend)
+        problems = deployment_problems(
+            cache.device.type, get_parallel_state().dp_size, model.parallel.ep_backend
+        )
         capturable, experts = model.graph_capturable
         if not capturable:
             problems.append(
@@ -233,9 +278,13 @@ class StepGraphs:
         self.steps: dict[int, CapturedStep] = {}  # B -> graph
         self.mixed: dict[int, CapturedStep] = {}  # padded tokens -> graph
         self.captures = 0  # graphs captured by this object, ever
-        self.replayed: CapturedStep | None = None  # the step replayed last, whose rows `draft` continues
+        self.replayed: CapturedStep | None = (
+            None  # the step replayed last, whose rows `draft` continues
+        )
         self._pool = None
-        plan = [("decode", size) for size in reversed(graph_sizes(max_num_seqs))]  # largest first: the others
+        plan = [
+            ("decode", size) for size in reversed(graph_sizes(max_num_seqs))
+        ]  # largest first: the others
         if self.paged and max_num_batched_tokens:  # reuse its memory
             plan += [("mixed", tokens) for tokens in reversed(mixed_sizes(max_num_batched_tokens))]
         for index, (kind, size) in enumerate(plan, 1):
@@ -252,25 +301,35 @@ class StepGraphs:
 
     def fits(self, num_tokens: list[int]) -> bool:
         """Whether a decode step whose sequences feed `num_tokens` each can replay a graph."""
-        return 0 < len(num_tokens) <= self.max_num_seqs and all(n == self.tokens_per_seq for n in num_tokens)
+        return 0 < len(num_tokens) <= self.max_num_seqs and all(
+            n == self.tokens_per_seq for n in num_tokens
+        )
 
     def fits_mixed(self, num_tokens: list[int]) -> bool:
         """Whether a step whose sequences feed `num_tokens` each can replay a mixed graph: at most the largest
         size's tokens over at most `max_num_seqs` sequences."""
-        return 0 < len(num_tokens) <= self.max_num_seqs and 0 < sum(num_tokens) <= max(self.mixed, default=0)
+        return 0 < len(num_tokens) <= self.max_num_seqs and 0 < sum(num_tokens) <= max(
+            self.mixed, default=0
+        )
 
-    def eager_step(self, inputs: torch.Tensor, block_tables: torch.Tensor | None = None) -> torch.Tensor:
+    def eager_step(
+        self, inputs: torch.Tensor, block_tables: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`decode_logits` of this model and cache."""
         return decode_logits(self.model, self.cache, inputs, block_tables)
 
     def _capture(self, size: int) -> None:
         device, per_seq, k = self.cache.device, self.tokens_per_seq, self.drafts
         inputs = torch.zeros(3, size * per_seq, dtype=torch.long, device=device)
-        inputs[2] = torch.arange(per_seq, device=device).repeat(size)  # pad sequences: positions 0 .. T - 1
+        inputs[2] = torch.arange(per_seq, device=device).repeat(
+            size
+        )  # pad sequences: positions 0 .. T - 1
         tables = None
         if self.paged:
             inputs[1] = torch.arange(size, device=device).repeat_interleave(per_seq)
-            tables = torch.full((size + 1, self.width), self.cache.scratch_block, dtype=torch.int32, device=device)
+            tables = torch.full(
+                (size + 1, self.width), self.cache.scratch_block, dtype=torch.int32, device=device
+            )
         else:
             inputs[1] = self.cache.scratch_slot
         draft_inputs = torch.zeros(size * per_seq + 3 * size, dtype=torch.long, device=device)
@@ -282,7 +341,9 @@ class StepGraphs:
             return self.model.compute_logits(hidden), hidden
 
         def drafter(hidden):
-            return draft_tokens(self.model, self.cache, inputs, tables, hidden, *self._split(draft_inputs, size), k)
+            return draft_tokens(
+                self.model, self.cache, inputs, tables, hidden, *self._split(draft_inputs, size), k
+            )
 
         self._warm(lambda: drafter(target()[1]) if k else target())
         graph, (logits, hidden), collectives = self._record(target)
@@ -290,21 +351,27 @@ class StepGraphs:
         if k:
             draft_graph, drafts, draft_collectives = self._record(lambda: drafter(hidden))
             draft = CapturedDraft(draft_graph, draft_inputs, drafts, draft_collectives)
-        self.steps[size] = CapturedStep(size, graph, inputs, tables, logits, hidden, collectives, draft)
+        self.steps[size] = CapturedStep(
+            size, graph, inputs, tables, logits, hidden, collectives, draft
+        )
 
     def _capture_mixed(self, tokens: int) -> None:
         """The graph of a mixed step of up to `tokens` rows over up to min(tokens, max_num_seqs) sequences
         (paged cache), captured with every row a pad row: the model, not the LM head."""
         device, count = self.cache.device, min(tokens, self.max_num_seqs)
         inputs = torch.tensor(mixed_rows([], [], tokens, count), device=device)
-        tables = torch.full((count + 1, self.width), self.cache.scratch_block, dtype=torch.int32, device=device)
+        tables = torch.full(
+            (count + 1, self.width), self.cache.scratch_block, dtype=torch.int32, device=device
+        )
 
         def target():
             return decode_hidden(self.model, self.cache, inputs, tables)
 
         self._warm(target)
         graph, hidden, collectives = self._record(target)
-        self.mixed[tokens] = CapturedStep(count, graph, inputs, tables, None, hidden, collectives, None)
+        self.mixed[tokens] = CapturedStep(
+            count, graph, inputs, tables, None, hidden, collectives, None
+        )
 
     def _warm(self, run) -> None:
         """Run `run` once eagerly on a side stream before capturing it: compiles its kernels, sets up the
@@ -319,13 +386,19 @@ class StepGraphs:
         """Capture `run` into the memory pool all graphs share (one replays at a time) -> (the graph, what `run`
         returned: its tensors are the graph's outputs, the collectives of one replay)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), count_collectives() as collectives, torch.cuda.graph(graph, pool=self._pool):
+        with (
+            torch.no_grad(),
+            count_collectives() as collectives,
+            torch.cuda.graph(graph, pool=self._pool),
+        ):
             out = run()
         self._pool = graph.pool()
         self.captures += 1
         return graph, out, collectives
 
-    def step(self, ids: list[list[int]], locations: list, starts: list[int], stats: CommStats) -> torch.Tensor:
+    def step(
+        self, ids: list[list[int]], locations: list, starts: list[int], stats: CommStats
+    ) -> torch.Tensor:
         """One decode step for `len(ids)` sequences, each feeding its T tokens `ids[i]` from position `starts[i]`
         (`locations`: their slots, or block tables) -> logits `[len(ids) * T, V]` (a view of the graph's
         output, valid until the next step; row i * T + j follows token j of sequence i). Adds the replayed
@@ -345,7 +418,9 @@ class StepGraphs:
                 raise ValueError(
                     f"a decode position reaches {max(starts) + per_seq - 1}; the cache holds {self.cache.max_len}"
                 )
-            where = [slot for slot in locations for _ in range(per_seq)] + [self.cache.scratch_slot] * (pad * per_seq)
+            where = [slot for slot in locations for _ in range(per_seq)] + [
+                self.cache.scratch_slot
+            ] * (pad * per_seq)
             captured.inputs.copy_(torch.tensor([flat_ids, where, positions]))
         else:
             self._load_tables(captured, locations, size)
@@ -355,7 +430,9 @@ class StepGraphs:
         self.replayed = captured
         return captured.logits[: count * per_seq]
 
-    def mixed_step(self, tokens: list[list[int]], tables: list[list[int]], starts: list[int], stats) -> torch.Tensor:
+    def mixed_step(
+        self, tokens: list[list[int]], tables: list[list[int]], starts: list[int], stats
+    ) -> torch.Tensor:
         """One step of the sequences feeding `tokens[i]` from position `starts[i]` into the blocks `tables[i]`
         -> the post-norm hidden `[size, H]` (the fed rows laid end to end first, then pad rows; valid until the
         next step). Adds the replayed collectives to `stats`."""
@@ -367,7 +444,9 @@ class StepGraphs:
             )
         check_room(tables, starts, lens)
         size = min(n for n in self.mixed if n >= sum(lens))
-        captured = self.mixed[size]  # its table rows: min(size, max_num_seqs) >= the sequences, each feeding 1+
+        captured = self.mixed[
+            size
+        ]  # its table rows: min(size, max_num_seqs) >= the sequences, each feeding 1+
         self._load_tables(captured, tables, len(tables))
         captured.inputs.copy_(torch.tensor(mixed_rows(tokens, starts, size, captured.size)))
         captured.graph.replay()
@@ -389,7 +468,12 @@ class StepGraphs:
         )
 
     def draft(
-        self, next_ids: list[list[int]], last: list[int], starts: list[int | None], locations: list, stats: CommStats
+        self,
+        next_ids: list[list[int]],
+        last: list[int],
+        starts: list[int | None],
+        locations: list,
+        stats: CommStats,
     ) -> list[list[int]]:
         """The drafter's step after the target's `step`, for its sequences (`locations`: as given to `step`):
         `next_ids[i]`: the token after each of sequence i's T fed positions (past its last verified one:

@@ -55,7 +55,9 @@ class Generation:
     logits: list[torch.Tensor] | None  # per sequence `[len(output), V]` float32, when recorded
 
 
-def check_prompt(label: str, prompt, vocab_size: int, max_new_tokens: int, drafts: int, max_len: int) -> None:
+def check_prompt(
+    label: str, prompt, vocab_size: int, max_new_tokens: int, drafts: int, max_len: int
+) -> None:
     """Raise a one-line ValueError naming `label` unless the prompt is valid and fits the KV cache with its new
     tokens and drafts."""
     if max_new_tokens < 1:
@@ -63,9 +65,13 @@ def check_prompt(label: str, prompt, vocab_size: int, max_new_tokens: int, draft
     if (
         not isinstance(prompt, list)
         or not prompt
-        or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt)
+        or any(
+            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt
+        )
     ):
-        raise ValueError(f"{label} must be a non-empty list of token ids in [0, {vocab_size}), got {str(prompt)[:60]}")
+        raise ValueError(
+            f"{label} must be a non-empty list of token ids in [0, {vocab_size}), got {str(prompt)[:60]}"
+        )
     if len(prompt) + max_new_tokens + drafts > max_len:
         raise ValueError(
             f"{label} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} and {drafts} "
@@ -82,19 +88,27 @@ def check_positions(longest: int, max_position_embeddings: int | None, what: str
         )
 
 
-def check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: int, drafts: int, max_len: int) -> None:
+def check_prompts(
+    prompts: list[list[int]], vocab_size: int, max_new_tokens: int, drafts: int, max_len: int
+) -> None:
     """Raise unless every prompt is valid and fits the KV cache with its new tokens and drafts."""
     for i, prompt in enumerate(prompts):
         check_prompt(f"prompt {i}", prompt, vocab_size, max_new_tokens, drafts, max_len)
 
 
-def check_sampling(label: str, sampling: SamplingParams, max_new_tokens: int, vocab_size: int) -> None:
+def check_sampling(
+    label: str, sampling: SamplingParams, max_new_tokens: int, vocab_size: int
+) -> None:
     """Raise a one-line ValueError unless the sampling settings fit the model and the request."""
     bad = [token for token, _ in sampling.logit_bias if token >= vocab_size]
     if bad:
-        raise ValueError(f"{label}: logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}")
+        raise ValueError(
+            f"{label}: logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}"
+        )
     if sampling.min_tokens > max_new_tokens:
-        raise ValueError(f"{label}: min_tokens ({sampling.min_tokens}) must not exceed max_tokens ({max_new_tokens})")
+        raise ValueError(
+            f"{label}: min_tokens ({sampling.min_tokens}) must not exceed max_tokens ({max_new_tokens})"
+        )
 
 
 def per_prompt(sampling: SamplingParams, count: int) -> list[SamplingParams]:
@@ -126,18 +140,32 @@ class Engine:
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and not model.num_draft_layers:
-            raise ValueError("speculative decoding needs the MTP layer: load the model with with_mtp=True")
-        self.model, self.cache, self.k, self.grammars, self.log = model, cache, num_speculative_tokens, grammars, log
+            raise ValueError(
+                "speculative decoding needs the MTP layer: load the model with with_mtp=True"
+            )
+        self.model, self.cache, self.k, self.grammars, self.log = (
+            model,
+            cache,
+            num_speculative_tokens,
+            grammars,
+            log,
+        )
         if isinstance(cache, PagedKVCache):
             # the MTP layer's row at a position embeds the next token: a block depends on one token past it
             lookahead = 1 if num_speculative_tokens else 0
-            room = BlockRoom(cache, max_num_seqs or 256, max_model_len, enable_prefix_caching, lookahead)
+            room = BlockRoom(
+                cache, max_num_seqs or 256, max_model_len, enable_prefix_caching, lookahead
+            )
         else:
             room = SlotRoom(cache)
-        keep_in_step = get_parallel_state().dp_size > 1  # every DP rank runs every step, empty or not
+        keep_in_step = (
+            get_parallel_state().dp_size > 1
+        )  # every DP rank runs every step, empty or not
         self.stats = StepStats(num_speculative_tokens)
         self.sampler = Sampler(room.max_num_seqs, model.cfg.vocab_size, cache.device)
-        self.scheduler = Scheduler(room, self.sampler, num_speculative_tokens, max_num_batched_tokens, keep_in_step)
+        self.scheduler = Scheduler(
+            room, self.sampler, num_speculative_tokens, max_num_batched_tokens, keep_in_step
+        )
         KernelCompiles.install()
         self.runner = ModelRunner(
             model,
@@ -193,17 +221,26 @@ class Engine:
             cfg.max_position_embeddings,
             f"{label} with its new and speculative tokens",
         )
-        check_sampling(label.removesuffix(": the prompt"), request.sampling, request.max_new_tokens, cfg.vocab_size)
+        check_sampling(
+            label.removesuffix(": the prompt"),
+            request.sampling,
+            request.max_new_tokens,
+            cfg.vocab_size,
+        )
         if request.grammar is not None:
             if self.grammars is None:
-                raise ValueError(f"request {request.request_id!r} has a grammar, but this engine has no compiler")
+                raise ValueError(
+                    f"request {request.request_id!r} has a grammar, but this engine has no compiler"
+                )
 
     def add_request(self, request: Request, record_logits: bool = False) -> Sequence:
         """Queue a request; it joins the running batch when the cache has room. `record_logits` keeps the
         logits row behind every token it generates (`Sequence.logits`). -> its sequence."""
         self.validate(request)
         if self.scheduler.holds(request.request_id):
-            raise ValueError(f"request id {request.request_id!r} is already in the engine; expected a new id")
+            raise ValueError(
+                f"request id {request.request_id!r} is already in the engine; expected a new id"
+            )
         grammar = None
         if request.grammar is not None:
             grammar = self.grammars.matcher(request.grammar, request.grammar_start_after)
@@ -265,9 +302,13 @@ class Engine:
         self.stats.record(batch, result)
         self.stats.totals.steps += 1
         self.stats.totals.steps_compiling += self._compiles() > before
-        if self._ready_count is not None and self.log is not None:  # what warming up did not foresee, named
+        if (
+            self._ready_count is not None and self.log is not None
+        ):  # what warming up did not foresee, named
             for name in KernelCompiles.names[kernels_before:]:
-                self.log(f"compiled after ready, in a step of {sum(batch.num_tokens)} tokens: {name}")
+                self.log(
+                    f"compiled after ready, in a step of {sum(batch.num_tokens)} tokens: {name}"
+                )
         return self.scheduler.update(batch, result)
 
     # The batch job.
@@ -290,7 +331,8 @@ class Engine:
         self.reset_stats()
         seqs = [
             self.add_request(
-                Request(f"generate-{i}", list(p), max_new_tokens, params, tuple(eos_token_ids)), record_logits
+                Request(f"generate-{i}", list(p), max_new_tokens, params, tuple(eos_token_ids)),
+                record_logits,
             )
             for i, (p, params) in enumerate(zip(prompts, samplings))
         ]

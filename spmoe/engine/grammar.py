@@ -38,7 +38,9 @@ def xgrammar():
     try:
         import xgrammar as module
     except ImportError:
-        raise ValueError("structured output needs the xgrammar package (pip install xgrammar)") from None
+        raise ValueError(
+            "structured output needs the xgrammar package (pip install xgrammar)"
+        ) from None
     return module
 
 
@@ -52,7 +54,9 @@ class GrammarSpec:
 
     def __post_init__(self):
         if self.kind not in GRAMMAR_KINDS:
-            raise ValueError(f"a grammar's kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+            raise ValueError(
+                f"a grammar's kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}"
+            )
 
 
 def json_schema_grammar(schema_text: str) -> xgr.Grammar:
@@ -74,7 +78,9 @@ def compile_error_reason(error: Exception) -> str:
 def choice_ebnf(choices: list[str]) -> str:
     """The EBNF grammar whose sentences are exactly `choices`."""
     if not choices or not all(isinstance(c, str) and c for c in choices):
-        raise ValueError(f"a choice must be a non-empty list of non-empty strings, got {choices!r}"[:300])
+        raise ValueError(
+            f"a choice must be a non-empty list of non-empty strings, got {choices!r}"[:300]
+        )
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
@@ -100,8 +106,12 @@ class GrammarCompiler:
         xgr = xgrammar()
         with self.lock:
             if self.compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self.load_tokenizer(), vocab_size=self.vocab_size)
-                self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached here, by spec
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.load_tokenizer(), vocab_size=self.vocab_size
+                )
+                self.compiler = xgr.GrammarCompiler(
+                    info, cache_enabled=False
+                )  # cached here, by spec
             return self.compiler
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
@@ -113,7 +123,9 @@ class GrammarCompiler:
         try:
             compiled = self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"the {spec.kind} grammar does not compile: {compile_error_reason(e)}"[:400]) from None
+            raise ValueError(
+                f"the {spec.kind} grammar does not compile: {compile_error_reason(e)}"[:400]
+            ) from None
         with self.lock:
             return self.cache.setdefault(spec, compiled)
 
@@ -211,7 +223,9 @@ def fill_bitmask(
     firsts = [0]
     for fed in drafts:
         firsts.append(firsts[-1] + 1 + len(fed))
-    bitmask = xgrammar().allocate_token_bitmask(firsts[-1], vocab_size)  # every bit set: every token allowed
+    bitmask = xgrammar().allocate_token_bitmask(
+        firsts[-1], vocab_size
+    )  # every bit set: every token allowed
     walking = [i for i, g in enumerate(grammars) if g is not None]
     rows = [firsts[i] + j for i in walking for j in range(1 + len(drafts[i]))]
     most_tokens = [1 + len(fed) for fed in drafts]
@@ -220,10 +234,14 @@ def fill_bitmask(
         started = [i for i in walking if grammars[i].active]
         if started:
             indices = [firsts[i] + j for i in started]
-            _batch_matcher().batch_fill_next_token_bitmask([grammars[i].matcher for i in started], bitmask, indices)
+            _batch_matcher().batch_fill_next_token_bitmask(
+                [grammars[i].matcher for i in started], bitmask, indices
+            )
         walking = [i for i in walking if j < len(drafts[i]) and grammars[i].accept(drafts[i][j])]
         for i in walking:
-            if grammars[i].finished:  # its draft j + 1 is the stop token: nothing after it is committed
+            if grammars[
+                i
+            ].finished:  # its draft j + 1 is the stop token: nothing after it is committed
                 most_tokens[i] = j + 1
         walking = [i for i in walking if not grammars[i].finished]
     for i, position in before.items():
@@ -251,7 +269,9 @@ class DraftGrammars:
         if not started:
             return
         bitmask = xgrammar().allocate_token_bitmask(logits.shape[0], logits.shape[-1])
-        _batch_matcher().batch_fill_next_token_bitmask([self.grammars[i].matcher for i in started], bitmask, started)
+        _batch_matcher().batch_fill_next_token_bitmask(
+            [self.grammars[i].matcher for i in started], bitmask, started
+        )
         apply_bitmask(logits, bitmask, started)
 
     def advance(self, drafts: list[int]) -> None:
@@ -275,7 +295,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     has a 0 bit, in `rows` only (the other rows have no grammar and are left as they are). xgrammar's kernels:
     Triton on a GPU (compiled at its first call), C++ on the CPU."""
     xgrammar().apply_token_bitmask_inplace(
-        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1], indices=rows
+        logits,
+        bitmask.to(logits.device, non_blocking=True),
+        vocab_size=logits.shape[-1],
+        indices=rows,
     )
 
 
@@ -285,5 +308,7 @@ def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: l
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     words = bitmask.to(logits.device)[index]  # [r, W]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [r, W * 32] -> [r, V]
+    allowed = (
+        ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    )  # [r, W * 32] -> [r, V]
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

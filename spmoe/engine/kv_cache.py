@@ -57,13 +57,22 @@ class KVCache:
         """layers: attention layer index -> whether it runs the indexer. Room for `max_seqs` sequences of up
         to `max_len` tokens each."""
         if max_seqs < 1 or max_len < 1:
-            raise ValueError(f"the KV cache needs max_seqs >= 1 and max_len >= 1, got {max_seqs} and {max_len}")
+            raise ValueError(
+                f"the KV cache needs max_seqs >= 1 and max_len >= 1, got {max_seqs} and {max_len}"
+            )
         widths = _widths(cfg)
-        self.max_seqs, self.max_len, self.dtype, self.device = max_seqs, max_len, dtype, torch.device(device)
+        self.max_seqs, self.max_len, self.dtype, self.device = (
+            max_seqs,
+            max_len,
+            dtype,
+            torch.device(device),
+        )
         self.scratch_slot = max_seqs
         self.buffers = {
             layer: {
-                kind: torch.zeros((max_seqs + 1) * max_len, widths[kind], dtype=dtype, device=device)
+                kind: torch.zeros(
+                    (max_seqs + 1) * max_len, widths[kind], dtype=dtype, device=device
+                )
                 for kind in _kinds(has_indexer)
             }
             for layer, has_indexer in layers.items()
@@ -71,11 +80,15 @@ class KVCache:
         self._free = list(range(max_seqs - 1, -1, -1))
 
     @staticmethod
-    def size_bytes(cfg: ModelConfig, layers: dict[int, bool], max_seqs: int, max_len: int, dtype: torch.dtype) -> int:
+    def size_bytes(
+        cfg: ModelConfig, layers: dict[int, bool], max_seqs: int, max_len: int, dtype: torch.dtype
+    ) -> int:
         """The bytes a cache with these arguments allocates on each rank (scratch slot included), computed
         without allocating."""
         widths = _widths(cfg)
-        per_token = sum(widths[kind] for has_indexer in layers.values() for kind in _kinds(has_indexer))
+        per_token = sum(
+            widths[kind] for has_indexer in layers.values() for kind in _kinds(has_indexer)
+        )
         return per_token * dtype.itemsize * (max_seqs + 1) * max_len
 
     @classmethod
@@ -87,7 +100,9 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes over all layers (on each rank)."""
-        return sum(b.shape[1] * b.element_size() for kinds in self.buffers.values() for b in kinds.values())
+        return sum(
+            b.shape[1] * b.element_size() for kinds in self.buffers.values() for b in kinds.values()
+        )
 
     @property
     def free_slots(self) -> int:
@@ -112,9 +127,15 @@ class KVCache:
                     f"holds {self.max_len} per sequence"
                 )
 
-        def flat(first: list[int], counts: list[int]):  # (sequence index, position) of each row, rows laid out
-            seq = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
-            pos = [torch.zeros(0, dtype=torch.long)] + [torch.arange(f, f + c) for f, c in zip(first, counts)]
+        def flat(
+            first: list[int], counts: list[int]
+        ):  # (sequence index, position) of each row, rows laid out
+            seq = torch.repeat_interleave(
+                torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long)
+            )
+            pos = [torch.zeros(0, dtype=torch.long)] + [
+                torch.arange(f, f + c) for f, c in zip(first, counts)
+            ]
             return seq.to(device), torch.cat(pos).to(device)
 
         slot_of = torch.tensor(slots, dtype=torch.long, device=device)
@@ -122,7 +143,11 @@ class KVCache:
         k_seq, k_pos = flat([0] * len(slots), [s + n for s, n in zip(starts, lens)])
         allowed = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
         return CacheView(
-            self.buffers, slot_of[q_seq] * self.max_len + q_pos, slot_of[k_seq] * self.max_len + k_pos, q_pos, allowed
+            self.buffers,
+            slot_of[q_seq] * self.max_len + q_pos,
+            slot_of[k_seq] * self.max_len + k_pos,
+            q_pos,
+            allowed,
         )
 
     def decode_view(self, slots: torch.Tensor, positions: torch.Tensor) -> CacheView:
@@ -134,11 +159,17 @@ class KVCache:
         offsets = torch.arange(length, device=slots.device)
         rows = torch.arange(b, device=slots.device)
         read_index = (slots[:, None] * length + offsets).flatten()  # [B * max_len]
-        allowed = (rows[:, None, None] == rows[None, :, None]) & (offsets <= positions[:, None, None])
-        return CacheView(self.buffers, slots * length + positions, read_index, positions, allowed.view(b, -1))
+        allowed = (rows[:, None, None] == rows[None, :, None]) & (
+            offsets <= positions[:, None, None]
+        )
+        return CacheView(
+            self.buffers, slots * length + positions, read_index, positions, allowed.view(b, -1)
+        )
 
 
-def cache_layout(model: nn.Module) -> tuple[ModelConfig, dict[int, bool], torch.dtype, torch.device]:
+def cache_layout(
+    model: nn.Module,
+) -> tuple[ModelConfig, dict[int, bool], torch.dtype, torch.device]:
     """(config, attention layer index -> whether it runs the indexer, dtype, device) of the attention layers
     `model` declares (`kv_cache_needs`: the MTP layer's included)."""
     needs = model.kv_cache_needs()

@@ -24,7 +24,9 @@ def suppress_tokens(logits: torch.Tensor, ids: torch.Tensor, active: torch.Tenso
     """logits `[m, V]`; ids `[m, S]` int64 token ids per row, -1 for padding; active `[m]` bool. The listed
     tokens of the active rows get -inf (`min_tokens`: the eos and stop ids before the minimum is reached)."""
     hit = active[:, None] & (ids >= 0)
-    add = torch.zeros(ids.shape, dtype=logits.dtype, device=logits.device).masked_fill_(hit, NEG_INF)
+    add = torch.zeros(ids.shape, dtype=logits.dtype, device=logits.device).masked_fill_(
+        hit, NEG_INF
+    )
     return logits.scatter_add_(1, ids.clamp(min=0), add)
 
 
@@ -76,7 +78,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < floor, NEG_INF)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """logits `[m, V]`; top_k `[m]` int64 (0: off); top_p `[m]` in (0, 1] (1: off).
 
     - top_k keeps the tokens whose logit is at least the k-th largest (ties at the k-th value all stay; k >= V
@@ -98,7 +102,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return logits.masked_fill_(logits < threshold, NEG_INF)
 
 
-def top_k_top_p_threshold_by_sort(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def top_k_top_p_threshold_by_sort(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """`apply_top_k_top_p`'s threshold from one full sort of every row (the arguments as there) -> `[m, 1]`: the
     logit of the last token each row keeps."""
     vocab = logits.shape[-1]
@@ -108,6 +114,8 @@ def top_k_top_p_threshold_by_sort(logits: torch.Tensor, top_k: torch.Tensor, top
     sorted_logits.masked_fill_(sorted_logits < kth, NEG_INF)
     probs = torch.softmax(sorted_logits, dim=-1)
     before = probs.cumsum(-1) - probs  # the mass of the more likely tokens
-    drop_sorted = (before >= top_p[:, None]) & (top_p < 1)[:, None]  # top_p 1: keep all (no rounding losses)
+    drop_sorted = (before >= top_p[:, None]) & (top_p < 1)[
+        :, None
+    ]  # top_p 1: keep all (no rounding losses)
     drop_sorted |= sorted_logits == NEG_INF
     return sorted_logits.gather(1, ((~drop_sorted).sum(-1, keepdim=True) - 1).clamp(min=0))

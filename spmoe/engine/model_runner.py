@@ -41,7 +41,9 @@ from spmoe.engine.speculative import MtpDrafter
 from spmoe.engine.stats import StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
-PROMPT_LOGPROB_ROWS = 256  # prompt rows turned into logits at once: bounds the `[rows, V]` float32 buffer
+PROMPT_LOGPROB_ROWS = (
+    256  # prompt rows turned into logits at once: bounds the `[rows, V]` float32 buffer
+)
 
 
 class ModelRunner:
@@ -70,15 +72,27 @@ class ModelRunner:
         if log is not None:
 
             def on_capture(kind: str, size: int, index: int, count: int) -> None:
-                step = f"the decode step for batch {size}" if kind == "decode" else f"a step of up to {size} tokens"
+                step = (
+                    f"the decode step for batch {size}"
+                    if kind == "decode"
+                    else f"a step of up to {size} tokens"
+                )
                 log(f"warming up: capturing the CUDA graph of {step} ({index}/{count})")
 
         self.graphs = None
         if cuda_graphs:
             self.graphs = StepGraphs(
-                model, cache, max_num_seqs, max_model_len, on_capture, num_speculative_tokens, max_num_batched_tokens
+                model,
+                cache,
+                max_num_seqs,
+                max_model_len,
+                on_capture,
+                num_speculative_tokens,
+                max_num_batched_tokens,
             )
-        self.drafter = MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None
+        self.drafter = (
+            MtpDrafter(model, cache, num_speculative_tokens) if num_speculative_tokens else None
+        )
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> StepResult:
@@ -109,15 +123,24 @@ class ModelRunner:
             return logits, graphs.replayed.hidden, graphs.replayed
         lens, replayed = [len(t) for t in tokens], None
         if graphs is not None and graphs.fits_mixed(lens):
-            hidden, replayed = graphs.mixed_step(tokens, batch.locations, batch.starts, collectives), graphs.replayed
+            hidden, replayed = (
+                graphs.mixed_step(tokens, batch.locations, batch.starts, collectives),
+                graphs.replayed,
+            )
         else:
             view = self.cache.view(batch.locations, batch.starts, lens)
-            ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=view.positions.device)
+            ids = torch.tensor(
+                [t for seq in tokens for t in seq], dtype=torch.long, device=view.positions.device
+            )
             hidden = self.model.forward_hidden(ids, view.positions, lens, view)  # FULL [N, H]
-        logit_rows = [1 + len(s.drafts) if last else 0 for s, last in zip(batch.seqs, batch.samples)]
+        logit_rows = [
+            1 + len(s.drafts) if last else 0 for s, last in zip(batch.seqs, batch.samples)
+        ]
         rows = [r for end, m in zip(accumulate(lens), logit_rows) for r in range(end - m, end)]
         return (
-            self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long, device=hidden.device)),
+            self.model.compute_logits(
+                hidden, torch.tensor(rows, dtype=torch.long, device=hidden.device)
+            ),
             hidden,
             replayed,
         )
@@ -148,7 +171,11 @@ class ModelRunner:
                 committing.append((seq, True))
         most_tokens = iter(mask_by_grammars([s for s, last in committing if last], logits))
         chosen = self.sampler.sample(logits, rows, generated, preceding if any(preceding) else None)
-        accepted_of = self._accepted(batch, chosen.token_ids, spans[: len(batch.seqs)]) if any(preceding) else None
+        accepted_of = (
+            self._accepted(batch, chosen.token_ids, spans[: len(batch.seqs)])
+            if any(preceding)
+            else None
+        )
         wants_logprobs = any(s.request.sampling.logprobs is not None for s, _ in committing)
         result = StepResult([], [], [], logit_rows=[], logprobs=[] if wants_logprobs else None)
         for (seq, last), span in zip(committing, spans):
@@ -158,14 +185,20 @@ class ModelRunner:
                 if seq.drafts:
                     accepted = accepted_of[len(result.token_ids)]
                 candidates = choices[: min(accepted + 1, next(most_tokens))]
-                accepted = min(accepted, len(candidates))  # its grammar ended at a draft: none kept after it
+                accepted = min(
+                    accepted, len(candidates)
+                )  # its grammar ended at a draft: none kept after it
                 finite = all(chosen.finite[span][: len(candidates)])
                 if finite:
                     tokens, _ = seq.until_stop(candidates)
                     if seq.record_logits:
-                        recorded = [logits[j].cpu() for j in range(span.start, span.start + len(tokens))]
+                        recorded = [
+                            logits[j].cpu() for j in range(span.start, span.start + len(tokens))
+                        ]
                     if seq.request.sampling.logprobs is not None:
-                        logprobs = list(zip(chosen.logprobs[span], chosen.top_logprobs[span]))[: len(tokens)]
+                        logprobs = list(zip(chosen.logprobs[span], chosen.top_logprobs[span]))[
+                            : len(tokens)
+                        ]
             result.token_ids.append(tokens)
             result.accepted.append(accepted)
             result.finite.append(finite)
@@ -204,14 +237,20 @@ class ModelRunner:
                     size = min(PROMPT_LOGPROB_ROWS, predicting - first)
                     index = torch.arange(fed + first, fed + first + size, device=hidden.device)
                     logits = self.model.compute_logits(hidden, index)
-                    following = torch.tensor(prompt[start + first + 1 : start + first + 1 + size], device=hidden.device)
+                    following = torch.tensor(
+                        prompt[start + first + 1 : start + first + 1 + size], device=hidden.device
+                    )
                     got += prompt_logprobs(logits, following, seq.request.sampling.prompt_logprobs)
             out.append(got)
             fed += n
         return out
 
     def draft(
-        self, batch: ScheduledBatch, result: StepResult, hidden: torch.Tensor, replayed: CapturedStep | None
+        self,
+        batch: ScheduledBatch,
+        result: StepResult,
+        hidden: torch.Tensor,
+        replayed: CapturedStep | None,
     ) -> list[list[int]]:
         """The MTP layer catches up on every position the target fed and kept: a prompt chunk before the last
         only fills its cache rows; a sequence that committed tokens and goes on gets its next drafts; one that
@@ -219,9 +258,16 @@ class ModelRunner:
         `hidden`, `replayed`: the target's (`forward`); after a replayed decode step the drafter's graph
         follows, unless a sequence has a grammar (the eager drafter masks each draft step by the grammars).
         -> the drafts per scheduled sequence ([] for the others; a fork gets its first drafts after it fed)."""
-        if replayed is not None and replayed.draft is not None and all(seq.grammar is None for seq in batch.seqs):
+        if (
+            replayed is not None
+            and replayed.draft is not None
+            and all(seq.grammar is None for seq in batch.seqs)
+        ):
             return self.draft_replayed(batch, result)
-        to_draft, fed = [], 0  # (its index, first fed position, the token after each, the target's hidden there)
+        to_draft, fed = (
+            [],
+            0,
+        )  # (its index, first fed position, the token after each, the target's hidden there)
         sources = {source for _, source in batch.forks}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             tokens = result.token_ids[i]
@@ -229,8 +275,17 @@ class ModelRunner:
                 to_draft.append((i, seq.cached, seq.pending[1 : n + 1], hidden[fed : fed + n]))
             elif tokens and seq.until_stop(tokens)[1] is None:
                 verified = n - (len(seq.drafts) - result.accepted[i])
-                to_draft.append((i, seq.cached, seq.pending[1:verified] + [tokens[-1]], hidden[fed : fed + verified]))
-            elif i in sources and n > 1:  # it ends here, but its forks hold its prompt's blocks: their rows too
+                to_draft.append(
+                    (
+                        i,
+                        seq.cached,
+                        seq.pending[1:verified] + [tokens[-1]],
+                        hidden[fed : fed + verified],
+                    )
+                )
+            elif (
+                i in sources and n > 1
+            ):  # it ends here, but its forks hold its prompt's blocks: their rows too
                 to_draft.append((i, seq.cached, seq.pending[1:n], hidden[fed : fed + n - 1]))
             fed += n
         drafts = [[] for _ in batch.seqs]
@@ -239,7 +294,9 @@ class ModelRunner:
         phase, k = self.stats.phases["draft"], self.drafter.k
         with phase.measure():
             hidden_fed = [h for *_, h in to_draft] or [
-                torch.zeros(0, self.model.cfg.hidden_size, dtype=self.cache.dtype, device=self.cache.device)
+                torch.zeros(
+                    0, self.model.cfg.hidden_size, dtype=self.cache.dtype, device=self.cache.device
+                )
             ]
             grammars = None
             if any(batch.seqs[i].grammar is not None and batch.samples[i] for i, *_ in to_draft):
@@ -291,7 +348,9 @@ def mask_by_grammars(committing: list[Sequence], logits: torch.Tensor) -> list[i
     the dtype's lowest finite value (not -inf: the non-finite check that follows is for the model's NaN / inf).
     Rows of sequences without a grammar are untouched. -> per committing sequence, the most tokens it can
     commit (fewer than 1 + its drafts when its grammar ends at one of them)."""
-    masks = fill_bitmask([s.grammar for s in committing], logits.shape[-1], [s.drafts for s in committing])
+    masks = fill_bitmask(
+        [s.grammar for s in committing], logits.shape[-1], [s.drafts for s in committing]
+    )
     if masks is None:
         return [1 + len(s.drafts) for s in committing]
     apply_bitmask(logits, masks.bitmask, masks.rows)

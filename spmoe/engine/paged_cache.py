@@ -56,7 +56,10 @@ def field_widths(
 ) -> dict[str, tuple[int, torch.dtype]]:
     """Field of `PagedLayerCache` -> (values per token, dtype)."""
     e4m3 = torch.float8_e4m3fn
-    widths = {"latent": (cfg.kv_lora_rank, e4m3 if fp8 else dtype), "rope": (cfg.qk_rope_head_dim, dtype)}
+    widths = {
+        "latent": (cfg.kv_lora_rank, e4m3 if fp8 else dtype),
+        "rope": (cfg.qk_rope_head_dim, dtype),
+    }
     if fp8:
         widths["latent_scale"] = (cfg.kv_lora_rank // 128, torch.float32)
     if has_indexer:
@@ -66,12 +69,16 @@ def field_widths(
     return widths
 
 
-def token_bytes(cfg: ModelConfig, layers: dict[int, bool], dtype: torch.dtype, kv_cache_dtype: str) -> int:
+def token_bytes(
+    cfg: ModelConfig, layers: dict[int, bool], dtype: torch.dtype, kv_cache_dtype: str
+) -> int:
     """Cache bytes one token takes over `layers` (attention layer index -> whether it runs the indexer)."""
     return sum(
         width * field_dtype.itemsize
         for has_indexer in layers.values()
-        for width, field_dtype in field_widths(cfg, has_indexer, dtype, kv_cache_dtype == "fp8").values()
+        for width, field_dtype in field_widths(
+            cfg, has_indexer, dtype, kv_cache_dtype == "fp8"
+        ).values()
     )
 
 
@@ -95,7 +102,9 @@ def check_paged_budget(
     a block of every layer, and (a budget in GiB) the longest sequence (`longest` tokens with its new tokens
     and drafts) fits the whole cache."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        raise ValueError(
+            f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
+        )
     if gib is not None and memory_fraction is not None:
         raise ValueError(
             f"give the KV cache budget as --kv-cache-memory or --gpu-memory-utilization, not both; "
@@ -116,7 +125,9 @@ def check_paged_budget(
             f"--kv-cache-memory {gib} GiB holds no block: one block of {BLOCK_SIZE} tokens in each of "
             f"the {len(model_layers(cfg, with_mtp))} attention layers takes {per_token * BLOCK_SIZE} B"
         )
-    check_sequence_fits(longest, blocks * BLOCK_SIZE, f"--kv-cache-memory {gib} GiB", "--kv-cache-memory")
+    check_sequence_fits(
+        longest, blocks * BLOCK_SIZE, f"--kv-cache-memory {gib} GiB", "--kv-cache-memory"
+    )
 
 
 def check_sequence_fits(longest: int, capacity_tokens: int, budget: str, flag: str) -> None:
@@ -180,7 +191,9 @@ class PagedKVCache:
         """layers: attention layer index -> whether it runs the indexer. As many blocks as `budget_bytes`
         holds (the scratch block comes on top)."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
+            )
         self.fp8 = kv_cache_dtype == "fp8"
         if self.fp8 and cfg.kv_lora_rank % 128:
             raise ValueError(
@@ -205,10 +218,14 @@ class PagedKVCache:
         self.num_blocks = budget_bytes // block_bytes
         self.scratch_block = self.num_blocks
         rows = (self.num_blocks + 1) * BLOCK_SIZE
-        self.layers = {layer: self._allocate(rows, has_indexer) for layer, has_indexer in layers.items()}
+        self.layers = {
+            layer: self._allocate(rows, has_indexer) for layer, has_indexer in layers.items()
+        }
 
     @classmethod
-    def for_model(cls, model: nn.Module, budget_bytes: int, kv_cache_dtype: str = "auto") -> "PagedKVCache":
+    def for_model(
+        cls, model: nn.Module, budget_bytes: int, kv_cache_dtype: str = "auto"
+    ) -> "PagedKVCache":
         """A cache for every attention layer in `model` (the MTP layer's included), in the model's dtype."""
         cfg, layers, dtype, device = cache_layout(model)
         return cls(cfg, layers, budget_bytes, dtype, device, kv_cache_dtype)
@@ -227,7 +244,9 @@ class PagedKVCache:
     def _allocate(self, rows: int, has_indexer: bool) -> PagedLayerCache:
         fields = {
             name: torch.zeros(rows, width, dtype=dtype, device=self.device)
-            for name, (width, dtype) in field_widths(self.cfg, has_indexer, self.dtype, self.fp8).items()
+            for name, (width, dtype) in field_widths(
+                self.cfg, has_indexer, self.dtype, self.fp8
+            ).items()
         }
         if self.fp8:  # zero rows must dequantise to zero, and stay finite: scales of 1
             for name in ("latent_scale", "index_scale"):
@@ -243,11 +262,15 @@ class PagedKVCache:
 
     # -- views ------------------------------------------------------------------------------------------------
 
-    def view(self, block_tables: list[list[int]], starts: list[int], lens: list[int]) -> "PagedCacheView":
+    def view(
+        self, block_tables: list[list[int]], starts: list[int], lens: list[int]
+    ) -> "PagedCacheView":
         """One forward in which sequence i (blocks `block_tables[i]`, `starts[i]` tokens already cached) adds
         `lens[i]` new tokens at positions `starts[i] ...`, laid end to end."""
         check_room(block_tables, starts, lens)
-        width = max((len(t) for t in block_tables), default=1)  # an empty batch (a DP rank in step): [0, 1]
+        width = max(
+            (len(t) for t in block_tables), default=1
+        )  # an empty batch (a DP rank in step): [0, 1]
         tables = torch.tensor(
             [t + [self.scratch_block] * (width - len(t)) for t in block_tables], dtype=torch.int32
         ).view(len(block_tables), width)
@@ -256,11 +279,16 @@ class PagedKVCache:
                 f"block ids must be in [0, {self.scratch_block}] (the cache's {self.num_blocks} blocks and its "
                 f"scratch block), got {tables.min().item()} .. {tables.max().item()}"
             )
-        seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
-        positions = torch.cat(
-            [torch.zeros(0, dtype=torch.long)] + [torch.arange(s, s + n) for s, n in zip(starts, lens)]
+        seq_index = torch.repeat_interleave(
+            torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long)
         )
-        return self.decode_view(tables.to(self.device), seq_index.to(self.device), positions.to(self.device))
+        positions = torch.cat(
+            [torch.zeros(0, dtype=torch.long)]
+            + [torch.arange(s, s + n) for s, n in zip(starts, lens)]
+        )
+        return self.decode_view(
+            tables.to(self.device), seq_index.to(self.device), positions.to(self.device)
+        )
 
     def decode_view(
         self, block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor
@@ -269,7 +297,9 @@ class PagedKVCache:
         seq_index and positions `[N]` int64. Shapes depend on N, S and max_blocks alone and nothing is read back
         to the host, so a CUDA graph can capture it. A pad row: a sequence whose table is all `scratch_block`,
         at position 0."""
-        blocks = block_tables.long()[seq_index].gather(1, (positions // BLOCK_SIZE)[:, None]).squeeze(1)
+        blocks = (
+            block_tables.long()[seq_index].gather(1, (positions // BLOCK_SIZE)[:, None]).squeeze(1)
+        )
         slot_mapping = blocks * BLOCK_SIZE + positions % BLOCK_SIZE
         allowed = torch.zeros(positions.shape[0], 0, dtype=torch.bool, device=positions.device)
         return PagedCacheView(self, block_tables, seq_index, positions, slot_mapping, allowed)

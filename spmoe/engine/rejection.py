@@ -32,7 +32,9 @@ import torch
 from spmoe.engine.sampling import race
 
 
-def accept_drafts(draft_ids: torch.Tensor, num_drafts: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
+def accept_drafts(
+    draft_ids: torch.Tensor, num_drafts: torch.Tensor, choices: torch.Tensor
+) -> torch.Tensor:
     """The one-hot drafter's rule. draft_ids `[S, K]` int64 (row i's first `num_drafts[i]` are real, the rest
     padding), choices `[S, K + 1]` int64: the target's own draw at each fed position (`race`, or the argmax of
     a greedy row) -> accepted `[S]` int64: the leading drafts equal to the target's draw before them.

@@ -68,8 +68,12 @@ class EngineMetrics:
     prefix_cache_hits: int = 0
     preemptions: int = 0
     steps: int = 0  # engine steps run
-    steps_compiling: int = 0  # of those, steps in which a kernel compiled or a CUDA graph was captured
-    kernel_compiles: int = 0  # Triton kernel variants loaded in the process (`stats.KernelCompiles`)
+    steps_compiling: int = (
+        0  # of those, steps in which a kernel compiled or a CUDA graph was captured
+    )
+    kernel_compiles: int = (
+        0  # Triton kernel variants loaded in the process (`stats.KernelCompiles`)
+    )
     graph_captures: int = 0  # CUDA graphs captured
     compiles_after_ready: int = 0  # kernel compiles and graph captures since the engine was warm
     drafts: int = 0
@@ -91,7 +95,13 @@ class EngineMetrics:
             sum(m.preemptions for m in parts),
             *(
                 sum(getattr(m, name) for m in parts)
-                for name in ("steps", "steps_compiling", "kernel_compiles", "graph_captures", "compiles_after_ready")
+                for name in (
+                    "steps",
+                    "steps_compiling",
+                    "kernel_compiles",
+                    "graph_captures",
+                    "compiles_after_ready",
+                )
             ),
             sum(m.drafts for m in parts),
             [sum(counts) for counts in zip(*(m.accepted_per_position for m in parts))],

@@ -79,7 +79,9 @@ class SamplingParams:
 
     def __post_init__(self):
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.seed < 2**63:
@@ -98,7 +100,9 @@ class SamplingParams:
             )
         for token, bias in self.logit_bias:
             if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}")
+                raise ValueError(
+                    f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}"
+                )
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -174,7 +178,9 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs / noise).argmax(-1)
 
 
-def draw_tokens(logits: torch.Tensor, at: torch.Tensor, keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def draw_tokens(
+    logits: torch.Tensor, at: torch.Tensor, keys: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
     """logits `[m, V]` float32; at `[s]` int64: the rows that draw; keys `[s, 2]` and index `[s]` of each drawing
     row (as for `noise_bits`) -> `[s]` int64: its token, raced over softmax(logits[at[j]]) with its noise. On
     CUDA with triton one kernel that hashes the noise in registers (`seeded_race_triton`: the same noise, the
@@ -213,9 +219,13 @@ class Sampler:
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str = "cpu"):
         if max_rows < 1 or vocab_size < 1:
-            raise ValueError(f"the sampler needs max_rows >= 1 and vocab_size >= 1, got {max_rows}, {vocab_size}")
+            raise ValueError(
+                f"the sampler needs max_rows >= 1 and vocab_size >= 1, got {max_rows}, {vocab_size}"
+            )
         self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, torch.device(device)
-        self.params: list[SamplingParams | None] = [None] * max_rows  # host copy: decides which processors run
+        self.params: list[SamplingParams | None] = [
+            None
+        ] * max_rows  # host copy: decides which processors run
         self._free = list(range(max_rows - 1, -1, -1))
 
         def column(value: float, dtype=torch.float32) -> torch.Tensor:
@@ -231,12 +241,18 @@ class Sampler:
         self.stop_ids = torch.full((max_rows, 0), -1, dtype=torch.int64, device=self.device)
         # `[max_rows, V]`, made when the first request with a penalty arrives (most servers never need them)
         self.output_counts: torch.Tensor | None = None  # int32: times each token was generated
-        self.prompt_mask: torch.Tensor | None = None  # bool: the token is in the prompt (repetition penalty)
+        self.prompt_mask: torch.Tensor | None = (
+            None  # bool: the token is in the prompt (repetition penalty)
+        )
 
     # -- rows ----------------------------------------------------------------------------------------------
 
     def add(
-        self, params: SamplingParams, prompt: list[int], stop_ids: tuple[int, ...] = (), output: list[int] = ()
+        self,
+        params: SamplingParams,
+        prompt: list[int],
+        stop_ids: tuple[int, ...] = (),
+        output: list[int] = (),
     ) -> int:
         """Take a row for a sequence with these settings. `stop_ids`: the ids `min_tokens` holds back (its eos
         and stop token ids); `output`: the tokens it already generated (a preempted sequence coming back).
@@ -249,7 +265,10 @@ class Sampler:
             (self.temperature, 0.0 if params.greedy else params.temperature),
             (self.top_p, params.top_p),
             (self.min_p, params.min_p),
-            (self.top_k, min(params.top_k, self.vocab_size)),  # more is all of them; any int fits int64 so
+            (
+                self.top_k,
+                min(params.top_k, self.vocab_size),
+            ),  # more is all of them; any int fits int64 so
             (self.min_tokens, min(params.min_tokens, 2**62)),  # no client's value fails the write
             (self.presence, params.presence_penalty),
             (self.frequency, params.frequency_penalty),
@@ -263,12 +282,18 @@ class Sampler:
         )
         self._set_list(self.bias_ids, row, [token for token, _ in params.logit_bias])
         self.bias_values[row] = 0.0
-        self.bias_values[row, : len(params.logit_bias)] = torch.tensor([b for _, b in params.logit_bias])
+        self.bias_values[row, : len(params.logit_bias)] = torch.tensor(
+            [b for _, b in params.logit_bias]
+        )
         self.stop_ids = self._widen(self.stop_ids, len(stop_ids) if params.min_tokens else 0)
         self._set_list(self.stop_ids, row, list(stop_ids) if params.min_tokens else [])
         if params.penalised and self.output_counts is None:
-            self.output_counts = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.int32, device=self.device)
-            self.prompt_mask = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.bool, device=self.device)
+            self.output_counts = torch.zeros(
+                self.max_rows, self.vocab_size, dtype=torch.int32, device=self.device
+            )
+            self.prompt_mask = torch.zeros(
+                self.max_rows, self.vocab_size, dtype=torch.bool, device=self.device
+            )
         if self.output_counts is not None:
             self.output_counts[row] = 0
             self.prompt_mask[row] = False
@@ -311,10 +336,14 @@ class Sampler:
         are computed from, and `finite` `[m]` bool). Rows that are not finite are processed as zeros. The
         second tensor is the first one when no row changes it further."""
         params = self._params_of(rows)
-        index = torch.tensor([rows, generated], dtype=torch.int64).to(self.device, non_blocking=True)
+        index = torch.tensor([rows, generated], dtype=torch.int64).to(
+            self.device, non_blocking=True
+        )
         row, done = index[0], index[1]
         raw_finite = torch.isfinite(logits).all(-1)
-        out = torch.where(raw_finite[:, None], logits.to(torch.float32), 0.0)  # a copy: the caller's stays
+        out = torch.where(
+            raw_finite[:, None], logits.to(torch.float32), 0.0
+        )  # a copy: the caller's stays
         if any(p.min_tokens > g for p, g in zip(params, generated)):
             suppress_tokens(out, self.stop_ids[row], done < self.min_tokens[row])
         if any(p.logit_bias for p in params):
@@ -323,14 +352,25 @@ class Sampler:
             counts = self.output_counts[row]
             if preceding is not None and any(preceding):
                 width = max(len(d) for d in preceding)
-                drafts = torch.tensor([d + [-1] * (width - len(d)) for d in preceding], dtype=torch.int64)
+                drafts = torch.tensor(
+                    [d + [-1] * (width - len(d)) for d in preceding], dtype=torch.int64
+                )
                 drafts = drafts.to(self.device, non_blocking=True)
                 counts = counts.scatter_add(1, drafts.clamp(min=0), (drafts >= 0).to(counts.dtype))
             repeats = any(p.repetition_penalty != 1 for p in params)
             prompt_mask = self.prompt_mask[row] if repeats else None
-            apply_penalties(out, counts, prompt_mask, self.presence[row], self.frequency[row], self.repetition[row])
+            apply_penalties(
+                out,
+                counts,
+                prompt_mask,
+                self.presence[row],
+                self.frequency[row],
+                self.repetition[row],
+            )
         finite = raw_finite & (out > float("-inf")).any(-1)
-        if all(p.greedy or p.temperature == 1 for p in params) and not any(p.min_p or p.truncated for p in params):
+        if all(p.greedy or p.temperature == 1 for p in params) and not any(
+            p.min_p or p.truncated for p in params
+        ):
             return out, out, finite
         drawn = scale_by_temperature(out.clone(), self.temperature[row])
         if any(p.min_p for p in params):
@@ -355,8 +395,12 @@ class Sampler:
                 f"{len(rows)} and {len(generated)}"
             )
         plain = all(p.greedy and p.logprobs is None for p in params)
-        if plain and not any(p.min_tokens > g or p.logit_bias or p.penalised for p, g in zip(params, generated)):
-            return _without_logprobs(logits.argmax(-1), torch.isfinite(logits).all(-1))  # what greedy always was
+        if plain and not any(
+            p.min_tokens > g or p.logit_bias or p.penalised for p, g in zip(params, generated)
+        ):
+            return _without_logprobs(
+                logits.argmax(-1), torch.isfinite(logits).all(-1)
+            )  # what greedy always was
         best, drawn, finite = self.process(logits, rows, generated, preceding)
         ids = best.argmax(-1)
         sampled = [j for j, p in enumerate(params) if not p.greedy]
@@ -364,7 +408,11 @@ class Sampler:
             # one transfer; each list padded to an even length, so that every one starts 16-byte aligned whatever
             # the count (Triton compiles a kernel per alignment of its pointers: no new compile after warm-up)
             pad = [0] * (len(sampled) % 2)
-            picked = [sampled + pad, [generated[j] for j in sampled] + pad, [rows[j] for j in sampled] + pad]
+            picked = [
+                sampled + pad,
+                [generated[j] for j in sampled] + pad,
+                [rows[j] for j in sampled] + pad,
+            ]
             picked = torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)
             at, index, row = picked[:, : len(sampled)]
             ids = ids.index_copy(0, at, draw_tokens(drawn, at, self.keys[row], index))
@@ -373,22 +421,35 @@ class Sampler:
             return _without_logprobs(ids, finite)
         m, a, width = len(params), len(asked), max(params[j].logprobs for j in asked)
         source, chosen_ids = drawn, ids
-        if a < m:  # the rows that asked only: log_softmax and topk are per row, the others' would be dropped
+        if (
+            a < m
+        ):  # the rows that asked only: log_softmax and topk are per row, the others' would be dropped
             where = torch.tensor(asked, dtype=torch.int64).to(self.device, non_blocking=True)
             source, chosen_ids = drawn[where], ids[where]
         logprobs = torch.log_softmax(source, dim=-1)  # [a, V]
-        parts = [ids.double(), finite.double(), logprobs.gather(1, chosen_ids[:, None])[:, 0].double()]
+        parts = [
+            ids.double(),
+            finite.double(),
+            logprobs.gather(1, chosen_ids[:, None])[:, 0].double(),
+        ]
         if width:
             top = logprobs.topk(width, dim=-1)  # [a, width]
             parts += [top.indices.flatten().double(), top.values.flatten().double()]
-        flat = torch.cat(parts).tolist()  # the one host transfer: ids, flags, then the asking rows' logprobs
+        flat = torch.cat(
+            parts
+        ).tolist()  # the one host transfer: ids, flags, then the asking rows' logprobs
         chosen, tops = [None] * m, [None] * m
         top_ids, top_values = flat[2 * m + a : 2 * m + a + a * width], flat[2 * m + a + a * width :]
         for n, j in enumerate(asked):
             k, first = params[j].logprobs, n * width
             chosen[j] = flat[2 * m + n]
-            tops[j] = [(int(t), v) for t, v in zip(top_ids[first : first + k], top_values[first : first + k])]
-        return SampledTokens([int(t) for t in flat[:m]], [bool(f) for f in flat[m : 2 * m]], chosen, tops)
+            tops[j] = [
+                (int(t), v)
+                for t, v in zip(top_ids[first : first + k], top_values[first : first + k])
+            ]
+        return SampledTokens(
+            [int(t) for t in flat[:m]], [bool(f) for f in flat[m : 2 * m]], chosen, tops
+        )
 
     # -- helpers -------------------------------------------------------------------------------------------
 
@@ -401,7 +462,9 @@ class Sampler:
     def _widen(self, table: torch.Tensor, width: int, pad: float = -1) -> torch.Tensor:
         if width <= table.shape[1]:
             return table
-        extra = torch.full((self.max_rows, width - table.shape[1]), pad, dtype=table.dtype, device=self.device)
+        extra = torch.full(
+            (self.max_rows, width - table.shape[1]), pad, dtype=table.dtype, device=self.device
+        )
         return torch.cat([table, extra], dim=1)
 
     @staticmethod
@@ -418,7 +481,9 @@ def _without_logprobs(ids: torch.Tensor, finite: torch.Tensor) -> SampledTokens:
     return SampledTokens(picked[0], [bool(f) for f in picked[1]], none, none)
 
 
-def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> list[tuple[float, list]]:
+def prompt_logprobs(
+    logits: torch.Tensor, next_ids: torch.Tensor, k: int
+) -> list[tuple[float, list]]:
     """logits `[n, V]` at n prompt positions, next_ids `[n]` the prompt token that follows each -> per
     position (logprob of that token, its k most likely (token id, logprob)), the model's raw distribution,
     in one host transfer."""
@@ -428,4 +493,6 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> lis
         top = logprobs.topk(k, dim=-1)
         columns += [top.indices.double(), top.values.double()]
     table = torch.cat(columns, dim=1).tolist()
-    return [(line[0], [(int(t), v) for t, v in zip(line[1 : 1 + k], line[1 + k :])]) for line in table]
+    return [
+        (line[0], [(int(t), v) for t, v in zip(line[1 : 1 + k], line[1 + k :])]) for line in table
+    ]

@@ -98,7 +98,9 @@ class SlotRoom:
         """A slot for `seq` (`reuse`: what the deciding rank found cached, 0 here). -> 0: nothing of it is
         cached."""
         if reuse:
-            raise ValueError(f"the slot cache keeps no prefix; the deciding rank reuses {reuse} tokens")
+            raise ValueError(
+                f"the slot cache keeps no prefix; the deciding rank reuses {reuse} tokens"
+            )
         seq.cache_id = self.cache.allocate()
         return 0
 
@@ -155,8 +157,12 @@ class BlockRoom:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.cache, self.max_num_seqs = cache, max_num_seqs
-        self.blocks = BlockManager(cache.num_blocks, cache.block_size, enable_prefix_caching, lookahead)
-        self.max_model_len = min(max_model_len or self.blocks.capacity_tokens, self.blocks.capacity_tokens)
+        self.blocks = BlockManager(
+            cache.num_blocks, cache.block_size, enable_prefix_caching, lookahead
+        )
+        self.max_model_len = min(
+            max_model_len or self.blocks.capacity_tokens, self.blocks.capacity_tokens
+        )
         self.peak_blocks = 0  # the most blocks in use at once
         self._next_id = 0
 
@@ -202,12 +208,16 @@ class BlockRoom:
         or the `reuse` tokens the deciding rank found (RuntimeError if this cache lacks them). -> the tokens of
         what it feeds (`pending`) already cached."""
         seq.cache_id, self._next_id = self._next_id, self._next_id + 1
-        cached = self.blocks.allocate(seq.cache_id, num_tokens, self._lookup(seq), seq.block_hashes, reuse)
+        cached = self.blocks.allocate(
+            seq.cache_id, num_tokens, self._lookup(seq), seq.block_hashes, reuse
+        )
         self._note_peak()
         return cached
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks.can_grow(seq.cache_id, max(0, num_tokens - self.blocks.reserved(seq.cache_id)))
+        return self.blocks.can_grow(
+            seq.cache_id, max(0, num_tokens - self.blocks.reserved(seq.cache_id))
+        )
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Room for `num_tokens` tokens of `seq` in all."""
@@ -272,10 +282,16 @@ class Scheduler:
         `keep_in_step`: schedule a step even with nothing to run (under DP every rank runs every step)."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        self.room, self.reserve_tokens, self.max_num_batched_tokens = room, reserve_tokens, max_num_batched_tokens
+        self.room, self.reserve_tokens, self.max_num_batched_tokens = (
+            room,
+            reserve_tokens,
+            max_num_batched_tokens,
+        )
         self.keep_in_step, self.sampler = keep_in_step, sampler
         if sampler.max_rows < room.max_num_seqs:
-            raise ValueError(f"the sampler has {sampler.max_rows} rows for up to {room.max_num_seqs} running sequences")
+            raise ValueError(
+                f"the sampler has {sampler.max_rows} rows for up to {room.max_num_seqs} running sequences"
+            )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.preemptions = 0
@@ -302,10 +318,14 @@ class Scheduler:
         (request id, tokens it reuses or `FORKED`), in order, which this scheduler follows instead of deciding: it
         admits exactly those, each with those cached tokens or as a fork, and raises RuntimeError where it cannot
         (the ranks diverged)."""
-        budget = self.max_num_batched_tokens - sum(len(s.pending) for s in self.running if not s.prefilling)
+        budget = self.max_num_batched_tokens - sum(
+            len(s.pending) for s in self.running if not s.prefilling
+        )
         work = []
         for seq in list(self.running):
-            if seq.cache_id < 0:  # preempted for an earlier sequence: no room (a list lookup would cost O(n))
+            if (
+                seq.cache_id < 0
+            ):  # preempted for an earlier sequence: no room (a list lookup would cost O(n))
                 continue
             count = len(seq.pending) if not seq.prefilling else min(len(seq.pending), budget)
             if count == 0:
@@ -342,7 +362,9 @@ class Scheduler:
         while self.waiting and len(self.running) < self.room.max_num_seqs:
             seq = self.waiting[0]
             source = self._fork_source(seq)
-            if source is not None:  # it waits for the source's prompt, and forks in the step that completes it
+            if (
+                source is not None
+            ):  # it waits for the source's prompt, and forks in the step that completes it
                 index = self._completing(source, work)
                 if index is None or not self.room.can_fork(seq):
                     break
@@ -361,7 +383,9 @@ class Scheduler:
             admitted.append((seq.request_id, cached))
         return admitted, forks
 
-    def _follow_admissions(self, admissions: list[tuple[str, int]], budget: int, work: list) -> tuple[list, list]:
+    def _follow_admissions(
+        self, admissions: list[tuple[str, int]], budget: int, work: list
+    ) -> tuple[list, list]:
         """Admit what the deciding rank admitted (`admissions`: request id, tokens reused or `FORKED`), each
         with those cached tokens or forked (RuntimeError where this rank's state cannot: the ranks diverged).
         -> `admissions` and the forks, as `_decide_admissions`."""
@@ -371,7 +395,12 @@ class Scheduler:
             full = len(self.running) >= self.room.max_num_seqs or (reuse != FORKED and budget <= 0)
             source = self._fork_source(seq) if seq is not None and reuse == FORKED else None
             index = self._completing(source, work) if source is not None else None
-            if seq is None or seq.request_id != request_id or full or (reuse == FORKED and index is None):
+            if (
+                seq is None
+                or seq.request_id != request_id
+                or full
+                or (reuse == FORKED and index is None)
+            ):
                 raise RuntimeError(
                     f"the deciding rank admits request {request_id!r} "
                     f"{'as a fork' if reuse == FORKED else f'with {reuse} cached tokens'}, but this rank's next "
@@ -381,13 +410,17 @@ class Scheduler:
             if reuse == FORKED:
                 forks.append((self._fork(seq, source), index))
             else:
-                budget -= self._admit(seq, min(len(seq.pending) - reuse, budget), reuse, reuse, work)
+                budget -= self._admit(
+                    seq, min(len(seq.pending) - reuse, budget), reuse, reuse, work
+                )
         return admissions, forks
 
     @staticmethod
     def _completing(source: Sequence, work: list) -> int | None:
         """The index in `work` of `source` if it feeds the rest of its prompt this step, else None."""
-        return next((i for i, (s, n) in enumerate(work) if s is source and n == len(s.pending)), None)
+        return next(
+            (i for i, (s, n) in enumerate(work) if s is source and n == len(s.pending)), None
+        )
 
     def _admit(self, seq: Sequence, count: int, cached: int, reuse: int | None, work: list) -> int:
         """Move the first waiting sequence `seq` to the running batch with room for its `cached` tokens and a
@@ -413,17 +446,29 @@ class Scheduler:
     def _take_sampler_row(self, seq: Sequence) -> None:
         """An admitted sequence takes its sampler row (a preempted one's output counted again)."""
         request = seq.request
-        seq.sample_row = self.sampler.add(request.sampling, request.prompt, request.eos_token_ids, seq.output)
+        seq.sample_row = self.sampler.add(
+            request.sampling, request.prompt, request.eos_token_ids, seq.output
+        )
 
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Commit a step's result. -> one output per sequence that sampled (a prompt chunk before the last
         commits nothing and has none)."""
         outputs, counted_rows, counted_tokens = [], [], []
-        forks = [seq for seq, _ in batch.forks]  # each fed nothing and drew its first token (after the others)
+        forks = [
+            seq for seq, _ in batch.forks
+        ]  # each fed nothing and drew its first token (after the others)
         for i, (seq, n, samples) in enumerate(
-            zip(batch.seqs + forks, batch.num_tokens + [0] * len(forks), batch.samples + [True] * len(forks))
+            zip(
+                batch.seqs + forks,
+                batch.num_tokens + [0] * len(forks),
+                batch.samples + [True] * len(forks),
+            )
         ):
-            if result.prompt_logprobs is not None and i < len(batch.seqs) and result.prompt_logprobs[i] is not None:
+            if (
+                result.prompt_logprobs is not None
+                and i < len(batch.seqs)
+                and result.prompt_logprobs[i] is not None
+            ):
                 seq.prompt_logprobs += result.prompt_logprobs[i]
             if not samples:  # a prompt chunk
                 seq.cached += n
@@ -448,7 +493,9 @@ class Scheduler:
                 counted_tokens += tokens
             if seq.record_logits:
                 seq.logits += result.logit_rows[i][: len(tokens)]
-            verified = n - (len(seq.drafts) - result.accepted[i])  # the fed positions whose rows stay valid
+            verified = n - (
+                len(seq.drafts) - result.accepted[i]
+            )  # the fed positions whose rows stay valid
             if reason is not None:
                 # the MTP drafter does not catch up on a finishing sequence: its last positions lack their row
                 self.room.cache_written(seq, seq.cached + (0 if self.reserve_tokens else verified))
@@ -463,7 +510,9 @@ class Scheduler:
             if reason is None:
                 self.room.cache_written(seq, seq.cached)
             seq.drafts = (
-                result.drafts[i] if result.drafts is not None and reason is None and i < len(batch.seqs) else []
+                result.drafts[i]
+                if result.drafts is not None and reason is None and i < len(batch.seqs)
+                else []
             )
             # a fork feeds next the rest of its prompt that it does not share, then its first token
             seq.pending = seq.request.prompt[seq.cached :] + [tokens[-1]] + seq.drafts
@@ -472,7 +521,9 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _advance_grammar(seq: Sequence, tokens: list[int], reason: str | None) -> tuple[list[int], str | None]:
+    def _advance_grammar(
+        seq: Sequence, tokens: list[int], reason: str | None
+    ) -> tuple[list[int], str | None]:
         """Walk `seq`'s grammar through the tokens it commits -> (those it keeps, its finish reason): "stop" once
         the grammar has taken its stop token (with `ignore_eos` that is no eos id), "error" for a token the
         grammar refuses (which its mask did not allow: it cannot happen)."""
@@ -486,7 +537,9 @@ class Scheduler:
 
     @staticmethod
     def _output(seq: Sequence, tokens: list[int]) -> RequestOutput:
-        return RequestOutput(seq.request_id, tokens, seq.finish_reason, seq.error, len(seq.request.prompt))
+        return RequestOutput(
+            seq.request_id, tokens, seq.finish_reason, seq.error, len(seq.request.prompt)
+        )
 
     def _fork_source(self, seq: Sequence) -> Sequence | None:
         """The running sequence that waiting `seq` forks from: the first one computing the same prompt for the
@@ -497,7 +550,14 @@ class Scheduler:
         if not self.room.forks or seq.output or seq.wants_prompt_logprobs:
             return None
         prompt = seq.request.prompt
-        return next((s for s in self.running if s.prefilling and not s.output and s.request.prompt == prompt), None)
+        return next(
+            (
+                s
+                for s in self.running
+                if s.prefilling and not s.output and s.request.prompt == prompt
+            ),
+            None,
+        )
 
     def _twin_prefilling(self, seq: Sequence, cached: int) -> bool:
         """Whether a running sequence still prefilling will write more full blocks that waiting `seq` begins
@@ -516,7 +576,9 @@ class Scheduler:
                 (i for i, (a, b) in enumerate(zip(twin.request.prompt, seq.pending)) if a != b),
                 min(len(twin.request.prompt), len(seq.pending)),
             )
-            if min(common, len(seq.pending) - 1) // size * size > cached:  # its last token is always computed
+            if (
+                min(common, len(seq.pending) - 1) // size * size > cached
+            ):  # its last token is always computed
                 return True
         return False
 

@@ -79,15 +79,21 @@ def _race_kernel(logits_ptr, stride_row, at_ptr, keys_ptr, index_ptr, out_ptr, v
     for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
         ids = start + cols
         x = tl.load(row_ptr + ids, mask=ids < vocab, other=float("-inf"))
-        ratio = tl.div_rn(tl.exp(x - row_max), exponential(noise_bits(a, b, ids)))  # IEEE division, as torch's
+        ratio = tl.div_rn(
+            tl.exp(x - row_max), exponential(noise_bits(a, b, ids))
+        )  # IEEE division, as torch's
         better = ratio > best
         best = tl.where(better, ratio, best)
         best_id = tl.where(better, ids, best_id)
     top = tl.max(best)
-    tl.store(out_ptr + j, tl.min(tl.where(best == top, best_id, vocab)).to(tl.int64))  # the first of the largest
+    tl.store(
+        out_ptr + j, tl.min(tl.where(best == top, best_id, vocab)).to(tl.int64)
+    )  # the first of the largest
 
 
-def seeded_race(logits: torch.Tensor, at: torch.Tensor, keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def seeded_race(
+    logits: torch.Tensor, at: torch.Tensor, keys: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
     """logits `[m, V]` float32 (rows may be strided, tokens contiguous); at `[s]` int64: the rows that draw;
     keys `[s, 2]` int64 (`sampling.seed_keys` of each drawing row's seed); index `[s]` int64 (the output index
     of the token it draws) -> `[s]` int64: the token each drawing row draws from softmax(logits[at[j]])."""

@@ -22,23 +22,33 @@ class Sequence:
 
     request: Request
     record_logits: bool = False  # keep the logits row `[V]` behind every generated token
-    grammar: SequenceGrammar | None = None  # structured output: where the sequence is in its grammar
+    grammar: SequenceGrammar | None = (
+        None  # structured output: where the sequence is in its grammar
+    )
     cache_id: int = -1  # its slot (slot cache) or block-table id (paged cache); -1: no room
     sample_row: int = -1  # its row of the engine's Sampler while it runs; -1: none
     cached: int = 0  # tokens of this sequence in the target's KV cache
     pending: list[int] = field(default_factory=list)  # what the next target forwards feed
     drafts: list[int] = field(default_factory=list)  # the tail of `pending` that MTP drafted
-    prefilling: bool = False  # `pending` is (the rest of) a prompt, fed in chunks; it samples after the last
+    prefilling: bool = (
+        False  # `pending` is (the rest of) a prompt, fed in chunks; it samples after the last
+    )
     output: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)  # `[V]` per committed token, when recorded
+    logits: list[torch.Tensor] = field(
+        default_factory=list
+    )  # `[V]` per committed token, when recorded
     finish_reason: str | None = None
     error: str | None = None  # why it finished with finish_reason "error"
     preemptions: int = 0
     # the prefix cache's chained hashes of its first blocks, as far as computed (its tokens are only appended
     # to, so they stay valid for its life: each block is hashed once, however often it is looked up)
     block_hashes: list[bytes] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # gathered chunk by chunk
-    prompt_logprobs_sent: bool = False  # they went out with its first tokens: a recompute needs none
+    prompt_logprobs: list[TokenLogprobs | None] = field(
+        default_factory=list
+    )  # gathered chunk by chunk
+    prompt_logprobs_sent: bool = (
+        False  # they went out with its first tokens: a recompute needs none
+    )
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -42,7 +42,9 @@ class StepPlan:
     """One iteration of the serving loop, the same on every rank."""
 
     command: str  # "step" (run one engine step), "idle" (the heartbeat: nothing to run), "shutdown"
-    new: list[tuple[Request, int]] = field(default_factory=list)  # requests and the DP group that runs each
+    new: list[tuple[Request, int]] = field(
+        default_factory=list
+    )  # requests and the DP group that runs each
     aborts: list[str] = field(default_factory=list)  # request ids
     # without DP, in a "step": the requests rank 0 admits and the prompt tokens each reuses from the prefix
     # cache, which every other rank follows; None under DP (each DP group's TP rank 0 decides for its group)
@@ -70,7 +72,9 @@ def schedule_in_group(engine) -> ScheduledBatch | None:
     first = state.dp_rank * state.tp_size  # the group's TP rank 0
     if state.tp_rank == 0:
         batch = engine.schedule()
-        broadcast_object(batch.admissions if batch is not None else [], state.tp_control_group, src=first)
+        broadcast_object(
+            batch.admissions if batch is not None else [], state.tp_control_group, src=first
+        )
         return batch
     return engine.schedule(broadcast_object(None, state.tp_control_group, src=first))
 
@@ -84,11 +88,15 @@ def finish_step(
     outputs = engine.run(batch) if plan.command == "step" else []
     if state.dp_size == 1:
         return (outputs, engine.metrics()) if state.rank == 0 else None
-    parts = gather_object((outputs, engine.metrics()) if state.tp_rank == 0 else None, state.control_group)
+    parts = gather_object(
+        (outputs, engine.metrics()) if state.tp_rank == 0 else None, state.control_group
+    )
     if state.rank != 0:
         return None
     per_dp = parts[:: state.tp_size]  # TP rank 0 of each DP group
-    return [out for outs, _ in per_dp for out in outs], EngineMetrics.combine([m for _, m in per_dp])
+    return [out for outs, _ in per_dp for out in outs], EngineMetrics.combine(
+        [m for _, m in per_dp]
+    )
 
 
 def worker_loop(engine) -> None:
@@ -99,7 +107,11 @@ def worker_loop(engine) -> None:
         apply_requests(engine, plan)
         batch = None
         if plan.command == "step":
-            batch = schedule_in_group(engine) if plan.admissions is None else engine.schedule(plan.admissions)
+            batch = (
+                schedule_in_group(engine)
+                if plan.admissions is None
+                else engine.schedule(plan.admissions)
+            )
         finish_step(engine, plan, batch)
         if plan.command == "shutdown":
             return

@@ -49,13 +49,17 @@ class MtpDrafter:
         view = self.cache.view(locations, starts, lens)
         ids = torch.tensor([t for seq in next_ids for t in seq], dtype=torch.long, device=device)
         last_rows = torch.tensor(lens, dtype=torch.long, device=device).cumsum(0) - 1
-        h = self.model.forward_draft_hidden(ids, view.positions, hidden, lens, view)[last_rows]  # [S, H]
+        h = self.model.forward_draft_hidden(ids, view.positions, hidden, lens, view)[
+            last_rows
+        ]  # [S, H]
         tokens = self.best(h, grammars)  # [S]
         drafts = [tokens]
         positions, ones = [s + n for s, n in zip(starts, lens)], [1] * len(locations)
         for _ in range(self.k - 1):
             view = self.cache.view(locations, positions, ones)
-            h = self.model.forward_draft_hidden(tokens, view.positions, h, ones, view)  # recycle the post-norm hidden
+            h = self.model.forward_draft_hidden(
+                tokens, view.positions, h, ones, view
+            )  # recycle the post-norm hidden
             tokens = self.best(h, grammars)
             drafts.append(tokens)
             positions = [p + 1 for p in positions]

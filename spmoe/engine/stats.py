@@ -61,7 +61,9 @@ class KernelCompiles:
         previous = triton.knobs.runtime.jit_post_compile_hook
 
         def counted(*args, **kwargs):
-            cls.names.append(str(kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "a Triton kernel")))
+            cls.names.append(
+                str(kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "a Triton kernel"))
+            )
             if previous is not None:
                 return previous(*args, **kwargs)
             return None

@@ -33,10 +33,16 @@ import triton
 import triton.language as tl
 
 # constexpr globals: the kernel's functions read them as compile-time constants
-BLOCK = tl.constexpr(4096)  # tokens a full pass reads per step: 8 a thread at 16 warps (8192 spills registers)
+BLOCK = tl.constexpr(
+    4096
+)  # tokens a full pass reads per step: 8 a thread at 16 warps (8192 spills registers)
 STAGES = tl.constexpr(3)  # a full pass's loads are pipelined this deep (the row streams from L2)
-GROUP = tl.constexpr(4)  # weights added in float32 four at a time, then in float64 (one conversion per four)
-CAP = tl.constexpr(4096)  # at most this many tokens left in the interval: gathered once, the search ends in registers
+GROUP = tl.constexpr(
+    4
+)  # weights added in float32 four at a time, then in float64 (one conversion per four)
+CAP = tl.constexpr(
+    4096
+)  # at most this many tokens left in the interval: gathered once, the search ends in registers
 NUM_WARPS = 16
 
 
@@ -134,7 +140,9 @@ def _largest_passing(
             x = tl.load(row_ptr + start + cols, mask=valid, other=float("-inf"))
             inside = (valid & (x >= low) & (x <= high)).to(tl.int32)
             slot = filled + tl.cumsum(inside, 0) - 1
-            tl.store(scratch_ptr + slot, x, mask=(inside > 0) & (slot < CAP))  # slot < CAP: NaN rows stay inside
+            tl.store(
+                scratch_ptr + slot, x, mask=(inside > 0) & (slot < CAP)
+            )  # slot < CAP: NaN rows stay inside
             filled += tl.sum(inside)
         tl.debug_barrier()  # the gathered tokens, written by every thread, read back by every thread
         index = tl.arange(0, CAP)
@@ -189,14 +197,20 @@ def _threshold_kernel(
                 row_max,
                 False,
             )
-        if by_p & (row_max > float("-inf")):  # of the tokens >= that, the largest v whose tokens >= v hold top_p
+        if by_p & (
+            row_max > float("-inf")
+        ):  # of the tokens >= that, the largest v whose tokens >= v hold top_p
             kept, count, _, _ = _tally_row(row_ptr, vocab, threshold, row_max, True)
             target = p.to(tl.float64) * kept
-            threshold = _largest_passing(row_ptr, scratch_ptr, vocab, threshold, row_max, count, target, row_max, True)
+            threshold = _largest_passing(
+                row_ptr, scratch_ptr, vocab, threshold, row_max, count, target, row_max, True
+            )
     tl.store(out_ptr + row, threshold)
 
 
-def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def top_k_top_p_threshold(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """logits `[m, V]` float32 (rows may be strided, tokens contiguous); top_k `[m]` (0: off); top_p `[m]` in
     (0, 1] (1: off) -> `[m, 1]` float32: per row the smallest logit `apply_top_k_top_p` keeps (-inf where the
     row keeps everything)."""
@@ -209,7 +223,9 @@ def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torc
     top_k = top_k.to(torch.int64).contiguous()
     top_p = top_p.to(torch.float32).contiguous()
     if top_k.shape != (m,) or top_p.shape != (m,):
-        raise ValueError(f"top_k and top_p need {m} values each, got {tuple(top_k.shape)} and {tuple(top_p.shape)}")
+        raise ValueError(
+            f"top_k and top_p need {m} values each, got {tuple(top_k.shape)} and {tuple(top_p.shape)}"
+        )
     out = torch.empty(m, 1, dtype=torch.float32, device=logits.device)
     if m:
         scratch = torch.empty(m, CAP.value, dtype=torch.float32, device=logits.device)

@@ -79,7 +79,9 @@ def fold_dotted(argv: list[str], options: tuple[str, ...]) -> list[str]:
             if dot:
                 keys = path.split(".")
                 if not all(keys):
-                    raise ValueError(f"{flag}: expected {base}.KEY with a non-empty key, got {flag!r}")
+                    raise ValueError(
+                        f"{flag}: expected {base}.KEY with a non-empty key, got {flag!r}"
+                    )
                 for key in keys[:-1]:
                     target = target.setdefault(key, {})
                     if not isinstance(target, dict):
@@ -90,7 +92,9 @@ def fold_dotted(argv: list[str], options: tuple[str, ...]) -> list[str]:
         else:
             out.append(arg)
         i += 1
-    for base, at in sorted(first_at.items(), key=lambda item: -item[1]):  # from the end: positions hold
+    for base, at in sorted(
+        first_at.items(), key=lambda item: -item[1]
+    ):  # from the end: positions hold
         out.insert(at + 1, json.dumps(merged[base]))
     return out
 
@@ -136,7 +140,9 @@ class SpeculativeConfig:
             )
         drafts = config.get("num_speculative_tokens", 1)
         if not isinstance(drafts, int) or isinstance(drafts, bool) or drafts < 1:
-            raise ValueError(f"{option}: num_speculative_tokens must be an integer >= 1, got {drafts!r}")
+            raise ValueError(
+                f"{option}: num_speculative_tokens must be an integer >= 1, got {drafts!r}"
+            )
         return cls(drafts)
 
 
@@ -155,7 +161,12 @@ def parse_kv_cache_dtype(text: str) -> str:
 
 # `--dtype`: the names vLLM takes that spmoe computes in; float16 has no kernels here.
 DTYPE_NAMES = {"auto": "auto", "bfloat16": "bfloat16", "float32": "float32", "float": "float32"}
-CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "bfloat16", "float8_e4m3fn": "bfloat16"}
+CHECKPOINT_DTYPES = {
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "float16": "bfloat16",
+    "float8_e4m3fn": "bfloat16",
+}
 
 
 def resolve_dtype(text: str, raw_config: dict, device: str) -> str:
@@ -172,7 +183,9 @@ def resolve_dtype(text: str, raw_config: dict, device: str) -> str:
     if stated is None:
         return "float32"
     if stated not in CHECKPOINT_DTYPES:
-        raise ValueError(f"--dtype auto: the checkpoint's torch_dtype {stated!r} is not one spmoe computes in")
+        raise ValueError(
+            f"--dtype auto: the checkpoint's torch_dtype {stated!r} is not one spmoe computes in"
+        )
     return CHECKPOINT_DTYPES[stated]
 
 
@@ -202,4 +215,6 @@ def check_quantization(method: str | None, raw_config: dict) -> None:
 
 def check_block_size(size: int | None) -> None:
     if size is not None and size != BLOCK_SIZE:
-        raise ValueError(f"--block-size {size}: spmoe's paged cache has blocks of {BLOCK_SIZE} tokens only")
+        raise ValueError(
+            f"--block-size {size}: spmoe's paged cache has blocks of {BLOCK_SIZE} tokens only"
+        )

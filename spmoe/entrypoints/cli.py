@@ -128,11 +128,16 @@ def add_model_args(p, engine_options: tuple[str, ...] | None = None) -> None:
     """The options `forward` and `generate` share: the checkpoint, the engine options (`engine_options`: only
     those), the input."""
     p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
-    p.add_argument("--input-ids", required=True, help="JSON list of token-id lists, one per sequence")
+    p.add_argument(
+        "--input-ids", required=True, help="JSON list of token-id lists, one per sequence"
+    )
     EngineArgs.add_cli_args(p, engine_options)
 
 
-DOTTED_OPTIONS = ("--speculative-config", "--hf-overrides")  # JSON options vLLM also takes as dotted keys
+DOTTED_OPTIONS = (
+    "--speculative-config",
+    "--hf-overrides",
+)  # JSON options vLLM also takes as dotted keys
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -150,28 +155,46 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("selfcheck", help="check the sequence-parallel layout primitives on local ranks")
+    p = sub.add_parser(
+        "selfcheck", help="check the sequence-parallel layout primitives on local ranks"
+    )
     p.add_argument("--ranks", type=int, default=2, help="number of local ranks (default 2)")
     p.set_defaults(func=cmd_selfcheck)
-    p = sub.add_parser("demo", help="generate with a built-in tiny GLM-5.2-shaped model on 2 ranks, SP off and on")
+    p = sub.add_parser(
+        "demo", help="generate with a built-in tiny GLM-5.2-shaped model on 2 ranks, SP off and on"
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size: 2 * dp ranks (default 1)")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("forward", help="one forward pass of a checkpoint on local ranks; save the logits")
+    p = sub.add_parser(
+        "forward", help="one forward pass of a checkpoint on local ranks; save the logits"
+    )
     add_model_args(p, LAYOUT_OPTIONS)
-    p.add_argument("--save-logits", required=True, help="output .safetensors with one tensor 'logits' [N, V]")
+    p.add_argument(
+        "--save-logits", required=True, help="output .safetensors with one tensor 'logits' [N, V]"
+    )
     p.add_argument("--stats", help="output JSON: rank 0's collectives {kind: {count, bytes}}")
     p.set_defaults(func=cmd_forward)
-    p = sub.add_parser("generate", help="generate tokens after prompts on local ranks (or under torchrun)")
+    p = sub.add_parser(
+        "generate", help="generate tokens after prompts on local ranks (or under torchrun)"
+    )
     add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i samples from seed + i)")
-    p.add_argument("--eos-id", type=int, action="append", help="stop token (repeatable; default: the config's)")
-    p.add_argument("--output", required=True, help='output JSON: {"outputs": [[ids...], ...], "stats": {...}}')
+    p.add_argument(
+        "--seed", type=int, default=0, help="sampling seed (prompt i samples from seed + i)"
+    )
+    p.add_argument(
+        "--eos-id", type=int, action="append", help="stop token (repeatable; default: the config's)"
+    )
+    p.add_argument(
+        "--output", required=True, help='output JSON: {"outputs": [[ids...], ...], "stats": {...}}'
+    )
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on local ranks (default: the demo model)")
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server on local ranks (default: the demo model)"
+    )
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
@@ -180,7 +203,9 @@ def main(argv=None) -> int:
     except (RankFailed, ValueError, FileNotFoundError, OSError, FloatingPointError) as e:
         print(f"spmoe {args.command}: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
         return 1
-    except Stopped as e:  # SIGTERM / SIGINT while ranks ran: the launcher has ended every one of them
+    except (
+        Stopped
+    ) as e:  # SIGTERM / SIGINT while ranks ran: the launcher has ended every one of them
         print(f"spmoe {args.command}: {e}; every rank was ended", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:  # Ctrl-C with no rank running (or in a torchrun worker)

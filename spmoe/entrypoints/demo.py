@@ -112,13 +112,21 @@ def write_demo_tokenizer(folder: Path) -> None:
     the `tokenizers` library as `tokenizer.json` + `tokenizer_config.json` (with the chat template)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = iter(range(256, 512))  # byte-level BPE's convention: unprintable bytes map to chr(256 + k)
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = iter(
+        range(256, 512)
+    )  # byte-level BPE's convention: unprintable bytes map to chr(256 + k)
     byte_chars = [chr(b) if b in printable else chr(next(others)) for b in range(256)]
     tokenizer = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(byte_chars)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
@@ -146,7 +154,11 @@ def ensure_checkpoint(folder: Path) -> bool:
 
     write_demo_tokenizer(folder)
     config = folder / "config.json"
-    if config.is_file() and (folder / "model.safetensors").is_file() and json.loads(config.read_text()) == CONFIG:
+    if (
+        config.is_file()
+        and (folder / "model.safetensors").is_file()
+        and json.loads(config.read_text()) == CONFIG
+    ):
         return False
     spawn(write_random_checkpoint, 1, CONFIG, folder, SEED)
     return True
@@ -225,7 +237,8 @@ def run_demo(device: str = "cpu", dp: int = 1) -> int:
         cells = "".join(
             f"{c['count'] / decode['forwards']:>{w - 7}.0f}/{c['bytes'] / decode['forwards'] / 1024:<6.1f}"
             for c, w in zip(
-                (decode["collectives"][k] for k in ("all_reduce", "all_gather", "reduce_scatter")), (12, 14, 16)
+                (decode["collectives"][k] for k in ("all_reduce", "all_gather", "reduce_scatter")),
+                (12, 14, 16),
             )
         )
         diff = max((a - b).abs().max().item() for a, b in zip(gen.logits, reference.logits))
@@ -254,22 +267,46 @@ def show_server(device: str, dp: int) -> int:
     """Start `spmoe serve` on the demo checkpoint, send it one chat request, print the reply, stop it with
     SIGTERM."""
     port = free_port()
-    command = ["spmoe", "serve", "--tp", str(TP), "--dp", str(dp), "--device", device, "--port", str(port)]
+    command = [
+        "spmoe",
+        "serve",
+        "--tp",
+        str(TP),
+        "--dp",
+        str(dp),
+        "--device",
+        device,
+        "--port",
+        str(port),
+    ]
     print(f"\nThe server: {' '.join(command)}", flush=True)
-    server = subprocess.Popen([sys.executable, "-m", *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen(
+        [sys.executable, "-m", *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     # a SIGTERM to the demo unwinds through the `finally` below, which stops the server and its ranks
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         ready = _echo_until_ready(server)
         if ready is None:
-            print(f"error: spmoe serve did not come up (exit code {server.poll()})", file=sys.stderr)
+            print(
+                f"error: spmoe serve did not come up (exit code {server.poll()})", file=sys.stderr
+            )
             return 1
-        threading.Thread(target=_echo_until_ready, args=(server,), daemon=True).start()  # later lines
-        body = {"model": "spmoe-demo", "messages": CHAT, "max_tokens": SERVE_MAX_TOKENS, "temperature": 0}
+        threading.Thread(
+            target=_echo_until_ready, args=(server,), daemon=True
+        ).start()  # later lines
+        body = {
+            "model": "spmoe-demo",
+            "messages": CHAT,
+            "max_tokens": SERVE_MAX_TOKENS,
+            "temperature": 0,
+        }
         print(f"POST {ready}/chat/completions {json.dumps(body)}", flush=True)
         began = time.perf_counter()
         request = urllib.request.Request(
-            f"{ready}/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            f"{ready}/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=120) as response:
             reply = json.load(response)

@@ -14,7 +14,9 @@ def _rank_forward(model_dir: str, parallel: ParallelConfig, dtype: str, seqs: li
 
     state = get_parallel_state()
     model = load_model(model_dir, parallel, DTYPES[dtype], state.device)
-    ids, positions, seq_lens = flatten(split_for_dp(seqs, state.dp_rank, state.dp_size), state.device)
+    ids, positions, seq_lens = flatten(
+        split_for_dp(seqs, state.dp_rank, state.dp_size), state.device
+    )
     with torch.no_grad(), count_collectives() as stats:
         logits = model(ids, positions, seq_lens).cpu()
     per_seq = gather_from_dp(list(logits.split(seq_lens)), state.dp_size)
@@ -40,10 +42,23 @@ def check_forward(
 
 
 def run_forward(
-    model_dir: str, parallel: ParallelConfig, seqs: list[list[int]], dtype: str = "float32", device: str = "cpu"
+    model_dir: str,
+    parallel: ParallelConfig,
+    seqs: list[list[int]],
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> tuple[torch.Tensor, dict]:
     """-> (logits `[total tokens, vocab]` float32, rank 0's collective counts) on rank 0; None on the other
     ranks under torchrun. seqs: valid token ids (`jobs.read_input_ids` checks a file's). Validates before
     starting any rank."""
     check_forward(ModelConfig.from_file(model_dir), parallel, seqs, device)
-    return launch(_rank_forward, parallel.world_size, model_dir, parallel, dtype, seqs, config=parallel, device=device)
+    return launch(
+        _rank_forward,
+        parallel.world_size,
+        model_dir,
+        parallel,
+        dtype,
+        seqs,
+        config=parallel,
+        device=device,
+    )

@@ -46,22 +46,36 @@ def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOption
     None on the other ranks."""
     state, args = get_parallel_state(), opts.engine
     model = args.load_model(model_dir, state.device)
-    mine = split_for_dp(prompts, state.dp_rank, state.dp_size)  # this DP rank's prompts (maybe none)
+    mine = split_for_dp(
+        prompts, state.dp_rank, state.dp_size
+    )  # this DP rank's prompts (maybe none)
     sampling = split_for_dp(per_prompt(opts.sampling, len(prompts)), state.dp_rank, state.dp_size)
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress and state.rank == 0 else None
+    log = (
+        (lambda line: print(line, file=sys.stderr, flush=True))
+        if opts.progress and state.rank == 0
+        else None
+    )
     engine = args.build_engine(model, opts.cache_slots(len(mine)), opts.cache_len(prompts), log)
     warm_up(engine, log)
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
     prompt_tokens = sum(map(len, mine))
     live_terminal = sys.stderr.isatty()
-    line_start = "\r\x1b[K" if live_terminal else ""  # on a terminal: back to the line's start, clear it
+    line_start = (
+        "\r\x1b[K" if live_terminal else ""
+    )  # on a terminal: back to the line's start, clear it
 
-    def show(done: int, live: int, prefilled: int) -> None:  # rewritten in place on a terminal, else every 5 s
+    def show(
+        done: int, live: int, prefilled: int
+    ) -> None:  # rewritten in place on a terminal, else every 5 s
         now = time.perf_counter()
         if now - last[0] >= (0.5 if live_terminal else 5.0) or live == 0:
             last[0] = now
-            prefill = f"prefilled {prefilled}/{prompt_tokens} prompt tokens, " if prefilled < prompt_tokens else ""
+            prefill = (
+                f"prefilled {prefilled}/{prompt_tokens} prompt tokens, "
+                if prefilled < prompt_tokens
+                else ""
+            )
             print(
                 f"{line_start}generating: {prefill}{done}/{budget} tokens, {live} live "
                 f"sequences, {done / (now - began):.1f} tokens/s",
@@ -82,15 +96,22 @@ def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOption
     logits = gather_from_dp(gen.logits, state.dp_size) if opts.record_logits else None
     if state.rank != 0:
         return None
-    generated = sum(map(len, outputs))  # every DP rank's tokens; the ranks step together, so rank 0's clock
+    generated = sum(
+        map(len, outputs)
+    )  # every DP rank's tokens; the ranks step together, so rank 0's clock
     gen.stats.update(
-        generated_tokens=generated, tokens_per_s=generated / gen.stats["seconds"], data_parallel_size=state.dp_size
+        generated_tokens=generated,
+        tokens_per_s=generated / gen.stats["seconds"],
+        data_parallel_size=state.dp_size,
     )
     return Generation(outputs, gen.stats, logits)
 
 
 def check_generate(
-    cfg: ModelConfig, prompts: list[list[int]], opts: GenerateOptions, outputs: dict[str, str] | None = None
+    cfg: ModelConfig,
+    prompts: list[list[int]],
+    opts: GenerateOptions,
+    outputs: dict[str, str] | None = None,
 ) -> None:
     """Every check of a generate job, before any rank starts or any weight loads: the engine options against
     the checkpoint (`EngineArgs.check`), the output paths (`outputs`: option name -> path the caller will
@@ -104,7 +125,9 @@ def check_generate(
         check_writable(path, option)
     for eos in opts.eos_token_ids or ():
         if not 0 <= eos < cfg.vocab_size:
-            raise ValueError(f"--eos-id {eos} is not a token id: expected an int in [0, {cfg.vocab_size})")
+            raise ValueError(
+                f"--eos-id {eos} is not a token id: expected an int in [0, {cfg.vocab_size})"
+            )
     check_prompts(prompts, cfg.vocab_size, opts.max_new_tokens, drafts, cache_len)
     check_positions(
         longest,
@@ -116,11 +139,19 @@ def check_generate(
         return  # sized from the free GPU memory, or a budget the user chose (checked by `EngineArgs.check`)
     # the dense cache, and on CPU the default paged cache, which holds what the slot cache would
     slots = opts.cache_slots(math.ceil(len(prompts) / args.dp))
-    check_kv_cache_memory(cfg, drafts > 0, slots, cache_len, args.dtype, args.device, args.tp * args.dp)
+    check_kv_cache_memory(
+        cfg, drafts > 0, slots, cache_len, args.dtype, args.device, args.tp * args.dp
+    )
 
 
 def check_kv_cache_memory(
-    cfg: ModelConfig, with_mtp: bool, slots: int, max_len: int, dtype: str, device: str, world_size: int
+    cfg: ModelConfig,
+    with_mtp: bool,
+    slots: int,
+    max_len: int,
+    dtype: str,
+    device: str,
+    world_size: int,
 ) -> None:
     """Raise if the KV cache alone cannot fit, before anything is allocated. Each rank holds a whole cache.
 
@@ -134,9 +165,15 @@ def check_kv_cache_memory(
     }
     per_rank = KVCache.size_bytes(cfg, layers, slots, max_len, DTYPES[dtype])
     if device == "cuda":
-        ranks, available, where = 1, torch.cuda.get_device_properties(0).total_memory, "one GPU's total memory"
+        ranks, available, where = (
+            1,
+            torch.cuda.get_device_properties(0).total_memory,
+            "one GPU's total memory",
+        )
     else:
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "WORLD_SIZE" in os.environ else world_size
+        ranks = (
+            int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "WORLD_SIZE" in os.environ else world_size
+        )
         available, where = _cpu_memory_available(), "MemAvailable"
     if per_rank * ranks > available:
         raise ValueError(
@@ -166,5 +203,11 @@ def run_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOptions
     check_generate(opts.engine.model_config(model_dir), prompts, opts)
     parallel = opts.engine.parallel_config()
     return launch(
-        rank_generate, parallel.world_size, model_dir, prompts, opts, config=parallel, device=opts.engine.device
+        rank_generate,
+        parallel.world_size,
+        model_dir,
+        prompts,
+        opts,
+        config=parallel,
+        device=opts.engine.device,
     )

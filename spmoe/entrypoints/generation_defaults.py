@@ -25,11 +25,15 @@ FIELDS = {
 
 @dataclass(frozen=True)
 class GenerationDefaults:
-    values: dict = field(default_factory=dict)  # request field -> default, only those the model states
+    values: dict = field(
+        default_factory=dict
+    )  # request field -> default, only those the model states
     source: str = "none"  # where they came from, for the log
 
     @classmethod
-    def load(cls, mode: str, model_dir: str | Path, overrides: dict | None = None) -> "GenerationDefaults":
+    def load(
+        cls, mode: str, model_dir: str | Path, overrides: dict | None = None
+    ) -> "GenerationDefaults":
         """`mode`: "auto" (the model folder's file, if it has one), "vllm" (no file), or a folder that must
         hold generation_config.json. `overrides`: generation_config.json names set over the file's."""
         raw, source = {}, "none"
@@ -62,7 +66,10 @@ class GenerationDefaults:
     def apply(self, request: dict, given: set[str]) -> dict:
         """`request` (field -> value) with this model's default for every field not in `given` (the fields
         the client sent)."""
-        return {**request, **{name: value for name, value in self.values.items() if name not in given}}
+        return {
+            **request,
+            **{name: value for name, value in self.values.items() if name not in given},
+        }
 
     def describe(self) -> str:
         """The defaults in force, for the log."""
@@ -86,7 +93,9 @@ def _check(name: str, value, source: str) -> None:
     """Raise unless `value` is a number in the range the request field takes."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if name in ("top_k", "max_new_tokens"):
-        ok = ok and isinstance(value, int) and (value >= 1 or (name == "top_k" and value in (0, -1)))
+        ok = (
+            ok and isinstance(value, int) and (value >= 1 or (name == "top_k" and value in (0, -1)))
+        )
     elif name == "top_p":
         ok = ok and 0 < value <= 1
     elif name == "min_p":

@@ -28,10 +28,14 @@ def read_input_ids(path: str | Path, vocab_size: int) -> list[list[int]]:
         )
     for i, seq in enumerate(seqs):
         if not isinstance(seq, list) or not seq:
-            raise ValueError(f"{path}: sequence {i} must be a non-empty list of token ids, got {str(seq)[:40]}")
+            raise ValueError(
+                f"{path}: sequence {i} must be a non-empty list of token ids, got {str(seq)[:40]}"
+            )
         for tok in seq:
             if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab_size:
-                raise ValueError(f"{path}: sequence {i} has token id {tok!r}, expected an int in [0, {vocab_size})")
+                raise ValueError(
+                    f"{path}: sequence {i} has token id {tok!r}, expected an int in [0, {vocab_size})"
+                )
     return seqs
 
 
@@ -48,7 +52,9 @@ def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
     try:
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(temporary, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask)  # as open() would
+        os.chmod(
+            temporary, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask
+        )  # as open() would
         write(Path(temporary))
         os.replace(temporary, path)
     except BaseException:
@@ -84,7 +90,8 @@ def flatten(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, 
     """-> input_ids `[N]`, positions `[N]` (restarting at 0 per sequence), seq_lens. No sequences: N = 0."""
     ids = torch.tensor([tok for seq in seqs for tok in seq], dtype=torch.long, device=device)
     positions = torch.cat(
-        [torch.zeros(0, dtype=torch.long, device=device)] + [torch.arange(len(seq), device=device) for seq in seqs]
+        [torch.zeros(0, dtype=torch.long, device=device)]
+        + [torch.arange(len(seq), device=device) for seq in seqs]
     )
     return ids, positions, [len(seq) for seq in seqs]
 
@@ -100,7 +107,9 @@ def gather_from_dp(mine: list, dp_size: int) -> list | None:
     state = get_parallel_state()
     if dp_size == 1:
         return mine
-    shares = gather_object(mine if state.tp_rank == 0 else None, state.control_group)  # one copy per DP group
+    shares = gather_object(
+        mine if state.tp_rank == 0 else None, state.control_group
+    )  # one copy per DP group
     if state.rank != 0:
         return None
     per_dp = shares[:: state.tp_size]  # TP rank 0 of each DP group

@@ -11,7 +11,12 @@ from pathlib import Path
 
 CONFIG_FILES = ["config.json", "generation_config.json"]
 WEIGHT_FILES = ["*.safetensors", "model.safetensors.index.json"]
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+]
 
 
 def resolve_model(
@@ -30,20 +35,34 @@ def resolve_model(
     if folder.is_dir():
         return folder
     if folder.exists():
-        raise ValueError(f"{option} {name}: expected a checkpoint folder or a Hugging Face model id, got a file")
+        raise ValueError(
+            f"{option} {name}: expected a checkpoint folder or a Hugging Face model id, got a file"
+        )
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:
-        raise ValueError(f"{option} {name}: no such folder (and not a Hugging Face model id, which is ORG/NAME)")
+        raise ValueError(
+            f"{option} {name}: no such folder (and not a Hugging Face model id, which is ORG/NAME)"
+        )
     needed = {"config.json": ["config.json"]}
     if weights:
         needed["*.safetensors"] = ["*.safetensors"]
     if tokenizer:
-        needed["tokenizer.json or tokenizer_config.json"] = ["tokenizer.json", "tokenizer_config.json"]
-    patterns = CONFIG_FILES + (WEIGHT_FILES if weights else []) + (TOKENIZER_FILES if tokenizer else [])
+        needed["tokenizer.json or tokenizer_config.json"] = [
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
+    patterns = (
+        CONFIG_FILES + (WEIGHT_FILES if weights else []) + (TOKENIZER_FILES if tokenizer else [])
+    )
     return _snapshot(name, revision, download_dir, patterns, needed, option)
 
 
 def _snapshot(
-    name: str, revision: str | None, download_dir: str | None, patterns: list[str], needed: dict, option: str
+    name: str,
+    revision: str | None,
+    download_dir: str | None,
+    patterns: list[str],
+    needed: dict,
+    option: str,
 ) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
@@ -54,10 +73,16 @@ def _snapshot(
     try:
         cached = Path(
             snapshot_download(
-                name, revision=revision, cache_dir=download_dir, allow_patterns=patterns, local_files_only=True
+                name,
+                revision=revision,
+                cache_dir=download_dir,
+                allow_patterns=patterns,
+                local_files_only=True,
             )
         )
-        missing = [what for what, globs in needed.items() if not any(any(cached.glob(g)) for g in globs)]
+        missing = [
+            what for what, globs in needed.items() if not any(any(cached.glob(g)) for g in globs)
+        ]
         if not missing:
             return cached
     except HFValidationError as e:
@@ -72,13 +97,19 @@ def _snapshot(
             f"HF_HUB_OFFLINE is set, so nothing is downloaded"
         )
     try:
-        folder = Path(snapshot_download(name, revision=revision, cache_dir=download_dir, allow_patterns=patterns))
+        folder = Path(
+            snapshot_download(
+                name, revision=revision, cache_dir=download_dir, allow_patterns=patterns
+            )
+        )
     except (OSError, ValueError) as e:  # the hub's HTTP errors are OSErrors; connection errors too
         raise ValueError(
             f"{option} {name}{at}: no such folder, and the Hugging Face Hub did not provide it: "
             f"{type(e).__name__}: {_first_line(e)}"
         ) from None
-    missing = [what for what, globs in needed.items() if not any(any(folder.glob(g)) for g in globs)]
+    missing = [
+        what for what, globs in needed.items() if not any(any(folder.glob(g)) for g in globs)
+    ]
     if missing:
         raise ValueError(f"{option} {name}{at}: the Hugging Face repository has no {missing[0]}")
     return folder

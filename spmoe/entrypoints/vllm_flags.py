@@ -29,7 +29,9 @@ class VllmFlag:
     instead: str = ""  # refused: what to do instead
     value: str | None = None  # the flag takes a value (its metavar); None: a switch
     allowed: Callable[[str], bool] | None = None  # refused: values that are accepted after all
-    declared_here: bool = False  # noted flags that spmoe has nothing to do for: this module accepts them
+    declared_here: bool = (
+        False  # noted flags that spmoe has nothing to do for: this module accepts them
+    )
 
 
 def _is(*values: str) -> Callable[[str], bool]:
@@ -38,12 +40,31 @@ def _is(*values: str) -> Callable[[str], bool]:
 
 VLLM_FLAGS = (
     # The model and where it comes from.
-    VllmFlag(("model",), "taken", "positional, as `vllm serve MODEL` (`--model` too): a folder or a Hugging Face id"),
-    VllmFlag(("--tokenizer",), "taken", "a folder or Hugging Face id with a separate tokenizer", value="NAME"),
+    VllmFlag(
+        ("model",),
+        "taken",
+        "positional, as `vllm serve MODEL` (`--model` too): a folder or a Hugging Face id",
+    ),
+    VllmFlag(
+        ("--tokenizer",),
+        "taken",
+        "a folder or Hugging Face id with a separate tokenizer",
+        value="NAME",
+    ),
     VllmFlag(("--revision",), "taken", "the Hugging Face branch, tag or commit", value="REV"),
     VllmFlag(("--download-dir",), "taken", "the Hugging Face cache folder to use", value="DIR"),
-    VllmFlag(("--served-model-name",), "taken", "several names: the first is reported, all are listed", value="NAME"),
-    VllmFlag(("--trust-remote-code",), "noted", "accepted: spmoe runs no code from the checkpoint", declared_here=True),
+    VllmFlag(
+        ("--served-model-name",),
+        "taken",
+        "several names: the first is reported, all are listed",
+        value="NAME",
+    ),
+    VllmFlag(
+        ("--trust-remote-code",),
+        "noted",
+        "accepted: spmoe runs no code from the checkpoint",
+        declared_here=True,
+    ),
     VllmFlag(
         ("--tokenizer-mode",),
         "refused",
@@ -53,10 +74,27 @@ VLLM_FLAGS = (
         value="MODE",
         allowed=_is("auto", "hf"),
     ),
-    VllmFlag(("--hf-overrides",), "taken", "JSON (or dotted keys) merged into config.json", value="JSON"),
-    VllmFlag(("--generation-config",), "taken", "auto (generation_config.json), vllm (none) or a folder", value="SRC"),
-    VllmFlag(("--override-generation-config",), "taken", "JSON set over generation_config.json", value="JSON"),
-    VllmFlag(("--load-format",), "noted", "auto, safetensors, or dummy (random weights from the config)", value="FMT"),
+    VllmFlag(
+        ("--hf-overrides",), "taken", "JSON (or dotted keys) merged into config.json", value="JSON"
+    ),
+    VllmFlag(
+        ("--generation-config",),
+        "taken",
+        "auto (generation_config.json), vllm (none) or a folder",
+        value="SRC",
+    ),
+    VllmFlag(
+        ("--override-generation-config",),
+        "taken",
+        "JSON set over generation_config.json",
+        value="JSON",
+    ),
+    VllmFlag(
+        ("--load-format",),
+        "noted",
+        "auto, safetensors, or dummy (random weights from the config)",
+        value="FMT",
+    ),
     VllmFlag(
         ("--dtype",),
         "noted",
@@ -71,7 +109,12 @@ VLLM_FLAGS = (
     ),
     # Parallelism.
     VllmFlag(("--tensor-parallel-size", "-tp"), "taken", "ranks per DP group (`--tp`)", value="N"),
-    VllmFlag(("--data-parallel-size", "-dp"), "taken", "DP groups (`--dp`); experts split over all ranks", value="N"),
+    VllmFlag(
+        ("--data-parallel-size", "-dp"),
+        "taken",
+        "DP groups (`--dp`); experts split over all ranks",
+        value="N",
+    ),
     VllmFlag(
         ("--enable-expert-parallel",),
         "noted",
@@ -131,7 +174,9 @@ VLLM_FLAGS = (
         "expert load balancing",
         "experts are placed statically, an equal share on every rank; leave the flag out",
     ),
-    VllmFlag(("--eplb-config",), "refused", "expert load balancing", "leave the flag out", value="JSON"),
+    VllmFlag(
+        ("--eplb-config",), "refused", "expert load balancing", "leave the flag out", value="JSON"
+    ),
     VllmFlag(("--enable-dbo",), "refused", "dual-batch overlap", "leave the flag out"),
     # Memory, batching, the KV cache.
     VllmFlag(
@@ -147,9 +192,24 @@ VLLM_FLAGS = (
         "requests decoded at once per DP group; default 256 on CUDA, 8 on the CPU",
         value="N",
     ),
-    VllmFlag(("--max-num-batched-tokens",), "taken", "tokens one step feeds; prompts prefill in chunks", value="N"),
-    VllmFlag(("--gpu-memory-utilization",), "noted", "the share of GPU memory free after the weights", value="F"),
-    VllmFlag(("--kv-cache-dtype",), "noted", "auto, fp8 or fp8_e4m3 (e4m3 with a scale per 128 values)", value="T"),
+    VllmFlag(
+        ("--max-num-batched-tokens",),
+        "taken",
+        "tokens one step feeds; prompts prefill in chunks",
+        value="N",
+    ),
+    VllmFlag(
+        ("--gpu-memory-utilization",),
+        "noted",
+        "the share of GPU memory free after the weights",
+        value="F",
+    ),
+    VllmFlag(
+        ("--kv-cache-dtype",),
+        "noted",
+        "auto, fp8 or fp8_e4m3 (e4m3 with a scale per 128 values)",
+        value="T",
+    ),
     VllmFlag(("--block-size",), "noted", "64 only (the paged cache's block)", value="N"),
     VllmFlag(
         ("--enable-chunked-prefill",),
@@ -163,9 +223,19 @@ VLLM_FLAGS = (
         "turning chunked prefill off",
         "leave the flag out: spmoe always prefills long prompts in chunks",
     ),
-    VllmFlag(("--enable-prefix-caching",), "taken", "on by default: full prompt blocks are reused across requests"),
+    VllmFlag(
+        ("--enable-prefix-caching",),
+        "taken",
+        "on by default: full prompt blocks are reused across requests",
+    ),
     VllmFlag(("--no-enable-prefix-caching",), "taken", "turns prefix caching off"),
-    VllmFlag(("--swap-space",), "noted", "accepted: spmoe keeps no CPU swap space", value="GIB", declared_here=True),
+    VllmFlag(
+        ("--swap-space",),
+        "noted",
+        "accepted: spmoe keeps no CPU swap space",
+        value="GIB",
+        declared_here=True,
+    ),
     VllmFlag(
         ("--cpu-offload-gb",),
         "refused",
@@ -175,8 +245,15 @@ VLLM_FLAGS = (
         allowed=_is("0"),
     ),
     # Execution.
-    VllmFlag(("--seed",), "taken", "seeds the sampling seeds of requests that give none (a run repeats)", value="N"),
-    VllmFlag(("--enforce-eager",), "noted", "turns off the decode CUDA graphs (on by default on CUDA)"),
+    VllmFlag(
+        ("--seed",),
+        "taken",
+        "seeds the sampling seeds of requests that give none (a run repeats)",
+        value="N",
+    ),
+    VllmFlag(
+        ("--enforce-eager",), "noted", "turns off the decode CUDA graphs (on by default on CUDA)"
+    ),
     VllmFlag(
         ("--compilation-config", "-O"),
         "refused",
@@ -203,8 +280,15 @@ VLLM_FLAGS = (
         "MTP only (method mtp, deepseek_mtp or glm4_moe_mtp), as JSON or dotted keys; greedy and sampled requests",
         value="JSON",
     ),
-    VllmFlag(("--enable-lora",), "refused", "LoRA adapters", "merge the adapter into the checkpoint"),
-    VllmFlag(("--enable-sleep-mode",), "refused", "sleep mode", "stop the server (SIGTERM) and start it again"),
+    VllmFlag(
+        ("--enable-lora",), "refused", "LoRA adapters", "merge the adapter into the checkpoint"
+    ),
+    VllmFlag(
+        ("--enable-sleep-mode",),
+        "refused",
+        "sleep mode",
+        "stop the server (SIGTERM) and start it again",
+    ),
     VllmFlag(
         ("--kv-transfer-config",),
         "refused",
@@ -215,7 +299,12 @@ VLLM_FLAGS = (
     # The OpenAI front end.
     VllmFlag(("--host",), "taken", "the address to listen on (default 127.0.0.1)", value="HOST"),
     VllmFlag(("--port",), "taken", "the port (default 8000)", value="PORT"),
-    VllmFlag(("--chat-template",), "taken", "a Jinja file or the template itself, over the tokenizer's", value="T"),
+    VllmFlag(
+        ("--chat-template",),
+        "taken",
+        "a Jinja file or the template itself, over the tokenizer's",
+        value="T",
+    ),
     VllmFlag(
         ("--chat-template-content-format",),
         "noted",
@@ -225,7 +314,9 @@ VLLM_FLAGS = (
     VllmFlag(("--reasoning-parser",), "taken", "GLM's <think> parser", value="NAME"),
     VllmFlag(("--tool-call-parser",), "taken", "GLM's tool-call parser", value="NAME"),
     VllmFlag(("--enable-auto-tool-choice",), "taken", "tool_choice auto"),
-    VllmFlag(("--uvicorn-log-level",), "taken", "uvicorn's log level (default warning)", value="LEVEL"),
+    VllmFlag(
+        ("--uvicorn-log-level",), "taken", "uvicorn's log level (default warning)", value="LEVEL"
+    ),
     VllmFlag(
         ("--disable-log-requests",),
         "noted",

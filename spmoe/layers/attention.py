@@ -28,11 +28,22 @@ from spmoe.config import ModelConfig
 from spmoe.layers.fused import use_fused
 from spmoe.layers.linear import Linear, MergedLinear
 from spmoe.layers.norm import RMSNorm
-from spmoe.layers.paged_rows import PagedKeyStore, quantize_index_vectors, write_index_key, write_latent_projection
+from spmoe.layers.paged_rows import (
+    PagedKeyStore,
+    quantize_index_vectors,
+    write_index_key,
+    write_latent_projection,
+)
 from spmoe.layers.quantization.fp8 import hadamard_matrix, hadamard_rotate
 from spmoe.layers.quantization.fp8_linear import fp8_head_matmul
 from spmoe.layers.rotary import Rotary
-from spmoe.layers.sparse_attention import head_matmul, indexer_topk, query_chunks, sparse_mla, visible_rows
+from spmoe.layers.sparse_attention import (
+    head_matmul,
+    indexer_topk,
+    query_chunks,
+    sparse_mla,
+    visible_rows,
+)
 
 
 class KeyStore(Protocol):
@@ -79,7 +90,11 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
 
     def forward(
-        self, wk_x: torch.Tensor, head_weights: torch.Tensor, q_latent: torch.Tensor, batch: AttentionBatch
+        self,
+        wk_x: torch.Tensor,
+        head_weights: torch.Tensor,
+        q_latent: torch.Tensor,
+        batch: AttentionBatch,
     ) -> torch.Tensor:
         """wk_x `[N, d]` (wk of the input), head_weights `[N, h]` (weights_proj of the input), q_latent
         `[N, q_lora]` -> selected `[N, K]` bool (top-k allowed keys per query); over a paged cache, the selected
@@ -91,9 +106,13 @@ class Indexer(nn.Module):
         k = batch.keys(self.layer_idx, "indexer", self._key(wk_x, batch.rotary)).float()  # [K, d]
         weights = head_weights.float() * cfg.index_n_heads**-0.5  # [N, h]
         selected = torch.zeros_like(batch.allowed)
-        for c in query_chunks(q.shape[0], k.shape[0] * (q.shape[1] + 3)):  # scores [n, h, K], index, its sort
+        for c in query_chunks(
+            q.shape[0], k.shape[0] * (q.shape[1] + 3)
+        ):  # scores [n, h, K], index, its sort
             scores = F.relu(torch.einsum("qhd,kd->qhk", q[c].float(), k) * cfg.index_head_dim**-0.5)
-            index = torch.einsum("qh,qhk->qk", weights[c], scores).masked_fill(~batch.allowed[c], float("-inf"))
+            index = torch.einsum("qh,qhk->qk", weights[c], scores).masked_fill(
+                ~batch.allowed[c], float("-inf")
+            )
             # a stable sort, so that tied scores (relu makes exact zeros common) pick the earliest positions,
             # whatever else shares the batch or the cache
             topk = index.sort(dim=-1, descending=True, stable=True).indices[:, : cfg.index_topk]
@@ -129,13 +148,22 @@ class Indexer(nn.Module):
         cfg = self.cfg
         self._write_key(wk_x, rotary, cache)
         if cache.block_tables.shape[1] * cache.block_size <= cfg.index_topk:
-            return visible_rows(cache.block_tables, cache.seq_index, cache.positions, cache.block_size)
+            return visible_rows(
+                cache.block_tables, cache.seq_index, cache.positions, cache.block_size
+            )
         q, weights, rows = self._query(q_latent, rotary), head_weights, cache.layer(self.layer_idx)
         if rows.index_scale is not None:
             q, q_scale = quantize_index_vectors(hadamard_rotate(q))  # [N, h, d], [N, h, 1]
             weights = head_weights * q_scale.squeeze(-1)
         return indexer_topk(
-            q, weights, rows, cache.block_tables, cache.seq_index, cache.positions, cfg.index_topk, cache.block_size
+            q,
+            weights,
+            rows,
+            cache.block_tables,
+            cache.seq_index,
+            cache.positions,
+            cfg.index_topk,
+            cache.block_size,
         )
 
     def _write_key(self, wk_x: torch.Tensor, rotary: Rotary, cache: PagedKeyStore) -> None:
@@ -184,7 +212,10 @@ class MLAttention(nn.Module):
         self.cfg, self.layer_idx = cfg, layer_idx
         self.local_heads = cfg.num_attention_heads // tp_size
         heads = cfg.num_attention_heads
-        projections = {"q_a_proj": cfg.q_lora_rank, "kv_a_proj_with_mqa": cfg.kv_lora_rank + cfg.qk_rope_head_dim}
+        projections = {
+            "q_a_proj": cfg.q_lora_rank,
+            "kv_a_proj_with_mqa": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+        }
         if has_indexer:
             projections |= dict(zip(Indexer.PROJECTIONS, (cfg.index_head_dim, cfg.index_n_heads)))
         self.x_proj = MergedLinear(cfg.hidden_size, projections)
@@ -192,7 +223,10 @@ class MLAttention(nn.Module):
         self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, tp_dim=0, tp_size=tp_size)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(
-            cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp_dim=0, tp_size=tp_size
+            cfg.kv_lora_rank,
+            heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+            tp_dim=0,
+            tp_size=tp_size,
         )
         self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size, tp_dim=1, tp_size=tp_size)
         self.indexer = Indexer(cfg, layer_idx) if has_indexer else None
@@ -201,7 +235,12 @@ class MLAttention(nn.Module):
         cfg, weight = self.cfg, self.x_proj.weight
         index_key = cfg.index_head_dim if self.indexer is not None else 0
         return CacheNeeds(
-            self.layer_idx, cfg.kv_lora_rank, cfg.qk_rope_head_dim, index_key, weight.dtype, weight.device
+            self.layer_idx,
+            cfg.kv_lora_rank,
+            cfg.qk_rope_head_dim,
+            index_key,
+            weight.dtype,
+            weight.device,
         )
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, selected: torch.Tensor | None):
@@ -218,30 +257,48 @@ class MLAttention(nn.Module):
         if isinstance(batch.cache, PagedKeyStore):  # normed, rotated and written in one go
             cache = batch.cache
             write_latent_projection(
-                cache.layer(self.layer_idx), cache.slot_mapping, kv_a, self.kv_a_layernorm, batch.rotary
+                cache.layer(self.layer_idx),
+                cache.slot_mapping,
+                kv_a,
+                self.kv_a_layernorm,
+                batch.rotary,
             )
             if self.indexer is not None:
-                selected = self.indexer(*(proj[name] for name in Indexer.PROJECTIONS), q_latent, batch)
+                selected = self.indexer(
+                    *(proj[name] for name in Indexer.PROJECTIONS), q_latent, batch
+                )
             return self.o_proj(self._sparse_absorbed(q, batch.cache, selected)), selected
         kv_latent, k_rope = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         kv_latent = self.kv_a_layernorm(kv_latent)  # [N, c]
         batch.rotary.rotate_(k_rope.unsqueeze(1), interleaved=True)  # [N, rope]
         latent = batch.keys(self.layer_idx, "mla", torch.cat([kv_latent, k_rope], dim=-1))
-        kv_latent, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)  # [K, c], [K, rope]
-        kv = self.kv_b_proj(kv_latent).view(latent.shape[0], heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
-        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)  # [K, h, nope], [K, h, v]
-        k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1)], dim=-1)  # [K, h, qk_head]
+        kv_latent, k_rope = latent.split(
+            [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1
+        )  # [K, c], [K, rope]
+        kv = self.kv_b_proj(kv_latent).view(
+            latent.shape[0], heads, cfg.qk_nope_head_dim + cfg.v_head_dim
+        )
+        k_nope, v = kv.split(
+            [cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1
+        )  # [K, h, nope], [K, h, v]
+        k = torch.cat(
+            [k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1)], dim=-1
+        )  # [K, h, qk_head]
         if self.indexer is not None:
             selected = self.indexer(*(proj[name] for name in Indexer.PROJECTIONS), q_latent, batch)
         out = torch.empty(n_tok, heads, cfg.v_head_dim, dtype=v.dtype, device=v.device)
-        for c in query_chunks(n_tok, heads * k.shape[0] * 3):  # scores [h, n, K], float32 and v's dtype probs
+        for c in query_chunks(
+            n_tok, heads * k.shape[0] * 3
+        ):  # scores [h, n, K], float32 and v's dtype probs
             scores = torch.einsum("qhd,khd->hqk", q[c], k) * cfg.attention_scale
             scores = scores.masked_fill(~selected[c], float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
             out[c] = torch.einsum("hqk,khd->qhd", probs, v)
         return self.o_proj(out.reshape(n_tok, heads * cfg.v_head_dim)), selected
 
-    def _sparse_absorbed(self, q: torch.Tensor, cache: PagedKeyStore, selected: torch.Tensor) -> torch.Tensor:
+    def _sparse_absorbed(
+        self, q: torch.Tensor, cache: PagedKeyStore, selected: torch.Tensor
+    ) -> torch.Tensor:
         """Absorbed MLA over the selected cache rows (this forward's rows already written): q `[N, h, qk_head]`,
         selected rows `[N, k]` -> `[N, h * v]`.
 
@@ -251,13 +308,21 @@ class MLAttention(nn.Module):
         cfg, heads, nope = self.cfg, self.local_heads, self.cfg.qk_nope_head_dim
         rows, kv_b = nope + cfg.v_head_dim, self.kv_b_proj
         if kv_b.is_fp8:
-            q_latent = fp8_head_matmul(q[..., :nope], kv_b.weight, kv_b.weight_scale, rows, 0, cfg.kv_lora_rank, True)
+            q_latent = fp8_head_matmul(
+                q[..., :nope], kv_b.weight, kv_b.weight_scale, rows, 0, cfg.kv_lora_rank, True
+            )
         else:
-            w_uk, w_uv = kv_b.weight.view(heads, rows, cfg.kv_lora_rank).split([nope, cfg.v_head_dim], dim=1)
+            w_uk, w_uv = kv_b.weight.view(heads, rows, cfg.kv_lora_rank).split(
+                [nope, cfg.v_head_dim], dim=1
+            )
             q_latent = head_matmul(q[..., :nope], w_uk)  # [N, h, c]
-        out = sparse_mla(q_latent, q[..., nope:], cache.layer(self.layer_idx), selected, cfg.attention_scale)
+        out = sparse_mla(
+            q_latent, q[..., nope:], cache.layer(self.layer_idx), selected, cfg.attention_scale
+        )
         if kv_b.is_fp8:
-            out = fp8_head_matmul(out, kv_b.weight, kv_b.weight_scale, rows, nope, cfg.v_head_dim, False)
+            out = fp8_head_matmul(
+                out, kv_b.weight, kv_b.weight_scale, rows, nope, cfg.v_head_dim, False
+            )
         else:
             out = head_matmul(out, w_uv.transpose(1, 2))  # [N, h, v]
         return out.reshape(q.shape[0], heads * cfg.v_head_dim)  # N may be 0 (a DP rank in step)

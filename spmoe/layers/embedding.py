@@ -26,7 +26,9 @@ class VocabParallelEmbedding(_VocabShard):
         """ids `[N]` -> PARTIAL `[N, H]`: rows of ids this rank does not own are zero."""
         local = ids - self.start
         owned = (local >= 0) & (local < self.weight.shape[0])
-        return F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * owned.unsqueeze(1)
+        return F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * owned.unsqueeze(
+            1
+        )
 
 
 class ParallelLMHead(_VocabShard):
@@ -38,4 +40,6 @@ class ParallelLMHead(_VocabShard):
             return logits
         gathered = all_gather_rows(logits, state.tp_group)  # [t*N, V/t], rank blocks
         vocab = state.tp_size * logits.shape[1]
-        return gathered.view(state.tp_size, *logits.shape).permute(1, 0, 2).reshape(x.shape[0], vocab)
+        return (
+            gathered.view(state.tp_size, *logits.shape).permute(1, 0, 2).reshape(x.shape[0], vocab)
+        )

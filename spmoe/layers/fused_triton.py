@@ -120,7 +120,9 @@ def _rotated(own, partner, cos, signed_sin, dtype: tl.constexpr):
     and every sum to the tensor dtype, and so does this, in kernels launched with `enable_fp_fusion=False`: else
     the compiler, which does the rounded 16-bit products in 16 bits, fuses one with the sum into an FMA that
     rounds once (measured on an H200: 14% of an indexer key's values a bf16 step off torch's)."""
-    return ((own * cos).to(dtype).to(tl.float32) + (partner * signed_sin).to(dtype).to(tl.float32)).to(dtype)
+    return (
+        (own * cos).to(dtype).to(tl.float32) + (partner * signed_sin).to(dtype).to(tl.float32)
+    ).to(dtype)
 
 
 @triton.jit
@@ -227,7 +229,9 @@ def _index_key_at(
     cos = tl.load(cos_ptr + j).to(tl.float32)
     sin = tl.load(sin_ptr + j).to(tl.float32)
     return tl.where(
-        rotated, _rotated(own_value, partner_value, cos, tl.where(second == 1, sin, -sin), dtype), own_value.to(dtype)
+        rotated,
+        _rotated(own_value, partner_value, cos, tl.where(second == 1, sin, -sin), dtype),
+        own_value.to(dtype),
     )
 
 
@@ -267,15 +271,21 @@ def _index_key_kernel(
         value = tl.zeros([DIM], tl.float32)
         for start in tl.static_range(0, DIM, CHUNK):
             r = start + tl.arange(0, CHUNK)
-            part = _index_key_at(row, w_ptr, b_ptr, cos_row, sin_row, r, mean, rstd, ROPE, INTERLEAVED, dtype)
+            part = _index_key_at(
+                row, w_ptr, b_ptr, cos_row, sin_row, r, mean, rstd, ROPE, INTERLEAVED, dtype
+            )
             value += tl.sum(
-                part.to(tl.float32)[:, None] * tl.load(hadamard_ptr + r[:, None] * DIM + i[None, :]), axis=0
+                part.to(tl.float32)[:, None]
+                * tl.load(hadamard_ptr + r[:, None] * DIM + i[None, :]),
+                axis=0,
             )
         scale = tl.maximum(tl.max(tl.abs(value), axis=0), 1e-10) * (1.0 / FP8_MAX)
         tl.store(key_ptr + slot * DIM + i, tl.div_rn(value, scale).to(key_ptr.dtype.element_ty))
         tl.store(scale_ptr + slot, scale)
     else:
-        key = _index_key_at(row, w_ptr, b_ptr, cos_row, sin_row, i, mean, rstd, ROPE, INTERLEAVED, dtype)
+        key = _index_key_at(
+            row, w_ptr, b_ptr, cos_row, sin_row, i, mean, rstd, ROPE, INTERLEAVED, dtype
+        )
         tl.store(key_ptr + slot * DIM + i, key.to(key_ptr.dtype.element_ty))
 
 
@@ -372,10 +382,14 @@ def _router_kernel(
     logits = tl.zeros([GROUPS_P, GROUP_P], dtype=tl.float32)
     for split in tl.static_range(SPLITS):  # in a fixed order: the same sum on every call
         logits += tl.load(
-            sums_ptr + row.to(tl.int64) * stride_row + split * stride_split + expert, mask=real, other=0.0
+            sums_ptr + row.to(tl.int64) * stride_row + split * stride_split + expert,
+            mask=real,
+            other=0.0,
         )
     scores = tl.sigmoid(logits)
-    choice = tl.where(real, scores + tl.load(bias_ptr + expert, mask=real, other=0.0), float("-inf"))
+    choice = tl.where(
+        real, scores + tl.load(bias_ptr + expert, mask=real, other=0.0), float("-inf")
+    )
     if N_GROUP > 1:  # keep the TOPK_GROUP groups of the largest top-2 sums
         best = tl.max(choice, axis=1)
         first = tl.min(tl.where(choice == best[:, None], i, GROUP_P), axis=1)
@@ -395,7 +409,9 @@ def _router_kernel(
     for k in tl.static_range(K):
         top = tl.max(tl.max(choice, axis=1), axis=0)
         pick = tl.min(tl.min(tl.where(choice == top, expert, EXPERTS), axis=1), axis=0)
-        hit = (expert == pick) & real  # a pad lane shares its number with the next group's first expert
+        hit = (
+            expert == pick
+        ) & real  # a pad lane shares its number with the next group's first expert
         weight = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
         ids = tl.where(slot == k, pick.to(tl.int64), ids)
         weights = tl.where(slot == k, weight, weights)
@@ -451,7 +467,9 @@ def route(
     return ids, weights
 
 
-GEMV_ROWS = 32  # at most this many rows take the Triton GEMV (`router_logit_sums`), more take cuBLAS
+GEMV_ROWS = (
+    32  # at most this many rows take the Triton GEMV (`router_logit_sums`), more take cuBLAS
+)
 GEMV_SLICE = 1024  # the K-slice one GEMV program sums
 
 
@@ -476,7 +494,9 @@ def _router_gemv_kernel(
     k = split * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < hidden
     w = tl.load(
-        w_ptr + e[:, None].to(tl.int64) * stride_w + k[None, :], mask=(e[:, None] < experts) & k_ok[None, :], other=0.0
+        w_ptr + e[:, None].to(tl.int64) * stride_w + k[None, :],
+        mask=(e[:, None] < experts) & k_ok[None, :],
+        other=0.0,
     ).to(tl.float32)
     for i in tl.static_range(BLOCK_M):  # unrolled: every row's load is in flight at once
         r = tl.program_id(2).to(tl.int64) * BLOCK_M + i
@@ -500,7 +520,9 @@ def router_logit_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     splits = triton.cdiv(hidden, GEMV_SLICE)
     sums = torch.empty(m, splits, experts, dtype=torch.float32, device=x.device)
     if m:
-        block_e = min(8, max(2, triton.next_power_of_2(experts) // 16))  # >= ~100 programs for 64+ experts
+        block_e = min(
+            8, max(2, triton.next_power_of_2(experts) // 16)
+        )  # >= ~100 programs for 64+ experts
         block_m = min(8, triton.next_power_of_2(m))
         _router_gemv_kernel[(triton.cdiv(experts, block_e), splits, triton.cdiv(m, block_m))](
             x,
@@ -555,13 +577,17 @@ def _mla_cache_write_kernel(
         groups = tl.reshape(normed.to(tl.float32), (BLOCK_C // GROUP, GROUP))
         scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-10) / FP8_MAX
         scales = tl.broadcast_to(scale[:, None], (BLOCK_C // GROUP, GROUP))
-        values = tl.math.div_rn(groups, scales).to(latent_ptr.dtype.element_ty)  # IEEE division, as torch's
+        values = tl.math.div_rn(groups, scales).to(
+            latent_ptr.dtype.element_ty
+        )  # IEEE division, as torch's
         cols = tl.reshape(c, (BLOCK_C // GROUP, GROUP))
         tl.store(latent_ptr + slot * stride_latent + cols, values, mask=cols < LATENT)
         g = tl.arange(0, BLOCK_C // GROUP)
         tl.store(scale_ptr + slot * stride_scale + g, scale, mask=g < LATENT // GROUP)
     else:
-        tl.store(latent_ptr + slot * stride_latent + c, normed.to(latent_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(
+            latent_ptr + slot * stride_latent + c, normed.to(latent_ptr.dtype.element_ty), mask=c_ok
+        )
     j = tl.arange(0, BLOCK_HALF)
     j_ok = j < HALF
     rope = kv_ptr + n * stride_kv + LATENT  # interleaved pairs (x0, x1), (x2, x3)...
@@ -571,7 +597,9 @@ def _mla_cache_write_kernel(
     odd = tl.load(rope + 2 * j + 1, mask=j_ok).to(tl.float32)
     first = _rotated(even, odd, cos, -sin, rope_ptr.dtype.element_ty)
     second = _rotated(odd, even, cos, sin, rope_ptr.dtype.element_ty)
-    tl.store(rope_ptr + slot * stride_rope + j, first, mask=j_ok)  # the rotated evens, then the rotated odds
+    tl.store(
+        rope_ptr + slot * stride_rope + j, first, mask=j_ok
+    )  # the rotated evens, then the rotated odds
     tl.store(rope_ptr + slot * stride_rope + HALF + j, second, mask=j_ok)
 
 
@@ -591,7 +619,12 @@ def write_mla_cache(
     int64 -> rows `slots` of latent `[R, c]` (the normed latent; FP8: its values, their scales in latent_scale
     `[R, c / 128]`) and rope `[R, r]` (the rope key rotated, interleaved pairs), in place."""
     n_tok, c, r = kv_a.shape[0], latent.shape[1], rope.shape[1]
-    if kv_a.stride(1) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride() or kv_a.shape[1] != c + r:
+    if (
+        kv_a.stride(1) != 1
+        or cos.stride(1) != 1
+        or sin.stride() != cos.stride()
+        or kv_a.shape[1] != c + r
+    ):
         raise ValueError(
             f"write_mla_cache needs kv_a [N, {c} + {r}] with a contiguous last dim and cos / sin of one "
             f"layout; got kv_a {tuple(kv_a.shape)} strides {kv_a.stride()}, cos {cos.stride()}, "
@@ -629,14 +662,18 @@ def write_mla_cache(
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, size, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, size, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu rounds to the dtype, then the product
+    silu = (
+        (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    )  # F.silu rounds to the dtype, then the product
     tl.store(out_ptr + row * stride_out + cols, (silu * up).to(dtype), mask=mask)
 
 
@@ -649,6 +686,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if m and size:
         block = min(1024, triton.next_power_of_2(size))
         _silu_mul_kernel[(m, triton.cdiv(size, block))](
-            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), size, BLOCK=block, num_warps=4
+            gate,
+            up,
+            out,
+            gate.stride(0),
+            up.stride(0),
+            out.stride(0),
+            size,
+            BLOCK=block,
+            num_warps=4,
         )
     return out

@@ -18,11 +18,15 @@ from spmoe.layers.quantization.fp8_linear import FP8_BLOCK, block_grid, fp8_line
 def _fp8_parameters(rows: int, cols: int) -> tuple[nn.Parameter, nn.Parameter]:
     """Empty e4m3 `[rows, cols]` weight and float32 block scales, on the default device."""
     weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn), requires_grad=False)
-    return weight, nn.Parameter(torch.empty(*block_grid(rows, cols), dtype=torch.float32), requires_grad=False)
+    return weight, nn.Parameter(
+        torch.empty(*block_grid(rows, cols), dtype=torch.float32), requires_grad=False
+    )
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, tp_dim: int | None = None, tp_size: int = 1):
+    def __init__(
+        self, in_features: int, out_features: int, tp_dim: int | None = None, tp_size: int = 1
+    ):
         super().__init__()
         if tp_dim is not None:
             full = (out_features, in_features)[tp_dim]
@@ -67,7 +71,9 @@ class Linear(nn.Module):
             return fp8_linear(x, self.weight, self.weight_scale, out=out)
         return out.addmm_(x, self.weight.t())
 
-    def checkpoint_plan(self, owner: str, scale_suffix: str) -> dict[str, tuple[torch.Tensor, int | None, bool]]:
+    def checkpoint_plan(
+        self, owner: str, scale_suffix: str
+    ) -> dict[str, tuple[torch.Tensor, int | None, bool]]:
         """Checkpoint key -> (destination, TP dim, raw: copy as stored) of this layer's weight, and of its FP8
         scales (`{owner}.{scale_suffix}`)."""
         plan = {f"{owner}.weight": (self.weight.data, self.tp_dim, self.is_fp8)}
@@ -92,7 +98,9 @@ class MergedLinear(nn.Module):
         super().__init__()
         for name, width in parts.items():
             if width % tp_size:
-                raise ValueError(f"cannot split the {width} output features of {name} over {tp_size} TP ranks")
+                raise ValueError(
+                    f"cannot split the {width} output features of {name} over {tp_size} TP ranks"
+                )
         self.parts = {name: width // tp_size for name, width in parts.items()}
         self.tp_dim = 0 if tp_size > 1 else None
         self.dense_parts = dict(self.parts)
@@ -105,31 +113,46 @@ class MergedLinear(nn.Module):
         if self.tp_dim is None:
             return None
         cut = [name for name in names if self.parts[name] % FP8_BLOCK[0]]
-        return f"the output features per TP rank of {cut} are not a multiple of 128" if cut else None
+        return (
+            f"the output features per TP rank of {cut} are not a multiple of 128" if cut else None
+        )
 
     def keep_fp8(self, names: set[str]) -> None:
         """Hold these parts as the checkpoint's e4m3 values and block scales; the rest stay in the model dtype."""
         device, dtype, in_features = self.weight.device, self.weight.dtype, self.weight.shape[1]
-        self.fp8_parts = {n: -(-w // FP8_BLOCK[0]) * FP8_BLOCK[0] for n, w in self.parts.items() if n in names}
+        self.fp8_parts = {
+            n: -(-w // FP8_BLOCK[0]) * FP8_BLOCK[0] for n, w in self.parts.items() if n in names
+        }
         self.dense_parts = {n: w for n, w in self.parts.items() if n not in names}
         with torch.device(device):
             # in the model dtype even when no part is left in it: the layer's dtype and device (attention's cache
             # needs read them)
-            self.weight = nn.Parameter(torch.empty(sum(self.dense_parts.values()), in_features, dtype=dtype))
-            self.weight_fp8, self.weight_scale = _fp8_parameters(sum(self.fp8_parts.values()), in_features)
+            self.weight = nn.Parameter(
+                torch.empty(sum(self.dense_parts.values()), in_features, dtype=dtype)
+            )
+            self.weight_fp8, self.weight_scale = _fp8_parameters(
+                sum(self.fp8_parts.values()), in_features
+            )
             self.weight_fp8.data.view(torch.uint8).zero_()  # the pad rows stay zero
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x `[N, in]` -> each part's output `[N, width]` (views of one product per kind of weight)."""
         out = {}
         if self.dense_parts:
-            out |= zip(self.dense_parts, F.linear(x, self.weight).split(list(self.dense_parts.values()), dim=-1))
+            out |= zip(
+                self.dense_parts,
+                F.linear(x, self.weight).split(list(self.dense_parts.values()), dim=-1),
+            )
         if self.fp8_parts:
-            y = fp8_linear(x, self.weight_fp8, self.weight_scale).split(list(self.fp8_parts.values()), dim=-1)
+            y = fp8_linear(x, self.weight_fp8, self.weight_scale).split(
+                list(self.fp8_parts.values()), dim=-1
+            )
             out |= {name: part[..., : self.parts[name]] for name, part in zip(self.fp8_parts, y)}
         return {name: out[name] for name in self.parts}
 
-    def checkpoint_plan(self, owner: str, scale_suffix: str) -> dict[str, tuple[torch.Tensor, int | None, bool]]:
+    def checkpoint_plan(
+        self, owner: str, scale_suffix: str
+    ) -> dict[str, tuple[torch.Tensor, int | None, bool]]:
         """Checkpoint key `{owner}.{part}.weight` -> (the part's rows of the merged weight (sliced from the
         checkpoint's along the TP dim), TP dim, raw); FP8 parts also map their scales (`.{scale_suffix}`)."""
         plan = {}
@@ -138,7 +161,9 @@ class MergedLinear(nn.Module):
             plan[f"{owner}.{name}.weight"] = (part, self.tp_dim, False)
         if self.fp8_parts:
             rows = self.weight_fp8.data.split(list(self.fp8_parts.values()), dim=0)
-            scales = self.weight_scale.data.split([w // FP8_BLOCK[0] for w in self.fp8_parts.values()], dim=0)
+            scales = self.weight_scale.data.split(
+                [w // FP8_BLOCK[0] for w in self.fp8_parts.values()], dim=0
+            )
             for name, part, scale in zip(self.fp8_parts, rows, scales):
                 plan[f"{owner}.{name}.weight"] = (part[: self.parts[name]], self.tp_dim, True)
                 blocks = -(-self.parts[name] // FP8_BLOCK[0])

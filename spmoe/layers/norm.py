@@ -22,7 +22,9 @@ class RMSNorm(nn.Module):
 
             return add_rms_norm(x, None, self.weight, self.eps)[0]
         xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        )
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None):
         """Fused residual add: `(norm(x + residual), x + residual)`; with no residual yet, `(norm(x), x)`."""

@@ -44,7 +44,9 @@ class PagedKeyStore:
         raise NotImplementedError
 
 
-def write_latent(rows: PagedLayerCache, slot_mapping: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> None:
+def write_latent(
+    rows: PagedLayerCache, slot_mapping: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor
+) -> None:
     """One forward's normed latent `[N, c]` and rotated rope key `[N, r]` -> their rows `slot_mapping` `[N]` of
     one layer (FP8: one scale per 128 values of the latent)."""
     _write(rows.latent, rows.latent_scale, slot_mapping, latent, quantize_fp8_groups)
@@ -52,7 +54,11 @@ def write_latent(rows: PagedLayerCache, slot_mapping: torch.Tensor, latent: torc
 
 
 def write_latent_projection(
-    rows: PagedLayerCache, slot_mapping: torch.Tensor, kv_a: torch.Tensor, norm: RMSNorm, rotary: Rotary
+    rows: PagedLayerCache,
+    slot_mapping: torch.Tensor,
+    kv_a: torch.Tensor,
+    norm: RMSNorm,
+    rotary: Rotary,
 ) -> None:
     """One forward's kv_a projection `[N, c + r]` (the raw latent, then the raw rope key) -> the latent normed by
     `norm` and the rope key rotated by `rotary` (MLA's interleaved pairs) in their rows: one Triton kernel on
@@ -62,7 +68,15 @@ def write_latent_projection(
         from spmoe.layers.fused_triton import write_mla_cache
 
         write_mla_cache(
-            kv_a, norm.weight, norm.eps, rotary.cos, rotary.sin, slot_mapping, rows.latent, rows.latent_scale, rows.rope
+            kv_a,
+            norm.weight,
+            norm.eps,
+            rotary.cos,
+            rotary.sin,
+            slot_mapping,
+            rows.latent,
+            rows.latent_scale,
+            rows.rope,
         )
         return
     latent, rope = kv_a.split([rows.latent.shape[1], kv_a.shape[1] - rows.latent.shape[1]], dim=-1)
@@ -87,7 +101,11 @@ def write_index_key(rows: PagedLayerCache, slot_mapping: torch.Tensor, key: torc
 
 
 def _write(
-    values: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor, x: torch.Tensor, quantize
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    x: torch.Tensor,
+    quantize,
 ) -> None:
     """x `[N, w]` -> rows of `values` `[R, w]` at `slot_mapping`; FP8 rows (`scales` not None) take
     `quantize(x)`'s values and scales, the values copied as bytes (CPU torch has no FP8 index_copy)."""

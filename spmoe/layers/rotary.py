@@ -31,17 +31,25 @@ def inverse_frequencies(cfg: ModelConfig, device: torch.device) -> tuple[torch.T
     if truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / max(high - low, 0.001)).clamp(0, 1)
+    ramp = (
+        (torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / max(high - low, 0.001)
+    ).clamp(0, 1)
     inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
     def yarn_mscale(m: float) -> float:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
-    scale = yarn_mscale(mscale) / yarn_mscale(mscale_all_dim) if mscale and mscale_all_dim else yarn_mscale(1.0)
+    scale = (
+        yarn_mscale(mscale) / yarn_mscale(mscale_all_dim)
+        if mscale and mscale_all_dim
+        else yarn_mscale(1.0)
+    )
     return inv_freq, scale
 
 
-def cos_sin(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(
+    cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """positions `[N]` -> cos, sin `[N, rope_dim / 2]` in `dtype`, scaled; computed in float32."""
     inv_freq, scale = inverse_frequencies(cfg, positions.device)
     angles = positions.float().unsqueeze(1) * inv_freq
@@ -55,7 +63,9 @@ class RotaryTable:
         self.table = torch.stack(cos_sin(cfg, torch.arange(size, device=device), dtype), dim=1)
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> "RotaryTable | None":
+    def for_model(
+        cls, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
+    ) -> "RotaryTable | None":
         """The table of a model on `device`: on CUDA when the config states `max_position_embeddings` (the
         positions the model takes; the engine and the entrypoints refuse more), else None (every forward
         computes its rows)."""
@@ -77,7 +87,13 @@ class RotaryTable:
 class Rotary:
     """cos/sin for the positions of one forward, each `[N, rope_dim / 2]` (already scaled)."""
 
-    def __init__(self, cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype, table: RotaryTable | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        table: RotaryTable | None = None,
+    ):
         """table: the model's `RotaryTable`, whose rows are looked up when the fused kernels are on (`use_fused`);
         else (and on CPU) `cos_sin` computes them, the reference."""
         if table is not None and use_fused(positions) and table.serves(positions, dtype):

@@ -36,7 +36,9 @@ from spmoe.layers.fused import TRITON_INSTALLED, use_fused
 from spmoe.layers.paged_rows import PagedLayerCache
 from spmoe.layers.quantization.fp8 import dequantize
 
-POSITION_BITS = 31  # positions are below 2**31; the low half of an ordering key holds 2**31 - 1 - position
+POSITION_BITS = (
+    31  # positions are below 2**31; the low half of an ordering key holds 2**31 - 1 - position
+)
 # The torch paths (CPU, and any device without the Triton kernels) score at most this many values per step: they
 # go over the queries in chunks sized so that a chunk's largest intermediates (scores, gathered keys) hold about
 # this many elements (256 MiB of float32), whatever the number of tokens in the batch. Every query's result is
@@ -91,7 +93,11 @@ def indexer_topk(
     L = max_blocks * block_size. On CUDA, for up to `TOPK_ROWS_MAX_TOKENS` tokens, the same rows from
     `topk_rows`, whose work follows each token's position, not L."""
     if use_triton(q, q.shape[2], block_size):
-        from spmoe.layers.sparse_attention_triton import TOPK_ROWS_MAX_TOKENS, indexer_order_keys, topk_rows
+        from spmoe.layers.sparse_attention_triton import (
+            TOPK_ROWS_MAX_TOKENS,
+            indexer_order_keys,
+            topk_rows,
+        )
 
         # a few tokens (decode; tables maybe padded far past them for a CUDA graph): a top-k bounded by each
         # token's position, and no keys written past it
@@ -104,11 +110,15 @@ def indexer_topk(
         return rows_of_best(keys, topk, block_tables, seq_index, block_size)
     # in query chunks: the keys `[N, L]` and the scores `[N, h, L]` of the whole batch never exist at once
     n, heads, dim = q.shape
-    per_query = block_tables.shape[1] * block_size * (dim + heads + 8)  # gathered keys, scores, rows and keys
+    per_query = (
+        block_tables.shape[1] * block_size * (dim + heads + 8)
+    )  # gathered keys, scores, rows and keys
     return torch.cat(
         [
             rows_of_best(
-                indexer_order_keys_torch(q[c], weights[c], cache, block_tables, seq_index[c], positions[c], block_size),
+                indexer_order_keys_torch(
+                    q[c], weights[c], cache, block_tables, seq_index[c], positions[c], block_size
+                ),
                 topk,
                 block_tables,
                 seq_index[c],
@@ -158,7 +168,11 @@ _NEG_INF_KEY_MAX = int(order_keys(torch.tensor([[float("-inf")]]))[0, 0])
 
 
 def rows_of_best(
-    keys: torch.Tensor, topk: int, block_tables: torch.Tensor, seq_index: torch.Tensor, block_size: int
+    keys: torch.Tensor,
+    topk: int,
+    block_tables: torch.Tensor,
+    seq_index: torch.Tensor,
+    block_size: int,
 ) -> torch.Tensor:
     """Ordering keys `[N, L]` -> cache rows `[N, min(topk, L)]` of the best positions in no particular order
     (the top-k is not sorted), -1 where the score was -inf (not visible). When L <= topk every position is
@@ -195,7 +209,9 @@ def cache_rows_torch(best, block_tables, seq_index, positions, block_size: int) 
     """The reference `cache_rows`."""
     if best is None:
         rows = logical_rows(block_tables, block_size)[seq_index]  # [N, L]
-        return torch.where(torch.arange(rows.shape[1], device=rows.device) <= positions[:, None], rows, -1)
+        return torch.where(
+            torch.arange(rows.shape[1], device=rows.device) <= positions[:, None], rows, -1
+        )
     position = (1 << POSITION_BITS) - 1 - (best & ((1 << POSITION_BITS) - 1))
     blocks = block_tables.long()[seq_index].gather(1, position // block_size)
     return torch.where(best > _NEG_INF_KEY_MAX, blocks * block_size + position % block_size, -1)
@@ -205,7 +221,11 @@ def cache_rows_torch(best, block_tables, seq_index, positions, block_size: int) 
 
 
 def sparse_mla(
-    q_latent: torch.Tensor, q_rope: torch.Tensor, cache: PagedLayerCache, rows: torch.Tensor, scale: float
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: PagedLayerCache,
+    rows: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """q_latent `[N, h, c]`, q_rope `[N, h, r]`, rows `[N, k]` (cache rows, -1 = none) -> the softmax-weighted
     sum of the selected latents `[N, h, c]` in q's dtype (zero for a token with no row)."""
@@ -214,11 +234,15 @@ def sparse_mla(
 
         return triton_sparse_mla(q_latent, q_rope, cache, rows, scale)
     (n, heads, latent_dim), k = q_latent.shape, rows.shape[1]
-    per_query = k * (latent_dim + q_rope.shape[2] + 2 * heads)  # gathered latents and rope keys, scores, weights
+    per_query = k * (
+        latent_dim + q_rope.shape[2] + 2 * heads
+    )  # gathered latents and rope keys, scores, weights
     chunks = query_chunks(n, per_query)
     if len(chunks) == 1:
         return sparse_mla_torch(q_latent, q_rope, cache, rows, scale)
-    return torch.cat([sparse_mla_torch(q_latent[c], q_rope[c], cache, rows[c], scale) for c in chunks])
+    return torch.cat(
+        [sparse_mla_torch(q_latent[c], q_rope[c], cache, rows[c], scale) for c in chunks]
+    )
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -245,10 +269,13 @@ def sparse_mla_torch(q_latent, q_rope, cache: PagedLayerCache, rows, scale: floa
     latent = dequantize(gather_rows(cache.latent, safe), group_scale)  # [N, k, c]
     rope = cache.rope[safe].float()  # [N, k, r]
     scores = (
-        torch.einsum("nhc,nkc->nhk", q_latent.float(), latent) + torch.einsum("nhr,nkr->nhk", q_rope.float(), rope)
+        torch.einsum("nhc,nkc->nhk", q_latent.float(), latent)
+        + torch.einsum("nhr,nkr->nhk", q_rope.float(), rope)
     ) * scale
     scores = scores.masked_fill((rows < 0)[:, None, :], float("-inf"))
-    top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # finite if all are -inf
+    top = scores.amax(-1, keepdim=True).clamp(
+        min=torch.finfo(torch.float32).min
+    )  # finite if all are -inf
     weights = torch.exp(scores - top)  # [N, h, k], 0 where no row
     total = weights.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     return (torch.einsum("nhk,nkc->nhc", weights, latent) / total).to(q_latent.dtype)

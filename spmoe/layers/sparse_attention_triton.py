@@ -102,7 +102,9 @@ def _index_block(
         k_ptr + rows[:, None] * DIM + tl.arange(0, DIM)[None, :], mask=seen[:, None], other=0.0
     )  # [BLOCK, DIM]
     scores = tl.maximum(tl.dot(keys, tl.trans(q)), 0.0)  # [BLOCK, TOKENS * BLOCK_H] float32
-    index = tl.sum(tl.reshape(scores * weights[None, :], (BLOCK, TOKENS, BLOCK_H)), axis=2)  # [BLOCK, TOKENS]
+    index = tl.sum(
+        tl.reshape(scores * weights[None, :], (BLOCK, TOKENS, BLOCK_H)), axis=2
+    )  # [BLOCK, TOKENS]
     if HAS_SCALE:
         index *= tl.load(ks_ptr + rows, mask=seen, other=1.0)[:, None]
     index = tl.where(offsets[:, None] <= position[None, :], index, float("-inf"))
@@ -150,12 +152,20 @@ def _index_tokens(
             BLOCK_H=BLOCK_H,
         )
         offsets = block * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out_ptr + token[None, :] * stride_out + offsets[:, None], keys, mask=write[None, :])
+        tl.store(
+            out_ptr + token[None, :] * stride_out + offsets[:, None], keys, mask=write[None, :]
+        )
     if FILL_PAST:
         past = tl.full([BLOCK, TOKENS], float("-inf"), tl.float32)
         for block in range(tl.maximum(first_block, live_end), end_block):
-            offsets = tl.broadcast_to((block * BLOCK + tl.arange(0, BLOCK))[:, None], (BLOCK, TOKENS))
-            tl.store(out_ptr + token[None, :] * stride_out + offsets, _order_key(past, offsets), mask=write[None, :])
+            offsets = tl.broadcast_to(
+                (block * BLOCK + tl.arange(0, BLOCK))[:, None], (BLOCK, TOKENS)
+            )
+            tl.store(
+                out_ptr + token[None, :] * stride_out + offsets,
+                _order_key(past, offsets),
+                mask=write[None, :],
+            )
 
 
 @triton.jit
@@ -244,7 +254,9 @@ def _indexer_kernel(
     first_tile = tl.program_id(1)  # this program's tiles: first_tile, first_tile + tile_step, ...
     token = first_token + tl.arange(0, TOKENS)
     write = token < n
-    clamped = tl.minimum(token, n - 1)  # the last tile's padding repeats its last token (computed, not written)
+    clamped = tl.minimum(
+        token, n - 1
+    )  # the last tile's padding repeats its last token (computed, not written)
     seq = tl.load(seq_ptr + clamped).to(tl.int64)  # seq * table stride, as every row offset: int64
     position = tl.load(pos_ptr + clamped)
     if not FILL_PAST:
@@ -254,11 +266,16 @@ def _indexer_kernel(
         r = tl.arange(0, TOKENS * BLOCK_H)  # row r: token r // BLOCK_H, head r % BLOCK_H
         row_token, row_head = tl.minimum(first_token + r // BLOCK_H, n - 1), r % BLOCK_H
         q = tl.load(
-            q_ptr + row_token[:, None] * stride_qn + row_head[:, None] * stride_qh + tl.arange(0, DIM)[None, :],
+            q_ptr
+            + row_token[:, None] * stride_qn
+            + row_head[:, None] * stride_qh
+            + tl.arange(0, DIM)[None, :],
             mask=(row_head < heads)[:, None],
             other=0.0,
         )
-        weights = tl.load(w_ptr + row_token * stride_wn + row_head, mask=row_head < heads, other=0.0)
+        weights = tl.load(
+            w_ptr + row_token * stride_wn + row_head, mask=row_head < heads, other=0.0
+        )
         _index_tiles(
             q,
             weights,
@@ -286,7 +303,10 @@ def _indexer_kernel(
         for t in range(TOKENS):
             one = tl.minimum(first_token + t, n - 1) + tl.arange(0, 1)  # [1]
             q = tl.load(
-                q_ptr + one[:, None] * stride_qn + h[:, None] * stride_qh + tl.arange(0, DIM)[None, :],
+                q_ptr
+                + one[:, None] * stride_qn
+                + h[:, None] * stride_qh
+                + tl.arange(0, DIM)[None, :],
                 mask=(h < heads)[:, None],
                 other=0.0,
             )  # [BLOCK_H, DIM]
@@ -374,7 +394,9 @@ def indexer_order_keys(
     if programs is None:
         programs = indexer_programs(token_tiles, block_tiles)
     elif not 0 < programs <= block_tiles:
-        raise ValueError(f"indexer programs per token tile must be in [1, {block_tiles}], got {programs}")
+        raise ValueError(
+            f"indexer programs per token tile must be in [1, {block_tiles}], got {programs}"
+        )
     has_scale = cache.index_scale is not None
     _indexer_kernel[(token_tiles, programs)](
         q,
@@ -407,7 +429,9 @@ def indexer_order_keys(
     return out
 
 
-TOPK_ROWS_MAX_TOKENS = 512  # topk_rows runs one program per token: for decode steps, up to the largest graph
+TOPK_ROWS_MAX_TOKENS = (
+    512  # topk_rows runs one program per token: for decode steps, up to the largest graph
+)
 TOPK_TILE = 1024  # keys per load in topk_rows
 
 
@@ -456,7 +480,9 @@ def _topk_rows_kernel(
                     digit = digit ^ 128
                     match = column < visible
                 else:
-                    match = (column < visible) & ((key >> (shift + 8)) == (threshold >> (shift + 8)))
+                    match = (column < visible) & (
+                        (key >> (shift + 8)) == (threshold >> (shift + 8))
+                    )
                 counts += tl.histogram(tl.where(match, digit + 1, 0).to(tl.int32), 512)
             at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # keys in bins >= b
             chosen = tl.max(tl.where((at_or_above >= wanted) & (bins > 0), bins, 0))
@@ -492,7 +518,9 @@ def topk_rows(
     (and for keys of -inf scores). Work per token grows with its position, not with L."""
     n, width = keys.shape
     if width <= topk or keys.stride(1) != 1:
-        raise ValueError(f"topk_rows needs unit-stride keys wider than topk {topk}, got {tuple(keys.shape)}")
+        raise ValueError(
+            f"topk_rows needs unit-stride keys wider than topk {topk}, got {tuple(keys.shape)}"
+        )
     out = torch.empty(n, topk, dtype=torch.int64, device=keys.device)
     if n == 0:
         return out
@@ -535,12 +563,16 @@ def _cache_rows_kernel(
         key = tl.load(best_ptr + token * stride_best + column, mask=inside, other=0)
         position = 2147483647 - (key & 2147483647)  # as _order_key wrote it
         # a key above the largest one a -inf score makes (at position 0) has a finite score
-        valid = key > _order_key(tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int64))
+        valid = key > _order_key(
+            tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int64)
+        )
     else:
         position = column.to(tl.int64)
         valid = position <= tl.load(pos_ptr + token)
     seq = tl.load(seq_ptr + token).to(tl.int64)
-    block = tl.load(tables_ptr + seq * stride_tab + position // BLOCK_SIZE, mask=inside & valid, other=0)
+    block = tl.load(
+        tables_ptr + seq * stride_tab + position // BLOCK_SIZE, mask=inside & valid, other=0
+    )
     rows = block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE
     tl.store(out_ptr + token * stride_out + column, tl.where(valid, rows, -1), mask=inside)
 
@@ -615,10 +647,14 @@ def _sparse_mla_kernel(
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     c, r = tl.arange(0, LATENT), tl.arange(0, ROPE)
     q_lat = tl.load(
-        ql_ptr + token * stride_qln + h[:, None] * stride_qlh + c[None, :], mask=h[:, None] < heads, other=0.0
+        ql_ptr + token * stride_qln + h[:, None] * stride_qlh + c[None, :],
+        mask=h[:, None] < heads,
+        other=0.0,
     )  # [BLOCK_H, LATENT]
     q_rope = tl.load(
-        qr_ptr + token * stride_qrn + h[:, None] * stride_qrh + r[None, :], mask=h[:, None] < heads, other=0.0
+        qr_ptr + token * stride_qrn + h[:, None] * stride_qrh + r[None, :],
+        mask=h[:, None] < heads,
+        other=0.0,
     )  # [BLOCK_H, ROPE]
     best = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
@@ -629,16 +665,25 @@ def _sparse_mla_kernel(
         row = tl.load(rows_ptr + token * stride_rows + k, mask=k < topk, other=-1)
         valid = row >= 0
         row = tl.where(valid, row, 0).to(tl.int64)
-        latent = tl.load(lat_ptr + row[:, None] * LATENT + c[None, :], mask=valid[:, None], other=0.0)
+        latent = tl.load(
+            lat_ptr + row[:, None] * LATENT + c[None, :], mask=valid[:, None], other=0.0
+        )
         if FP8:  # one scale per GROUP values: scale the [BLOCK_K, groups, GROUP] view
             g = tl.arange(0, LATENT // GROUP)
             group_scale = tl.load(
-                lat_scale_ptr + row[:, None] * (LATENT // GROUP) + g[None, :], mask=valid[:, None], other=0.0
+                lat_scale_ptr + row[:, None] * (LATENT // GROUP) + g[None, :],
+                mask=valid[:, None],
+                other=0.0,
             )  # [BLOCK_K, groups]
-            latent = tl.reshape(latent.to(tl.float32), (BLOCK_K, LATENT // GROUP, GROUP)) * group_scale[:, :, None]
+            latent = (
+                tl.reshape(latent.to(tl.float32), (BLOCK_K, LATENT // GROUP, GROUP))
+                * group_scale[:, :, None]
+            )
             latent = tl.reshape(latent, (BLOCK_K, LATENT)).to(q_lat.dtype)
         rope = tl.load(rope_ptr + row[:, None] * ROPE + r[None, :], mask=valid[:, None], other=0.0)
-        scores = tl.dot(q_lat, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))  # [BLOCK_H, BLOCK_K]
+        scores = tl.dot(q_lat, tl.trans(latent)) + tl.dot(
+            q_rope, tl.trans(rope)
+        )  # [BLOCK_H, BLOCK_K]
         scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
         shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # no row yet: keep exp2 finite
@@ -679,9 +724,15 @@ def _merge_splits_kernel(
     best = tl.load(stats_ptr + base * 2, mask=s < SPLITS, other=float("-inf"))
     total = tl.load(stats_ptr + base * 2 + 1, mask=s < SPLITS, other=0.0)
     top = tl.max(best, axis=0)
-    weight = tl.where(best == float("-inf"), 0.0, tl.exp2(best - tl.where(top == float("-inf"), 0.0, top)))
-    acc = tl.load(acc_ptr + base[:, None] * LATENT + c[None, :], mask=(s < SPLITS)[:, None], other=0.0)
-    denominator = tl.maximum(tl.sum(weight * total, axis=0), 1.1754943508222875e-38)  # no row at all: zeros
+    weight = tl.where(
+        best == float("-inf"), 0.0, tl.exp2(best - tl.where(top == float("-inf"), 0.0, top))
+    )
+    acc = tl.load(
+        acc_ptr + base[:, None] * LATENT + c[None, :], mask=(s < SPLITS)[:, None], other=0.0
+    )
+    denominator = tl.maximum(
+        tl.sum(weight * total, axis=0), 1.1754943508222875e-38
+    )  # no row at all: zeros
     out = tl.sum(acc * weight[:, None], axis=0) / denominator
     tl.store(out_ptr + token * stride_on + head * stride_oh + c, out.to(out_ptr.dtype.element_ty))
 
@@ -701,7 +752,11 @@ def sparse_mla(
     n, heads, latent_dim = q_latent.shape
     rope_dim, topk = q_rope.shape[2], rows.shape[1]
     if tiles is None:
-        tiles = DECODE_TILES if n * triton.cdiv(heads, DECODE_TILES[0]) < NUM_SMS_TARGET else PREFILL_TILES
+        tiles = (
+            DECODE_TILES
+            if n * triton.cdiv(heads, DECODE_TILES[0]) < NUM_SMS_TARGET
+            else PREFILL_TILES
+        )
     block_h, block_k, num_warps, num_stages = tiles
     out = torch.empty(n, heads, latent_dim, dtype=q_latent.dtype, device=q_latent.device)
     if n == 0:
@@ -717,8 +772,16 @@ def sparse_mla(
     rows_per_split = triton.cdiv(tiles, splits) * block_k
     splits = triton.cdiv(max(topk, 1), rows_per_split)
     # one split (a prefill: tokens enough to fill the GPU) writes the output itself; more go through the merge
-    acc = torch.empty(n, heads, splits, latent_dim, dtype=torch.float32, device=q_latent.device) if splits > 1 else out
-    stats = torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q_latent.device) if splits > 1 else out
+    acc = (
+        torch.empty(n, heads, splits, latent_dim, dtype=torch.float32, device=q_latent.device)
+        if splits > 1
+        else out
+    )
+    stats = (
+        torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q_latent.device)
+        if splits > 1
+        else out
+    )
     fp8 = cache.latent_scale is not None
     _sparse_mla_kernel[(n, head_blocks, splits)](
         q_latent,
@@ -767,7 +830,9 @@ def sparse_mla(
     return out
 
 
-HEAD_MATMUL_TOKENS = 16  # head_matmul's tile of tokens: the rows of one tl.dot, and the most tokens it takes
+HEAD_MATMUL_TOKENS = (
+    16  # head_matmul's tile of tokens: the rows of one tl.dot, and the most tokens it takes
+)
 
 
 @triton.jit
@@ -796,8 +861,14 @@ def _head_matmul_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for first in range(0, depth, BLOCK_K):
         k = first + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + k[None, :], mask=(tokens[:, None] < n_tok) & (k[None, :] < depth), other=0.0)
-        w = tl.load(w_cols + k[:, None] * stride_wk, mask=(k[:, None] < depth) & (cols[None, :] < width), other=0.0)
+        x = tl.load(
+            x_rows + k[None, :], mask=(tokens[:, None] < n_tok) & (k[None, :] < depth), other=0.0
+        )
+        w = tl.load(
+            w_cols + k[:, None] * stride_wk,
+            mask=(k[:, None] < depth) & (cols[None, :] < width),
+            other=0.0,
+        )
         acc = tl.dot(x, w, acc)
     tl.store(
         out_ptr + tokens[:, None] * stride_on + head * stride_oh + cols[None, :],
@@ -812,7 +883,12 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     dtype. Column blocks of 64, 32 or 16: the widest that still makes `NUM_SMS_TARGET` programs."""
     n, heads, depth = x.shape
     width = w.shape[2]
-    if n > HEAD_MATMUL_TOKENS or x.stride(2) != 1 or w.shape[:2] != (heads, depth) or w.dtype != x.dtype:
+    if (
+        n > HEAD_MATMUL_TOKENS
+        or x.stride(2) != 1
+        or w.shape[:2] != (heads, depth)
+        or w.dtype != x.dtype
+    ):
         raise ValueError(
             f"head_matmul needs x [N <= {HEAD_MATMUL_TOKENS}, h, k] with a unit-stride last dim and w "
             f"[h, k, m] of its dtype; got x {tuple(x.shape)} strides {x.stride()} {x.dtype}, w "

@@ -6,13 +6,28 @@ import pytest
 from spmoe.config import ModelConfig
 from tests.models.deepseek_v32.test_fp8_checkpoints import CONFIG
 
-BLOCK = dict(num_bits=8, type="float", strategy="block", block_structure=[128, 128], symmetric=True, dynamic=False)
-ACTS = dict(num_bits=8, type="float", strategy="group", group_size=128, symmetric=True, dynamic=True)
+BLOCK = dict(
+    num_bits=8,
+    type="float",
+    strategy="block",
+    block_structure=[128, 128],
+    symmetric=True,
+    dynamic=False,
+)
+ACTS = dict(
+    num_bits=8, type="float", strategy="group", group_size=128, symmetric=True, dynamic=True
+)
 
 
-def compressed(weights=BLOCK, acts=ACTS, ignore=("lm_head", r"re:.*mlp\.gate$", "model.layers.0.mlp.down_proj")):
+def compressed(
+    weights=BLOCK, acts=ACTS, ignore=("lm_head", r"re:.*mlp\.gate$", "model.layers.0.mlp.down_proj")
+):
     group = {"targets": ["Linear"], "weights": weights, "input_activations": acts}
-    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}, "ignore": list(ignore)}
+    return {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": group},
+        "ignore": list(ignore),
+    }
 
 
 def config(quantization) -> ModelConfig:
@@ -30,7 +45,11 @@ def test_compressed_tensors_fp8_block():
 
 def test_deepseek_fp8_with_modules_to_not_convert():
     cfg = config(
-        {"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["indexer.weights_proj"]}
+        {
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["indexer.weights_proj"],
+        }
     )
     assert cfg.fp8_scale_suffix == "weight_scale_inv"
     assert cfg.fp8_expected("model.layers.1.self_attn.indexer.weights_proj") is False  # a substring
@@ -41,7 +60,10 @@ def test_deepseek_fp8_with_modules_to_not_convert():
 @pytest.mark.parametrize(
     "quantization, message",
     [
-        (compressed(weights={**BLOCK, "strategy": "channel"}), "compressed-tensors weights .* are not supported"),
+        (
+            compressed(weights={**BLOCK, "strategy": "channel"}),
+            "compressed-tensors weights .* are not supported",
+        ),
         (compressed(weights={**BLOCK, "num_bits": 4, "type": "int"}), "expected static FP8"),
         (compressed(acts={**ACTS, "dynamic": False}), "input_activations .* expected dynamic FP8"),
         ({**compressed(), "format": "pack-quantized"}, "format 'pack-quantized' is not supported"),

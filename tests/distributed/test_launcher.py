@@ -26,7 +26,9 @@ def rank_and_sum():
 def raise_on_rank_1():
     if get_parallel_state().rank == 1:
         raise ValueError("boom on purpose")
-    all_reduce(torch.ones(1), get_parallel_state().tp_group)  # rank 0 blocks here until it is killed
+    all_reduce(
+        torch.ones(1), get_parallel_state().tp_group
+    )  # rank 0 blocks here until it is killed
 
 
 def die_on_rank_1():
@@ -56,8 +58,14 @@ def listening_addresses() -> set[str]:
             address, hex_port = local.split(":")
             if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
                 raw = bytes.fromhex(address)
-                words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]  # little-endian 32-bit words
-                found.add(socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, b"".join(words)))
+                words = [
+                    raw[i : i + 4][::-1] for i in range(0, len(raw), 4)
+                ]  # little-endian 32-bit words
+                found.add(
+                    socket.inet_ntop(
+                        socket.AF_INET if len(raw) == 4 else socket.AF_INET6, b"".join(words)
+                    )
+                )
     return found
 
 
@@ -95,7 +103,9 @@ def test_sigterm_is_passed_on_to_rank_0_when_draining(drain_s, tmp_path):
 
 
 def test_results_in_rank_order_with_dp_groups():
-    out = spawn(rank_and_sum, 4, config=ParallelConfig(tensor_parallel_size=2, data_parallel_size=2))
+    out = spawn(
+        rank_and_sum, 4, config=ParallelConfig(tensor_parallel_size=2, data_parallel_size=2)
+    )
     # TP groups are {0,1} and {2,3}: the all-reduce sums within a group only.
     assert out == [(0, 0, 0, 1.0), (1, 1, 0, 1.0), (2, 0, 1, 5.0), (3, 1, 1, 5.0)]
 
@@ -138,7 +148,10 @@ def test_a_rank_killed_by_a_signal_is_named():
     import signal
 
     for signum, first_line in (
-        (signal.SIGKILL, "rank 1 of 2 was killed by SIGKILL (possibly out of memory) before returning a result"),
+        (
+            signal.SIGKILL,
+            "rank 1 of 2 was killed by SIGKILL (possibly out of memory) before returning a result",
+        ),
         (signal.SIGSEGV, "rank 1 of 2 was killed by SIGSEGV before returning a result"),
     ):
         with pytest.raises(RankFailed) as info:

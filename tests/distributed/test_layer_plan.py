@@ -51,13 +51,33 @@ def config(mlp_layer_types: list[str], mtp: int = 1) -> ModelConfig:
 
 # Pattern dense, MoE, dense, MoE, then one MTP layer (MoE). Per layer: (input, MLP input, output, MoE output).
 CASES = {
-    ("off", "moe", 1): ([(P, F, P, None), (P, F, P, P), (P, F, P, None), (P, F, P, P)], P, (F, F, P, P)),
+    ("off", "moe", 1): (
+        [(P, F, P, None), (P, F, P, P), (P, F, P, None), (P, F, P, P)],
+        P,
+        (F, F, P, P),
+    ),
     # DP > 1 without SP: the dispatch returns complete rows to every TP rank
-    ("off", "moe", 2): ([(P, F, P, None), (P, F, P, F), (P, F, P, None), (P, F, P, F)], P, (F, F, P, F)),
+    ("off", "moe", 2): (
+        [(P, F, P, None), (P, F, P, F), (P, F, P, None), (P, F, P, F)],
+        P,
+        (F, F, P, F),
+    ),
     # only MoE layers SP: the dense layer after an MoE layer takes SHARDED rows and gathers them
-    ("on", "moe", 1): ([(P, F, P, None), (P, S, S, S), (S, F, P, None), (P, S, S, S)], S, (S, S, S, S)),
-    ("on", "all", 1): ([(S, S, S, None), (S, S, S, S), (S, S, S, None), (S, S, S, S)], S, (S, S, S, S)),
-    ("on", "moe", 2): ([(P, F, P, None), (P, S, S, S), (S, F, P, None), (P, S, S, S)], S, (S, S, S, S)),
+    ("on", "moe", 1): (
+        [(P, F, P, None), (P, S, S, S), (S, F, P, None), (P, S, S, S)],
+        S,
+        (S, S, S, S),
+    ),
+    ("on", "all", 1): (
+        [(S, S, S, None), (S, S, S, S), (S, S, S, None), (S, S, S, S)],
+        S,
+        (S, S, S, S),
+    ),
+    ("on", "moe", 2): (
+        [(P, F, P, None), (P, S, S, S), (S, F, P, None), (P, S, S, S)],
+        S,
+        (S, S, S, S),
+    ),
 }
 
 
@@ -70,7 +90,9 @@ def test_plan_follows_the_layout_contract(sp, scope, dp):
     assert [p.layer_idx for p in plan.layers] == [0, 1, 2, 3]
     assert [p.use_sequence_parallel_moe for p in plan.layers] == [lay[1] is S for lay in layers]
     assert plan.exit is exit_layout
-    assert [(p.layer_idx, p.input, p.mlp_input, p.output, p.moe_output) for p in plan.mtp] == [(4, *mtp)]
+    assert [(p.layer_idx, p.input, p.mlp_input, p.output, p.moe_output) for p in plan.mtp] == [
+        (4, *mtp)
+    ]
 
 
 def test_moe_first_layer_is_sharded_from_the_embedding():
@@ -85,4 +107,6 @@ def test_docs_show_the_glm_plan(scope):
     """docs/architecture.md prints the GLM-5.2 plan (78 layers, the first 3 dense, 1 MTP layer) as built."""
     parallel = ParallelConfig(tensor_parallel_size=8, sp="on", sp_scope=scope)
     table = build_layer_plan(config(["dense"] * 3 + ["sparse"] * 75), parallel).table()
-    assert table in DOCS.read_text(), f"docs/architecture.md lacks the scope {scope!r} table:\n{table}"
+    assert table in DOCS.read_text(), (
+        f"docs/architecture.md lacks the scope {scope!r} table:\n{table}"
+    )

@@ -90,7 +90,9 @@ def layout_matrix() -> int:
                 with count_collectives() as inner:
                     summed = all_reduce(partials[r].clone(), state.tp_group)
                     rows = [N] * t
-                    exchanged = all_to_all_rows(partials[r].repeat(t, 1), rows, rows, state.tp_group)
+                    exchanged = all_to_all_rows(
+                        partials[r].repeat(t, 1), rows, rows, state.tp_group
+                    )
             assert torch.equal(summed, partials.sum(0))
             assert torch.equal(exchanged, partials.reshape(t * N, H))
             assert inner.as_dict() == outer.as_dict()
@@ -106,12 +108,19 @@ def layout_matrix() -> int:
     expect_error(lambda: sp_all_gather(torch.zeros(n5, H, 2), 5), "2-D", f"({n5}, {H}, 2)")
     expect_error(lambda: sp_reduce_scatter(torch.zeros(5)), "2-D", "(5,)")
     expect_error(
-        lambda: _all_gather_sp_states(torch.zeros(n5, H), torch.zeros(n5, H + 1), 5), f"({n5}, {H + 1})", f"({n5}, {H})"
+        lambda: _all_gather_sp_states(torch.zeros(n5, H), torch.zeros(n5, H + 1), 5),
+        f"({n5}, {H + 1})",
+        f"({n5}, {H})",
     )
-    expect_error(lambda: _all_gather_sp_states(torch.zeros(n5 + 2, H), torch.zeros(n5 + 2, H), 5), f"{n5} rows")
+    expect_error(
+        lambda: _all_gather_sp_states(torch.zeros(n5 + 2, H), torch.zeros(n5 + 2, H), 5),
+        f"{n5} rows",
+    )
     # A FULL tensor passed where a shard is declared is caught even when N=1 would hide it from a shape test
     # on rank counts: a 1-token FULL tensor has ceil(1/t) = 1 row, so this is the case the contract exists for.
-    expect_error(lambda: sp_all_gather(torch.zeros(t + 1, H), t + 1), f"{(t + 1 + t - 1) // t} rows")
+    expect_error(
+        lambda: sp_all_gather(torch.zeros(t + 1, H), t + 1), f"{(t + 1 + t - 1) // t} rows"
+    )
     torch.set_default_device(None)
     return checked
 

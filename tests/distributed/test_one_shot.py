@@ -70,7 +70,9 @@ def compare_with_nccl() -> list[str]:
                     if kind in kinds and not close(outs[kind], want):
                         err = (outs[kind].float() - want.float()).abs().max().item()
                         failures.append(f"{kind} {dtype} rows={rows} {trial}: max |diff| {err:.3e}")
-    too_big = torch.empty(BUFFER_BYTES // (2 * t) + 1, dtype=torch.bfloat16, device=device)  # x t ranks x 2 B
+    too_big = torch.empty(
+        BUFFER_BYTES // (2 * t) + 1, dtype=torch.bfloat16, device=device
+    )  # x t ranks x 2 B
     try:
         one_shot.run("all_reduce", too_big, too_big)
         failures.append("an all-reduce larger than the buffer ran")
@@ -106,7 +108,11 @@ def compare_add_norm_with_nccl() -> list[str]:
             gathered = torch.empty(n * t, H, dtype=normed.dtype, device=device)
             dist.all_gather_into_tensor(gathered, normed.contiguous(), group=group)
             return gathered[:num_tokens], new_residual
-        summed = torch.cat([x, x.new_zeros(n * t - num_tokens, H)]) if kind == "reduce_scatter" else x.clone()
+        summed = (
+            torch.cat([x, x.new_zeros(n * t - num_tokens, H)])
+            if kind == "reduce_scatter"
+            else x.clone()
+        )
         if kind == "reduce_scatter":
             block = torch.empty(n, H, dtype=x.dtype, device=device)
             dist.reduce_scatter_tensor(block, summed, group=group)
@@ -123,7 +129,11 @@ def compare_add_norm_with_nccl() -> list[str]:
                 res_rows = num_tokens if kind == "all_reduce" else n
                 for with_residual in (True, False):
                     x = torch.empty(x_rows, H, dtype=torch.bfloat16, device=device)
-                    residual = torch.empty(res_rows, H, dtype=torch.bfloat16, device=device) if with_residual else None
+                    residual = (
+                        torch.empty(res_rows, H, dtype=torch.bfloat16, device=device)
+                        if with_residual
+                        else None
+                    )
 
                     def fill():
                         x.normal_(generator=gen)
@@ -133,10 +143,14 @@ def compare_add_norm_with_nccl() -> list[str]:
                                 dist.broadcast(residual, 0, group=group)
 
                     fill()
-                    got = one_shot.add_rms_norm(kind, x, residual, norm.weight, norm.eps, num_tokens)
+                    got = one_shot.add_rms_norm(
+                        kind, x, residual, norm.weight, norm.eps, num_tokens
+                    )
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
-                        captured = one_shot.add_rms_norm(kind, x, residual, norm.weight, norm.eps, num_tokens)
+                        captured = one_shot.add_rms_norm(
+                            kind, x, residual, norm.weight, norm.eps, num_tokens
+                        )
                     for trial in ("eager", "graph replay"):
                         if trial == "graph replay":
                             fill()
@@ -144,7 +158,9 @@ def compare_add_norm_with_nccl() -> list[str]:
                             got = captured
                         want = reference(kind, x, residual, num_tokens)
                         for name, a, b in zip(("normed", "residual"), got, want):
-                            if a.shape != b.shape or not torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2):
+                            if a.shape != b.shape or not torch.allclose(
+                                a.float(), b.float(), rtol=2e-2, atol=2e-2
+                            ):
                                 failures.append(
                                     f"{kind} {name} N={num_tokens} residual={with_residual} {trial}: "
                                     f"{tuple(a.shape)} vs {tuple(b.shape)}"

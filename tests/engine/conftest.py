@@ -67,7 +67,9 @@ def choices_and_alone(engine, prompt: list[int], seeds: list[int], max_new: int)
     queries = engine.scheduler.room.prefix_cache_counts()[0]
     choices = engine.generate([prompt] * len(seeds), max_new, samplings, record_logits=True)
     queries = engine.scheduler.room.prefix_cache_counts()[0] - queries
-    alone = [engine.generate([prompt], max_new, [params], record_logits=True) for params in samplings]
+    alone = [
+        engine.generate([prompt], max_new, [params], record_logits=True) for params in samplings
+    ]
     return (
         choices.outputs,
         [gen.outputs[0] for gen in alone],

@@ -21,7 +21,9 @@ def _probe_kernel(keys_ptr, index_ptr, bits_ptr, noise_ptr, vocab, BLOCK: tl.con
         tl.store(noise_ptr + j * vocab + ids, exponential(bits), mask=inside)
 
 
-def kernel_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kernel_noise(
+    keys: torch.Tensor, index: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """keys `[s, 2]`, index `[s]` int64 -> (bits `[s, V]` int64, noise `[s, V]` float32) as the race kernel
     hashes them."""
     s = index.shape[0]
@@ -42,5 +44,7 @@ def kernel_exponential(bits: torch.Tensor) -> torch.Tensor:
     """bits `[n]` int64 in [0, 2**32) -> `[n]` float32: the race kernel's noise of each."""
     noise = torch.empty(bits.shape, dtype=torch.float32, device=bits.device)
     block = 1 << 16
-    _exponential_kernel[(triton.cdiv(bits.numel(), block),)](bits.contiguous(), noise, bits.numel(), BLOCK=block)
+    _exponential_kernel[(triton.cdiv(bits.numel(), block),)](
+        bits.contiguous(), noise, bits.numel(), BLOCK=block
+    )
     return noise

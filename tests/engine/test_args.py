@@ -32,7 +32,11 @@ def test_flags_fill_the_fields():
     assert (got.max_num_seqs, got.max_model_len, got.max_num_batched_tokens) == (4, 100, 64)
     assert (got.kv_cache_memory, got.kv_cache_dtype, got.drafts) == (0.5, "fp8", 2)
     parallel = got.parallel_config()
-    assert (parallel.tensor_parallel_size, parallel.data_parallel_size, parallel.sp_scope) == (2, 3, "all")
+    assert (parallel.tensor_parallel_size, parallel.data_parallel_size, parallel.sp_scope) == (
+        2,
+        3,
+        "all",
+    )
     assert parse(["--speculative", "mtp"]).drafts == 1 and parse([]).drafts == 0
 
 
@@ -41,8 +45,14 @@ def test_flags_fill_the_fields():
     [
         (["--tp", "0"], "--tp must be >= 1, got 0"),
         (["--num-speculative-tokens", "2"], "--num-speculative-tokens 2 needs --speculative mtp"),
-        (["--speculative", "mtp", "--num-speculative-tokens", "0"], "needs --num-speculative-tokens >= 1, got 0"),
-        (["--kv-cache", "dense", "--kv-cache-dtype", "fp8"], "size the paged cache; got them with --kv-cache dense"),
+        (
+            ["--speculative", "mtp", "--num-speculative-tokens", "0"],
+            "needs --num-speculative-tokens >= 1, got 0",
+        ),
+        (
+            ["--kv-cache", "dense", "--kv-cache-dtype", "fp8"],
+            "size the paged cache; got them with --kv-cache dense",
+        ),
     ],
 )
 def test_one_rule_for_every_command(argv, message, capsys):
@@ -56,4 +66,8 @@ def test_one_rule_for_every_command(argv, message, capsys):
     ):
         assert main(command + argv) == 1
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith(f"spmoe {command[0]}: error: ") and message in err[0], err
+        assert (
+            len(err) == 1
+            and err[0].startswith(f"spmoe {command[0]}: error: ")
+            and message in err[0]
+        ), err

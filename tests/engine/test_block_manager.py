@@ -19,7 +19,9 @@ def test_allocate_grow_free():
     assert blocks.reserved(7) == 5 and blocks.num_used_blocks == 2 and blocks.usage == 0.4
     assert blocks.can_grow(7, 3) and blocks.grow(7, 3) == [0, 1]  # 8 tokens still fit in 2 blocks
     assert blocks.grow(7, 1) == [0, 1, 2]  # the 9th opens a third
-    assert blocks.allocate(8, 1) == 0 and blocks.block_table(8) == [3] and blocks.num_free_blocks == 1
+    assert (
+        blocks.allocate(8, 1) == 0 and blocks.block_table(8) == [3] and blocks.num_free_blocks == 1
+    )
     assert blocks.grow(8, 0) == [3]
     assert not blocks.can_allocate(5) and blocks.can_allocate(4)
     assert not blocks.can_grow(7, 8) and blocks.can_grow(7, 7)  # 9 + 7 = 16 tokens = 4 blocks
@@ -27,7 +29,12 @@ def test_allocate_grow_free():
     assert blocks.num_free_blocks == 4 and 7 not in blocks and 8 in blocks
     blocks.allocate(9, 16)
     assert blocks.block_table(9) == [0, 1, 2, 4]  # the blocks freed last come back first
-    assert blocks.usage == 1 and not blocks.can_allocate(1) and not blocks.can_grow(8, 4) and blocks.can_grow(8, 3)
+    assert (
+        blocks.usage == 1
+        and not blocks.can_allocate(1)
+        and not blocks.can_grow(8, 4)
+        and blocks.can_grow(8, 3)
+    )
 
 
 def test_preempted_sequence_frees_all_and_comes_back():
@@ -46,16 +53,21 @@ def test_preempted_sequence_frees_all_and_comes_back():
 def test_bad_calls_raise_clear_errors():
     blocks = BlockManager(num_blocks=2, block_size=4)
     with pytest.raises(
-        ValueError, match=r"a new sequence of 9 tokens \(0 cached\) needs 3 KV cache blocks, 2 of 2 are free"
+        ValueError,
+        match=r"a new sequence of 9 tokens \(0 cached\) needs 3 KV cache blocks, 2 of 2 are free",
     ):
         blocks.allocate(0, 9)
     assert blocks.num_free_blocks == 2  # a refused allocation takes nothing
     blocks.allocate(0, 4)
     with pytest.raises(ValueError, match="sequence 0 already holds 1 blocks"):
         blocks.allocate(0, 1)
-    with pytest.raises(ValueError, match="5 more tokens of sequence 0 needs 2 KV cache blocks, 1 of 2 are free"):
+    with pytest.raises(
+        ValueError, match="5 more tokens of sequence 0 needs 2 KV cache blocks, 1 of 2 are free"
+    ):
         blocks.grow(0, 5)
-    assert blocks.reserved(0) == 4 and blocks.block_table(0) == [0]  # a refused growth changes nothing
+    assert blocks.reserved(0) == 4 and blocks.block_table(0) == [
+        0
+    ]  # a refused growth changes nothing
     with pytest.raises(KeyError, match="sequence 3 holds no blocks"):
         blocks.free(3)
     with pytest.raises(KeyError, match="sequence 3 holds no blocks"):
@@ -86,15 +98,23 @@ class Rows:
         for p in range(start, end):
             block = table[p // self.blocks.block_size]
             # a row is written only in a block its sequence holds alone and that is not cached
-            assert self.blocks._refs[block] == 1 and block not in self.blocks._hash_of, (seq_id, p, block)
-            self.rows[block, p % self.blocks.block_size] = tuple(tokens[: p + 1 + self.blocks.lookahead])
+            assert self.blocks._refs[block] == 1 and block not in self.blocks._hash_of, (
+                seq_id,
+                p,
+                block,
+            )
+            self.rows[block, p % self.blocks.block_size] = tuple(
+                tokens[: p + 1 + self.blocks.lookahead]
+            )
         self.blocks.cache_blocks(seq_id, tokens, end)
 
     def check(self, seq_id: int, tokens: list[int], cached: int) -> None:
         """The rows of `seq_id`'s first `cached` positions are what computing them from `tokens` gives."""
         table, size = self.blocks.block_table(seq_id), self.blocks.block_size
         for p in range(cached):
-            assert self.rows[table[p // size], p % size] == tuple(tokens[: p + 1 + self.blocks.lookahead]), (seq_id, p)
+            assert self.rows[table[p // size], p % size] == tuple(
+                tokens[: p + 1 + self.blocks.lookahead]
+            ), (seq_id, p)
 
 
 def audit(blocks: BlockManager, tables: dict[int, list[int]]) -> None:
@@ -165,7 +185,9 @@ def test_hits_of_every_shared_prefix_length(lookahead):
         first = [rng.randrange(50) for _ in range(first_len)]
         for shared in range(first_len + 1):
             # a prompt that leaves the first after `shared` tokens, and one that is its first `shared` tokens
-            seconds = [first[:shared] + [50 + rng.randrange(50) for _ in range(rng.randrange(1, 6))]]
+            seconds = [
+                first[:shared] + [50 + rng.randrange(50) for _ in range(rng.randrange(1, 6))]
+            ]
             seconds += [first[:shared]] if shared else []
             for second in seconds:
                 blocks = BlockManager(16, size, enable_caching=True, lookahead=lookahead)
@@ -203,17 +225,29 @@ def test_eviction_is_least_recently_used_and_tail_first():
         blocks.allocate(seq_id, 5, tokens)
         rows.write(seq_id, tokens, 0, 5)
         blocks.free(seq_id)  # a's blocks, then b's, go unreferenced
-    assert blocks.num_cached_blocks == 4 and blocks.num_free_blocks == 6 and blocks.num_used_blocks == 0
+    assert (
+        blocks.num_cached_blocks == 4
+        and blocks.num_free_blocks == 6
+        and blocks.num_used_blocks == 0
+    )
     # a is used again, so b is now the least recently used
     assert blocks.allocate(2, 5, [1, 2, 3, 4, 9]) == 4
     blocks.free(2)
     assert blocks.num_cached_blocks == 4
     blocks.allocate(3, 8)  # 4 blocks: the 2 uncached free ones, then b's two, its last block first
-    assert blocks.cached_prefix(b) == 0 and blocks.cached_prefix(a) == 4 and blocks.num_cached_blocks == 2
+    assert (
+        blocks.cached_prefix(b) == 0
+        and blocks.cached_prefix(a) == 4
+        and blocks.num_cached_blocks == 2
+    )
     blocks.grow(3, 2)  # one more: a's last block goes before its first
     assert blocks.cached_prefix(a) == 2 and blocks.num_cached_blocks == 1
     blocks.grow(3, 2)
-    assert blocks.cached_prefix(a) == 0 and blocks.num_cached_blocks == 0 and blocks.num_free_blocks == 0
+    assert (
+        blocks.cached_prefix(a) == 0
+        and blocks.num_cached_blocks == 0
+        and blocks.num_free_blocks == 0
+    )
     blocks.free(3)
     audit(blocks, {})
 
@@ -224,7 +258,9 @@ def test_a_held_cached_block_is_shared_not_evicted():
     a = [1, 2, 3, 4, 5]
     blocks.allocate(0, 5, a)
     rows.write(0, a, 0, 5)
-    assert blocks.can_allocate(5, a) and not blocks.can_allocate(5)  # 1 fresh block with the hit, 3 without
+    assert blocks.can_allocate(5, a) and not blocks.can_allocate(
+        5
+    )  # 1 fresh block with the hit, 3 without
     assert blocks.allocate(1, 5, a) == 4  # the two full blocks, held by both
     assert blocks.block_table(1)[:2] == blocks.block_table(0)[:2] and blocks.num_free_blocks == 0
     audit(blocks, {0: blocks.block_table(0), 1: blocks.block_table(1)})
@@ -245,16 +281,22 @@ def test_reuse_follows_the_deciding_rank_or_fails_clearly():
     rows.write(0, a, 0, 5)
     assert blocks.cached_prefix(a) == 4
     # the deciding rank reused 2 tokens: this manager takes that block and no more, though it holds the next one
-    assert blocks.allocate(1, 5, a, reuse=2) == 2 and blocks.block_table(1)[0] == blocks.block_table(0)[0]
+    assert (
+        blocks.allocate(1, 5, a, reuse=2) == 2
+        and blocks.block_table(1)[0] == blocks.block_table(0)[0]
+    )
     assert blocks.block_table(1)[1] != blocks.block_table(0)[1] and blocks.hits == 2
-    assert blocks.allocate(2, 5, a, reuse=0) == 0 and not set(blocks.block_table(2)) & set(blocks.block_table(0))
+    assert blocks.allocate(2, 5, a, reuse=0) == 0 and not set(blocks.block_table(2)) & set(
+        blocks.block_table(0)
+    )
     rows.check(1, a, 2)
     for seq_id in (0, 1, 2):
         blocks.free(seq_id)
     blocks.allocate(3, 16)  # every block: the cached ones are evicted
     blocks.free(3)
     with pytest.raises(
-        RuntimeError, match="reuses 4 cached prompt tokens, but this rank's prefix cache holds only the first 0"
+        RuntimeError,
+        match="reuses 4 cached prompt tokens, but this rank's prefix cache holds only the first 0",
     ):
         blocks.allocate(4, 5, a, reuse=4)
     with pytest.raises(ValueError, match="a multiple of 2 below the prompt's length expected"):
@@ -277,7 +319,10 @@ def test_fork_shares_the_prompts_full_blocks(enable_caching, lookahead):
     rows.write(0, prompt + [20], 0, 8)  # the parent's prompt, and its first token known
     shared = 8 if lookahead == 0 else 4
     assert blocks.fork(0, 1, 8) == shared
-    child = prompt + [30, 31]  # its own first token: the shared rows are still what computing them gives
+    child = prompt + [
+        30,
+        31,
+    ]  # its own first token: the shared rows are still what computing them gives
     rows.check(1, child, shared)
     assert blocks.block_table(1)[: shared // 4] == blocks.block_table(0)[: shared // 4]
     blocks.grow(1, 1)
@@ -287,9 +332,15 @@ def test_fork_shares_the_prompts_full_blocks(enable_caching, lookahead):
     assert blocks.block_table(2)[1] not in blocks.block_table(0) + blocks.block_table(1)
     tables = {s: blocks.block_table(s) for s in (0, 1, 2)}
     audit(blocks, tables)
-    assert blocks.num_used_blocks == len({b for table in tables.values() for b in table}) == 3 + (3 - shared // 4) + 1
+    assert (
+        blocks.num_used_blocks
+        == len({b for table in tables.values() for b in table})
+        == 3 + (3 - shared // 4) + 1
+    )
     blocks.free(0)
-    with pytest.raises(ValueError, match="sequence 4 forks 8 tokens of sequence 2, which holds room for 6"):
+    with pytest.raises(
+        ValueError, match="sequence 4 forks 8 tokens of sequence 2, which holds room for 6"
+    ):
         blocks.fork(2, 4, 8)
     for seq_id in (1, 2):
         blocks.free(seq_id)
@@ -300,13 +351,19 @@ def test_bad_prefix_calls_raise_clear_errors():
     blocks = BlockManager(8, 2, enable_caching=True)
     a = [1, 2, 3, 4, 5]
     blocks.allocate(0, 5, a)
-    with pytest.raises(ValueError, match="sequence 0 wrote 6 positions; their token ids expected, got 5"):
+    with pytest.raises(
+        ValueError, match="sequence 0 wrote 6 positions; their token ids expected, got 5"
+    ):
         blocks.cache_blocks(0, a, 6)
     blocks.cache_blocks(0, a, 5)
     blocks.free(0)
-    with pytest.raises(ValueError, match="finds 4 prompt tokens cached .* more than 4 tokens expected, got 4"):
+    with pytest.raises(
+        ValueError, match="finds 4 prompt tokens cached .* more than 4 tokens expected, got 4"
+    ):
         blocks.allocate(1, 4, a)
-    assert blocks.num_used_blocks == 0 and blocks.num_cached_blocks == 2  # a refused allocation takes nothing
+    assert (
+        blocks.num_used_blocks == 0 and blocks.num_cached_blocks == 2
+    )  # a refused allocation takes nothing
     with pytest.raises(KeyError, match="sequence 7 holds no blocks"):
         blocks.fork(7, 8, 4)
     blocks.allocate(1, 5, a)
@@ -331,8 +388,17 @@ def test_no_leaked_block_after_1000_random_requests(lookahead):
     while counts["requests"] < 1000 or waiting or running:
         action = rng.random()
         if action < 0.25 and counts["requests"] < 1000:
-            prompt = rng.choice(systems)[: rng.randrange(24)] + [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
-            waiting.append((next_id, prompt + [rng.randrange(3) for _ in range(rng.randrange(8))], len(prompt), []))
+            prompt = rng.choice(systems)[: rng.randrange(24)] + [
+                rng.randrange(3) for _ in range(rng.randrange(1, 6))
+            ]
+            waiting.append(
+                (
+                    next_id,
+                    prompt + [rng.randrange(3) for _ in range(rng.randrange(8))],
+                    len(prompt),
+                    [],
+                )
+            )
             next_id, counts["requests"] = next_id + 1, counts["requests"] + 1
         elif action < 0.45 and waiting:
             seq_id, tokens, known, hashes = waiting[0]
@@ -375,7 +441,9 @@ def test_no_leaked_block_after_1000_random_requests(lookahead):
             parent = rng.choice(sorted(running))
             tokens, done, known, _ = running[parent]
             prompt = tokens[:known]
-            if done < len(prompt) or not blocks.can_fork(len(prompt)):  # forks once the prompt is written
+            if done < len(prompt) or not blocks.can_fork(
+                len(prompt)
+            ):  # forks once the prompt is written
                 continue
             shared = blocks.fork(parent, next_id, len(prompt))
             assert shared == (len(prompt) - lookahead) // size * size
@@ -385,7 +453,10 @@ def test_no_leaked_block_after_1000_random_requests(lookahead):
             next_id, counts["forked"] = next_id + 1, counts["forked"] + 1
         audit(blocks, {s: blocks.block_table(s) for s in running})
     assert blocks.num_used_blocks == 0 and blocks.num_free_blocks == blocks.num_blocks
-    assert all(n == 0 for n in blocks._refs) and len(blocks._free) + len(blocks._evictable) == blocks.num_blocks
+    assert (
+        all(n == 0 for n in blocks._refs)
+        and len(blocks._free) + len(blocks._evictable) == blocks.num_blocks
+    )
     assert blocks.num_cached_blocks == len(blocks._evictable) > 0
     assert min(counts.values()) > 50, counts  # every path ran many times
     assert blocks.hits > 0 and blocks.queries > blocks.hits

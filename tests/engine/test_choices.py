@@ -18,9 +18,19 @@ BUDGET = 48  # prompts are fed in chunks (3 steps), and so is what a fork recomp
 PROMPT_LENS = (130, 128)  # a partly filled last block; a whole number of blocks
 CASES = {  # name -> (MTP drafts, prefix caching, cache blocks; None: room for everything, prompt lengths)
     "plain": (0, True, None, PROMPT_LENS),
-    "mtp": (2, True, None, PROMPT_LENS),  # 128 tokens: the fork shares 1 block and recomputes 64 tokens
+    "mtp": (
+        2,
+        True,
+        None,
+        PROMPT_LENS,
+    ),  # 128 tokens: the fork shares 1 block and recomputes 64 tokens
     "no prefix caching": (0, False, None, (130,)),
-    "small cache": (0, True, 5, PROMPT_LENS),  # 130 tokens: the last choice finds no block to fork; 128: one is
+    "small cache": (
+        0,
+        True,
+        5,
+        PROMPT_LENS,
+    ),  # 130 tokens: the last choice finds no block to fork; 128: one is
     # preempted
 }
 FORK_STEP = 2  # the step (from 0) that completes the prompt
@@ -41,7 +51,9 @@ def run_choices(engine, prompt: list[int], aborts: dict[int, int] | None = None)
     from spmoe.engine.request import Request
 
     seqs = [
-        engine.add_request(Request(f"choice-{i}", prompt, MAX_NEW, choice_sampling(i)), record_logits=True)
+        engine.add_request(
+            Request(f"choice-{i}", prompt, MAX_NEW, choice_sampling(i)), record_logits=True
+        )
         for i in range(4)
     ]
     return drive(engine, seqs, aborts or {})
@@ -74,7 +86,9 @@ def drive(engine, seqs, aborts: dict[int, int]) -> dict:
         steps += 1
     engine.scheduler.schedule = schedule
     blocks = room.blocks
-    assert blocks.num_used_blocks == 0 and blocks.num_free_blocks == blocks.num_blocks  # every block came back
+    assert (
+        blocks.num_used_blocks == 0 and blocks.num_free_blocks == blocks.num_blocks
+    )  # every block came back
     got = {
         i: (seq.output, logprobs[seq.request_id], torch.stack(seq.logits) if seq.logits else None)
         for i, seq in enumerate(seqs)
@@ -106,12 +120,16 @@ def forked_and_alone(folder: str) -> dict:
     gen = torch.Generator().manual_seed(3)
     results = {}
     for prompt_len in PROMPT_LENS:
-        prompt = torch.randint(0, ENGINE_CONFIG["vocab_size"], (prompt_len,), generator=gen).tolist()
+        prompt = torch.randint(
+            0, ENGINE_CONFIG["vocab_size"], (prompt_len,), generator=gen
+        ).tolist()
         # each choice alone, one after the other (the first prompt's blocks cached for the others: prefix caching
         # changes no token, test_prefix_cache_engine.py); the tokens do not depend on MTP or the cache's size
         alone, one = {}, engine(0, True, None)
         for i in range(4):
-            seq = one.add_request(Request(f"alone-{i}", prompt, MAX_NEW, choice_sampling(i)), record_logits=True)
+            seq = one.add_request(
+                Request(f"alone-{i}", prompt, MAX_NEW, choice_sampling(i)), record_logits=True
+            )
             got = drive(one, [seq], {})
             alone[i], alone["peak"] = got[0], got["peak"]
         results[prompt_len, "alone"] = alone
@@ -123,7 +141,9 @@ def forked_and_alone(folder: str) -> dict:
         # choice 2 aborted while the prompt is computed, the source once the others forked, choice 3 two steps
         # later; then 4 choices of another prompt all aborted right after the fork
         aborting = engine(0, True, None)
-        results["aborts", prompt_len] = run_choices(aborting, prompt, {2: 1, 0: FORK_STEP + 1, 3: FORK_STEP + 3})
+        results["aborts", prompt_len] = run_choices(
+            aborting, prompt, {2: 1, 0: FORK_STEP + 1, 3: FORK_STEP + 3}
+        )
         everything = {i: FORK_STEP + 1 for i in range(4)}
         results["abort all", prompt_len] = run_choices(aborting, prompt[::-1], everything)
     return results
@@ -144,21 +164,38 @@ def test_each_choice_gets_what_it_gets_alone(engine_checkpoint):
                 assert relative_error(logits, want_logits) < 1e-4, (where, i)
                 assert len(logprobs) == len(want_logprobs) == MAX_NEW, (where, i)
                 for (logprob, top), (want_logprob, want_top) in zip(logprobs, want_logprobs):
-                    assert abs(logprob - want_logprob) < 1e-4 and [t for t, _ in top] == [t for t, _ in want_top]
-            assert len({tuple(got[i][0]) for i in range(4)}) == 4, where  # the seeds give different choices
+                    assert abs(logprob - want_logprob) < 1e-4 and [t for t, _ in top] == [
+                        t for t, _ in want_top
+                    ]
+            assert len({tuple(got[i][0]) for i in range(4)}) == 4, (
+                where
+            )  # the seeds give different choices
             if blocks is None:
                 assert got["forked"] == {"choice-1", "choice-2", "choice-3"}, where
-            if blocks is None and k == 0:  # the prompt's full blocks once, and one block of its own per choice
+            if (
+                blocks is None and k == 0
+            ):  # the prompt's full blocks once, and one block of its own per choice
                 assert got["peak"] == alone["peak"] + 3, (where, got["peak"], alone["peak"])
         small = results["small cache", prompt_len]
-        if prompt_len == 130:  # the source's 3 blocks and 2 forks fill the cache: the last choice computes its own
+        if (
+            prompt_len == 130
+        ):  # the source's 3 blocks and 2 forks fill the cache: the last choice computes its own
             assert small["forked"] == {"choice-1", "choice-2"} and small["preemptions"] == 0
         else:  # the three forks hold nothing of their own until they decode: the last one admitted yields
-            assert small["forked"] == {"choice-1", "choice-2", "choice-3"} and small["preemptions"] > 0
+            assert (
+                small["forked"] == {"choice-1", "choice-2", "choice-3"} and small["preemptions"] > 0
+            )
 
     aborted, alone = results["aborts", 130], results[130, "alone"]
-    assert aborted["forked"] == {"choice-1", "choice-3"}  # choice 2 was gone before the prompt was computed
-    assert aborted[2][0] == [] and 0 < len(aborted[0][0]) < MAX_NEW and 0 < len(aborted[3][0]) < MAX_NEW
+    assert aborted["forked"] == {
+        "choice-1",
+        "choice-3",
+    }  # choice 2 was gone before the prompt was computed
+    assert (
+        aborted[2][0] == []
+        and 0 < len(aborted[0][0]) < MAX_NEW
+        and 0 < len(aborted[3][0]) < MAX_NEW
+    )
     assert len(aborted[1][0]) == MAX_NEW
     for i in (0, 1, 3):  # what each got before its abort is what it gets alone
         assert aborted[i][0] == alone[i][0][: len(aborted[i][0])], i

@@ -43,8 +43,14 @@ GENERATE_CASES = {  # case -> ({option: value, or None for a flag}, the line aft
         {"--output": "{tmp}/nowhere/out.json"},
         "--output {tmp}/nowhere/out.json: the folder {tmp}/nowhere does not exist",
     ),
-    "output is a folder": ({"--output": "{tmp}"}, "--output {tmp} is a folder; expected a file path"),
-    "output in /proc": ({"--output": "/proc/version"}, "--output /proc/version cannot be written: ..."),
+    "output is a folder": (
+        {"--output": "{tmp}"},
+        "--output {tmp} is a folder; expected a file path",
+    ),
+    "output in /proc": (
+        {"--output": "/proc/version"},
+        "--output /proc/version cannot be written: ...",
+    ),
     "prompt + new tokens beyond max_position_embeddings": (
         {"--max-new-tokens": "14", "--model": "{short}"},
         "the longest prompt (3 tokens) with 14 new tokens and 0 speculative tokens: 17 positions, more than the "
@@ -72,16 +78,31 @@ GENERATE_CASES = {  # case -> ({option: value, or None for a flag}, the line aft
         {"--speculative": "mtp", "--num-speculative-tokens": "0"},
         "--speculative mtp needs --num-speculative-tokens >= 1, got 0",
     ),
-    "eos id beyond the vocabulary": ({"--eos-id": "96"}, "--eos-id 96 is not a token id: expected an int in [0, 96)"),
+    "eos id beyond the vocabulary": (
+        {"--eos-id": "96"},
+        "--eos-id 96 is not a token id: expected an int in [0, 96)",
+    ),
     "negative temperature": (
         {"--temperature": "-1"},
         "temperature must be a finite number >= 0 (0 = greedy), got -1.0",
     ),
-    "NaN temperature": ({"--temperature": "nan"}, "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    "NaN temperature": (
+        {"--temperature": "nan"},
+        "temperature must be a finite number >= 0 (0 = greedy), got nan",
+    ),
     "top-p 0": ({"--temperature": "1", "--top-p": "0"}, "top_p must be in (0, 1], got 0.0"),
-    "CUDA graphs on CPU": ({"--cuda-graphs": None}, "--cuda-graphs needs a CUDA device (the model is on cpu)"),
-    "CUDA without GPUs": ({"--device": "cuda"}, "--device cuda with 2 ranks needs 2 visible GPU(s), found 0"),
-    "config is a JSON list": ({"--model": "{list_config}"}, "a model config must be a JSON object, got a list: [1, 2]"),
+    "CUDA graphs on CPU": (
+        {"--cuda-graphs": None},
+        "--cuda-graphs needs a CUDA device (the model is on cpu)",
+    ),
+    "CUDA without GPUs": (
+        {"--device": "cuda"},
+        "--device cuda with 2 ranks needs 2 visible GPU(s), found 0",
+    ),
+    "config is a JSON list": (
+        {"--model": "{list_config}"},
+        "a model config must be a JSON object, got a list: [1, 2]",
+    ),
     "config field as a string": (
         {"--model": "{string_heads}"},
         "config field num_attention_heads must be an integer >= 1, got '6' (str)",
@@ -94,7 +115,9 @@ GENERATE_CASES = {  # case -> ({option: value, or None for a flag}, the line aft
 
 
 @pytest.mark.parametrize("case", GENERATE_CASES)
-def test_generate_input_is_checked_before_any_rank_starts(case, engine_checkpoint, tmp_path, capsys):
+def test_generate_input_is_checked_before_any_rank_starts(
+    case, engine_checkpoint, tmp_path, capsys
+):
     if case == "CUDA without GPUs" and torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
     extra, expected = GENERATE_CASES[case]
@@ -122,7 +145,11 @@ def test_generate_input_is_checked_before_any_rank_starts(case, engine_checkpoin
     line = run(
         capsys,
         ["generate"]
-        + [x for option, value in options.items() for x in ((option,) if value is None else (option, value))],
+        + [
+            x
+            for option, value in options.items()
+            for x in ((option,) if value is None else (option, value))
+        ],
     )
     expected = "spmoe generate: error: " + expected.format(**paths)
     if expected.endswith("..."):
@@ -131,7 +158,9 @@ def test_generate_input_is_checked_before_any_rank_starts(case, engine_checkpoin
         assert line == expected
 
 
-def test_forward_outputs_and_lengths_are_checked_before_any_rank_starts(engine_checkpoint, tmp_path, capsys):
+def test_forward_outputs_and_lengths_are_checked_before_any_rank_starts(
+    engine_checkpoint, tmp_path, capsys
+):
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([[1, 2], list(range(20))]))
     short = copy_with(engine_checkpoint, tmp_path / "short", max_position_embeddings=16)
@@ -164,7 +193,10 @@ def test_forward_outputs_and_lengths_are_checked_before_any_rank_starts(engine_c
 
 @pytest.mark.parametrize("ranks", [0, -1])
 def test_selfcheck_ranks_must_be_positive(ranks, capsys):
-    assert run(capsys, ["selfcheck", "--ranks", ranks]) == f"spmoe selfcheck: error: --ranks must be >= 1, got {ranks}"
+    assert (
+        run(capsys, ["selfcheck", "--ranks", ranks])
+        == f"spmoe selfcheck: error: --ranks must be >= 1, got {ranks}"
+    )
 
 
 def test_outputs_are_written_atomically(tmp_path):
@@ -181,9 +213,13 @@ def test_outputs_are_written_atomically(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         write_atomically(out, half_then_fail)
-    assert out.read_text() == '{"previous": true}' and sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+    assert out.read_text() == '{"previous": true}' and sorted(
+        p.name for p in tmp_path.iterdir()
+    ) == ["out.json"]
     write_atomically(out, lambda path: path.write_text('{"outputs": []}'))
-    assert out.read_text() == '{"outputs": []}' and sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+    assert out.read_text() == '{"outputs": []}' and sorted(p.name for p in tmp_path.iterdir()) == [
+        "out.json"
+    ]
     fresh = tmp_path / "fresh.json"
     write_atomically(fresh, lambda path: path.write_text("{}"))
     plain = tmp_path / "plain.json"

@@ -109,7 +109,8 @@ def test_bad_input_is_a_one_line_error(case, fragment, engine_checkpoint, tmp_pa
 
 
 @pytest.mark.parametrize(
-    "command, extra", [("forward", ["--save-logits"]), ("generate", ["--max-new-tokens", "2", "--output"])]
+    "command, extra",
+    [("forward", ["--save-logits"]), ("generate", ["--max-new-tokens", "2", "--output"])],
 )
 def test_sp_defaults_to_auto(command, extra, engine_checkpoint, tmp_path, capsys, monkeypatch):
     """Without --sp the command takes auto: off at DP 1, on at DP 2. The job itself is replaced by one that
@@ -150,7 +151,9 @@ def test_sp_defaults_to_auto(command, extra, engine_checkpoint, tmp_path, capsys
 
 def test_unknown_option_exits_non_zero(engine_checkpoint, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
-        generate_cli(tmp_path, engine_checkpoint, [[1]], "--max-new-tokens", "2", "--beam-width", "4")
+        generate_cli(
+            tmp_path, engine_checkpoint, [[1]], "--max-new-tokens", "2", "--beam-width", "4"
+        )
     assert exit_info.value.code == 2
 
 
@@ -159,27 +162,43 @@ def collective_cells(text: str) -> dict[str, list[str]]:
     from spmoe.entrypoints.demo import MODES
 
     labels = {label for label, *_ in MODES}
-    return {line[:18].strip(): line[18:].split()[1:4] for line in text.splitlines() if line[:18].strip() in labels}
+    return {
+        line[:18].strip(): line[18:].split()[1:4]
+        for line in text.splitlines()
+        if line[:18].strip() in labels
+    }
 
 
 def test_demo_runs_and_reuses_its_checkpoint(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     for expected in ("written now", "reused"):
         done = subprocess.run(
-            [sys.executable, "-m", "spmoe", "demo"], env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-m", "spmoe", "demo"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert done.returncode == 0, done.stderr
         assert f"({expected})" in done.stdout
         assert "all 5 modes produced identical tokens" in done.stdout
         # the expert choice: once per kind of MoE layer, never by the checkpoint writer
-        assert [line.split(": ")[1] for line in done.stderr.splitlines() if line.startswith("spmoe: experts")] == [
+        assert [
+            line.split(": ")[1]
+            for line in done.stderr.splitlines()
+            if line.startswith("spmoe: experts")
+        ] == [
             "experts of non-SP MoE layers",
             "experts of SP MoE layers",
         ], done.stderr
         # the server: the chat template wraps the 19-byte message in 3 special tokens and opens the reply with the
         # 7 bytes of `<think>` (29 tokens); up to 24 tokens come back
-        assert re.search(r"usage: 29 prompt \+ \d+ completion tokens, finish_reason (stop|length)", done.stdout)
+        assert re.search(
+            r"usage: 29 prompt \+ \d+ completion tokens, finish_reason (stop|length)", done.stdout
+        )
         assert "SIGTERM: the server stopped" in done.stdout
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     table = collective_cells(readme)
-    assert len(table) == 5 and table == collective_cells(done.stdout), "README's demo table is out of date"
+    assert len(table) == 5 and table == collective_cells(done.stdout), (
+        "README's demo table is out of date"
+    )

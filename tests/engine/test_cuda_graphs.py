@@ -32,7 +32,10 @@ def graph_cases(folder: str) -> dict:
     state, out = get_parallel_state(), {}
     for sp in ("off", "on"):
         model = load_model(
-            folder, ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp), torch.bfloat16, state.device
+            folder,
+            ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp),
+            torch.bfloat16,
+            state.device,
         )
         out[sp, "experts"] = model.model.experts_backend.name
         cache = KVCache.for_model(model, 4, 16)
@@ -41,10 +44,17 @@ def graph_cases(folder: str) -> dict:
         slots = [cache.allocate() for _ in prompts]
         with torch.no_grad():
             view = cache.view(slots, [0] * 3, list(map(len, prompts)))
-            model(torch.tensor(sum(prompts, []), device=state.device), view.positions, list(map(len, prompts)), view)
+            model(
+                torch.tensor(sum(prompts, []), device=state.device),
+                view.positions,
+                list(map(len, prompts)),
+                view,
+            )
             starts, stats = list(map(len, prompts)), CommStats()
             replayed = graphs.step([11, 12, 13], slots, starts, stats).clone()
-            inputs = torch.tensor([[11, 12, 13, 0], slots + [cache.scratch_slot], starts + [0]], device=state.device)
+            inputs = torch.tensor(
+                [[11, 12, 13, 0], slots + [cache.scratch_slot], starts + [0]], device=state.device
+            )
             eager = graphs.eager_step(inputs)[:3]
         out[sp, "bitwise"] = torch.equal(replayed, eager)
         out[sp, "collectives"] = {k: v["count"] for k, v in stats.counts.items()}
@@ -73,10 +83,17 @@ def test_graph_replay_equals_eager(tmp_path):
     print({k: v for k, v in got.items()})
     for sp in ("off", "on"):
         assert got[sp, "experts"] == "triton"
-        assert got[sp, "bitwise"], f"SP {sp}: the replayed step differs from the same step run eagerly"
+        assert got[sp, "bitwise"], (
+            f"SP {sp}: the replayed step differs from the same step run eagerly"
+        )
         assert got[sp, "graph sizes"] == [1, 2, 4]
         eager, graphed = got[sp, "outputs"]
         assert graphed == eager, f"SP {sp}"
-        assert got[sp, "logit error"] < 2e-2, got[sp, "logit error"]  # bf16; the padded batch changes GEMM shapes
-    assert got["on", "collectives"]["reduce_scatter"] > 0 and got["off", "collectives"]["reduce_scatter"] == 0
+        assert got[sp, "logit error"] < 2e-2, got[
+            sp, "logit error"
+        ]  # bf16; the padded batch changes GEMM shapes
+    assert (
+        got["on", "collectives"]["reduce_scatter"] > 0
+        and got["off", "collectives"]["reduce_scatter"] == 0
+    )
     assert all(rank == got for rank in results[1:])

@@ -29,13 +29,25 @@ def test_vllm_names_are_aliases():
 
 
 def test_speculative_config_json_and_dotted():
-    dotted = parse(["--speculative-config.method", "mtp", "--speculative-config.num_speculative_tokens", "2"])
-    as_json = parse(["--speculative-config", json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 2})])
+    dotted = parse(
+        ["--speculative-config.method", "mtp", "--speculative-config.num_speculative_tokens", "2"]
+    )
+    as_json = parse(
+        [
+            "--speculative-config",
+            json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 2}),
+        ]
+    )
     assert (
-        dotted.drafts == as_json.drafts == parse(["--speculative", "mtp", "--num-speculative-tokens", "2"]).drafts == 2
+        dotted.drafts
+        == as_json.drafts
+        == parse(["--speculative", "mtp", "--num-speculative-tokens", "2"]).drafts
+        == 2
     )
     assert parse(["--speculative-config", '{"method": "glm4_moe_mtp"}']).drafts == 1
-    with pytest.raises(ValueError, match="--speculative-config says what --speculative does; pass one or the other"):
+    with pytest.raises(
+        ValueError, match="--speculative-config says what --speculative does; pass one or the other"
+    ):
         parse(["--speculative", "mtp", "--speculative-config.method", "mtp"])
 
 
@@ -55,6 +67,12 @@ def test_auto_device_dtype_and_graphs(tmp_path, monkeypatch):
     assert on_gpu.use_cuda_graphs(capturable) and not on_gpu.use_cuda_graphs(syncing)
     for argv in (["--enforce-eager"], ["--dp", "2"], ["--device", "cpu"]):
         assert not parse(argv, tmp_path).use_cuda_graphs(capturable), argv
-    assert parse(["--speculative-config.method", "mtp"], tmp_path).use_cuda_graphs(capturable)  # MTP in graphs too
-    assert parse(["--cuda-graphs"], tmp_path).use_cuda_graphs(syncing)  # asked: the engine then says why not
-    assert EngineArgs().cuda_graphs is False and not EngineArgs(device="cuda").use_cuda_graphs(capturable)
+    assert parse(["--speculative-config.method", "mtp"], tmp_path).use_cuda_graphs(
+        capturable
+    )  # MTP in graphs too
+    assert parse(["--cuda-graphs"], tmp_path).use_cuda_graphs(
+        syncing
+    )  # asked: the engine then says why not
+    assert EngineArgs().cuda_graphs is False and not EngineArgs(device="cuda").use_cuda_graphs(
+        capturable
+    )

@@ -16,16 +16,27 @@ from tests.engine.test_cuda_graphs import GRAPH_CONFIG
 from tests.engine.test_grammar import SCHEMAS
 from tests.multigpu import requires_gpus
 
-CONFIG = {**ENGINE_CONFIG, "vocab_size": 264, "max_position_embeddings": 1024}  # the demo tokenizer's vocabulary
+CONFIG = {
+    **ENGINE_CONFIG,
+    "vocab_size": 264,
+    "max_position_embeddings": 1024,
+}  # the demo tokenizer's vocabulary
 # the GPU's Triton kernels want wider layers (as in test_paged_engine_gpu.py)
-GPU_CONFIG = {**GRAPH_CONFIG, "index_topk": 64, "kv_lora_rank": 128, "vocab_size": 264, "max_position_embeddings": 1024}
+GPU_CONFIG = {
+    **GRAPH_CONFIG,
+    "index_topk": 64,
+    "kv_lora_rank": 128,
+    "vocab_size": 264,
+    "max_position_embeddings": 1024,
+}
 PROMPT = [11, 42, 7, 99]
 MAX_NEW = 300
 DRAFTS = 2  # MTP drafts per step in the speculating engine
 # the random model closes a free string after ~200 bytes on average: the one unbounded string gets a bound here
 UNBOUNDED = 8
 BOUNDED = dict(
-    SCHEMAS[UNBOUNDED], properties={**SCHEMAS[UNBOUNDED]["properties"], "label": {"type": "string", "maxLength": 16}}
+    SCHEMAS[UNBOUNDED],
+    properties={**SCHEMAS[UNBOUNDED]["properties"], "label": {"type": "string", "maxLength": 16}},
 )
 ENGINE_SCHEMAS = [BOUNDED if i == UNBOUNDED else schema for i, schema in enumerate(SCHEMAS)]
 
@@ -45,7 +56,9 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
 
     state = get_parallel_state()
     dtype = torch.bfloat16 if bf16 else torch.float32
-    model = load_model(folder, ParallelConfig(tensor_parallel_size=tp), dtype, device, with_mtp=True)
+    model = load_model(
+        folder, ParallelConfig(tensor_parallel_size=tp), dtype, device, with_mtp=True
+    )
     tokenizer = load_tokenizer(folder)
     grammars = GrammarCompiler.from_tokenizer(tokenizer, CONFIG["vocab_size"])
     eos = (tokenizer.eos_token_id,)
@@ -62,12 +75,26 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
         for j in range(5)
     ]
     requests += [
-        Request(f"g{i}", PROMPT, MAX_NEW, SamplingParams(), eos, GrammarSpec("json_schema", json.dumps(schema)))
+        Request(
+            f"g{i}",
+            PROMPT,
+            MAX_NEW,
+            SamplingParams(),
+            eos,
+            GrammarSpec("json_schema", json.dumps(schema)),
+        )
         for i, schema in enumerate(ENGINE_SCHEMAS)
     ]
     # no eos id (the server's ignore_eos): only the grammar's stop token ends them, drafted or not
     requests += [
-        Request(f"n{i}", PROMPT, MAX_NEW, SamplingParams(), (), GrammarSpec("json_schema", json.dumps(schema)))
+        Request(
+            f"n{i}",
+            PROMPT,
+            MAX_NEW,
+            SamplingParams(),
+            (),
+            GrammarSpec("json_schema", json.dumps(schema)),
+        )
         for i, schema in enumerate(ENGINE_SCHEMAS)
     ]
     requests += [
@@ -80,7 +107,9 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
         the engine counted them."""
         cache = PagedKVCache.for_model(model, 64 << 20)
         graphs = device == "cuda"  # on the GPU the decode and verification steps replay CUDA graphs
-        engine = Engine(model, cache, drafts, graphs, max_num_seqs=64, max_model_len=1024, grammars=grammars)
+        engine = Engine(
+            model, cache, drafts, graphs, max_num_seqs=64, max_model_len=1024, grammars=grammars
+        )
         outputs, reasons = {r.request_id: [] for r in requests}, {}
         for request in requests:
             engine.add_request(request)
@@ -91,15 +120,19 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
                     if out.finish_reason:
                         reasons[out.request_id] = (out.finish_reason, out.error)
         metrics = engine.metrics()
-        return outputs, reasons, (metrics.generated_tokens, metrics.draft_proposed, metrics.draft_accepted)
+        return (
+            outputs,
+            reasons,
+            (metrics.generated_tokens, metrics.draft_proposed, metrics.draft_accepted),
+        )
 
     outputs, reasons, counts = run(0)
     speculated, speculated_reasons, speculated_counts = run(DRAFTS)
     refusals = []
     try:
-        Engine(model, PagedKVCache.for_model(model, 8 << 20), max_num_seqs=4, max_model_len=64).validate(
-            Request("g", PROMPT, 4, SamplingParams(), eos, GrammarSpec("json_object"))
-        )
+        Engine(
+            model, PagedKVCache.for_model(model, 8 << 20), max_num_seqs=4, max_model_len=64
+        ).validate(Request("g", PROMPT, 4, SamplingParams(), eos, GrammarSpec("json_object")))
     except ValueError as e:
         refusals.append(str(e))
     return {
@@ -129,7 +162,13 @@ def checkpoint(folder, config: dict):
 def constrained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("grammar_ckpt")
     tokenizer = checkpoint(folder, CONFIG)
-    results = spawn(run_constrained, 2, str(folder), config=ParallelConfig(tensor_parallel_size=2), timeout_s=600)
+    results = spawn(
+        run_constrained,
+        2,
+        str(folder),
+        config=ParallelConfig(tensor_parallel_size=2),
+        timeout_s=600,
+    )
     return results, tokenizer
 
 
@@ -144,7 +183,10 @@ def assert_valid(got: dict, tokenizer, greedy_may_run_out: bool = False) -> None
     item of a schema that allows any number of them), but at most half of them."""
     eos = tokenizer.eos_token_id
     valid, ran_out = 0, 0
-    for outputs, reasons in ((got["outputs"], got["reasons"]), (got["speculated"], got["speculated_reasons"])):
+    for outputs, reasons in (
+        (got["outputs"], got["reasons"]),
+        (got["speculated"], got["speculated_reasons"]),
+    ):
         for i, schema in enumerate(ENGINE_SCHEMAS):
             for rid in [f"s{i}-{j}" for j in range(5)] + [f"g{i}", f"n{i}"]:
                 if greedy_may_run_out and rid[0] in "gn" and reasons[rid] == ("length", None):

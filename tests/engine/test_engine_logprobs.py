@@ -12,13 +12,31 @@ from spmoe.engine.sampling import SamplingParams
 
 from .conftest import log_softmax
 
-PROMPT = [3, 14, 15, 92, 65, 35, 89, 7, 7, 21] * 7  # 70 tokens: one full block of 64 for the prefix cache
+PROMPT = [
+    3,
+    14,
+    15,
+    92,
+    65,
+    35,
+    89,
+    7,
+    7,
+    21,
+] * 7  # 70 tokens: one full block of 64 for the prefix cache
 MAX_NEW = 6
 REQUESTS = {
     "logprobs": SamplingParams(logprobs=3, prompt_logprobs=2),
-    "penalised_greedy": SamplingParams(frequency_penalty=-2.0, presence_penalty=-1.0),  # repeat yourself
+    "penalised_greedy": SamplingParams(
+        frequency_penalty=-2.0, presence_penalty=-1.0
+    ),  # repeat yourself
     "penalised_sampled": SamplingParams(
-        1.0, seed=3, repetition_penalty=1.4, frequency_penalty=0.7, logprobs=0, logit_bias=((5, 3.0),)
+        1.0,
+        seed=3,
+        repetition_penalty=1.4,
+        frequency_penalty=0.7,
+        logprobs=0,
+        logit_bias=((5, 3.0),),
     ),
     "plain": SamplingParams(),
 }
@@ -33,7 +51,9 @@ def run_engine_and_forward(folder: str) -> dict:
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig())
-    engine = Engine(model, PagedKVCache.for_model(model, 2**22), max_num_batched_tokens=8)  # prompts in chunks
+    engine = Engine(
+        model, PagedKVCache.for_model(model, 2**22), max_num_batched_tokens=8
+    )  # prompts in chunks
     for name, params in REQUESTS.items():
         engine.add_request(Request(name, PROMPT, MAX_NEW, params))
     got = {name: {"tokens": [], "logprobs": [], "prompt_logprobs": None} for name in REQUESTS}
@@ -46,7 +66,10 @@ def run_engine_and_forward(folder: str) -> dict:
                 entry["prompt_logprobs"] = out.prompt_logprobs
     # the same prompt again: a plain request finds its first block cached, one asking for prompt logprobs does not
     # use it (its logprobs come from the forward over the prompt)
-    for name, params in (("again_plain", SamplingParams()), ("again", SamplingParams(prompt_logprobs=2))):
+    for name, params in (
+        ("again_plain", SamplingParams()),
+        ("again", SamplingParams(prompt_logprobs=2)),
+    ):
         engine.add_request(Request(name, PROMPT, 1, params))
         got[name] = {"tokens": [], "logprobs": [], "prompt_logprobs": None}
         hits = engine.metrics().prefix_cache_hits
@@ -93,12 +116,19 @@ def test_penalties_steer_greedy_and_sampled_requests(ran):
     logits = ran["forward"]["penalised_greedy"]
     for j, token in enumerate(greedy["tokens"]):
         before = greedy["tokens"][:j]
-        row = [v + 2.0 * before.count(t) + 1.0 * (t in before) for t, v in enumerate(logits[len(PROMPT) - 1 + j])]
+        row = [
+            v + 2.0 * before.count(t) + 1.0 * (t in before)
+            for t, v in enumerate(logits[len(PROMPT) - 1 + j])
+        ]
         assert token == max(range(len(row)), key=lambda t: row[t])
     assert greedy["tokens"] != plain  # the penalty changed something
-    assert len(set(greedy["tokens"])) < len(greedy["tokens"])  # negative penalties: it repeats itself
+    assert len(set(greedy["tokens"])) < len(
+        greedy["tokens"]
+    )  # negative penalties: it repeats itself
     sampled, logits = ran["got"]["penalised_sampled"], ran["forward"]["penalised_sampled"]
-    assert len(sampled["logprobs"]) == len(sampled["tokens"]) > 0  # the loop below checks every token
+    assert (
+        len(sampled["logprobs"]) == len(sampled["tokens"]) > 0
+    )  # the loop below checks every token
     for j, (token, (lp, top)) in enumerate(zip(sampled["tokens"], sampled["logprobs"])):
         before, row = sampled["tokens"][:j], list(logits[len(PROMPT) - 1 + j])
         row[5] += 3.0

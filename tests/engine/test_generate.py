@@ -84,13 +84,20 @@ def static_decode_error(model) -> float:
     slots = [cache.allocate() for _ in prompts]
     with torch.no_grad():
         view = cache.view(slots, [0] * 3, [len(p) for p in prompts])
-        model(torch.tensor([t for p in prompts for t in p]), view.positions, [len(p) for p in prompts], view)
+        model(
+            torch.tensor([t for p in prompts for t in p]),
+            view.positions,
+            [len(p) for p in prompts],
+            view,
+        )
         starts, new = [len(p) for p in prompts], torch.tensor([11, 12, 13])
         view = cache.view(slots, starts, [1] * 3)
         want = model(new, view.positions, [1] * 3, view)
         positions = torch.tensor(starts + [0])
         padded = cache.decode_view(torch.tensor(slots + [cache.scratch_slot]), positions)
-        got = model(torch.cat([new, torch.zeros(1, dtype=torch.long)]), positions, [1] * 4, padded)[:3]
+        got = model(torch.cat([new, torch.zeros(1, dtype=torch.long)]), positions, [1] * 4, padded)[
+            :3
+        ]
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
@@ -118,7 +125,9 @@ def generations(engine_checkpoint):
 
 def test_greedy_identical_across_tp_and_sp(generations):
     reference = generations[1][0][("off", "moe", "greedy")][0]
-    assert len({len(out) for out in reference}) == 4, f"sequences should finish at different steps: {reference}"
+    assert len({len(out) for out in reference}) == 4, (
+        f"sequences should finish at different steps: {reference}"
+    )
     assert all(out[-1] in EOS for out in reference if len(out) < MAX_NEW)
     full = generations[1][0][("off", "moe", "greedy_full")][0]
     for tp, ranks in generations.items():
@@ -143,8 +152,12 @@ def test_kv_cache_matches_cacheless_forward(generations):
 def test_speculation_statistics_identical_with_sp_on_and_off(generations):
     reference = generations[1][0][("off", "moe", "spec3")][1]
     print(f"spec3 acceptance: {reference}")
-    assert 0 < reference["acceptance_rate"] < 1, "the checkpoint should give both accepted and rejected drafts"
-    assert reference["per_position"][0] >= reference["per_position"][1] >= reference["per_position"][2]
+    assert 0 < reference["acceptance_rate"] < 1, (
+        "the checkpoint should give both accepted and rejected drafts"
+    )
+    assert (
+        reference["per_position"][0] >= reference["per_position"][1] >= reference["per_position"][2]
+    )
     for tp, ranks in generations.items():
         for (sp, scope, name), (_, spec, _) in ranks[0].items():
             if name.startswith("spec"):
@@ -170,7 +183,11 @@ def test_seeded_sampling_with_speculation(generations):
     for tp, ranks in generations.items():
         for sp, scope in {(sp, scope) for sp, scope, _ in ranks[0]}:
             mixed = ranks[0][(sp, scope, "spec_mixed")][0]
-            assert mixed == ranks[0][(sp, scope, "spec_mixed_again")][0] == reference, (tp, sp, scope)
+            assert mixed == ranks[0][(sp, scope, "spec_mixed_again")][0] == reference, (
+                tp,
+                sp,
+                scope,
+            )
 
 
 def generate_then_die(folder: str):
@@ -190,7 +207,9 @@ def generate_then_die(folder: str):
 
 def test_killed_rank_ends_the_run(engine_checkpoint):
     start = time.monotonic()
-    with pytest.raises(RankFailed, match=r"rank 1 of 2 was killed by SIGKILL \(possibly out of memory\)"):
+    with pytest.raises(
+        RankFailed, match=r"rank 1 of 2 was killed by SIGKILL \(possibly out of memory\)"
+    ):
         spawn(generate_then_die, 2, engine_checkpoint)
     assert time.monotonic() - start < 60
 
@@ -203,9 +222,13 @@ def test_data_parallel_generation(engine_checkpoint):
     from spmoe.entrypoints.generate import GenerateOptions, run_generate
 
     def generate(prompts, tp=1, dp=1, sp="off", k=0):
-        args = EngineArgs(tp=tp, dp=dp, sp=sp, speculative="mtp" if k else None, num_speculative_tokens=k or None)
+        args = EngineArgs(
+            tp=tp, dp=dp, sp=sp, speculative="mtp" if k else None, num_speculative_tokens=k or None
+        )
         return run_generate(
-            engine_checkpoint, prompts, GenerateOptions(MAX_NEW, eos_token_ids=EOS, progress=False, engine=args)
+            engine_checkpoint,
+            prompts,
+            GenerateOptions(MAX_NEW, eos_token_ids=EOS, progress=False, engine=args),
         )
 
     reference, single = generate(PROMPTS), generate([[38]])

@@ -37,7 +37,11 @@ SCHEMAS = [
                         "type": "object",
                         "properties": {
                             "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"},
-                            "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+                            "tags": {
+                                "type": "array",
+                                "items": {"type": "string", "maxLength": 6},
+                                "maxItems": 3,
+                            },
                         },
                         "required": ["email", "tags"],
                     },
@@ -71,15 +75,28 @@ SCHEMAS = [
         },
         "required": ["temp", "count", "prob"],
     },
-    {"anyOf": [{"type": "integer", "minimum": -5, "maximum": 5}, {"type": "string", "maxLength": 5}]},
+    {
+        "anyOf": [
+            {"type": "integer", "minimum": -5, "maximum": 5},
+            {"type": "string", "maxLength": 5},
+        ]
+    },
     {  # arrays of arrays
         "type": "array",
-        "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+        "items": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "maxItems": 3,
+        },
         "maxItems": 3,
     },
     {  # optional properties, no others allowed
         "type": "object",
-        "properties": {"a": {"type": "string", "maxLength": 4}, "b": {"type": "null"}, "c": {"type": "boolean"}},
+        "properties": {
+            "a": {"type": "string", "maxLength": 4},
+            "b": {"type": "null"},
+            "c": {"type": "boolean"},
+        },
         "required": ["a"],
         "additionalProperties": False,
     },
@@ -107,7 +124,9 @@ SCHEMAS = [
 ]
 
 
-def sample_batch(compiler, specs: list[GrammarSpec | None], seed: int, max_steps: int = 4000) -> list[list[int]]:
+def sample_batch(
+    compiler, specs: list[GrammarSpec | None], seed: int, max_steps: int = 4000
+) -> list[list[int]]:
     """Sample every row from random logits, the constrained rows under their grammar, all rows in one batch per
     step (a row without a grammar stops after 20 tokens) -> each row's tokens, its stop token excluded."""
     generator = torch.Generator().manual_seed(seed)
@@ -128,7 +147,9 @@ def sample_batch(compiler, specs: list[GrammarSpec | None], seed: int, max_steps
                 outputs[i].append(token)
                 done = len(outputs[i]) == 20
             else:
-                assert grammar.accept(token), f"row {i}: the grammar refused token {token}, which its mask allowed"
+                assert grammar.accept(token), (
+                    f"row {i}: the grammar refused token {token}, which its mask allowed"
+                )
                 done = grammar.finished
                 if not done:
                     outputs[i].append(token)
@@ -140,7 +161,10 @@ def sample_batch(compiler, specs: list[GrammarSpec | None], seed: int, max_steps
 def test_constrained_sampling_is_schema_valid(compiler, tokenizer):
     """10 schemas x 5 samples and 2 unconstrained rows in one batch: every constrained answer parses and
     validates; the unconstrained rows are random bytes (most of them not JSON)."""
-    specs = [GrammarSpec("json_schema", json.dumps(s)) for s in SCHEMAS for _ in range(5)] + [None, None]
+    specs = [GrammarSpec("json_schema", json.dumps(s)) for s in SCHEMAS for _ in range(5)] + [
+        None,
+        None,
+    ]
     outputs = sample_batch(compiler, specs, seed=0)
     for spec, tokens in zip(specs, outputs):
         if spec is None:
@@ -148,7 +172,9 @@ def test_constrained_sampling_is_schema_valid(compiler, tokenizer):
             continue
         text = tokenizer.decode(tokens)
         jsonschema.validate(json.loads(text), json.loads(spec.text))
-    assert len({tokenizer.decode(t) for t in outputs[:50]}) > 25  # sampled, not one fixed answer per schema
+    assert (
+        len({tokenizer.decode(t) for t in outputs[:50]}) > 25
+    )  # sampled, not one fixed answer per schema
 
 
 @pytest.mark.parametrize(
@@ -159,8 +185,14 @@ def test_constrained_sampling_is_schema_valid(compiler, tokenizer):
             GrammarSpec("regex", r"[A-Z][a-z]{2,5}-\d{3}"),
             lambda text: __import__("re").fullmatch(r"[A-Z][a-z]{2,5}-\d{3}", text),
         ),
-        (GrammarSpec("choice", json.dumps(["yes", "no", "maybe so"])), lambda text: text in ("yes", "no", "maybe so")),
-        (GrammarSpec("ebnf", 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'), lambda text: text[0] == "(" and text[-1] == ")"),
+        (
+            GrammarSpec("choice", json.dumps(["yes", "no", "maybe so"])),
+            lambda text: text in ("yes", "no", "maybe so"),
+        ),
+        (
+            GrammarSpec("ebnf", 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'),
+            lambda text: text[0] == "(" and text[-1] == ")",
+        ),
     ],
     ids=["json_object", "regex", "choice", "ebnf"],
 )
@@ -173,7 +205,9 @@ def test_bitmask_kernel_matches_the_torch_reference():
     """Rows with a grammar are masked, the others untouched; V = 264 is not a multiple of 32."""
     generator = torch.Generator().manual_seed(3)
     logits = torch.randn(5, VOCAB, generator=generator)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, (VOCAB + 31) // 32), dtype=torch.int32, generator=generator)
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (5, (VOCAB + 31) // 32), dtype=torch.int32, generator=generator
+    )
     rows = [0, 2, 3]
     fast, reference = logits.clone(), logits.clone()
     apply_bitmask(fast, bitmask, rows)
@@ -190,7 +224,9 @@ def test_bitmask_kernel_matches_the_torch_reference():
 def test_bitmask_kernel_on_the_gpu():
     generator = torch.Generator().manual_seed(4)
     logits = torch.randn(64, 151552, generator=generator)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (64, 151552 // 32), dtype=torch.int32, generator=generator)
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (64, 151552 // 32), dtype=torch.int32, generator=generator
+    )
     rows = list(range(0, 64, 3))
     fast, reference = logits.cuda(), logits.clone()
     apply_bitmask(fast, bitmask, rows)
@@ -203,8 +239,18 @@ def test_batched_fill_matches_one_at_a_time(compiler, tokenizer):
     SequenceGrammar.fill row by row, after each of several tokens."""
     specs = [GrammarSpec("json_schema", json.dumps(s)) for s in SCHEMAS[:4]]
     end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
-    grammars = [compiler.matcher(spec) for spec in specs] + [None, compiler.matcher(specs[0], start_after=end)]
-    texts = ['{"name": "ab', '{"user": {"id": 1', '[{"x": 0.5}', '{"color": "re', "", "no </think>{"]
+    grammars = [compiler.matcher(spec) for spec in specs] + [
+        None,
+        compiler.matcher(specs[0], start_after=end),
+    ]
+    texts = [
+        '{"name": "ab',
+        '{"user": {"id": 1',
+        '[{"x": 0.5}',
+        '{"color": "re',
+        "",
+        "no </think>{",
+    ]
     for step in range(12):
         batched, rows, most_tokens = fill_bitmask(grammars, VOCAB)
         assert most_tokens == [1] * len(grammars)
@@ -230,11 +276,31 @@ def test_draft_rows_are_the_masks_after_committing_the_drafts(compiler, tokenize
         return tokenizer.encode(text, add_special_tokens=False)
 
     cases = [  # (spec, start_after, committed, drafts)
-        (GrammarSpec("json_schema", json.dumps(SCHEMAS[0])), (), '{"na', ids('me": "')),  # all allowed
-        (GrammarSpec("choice", '["yes", "no"]'), (), "", ids("yxe")),  # "x" refused: the rows after it are free
-        (GrammarSpec("choice", '["ok"]'), (), "o", ids("k") + [eos] + ids("z")),  # it ends inside the drafts
+        (
+            GrammarSpec("json_schema", json.dumps(SCHEMAS[0])),
+            (),
+            '{"na',
+            ids('me": "'),
+        ),  # all allowed
+        (
+            GrammarSpec("choice", '["yes", "no"]'),
+            (),
+            "",
+            ids("yxe"),
+        ),  # "x" refused: the rows after it are free
+        (
+            GrammarSpec("choice", '["ok"]'),
+            (),
+            "o",
+            ids("k") + [eos] + ids("z"),
+        ),  # it ends inside the drafts
         (None, (), "", ids("ab")),
-        (GrammarSpec("choice", '["ok"]'), end, "</think", ids(">ok")),  # it starts inside the drafts
+        (
+            GrammarSpec("choice", '["ok"]'),
+            end,
+            "</think",
+            ids(">ok"),
+        ),  # it starts inside the drafts
         (GrammarSpec("regex", "[0-9]+"), (), "1", []),  # no drafts
     ]
     grammars, drafts = [], []
@@ -247,7 +313,9 @@ def test_draft_rows_are_the_masks_after_committing_the_drafts(compiler, tokenize
     before = fill_bitmask(grammars, VOCAB)
     masks = fill_bitmask(grammars, VOCAB, drafts)
     assert masks.most_tokens == [7, 4, 2, 3, 4, 1]
-    assert masks.rows == list(range(15)) + list(range(18, 23))  # the sequence without a grammar: rows 15-17
+    assert masks.rows == list(range(15)) + list(
+        range(18, 23)
+    )  # the sequence without a grammar: rows 15-17
     expected, first = torch.full_like(masks.bitmask, -1), 0
     for spec, start_after, committed, fed in cases:
         for j in range(1 + len(fed)):
@@ -259,7 +327,9 @@ def test_draft_rows_are_the_masks_after_committing_the_drafts(compiler, tokenize
         first += 1 + len(fed)
     assert torch.equal(masks.bitmask, expected)
     assert (masks.bitmask[7:9] != -1).any(-1).all()  # "yes" or "no", then "es" after "y", ...
-    assert torch.equal(masks.bitmask[9:11], torch.full_like(masks.bitmask[9:11], -1))  # ... nothing after "x"
+    assert torch.equal(
+        masks.bitmask[9:11], torch.full_like(masks.bitmask[9:11], -1)
+    )  # ... nothing after "x"
     after = fill_bitmask(grammars, VOCAB)  # rewound: the same masks as before the drafts
     assert torch.equal(after.bitmask, before.bitmask) and after.rows == before.rows
     assert [g.active for g in grammars if g] == [True, True, True, False, True]
@@ -287,17 +357,27 @@ def test_compile_errors_and_cache(compiler):
             GrammarSpec("json_schema", '{"type": "foo"}'),
             'the json_schema grammar does not compile: Unsupported type "foo"',
         ),
-        (GrammarSpec("json_schema", '{"type": '), "the json_schema grammar does not compile: Expecting value"),
+        (
+            GrammarSpec("json_schema", '{"type": '),
+            "the json_schema grammar does not compile: Expecting value",
+        ),
         (GrammarSpec("regex", "(ab"), "the regex grammar does not compile: Regex parsing error"),
         (GrammarSpec("ebnf", "root ::= ("), "the ebnf grammar does not compile: EBNF parser error"),
-        (GrammarSpec("choice", "[]"), "the choice grammar does not compile: a choice must be a non-empty list"),
+        (
+            GrammarSpec("choice", "[]"),
+            "the choice grammar does not compile: a choice must be a non-empty list",
+        ),
     ]:
         with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")):
             compiler.compile(spec)
-    with pytest.raises(ValueError, match="a grammar's kind must be one of json_schema, json_object"):
+    with pytest.raises(
+        ValueError, match="a grammar's kind must be one of json_schema, json_object"
+    ):
         GrammarSpec("xml", "")
     spec = GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))
-    assert compiler.compile(spec) is compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0])))
+    assert compiler.compile(spec) is compiler.compile(
+        GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))
+    )
 
 
 @pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "string", "maxLength": 12}])
@@ -313,7 +393,9 @@ def test_json_strings_hold_characters_only(compiler, schema):
 
     assert accepts("aé€🙂\u0096".encode())
     assert not accepts(b"a\x04") and not accepts(b"\x1f")
-    assert not accepts(b"\xed\xa0\x80") and accepts(b"\xed\x9f\xbf")  # U+D800, a surrogate; U+D7FF, a character
+    assert not accepts(b"\xed\xa0\x80") and accepts(
+        b"\xed\x9f\xbf"
+    )  # U+D800, a surrogate; U+D7FF, a character
 
 
 def test_the_engine_and_the_server_run_without_xgrammar():

@@ -43,7 +43,9 @@ def descendants(pid: int) -> dict[int, str]:
 def still_running(processes: dict[int, str]) -> list[int]:
     table = process_table()
     return [
-        pid for pid, start in processes.items() if pid in table and table[pid][2] == start and table[pid][1] != "Z"
+        pid
+        for pid, start in processes.items()
+        if pid in table and table[pid][2] == start and table[pid][1] != "Z"
     ]  # a zombie has ended
 
 
@@ -53,7 +55,9 @@ def start_generation(model: str, tmp_path: Path) -> tuple[subprocess.Popen, Path
     ids.write_text(json.dumps([[3, 14, 15], [79], [38, 1], [5]]))
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
+        ),
     }
     with open(err, "w") as stderr:
         proc = subprocess.Popen(
@@ -81,7 +85,9 @@ def start_generation(model: str, tmp_path: Path) -> tuple[subprocess.Popen, Path
             start_new_session=True,
         )  # its own process group, as a shell job has
     deadline = time.monotonic() + 120
-    while "generating:" not in err.read_text():  # the first progress line comes after the first step
+    while (
+        "generating:" not in err.read_text()
+    ):  # the first progress line comes after the first step
         assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
         time.sleep(0.2)
     return proc, err
@@ -101,7 +107,9 @@ def test_no_process_of_the_run_outlives_the_launcher(how, engine_checkpoint, tmp
         deadline = time.monotonic() + GRACE_S
         while still_running(run) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert still_running(run) == [], f"still running {GRACE_S} s after {how}: {still_running(run)}"
+        assert still_running(run) == [], (
+            f"still running {GRACE_S} s after {how}: {still_running(run)}"
+        )
     finally:  # if an assertion failed: end what this test started, by pid
         if proc.poll() is None:
             proc.kill()
@@ -115,4 +123,7 @@ def test_no_process_of_the_run_outlives_the_launcher(how, engine_checkpoint, tmp
     name = "SIGTERM" if how == "SIGTERM" else "SIGINT"
     assert returncode == 128 + getattr(signal, name)
     assert "Traceback" not in stderr, stderr
-    assert stderr.strip().splitlines()[-1] == f"spmoe generate: stopped by {name}; every rank was ended", stderr
+    assert (
+        stderr.strip().splitlines()[-1]
+        == f"spmoe generate: stopped by {name}; every rank was ended"
+    ), stderr

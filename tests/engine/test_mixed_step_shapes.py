@@ -39,7 +39,9 @@ def mixed_cases(folder: str) -> list[dict]:
     scratch = set(range(cache.scratch_block * BLOCK_SIZE, (cache.scratch_block + 1) * BLOCK_SIZE))
     out = []
     with torch.no_grad():
-        other = torch.randint(0, vocab, (BLOCK_SIZE,), generator=gen)  # the stale block holds real rows
+        other = torch.randint(
+            0, vocab, (BLOCK_SIZE,), generator=gen
+        )  # the stale block holds real rows
         view = cache.view([[STALE]], [0], [BLOCK_SIZE])
         model.forward_hidden(other, view.positions, [BLOCK_SIZE], view)
         for seqs, size in CASES:
@@ -51,7 +53,9 @@ def mixed_cases(folder: str) -> list[dict]:
                     prompt = torch.randint(0, vocab, (context,), generator=gen)
                     model.forward_hidden(prompt, view.positions, [context], view)
             tokens = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
-            rows = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))])  # each sequence's last
+            rows = torch.tensor(
+                [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
+            )  # each sequence's last
             before = cache_state(cache)
 
             view = cache.view(tables, starts, lens)  # the eager step
@@ -69,7 +73,9 @@ def mixed_cases(folder: str) -> list[dict]:
             hidden = decode_hidden(model, cache, inputs, padded)
             logits = model.compute_logits(hidden, rows)
 
-            written = sorted({cache_slot(t, c + j) for t, c, n in zip(tables, starts, lens) for j in range(n)})
+            written = sorted(
+                {cache_slot(t, c + j) for t, c, n in zip(tables, starts, lens) for j in range(n)}
+            )
             untouched, row_error = True, 0.0
             for key, t in cache_state(cache).items():
                 keep = torch.ones(t.shape[0], dtype=torch.bool)
@@ -77,7 +83,10 @@ def mixed_cases(folder: str) -> list[dict]:
                 untouched &= torch.equal(t[keep], before[key][keep])
                 if t.dtype.is_floating_point:
                     scale = eager_state[key][written].abs().max().clamp(min=1e-6)
-                    row_error = max(row_error, ((t[written] - eager_state[key][written]).abs().max() / scale).item())
+                    row_error = max(
+                        row_error,
+                        ((t[written] - eager_state[key][written]).abs().max() / scale).item(),
+                    )
             fed = sum(lens)
             out.append(
                 {

@@ -38,14 +38,21 @@ def generate_with_nan(folder: str) -> dict:
 
     results = {}
     with torch.no_grad():
-        for name, sampling in (("greedy", SamplingParams()), ("sampled", SamplingParams(temperature=0.8, seed=1))):
-            first = attempt(sampling)[0]  # the clean model's first token (same seed, same draw), fed at step 2
+        for name, sampling in (
+            ("greedy", SamplingParams()),
+            ("sampled", SamplingParams(temperature=0.8, seed=1)),
+        ):
+            first = attempt(sampling)[
+                0
+            ]  # the clean model's first token (same seed, same draw), fed at step 2
             results[f"{name}: first token"] = first
             row = model.model.embed_tokens.weight[first].clone()
             model.model.embed_tokens.weight[first, 3] = float("nan")  # only that token's embedding
             results[f"{name}, NaN from decode on"] = attempt(sampling)
             model.model.embed_tokens.weight[first] = row
-        model.model.layers[0].self_attn.o_proj.weight[0, 0] = float("nan")  # every token, from prefill on
+        model.model.layers[0].self_attn.o_proj.weight[0, 0] = float(
+            "nan"
+        )  # every token, from prefill on
         results["greedy, NaN from prefill on"] = attempt()
         results["speculative, NaN from prefill on"] = attempt(k=2)
     return results
@@ -53,7 +60,10 @@ def generate_with_nan(folder: str) -> dict:
 
 def test_nan_weights_stop_the_run_naming_the_step(engine_checkpoint):
     results = spawn(generate_with_nan, 1, engine_checkpoint)[0]
-    assert results["greedy: first token"] not in PROMPT and results["sampled: first token"] not in PROMPT
+    assert (
+        results["greedy: first token"] not in PROMPT
+        and results["sampled: first token"] not in PROMPT
+    )
     decode = MESSAGE.format(step=2, phase="decode", rid="generate-0", done=1)
     prefill = MESSAGE.format(step=1, phase="prefill", rid="generate-0", done=0)
     assert results["greedy, NaN from decode on"] == decode
@@ -69,7 +79,9 @@ def test_generate_with_a_nan_weight_is_a_one_line_error(engine_checkpoint, tmp_p
     key = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
     tensors[key][2, 5] = float("nan")
     save_file(tensors, model / "model.safetensors")
-    (model / "config.json").write_text(json.dumps(json.loads(open(f"{engine_checkpoint}/config.json").read())))
+    (model / "config.json").write_text(
+        json.dumps(json.loads(open(f"{engine_checkpoint}/config.json").read()))
+    )
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([PROMPT, [9]]))
     assert (
@@ -117,7 +129,11 @@ def serve_with_one_nan_prompt(folder: str) -> dict:
     clean = Request("clean", [9, 40], 3)
     after = Request("after", [12, 3, 7], 4)
     with torch.no_grad():
-        expected = Engine(model, KVCache.for_model(model, 1, 16)).generate([clean.prompt, after.prompt], 4).outputs
+        expected = (
+            Engine(model, KVCache.for_model(model, 1, 16))
+            .generate([clean.prompt, after.prompt], 4)
+            .outputs
+        )
         model.model.embed_tokens.weight[PROMPT[0], 3] = float("nan")
         engine = Engine(model, KVCache.for_model(model, 1, 16))
         got = {}

@@ -50,8 +50,16 @@ TWO_BLOCKS_GIB = 2 * 64 * BYTES_PER_TOKEN / 2**30
             "--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; got them with "
             "--kv-cache dense",
         ),
-        ("zero token budget", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
-        ("NaN budget", ["--kv-cache-memory", "nan"], "--kv-cache-memory must be a finite number of GiB > 0, got nan"),
+        (
+            "zero token budget",
+            ["--max-num-batched-tokens", "0"],
+            "--max-num-batched-tokens must be >= 1, got 0",
+        ),
+        (
+            "NaN budget",
+            ["--kv-cache-memory", "nan"],
+            "--kv-cache-memory must be a finite number of GiB > 0, got nan",
+        ),
         (
             "infinite budget",
             ["--kv-cache-memory", "inf"],
@@ -84,7 +92,10 @@ def test_generate_rejects(case, extra, fragment, engine_checkpoint, tmp_path, ca
         ]
     )
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and err[-1].startswith("spmoe generate: error: ") and fragment in err[-1], (case, err)
+    assert code == 1 and err[-1].startswith("spmoe generate: error: ") and fragment in err[-1], (
+        case,
+        err,
+    )
 
 
 def test_serve_checks_the_budget(engine_checkpoint):
@@ -101,7 +112,9 @@ def test_serve_checks_the_budget(engine_checkpoint):
         f"{TWO_BLOCKS_GIB} GiB holds 128 tokens in all: raise --kv-cache-memory or ask for fewer positions with "
         f"--max-model-len"
     )
-    args, waiting = check_serve(engine_checkpoint, EngineArgs(kv_cache_memory=TWO_BLOCKS_GIB, max_model_len=128))
+    args, waiting = check_serve(
+        engine_checkpoint, EngineArgs(kv_cache_memory=TWO_BLOCKS_GIB, max_model_len=128)
+    )
     assert (args.max_num_seqs, args.max_model_len, waiting) == (8, 128, 64)
     assert check_serve(engine_checkpoint, EngineArgs(max_num_seqs=2), max_num_waiting=7)[1] == 7
     with pytest.raises(ValueError, match="--max-num-waiting must be >= 1, got 0"):
@@ -112,8 +125,18 @@ def test_serve_checks_the_budget(engine_checkpoint):
     "device, positions, given, expected",
     [
         # (max_num_seqs, max_model_len) given, None: left to the default -> with max_num_waiting's default
-        ("cuda", 202752, (None, None), (256, 202752, 1024)),  # a GPU: vLLM's 256 and the whole context
-        ("cpu", 202752, (None, None), (8, 2048, 64)),  # the CPU: small, the paged cache sized from them
+        (
+            "cuda",
+            202752,
+            (None, None),
+            (256, 202752, 1024),
+        ),  # a GPU: vLLM's 256 and the whole context
+        (
+            "cpu",
+            202752,
+            (None, None),
+            (8, 2048, 64),
+        ),  # the CPU: small, the paged cache sized from them
         ("cpu", 1000, (None, None), (8, 1000, 64)),
         ("cuda", None, (None, None), (256, 2048, 1024)),  # no stated context: 2048
         ("cuda", 202752, (3, 100), (3, 100, 64)),  # the flags win; the waiting queue at least 64
@@ -129,7 +152,9 @@ def test_serve_defaults_settle_per_device(device, positions, given, expected):
 
     cfg = ModelConfig.from_dict({**ENGINE_CONFIG, "max_position_embeddings": positions})
     max_num_seqs, max_model_len = given
-    args = for_model(EngineArgs(device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len), cfg)
+    args = for_model(
+        EngineArgs(device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len), cfg
+    )
     assert (args.max_num_seqs, args.max_model_len, default_max_num_waiting(args)) == expected
     assert args.device == device
 
@@ -176,9 +201,18 @@ def test_view_rejects_block_ids_outside_the_cache():
 
     cfg = ModelConfig.from_dict(ENGINE_CONFIG)
     cache = PagedKVCache(
-        cfg, {0: True}, 3 * BLOCK_SIZE * token_bytes(cfg, {0: True}, torch.float32, "auto"), torch.float32, "cpu"
+        cfg,
+        {0: True},
+        3 * BLOCK_SIZE * token_bytes(cfg, {0: True}, torch.float32, "auto"),
+        torch.float32,
+        "cpu",
     )
-    assert cache.view([[2, 0], [1]], [0, 0], [70, 5]).block_tables.tolist() == [[2, 0], [1, 3]]  # 3: the scratch
+    assert cache.view([[2, 0], [1]], [0, 0], [70, 5]).block_tables.tolist() == [
+        [2, 0],
+        [1, 3],
+    ]  # 3: the scratch
     for tables in ([[4]], [[0, 7]], [[-1]]):
-        with pytest.raises(ValueError, match=r"block ids must be in \[0, 3\] \(the cache's 3 blocks"):
+        with pytest.raises(
+            ValueError, match=r"block ids must be in \[0, 3\] \(the cache's 3 blocks"
+        ):
             cache.view(tables, [0], [1])

@@ -23,12 +23,18 @@ PROMPT_LENS = (2, 9, 70, 131)
 MAX_NEW = 6
 BUDGET = 24
 CASES = {"plain": 0, "mtp": 2}  # name -> MTP drafts
-LAYOUTS = {1: [("off", "moe")], 2: [("off", "moe"), ("on", "moe"), ("on", "all")], 3: [("on", "moe")]}
+LAYOUTS = {
+    1: [("off", "moe")],
+    2: [("off", "moe"), ("on", "moe"), ("on", "all")],
+    3: [("on", "moe")],
+}
 
 
 def prompts_of(lens, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, ENGINE_CONFIG["vocab_size"], (n,), generator=gen).tolist() for n in lens]
+    return [
+        torch.randint(0, ENGINE_CONFIG["vocab_size"], (n,), generator=gen).tolist() for n in lens
+    ]
 
 
 def paged_and_dense(folder: str, modes: list[tuple[str, str]]) -> dict:
@@ -42,7 +48,10 @@ def paged_and_dense(folder: str, modes: list[tuple[str, str]]) -> dict:
     prompts = split_for_dp(prompts_of(PROMPT_LENS), state.dp_rank, state.dp_size)
     for sp, scope in modes:
         parallel = ParallelConfig(
-            tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size, sp=sp, sp_scope=scope
+            tensor_parallel_size=state.tp_size,
+            data_parallel_size=state.dp_size,
+            sp=sp,
+            sp_scope=scope,
         )
         model = load_model(folder, parallel, with_mtp=True)
         for case, k in CASES.items():
@@ -68,8 +77,12 @@ def check_layout(ranks: list[dict], label: str) -> None:
             where = f"{label} rank {rank} SP {sp}/{scope} {case}"
             assert outputs == want_outputs, where
             assert relative_error(logits, want_logits) < 1e-4, where
-            assert stats["kv_cache"]["kind"] == "paged" and stats["kv_cache"]["blocks_in_use"] == 0, where
-            assert stats["phases"]["prefill"]["forwards"] > 1, where  # the budget chunked the prompts
+            assert (
+                stats["kv_cache"]["kind"] == "paged" and stats["kv_cache"]["blocks_in_use"] == 0
+            ), where
+            assert stats["phases"]["prefill"]["forwards"] > 1, (
+                where
+            )  # the budget chunked the prompts
 
 
 @pytest.mark.parametrize("tp", sorted(LAYOUTS))
@@ -79,8 +92,13 @@ def test_paged_engine_equals_dense(tp, engine_checkpoint):
     assert all(rank.keys() == ranks[0].keys() for rank in ranks)
     for key, (outputs, _, _) in ranks[0].items():
         assert all(rank[key][0] == outputs for rank in ranks[1:]), f"TP {tp} {key}: ranks disagree"
-    plain, spec = ranks[0][(*LAYOUTS[tp][0], "plain", "paged")], ranks[0][(*LAYOUTS[tp][0], "mtp", "paged")]
-    assert spec[0] == plain[0] and spec[2]["speculative"]["verify_steps"] > 0  # MTP changes nothing greedy
+    plain, spec = (
+        ranks[0][(*LAYOUTS[tp][0], "plain", "paged")],
+        ranks[0][(*LAYOUTS[tp][0], "mtp", "paged")],
+    )
+    assert (
+        spec[0] == plain[0] and spec[2]["speculative"]["verify_steps"] > 0
+    )  # MTP changes nothing greedy
 
 
 def test_paged_engine_equals_dense_dp2(engine_checkpoint):
@@ -92,7 +110,10 @@ def test_paged_engine_equals_dense_dp2(engine_checkpoint):
         config=ParallelConfig(tensor_parallel_size=1, data_parallel_size=2),
     )
     check_layout(ranks, "DP 2")
-    assert ranks[0][("off", "moe", "plain", "paged")][0] != ranks[1][("off", "moe", "plain", "paged")][0]
+    assert (
+        ranks[0][("off", "moe", "plain", "paged")][0]
+        != ranks[1][("off", "moe", "plain", "paged")][0]
+    )
 
 
 def preemption(folder: str) -> dict:
@@ -107,22 +128,39 @@ def preemption(folder: str) -> dict:
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1), with_mtp=True)
     prompts, out = prompts_of((58, 59, 60), seed=1), {}
     for k in (0, 2):
-        dense = Engine(model, KVCache.for_model(model, 3, 60 + 12 + k), k).generate(prompts, 12, record_logits=True)
+        dense = Engine(model, KVCache.for_model(model, 3, 60 + 12 + k), k).generate(
+            prompts, 12, record_logits=True
+        )
         one_block = PagedKVCache.for_model(model, 2**20).bytes_per_token * BLOCK_SIZE
-        engine = Engine(model, PagedKVCache.for_model(model, 3 * one_block), k, max_num_batched_tokens=64)
+        engine = Engine(
+            model, PagedKVCache.for_model(model, 3 * one_block), k, max_num_batched_tokens=64
+        )
         paged = engine.generate(prompts, 12, record_logits=True)
         paged.stats["metrics_preemptions"] = engine.metrics().preemptions  # what /metrics shows
-        out[k] = (dense.outputs, torch.cat(dense.logits), paged.outputs, torch.cat(paged.logits), paged.stats)
+        out[k] = (
+            dense.outputs,
+            torch.cat(dense.logits),
+            paged.outputs,
+            torch.cat(paged.logits),
+            paged.stats,
+        )
     return out
 
 
 def test_preemption_recomputes_and_loses_nothing(engine_checkpoint):
-    for k, (want, want_logits, got, logits, stats) in spawn(preemption, 1, engine_checkpoint)[0].items():
-        assert stats["kv_cache"]["num_blocks"] == 3 and stats["preemptions"] > 0, (k, stats["preemptions"])
+    for k, (want, want_logits, got, logits, stats) in spawn(preemption, 1, engine_checkpoint)[
+        0
+    ].items():
+        assert stats["kv_cache"]["num_blocks"] == 3 and stats["preemptions"] > 0, (
+            k,
+            stats["preemptions"],
+        )
         assert stats["metrics_preemptions"] == stats["preemptions"], k
         assert got == want and [len(o) for o in got] == [12] * 3, k
         assert relative_error(logits, want_logits) < 1e-4, k
-        assert stats["kv_cache"]["blocks_in_use"] == 0 and stats["kv_cache"]["peak_blocks_in_use"] == 3
+        assert (
+            stats["kv_cache"]["blocks_in_use"] == 0 and stats["kv_cache"]["peak_blocks_in_use"] == 3
+        )
 
 
 def progress_of_a_chunked_prompt(folder: str) -> list[tuple[int, int, int]]:
@@ -146,7 +184,11 @@ def test_generate_reports_the_prompt_tokens_prefilled(engine_checkpoint):
     assert steps == [(0, 1, 16), (0, 1, 32), (1, 1, 40), (2, 1, 40), (3, 0, 40)], steps
 
 
-FP8_CONFIG = {**ENGINE_CONFIG, "kv_lora_rank": 128, "index_topk": 16}  # FP8 scales the latent per 128
+FP8_CONFIG = {
+    **ENGINE_CONFIG,
+    "kv_lora_rank": 128,
+    "index_topk": 16,
+}  # FP8 scales the latent per 128
 
 
 def fp8_against_full(folder: str) -> dict:
@@ -160,14 +202,18 @@ def fp8_against_full(folder: str) -> dict:
     prompts = prompts_of((3, 17, 40, 90, 150, 300), seed=2)
     out = {}
     for dtype in ("auto", "fp8"):
-        engine = Engine(model, PagedKVCache.for_model(model, 2**22, dtype), max_num_batched_tokens=64)
+        engine = Engine(
+            model, PagedKVCache.for_model(model, 2**22, dtype), max_num_batched_tokens=64
+        )
         gen = engine.generate(prompts, 16)
         choices = []
         for prompt in prompts:
             cache = PagedKVCache.for_model(model, 2**22, dtype)
             view = cache.view([list(range(-(-len(prompt) // BLOCK_SIZE)))], [0], [len(prompt)])
             with torch.no_grad():
-                hidden = model.forward_hidden(torch.tensor(prompt), view.positions, [len(prompt)], view)
+                hidden = model.forward_hidden(
+                    torch.tensor(prompt), view.positions, [len(prompt)], view
+                )
                 choices += model.compute_logits(hidden).argmax(-1).tolist()
         out[dtype] = (gen.outputs, choices, gen.stats["kv_cache"])
     return out
@@ -197,4 +243,6 @@ def test_fp8_cache_agrees_with_full_precision(index_head_dim, tmp_path):
     assert stats["bytes_per_token"] == 3 * (128 + 4 + 8 * 4) + 2 * (index_head_dim + 4)
     # a tiny random MoE: a rounding that flips one expert choice moves the logits a lot, and its indexer's scores
     # are close together (an FP8 score error several times the gap at the top-k boundary), so the bound is loose
-    assert FP8_AGREEMENT[index_head_dim] <= positions / len(full_choices) < 1, f"{positions}/{len(full_choices)}"
+    assert FP8_AGREEMENT[index_head_dim] <= positions / len(full_choices) < 1, (
+        f"{positions}/{len(full_choices)}"
+    )

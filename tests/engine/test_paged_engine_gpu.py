@@ -23,7 +23,18 @@ PROMPT_LENS = (5, 40, 150, 300)  # the longer two attend more than index_topk po
 # the first step feeds 320 of the prompts' 495 tokens (the last prompt chunked): 320 rows of 8 heads take the
 # prefill tiles of the sparse MLA kernel (from NUM_SMS_TARGET = 264 rows x head groups) and of the indexer
 STEP_TOKENS = 320
-MIXED = (320, 256, 224, 192, 160, 128, 96, 64, 32, 16)  # the mixed-step graphs for that budget, largest first
+MIXED = (
+    320,
+    256,
+    224,
+    192,
+    160,
+    128,
+    96,
+    64,
+    32,
+    16,
+)  # the mixed-step graphs for that budget, largest first
 
 
 def engines(folder: str) -> dict:
@@ -35,8 +46,12 @@ def engines(folder: str) -> dict:
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1), torch.bfloat16, "cuda")
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, CONFIG["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    turn = prompts[2] + torch.randint(0, CONFIG["vocab_size"], (40,), generator=gen).tolist()  # its next turn
+    prompts = [
+        torch.randint(0, CONFIG["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS
+    ]
+    turn = (
+        prompts[2] + torch.randint(0, CONFIG["vocab_size"], (40,), generator=gen).tolist()
+    )  # its next turn
     out = {}
     for name, cache, graphs in (
         ("dense", KVCache.for_model(model, 4, 340), False),
@@ -53,15 +68,27 @@ def engines(folder: str) -> dict:
         out[name] = (gen.outputs, torch.cat(gen.logits), gen.stats["cuda_graph_batch_sizes"])
         out[name, "prompt replays"] = gen.stats["phases"]["prefill"]["replays"]
         m = engine.metrics()
-        out[name, "counts"] = (engine.graph_captures(), m.compiles_after_ready, m.steps_compiling, m.steps)
+        out[name, "counts"] = (
+            engine.graph_captures(),
+            m.compiles_after_ready,
+            m.steps_compiling,
+            m.steps,
+        )
         out[name, "kernel compiles"] = m.kernel_compiles
         out[name, "log"] = lines
         out[name, "width"] = engine.runner.graphs.width if graphs else None
-        if name != "dense":  # the next turn of prompt 2: its full blocks cached, 62 tokens to compute
+        if (
+            name != "dense"
+        ):  # the next turn of prompt 2: its full blocks cached, 62 tokens to compute
             hits = engine.metrics().prefix_cache_hits
             second = engine.generate([turn], 16, record_logits=True)
             replays = second.stats["phases"]["prefill"]["replays"]
-            out[name, "turn"] = (second.outputs, second.logits[0], replays, engine.metrics().prefix_cache_hits - hits)
+            out[name, "turn"] = (
+                second.outputs,
+                second.logits[0],
+                replays,
+                engine.metrics().prefix_cache_hits - hits,
+            )
         if graphs:
             out["choices"] = choices_and_alone(engine, prompts[2], [7, 8, 9, 10], 16)
     return out
@@ -81,23 +108,37 @@ def test_paged_engine_graphs(tmp_path):
     assert (got["paged_graphs", "prompt replays"], got["paged", "prompt replays"]) == (2, 0)
     assert graphed[2] == [1, 2, 4] and got["paged_graphs", "width"] == 8  # 512 positions
     captures, after_ready, _, _ = got["paged_graphs", "counts"]
-    assert captures == 3 + len(MIXED), "one graph per batch size and per mixed-step size, none while generating"
-    capture_lines = [line.split("graph of ")[1] for line in got["paged_graphs", "log"] if "capturing" in line]
+    assert captures == 3 + len(MIXED), (
+        "one graph per batch size and per mixed-step size, none while generating"
+    )
+    capture_lines = [
+        line.split("graph of ")[1] for line in got["paged_graphs", "log"] if "capturing" in line
+    ]
     steps = [f"the decode step for batch {b}" for b in (4, 2, 1)]
     steps += [f"a step of up to {n} tokens" for n in MIXED]
-    assert capture_lines == [f"{step} ({i}/{len(steps)})" for i, step in enumerate(steps, 1)], capture_lines
-    assert got["dense", "kernel compiles"] > 0  # Triton's hook counts what the first engine compiled
+    assert capture_lines == [f"{step} ({i}/{len(steps)})" for i, step in enumerate(steps, 1)], (
+        capture_lines
+    )
+    assert (
+        got["dense", "kernel compiles"] > 0
+    )  # Triton's hook counts what the first engine compiled
     print("compiles or captures after ready:", after_ready)
     assert after_ready == 0
     assert relative_error(graphed[1], eager[1]) < 2e-2
-    agree = sum(a == b for p, d in zip(eager[0], dense[0]) for a, b in zip(p, d)) / sum(map(len, dense[0]))
+    agree = sum(a == b for p, d in zip(eager[0], dense[0]) for a, b in zip(p, d)) / sum(
+        map(len, dense[0])
+    )
     assert agree >= 0.9, agree  # bf16: dense and sparse attention round differently
 
     # the next turn: its 62 new tokens in one mixed-step graph of 64 (eagerly without graphs), the same tokens
     (eager_turn, eager_logits, eager_replays, eager_hits), (turn, logits, replays, hits) = (
         got["paged", "turn"], got["paged_graphs", "turn"]
     )  # fmt: skip
-    assert hits == eager_hits == 128 and (replays, eager_replays) == (1, 0), (hits, eager_hits, replays)
+    assert hits == eager_hits == 128 and (replays, eager_replays) == (1, 0), (
+        hits,
+        eager_hits,
+        replays,
+    )
     assert turn == eager_turn
     assert relative_error(logits, eager_logits) < 2e-2
 
@@ -107,7 +148,10 @@ def test_paged_engine_graphs(tmp_path):
     choices, alone, choice_logits, alone_logits, queries, _ = got["choices"]
     assert queries == PROMPT_LENS[2] and len({tuple(c) for c in choices}) == 4
     assert [c[0] for c in choices] == [a[0] for a in alone]
-    first, want = choice_logits[:, 0], alone_logits[:, 0]  # the prompt's last token's row, the same forward
+    first, want = (
+        choice_logits[:, 0],
+        alone_logits[:, 0],
+    )  # the prompt's last token's row, the same forward
     assert relative_error(first, want) < 1e-3
     same = sum(a == b for c, d in zip(choices, alone) for a, b in zip(c, d)) / (4 * 16)
     print("n = 4: tokens equal to the lone runs'", same)
@@ -124,9 +168,14 @@ def speculating_engines(folder: str) -> dict:
     from spmoe.engine.warmup import warm_up
     from spmoe.models.deepseek_v32.weights import load_model
 
-    model = load_model(folder, ParallelConfig(tensor_parallel_size=1), torch.bfloat16, "cuda", with_mtp=True)
+    model = load_model(
+        folder, ParallelConfig(tensor_parallel_size=1), torch.bfloat16, "cuda", with_mtp=True
+    )
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, CONFIG["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS[:3]]
+    prompts = [
+        torch.randint(0, CONFIG["vocab_size"], (n,), generator=gen).tolist()
+        for n in PROMPT_LENS[:3]
+    ]
     out = {}
     for name, graphs in (("eager", False), ("graphs", True)):
         engine = Engine(
@@ -178,14 +227,20 @@ def test_speculative_decode_in_graphs(tmp_path):
 
     spawn(write_random_checkpoint, 1, {**CONFIG, "num_nextn_predict_layers": 1}, tmp_path, 1)
     got = spawn(speculating_engines, 1, str(tmp_path), device="cuda")[0]
-    print({name: value for name, value in got.items() if isinstance(name, tuple) or "replay" in name})
+    print(
+        {name: value for name, value in got.items() if isinstance(name, tuple) or "replay" in name}
+    )
     eager, graphed = got["eager"], got["graphs"]
     assert graphed[0] == eager[0], "greedy tokens differ between eager and replayed speculation"
     assert relative_error(graphed[1], eager[1]) < 2e-2
-    same = sum(a == b for p, q in zip(eager[2], graphed[2]) for a, b in zip(p, q)) / sum(map(len, eager[2]))
+    same = sum(a == b for p, q in zip(eager[2], graphed[2]) for a, b in zip(p, q)) / sum(
+        map(len, eager[2])
+    )
     assert same >= 0.9, same
     captures, _ = got["graphs", "counts"]
-    assert captures == 11, "a target and a drafter graph per batch size (1, 2, 4), a mixed-step graph per size"
+    assert captures == 11, (
+        "a target and a drafter graph per batch size (1, 2, 4), a mixed-step graph per size"
+    )
     for spec in got["graphs", "speculative"]:
         assert spec["verify_steps"] > 0
     assert got["replay logit error"] < 1e-3, got["replay logit error"]

@@ -13,7 +13,12 @@ from .conftest import ENGINE_CONFIG
 TOPK = 8
 CONFIG = {**ENGINE_CONFIG, "index_topk": TOPK, "kv_lora_rank": 128}
 # (sequence, new tokens) per step; final contexts 6 (< topk), 41 and 75 (> topk, over two blocks)
-STEPS = [[(0, 4), (1, 30), (2, 50)], [(2, 22), (0, 1), (1, 9)], [(0, 1), (1, 1), (2, 1)], [(2, 1), (1, 1)]]
+STEPS = [
+    [(0, 4), (1, 30), (2, 50)],
+    [(2, 22), (0, 1), (1, 9)],
+    [(0, 1), (1, 1), (2, 1)],
+    [(2, 1), (1, 1)],
+]
 
 
 def paged_against_dense(folder: str) -> dict:
@@ -23,11 +28,18 @@ def paged_against_dense(folder: str) -> dict:
     from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
-    model = load_model(folder, ParallelConfig(tensor_parallel_size=get_parallel_state().tp_size), with_mtp=True)
+    model = load_model(
+        folder, ParallelConfig(tensor_parallel_size=get_parallel_state().tp_size), with_mtp=True
+    )
     dense, paged = KVCache.for_model(model, 3, 80), PagedKVCache.for_model(model, 2**22)
     blocks = BlockManager(paged.num_blocks, BLOCK_SIZE)
     blocks.allocate(99, BLOCK_SIZE + 1)  # the sequences' blocks are not the first ones
-    slots, cached, gen, errors = [dense.allocate() for _ in range(3)], [0, 0, 0], torch.Generator().manual_seed(0), []
+    slots, cached, gen, errors = (
+        [dense.allocate() for _ in range(3)],
+        [0, 0, 0],
+        torch.Generator().manual_seed(0),
+        [],
+    )
     with torch.no_grad():
         for step in STEPS:
             seqs, lens = [s for s, _ in step], [n for _, n in step]
@@ -53,12 +65,15 @@ def paged_against_dense(folder: str) -> dict:
         want = model(ids, view.positions, [1, 1, 1], view)
         width = 4  # the same step again (it rewrites the same rows) over the static view
         padded = torch.tensor(
-            [t + [paged.scratch_block] * (width - len(t)) for t in tables] + [[paged.scratch_block] * width],
+            [t + [paged.scratch_block] * (width - len(t)) for t in tables]
+            + [[paged.scratch_block] * width],
             dtype=torch.int32,
         )
         positions = torch.tensor(cached + [0])
         static = paged.decode_view(padded, torch.arange(4), positions)
-        got = model(torch.cat([ids, torch.zeros(1, dtype=torch.long)]), positions, [1] * 4, static)[:3]
+        got = model(torch.cat([ids, torch.zeros(1, dtype=torch.long)]), positions, [1] * 4, static)[
+            :3
+        ]
     return {"steps": errors, "static": relative_error(got, want)}
 
 

@@ -26,7 +26,9 @@ from .conftest import ENGINE_CONFIG, choices_and_alone
 
 MAX_NEW = 6
 # n = 3 sampled choices of one 70-token prompt, then each alone (choices_and_alone)
-CHOICES_PROMPT = torch.randint(0, ENGINE_CONFIG["vocab_size"], (70,), generator=torch.Generator().manual_seed(1))
+CHOICES_PROMPT = torch.randint(
+    0, ENGINE_CONFIG["vocab_size"], (70,), generator=torch.Generator().manual_seed(1)
+)
 BUDGET = 24  # prompts are prefilled in chunks
 CASES = {  # name -> (SP, MTP drafts, cache blocks; None: room for everything)
     "sp off": ("off", 0, None),
@@ -70,11 +72,15 @@ def on_and_off(folder: str) -> dict:
     state, results, models = get_parallel_state(), {}, {}
     for case, (sp, k, blocks) in CASES.items():
         if sp not in models:
-            models[sp] = load_model(folder, ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp), with_mtp=True)
+            models[sp] = load_model(
+                folder, ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp), with_mtp=True
+            )
         model = models[sp]
         for caching in (False, True):
             budget = (
-                2**22 if blocks is None else blocks * BLOCK_SIZE * PagedKVCache.for_model(model, 2**20).bytes_per_token
+                2**22
+                if blocks is None
+                else blocks * BLOCK_SIZE * PagedKVCache.for_model(model, 2**20).bytes_per_token
             )
             engine = Engine(
                 model,
@@ -86,14 +92,18 @@ def on_and_off(folder: str) -> dict:
             blind_lookup(engine)
             recorded = record_drafts(engine) if k else {}
             outputs, logits, drafts = [], [], {}
-            for number, prompts in enumerate(rounds()):  # both rounds name their requests generate-0, -1, ...
+            for number, prompts in enumerate(
+                rounds()
+            ):  # both rounds name their requests generate-0, -1, ...
                 gen = engine.generate(prompts, MAX_NEW, record_logits=True)
                 outputs += gen.outputs
                 logits += gen.logits
                 drafts.update({(number, key): value for key, value in recorded.items()})
                 recorded.clear()
             results[case, caching] = (outputs, torch.cat(logits), drafts, gen.stats)
-            results[case, caching, "choices"] = choices_and_alone(engine, CHOICES_PROMPT.tolist(), [5, 6, 7], MAX_NEW)
+            results[case, caching, "choices"] = choices_and_alone(
+                engine, CHOICES_PROMPT.tolist(), [5, 6, 7], MAX_NEW
+            )
     results["serving loop"] = through_serving_loop(caching_engine(models["off"]))
     results["diverged"] = diverged(caching_engine(models["off"]))
     return results
@@ -104,7 +114,9 @@ def caching_engine(model, caching: bool = True):
     from spmoe.engine.paged_cache import PagedKVCache
 
     cache = PagedKVCache.for_model(model, 2**22)
-    return blind_lookup(Engine(model, cache, max_num_batched_tokens=BUDGET, enable_prefix_caching=caching))
+    return blind_lookup(
+        Engine(model, cache, max_num_batched_tokens=BUDGET, enable_prefix_caching=caching)
+    )
 
 
 def blind_lookup(engine):
@@ -130,7 +142,9 @@ def through_serving_loop(engine) -> tuple[list[list[int]], dict] | None:
         tokens = {f"{number}-{i}": [] for i in range(len(prompts))}
         requests = [
             Request(request_id, prompt, MAX_NEW, params)
-            for request_id, prompt, params in zip(tokens, prompts, per_prompt(SamplingParams(), len(prompts)))
+            for request_id, prompt, params in zip(
+                tokens, prompts, per_prompt(SamplingParams(), len(prompts))
+            )
         ]
         plan = loop.plan(requests, [])
         while plan.command == "step":
@@ -178,9 +192,14 @@ def record_drafts(engine) -> dict:
         for seq, table, new in zip(batch.seqs, batch.locations, proposed):
             if new:
                 recorded[seq.request_id, len(seq.output)] = new
-            if new and not seq.output:  # its first token: the drafter has caught up on the whole prompt
+            if (
+                new and not seq.output
+            ):  # its first token: the drafter has caught up on the whole prompt
                 positions = torch.arange(len(seq.request.prompt))
-                rows = torch.tensor(table)[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+                rows = (
+                    torch.tensor(table)[positions // BLOCK_SIZE] * BLOCK_SIZE
+                    + positions % BLOCK_SIZE
+                )
                 recorded[seq.request_id] = torch.cat([mtp.latent[rows], mtp.rope[rows]], dim=1)
         return proposed
 
@@ -210,10 +229,17 @@ def test_prefix_caching_changes_no_output(engine_checkpoint):
             assert cache["prefix_cache_hits"] == WANT_HITS[k], case
         else:
             assert stats["preemptions"] > 0 and cache["prefix_cache_hits"] > 0, case
-        for rank in ranks[1:]:  # every TP rank made rank 0's decisions, its own lookup finding nothing
+        for rank in ranks[
+            1:
+        ]:  # every TP rank made rank 0's decisions, its own lookup finding nothing
             assert rank[case, True][0] == outputs and rank[case, True][3]["kv_cache"] == cache, case
-        for caching in (False, True):  # n = 3: each choice gets what it gets alone, the prompt computed once
-            got, alone, logits, alone_logits, queries, blocks_in_use = ranks[0][case, caching, "choices"]
+        for caching in (
+            False,
+            True,
+        ):  # n = 3: each choice gets what it gets alone, the prompt computed once
+            got, alone, logits, alone_logits, queries, blocks_in_use = ranks[0][
+                case, caching, "choices"
+            ]
             assert got == alone and len(set(map(tuple, got))) == 3, (case, caching)
             assert relative_error(logits, alone_logits) < 1e-4, (case, caching)
             assert queries == (70 if caching else 0) and blocks_in_use == 0, (case, caching)
@@ -236,14 +262,19 @@ def data_parallel(folder: str) -> dict:
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=2, data_parallel_size=2))
-    return {caching: through_serving_loop(caching_engine(model, caching)) for caching in (False, True)}
+    return {
+        caching: through_serving_loop(caching_engine(model, caching)) for caching in (False, True)
+    }
 
 
 def test_each_dp_group_follows_its_own_tp_rank_0(engine_checkpoint):
     """Under DP each DP group's TP rank 0 decides its group's reuse and sends it to its TP peer (whose own
     lookup finds nothing): the same tokens as without caching, and both ranks of a group reuse the same."""
     ranks = spawn(
-        data_parallel, 4, engine_checkpoint, config=ParallelConfig(tensor_parallel_size=2, data_parallel_size=2)
+        data_parallel,
+        4,
+        engine_checkpoint,
+        config=ParallelConfig(tensor_parallel_size=2, data_parallel_size=2),
     )
     assert ranks[0][True][0] == ranks[0][False][0]
     hits = [rank[True][1]["prefix_cache_hits"] for rank in ranks]

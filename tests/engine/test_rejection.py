@@ -29,7 +29,12 @@ from spmoe.engine.sampling import Sampler, SamplingParams, exponential_noise, ra
         ([5, 7, 9], [5, 8, 9, 4], 1, [5, 8]),
         ([5, 7, 9], [6, 7, 9, 4], 0, [6]),  # the first draft is wrong: only the target's own token
         ([5, 7, 9], [5, 7, 2, 4], 2, [5, 7, 2]),  # the last draft is wrong
-        ([5, -1, -1], [5, 2, 0, 0], 1, [5, 2]),  # one real draft (padding after it), accepted, plus the bonus
+        (
+            [5, -1, -1],
+            [5, 2, 0, 0],
+            1,
+            [5, 2],
+        ),  # one real draft (padding after it), accepted, plus the bonus
         ([5, -1, -1], [3, 2, 0, 0], 0, [3]),
         ([-1, -1, -1], [3, 0, 0, 0], 0, [3]),  # no drafts: the target's draw alone
         ([4, 4, -1], [4, 4, 4, 4], 2, [4, 4, 4]),  # repeated tokens; the padding never matches
@@ -39,7 +44,9 @@ def test_one_hot_acceptance_worked_examples(drafts, choices, accepted, committed
     num = torch.tensor([sum(d >= 0 for d in drafts)])
     got = accept_drafts(torch.tensor([drafts]), num, torch.tensor([choices]))
     assert got.tolist() == [accepted]
-    kept = choices[: got.item() + 1]  # what the row commits: its accepted drafts, then the target's draw
+    kept = choices[
+        : got.item() + 1
+    ]  # what the row commits: its accepted drafts, then the target's draw
     assert kept == committed and kept[:accepted] == drafts[:accepted]
 
 
@@ -49,12 +56,24 @@ def test_general_rule_worked_examples():
     the bonus from p_K. Three rows (K = 2, V = 4): both drafts kept and the bonus; the second rejected; the
     first rejected. Each commits its kept drafts, then the draw after them."""
     p, q = torch.full((3, 3, 4), 0.25), torch.zeros(3, 2, 4)
-    p[0, 0], q[0, 0] = torch.tensor([0.1, 0.6, 0.3, 0.0]), torch.tensor([0.0, 0.5, 0.5, 0.0])  # keeps 1
-    p[0, 1], q[0, 1] = torch.tensor([0.2, 0.0, 0.8, 0.0]), torch.tensor([0.0, 0.0, 0.7, 0.3])  # keeps 2
+    p[0, 0], q[0, 0] = (
+        torch.tensor([0.1, 0.6, 0.3, 0.0]),
+        torch.tensor([0.0, 0.5, 0.5, 0.0]),
+    )  # keeps 1
+    p[0, 1], q[0, 1] = (
+        torch.tensor([0.2, 0.0, 0.8, 0.0]),
+        torch.tensor([0.0, 0.0, 0.7, 0.3]),
+    )  # keeps 2
     p[0, 2] = torch.tensor([0.0, 0.0, 0.0, 1.0])  # the bonus: 3
     p[1, 0], q[1, 0] = p[0, 0], q[0, 0]  # keeps 1
-    p[1, 1], q[1, 1] = torch.tensor([0.4, 0.0, 0.6, 0.0]), torch.tensor([0.4, 0.0, 0.0, 0.6])  # rejects 3: 2
-    p[2, 0], q[2, 0] = torch.tensor([0.0, 0.3, 0.0, 0.7]), torch.tensor([0.5, 0.5, 0.0, 0.0])  # rejects 0: 3
+    p[1, 1], q[1, 1] = (
+        torch.tensor([0.4, 0.0, 0.6, 0.0]),
+        torch.tensor([0.4, 0.0, 0.0, 0.6]),
+    )  # rejects 3: 2
+    p[2, 0], q[2, 0] = (
+        torch.tensor([0.0, 0.3, 0.0, 0.7]),
+        torch.tensor([0.5, 0.5, 0.0, 0.0]),
+    )  # rejects 0: 3
     q[2, 1] = torch.tensor([0.0, 1.0, 0.0, 0.0])
     drafts = torch.tensor([[1, 2], [1, 3], [0, 1]])
     gen = torch.Generator().manual_seed(5)
@@ -62,7 +81,11 @@ def test_general_rule_worked_examples():
         noise = -torch.rand(3, 3, 4, generator=gen).log()  # Exp(1)
         accepted, tokens = rejection_sample(p, drafts, q, noise)
         assert accepted.tolist() == [2, 1, 0]
-        assert [row[: a + 1] for row, a in zip(tokens.tolist(), accepted.tolist())] == [[1, 2, 3], [1, 2], [3]]
+        assert [row[: a + 1] for row, a in zip(tokens.tolist(), accepted.tolist())] == [
+            [1, 2, 3],
+            [1, 2],
+            [3],
+        ]
 
 
 V, K, N = 7, 2, 100_000
@@ -88,7 +111,9 @@ def processed(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 def seeded_noise() -> torch.Tensor:
     """`[N, K + 1, V]`: the Exp(1) noise of seeds 0 .. N-1 at output indices 0 .. K, as the engine draws it."""
     keys = torch.stack(seed_keys(torch.arange(N)), dim=1)  # the hash works on int64 tensors too
-    return exponential_noise(keys.repeat_interleave(K + 1, 0), torch.arange(K + 1).repeat(N), V).view(N, K + 1, V)
+    return exponential_noise(
+        keys.repeat_interleave(K + 1, 0), torch.arange(K + 1).repeat(N), V
+    ).view(N, K + 1, V)
 
 
 def two_tokens(rule: str, top_k: int, top_p: float) -> tuple[float, float, float, float]:
@@ -98,9 +123,15 @@ def two_tokens(rule: str, top_k: int, top_p: float) -> tuple[float, float, float
     acceptance rate of the first draft, its exact value)."""
     gen = torch.Generator().manual_seed(11)
     target = processed(torch.randn(1 + V + V * V, V, generator=gen) * 1.5, top_k, top_p)
-    p0, p1, p2 = target[0], target[1 : 1 + V], target[1 + V :].reshape(V, V, V)  # p(.), p(. | a), p(. | a, b)
+    p0, p1, p2 = (
+        target[0],
+        target[1 : 1 + V],
+        target[1 + V :].reshape(V, V, V),
+    )  # p(.), p(. | a), p(. | a, b)
     noise = seeded_noise()
-    if rule == "one-hot":  # a deterministic drafter: the target's mode first, then the mode or its neighbour
+    if (
+        rule == "one-hot"
+    ):  # a deterministic drafter: the target's mode first, then the mode or its neighbour
         q0, q1 = torch.eye(V)[p0.argmax()], torch.eye(V)[(p1.argmax(-1) + torch.arange(V) % 2) % V]
     else:
         q = torch.softmax(torch.randn(1 + V, V, generator=gen) * 1.5, dim=-1)
@@ -115,7 +146,9 @@ def two_tokens(rule: str, top_k: int, top_p: float) -> tuple[float, float, float
     else:
         draft_probs = torch.stack([q0.expand(N, V), q1[x1]], dim=1)
         if rule == "accept-all":
-            draft_probs = torch.zeros_like(draft_probs)  # u * 0 < p(x): every draft in the support is kept
+            draft_probs = torch.zeros_like(
+                draft_probs
+            )  # u * 0 < p(x): every draft in the support is kept
         accepted, tokens = rejection_sample(probs, drafts, draft_probs, noise)
     t1 = tokens[:, 0]
     second_step = race(p1[t1], noise[:, 1])  # the next step's draw at output index 1, after t1
@@ -136,7 +169,9 @@ def test_committed_tokens_follow_the_target_distribution(rule, top_k, top_p):
     tv, bound, rate, exact_rate = two_tokens(rule, top_k, top_p)
     assert tv < bound, (tv, bound)
     assert 0.05 < rate < 0.95  # drafts are both accepted and rejected
-    assert abs(rate - exact_rate) < 4 * math.sqrt(exact_rate * (1 - exact_rate) / N)  # min(1, p/q) on average
+    assert abs(rate - exact_rate) < 4 * math.sqrt(
+        exact_rate * (1 - exact_rate) / N
+    )  # min(1, p/q) on average
 
 
 def test_a_rule_that_keeps_every_draft_fails_the_same_bound():

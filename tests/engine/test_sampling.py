@@ -50,7 +50,11 @@ def reference_before_temperature(row, params, prompt, output, stop_ids, allowed=
     for i in range(V):
         count = output.count(i)
         if params.repetition_penalty != 1 and (i in prompt or count):
-            out[i] = out[i] / params.repetition_penalty if out[i] > 0 else out[i] * params.repetition_penalty
+            out[i] = (
+                out[i] / params.repetition_penalty
+                if out[i] > 0
+                else out[i] * params.repetition_penalty
+            )
         out[i] -= params.frequency_penalty * count
         out[i] -= params.presence_penalty * (count > 0)
     return out
@@ -90,7 +94,12 @@ ROWS = [  # (params, prompt, output so far, stop ids)
     (SamplingParams(0.8, top_k=3, seed=9), [1], [], ()),
     (SamplingParams(1.1, top_p=0.6, seed=10), [1], [], ()),
     (SamplingParams(1.0, min_p=0.2, seed=11), [1], [], ()),
-    (SamplingParams(0.6, top_k=5, top_p=0.7, min_p=0.05, frequency_penalty=0.3, seed=12), [2], [4, 4], ()),
+    (
+        SamplingParams(0.6, top_k=5, top_p=0.7, min_p=0.05, frequency_penalty=0.3, seed=12),
+        [2],
+        [4, 4],
+        (),
+    ),
 ]
 
 
@@ -164,10 +173,15 @@ def test_a_row_coming_back_recounts_its_output_and_a_released_row_is_clean():
 def test_greedy_rows_are_the_plain_argmax_bit_for_bit_beside_sampled_rows():
     logits = torch.randn(64, 1000, dtype=torch.float32)
     sampler = Sampler(64, 1000)
-    rows = [sampler.add(SamplingParams() if i % 2 else SamplingParams(0.9, top_p=0.8, seed=i), [0]) for i in range(64)]
+    rows = [
+        sampler.add(SamplingParams() if i % 2 else SamplingParams(0.9, top_p=0.8, seed=i), [0])
+        for i in range(64)
+    ]
     got = sampler.sample(logits, rows, [5] * 64)
     argmax = logits.argmax(-1).tolist()
-    assert [t for i, t in enumerate(got.token_ids) if i % 2] == [t for i, t in enumerate(argmax) if i % 2]
+    assert [t for i, t in enumerate(got.token_ids) if i % 2] == [
+        t for i, t in enumerate(argmax) if i % 2
+    ]
     all_greedy = Sampler(64, 1000)
     rows = [all_greedy.add(SamplingParams(), [0]) for _ in range(64)]
     assert all_greedy.sample(logits, rows, [0] * 64).token_ids == argmax
@@ -177,7 +191,9 @@ def total_variation(draws: list[int], probs: list[float]) -> float:
     return 0.5 * sum(abs(draws.count(i) / len(draws) - p) for i, p in enumerate(probs))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=7), SamplingParams(0.6, top_k=6, top_p=0.9, seed=1)])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(1.0, seed=7), SamplingParams(0.6, top_k=6, top_p=0.9, seed=1)]
+)
 def test_seeded_draws_follow_the_distribution_across_output_positions(params):
     draws = 30000
     sampler = Sampler(1, V)
@@ -237,7 +253,10 @@ def test_draw_tokens_races_each_drawing_row_with_its_own_noise():
     for j, row in enumerate(at.tolist()):
         (k0, k1), i = seed_keys(seeds[j]), index[j] & MASK32
         a, b = mix32(k0 ^ i), mix32((k1 + i) & MASK32)
-        noise = [-math.log(((mix32(mix32((t + a) & MASK32) ^ b) >> 9) + 0.5) / 2**23) for t in range(vocab)]
+        noise = [
+            -math.log(((mix32(mix32((t + a) & MASK32) ^ b) >> 9) + 0.5) / 2**23)
+            for t in range(vocab)
+        ]
         probs = softmax(logits[row].tolist())
         assert got[j] == max(range(vocab), key=lambda t: probs[t] / noise[t])
 
@@ -253,7 +272,9 @@ def test_a_seed_fixes_the_token_whatever_else_is_in_the_batch():
     mine = crowd.add(params, [0])
     for i in range(40):
         batch = torch.cat([logits[1:3], logits[:1], logits[3:6]])
-        got = crowd.sample(batch, others[:2] + [mine] + others[2:5], [i + 1, 0, i, 3, 2, 1]).token_ids
+        got = crowd.sample(
+            batch, others[:2] + [mine] + others[2:5], [i + 1, 0, i, 3, 2, 1]
+        ).token_ids
         assert got[2] == by_index[i]
     other_seed = Sampler(1, V)
     row = other_seed.add(SamplingParams(1.0, top_p=0.95, seed=43), [0])
@@ -262,7 +283,10 @@ def test_a_seed_fixes_the_token_whatever_else_is_in_the_batch():
 
 def test_logprobs_are_those_of_the_distribution_drawn_from():
     rows = ROWS[:3] + [(SamplingParams(0.5, top_k=3, seed=1, logprobs=5), [0], [], ())]
-    rows = [(SamplingParams(**{**p.__dict__, "logprobs": p.logprobs or i}), *rest) for i, (p, *rest) in enumerate(rows)]
+    rows = [
+        (SamplingParams(**{**p.__dict__, "logprobs": p.logprobs or i}), *rest)
+        for i, (p, *rest) in enumerate(rows)
+    ]
     rows[1] = (SamplingParams(**{**rows[1][0].__dict__, "logprobs": None}), *rows[1][1:])
     sampler, taken = loaded_sampler(rows)
     logits = rand_logits(len(rows), seed=3)
@@ -276,14 +300,18 @@ def test_logprobs_are_those_of_the_distribution_drawn_from():
         logp = [math.log(p) if p else NEG for p in probs]
         assert got.logprobs[j] == pytest.approx(logp[got.token_ids[j]], abs=1e-5)
         order = sorted(range(V), key=lambda i: -logp[i])[: params.logprobs]
-        assert [v for _, v in got.top_logprobs[j]] == pytest.approx([logp[i] for i in order], abs=1e-5)
+        assert [v for _, v in got.top_logprobs[j]] == pytest.approx(
+            [logp[i] for i in order], abs=1e-5
+        )
         # the ids in order, except among excluded tokens (all -inf: any order)
         assert [t for t, v in got.top_logprobs[j] if v > NEG] == [i for i in order if logp[i] > NEG]
     # default settings at temperature 1: the model's own log-probabilities
     plain = Sampler(1, V)
     row = plain.add(SamplingParams(1.0, logprobs=0), [0])
     out = plain.sample(logits[:1], [row], [0])
-    assert out.logprobs[0] == pytest.approx(math.log(softmax(logits[0].tolist())[out.token_ids[0]]), abs=1e-5)
+    assert out.logprobs[0] == pytest.approx(
+        math.log(softmax(logits[0].tolist())[out.token_ids[0]]), abs=1e-5
+    )
     assert out.top_logprobs[0] == []
 
 
@@ -292,11 +320,16 @@ def test_logprobs_of_the_rows_that_asked_are_those_of_a_batch_where_every_row_as
     what it gets when every row asks, bit for bit (the first k of the top 5), and the others get None."""
     vocab, wanted = 1000, [None, 3, None, 0, 5, None, 1]
     logits = torch.randn(len(wanted), vocab, generator=torch.Generator().manual_seed(8)) * 3
-    settings = [SamplingParams(0.8 if i % 2 else 0.0, top_p=0.9, seed=i) for i in range(len(wanted))]
+    settings = [
+        SamplingParams(0.8 if i % 2 else 0.0, top_p=0.9, seed=i) for i in range(len(wanted))
+    ]
 
     def sample(logprobs):
         sampler = Sampler(len(wanted), vocab)
-        rows = [sampler.add(SamplingParams(**{**p.__dict__, "logprobs": k}), [0]) for p, k in zip(settings, logprobs)]
+        rows = [
+            sampler.add(SamplingParams(**{**p.__dict__, "logprobs": k}), [0])
+            for p, k in zip(settings, logprobs)
+        ]
         return sampler.sample(logits, rows, list(range(len(wanted))))
 
     some, every = sample(wanted), sample([5] * len(wanted))
@@ -305,7 +338,10 @@ def test_logprobs_of_the_rows_that_asked_are_those_of_a_batch_where_every_row_as
         if k is None:
             assert some.logprobs[j] is None and some.top_logprobs[j] is None
         else:
-            assert some.logprobs[j] == every.logprobs[j] and some.top_logprobs[j] == every.top_logprobs[j][:k]
+            assert (
+                some.logprobs[j] == every.logprobs[j]
+                and some.top_logprobs[j] == every.top_logprobs[j][:k]
+            )
 
 
 def test_prompt_logprobs_are_the_raw_log_probabilities():
@@ -316,12 +352,17 @@ def test_prompt_logprobs_are_the_raw_log_probabilities():
         logp = [math.log(p) for p in softmax(logits[j].tolist())]
         assert lp == pytest.approx(logp[next_ids[j]], abs=1e-5)
         order = sorted(range(V), key=lambda i: -logp[i])[:2]
-        assert [t for t, _ in top] == order and [v for _, v in top] == pytest.approx([logp[i] for i in order])
+        assert [t for t, _ in top] == order and [v for _, v in top] == pytest.approx(
+            [logp[i] for i in order]
+        )
 
 
 def test_rows_that_are_not_finite_or_allow_nothing_are_flagged():
     sampler = Sampler(4, 40)
-    rows = [sampler.add(SamplingParams(t, seed=1, frequency_penalty=0.5), [0]) for t in (0.0, 1.0, 1.0, 0.0)]
+    rows = [
+        sampler.add(SamplingParams(t, seed=1, frequency_penalty=0.5), [0])
+        for t in (0.0, 1.0, 1.0, 0.0)
+    ]
     logits = torch.randn(4, 40)
     logits[1, 3] = float("nan")
     logits[3, 0] = float("inf")
@@ -336,10 +377,22 @@ def test_rows_that_are_not_finite_or_allow_nothing_are_flagged():
         (dict(top_k=-1), "top_k must be >= 0 (0 = off), got -1"),
         (dict(min_p=1.5), "min_p must be in [0, 1], got 1.5"),
         (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5"),
-        (dict(repetition_penalty=0.0), "repetition_penalty must be in [0.001, 1000] (1 = off), got 0.0"),
-        (dict(repetition_penalty=1e-39), "repetition_penalty must be in [0.001, 1000] (1 = off), got 1e-39"),
-        (dict(repetition_penalty=float("nan")), "repetition_penalty must be in [0.001, 1000] (1 = off), got nan"),
-        (dict(logit_bias=((3, 101.0),)), "logit_bias maps token ids >= 0 to biases in [-100, 100], got 3: 101.0"),
+        (
+            dict(repetition_penalty=0.0),
+            "repetition_penalty must be in [0.001, 1000] (1 = off), got 0.0",
+        ),
+        (
+            dict(repetition_penalty=1e-39),
+            "repetition_penalty must be in [0.001, 1000] (1 = off), got 1e-39",
+        ),
+        (
+            dict(repetition_penalty=float("nan")),
+            "repetition_penalty must be in [0.001, 1000] (1 = off), got nan",
+        ),
+        (
+            dict(logit_bias=((3, 101.0),)),
+            "logit_bias maps token ids >= 0 to biases in [-100, 100], got 3: 101.0",
+        ),
         (dict(min_tokens=-1), "min_tokens must be >= 0, got -1"),
         (dict(logprobs=21), "logprobs must be in [0, 20], got 21"),
     ],

@@ -15,7 +15,9 @@ VOCAB = 154880
 SETTINGS = [
     SamplingParams(logprobs=5),
     SamplingParams(1.0, seed=1, logprobs=5),
-    SamplingParams(0.7, seed=2, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, logprobs=5),
+    SamplingParams(
+        0.7, seed=2, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, logprobs=5
+    ),
     SamplingParams(0.0, frequency_penalty=1.0, logit_bias=((7, 5.0), (9, -100.0))),
     SamplingParams(0.9, seed=4, min_tokens=3, top_k=50, top_p=0.9, min_p=0.02, logprobs=2),
 ]

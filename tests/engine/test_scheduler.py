@@ -23,7 +23,9 @@ def sequence(
     name: str, prompt_len: int, max_new_tokens: int = 20, eos: tuple[int, ...] = (), first: int = 1
 ) -> Sequence:
     """A request whose prompt is `first, first + 1, ...` (equal prompts fork: `test_choices_fork_...`)."""
-    return Sequence(Request(name, list(range(first, first + prompt_len)), max_new_tokens, eos_token_ids=eos))
+    return Sequence(
+        Request(name, list(range(first, first + prompt_len)), max_new_tokens, eos_token_ids=eos)
+    )
 
 
 def sampler_for(room: BlockRoom) -> Sampler:
@@ -33,7 +35,9 @@ def sampler_for(room: BlockRoom) -> Sampler:
 def paged_room(num_blocks: int, prefix_caching: bool = False, lookahead: int = 0) -> BlockRoom:
     cfg = ModelConfig.from_dict(ENGINE_CONFIG)
     bytes_per_token = token_bytes(cfg, {0: True}, torch.float32, "auto")
-    cache = PagedKVCache(cfg, {0: True}, num_blocks * BLOCK_SIZE * bytes_per_token, torch.float32, "cpu")
+    cache = PagedKVCache(
+        cfg, {0: True}, num_blocks * BLOCK_SIZE * bytes_per_token, torch.float32, "cpu"
+    )
     return BlockRoom(cache, 8, enable_prefix_caching=prefix_caching, lookahead=lookahead)
 
 
@@ -50,30 +54,47 @@ def feed(scheduler: Scheduler, batch: ScheduledBatch, token: int = 7) -> None:
 
 
 def test_chunks_admission_and_preemption():
-    room = paged_room(3)  # no prefix caching: b recomputes (see test_preempted_sequence_finds_its_blocks_again)
+    room = paged_room(
+        3
+    )  # no prefix caching: b recomputes (see test_preempted_sequence_finds_its_blocks_again)
     scheduler = Scheduler(room, sampler_for(room), max_num_batched_tokens=100)
     a, b, c = sequence("a", 64), sequence("b", 64, first=101), sequence("c", 64, first=201)
     for seq in (a, b, c):
         scheduler.add(seq)
 
     batch = scheduler.schedule()  # a whole, b's first 36 tokens; c: no budget left
-    assert pairs(batch) == [("a", 64), ("b", 36)] and batch.samples == [True, False] and not batch.decode
+    assert (
+        pairs(batch) == [("a", 64), ("b", 36)]
+        and batch.samples == [True, False]
+        and not batch.decode
+    )
     assert [s.request_id for s in scheduler.waiting] == ["c"] and room.blocks.num_used_blocks == 2
     feed(scheduler, batch)
     assert a.output == [7] and b.output == [] and b.cached == 36
 
-    batch = scheduler.schedule()  # a decodes into a second block, b's last 28; c finds no free block
+    batch = (
+        scheduler.schedule()
+    )  # a decodes into a second block, b's last 28; c finds no free block
     assert pairs(batch) == [("a", 1), ("b", 28)] and batch.starts == [64, 36]
     assert room.blocks.num_free_blocks == 0 and [s.request_id for s in scheduler.waiting] == ["c"]
     feed(scheduler, batch)
 
-    batch = scheduler.schedule()  # b needs a second block for its 65th token: b, the latest admitted, yields
+    batch = (
+        scheduler.schedule()
+    )  # b needs a second block for its 65th token: b, the latest admitted, yields
     assert pairs(batch) == [("a", 1)] and batch.decode and batch.step == 3
     assert [s.request_id for s in scheduler.waiting] == ["b", "c"] and scheduler.preemptions == 1
-    assert b.cached == 0 and b.prefilling and b.pending == list(range(101, 165)) + [7] and b.output == [7]
+    assert (
+        b.cached == 0
+        and b.prefilling
+        and b.pending == list(range(101, 165)) + [7]
+        and b.output == [7]
+    )
     assert room.blocks.num_used_blocks == 2  # a's; b's block is free again
     scheduler.finish(a, "length")
-    batch = scheduler.schedule()  # b first again, recomputing its 65 tokens; c in what budget is left
+    batch = (
+        scheduler.schedule()
+    )  # b first again, recomputing its 65 tokens; c in what budget is left
     assert pairs(batch) == [("b", 65), ("c", 35)]
     assert room.blocks.num_used_blocks == 3
 
@@ -101,7 +122,13 @@ def test_update_commits_a_hand_made_result():
     assert batch.samples == [True, True, True, True, False]
     length.output = [9]  # one token short of its limit
     result = StepResult(
-        token_ids=[[40, 50, 60], [11, 12], [0], [21], []],  # eos and length: cut after the stopping token
+        token_ids=[
+            [40, 50, 60],
+            [11, 12],
+            [0],
+            [21],
+            [],
+        ],  # eos and length: cut after the stopping token
         accepted=[0, 0, 0, 0, 0],
         finite=[True, True, False, True, True],
         drafts=[[], [], [], [22, 23], []],
@@ -115,22 +142,45 @@ def test_update_commits_a_hand_made_result():
         "spec": ([21], None, 1),
     }  # the chunk that did not sample has no output
     assert eos.output == [40, 50] and length.output == [9, 11] and nan.output == []
-    assert nan.error.startswith("non-finite logits (NaN or inf) at step 1 (prefill) for request 'nan' after 0")
-    assert [s.request_id for s in scheduler.running] == ["spec", "chunk"]  # the finished ones left, room freed
+    assert nan.error.startswith(
+        "non-finite logits (NaN or inf) at step 1 (prefill) for request 'nan' after 0"
+    )
+    assert [s.request_id for s in scheduler.running] == [
+        "spec",
+        "chunk",
+    ]  # the finished ones left, room freed
     assert all(s.cache_id == -1 for s in (eos, length, nan))
     assert (spec.cached, spec.pending, spec.drafts) == (1, [21, 22, 23], [22, 23])
     assert (chunk.cached, chunk.pending, chunk.output) == (91, list(range(92, 101)), [])
 
     batch = scheduler.schedule()  # spec verifies its drafts; the chunk's last 9 tokens
-    assert pairs(batch) == [("spec", 3), ("chunk", 9)] and batch.starts == [1, 91] and batch.samples == [True] * 2
+    assert (
+        pairs(batch) == [("spec", 3), ("chunk", 9)]
+        and batch.starts == [1, 91]
+        and batch.samples == [True] * 2
+    )
     # spec: the target accepts 22, rejects 23 and picks 30 there; its next drafts 31, 32
     result = StepResult([[22, 30], [70]], [1, 0], [True, True], [[31, 32], [71, 72]])
     scheduler.update(batch, result)
-    assert (spec.cached, spec.pending, spec.drafts, spec.output) == (3, [30, 31, 32], [31, 32], [21, 22, 30])
-    assert (chunk.cached, chunk.pending, chunk.drafts, chunk.output) == (100, [70, 71, 72], [71, 72], [70])
+    assert (spec.cached, spec.pending, spec.drafts, spec.output) == (
+        3,
+        [30, 31, 32],
+        [31, 32],
+        [21, 22, 30],
+    )
+    assert (chunk.cached, chunk.pending, chunk.drafts, chunk.output) == (
+        100,
+        [70, 71, 72],
+        [71, 72],
+        [70],
+    )
 
-    batch = scheduler.schedule()  # spec: both drafts rejected, one token; chunk: both accepted and a bonus
-    scheduler.update(batch, StepResult([[33], [71, 72, 73]], [0, 2], [True, True], [[34, 35], [74, 75]]))
+    batch = (
+        scheduler.schedule()
+    )  # spec: both drafts rejected, one token; chunk: both accepted and a bonus
+    scheduler.update(
+        batch, StepResult([[33], [71, 72, 73]], [0, 2], [True, True], [[34, 35], [74, 75]])
+    )
     assert (spec.cached, spec.pending, spec.output[-1]) == (4, [33, 34, 35], 33)
     assert (chunk.cached, chunk.pending, chunk.output) == (103, [73, 74, 75], [70, 71, 72, 73])
 
@@ -157,7 +207,11 @@ def test_prefix_cache_admission():
     assert pairs(batch) == [("a", 1), ("b", 2), ("c", 64), ("d", 2)]
     assert batch.starts == [130, 128, 64, 128] and batch.samples == [True] * 4
     tables = batch.locations
-    assert tables[1][:2] == tables[0][:2] and tables[2][:1] == tables[0][:1] and tables[3][:2] == tables[0][:2]
+    assert (
+        tables[1][:2] == tables[0][:2]
+        and tables[2][:1] == tables[0][:1]
+        and tables[3][:2] == tables[0][:2]
+    )
     assert room.prefix_cache_counts() == (130 + 130 + 128 + 130, 128 + 64 + 128)
     feed(scheduler, batch)
     for seq in (a, b, c, d):
@@ -181,7 +235,9 @@ def test_preempted_sequence_finds_its_blocks_again():
     a, b = sequence("a", 64), sequence("b", 64)
     scheduler.add(a)
     feed(scheduler, scheduler.schedule())
-    scheduler.add(b)  # a's prompt once a decodes: b computes its prompt's last token into its own block
+    scheduler.add(
+        b
+    )  # a's prompt once a decodes: b computes its prompt's last token into its own block
     feed(scheduler, scheduler.schedule())
     assert room.blocks.num_cached_blocks == 1  # a's and b's prompt blocks are equal: one is cached
     batch = scheduler.schedule()
@@ -200,19 +256,30 @@ def test_a_twin_waits_for_the_prompt_blocks_it_shares():
     other = sequence("other", 20, first=300)
     for seq in (first, twin, other):
         scheduler.add(seq)
-    batch = scheduler.schedule()  # the first alone; the twin (and what queues behind it) waits for it
+    batch = (
+        scheduler.schedule()
+    )  # the first alone; the twin (and what queues behind it) waits for it
     assert pairs(batch) == [("first", 130)] and batch.forks == []
     feed(scheduler, batch)  # its prompt written: blocks 0 and 1 cached
     batch = scheduler.schedule()
-    assert pairs(batch) == [("first", 1), ("twin", 3), ("other", 20)] and batch.starts == [130, 128, 0]
-    assert room.location(twin)[:2] == room.location(first)[:2] and room.blocks.num_used_blocks == 3 + 1 + 1
+    assert pairs(batch) == [("first", 1), ("twin", 3), ("other", 20)] and batch.starts == [
+        130,
+        128,
+        0,
+    ]
+    assert (
+        room.location(twin)[:2] == room.location(first)[:2]
+        and room.blocks.num_used_blocks == 3 + 1 + 1
+    )
 
 
 def test_a_follower_admits_what_the_decider_admits():
     """Two schedulers as two ranks: the decider's admissions (request id, tokens reused) make the follower's
     batch; admissions in another order than its waiting queue are a one-line error."""
     rooms = [paged_room(6, prefix_caching=True) for _ in range(2)]
-    decider, follower = (Scheduler(room, sampler_for(room), max_num_batched_tokens=100) for room in rooms)
+    decider, follower = (
+        Scheduler(room, sampler_for(room), max_num_batched_tokens=100) for room in rooms
+    )
     for scheduler in (decider, follower):
         scheduler.add(sequence("a", 130))
         for _ in range(2):
@@ -220,10 +287,16 @@ def test_a_follower_admits_what_the_decider_admits():
         scheduler.add(sequence("b", 140))  # its first two blocks are a's
         scheduler.add(sequence("c", 10))
     batch = decider.schedule()
-    assert batch.admissions == [("b", 128), ("c", 0)] and pairs(batch) == [("a", 1), ("b", 12), ("c", 10)]
+    assert batch.admissions == [("b", 128), ("c", 0)] and pairs(batch) == [
+        ("a", 1),
+        ("b", 12),
+        ("c", 10),
+    ]
     followed = follower.schedule(batch.admissions)
     assert (
-        pairs(followed) == pairs(batch) and followed.starts == batch.starts and followed.admissions == batch.admissions
+        pairs(followed) == pairs(batch)
+        and followed.starts == batch.starts
+        and followed.admissions == batch.admissions
     )
     assert followed.locations == batch.locations and rooms[1].prefix_cache_counts() == (280, 128)
     # the follower refuses admissions it cannot follow (budget: 100 - a's decode token - b's 12 - c's 10)
@@ -241,7 +314,12 @@ def test_a_follower_admits_what_the_decider_admits():
 @pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize(
     "prompt_len, lookahead, shared",
-    [(130, 0, 128), (130, 1, 128), (128, 0, 128), (128, 1, 64)],  # with MTP the last token's block is not shared
+    [
+        (130, 0, 128),
+        (130, 1, 128),
+        (128, 0, 128),
+        (128, 1, 64),
+    ],  # with MTP the last token's block is not shared
 )
 def test_choices_fork_from_the_prompt_they_share(caching, prompt_len, lookahead, shared):
     """n = 4 choices of one prompt: the first computes it (in two chunks), the others wait and, in the step that
@@ -256,13 +334,24 @@ def test_choices_fork_from_the_prompt_they_share(caching, prompt_len, lookahead,
     batch = scheduler.schedule()
     assert pairs(batch) == [("n0", 100)] and batch.forks == [] and len(scheduler.waiting) == 4
     feed(scheduler, batch)
-    batch = scheduler.schedule()  # n0's last chunk; the other three fork from it (feeding nothing); other admitted
-    assert pairs(batch) == [("n0", prompt_len - 100), ("other", 20)] and batch.samples == [True, True]
-    assert [(seq.request_id, source) for seq, source in batch.forks] == [("n1", 0), ("n2", 0), ("n3", 0)]
+    batch = (
+        scheduler.schedule()
+    )  # n0's last chunk; the other three fork from it (feeding nothing); other admitted
+    assert pairs(batch) == [("n0", prompt_len - 100), ("other", 20)] and batch.samples == [
+        True,
+        True,
+    ]
+    assert [(seq.request_id, source) for seq, source in batch.forks] == [
+        ("n1", 0),
+        ("n2", 0),
+        ("n3", 0),
+    ]
     assert [s.request_id for s in scheduler.running] == ["n0", "n1", "n2", "n3", "other"]
     tables = [room.location(seq) for seq in choices]
     own = [block for table in tables for block in table[shared // BLOCK_SIZE :]]
-    assert all(table[: shared // BLOCK_SIZE] == tables[0][: shared // BLOCK_SIZE] for table in tables)
+    assert all(
+        table[: shared // BLOCK_SIZE] == tables[0][: shared // BLOCK_SIZE] for table in tables
+    )
     assert len(own) == len(set(own)) and not set(own) & set(tables[0][: shared // BLOCK_SIZE])
     outputs = scheduler.update(batch, StepResult([[7], [8], [9], [10], [11]], [0] * 5, [True] * 5))
     assert [(o.request_id, o.new_token_ids) for o in outputs] == [
@@ -273,12 +362,24 @@ def test_choices_fork_from_the_prompt_they_share(caching, prompt_len, lookahead,
         ("n3", [11]),
     ]
     for seq, first in zip(choices[1:], (9, 10, 11)):
-        assert (seq.cached, seq.pending, seq.output) == (shared, seq.request.prompt[shared:] + [first], [first])
+        assert (seq.cached, seq.pending, seq.output) == (
+            shared,
+            seq.request.prompt[shared:] + [first],
+            [first],
+        )
         assert seq.prefilling == (shared < prompt_len)
     scheduler.max_num_batched_tokens = 300
-    batch = scheduler.schedule()  # each fork recomputes what it does not share, with its first token
-    assert pairs(batch) == [("n0", 1)] + [(f"n{i}", prompt_len - shared + 1) for i in (1, 2, 3)] + [("other", 1)]
-    assert batch.starts == [prompt_len] + [shared] * 3 + [20] and batch.forks == [] and batch.samples == [True] * 5
+    batch = (
+        scheduler.schedule()
+    )  # each fork recomputes what it does not share, with its first token
+    assert pairs(batch) == [("n0", 1)] + [(f"n{i}", prompt_len - shared + 1) for i in (1, 2, 3)] + [
+        ("other", 1)
+    ]
+    assert (
+        batch.starts == [prompt_len] + [shared] * 3 + [20]
+        and batch.forks == []
+        and batch.samples == [True] * 5
+    )
     assert batch.decode == (shared == prompt_len)
     # counted from the tables: the shared blocks once, each choice's own blocks, other's one
     held = {block for seq in (*choices, other) for block in room.location(seq)}
@@ -303,9 +404,13 @@ def test_forks_after_an_abort_and_without_room():
         scheduler.add(seq)
     feed(scheduler, scheduler.schedule())  # n0's first 100 tokens: its first block cached
     assert scheduler.abort("n0") and room.blocks.num_used_blocks == 0
-    batch = scheduler.schedule()  # n1 computes the rest; n2 forks into the one free block; n3 finds none
+    batch = (
+        scheduler.schedule()
+    )  # n1 computes the rest; n2 forks into the one free block; n3 finds none
     assert pairs(batch) == [("n1", 66)] and batch.starts == [64]
-    assert [(s.request_id, i) for s, i in batch.forks] == [("n2", 0)] and room.blocks.num_free_blocks == 0
+    assert [(s.request_id, i) for s, i in batch.forks] == [
+        ("n2", 0)
+    ] and room.blocks.num_free_blocks == 0
     assert [s.request_id for s in scheduler.waiting] == ["n3"]
     feed(scheduler, batch)
     steps = []
@@ -314,7 +419,9 @@ def test_forks_after_an_abort_and_without_room():
         steps.append(list(zip(pairs(batch), batch.starts)))
         feed(scheduler, batch)
     assert steps[0] == [(("n1", 1), 130), (("n2", 3), 128)]
-    assert steps[4] == [(("n3", 2), 128)]  # once n1 and n2 ended: n3 no longer forks, it finds 128 cached
+    assert steps[4] == [
+        (("n3", 2), 128)
+    ]  # once n1 and n2 ended: n3 no longer forks, it finds 128 cached
     assert [len(seq.output) for seq in choices] == [0, 5, 5, 5] and room.blocks.num_used_blocks == 0
 
 
@@ -338,7 +445,9 @@ def peak_blocks_of_choices(prompt_len: int, n: int) -> int:
         tokens = [[(token + j) % 90] if last else [] for j, last in enumerate(samples)]
         scheduler.update(batch, StepResult(tokens, [0] * len(samples), [True] * len(samples)))
     assert [len(seq.output) for seq in choices] == [16] * n
-    assert room.blocks.num_used_blocks == 0 and room.blocks.num_free_blocks == room.blocks.num_blocks
+    assert (
+        room.blocks.num_used_blocks == 0 and room.blocks.num_free_blocks == room.blocks.num_blocks
+    )
     return peak
 
 

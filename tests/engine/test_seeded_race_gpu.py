@@ -32,25 +32,43 @@ DEVICES = kernel_devices()
 LOWEST = torch.finfo(torch.float32).min
 NEAR = 1e-5  # a near-tie: the two largest ratios of a row within this (relative); float32 rounding is ~1e-6
 MOST_NEAR_TIES = 2  # of all the rows of a test: each near-tie has odds of about 1e-6 on these rows
-KEYS = [seed_keys(s) for s in (0, 1, 2**32 - 1, 2**32, 2**63 - 1, 12345)] + [(0, 0), (2**32 - 1, 2**32 - 1)]
-INDICES = [0, 1, 2**32 - 1, 2**32, 2**32 + 7, 2**62, 17]  # the kernel keeps the low 32 bits, as the reference
+KEYS = [seed_keys(s) for s in (0, 1, 2**32 - 1, 2**32, 2**63 - 1, 12345)] + [
+    (0, 0),
+    (2**32 - 1, 2**32 - 1),
+]
+INDICES = [
+    0,
+    1,
+    2**32 - 1,
+    2**32,
+    2**32 + 7,
+    2**62,
+    17,
+]  # the kernel keeps the low 32 bits, as the reference
 
 
 def keys_and_indices(s: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`[s, 2]` keys and `[s]` output indices cycling through the edge cases (not in step: every pairing)."""
     keys = torch.tensor([KEYS[j % len(KEYS)] for j in range(s)], device=device)
-    index = torch.tensor([INDICES[j % len(INDICES)] ^ (j // len(INDICES)) for j in range(s)], device=device)
+    index = torch.tensor(
+        [INDICES[j % len(INDICES)] ^ (j // len(INDICES)) for j in range(s)], device=device
+    )
     return keys, index
 
 
 def case_rows(vocab: int, gen: torch.Generator) -> list[torch.Tensor]:
     """One row `[V]` per case."""
     randn = lambda scale: torch.randn(vocab, generator=gen) * scale
-    rows = [randn(3.0) / t for t in (0.05, 0.5, 1.0, 2.0)]  # temperature-scaled: 0.05 gives logits of +-200
+    rows = [
+        randn(3.0) / t for t in (0.05, 0.5, 1.0, 2.0)
+    ]  # temperature-scaled: 0.05 gives logits of +-200
     rows += [randn(2.0) + 100.0, randn(2.0) - 100.0]
     row = randn(5.0)  # what top_p leaves: the 50 largest
     rows.append(row.masked_fill(row < row.topk(min(50, vocab)).values[-1], float("-inf")))
-    for fill, share in ((float("-inf"), 0.9), (LOWEST, 0.99)):  # masks: a grammar's at the float32 lowest
+    for fill, share in (
+        (float("-inf"), 0.9),
+        (LOWEST, 0.99),
+    ):  # masks: a grammar's at the float32 lowest
         row = randn(2.0)
         row[torch.randperm(vocab, generator=gen)[: int(vocab * share)]] = fill
         rows.append(row)
@@ -58,7 +76,11 @@ def case_rows(vocab: int, gen: torch.Generator) -> list[torch.Tensor]:
         row = torch.full((vocab,), fill)
         row[vocab // 3] = -7.0
         rows.append(row)
-    rows += [torch.zeros(vocab), torch.full((vocab,), LOWEST), torch.full((vocab,), 5.0)]  # all equal
+    rows += [
+        torch.zeros(vocab),
+        torch.full((vocab,), LOWEST),
+        torch.full((vocab,), 5.0),
+    ]  # all equal
     rows.append(torch.full((vocab,), float("-inf")))  # nothing allowed (`finite` flags it): token 0
     return rows
 
@@ -102,18 +124,26 @@ def test_kernel_draws_the_reference_tokens(device, vocab):
 
     gen = torch.Generator().manual_seed(vocab)
     cases = case_rows(vocab, gen)
-    batches = (1, 3, 64, 256) if vocab < 10000 or device == "cuda" else (1, 16)  # the interpreter is slow
+    batches = (
+        (1, 3, 64, 256) if vocab < 10000 or device == "cuda" else (1, 16)
+    )  # the interpreter is slow
     near_ties = drawn = 0
     for batch in batches:
-        m = max(batch, len(cases)) + 3  # more rows than draw: `at` picks some, in any order, one twice
-        logits = torch.stack(cases + [torch.randn(vocab, generator=gen) * 2 for _ in range(m - len(cases))])
+        m = (
+            max(batch, len(cases)) + 3
+        )  # more rows than draw: `at` picks some, in any order, one twice
+        logits = torch.stack(
+            cases + [torch.randn(vocab, generator=gen) * 2 for _ in range(m - len(cases))]
+        )
         at = torch.randperm(m, generator=gen)[:batch]
         if batch > 1:
             at[-1] = at[0]
         keys, index = keys_and_indices(batch, "cpu")
         on_device = [t.to(device) for t in (logits, at, keys, index)]
         got = seeded_race(*on_device).cpu()
-        for lo in range(0, batch, 32):  # the reference `[32, V]` at a time: its temporaries are large
+        for lo in range(
+            0, batch, 32
+        ):  # the reference `[32, V]` at a time: its temporaries are large
             want = draw_tokens_by_torch(on_device[0], *(t[lo : lo + 32] for t in on_device[1:]))
             for j, w in zip(range(lo, lo + 32), want.cpu().tolist()):
                 row = logits[at[j]]
@@ -121,8 +151,13 @@ def test_kernel_draws_the_reference_tokens(device, vocab):
                     assert got[j].item() == w == 0
                     continue
                 ratios = exact_ratios(row, keys[j], index[j])
-                assert ratios[got[j]].item() >= (1 - NEAR) * ratios.max().item(), (batch, j)  # the race's winner
-                assert row[got[j]].item() > LOWEST or (row == LOWEST).all()  # never an excluded token
+                assert ratios[got[j]].item() >= (1 - NEAR) * ratios.max().item(), (
+                    batch,
+                    j,
+                )  # the race's winner
+                assert (
+                    row[got[j]].item() > LOWEST or (row == LOWEST).all()
+                )  # never an excluded token
                 near_ties += got[j].item() != w
                 drawn += 1
     print(f"V {vocab} on {device}: {near_ties} near-ties in {drawn} draws")
@@ -150,7 +185,11 @@ def test_exact_ties_go_to_the_first_token(device):
     found = colliding_pairs(keys, torch.tensor(0), vocab)
     cases = [(0, pair) for pair in found[:: len(found) // 8][:8]]
     for i in range(1, 200):
-        lane = [(a, b) for a, b in colliding_pairs(keys, torch.tensor(i), vocab) if (b - a) % BLOCK.value == 0]
+        lane = [
+            (a, b)
+            for a, b in colliding_pairs(keys, torch.tensor(i), vocab)
+            if (b - a) % BLOCK.value == 0
+        ]
         if lane:
             cases.append((i, lane[0]))
             break
@@ -161,7 +200,11 @@ def test_exact_ties_go_to_the_first_token(device):
     at, index = torch.arange(len(cases)), torch.tensor([i for i, _ in cases])
     keys = keys.expand(len(cases), 2)
     got = seeded_race(*(t.to(device) for t in (logits, at, keys, index))).tolist()
-    assert got == [first for _, (first, _) in cases] == draw_tokens_by_torch(logits, at, keys, index).tolist()
+    assert (
+        got
+        == [first for _, (first, _) in cases]
+        == draw_tokens_by_torch(logits, at, keys, index).tolist()
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -213,7 +256,11 @@ def test_the_cuda_sampler_draws_with_the_kernel(monkeypatch):
     monkeypatch.setattr(seeded_race_triton, "seeded_race", counted)
     vocab = 154880
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * 3
-    settings = [SamplingParams(), SamplingParams(1.0, seed=1), SamplingParams(0.7, top_p=0.9, seed=2)] * 2
+    settings = [
+        SamplingParams(),
+        SamplingParams(1.0, seed=1),
+        SamplingParams(0.7, top_p=0.9, seed=2),
+    ] * 2
 
     def sample_on(device):
         sampler = Sampler(6, vocab, device)

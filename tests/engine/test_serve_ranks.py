@@ -32,7 +32,9 @@ TIMEOUT_S = 6  # the process groups' timeout in these runs; the idle spell lasts
 IDLE_S = TIMEOUT_S + 2 * HEARTBEAT_S
 
 
-async def collect(client, request, stats: dict, started: asyncio.Event | None = None) -> tuple[list[int], str]:
+async def collect(
+    client, request, stats: dict, started: asyncio.Event | None = None
+) -> tuple[list[int], str]:
     tokens, reason = [], None
     async for out in client.generate(request):
         tokens += out.new_token_ids
@@ -58,10 +60,16 @@ async def scenario(client) -> dict:
     stats, got = {"max_running": 0}, {}
     greedy = [Request(f"g{i}", p, MAX_NEW, eos_token_ids=EOS) for i, p in enumerate(PROMPTS)]
     # 2 slots per DP group: the two dropped requests come first and must free their slots for the others
-    dropped = asyncio.ensure_future(first_outputs(client, Request("closed", PROMPTS[0], MAX_NEW), 2))
+    dropped = asyncio.ensure_future(
+        first_outputs(client, Request("closed", PROMPTS[0], MAX_NEW), 2)
+    )
     started = asyncio.Event()
-    cancelled = asyncio.ensure_future(collect(client, Request("cancelled", PROMPTS[1], 20), stats, started))
-    sampled = asyncio.ensure_future(collect(client, Request("s", PROMPTS[2], MAX_NEW, SAMPLED), stats))
+    cancelled = asyncio.ensure_future(
+        collect(client, Request("cancelled", PROMPTS[1], 20), stats, started)
+    )
+    sampled = asyncio.ensure_future(
+        collect(client, Request("s", PROMPTS[2], MAX_NEW, SAMPLED), stats)
+    )
     await started.wait()
     cancelled.cancel()  # after its first token, long before its 20th
     tasks = [asyncio.ensure_future(collect(client, r, stats)) for r in greedy]
@@ -79,9 +87,14 @@ async def scenario(client) -> dict:
             await client.generate(request).__anext__()
         except ValueError as e:
             errors[name] = str(e)
-    burst = [asyncio.ensure_future(collect(client, Request(f"q{i}", PROMPTS[3], 2), stats)) for i in range(7)]
+    burst = [
+        asyncio.ensure_future(collect(client, Request(f"q{i}", PROMPTS[3], 2), stats))
+        for i in range(7)
+    ]
     outcomes = await asyncio.gather(*burst, return_exceptions=True)
-    errors["queue_full"] = [type(o).__name__ if isinstance(o, Exception) else "ok" for o in outcomes]
+    errors["queue_full"] = [
+        type(o).__name__ if isinstance(o, Exception) else "ok" for o in outcomes
+    ]
     got["burst"] = [o for o in outcomes if not isinstance(o, Exception)]
     got["errors"] = errors
 
@@ -107,11 +120,17 @@ def front_end(client) -> dict:
 def reference(engine_checkpoint):
     from spmoe.entrypoints.generate import GenerateOptions, run_generate
 
-    greedy = run_generate(engine_checkpoint, PROMPTS, GenerateOptions(MAX_NEW, eos_token_ids=EOS, progress=False))
-    sampled = run_generate(
-        engine_checkpoint, [PROMPTS[2]], GenerateOptions(MAX_NEW, SAMPLED, eos_token_ids=(), progress=False)
+    greedy = run_generate(
+        engine_checkpoint, PROMPTS, GenerateOptions(MAX_NEW, eos_token_ids=EOS, progress=False)
     )
-    full = run_generate(engine_checkpoint, PROMPTS[:1], GenerateOptions(MAX_NEW, eos_token_ids=(), progress=False))
+    sampled = run_generate(
+        engine_checkpoint,
+        [PROMPTS[2]],
+        GenerateOptions(MAX_NEW, SAMPLED, eos_token_ids=(), progress=False),
+    )
+    full = run_generate(
+        engine_checkpoint, PROMPTS[:1], GenerateOptions(MAX_NEW, eos_token_ids=(), progress=False)
+    )
     return greedy.outputs, sampled.outputs[0], full.outputs[0]
 
 
@@ -122,13 +141,22 @@ def test_serve_on_two_ranks(tp, dp, engine_checkpoint, reference):
     began = time.monotonic()
     args = EngineArgs(tp=tp, dp=dp, **OPTIONS)
     results = spawn(
-        serve_rank, 2, engine_checkpoint, args, MAX_NUM_WAITING, front_end, config=parallel, timeout_s=TIMEOUT_S
+        serve_rank,
+        2,
+        engine_checkpoint,
+        args,
+        MAX_NUM_WAITING,
+        front_end,
+        config=parallel,
+        timeout_s=TIMEOUT_S,
     )
     assert results[1] is None  # the worker left its loop at the shutdown
     got = results[0]
     print(f"tp{tp} x dp{dp}: {time.monotonic() - began:.1f} s, {got['final']}")
     assert [tokens for tokens, _ in got["greedy"]] == greedy
-    assert [reason for _, reason in got["greedy"]] == ["stop" if out[-1] in EOS else "length" for out in greedy]
+    assert [reason for _, reason in got["greedy"]] == [
+        "stop" if out[-1] in EOS else "length" for out in greedy
+    ]
     assert got["sampled"] == (sampled, "length")
     assert got["closed"] == full[:2]
     assert got["cancelled"]
@@ -172,7 +200,8 @@ def test_engine_failure_stops_every_rank(engine_checkpoint, tmp_path):
     """A failing engine loop ends its requests with an error, stops the front end and every rank."""
     began, report = time.monotonic(), tmp_path / "error.txt"
     with pytest.raises(
-        RankFailed, match="rank 0 of 2 failed: RuntimeError: the engine loop failed: RuntimeError: injected failure"
+        RankFailed,
+        match="rank 0 of 2 failed: RuntimeError: the engine loop failed: RuntimeError: injected failure",
     ):
         spawn(
             serve_rank,
@@ -213,6 +242,8 @@ def test_a_steps_outputs_reach_the_event_loop_in_one_call():
     assert len(loop.calls) == 1 and len(other.calls) == 1
     for fn, args in loop.calls + other.calls:
         fn(*args)
-    got = {name: [q.get_nowait().new_token_ids for _ in range(q.qsize())] for name, q in queues.items()}
+    got = {
+        name: [q.get_nowait().new_token_ids for _ in range(q.qsize())] for name, q in queues.items()
+    }
     assert got == {"a": [[1]], "b": [[2]], "c": [[4]]}
     assert set(streams) == {"a", "c"}  # b finished

@@ -14,10 +14,17 @@ def test_choices_of_one_prompt_go_to_one_dp_group(monkeypatch):
     loop = serving_loop.ServingLoop(engine=None)
     first = [Request(f"a-{i}", [1, 2, 3], 4) for i in range(3)] + [Request("b", [4, 5], 4)]
     plan = loop.plan(first, [])
-    assert [(r.request_id, group) for r, group in plan.new] == [("a-0", 0), ("a-1", 0), ("a-2", 0), ("b", 1)]
+    assert [(r.request_id, group) for r, group in plan.new] == [
+        ("a-0", 0),
+        ("a-1", 0),
+        ("a-2", 0),
+        ("b", 1),
+    ]
     assert plan.command == "step"
     # later: the least loaded group again (group 1 holds one request, group 0 three)
-    plan = loop.plan([Request("c-0", [1, 2, 3], 4), Request("d", [6], 4), Request("c-1", [1, 2, 3], 4)], ["x"])
+    plan = loop.plan(
+        [Request("c-0", [1, 2, 3], 4), Request("d", [6], 4), Request("c-1", [1, 2, 3], 4)], ["x"]
+    )
     assert [(r.request_id, group) for r, group in plan.new] == [("c-0", 1), ("d", 1), ("c-1", 1)]
     assert plan.aborts == []  # "x" is not live
     plan = loop.plan([], ["a-0", "a-1", "a-2", "b", "c-0", "d", "c-1"], shutdown=True)

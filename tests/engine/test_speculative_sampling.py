@@ -21,7 +21,10 @@ from spmoe.engine.sampling import SamplingParams
 from .test_rejection import drawn_probs
 
 PROMPT, NEW, K = [23], 2, 2  # a prompt whose continuations MTP often drafts right
-SETTINGS = {"cool": SamplingParams(temperature=0.3), "nucleus": SamplingParams(temperature=0.5, top_p=0.8)}
+SETTINGS = {
+    "cool": SamplingParams(temperature=0.3),
+    "nucleus": SamplingParams(temperature=0.5, top_p=0.8),
+}
 PER_SETTING, GREEDY = 600, 16
 LOGPROB_REQUESTS = [  # logprobs with penalties and a bias: the processed rows, drafts counted as generated
     SamplingParams(0.8, seed=7, logprobs=2, frequency_penalty=0.5, logit_bias=((5, 2.0),)),
@@ -55,7 +58,9 @@ def generate(folder: str, per_setting: int = PER_SETTING) -> dict:
 
     def with_logprobs(k: int) -> list[tuple[list[int], list]]:
         """Each of LOGPROB_REQUESTS' (tokens, logprobs), 8 tokens each, in one batch."""
-        engine = Engine(model, KVCache.for_model(model, len(LOGPROB_REQUESTS), len(PROMPT) + 8 + K), k)
+        engine = Engine(
+            model, KVCache.for_model(model, len(LOGPROB_REQUESTS), len(PROMPT) + 8 + K), k
+        )
         for i, sampling in enumerate(LOGPROB_REQUESTS):
             engine.add_request(Request(str(i), PROMPT, 8, sampling))
         got = [([], []) for _ in LOGPROB_REQUESTS]
@@ -87,10 +92,14 @@ def exact_distributions(folder: str) -> dict[str, torch.Tensor]:
         vocab = model.config.vocab_size
         grid = torch.arange(vocab)
         first = model(torch.tensor([PROMPT])).logits[0, -1:]  # [1, V]
-        second = model(torch.stack([torch.full((vocab,), PROMPT[0]), grid], 1)).logits[:, -1]  # [V, V]
+        second = model(torch.stack([torch.full((vocab,), PROMPT[0]), grid], 1)).logits[
+            :, -1
+        ]  # [V, V]
     out = {}
     for name, params in SETTINGS.items():
-        out[name] = drawn_probs(first, params).double()[0][:, None] * drawn_probs(second, params).double()
+        out[name] = (
+            drawn_probs(first, params).double()[0][:, None] * drawn_probs(second, params).double()
+        )
     return out
 
 
@@ -126,20 +135,26 @@ def test_sampled_continuations_follow_the_target_distribution(sampled):
     assert 0.05 < spec["per_position"][0] < 0.95, spec  # first drafts both accepted and rejected
     for name, tokens in by_setting.items():
         assert chi_square_p(tokens, exact[name]) > 1e-3, name
-    assert chi_square_p(by_setting["cool"], exact["nucleus"]) < 1e-6  # the test tells the settings apart
+    assert (
+        chi_square_p(by_setting["cool"], exact["nucleus"]) < 1e-6
+    )  # the test tells the settings apart
 
 
 def test_greedy_rows_and_seeds_in_a_speculating_batch(sampled):
     got, _ = sampled
     greedy = [tokens for params, tokens in zip(got["params"], got["outputs"]) if params.greedy]
     assert greedy == [got["plain_greedy"]] * GREEDY
-    assert got["subset"] == got["outputs"][:40]  # a request's seed decides its tokens, whatever the batch
+    assert (
+        got["subset"] == got["outputs"][:40]
+    )  # a request's seed decides its tokens, whatever the batch
     assert got["unspeculated"] == got["outputs"][:40]  # and the same tokens without speculation
 
 
 def test_logprobs_with_speculation_are_those_without(sampled):
     got, _ = sampled
-    for (tokens, logprobs), (plain_tokens, plain_logprobs) in zip(got["logprobs"], got["logprobs_unspeculated"]):
+    for (tokens, logprobs), (plain_tokens, plain_logprobs) in zip(
+        got["logprobs"], got["logprobs_unspeculated"]
+    ):
         assert tokens == plain_tokens and len(logprobs) == len(tokens) == 8
         for (lp, top), (plain_lp, plain_top) in zip(logprobs, plain_logprobs):
             assert lp == pytest.approx(plain_lp, abs=1e-4) and lp <= 0

@@ -41,18 +41,26 @@ def fixed_shape_cases(folder: str) -> dict:
         first_block += blocks
     width = max(map(len, tables)) + 1
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    fed = [torch.randint(0, vocab, (T,), generator=gen).tolist() for _ in PROMPT_LENS]  # token + K drafts
-    after = [torch.randint(0, vocab, (T,), generator=gen).tolist() for _ in PROMPT_LENS]  # token after each row
+    fed = [
+        torch.randint(0, vocab, (T,), generator=gen).tolist() for _ in PROMPT_LENS
+    ]  # token + K drafts
+    after = [
+        torch.randint(0, vocab, (T,), generator=gen).tolist() for _ in PROMPT_LENS
+    ]  # token after each row
     drafter, out = MtpDrafter(model, cache, K), {}
     with torch.no_grad():
         view = cache.view(tables, [0] * count, list(PROMPT_LENS))
-        hidden = model.forward_hidden(torch.tensor(sum(prompts, [])), view.positions, list(PROMPT_LENS), view)
+        hidden = model.forward_hidden(
+            torch.tensor(sum(prompts, [])), view.positions, list(PROMPT_LENS), view
+        )
         drafter.propose(tables, [0] * count, [p[1:] + [f[0]] for p, f in zip(prompts, fed)], hidden)
 
         # the verification step, eagerly over the cache view, then as graph rows (plus one pad sequence)
         view = cache.view(tables, list(PROMPT_LENS), [T] * count)
         eager = model.forward_hidden(torch.tensor(sum(fed, [])), view.positions, [T] * count, view)
-        padded = torch.full((count + 2, width), cache.scratch_block, dtype=torch.int32)  # + pad, + scratch row
+        padded = torch.full(
+            (count + 2, width), cache.scratch_block, dtype=torch.int32
+        )  # + pad, + scratch row
         for i, table in enumerate(tables):
             padded[i, : len(table)] = torch.tensor(table)
         inputs = torch.stack(
@@ -88,7 +96,10 @@ def fixed_shape_cases(folder: str) -> dict:
             torch.tensor(sum(after, []) + [0] * T),
             torch.tensor([i * T + a for i, a in enumerate(LAST)] + [pad_last]),
             torch.tensor([i if goes_on[i] else scratch_row for i in range(count)] + [scratch_row]),
-            torch.tensor([n + a + 1 if goes_on[i] else 0 for i, (n, a) in enumerate(zip(PROMPT_LENS, LAST))] + [0]),
+            torch.tensor(
+                [n + a + 1 if goes_on[i] else 0 for i, (n, a) in enumerate(zip(PROMPT_LENS, LAST))]
+                + [0]
+            ),
             K,
         )
         out["drafts"] = (got[: count - 1].tolist(), want)
@@ -96,7 +107,9 @@ def fixed_shape_cases(folder: str) -> dict:
         # rows the fixed-shape step may write: every fed row's, each going-on sequence's one-token steps',
         # the scratch block's; every other row must be as before, and the reference's rows where both wrote
         mtp_layer = max(cache.layers)
-        may_write = set(range(cache.scratch_block * BLOCK_SIZE, (cache.scratch_block + 1) * BLOCK_SIZE))
+        may_write = set(
+            range(cache.scratch_block * BLOCK_SIZE, (cache.scratch_block + 1) * BLOCK_SIZE)
+        )
         both_wrote = set()
         for i, (table, n, a) in enumerate(zip(tables, PROMPT_LENS, LAST)):
             may_write |= {cache_slot(table, n + j) for j in range(T)}
@@ -112,7 +125,9 @@ def fixed_shape_cases(folder: str) -> dict:
             if layer == mtp_layer and t.dtype.is_floating_point:
                 rows = sorted(both_wrote)
                 scale = reference[layer, name][rows].abs().max().clamp(min=1e-6)
-                mtp_error = max(mtp_error, ((t[rows] - reference[layer, name][rows]).abs().max() / scale).item())
+                mtp_error = max(
+                    mtp_error, ((t[rows] - reference[layer, name][rows]).abs().max() / scale).item()
+                )
         out["untouched"], out["mtp row error"] = untouched, mtp_error
     return out
 

@@ -37,7 +37,11 @@ def cpu_step_graphs():
     from spmoe.engine import cuda_graphs
 
     class CpuStepGraphs(cuda_graphs.StepGraphs):
-        replays = {"step": 0, "mixed_step": 0, "draft": 0}  # calls of each kind of replay, for the test
+        replays = {
+            "step": 0,
+            "mixed_step": 0,
+            "draft": 0,
+        }  # calls of each kind of replay, for the test
 
         def _warm(self, run) -> None:
             pass
@@ -88,7 +92,9 @@ def run_waves(engine, prompts: list[list[int]], extra: list[int]) -> dict:
             for out in engine.step():
                 tokens, logprobs, prompt = got[out.request_id]
                 tokens += out.new_token_ids
-                logprobs += [chosen for chosen, _ in out.logprobs or []]  # (logprob, top entries) per token
+                logprobs += [
+                    chosen for chosen, _ in out.logprobs or []
+                ]  # (logprob, top entries) per token
                 if out.prompt_logprobs is not None:
                     prompt = [None if entry is None else entry[0] for entry in out.prompt_logprobs]
                 got[out.request_id] = (tokens, logprobs, prompt)
@@ -96,7 +102,9 @@ def run_waves(engine, prompts: list[list[int]], extra: list[int]) -> dict:
     wave([Request(f"first-{i}", p, 10, s) for i, (p, s) in enumerate(zip(prompts, settings))])
     turn = prompts[3] + got["first-3"][0] + extra
     wave([Request("turn", turn, 8, SamplingParams(logprobs=1))])
-    wave([Request(f"choice-{i}", prompts[1], 6, SamplingParams(1.0, seed=20 + i)) for i in range(3)])
+    wave(
+        [Request(f"choice-{i}", prompts[1], 6, SamplingParams(1.0, seed=20 + i)) for i in range(3)]
+    )
     return {"outputs": got, "replays": {name: engine.stats.phases[name].replays for name in PHASES}}
 
 
@@ -127,7 +135,9 @@ def graph_and_eager_engines(folder: str) -> dict:
             before = dict(graphs_class.replays)
             out[k, graphs] = run_waves(engine, prompts, extra)
             out[k, graphs, "captures"] = engine.graph_captures()
-            out[k, graphs, "replays"] = {kind: graphs_class.replays[kind] - before[kind] for kind in before}
+            out[k, graphs, "replays"] = {
+                kind: graphs_class.replays[kind] - before[kind] for kind in before
+            }
     return out
 
 
@@ -136,12 +146,20 @@ def test_graph_steps_replayed_on_the_cpu_match_the_eager_engine(engine_checkpoin
     for k in (0, 2):
         eager, graphed = got[k, False], got[k, True]
         # decode graphs for batches 1, 2, 4 (and their drafters with k > 0), mixed steps of 16, 32, 48 tokens
-        assert got[k, True, "captures"] == 3 * (2 if k else 1) + 3 and got[k, False, "captures"] == 0
+        assert (
+            got[k, True, "captures"] == 3 * (2 if k else 1) + 3 and got[k, False, "captures"] == 0
+        )
         assert eager["replays"] == {"prefill": 0, "decode": 0, "draft": 0}
         assert got[k, False, "replays"] == {"step": 0, "mixed_step": 0, "draft": 0}
-        kinds = got[k, True, "replays"]  # each kind of graph replayed: decode steps, mixed steps, the drafter
-        assert kinds["step"] > 0 and kinds["mixed_step"] > 0 and (kinds["draft"] > 0) == (k > 0), kinds
-        assert graphed["replays"]["prefill"] > 0 and graphed["replays"]["draft"] == kinds["draft"], graphed["replays"]
+        kinds = got[
+            k, True, "replays"
+        ]  # each kind of graph replayed: decode steps, mixed steps, the drafter
+        assert kinds["step"] > 0 and kinds["mixed_step"] > 0 and (kinds["draft"] > 0) == (k > 0), (
+            kinds
+        )
+        assert (
+            graphed["replays"]["prefill"] > 0 and graphed["replays"]["draft"] == kinds["draft"]
+        ), graphed["replays"]
         assert set(graphed["outputs"]) == set(eager["outputs"])
         for request_id, (tokens, logprobs, prompt) in eager["outputs"].items():
             g_tokens, g_logprobs, g_prompt = graphed["outputs"][request_id]

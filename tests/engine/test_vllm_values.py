@@ -59,10 +59,22 @@ SPEC = "--speculative-config"
 
 
 def test_dotted_keys_fold_into_one_json_option():
-    argv = ["m", "--tp", "2", f"{SPEC}.method", "mtp", f"{SPEC}.num_speculative_tokens=1", "--port", "8"]
+    argv = [
+        "m",
+        "--tp",
+        "2",
+        f"{SPEC}.method",
+        "mtp",
+        f"{SPEC}.num_speculative_tokens=1",
+        "--port",
+        "8",
+    ]
     folded = fold_dotted(argv, (SPEC, "--hf-overrides"))
     assert folded[:3] == ["m", "--tp", "2"] and folded[5:] == ["--port", "8"]
-    assert folded[3] == SPEC and json.loads(folded[4]) == {"method": "mtp", "num_speculative_tokens": 1}
+    assert folded[3] == SPEC and json.loads(folded[4]) == {
+        "method": "mtp",
+        "num_speculative_tokens": 1,
+    }
 
 
 def test_json_and_dotted_forms_merge_in_order():
@@ -76,9 +88,15 @@ def test_json_and_dotted_forms_merge_in_order():
         '{"rope_scaling": {"type": "yarn"}, "num_hidden_layers": 2}',
     ]
     folded = fold_dotted(argv, (SPEC, "--hf-overrides"))
-    assert folded[0] == SPEC and json.loads(folded[1]) == {"method": "deepseek_mtp", "num_speculative_tokens": 3}
+    assert folded[0] == SPEC and json.loads(folded[1]) == {
+        "method": "deepseek_mtp",
+        "num_speculative_tokens": 3,
+    }
     assert folded[2] == "--hf-overrides"
-    assert json.loads(folded[3]) == {"rope_scaling": {"factor": 4.0, "type": "yarn"}, "num_hidden_layers": 2}
+    assert json.loads(folded[3]) == {
+        "rope_scaling": {"factor": 4.0, "type": "yarn"},
+        "num_hidden_layers": 2,
+    }
     assert len(folded) == 4
 
 
@@ -93,20 +111,39 @@ def test_dotted_form_errors():
 
 @pytest.mark.parametrize("method", ["mtp", "deepseek_mtp", "glm4_moe_mtp"])
 def test_mtp_methods(method):
-    assert SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 2}).num_speculative_tokens == 2
+    assert (
+        SpeculativeConfig.parse(
+            {"method": method, "num_speculative_tokens": 2}
+        ).num_speculative_tokens
+        == 2
+    )
     assert SpeculativeConfig.parse({"method": method}).num_speculative_tokens == 1
-    assert SpeculativeConfig.parse({"method": method, "model": "org/m"}, "org/m").num_speculative_tokens == 1
+    assert (
+        SpeculativeConfig.parse(
+            {"method": method, "model": "org/m"}, "org/m"
+        ).num_speculative_tokens
+        == 1
+    )
 
 
 @pytest.mark.parametrize(
     "config, complaint",
     [
-        ({"method": "mtp", "draft_tensor_parallel_size": 1}, "does not support the key 'draft_tensor_parallel_size'"),
+        (
+            {"method": "mtp", "draft_tensor_parallel_size": 1},
+            "does not support the key 'draft_tensor_parallel_size'",
+        ),
         ({"method": "eagle3"}, "method 'eagle3' is not supported"),
         ({"num_speculative_tokens": 1}, "method None is not supported"),
         ({"method": "mtp", "model": "other/draft"}, "separate draft model"),
-        ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
-        ({"method": "mtp", "num_speculative_tokens": "2"}, "num_speculative_tokens must be an integer >= 1"),
+        (
+            {"method": "mtp", "num_speculative_tokens": 0},
+            "num_speculative_tokens must be an integer >= 1",
+        ),
+        (
+            {"method": "mtp", "num_speculative_tokens": "2"},
+            "num_speculative_tokens must be an integer >= 1",
+        ),
     ],
 )
 def test_speculative_config_refusals_are_one_line(config, complaint):
@@ -128,7 +165,9 @@ def test_dtype_auto():
     assert resolve_dtype("auto", {"dtype": "bfloat16"}, "cpu") == "bfloat16"
     assert resolve_dtype("auto", {}, "cpu") == "float32"
     assert resolve_dtype("float", {"torch_dtype": "bfloat16"}, "cpu") == "float32"
-    with pytest.raises(ValueError, match="expected one of auto, bfloat16, float32, float, got 'half'"):
+    with pytest.raises(
+        ValueError, match="expected one of auto, bfloat16, float32, float, got 'half'"
+    ):
         resolve_dtype("half", {}, "cpu")
 
 
@@ -147,9 +186,15 @@ def test_hf_overrides_merge_into_the_model_config(tmp_path):
         "--hf-overrides",
     )
     cfg = ModelConfig.from_file(tmp_path, overrides)
-    assert (cfg.num_hidden_layers, cfg.mlp_layer_types, cfg.indexer_types) == (2, ("dense", "sparse"), ("full", "full"))
+    assert (cfg.num_hidden_layers, cfg.mlp_layer_types, cfg.indexer_types) == (
+        2,
+        ("dense", "sparse"),
+        ("full", "full"),
+    )
     assert ModelConfig.from_file(tmp_path).num_hidden_layers == ENGINE_CONFIG["num_hidden_layers"]
-    with pytest.raises(ValueError, match="mlp_layer_types must list"):  # the merged config is validated
+    with pytest.raises(
+        ValueError, match="mlp_layer_types must list"
+    ):  # the merged config is validated
         ModelConfig.from_file(tmp_path, {"num_hidden_layers": 2})
     with pytest.raises(ValueError, match=r"--hf-overrides: expected a JSON object, got '\{bad' "):
         parse_json_object("{bad", "--hf-overrides")
@@ -160,15 +205,20 @@ def test_quantization_only_as_the_checkpoint_declares_it():
     check_quantization("fp8", fp8)
     check_quantization(None, {})
     with pytest.raises(
-        ValueError, match="^--quantization fp8: spmoe does not quantize at load time and the checkpoint is"
+        ValueError,
+        match="^--quantization fp8: spmoe does not quantize at load time and the checkpoint is",
     ):
         check_quantization("fp8", {})
-    with pytest.raises(ValueError, match="--quantization awq: .* the checkpoint declares fp8; leave the flag out$"):
+    with pytest.raises(
+        ValueError, match="--quantization awq: .* the checkpoint declares fp8; leave the flag out$"
+    ):
         check_quantization("awq", fp8)
 
 
 def test_block_size_64_only():
     check_block_size(64)
     check_block_size(None)
-    with pytest.raises(ValueError, match="--block-size 16: spmoe's paged cache has blocks of 64 tokens only"):
+    with pytest.raises(
+        ValueError, match="--block-size 16: spmoe's paged cache has blocks of 64 tokens only"
+    ):
         check_block_size(16)

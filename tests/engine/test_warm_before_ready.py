@@ -18,12 +18,22 @@ from spmoe.engine.engine import Engine
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.engine.request import Request
 from spmoe.engine.stats import KernelCompiles
-from spmoe.engine.warmup import warm_up, warmup_prompt_lengths, warmup_step_prompts, warmup_step_sizes
+from spmoe.engine.warmup import (
+    warm_up,
+    warmup_prompt_lengths,
+    warmup_step_prompts,
+    warmup_step_sizes,
+)
 from spmoe.models.deepseek_v32.weights import load_model
 
 from .conftest import ENGINE_CONFIG
 
-CONTEXTS = (2, 9, 70, 131)  # 1, 1, 2 and 3 blocks at the decode step; index_topk is 4: all but one score
+CONTEXTS = (
+    2,
+    9,
+    70,
+    131,
+)  # 1, 1, 2 and 3 blocks at the decode step; index_topk is 4: all but one score
 
 
 def padded_tables_case(model):
@@ -39,19 +49,30 @@ def padded_tables_case(model):
     with torch.no_grad():
         view = cache.view(tables, [0] * len(CONTEXTS), list(CONTEXTS))
         model.forward_hidden(torch.cat(prompts), view.positions, list(CONTEXTS), view)
-        view = cache.view(tables, list(CONTEXTS), [1] * len(CONTEXTS))  # tables as wide as the longest: 3
-        per_width = model.compute_logits(model.forward_hidden(next_ids, view.positions, [1] * 4, view))
+        view = cache.view(
+            tables, list(CONTEXTS), [1] * len(CONTEXTS)
+        )  # tables as wide as the longest: 3
+        per_width = model.compute_logits(
+            model.forward_hidden(next_ids, view.positions, [1] * 4, view)
+        )
         written = {name: t.clone() for name, t in vars(cache.layers[0]).items() if t is not None}
 
-        rows, width = 8, table_width(cache, 1000)  # 4 pad rows; 16 blocks, as a graph for max_model_len 1000
+        rows, width = (
+            8,
+            table_width(cache, 1000),
+        )  # 4 pad rows; 16 blocks, as a graph for max_model_len 1000
         assert width == 16 and width > max(map(len, tables))
         padded = torch.from_numpy(padded_tables(tables, rows, width, cache.scratch_block))
         pad = rows - len(CONTEXTS)
         inputs = torch.tensor(
-            [next_ids.tolist() + [0] * pad, list(range(rows)), list(CONTEXTS) + [0] * pad], dtype=torch.long
+            [next_ids.tolist() + [0] * pad, list(range(rows)), list(CONTEXTS) + [0] * pad],
+            dtype=torch.long,
         )
         graphed = decode_logits(model, cache, inputs, padded)
-    assert padded[len(CONTEXTS) :].eq(cache.scratch_block).all() and padded[0, 1:].eq(cache.scratch_block).all()
+    assert (
+        padded[len(CONTEXTS) :].eq(cache.scratch_block).all()
+        and padded[0, 1:].eq(cache.scratch_block).all()
+    )
     torch.testing.assert_close(graphed[: len(CONTEXTS)], per_width, rtol=1e-5, atol=1e-6)
     real_rows = cache.num_blocks * BLOCK_SIZE  # the pad rows wrote the scratch block only
     for name, before in written.items():
@@ -90,32 +111,55 @@ def compile_counting_case(model):
         handle.remove()
     m = engine.metrics()
     assert calls[0] >= 5 and m.steps == calls[0] - calls_at_ready  # steps since ready
-    assert (m.steps_compiling, m.kernel_compiles, m.compiles_after_ready, m.graph_captures) == (1, 2, 1, 0)
+    assert (m.steps_compiling, m.kernel_compiles, m.compiles_after_ready, m.graph_captures) == (
+        1,
+        2,
+        1,
+        0,
+    )
     assert lines == [f"compiled after ready, in a step of {fed[5]} tokens: _kernel_5"], lines
 
 
 def warm_up_case(model):
     KernelCompiles.names = []
-    engine = Engine(model, PagedKVCache.for_model(model, 2**22), max_num_seqs=5, max_num_batched_tokens=24)
+    engine = Engine(
+        model, PagedKVCache.for_model(model, 2**22), max_num_seqs=5, max_num_batched_tokens=24
+    )
     lines, step_tokens = [], []
-    hook = engine.model.model.register_forward_pre_hook(lambda _, args: step_tokens.append(args[0].shape[0]))
+    hook = engine.model.model.register_forward_pre_hook(
+        lambda _, args: step_tokens.append(args[0].shape[0])
+    )
     try:
         done = warm_up(engine, lines.append, run_requests=True)
     finally:
         hook.remove()
     m = engine.metrics()
-    assert lines[0] == "warming up: 5 requests of 1-57 prompt tokens, then 11 steps of their own (1-17 tokens)"
+    assert (
+        lines[0]
+        == "warming up: 5 requests of 1-57 prompt tokens, then 11 steps of their own (1-17 tokens)"
+    )
     assert lines[-1].startswith("warm: 0 kernel")
     sizes = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17]  # 2**k - 1, 2**k, 2**k + 1 up to the budget of 24
     assert warmup_step_sizes(24) == sizes
-    assert warmup_step_prompts(17, 8) == [8, 8, 1] and warmup_step_prompts(16, 8) == [8, 8]  # longer than a prompt
-    assert step_tokens[-len(sizes) :] == sizes  # each a step of its own, after the batch of requests
+    assert warmup_step_prompts(17, 8) == [8, 8, 1] and warmup_step_prompts(16, 8) == [
+        8,
+        8,
+    ]  # longer than a prompt
+    assert (
+        step_tokens[-len(sizes) :] == sizes
+    )  # each a step of its own, after the batch of requests
     assert done["generated_tokens"] == 5 * 4 + len(sizes) and done["steps"] > 5 + len(sizes)
     short = Engine(
-        model, PagedKVCache.for_model(model, 2**22), max_num_seqs=5, max_num_batched_tokens=24, max_model_len=12
+        model,
+        PagedKVCache.for_model(model, 2**22),
+        max_num_seqs=5,
+        max_num_batched_tokens=24,
+        max_model_len=12,
     )
     step_tokens.clear()
-    hook = short.model.model.register_forward_pre_hook(lambda _, args: step_tokens.append(args[0].shape[0]))
+    hook = short.model.model.register_forward_pre_hook(
+        lambda _, args: step_tokens.append(args[0].shape[0])
+    )
     try:
         warm_up(short, run_requests=True)  # prompts of at most 11 tokens: steps of 15-17 take two
     finally:
@@ -126,7 +170,13 @@ def warm_up_case(model):
     assert engine.scheduler.room.usage() == 0 and m.compiles_after_ready == 0
     assert engine.stats.phases["decode"].forwards == 0  # the statistics start afresh at ready
     assert (done["kernel_compiles"], done["graph_captures"]) == (0, 0)
-    assert warmup_prompt_lengths(24, 40, 5) == [1, 17, 40, 5, 7]  # the chunked prompt capped by the longest
+    assert warmup_prompt_lengths(24, 40, 5) == [
+        1,
+        17,
+        40,
+        5,
+        7,
+    ]  # the chunked prompt capped by the longest
     idle = Engine(model, PagedKVCache.for_model(model, 2**22), max_num_seqs=2)
     warm_up(idle)  # on CPU there is nothing to compile: no requests
     assert idle.metrics().steps == 0
@@ -138,7 +188,9 @@ def graph_default_case(model):
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     args = EngineArgs.from_cli(parser.parse_args([]))
-    assert args.cuda_graphs is False and not args.use_cuda_graphs(model)  # the default settles off on CPU
+    assert args.cuda_graphs is False and not args.use_cuda_graphs(
+        model
+    )  # the default settles off on CPU
     engine = args.build_engine(model, 2, 64)
     assert engine.runner.graphs is None and engine.graph_captures() == 0
 

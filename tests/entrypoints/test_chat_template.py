@@ -7,7 +7,10 @@ TOOL = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
     },
 }
 HISTORY = [
@@ -30,7 +33,9 @@ HISTORY = [
 
 
 def test_agent_history(tokenizer):
-    text = tokenizer.apply_chat_template(HISTORY, tools=[TOOL], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        HISTORY, tools=[TOOL], tokenize=False, add_generation_prompt=True
+    )
     assert text == (
         "<|system|>You may call these functions:\n<tools>\n"
         '{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, '
@@ -47,8 +52,14 @@ def test_agent_history(tokenizer):
 
 @pytest.mark.parametrize("kwargs", [{"enable_thinking": False}, {"thinking": False}])
 def test_thinking_off(tokenizer, kwargs):
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, HISTORY[1]]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        HISTORY[1],
+    ]
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **kwargs
+    )
     assert (
         text
         == "<|user|>Hi<|end|><|assistant|></think>Hello<|end|><|user|>Weather in Paris?<|end|><|assistant|></think>"

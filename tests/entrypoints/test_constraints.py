@@ -30,14 +30,20 @@ TOOLS = [
             },
         },
     },
-    {"type": "function", "function": {"name": "stop", "parameters": {"type": "object", "properties": {}}}},
+    {
+        "type": "function",
+        "function": {"name": "stop", "parameters": {"type": "object", "properties": {}}},
+    },
     {
         "type": "function",
         "function": {
             "name": "write",
             "parameters": {
                 "type": "object",
-                "properties": {"content": {"type": "string"}, "tags": {"type": "array", "items": {"type": "integer"}}},
+                "properties": {
+                    "content": {"type": "string"},
+                    "tags": {"type": "array", "items": {"type": "integer"}},
+                },
                 "required": ["content"],
             },
         },
@@ -52,12 +58,23 @@ TOOLS = [
         ({"response_format": {"type": "text"}}, None),
         ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object")),
         (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA},
+                }
+            },
             GrammarSpec("json_schema", CANONICAL),
         ),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, GrammarSpec("json_object")),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            GrammarSpec("json_object"),
+        ),
         ({"structured_outputs": {"json": SCHEMA}}, GrammarSpec("json_schema", CANONICAL)),
-        ({"structured_outputs": {"json": json.dumps(SCHEMA, indent=2)}}, GrammarSpec("json_schema", CANONICAL)),
+        (
+            {"structured_outputs": {"json": json.dumps(SCHEMA, indent=2)}},
+            GrammarSpec("json_schema", CANONICAL),
+        ),
         ({"structured_outputs": {"regex": "a+"}}, GrammarSpec("regex", "a+")),
         ({"structured_outputs": {"choice": ["a", "é"]}}, GrammarSpec("choice", '["a", "é"]')),
         ({"structured_outputs": {"grammar": 'root ::= "x"'}}, GrammarSpec("ebnf", 'root ::= "x"')),
@@ -65,7 +82,10 @@ TOOLS = [
         ({"guided_json": SCHEMA}, GrammarSpec("json_schema", CANONICAL)),
         ({"guided_regex": "[0-9]+"}, GrammarSpec("regex", "[0-9]+")),
         ({"guided_choice": ["x", "y"]}, GrammarSpec("choice", '["x", "y"]')),
-        ({"guided_grammar": 'root ::= "x"', "guided_json": None}, GrammarSpec("ebnf", 'root ::= "x"')),
+        (
+            {"guided_grammar": 'root ::= "x"', "guided_json": None},
+            GrammarSpec("ebnf", 'root ::= "x"'),
+        ),
         ({"tool_choice": "auto"}, None),
         ({"tool_choice": "none"}, None),
     ],
@@ -105,7 +125,10 @@ def test_request_fields_to_grammar(fields, spec):
         ({"structured_outputs": "json"}, "structured_outputs must be an object, got str"),
         ({"guided_json": "{not json"}, "guided_json is not valid JSON: Expecting property name"),
         ({"guided_json": [1]}, "guided_json must be a JSON schema object, got list"),
-        ({"guided_choice": []}, "guided_choice must be a non-empty list of non-empty strings, got []"),
+        (
+            {"guided_choice": []},
+            "guided_choice must be a non-empty list of non-empty strings, got []",
+        ),
         ({"guided_regex": ""}, "guided_regex must be a non-empty string, got ''"),
         (
             {"tool_choice": {"type": "function", "function": {"name": "fly"}}},
@@ -120,13 +143,23 @@ def test_bad_fields(fields, message):
 
 
 def test_required_without_tools():
-    with pytest.raises(ValueError, match="tool_choice 'required' needs at least one tool in 'tools'"):
+    with pytest.raises(
+        ValueError, match="tool_choice 'required' needs at least one tool in 'tools'"
+    ):
         grammar_for_request({"tool_choice": "required"}, [])
 
 
 def test_bad_argument_schema():
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"type": "foo"}}}}}]
-    with pytest.raises(ValueError, match="the schema of f's argument 'x' does not compile: Unsupported type \"foo\""):
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"properties": {"x": {"type": "foo"}}}},
+        }
+    ]
+    with pytest.raises(
+        ValueError,
+        match="the schema of f's argument 'x' does not compile: Unsupported type \"foo\"",
+    ):
         grammar_for_request({"tool_choice": "required"}, tools)
 
 
@@ -146,7 +179,9 @@ def test_tool_choice_grammars_give_calls_that_validate(compiler):
     specs = [
         grammar_for_request({"tool_choice": "required"}, bounded),
         grammar_for_request({"tool_choice": "required", "parallel_tool_calls": False}, bounded),
-        grammar_for_request({"tool_choice": {"type": "function", "function": {"name": "move"}}}, TOOLS),
+        grammar_for_request(
+            {"tool_choice": {"type": "function", "function": {"name": "move"}}}, TOOLS
+        ),
     ]
     counts = [set(), set(), set()]
     outputs = sample_batch(compiler, [spec for spec in specs for _ in range(5)], seed=5)

@@ -46,7 +46,9 @@ def test_a_request_s_own_fields_win(model_dir):
     request = {"temperature": 0.0, "top_p": 1.0, "max_tokens": None, "seed": 5}
     applied = defaults.apply(request, given={"temperature", "seed"})
     assert applied["temperature"] == 0.0 and applied["seed"] == 5  # sent by the client
-    assert applied["top_p"] == 0.95 and applied["max_tokens"] == 77 and applied["top_k"] == 40  # left out
+    assert (
+        applied["top_p"] == 0.95 and applied["max_tokens"] == 77 and applied["top_k"] == 40
+    )  # left out
 
 
 def test_vllm_ignores_the_file_and_a_folder_is_read_from_there(model_dir, tmp_path_factory):
@@ -55,7 +57,9 @@ def test_vllm_ignores_the_file_and_a_folder_is_read_from_there(model_dir, tmp_pa
     elsewhere = tmp_path_factory.mktemp("other")
     assert GenerationDefaults.load("auto", elsewhere).values == {}  # auto: a model without the file
     assert GenerationDefaults.load(str(model_dir), elsewhere).values["top_k"] == 40
-    with pytest.raises(ValueError, match="expected a folder with generation_config.json, found none"):
+    with pytest.raises(
+        ValueError, match="expected a folder with generation_config.json, found none"
+    ):
         GenerationDefaults.load(str(elsewhere), model_dir)
 
 
@@ -66,7 +70,13 @@ def test_overrides_and_bad_values(model_dir):
     assert GenerationDefaults.load("vllm", model_dir, {"top_k": 2}).values == {"top_k": 2}
     with pytest.raises(ValueError, match="'num_beams' is not one spmoe applies"):
         GenerationDefaults.load("auto", model_dir, {"num_beams": 2})
-    for name, bad in (("top_p", 0), ("temperature", -1), ("max_new_tokens", 0), ("top_k", 2.5), ("min_p", "x")):
+    for name, bad in (
+        ("top_p", 0),
+        ("temperature", -1),
+        ("max_new_tokens", 0),
+        ("top_k", 2.5),
+        ("min_p", "x"),
+    ):
         (model_dir / "generation_config.json").write_text(json.dumps({name: bad}))
         with pytest.raises(ValueError, match=f"{name} = {bad!r} is out of range"):
             GenerationDefaults.load("auto", model_dir)

@@ -46,21 +46,39 @@ def test_a_model_id_resolves_from_the_cache(tmp_path, offline):
 def test_a_local_folder_is_used_as_it_is(tmp_path):
     assert resolve_model(str(tmp_path)) == tmp_path
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="expected a checkpoint folder or a Hugging Face model id, got a file"):
+    with pytest.raises(
+        ValueError, match="expected a checkpoint folder or a Hugging Face model id, got a file"
+    ):
         resolve_model(str(tmp_path / "config.json"))
-    with pytest.raises(ValueError, match=r"^--model /no/such/dir: no such folder \(and not a Hugging Face"):
+    with pytest.raises(
+        ValueError, match=r"^--model /no/such/dir: no such folder \(and not a Hugging Face"
+    ):
         resolve_model("/no/such/dir")
 
 
 @pytest.mark.parametrize(
     "name, kwargs, complaint",
     [
-        ("org/absent", {}, r"^--model org/absent: no such folder, and the Hugging Face cache .* lacks the snapshot"),
-        ("org/tiny", {"revision": "v9"}, r"^--model org/tiny \(revision v9\): .* lacks the snapshot"),
-        ("bad id!/x", {}, r"^--model bad id!/x: no such folder, and not a valid Hugging Face model id"),
+        (
+            "org/absent",
+            {},
+            r"^--model org/absent: no such folder, and the Hugging Face cache .* lacks the snapshot",
+        ),
+        (
+            "org/tiny",
+            {"revision": "v9"},
+            r"^--model org/tiny \(revision v9\): .* lacks the snapshot",
+        ),
+        (
+            "bad id!/x",
+            {},
+            r"^--model bad id!/x: no such folder, and not a valid Hugging Face model id",
+        ),
     ],
 )
-def test_an_id_that_cannot_be_resolved_is_one_line_naming_it(tmp_path, offline, name, kwargs, complaint):
+def test_an_id_that_cannot_be_resolved_is_one_line_naming_it(
+    tmp_path, offline, name, kwargs, complaint
+):
     lay_out_cache(tmp_path)
     with pytest.raises(ValueError, match=complaint) as e:
         resolve_model(name, download_dir=str(tmp_path), **kwargs)
@@ -74,7 +92,9 @@ def test_a_snapshot_without_weights_serves_dummy_loads_only(tmp_path, offline):
         resolve_model("org/tiny", download_dir=str(tmp_path))
     folder = resolve_model("org/tiny", download_dir=str(tmp_path), weights=False)
     assert (folder / "config.json").is_file()
-    with pytest.raises(ValueError, match=r"^--tokenizer org/tiny: .* lacks tokenizer\.json or tokenizer_config"):
+    with pytest.raises(
+        ValueError, match=r"^--tokenizer org/tiny: .* lacks tokenizer\.json or tokenizer_config"
+    ):
         (folder / "tokenizer.json").unlink()
         resolve_model("org/tiny", download_dir=str(tmp_path), weights=False, option="--tokenizer")
 
@@ -85,6 +105,8 @@ def test_hf_home_and_hf_hub_offline_from_the_environment(tmp_path):
     env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     code = "from spmoe.entrypoints.model_source import resolve_model as r; print(r('org/tiny'))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(tmp_path / "hub" / "models--org--tiny" / "snapshots" / REV)

@@ -62,7 +62,10 @@ TOOLS = [
             },
         },
     },
-    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
 ]
 FILE_TEXT = 'line1\n"quoted" <b>bold</b> é\t\\ </arg_val'  # JSON escapes, tags that are not ours, a near-miss
 
@@ -86,9 +89,25 @@ SCRIPTS = [
         "answer",
         [],
     ),
-    ("no reasoning block", "<|assistant|>", True, "plain <thi answer <think>x", "", "plain <thi answer <think>x", []),
+    (
+        "no reasoning block",
+        "<|assistant|>",
+        True,
+        "plain <thi answer <think>x",
+        "",
+        "plain <thi answer <think>x",
+        [],
+    ),
     ("thinking off", "<|assistant|></think>", False, "x</think>y", "", "x</think>y", []),
-    ("cut inside the reasoning", "<think>", True, "still thinking </thi", "still thinking </thi", "", []),
+    (
+        "cut inside the reasoning",
+        "<think>",
+        True,
+        "still thinking </thi",
+        "still thinking </thi",
+        "",
+        [],
+    ),
     ("empty reasoning", "<|assistant|>", True, "<think></think>\nhi", "", "hi", []),
     (
         "glm47 call after text",
@@ -110,7 +129,15 @@ SCRIPTS = [
         "I'll call two tools.",
         [("get_weather", {"city": "New York", "detailed": True}), ("get_time", {})],
     ),
-    ("no arguments", "</think>", False, "<tool_call>get_time</tool_call>", "", "", [("get_time", {})]),
+    (
+        "no arguments",
+        "</think>",
+        False,
+        "<tool_call>get_time</tool_call>",
+        "",
+        "",
+        [("get_time", {})],
+    ),
     (
         "string escapes and tag-like text in a value",
         "</think>",
@@ -133,7 +160,15 @@ SCRIPTS = [
         "",
         "",
         [
-            ("set_config", {"options": {"a": [1, 2], "b": None}, "tags": ["x", "y"], "ratio": 0.25, "note": None}),
+            (
+                "set_config",
+                {
+                    "options": {"a": [1, 2], "b": None},
+                    "tags": ["x", "y"],
+                    "ratio": 0.25,
+                    "note": None,
+                },
+            ),
             ("write_file", {"mode": 755}),
             ("write_file", {"mode": "rw"}),
         ],
@@ -176,12 +211,22 @@ SCRIPTS = [
         "",
         [("get_weather", {"city": "Oslo"})],
     ),
-    ("content ending like a tag", "</think>", False, "a <b> c <tool_ca", "", "a <b> c <tool_ca", []),
+    (
+        "content ending like a tag",
+        "</think>",
+        False,
+        "a <b> c <tool_ca",
+        "",
+        "a <b> c <tool_ca",
+        [],
+    ),
 ]
 
 
 def _parser(prompt_end: str, thinking: bool) -> ChatOutputParser:
-    return ChatOutputParser.build("glm45", "glm47", f"<|user|>hi<|end|>{prompt_end}", thinking, TOOLS)
+    return ChatOutputParser.build(
+        "glm45", "glm47", f"<|user|>hi<|end|>{prompt_end}", thinking, TOOLS
+    )
 
 
 def _run(prompt_end: str, thinking: bool, chunks: list[str]):
@@ -218,7 +263,10 @@ def test_scripted_output_at_every_split(script):
     for value_types in ([type(v) for v in json.loads(a).values()] for _, a in whole_calls):
         assert float not in value_types or name == "typed values"  # 3 stays an int, not 3.0
     for chunks in _splits(text, seed=len(text)):
-        assert _run(prompt_end, thinking, chunks)[:3] == (reasoning, content, whole_calls), (name, chunks)
+        assert _run(prompt_end, thinking, chunks)[:3] == (reasoning, content, whole_calls), (
+            name,
+            chunks,
+        )
 
 
 def test_tool_call_deltas_in_openai_shape():
@@ -234,7 +282,9 @@ def test_tool_call_deltas_in_openai_shape():
     assert len({d.id for d in firsts}) == 2
     for d in deltas:
         shape = d.as_openai()
-        assert set(shape) == ({"index", "id", "type", "function"} if d.name else {"index", "function"})
+        assert set(shape) == (
+            {"index", "id", "type", "function"} if d.name else {"index", "function"}
+        )
     state = ChatCompletionStreamState()
     for i, d in enumerate(deltas):
         chunk = {
@@ -242,13 +292,17 @@ def test_tool_call_deltas_in_openai_shape():
             "object": "chat.completion.chunk",
             "created": 0,
             "model": "m",
-            "choices": [{"index": 0, "delta": {"tool_calls": [d.as_openai()]}, "finish_reason": None}],
+            "choices": [
+                {"index": 0, "delta": {"tool_calls": [d.as_openai()]}, "finish_reason": None}
+            ],
         }
         if i == len(deltas) - 1:
             chunk["choices"][0]["finish_reason"] = "tool_calls"
         state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
     message = state.get_final_completion().choices[0].message
-    rebuilt = [(c.id, c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+    rebuilt = [
+        (c.id, c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls
+    ]
     assert rebuilt == [
         (firsts[0].id, "get_weather", {"city": "New York", "detailed": True}),
         (firsts[1].id, "get_time", {}),
@@ -272,11 +326,18 @@ def test_string_arguments_stream_before_the_call_closes():
 
 
 def test_typed_value_rules():
-    assert typed_value("3", {"type": "integer"}) == 3 and isinstance(typed_value("3", {"type": "number"}), int)
+    assert typed_value("3", {"type": "integer"}) == 3 and isinstance(
+        typed_value("3", {"type": "number"}), int
+    )
     assert typed_value("2.5", {"type": "number"}) == 2.5
-    assert typed_value("True", {"type": "boolean"}) is True and typed_value("false", {"type": "boolean"}) is False
+    assert (
+        typed_value("True", {"type": "boolean"}) is True
+        and typed_value("false", {"type": "boolean"}) is False
+    )
     assert typed_value("[1, 2]", {"type": ["array", "string"]}) == [1, 2]
-    assert typed_value("12", {"type": ["boolean", "string"]}) == "12"  # 12 is no boolean; the string is kept
+    assert (
+        typed_value("12", {"type": ["boolean", "string"]}) == "12"
+    )  # 12 is no boolean; the string is kept
     assert typed_value("not json", {"type": "object"}) == "not json"  # a model's slip stays visible
     assert typed_value('{"k": 1}', {}) == {"k": 1}
 
@@ -284,27 +345,42 @@ def test_typed_value_rules():
 def test_calls_are_not_read_without_tools_or_a_parser():
     text = "<tool_call>get_time</tool_call>"
     for parser in (
-        ChatOutputParser.build("glm45", "glm47", "</think>", False, None),  # tool_choice none / no tools
+        ChatOutputParser.build(
+            "glm45", "glm47", "</think>", False, None
+        ),  # tool_choice none / no tools
         ChatOutputParser.build(None, None, "", True, TOOLS),
     ):
         out = parser.parse(text)
         assert (out.reasoning, out.content, out.tool_calls) == ("", text, [])
     thinking = ChatOutputParser.build(None, "glm47", "<think>", True, TOOLS).parse("a</think>b")
-    assert (thinking.reasoning, thinking.content) == ("", "a</think>b")  # no reasoning parser: all content
+    assert (thinking.reasoning, thinking.content) == (
+        "",
+        "a</think>b",
+    )  # no reasoning parser: all content
 
 
 def test_thinking_switch():
     assert thinking_enabled({}) is True
-    assert thinking_enabled({"enable_thinking": False}) is False and thinking_enabled({"thinking": False}) is False
+    assert (
+        thinking_enabled({"enable_thinking": False}) is False
+        and thinking_enabled({"thinking": False}) is False
+    )
     with pytest.raises(ValueError, match="enable_thinking must be true or false, got 'no'"):
         thinking_enabled({"enable_thinking": "no"})
-    assert Glm45ReasoningParser("<think>", thinking=False).feed("a</think>b").content == "a</think>b"
+    assert (
+        Glm45ReasoningParser("<think>", thinking=False).feed("a</think>b").content == "a</think>b"
+    )
 
 
 def test_partial_marker_length():
     assert partial_marker_length("abc</th", ["</think>"]) == 4
-    assert partial_marker_length("abc</think>", ["</think>"]) == 0  # a whole marker is found, not held
-    assert partial_marker_length("x<", ["<a>", "stop"]) == 1 and partial_marker_length("st", ["<a>", "stop"]) == 2
+    assert (
+        partial_marker_length("abc</think>", ["</think>"]) == 0
+    )  # a whole marker is found, not held
+    assert (
+        partial_marker_length("x<", ["<a>", "stop"]) == 1
+        and partial_marker_length("st", ["<a>", "stop"]) == 2
+    )
     assert partial_marker_length("", ["<a>"]) == 0
 
 

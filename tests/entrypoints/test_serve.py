@@ -27,7 +27,10 @@ from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 from tests.engine.conftest import ENGINE_CONFIG, log_softmax
 from tests.engine.test_engine_grammar import ENGINE_SCHEMAS
 
-SERVE_CONFIG = {**ENGINE_CONFIG, "vocab_size": 264}  # the demo tokenizer: 256 bytes + 8 special tokens
+SERVE_CONFIG = {
+    **ENGINE_CONFIG,
+    "vocab_size": 264,
+}  # the demo tokenizer: 256 bytes + 8 special tokens
 MAX_MODEL_LEN = 640  # room for a chat prompt that lists a tool, and for a constrained JSON answer
 START_TIMEOUT_S = 180
 
@@ -97,7 +100,9 @@ def start_server(checkpoint: Path, log: Path, *extra: str) -> tuple[subprocess.P
     deadline = time.monotonic() + START_TIMEOUT_S
     while "ready: http://" not in log.read_text():
         assert proc.poll() is None, f"spmoe serve exited with {proc.returncode}:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"spmoe serve not ready after {START_TIMEOUT_S} s:\n{log.read_text()}"
+        assert time.monotonic() < deadline, (
+            f"spmoe serve not ready after {START_TIMEOUT_S} s:\n{log.read_text()}"
+        )
         time.sleep(0.2)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -118,7 +123,9 @@ def openai_client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def generate_tokens(tmp_path, checkpoint, prompts: list[list[int]], max_new_tokens: int, eos_id: int):
+def generate_tokens(
+    tmp_path, checkpoint, prompts: list[list[int]], max_new_tokens: int, eos_id: int
+):
     ids, out = tmp_path / "ids.json", tmp_path / "out.json"
     ids.write_text(json.dumps(prompts))
     assert (
@@ -152,7 +159,11 @@ def test_greedy_text_equals_spmoe_generate(server, checkpoint, tmp_path):
     tokenizer = load_tokenizer(checkpoint)
     client = openai_client(base)
     assert [m.id for m in client.models.list()] == ["tiny"]
-    prompt, messages, max_new = "The café in Zürich", [{"role": "user", "content": "Hello there"}], 12
+    prompt, messages, max_new = (
+        "The café in Zürich",
+        [{"role": "user", "content": "Hello there"}],
+        12,
+    )
     chat = tokenizer.encode(chat_prompt_text(tokenizer, messages), add_special_tokens=False)
     prompts = [tokenizer.encode(prompt), chat]
     expected = [
@@ -160,9 +171,14 @@ def test_greedy_text_equals_spmoe_generate(server, checkpoint, tmp_path):
         for out in generate_tokens(tmp_path, checkpoint, prompts, max_new, tokenizer.eos_token_id)
     ]
 
-    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_new, temperature=0)
+    whole = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_new, temperature=0
+    )
     assert whole.choices[0].text == expected[0]
-    assert whole.usage.prompt_tokens == len(prompts[0]) and 1 <= whole.usage.completion_tokens <= max_new
+    assert (
+        whole.usage.prompt_tokens == len(prompts[0])
+        and 1 <= whole.usage.completion_tokens <= max_new
+    )
     streamed = list(
         client.completions.create(
             model="tiny",
@@ -176,11 +192,17 @@ def test_greedy_text_equals_spmoe_generate(server, checkpoint, tmp_path):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected[0]
     assert streamed[-1].usage.completion_tokens == whole.usage.completion_tokens
 
-    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_new, temperature=0)
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=max_new, temperature=0
+    )
     assert chat.choices[0].message.content == expected[1]
-    assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.prompt_tokens == len(prompts[1])
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.prompt_tokens == len(
+        prompts[1]
+    )
     streamed = list(
-        client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_new, temperature=0, stream=True)
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=max_new, temperature=0, stream=True
+        )
     )
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected[1]
     assert streamed[-1].choices[0].finish_reason == chat.choices[0].finish_reason
@@ -195,7 +217,10 @@ def forward_logits(folder: str, sequences: list[list[int]]) -> list[list[list[fl
 
     model = load_model(folder, ParallelConfig())
     with torch.no_grad():
-        return [model(torch.tensor(ids), torch.arange(len(ids)), [len(ids)]).float().tolist() for ids in sequences]
+        return [
+            model(torch.tensor(ids), torch.arange(len(ids)), [len(ids)]).float().tolist()
+            for ids in sequences
+        ]
 
 
 def test_logprobs_echo_penalties_and_n_from_the_real_engine(server, checkpoint):
@@ -231,16 +256,30 @@ def test_logprobs_echo_penalties_and_n_from_the_real_engine(server, checkpoint):
         assert got == pytest.approx(want[token], abs=1e-4)
         if i >= len(prompt):  # greedy: the most likely token, and the top 3 in order
             assert want[token] == max(want)
-            assert sorted(lp.top_logprobs[i].values(), reverse=True) == pytest.approx(sorted(want)[::-1][:3], abs=1e-4)
-    assert len(steered.logprobs.token_logprobs) == len(penalised) > 0  # the loop below checks every token
-    for j, token in enumerate(penalised):  # greedy under frequency_penalty -2: the argmax of the penalised logits
-        row = [v + 2.0 * penalised[:j].count(t) for t, v in enumerate(logits[1][len(prompt) - 1 + j])]
+            assert sorted(lp.top_logprobs[i].values(), reverse=True) == pytest.approx(
+                sorted(want)[::-1][:3], abs=1e-4
+            )
+    assert (
+        len(steered.logprobs.token_logprobs) == len(penalised) > 0
+    )  # the loop below checks every token
+    for j, token in enumerate(
+        penalised
+    ):  # greedy under frequency_penalty -2: the argmax of the penalised logits
+        row = [
+            v + 2.0 * penalised[:j].count(t) for t, v in enumerate(logits[1][len(prompt) - 1 + j])
+        ]
         assert token == max(range(len(row)), key=lambda t: row[t])
-        assert steered.logprobs.token_logprobs[j] == pytest.approx(log_softmax(row)[token], abs=1e-4)
+        assert steered.logprobs.token_logprobs[j] == pytest.approx(
+            log_softmax(row)[token], abs=1e-4
+        )
     assert penalised != output  # the penalty changed the text
 
-    four = client.completions.create(model="tiny", prompt="Once", max_tokens=6, temperature=1.0, n=4, seed=9)
-    again = client.completions.create(model="tiny", prompt="Once", max_tokens=6, temperature=1.0, n=4, seed=9)
+    four = client.completions.create(
+        model="tiny", prompt="Once", max_tokens=6, temperature=1.0, n=4, seed=9
+    )
+    again = client.completions.create(
+        model="tiny", prompt="Once", max_tokens=6, temperature=1.0, n=4, seed=9
+    )
     assert [c.index for c in four.choices] == [0, 1, 2, 3]
     assert [c.text for c in four.choices] == [c.text for c in again.choices]  # seeded: reproducible
     assert len({c.text for c in four.choices}) > 1  # and the choices differ
@@ -249,13 +288,22 @@ def test_logprobs_echo_penalties_and_n_from_the_real_engine(server, checkpoint):
     # (a temperature that rounds to 0 in float32): the server answers, and keeps answering
     extreme = {"top_k": 2**63, "ignore_eos": True, "return_tokens_as_token_ids": True}
     tiny = client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=5, temperature=1e-50, seed=3, logprobs=0, extra_body=extreme
+        model="tiny",
+        prompt=prompt,
+        max_tokens=5,
+        temperature=1e-50,
+        seed=3,
+        logprobs=0,
+        extra_body=extreme,
     ).choices[0]
     assert tokens_of(tiny.logprobs.tokens) == output  # greedy
     refused = httpx.post(
-        base + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, "repetition_penalty": 1e-39}
+        base + "/v1/completions",
+        json={"model": "tiny", "prompt": "x", "max_tokens": 2, "repetition_penalty": 1e-39},
     )
-    assert refused.status_code == 400 and "repetition_penalty must be in [0.001, 1000]" in refused.text
+    assert (
+        refused.status_code == 400 and "repetition_penalty must be in [0.001, 1000]" in refused.text
+    )
     assert client.completions.create(model="tiny", prompt="Once", max_tokens=2).choices[0].text
 
 
@@ -300,15 +348,22 @@ def test_constrained_outputs_through_the_server(server):
                 model="tiny",
                 messages=[{"role": "user", "content": "JSON"}],
                 seed=j,
-                response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}},
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": f"s{i}", "schema": schema},
+                },
             ).choices[0]
             return schema, reply.message.content, reply.finish_reason
         field = {"structured_outputs": {"json": schema}} if j % 3 == 1 else {"guided_json": schema}
-        reply = client.completions.create(model="tiny", prompt="{", max_tokens=180, seed=j, extra_body=field)
+        reply = client.completions.create(
+            model="tiny", prompt="{", max_tokens=180, seed=j, extra_body=field
+        )
         return schema, reply.choices[0].text, reply.choices[0].finish_reason
 
     with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(ask, [(i, j) for i in range(len(ENGINE_SCHEMAS)) for j in range(5)]))
+        answers = list(
+            pool.map(ask, [(i, j) for i in range(len(ENGINE_SCHEMAS)) for j in range(5)])
+        )
     for schema, text, finish_reason in answers:
         assert finish_reason == "stop", text
         jsonschema.validate(json.loads(text), schema)
@@ -340,7 +395,9 @@ def test_agent_loop_through_the_server(server):
         assert reply.choices[0].finish_reason == "tool_calls"
         (call,) = reply.choices[0].message.tool_calls
         assert call.function.name == "pick" and 0 <= json.loads(call.function.arguments)["x"] <= 9
-    assert streamed.choices[0].message.tool_calls[0].function.parsed_arguments == Pick.model_validate_json(
+    assert streamed.choices[0].message.tool_calls[
+        0
+    ].function.parsed_arguments == Pick.model_validate_json(
         whole.choices[0].message.tool_calls[0].function.arguments
     )  # the same seed: the same call
     call = whole.choices[0].message.tool_calls[0]
@@ -351,19 +408,32 @@ def test_agent_loop_through_the_server(server):
     answer = client.chat.completions.create(
         model="tiny", messages=history, tools=tools, tool_choice="none", max_tokens=8
     )
-    assert answer.choices[0].message.tool_calls == [] and answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.choices[0].message.tool_calls == [] and answer.choices[0].finish_reason in (
+        "stop",
+        "length",
+    )
 
 
 def generated_tokens(base: str) -> float:
     metrics = httpx.get(base + "/metrics").text.splitlines()
-    return float(next(line for line in metrics if line.startswith("spmoe:generation_tokens_total")).split()[1])
+    return float(
+        next(line for line in metrics if line.startswith("spmoe:generation_tokens_total")).split()[
+            1
+        ]
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_goes_away_aborts_its_request(server, stream):
     _, base, _ = server
     before, max_tokens = generated_tokens(base), MAX_MODEL_LEN - 4
-    body = {"model": "tiny", "prompt": "abc", "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": "abc",
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "ignore_eos": True,
+    }
     if stream:
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as response:
             for events, _ in enumerate(response.iter_lines()):
@@ -373,7 +443,9 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + "/v1/completions", json=body, timeout=1.0)
     deadline = time.monotonic() + 10
-    while 'spmoe:num_requests_running{model_name="tiny"} 0.0' not in httpx.get(base + "/metrics").text:
+    while (
+        'spmoe:num_requests_running{model_name="tiny"} 0.0' not in httpx.get(base + "/metrics").text
+    ):
         assert time.monotonic() < deadline, "the request still runs 10 s after its client went away"
         time.sleep(0.1)
     assert generated_tokens(base) - before < max_tokens
@@ -389,13 +461,29 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream):
         ("/v1/completions", {"model": "tiny", "prompt": "x" * MAX_MODEL_LEN}, 400),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400),
-        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0},
+            400,
+        ),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 1.01}, 400),
-        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 99}, 400),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 99},
+            400,
+        ),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5000": 1}}, 400),
-        ("/v1/completions", '{"model": "tiny", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", 400),
+        (
+            "/v1/completions",
+            '{"model": "tiny", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}",
+            400,
+        ),
         ("/v1/completions", '{"model": "tiny", "prompt": "\\ud800"}', 400),
-        ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}', 400),
+        (
+            "/v1/chat/completions",
+            '{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}',
+            400,
+        ),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "16"}, 400),
         ("/v1/completions", {"model": "tiny", "prompt": "x" * 1_000_000}, 400),
     ],
@@ -409,11 +497,16 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, path, body, s
         timeout=60,
     )
     assert response.status_code == status, response.text
-    assert set(response.json()["error"]) >= {"message", "type", "code"} and "Traceback" not in response.text
+    assert (
+        set(response.json()["error"]) >= {"message", "type", "code"}
+        and "Traceback" not in response.text
+    )
     assert httpx.get(base + "/health").status_code == 200
 
 
-def stream_events(base: str, body: dict, events: list, started: threading.Event | None = None) -> None:
+def stream_events(
+    base: str, body: dict, events: list, started: threading.Event | None = None
+) -> None:
     """POST a streaming completion; append each `data:` line to `events` (the status first, then the data)."""
     try:
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
@@ -434,10 +527,17 @@ def test_sigterm_drains_open_streams_and_stops_every_rank(server):
     proc, base, log = server
     ranks = descendants(proc.pid)
     assert len(ranks) >= 2, ranks  # at least the two ranks
-    body = {"model": "tiny", "prompt": "a long one", "max_tokens": MAX_MODEL_LEN - 16, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": "a long one",
+        "max_tokens": MAX_MODEL_LEN - 16,
+        "stream": True,
+    }
     streams, started = [[] for _ in range(4)], [threading.Event() for _ in range(4)]
     holders = [
-        threading.Thread(target=stream_events, args=(base, {**body, "ignore_eos": True}, events, go))
+        threading.Thread(
+            target=stream_events, args=(base, {**body, "ignore_eos": True}, events, go)
+        )
         for events, go in zip(streams, started)
     ]
     for holder in holders:
@@ -446,7 +546,11 @@ def test_sigterm_drains_open_streams_and_stops_every_rank(server):
         assert go.wait(60)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
-    refused = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    refused = httpx.post(
+        base + "/v1/completions",
+        json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+        timeout=30,
+    )
     assert refused.status_code == 503 and "shutting down" in refused.text, refused.text
     assert httpx.get(base + "/health", timeout=30).status_code == 503
     assert sigterm_leaves_nothing(proc, ranks, log, signalled=True) < 25
@@ -456,9 +560,16 @@ def test_sigterm_drains_open_streams_and_stops_every_rank(server):
     for events in streams:
         assert events[0] == 200 and events[-1] == "[DONE]", events[-3:]
         last = json.loads(events[-2])
-        assert "the server is shutting down" in last["error"]["message"] or last["choices"][0]["finish_reason"], last
-    assert any("error" in json.loads(events[-2]) for events in streams)  # 2 s was too short for them
-    assert "spmoe serve: stopped by SIGTERM" in log.read_text() and "Traceback" not in log.read_text()
+        assert (
+            "the server is shutting down" in last["error"]["message"]
+            or last["choices"][0]["finish_reason"]
+        ), last
+    assert any(
+        "error" in json.loads(events[-2]) for events in streams
+    )  # 2 s was too short for them
+    assert (
+        "spmoe serve: stopped by SIGTERM" in log.read_text() and "Traceback" not in log.read_text()
+    )
 
 
 def test_a_stopped_rank_fails_requests_and_the_server_exits_1(checkpoint, tmp_path):
@@ -466,7 +577,11 @@ def test_a_stopped_rank_fails_requests_and_the_server_exits_1(checkpoint, tmp_pa
     ends with an error, /health stops answering 200, and the command exits 1 saying why."""
     log = tmp_path / "stderr.txt"
     proc, base = start_server(checkpoint, log, "--engine-timeout", "3")
-    ranks = sorted(pid for pid in descendants(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    ranks = sorted(
+        pid
+        for pid in descendants(proc.pid)
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    )
     try:
         assert len(ranks) == 2, ranks  # started in rank order
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 8, "stream": True}
@@ -499,7 +614,9 @@ def test_a_stopped_rank_fails_requests_and_the_server_exits_1(checkpoint, tmp_pa
             assert events[0] == 503, events
         text = log.read_text()
         assert "no engine step finished in" in text and "(--engine-timeout 3)" in text, text
-        assert text.strip().splitlines()[-1].startswith("spmoe serve: error: rank 0 of 2 failed"), text
+        assert text.strip().splitlines()[-1].startswith("spmoe serve: error: rank 0 of 2 failed"), (
+            text
+        )
     finally:
         for pid in ranks:
             if alive(pid):
@@ -509,7 +626,9 @@ def test_a_stopped_rank_fails_requests_and_the_server_exits_1(checkpoint, tmp_pa
             proc.wait()
 
 
-def sigterm_leaves_nothing(proc: subprocess.Popen, pids: list[int], log, signalled: bool = False) -> float:
+def sigterm_leaves_nothing(
+    proc: subprocess.Popen, pids: list[int], log, signalled: bool = False
+) -> float:
     """SIGTERM to `proc` (unless `signalled`: already sent); assert that it and every process in `pids` are gone
     within 30 s. -> the seconds taken."""
     began = time.monotonic()
@@ -554,8 +673,12 @@ def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while "ready: http://" not in log.read_text():
-            assert agent.poll() is None, f"torchrun exited with {agent.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"not ready after {START_TIMEOUT_S} s:\n{log.read_text()}"
+            assert agent.poll() is None, (
+                f"torchrun exited with {agent.returncode}:\n{log.read_text()}"
+            )
+            assert time.monotonic() < deadline, (
+                f"not ready after {START_TIMEOUT_S} s:\n{log.read_text()}"
+            )
             time.sleep(0.2)
         workers = descendants(agent.pid)
         assert len(workers) >= 2, workers
@@ -582,13 +705,21 @@ def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
     "case, fragment",
     [
         ("no such folder", "no such folder (and not a Hugging Face model id, which is ORG/NAME)"),
-        ("no tokenizer", "has no tokenizer: expected tokenizer.json or tokenizer_config.json there"),
+        (
+            "no tokenizer",
+            "has no tokenizer: expected tokenizer.json or tokenizer_config.json there",
+        ),
         ("port in use", "the address is in use"),
-        ("longer than the model", "--max-model-len: 100 positions, more than the model's max_position_embeddings = 64"),
+        (
+            "longer than the model",
+            "--max-model-len: 100 positions, more than the model's max_position_embeddings = 64",
+        ),
         ("graphs on the CPU", "--cuda-graphs needs a CUDA device (the model is on cpu)"),
     ],
 )
-def test_bad_options_are_one_line_errors_before_any_rank(case, fragment, checkpoint, tmp_path, capsys):
+def test_bad_options_are_one_line_errors_before_any_rank(
+    case, fragment, checkpoint, tmp_path, capsys
+):
     model, port = checkpoint, str(free_port())
     if case == "no such folder":
         model = tmp_path / "missing"
@@ -597,7 +728,9 @@ def test_bad_options_are_one_line_errors_before_any_rank(case, fragment, checkpo
         model.mkdir()
         for name in ("config.json", "model.safetensors"):
             os.symlink(checkpoint / name, model / name)
-    elif case == "longer than the model":  # the checkpoint with a stated max_position_embeddings of 64
+    elif (
+        case == "longer than the model"
+    ):  # the checkpoint with a stated max_position_embeddings of 64
         model = tmp_path / "short"
         model.mkdir()
         for name in os.listdir(checkpoint):
@@ -609,8 +742,16 @@ def test_bad_options_are_one_line_errors_before_any_rank(case, fragment, checkpo
         if case == "port in use":
             busy.bind(("127.0.0.1", int(port)))
             busy.listen()
-        extra = {"longer than the model": ["--max-model-len", "100"], "graphs on the CPU": ["--cuda-graphs"]}
-        assert main(["serve", "--model", str(model), "--tp", "2", "--port", port, *extra.get(case, [])]) == 1
+        extra = {
+            "longer than the model": ["--max-model-len", "100"],
+            "graphs on the CPU": ["--cuda-graphs"],
+        }
+        assert (
+            main(
+                ["serve", "--model", str(model), "--tp", "2", "--port", port, *extra.get(case, [])]
+            )
+            == 1
+        )
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("spmoe serve: error: ") and fragment in err[-1], err
     assert "loading the weights" not in "\n".join(err)

@@ -22,7 +22,12 @@ from spmoe.entrypoints.serve.app import ApiSettings, FrontEndLimits, build_app
 from spmoe.entrypoints.serve.client import QueueFull
 from spmoe.entrypoints.serve.streaming import StopStrings
 from spmoe.entrypoints.serve.supervisor import StopPolicy, supervise
-from spmoe.entrypoints.serve.tokenizer import IncrementalDetokenizer, TokenTexts, load_tokenizer, read_chat_template
+from spmoe.entrypoints.serve.tokenizer import (
+    IncrementalDetokenizer,
+    TokenTexts,
+    load_tokenizer,
+    read_chat_template,
+)
 
 REPLY = "Grüße, wörld € 🙂 and more"  # 2-, 3- and 4-byte characters: split over byte tokens
 
@@ -66,7 +71,9 @@ def test_token_texts_decode_each_id_once_as_decode_does(tokenizer):
     assert texts([65, 195, 65, tokenizer.eos_token_id]) == ["A", "\ufffd", "A", "<|end|>"]
     assert calls == [[[65], [195], [tokenizer.eos_token_id]]]
     assert texts(every[::-1]) == [tokenizer.decode([t]) for t in every[::-1]]
-    assert len(calls) == 2 and sorted(t for (t,) in calls[1]) == sorted(set(every) - {65, 195, tokenizer.eos_token_id})
+    assert len(calls) == 2 and sorted(t for (t,) in calls[1]) == sorted(
+        set(every) - {65, 195, tokenizer.eos_token_id}
+    )
     assert texts([7, 65]) == [tokenizer.decode([7]), "A"] and len(calls) == 2
 
 
@@ -104,7 +111,9 @@ class ScriptedEngineClient:
         self.step_s = 0.0  # how long each step takes
         self.stalled_s = 0.0  # what `stalled_for` says
         self.failure: Exception | None = None  # raised by `generate` if set
-        self.ends_with_error: str | None = None  # the output after the first ends the request with this error
+        self.ends_with_error: str | None = (
+            None  # the output after the first ends the request with this error
+        )
         self.preemptions = 0
 
     def stalled_for(self) -> float:
@@ -129,18 +138,27 @@ class ScriptedEngineClient:
                     finished = True
                     yield RequestOutput(request.request_id, [], "error", error=self.ends_with_error)
                     break
-                new = self.script[len(made) : len(made) + self.per_step][: request.max_new_tokens - len(made)]
+                new = self.script[len(made) : len(made) + self.per_step][
+                    : request.max_new_tokens - len(made)
+                ]
                 made += new
                 reason = None
                 if any(t in request.eos_token_ids for t in new):
-                    new = new[: next(i for i, t in enumerate(new) if t in request.eos_token_ids) + 1]
+                    new = new[
+                        : next(i for i, t in enumerate(new) if t in request.eos_token_ids) + 1
+                    ]
                     reason = "stop"
                 elif len(made) == request.max_new_tokens:
                     reason = "length"
                 finished = reason is not None
-                out = RequestOutput(request.request_id, new, reason, prompt_tokens=len(request.prompt))
+                out = RequestOutput(
+                    request.request_id, new, reason, prompt_tokens=len(request.prompt)
+                )
                 if request.sampling.logprobs is not None:  # made-up values the tests can recognise
-                    out.logprobs = [(-t / 100, [(t, -t / 100), (7, -7.0)][: request.sampling.logprobs]) for t in new]
+                    out.logprobs = [
+                        (-t / 100, [(t, -t / 100), (7, -7.0)][: request.sampling.logprobs])
+                        for t in new
+                    ]
                 if request.sampling.prompt_logprobs is not None and len(made) == len(new):
                     out.prompt_logprobs = [None] + [(-0.5, [(t, -0.5)]) for t in request.prompt[1:]]
                 yield out
@@ -168,19 +186,28 @@ class ScriptedEngineClient:
 def served(tokenizer):
     """-> (engine stand-in, openai client, raw HTTP client) for a server named 'tiny' that replies REPLY."""
     engine = ScriptedEngineClient(tokenizer.encode(REPLY) + [tokenizer.eos_token_id])
-    http = TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"])), raise_server_exceptions=False)
+    http = TestClient(
+        build_app(engine, tokenizer, ApiSettings(["tiny"])), raise_server_exceptions=False
+    )
     return (
         engine,
-        openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0),
+        openai.OpenAI(
+            base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0
+        ),
         http,
     )
 
 
 def test_completion_and_chat_whole_and_streamed(served, tokenizer):
     engine, client, _ = served
-    whole = client.completions.create(model="tiny", prompt="Hi", max_tokens=60, temperature=0, seed=3)
+    whole = client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=60, temperature=0, seed=3
+    )
     assert whole.choices[0].text == REPLY and whole.choices[0].finish_reason == "stop"
-    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (2, len(REPLY.encode()) + 1)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (
+        2,
+        len(REPLY.encode()) + 1,
+    )
     request = engine.requests[-1]
     assert request.prompt == tokenizer.encode("Hi") and request.max_new_tokens == 60
     assert (request.sampling.temperature, request.sampling.seed) == (0, 3)
@@ -188,20 +215,36 @@ def test_completion_and_chat_whole_and_streamed(served, tokenizer):
 
     chunks = list(
         client.completions.create(
-            model="tiny", prompt="Hi", max_tokens=5, stream=True, stream_options={"include_usage": True}
+            model="tiny",
+            prompt="Hi",
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == REPLY.encode()[:5].decode(errors="replace")
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == REPLY.encode()[:5].decode(
+        errors="replace"
+    )
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
 
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}])
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}]
+    )
     assert chat.choices[0].message.content == REPLY and chat.choices[0].message.role == "assistant"
-    assert engine.requests[-1].prompt == tokenizer.encode("<|user|>Hello<|end|><|assistant|><think>")
-    assert engine.requests[-1].max_new_tokens == 66 - 2 - chat.usage.prompt_tokens  # default: the room left
-    assert engine.requests[-1].sampling.temperature == 1.0  # OpenAI's default, on a speculating server too
+    assert engine.requests[-1].prompt == tokenizer.encode(
+        "<|user|>Hello<|end|><|assistant|><think>"
+    )
+    assert (
+        engine.requests[-1].max_new_tokens == 66 - 2 - chat.usage.prompt_tokens
+    )  # default: the room left
+    assert (
+        engine.requests[-1].sampling.temperature == 1.0
+    )  # OpenAI's default, on a speculating server too
     stream = list(
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], stream=True)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello"}], stream=True
+        )
     )
     assert stream[0].choices[0].delta.role == "assistant"
     deltas = [c.choices[0].delta.content or "" for c in stream]
@@ -217,8 +260,12 @@ def test_several_tokens_per_step(tokenizer):
         max_retries=0,
         http_client=TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"]))),
     )
-    chunks = list(client.completions.create(model="tiny", prompt=[5, 6], max_tokens=20, stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == REPLY.encode()[:20].decode(errors="replace")
+    chunks = list(
+        client.completions.create(model="tiny", prompt=[5, 6], max_tokens=20, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == REPLY.encode()[:20].decode(
+        errors="replace"
+    )
     engine.num_speculative_tokens = 0
     client.completions.create(model="tiny", prompt=[5, 6], max_tokens=2)
     assert engine.requests[-1].sampling.temperature == 1  # OpenAI's default
@@ -227,18 +274,24 @@ def test_several_tokens_per_step(tokenizer):
 def test_ignore_eos_generates_max_tokens(served, tokenizer):
     engine, client, _ = served
     engine.script = [tokenizer.eos_token_id] * 3 + tokenizer.encode("abc")
-    whole = client.completions.create(model="tiny", prompt="Hi", max_tokens=5, extra_body={"ignore_eos": True})
+    whole = client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=5, extra_body={"ignore_eos": True}
+    )
     assert engine.requests[-1].eos_token_ids == ()
     assert (whole.choices[0].text, whole.choices[0].finish_reason) == ("ab", "length")
 
 
 def test_stop_string_truncates_and_aborts(served):
     engine, client, _ = served
-    whole = client.completions.create(model="tiny", prompt="Hi", max_tokens=60, stop=["wörld", "nothing"])
+    whole = client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=60, stop=["wörld", "nothing"]
+    )
     assert whole.choices[0].text == "Grüße, " and whole.choices[0].finish_reason == "stop"
     assert engine.closed_early == [engine.requests[-1].request_id]
     chunks = list(
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], stop="€", stream=True)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], stop="€", stream=True
+        )
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Grüße, wörld "
     assert chunks[-1].choices[0].finish_reason == "stop" and len(engine.closed_early) == 2
@@ -279,32 +332,54 @@ def test_models_health_metrics(served):
 def test_several_names_and_the_models_generation_defaults(tokenizer):
     engine = ScriptedEngineClient(tokenizer.encode(REPLY))
     engine.num_speculative_tokens = 0
-    defaults = GenerationDefaults({"temperature": 0.6, "top_p": 0.9, "max_tokens": 7, "top_k": 5}, "test")
-    http = TestClient(
-        build_app(engine, tokenizer, ApiSettings(["glm-5.2", "glm"], defaults, seed=11)), raise_server_exceptions=False
+    defaults = GenerationDefaults(
+        {"temperature": 0.6, "top_p": 0.9, "max_tokens": 7, "top_k": 5}, "test"
     )
-    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    http = TestClient(
+        build_app(engine, tokenizer, ApiSettings(["glm-5.2", "glm"], defaults, seed=11)),
+        raise_server_exceptions=False,
+    )
+    client = openai.OpenAI(
+        base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0
+    )
     models = http.get("/v1/models").json()["data"]
     assert [(m["id"], m["max_model_len"]) for m in models] == [("glm-5.2", 66), ("glm", 66)]
     left_out = client.completions.create(model="glm", prompt="Hi")
-    assert left_out.model == "glm-5.2" and left_out.usage.completion_tokens == 7  # the first name is reported
-    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (0.6, 0.9)
+    assert (
+        left_out.model == "glm-5.2" and left_out.usage.completion_tokens == 7
+    )  # the first name is reported
+    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (
+        0.6,
+        0.9,
+    )
     seeds = [engine.requests[-1].sampling.seed]
     client.completions.create(model="glm", prompt="Hi")
     seeds.append(engine.requests[-1].sampling.seed)
     again = TestClient(build_app(engine, tokenizer, ApiSettings(["glm"], seed=11)))
     for _ in seeds:
         again.post("/v1/completions", json={"model": "glm", "prompt": "Hi", "max_tokens": 1})
-    assert [r.sampling.seed for r in engine.requests[-2:]] == seeds and seeds[0] != seeds[1]  # --seed: reproducible
+    assert [r.sampling.seed for r in engine.requests[-2:]] == seeds and seeds[0] != seeds[
+        1
+    ]  # --seed: reproducible
     chat = [{"role": "user", "content": "Hello"}]
-    own = client.chat.completions.create(model="glm-5.2", messages=chat, temperature=0, top_p=1.0, max_tokens=3)
+    own = client.chat.completions.create(
+        model="glm-5.2", messages=chat, temperature=0, top_p=1.0, max_tokens=3
+    )
     assert own.usage.completion_tokens == 3
-    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (0.0, 1.0)
+    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (
+        0.0,
+        1.0,
+    )
     client.chat.completions.create(model="glm-5.2", messages=chat)
     assert engine.requests[-1].max_new_tokens == 7
-    engine.num_speculative_tokens = 2  # a speculating server samples with the model's defaults, as without drafts
+    engine.num_speculative_tokens = (
+        2  # a speculating server samples with the model's defaults, as without drafts
+    )
     client.completions.create(model="glm", prompt="Hi")
-    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (0.6, 0.9)
+    assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (
+        0.6,
+        0.9,
+    )
     with pytest.raises(openai.NotFoundError, match="this server serves 'glm-5.2', 'glm'"):
         client.completions.create(model="glm-5", prompt="Hi")
 
@@ -314,7 +389,9 @@ def test_chat_template_and_content_format(tmp_path, tokenizer):
     (tmp_path / "parts.jinja").write_text(parts)
     assert read_chat_template(str(tmp_path / "parts.jinja")) == parts
     assert read_chat_template("{{ messages[0]['content'] }}!") == "{{ messages[0]['content'] }}!"
-    with pytest.raises(ValueError, match="--chat-template nope.jinja: expected a Jinja template file or a template"):
+    with pytest.raises(
+        ValueError, match="--chat-template nope.jinja: expected a Jinja template file or a template"
+    ):
         read_chat_template("nope.jinja")
     folder = tmp_path / "tok"
     write_demo_tokenizer(folder)
@@ -325,8 +402,15 @@ def test_chat_template_and_content_format(tmp_path, tokenizer):
     ):
         settings = ApiSettings(["tiny"], chat_template_content_format=content_format)
         app = build_app(engine, load_tokenizer(folder, template), settings)
-        chat = [{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]
-        TestClient(app).post("/v1/chat/completions", json={"model": "tiny", "messages": chat, "max_tokens": 1})
+        chat = [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}],
+            }
+        ]
+        TestClient(app).post(
+            "/v1/chat/completions", json={"model": "tiny", "messages": chat, "max_tokens": 1}
+        )
         assert tokenizer.decode(engine.requests[-1].prompt) == prompt
 
 
@@ -349,7 +433,11 @@ def test_chat_template_and_content_format(tmp_path, tokenizer):
             400,
             "is 5 with 2 speculative tokens: 67 > --max-model-len 66",
         ),
-        ({"model": "tiny", "prompt": [1, 999]}, 400, "prompt token ids must be in [0, 264), got 999"),
+        (
+            {"model": "tiny", "prompt": [1, 999]},
+            400,
+            "prompt token ids must be in [0, 264), got 999",
+        ),
         ({"model": "tiny", "prompt": ""}, 400, "the prompt must not be empty"),
         (
             {"model": "tiny", "prompt": ["a", 1]},
@@ -357,39 +445,127 @@ def test_chat_template_and_content_format(tmp_path, tokenizer):
             "prompt: expected a string, a list of strings, a list of token ids or a list of such lists, got ['a', 1]",
         ),
         ({"model": "tiny", "prompt": [[1], []]}, 400, "the prompt must not be empty"),
-        ({"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens: 0 is allowed only with echo, got 0"),
-        ({"model": "tiny", "prompt": "Hi", "max_tokens": -1}, 400, "max_tokens: Input should be greater than"),
-        ({"model": "tiny", "prompt": "Hi", "temperature": -0.5}, 400, "temperature: Input should be greater than"),
-        ({"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
-        ({"model": "tiny", "prompt": "Hi", "top_p": 1.5}, 400, "top_p: Input should be less than or equal to 1"),
-        ({"model": "tiny", "prompt": "Hi", "n": 0}, 400, "n: Input should be greater than or equal to 1"),
+        (
+            {"model": "tiny", "prompt": "Hi", "max_tokens": 0},
+            400,
+            "max_tokens: 0 is allowed only with echo, got 0",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "max_tokens": -1},
+            400,
+            "max_tokens: Input should be greater than",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "temperature": -0.5},
+            400,
+            "temperature: Input should be greater than",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "top_p": 0},
+            400,
+            "top_p: Input should be greater than 0",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "top_p": 1.5},
+            400,
+            "top_p: Input should be less than or equal to 1",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "n": 0},
+            400,
+            "n: Input should be greater than or equal to 1",
+        ),
         ({"model": "tiny", "prompt": "Hi", "n": 2, "best_of": 3}, 400, "best_of must equal n (2)"),
         ({"model": "tiny", "prompt": "Hi", "stop": [""]}, 400, "stop strings must not be empty"),
-        ({"model": "tiny", "prompt": "Hi", "logprobs": 21}, 400, "logprobs: Input should be less than or equal to 20"),
-        ({"model": "tiny", "prompt": "Hi", "logit_bias": {"5": 101}}, 400, "biases in [-100, 100], got 5: 101"),
-        ({"model": "tiny", "prompt": "Hi", "logit_bias": {"999": 1}}, 400, "logit_bias token ids must be in [0, 264)"),
-        ({"model": "tiny", "prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens (3) must not exceed"),
-        ({"model": "tiny", "prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty: Input should be less"),
+        (
+            {"model": "tiny", "prompt": "Hi", "logprobs": 21},
+            400,
+            "logprobs: Input should be less than or equal to 20",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "logit_bias": {"5": 101}},
+            400,
+            "biases in [-100, 100], got 5: 101",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "logit_bias": {"999": 1}},
+            400,
+            "logit_bias token ids must be in [0, 264)",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "min_tokens": 3},
+            400,
+            "min_tokens (3) must not exceed",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "presence_penalty": 3},
+            400,
+            "presence_penalty: Input should be less",
+        ),
         (
             {"model": "tiny", "prompt": "Hi", "repetition_penalty": 0},
             400,
             "repetition_penalty: Input should be greater",
         ),
         # malformed input: every kind is a 400 that says what is wrong
-        ('{"model": "tiny", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, "more than 64 deep"),
-        ('{"model": "tiny", "prompt": "Hi", "stop": ' + "[" * 70 + "]" * 70 + "}", 400, "more than 64 deep"),
-        ('{"model": "tiny", "prompt": "a\\ud800b"}', 400, "not Unicode text: lone surrogate \\ud800"),
+        (
+            '{"model": "tiny", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            400,
+            "more than 64 deep",
+        ),
+        (
+            '{"model": "tiny", "prompt": "Hi", "stop": ' + "[" * 70 + "]" * 70 + "}",
+            400,
+            "more than 64 deep",
+        ),
+        (
+            '{"model": "tiny", "prompt": "a\\ud800b"}',
+            400,
+            "not Unicode text: lone surrogate \\ud800",
+        ),
         ('{"model": "tiny", "prompt": "Hi", "stop": ["\\udfff"]}', 400, "lone surrogate \\udfff"),
         ('{"model": "tiny", "prompt": "Hi", "temperature": NaN}', 400, "NaN is not a JSON number"),
-        ('{"model": "tiny", "prompt": "Hi", "top_p": Infinity}', 400, "Infinity is not a JSON number"),
+        (
+            '{"model": "tiny", "prompt": "Hi", "top_p": Infinity}',
+            400,
+            "Infinity is not a JSON number",
+        ),
         (b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "not valid JSON"),
-        ({"model": "tiny", "prompt": "Hi", "max_tokens": "16"}, 400, "max_tokens: Input should be a valid integer"),
-        ({"model": "tiny", "prompt": "Hi", "max_tokens": 16.0}, 400, "max_tokens: Input should be a valid integer"),
-        ({"model": "tiny", "prompt": "Hi", "seed": True}, 400, "seed: Input should be a valid integer"),
-        ({"model": "tiny", "prompt": "Hi", "temperature": "0.5"}, 400, "temperature: Input should be a valid number"),
-        ({"model": "tiny", "prompt": "Hi", "top_p": False}, 400, "top_p: Input should be a valid number"),
-        ({"model": "tiny", "prompt": "Hi", "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
-        ({"model": "tiny", "prompt": "Hi", "stop": [1]}, 400, "stop.0: Input should be a valid string"),
+        (
+            {"model": "tiny", "prompt": "Hi", "max_tokens": "16"},
+            400,
+            "max_tokens: Input should be a valid integer",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "max_tokens": 16.0},
+            400,
+            "max_tokens: Input should be a valid integer",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "seed": True},
+            400,
+            "seed: Input should be a valid integer",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "temperature": "0.5"},
+            400,
+            "temperature: Input should be a valid number",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "top_p": False},
+            400,
+            "top_p: Input should be a valid number",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "stream": "yes"},
+            400,
+            "stream: Input should be a valid boolean",
+        ),
+        (
+            {"model": "tiny", "prompt": "Hi", "stop": [1]},
+            400,
+            "stop.0: Input should be a valid string",
+        ),
         ({"model": 7, "prompt": "Hi"}, 400, "model: Input should be a valid string"),
         (
             {"model": "tiny", "prompt": [True, 1]},
@@ -397,10 +573,26 @@ def test_chat_template_and_content_format(tmp_path, tokenizer):
             "prompt: expected a string, a list of strings, a list of token ids",
         ),
         # the demo tokenizer's longest token, <|observation|>, has 15 bytes: 66 x 15 bytes is the most that can fit
-        ({"model": "tiny", "prompt": "x" * (66 * 15 + 1)}, 400, "prompt text has 991 bytes; --max-model-len 66"),
-        ({"model": "tiny", "prompt": "é" * 496}, 400, "prompt text has 992 bytes; --max-model-len 66"),
-        ({"model": "tiny", "prompt": "é" * 991}, 400, "prompt text has more than 991 bytes; --max-model-len 66"),
-        ({"model": "tiny", "prompt": [1] * 100_000}, 400, "the prompt has 100000 tokens; the server's --max-model"),
+        (
+            {"model": "tiny", "prompt": "x" * (66 * 15 + 1)},
+            400,
+            "prompt text has 991 bytes; --max-model-len 66",
+        ),
+        (
+            {"model": "tiny", "prompt": "é" * 496},
+            400,
+            "prompt text has 992 bytes; --max-model-len 66",
+        ),
+        (
+            {"model": "tiny", "prompt": "é" * 991},
+            400,
+            "prompt text has more than 991 bytes; --max-model-len 66",
+        ),
+        (
+            {"model": "tiny", "prompt": [1] * 100_000},
+            400,
+            "the prompt has 100000 tokens; the server's --max-model",
+        ),
     ],
 )
 def test_bad_completion_requests(served, body, status, fragment):
@@ -427,7 +619,9 @@ def test_bad_chat_requests_and_a_full_queue(served):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], top_logprobs=2
+        )
     engine.queue_full = True
     for stream in (False, True):
         with pytest.raises(openai.APIStatusError, match="the server is busy") as e:
@@ -462,16 +656,25 @@ def test_sampling_fields_reach_the_engine_request(served, tokenizer):
     s = request.sampling
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.7, 0.9, 5, 0.1, 11)
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -0.5, 1.2)
-    assert (s.logit_bias, s.min_tokens, s.logprobs, s.prompt_logprobs) == (((65, 10.0), (66, -100.0)), 3, None, None)
+    assert (s.logit_bias, s.min_tokens, s.logprobs, s.prompt_logprobs) == (
+        ((65, 10.0), (66, -100.0)),
+        3,
+        None,
+        None,
+    )
     assert request.eos_token_ids == (tokenizer.eos_token_id, 70, 71)  # eos, then the stop ids
-    client.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={"top_k": -1, "ignore_eos": True})
+    client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=2, extra_body={"top_k": -1, "ignore_eos": True}
+    )
     assert engine.requests[-1].sampling.top_k == 0 and engine.requests[-1].eos_token_ids == ()
 
 
 def test_stop_token_ids_and_include_stop_str_in_output(served, tokenizer):
     engine, client, _ = served
     stop_id = tokenizer.encode(",")[0]  # REPLY = "Grüße, wörld ..."
-    got = client.completions.create(model="tiny", prompt="Hi", max_tokens=60, extra_body={"stop_token_ids": [stop_id]})
+    got = client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=60, extra_body={"stop_token_ids": [stop_id]}
+    )
     assert (got.choices[0].text, got.choices[0].finish_reason) == ("Grüße", "stop")
     got = client.completions.create(
         model="tiny",
@@ -481,7 +684,11 @@ def test_stop_token_ids_and_include_stop_str_in_output(served, tokenizer):
     )
     assert got.choices[0].text == "Grüße,"
     got = client.completions.create(
-        model="tiny", prompt="Hi", max_tokens=60, stop=["wö"], extra_body={"include_stop_str_in_output": True}
+        model="tiny",
+        prompt="Hi",
+        max_tokens=60,
+        stop=["wö"],
+        extra_body={"include_stop_str_in_output": True},
     )
     assert got.choices[0].text == "Grüße, wö"
 
@@ -494,20 +701,31 @@ def test_batched_prompts_and_n_give_their_choices(served, tokenizer):
         REPLY.encode()[:3].decode(errors="replace")
     ] * 4  # 3 byte tokens: the ü is cut
     requests = engine.requests[-4:]
-    assert [r.prompt for r in requests] == [tokenizer.encode("Hi")] * 2 + [tokenizer.encode("Yo!")] * 2
+    assert [r.prompt for r in requests] == [tokenizer.encode("Hi")] * 2 + [
+        tokenizer.encode("Yo!")
+    ] * 2
     assert [r.sampling.seed for r in requests] == [40, 41, 42, 43]
     assert len({r.request_id for r in requests}) == 4
-    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (5, 12)  # each prompt counted once
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (
+        5,
+        12,
+    )  # each prompt counted once
     got = client.completions.create(model="tiny", prompt=[[5, 6], [7]], max_tokens=2)
     assert [r.prompt for r in engine.requests[-2:]] == [[5, 6], [7]] and len(got.choices) == 2
     chunks = list(
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3, stream=True)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], n=3, stream=True
+        )
     )
     by_choice = {
-        i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in range(3)
+        i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
+        for i in range(3)
     }
     assert by_choice == {0: REPLY, 1: REPLY, 2: REPLY}
-    assert sorted(c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason) == ["stop"] * 3
+    assert (
+        sorted(c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason)
+        == ["stop"] * 3
+    )
 
 
 def test_logprobs_in_the_completions_and_chat_shapes(served, tokenizer):
@@ -520,24 +738,44 @@ def test_logprobs_in_the_completions_and_chat_shapes(served, tokenizer):
     assert lp.token_logprobs == [-t / 100 for t in ids[:3]]
     assert lp.top_logprobs[0] == {"G": -ids[0] / 100, tokenizer.decode([7]): -7.0}
     assert lp.text_offset == [0, 1, 2]
-    chunks = list(client.completions.create(model="tiny", prompt="Hi", max_tokens=3, logprobs=0, stream=True))
+    chunks = list(
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=3, logprobs=0, stream=True)
+    )
     streamed = [t for c in chunks for t in c.choices[0].logprobs.token_logprobs]
     assert streamed == [-t / 100 for t in ids[:3]]  # every token once, whatever the text split
 
     chat = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True, top_logprobs=1
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=2,
+        logprobs=True,
+        top_logprobs=1,
     )
     content = chat.choices[0].logprobs.content
-    assert [(c.token, c.logprob, c.bytes) for c in content] == [("G", -ids[0] / 100, [71]), ("r", -ids[1] / 100, [114])]
+    assert [(c.token, c.logprob, c.bytes) for c in content] == [
+        ("G", -ids[0] / 100, [71]),
+        ("r", -ids[1] / 100, [114]),
+    ]
     assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("G", -ids[0] / 100)]
-    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    plain = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+    )
     assert plain.choices[0].logprobs is None and engine.requests[-1].sampling.logprobs is None
     chunks = list(
         client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4, logprobs=True, stream=True
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=4,
+            logprobs=True,
+            stream=True,
         )
     )
-    streamed = [c.logprob for chunk in chunks if chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    streamed = [
+        c.logprob
+        for chunk in chunks
+        if chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content
+    ]
     assert streamed == [-t / 100 for t in ids[:4]]
 
 
@@ -546,17 +784,25 @@ def test_echo_with_prompt_logprobs_and_max_tokens_zero(served, tokenizer):
     prompt = tokenizer.encode("Hey")
     got = client.completions.create(model="tiny", prompt="Hey", max_tokens=0, echo=True, logprobs=1)
     request = engine.requests[-1]
-    assert (request.max_new_tokens, request.sampling.prompt_logprobs) == (1, 1)  # one token generated, dropped
+    assert (request.max_new_tokens, request.sampling.prompt_logprobs) == (
+        1,
+        1,
+    )  # one token generated, dropped
     choice = got.choices[0]
     assert (choice.text, choice.finish_reason, got.usage.completion_tokens) == ("Hey", "length", 0)
     assert choice.logprobs.tokens == ["H", "e", "y"]
-    assert choice.logprobs.token_logprobs == [None, -0.5, -0.5] and choice.logprobs.top_logprobs[0] is None
+    assert (
+        choice.logprobs.token_logprobs == [None, -0.5, -0.5]
+        and choice.logprobs.top_logprobs[0] is None
+    )
     assert choice.logprobs.top_logprobs[1] == {"e": -0.5}
     got = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, echo=True)
     assert got.choices[0].text == "HeyGr" and got.choices[0].logprobs is None
     assert engine.requests[-1].sampling.prompt_logprobs is None
     chunks = list(
-        client.completions.create(model="tiny", prompt="Hey", max_tokens=2, echo=True, logprobs=0, stream=True)
+        client.completions.create(
+            model="tiny", prompt="Hey", max_tokens=2, echo=True, logprobs=0, stream=True
+        )
     )
     assert "".join(c.choices[0].text for c in chunks) == "HeyGr"
     assert chunks[0].choices[0].logprobs.token_logprobs[:3] == [None, -0.5, -0.5]
@@ -565,7 +811,8 @@ def test_echo_with_prompt_logprobs_and_max_tokens_zero(served, tokenizer):
 def test_chat_roles_template_kwargs_and_continuous_usage(served, tokenizer):
     engine, client, _ = served
     client.chat.completions.create(
-        model="tiny", messages=[{"role": "developer", "content": "Be brief"}, {"role": "user", "content": "x"}]
+        model="tiny",
+        messages=[{"role": "developer", "content": "Be brief"}, {"role": "user", "content": "x"}],
     )
     as_system = tokenizer.apply_chat_template(
         [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "x"}],
@@ -594,7 +841,11 @@ def test_chat_roles_template_kwargs_and_continuous_usage(served, tokenizer):
         )
     )
     completion = [c.usage.completion_tokens for c in chunks if c.choices]
-    assert completion == sorted(completion) and completion[-1] == 4 and chunks[-1].usage.completion_tokens == 4
+    assert (
+        completion == sorted(completion)
+        and completion[-1] == 4
+        and chunks[-1].usage.completion_tokens == 4
+    )
 
 
 def test_routes_headers_and_unknown_fields(served, tokenizer, caplog):
@@ -607,24 +858,45 @@ def test_routes_headers_and_unknown_fields(served, tokenizer, caplog):
     assert head.status_code == 200 and head.content == b""
     made = http.get("/health").headers["x-request-id"]
     assert len(made) == 32 and made != http.get("/health").headers["x-request-id"]
-    assert http.get("/v1/models", headers={"X-Request-Id": "mine-1"}).headers["x-request-id"] == "mine-1"
+    assert (
+        http.get("/v1/models", headers={"X-Request-Id": "mine-1"}).headers["x-request-id"]
+        == "mine-1"
+    )
     tokens = http.post("/tokenize", json={"model": "tiny", "prompt": "Hey"}).json()
-    assert tokens["tokens"] == tokenizer.encode("Hey") and tokens["count"] == 3 and tokens["max_model_len"] == 66
+    assert (
+        tokens["tokens"] == tokenizer.encode("Hey")
+        and tokens["count"] == 3
+        and tokens["max_model_len"] == 66
+    )
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hello"}]}).json()
-    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=1)
-    assert chat["tokens"] == engine.requests[-1].prompt  # what a chat request with these messages is prompted
-    assert http.post("/detokenize", json={"tokens": tokenizer.encode("Grüße")}).json() == {"prompt": "Grüße"}
+    client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=1
+    )
+    assert (
+        chat["tokens"] == engine.requests[-1].prompt
+    )  # what a chat request with these messages is prompted
+    assert http.post("/detokenize", json={"tokens": tokenizer.encode("Grüße")}).json() == {
+        "prompt": "Grüße"
+    }
     assert http.post("/detokenize", json={"tokens": [999]}).status_code == 400
     assert http.post("/tokenize", json={"prompt": "a", "messages": []}).status_code == 400
     with caplog.at_level(logging.WARNING, logger="spmoe.serve"):
         for _ in range(2):
             response = http.post(
                 "/v1/completions",
-                json={"model": "tiny", "prompt": "Hi", "max_tokens": 1, "frobnicate": 1, "suffix": None},
+                json={
+                    "model": "tiny",
+                    "prompt": "Hi",
+                    "max_tokens": 1,
+                    "frobnicate": 1,
+                    "suffix": None,
+                },
                 headers={"X-Request-Id": "req-77"},
             )
             assert response.status_code == 200 and response.headers["x-request-id"] == "req-77"
-    warnings = [r.getMessage() for r in caplog.records if "not supported and ignored" in r.getMessage()]
+    warnings = [
+        r.getMessage() for r in caplog.records if "not supported and ignored" in r.getMessage()
+    ]
     assert warnings == [
         "[req-77] request fields not supported and ignored (each name logged once): 'frobnicate', 'suffix'"
     ]
@@ -634,7 +906,9 @@ def test_routes_headers_and_unknown_fields(served, tokenizer, caplog):
         for names in ([f"flood{i}" for i in range(300)], ["one-more"]):
             body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1, **dict.fromkeys(names, 0)}
             assert http.post("/v1/completions", json=body).status_code == 200
-    warnings = [r.getMessage() for r in caplog.records if "not supported and ignored" in r.getMessage()]
+    warnings = [
+        r.getMessage() for r in caplog.records if "not supported and ignored" in r.getMessage()
+    ]
     assert len(warnings) == 1 and "no more after 256 names" in warnings[0], warnings
     assert "'flood7' and " in warnings[0] and "'flood8'" not in warnings[0]
 
@@ -649,25 +923,47 @@ def test_bad_chat_inputs_are_400(served):
         ({"model": "tiny", "messages": [{"role": "user", "content": "\ud83d"}]}, "lone surrogate"),
         ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         ({"model": "tiny", "messages": "hi"}, "messages: Input should be a valid list"),
-        ({"model": "tiny", "messages": too_long}, "messages text has 1000 bytes; --max-model-len 66"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "3"}, "integer"),
+        (
+            {"model": "tiny", "messages": too_long},
+            "messages text has 1000 bytes; --max-model-len 66",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": "3",
+            },
+            "integer",
+        ),
     ):
         response = http.post(
-            "/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"}
+            "/v1/chat/completions",
+            content=json.dumps(body),
+            headers={"content-type": "application/json"},
         )
-        assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+        assert response.status_code == 400 and fragment in response.json()["error"]["message"], (
+            response.text
+        )
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_read(tokenizer):
     engine = ScriptedEngineClient(tokenizer.encode("ok"))
-    http = TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"]), FrontEndLimits(max_request_bytes=1000)))
+    http = TestClient(
+        build_app(engine, tokenizer, ApiSettings(["tiny"]), FrontEndLimits(max_request_bytes=1000))
+    )
     small = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2, "user": "u" * 900})
     assert len(small) <= 1000 and http.post("/v1/completions", content=small).status_code == 200
     big = json.dumps({"model": "tiny", "prompt": "Hi", "user": "u" * 1000})
-    for content in (big, iter([big[:600].encode(), big[600:].encode()])):  # with Content-Length, and chunked
+    for content in (
+        big,
+        iter([big[:600].encode(), big[600:].encode()]),
+    ):  # with Content-Length, and chunked
         response = http.post("/v1/completions", content=content)
         assert response.status_code == 413, response.text
-        assert "longer than the server's --max-request-bytes 1000" in response.json()["error"]["message"]
+        assert (
+            "longer than the server's --max-request-bytes 1000"
+            in response.json()["error"]["message"]
+        )
     assert len(engine.requests) == 1
 
 
@@ -679,9 +975,13 @@ def test_an_unexpected_error_is_a_generic_500_with_an_id(served, caplog):
     message = response.json()["error"]["message"]
     assert message.startswith("internal server error (id ") and "secret" not in response.text
     error_id = message.split("(id ")[1].split(")")[0]
-    assert any(error_id in r.getMessage() for r in caplog.records)  # the details are in the log, under the id
+    assert any(
+        error_id in r.getMessage() for r in caplog.records
+    )  # the details are in the log, under the id
     engine.failure = None
-    engine.ends_with_error = "RuntimeError: [/home/someone/secret/gloo.cpp:84] Connection closed by peer"
+    engine.ends_with_error = (
+        "RuntimeError: [/home/someone/secret/gloo.cpp:84] Connection closed by peer"
+    )
     stream = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "stream": True})
     assert stream.text.endswith("data: [DONE]\n\n") and "secret" not in stream.text
     assert "the engine ended this request (error)" in stream.text
@@ -704,7 +1004,9 @@ def test_tokenizing_runs_off_the_event_loop(tokenizer, served):
     tokenizer.encode = recording_encode
     try:
         client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+        )
     finally:
         del tokenizer.encode
     assert len(threads) == 2 and all(name.startswith("spmoe-tokenize") for name in threads), threads
@@ -712,17 +1014,31 @@ def test_tokenizing_runs_off_the_event_loop(tokenizer, served):
 
 def test_api_key(tokenizer):
     engine = ScriptedEngineClient(tokenizer.encode("ok"))
-    http = TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"]), FrontEndLimits(api_key="s3cret")))
+    http = TestClient(
+        build_app(engine, tokenizer, ApiSettings(["tiny"]), FrontEndLimits(api_key="s3cret"))
+    )
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/nothing")):
-            response = http.request(method, path, headers=headers, json={"model": "tiny", "prompt": "Hi"})
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("GET", "/v1/nothing"),
+        ):
+            response = http.request(
+                method, path, headers=headers, json={"model": "tiny", "prompt": "Hi"}
+            )
             assert response.status_code == 401, (headers, path)
             assert response.json()["error"]["type"] == "authentication_error"
     assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
-    client = openai.OpenAI(base_url="http://testserver/v1", api_key="s3cret", http_client=http, max_retries=0)
-    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text == "ok"
+    client = openai.OpenAI(
+        base_url="http://testserver/v1", api_key="s3cret", http_client=http, max_retries=0
+    )
+    assert (
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text == "ok"
+    )
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url="http://testserver/v1", api_key="nope", http_client=http, max_retries=0).models.list()
+        openai.OpenAI(
+            base_url="http://testserver/v1", api_key="nope", http_client=http, max_retries=0
+        ).models.list()
 
 
 def run_requests_then(app, bodies: list[dict], then):
@@ -732,7 +1048,9 @@ def run_requests_then(app, bodies: list[dict], then):
 
     async def main():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as http:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://testserver", timeout=60
+        ) as http:
             sent = [asyncio.create_task(http.post("/v1/completions", json=body)) for body in bodies]
             while app.state.api.open_requests < len(bodies):
                 await asyncio.sleep(0.01)
@@ -769,9 +1087,14 @@ def test_sigterm_drains_then_ends_open_streams_with_done(tokenizer):
         and '"finish_reason": "length"' in short.text
     )
     events = streamed.text.split("\n\n")
-    assert events[-2:] == ["data: [DONE]", ""] and "the server is shutting down" in events[-3], events[-3:]
+    assert events[-2:] == ["data: [DONE]", ""] and "the server is shutting down" in events[-3], (
+        events[-3:]
+    )
     assert '"finish_reason": "length"' not in streamed.text
-    assert whole.status_code == 503 and "the server is shutting down" in whole.json()["error"]["message"]
+    assert (
+        whole.status_code == 503
+        and "the server is shutting down" in whole.json()["error"]["message"]
+    )
     assert late.status_code == 503 and health == 503
     assert len(engine.closed_early) == 2 and app.state.api.open_requests == 0
 
@@ -786,11 +1109,15 @@ def test_a_stalled_engine_fails_every_request(tokenizer):
 
     async def stall():
         engine.stalled_s = 3.5
-        return await supervise(app.state.api, engine, StopPolicy(engine_timeout_s=3), asyncio.Queue())
+        return await supervise(
+            app.state.api, engine, StopPolicy(engine_timeout_s=3), asyncio.Queue()
+        )
 
     responses, ending, late, health = run_requests_then(app, bodies, stall)
     assert ending is None and "no engine step finished in 4 s (--engine-timeout 3)" in engine.error
     for response in responses:
-        assert response.text.endswith("data: [DONE]\n\n") and "the engine has stopped" in response.text
+        assert (
+            response.text.endswith("data: [DONE]\n\n") and "the engine has stopped" in response.text
+        )
         assert '"finish_reason": "length"' not in response.text
     assert late.status_code == 503 and health == 503

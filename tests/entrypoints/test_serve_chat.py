@@ -53,8 +53,13 @@ class AgentEngine(ScriptedEngineClient):
 
 
 def _client(engine, tokenizer, options: ChatOptions) -> openai.OpenAI:
-    http = TestClient(build_app(engine, tokenizer, ApiSettings(["glm"], chat=options)), raise_server_exceptions=False)
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    http = TestClient(
+        build_app(engine, tokenizer, ApiSettings(["glm"], chat=options)),
+        raise_server_exceptions=False,
+    )
+    return openai.OpenAI(
+        base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0
+    )
 
 
 GLM = ChatOptions(reasoning_parser="glm45", tool_call_parser="glm47", enable_auto_tool_choice=True)
@@ -67,8 +72,14 @@ def test_agent_loop(tokenizer, stream):
 
     def ask(messages):
         if not stream:
-            return client.chat.completions.create(model="glm", messages=messages, tools=[TOOL]).choices[0]
-        chunks = list(client.chat.completions.create(model="glm", messages=messages, tools=[TOOL], stream=True))
+            return client.chat.completions.create(
+                model="glm", messages=messages, tools=[TOOL]
+            ).choices[0]
+        chunks = list(
+            client.chat.completions.create(
+                model="glm", messages=messages, tools=[TOOL], stream=True
+            )
+        )
         message = {"reasoning_content": "", "content": "", "tool_calls": {}}
         for chunk in chunks:
             delta = chunk.choices[0].delta
@@ -76,12 +87,18 @@ def test_agent_loop(tokenizer, stream):
             message["content"] += delta.content or ""
             for call in delta.tool_calls or []:
                 entry = message["tool_calls"].setdefault(call.index, {"arguments": "", "pieces": 0})
-                entry.update({k: v for k, v in (("id", call.id), ("name", call.function.name)) if v})
+                entry.update(
+                    {k: v for k, v in (("id", call.id), ("name", call.function.name)) if v}
+                )
                 entry["arguments"] += call.function.arguments or ""
                 entry["pieces"] += 1
         ask.pieces = [c["pieces"] for c in message["tool_calls"].values()]
         calls = [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            {
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": c["arguments"]},
+            }
             for c in message["tool_calls"].values()
         ]
         message = openai.types.chat.ChatCompletionMessage(
@@ -136,25 +153,35 @@ def test_client_helpers(tokenizer, monkeypatch):
     engine = AgentEngine(tokenizer)
     client = _client(engine, tokenizer, GLM)
     encoded, encode = [], tokenizer.encode
-    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(text) or encode(text, **kw))
+    monkeypatch.setattr(
+        tokenizer, "encode", lambda text, **kw: encoded.append(text) or encode(text, **kw)
+    )
     engine.reply = 'Thinking.</think>{"city": "Oslo", "days": 3}'
     for _ in range(2):
-        parsed = client.chat.completions.parse(model="glm", messages=[USER], response_format=Weather)
+        parsed = client.chat.completions.parse(
+            model="glm", messages=[USER], response_format=Weather
+        )
         assert parsed.choices[0].message.parsed == Weather(city="Oslo", days=3)
         request = engine.requests[-1]
-        assert request.grammar.kind == "json_schema" and json.loads(request.grammar.text)["required"] == [
+        assert request.grammar.kind == "json_schema" and json.loads(request.grammar.text)[
+            "required"
+        ] == [
             "city",
             "days",
         ]
         assert request.grammar_start_after == tuple(encode("</think>"))
-    assert encoded and "</think>" not in encoded  # the prompts and replies went through it, never the tag
+    assert (
+        encoded and "</think>" not in encoded
+    )  # the prompts and replies went through it, never the tag
     monkeypatch.undo()
 
     engine.reply = CALL
     tool = openai.pydantic_function_tool(Weather, name="get_weather")
     with client.chat.completions.stream(model="glm", messages=[USER], tools=[tool]) as stream:
         final = stream.get_final_completion()
-    assert final.choices[0].message.tool_calls[0].function.parsed_arguments == Weather(city="Paris", days=2)
+    assert final.choices[0].message.tool_calls[0].function.parsed_arguments == Weather(
+        city="Paris", days=2
+    )
     assert engine.requests[-1].grammar is None  # "auto": the model decides
 
 
@@ -172,14 +199,19 @@ def test_thinking_off_and_tool_choice_none(tokenizer):
     message = reply.choices[0].message
     assert message.content == engine.reply and message.model_extra["reasoning_content"] is None
     assert message.tool_calls == [] and reply.choices[0].finish_reason == "stop"
-    assert tokenizer.decode(engine.requests[-1].prompt, skip_special_tokens=False).endswith("<|assistant|></think>")
+    assert tokenizer.decode(engine.requests[-1].prompt, skip_special_tokens=False).endswith(
+        "<|assistant|></think>"
+    )
 
 
 def test_no_parsers_leaves_the_text_alone(tokenizer):
     engine = AgentEngine(tokenizer)
-    reply = _client(engine, tokenizer, ChatOptions()).chat.completions.create(model="glm", messages=[USER])
+    reply = _client(engine, tokenizer, ChatOptions()).chat.completions.create(
+        model="glm", messages=[USER]
+    )
     assert (
-        reply.choices[0].message.content == CALL and reply.choices[0].message.model_extra["reasoning_content"] is None
+        reply.choices[0].message.content == CALL
+        and reply.choices[0].message.model_extra["reasoning_content"] is None
     )
 
 
@@ -188,11 +220,15 @@ def test_tool_choice_required_and_named_constrain(tokenizer):
     client = _client(engine, tokenizer, ChatOptions(tool_call_parser="glm47"))
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice in ("required", named):
-        reply = client.chat.completions.create(model="glm", messages=[USER], tools=[TOOL], tool_choice=choice)
+        reply = client.chat.completions.create(
+            model="glm", messages=[USER], tools=[TOOL], tool_choice=choice
+        )
         assert reply.choices[0].finish_reason == "tool_calls"
         grammar = engine.requests[-1].grammar
         assert grammar.kind == "ebnf" and "<tool_call>get_weather" in grammar.text
-        assert engine.requests[-1].grammar_start_after == ()  # no reasoning parser: from the first token
+        assert (
+            engine.requests[-1].grammar_start_after == ()
+        )  # no reasoning parser: from the first token
 
 
 @pytest.mark.parametrize(
@@ -216,16 +252,32 @@ def test_tool_choice_required_and_named_constrain(tokenizer):
         ),
         (
             GLM,
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "foo"}},
+                }
+            },
             'the json_schema grammar does not compile: Unsupported type "foo"',
         ),
-        (GLM, {"guided_regex": "(a", "response_format": {"type": "json_object"}}, "only one of these may constrain"),
-        (GLM, {"messages": [{"role": "assistant", "content": None}]}, "a 'assistant' message needs 'content'"),
+        (
+            GLM,
+            {"guided_regex": "(a", "response_format": {"type": "json_object"}},
+            "only one of these may constrain",
+        ),
+        (
+            GLM,
+            {"messages": [{"role": "assistant", "content": None}]},
+            "a 'assistant' message needs 'content'",
+        ),
         (
             GLM,
             {
                 "messages": [
-                    {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}]}
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}],
+                    }
                 ]
             },
             "a tool call's function.arguments must be a JSON object's text, got '[1]'",
@@ -243,13 +295,20 @@ def test_tool_choice_required_and_named_constrain(tokenizer):
             },
             "only an assistant message may have",
         ),
-        (GLM, {"chat_template_kwargs": {"enable_thinking": "yes"}}, "enable_thinking must be true or false, got 'yes'"),
+        (
+            GLM,
+            {"chat_template_kwargs": {"enable_thinking": "yes"}},
+            "enable_thinking must be true or false, got 'yes'",
+        ),
         (GLM, {"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs must not set tools"),
     ],
 )
 def test_bad_chat_requests(tokenizer, options, body, fragment):
     engine = AgentEngine(tokenizer)
-    http = TestClient(build_app(engine, tokenizer, ApiSettings(["glm"], chat=options)), raise_server_exceptions=False)
+    http = TestClient(
+        build_app(engine, tokenizer, ApiSettings(["glm"], chat=options)),
+        raise_server_exceptions=False,
+    )
     response = http.post("/v1/chat/completions", json={"model": "glm", "messages": [USER], **body})
     assert response.status_code == 400, response.text
     assert fragment in response.json()["error"]["message"]
@@ -260,7 +319,9 @@ def test_completions_take_structured_output(tokenizer):
     engine = AgentEngine(tokenizer)
     engine.reply = "yes"
     client = _client(engine, tokenizer, GLM)
-    client.completions.create(model="glm", prompt="Q", max_tokens=4, extra_body={"guided_choice": ["yes", "no"]})
+    client.completions.create(
+        model="glm", prompt="Q", max_tokens=4, extra_body={"guided_choice": ["yes", "no"]}
+    )
     assert engine.requests[-1].grammar == GrammarSpec("choice", '["yes", "no"]')
     assert engine.requests[-1].grammar_start_after == ()
 
@@ -284,21 +345,29 @@ def test_a_stream_sends_no_empty_delta_and_loses_no_logprobs(tokenizer, n):
             stream_options={"include_usage": True},
         )
     )
-    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == n * len(
-        engine.script
-    )
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[
+        -1
+    ].usage.completion_tokens == n * len(engine.script)
     for index in range(n):
         mine = [c.choices[0] for c in chunks[1:-1] if c.choices[0].index == index]
         assert mine and mine[-1].finish_reason == "tool_calls"
         for choice in mine[:-1]:
             delta = choice.delta
             assert choice.finish_reason is None
-            assert delta.content or delta.tool_calls or (delta.model_extra or {}).get("reasoning_content"), choice
+            assert (
+                delta.content
+                or delta.tool_calls
+                or (delta.model_extra or {}).get("reasoning_content")
+            ), choice
         logprobs = [entry for choice in mine for entry in choice.logprobs.content]
         generated = engine.script  # the text's bytes, then the eos id
-        assert [bytes(entry.bytes) for entry in logprobs] == [bytes([t]) for t in generated[:-1]] + [b"<|end|>"]
+        assert [bytes(entry.bytes) for entry in logprobs] == [
+            bytes([t]) for t in generated[:-1]
+        ] + [b"<|end|>"]
         assert [entry.logprob for entry in logprobs] == [-t / 100 for t in generated]
         assert [[top.logprob for top in entry.top_logprobs] for entry in logprobs] == [
             [-t / 100, -7.0] for t in generated
         ]
-        assert len(mine) < len(generated)  # a token a step, some held back: their logprobs came later
+        assert len(mine) < len(
+            generated
+        )  # a token a step, some held back: their logprobs came later

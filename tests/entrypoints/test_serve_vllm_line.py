@@ -22,7 +22,11 @@ from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 from tests.engine.conftest import ENGINE_CONFIG
 
 REPO, REV = "zai-org/GLM-5.2", "0123456789abcdef0123456789abcdef01234567"
-CONFIG = {**ENGINE_CONFIG, "vocab_size": 264, "max_position_embeddings": 131072}  # the demo tokenizer; 128k fits
+CONFIG = {
+    **ENGINE_CONFIG,
+    "vocab_size": 264,
+    "max_position_embeddings": 131072,
+}  # the demo tokenizer; 128k fits
 GENERATION = {"temperature": 0.7, "top_p": 0.8, "max_new_tokens": 5}
 RECIPE = (
     f"{REPO} --tensor-parallel-size 2 --enable-expert-parallel "
@@ -55,13 +59,24 @@ def server(hf_home, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm_line") / "stderr.txt"
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    command = ["spmoe", "serve", *RECIPE, *EXTRA.split(), "--max-num-seqs", "2", "--port", str(port)]
+    command = [
+        "spmoe",
+        "serve",
+        *RECIPE,
+        *EXTRA.split(),
+        "--max-num-seqs",
+        "2",
+        "--port",
+        str(port),
+    ]
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", *command], stdout=err, stderr=err, env=env)
     deadline = time.monotonic() + START_TIMEOUT_S
     while "ready: http://" not in log.read_text():
         assert proc.poll() is None, f"spmoe serve exited with {proc.returncode}:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"spmoe serve not ready after {START_TIMEOUT_S} s:\n{log.read_text()}"
+        assert time.monotonic() < deadline, (
+            f"spmoe serve not ready after {START_TIMEOUT_S} s:\n{log.read_text()}"
+        )
         time.sleep(0.2)
     yield f"http://127.0.0.1:{port}", log
     proc.send_signal(signal.SIGTERM)
@@ -91,21 +106,34 @@ def test_the_recipe_line_serves_the_model_id_from_the_cache(server, hf_home):
     assert "device cpu: no GPU is visible" in text or "device cuda: a GPU is visible" in text
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     models = client.models.list().data
-    assert [(m.id, m.model_extra["max_model_len"]) for m in models] == [("glm-5.2", 128000), ("glm", 128000)]
-    chat = client.chat.completions.create(model="glm", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert [(m.id, m.model_extra["max_model_len"]) for m in models] == [
+        ("glm-5.2", 128000),
+        ("glm", 128000),
+    ]
+    chat = client.chat.completions.create(
+        model="glm", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
     assert chat.model == "glm-5.2" and chat.usage.completion_tokens <= 4
 
 
 def test_generation_defaults_apply_to_what_a_request_leaves_out(server):
     base, _ = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    left_out = client.completions.create(model="glm-5.2", prompt="Hello", seed=5, extra_body={"ignore_eos": True})
+    left_out = client.completions.create(
+        model="glm-5.2", prompt="Hello", seed=5, extra_body={"ignore_eos": True}
+    )
     assert left_out.usage.completion_tokens == GENERATION["max_new_tokens"]
-    own = client.completions.create(model="glm-5.2", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+    own = client.completions.create(
+        model="glm-5.2", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert own.usage.completion_tokens == 3
     # the model's default temperature applies with speculation too: sampled, so the seed decides the text
-    again = client.completions.create(model="glm-5.2", prompt="Hello", seed=5, extra_body={"ignore_eos": True})
-    other = client.completions.create(model="glm-5.2", prompt="Hello", seed=6, extra_body={"ignore_eos": True})
+    again = client.completions.create(
+        model="glm-5.2", prompt="Hello", seed=5, extra_body={"ignore_eos": True}
+    )
+    other = client.completions.create(
+        model="glm-5.2", prompt="Hello", seed=6, extra_body={"ignore_eos": True}
+    )
     assert again.choices[0].text == left_out.choices[0].text != other.choices[0].text
 
 
@@ -119,7 +147,10 @@ def test_structured_output_on_the_speculating_server(server):
     drafted_before = spec_counter(base, "spmoe:spec_decode_num_draft_tokens")
     schema = {
         "type": "object",
-        "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer", "maximum": 99}},
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "integer", "maximum": 99},
+        },
         "required": ["color", "size"],
     }
     for temperature in (None, 0):
@@ -129,7 +160,10 @@ def test_structured_output_on_the_speculating_server(server):
             max_tokens=64,
             seed=3,
             temperature=temperature,
-            response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}},
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "pick", "schema": schema},
+            },
             extra_body={"chat_template_kwargs": {"enable_thinking": False}},
         ).choices[0]
         assert reply.finish_reason == "stop", reply
@@ -167,15 +201,42 @@ def spec_counter(base: str, name: str) -> float:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["-pp", "2"], "-pp 2: spmoe does not support pipeline parallelism; for several machines run spmoe under "),
-        (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray: spmoe does not support the"),
-        (["--data-parallel-address", "10.0.0.2"], "--data-parallel-address 10.0.0.2: spmoe does not support vLLM's"),
-        (["--enable-eplb"], "--enable-eplb: spmoe does not support expert load balancing; experts are placed"),
-        (["--compilation-config", "{}"], "--compilation-config {}: spmoe does not support torch.compile"),
-        (["--speculative-config", '{"method": "eagle3"}'], "argument --speculative-config: method 'eagle3' is not"),
-        (["--speculative-config.draft_model", "x"], "argument --speculative-config: spmoe does not support the key"),
-        (["--max-model-len", "1.5K"], "argument --max-model-len: a fraction needs a decimal suffix (k, m, g)"),
-        (["--kv-cache-dtype", "fp8_e5m2"], "argument --kv-cache-dtype: expected one of auto, fp8, fp8_e4m3"),
+        (
+            ["-pp", "2"],
+            "-pp 2: spmoe does not support pipeline parallelism; for several machines run spmoe under ",
+        ),
+        (
+            ["--distributed-executor-backend", "ray"],
+            "--distributed-executor-backend ray: spmoe does not support the",
+        ),
+        (
+            ["--data-parallel-address", "10.0.0.2"],
+            "--data-parallel-address 10.0.0.2: spmoe does not support vLLM's",
+        ),
+        (
+            ["--enable-eplb"],
+            "--enable-eplb: spmoe does not support expert load balancing; experts are placed",
+        ),
+        (
+            ["--compilation-config", "{}"],
+            "--compilation-config {}: spmoe does not support torch.compile",
+        ),
+        (
+            ["--speculative-config", '{"method": "eagle3"}'],
+            "argument --speculative-config: method 'eagle3' is not",
+        ),
+        (
+            ["--speculative-config.draft_model", "x"],
+            "argument --speculative-config: spmoe does not support the key",
+        ),
+        (
+            ["--max-model-len", "1.5K"],
+            "argument --max-model-len: a fraction needs a decimal suffix (k, m, g)",
+        ),
+        (
+            ["--kv-cache-dtype", "fp8_e5m2"],
+            "argument --kv-cache-dtype: expected one of auto, fp8, fp8_e4m3",
+        ),
     ],
 )
 def test_a_refused_flag_stops_before_any_rank_in_one_line(argv, message, capsys):
@@ -194,11 +255,19 @@ def test_a_refused_flag_stops_before_any_rank_in_one_line(argv, message, capsys)
             [REPO, "--quantization", "awq"],
             "--quantization awq: spmoe does not quantize at load time and the checkpoint",
         ),
-        ([REPO, "--block-size", "16"], "--block-size 16: spmoe's paged cache has blocks of 64 tokens only"),
-        ([REPO, "--cuda-graphs", "--enforce-eager"], "--cuda-graphs and --enforce-eager contradict each other"),
+        (
+            [REPO, "--block-size", "16"],
+            "--block-size 16: spmoe's paged cache has blocks of 64 tokens only",
+        ),
+        (
+            [REPO, "--cuda-graphs", "--enforce-eager"],
+            "--cuda-graphs and --enforce-eager contradict each other",
+        ),
     ],
 )
-def test_bad_values_are_one_line_errors_before_any_rank(argv, message, hf_home, monkeypatch, capsys):
+def test_bad_values_are_one_line_errors_before_any_rank(
+    argv, message, hf_home, monkeypatch, capsys
+):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))

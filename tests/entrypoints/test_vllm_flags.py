@@ -27,10 +27,22 @@ def parser() -> argparse.ArgumentParser:
             ["--distributed-executor-backend", "ray"],
             "--distributed-executor-backend ray: spmoe does not support the ray and external_launcher executors",
         ),
-        (["--data-parallel-address", "10.0.0.1"], "--data-parallel-address 10.0.0.1: spmoe does not support vLLM's"),
-        (["--headless"], "--headless: spmoe does not support vLLM's multi-node data parallelism; for several"),
-        (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: spmoe does not support turning chunked"),
-        (["--tokenizer-mode", "deepseek_v32"], "--tokenizer-mode deepseek_v32: spmoe does not support other tokenizer"),
+        (
+            ["--data-parallel-address", "10.0.0.1"],
+            "--data-parallel-address 10.0.0.1: spmoe does not support vLLM's",
+        ),
+        (
+            ["--headless"],
+            "--headless: spmoe does not support vLLM's multi-node data parallelism; for several",
+        ),
+        (
+            ["--no-enable-chunked-prefill"],
+            "--no-enable-chunked-prefill: spmoe does not support turning chunked",
+        ),
+        (
+            ["--tokenizer-mode", "deepseek_v32"],
+            "--tokenizer-mode deepseek_v32: spmoe does not support other tokenizer",
+        ),
         (["-O", "3"], "-O 3: spmoe does not support torch.compile"),
     ],
 )
@@ -68,7 +80,9 @@ def test_accepted_flags_and_values_leave_notes():
         "chunks)",
     ]
     assert parser().parse_args([]).vllm_notes == []
-    assert not {"trust_remote_code", "pipeline_parallel_size"} & set(vars(args))  # nothing else is stored
+    assert not {"trust_remote_code", "pipeline_parallel_size"} & set(
+        vars(args)
+    )  # nothing else is stored
 
 
 def test_the_table_is_consistent():

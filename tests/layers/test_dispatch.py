@@ -43,7 +43,10 @@ def case(rows: int, world: int, rank: int, dtype):
     ids = ids.masked_fill(pad[:, None], -1)
     weights = torch.rand(total, TOP_K, generator=gen).masked_fill(pad[:, None], 0.0)
     w13 = torch.randn(experts, 2 * cfg.moe_intermediate_size, size, generator=gen) * size**-0.5
-    w2 = torch.randn(experts, size, cfg.moe_intermediate_size, generator=gen) * cfg.moe_intermediate_size**-0.5
+    w2 = (
+        torch.randn(experts, size, cfg.moe_intermediate_size, generator=gen)
+        * cfg.moe_intermediate_size**-0.5
+    )
     return cfg, x, ids, weights, w13.to(dtype), w2.to(dtype), slice(rank * rows, (rank + 1) * rows)
 
 
@@ -60,7 +63,9 @@ def run_dispatch(dtypes):
                 experts.down_proj.copy_(w2[experts.first : experts.first + per_rank])
                 for name, dispatch in DISPATCH.items():
                     with count_collectives() as counted:
-                        out = dispatch(x[mine], ids[mine], weights[mine], experts, state.ep_group, rows)
+                        out = dispatch(
+                            x[mine], ids[mine], weights[mine], experts, state.ep_group, rows
+                        )
                     results.append((dtype, rows, name, out, counted.as_dict()))
     return results
 
@@ -77,7 +82,9 @@ def reference(x, ids, weights, w13, w2):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_dispatch_backends_match_reference(world):
     dtypes = [torch.float32, torch.bfloat16]
-    per_rank = spawn(run_dispatch, world, dtypes, config=ParallelConfig(tensor_parallel_size=world, sp="on"))
+    per_rank = spawn(
+        run_dispatch, world, dtypes, config=ParallelConfig(tensor_parallel_size=world, sp="on")
+    )
     for i, (dtype, rows, name, _, counted) in enumerate(per_rank[0]):
         cfg, x, ids, weights, w13, w2, _ = case(rows, world, 0, dtype)
         want = reference(x, ids, weights, w13, w2)
@@ -97,7 +104,8 @@ def test_dispatch_backends_match_reference(world):
             received = sum(0 in o for o in owners)
             row_bytes = cfg.hidden_size * x.element_size()
             assert (
-                counted["all_to_all"]["bytes"] == world * 8 + sent * (row_bytes + 2 * TOP_K * 4) + received * row_bytes
+                counted["all_to_all"]["bytes"]
+                == world * 8 + sent * (row_bytes + 2 * TOP_K * 4) + received * row_bytes
             )
         else:
             assert counted["all_gather"]["count"] == 1 and counted["reduce_scatter"]["count"] == 1

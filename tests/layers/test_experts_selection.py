@@ -98,15 +98,28 @@ def test_auto_selection_matrix():
         assert name == expected(d), d
         chosen[name] = chosen.get(name, 0) + 1
         if sp:  # never the kernel that routes inside, and always one that takes our routing (pad rows masked)
-            assert name != "flashinfer_trtllm_monolithic" and not select_experts(d).routes_internally
+            assert (
+                name != "flashinfer_trtllm_monolithic" and not select_experts(d).routes_internally
+            )
         if eplb:
             assert not name.startswith("flashinfer_trtllm")
-    assert set(chosen) == {"torch", "triton", "flashinfer_trtllm_monolithic", "flashinfer_trtllm_modular"}
+    assert set(chosen) == {
+        "torch",
+        "triton",
+        "flashinfer_trtllm_monolithic",
+        "flashinfer_trtllm_modular",
+    }
 
 
 def test_sequence_parallel_on_blackwell_picks_the_modular_trtllm_kernel():
-    assert select_experts(deployment(capability=BLACKWELL, sp=False)).name == "flashinfer_trtllm_monolithic"
-    assert select_experts(deployment(capability=BLACKWELL, sp=True)).name == "flashinfer_trtllm_modular"
+    assert (
+        select_experts(deployment(capability=BLACKWELL, sp=False)).name
+        == "flashinfer_trtllm_monolithic"
+    )
+    assert (
+        select_experts(deployment(capability=BLACKWELL, sp=True)).name
+        == "flashinfer_trtllm_modular"
+    )
     assert (
         select_experts(deployment(capability=BLACKWELL, sp=True), "flashinfer_trtllm").name
         == "flashinfer_trtllm_modular"
@@ -116,7 +129,9 @@ def test_sequence_parallel_on_blackwell_picks_the_modular_trtllm_kernel():
 def test_supports_parallel_config():
     for sp, eplb, dp in itertools.product([False, True], [False, True], [1, 2]):
         d = deployment(capability=BLACKWELL, sp=sp, eplb=eplb, dp=dp)
-        assert TrtLlmFp8ExpertsBase._supports_parallel_config(d) == (not sp and not eplb and dp == 1)
+        assert TrtLlmFp8ExpertsBase._supports_parallel_config(d) == (
+            not sp and not eplb and dp == 1
+        )
         assert TrtLlmFp8ExpertsModular._supports_parallel_config(d) == (not eplb)
 
 
@@ -125,17 +140,37 @@ def test_supports_parallel_config():
     [
         ("triton", deployment(device="cpu"), "triton: needs a CUDA device, got cpu"),
         ("triton", deployment(triton=False), "triton: triton is not installed"),
-        ("triton", deployment(dtype=torch.float32), "triton: computes in bfloat16 / float16, got torch.float32"),
-        ("triton", deployment(fp8_block=(64, 64)), "triton: FP8 weights need 128 x 128 blocks, got (64, 64)"),
-        ("triton", deployment(capability=(8, 0)), "needs compute capability >= (8, 9) for FP8, got (8, 0)"),
-        ("triton", deployment(hidden=48), "hidden size 48 and expert intermediate size 2048 must be multiples of 128"),
+        (
+            "triton",
+            deployment(dtype=torch.float32),
+            "triton: computes in bfloat16 / float16, got torch.float32",
+        ),
+        (
+            "triton",
+            deployment(fp8_block=(64, 64)),
+            "triton: FP8 weights need 128 x 128 blocks, got (64, 64)",
+        ),
+        (
+            "triton",
+            deployment(capability=(8, 0)),
+            "needs compute capability >= (8, 9) for FP8, got (8, 0)",
+        ),
+        (
+            "triton",
+            deployment(hidden=48),
+            "hidden size 48 and expert intermediate size 2048 must be multiples of 128",
+        ),
         (
             "flashinfer_trtllm",
             deployment(capability=HOPPER),
             "flashinfer_trtllm_monolithic: needs a Blackwell SM100-family GPU, got cuda with capability (9, 0); "
             "flashinfer_trtllm_modular: needs a Blackwell SM100-family GPU",
         ),
-        ("flashinfer_trtllm", deployment(capability=BLACKWELL, flashinfer=False), "FlashInfer is not installed"),
+        (
+            "flashinfer_trtllm",
+            deployment(capability=BLACKWELL, flashinfer=False),
+            "FlashInfer is not installed",
+        ),
         ("flashinfer_trtllm", deployment(capability=BLACKWELL, eplb=True), "EPLB: True"),
         (
             "flashinfer_trtllm",
@@ -145,7 +180,9 @@ def test_supports_parallel_config():
     ],
 )
 def test_explicit_request_that_does_not_fit_says_why(requested, d, fragment):
-    with pytest.raises(ValueError, match=f"moe_backend {requested!r} does not fit this deployment: ") as err:
+    with pytest.raises(
+        ValueError, match=f"moe_backend {requested!r} does not fit this deployment: "
+    ) as err:
         select_experts(d, requested)
     assert fragment in str(err.value)
 

@@ -8,7 +8,11 @@ elements."""
 import pytest
 import torch
 
-from spmoe.layers.quantization.fp8_linear import fp8_head_matmul_torch, fp8_linear_torch, quantize_blocks
+from spmoe.layers.quantization.fp8_linear import (
+    fp8_head_matmul_torch,
+    fp8_linear_torch,
+    quantize_blocks,
+)
 
 from ..multigpu import requires_gpus
 
@@ -47,7 +51,9 @@ def _weight(n: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
 
 @requires_gpus(1)
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(2048 + 576 + 128 + 32, 6144), (6144, 16384), (4096, 6144), (200, 300), (136, 128)])
+@pytest.mark.parametrize(
+    "n,k", [(2048 + 576 + 128 + 32, 6144), (6144, 16384), (4096, 6144), (200, 300), (136, 128)]
+)
 def test_fp8_matmul_matches_torch(n, k):
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     w, s = _weight(n, k, gen)
@@ -59,7 +65,9 @@ def test_fp8_matmul_matches_torch(n, k):
         got = fp8_matmul(x, w, s, out=out)
         assert got.data_ptr() == out.data_ptr()
         _close(got, want)
-    strided = torch.randn(9, 2 * k, device="cuda", dtype=torch.bfloat16, generator=gen)[:, :k]  # a view's rows
+    strided = torch.randn(9, 2 * k, device="cuda", dtype=torch.bfloat16, generator=gen)[
+        :, :k
+    ]  # a view's rows
     _close(fp8_matmul(strided, w, s), fp8_linear_torch(strided, w, s))
 
 
@@ -73,7 +81,14 @@ def test_fp8_matmul_split_k_matches_torch(n, k):
     w, s = _weight(n, k, gen)
     blocks = -(-k // 128)
     splits = sorted({1, 2, 3, 5, blocks})
-    for m, tiles in ((1, (16, 64)), (7, (16, 128)), (16, (16, 32)), (29, (32, 64)), (64, (64, 128)), (64, (32, 64))):
+    for m, tiles in (
+        (1, (16, 64)),
+        (7, (16, 128)),
+        (16, (16, 32)),
+        (29, (32, 64)),
+        (64, (64, 128)),
+        (64, (32, 64)),
+    ):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         want = fp8_linear_torch(x, w, s)
         for split in splits:
@@ -134,10 +149,14 @@ def test_fp8_head_matmul_matches_torch(heads):
     w, s = _weight(heads * (nope + v), c, gen)
     for n in (1, 4, 16, 17, 300):
         x = torch.randn(n, heads, nope, device="cuda", dtype=torch.bfloat16, generator=gen)
-        _close(fp8_head_matmul(x, w, s, nope + v, 0, c, True), fp8_head_matmul_torch(x, w, s, nope + v, 0, c, True))
+        _close(
+            fp8_head_matmul(x, w, s, nope + v, 0, c, True),
+            fp8_head_matmul_torch(x, w, s, nope + v, 0, c, True),
+        )
         y = torch.randn(n, heads, c, device="cuda", dtype=torch.bfloat16, generator=gen)
         _close(
-            fp8_head_matmul(y, w, s, nope + v, nope, v, False), fp8_head_matmul_torch(y, w, s, nope + v, nope, v, False)
+            fp8_head_matmul(y, w, s, nope + v, nope, v, False),
+            fp8_head_matmul_torch(y, w, s, nope + v, nope, v, False),
         )
 
 

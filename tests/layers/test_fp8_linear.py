@@ -20,7 +20,9 @@ def test_block_quantisation_round_trips_within_e4m3_rounding():
     q, scale = quantize_blocks(w)
     assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and scale.shape == (3, 2)
     back = dequantize_blocks(q, scale)
-    assert ((back - w).abs() <= w.abs() * 2**-4 + scale.max() * 2**-9).all()  # half an e4m3 step, or subnormal
+    assert (
+        (back - w).abs() <= w.abs() * 2**-4 + scale.max() * 2**-9
+    ).all()  # half an e4m3 step, or subnormal
     assert (back - w).abs().max() > 0  # it did quantise
 
 
@@ -28,14 +30,20 @@ def test_fp8_linear_reference_is_the_linear_of_the_quantised_operands():
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(5, 200, generator=gen), torch.randn(70, 200, generator=gen)
     q, scale = quantize_blocks(w)
-    xq, xs = quantize_fp8_groups(F.pad(x, (0, 56)))  # the last group zero-padded, as the kernels see it
+    xq, xs = quantize_fp8_groups(
+        F.pad(x, (0, 56))
+    )  # the last group zero-padded, as the kernels see it
     xq = xq[:, :200]
-    want = F.linear(dequantize_blocks(xq, xs, (1, 128)), dequantize_blocks(q, scale))  # blocks of 1 x 128
+    want = F.linear(
+        dequantize_blocks(xq, xs, (1, 128)), dequantize_blocks(q, scale)
+    )  # blocks of 1 x 128
     torch.testing.assert_close(fp8_linear_torch(x, q, scale), want)
     out = torch.ones(5, 70)
     torch.testing.assert_close(fp8_linear_torch(x, q, scale, out=out), want + 1)
     assert out.sub(1).sub(want).abs().max() < 1e-5  # in place
-    assert (F.linear(x, w) - want).abs().max() < 0.1 * want.abs().max()  # the quantisation error is small
+    assert (
+        F.linear(x, w) - want
+    ).abs().max() < 0.1 * want.abs().max()  # the quantisation error is small
 
 
 def test_fp8_head_matmul_reference_is_the_per_head_product_of_the_dequantised_weight():
@@ -45,7 +53,9 @@ def test_fp8_head_matmul_reference_is_the_per_head_product_of_the_dequantised_we
     q, scale = quantize_blocks(torch.randn(heads * (nope + v), c, generator=gen))
     w_uk, w_uv = dequantize_blocks(q, scale).view(heads, nope + v, c).split([nope, v], dim=1)
     x = torch.randn(3, heads, nope, generator=gen)
-    torch.testing.assert_close(fp8_head_matmul_torch(x, q, scale, nope + v, 0, c, True), head_matmul_torch(x, w_uk))
+    torch.testing.assert_close(
+        fp8_head_matmul_torch(x, q, scale, nope + v, 0, c, True), head_matmul_torch(x, w_uk)
+    )
     y = torch.randn(3, heads, c, generator=gen)
     got = fp8_head_matmul_torch(y, q, scale, nope + v, nope, v, False)
     torch.testing.assert_close(got, head_matmul_torch(y, w_uv.transpose(1, 2)))

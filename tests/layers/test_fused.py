@@ -46,13 +46,17 @@ def test_rotate_in_place_equals_reference():
         expected = torch.cat([q[..., :8], rotated], -1)
         rotary.rotate_(q[..., 8:], interleaved)
         assert torch.equal(q, expected)
-        assert torch.equal(q[..., :8], before[..., :8]) and not torch.equal(q[..., 8:], before[..., 8:])
+        assert torch.equal(q[..., :8], before[..., :8]) and not torch.equal(
+            q[..., 8:], before[..., 8:]
+        )
 
 
 def test_rotary_table_rows_are_cos_sin_and_only_cuda_models_have_one():
     cfg = ModelConfig.from_dict({**CFG, "max_position_embeddings": 50})
     assert RotaryTable.for_model(cfg, "cpu", torch.float32) is None
-    assert RotaryTable.for_model(ModelConfig.from_dict(CFG), "cuda", torch.float32) is None  # length not stated
+    assert (
+        RotaryTable.for_model(ModelConfig.from_dict(CFG), "cuda", torch.float32) is None
+    )  # length not stated
     table = RotaryTable(cfg, 50, "cpu", torch.float32)
     positions = torch.tensor([0, 3, 17, 49, 3])
     want_cos, want_sin = cos_sin(cfg, positions, torch.float32)
@@ -61,8 +65,14 @@ def test_rotary_table_rows_are_cos_sin_and_only_cuda_models_have_one():
     torch.testing.assert_close(cos, want_cos, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(sin, want_sin, rtol=1e-6, atol=1e-7)
     assert not torch.equal(cos[1], cos[2])
-    rotary = Rotary(cfg, positions, torch.float32, table)  # on CPU the rows are computed, the reference
-    assert torch.equal(rotary.cos, want_cos) and torch.equal(rotary.sin, want_sin) and rotary.cos.is_contiguous()
+    rotary = Rotary(
+        cfg, positions, torch.float32, table
+    )  # on CPU the rows are computed, the reference
+    assert (
+        torch.equal(rotary.cos, want_cos)
+        and torch.equal(rotary.sin, want_sin)
+        and rotary.cos.is_contiguous()
+    )
 
 
 def test_merged_linear_equals_its_parts_and_loads_them():
@@ -85,5 +95,7 @@ def test_merged_linear_splits_every_part_over_tp():
     merged = MergedLinear(12, {"gate_proj": 8, "up_proj": 8}, tp_size=2)
     assert merged.parts == {"gate_proj": 4, "up_proj": 4} and merged.tp_dim == 0
     assert merged.weight.shape == (8, 12)
-    with pytest.raises(ValueError, match="cannot split the 6 output features of up_proj over 4 TP ranks"):
+    with pytest.raises(
+        ValueError, match="cannot split the 6 output features of up_proj over 4 TP ranks"
+    ):
         MergedLinear(12, {"gate_proj": 8, "up_proj": 6}, tp_size=4)

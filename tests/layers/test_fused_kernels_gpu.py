@@ -18,14 +18,23 @@ from spmoe.layers.mlp import silu_mul
 from spmoe.layers.moe.router import Router
 from spmoe.layers.norm import RMSNorm
 from spmoe.layers.paged_rows import quantize_index_vectors
-from spmoe.layers.quantization.fp8 import dequantize, hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
+from spmoe.layers.quantization.fp8 import (
+    dequantize,
+    hadamard_matrix,
+    hadamard_rotate,
+    quantize_fp8_vectors,
+)
 from spmoe.layers.rotary import Rotary, RotaryTable, cos_sin
 
 from ..multigpu import requires_gpus
 
 ROUTERS = {  # E, top-k, n_group, topk_group
-    "glm": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=1, topk_group=1, hidden_size=6144),
-    "dsv3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, hidden_size=7168),
+    "glm": dict(
+        n_routed_experts=256, num_experts_per_tok=8, n_group=1, topk_group=1, hidden_size=6144
+    ),
+    "dsv3": dict(
+        n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, hidden_size=7168
+    ),
     "tiny": dict(n_routed_experts=12, num_experts_per_tok=3, n_group=4, topk_group=2),
 }
 BASE = dict(
@@ -63,7 +72,12 @@ def check_add_rms_norm(device: str, dtype: torch.dtype):
     from spmoe.layers.fused_triton import add_rms_norm
 
     gen = torch.Generator(device=device).manual_seed(0)
-    for rows, size, strided in ((1, 6144, False), (8, 6144, False), (37, 512, True), (3, 2048, True)):
+    for rows, size, strided in (
+        (1, 6144, False),
+        (8, 6144, False),
+        (37, 512, True),
+        (3, 2048, True),
+    ):
         norm = RMSNorm(size, 1e-5).to(device=device, dtype=dtype)
         with torch.no_grad():
             norm.weight.normal_(1.0, 0.2, generator=gen)
@@ -73,7 +87,9 @@ def check_add_rms_norm(device: str, dtype: torch.dtype):
         with torch.no_grad():
             out, new_residual = add_rms_norm(x, residual, norm.weight, norm.eps)
             ref_out, ref_residual = reference(norm.add_norm, x, residual)
-            torch.testing.assert_close(new_residual, ref_residual, rtol=0, atol=0)  # one rounded add
+            torch.testing.assert_close(
+                new_residual, ref_residual, rtol=0, atol=0
+            )  # one rounded add
             torch.testing.assert_close(out, ref_out)
             alone, same = add_rms_norm(x, None, norm.weight, norm.eps)
             torch.testing.assert_close(alone, reference(norm, x))
@@ -97,7 +113,9 @@ def check_rope(device: str, dtype: torch.dtype):
             x = torch.randn(n_tok, heads, dim, generator=gen, device=device).to(dtype)
             part = x[..., rope_at : rope_at + 64]
             expected = x.clone()
-            expected[..., rope_at : rope_at + 64] = (rotary.interleaved if interleaved else rotary.half_split)(part)
+            expected[..., rope_at : rope_at + 64] = (
+                rotary.interleaved if interleaved else rotary.half_split
+            )(part)
             rope_(part, rotary.cos, rotary.sin, interleaved)
             # the kernel rounds each product and sum as torch does (without FP fusion: equal on an H200; with it a
             # last bit differed in 0.6% of the bf16 elements); one bf16 step of values near 1 is 0.0039
@@ -122,13 +140,23 @@ def check_router(device: str, dtype: torch.dtype):
                     assert (sums.shape[1] > 1) == (rows <= GEMV_ROWS), (name, rows, sums.shape)
                 # the float32 logits; only the order of the float32 sums differs
                 torch.testing.assert_close(
-                    sums.sum(1), torch.nn.functional.linear(x.float(), router.weight), rtol=1e-5, atol=1e-5
+                    sums.sum(1),
+                    torch.nn.functional.linear(x.float(), router.weight),
+                    rtol=1e-5,
+                    atol=1e-5,
                 )
                 ids, weights = router(x, valid)
                 ref_ids, ref_weights = reference(router, x, valid)
-            order, ref_order = ids.sort(-1), ref_ids.sort(-1)  # the same experts; ties may order them differently
-            assert torch.equal(order.values, ref_order.values), f"{name}, {rows} rows: experts differ"
-            torch.testing.assert_close(weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices))
+            order, ref_order = (
+                ids.sort(-1),
+                ref_ids.sort(-1),
+            )  # the same experts; ties may order them differently
+            assert torch.equal(order.values, ref_order.values), (
+                f"{name}, {rows} rows: experts differ"
+            )
+            torch.testing.assert_close(
+                weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices)
+            )
             assert (ids[valid:] == -1).all() and (weights[valid:] == 0).all()
         # all scores tied: the lowest groups, then the lowest experts in them
         ids, _ = route(
@@ -148,7 +176,10 @@ def check_silu_mul(device: str, dtype: torch.dtype):
     gen = torch.Generator(device=device).manual_seed(3)
     for rows, size, strided in ((1, 2048, False), (8, 12288, False), (37, 100, True)):
         both = torch.randn(rows, 2 * size + 8 * strided, generator=gen, device=device).to(dtype) * 3
-        gate, up = both[:, :size], both[:, size : 2 * size]  # strided rows, like halves of one product
+        gate, up = (
+            both[:, :size],
+            both[:, size : 2 * size],
+        )  # strided rows, like halves of one product
         torch.testing.assert_close(silu_mul(gate, up), reference(silu_mul, gate, up))
 
 
@@ -167,7 +198,9 @@ def check_mla_cache_write(device: str, dtype: torch.dtype):
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.2, generator=gen)
     for kv_cache_dtype in ("auto", "fp8"):
-        cache = PagedKVCache(cfg, {0: False, 1: False}, 64 * BLOCK_SIZE * 2 * 1408, dtype, device, kv_cache_dtype)
+        cache = PagedKVCache(
+            cfg, {0: False, 1: False}, 64 * BLOCK_SIZE * 2 * 1408, dtype, device, kv_cache_dtype
+        )
         tables = [[5, 2], [7], [1, 3, 4]]
         for starts, lens in (([0, 0, 0], [70, 3, 130]), ([70, 3, 130], [1, 1, 1])):
             view = cache.view(tables, starts, lens)
@@ -177,7 +210,14 @@ def check_mla_cache_write(device: str, dtype: torch.dtype):
             kv_a = wide[:, 32 : 32 + c + r]  # strided rows, like the split of the merged projection
             with torch.no_grad():
                 write_latent_projection(view.layer(0), view.slot_mapping, kv_a, norm, rotary)
-                reference(write_latent_projection, view.layer(1), view.slot_mapping, kv_a.clone(), norm, rotary)
+                reference(
+                    write_latent_projection,
+                    view.layer(1),
+                    view.slot_mapping,
+                    kv_a.clone(),
+                    norm,
+                    rotary,
+                )
         got, want = cache.layers[0], cache.layers[1]
         # the rope key: rope_'s rounding (see check_rope)
         torch.testing.assert_close(got.rope, want.rope, rtol=1.6e-2, atol=8e-3)
@@ -187,9 +227,16 @@ def check_mla_cache_write(device: str, dtype: torch.dtype):
         torch.testing.assert_close(got.latent_scale, want.latent_scale, rtol=1e-6, atol=0)
         same = (got.latent.view(torch.uint8) == want.latent.view(torch.uint8)).float().mean().item()
         assert same > 0.99, f"only {same:.4f} of the FP8 latent bytes equal the reference's"
-        values, ref = dequantize(got.latent, got.latent_scale), dequantize(want.latent, want.latent_scale)
-        step = want.latent_scale.repeat_interleave(128, dim=1) * 2**-9  # the smallest e4m3 step, scaled
-        assert ((values - ref).abs() <= 0.125 * ref.abs() + step).all(), "an FP8 latent is off by more than a step"
+        values, ref = (
+            dequantize(got.latent, got.latent_scale),
+            dequantize(want.latent, want.latent_scale),
+        )
+        step = (
+            want.latent_scale.repeat_interleave(128, dim=1) * 2**-9
+        )  # the smallest e4m3 step, scaled
+        assert ((values - ref).abs() <= 0.125 * ref.abs() + step).all(), (
+            "an FP8 latent is off by more than a step"
+        )
 
 
 def check_align_one_program(device: str, dtype: torch.dtype):
@@ -204,7 +251,9 @@ def check_align_one_program(device: str, dtype: torch.dtype):
         (16, 8, 64, 128, 256, 16),
         (5, 3, 3, 7, 12, 64),
     ):
-        ids = torch.stack([torch.randperm(experts, generator=gen, device=device)[:k] for _ in range(rows)])
+        ids = torch.stack(
+            [torch.randperm(experts, generator=gen, device=device)[:k] for _ in range(rows)]
+        )
         ids[rows // 2 : rows // 2 + 1] = -1  # an SP pad row
         aligned = []
         for one_program in (triton_kernels.ONE_PROGRAM_PAIRS, 0):
@@ -215,19 +264,29 @@ def check_align_one_program(device: str, dtype: torch.dtype):
                 triton_kernels.ONE_PROGRAM_PAIRS = saved
         (pairs, blocks), (ref_pairs, ref_blocks) = aligned
         assert torch.equal(blocks, ref_blocks), (rows, k, blocks.tolist(), ref_blocks.tolist())
-        owner = blocks.long().repeat_interleave(block_m) * (ids.numel() + 1)  # each row's expert, as a sort key
+        owner = blocks.long().repeat_interleave(block_m) * (
+            ids.numel() + 1
+        )  # each row's expert, as a sort key
         by_expert = [owner + p.long() for p in (pairs, ref_pairs)]
-        assert torch.equal(by_expert[0].sort().values, by_expert[1].sort().values)  # each expert's pairs, and pads
+        assert torch.equal(
+            by_expert[0].sort().values, by_expert[1].sort().values
+        )  # each expert's pairs, and pads
         local = ((ids >= first) & (ids < first + count)).sum().item()
-        assert (pairs < ids.numel()).sum().item() == local  # every local pair placed once, nothing else
+        assert (
+            pairs < ids.numel()
+        ).sum().item() == local  # every local pair placed once, nothing else
 
 
 def check_index_key(device: str, dtype: torch.dtype):
     from spmoe.layers.fused_triton import index_key_to_cache
 
     gen = torch.Generator(device=device).manual_seed(3)
-    for model_type, fp8, n_tok in itertools.product(("glm_moe_dsa", "deepseek_v32"), (False, True), (1, 8, 33)):
-        cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"], "model_type": model_type})  # rope interleaved / not
+    for model_type, fp8, n_tok in itertools.product(
+        ("glm_moe_dsa", "deepseek_v32"), (False, True), (1, 8, 33)
+    ):
+        cfg = ModelConfig.from_dict(
+            {**BASE, **ROUTERS["glm"], "model_type": model_type}
+        )  # rope interleaved / not
         norm = torch.nn.LayerNorm(cfg.index_head_dim, eps=1e-6).to(device=device, dtype=dtype)
         with torch.no_grad():
             norm.weight.normal_(1.0, 0.2, generator=gen)
@@ -287,15 +346,25 @@ def check_quantize_query(device: str, dtype: torch.dtype):
     for n_tok in (1, 8, 33):
         heads_of_all_sizes = torch.logspace(-2, 2, 32, device=device)[:, None]
         q = hadamard_rotate(
-            (torch.randn(n_tok, 32, 128, generator=gen, device=device) * heads_of_all_sizes).to(dtype)
+            (torch.randn(n_tok, 32, 128, generator=gen, device=device) * heads_of_all_sizes).to(
+                dtype
+            )
         )  # float32, as the indexer's
-        values, scale = quantize_index_vectors(q)  # the experts' quantisation kernel: vectors of 128
+        values, scale = quantize_index_vectors(
+            q
+        )  # the experts' quantisation kernel: vectors of 128
         want, want_scale = reference(quantize_fp8_vectors, q)
         assert values.shape == q.shape and scale.shape == (n_tok, 32, 1)
-        torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)  # the kernel divides by 448
+        torch.testing.assert_close(
+            scale, want_scale, rtol=1e-6, atol=0
+        )  # the kernel divides by 448
         exact = (values.float() == want.float()).float().mean().item()
-        assert exact > 0.97, exact  # its approximate division may round a value to the next e4m3 step
-        torch.testing.assert_close(values.float(), want.float(), rtol=0.13, atol=2**-9)  # e4m3's least step
+        assert exact > 0.97, (
+            exact
+        )  # its approximate division may round a value to the next e4m3 step
+        torch.testing.assert_close(
+            values.float(), want.float(), rtol=0.13, atol=2**-9
+        )  # e4m3's least step
 
 
 @requires_gpus(1)
@@ -338,17 +407,25 @@ def test_rotary_table_rows_equal_computed_rows():
     length = 202752
     gen = torch.Generator(device="cuda").manual_seed(9)
     positions = torch.cat(
-        [torch.randint(0, length, (61,), generator=gen, device="cuda"), torch.tensor([0, length - 1], device="cuda")]
+        [
+            torch.randint(0, length, (61,), generator=gen, device="cuda"),
+            torch.tensor([0, length - 1], device="cuda"),
+        ]
     )
     for fields in ({}, yarn):
-        cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"], **fields, "max_position_embeddings": length})
+        cfg = ModelConfig.from_dict(
+            {**BASE, **ROUTERS["glm"], **fields, "max_position_embeddings": length}
+        )
         for dtype in (torch.bfloat16, torch.float32):
             table = RotaryTable.for_model(cfg, "cuda", dtype)
             assert table.table.shape == (length, 2, 32)
             want_cos, want_sin = cos_sin(cfg, positions, dtype)
             looked_up = Rotary(cfg, positions, dtype, table)
             assert looked_up.cos.stride() == (64, 1)  # a view of the gathered [N, 2, 32] rows
-            assert torch.equal(looked_up.cos, want_cos) and torch.equal(looked_up.sin, want_sin), (fields, dtype)
+            assert torch.equal(looked_up.cos, want_cos) and torch.equal(looked_up.sin, want_sin), (
+                fields,
+                dtype,
+            )
             computed = reference(Rotary, cfg, positions, dtype, table)
             assert computed.cos.stride() == (32, 1) and torch.equal(computed.cos, want_cos)
             other = Rotary(cfg, positions, torch.float16, table)
@@ -368,7 +445,9 @@ def test_row_kernels_past_32_bit_offsets():
     size = 6144
     rows = 2**31 // size + 2  # 349527
     norm = RMSNorm(size, 1e-5).to(device="cuda", dtype=torch.bfloat16)
-    flat = torch.randn(2**31 + 2**16, generator=gen, device="cuda", dtype=torch.bfloat16)  # views of it below
+    flat = torch.randn(
+        2**31 + 2**16, generator=gen, device="cuda", dtype=torch.bfloat16
+    )  # views of it below
     x = flat[: rows * size].view(rows, size)
     residual = torch.randn(rows, size, generator=gen, device="cuda").bfloat16()
     with torch.no_grad():
@@ -380,15 +459,21 @@ def test_row_kernels_past_32_bit_offsets():
         torch.testing.assert_close(got, want)
     del out, new_residual, residual
 
-    both = flat[: (2**31 // 4096 + 2) * 4096].view(-1, 4096)  # silu_mul: gate and up, halves of 4096-wide rows
+    both = flat[: (2**31 // 4096 + 2) * 4096].view(
+        -1, 4096
+    )  # silu_mul: gate and up, halves of 4096-wide rows
     gate, up = both[:, :2048], both[:, 2048:]
     got = silu_mul(gate, up)
-    torch.testing.assert_close(got[tail], silu_mul(gate[tail].clone(), up[tail].clone()), rtol=0, atol=0)
+    torch.testing.assert_close(
+        got[tail], silu_mul(gate[tail].clone(), up[tail].clone()), rtol=0, atol=0
+    )
     torch.testing.assert_close(got[tail], reference(silu_mul, gate[tail], up[tail]))
     del got, both, gate, up
 
     cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"]})
-    tokens = flat[: (2**31 // (64 * 256) + 2) * 64 * 256].view(-1, 64, 256)  # q of GLM-5.2's 64 heads x 256
+    tokens = flat[: (2**31 // (64 * 256) + 2) * 64 * 256].view(
+        -1, 64, 256
+    )  # q of GLM-5.2's 64 heads x 256
     positions = torch.randint(0, 5000, (tokens.shape[0],), generator=gen, device="cuda")
     rotary = Rotary(cfg, positions, torch.bfloat16)
     alone = tokens[tail].clone()
@@ -410,10 +495,20 @@ def test_row_kernels_past_32_bit_offsets():
     rot = Rotary(cfg, torch.tensor([7, 80, 3000], device="cuda"), torch.bfloat16)
     write_mla_cache(kv_a, norm.weight[:c], 1e-6, rot.cos, rot.sin, slots, latent, None, rope)
     write_mla_cache(
-        kv_a, norm.weight[:c], 1e-6, rot.cos, rot.sin, torch.arange(3, device="cuda"), *small[:1], None, small[1]
+        kv_a,
+        norm.weight[:c],
+        1e-6,
+        rot.cos,
+        rot.sin,
+        torch.arange(3, device="cuda"),
+        *small[:1],
+        None,
+        small[1],
     )
     assert torch.equal(latent[slots], small[0]) and torch.equal(rope[slots], small[1])
-    assert latent[slots].abs().sum() > 0 and latent[-2].abs().sum() == 0 and rope[-2].abs().sum() == 0
+    assert (
+        latent[slots].abs().sum() > 0 and latent[-2].abs().sum() == 0 and rope[-2].abs().sum() == 0
+    )
     del latent, rope
 
     dim = cfg.index_head_dim
@@ -424,5 +519,11 @@ def test_row_kernels_past_32_bit_offsets():
     k_in = torch.randn(3, dim, generator=gen, device="cuda").bfloat16()
     slots = torch.tensor([key_rows - 1, key_rows - 3, 5], device="cuda")
     for target, where in ((keys, slots), (small_keys, torch.arange(3, device="cuda"))):
-        index_key_to_cache(k_in, ln.weight, ln.bias, ln.eps, rot.cos, rot.sin, True, where, target, None, None)
-    assert torch.equal(keys[slots], small_keys) and keys[slots].abs().sum() > 0 and keys[-2].abs().sum() == 0
+        index_key_to_cache(
+            k_in, ln.weight, ln.bias, ln.eps, rot.cos, rot.sin, True, where, target, None, None
+        )
+    assert (
+        torch.equal(keys[slots], small_keys)
+        and keys[slots].abs().sum() > 0
+        and keys[-2].abs().sum() == 0
+    )

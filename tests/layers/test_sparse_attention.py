@@ -12,7 +12,12 @@ from spmoe.engine.kv_cache import KVCache
 from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, cache_budget_bytes
 from spmoe.layers.attention import AttentionBatch, MLAttention
 from spmoe.layers.paged_rows import PagedLayerCache
-from spmoe.layers.quantization.fp8 import dequantize, hadamard_matrix, hadamard_rotate, quantize_fp8_vectors
+from spmoe.layers.quantization.fp8 import (
+    dequantize,
+    hadamard_matrix,
+    hadamard_rotate,
+    quantize_fp8_vectors,
+)
 from spmoe.layers.rotary import Rotary
 from spmoe.layers.sparse_attention import indexer_topk, order_keys, sparse_mla_torch, visible_rows
 
@@ -61,7 +66,10 @@ STEPS = [
 
 def attention_layers(cfg: ModelConfig) -> list[MLAttention]:
     gen = torch.Generator().manual_seed(0)
-    layers = [MLAttention(cfg, i, 1, has_indexer=cfg.layer_has_indexer(i)) for i in range(cfg.num_hidden_layers)]
+    layers = [
+        MLAttention(cfg, i, 1, has_indexer=cfg.layer_has_indexer(i))
+        for i in range(cfg.num_hidden_layers)
+    ]
     for layer in layers:
         for p in layer.parameters():
             with torch.no_grad():
@@ -72,17 +80,31 @@ def attention_layers(cfg: ModelConfig) -> list[MLAttention]:
     return layers
 
 
-def run_steps(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> list[tuple[torch.Tensor, torch.Tensor]]:
+def run_steps(
+    cfg: ModelConfig, kv_cache_dtype: str = "auto"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every step through both layers over a dense KVCache and over the paged cache -> per step (dense
     output, paged output) of the last layer, `[N, H]` each."""
     layers = attention_layers(cfg)
-    dense = KVCache(cfg, {i: m.indexer is not None for i, m in enumerate(layers)}, 3, 80, torch.float32, "cpu")
+    dense = KVCache(
+        cfg, {i: m.indexer is not None for i, m in enumerate(layers)}, 3, 80, torch.float32, "cpu"
+    )
     paged = PagedKVCache(
-        cfg, {i: m.indexer is not None for i, m in enumerate(layers)}, 10**7, torch.float32, "cpu", kv_cache_dtype
+        cfg,
+        {i: m.indexer is not None for i, m in enumerate(layers)},
+        10**7,
+        torch.float32,
+        "cpu",
+        kv_cache_dtype,
     )
     blocks = BlockManager(paged.num_blocks, BLOCK_SIZE)
     blocks.allocate(99, 3 * BLOCK_SIZE)  # so that the sequences' blocks are not the first ones
-    slots, cached, gen, results = [dense.allocate() for _ in range(3)], [0, 0, 0], torch.Generator().manual_seed(1), []
+    slots, cached, gen, results = (
+        [dense.allocate() for _ in range(3)],
+        [0, 0, 0],
+        torch.Generator().manual_seed(1),
+        [],
+    )
     for step in STEPS:
         seqs, lens = [s for s, _ in step], [n for _, n in step]
         for s, n in step:
@@ -131,7 +153,11 @@ def test_fp8_indexer_keeps_the_best_rows():
     """The FP8 indexer (FP8 queries and keys) against the same scores in float32, 64 tokens over 1000 random
     keys: of the exact top 64, at least 90% are picked on average."""
     gen = torch.Generator().manual_seed(2)
-    q, keys, weights = torch.randn(64, 4, 128, generator=gen), torch.randn(1024, 128, generator=gen), torch.rand(64, 4)
+    q, keys, weights = (
+        torch.randn(64, 4, 128, generator=gen),
+        torch.randn(1024, 128, generator=gen),
+        torch.rand(64, 4),
+    )
     tables, seq_index, positions = (
         torch.arange(16, dtype=torch.int32)[None],
         torch.zeros(64, dtype=torch.long),
@@ -151,8 +177,12 @@ def test_hadamard_matrix_is_orthonormal_and_keeps_dot_products():
     for d in (1, 2, 16, 128):
         h = hadamard_matrix(d, torch.device("cpu"))
         assert torch.allclose(h @ h.T, torch.eye(d), atol=1e-6) and torch.equal(h, h.T), d
-        assert torch.equal(h.abs(), torch.full((d, d), d**-0.5)) and (h[0] > 0).all(), d  # Sylvester: row 0 all +
-    assert hadamard_matrix(16, torch.device("cpu")) is hadamard_matrix(16, torch.device("cpu"))  # built once
+        assert torch.equal(h.abs(), torch.full((d, d), d**-0.5)) and (h[0] > 0).all(), (
+            d
+        )  # Sylvester: row 0 all +
+    assert hadamard_matrix(16, torch.device("cpu")) is hadamard_matrix(
+        16, torch.device("cpu")
+    )  # built once
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(5, 4, 128, generator=gen), torch.randn(5, 1, 128, generator=gen).bfloat16()
     rotated = (hadamard_rotate(q) * hadamard_rotate(k)).sum(-1)
@@ -168,7 +198,11 @@ def test_hadamard_rotation_cuts_fp8_indexer_error_of_shared_outlier_channels():
     ones (measured 0.29-0.37 against 0.92-1.08, seeds 0-3), and the FP8 indexer's top 64 keeps more of the exact
     top 64 (0.78-0.82 against 0.44-0.52)."""
     gen = torch.Generator().manual_seed(0)
-    q, keys, weights = torch.randn(64, 4, 128, generator=gen), torch.randn(1024, 128, generator=gen), torch.rand(64, 4)
+    q, keys, weights = (
+        torch.randn(64, 4, 128, generator=gen),
+        torch.randn(1024, 128, generator=gen),
+        torch.rand(64, 4),
+    )
     channels, size = torch.randperm(128, generator=gen)[:4], 30 * (1 + torch.rand(4, generator=gen))
     q[..., channels] += size
     keys[:, channels] += size
@@ -184,11 +218,17 @@ def test_hadamard_rotation_cuts_fp8_indexer_error_of_shared_outlier_channels():
         q_in, k_in = (hadamard_rotate(q), hadamard_rotate(keys)) if rotate else (q, keys)
         (q8, q_scale), (key8, key_scale) = quantize_fp8_vectors(q_in), quantize_fp8_vectors(k_in)
         scores = torch.einsum("nhd,ld->nhl", q, keys)
-        fp8_scores = torch.einsum("nhd,ld->nhl", dequantize(q8, q_scale), dequantize(key8, key_scale))
+        fp8_scores = torch.einsum(
+            "nhd,ld->nhl", dequantize(q8, q_scale), dequantize(key8, key_scale)
+        )
         error = ((fp8_scores - scores).abs() / scores.std(-1, keepdim=True)).mean().item()
         fp8 = PagedLayerCache(torch.zeros(0, 1), None, torch.zeros(0, 1), key8, key_scale)
-        got = indexer_topk(q8, weights * q_scale.squeeze(-1), fp8, tables, seq_index, positions, 64, 64)
-        overlap = sum(len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got, want)) / want.numel()
+        got = indexer_topk(
+            q8, weights * q_scale.squeeze(-1), fp8, tables, seq_index, positions, 64, 64
+        )
+        overlap = (
+            sum(len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got, want)) / want.numel()
+        )
         results[rotate] = error, overlap
     (raw_error, raw_overlap), (rotated_error, rotated_overlap) = results[False], results[True]
     assert rotated_error < raw_error / 2 and rotated_overlap > raw_overlap + 0.2, results
@@ -198,7 +238,9 @@ def test_rows_of_ties_go_to_earliest_positions():
     """One sequence over two blocks (physical blocks 3 then 1): every key scores 0 except two ties of 1.0 at
     positions 70 and 5; positions beyond the query's are invisible. The top-k is unsorted: the selected rows are
     compared as sets, except where every position is kept (position order, -1 at the tail)."""
-    cache = PagedLayerCache(torch.zeros(0, 1), None, torch.zeros(0, 1), torch.zeros(5 * 64, 2), None)
+    cache = PagedLayerCache(
+        torch.zeros(0, 1), None, torch.zeros(0, 1), torch.zeros(5 * 64, 2), None
+    )
     tables = torch.tensor([[3, 1]], dtype=torch.int32)
     cache.index_key[3 * 64 + 5] = torch.tensor([1.0, 0.0])
     cache.index_key[1 * 64 + 70 - 64] = torch.tensor([1.0, 0.0])
@@ -207,20 +249,46 @@ def test_rows_of_ties_go_to_earliest_positions():
     positions = torch.tensor([80, 6])
     seq_index = torch.zeros(2, dtype=torch.long)
     rows = indexer_topk(q, weights, cache, tables, seq_index, positions, 5, 64)
-    assert sorted(rows[0].tolist()) == sorted([3 * 64 + 5, 64 + 6, 3 * 64 + 0, 3 * 64 + 1, 3 * 64 + 2])
-    assert sorted(rows[1].tolist()) == sorted([3 * 64 + 5, 3 * 64 + 0, 3 * 64 + 1, 3 * 64 + 2, 3 * 64 + 3])
+    assert sorted(rows[0].tolist()) == sorted(
+        [3 * 64 + 5, 64 + 6, 3 * 64 + 0, 3 * 64 + 1, 3 * 64 + 2]
+    )
+    assert sorted(rows[1].tolist()) == sorted(
+        [3 * 64 + 5, 3 * 64 + 0, 3 * 64 + 1, 3 * 64 + 2, 3 * 64 + 3]
+    )
     rows = indexer_topk(q, weights, cache, tables, seq_index, positions, 10, 64)
-    assert sorted(rows[1].tolist()) == [-1] * 3 + [3 * 64 + p for p in range(7)]  # 7 visible positions
+    assert sorted(rows[1].tolist()) == [-1] * 3 + [
+        3 * 64 + p for p in range(7)
+    ]  # 7 visible positions
     rows = indexer_topk(q, weights, cache, tables, seq_index, positions, 200, 64)
-    assert rows.shape == (2, 128)  # topk above the table's 128 positions: all kept, in position order
+    assert rows.shape == (
+        2,
+        128,
+    )  # topk above the table's 128 positions: all kept, in position order
     assert rows[1].tolist() == [3 * 64 + p for p in range(7)] + [-1] * 121
-    assert rows[0].tolist() == [3 * 64 + p for p in range(64)] + [64 + p for p in range(17)] + [-1] * 47
-    assert torch.equal(visible_rows(tables, seq_index, positions, 64), rows)  # the same, with no scores
+    assert (
+        rows[0].tolist()
+        == [3 * 64 + p for p in range(64)] + [64 + p for p in range(17)] + [-1] * 47
+    )
+    assert torch.equal(
+        visible_rows(tables, seq_index, positions, 64), rows
+    )  # the same, with no scores
 
 
 def test_order_keys_sorts_by_score_then_earliest():
-    scores = torch.tensor([[float("-inf"), -2.5, -0.0, 3.0, 0.0, 1e-30, -1e-30, 3.0, float("-inf")]])
-    assert order_keys(scores).sort(descending=True).indices[0].tolist() == [3, 7, 5, 2, 4, 6, 1, 0, 8]
+    scores = torch.tensor(
+        [[float("-inf"), -2.5, -0.0, 3.0, 0.0, 1e-30, -1e-30, 3.0, float("-inf")]]
+    )
+    assert order_keys(scores).sort(descending=True).indices[0].tolist() == [
+        3,
+        7,
+        5,
+        2,
+        4,
+        6,
+        1,
+        0,
+        8,
+    ]
 
 
 def test_sparse_mla_softmax_is_safe():
@@ -230,7 +298,8 @@ def test_sparse_mla_softmax_is_safe():
     out = sparse_mla_torch(q, torch.zeros(2, 1, 2), cache, torch.tensor([[0, 3], [-1, -1]]), 1.0)
     assert torch.isfinite(out).all() and out[1].abs().max() == 0
     assert torch.allclose(
-        out[0, 0], cache.latent[0] if (cache.latent[0] - cache.latent[3]).sum() > 0 else cache.latent[3]
+        out[0, 0],
+        cache.latent[0] if (cache.latent[0] - cache.latent[3]).sum() > 0 else cache.latent[3],
     )
 
 
@@ -242,7 +311,13 @@ def test_fp8_round_trip_error_bounds():
     x = torch.randn(64, 512) * torch.logspace(-3, 3, 64)[:, None]
     for (values, scale), group in ((quantize_fp8_groups(x), 128), (quantize_fp8_vectors(x), 512)):
         back = dequantize(values, scale)
-        largest = x.abs().view(64, -1, group).amax(-1, keepdim=True).expand(-1, -1, group).reshape(64, 512)
+        largest = (
+            x.abs()
+            .view(64, -1, group)
+            .amax(-1, keepdim=True)
+            .expand(-1, -1, group)
+            .reshape(64, 512)
+        )
         bound = torch.maximum(x.abs() * 2**-4, largest * 2**-9)
         assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
         assert (back - x).abs().max() > 0
@@ -252,17 +327,25 @@ def test_cache_sizes_and_budget_errors():
     cfg = ModelConfig.from_dict(CONFIG)
     per_token = {"auto": 2 * (128 + 8) * 4 + 16 * 4, "fp8": 2 * (128 + 4 + 8 * 4) + 16 + 4}
     for dtype, want in per_token.items():
-        cache = PagedKVCache(cfg, {0: True, 1: False}, want * BLOCK_SIZE * 3 + 5, torch.float32, "cpu", dtype)
+        cache = PagedKVCache(
+            cfg, {0: True, 1: False}, want * BLOCK_SIZE * 3 + 5, torch.float32, "cpu", dtype
+        )
         assert cache.bytes_per_token == want, dtype
         assert cache.num_blocks == 3 and cache.capacity_tokens == 3 * BLOCK_SIZE
         assert cache.layers[0].latent.shape[0] == 4 * BLOCK_SIZE  # 3 blocks + the scratch block
     with pytest.raises(
-        ValueError, match=f"needs at least {per_token['auto'] * 64} bytes for one block of each of 2 layers, got 100"
+        ValueError,
+        match=f"needs at least {per_token['auto'] * 64} bytes for one block of each of 2 layers, got 100",
     ):
         PagedKVCache(cfg, {0: True, 1: False}, 100, torch.float32, "cpu")
     with pytest.raises(ValueError, match="kv_lora_rank 16 is not a multiple of 128"):
         PagedKVCache(
-            ModelConfig.from_dict({**CONFIG, "kv_lora_rank": 16}), {0: True}, 10**6, torch.float32, "cpu", "fp8"
+            ModelConfig.from_dict({**CONFIG, "kv_lora_rank": 16}),
+            {0: True},
+            10**6,
+            torch.float32,
+            "cpu",
+            "fp8",
         )
     with pytest.raises(
         ValueError,
@@ -270,9 +353,20 @@ def test_cache_sizes_and_budget_errors():
         "index_head_dim 24 is not a power of 2",
     ):
         PagedKVCache(
-            ModelConfig.from_dict({**CONFIG, "index_head_dim": 24}), {0: True}, 10**6, torch.float32, "cpu", "fp8"
+            ModelConfig.from_dict({**CONFIG, "index_head_dim": 24}),
+            {0: True},
+            10**6,
+            torch.float32,
+            "cpu",
+            "fp8",
         )
-    PagedKVCache(ModelConfig.from_dict({**CONFIG, "index_head_dim": 24}), {0: True}, 10**6, torch.float32, "cpu")
+    PagedKVCache(
+        ModelConfig.from_dict({**CONFIG, "index_head_dim": 24}),
+        {0: True},
+        10**6,
+        torch.float32,
+        "cpu",
+    )
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         PagedKVCache(cfg, {0: True}, 10**6, torch.float32, "cpu", "int8")
     cache = PagedKVCache(cfg, {0: True}, 10**6, torch.float32, "cpu")
@@ -282,21 +376,28 @@ def test_cache_sizes_and_budget_errors():
 
 def test_glm5_fp8_bytes_per_token():
     """GLM-5.2 in bf16 with an FP8 cache: 656 B per token on a shared layer, 656 + 132 on an indexer layer."""
-    cfg = ModelConfig.from_dict({**CONFIG, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128})
+    cfg = ModelConfig.from_dict(
+        {**CONFIG, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128}
+    )
     for layers, want in (({0: False}, 656), ({0: True}, 656 + 132)):
-        assert PagedKVCache(cfg, layers, 10**6, torch.bfloat16, "cpu", "fp8").bytes_per_token == want
+        assert (
+            PagedKVCache(cfg, layers, 10**6, torch.bfloat16, "cpu", "fp8").bytes_per_token == want
+        )
 
 
 def test_cache_budget():
     assert cache_budget_bytes("cpu", gib=1.5) == 3 * 2**29
     with pytest.raises(
-        ValueError, match="exactly one of GiB or a fraction of free memory, got gib=1, memory_fraction=0.5"
+        ValueError,
+        match="exactly one of GiB or a fraction of free memory, got gib=1, memory_fraction=0.5",
     ):
         cache_budget_bytes("cpu", gib=1, memory_fraction=0.5)
     for bad in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=f"must be a finite number of GiB > 0, got {bad}"):
             cache_budget_bytes("cpu", gib=bad)
-    with pytest.raises(ValueError, match="needs a CUDA device and a fraction in \\(0, 1\\], got 0.9 on cpu"):
+    with pytest.raises(
+        ValueError, match="needs a CUDA device and a fraction in \\(0, 1\\], got 0.9 on cpu"
+    ):
         cache_budget_bytes("cpu", memory_fraction=0.9)
 
 
@@ -323,7 +424,12 @@ def test_torch_paths_in_query_chunks_equal_one_chunk(monkeypatch, kv_cache_dtype
     monkeypatch.setattr(sparse_attention, "query_chunks", counted)
     monkeypatch.setattr(attention, "query_chunks", counted)
     chunked = run_steps(cfg, kv_cache_dtype)
-    assert max(chunk_counts) == max(sum(n for _, n in step) for step in STEPS)  # one query per chunk
+    assert max(chunk_counts) == max(
+        sum(n for _, n in step) for step in STEPS
+    )  # one query per chunk
     for i, ((dense, paged), (dense_chunked, paged_chunked)) in enumerate(zip(whole, chunked)):
-        assert relative_error(dense_chunked, dense) < 2e-6, (i, relative_error(dense_chunked, dense))
+        assert relative_error(dense_chunked, dense) < 2e-6, (
+            i,
+            relative_error(dense_chunked, dense),
+        )
         assert torch.equal(paged_chunked, paged), i

@@ -15,7 +15,12 @@ import torch
 
 from spmoe.config import ModelConfig
 from spmoe.layers import fused
-from spmoe.layers.paged_rows import PagedLayerCache, quantize_index_vectors, write_index_key, write_latent
+from spmoe.layers.paged_rows import (
+    PagedLayerCache,
+    quantize_index_vectors,
+    write_index_key,
+    write_latent,
+)
 from spmoe.layers.sparse_attention import (
     cache_rows_torch,
     head_matmul,
@@ -63,7 +68,9 @@ def filled_cache(kv_cache_dtype: str):
 
     cfg = ModelConfig.from_dict(GLM)
     blocks = [-(-c // BLOCK) for c in CONTEXTS]
-    cache = PagedKVCache(cfg, {0: True}, (sum(blocks) + 1) * BLOCK * 2000, torch.bfloat16, "cuda", kv_cache_dtype)
+    cache = PagedKVCache(
+        cfg, {0: True}, (sum(blocks) + 1) * BLOCK * 2000, torch.bfloat16, "cuda", kv_cache_dtype
+    )
     gen = torch.Generator(device="cuda").manual_seed(0)
     order = torch.randperm(cache.num_blocks, device="cuda", generator=gen).tolist()
     tables = [order[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(len(blocks))]
@@ -75,7 +82,11 @@ def filled_cache(kv_cache_dtype: str):
         torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
         torch.randn(n, 64, device="cuda", generator=gen).bfloat16(),
     )
-    write_index_key(view.layer(0), view.slot_mapping, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
+    write_index_key(
+        view.layer(0),
+        view.slot_mapping,
+        torch.randn(n, 128, device="cuda", generator=gen).bfloat16(),
+    )
     return cache, tables
 
 
@@ -93,7 +104,9 @@ def scores_of(keys: torch.Tensor) -> torch.Tensor:
     return torch.where(high < 0, high ^ 0x7FFFFFFF, high).view(torch.float32)
 
 
-def assert_same_keys(got: torch.Tensor, want: torch.Tensor, kv_cache_dtype: str, label=None) -> None:
+def assert_same_keys(
+    got: torch.Tensor, want: torch.Tensor, kv_cache_dtype: str, label=None
+) -> None:
     """Ordering keys `[N, L]` of the Triton indexer against the reference: the same positions (low halves), the
     same hidden positions (keys of -inf, bit for bit), and visible scores within the dtype's tolerance."""
     assert got.shape == want.shape, (label, got.shape, want.shape)
@@ -101,7 +114,9 @@ def assert_same_keys(got: torch.Tensor, want: torch.Tensor, kv_cache_dtype: str,
     visible = torch.isfinite(scores_of(want))
     assert torch.equal(torch.isfinite(scores_of(got)), visible), label
     assert torch.equal(got[~visible], want[~visible]), label
-    err = (scores_of(got)[visible] - scores_of(want)[visible]).abs().max() / scores_of(want)[visible].abs().max()
+    err = (scores_of(got)[visible] - scores_of(want)[visible]).abs().max() / scores_of(want)[
+        visible
+    ].abs().max()
     # bf16: exact products, only the order of the fp32 sums differs; FP8: Hopper's FP8 MMA accumulates with
     # fewer bits than fp32 (measured 1e-4 of the largest score)
     assert err < (1e-3 if kv_cache_dtype == "fp8" else 1e-5), (label, err)
@@ -129,14 +144,20 @@ def test_triton_kernels_match_torch(kv_cache_dtype):
         assert_same_keys(got, want, kv_cache_dtype)
         selected = rows_of_best(got, TOPK, view.block_tables, view.seq_index, BLOCK)
         reference = rows_of_best(want, TOPK, view.block_tables, view.seq_index, BLOCK)
-        short = view.positions < TOPK  # every visible row is selected: the same set, in the same order of scores
+        short = (
+            view.positions < TOPK
+        )  # every visible row is selected: the same set, in the same order of scores
         assert torch.equal(selected[short].sort(-1).values, reference[short].sort(-1).values)
-        overlap = sum(len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(selected, reference))
-        assert overlap >= (0.99 if kv_cache_dtype == "fp8" else 0.999) * (reference >= 0).sum().item(), (
-            overlap / (reference >= 0).sum().item()
+        overlap = sum(
+            len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(selected, reference)
         )
+        assert (
+            overlap >= (0.99 if kv_cache_dtype == "fp8" else 0.999) * (reference >= 0).sum().item()
+        ), overlap / (reference >= 0).sum().item()
         # the dispatcher picks Triton on CUDA (for a few tokens, topk_rows: the same rows in another order)
-        assert torch.equal(indexer_topk(*args[:6], TOPK, BLOCK).sort(-1).values, selected.sort(-1).values)
+        assert torch.equal(
+            indexer_topk(*args[:6], TOPK, BLOCK).sort(-1).values, selected.sort(-1).values
+        )
 
         q_latent = torch.randn(n, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
         q_rope = torch.randn(n, 64, 64, device="cuda", generator=gen).bfloat16() * 0.05
@@ -180,11 +201,14 @@ def test_selected_rows_match_torch():
         n = view.positions.shape[0]
         q = torch.randn(n, 32, 128, device="cuda", generator=gen).bfloat16()
         weights = torch.rand(n, 32, device="cuda", generator=gen)
-        keys = indexer_order_keys_torch(q, weights, rows, view.block_tables, view.seq_index, view.positions, BLOCK)
+        keys = indexer_order_keys_torch(
+            q, weights, rows, view.block_tables, view.seq_index, view.positions, BLOCK
+        )
         tables_view = (view.block_tables, view.seq_index)
         if keys.shape[1] <= TOPK:
             assert torch.equal(
-                visible_rows(*tables_view, view.positions, BLOCK), rows_of_best(keys, TOPK, *tables_view, BLOCK)
+                visible_rows(*tables_view, view.positions, BLOCK),
+                rows_of_best(keys, TOPK, *tables_view, BLOCK),
             )
             continue
         best = keys.topk(TOPK, dim=-1, sorted=False).values
@@ -196,7 +220,8 @@ def test_selected_rows_match_torch():
             assert torch.equal(got, cache_rows_torch(selected, *tables_view, positions, BLOCK))
         assert (got >= 0).sum() == (view.positions + 1).sum()  # every visible position, once
         assert torch.equal(
-            rows_of_best(keys, TOPK, *tables_view, BLOCK), cache_rows_torch(best, *tables_view, None, BLOCK)
+            rows_of_best(keys, TOPK, *tables_view, BLOCK),
+            cache_rows_torch(best, *tables_view, None, BLOCK),
         )
 
 
@@ -215,7 +240,9 @@ def test_bounded_topk_over_padded_tables(kv_cache_dtype):
     rows = cache.layers[0]
     positions = [0, 63, 700 - 1, TOPK - 1, TOPK, 2999, 4999, 4999]
     seqs = [0, 0, 0, 1, 1, 1, 2, 2]
-    padded = torch.from_numpy(padded_tables(tables, len(tables), 12288 // BLOCK, cache.scratch_block)).cuda()
+    padded = torch.from_numpy(
+        padded_tables(tables, len(tables), 12288 // BLOCK, cache.scratch_block)
+    ).cuda()
     seq_index = torch.tensor(seqs, device="cuda")
     pos = torch.tensor(positions, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -231,7 +258,10 @@ def test_bounded_topk_over_padded_tables(kv_cache_dtype):
     visible = torch.arange(full.shape[1], device="cuda") <= pos[:, None]
     assert torch.equal(sparse[visible], full[visible])
     want = rows_of_best(full, TOPK, padded, seq_index, BLOCK)
-    for got in (topk_rows(sparse, TOPK, padded, seq_index, pos, BLOCK), indexer_topk(*args[:6], TOPK, BLOCK)):
+    for got in (
+        topk_rows(sparse, TOPK, padded, seq_index, pos, BLOCK),
+        indexer_topk(*args[:6], TOPK, BLOCK),
+    ):
         assert torch.equal(got.sort(-1).values, want.sort(-1).values)
     assert ((want >= 0).sum(-1) == torch.clamp(pos + 1, max=TOPK)).all()
 
@@ -254,14 +284,18 @@ def exact_indexer_case(n: int, blocks: int, device: str, kv_cache_dtype: str, ge
     cached = 4 * blocks + 1
     fp8 = kv_cache_dtype == "fp8"
     # the 16-bit cache: bf16, but float16 under the interpreter, whose bf16 dot is not the GPU's
-    key_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16 if device == "cuda" else torch.float16
+    key_dtype = (
+        torch.float8_e4m3fn if fp8 else torch.bfloat16 if device == "cuda" else torch.float16
+    )
     ints = lambda *shape: torch.randint(-3, 4, shape, generator=gen).float()  # noqa: E731
     rows = PagedLayerCache(
         None,
         None,
         None,
         ints(cached * GRID_BLOCK, 32).to(key_dtype).to(device),
-        (2.0 ** torch.randint(-3, 4, (cached * GRID_BLOCK, 1), generator=gen)).to(device) if fp8 else None,
+        (2.0 ** torch.randint(-3, 4, (cached * GRID_BLOCK, 1), generator=gen)).to(device)
+        if fp8
+        else None,
     )
     tables = torch.randperm(cached, generator=gen)[: 4 * blocks].view(4, blocks).int()
     seq_index = torch.tensor([(i // (8 if i < n // 2 else 3)) % 4 for i in range(n)])
@@ -299,8 +333,12 @@ def test_indexer_grid_over_wide_tables(device, kv_cache_dtype):
         q, weights, rows, tables, seq_index, positions, _ = args
         want = torch.cat(
             [
-                indexer_order_keys_torch(q[c], weights[c], rows, tables, seq_index[c], positions[c], GRID_BLOCK)
-                for c in torch.arange(n, device=device).split(64)  # [64, L, d] gathered keys at a time
+                indexer_order_keys_torch(
+                    q[c], weights[c], rows, tables, seq_index[c], positions[c], GRID_BLOCK
+                )
+                for c in torch.arange(n, device=device).split(
+                    64
+                )  # [64, L, d] gathered keys at a time
             ]
         )
         visible = torch.arange(want.shape[1], device=device) <= positions[:, None]
@@ -350,7 +388,10 @@ def test_paged_indexer_above_topk_fused_matches_reference(kv_cache_dtype):
 
     cfg = ModelConfig.from_dict(GLM)
     layer = bf16_attention_layer(cfg)
-    caches = {on: PagedKVCache(cfg, {0: True}, 2**28, torch.bfloat16, "cuda", kv_cache_dtype) for on in (True, False)}
+    caches = {
+        on: PagedKVCache(cfg, {0: True}, 2**28, torch.bfloat16, "cuda", kv_cache_dtype)
+        for on in (True, False)
+    }
     table, errors, overlaps = [list(range(40))], [], []
     for start, length in ((0, 2500), (2500, 1), (2501, 1)):
         x = torch.randn(length, cfg.hidden_size, device="cuda").bfloat16()
@@ -359,7 +400,9 @@ def test_paged_indexer_above_topk_fused_matches_reference(kv_cache_dtype):
             fused.ENABLED = on
             try:
                 view = cache.view(table, [start], [length])
-                batch = AttentionBatch(Rotary(cfg, view.positions, torch.bfloat16), view.allowed, view)
+                batch = AttentionBatch(
+                    Rotary(cfg, view.positions, torch.bfloat16), view.allowed, view
+                )
                 with torch.no_grad():
                     out, selected = layer(x, batch, None)
             finally:
@@ -370,10 +413,14 @@ def test_paged_indexer_above_topk_fused_matches_reference(kv_cache_dtype):
         got, want = selections
         assert got.shape == want.shape == (length, TOPK)
         overlaps.append(
-            sum(len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(got, want)) / (want >= 0).sum().item()
+            sum(len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(got, want))
+            / (want >= 0).sum().item()
         )
     print(errors, overlaps)
-    assert max(errors) < (3e-2 if kv_cache_dtype == "auto" else 6e-2) and min(overlaps) >= 0.99, (errors, overlaps)
+    assert max(errors) < (3e-2 if kv_cache_dtype == "auto" else 6e-2) and min(overlaps) >= 0.99, (
+        errors,
+        overlaps,
+    )
 
 
 @requires_gpus(1)
@@ -383,7 +430,11 @@ def test_indexer_tiles_match_torch(kv_cache_dtype):
     """The indexer's tiles of several tokens against the reference: a 1000-token prefill chunk of one sequence
     at a start inside a block; a step whose tiles straddle sequences (other block tables, other positions)
     and end in a partial tile; 32 and 24 heads (padded to 32); each tile config, the default's pick first."""
-    from spmoe.layers.sparse_attention_triton import INDEXER_DECODE_TILES, INDEXER_PREFILL_TILES, indexer_order_keys
+    from spmoe.layers.sparse_attention_triton import (
+        INDEXER_DECODE_TILES,
+        INDEXER_PREFILL_TILES,
+        indexer_order_keys,
+    )
 
     cache, tables = filled_cache(kv_cache_dtype)
     rows = cache.layers[0]
@@ -400,8 +451,16 @@ def test_indexer_tiles_match_torch(kv_cache_dtype):
             weights = weights * q_scale.squeeze(-1)
         args = (q, weights, rows, view.block_tables, view.seq_index, view.positions, BLOCK)
         want = indexer_order_keys_torch(*args)
-        for tiles in (None, INDEXER_DECODE_TILES, INDEXER_PREFILL_TILES, (2, 5, 4, 2), (8, 3, 8, 3)):
-            assert_same_keys(indexer_order_keys(*args, tiles=tiles), want, kv_cache_dtype, (n, heads, tiles))
+        for tiles in (
+            None,
+            INDEXER_DECODE_TILES,
+            INDEXER_PREFILL_TILES,
+            (2, 5, 4, 2),
+            (8, 3, 8, 3),
+        ):
+            assert_same_keys(
+                indexer_order_keys(*args, tiles=tiles), want, kv_cache_dtype, (n, heads, tiles)
+            )
 
 
 @requires_gpus(1)
@@ -418,7 +477,10 @@ def test_paged_attention_layer_matches_dense_on_gpu():
     layer = bf16_attention_layer(cfg)
     dense = KVCache(cfg, {0: True}, 2, 1024, torch.bfloat16, "cuda")
     paged = PagedKVCache(cfg, {0: True}, 2**27, torch.bfloat16, "cuda")
-    tables = [[5, 2, 9, 0, 11, 13, 15, 17, 19, 21], [7, 1, 3, 4, 6, 8, 10, 12, 14, 16]]  # room for 640 tokens each
+    tables = [
+        [5, 2, 9, 0, 11, 13, 15, 17, 19, 21],
+        [7, 1, 3, 4, 6, 8, 10, 12, 14, 16],
+    ]  # room for 640 tokens each
     slots, errors = [dense.allocate() for _ in range(2)], []
     for starts, lens in (([0, 0], [600, 250]), ([600, 250], [1, 1]), ([601, 251], [1, 1])):
         x = torch.randn(sum(lens), cfg.hidden_size, device="cuda").bfloat16()
@@ -442,19 +504,29 @@ def check_head_matmul(device: str, dtype: torch.dtype):
     nope, v, c = 192, 256, 512
     gen = torch.Generator(device=device).manual_seed(7)
     for heads in (64, 32, 16, 8):  # TP 1, 2, 4, 8 at GLM-5.2's 64 heads
-        weight = (torch.randn(heads * (nope + v), c, generator=gen, device=device) * c**-0.5).to(dtype)
+        weight = (torch.randn(heads * (nope + v), c, generator=gen, device=device) * c**-0.5).to(
+            dtype
+        )
         w_uk, w_uv = weight.view(heads, nope + v, c).split([nope, v], dim=1)
         for n_tok in (1, 3, 8, HEAD_MATMUL_TOKENS):
             q = torch.randn(n_tok, heads, nope + 64, generator=gen, device=device).to(dtype)
-            latent = (torch.randn(n_tok, heads, c, generator=gen, device=device) * (c / nope) ** 0.5).to(dtype)
+            latent = (
+                torch.randn(n_tok, heads, c, generator=gen, device=device) * (c / nope) ** 0.5
+            ).to(dtype)
             for x, w in ((q[..., :nope], w_uk), (latent, w_uv.transpose(1, 2))):
                 got = triton_head_matmul(x, w)
                 want = torch.einsum("nhk,hkm->nhm", x.float(), w.float())
                 label = (heads, n_tok, tuple(w.shape))
                 assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous(), label
-                torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2, msg=lambda m: f"{label}: {m}")
                 torch.testing.assert_close(
-                    got, head_matmul_torch(x, w), rtol=1.6e-2, atol=1e-2, msg=lambda m: f"{label}: {m}"
+                    got.float(), want, rtol=1.6e-2, atol=1e-2, msg=lambda m: f"{label}: {m}"
+                )
+                torch.testing.assert_close(
+                    got,
+                    head_matmul_torch(x, w),
+                    rtol=1.6e-2,
+                    atol=1e-2,
+                    msg=lambda m: f"{label}: {m}",
                 )
                 if device == "cuda":  # the dispatch: the kernel, unless the fused kernels are off
                     assert torch.equal(head_matmul(x, w), got), label
@@ -465,7 +537,9 @@ def check_head_matmul(device: str, dtype: torch.dtype):
                         fused.ENABLED = True
     many = torch.randn(HEAD_MATMUL_TOKENS + 1, 8, nope, generator=gen, device=device).to(dtype)
     if device == "cuda":
-        assert torch.equal(head_matmul(many, w_uk), head_matmul_torch(many, w_uk))  # more tokens: the GEMM
+        assert torch.equal(
+            head_matmul(many, w_uk), head_matmul_torch(many, w_uk)
+        )  # more tokens: the GEMM
     with pytest.raises(ValueError, match="head_matmul needs x"):
         triton_head_matmul(many, w_uk)
     assert triton_head_matmul(many[:0], w_uk).shape == (0, 8, c)
@@ -480,7 +554,8 @@ def test_head_matmul_matches_torch():
 @requires_gpus(1)
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "batch,context,kv_cache_dtype", [(1, 1024, "auto"), (48, 1024, "fp8"), (256, 4096, "auto"), (256, 4096, "fp8")]
+    "batch,context,kv_cache_dtype",
+    [(1, 1024, "auto"), (48, 1024, "fp8"), (256, 4096, "auto"), (256, 4096, "fp8")],
 )
 def test_kernels_at_large_batch_and_context(batch, context, kv_cache_dtype):
     """The indexer, the cache-row lookup and sparse MLA against their torch references for `batch` sequences of
@@ -495,12 +570,20 @@ def test_kernels_at_large_batch_and_context(batch, context, kv_cache_dtype):
     width = 1 << (used - 1).bit_length()
     probe = PagedKVCache(cfg, {0: True}, 1 << 24, torch.bfloat16, "cuda", kv_cache_dtype)
     cache = PagedKVCache(
-        cfg, {0: True}, batch * used * BLOCK * probe.bytes_per_token, torch.bfloat16, "cuda", kv_cache_dtype
+        cfg,
+        {0: True},
+        batch * used * BLOCK * probe.bytes_per_token,
+        torch.bfloat16,
+        "cuda",
+        kv_cache_dtype,
     )
     del probe
     gen = torch.Generator(device="cuda").manual_seed(batch)
     order = torch.randperm(cache.num_blocks, device="cuda", generator=gen).tolist()
-    tables = [order[i * used : (i + 1) * used] + [cache.scratch_block] * (width - used) for i in range(batch)]
+    tables = [
+        order[i * used : (i + 1) * used] + [cache.scratch_block] * (width - used)
+        for i in range(batch)
+    ]
     fill = cache.view(tables, [0] * batch, [context] * batch)
     n = batch * context
     write_latent(
@@ -509,7 +592,11 @@ def test_kernels_at_large_batch_and_context(batch, context, kv_cache_dtype):
         torch.randn(n, 512, device="cuda", generator=gen).bfloat16(),
         torch.randn(n, 64, device="cuda", generator=gen).bfloat16(),
     )
-    write_index_key(fill.layer(0), fill.slot_mapping, torch.randn(n, 128, device="cuda", generator=gen).bfloat16())
+    write_index_key(
+        fill.layer(0),
+        fill.slot_mapping,
+        torch.randn(n, 128, device="cuda", generator=gen).bfloat16(),
+    )
     del fill
     rows = cache.layers[0]
     for view in (
@@ -534,8 +621,12 @@ def test_kernels_at_large_batch_and_context(batch, context, kv_cache_dtype):
             )
         chosen = rows_of_best(keys, TOPK, *tables_view, BLOCK)
         reference = rows_of_best(want, TOPK, *tables_view, BLOCK)
-        overlap = sum(len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(chosen, reference))
-        assert overlap >= (0.99 if kv_cache_dtype == "fp8" else 0.999) * (reference >= 0).sum().item()
+        overlap = sum(
+            len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(chosen, reference)
+        )
+        assert (
+            overlap >= (0.99 if kv_cache_dtype == "fp8" else 0.999) * (reference >= 0).sum().item()
+        )
         q_latent = torch.randn(tokens, 64, 512, device="cuda", generator=gen).bfloat16() * 0.05
         q_rope = torch.randn(tokens, 64, 64, device="cuda", generator=gen).bfloat16() * 0.05
         want = sparse_mla_torch(q_latent, q_rope, rows, chosen, 0.07)

@@ -10,7 +10,14 @@ from spmoe.config import ModelConfig
 
 from ..multigpu import requires_gpus
 
-H, I, TOTAL_EXPERTS, LOCAL, FIRST, TOP_K = 6144, 2048, 32, 16, 16, 8  # this rank holds experts 16..31
+H, I, TOTAL_EXPERTS, LOCAL, FIRST, TOP_K = (
+    6144,
+    2048,
+    32,
+    16,
+    16,
+    8,
+)  # this rank holds experts 16..31
 
 
 def glm_config(fp8: bool) -> ModelConfig:
@@ -36,7 +43,11 @@ def glm_config(fp8: bool) -> ModelConfig:
             index_n_heads=2,
             index_head_dim=32,
             rms_norm_eps=1e-5,
-            quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+            quantization_config={
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "weight_block_size": [128, 128],
+            }
             if fp8
             else None,
         )
@@ -89,7 +100,10 @@ def test_triton_experts_match_reference(rows):
     w13 = (torch.randn(LOCAL, 2 * I, H, generator=gen) * H**-0.5).cuda()
     w2 = (torch.randn(LOCAL, H, I, generator=gen) * I**-0.5).cuda()
     with torch.device("cuda"):
-        reference, ours = TorchExperts(glm_config(False), FIRST, LOCAL), TritonExperts(glm_config(False), FIRST, LOCAL)
+        reference, ours = (
+            TorchExperts(glm_config(False), FIRST, LOCAL),
+            TritonExperts(glm_config(False), FIRST, LOCAL),
+        )
         fp8 = TritonExperts(glm_config(True), FIRST, LOCAL)
     with torch.no_grad():
         for module in (reference, ours):
@@ -104,12 +118,23 @@ def test_triton_experts_match_reference(rows):
             quantize_blocks(w2),
         )
         got8 = fp8(x, ids, weights).float()
-        err8 = ((got8 - emulated_fp8(x.float(), ids, weights, w13_dq, w2_dq)).abs().max() / want.abs().max()).item()
+        err8 = (
+            (got8 - emulated_fp8(x.float(), ids, weights, w13_dq, w2_dq)).abs().max()
+            / want.abs().max()
+        ).item()
         loose = ((got8 - want).abs().max() / want.abs().max()).item()
-        assert err8 < 2e-2, f"fp8 rows={rows}: rel err {err8:.2e} against the emulated FP8 reference"
-        assert loose < 0.15, f"fp8 rows={rows}: rel err {loose:.2e} against the unquantised reference"
-        assert torch.all(got[: rows // 5] == 0) and torch.all(got8[: rows // 5] == 0)  # pad rows stay zero
-    print(f"rows={rows}: bf16 rel err {err:.1e}, fp8 {err8:.1e} (emulated) / {loose:.1e} (unquantised)")
+        assert err8 < 2e-2, (
+            f"fp8 rows={rows}: rel err {err8:.2e} against the emulated FP8 reference"
+        )
+        assert loose < 0.15, (
+            f"fp8 rows={rows}: rel err {loose:.2e} against the unquantised reference"
+        )
+        assert torch.all(got[: rows // 5] == 0) and torch.all(
+            got8[: rows // 5] == 0
+        )  # pad rows stay zero
+    print(
+        f"rows={rows}: bf16 rel err {err:.1e}, fp8 {err8:.1e} (emulated) / {loose:.1e} (unquantised)"
+    )
 
 
 SMALL = dict(
@@ -153,7 +178,14 @@ def fp8_checkpoint(folder):
         q, scale, _ = quantize_blocks(tensors[key][None])
         tensors[key], tensors[key.removesuffix("weight") + "weight_scale_inv"] = q[0], scale[0]
     save_file(tensors, folder / "model.safetensors")
-    config = {**SMALL, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    config = {
+        **SMALL,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 128],
+        },
+    }
     (folder / "config.json").write_text(json.dumps(config))
 
 
@@ -168,7 +200,13 @@ def logits_with(folder, backends):
         experts = model.model.layers[1].mlp.experts
         with torch.no_grad():
             logits = model(*flatten([[1, 5, 9, 13, 2, 7], [3, 4]], "cuda")).cpu()
-        out.append((experts.name, experts.w13.dtype if experts.keeps_fp8 else experts.gate_up_proj.dtype, logits))
+        out.append(
+            (
+                experts.name,
+                experts.w13.dtype if experts.keeps_fp8 else experts.gate_up_proj.dtype,
+                logits,
+            )
+        )
     return out
 
 
@@ -181,7 +219,10 @@ def test_fp8_checkpoint_keeps_fp8_weights(tmp_path):
     (name_t, dtype_t, ref), (name_x, dtype_x, got) = spawn(
         logits_with, 1, tmp_path, ["torch", "triton"], device="cuda"
     )[0]
-    assert (name_t, dtype_t) == ("torch", torch.bfloat16) and (name_x, dtype_x) == ("triton", torch.float8_e4m3fn)
+    assert (name_t, dtype_t) == ("torch", torch.bfloat16) and (name_x, dtype_x) == (
+        "triton",
+        torch.float8_e4m3fn,
+    )
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     assert err < 0.1, f"FP8 triton model against the dequantised torch model: rel err {err:.2e}"
     print(f"FP8 checkpoint: triton (FP8 weights) vs torch (dequantised) logits rel err {err:.1e}")
@@ -232,7 +273,15 @@ def distinct_configs(fp8: bool) -> list[dict]:
 # rows: 1 .. 3000 in the decode and prefill configs; 43691, where m * top_k * H first passes 2**31 (the bound of
 # the [m * k, H] buffer the down projection used to fill); 349526, where m * H passes 2**31 (x, the output) and
 # the sorted rows times I do too
-MOE_SWEEP = [(1, False), (3, True), (32, False), (100, True), (200, False), (1000, True), (3000, False)]
+MOE_SWEEP = [
+    (1, False),
+    (3, True),
+    (32, False),
+    (100, True),
+    (200, False),
+    (1000, True),
+    (3000, False),
+]
 MOE_LARGE = [(43691, True, False), (43691, True, True), (349526, False, False)]
 
 
@@ -245,13 +294,18 @@ def check_fused_moe(rows: int, skewed: bool, fp8: bool, configs: list[dict | Non
     w2 = torch.randn(LOCAL, H, I, generator=gen, device="cuda") * I**-0.5
     x = torch.randn(rows, H, generator=gen, device="cuda").bfloat16()
     if fp8:
-        (w13, w13_scale, w13_ref), (w2, w2_scale, w2_ref) = quantize_blocks(w13), quantize_blocks(w2)
+        (w13, w13_scale, w13_ref), (w2, w2_scale, w2_ref) = (
+            quantize_blocks(w13),
+            quantize_blocks(w2),
+        )
     else:
         w13_ref, w2_ref = w13.bfloat16().float(), w2.bfloat16().float()
         w13, w2, w13_scale, w2_scale = w13.bfloat16(), w2.bfloat16(), None, None
     with torch.no_grad():
         want = reference_moe(x, ids, weights, w13_ref, w2_ref, fp8)
-        nothing_local = ~((ids >= FIRST) & (ids < FIRST + LOCAL)).any(1)  # pad rows, rows routed elsewhere
+        nothing_local = ~((ids >= FIRST) & (ids < FIRST + LOCAL)).any(
+            1
+        )  # pad rows, rows routed elsewhere
         for config in configs:
             got = fused_moe(x, ids, weights, FIRST, w13, w2, w13_scale, w2_scale, config=config)
             assert got.shape == x.shape and got.dtype == x.dtype

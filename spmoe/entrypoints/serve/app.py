@@ -63,24 +63,41 @@ from spmoe.entrypoints.serve.protocol import (
     parse,
 )
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration, usage
-from spmoe.entrypoints.serve.tokenizer import TokenTexts, chat_prompt_text, eos_token_ids, longest_token_bytes
+from spmoe.entrypoints.serve.tokenizer import (
+    TokenTexts,
+    chat_prompt_text,
+    eos_token_ids,
+    longest_token_bytes,
+)
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+COMPLETION_DEFAULT_MAX_TOKENS = (
+    16  # OpenAI's default for /v1/completions; chat defaults to the room left
+)
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 OPEN_ROUTES = ("/health", "/metrics")  # the routes that need no API key
 END_WAIT_S = 5.0  # how long `stop` waits for the requests it ended to send their last chunk
 RETRY_AFTER_S = "1"  # what a 503 tells the client to wait
-MAX_LOGGED_FIELDS = 256  # unknown request field names logged (and remembered) at most, over the server's life
+MAX_LOGGED_FIELDS = (
+    256  # unknown request field names logged (and remembered) at most, over the server's life
+)
 MAX_NAMES_A_LINE = 8  # of them named in one request's log line
 log = logging.getLogger("spmoe.serve")
 
 
 @dataclass(frozen=True)
 class ApiSettings:
-    served_model_names: list[str]  # the names clients may ask for; the first is reported in responses
-    defaults: GenerationDefaults = GenerationDefaults()  # the model's, for the fields a request leaves out
-    chat_template_content_format: str = "string"  # how the template sees content (ChatMessage.as_template_input)
-    seed: int | None = None  # seeds the seeds of requests that give none (reproducible runs); None: random
+    served_model_names: list[
+        str
+    ]  # the names clients may ask for; the first is reported in responses
+    defaults: GenerationDefaults = (
+        GenerationDefaults()
+    )  # the model's, for the fields a request leaves out
+    chat_template_content_format: str = (
+        "string"  # how the template sees content (ChatMessage.as_template_input)
+    )
+    seed: int | None = (
+        None  # seeds the seeds of requests that give none (reproducible runs); None: random
+    )
     chat: ChatOptions = ChatOptions()  # the reasoning and tool-call parsers
 
 
@@ -96,7 +113,9 @@ class FrontEndLimits:
             raise ValueError("--api-key (or SPMOE_API_KEY) must not be empty")
 
 
-def build_app(client, tokenizer, settings: ApiSettings, limits: FrontEndLimits = FrontEndLimits()) -> FastAPI:
+def build_app(
+    client, tokenizer, settings: ApiSettings, limits: FrontEndLimits = FrontEndLimits()
+) -> FastAPI:
     """`client`: an EngineClient (async `generate(request)`, `metrics()`, `max_model_len`, `vocab_size`,
     `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer. The app's
     `OpenAIApi` is `app.state.api` (its `stop` ends serving)."""
@@ -108,17 +127,25 @@ def build_app(client, tokenizer, settings: ApiSettings, limits: FrontEndLimits =
     async def api_error(_, e: ApiError):
         # after a 413 the connection closes: the rest of the body is not read (and parsed) for nothing
         headers = (
-            {"Connection": "close"} if e.status == 413 else {"Retry-After": RETRY_AFTER_S} if e.status == 503 else None
+            {"Connection": "close"}
+            if e.status == 413
+            else {"Retry-After": RETRY_AFTER_S}
+            if e.status == 503
+            else None
         )
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(_, e: HTTPException):  # unknown routes, wrong methods
-        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        return JSONResponse(
+            ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
-        return JSONResponse(_internal_error(f"{request.method} {request.url.path}").body(), status_code=500)
+        return JSONResponse(
+            _internal_error(f"{request.method} {request.url.path}").body(), status_code=500
+        )
 
     app.api_route("/health", methods=["GET", "HEAD"])(api.health)
     app.get("/metrics")(api.metrics_text)
@@ -139,7 +166,9 @@ def _internal_error(what: str) -> ApiError:
     """Log the exception being handled under a new id; -> the 500 the client gets, which names only that id."""
     error_id = uuid.uuid4().hex
     log.exception("internal error %s in %s", error_id, what)
-    return ApiError(500, f"internal server error (id {error_id}); the details are in the server's log")
+    return ApiError(
+        500, f"internal server error (id {error_id}); the details are in the server's log"
+    )
 
 
 class RequireApiKey:
@@ -151,10 +180,17 @@ class RequireApiKey:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
-            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            given = next(
+                (value for name, value in scope["headers"] if name == b"authorization"), b""
+            )
             if not secrets.compare_digest(given, self.expected):
-                error = ApiError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'")
-                response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                error = ApiError(
+                    401,
+                    "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                )
+                response = JSONResponse(
+                    error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -177,7 +213,10 @@ class RequestIdMiddleware:
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"x-request-id", request_id.encode("latin-1")),
+                ]
             await send(message)
 
         await self.app(scope, receive, send_with_id)
@@ -196,21 +235,42 @@ class Choice:
 
 
 class OpenAIApi:
-    def __init__(self, client, tokenizer, settings: ApiSettings, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
-        self.client, self.tokenizer, self.model_names = client, tokenizer, settings.served_model_names
+    def __init__(
+        self,
+        client,
+        tokenizer,
+        settings: ApiSettings,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ):
+        self.client, self.tokenizer, self.model_names = (
+            client,
+            tokenizer,
+            settings.served_model_names,
+        )
         self.model_name = self.model_names[0]
-        self.defaults, self.content_format = settings.defaults, settings.chat_template_content_format
-        self.seeds = random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
+        self.defaults, self.content_format = (
+            settings.defaults,
+            settings.chat_template_content_format,
+        )
+        self.seeds = (
+            random.Random(settings.seed) if settings.seed is not None else random.SystemRandom()
+        )
         self.chat = settings.chat
-        self.reasoning_end_ids = reasoning_end_ids(settings.chat, tokenizer)  # where a chat grammar may start
+        self.reasoning_end_ids = reasoning_end_ids(
+            settings.chat, tokenizer
+        )  # where a chat grammar may start
         self.max_request_bytes = max_request_bytes
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.token_bytes = longest_token_bytes(tokenizer)
         self.token_texts = TokenTexts(tokenizer)  # how logprobs name tokens
-        self.max_prompt_bytes = client.max_model_len * self.token_bytes  # more cannot fit (see _check_text_size)
+        self.max_prompt_bytes = (
+            client.max_model_len * self.token_bytes
+        )  # more cannot fit (see _check_text_size)
         self.metrics = ServeMetrics(client, self.model_name)
         self.created = int(time.time())
-        self.logged_fields: set[str] = set()  # unknown request fields already logged (at most MAX_LOGGED_FIELDS)
+        self.logged_fields: set[str] = (
+            set()
+        )  # unknown request fields already logged (at most MAX_LOGGED_FIELDS)
         # One worker: a tokenizer is not safe to use from several threads at once, and one thread keeps the
         # event loop free, which is what matters.
         self.text_work = ThreadPoolExecutor(1, thread_name_prefix="spmoe-tokenize")
@@ -260,16 +320,27 @@ class OpenAIApi:
         if body.prompt is not None:
             self._check_text_size([body.prompt], "prompt")
             ids = await self._off_loop(
-                lambda: self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                lambda: self.tokenizer.encode(
+                    body.prompt, add_special_tokens=body.add_special_tokens
+                )
             )
         else:
             try:
                 messages = [m.as_template_input(self.content_format) for m in body.messages]
-                text = await self._off_loop(chat_prompt_text, self.tokenizer, messages, None, body.chat_template_kwargs)
+                text = await self._off_loop(
+                    chat_prompt_text, self.tokenizer, messages, None, body.chat_template_kwargs
+                )
             except ValueError as e:
                 raise ApiError(400, str(e), "messages") from None
-            ids = await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
-        return {"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids, "token_strs": None}
+            ids = await self._off_loop(
+                lambda: self.tokenizer.encode(text, add_special_tokens=False)
+            )
+        return {
+            "count": len(ids),
+            "max_model_len": self.client.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
 
     async def detokenize(self, http: Request) -> dict:
         body = self._parse(DetokenizeRequest, await self._json_body(http), http)
@@ -281,9 +352,15 @@ class OpenAIApi:
     async def completions(self, http: Request):
         raw = await self._json_body(http)
         prompt = raw.get("prompt") if isinstance(raw, dict) else None
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):  # token ids, before validating
+        if (
+            isinstance(prompt, list) and prompt and not isinstance(prompt[0], str)
+        ):  # token ids, before validating
             batch = isinstance(prompt[0], list)  # a list of id lists: the longest counts
-            longest = max((len(p) for p in prompt if isinstance(p, list)), default=0) if batch else len(prompt)
+            longest = (
+                max((len(p) for p in prompt if isinstance(p, list)), default=0)
+                if batch
+                else len(prompt)
+            )
             self._max_new_tokens(longest, None, None)
         body = self._parse(CompletionRequest, raw, http)
         self._check_model(body.model)
@@ -307,7 +384,11 @@ class OpenAIApi:
                 ids = self._checked_ids(prompt)
             echo = None
             if body.echo:
-                echo = prompt if isinstance(prompt, str) else await self._off_loop(self.tokenizer.decode, ids)
+                echo = (
+                    prompt
+                    if isinstance(prompt, str)
+                    else await self._off_loop(self.tokenizer.decode, ids)
+                )
             discard = body.max_tokens == 0
             max_new = 1 if discard else self._max_new_tokens(len(ids), body.max_tokens, default_max)
             if discard:
@@ -317,54 +398,79 @@ class OpenAIApi:
                 index = p * body.n + i
                 sampling = self._sampling(body, seed, index, logprobs, prompt_logprobs, max_new)
                 choices.append(Choice(index, ids, echo, max_new, sampling, discard))
-        return await self._respond(http, body, choices, "cmpl", "text_completion", None, grammar, ())
+        return await self._respond(
+            http, body, choices, "cmpl", "text_completion", None, grammar, ()
+        )
 
     async def chat_completions(self, http: Request):
         body = self._parse(ChatCompletionRequest, await self._json_body(http), http)
         self._check_model(body.model)
         if body.max_tokens == 0:
-            raise ApiError(400, "max_tokens: expected >= 1 for chat completions, got 0", "max_tokens")
+            raise ApiError(
+                400, "max_tokens: expected >= 1 for chat completions, got 0", "max_tokens"
+            )
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice
+        choice = (
+            body.tool_choice.model_dump()
+            if isinstance(body.tool_choice, BaseModel)
+            else body.tool_choice
+        )
         try:
             tool_choice = effective_tool_choice(tools, choice, self.chat)
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice") from None
         texts = [
-            m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ()) for m in body.messages
+            m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
+            for m in body.messages
         ]
         self._check_text_size(texts, "messages")
         try:
             messages = [m.as_template_input(self.content_format) for m in body.messages]
-            text = await self._off_loop(chat_prompt_text, self.tokenizer, messages, tools, body.chat_template_kwargs)
+            text = await self._off_loop(
+                chat_prompt_text, self.tokenizer, messages, tools, body.chat_template_kwargs
+            )
             parsers = [
-                ChatChoices.for_request(self.chat, text, body.chat_template_kwargs, tools, tool_choice)
+                ChatChoices.for_request(
+                    self.chat, text, body.chat_template_kwargs, tools, tool_choice
+                )
                 for _ in range(body.n)
             ]
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         prompt = await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
-        max_new = self._max_new_tokens(len(prompt), body.max_new_tokens, self.defaults.values.get("max_tokens"))
+        max_new = self._max_new_tokens(
+            len(prompt), body.max_new_tokens, self.defaults.values.get("max_tokens")
+        )
         tool_fields = {"tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls}
         grammar = await self._grammar(body, tool_fields, tools)
-        start_after = grammar_start_after(self.reasoning_end_ids, body.chat_template_kwargs) if grammar else ()
+        start_after = (
+            grammar_start_after(self.reasoning_end_ids, body.chat_template_kwargs)
+            if grammar
+            else ()
+        )
         logprobs, seed = (body.top_logprobs or 0) if body.logprobs else None, self._seed(body)
         choices = [
             Choice(i, prompt, None, max_new, self._sampling(body, seed, i, logprobs, None, max_new))
             for i in range(body.n)
         ]
-        return await self._respond(http, body, choices, "chatcmpl", "chat.completion", parsers, grammar, start_after)
+        return await self._respond(
+            http, body, choices, "chatcmpl", "chat.completion", parsers, grammar, start_after
+        )
 
-    async def _grammar(self, body: SamplingFields, extra: dict, tools: list[dict] | None) -> GrammarSpec | None:
+    async def _grammar(
+        self, body: SamplingFields, extra: dict, tools: list[dict] | None
+    ) -> GrammarSpec | None:
         """The grammar the request's output must follow (None: none), compiled now, off the event loop, so that
         a bad one is a 400 here and the engine's compile is a cache hit."""
         fields = {name: getattr(body, name) for name in STRUCTURED_OUTPUT_FIELDS} | extra
 
         def build() -> GrammarSpec | None:  # tool grammars build with xgrammar
             spec = grammar_for_request(fields, tools)
-            if spec is not None:  # the engine's compiler on rank 0: its own compile is then a cache hit
+            if (
+                spec is not None
+            ):  # the engine's compiler on rank 0: its own compile is then a cache hit
                 self.client.grammars.compile(spec)
             return spec
 
@@ -383,7 +489,10 @@ class OpenAIApi:
         too_long = f"the request body is longer than the server's --max-request-bytes {limit}"
         if declared is not None:
             if not declared.isdigit():
-                raise ApiError(400, f"the Content-Length header must be a number of bytes, got {declared[:40]!r}")
+                raise ApiError(
+                    400,
+                    f"the Content-Length header must be a number of bytes, got {declared[:40]!r}",
+                )
             if int(declared) > limit:
                 raise ApiError(413, f"{too_long}: Content-Length {declared}")
         parts, size = [], 0
@@ -406,7 +515,9 @@ class OpenAIApi:
     def _check_model(self, model: str) -> None:
         if model not in self.model_names:
             served = ", ".join(f"'{name}'" for name in self.model_names)
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves {served}", "model")
+            raise ApiError(
+                404, f"the model '{model}' does not exist; this server serves {served}", "model"
+            )
 
     def _check_text_size(self, texts: list[str], param: str) -> None:
         """No token covers more than `token_bytes` bytes of text, so texts of more than max_model_len times
@@ -444,9 +555,15 @@ class OpenAIApi:
             log.warning(
                 "[%s] request fields not supported and ignored (each name logged once%s): %s",
                 http.state.request_id,
-                f"; no more after {MAX_LOGGED_FIELDS} names" if len(self.logged_fields) == MAX_LOGGED_FIELDS else "",
+                f"; no more after {MAX_LOGGED_FIELDS} names"
+                if len(self.logged_fields) == MAX_LOGGED_FIELDS
+                else "",
                 ", ".join(repr(name[:64]) for name in new[:MAX_NAMES_A_LINE])
-                + (f" and {len(new) - MAX_NAMES_A_LINE} more" if len(new) > MAX_NAMES_A_LINE else ""),
+                + (
+                    f" and {len(new) - MAX_NAMES_A_LINE} more"
+                    if len(new) > MAX_NAMES_A_LINE
+                    else ""
+                ),
             )
         return body
 
@@ -465,14 +582,21 @@ class OpenAIApi:
     ) -> SamplingParams:
         given = {name for name in body.model_fields_set if getattr(body, name) is not None}
         fields = self.defaults.apply(
-            {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")},
+            {
+                name: getattr(body, name)
+                for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            },
             given,
         )
         temperature = fields["temperature"]
         if temperature is None:
             temperature = 1.0  # OpenAI's default, with speculation as without
         if body.min_tokens > max_new:
-            raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_new})", "min_tokens")
+            raise ApiError(
+                400,
+                f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_new})",
+                "min_tokens",
+            )
         bias = body.token_bias
         self._checked_ids(list(bias), "logit_bias")
         try:
@@ -484,7 +608,9 @@ class OpenAIApi:
                 min_p=fields["min_p"] or 0.0,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if fields["repetition_penalty"] is None else fields["repetition_penalty"],
+                repetition_penalty=1.0
+                if fields["repetition_penalty"] is None
+                else fields["repetition_penalty"],
                 logit_bias=tuple(bias.items()),
                 min_tokens=body.min_tokens,
                 logprobs=logprobs,
@@ -559,10 +685,17 @@ class OpenAIApi:
         if self.unavailable is not None:  # it began stopping while this request was tokenized
             raise ApiError(503, self.unavailable)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        log.info("[%s] %s: %d choice(s) as %s", http.state.request_id, kind, len(choices), request_id)
-        generations = [self._generation(body, c, request_id, grammar, grammar_start_after) for c in choices]
+        log.info(
+            "[%s] %s: %d choice(s) as %s", http.state.request_id, kind, len(choices), request_id
+        )
+        generations = [
+            self._generation(body, c, request_id, grammar, grammar_start_after) for c in choices
+        ]
         streams = AsyncExitStack()  # closing a choice's pieces aborts its engine request
-        pieces = [await streams.enter_async_context(aclosing(self._until_stopped(g.pieces()))) for g in generations]
+        pieces = [
+            await streams.enter_async_context(aclosing(self._until_stopped(g.pieces())))
+            for g in generations
+        ]
         firsts = await asyncio.gather(*(_first_piece(p) for p in pieces), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failed is not None:
@@ -570,7 +703,9 @@ class OpenAIApi:
             raise failed
         prompt_tokens = sum(len(c.prompt) for c in choices if c.index % body.n == 0)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        render = Render(self.token_texts, kind, choices, generations, parsers, body.return_tokens_as_token_ids)
+        render = Render(
+            self.token_texts, kind, choices, generations, parsers, body.return_tokens_as_token_ids
+        )
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:  # a client that goes away cancels the stream, which aborts the requests
             events = _events(streams, pieces, firsts, render, head, body, prompt_tokens)
@@ -580,7 +715,9 @@ class OpenAIApi:
             try:
                 while not all(task.done() for task in collect):
                     await asyncio.wait(collect, timeout=0.25)
-                    failed = next((t.exception() for t in collect if t.done() and t.exception()), None)
+                    failed = next(
+                        (t.exception() for t in collect if t.done() and t.exception()), None
+                    )
                     if failed is not None:  # the others may still run: the failure is the answer
                         raise failed
                     if await http.is_disconnected():  # leaving aborts the requests
@@ -604,8 +741,12 @@ class OpenAIApi:
         try:
             async with aclosing(pieces):
                 while True:
-                    if self._ending:  # `stop` ended the open requests while this one was not waiting
-                        raise ApiError(503, f"{self.unavailable}; this request was ended before it finished")
+                    if (
+                        self._ending
+                    ):  # `stop` ended the open requests while this one was not waiting
+                        raise ApiError(
+                            503, f"{self.unavailable}; this request was ended before it finished"
+                        )
                     task = asyncio.current_task()
                     self._waiting.add(task)
                     try:
@@ -614,7 +755,9 @@ class OpenAIApi:
                         if task not in self._ending_tasks:
                             raise
                         task.uncancel()  # the cancellation was `stop`'s, not the task's owner's
-                        raise ApiError(503, f"{self.unavailable}; this request was ended before it finished") from None
+                        raise ApiError(
+                            503, f"{self.unavailable}; this request was ended before it finished"
+                        ) from None
                     finally:
                         self._waiting.discard(task)
                     yield piece
@@ -627,7 +770,9 @@ class OpenAIApi:
         """From now on new requests (and /health) get 503 with `reason`; the open requests may finish for up to
         `grace_s` seconds, then those left are ended. Returns once none is open (or END_WAIT_S later)."""
         self.unavailable = reason
-        log.warning("%s: %d requests open, which may finish for %.0f s", reason, self.open_requests, grace_s)
+        log.warning(
+            "%s: %d requests open, which may finish for %.0f s", reason, self.open_requests, grace_s
+        )
         deadline = time.monotonic() + grace_s
         while self.open_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -665,11 +810,18 @@ class Render:
         parsers: list | None,
         token_ids: bool = False,
     ):
-        self.token_texts, self.kind, self.choices, self.generations = token_texts, kind, choices, generations
+        self.token_texts, self.kind, self.choices, self.generations = (
+            token_texts,
+            kind,
+            choices,
+            generations,
+        )
         self.parsers = parsers
         self.token_ids = token_ids  # name tokens by id (`return_tokens_as_token_ids`)
         self.offsets = [0] * len(choices)  # completions' text_offset so far, per choice
-        self.held: list[tuple[list[int], list]] = [([], [])] * len(choices)  # per choice: tokens not sent yet
+        self.held: list[tuple[list[int], list]] = [([], [])] * len(
+            choices
+        )  # per choice: tokens not sent yet
 
     def whole(self, i: int, pieces: list[Piece]) -> dict:
         merged = Piece(
@@ -689,7 +841,9 @@ class Render:
             text = choice.prompt_text + text
             if choice.sampling.prompt_logprobs is not None:
                 ids = choice.prompt + ids
-                logprobs = list(generation.prompt_logprobs or [None] * len(choice.prompt)) + logprobs
+                logprobs = (
+                    list(generation.prompt_logprobs or [None] * len(choice.prompt)) + logprobs
+                )
         wanted = choice.sampling.logprobs is not None
         if self.kind == "text_completion":
             return {
@@ -712,12 +866,24 @@ class Render:
 
     def role_delta(self, i: int) -> dict:
         delta = {"role": "assistant", "content": ""}
-        return {"index": self.choices[i].index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return {
+            "index": self.choices[i].index,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": None,
+        }
 
     def _names(self, ids: list[int], logprobs: list) -> dict[int, str]:
         """Every token of `ids` and of their top logprobs -> how logprobs name it, decoded together."""
-        every = list(dict.fromkeys([*ids, *(t for lp in logprobs if lp is not None for t, _ in lp[1])]))
-        return dict(zip(every, [f"token_id:{t}" for t in every] if self.token_ids else self.token_texts(every)))
+        every = list(
+            dict.fromkeys([*ids, *(t for lp in logprobs if lp is not None for t, _ in lp[1])])
+        )
+        return dict(
+            zip(
+                every,
+                [f"token_id:{t}" for t in every] if self.token_ids else self.token_texts(every),
+            )
+        )
 
     def _completion_logprobs(self, i: int, ids: list[int], logprobs: list) -> dict:
         names = self._names(ids, logprobs)
@@ -729,7 +895,9 @@ class Render:
         return {
             "tokens": tokens,
             "token_logprobs": [None if lp is None else lp[0] for lp in logprobs],
-            "top_logprobs": [None if lp is None else {names[t]: v for t, v in lp[1]} for lp in logprobs],
+            "top_logprobs": [
+                None if lp is None else {names[t]: v for t, v in lp[1]} for lp in logprobs
+            ],
             "text_offset": offsets,
         }
 
@@ -740,7 +908,10 @@ class Render:
             token = names[token_id]
             return {"token": token, "logprob": value, "bytes": list(token.encode())}
 
-        return [{**entry(t, lp[0]), "top_logprobs": [entry(tt, v) for tt, v in lp[1]]} for t, lp in zip(ids, logprobs)]
+        return [
+            {**entry(t, lp[0]), "top_logprobs": [entry(tt, v) for tt, v in lp[1]]}
+            for t, lp in zip(ids, logprobs)
+        ]
 
 
 async def _cancel(tasks: list[asyncio.Future]) -> None:
@@ -799,7 +970,15 @@ async def _merged(pieces, firsts, label: str):
         await _cancel(tasks)
 
 
-async def _events(streams: AsyncExitStack, pieces, firsts, render: Render, head, body: SamplingFields, prompt_tokens):
+async def _events(
+    streams: AsyncExitStack,
+    pieces,
+    firsts,
+    render: Render,
+    head,
+    body: SamplingFields,
+    prompt_tokens,
+):
     """Server-sent events: chunks from every choice as they come (chat: first a chunk with the role per
     choice; later no chunk with an empty delta but the one with the finish_reason), the usage chunk if asked
     (with `continuous_usage_stats`, usage so far in every chunk), then `[DONE]`. An error after the stream

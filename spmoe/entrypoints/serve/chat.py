@@ -11,7 +11,11 @@ is constrained to GLM's tool-call text by a grammar, see `constraints.py`; needs
 import json
 from dataclasses import dataclass
 
-from spmoe.entrypoints.serve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS, ChatOutputParser
+from spmoe.entrypoints.serve.parsers.chat_output import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    ChatOutputParser,
+)
 from spmoe.entrypoints.serve.parsers.reasoning import THINK_END, thinking_enabled
 from spmoe.entrypoints.serve.parsers.tool_calls import coalesce_deltas
 
@@ -32,7 +36,9 @@ class ChatOptions:
             if name is not None and name not in known:
                 raise ValueError(f"{flag} must be one of {', '.join(known)}, got {name!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (glm47 or glm45 for GLM models)")
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser (glm47 or glm45 for GLM models)"
+            )
 
 
 def effective_tool_choice(tools: list[dict] | None, tool_choice, options: ChatOptions):
@@ -45,9 +51,13 @@ def effective_tool_choice(tools: list[dict] | None, tool_choice, options: ChatOp
     if not tools:
         raise ValueError(f"tool_choice {_shown(tool_choice)} needs 'tools'")
     if options.tool_call_parser is None:
-        raise ValueError(f"tool_choice {_shown(tool_choice)} needs the server started with --tool-call-parser")
+        raise ValueError(
+            f"tool_choice {_shown(tool_choice)} needs the server started with --tool-call-parser"
+        )
     if tool_choice == "auto" and not options.enable_auto_tool_choice:
-        raise ValueError('tool_choice "auto" needs the server started with --enable-auto-tool-choice')
+        raise ValueError(
+            'tool_choice "auto" needs the server started with --enable-auto-tool-choice'
+        )
     return tool_choice
 
 
@@ -66,7 +76,11 @@ def grammar_start_after(end_ids: tuple[int, ...], chat_template_kwargs: dict) ->
 
 
 def _shown(tool_choice) -> str:
-    return json.dumps(tool_choice) if isinstance(tool_choice, str) else f"function {tool_choice['function']['name']!r}"
+    return (
+        json.dumps(tool_choice)
+        if isinstance(tool_choice, str)
+        else f"function {tool_choice['function']['name']!r}"
+    )
 
 
 class ChatChoices:
@@ -79,7 +93,12 @@ class ChatChoices:
 
     @classmethod
     def for_request(
-        cls, options: ChatOptions, prompt_text: str, chat_template_kwargs: dict, tools: list[dict] | None, tool_choice
+        cls,
+        options: ChatOptions,
+        prompt_text: str,
+        chat_template_kwargs: dict,
+        tools: list[dict] | None,
+        tool_choice,
     ) -> "ChatChoices":
         tools = None if tool_choice == "none" else tools
         parser = ChatOutputParser.build(
@@ -101,7 +120,12 @@ class ChatChoices:
                 "reasoning_content": message.reasoning or None,
                 "tool_calls": calls,
             }
-            return {"index": 0, "message": body, "logprobs": None, "finish_reason": self._finish(finish_reason, calls)}
+            return {
+                "index": 0,
+                "message": body,
+                "logprobs": None,
+                "finish_reason": self._finish(finish_reason, calls),
+            }
         delta = self.parser.feed(text)
         if finish_reason is not None:
             last = self.parser.flush()

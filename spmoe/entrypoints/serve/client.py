@@ -40,8 +40,12 @@ HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
 # demo) small ones: there the paged cache without a size holds max_num_seqs x max_model_len tokens.
 CUDA_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 8
-CPU_MAX_MODEL_LEN = 2048  # at most; also the length for a config that states no max_position_embeddings
-WAITING_PER_RUNNING = 4  # max_num_waiting: this many per request that can run at once, so a burst still queues,
+CPU_MAX_MODEL_LEN = (
+    2048  # at most; also the length for a config that states no max_position_embeddings
+)
+WAITING_PER_RUNNING = (
+    4  # max_num_waiting: this many per request that can run at once, so a burst still queues,
+)
 MIN_MAX_NUM_WAITING = 64  # and at least this many; one more waiting request gets QueueFull (503)
 
 
@@ -58,7 +62,8 @@ def for_model(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
     return replace(
         args,
         max_num_seqs=args.max_num_seqs or (CUDA_MAX_NUM_SEQS if on_cuda else CPU_MAX_NUM_SEQS),
-        max_model_len=args.max_model_len or (positions if on_cuda else min(CPU_MAX_MODEL_LEN, positions)),
+        max_model_len=args.max_model_len
+        or (positions if on_cuda else min(CPU_MAX_MODEL_LEN, positions)),
     )
 
 
@@ -68,7 +73,9 @@ def default_max_num_waiting(args: EngineArgs) -> int:
     return max(MIN_MAX_NUM_WAITING, WAITING_PER_RUNNING * args.max_num_seqs * args.dp)
 
 
-def check_serve(model_dir: str, args: EngineArgs, max_num_waiting: int | None = None) -> tuple[EngineArgs, int]:
+def check_serve(
+    model_dir: str, args: EngineArgs, max_num_waiting: int | None = None
+) -> tuple[EngineArgs, int]:
     """What can be checked before starting any rank: the engine options, serve's defaults settled
     (`for_model`), against the checkpoint (`EngineArgs.check`), and the queue's limit (None: its default,
     `default_max_num_waiting`). -> the settled options and queue limit, as `serve_rank` takes them."""
@@ -93,11 +100,17 @@ class EngineClient:
         self.vocab_size = engine.model.cfg.vocab_size
         self.eos_token_ids = engine.model.cfg.eos_token_ids
         self.num_speculative_tokens = engine.k
-        self.grammars = engine.grammars  # the front end compiles a request's grammar here first (a cache hit then)
+        self.grammars = (
+            engine.grammars
+        )  # the front end compiles a request's grammar here first (a cache hit then)
         self.error: str | None = None  # why the engine loop stopped, if it failed
-        self._iteration_began: float | None = None  # when the loop iteration under way began (monotonic)
+        self._iteration_began: float | None = (
+            None  # when the loop iteration under way began (monotonic)
+        )
         self._abandoned = False  # `fail` gave up on a stuck loop: `close` does not wait for it
-        self.front_end_stopped = threading.Event()  # set by serve_rank once start_front_end has returned
+        self.front_end_stopped = (
+            threading.Event()
+        )  # set by serve_rank once start_front_end has returned
         self._closing = False
         # ("add", request, event loop, asyncio queue), ("abort", request id) or ("shutdown",)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -181,9 +194,15 @@ class EngineClient:
             self.error = f"{type(e).__name__}: {e}"
             loops = {loop for loop, _ in streams.values()}
             self._hand_out(
-                streams, [RequestOutput(request_id, [], "error", error=self.error) for request_id in streams]
+                streams,
+                [
+                    RequestOutput(request_id, [], "error", error=self.error)
+                    for request_id in streams
+                ],
             )
-            if not self._closing:  # stop the front end as Ctrl-C would; serve_rank then raises the error
+            if (
+                not self._closing
+            ):  # stop the front end as Ctrl-C would; serve_rank then raises the error
                 for loop in loops:  # once each event loop has run its streams' error outputs
                     try:
                         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=1)
@@ -213,7 +232,11 @@ class EngineClient:
         """Drain the inbox (waiting up to a heartbeat when nothing is live) into the next plan."""
         items = []
         try:
-            items.append(self._inbox.get(timeout=HEARTBEAT_S) if not loop.has_live() else self._inbox.get_nowait())
+            items.append(
+                self._inbox.get(timeout=HEARTBEAT_S)
+                if not loop.has_live()
+                else self._inbox.get_nowait()
+            )
             while True:
                 items.append(self._inbox.get_nowait())
         except queue.Empty:
@@ -237,7 +260,11 @@ class EngineClient:
         `call_soon_threadsafe` per event loop with all of them."""
         per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
-            target = streams.pop(out.request_id, None) if out.finish_reason is not None else streams.get(out.request_id)
+            target = (
+                streams.pop(out.request_id, None)
+                if out.finish_reason is not None
+                else streams.get(out.request_id)
+            )
             if target is not None:
                 per_loop.setdefault(target[0], []).append((target[1], out))
         for loop, items in per_loop.items():
@@ -254,7 +281,11 @@ def _put_each(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 
 
 def serve_rank(
-    model_dir: str, args: EngineArgs, max_num_waiting: int, start_front_end, tokenizer_dir: str | None = None
+    model_dir: str,
+    args: EngineArgs,
+    max_num_waiting: int,
+    start_front_end,
+    tokenizer_dir: str | None = None,
 ):
     """Run on every rank: load the model and build the engine. Rank 0 starts the engine loop, calls
     `start_front_end(client)` (which blocks until the server stops; -> SIGTERM if it reached rank 0, else
@@ -264,8 +295,14 @@ def serve_rank(
     state = get_parallel_state()
     model = args.load_model(model_dir, state.device)
     # every rank compiles the grammars of structured-output requests itself, the same from the same spec
-    grammars = GrammarCompiler(partial(load_tokenizer, tokenizer_dir or model_dir), model.cfg.vocab_size)
-    log = (lambda line: print(f"spmoe serve: {line}", file=sys.stderr, flush=True)) if state.rank == 0 else None
+    grammars = GrammarCompiler(
+        partial(load_tokenizer, tokenizer_dir or model_dir), model.cfg.vocab_size
+    )
+    log = (
+        (lambda line: print(f"spmoe serve: {line}", file=sys.stderr, flush=True))
+        if state.rank == 0
+        else None
+    )
     engine = args.build_engine(model, args.max_num_seqs, args.max_model_len, grammars, log)
     warm_up(engine, log)  # before the front end starts: nothing compiles or captures after ready
     if state.rank != 0:
@@ -283,7 +320,9 @@ def serve_rank(
             raise
         result = None
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a repeated stop from a failed engine loop may still come
+        signal.signal(
+            signal.SIGINT, signal.SIG_IGN
+        )  # a repeated stop from a failed engine loop may still come
         client.front_end_stopped.set()
         client.close()
         signal.signal(signal.SIGINT, ignored)

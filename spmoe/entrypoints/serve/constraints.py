@@ -33,7 +33,12 @@ STRUCTURED_OUTPUT_FIELDS = (
     "guided_choice",
     "guided_grammar",
 )
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
 # any text without "</" (so that "</arg_value>" ends it) and without surrogates (see engine/grammar.py)
 STRING_ARGUMENT = r'([^<\ud800-\udfff] | "<" [^/\ud800-\udfff])*'
@@ -42,12 +47,16 @@ STRING_ARGUMENT = r'([^<\ud800-\udfff] | "<" [^/\ud800-\udfff])*'
 def grammar_for_request(fields: dict, tools: list[dict] | None = None) -> GrammarSpec | None:
     """`fields`: the request body's fields (those absent or None are not given) -> the grammar its output must
     follow, or None."""
-    given = {name: fields[name] for name in STRUCTURED_OUTPUT_FIELDS if fields.get(name) is not None}
+    given = {
+        name: fields[name] for name in STRUCTURED_OUTPUT_FIELDS if fields.get(name) is not None
+    }
     tool_choice = fields.get("tool_choice")
     if tool_choice == "required" or isinstance(tool_choice, dict):
         given["tool_choice"] = tool_choice
     if len(given) > 1:
-        raise ValueError(f"only one of these may constrain the output, got {', '.join(sorted(given))}")
+        raise ValueError(
+            f"only one of these may constrain the output, got {', '.join(sorted(given))}"
+        )
     if not given:
         return None
     ((name, value),) = given.items()
@@ -56,7 +65,9 @@ def grammar_for_request(fields: dict, tools: list[dict] | None = None) -> Gramma
     if name == "structured_outputs":
         return _structured_outputs(value)
     if name == "tool_choice":
-        return tool_call_grammar(tools or [], value, fields.get("parallel_tool_calls", True) is not False)
+        return tool_call_grammar(
+            tools or [], value, fields.get("parallel_tool_calls", True) is not False
+        )
     return _structured(GUIDED_FIELDS[name], value, name)
 
 
@@ -69,19 +80,31 @@ def _response_format(value) -> GrammarSpec | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
-            raise ValueError(f"response_format.json_schema must be an object with a 'schema', got {spec!r}"[:300])
+            raise ValueError(
+                f"response_format.json_schema must be an object with a 'schema', got {spec!r}"[:300]
+            )
         schema = spec.get("schema")
-        return GrammarSpec("json_object") if schema is None else _json_schema(schema, "response_format.json_schema")
-    raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+        return (
+            GrammarSpec("json_object")
+            if schema is None
+            else _json_schema(schema, "response_format.json_schema")
+        )
+    raise ValueError(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+    )
 
 
 def _structured_outputs(value) -> GrammarSpec:
     if not isinstance(value, dict):
         raise ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
-    given = [key for key in (*STRUCTURED_KINDS, "json_object") if value.get(key) not in (None, False)]
+    given = [
+        key for key in (*STRUCTURED_KINDS, "json_object") if value.get(key) not in (None, False)
+    ]
     if len(given) != 1:
         expected = ", ".join((*STRUCTURED_KINDS, "json_object"))
-        raise ValueError(f"structured_outputs must set exactly one of {expected}, got {given or 'none'}")
+        raise ValueError(
+            f"structured_outputs must set exactly one of {expected}, got {given or 'none'}"
+        )
     key = given[0]
     return (
         GrammarSpec("json_object")
@@ -94,8 +117,14 @@ def _structured(key: str, value, where: str) -> GrammarSpec:
     if key == "json":
         return _json_schema(value, where)
     if key == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise ValueError(f"{where} must be a non-empty list of non-empty strings, got {value!r}"[:300])
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise ValueError(
+                f"{where} must be a non-empty list of non-empty strings, got {value!r}"[:300]
+            )
         return GrammarSpec("choice", json.dumps(value, ensure_ascii=False))
     if not isinstance(value, str) or not value:
         raise ValueError(f"{where} must be a non-empty string, got {value!r}"[:300])
@@ -124,7 +153,9 @@ def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool) -> Grammar
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise ValueError(
-                f"each tool must be {{'type': 'function', 'function': {{'name': ...}}}}, got {tool!r}"[:300]
+                f"each tool must be {{'type': 'function', 'function': {{'name': ...}}}}, got {tool!r}"[
+                    :300
+                ]
             )
         functions[function["name"]] = function.get("parameters") or {}
     if tool_choice == "required":
@@ -132,12 +163,20 @@ def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool) -> Grammar
             raise ValueError("tool_choice 'required' needs at least one tool in 'tools'")
         names = list(functions)
     else:
-        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+        name = (
+            (tool_choice.get("function") or {}).get("name")
+            if tool_choice.get("type") == "function"
+            else None
+        )
         if name not in functions:
-            raise ValueError(f"tool_choice names function {name!r}, which is not in 'tools' ({', '.join(functions)})")
+            raise ValueError(
+                f"tool_choice names function {name!r}, which is not in 'tools' ({', '.join(functions)})"
+            )
         names, parallel = [name], False
     calls = xgr.Grammar.union(*(_call_grammar(name, functions[name]) for name in names))
-    ebnf = str(calls).replace("root ::= ", "tool_call ::= ", 1)  # xgrammar writes the root rule first
+    ebnf = str(calls).replace(
+        "root ::= ", "tool_call ::= ", 1
+    )  # xgrammar writes the root rule first
     return GrammarSpec("ebnf", f"root ::= tool_call{'+' if parallel else ''}\n{ebnf}")
 
 
@@ -151,10 +190,16 @@ def _call_grammar(name: str, parameters: dict) -> xgr.Grammar:
     for key, schema in properties.items():
         opening = f"<arg_key>{key}</arg_key><arg_value>"
         try:
-            text = _string_argument(schema) if schema_types(schema) == {"string"} else _typed_argument(schema)
+            text = (
+                _string_argument(schema)
+                if schema_types(schema) == {"string"}
+                else _typed_argument(schema)
+            )
         except RuntimeError as e:
             reason = compile_error_reason(e)
-            raise ValueError(f"the schema of {name}'s argument {key!r} does not compile: {reason}"[:400]) from None
+            raise ValueError(
+                f"the schema of {name}'s argument {key!r} does not compile: {reason}"[:400]
+            ) from None
         value = xgr.Grammar.concat(_literal(opening), text, _literal("</arg_value>"))
         parts.append(value if key in required else xgr.Grammar.union(value, _literal("")))
     parts.append(_literal("</tool_call>"))

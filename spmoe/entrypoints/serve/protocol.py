@@ -36,7 +36,14 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         error_type = self.TYPES.get(self.status, "invalid_request_error")
-        return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": error_type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
 
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other; an OpenAI request needs a handful
@@ -50,7 +57,9 @@ def decode_json(raw: bytes):
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
-        raise ApiError(400, f"the request body nests arrays / objects more than {MAX_JSON_DEPTH} deep") from None
+        raise ApiError(
+            400, f"the request body nests arrays / objects more than {MAX_JSON_DEPTH} deep"
+        ) from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or _no_constant's
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     todo = [(body, 1)]
@@ -60,7 +69,9 @@ def decode_json(raw: bytes):
             _check_text(value)
         elif isinstance(value, (list, dict)):
             if depth > MAX_JSON_DEPTH:
-                raise ApiError(400, f"the request body nests arrays / objects more than {MAX_JSON_DEPTH} deep")
+                raise ApiError(
+                    400, f"the request body nests arrays / objects more than {MAX_JSON_DEPTH} deep"
+                )
             items = value if isinstance(value, list) else [*value.keys(), *value.values()]
             todo.extend((item, depth + 1) for item in items if isinstance(item, (str, list, dict)))
     return body
@@ -77,7 +88,9 @@ def _check_text(text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         bad = text[e.start : e.end].encode("utf-8", "backslashreplace").decode()
-        raise ApiError(400, f"the request body has a string that is not Unicode text: lone surrogate {bad}") from None
+        raise ApiError(
+            400, f"the request body has a string that is not Unicode text: lone surrogate {bad}"
+        ) from None
 
 
 class Strict(BaseModel):
@@ -104,7 +117,9 @@ class SamplingFields(Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = (
+        None  # token id (a JSON key: a string) -> bias in [-100, 100]
+    )
     min_tokens: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = []  # also accepted: one string, or null
@@ -115,8 +130,12 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None  # recorded by OpenAI for abuse monitoring; no effect on the output
-    ignore_eos: bool = False  # an extension (as in vLLM), for benchmarks: generate max_tokens whatever comes
-    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" instead of their text
+    ignore_eos: bool = (
+        False  # an extension (as in vLLM), for benchmarks: generate max_tokens whatever comes
+    )
+    return_tokens_as_token_ids: bool = (
+        False  # logprobs name tokens "token_id:<id>" instead of their text
+    )
     # structured output (constraints.py checks them): OpenAI's response_format, vLLM's structured_outputs and
     # its older guided_* fields
     response_format: dict | None = None
@@ -131,7 +150,9 @@ class SamplingFields(Strict):
     def _bias_range(cls, bias):
         for token, value in (bias or {}).items():
             if not token.isdigit() or not -100 <= value <= 100:
-                raise ValueError(f"expected token ids >= 0 mapped to biases in [-100, 100], got {token}: {value}")
+                raise ValueError(
+                    f"expected token ids >= 0 mapped to biases in [-100, 100], got {token}: {value}"
+                )
         return bias
 
     @property
@@ -160,22 +181,34 @@ TokenIds = list[int]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | TokenIds | list[TokenIds]  # text, texts, token ids, lists of token ids
-    echo: bool = False  # the prompt before the completion (and its logprobs, when logprobs are asked)
-    logprobs: int | None = Field(None, ge=0, le=20)  # the chosen token's logprob and this many most likely
+    prompt: (
+        str | list[str] | TokenIds | list[TokenIds]
+    )  # text, texts, token ids, lists of token ids
+    echo: bool = (
+        False  # the prompt before the completion (and its logprobs, when logprobs are asked)
+    )
+    logprobs: int | None = Field(
+        None, ge=0, le=20
+    )  # the chosen token's logprob and this many most likely
     best_of: int | None = Field(None, ge=1)
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompts(cls, prompt):
         def ids(value) -> bool:
-            return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+            return isinstance(value, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in value
+            )
 
         texts = isinstance(prompt, list) and all(isinstance(p, str) for p in prompt)
         id_lists = isinstance(prompt, list) and all(ids(p) for p in prompt)
         if not (isinstance(prompt, str) or ids(prompt) or texts or id_lists):
-            raise ValueError("expected a string, a list of strings, a list of token ids or a list of such lists")
-        if not prompt or (isinstance(prompt, list) and any(isinstance(p, str | list) and not p for p in prompt)):
+            raise ValueError(
+                "expected a string, a list of strings, a list of token ids or a list of such lists"
+            )
+        if not prompt or (
+            isinstance(prompt, list) and any(isinstance(p, str | list) and not p for p in prompt)
+        ):
             raise ValueError("the prompt must not be empty")
         return prompt
 
@@ -204,7 +237,9 @@ class FunctionCall(Strict):
         except ValueError:
             value = None
         if not isinstance(value, dict):
-            raise ValueError(f"a tool call's function.arguments must be a JSON object's text, got {self.arguments!r}")
+            raise ValueError(
+                f"a tool call's function.arguments must be a JSON object's text, got {self.arguments!r}"
+            )
         return value
 
 
@@ -229,7 +264,9 @@ class ChatMessage(Strict):
                 f"a '{self.role}' message needs 'content' (only an assistant turn with tool_calls may omit it)"
             )
         if self.tool_calls and self.role != "assistant":
-            raise ValueError(f"only an assistant message may have tool_calls, not a '{self.role}' message")
+            raise ValueError(
+                f"only an assistant message may have tool_calls, not a '{self.role}' message"
+            )
         return self
 
     def as_template_input(self, content_format: str = "string") -> dict:
@@ -238,16 +275,27 @@ class ChatMessage(Strict):
         tool call's `arguments` (JSON text in the API) as the object the template writes out key by key;
         ValueError for arguments that are not a JSON object's text."""
         out = self.model_dump(exclude_none=True, exclude=set(self.model_extra or ()))
-        if self.role == "developer":  # OpenAI's newer name for a system message: chat templates know "system"
+        if (
+            self.role == "developer"
+        ):  # OpenAI's newer name for a system message: chat templates know "system"
             out["role"] = "system"
         if self.content is not None:
-            parts = [self.content] if isinstance(self.content, str) else [part.text for part in self.content]
+            parts = (
+                [self.content]
+                if isinstance(self.content, str)
+                else [part.text for part in self.content]
+            )
             out["content"] = (
-                [{"type": "text", "text": t} for t in parts] if content_format == "openai" else "".join(parts)
+                [{"type": "text", "text": t} for t in parts]
+                if content_format == "openai"
+                else "".join(parts)
             )
         if self.tool_calls:
             out["tool_calls"] = [
-                {**call.model_dump(), "function": {"name": call.function.name, "arguments": call.function.parsed()}}
+                {
+                    **call.model_dump(),
+                    "function": {"name": call.function.name, "arguments": call.function.parsed()},
+                }
                 for call in self.tool_calls
             ]
         return out
@@ -276,13 +324,17 @@ class NamedToolChoice(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens; wins if both
+    max_completion_tokens: int | None = Field(
+        None, ge=1
+    )  # the newer name of max_tokens; wins if both
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict = {}  # passed to the chat template (enable_thinking: GLM's thinking switch)
     logprobs: bool = False  # the chosen tokens' logprobs
-    top_logprobs: int | None = Field(None, ge=0, le=20)  # and this many most likely tokens at each position
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20
+    )  # and this many most likely tokens at each position
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -314,4 +366,6 @@ def parse(model: type[BaseModel], body) -> BaseModel:
         if first["type"] == "missing":
             raise ApiError(400, f"missing required parameter '{where}'", where) from None
         message = first["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"{where}: {message}, got {_short.repr(first['input'])}", where) from None
+        raise ApiError(
+            400, f"{where}: {message}, got {_short.repr(first['input'])}", where
+        ) from None

@@ -27,7 +27,12 @@ from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.model_source import resolve_model
 from spmoe.entrypoints.serve.app import DEFAULT_MAX_REQUEST_BYTES, FrontEndLimits
 from spmoe.entrypoints.serve.chat import ChatOptions
-from spmoe.entrypoints.serve.client import MIN_MAX_NUM_WAITING, WAITING_PER_RUNNING, check_serve, serve_rank
+from spmoe.entrypoints.serve.client import (
+    MIN_MAX_NUM_WAITING,
+    WAITING_PER_RUNNING,
+    check_serve,
+    serve_rank,
+)
 from spmoe.entrypoints.serve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 from spmoe.entrypoints.serve.supervisor import StopPolicy
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer, read_chat_template
@@ -65,7 +70,9 @@ def start_front_end(options: FrontEndOptions, client) -> int | None:
 
     class Server(uvicorn.Server):
         @contextmanager
-        def capture_signals(self):  # the stop signals go to `supervise`, which drains before uvicorn stops
+        def capture_signals(
+            self,
+        ):  # the stop signals go to `supervise`, which drains before uvicorn stops
             yield
 
     settings = ApiSettings(
@@ -75,9 +82,18 @@ def start_front_end(options: FrontEndOptions, client) -> int | None:
         options.seed,
         options.chat,
     )
-    app = build_app(client, load_tokenizer(options.tokenizer_dir, options.chat_template), settings, options.limits)
+    app = build_app(
+        client,
+        load_tokenizer(options.tokenizer_dir, options.chat_template),
+        settings,
+        options.limits,
+    )
     config = uvicorn.Config(
-        app, host=options.host, port=options.port, log_level=options.uvicorn_log_level, timeout_graceful_shutdown=5
+        app,
+        host=options.host,
+        port=options.port,
+        log_level=options.uvicorn_log_level,
+        timeout_graceful_shutdown=5,
     )
     server = Server(config)
 
@@ -114,7 +130,10 @@ def start_front_end(options: FrontEndOptions, client) -> int | None:
     # Outside the event loop a stop signal is only noted (one before the loop starts is then passed to
     # `supervise`); inside it the loop's handlers pass it on.
     early: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, _: early.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        s: signal.signal(s, lambda signum, _: early.append(signum))
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         ending = asyncio.run(serve())
     finally:
@@ -130,19 +149,29 @@ def check_address(host: str, port: int) -> None:
     if not 0 < port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {port}")
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        s.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as uvicorn: a port in TIME_WAIT is free
         try:
             s.bind((host, port))
         except OSError as e:
-            reason = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be listened on: {e.strerror}"
+            reason = (
+                "is in use"
+                if e.errno == errno.EADDRINUSE
+                else f"cannot be listened on: {e.strerror}"
+            )
             raise ValueError(f"--host {host} --port {port}: the address {reason}") from None
 
 
-def run_serve(model_dir: str, args: EngineArgs, max_num_waiting: int | None, front: FrontEndOptions) -> int | None:
+def run_serve(
+    model_dir: str, args: EngineArgs, max_num_waiting: int | None, front: FrontEndOptions
+) -> int | None:
     """Validate, settle serve's defaults (`check_serve`), then serve until stopped. -> SIGTERM if it reached
     rank 0 itself (under torchrun), else None."""
     if not Path(model_dir, "config.json").is_file():
-        raise ValueError(f"--model {model_dir}: expected a checkpoint folder with config.json, found none")
+        raise ValueError(
+            f"--model {model_dir}: expected a checkpoint folder with config.json, found none"
+        )
     args, max_num_waiting = check_serve(model_dir, args, max_num_waiting)
     load_tokenizer(front.tokenizer_dir, front.chat_template)
     check_address(front.host, front.port)
@@ -182,9 +211,15 @@ def add_serve_args(p) -> None:
         "`vllm serve MODEL` (default: the demo checkpoint, written on first use)",
     )
     p.add_argument("--model", help="the same as MODEL")
-    p.add_argument("--tokenizer", help="a folder or Hugging Face id with the tokenizer (default: the model's)")
-    p.add_argument("--revision", help="the Hugging Face branch, tag or commit of MODEL (default: main)")
-    p.add_argument("--download-dir", help="the Hugging Face cache folder (default: HF_HUB_CACHE / HF_HOME's)")
+    p.add_argument(
+        "--tokenizer", help="a folder or Hugging Face id with the tokenizer (default: the model's)"
+    )
+    p.add_argument(
+        "--revision", help="the Hugging Face branch, tag or commit of MODEL (default: main)"
+    )
+    p.add_argument(
+        "--download-dir", help="the Hugging Face cache folder (default: HF_HUB_CACHE / HF_HOME's)"
+    )
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -243,7 +278,11 @@ def add_serve_args(p) -> None:
         help=f"requests that may wait to start; one more gets 503 (default {WAITING_PER_RUNNING} x --max-num-seqs "
         f"x --dp, at least {MIN_MAX_NUM_WAITING})",
     )
-    p.add_argument("--seed", type=int, help="seeds the sampling seeds of requests that give none (default: random)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="seeds the sampling seeds of requests that give none (default: random)",
+    )
     p.add_argument(
         "--generation-config",
         default="auto",
@@ -252,10 +291,13 @@ def add_serve_args(p) -> None:
         "generation_config.json, vllm none, or that of FOLDER",
     )
     p.add_argument(
-        "--override-generation-config", metavar="JSON", help="generation_config.json fields set over the file's"
+        "--override-generation-config",
+        metavar="JSON",
+        help="generation_config.json fields set over the file's",
     )
     p.add_argument(
-        "--chat-template", help="a Jinja chat template file, or the template itself (default: the tokenizer's)"
+        "--chat-template",
+        help="a Jinja chat template file, or the template itself (default: the tokenizer's)",
     )
     p.add_argument(
         "--chat-template-content-format",
@@ -263,7 +305,9 @@ def add_serve_args(p) -> None:
         default="auto",
         help="message content as the template sees it: string (auto, default) or openai (a list of text parts)",
     )
-    p.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="warning", help="default warning")
+    p.add_argument(
+        "--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="warning", help="default warning"
+    )
     EngineArgs.add_cli_args(p)
     add_vllm_flags(p)
 
@@ -271,7 +315,9 @@ def add_serve_args(p) -> None:
 def cmd_serve(args) -> int:
     chat = ChatOptions(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
-        raise ValueError(f"MODEL {args.model_tag} and --model {args.model} disagree; give the model once")
+        raise ValueError(
+            f"MODEL {args.model_tag} and --model {args.model} disagree; give the model once"
+        )
     named = args.model_tag or args.model
     if named is None:
         from spmoe.entrypoints.demo import checkpoint_dir, ensure_checkpoint
@@ -282,16 +328,29 @@ def cmd_serve(args) -> int:
         option = "MODEL" if args.model is None else "--model"
         weights, tokenizer = args.load_format != "dummy", args.tokenizer is None
         model = str(
-            resolve_model(named, args.revision, args.download_dir, weights=weights, tokenizer=tokenizer, option=option)
+            resolve_model(
+                named,
+                args.revision,
+                args.download_dir,
+                weights=weights,
+                tokenizer=tokenizer,
+                option=option,
+            )
         )
     tokenizer = model
     if args.tokenizer is not None:
-        tokenizer = str(resolve_model(args.tokenizer, None, args.download_dir, weights=False, option="--tokenizer"))
+        tokenizer = str(
+            resolve_model(
+                args.tokenizer, None, args.download_dir, weights=False, option="--tokenizer"
+            )
+        )
     device_chosen = args.device is None
     engine_args = EngineArgs.from_cli(args, model)
     overrides = None
     if args.override_generation_config is not None:
-        overrides = parse_json_object(args.override_generation_config, "--override-generation-config")
+        overrides = parse_json_object(
+            args.override_generation_config, "--override-generation-config"
+        )
     defaults = GenerationDefaults.load(args.generation_config, model, overrides)
     front = FrontEndOptions(
         tokenizer,
@@ -312,7 +371,9 @@ def cmd_serve(args) -> int:
         found = "a GPU is visible" if engine_args.device == "cuda" else "no GPU is visible"
         notes.append(f"device {engine_args.device}: {found} (--device overrides)")
     if engine_args.enable_expert_parallel:
-        notes.append("--enable-expert-parallel: spmoe's routed experts are always expert-parallel over all ranks")
+        notes.append(
+            "--enable-expert-parallel: spmoe's routed experts are always expert-parallel over all ranks"
+        )
     notes.append(defaults.describe())
     for note in notes:
         print(f"spmoe serve: {note}", file=sys.stderr, flush=True)

@@ -25,7 +25,9 @@ log = logging.getLogger("spmoe.serve")
 class Piece:
     text: str
     finish_reason: str | None = None  # set on the last piece: "stop" or "length"
-    token_ids: tuple[int, ...] = ()  # the tokens that came since the previous piece (when logprobs are asked)
+    token_ids: tuple[
+        int, ...
+    ] = ()  # the tokens that came since the previous piece (when logprobs are asked)
     logprobs: tuple = ()  # their (logprob, [(id, logprob), ...]), one per token id
 
 
@@ -89,10 +91,19 @@ class TextGeneration:
         held_ids, held_logprobs = [], []  # tokens whose text is not out yet
         async with aclosing(self.outputs):
             async for out in self.outputs:
-                if out.finish_reason in ("error", "abort"):  # the reason stays in the log: it may name files
-                    log.error("the engine ended request %s (%s): %s", out.request_id, out.finish_reason, out.error)
+                if out.finish_reason in (
+                    "error",
+                    "abort",
+                ):  # the reason stays in the log: it may name files
+                    log.error(
+                        "the engine ended request %s (%s): %s",
+                        out.request_id,
+                        out.finish_reason,
+                        out.error,
+                    )
                     raise ApiError(
-                        500, f"the engine ended this request ({out.finish_reason}); the server's log says why"
+                        500,
+                        f"the engine ended this request ({out.finish_reason}); the server's log says why",
                     )
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs = out.prompt_logprobs
@@ -134,7 +145,9 @@ class TextGeneration:
 
     def _finish(self, reason: str) -> None:
         seconds = time.perf_counter() - self.arrival
-        self.metrics.observe_finished(reason, seconds, self.first_token_s, self.prompt_tokens, self.completion_tokens)
+        self.metrics.observe_finished(
+            reason, seconds, self.first_token_s, self.prompt_tokens, self.completion_tokens
+        )
 
     @property
     def usage(self) -> dict:

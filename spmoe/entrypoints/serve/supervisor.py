@@ -38,7 +38,9 @@ class StopPolicy:
             raise ValueError("--engine-timeout must be > 0 seconds, got 0")
 
 
-async def supervise(api: OpenAIApi, client, policy: StopPolicy, signals: asyncio.Queue) -> int | None:
+async def supervise(
+    api: OpenAIApi, client, policy: StopPolicy, signals: asyncio.Queue
+) -> int | None:
     """Watch `signals` (signal numbers put there by the caller's handlers) and `client` (`error`,
     `stalled_for()`, `fail(reason)`) until serving must end; end it through `api.stop`. -> SIGTERM if that
     is why it ended (a drain, which the caller reports as a clean stop), else None."""

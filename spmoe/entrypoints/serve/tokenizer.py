@@ -11,7 +11,9 @@ from pathlib import Path
 from jinja2 import TemplateError
 
 REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence ends with
-CONTEXT_TOKENS = 4  # prompt tokens decoded before the output, for tokenizers that drop a leading space
+CONTEXT_TOKENS = (
+    4  # prompt tokens decoded before the output, for tokenizers that drop a leading space
+)
 
 
 def load_tokenizer(model_dir: str | Path, chat_template: str | None = None):
@@ -20,13 +22,17 @@ def load_tokenizer(model_dir: str | Path, chat_template: str | None = None):
     error if the folder has none or it does not load."""
     folder = Path(model_dir)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise ValueError(f"{folder} has no tokenizer: expected tokenizer.json or tokenizer_config.json there")
+        raise ValueError(
+            f"{folder} has no tokenizer: expected tokenizer.json or tokenizer_config.json there"
+        )
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"the tokenizer in {folder} does not load: {str(e).strip().splitlines()[0]}") from None
+        raise ValueError(
+            f"the tokenizer in {folder} does not load: {str(e).strip().splitlines()[0]}"
+        ) from None
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
@@ -39,11 +45,16 @@ def read_chat_template(value: str) -> str:
         return path.read_text()
     if "{{" in value or "{%" in value:
         return value
-    raise ValueError(f"--chat-template {value}: expected a Jinja template file or a template, found neither")
+    raise ValueError(
+        f"--chat-template {value}: expected a Jinja template file or a template, found neither"
+    )
 
 
 def chat_prompt_text(
-    tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> str:
     """Messages `[{"role", "content", ...}, ...]` (and the request's tools and `chat_template_kwargs`) -> the
     prompt's text through the checkpoint's chat template, ending with the assistant's turn opened. The template
@@ -53,15 +64,26 @@ def chat_prompt_text(
             "this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); use /v1/completions"
         )
     kwargs = dict(template_kwargs or {})
-    reserved = sorted({"messages", "tools", "tokenize", "add_generation_prompt", "conversation"} & set(kwargs))
+    reserved = sorted(
+        {"messages", "tools", "tokenize", "add_generation_prompt", "conversation"} & set(kwargs)
+    )
     if reserved:
-        raise ValueError(f"chat_template_kwargs must not set {', '.join(reserved)}: the server sets them")
+        raise ValueError(
+            f"chat_template_kwargs must not set {', '.join(reserved)}: the server sets them"
+        )
     try:
         return tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
         )
-    except (TemplateError, TypeError, KeyError, AttributeError) as e:  # the template's own error, or its raise
-        raise ValueError(f"the chat template failed on these messages: {type(e).__name__}: {e}"[:400]) from None
+    except (
+        TemplateError,
+        TypeError,
+        KeyError,
+        AttributeError,
+    ) as e:  # the template's own error, or its raise
+        raise ValueError(
+            f"the chat template failed on these messages: {type(e).__name__}: {e}"[:400]
+        ) from None
 
 
 def longest_token_bytes(tokenizer) -> int:
@@ -104,7 +126,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt: list[int] = (), skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         context = list(prompt[-CONTEXT_TOKENS:])
-        if self._decode(context).endswith(REPLACEMENT):  # a prompt that ends inside a character: no context
+        if self._decode(context).endswith(
+            REPLACEMENT
+        ):  # a prompt that ends inside a character: no context
             context = []
         self.ids = context
         self.start = 0  # the window's first token (context)

@@ -16,22 +16,31 @@ from spmoe.distributed.groups import group_size
 from spmoe.layers.moe.work import run_experts
 
 
-def allgather_reducescatter(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group, rows_max: int):
+def allgather_reducescatter(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group, rows_max: int
+):
     """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows, complete.
     Blocks are padded to `rows_max` rows with id -1, so every rank gathers the same shape. The routing rides
     behind the hidden columns (its float32 bytes viewed in x's dtype): one all-gather, not two."""
     (n, k), pad, size = ids.shape, rows_max - ids.shape[0], x.shape[1]
     if pad:
         x = torch.cat([x, x.new_zeros(pad, size)])
-        ids, weights = torch.cat([ids, ids.new_full((pad, k), -1)]), torch.cat([weights, weights.new_zeros(pad, k)])
+        ids, weights = (
+            torch.cat([ids, ids.new_full((pad, k), -1)]),
+            torch.cat([weights, weights.new_zeros(pad, k)]),
+        )
     routing = torch.cat([ids.float(), weights.float()], dim=1)  # [rows_max, 2k] float32
-    gathered = all_gather_rows(torch.cat([x, routing.view(x.dtype)], dim=1), group)  # [rows_max*P, H + ...]
+    gathered = all_gather_rows(
+        torch.cat([x, routing.view(x.dtype)], dim=1), group
+    )  # [rows_max*P, H + ...]
     got = gathered[:, size:].view(torch.float32)  # [rows_max*P, 2k], a strided view
     partial = run_experts(experts, gathered[:, :size], got[:, :k].long(), got[:, k:])
     return reduce_scatter_rows(partial, group)[:n]
 
 
-def all_to_all(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group, rows_max: int):
+def all_to_all(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group, rows_max: int
+):
     """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows, complete.
     Uneven blocks need no padding here (`rows_max` is unused).
 
@@ -40,16 +49,24 @@ def all_to_all(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
     """
     world, (n, k), size = group_size(group), ids.shape, x.shape[1]
     owner = torch.where(ids >= 0, ids // experts.count, world)  # [n, k]; world = nowhere (pad rows)
-    needs = torch.zeros(n, world + 1, dtype=torch.bool, device=x.device).scatter_(1, owner, True)[:, :world]
+    needs = torch.zeros(n, world + 1, dtype=torch.bool, device=x.device).scatter_(1, owner, True)[
+        :, :world
+    ]
     send_rank, send_row = needs.t().nonzero(as_tuple=True)  # by destination rank, then row
     send_counts = needs.sum(0)  # [P]
-    recv_counts = all_to_all_rows(send_counts.unsqueeze(1), [1] * world, [1] * world, group).squeeze(1)
+    recv_counts = all_to_all_rows(
+        send_counts.unsqueeze(1), [1] * world, [1] * world, group
+    ).squeeze(1)
     sends, recvs = send_counts.tolist(), recv_counts.tolist()
     routing = torch.cat([ids.float(), weights.float()], dim=1)[send_row]  # [S, 2k] float32
-    payload = torch.cat([x[send_row], routing.view(x.dtype)], dim=1)  # routing's bytes ride behind the hidden
+    payload = torch.cat(
+        [x[send_row], routing.view(x.dtype)], dim=1
+    )  # routing's bytes ride behind the hidden
     received = all_to_all_rows(payload, sends, recvs, group)  # [R, H + ...]
     got_routing = received[:, size:].contiguous().view(torch.float32)  # [R, 2k]
-    partial = run_experts(experts, received[:, :size], got_routing[:, :k].long(), got_routing[:, k:])  # [R, H]
+    partial = run_experts(
+        experts, received[:, :size], got_routing[:, :k].long(), got_routing[:, k:]
+    )  # [R, H]
     returned = all_to_all_rows(partial, recvs, sends, group)  # [S, H]
     return torch.zeros_like(x).index_add_(0, send_row, returned)
 

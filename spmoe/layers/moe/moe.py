@@ -33,7 +33,9 @@ class MoE(nn.Module):
         state = get_parallel_state()
         per_rank = cfg.n_routed_experts // state.ep_size
         if plan.use_sequence_parallel_moe and experts.routes_internally:
-            raise ValueError(f"experts backend {experts.name} routes inside its kernel, which SP layers cannot use")
+            raise ValueError(
+                f"experts backend {experts.name} routes inside its kernel, which SP layers cannot use"
+            )
         self.dispatch = DISPATCH[ep_backend]
         self.gate = Router(cfg)
         self.experts = experts(cfg, state.ep_rank * per_rank, per_rank)
@@ -56,6 +58,10 @@ class MoE(nn.Module):
             else:
                 record_dispatched(rows.valid)
                 out = self.dispatch(x, ids, weights, self.experts, rows.group, rows.rows_max)
-                if not rows.keep_output:  # a TP peer holds the same complete output; keep one copy -> PARTIAL
+                if (
+                    not rows.keep_output
+                ):  # a TP peer holds the same complete output; keep one copy -> PARTIAL
                     out = torch.zeros_like(out)
-        return out if self.shared_experts is None else self.shared_experts(x, out=out)  # added by its GEMM
+        return (
+            out if self.shared_experts is None else self.shared_experts(x, out=out)
+        )  # added by its GEMM

@@ -16,8 +16,12 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.weight = nn.Parameter(
+            torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32)
+        )
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
+        )
 
     def forward(self, x: torch.Tensor, valid_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[m, H]`, of which the first `valid_rows` are tokens -> (ids `[m, k]` int64, weights `[m, k]`

@@ -17,11 +17,17 @@ import torch
 @dataclass
 class MoEWork:
     rows_dispatched: int = 0  # real (not padding) token rows this rank sent to its experts' owners
-    expert_rows: torch.Tensor | None = None  # `[local experts]` int64: (row, expert) pairs computed, summed
+    expert_rows: torch.Tensor | None = (
+        None  # `[local experts]` int64: (row, expert) pairs computed, summed
+    )
 
     def as_dict(self) -> dict:
         rows = [] if self.expert_rows is None else self.expert_rows.tolist()
-        return {"rows_dispatched": self.rows_dispatched, "expert_rows": rows, "rows_computed": sum(rows)}
+        return {
+            "rows_dispatched": self.rows_dispatched,
+            "expert_rows": rows,
+            "rows_computed": sum(rows),
+        }
 
 
 _ACTIVE: list[MoEWork] = []

@@ -51,7 +51,11 @@ class MatmulConfig(NamedTuple):
     num_stages: int
 
 
-M_BUCKETS = (16, 32, 64)  # decode buckets (upper bounds of m); larger m is prefill, bucket 0 in the table
+M_BUCKETS = (
+    16,
+    32,
+    64,
+)  # decode buckets (upper bounds of m); larger m is prefill, bucket 0 in the table
 
 # (m bucket, n, k) -> config for GLM-5.2's FP8 linears at TP 1, chosen from first principles before the first
 # sweep (benchmarks/bench_fp8_linear.py --sweep prints its fastest as entries of this table; figures in
@@ -147,12 +151,18 @@ def _fp8_matmul_kernel(
     first = pid_s * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(k, BLOCK_K))
     x_ptrs = x_ptr + rows[:, None] * stride_xm + first * BLOCK_K + offs_k[None, :]
-    w_ptrs = w_ptr + cols[None, :] * stride_wn + first * BLOCK_K + offs_k[:, None]  # [BLOCK_K, BLOCK_N]: W^T
-    ws_ptrs = ws_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn  # one weight block row per tile (BLOCK_N | 128)
+    w_ptrs = (
+        w_ptr + cols[None, :] * stride_wn + first * BLOCK_K + offs_k[:, None]
+    )  # [BLOCK_K, BLOCK_N]: W^T
+    ws_ptrs = (
+        ws_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn
+    )  # one weight block row per tile (BLOCK_N | 128)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(first, last):
         k_ok = offs_k < k - kb * BLOCK_K
-        if QUANTIZE:  # 16-bit activations: quantise this 128-channel group of every row, as `quantize_fp8`
+        if (
+            QUANTIZE
+        ):  # 16-bit activations: quantise this 128-channel group of every row, as `quantize_fp8`
             xv = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             x_scale = tl.maximum(tl.max(tl.abs(xv), 1), 1e-10) / FP8_MAX_
             a = (xv / x_scale[:, None]).to(tl.float8e4nv)
@@ -230,7 +240,9 @@ def fp8_matmul(
     if quantize:
         xq, xs = x, x  # xs is not read
     else:
-        padded = x if k % FP8_GROUP == 0 else torch.nn.functional.pad(x, (0, FP8_GROUP - k % FP8_GROUP))
+        padded = (
+            x if k % FP8_GROUP == 0 else torch.nn.functional.pad(x, (0, FP8_GROUP - k % FP8_GROUP))
+        )
         xq, xs = quantize_fp8(padded)  # zeros past k change no group's largest value
     k_blocks = triton.cdiv(k, BLOCK)
     per_split = triton.cdiv(k_blocks, cfg.split_k)
@@ -312,20 +324,32 @@ def _fp8_head_matmul_kernel(
         k = first + tl.arange(0, BLOCK_K)
         k_ok = k < depth
         x = tl.load(x_rows + k[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
-        if DEPTH_ALONG_ROWS:  # w[k, m] = W[base + k, m]: the scale varies along k, one block column per tile
+        if (
+            DEPTH_ALONG_ROWS
+        ):  # w[k, m] = W[base + k, m]: the scale varies along k, one block column per tile
             w_rows = base_row + k
             w = tl.load(
-                w_ptr + w_rows[:, None] * stride_wr + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0
+                w_ptr + w_rows[:, None] * stride_wr + cols[None, :],
+                mask=k_ok[:, None] & col_ok[None, :],
+                other=0.0,
             )
-            s = tl.load(ws_ptr + (w_rows // 128) * stride_wsr + (pid_m * BLOCK_M) // 128, mask=k_ok, other=0.0)
+            s = tl.load(
+                ws_ptr + (w_rows // 128) * stride_wsr + (pid_m * BLOCK_M) // 128,
+                mask=k_ok,
+                other=0.0,
+            )
             x = (x.to(tl.float32) * s[None, :]).to(x_ptr.dtype.element_ty)
             acc = tl.dot(x, w.to(x_ptr.dtype.element_ty), acc)
         else:  # w[k, m] = W[base + m, k]: the scale varies along m, one block column per step
             w_rows = base_row + cols
             w = tl.load(
-                w_ptr + w_rows[None, :] * stride_wr + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0
+                w_ptr + w_rows[None, :] * stride_wr + k[:, None],
+                mask=k_ok[:, None] & col_ok[None, :],
+                other=0.0,
             )
-            s = tl.load(ws_ptr + (w_rows // 128) * stride_wsr + first // 128, mask=col_ok, other=0.0)
+            s = tl.load(
+                ws_ptr + (w_rows // 128) * stride_wsr + first // 128, mask=col_ok, other=0.0
+            )
             acc += tl.dot(x, w.to(x_ptr.dtype.element_ty)) * s[None, :]
     tl.store(
         out_ptr + tokens[:, None] * stride_on + head * stride_oh + cols[None, :],
@@ -358,7 +382,11 @@ def fp8_head_matmul(
         return out
     block_n = 16 if n <= 16 else 64
     block_k = 64 if depth_along_rows else 128
-    block_m = 64 if n > 16 else next((b for b in (64, 32) if heads * triton.cdiv(width, b) >= NUM_SMS_TARGET), 16)
+    block_m = (
+        64
+        if n > 16
+        else next((b for b in (64, 32) if heads * triton.cdiv(width, b) >= NUM_SMS_TARGET), 16)
+    )
     _fp8_head_matmul_kernel[(heads, triton.cdiv(width, block_m), triton.cdiv(n, block_n))](
         x,
         weight,

@@ -18,7 +18,10 @@ import torch.nn.functional as F
 from spmoe.layers.fused import use_fused
 from spmoe.layers.quantization.fp8 import FP8_GROUP, FP8_MAX, dequantize, quantize_fp8_groups
 
-FP8_BLOCK = (128, 128)  # the weight block FP8 linears keep; other block sizes are dequantised on load
+FP8_BLOCK = (
+    128,
+    128,
+)  # the weight block FP8 linears keep; other block sizes are dequantised on load
 
 
 def block_grid(rows: int, cols: int, block: tuple[int, int] = FP8_BLOCK) -> tuple[int, int]:
@@ -26,13 +29,17 @@ def block_grid(rows: int, cols: int, block: tuple[int, int] = FP8_BLOCK) -> tupl
     return -(-rows // block[0]), -(-cols // block[1])
 
 
-def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
+def dequantize_blocks(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
+) -> torch.Tensor:
     """FP8 `[R, C]` and its block scales `[ceil(R / b0), ceil(C / b1)]` -> float32 `[R, C]`."""
     full = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
     return weight.float() * full[: weight.shape[0], : weight.shape[1]]
 
 
-def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(
+    w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`[R, C]` -> (e4m3 `[R, C]`, float32 scales `[ceil(R / b0), ceil(C / b1)]`): each block scaled so that its
     largest value is the largest e4m3 value (an all-zero block gets scale 1)."""
     rows, cols = block_grid(*w.shape, block)
@@ -95,11 +102,17 @@ def fp8_head_matmul(
 
         if x.stride(2) != 1:
             x = x.contiguous()
-        return triton_fp8_head_matmul(x, weight, scale, rows_per_head, first_row, width, depth_along_rows)
-    return fp8_head_matmul_torch(x, weight, scale, rows_per_head, first_row, width, depth_along_rows)
+        return triton_fp8_head_matmul(
+            x, weight, scale, rows_per_head, first_row, width, depth_along_rows
+        )
+    return fp8_head_matmul_torch(
+        x, weight, scale, rows_per_head, first_row, width, depth_along_rows
+    )
 
 
-def fp8_head_matmul_torch(x, weight, scale, rows_per_head: int, first_row: int, width: int, depth_along_rows: bool):
+def fp8_head_matmul_torch(
+    x, weight, scale, rows_per_head: int, first_row: int, width: int, depth_along_rows: bool
+):
     """The reference `fp8_head_matmul`: the weight dequantised to float32, one batched GEMM over the heads."""
     heads, depth = x.shape[1], x.shape[2]
     per_head = dequantize_blocks(weight, scale).view(heads, rows_per_head, weight.shape[1])

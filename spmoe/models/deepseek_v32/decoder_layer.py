@@ -38,7 +38,9 @@ class DeepseekV32DecoderLayer(nn.Module):
         self.comm = LayerCommunicator(plan)
         self.is_moe = cfg.layer_is_moe(layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, layer_idx, self.tp_size, has_indexer=cfg.layer_has_indexer(layer_idx))
+        self.self_attn = MLAttention(
+            cfg, layer_idx, self.tp_size, has_indexer=cfg.layer_has_indexer(layer_idx)
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
             self.mlp = MoE(cfg, plan, experts, ep_backend)
@@ -57,11 +59,17 @@ class DeepseekV32DecoderLayer(nn.Module):
         """(hidden, residual) in the plan's `input` layout -> (MLP output, residual) in its `output` layout, and
         the indexer's selection for the next layer. max_tokens: the largest N over the DP ranks
         (`largest_dp_batch`), for the MoE dispatch."""
-        h, residual = self.comm.before_attention(hidden, residual, self.input_layernorm, batch.num_tokens)
+        h, residual = self.comm.before_attention(
+            hidden, residual, self.input_layernorm, batch.num_tokens
+        )
         attn, selected = self.self_attn(h, batch, selected)  # PARTIAL [N, H]
         h, residual = self.comm.before_mlp(attn, residual, self.post_attention_layernorm)
         if self.is_moe:
-            return self.mlp(h, self.comm.expert_rows(batch.num_tokens, max_tokens)), residual, selected
+            return (
+                self.mlp(h, self.comm.expert_rows(batch.num_tokens, max_tokens)),
+                residual,
+                selected,
+            )
         return self.mlp(h), residual, selected
 
 
@@ -89,14 +97,17 @@ def attention_batch(
     else:
         allowed = cache.allowed
         if allowed.shape[0] != num_tokens:
-            raise ValueError(f"the KV cache view is for {allowed.shape[0]} new tokens, the batch has {num_tokens}")
+            raise ValueError(
+                f"the KV cache view is for {allowed.shape[0]} new tokens, the batch has {num_tokens}"
+            )
     return AttentionBatch(Rotary(cfg, positions, dtype, rotary_table), allowed, cache)
 
 
 def causal_within_sequences(seq_lens: list[int], like: torch.Tensor) -> torch.Tensor:
     """`[N, N]` bool: token i may attend token j when both are in the same sequence and j <= i."""
     seq_id = torch.repeat_interleave(
-        torch.arange(len(seq_lens), device=like.device), torch.tensor(seq_lens, dtype=torch.long, device=like.device)
+        torch.arange(len(seq_lens), device=like.device),
+        torch.tensor(seq_lens, dtype=torch.long, device=like.device),
     )
     idx = torch.arange(seq_id.shape[0], device=like.device)
     return (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])

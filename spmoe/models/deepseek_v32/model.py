@@ -32,7 +32,13 @@ from spmoe.models.deepseek_v32.mtp import DeepseekV32MultiTokenPredictorLayer
 
 
 class DeepseekV32Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        parallel: ParallelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         """dtype and device decide the expert backend (every MoE layer has the same SP decision, so one choice)."""
         super().__init__()
         state = get_parallel_state()
@@ -45,27 +51,42 @@ class DeepseekV32Model(nn.Module):
         self.cfg = cfg
         self.plan = build_layer_plan(cfg, parallel)
         self.experts_backend = select_experts(
-            ExpertsDeployment.for_layer(cfg, parallel, parallel.use_sequence_parallel_moe, dtype, device),
+            ExpertsDeployment.for_layer(
+                cfg, parallel, parallel.use_sequence_parallel_moe, dtype, device
+            ),
             parallel.moe_backend,
         )
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DeepseekV32DecoderLayer(cfg, plan, self.experts_backend, parallel.ep_backend) for plan in self.plan.layers
+            DeepseekV32DecoderLayer(cfg, plan, self.experts_backend, parallel.ep_backend)
+            for plan in self.plan.layers
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_table = RotaryTable.for_model(cfg, device, dtype)  # shared with the MTP layers
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int], cache: KeyStore | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: list[int],
+        cache: KeyStore | None = None,
     ) -> torch.Tensor:
         """input_ids, positions `[N]`; seq_lens: new tokens per sequence, laid end to end -> FULL `[N, H]`
         final-normed hidden states, identical on every TP rank."""
         num_tokens = input_ids.shape[0]
         batch = attention_batch(
-            self.cfg, input_ids, positions, seq_lens, cache, self.norm.weight.dtype, self.rotary_table
+            self.cfg,
+            input_ids,
+            positions,
+            seq_lens,
+            cache,
+            self.norm.weight.dtype,
+            self.rotary_table,
         )
         max_tokens = largest_dp_batch(num_tokens)
-        hidden = enter(self.embed_tokens(input_ids), self.plan.layers[0].input)  # PARTIAL [N, H] -> layer 0
+        hidden = enter(
+            self.embed_tokens(input_ids), self.plan.layers[0].input
+        )  # PARTIAL [N, H] -> layer 0
         residual, selected = None, None
         for layer in self.layers:
             hidden, residual, selected = layer(hidden, residual, batch, selected, max_tokens)
@@ -92,7 +113,9 @@ class DeepseekV32ForCausalLM(nn.Module):
                 DeepseekV32MultiTokenPredictorLayer(
                     cfg,
                     self.model.plan.mtp[i],
-                    VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if own_embed else self.model.embed_tokens,
+                    VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+                    if own_embed
+                    else self.model.embed_tokens,
                     ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if own_head else self.lm_head,
                     self.model.experts_backend,
                     parallel.ep_backend,
@@ -102,7 +125,11 @@ class DeepseekV32ForCausalLM(nn.Module):
             )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int], cache: KeyStore | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: list[int],
+        cache: KeyStore | None = None,
     ) -> torch.Tensor:
         """-> logits `[N, vocab]` float32, identical on every TP rank."""
         return self.compute_logits(self.forward_hidden(input_ids, positions, seq_lens, cache))
@@ -110,13 +137,19 @@ class DeepseekV32ForCausalLM(nn.Module):
     # The API the engine uses; it never reaches into the submodules.
 
     def forward_hidden(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int], cache: KeyStore | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: list[int],
+        cache: KeyStore | None = None,
     ) -> torch.Tensor:
         """input_ids, positions `[N]`; seq_lens: new tokens per sequence, end to end -> FULL `[N, H]` post-norm
         hidden, identical on every TP rank."""
         return self.model(input_ids, positions, seq_lens, cache)
 
-    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """FULL hidden `[N, H]` -> logits `[m, vocab]` float32 of `rows` `[m]` (int64; all N rows if None)."""
         return self.lm_head(hidden if rows is None else hidden[rows])
 

@@ -83,14 +83,29 @@ class DeepseekV32MultiTokenPredictorLayer(nn.Module):
         -> FULL `[N, H]` post-norm hidden, identical on every TP rank."""
         num_tokens, layout = input_ids.shape[0], self.plan.input
         batch = attention_batch(
-            self.cfg, input_ids, positions, seq_lens, cache, self.enorm.weight.dtype, self.rotary_table
+            self.cfg,
+            input_ids,
+            positions,
+            seq_lens,
+            cache,
+            self.enorm.weight.dtype,
+            self.rotary_table,
         )
         check_rows(previous_hidden, num_tokens, f"MTP previous hidden (FULL, N={num_tokens})")
         at_start = (positions == 0).unsqueeze(1)  # [N, 1]
         # SP: shard before eh_proj, so the 2H -> H projection runs on n rows
-        embeds = enter(self.embed_tokens(input_ids), layout)  # PARTIAL [N, H] -> complete, in `layout`
-        previous_hidden, at_start = shard_like(previous_hidden, layout), shard_like(at_start, layout)
-        x = self.eh_proj(torch.cat([self.enorm(embeds.masked_fill(at_start, 0.0)), self.hnorm(previous_hidden)], -1))
+        embeds = enter(
+            self.embed_tokens(input_ids), layout
+        )  # PARTIAL [N, H] -> complete, in `layout`
+        previous_hidden, at_start = (
+            shard_like(previous_hidden, layout),
+            shard_like(at_start, layout),
+        )
+        x = self.eh_proj(
+            torch.cat(
+                [self.enorm(embeds.masked_fill(at_start, 0.0)), self.hnorm(previous_hidden)], -1
+            )
+        )
         out, residual, _ = self.mtp_block(x, None, batch, None, largest_dp_batch(num_tokens))
         return final_norm(out, residual, self.shared_head.norm, self.plan.output, num_tokens)
 

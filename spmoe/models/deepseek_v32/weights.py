@@ -39,7 +39,11 @@ from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")  # vLLM's names: auto and safetensors read the checkpoint
+LOAD_FORMATS = (
+    "auto",
+    "safetensors",
+    "dummy",
+)  # vLLM's names: auto and safetensors read the checkpoint
 MTP_MODULE = re.compile(r"^mtp\.(\d+)\.(mtp_block\.)?")  # our module names -> model.layers.{L}.
 
 
@@ -68,7 +72,11 @@ def load_model(
         raise ValueError(
             f"FP8 linears can stay FP8 with {FP8_BLOCK} blocks only, the checkpoint has {cfg.fp8_block_size}"
         )
-    keep = fp8_stays_fp8(cfg, dtype, device) if keep_fp8 is None else keep_fp8 and cfg.fp8_block_size is not None
+    keep = (
+        fp8_stays_fp8(cfg, dtype, device)
+        if keep_fp8 is None
+        else keep_fp8 and cfg.fp8_block_size is not None
+    )
     # dequantised: built as a model without FP8 (the experts' backends decide from the config)
     build_cfg = cfg if keep else dataclasses.replace(cfg, fp8_block_size=None)
     model = build_model(build_cfg, parallel, with_mtp, ckpt.keys(), dtype, device)
@@ -77,7 +85,9 @@ def load_model(
         keep_fp8_linears(model, fp8)
     load_weights(model, ckpt)
     if get_parallel_state().rank == 0:
-        nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
+        nbytes = sum(
+            t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values()
+        )
         size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
         print(f"weights: {size} on each rank", file=sys.stderr, flush=True)
     return model.eval()
@@ -119,7 +129,9 @@ def fp8_linears(model: DeepseekV32ForCausalLM, cfg: ModelConfig, ckpt: "Checkpoi
         stored = ckpt.dtype(key) == torch.float8_e4m3fn
         expected = cfg.fp8_expected(name)
         if stored and expected is False:
-            raise ValueError(f"layer {name}: the quantization config leaves it unquantised, but {key} is FP8")
+            raise ValueError(
+                f"layer {name}: the quantization config leaves it unquantised, but {key} is FP8"
+            )
         if not stored and expected:
             raise ValueError(
                 f"layer {name}: FP8 by the quantization config (not in its ignore list), but {key} is {ckpt.dtype(key)}"
@@ -127,7 +139,9 @@ def fp8_linears(model: DeepseekV32ForCausalLM, cfg: ModelConfig, ckpt: "Checkpoi
         if stored:
             scale_key = f"{name}.{cfg.fp8_scale_suffix}"
             if scale_key not in ckpt.weight_map:
-                raise ValueError(f"layer {name}: {key} is FP8 but the checkpoint has no {scale_key}")
+                raise ValueError(
+                    f"layer {name}: {key} is FP8 but the checkpoint has no {scale_key}"
+                )
             found.add(name)
     return found
 
@@ -147,7 +161,9 @@ def keep_fp8_linears(model: DeepseekV32ForCausalLM, fp8: set[str]) -> None:
             merged.setdefault(id(module), (name, module, set()))[2].add(part)
     for name, module, parts in merged.values():
         if reason := module.fp8_misfit(parts):
-            raise ValueError(f"layer {name.rpartition('.')[0]} cannot keep its FP8 weights: {reason}")
+            raise ValueError(
+                f"layer {name.rpartition('.')[0]} cannot keep its FP8 weights: {reason}"
+            )
         module.keep_fp8(parts)
 
 
@@ -162,7 +178,9 @@ def build_model(
     """The model with uninitialised weights; an MTP layer gets its own embedding / head only where the
     checkpoint has them."""
     if with_mtp and not cfg.num_nextn_predict_layers:
-        raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers is 0 or missing)")
+        raise ValueError(
+            "the checkpoint has no MTP layer (num_nextn_predict_layers is 0 or missing)"
+        )
     own = tuple(
         (
             f"model.layers.{cfg.num_hidden_layers + i}.embed_tokens.weight" in checkpoint_keys,
@@ -232,8 +250,12 @@ def random_model(
             full = list(dest.shape)
             if dim is not None:
                 full[dim] *= state.tp_size
-            gen = torch.Generator(device=dest.device).manual_seed(seed * 2**32 + zlib.crc32(key.encode()))
-            value = random_init(key, torch.randn(full, generator=gen, device=dest.device), cfg.hidden_size)
+            gen = torch.Generator(device=dest.device).manual_seed(
+                seed * 2**32 + zlib.crc32(key.encode())
+            )
+            value = random_init(
+                key, torch.randn(full, generator=gen, device=dest.device), cfg.hidden_size
+            )
             if dim is not None:
                 value = value.narrow(dim, dest.shape[dim] * state.tp_rank, dest.shape[dim])
             dest.copy_(value)
@@ -268,7 +290,10 @@ def write_fp8_checkpoint(
         else:
             tensors[key] = dest
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({key: t.detach().cpu().contiguous() for key, t in tensors.items()}, folder / "model.safetensors")
+    save_file(
+        {key: t.detach().cpu().contiguous() for key, t in tensors.items()},
+        folder / "model.safetensors",
+    )
     block = list(FP8_BLOCK)
     if scheme == "fp8":
         quantization = dict(
@@ -279,23 +304,41 @@ def write_fp8_checkpoint(
             modules_to_not_convert=list(unquantized),
         )
     else:
-        weights = dict(num_bits=8, type="float", strategy="block", block_structure=block, symmetric=True, dynamic=False)
-        acts = dict(num_bits=8, type="float", strategy="group", group_size=128, symmetric=True, dynamic=True)
+        weights = dict(
+            num_bits=8,
+            type="float",
+            strategy="block",
+            block_structure=block,
+            symmetric=True,
+            dynamic=False,
+        )
+        acts = dict(
+            num_bits=8, type="float", strategy="group", group_size=128, symmetric=True, dynamic=True
+        )
         quantization = dict(
             quant_method="compressed-tensors",
             format="float-quantized",
-            config_groups={"group_0": dict(targets=["Linear"], weights=weights, input_activations=acts)},
+            config_groups={
+                "group_0": dict(targets=["Linear"], weights=weights, input_activations=acts)
+            },
             ignore=["lm_head", "model.embed_tokens", r"re:.*mlp\.gate$"]
             + [f"re:.*{re.escape(u)}$" for u in unquantized],
         )
-    (folder / "config.json").write_text(json.dumps({**raw_config, "quantization_config": quantization}, indent=2))
+    (folder / "config.json").write_text(
+        json.dumps({**raw_config, "quantization_config": quantization}, indent=2)
+    )
 
 
 class Checkpoint:
     """The tensors of a checkpoint folder: one `model.safetensors`, or shards listed in the index file. FP8
     weights' scales are `{module}.{scale_suffix}`, one per `block`."""
 
-    def __init__(self, folder: Path, block: tuple[int, int] | None = None, scale_suffix: str = "weight_scale_inv"):
+    def __init__(
+        self,
+        folder: Path,
+        block: tuple[int, int] | None = None,
+        scale_suffix: str = "weight_scale_inv",
+    ):
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -326,7 +369,9 @@ class Checkpoint:
         name = self._slice(key).get_dtype()
         return SAFETENSORS_DTYPES.get(name) or getattr(torch, name.lower(), None) or name
 
-    def read(self, key: str, dim: int | None, start: int, stop: int, raw: bool = False) -> torch.Tensor:
+    def read(
+        self, key: str, dim: int | None, start: int, stop: int, raw: bool = False
+    ) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) `[start, stop)` of a tensor, or all of it (dim None); FP8 weights
         are dequantised with their block scales unless `raw`."""
         view = self._slice(key)
@@ -336,14 +381,18 @@ class Checkpoint:
             return tensor
         scale_key, block = key.removesuffix("weight") + self.scale_suffix, self.block
         if block is None or scale_key not in self.weight_map:
-            raise ValueError(f"{key} is FP8 but the checkpoint has no {scale_key} / quantization_config block size")
+            raise ValueError(
+                f"{key} is FP8 but the checkpoint has no {scale_key} / quantization_config block size"
+            )
         if self.shape(scale_key) != block_grid(*self.shape(key), block):
             raise ValueError(
                 f"tensor {scale_key}: checkpoint shape {self.shape(scale_key)} does not match the expected "
                 f"{block_grid(*self.shape(key), block)} (one scale per {block[0]} x {block[1]} block of {key})"
             )
         row0, col0 = (start, 0) if dim == 0 else (0, start) if dim == 1 else (0, 0)
-        scale = self._slice(scale_key)[(slice(row0 // block[0], None), slice(col0 // block[1], None))]
+        scale = self._slice(scale_key)[
+            (slice(row0 // block[0], None), slice(col0 // block[1], None))
+        ]
         scale = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
         r, c = row0 % block[0], col0 % block[1]
         return tensor.float() * scale[r : r + tensor.shape[0], c : c + tensor.shape[1]]
@@ -370,7 +419,9 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
     present = ckpt.keys()
     missing = sorted(set(plan) - present)
     if missing:
-        raise ValueError(f"checkpoint {folder} is missing {len(missing)} tensor(s), first: {missing[0]}")
+        raise ValueError(
+            f"checkpoint {folder} is missing {len(missing)} tensor(s), first: {missing[0]}"
+        )
     mtp_first = cfg.num_hidden_layers
     loaded_layers = mtp_first + len(model.mtp)
     suffix = ckpt.scale_suffix
@@ -378,10 +429,17 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
         if key.endswith(f".{suffix}") and key.removesuffix(suffix) + "weight" in present:
             continue  # read together with its weight
         expert = EXPERT_KEY.match(key)
-        if expert and int(expert.group(1)) < loaded_layers and int(expert.group(2)) < cfg.n_routed_experts:
+        if (
+            expert
+            and int(expert.group(1)) < loaded_layers
+            and int(expert.group(2)) < cfg.n_routed_experts
+        ):
             continue  # another EP rank's expert
         layer = LAYER_KEY.match(key)
-        if layer and loaded_layers <= int(layer.group(1)) < mtp_first + cfg.num_nextn_predict_layers:
+        if (
+            layer
+            and loaded_layers <= int(layer.group(1)) < mtp_first + cfg.num_nextn_predict_layers
+        ):
             continue  # an MTP layer's weights, not asked for
         raise ValueError(f"checkpoint {folder} has an unexpected tensor: {key}")
     show = state.rank == 0 and len(plan) >= 200
@@ -396,14 +454,20 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
                 f"tensor {key}: checkpoint shape {ckpt.shape(key)} does not match the expected {tuple(full)}"
             )
         dtype = ckpt.dtype(key)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # copying would make integers weights
+        if (
+            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+        ):  # copying would make integers weights
             raise ValueError(
                 f"tensor {key}: checkpoint dtype {dtype}; expected a floating-point tensor (F32, BF16, F16 or F8_E4M3)"
             )
         if raw and dest.dtype == torch.float8_e4m3fn and dtype != dest.dtype:
-            raise ValueError(f"tensor {key}: the layer holds FP8 e4m3 weights, the checkpoint stores {dtype}")
+            raise ValueError(
+                f"tensor {key}: the layer holds FP8 e4m3 weights, the checkpoint stores {dtype}"
+            )
         with torch.no_grad():
-            dest.copy_(ckpt.read(key, dim, start, start + (dest.shape[dim] if dim is not None else 0), raw))
+            dest.copy_(
+                ckpt.read(key, dim, start, start + (dest.shape[dim] if dim is not None else 0), raw)
+            )
         if show and (done % max(1, len(plan) // 20) == 0 or done == len(plan)):
             print(
                 f"\rloading weights: {done}/{len(plan)} tensors",
@@ -417,7 +481,10 @@ def _named_modules(model: DeepseekV32ForCausalLM):
     """(checkpoint module name, module) of every module; shared modules appear once, under their first name."""
     for module_name, module in model.named_modules():
         yield (
-            MTP_MODULE.sub(lambda m: f"model.layers.{model.cfg.num_hidden_layers + int(m.group(1))}.", module_name),
+            MTP_MODULE.sub(
+                lambda m: f"model.layers.{model.cfg.num_hidden_layers + int(m.group(1))}.",
+                module_name,
+            ),
             module,
         )
 
@@ -428,7 +495,10 @@ def _plan(model: DeepseekV32ForCausalLM) -> dict:
     for module_name, module in _named_modules(model):
         # their checkpoint tensors are not their parameters
         if isinstance(module, Experts):
-            plan |= {key: (dest, None, raw) for key, (dest, raw) in module.checkpoint_plan(module_name).items()}
+            plan |= {
+                key: (dest, None, raw)
+                for key, (dest, raw) in module.checkpoint_plan(module_name).items()
+            }
             continue
         if isinstance(module, MergedLinear):
             plan |= module.checkpoint_plan(module_name.rpartition(".")[0], suffix)

@@ -66,7 +66,10 @@ FP8_BLOCK = (5, 7)  # deliberately not aligned with any TP shard, to exercise bl
 
 def token_batches(vocab: int) -> list[list[list[int]]]:
     gen = torch.Generator().manual_seed(7)
-    return [[torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens] for lens in SEQ_BATCHES]
+    return [
+        [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+        for lens in SEQ_BATCHES
+    ]
 
 
 def hf_logits(model, batches) -> list[torch.Tensor]:
@@ -81,7 +84,10 @@ def _untied_logits(model, seq: list[int]) -> torch.Tensor:
     scores, topk = [], torch.Tensor.topk
 
     def recording_topk(self, k, *args, **kwargs):
-        if self.dim() == 3 and self.shape[-2:] == (len(seq), len(seq)):  # the indexer's [1, S, S] scores
+        if self.dim() == 3 and self.shape[-2:] == (
+            len(seq),
+            len(seq),
+        ):  # the indexer's [1, S, S] scores
             scores.append((self.detach().clone(), k))
         return topk(self, k, *args, **kwargs)
 
@@ -129,7 +135,9 @@ def checkpoints(tmp_path_factory):
     out = {}
     for name, (config_cls, model_cls, extra) in MODELS.items():
         torch.manual_seed(0)
-        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra)).eval()
+        model = getattr(transformers, model_cls)(
+            getattr(transformers, config_cls)(**COMMON, **extra)
+        ).eval()
         make_nontrivial(model)
         folder = tmp_path_factory.mktemp(name)
         # dsv32 is written in several shards with an index file, as the real checkpoints are.
@@ -148,7 +156,13 @@ def fp8_copy(model, folder, fp8_folder, batches):
     tensors = load_file(folder / "model.safetensors")
     dequantised, quantised = {}, {}
     for key, w in tensors.items():
-        if w.dim() != 2 or "norm" in key or "embed" in key or "lm_head" in key or key.endswith("gate.weight"):
+        if (
+            w.dim() != 2
+            or "norm" in key
+            or "embed" in key
+            or "lm_head" in key
+            or key.endswith("gate.weight")
+        ):
             quantised[key] = w
             continue
         rows, cols = -(-w.shape[0] // FP8_BLOCK[0]), -(-w.shape[1] // FP8_BLOCK[1])
@@ -185,7 +199,12 @@ def _packed(model, dequantised: dict, original: dict) -> dict:
             prefix, n = key.removesuffix("gate_up_proj"), state[key].shape[0]
             state[key] = torch.stack(
                 [
-                    torch.cat([weights[f"{prefix}{e}.gate_proj.weight"], weights[f"{prefix}{e}.up_proj.weight"]])
+                    torch.cat(
+                        [
+                            weights[f"{prefix}{e}.gate_proj.weight"],
+                            weights[f"{prefix}{e}.up_proj.weight"],
+                        ]
+                    )
                     for e in range(n)
                 ]
             )
@@ -214,13 +233,19 @@ def mtp_checkpoints(tmp_path_factory):
     import transformers
 
     torch.manual_seed(1)
-    hf = transformers.GlmMoeDsaForCausalLM(transformers.GlmMoeDsaConfig(**COMMON, **MTP_HF_LAYERS)).eval()
+    hf = transformers.GlmMoeDsaForCausalLM(
+        transformers.GlmMoeDsaConfig(**COMMON, **MTP_HF_LAYERS)
+    ).eval()
     make_nontrivial(hf)
     base = tmp_path_factory.mktemp("mtp_hf")
     hf.save_pretrained(base)
     tensors = load_file(base / "model.safetensors")
     gen = torch.Generator().manual_seed(5)
-    size, vocab, prefix = COMMON["hidden_size"], COMMON["vocab_size"], f"model.layers.{MTP_MAIN_LAYERS}"
+    size, vocab, prefix = (
+        COMMON["hidden_size"],
+        COMMON["vocab_size"],
+        f"model.layers.{MTP_MAIN_LAYERS}",
+    )
     added = {
         f"{prefix}.enorm.weight": 1 + 0.3 * torch.randn(size, generator=gen),
         f"{prefix}.hnorm.weight": 1 + 0.3 * torch.randn(size, generator=gen),

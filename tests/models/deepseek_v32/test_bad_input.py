@@ -37,8 +37,14 @@ def forward_cli(tmp_path, model, ids, tp=2, sp="on"):
     "case, fragment",
     [
         ("missing model", "model config not found"),
-        ("tp does not divide heads", "num_attention_heads = 12 is not divisible by tensor_parallel_size = 5"),
-        ("tp does not divide experts", "n_routed_experts = 12 is not divisible by the expert-parallel size = 8"),
+        (
+            "tp does not divide heads",
+            "num_attention_heads = 12 is not divisible by tensor_parallel_size = 5",
+        ),
+        (
+            "tp does not divide experts",
+            "n_routed_experts = 12 is not divisible by the expert-parallel size = 8",
+        ),
         ("sp on with tp 1", "needs tensor_parallel_size > 1"),
         ("token id out of range", "token id 96, expected an int in [0, 96)"),
         ("negative token id", "token id -1"),
@@ -46,7 +52,10 @@ def forward_cli(tmp_path, model, ids, tp=2, sp="on"):
         ("empty sequence", "sequence 1 must be a non-empty list"),
         ("corrupt ids file", "is not valid JSON"),
         ("corrupt config", "config.json is not valid JSON"),
-        ("eos outside the vocabulary", "eos_token_id 96 is not a token id: expected an int in [0, 96)"),
+        (
+            "eos outside the vocabulary",
+            "eos_token_id 96 is not a token id: expected an int in [0, 96)",
+        ),
     ],
 )
 def test_bad_input_is_a_one_line_error(case, fragment, checkpoints, tmp_path, capsys):
@@ -82,7 +91,9 @@ def test_bad_input_is_a_one_line_error(case, fragment, checkpoints, tmp_path, ca
         model = tmp_path / "m"
         shutil.copytree(checkpoints["glm"][0], model)
         config = json.loads((model / "config.json").read_text())
-        (model / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, config["vocab_size"]]}))
+        (model / "config.json").write_text(
+            json.dumps({**config, "eos_token_id": [1, config["vocab_size"]]})
+        )
     assert forward_cli(tmp_path, model, ids, tp, sp) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err and fragment in err[-1], err
@@ -107,7 +118,11 @@ def test_broken_checkpoints_name_the_tensor(checkpoints, tmp_path):
     tensors = load_file(f"{source}/model.safetensors")
     variants = {
         "missing": (
-            {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.experts.5.up_proj.weight"},
+            {
+                k: v
+                for k, v in tensors.items()
+                if k != "model.layers.1.mlp.experts.5.up_proj.weight"
+            },
             "missing 1 tensor(s), first: model.layers.1.mlp.experts.5.up_proj.weight",
         ),
         "unexpected": (
@@ -121,7 +136,9 @@ def test_broken_checkpoints_name_the_tensor(checkpoints, tmp_path):
         "int32": (
             {
                 **tensors,
-                "model.layers.1.self_attn.o_proj.weight": tensors["model.layers.1.self_attn.o_proj.weight"].int(),
+                "model.layers.1.self_attn.o_proj.weight": tensors[
+                    "model.layers.1.self_attn.o_proj.weight"
+                ].int(),
             },
             "tensor model.layers.1.self_attn.o_proj.weight: checkpoint dtype I32; expected a floating-point tensor",
         ),

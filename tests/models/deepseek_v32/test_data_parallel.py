@@ -30,7 +30,10 @@ def run_dp_cases(folder: str, batches, modes):
     state, results = get_parallel_state(), []
     for sp, scope in modes:
         parallel = ParallelConfig(
-            tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size, sp=sp, sp_scope=scope
+            tensor_parallel_size=state.tp_size,
+            data_parallel_size=state.dp_size,
+            sp=sp,
+            sp_scope=scope,
         )
         model = load_model(folder, parallel)
         per_batch = []
@@ -39,7 +42,11 @@ def run_dp_cases(folder: str, batches, modes):
             with torch.no_grad(), count_collectives() as counted, count_moe_work() as work:
                 logits = model(ids, positions, lens)
             per_batch.append(
-                (list(logits.split(lens)), {k: v["count"] for k, v in counted.as_dict().items()}, work.as_dict())
+                (
+                    list(logits.split(lens)),
+                    {k: v["count"] for k, v in counted.as_dict().items()},
+                    work.as_dict(),
+                )
             )
         results.append(per_batch)
     return state.dp_rank, state.tp_rank, results
@@ -73,14 +80,20 @@ def test_matches_transformers(tp, dp, dp_runs, checkpoints):
                 share = results[m][b][0]
                 got[dp_rank::dp] = share
                 if tp_rank:  # every TP rank of a DP group holds the same logits
-                    assert all(torch.equal(a, c) for a, c in zip(share, ranks[dp_rank * tp][2][m][b][0]))
+                    assert all(
+                        torch.equal(a, c) for a, c in zip(share, ranks[dp_rank * tp][2][m][b][0])
+                    )
             got = torch.cat(got)
             err = relative_error(got, want)
             worst = max(worst, err)
-            assert err < TOLERANCE, f"tp{tp} x dp{dp} sp={sp}/{scope} lens={list(map(len, seqs))}: {err:.2e}"
+            assert err < TOLERANCE, (
+                f"tp{tp} x dp{dp} sp={sp}/{scope} lens={list(map(len, seqs))}: {err:.2e}"
+            )
             counts = ranks[0][2][m][b][1]
             if sp == "on" and scope == "all":
-                assert counts["all_reduce"] == 1  # only the per-step agreement on the largest DP batch
+                assert (
+                    counts["all_reduce"] == 1
+                )  # only the per-step agreement on the largest DP batch
             if sp == "off":  # no SP reduce-scatter: only the combine of the 2 MoE layers' dispatch
                 assert counts["reduce_scatter"] == 2
     print(f"tp{tp} x dp{dp}: worst rel err {worst:.2e}")
@@ -96,6 +109,12 @@ def test_sp_removes_duplicated_expert_work(dp_runs, checkpoints):
             # every TP rank dispatches its DP group's tokens without SP; with SP its own shard only
             tokens = sum(map(len, split_for_dp(seqs, dp_rank, dp)))
             assert work_off["rows_dispatched"] == tokens * 2  # two MoE layers
-            assert work_off["expert_rows"] == [tp * r for r in work_on["expert_rows"]], (b, dp_rank, tp_rank)
+            assert work_off["expert_rows"] == [tp * r for r in work_on["expert_rows"]], (
+                b,
+                dp_rank,
+                tp_rank,
+            )
         dispatched_on = sum(results[on][b][2]["rows_dispatched"] for *_, results in ranks)
-        assert dispatched_on == sum(map(len, seqs)) * 2  # each token once per MoE layer, pad rows excluded
+        assert (
+            dispatched_on == sum(map(len, seqs)) * 2
+        )  # each token once per MoE layer, pad rows excluded

@@ -12,7 +12,11 @@ from spmoe.models.deepseek_v32.weights import load_model
 from tests.engine.conftest import ENGINE_CONFIG
 
 SEQS = [[5, 17, 3, 90, 41, 8], [60, 2]]
-OVERRIDES = {"num_hidden_layers": 2, "mlp_layer_types": ["dense", "sparse"], "indexer_types": ["full", "shared"]}
+OVERRIDES = {
+    "num_hidden_layers": 2,
+    "mlp_layer_types": ["dense", "sparse"],
+    "indexer_types": ["full", "shared"],
+}
 
 
 def _dummy_logits(folder: str):
@@ -30,6 +34,9 @@ def test_dummy_weights_need_only_the_config_and_do_not_depend_on_tp(tmp_path):
     one, layers, mtp = spawn(_dummy_logits, 1, str(tmp_path))[0]
     two, *_ = spawn(_dummy_logits, 2, str(tmp_path))[0]
     assert (layers, mtp) == (2, 1)  # the overrides took effect; the MTP layer is built too
-    assert one.shape == (sum(map(len, SEQS)), ENGINE_CONFIG["vocab_size"]) and torch.isfinite(one).all()
+    assert (
+        one.shape == (sum(map(len, SEQS)), ENGINE_CONFIG["vocab_size"])
+        and torch.isfinite(one).all()
+    )
     assert one.std() > 0.1  # random weights, not zeros
     torch.testing.assert_close(two, one, rtol=1e-4, atol=1e-4)

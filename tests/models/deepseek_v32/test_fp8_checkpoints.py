@@ -13,7 +13,11 @@ from safetensors.torch import load_file, save_file
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from spmoe.layers.linear import Linear, MergedLinear
-from spmoe.models.deepseek_v32.weights import load_model, write_fp8_checkpoint, write_random_checkpoint
+from spmoe.models.deepseek_v32.weights import (
+    load_model,
+    write_fp8_checkpoint,
+    write_random_checkpoint,
+)
 
 # widths whose TP-2 shards are whole 128-blocks. Every expert and every key is selected (top-k = all), so the
 # logits are continuous in the weights: no routing or indexer choice flips between the FP8 and reference paths.
@@ -46,11 +50,15 @@ CONFIG = dict(
     num_nextn_predict_layers=0,
 )
 IDS = [5, 9, 1, 33, 17, 2, 60]
-FP8_LOGIT_RMS_ERROR = 0.06  # docs/performance.md states it; the GPU test holds the kernels to it too
+FP8_LOGIT_RMS_ERROR = (
+    0.06  # docs/performance.md states it; the GPU test holds the kernels to it too
+)
 
 
 def relative_rms_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).pow(2).mean().sqrt() / want.float().pow(2).mean().sqrt())
+    return float(
+        (got.float() - want.float()).pow(2).mean().sqrt() / want.float().pow(2).mean().sqrt()
+    )
 
 
 SCHEMES = ("fp8", "compressed-tensors")
@@ -62,7 +70,9 @@ def _logits(folder, keep_fp8: bool | None, tp: int = 1) -> tuple[torch.Tensor, l
     with torch.no_grad():
         logits = model(torch.tensor(IDS), torch.arange(len(IDS)), [len(IDS)])
     fp8 = [
-        m for m in model.modules() if isinstance(m, Linear) and m.is_fp8 or isinstance(m, MergedLinear) and m.fp8_parts
+        m
+        for m in model.modules()
+        if isinstance(m, Linear) and m.is_fp8 or isinstance(m, MergedLinear) and m.fp8_parts
     ]
     return logits, sorted({type(m).__name__ for m in fp8})
 
@@ -93,9 +103,14 @@ def test_compressed_tensors_loads_as_the_deepseek_format(checkpoints):
     ct = load_file(folder / "compressed-tensors" / "model.safetensors")
     assert ds["model.layers.0.self_attn.q_b_proj.weight"].dtype == torch.float8_e4m3fn
     assert "model.layers.0.self_attn.q_b_proj.weight_scale" in ct
-    assert ds["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.float32  # left unquantised
+    assert (
+        ds["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
+    )  # left unquantised
     for keep in (False, True):
-        (ds_logits, ds_kinds), (ct_logits, ct_kinds) = logits["fp8", keep], logits["compressed-tensors", keep]
+        (ds_logits, ds_kinds), (ct_logits, ct_kinds) = (
+            logits["fp8", keep],
+            logits["compressed-tensors", keep],
+        )
         assert torch.equal(ds_logits, ct_logits)
         assert ds_kinds == ct_kinds == (["Linear", "MergedLinear"] if keep else [])
 
@@ -137,10 +152,18 @@ def _ignoring(pattern):
 
 def test_misfit_scales_are_one_line_errors_naming_the_layer(checkpoints, tmp_path):
     folder, _ = checkpoints
-    layer, src, ct = "model.layers.0.self_attn.q_b_proj", folder / "fp8", folder / "compressed-tensors"
-    bad = _edit(src, tmp_path / "shape", lambda t: {**t, f"{layer}.weight_scale_inv": torch.ones(3, 1)})
+    layer, src, ct = (
+        "model.layers.0.self_attn.q_b_proj",
+        folder / "fp8",
+        folder / "compressed-tensors",
+    )
+    bad = _edit(
+        src, tmp_path / "shape", lambda t: {**t, f"{layer}.weight_scale_inv": torch.ones(3, 1)}
+    )
     missing = _edit(
-        src, tmp_path / "missing", lambda t: {k: v for k, v in t.items() if k != f"{layer}.weight_scale_inv"}
+        src,
+        tmp_path / "missing",
+        lambda t: {k: v for k, v in t.items() if k != f"{layer}.weight_scale_inv"},
     )
     ignored = _edit(ct, tmp_path / "ignored", edit_config=_ignoring(r"re:.*q_b_proj$"))
     not_ignored = _edit(ct, tmp_path / "not_ignored", edit_config=_ignoring(None))
@@ -148,8 +171,16 @@ def test_misfit_scales_are_one_line_errors_naming_the_layer(checkpoints, tmp_pat
     cases = [
         (bad, False, shape),
         (bad, True, shape),
-        (missing, True, rf"layer {layer}: {layer}\.weight is FP8 but the checkpoint has no {layer}\.weight_scale_inv"),
+        (
+            missing,
+            True,
+            rf"layer {layer}: {layer}\.weight is FP8 but the checkpoint has no {layer}\.weight_scale_inv",
+        ),
         (ignored, False, rf"layer {layer}: the quantization config leaves it unquantised, but"),
-        (not_ignored, False, r"indexer\.weights_proj: FP8 by the quantization config \(not in its ignore list\)"),
+        (
+            not_ignored,
+            False,
+            r"indexer\.weights_proj: FP8 by the quantization config \(not in its ignore list\)",
+        ),
     ]
     spawn(_expect_errors, 1, cases)

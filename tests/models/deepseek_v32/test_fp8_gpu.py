@@ -11,7 +11,11 @@ from safetensors import safe_open
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
-from spmoe.models.deepseek_v32.weights import load_model, write_fp8_checkpoint, write_random_checkpoint
+from spmoe.models.deepseek_v32.weights import (
+    load_model,
+    write_fp8_checkpoint,
+    write_random_checkpoint,
+)
 
 from ...multigpu import requires_gpus
 from .test_fp8_checkpoints import CONFIG, FP8_LOGIT_RMS_ERROR, relative_rms_error

@@ -27,13 +27,16 @@ def wrong_layouts(folder):
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(
-        folder, ParallelConfig(tensor_parallel_size=get_parallel_state().tp_size, sp="on", sp_scope="all")
+        folder,
+        ParallelConfig(tensor_parallel_size=get_parallel_state().tp_size, sp="on", sp_scope="all"),
     )
     messages = []
     for num_tokens in (1, 5):
         ids, positions, seq_lens = flatten([list(range(num_tokens))], "cpu")
         hidden = torch.zeros(num_tokens, model.cfg.hidden_size)
-        batch = AttentionBatch(Rotary(model.cfg, positions, hidden.dtype), causal_within_sequences(seq_lens, hidden))
+        batch = AttentionBatch(
+            Rotary(model.cfg, positions, hidden.dtype), causal_within_sequences(seq_lens, hidden)
+        )
         layer = model.model.layers[1]  # declared SHARDED input: [ceil(N/t), H]; hand it FULL [N, H]
         try:
             layer(torch.zeros(num_tokens + 1, model.cfg.hidden_size), None, batch, None, num_tokens)
@@ -51,8 +54,14 @@ def wrong_layouts(folder):
 def test_wrong_layout_is_an_error_naming_the_shapes(checkpoints):
     h = 48
     one, five, positions = spawn(wrong_layouts, 2, checkpoints["glm"][0])[0]
-    assert one == f"layer 1 input (SHARDED, N=1): expected a 2-D tensor with 1 rows, got shape (2, {h})"
-    assert five == f"layer 1 input (SHARDED, N=5): expected a 2-D tensor with 3 rows, got shape (6, {h})"
+    assert (
+        one
+        == f"layer 1 input (SHARDED, N=1): expected a 2-D tensor with 1 rows, got shape (2, {h})"
+    )
+    assert (
+        five
+        == f"layer 1 input (SHARDED, N=5): expected a 2-D tensor with 3 rows, got shape (6, {h})"
+    )
     assert positions is not None and "positions (2,)" in positions
 
 

@@ -27,13 +27,19 @@ SEQ_LENS = [[1], [2], [3], [5], [4, 1], [1, 1]]
 
 def hf_layers(hf, layers, hidden, positions):
     """transformers decoder layers over one sequence: hidden `[S, H]` -> `[S, H]`."""
-    mask = torch.full((len(positions), len(positions)), torch.finfo(torch.float32).min).triu(1)[None, None]
+    mask = torch.full((len(positions), len(positions)), torch.finfo(torch.float32).min).triu(1)[
+        None, None
+    ]
     position_ids = positions[None]
     rotary = hf.model.rotary_emb(hidden[None], position_ids=position_ids)
     h, topk = hidden[None], None
     for layer in layers:
         h, topk = layer(
-            h, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids, prev_topk_indices=topk
+            h,
+            attention_mask=mask,
+            position_embeddings=rotary,
+            position_ids=position_ids,
+            prev_topk_indices=topk,
         )
     return h[0]
 
@@ -102,9 +108,14 @@ def mtp_cases(mtp_checkpoints):
     batches, want = [], {"own": [], "shared": []}
     with torch.no_grad():
         for lens in SEQ_LENS:
-            seqs = [torch.randint(0, hf.config.vocab_size, (s + 1,), generator=gen).tolist() for s in lens]
+            seqs = [
+                torch.randint(0, hf.config.vocab_size, (s + 1,), generator=gen).tolist()
+                for s in lens
+            ]
             for name in want:
-                want[name].append(torch.cat([reference(hf, weights, seq, name == "own")[1] for seq in seqs]))
+                want[name].append(
+                    torch.cat([reference(hf, weights, seq, name == "own")[1] for seq in seqs])
+                )
             targets = torch.cat([reference(hf, weights, seq, False)[0] for seq in seqs])
             batches.append(
                 (
@@ -122,7 +133,9 @@ def test_mtp_matches_reference(tp, mtp_cases):
     folders, batches, want = mtp_cases
     modes = SP_MODES if tp > 1 else [("off", "moe")]
     cases = [(name, sp, scope) for name in folders for sp, scope in modes]
-    results = spawn(run_mtp, tp, [(folders[name], sp, scope) for name, sp, scope in cases], batches)[0]
+    results = spawn(
+        run_mtp, tp, [(folders[name], sp, scope) for name, sp, scope in cases], batches
+    )[0]
     worst = 0.0
     for (name, sp, scope), (is_sp, per_batch) in zip(cases, results):
         assert is_sp == (sp == "on")
@@ -131,7 +144,9 @@ def test_mtp_matches_reference(tp, mtp_cases):
             worst = max(worst, err)
             assert err < TOLERANCE, f"{name} tp={tp} sp={sp}/{scope} lens={lens}: rel err {err:.2e}"
             assert counted == expected_counts(is_sp, tp), (name, sp, scope, lens)
-    print(f"tp={tp}: {len(cases)} configurations x {len(batches)} batches, worst rel err {worst:.2e}")
+    print(
+        f"tp={tp}: {len(cases)} configurations x {len(batches)} batches, worst rel err {worst:.2e}"
+    )
 
 
 def try_load(folders):
@@ -166,6 +181,12 @@ def test_mtp_weight_errors(mtp_checkpoints, tmp_path):
     config["num_nextn_predict_layers"] = 0
     (tmp_path / "no_mtp" / "config.json").write_text(json.dumps(config))
     missing, unexpected, no_mtp = spawn(try_load, 1, folders)[0]
-    assert missing == f"checkpoint {tmp_path / 'missing'} is missing 1 tensor(s), first: {prefix}.hnorm.weight"
-    assert unexpected == f"checkpoint {tmp_path / 'unexpected'} has an unexpected tensor: {prefix}.shared_head.bias"
+    assert (
+        missing
+        == f"checkpoint {tmp_path / 'missing'} is missing 1 tensor(s), first: {prefix}.hnorm.weight"
+    )
+    assert (
+        unexpected
+        == f"checkpoint {tmp_path / 'unexpected'} has an unexpected tensor: {prefix}.shared_head.bias"
+    )
     assert no_mtp == "the checkpoint has no MTP layer (num_nextn_predict_layers is 0 or missing)"

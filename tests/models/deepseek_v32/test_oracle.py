@@ -31,14 +31,20 @@ def run_cases(cases):
     state = get_parallel_state()
     results = []
     for folder, sp, scope, ep_backend, batches in cases:
-        parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp, sp_scope=scope, ep_backend=ep_backend)
+        parallel = ParallelConfig(
+            tensor_parallel_size=state.tp_size, sp=sp, sp_scope=scope, ep_backend=ep_backend
+        )
         model = load_model(folder, parallel)
         logits, stats = [], []
         for seqs in batches:
             with torch.no_grad(), count_collectives() as counted:
                 logits.append(model(*flatten(seqs, "cpu")))
             stats.append(counted.as_dict())
-        flags = [m.use_sequence_parallel_moe for m in model.modules() if isinstance(m, DeepseekV32DecoderLayer)]
+        flags = [
+            m.use_sequence_parallel_moe
+            for m in model.modules()
+            if isinstance(m, DeepseekV32DecoderLayer)
+        ]
         results.append((logits, stats, flags))
     return results
 
@@ -51,7 +57,9 @@ def expected_counts(mlp_types, sp_flags, t, ep_backend="allgather_reducescatter"
     previous = None
     for kind, sp in zip(mlp_types, sp_flags):
         if previous is None:
-            counts["reduce_scatter" if sp else "all_reduce"] += 1  # embedding partial: RS into shards, or AR
+            counts["reduce_scatter" if sp else "all_reduce"] += (
+                1  # embedding partial: RS into shards, or AR
+            )
         elif previous and not sp:
             counts["all_gather"] += 1  # _all_gather_sp_states: the sharded region ends
         elif not previous:
@@ -78,19 +86,27 @@ def test_logits_match_transformers(tp, checkpoints):
     modes = SP_MODES if tp > 1 else SP_MODES[:1]
     cases = [(name, *mode) for name in names for mode in modes]
     results = spawn(
-        run_cases, tp, [(checkpoints[n][0], sp, scope, ep, checkpoints[n][1]) for n, sp, scope, ep in cases]
+        run_cases,
+        tp,
+        [(checkpoints[n][0], sp, scope, ep, checkpoints[n][1]) for n, sp, scope, ep in cases],
     )[0]
     worst = 0.0
     for (name, sp, scope, ep), (logits, stats, flags) in zip(cases, results):
         mlp_types = MODELS[name.removesuffix("_fp8")][2]["mlp_layer_types"]
         assert flags == [sp == "on" and (kind == "sparse" or scope == "all") for kind in mlp_types]
-        for seqs, got, want, counted in zip(checkpoints[name][1], logits, checkpoints[name][2], stats):
+        for seqs, got, want, counted in zip(
+            checkpoints[name][1], logits, checkpoints[name][2], stats
+        ):
             err = relative_error(got, want)
             worst = max(worst, err)
             assert got.shape == want.shape
             lens = list(map(len, seqs))
-            assert err < TOLERANCE, f"{name} tp={tp} sp={sp}/{scope}/{ep} lens={lens}: rel err {err:.2e}"
-            assert {k: v["count"] for k, v in counted.items()} == expected_counts(mlp_types, flags, tp, ep), (
+            assert err < TOLERANCE, (
+                f"{name} tp={tp} sp={sp}/{scope}/{ep} lens={lens}: rel err {err:.2e}"
+            )
+            assert {k: v["count"] for k, v in counted.items()} == expected_counts(
+                mlp_types, flags, tp, ep
+            ), (
                 name,
                 sp,
                 scope,
@@ -100,8 +116,14 @@ def test_logits_match_transformers(tp, checkpoints):
             if sp == "on" and scope == "all":
                 assert counted["all_reduce"]["count"] == 0
             if sp == "off" and tp > 1:
-                assert counted["reduce_scatter"]["count"] == 0 and counted["all_reduce"]["count"] > 0
-    rows = [(int((~torch.isnan(want).any(-1)).sum()), want.shape[0]) for n in names for want in checkpoints[n][2]]
+                assert (
+                    counted["reduce_scatter"]["count"] == 0 and counted["all_reduce"]["count"] > 0
+                )
+    rows = [
+        (int((~torch.isnan(want).any(-1)).sum()), want.shape[0])
+        for n in names
+        for want in checkpoints[n][2]
+    ]
     print(
         f"tp={tp}: {len(cases)} configurations x {len(checkpoints['glm'][1])} batches, worst rel err {worst:.2e}; "
         f"rows compared {sum(r[0] for r in rows)} of {sum(r[1] for r in rows)} (the rest follow a tied DSA top-k)"

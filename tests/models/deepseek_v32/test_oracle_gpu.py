@@ -16,7 +16,9 @@ from spmoe.entrypoints.jobs import flatten
 
 from ...multigpu import requires_gpus, run_on_gpus
 
-ROW_TOLERANCE = 5e-2  # per row, relative to the row's largest |logit|: bfloat16 keeps 8 significant bits
+ROW_TOLERANCE = (
+    5e-2  # per row, relative to the row's largest |logit|: bfloat16 keeps 8 significant bits
+)
 ROWS_WITHIN = 0.75  # of the compared rows
 MEDIAN_TOLERANCE = 2.5e-2
 SP_TOLERANCE = 3e-2  # SP on against SP off, every row
@@ -29,7 +31,10 @@ def gpu_logits(cases):
     state, out = get_parallel_state(), []
     for folder, sp, batches in cases:
         model = load_model(
-            folder, ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp), torch.bfloat16, state.device
+            folder,
+            ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp),
+            torch.bfloat16,
+            state.device,
         )
         with torch.no_grad():
             out.append([model(*flatten(seqs, state.device)).cpu() for seqs in batches])
@@ -47,10 +52,14 @@ def row_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 @requires_gpus(2)
 def test_bf16_logits_on_gpus_match_float32_oracle(checkpoints):
     cases = [(name, sp) for name in ("glm", "dsv32") for sp in ("off", "on")]
-    results = run_on_gpus(gpu_logits, [(checkpoints[n][0], sp, checkpoints[n][1]) for n, sp in cases])[0]
+    results = run_on_gpus(
+        gpu_logits, [(checkpoints[n][0], sp, checkpoints[n][1]) for n, sp in cases]
+    )[0]
     logits, failures = dict(zip(cases, results)), []
     for name, sp in cases:
-        errors = torch.cat([row_errors(got, want) for got, want in zip(logits[name, sp], checkpoints[name][2])])
+        errors = torch.cat(
+            [row_errors(got, want) for got, want in zip(logits[name, sp], checkpoints[name][2])]
+        )
         within = (errors < ROW_TOLERANCE).float().mean().item()
         print(
             f"{name} SP {sp}: {within:.1%} of {errors.numel()} rows within {ROW_TOLERANCE} of the float32 oracle, "
@@ -59,7 +68,10 @@ def test_bf16_logits_on_gpus_match_float32_oracle(checkpoints):
         if within < ROWS_WITHIN or errors.median().item() > MEDIAN_TOLERANCE:
             failures.append((name, sp, within, errors.median().item()))
     for name in ("glm", "dsv32"):
-        worst = max(row_errors(on, off).max().item() for on, off in zip(logits[name, "on"], logits[name, "off"]))
+        worst = max(
+            row_errors(on, off).max().item()
+            for on, off in zip(logits[name, "on"], logits[name, "off"])
+        )
         print(f"{name}: SP on against SP off on the GPUs, worst row {worst:.2e}")
         if worst > SP_TOLERANCE:
             failures.append((name, "on vs off", worst))

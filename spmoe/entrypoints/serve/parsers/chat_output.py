@@ -5,10 +5,18 @@ looked for in the answer, never in the reasoning). The parsers are chosen by nam
 from dataclasses import dataclass, field
 
 from spmoe.entrypoints.serve.parsers.reasoning import Glm45ReasoningParser, ReasoningSplit
-from spmoe.entrypoints.serve.parsers.tool_calls import GlmToolCallParser, ToolCall, ToolCallDelta, assemble_tool_calls
+from spmoe.entrypoints.serve.parsers.tool_calls import (
+    GlmToolCallParser,
+    ToolCall,
+    ToolCallDelta,
+    assemble_tool_calls,
+)
 
 REASONING_PARSERS = {"glm45": Glm45ReasoningParser}
-TOOL_CALL_PARSERS = {"glm45": GlmToolCallParser, "glm47": GlmToolCallParser}  # one reader for both layouts
+TOOL_CALL_PARSERS = {
+    "glm45": GlmToolCallParser,
+    "glm47": GlmToolCallParser,
+}  # one reader for both layouts
 
 
 @dataclass
@@ -43,8 +51,14 @@ class ChatOutputParser:
         tools: list[dict] | None,
     ) -> "ChatOutputParser":
         """The parsers by their command-line names; `tools` None: no tool-call parsing for this request."""
-        reasoning = REASONING_PARSERS[reasoning_parser](prompt_text, thinking) if reasoning_parser else None
-        calls = TOOL_CALL_PARSERS[tool_call_parser](tools) if tool_call_parser and tools is not None else None
+        reasoning = (
+            REASONING_PARSERS[reasoning_parser](prompt_text, thinking) if reasoning_parser else None
+        )
+        calls = (
+            TOOL_CALL_PARSERS[tool_call_parser](tools)
+            if tool_call_parser and tools is not None
+            else None
+        )
         return cls(reasoning, calls)
 
     def feed(self, text: str) -> ChatDelta:

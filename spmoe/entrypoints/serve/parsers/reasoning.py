@@ -29,7 +29,9 @@ def thinking_enabled(chat_template_kwargs: dict) -> bool:
     """Whether the request asks for thinking: `enable_thinking` (GLM's name) or `thinking`, default on."""
     value = chat_template_kwargs.get("enable_thinking", chat_template_kwargs.get("thinking", True))
     if not isinstance(value, bool):
-        raise ValueError(f"chat_template_kwargs.enable_thinking must be true or false, got {value!r}")
+        raise ValueError(
+            f"chat_template_kwargs.enable_thinking must be true or false, got {value!r}"
+        )
     return value
 
 
@@ -46,7 +48,9 @@ class Glm45ReasoningParser:
             self.state = self.REASONING
         else:
             self.state = self.OPENING  # the model may open the block itself
-        self.pending = ""  # text fed but not yet placed: the start of a tag, or whitespace before one
+        self.pending = (
+            ""  # text fed but not yet placed: the start of a tag, or whitespace before one
+        )
         self.after_reasoning = False  # drop whitespace until the answer's first character
 
     def feed(self, text: str) -> ReasoningSplit:
@@ -57,7 +61,9 @@ class Glm45ReasoningParser:
                 stripped = text.lstrip()
                 if stripped.startswith(THINK_START):
                     self.state, text = self.REASONING, stripped[len(THINK_START) :]
-                elif THINK_START.startswith(stripped):  # whitespace, or part of the tag: not known yet
+                elif THINK_START.startswith(
+                    stripped
+                ):  # whitespace, or part of the tag: not known yet
                     self.pending = text
                     break
                 else:

@@ -25,7 +25,14 @@ from spmoe.entrypoints.serve.parsers.markers import partial_marker_length
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 ARG_KEY_START, ARG_KEY_END = "<arg_key>", "</arg_key>"
 ARG_VALUE_START, ARG_VALUE_END = "<arg_value>", "</arg_value>"
-JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}
+JSON_TYPES = {
+    str: "string",
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+    list: "array",
+    dict: "object",
+}
 
 
 @dataclass
@@ -51,7 +58,11 @@ class ToolCall:
     arguments: str  # a JSON object's text
 
     def as_openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def assemble_tool_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
@@ -69,7 +80,9 @@ def coalesce_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
     out: list[ToolCallDelta] = []
     for delta in deltas:
         if out and out[-1].index == delta.index and delta.name is None:
-            out[-1] = ToolCallDelta(delta.index, out[-1].arguments + delta.arguments, out[-1].id, out[-1].name)
+            out[-1] = ToolCallDelta(
+                delta.index, out[-1].arguments + delta.arguments, out[-1].id, out[-1].name
+            )
         else:
             out.append(delta)
     return out
@@ -192,10 +205,14 @@ class GlmToolCallParser:
             return True
         if self.state in (self.ARGS, self.VALUE_START):
             rest = buffer.lstrip()
-            expected = (ARG_KEY_START, TOOL_CALL_END) if self.state == self.ARGS else (ARG_VALUE_START,)
+            expected = (
+                (ARG_KEY_START, TOOL_CALL_END) if self.state == self.ARGS else (ARG_VALUE_START,)
+            )
             tag = next((t for t in expected if rest.startswith(t)), None)
             if tag is None:
-                if any(t.startswith(rest) for t in expected):  # a tag still arriving (or nothing yet)
+                if any(
+                    t.startswith(rest) for t in expected
+                ):  # a tag still arriving (or nothing yet)
                     self.buffer = rest
                     return False
                 # text that is no tag inside a call (a model's slip): skipped up to the next tag
@@ -223,7 +240,9 @@ class GlmToolCallParser:
             return True
         end = buffer.find(ARG_VALUE_END)
         if self.state == self.STRING_VALUE:
-            keep = end if end >= 0 else len(buffer) - partial_marker_length(buffer, (ARG_VALUE_END,))
+            keep = (
+                end if end >= 0 else len(buffer) - partial_marker_length(buffer, (ARG_VALUE_END,))
+            )
             piece = _escaped(buffer[:keep]) + ('"' if end >= 0 else "")
             if piece:
                 deltas.append(ToolCallDelta(self.index, piece))
@@ -266,7 +285,9 @@ class GlmToolCallParser:
 
     def _typed_argument(self, text: str, deltas: list[ToolCallDelta]) -> None:
         value = typed_value(text, self._argument_schema(self.key))
-        deltas.append(ToolCallDelta(self.index, self._key_prefix() + json.dumps(value, ensure_ascii=False)))
+        deltas.append(
+            ToolCallDelta(self.index, self._key_prefix() + json.dumps(value, ensure_ascii=False))
+        )
 
 
 def _escaped(text: str) -> str:

@@ -38,7 +38,9 @@ class ExpertsDeployment:
     triton: bool  # Triton is importable
     flashinfer: bool  # FlashInfer is importable
     data_parallel_size: int = 1
-    enable_eplb: bool = False  # spmoe has no EPLB; the field is here so the kernels' rule is stated and tested
+    enable_eplb: bool = (
+        False  # spmoe has no EPLB; the field is here so the kernels' rule is stated and tested
+    )
 
     @classmethod
     def for_layer(
@@ -74,8 +76,12 @@ def _installed(package: str) -> bool:
 class Experts(nn.Module):
     name: ClassVar[str]
     routes_internally: ClassVar[bool] = False
-    keeps_fp8: ClassVar[bool] = False  # holds the checkpoint's FP8 weights instead of dequantising them
-    syncs_host: ClassVar[bool] = False  # reads routing back to the host, so a CUDA graph cannot capture it
+    keeps_fp8: ClassVar[bool] = (
+        False  # holds the checkpoint's FP8 weights instead of dequantising them
+    )
+    syncs_host: ClassVar[bool] = (
+        False  # reads routing back to the host, so a CUDA graph cannot capture it
+    )
 
     def __init__(self, cfg: ModelConfig, first: int, count: int):
         super().__init__()
@@ -85,9 +91,13 @@ class Experts(nn.Module):
             bm, bn = cfg.fp8_block_size
             fp8 = dict(dtype=torch.float8_e4m3fn)
             self.w13 = nn.Parameter(torch.empty(e, 2 * inter, hidden, **fp8), requires_grad=False)
-            self.w13_scale = nn.Parameter(torch.empty(e, 2 * inter // bm, hidden // bn, dtype=torch.float32))
+            self.w13_scale = nn.Parameter(
+                torch.empty(e, 2 * inter // bm, hidden // bn, dtype=torch.float32)
+            )
             self.w2 = nn.Parameter(torch.empty(e, hidden, inter, **fp8), requires_grad=False)
-            self.w2_scale = nn.Parameter(torch.empty(e, hidden // bm, inter // bn, dtype=torch.float32))
+            self.w2_scale = nn.Parameter(
+                torch.empty(e, hidden // bm, inter // bn, dtype=torch.float32)
+            )
         else:
             self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, hidden))
             self.down_proj = nn.Parameter(torch.empty(e, hidden, inter))

@@ -40,7 +40,9 @@ def select_experts(d: ExpertsDeployment, requested: str = "auto") -> type[Expert
                 _announce(cls, d, skipped)
             return cls
         skipped.append(f"{cls.name}: {reason}")
-    raise ValueError(f"moe_backend {requested!r} does not fit this deployment: {'; '.join(skipped)}")
+    raise ValueError(
+        f"moe_backend {requested!r} does not fit this deployment: {'; '.join(skipped)}"
+    )
 
 
 def _announce(cls: type[Experts], d: ExpertsDeployment, skipped: list[str]) -> None:

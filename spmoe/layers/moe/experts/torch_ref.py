@@ -18,6 +18,8 @@ class TorchExperts(Experts):
         for e in torch.unique(local[local >= 0]).tolist():
             rows, slot = torch.nonzero(local == e, as_tuple=True)
             gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[rows, slot, None].to(x.dtype)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[rows, slot, None].to(
+                x.dtype
+            )
             out.index_add_(0, rows, y)
         return out

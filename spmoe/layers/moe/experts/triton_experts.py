@@ -43,5 +43,7 @@ class TritonExperts(Experts):
         from spmoe.layers.moe.experts.triton_kernels import fused_moe
 
         if self.keeps_fp8:
-            return fused_moe(x, ids, weights, self.first, self.w13, self.w2, self.w13_scale, self.w2_scale)
+            return fused_moe(
+                x, ids, weights, self.first, self.w13, self.w2, self.w13_scale, self.w2_scale
+            )
         return fused_moe(x, ids, weights, self.first, self.gate_up_proj, self.down_proj)

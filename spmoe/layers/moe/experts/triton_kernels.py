@@ -71,12 +71,16 @@ def _gate_up_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pairs_ptr + rows)
     valid = pairs < num_pairs
-    tokens = tl.where(valid, pairs // top_k, 0).to(tl.int64)  # token * stride passes 2**31 from 349526 rows
+    tokens = tl.where(valid, pairs // top_k, 0).to(
+        tl.int64
+    )  # token * stride passes 2**31 from 349526 rows
     rows = rows.to(tl.int64)  # R * I passes 2**31 from m = 131072 at top-8, I 2048
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
-    g_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    g_ptrs = (
+        w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]
+    )  # [BLOCK_K, BLOCK_N]
     u_ptrs = g_ptrs + inter * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -87,7 +91,9 @@ def _gate_up_kernel(
         g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
         if FP8:  # one scale per 128 channels of the row, one per 128 x 128 weight block
-            a_s = tl.load(xs_ptr + tokens * stride_xsm + k0 // BLOCK_K, mask=valid, other=0.0)[:, None]
+            a_s = tl.load(xs_ptr + tokens * stride_xsm + k0 // BLOCK_K, mask=valid, other=0.0)[
+                :, None
+            ]
             ws = ws_ptr + expert * stride_wse + k0 // BLOCK_K
             g_s = tl.load(ws + (pid_n * BLOCK_N // 128) * stride_wsn)
             u_s = tl.load(ws + ((inter + pid_n * BLOCK_N) // 128) * stride_wsn)
@@ -154,22 +160,33 @@ def _down_kernel(
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
         if FP8:
-            a_s = tl.load(as_ptr + rows * stride_asm + k0 // BLOCK_K, mask=valid, other=0.0)[:, None]
-            b_s = tl.load(ws_ptr + expert * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn + k0 // BLOCK_K)
+            a_s = tl.load(as_ptr + rows * stride_asm + k0 // BLOCK_K, mask=valid, other=0.0)[
+                :, None
+            ]
+            b_s = tl.load(
+                ws_ptr + expert * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn + k0 // BLOCK_K
+            )
             acc += tl.dot(a, b) * (a_s * b_s)
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     acc *= tl.load(route_w_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
-    tl.atomic_add(y_ptr + tokens[:, None] * stride_ym + cols[None, :], acc, mask=valid[:, None] & col_ok, sem="relaxed")
+    tl.atomic_add(
+        y_ptr + tokens[:, None] * stride_ym + cols[None, :],
+        acc,
+        mask=valid[:, None] & col_ok,
+        sem="relaxed",
+    )
 
 
 @triton.jit
 def _count_kernel(ids_ptr, counts_ptr, num_pairs, first, count, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1) - first
-    tl.atomic_add(counts_ptr + expert, 1, mask=(offs < num_pairs) & (expert >= 0) & (expert < count))
+    tl.atomic_add(
+        counts_ptr + expert, 1, mask=(offs < num_pairs) & (expert >= 0) & (expert < count)
+    )
 
 
 @triton.jit
@@ -185,16 +202,26 @@ def _blocks_kernel(
 ):
     """Each program recomputes the padded run ends (a few hundred experts) and labels BLOCK_B blocks."""
     experts = tl.arange(0, BLOCK_E)
-    padded = (tl.load(counts_ptr + experts, mask=experts < count, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (
+        (tl.load(counts_ptr + experts, mask=experts < count, other=0) + BLOCK_M - 1)
+        // BLOCK_M
+        * BLOCK_M
+    )
     end = tl.cumsum(padded, 0)
     tl.store(start_ptr + experts, end - padded, mask=(experts < count) & (tl.program_id(0) == 0))
     blocks = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    before = tl.sum((end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)  # runs ending before
-    tl.store(block_expert_ptr + blocks, tl.where(before < count, before, -1), mask=blocks < num_blocks)
+    before = tl.sum(
+        (end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1
+    )  # runs ending before
+    tl.store(
+        block_expert_ptr + blocks, tl.where(before < count, before, -1), mask=blocks < num_blocks
+    )
 
 
 @triton.jit
-def _place_kernel(ids_ptr, start_ptr, cursor_ptr, pairs_ptr, num_pairs, first, count, BLOCK: tl.constexpr):
+def _place_kernel(
+    ids_ptr, start_ptr, cursor_ptr, pairs_ptr, num_pairs, first, count, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1) - first
     local = (offs < num_pairs) & (expert >= 0) & (expert < count)
@@ -203,7 +230,9 @@ def _place_kernel(ids_ptr, start_ptr, cursor_ptr, pairs_ptr, num_pairs, first, c
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, GROUP: tl.constexpr, MAX: tl.constexpr):
+def _quantize_kernel(
+    x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, GROUP: tl.constexpr, MAX: tl.constexpr
+):
     row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = group * GROUP + tl.arange(0, GROUP)
     v = tl.load(x_ptr + row * stride_x + offs).to(tl.float32)
@@ -237,8 +266,12 @@ def _align_one_program_kernel(
     mine = expert[:, None] == e[None, :]  # [P, E]
     padded = (tl.sum(mine.to(tl.int32), axis=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, 0)
-    start = tl.sum(tl.where(mine, (end - padded)[None, :], 0), axis=1)  # [P]: the start of the pair's run
-    earlier = (expert[:, None] == expert[None, :]) & (p[None, :] < p[:, None])  # [P, P]: same expert, before it
+    start = tl.sum(
+        tl.where(mine, (end - padded)[None, :], 0), axis=1
+    )  # [P]: the start of the pair's run
+    earlier = (expert[:, None] == expert[None, :]) & (
+        p[None, :] < p[:, None]
+    )  # [P, P]: same expert, before it
     place = start + tl.sum(earlier.to(tl.int32), axis=1)
     for r0 in range(0, num_rows, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
@@ -247,8 +280,12 @@ def _align_one_program_kernel(
     tl.store(pairs_ptr + place, p, mask=local)
     for b0 in range(0, num_rows // BLOCK_M, BLOCK_B):
         b = b0 + tl.arange(0, BLOCK_B)
-        before = tl.sum((end[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)  # runs ending before
-        tl.store(block_expert_ptr + b, tl.where(before < count, before, -1), mask=b < num_rows // BLOCK_M)
+        before = tl.sum(
+            (end[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1
+        )  # runs ending before
+        tl.store(
+            block_expert_ptr + b, tl.where(before < count, before, -1), mask=b < num_rows // BLOCK_M
+        )
 
 
 ONE_PROGRAM_PAIRS = 128  # up to this many (row, route) pairs, `align_pairs` runs as one program
@@ -267,7 +304,10 @@ def align_pairs(ids: torch.Tensor, first: int, count: int, block_m: int):
     if num_pairs <= ONE_PROGRAM_PAIRS:
         pairs = torch.empty(rows_max, dtype=torch.int32, device=device)
         block_expert = torch.empty(rows_max // block_m, dtype=torch.int32, device=device)
-        block_p, block_e = max(16, triton.next_power_of_2(num_pairs)), max(16, triton.next_power_of_2(count))
+        block_p, block_e = (
+            max(16, triton.next_power_of_2(num_pairs)),
+            max(16, triton.next_power_of_2(count)),
+        )
         _align_one_program_kernel[(1,)](
             ids,
             pairs,
@@ -284,7 +324,9 @@ def align_pairs(ids: torch.Tensor, first: int, count: int, block_m: int):
             num_warps=8,
         )  # 2.2 us at batch 1 on an H200; 1 warp took 2.8
         return pairs, block_expert
-    counters = torch.zeros(2, count, dtype=torch.int32, device=device)  # pairs per expert, placement cursors
+    counters = torch.zeros(
+        2, count, dtype=torch.int32, device=device
+    )  # pairs per expert, placement cursors
     start = torch.empty(count, dtype=torch.int32, device=device)
     block_expert = torch.empty(rows_max // block_m, dtype=torch.int32, device=device)
     pairs = torch.full((rows_max,), num_pairs, dtype=torch.int32, device=device)
@@ -320,7 +362,9 @@ def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, co
     dtype. `config`: the tile sizes (`pick_config` by default)."""
     (m, k), (count, two_inter, hidden) = ids.shape, w13.shape
     inter, fp8 = two_inter // 2, w13.dtype == torch.float8_e4m3fn
-    x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (a view of a packed gather)
+    x = (
+        x if x.stride(-1) == 1 else x.contiguous()
+    )  # rows may be strided (a view of a packed gather)
     ids, weights = ids.contiguous(), weights.contiguous()
     if m == 0:
         return torch.empty_like(x)
@@ -354,7 +398,9 @@ def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, co
         **launch,
     )
     aq, a_s = quantize_fp8(act) if fp8 else (act, act)
-    y32 = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)  # rows without a local pair stay 0
+    y32 = torch.zeros(
+        m, hidden, dtype=torch.float32, device=x.device
+    )  # rows without a local pair stay 0
     _down_kernel[(rows // bm, triton.cdiv(hidden, bn))](
         aq,
         a_s,

@@ -25,7 +25,9 @@ class TrtLlmFp8ExpertsBase(Experts):
     @classmethod
     def _device_reason(cls, d: ExpertsDeployment) -> str | None:
         if d.device != "cuda" or d.capability is None or d.capability[0] != 10:
-            return f"needs a Blackwell SM100-family GPU, got {d.device} with capability {d.capability}"
+            return (
+                f"needs a Blackwell SM100-family GPU, got {d.device} with capability {d.capability}"
+            )
         if not d.flashinfer:
             return "FlashInfer is not installed"
         return None
@@ -103,7 +105,9 @@ class TrtLlmFp8ExpertsModular(TrtLlmFp8ExpertsBase):
         experts. A -1 route is sent to expert 0 with weight 0."""
         from flashinfer.fused_moe import RoutingMethodType, trtllm_fp8_block_scale_routed_moe
 
-        weights = torch.where(ids >= 0, weights, 0.0).to(torch.bfloat16).view(torch.int16).to(torch.int32)
+        weights = (
+            torch.where(ids >= 0, weights, 0.0).to(torch.bfloat16).view(torch.int16).to(torch.int32)
+        )
         packed = (ids.clamp(min=0).to(torch.int32) << 16) | (weights & 0xFFFF)
         xq, scale = quantize_fp8_groups(x)
         return trtllm_fp8_block_scale_routed_moe(
