@@ -53,8 +53,8 @@ from timing import cuda_ms, gpu_ops, graphed, launch_count, layer_ops
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import spawn
-from spmoe.engine.cuda_graphs import padded_tables
-from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
+from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
+from spmoe.engine.runner.graphs import padded_tables
 from spmoe.layers import fused
 from spmoe.layers.moe.moe import MoE
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM

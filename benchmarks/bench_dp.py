@@ -16,7 +16,7 @@ from timing import cuda_ms
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
-from spmoe.engine.kv_cache import KVCache
+from spmoe.engine.cache.slots import KVCache
 from spmoe.entrypoints.jobs import split_for_dp
 from spmoe.layers.moe.work import count_moe_work
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM

@@ -141,9 +141,9 @@ def decode_bytes(
 
 
 def run_case(model, cfg, kind: str, context: int, args) -> dict:
+    from spmoe.engine.cache.paged import PagedKVCache
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.kv_cache import KVCache
-    from spmoe.engine.paged_cache import PagedKVCache
     from spmoe.engine.request import Request
 
     torch.cuda.empty_cache()

@@ -216,8 +216,8 @@ def throughput_at_ttft(
 
 
 def run(args) -> list[tuple[str, dict, dict]]:
+    from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.paged_cache import PagedKVCache
     from spmoe.engine.warmup import warm_up
     from spmoe.models.deepseek_v32.weights import build_model
 

@@ -25,9 +25,9 @@ import argparse
 import torch
 from timing import cuda_ms
 
-from spmoe.engine import sampling
-from spmoe.engine.logits_processors import top_k_top_p_threshold_by_sort
-from spmoe.engine.sampling import Sampler, SamplingParams, draw_tokens_by_torch, seed_keys
+from spmoe.engine.sampling import sampler as sampling
+from spmoe.engine.sampling.processors import top_k_top_p_threshold_by_sort
+from spmoe.engine.sampling.sampler import Sampler, SamplingParams, draw_tokens_by_torch, seed_keys
 from spmoe.layers import fused
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, logprobs=5)
@@ -54,7 +54,7 @@ def sample_ms(params: SamplingParams, logits: torch.Tensor, reps: int) -> float:
 
 def compare_truncations(args) -> None:
     """The sort and the kernel side by side: threshold alone and whole sample() calls, ms per call."""
-    from spmoe.engine.top_k_top_p_triton import top_k_top_p_threshold
+    from spmoe.engine.sampling.top_k_top_p_triton import top_k_top_p_threshold
 
     print(f"top_k / top_p threshold, sort vs Triton kernel: ms per call, vocab {args.vocab}")
     columns = (
@@ -90,7 +90,7 @@ def compare_truncations(args) -> None:
 
 def compare_races(args) -> None:
     """The torch race and the kernel side by side: the draw alone and whole sample() calls, ms per call."""
-    from spmoe.engine.seeded_race_triton import seeded_race
+    from spmoe.engine.sampling.seeded_race_triton import seeded_race
 
     print(f"seeded race, torch vs Triton kernel: ms per call, vocab {args.vocab}")
     columns = [("batch", 6), ("race torch", 11), ("kernel", 8), ("x", 6)]

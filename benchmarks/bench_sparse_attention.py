@@ -38,9 +38,9 @@ from bench_dp import GLM, random_weights
 from timing import cuda_ms, graphed
 
 from spmoe.config import ModelConfig
-from spmoe.engine.cuda_graphs import padded_tables
-from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
+from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
+from spmoe.engine.cache.slots import KVCache
+from spmoe.engine.runner.graphs import padded_tables
 from spmoe.layers.attention import AttentionBatch, MLAttention
 from spmoe.layers.paged_rows import quantize_index_vectors, write_index_key, write_latent
 from spmoe.layers.rotary import Rotary

@@ -24,6 +24,6 @@ def tokenizer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
     """A GrammarCompiler over the demo tokenizer's 264 tokens."""
-    from spmoe.engine.grammar import GrammarCompiler
+    from spmoe.engine.sampling.grammar import GrammarCompiler
 
     return GrammarCompiler.from_tokenizer(tokenizer, len(tokenizer))

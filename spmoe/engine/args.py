@@ -20,16 +20,16 @@ import torch
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.config.model import read_config
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
-from spmoe.engine.cuda_graphs import deployment_problems
-from spmoe.engine.engine import Engine, check_positions
-from spmoe.engine.grammar import GrammarCompiler
-from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.paged_cache import (
+from spmoe.engine.cache.paged import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     PagedKVCache,
     build_paged_cache,
     check_paged_budget,
 )
+from spmoe.engine.cache.slots import KVCache
+from spmoe.engine.engine import Engine, check_positions
+from spmoe.engine.runner.graphs import deployment_problems
+from spmoe.engine.sampling.grammar import GrammarCompiler
 from spmoe.engine.vllm_values import (
     SpeculativeConfig,
     check_block_size,

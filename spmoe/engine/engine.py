@@ -35,15 +35,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from spmoe.distributed import get_parallel_state
-from spmoe.engine.grammar import GrammarCompiler
-from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.model_runner import ModelRunner
-from spmoe.engine.paged_cache import PagedKVCache
+from spmoe.engine.cache.paged import PagedKVCache
+from spmoe.engine.cache.slots import KVCache
+from spmoe.engine.ranks import run_to_completion, schedule_in_group
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
-from spmoe.engine.sampling import Sampler, SamplingParams
+from spmoe.engine.runner.model_runner import ModelRunner
+from spmoe.engine.sampling.grammar import GrammarCompiler
+from spmoe.engine.sampling.sampler import Sampler, SamplingParams
 from spmoe.engine.scheduler import BlockRoom, Scheduler, SlotRoom
 from spmoe.engine.sequence import ScheduledBatch, Sequence
-from spmoe.engine.serving_loop import run_to_completion, schedule_in_group
 from spmoe.engine.stats import KernelCompiles, StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 

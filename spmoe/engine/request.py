@@ -6,8 +6,8 @@ the other ranks, and the outputs travel back to the asyncio side.
 
 from dataclasses import dataclass, field
 
-from spmoe.engine.grammar import GrammarSpec
-from spmoe.engine.sampling import SamplingParams
+from spmoe.engine.sampling.grammar import GrammarSpec
+from spmoe.engine.sampling.sampler import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 

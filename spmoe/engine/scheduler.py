@@ -54,11 +54,11 @@ never looking a prompt up themselves, and raise if they cannot (`serving_loop.py
 
 from collections import deque
 
-from spmoe.engine.block_manager import BlockManager
-from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.paged_cache import PagedKVCache
+from spmoe.engine.cache.blocks import BlockManager
+from spmoe.engine.cache.paged import PagedKVCache
+from spmoe.engine.cache.slots import KVCache
 from spmoe.engine.request import Request, RequestOutput
-from spmoe.engine.sampling import Sampler
+from spmoe.engine.sampling.sampler import Sampler
 from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
 
 FORKED = -1  # an admission's reuse for a sequence that joins as a fork (`ScheduledBatch.forks`)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spmoe.engine.grammar import SequenceGrammar
 from spmoe.engine.request import Request, TokenLogprobs
+from spmoe.engine.sampling.grammar import SequenceGrammar
 
 
 @dataclass(eq=False)

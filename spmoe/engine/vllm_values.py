@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from spmoe.config.model import merge_overrides
-from spmoe.engine.paged_cache import BLOCK_SIZE
+from spmoe.engine.cache.paged import BLOCK_SIZE
 
 DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}  # lower case: powers of ten
 BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # upper case: powers of two

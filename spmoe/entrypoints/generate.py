@@ -11,9 +11,9 @@ import torch
 from spmoe.config import ModelConfig
 from spmoe.distributed import get_parallel_state, launch
 from spmoe.engine.args import DTYPES, EngineArgs
+from spmoe.engine.cache.slots import KVCache
 from spmoe.engine.engine import Generation, check_positions, check_prompts, per_prompt
-from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.sampling import SamplingParams
+from spmoe.engine.sampling.sampler import SamplingParams
 from spmoe.engine.warmup import warm_up
 from spmoe.entrypoints.jobs import check_writable, gather_from_dp, split_for_dp
 

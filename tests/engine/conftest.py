@@ -61,7 +61,7 @@ def choices_and_alone(engine, prompt: list[int], seeds: list[int], max_new: int)
     it), then each choice's sampling alone. -> (the choices' tokens, each alone's, their logits `[n, max_new, V]`
     float32 on the CPU, each alone's likewise, the prompt tokens the choices looked up in the prefix cache, the
     cache blocks in use after the last lone run)."""
-    from spmoe.engine.sampling import SamplingParams
+    from spmoe.engine.sampling.sampler import SamplingParams
 
     samplings = [SamplingParams(1.0, seed=seed) for seed in seeds]
     queries = engine.scheduler.room.prefix_cache_counts()[0]
@@ -92,6 +92,6 @@ def cache_state(cache) -> dict:
 
 def cache_slot(table: list[int], position: int) -> int:
     """The paged cache row that `position` of a sequence with blocks `table` writes."""
-    from spmoe.engine.paged_cache import BLOCK_SIZE
+    from spmoe.engine.cache.paged import BLOCK_SIZE
 
     return table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE

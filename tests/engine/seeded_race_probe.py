@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spmoe.engine.seeded_race_triton import exponential, noise_bits, row_keys
+from spmoe.engine.sampling.seeded_race_triton import exponential, noise_bits, row_keys
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from spmoe.engine.block_manager import BlockManager, block_hash
+from spmoe.engine.cache.blocks import BlockManager, block_hash
 
 
 def test_allocate_grow_free():

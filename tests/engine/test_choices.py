@@ -8,7 +8,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
-from spmoe.engine.paged_cache import BLOCK_SIZE
+from spmoe.engine.cache.paged import BLOCK_SIZE
 
 from ..conftest import relative_error
 from .conftest import ENGINE_CONFIG
@@ -38,7 +38,7 @@ FORK_STEP = 2  # the step (from 0) that completes the prompt
 
 def choice_sampling(i: int):
     """Choice i's settings: the server gives choice i the seed `seed + i`; one choice is greedy with a penalty."""
-    from spmoe.engine.sampling import SamplingParams
+    from spmoe.engine.sampling.sampler import SamplingParams
 
     if i == 3:
         return SamplingParams(0.0, seed=11 + i, frequency_penalty=0.5, logprobs=2)
@@ -99,8 +99,8 @@ def drive(engine, seqs, aborts: dict[int, int]) -> dict:
 def forked_and_alone(folder: str) -> dict:
     """-> {(case, prompt length): `drive`'s results for 4 choices}, {(prompt length, "alone"): each choice as a
     request of its own}, and ("aborts" | "abort all", prompt length): choices aborted before and after the fork."""
+    from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.paged_cache import PagedKVCache
     from spmoe.engine.request import Request
     from spmoe.models.deepseek_v32.weights import load_model
 

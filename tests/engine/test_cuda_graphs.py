@@ -24,9 +24,9 @@ GRAPH_CONFIG = {
 
 
 def graph_cases(folder: str) -> dict:
-    from spmoe.engine.cuda_graphs import StepGraphs
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.kv_cache import KVCache
+    from spmoe.engine.runner.graphs import StepGraphs
     from spmoe.models.deepseek_v32.weights import load_model
 
     state, out = get_parallel_state(), {}

@@ -13,7 +13,7 @@ import pytest
 
 from spmoe.distributed import spawn
 from spmoe.engine.request import Request
-from spmoe.engine.sampling import SamplingParams
+from spmoe.engine.sampling.sampler import SamplingParams
 
 from .test_generate import EOS, MAX_NEW, PROMPTS
 
@@ -23,8 +23,8 @@ ALONE_MAX_LEN = 32
 
 def alone(model, prompt, sampling=SamplingParams(), eos=EOS) -> list[int]:
     """`generate` with one prompt and nothing else in the engine."""
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.kv_cache import KVCache
 
     engine = Engine(model, KVCache.for_model(model, 1, ALONE_MAX_LEN))
     return engine.generate([prompt], MAX_NEW, [sampling], eos).outputs[0]
@@ -50,8 +50,8 @@ def drive(engine, schedule: dict[int, list], steps: int) -> tuple[dict, list]:
 
 def run_api_cases(folder: str) -> dict:
     from spmoe.config import ParallelConfig
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.kv_cache import KVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(), with_mtp=True)

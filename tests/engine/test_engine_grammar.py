@@ -46,11 +46,11 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
     import torch
 
     from spmoe.distributed import get_parallel_state
+    from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.grammar import GrammarCompiler, GrammarSpec
-    from spmoe.engine.paged_cache import PagedKVCache
     from spmoe.engine.request import Request
-    from spmoe.engine.sampling import SamplingParams
+    from spmoe.engine.sampling.grammar import GrammarCompiler, GrammarSpec
+    from spmoe.engine.sampling.sampler import SamplingParams
     from spmoe.entrypoints.serve.tokenizer import load_tokenizer
     from spmoe.models.deepseek_v32.weights import load_model
 

@@ -8,7 +8,7 @@ import pytest
 
 from spmoe.distributed import spawn
 from spmoe.engine.request import Request
-from spmoe.engine.sampling import SamplingParams
+from spmoe.engine.sampling.sampler import SamplingParams
 
 from .conftest import log_softmax
 
@@ -46,8 +46,8 @@ def run_engine_and_forward(folder: str) -> dict:
     import torch
 
     from spmoe.config import ParallelConfig
+    from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.paged_cache import PagedKVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig())

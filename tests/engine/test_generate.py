@@ -16,7 +16,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import RankFailed, get_parallel_state, spawn
-from spmoe.engine.sampling import SamplingParams
+from spmoe.engine.sampling.sampler import SamplingParams
 from spmoe.entrypoints.jobs import flatten
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [79, 32], [38], [46, 26, 43, 38]]
@@ -46,8 +46,8 @@ CASES = {  # name -> (prompts, engine / generate arguments)
 
 def run_engine(folder: str, modes: list[tuple[str, str]]):
     """Every case under every SP mode -> {(sp, scope, case): (outputs, speculative stats, cache error)}."""
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.kv_cache import KVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
     state, results = get_parallel_state(), {}
@@ -78,7 +78,7 @@ def static_decode_error(model) -> float:
     """Prefill 3 prompts, then one decode step two ways: the engine's view, and `decode_view` padded to 4
     rows with a pad row in the scratch slot, as a CUDA graph replays it. -> largest relative logit difference
     over the 3 real rows."""
-    from spmoe.engine.kv_cache import KVCache
+    from spmoe.engine.cache.slots import KVCache
 
     prompts, cache = [[5, 6, 7], [8], [9, 10]], KVCache.for_model(model, 3, 8)
     slots = [cache.allocate() for _ in prompts]
@@ -191,8 +191,8 @@ def test_seeded_sampling_with_speculation(generations):
 
 
 def generate_then_die(folder: str):
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.kv_cache import KVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
     state = get_parallel_state()

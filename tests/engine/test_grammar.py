@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import torch
 
-from spmoe.engine.grammar import (
+from spmoe.engine.sampling.grammar import (
     GrammarSpec,
     apply_bitmask,
     apply_bitmask_reference,
@@ -413,7 +413,7 @@ def without_xgrammar(name, *args, **kwargs):
     return real(name, *args, **kwargs)
 builtins.__import__ = without_xgrammar
 import spmoe.engine.engine, spmoe.entrypoints.serve.app
-from spmoe.engine.grammar import GrammarCompiler, GrammarSpec, fill_bitmask
+from spmoe.engine.sampling.grammar import GrammarCompiler, GrammarSpec, fill_bitmask
 assert fill_bitmask([None, None], 264) is None
 try:
     GrammarCompiler(lambda: None, 264).compile(GrammarSpec("json_object"))

@@ -28,8 +28,8 @@ CASES = (
 
 def mixed_cases(folder: str) -> list[dict]:
     from spmoe.config import ParallelConfig
-    from spmoe.engine.cuda_graphs import decode_hidden, mixed_rows
-    from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
+    from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
+    from spmoe.engine.runner.graphs import decode_hidden, mixed_rows
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig())

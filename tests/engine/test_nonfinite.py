@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from spmoe.engine.request import Request
-from spmoe.engine.sampling import SamplingParams
+from spmoe.engine.sampling.sampler import SamplingParams
 from spmoe.entrypoints.cli import main
 
 PROMPT = [5, 17, 33]
@@ -23,8 +23,8 @@ MESSAGE = (
 
 
 def generate_with_nan(folder: str) -> dict:
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.kv_cache import KVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1), with_mtp=True)
@@ -121,8 +121,8 @@ def serve_with_one_nan_prompt(folder: str) -> dict:
     They do not share a step: the slot cache's dense attention multiplies the masked-out keys of the other
     sequences by 0, and 0 * NaN is NaN, so a sequence batched with "nan" would get non-finite logits too (and
     end with its own error)."""
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.kv_cache import KVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1))

@@ -169,8 +169,8 @@ def test_serve_waiting_default_counts_every_dp_group():
 
 
 def engine_rejects(folder: str) -> str:
+    from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.paged_cache import PagedKVCache
     from spmoe.engine.request import Request
     from spmoe.models.deepseek_v32.weights import load_model
 
@@ -197,7 +197,7 @@ def test_view_rejects_block_ids_outside_the_cache():
     import torch
 
     from spmoe.config import ModelConfig
-    from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, token_bytes
+    from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache, token_bytes
 
     cfg = ModelConfig.from_dict(ENGINE_CONFIG)
     cache = PagedKVCache(

@@ -39,9 +39,9 @@ def prompts_of(lens, seed: int = 0) -> list[list[int]]:
 
 def paged_and_dense(folder: str, modes: list[tuple[str, str]]) -> dict:
     """-> {(sp, scope, case, cache): (outputs, logits `[tokens, V]`, stats)} for this rank's DP share."""
+    from spmoe.engine.cache.paged import PagedKVCache
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.kv_cache import KVCache
-    from spmoe.engine.paged_cache import PagedKVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
     state, results = get_parallel_state(), {}
@@ -120,9 +120,9 @@ def preemption(folder: str) -> dict:
     """Three sequences in a 3-block cache: each fits a block when admitted, then all grow past it. -> the dense
     engine's and the paged engine's outputs and logits, with the paged engine's stats (and the preemptions its
     metrics report)."""
+    from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.kv_cache import KVCache
-    from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1), with_mtp=True)
@@ -165,8 +165,8 @@ def test_preemption_recomputes_and_loses_nothing(engine_checkpoint):
 
 def progress_of_a_chunked_prompt(folder: str) -> list[tuple[int, int, int]]:
     """-> what `generate` reports after each step for one 40-token prompt fed 16 tokens a step."""
+    from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.paged_cache import PagedKVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1))
@@ -194,8 +194,8 @@ FP8_CONFIG = {
 def fp8_against_full(folder: str) -> dict:
     """-> greedy tokens of the engine over the full-precision and the FP8 paged cache, and per position the
     greedy choice of one forward over each cache for the same sequence (no divergence can cascade)."""
+    from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1))

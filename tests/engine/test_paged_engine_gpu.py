@@ -38,9 +38,9 @@ MIXED = (
 
 
 def engines(folder: str) -> dict:
+    from spmoe.engine.cache.paged import PagedKVCache
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.kv_cache import KVCache
-    from spmoe.engine.paged_cache import PagedKVCache
     from spmoe.engine.warmup import warm_up
     from spmoe.models.deepseek_v32.weights import load_model
 
@@ -159,12 +159,12 @@ def test_paged_engine_graphs(tmp_path):
 
 
 def speculating_engines(folder: str) -> dict:
-    from spmoe.engine.cuda_graphs import draft_tokens
+    from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.ranks import run_to_completion
     from spmoe.engine.request import Request
-    from spmoe.engine.sampling import SamplingParams
-    from spmoe.engine.serving_loop import run_to_completion
+    from spmoe.engine.runner.graphs import draft_tokens
+    from spmoe.engine.sampling.sampler import SamplingParams
     from spmoe.engine.warmup import warm_up
     from spmoe.models.deepseek_v32.weights import load_model
 
@@ -249,7 +249,7 @@ def test_speculative_decode_in_graphs(tmp_path):
 
 
 def fraction_budgets(folder: str) -> dict:
-    from spmoe.engine.paged_cache import build_paged_cache
+    from spmoe.engine.cache.paged import build_paged_cache
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1), torch.bfloat16, "cuda")

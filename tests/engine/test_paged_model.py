@@ -23,9 +23,9 @@ STEPS = [
 
 def paged_against_dense(folder: str) -> dict:
     from spmoe.config import ParallelConfig
-    from spmoe.engine.block_manager import BlockManager
-    from spmoe.engine.kv_cache import KVCache
-    from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
+    from spmoe.engine.cache.blocks import BlockManager
+    from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(

@@ -18,7 +18,7 @@ import torch
 from spmoe.config import ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
 from spmoe.distributed.comm import broadcast_object
-from spmoe.engine.paged_cache import BLOCK_SIZE
+from spmoe.engine.cache.paged import BLOCK_SIZE
 from spmoe.engine.request import Request
 
 from ..conftest import relative_error
@@ -65,8 +65,8 @@ def on_and_off(folder: str) -> dict:
     (`record_drafts`), the second round's stats)}, and the serving loop's and the divergence's results
     (`through_serving_loop`, `diverged`). Rank 1's own prefix-cache lookup always finds nothing
     (`blind_lookup`): its engines reuse only what rank 0 tells them."""
+    from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.paged_cache import PagedKVCache
     from spmoe.models.deepseek_v32.weights import load_model
 
     state, results, models = get_parallel_state(), {}, {}
@@ -110,8 +110,8 @@ def on_and_off(folder: str) -> dict:
 
 
 def caching_engine(model, caching: bool = True):
+    from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.paged_cache import PagedKVCache
 
     cache = PagedKVCache.for_model(model, 2**22)
     return blind_lookup(
@@ -131,8 +131,8 @@ def through_serving_loop(engine) -> tuple[list[list[int]], dict] | None:
     """Both rounds through the serving loop (rank 0 plans, rank 1 applies the plans in `worker_loop`). -> on
     every rank, the outputs in `generate`'s order (None on rank 1) and the engine's KV cache stats."""
     from spmoe.engine.engine import per_prompt
-    from spmoe.engine.sampling import SamplingParams
-    from spmoe.engine.serving_loop import ServingLoop, worker_loop
+    from spmoe.engine.ranks import ServingLoop, worker_loop
+    from spmoe.engine.sampling.sampler import SamplingParams
 
     if get_parallel_state().rank != 0:
         worker_loop(engine)

@@ -1,4 +1,4 @@
-"""The lossless speculative-sampling rule (`engine/rejection.py`), vectorised over 10^5 seeded sequences.
+"""The lossless speculative-sampling rule (`engine/sampling/rejection.py`), vectorised over 10^5 seeded sequences.
 
 Worked examples of what a sequence commits (its accepted drafts, then the target's draw after them) under the
 one-hot drafter's rule and the general one; then the distribution of the first two tokens a sequence
@@ -14,8 +14,14 @@ import math
 import pytest
 import torch
 
-from spmoe.engine.rejection import accept_drafts, rejection_sample
-from spmoe.engine.sampling import Sampler, SamplingParams, exponential_noise, race, seed_keys
+from spmoe.engine.sampling.rejection import accept_drafts, rejection_sample
+from spmoe.engine.sampling.sampler import (
+    Sampler,
+    SamplingParams,
+    exponential_noise,
+    race,
+    seed_keys,
+)
 
 
 @pytest.mark.parametrize(

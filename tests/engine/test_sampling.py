@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from spmoe.engine.logits_processors import apply_top_k_top_p
-from spmoe.engine.sampling import (
+from spmoe.engine.sampling.processors import apply_top_k_top_p
+from spmoe.engine.sampling.sampler import (
     MASK32,
     Sampler,
     SamplingParams,
@@ -407,7 +407,7 @@ def test_the_sort_keeps_what_the_rule_keeps_on_the_kernel_tests_rows():
     """The CPU's top_k / top_p threshold (`top_k_top_p_threshold_by_sort`) against the float64 rule over the rows
     the kernel's GPU test uses (ties at the k-th value and at the crossing token, -inf masks, flat rows): the
     same tokens kept wherever no rounding can move the crossing."""
-    from spmoe.engine.logits_processors import top_k_top_p_threshold_by_sort
+    from spmoe.engine.sampling.processors import top_k_top_p_threshold_by_sort
 
     from .test_top_k_top_p_gpu import MARGIN, kept_count, reference_threshold, rows_at
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from spmoe.config import ModelConfig
-from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, token_bytes
+from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache, token_bytes
 from spmoe.engine.request import Request
-from spmoe.engine.sampling import Sampler
+from spmoe.engine.sampling.sampler import Sampler
 from spmoe.engine.scheduler import BlockRoom, Scheduler
 from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from spmoe.engine.sampling import (
+from spmoe.engine.sampling.sampler import (
     Sampler,
     SamplingParams,
     draw_tokens_by_torch,
@@ -120,7 +120,7 @@ def test_kernel_noise_at_every_uniform(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vocab", [1000, 154880])
 def test_kernel_draws_the_reference_tokens(device, vocab):
-    from spmoe.engine.seeded_race_triton import seeded_race
+    from spmoe.engine.sampling.seeded_race_triton import seeded_race
 
     gen = torch.Generator().manual_seed(vocab)
     cases = case_rows(vocab, gen)
@@ -178,7 +178,7 @@ def test_exact_ties_go_to_the_first_token(device):
     ratios tie exactly, and the kernel, as torch's argmax, draws the first of the two. Eight pairs at one index
     (about 1400 collide among 154880 tokens), and one whose tokens lie a multiple of the kernel's block apart
     (the same lane: its running best meets both), found by trying indices."""
-    from spmoe.engine.seeded_race_triton import BLOCK, seeded_race
+    from spmoe.engine.sampling.seeded_race_triton import BLOCK, seeded_race
 
     vocab = 154880
     keys = torch.tensor(KEYS[0])
@@ -210,7 +210,7 @@ def test_exact_ties_go_to_the_first_token(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernel_draws_follow_the_softmax(device):
     """One row of 8 tokens (two excluded) drawn at n output indices: the frequencies against the softmax."""
-    from spmoe.engine.seeded_race_triton import seeded_race
+    from spmoe.engine.sampling.seeded_race_triton import seeded_race
 
     logits = torch.tensor([[1.0, 2.0, 0.5, float("-inf"), 1.5, -1.0, LOWEST, 0.0]], device=device)
     n = 200_000 if device == "cuda" else 2000
@@ -228,7 +228,7 @@ def test_kernel_draws_follow_the_softmax(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernel_takes_no_rows_one_token_rows_and_refuses_bad_input(device):
-    from spmoe.engine.seeded_race_triton import seeded_race
+    from spmoe.engine.sampling.seeded_race_triton import seeded_race
 
     keys, index = keys_and_indices(2, device)
     at = torch.tensor([1, 0], device=device)
@@ -244,7 +244,7 @@ def test_kernel_takes_no_rows_one_token_rows_and_refuses_bad_input(device):
 @requires_gpus(1)
 def test_the_cuda_sampler_draws_with_the_kernel(monkeypatch):
     """Sampled rows on CUDA go through the kernel, once per step, and draw what the CPU sampler draws."""
-    from spmoe.engine import seeded_race_triton
+    from spmoe.engine.sampling import seeded_race_triton
 
     calls = []
     kernel = seeded_race_triton.seeded_race

@@ -20,7 +20,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import RankFailed, spawn
 from spmoe.engine.args import EngineArgs
 from spmoe.engine.request import Request
-from spmoe.engine.sampling import SamplingParams
+from spmoe.engine.sampling.sampler import SamplingParams
 from spmoe.entrypoints.serve.client import HEARTBEAT_S, serve_rank
 
 from .test_generate import EOS, MAX_NEW, PROMPTS

@@ -5,13 +5,13 @@ broadcast and every rank applying them run in the serving tests)."""
 
 from types import SimpleNamespace
 
-from spmoe.engine import serving_loop
+from spmoe.engine import ranks
 from spmoe.engine.request import Request
 
 
 def test_choices_of_one_prompt_go_to_one_dp_group(monkeypatch):
-    monkeypatch.setattr(serving_loop, "get_parallel_state", lambda: SimpleNamespace(dp_size=2))
-    loop = serving_loop.ServingLoop(engine=None)
+    monkeypatch.setattr(ranks, "get_parallel_state", lambda: SimpleNamespace(dp_size=2))
+    loop = ranks.ServingLoop(engine=None)
     first = [Request(f"a-{i}", [1, 2, 3], 4) for i in range(3)] + [Request("b", [4, 5], 4)]
     plan = loop.plan(first, [])
     assert [(r.request_id, group) for r, group in plan.new] == [

@@ -16,7 +16,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
-from spmoe.engine.sampling import SamplingParams
+from spmoe.engine.sampling.sampler import SamplingParams
 
 from .test_rejection import drawn_probs
 
@@ -44,8 +44,8 @@ def requests(per_setting: int) -> list[SamplingParams]:
 
 
 def generate(folder: str, per_setting: int = PER_SETTING) -> dict:
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.kv_cache import KVCache
     from spmoe.engine.request import Request
     from spmoe.models.deepseek_v32.weights import load_model
 

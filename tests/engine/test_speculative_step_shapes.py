@@ -25,9 +25,9 @@ LAST = (0, 2, 1, 1)  # each sequence's last verified row (accepted drafts)
 
 def fixed_shape_cases(folder: str) -> dict:
     from spmoe.config import ParallelConfig
-    from spmoe.engine.cuda_graphs import decode_hidden, draft_tokens
-    from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
-    from spmoe.engine.speculative import MtpDrafter
+    from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
+    from spmoe.engine.runner.drafter import MtpDrafter
+    from spmoe.engine.runner.graphs import decode_hidden, draft_tokens
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(), with_mtp=True)

@@ -1,4 +1,4 @@
-"""The engine's CUDA-graph steps (`cuda_graphs.StepGraphs`: decode, drafter and mixed-step graphs) driven on
+"""The engine's CUDA-graph steps (`graphs.StepGraphs`: decode, drafter and mixed-step graphs) driven on
 the CPU, each "graph" replayed by running its captured function again on its static inputs (`EagerReplay`:
 what a replay computes, without CUDA), against the eager engine: the same tokens, logprobs and prompt
 logprobs, over prompt chunks beside decoding sequences, a cached conversation's next turn, n = 3 forks,
@@ -34,9 +34,9 @@ class EagerReplay:
 def cpu_step_graphs():
     """`StepGraphs` whose captures are `EagerReplay`s, allowed on the CPU."""
     from spmoe.distributed import CommStats
-    from spmoe.engine import cuda_graphs
+    from spmoe.engine.runner import graphs
 
-    class CpuStepGraphs(cuda_graphs.StepGraphs):
+    class CpuStepGraphs(graphs.StepGraphs):
         replays = {
             "step": 0,
             "mixed_step": 0,
@@ -73,7 +73,7 @@ def run_waves(engine, prompts: list[list[int]], extra: list[int]) -> dict:
     prompt and output cached, `extra` new tokens), then n = 3 sampled choices of one prompt. -> request id ->
     (tokens, logprobs of the chosen tokens, prompt logprobs), and the graph replays per phase."""
     from spmoe.engine.request import Request
-    from spmoe.engine.sampling import SamplingParams
+    from spmoe.engine.sampling.sampler import SamplingParams
     from spmoe.engine.stats import PHASES
 
     settings = [
@@ -109,14 +109,14 @@ def run_waves(engine, prompts: list[list[int]], extra: list[int]) -> dict:
 
 
 def graph_and_eager_engines(folder: str) -> dict:
-    from spmoe.engine import cuda_graphs, model_runner
+    from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.runner import graphs, model_runner
     from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
     from spmoe.models.deepseek_v32.weights import load_model
 
     # the CPU is no CUDA device and its experts sync the host: allowed here, where nothing is captured
-    cuda_graphs.deployment_problems = lambda *args: []
+    graphs.deployment_problems = lambda *args: []
     DeepseekV32ForCausalLM.graph_capturable = property(lambda self: (True, "replayed eagerly"))
     graphs_class = model_runner.StepGraphs = cpu_step_graphs()
 
@@ -127,15 +127,15 @@ def graph_and_eager_engines(folder: str) -> dict:
     extra = torch.randint(0, vocab, (20,), generator=gen).tolist()
     out = {}
     for k in (0, 2):
-        for graphs in (False, True):
+        for use_graphs in (False, True):
             engine = Engine(
-                model, PagedKVCache.for_model(model, 2**22), num_speculative_tokens=k, cuda_graphs=graphs,
+                model, PagedKVCache.for_model(model, 2**22), num_speculative_tokens=k, cuda_graphs=use_graphs,
                 max_num_seqs=4, max_num_batched_tokens=BUDGET, max_model_len=512,
             )  # fmt: skip
             before = dict(graphs_class.replays)
-            out[k, graphs] = run_waves(engine, prompts, extra)
-            out[k, graphs, "captures"] = engine.graph_captures()
-            out[k, graphs, "replays"] = {
+            out[k, use_graphs] = run_waves(engine, prompts, extra)
+            out[k, use_graphs, "captures"] = engine.graph_captures()
+            out[k, use_graphs, "replays"] = {
                 kind: graphs_class.replays[kind] - before[kind] for kind in before
             }
     return out
@@ -179,7 +179,7 @@ def test_graph_steps_replayed_on_the_cpu_match_the_eager_engine(engine_checkpoin
 def test_decode_graph_sizes_pad_at_most_a_quarter_above_32_sequences():
     """Every batch up to the engine's sequences replays a captured size (the smallest that fits, as `StepGraphs`
     picks it): below 2x its rows up to 32, at most a quarter more above; 18 graphs at the CUDA default of 256."""
-    from spmoe.engine.cuda_graphs import graph_sizes
+    from spmoe.engine.runner.graphs import graph_sizes
 
     for max_batch in (1, 3, 32, 100, 256, 512):
         sizes = graph_sizes(max_batch)

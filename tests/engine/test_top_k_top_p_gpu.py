@@ -8,7 +8,7 @@ installed, which CPU CI is not)."""
 import pytest
 import torch
 
-from spmoe.engine.logits_processors import apply_top_k_top_p, top_k_top_p_threshold_by_sort
+from spmoe.engine.sampling.processors import apply_top_k_top_p, top_k_top_p_threshold_by_sort
 
 from ..multigpu import kernel_devices
 
@@ -129,7 +129,7 @@ def rows_at(vocab: int) -> list[tuple[torch.Tensor, int, float, bool]]:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vocab", [1000, 154880])
 def test_kernel_keeps_what_the_rule_and_the_sort_keep(device, vocab):
-    from spmoe.engine.top_k_top_p_triton import top_k_top_p_threshold
+    from spmoe.engine.sampling.top_k_top_p_triton import top_k_top_p_threshold
 
     rows = rows_at(vocab)
     logits = torch.stack([r for r, _, _, _ in rows]).to(device)
@@ -166,7 +166,7 @@ def test_kernel_keeps_what_the_rule_and_the_sort_keep(device, vocab):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernel_refuses_logits_it_cannot_read(device):
-    from spmoe.engine.top_k_top_p_triton import top_k_top_p_threshold
+    from spmoe.engine.sampling.top_k_top_p_triton import top_k_top_p_threshold
 
     k, p = torch.zeros(2, dtype=torch.int64, device=device), torch.ones(2, device=device)
     with pytest.raises(ValueError, match="float32 logits"):

@@ -13,10 +13,10 @@ import torch
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from spmoe.engine.args import EngineArgs
-from spmoe.engine.cuda_graphs import decode_logits, padded_tables, table_width
+from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
 from spmoe.engine.engine import Engine
-from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
 from spmoe.engine.request import Request
+from spmoe.engine.runner.graphs import decode_logits, padded_tables, table_width
 from spmoe.engine.stats import KernelCompiles
 from spmoe.engine.warmup import (
     warm_up,

@@ -186,7 +186,7 @@ def check_silu_mul(device: str, dtype: torch.dtype):
 def check_mla_cache_write(device: str, dtype: torch.dtype):
     """The normed latent and rotated rope key written through `paged_rows.write_latent_projection` (one kernel)
     into layer 0 of a paged cache, and by the torch reference into layer 1, over the same slots: the same rows."""
-    from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache
+    from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
     from spmoe.layers.norm import RMSNorm
     from spmoe.layers.paged_rows import write_latent_projection
     from spmoe.layers.quantization.fp8 import dequantize

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from spmoe.config import ModelConfig
-from spmoe.engine.block_manager import BlockManager
-from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, cache_budget_bytes
+from spmoe.engine.cache.blocks import BlockManager
+from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache, cache_budget_bytes
+from spmoe.engine.cache.slots import KVCache
 from spmoe.layers.attention import AttentionBatch, MLAttention
 from spmoe.layers.paged_rows import PagedLayerCache
 from spmoe.layers.quantization.fp8 import (

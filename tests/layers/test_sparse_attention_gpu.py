@@ -64,7 +64,7 @@ GLM = dict(
 
 def filled_cache(kv_cache_dtype: str):
     """A one-layer paged cache holding CONTEXTS random tokens, blocks of each sequence scattered."""
-    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.cache.paged import PagedKVCache
 
     cfg = ModelConfig.from_dict(GLM)
     blocks = [-(-c // BLOCK) for c in CONTEXTS]
@@ -233,7 +233,7 @@ def test_bounded_topk_over_padded_tables(kv_cache_dtype):
     positions): the indexer without the keys past each position gives the same keys up to it, and
     `topk_rows` the same rows as torch.topk of the fully written keys, at positions below, at and above
     TOPK (ties and scores of both signs included)."""
-    from spmoe.engine.cuda_graphs import padded_tables
+    from spmoe.engine.runner.graphs import padded_tables
     from spmoe.layers.sparse_attention_triton import indexer_order_keys, topk_rows
 
     cache, tables = filled_cache(kv_cache_dtype)
@@ -381,7 +381,7 @@ def test_paged_indexer_above_topk_fused_matches_reference(kv_cache_dtype):
     (RMSNorm, rope, FP8 rounding), so a row within rounding of the 2048th best may swap with another, which moves
     a decode token's output by a few percent. Measured on an H200: identical outputs and rows; with the key kernel
     compiled with FP fusion (a bf16 step off in 14% of a key's values) 2.0e-2 bf16, 4.4e-2 FP8."""
-    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.layers import fused
     from spmoe.layers.attention import AttentionBatch
     from spmoe.layers.rotary import Rotary
@@ -468,8 +468,8 @@ def test_indexer_tiles_match_torch(kv_cache_dtype):
 def test_paged_attention_layer_matches_dense_on_gpu():
     """bf16 MLAttention over the paged cache (Triton) against the dense path over the dense KV cache, a chunked
     prefill then decodes, all contexts <= index_topk (DSA is then exactly dense)."""
-    from spmoe.engine.kv_cache import KVCache
-    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.cache.paged import PagedKVCache
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.layers.attention import AttentionBatch
     from spmoe.layers.rotary import Rotary
 
@@ -561,7 +561,7 @@ def test_kernels_at_large_batch_and_context(batch, context, kv_cache_dtype):
     """The indexer, the cache-row lookup and sparse MLA against their torch references for `batch` sequences of
     `context` cached tokens (blocks scattered over the cache, tables as wide as the engine's CUDA graphs make
     them: a power of 2 of blocks): one decode token per sequence, and a 512-token prefill chunk of the last."""
-    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.layers.sparse_attention_triton import cache_rows, indexer_order_keys
     from spmoe.layers.sparse_attention_triton import sparse_mla as triton_sparse_mla
 

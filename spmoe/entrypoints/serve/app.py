@@ -38,9 +38,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 import spmoe
-from spmoe.engine.grammar import GrammarSpec
 from spmoe.engine.request import Request as EngineRequest
-from spmoe.engine.sampling import SamplingParams
+from spmoe.engine.sampling.grammar import GrammarSpec
+from spmoe.engine.sampling.sampler import SamplingParams
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.serve.chat import (
     ChatChoices,

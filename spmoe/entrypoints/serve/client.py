@@ -3,7 +3,7 @@
 
 Rank 0's engine loop runs in a thread beside the front end's event loop; each iteration it drains its inbox
 (new requests from `EngineClient.generate`, aborts from consumers that went away, the shutdown) into the
-next step plan, runs it on every rank through the engine's serving loop (`spmoe.engine.serving_loop`), and
+next step plan, runs it on every rank through the engine's serving loop (`spmoe.engine.ranks`), and
 hands the step's outputs to their requests' asyncio queues in one call onto the event loop
 (`loop.call_soon_threadsafe`): the engine loop never waits for the front end, and wakes it once a step, not
 once a stream (each wake-up is a write to the event loop's pipe and a hand-over of the GIL).
@@ -28,9 +28,9 @@ from spmoe.config import ModelConfig
 from spmoe.distributed import get_parallel_state
 from spmoe.engine.args import EngineArgs
 from spmoe.engine.engine import Engine
-from spmoe.engine.grammar import GrammarCompiler
+from spmoe.engine.ranks import ServingLoop, worker_loop
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
-from spmoe.engine.serving_loop import ServingLoop, worker_loop
+from spmoe.engine.sampling.grammar import GrammarCompiler
 from spmoe.engine.warmup import warm_up
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 

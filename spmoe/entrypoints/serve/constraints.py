@@ -19,7 +19,12 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from spmoe.engine.grammar import GrammarSpec, compile_error_reason, json_schema_grammar, xgrammar
+from spmoe.engine.sampling.grammar import (
+    GrammarSpec,
+    compile_error_reason,
+    json_schema_grammar,
+    xgrammar,
+)
 from spmoe.entrypoints.serve.parsers.tool_calls import schema_types
 
 if TYPE_CHECKING:
@@ -40,7 +45,7 @@ GUIDED_FIELDS = {
     "guided_grammar": "grammar",
 }
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
-# any text without "</" (so that "</arg_value>" ends it) and without surrogates (see engine/grammar.py)
+# any text without "</" (so that "</arg_value>" ends it) and without surrogates (see engine/sampling/grammar.py)
 STRING_ARGUMENT = r'([^<\ud800-\udfff] | "<" [^/\ud800-\udfff])*'
 
 

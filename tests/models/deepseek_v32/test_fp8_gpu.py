@@ -33,7 +33,7 @@ PROMPTS = [[5, 9, 1, 33, 17, 2, 60, 7], [3, 4, 50, 11]]
 
 
 def _paged_logits(folder: str, keep_fp8: bool) -> tuple[list[torch.Tensor], int]:
-    from spmoe.engine.paged_cache import PagedKVCache
+    from spmoe.engine.cache.paged import PagedKVCache
 
     model = load_model(folder, ParallelConfig(), torch.bfloat16, "cuda", keep_fp8=keep_fp8)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -50,8 +50,8 @@ import numpy as np
 import torch
 
 from spmoe.distributed import CommStats, count_collectives, get_parallel_state
-from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.paged_cache import BLOCK_SIZE, PagedKVCache, check_room
+from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache, check_room
+from spmoe.engine.cache.slots import KVCache
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 # a decode step's sequences, padded to the next: on an H200 (4 GLM-width layers, in a graph) a step takes 4.72 ms

@@ -94,7 +94,7 @@ def apply_top_k_top_p(
     (`top_k_top_p_threshold_by_sort`, the reference). Where the mass above the crossing token lies within float32
     rounding of top_p, the two may keep one group of equal tokens more or less; elsewhere they keep the same."""
     if use_fused(logits):
-        from spmoe.engine.top_k_top_p_triton import top_k_top_p_threshold
+        from spmoe.engine.sampling.top_k_top_p_triton import top_k_top_p_threshold
 
         threshold = top_k_top_p_threshold(logits, top_k, top_p)
     else:

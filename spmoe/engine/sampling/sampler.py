@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spmoe.engine.logits_processors import (
+from spmoe.engine.sampling.processors import (
     add_logit_bias,
     apply_min_p,
     apply_penalties,
@@ -186,7 +186,7 @@ def draw_tokens(
     CUDA with triton one kernel that hashes the noise in registers (`seeded_race_triton`: the same noise, the
     same token but at near-ties of the two largest ratios); elsewhere `draw_tokens_by_torch`."""
     if use_fused(logits):
-        from spmoe.engine.seeded_race_triton import seeded_race
+        from spmoe.engine.sampling.seeded_race_triton import seeded_race
 
         return seeded_race(logits, at, keys, index)
     return draw_tokens_by_torch(logits, at, keys, index)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from spmoe.config import ModelConfig
-from spmoe.engine.kv_cache import cache_layout
+from spmoe.engine.cache.slots import cache_layout
 from spmoe.layers.paged_rows import PagedKeyStore, PagedLayerCache
 
 BLOCK_SIZE = 64

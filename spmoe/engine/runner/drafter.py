@@ -16,9 +16,9 @@ among the tokens its grammar allows (`grammar.DraftGrammars`): a draft the gramm
 
 import torch
 
-from spmoe.engine.grammar import DraftGrammars
-from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.paged_cache import PagedKVCache
+from spmoe.engine.cache.paged import PagedKVCache
+from spmoe.engine.cache.slots import KVCache
+from spmoe.engine.sampling.grammar import DraftGrammars
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 

@@ -30,14 +30,14 @@ from itertools import accumulate
 import torch
 
 from spmoe.distributed import CommStats
-from spmoe.engine.cuda_graphs import CapturedStep, StepGraphs
-from spmoe.engine.grammar import DraftGrammars, apply_bitmask, fill_bitmask
-from spmoe.engine.kv_cache import KVCache
-from spmoe.engine.paged_cache import PagedKVCache
-from spmoe.engine.rejection import accept_drafts
-from spmoe.engine.sampling import Sampler, prompt_logprobs
+from spmoe.engine.cache.paged import PagedKVCache
+from spmoe.engine.cache.slots import KVCache
+from spmoe.engine.runner.drafter import MtpDrafter
+from spmoe.engine.runner.graphs import CapturedStep, StepGraphs
+from spmoe.engine.sampling.grammar import DraftGrammars, apply_bitmask, fill_bitmask
+from spmoe.engine.sampling.rejection import accept_drafts
+from spmoe.engine.sampling.sampler import Sampler, prompt_logprobs
 from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
-from spmoe.engine.speculative import MtpDrafter
 from spmoe.engine.stats import StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 

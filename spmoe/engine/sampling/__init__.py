@@ -1,0 +1,1 @@
+"""Choosing tokens: logits processors, the sampler, rejection of drafts, grammars, their kernels."""
