@@ -11,10 +11,14 @@ Unicode text (a lone surrogate such as `"\\ud800"` decodes to a `str` that no to
 """
 
 import json
+import logging
 import reprlib
+import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+log = logging.getLogger("spmoe.serve")
 
 
 class ApiError(Exception):
@@ -44,6 +48,15 @@ class ApiError(Exception):
                 "code": self.status,
             }
         }
+
+
+def internal_error(what: str) -> ApiError:
+    """Log the exception being handled under a new id; -> the 500 the client gets, which names only that id."""
+    error_id = uuid.uuid4().hex
+    log.exception("internal error %s in %s", error_id, what)
+    return ApiError(
+        500, f"internal server error (id {error_id}); the details are in the server's log"
+    )
 
 
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other; an OpenAI request needs a handful
