@@ -4,6 +4,7 @@ vLLM's refused or no-op flags left to docs/vllm-compatibility.md."""
 import argparse
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,15 @@ def test_an_engine_option_without_a_section_is_named():
 
     with pytest.raises(ValueError, match=r"without a --help section .*\['brand_new'\]"):
         More.add_cli_args(argparse.ArgumentParser())
+
+
+def test_docs_serving_holds_the_current_help(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    text = serve_help(capsys)
+    current = text[text.index("\nmodel:\n") + 1 :]
+    page = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    recorded = page.split("<!-- spmoe serve --help -->\n```\n")[1].split("```\n<!-- end")[0]
+    assert recorded == current, (
+        "docs/serving.md's help text is out of date: paste in the output of "
+        "`COLUMNS=100 spmoe serve --help | sed -n '/^model:/,$p'`"
+    )
