@@ -56,6 +56,54 @@ LAYOUT_OPTIONS = (
 )  # `spmoe forward`'s
 
 
+HELP_GROUPS = (
+    "model",
+    "parallelism",
+    "memory and cache",
+    "speculation and CUDA graphs",
+    "chat and tools",
+    "server",
+    "logging",
+)  # `--help`'s sections, in the order users look for a flag
+ENGINE_HELP_GROUPS = {
+    "parallelism": (
+        "tp",
+        "dp",
+        "sp",
+        "sp_scope",
+        "ep_backend",
+        "moe_backend",
+        "enable_expert_parallel",
+    ),
+    "model": ("dtype", "device", "load_format", "hf_overrides", "quantization"),
+    "memory and cache": (
+        "max_num_seqs",
+        "max_model_len",
+        "max_num_batched_tokens",
+        "kv_cache",
+        "kv_cache_memory",
+        "gpu_memory_utilization",
+        "kv_cache_dtype",
+        "enable_prefix_caching",
+        "block_size",
+    ),
+    "speculation and CUDA graphs": (
+        "speculative",
+        "num_speculative_tokens",
+        "speculative_config",
+        "cuda_graphs",
+        "enforce_eager",
+    ),
+}  # each engine option's section of `--help`
+
+
+def help_groups(parser: argparse.ArgumentParser) -> dict:
+    """`parser`'s sections of `--help` by title (HELP_GROUPS), made on the first call; empty ones print
+    nothing."""
+    made = {group.title: group for group in parser._action_groups}
+    return {title: made.get(title) or parser.add_argument_group(title) for title in HELP_GROUPS}
+
+
 def option(*flags: str, help: str, cli_default=field, **argparse_kwargs) -> dict:
     """A field's command line: its flag names (the first one names it in error messages; vLLM's names are
     aliases), what argparse takes beside them (type, choices, metavar, action), and, where the command line's
@@ -154,7 +202,7 @@ class EngineArgs:
         metadata=option(
             "--moe-backend",
             choices=MOE_BACKENDS,
-            help="expert kernels (default auto: the first that fits, see the README)",
+            help="expert kernels (default auto: the first that fits, see docs/serving.md)",
         ),
     )
     enable_expert_parallel: bool = field(
@@ -412,12 +460,18 @@ class EngineArgs:
         cls, parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None
     ) -> None:
         """Every engine option (or those named in `only`) as a flag of `parser`, with its default and help."""
-        group = parser.add_argument_group("engine options")
+        groups = help_groups(parser)
+        section = {name: title for title, names in ENGINE_HELP_GROUPS.items() for name in names}
+        unplaced = [f.name for f in fields(cls) if f.name not in section]
+        if unplaced:
+            raise ValueError(
+                f"engine options without a --help section in ENGINE_HELP_GROUPS: {unplaced}"
+            )
         for f in fields(cls):
             if only is None or f.name in only:
                 meta = f.metadata
                 default = meta.get("cli_default", f.default)
-                group.add_argument(
+                groups[section[f.name]].add_argument(
                     *meta["flags"],
                     dest=f.name,
                     default=default,

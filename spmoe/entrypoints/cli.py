@@ -140,8 +140,23 @@ DOTTED_OPTIONS = (
 )  # JSON options vLLM also takes as dotted keys
 
 
+class AliasHelpFormatter(argparse.HelpFormatter):
+    """`--help` names an option's aliases together and its value once: `--tp, --tensor-parallel-size, -tp TP`."""
+
+    def _format_action_invocation(self, action):
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action)
+        value = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return f"{', '.join(action.option_strings)} {value}"
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """Bad usage is one line on stderr (`spmoe serve: error: ...`), exit status 2: no usage dump."""
+    """Bad usage is one line on stderr (`spmoe serve: error: ...`), exit status 2: no usage dump. `--help`
+    shows each option's aliases once (AliasHelpFormatter)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", AliasHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 MULTI_NODE = (
     "for several machines run spmoe under torchrun, one process per GPU, with TP (x DP) over all of them: "
     "torchrun --nnodes 2 --node-rank R --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 "
-    "-m spmoe serve MODEL --tp 16 (README, Launching on GPUs)"
+    "-m spmoe serve MODEL --tp 16 (docs/deployment.md)"
 )
 
 

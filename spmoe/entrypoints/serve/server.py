@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 
 from spmoe.distributed import launch
-from spmoe.engine.args import EngineArgs
+from spmoe.engine.args import EngineArgs, help_groups
 from spmoe.engine.vllm_values import parse_json_object, served_model_names
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.model_source import resolve_model
@@ -203,60 +203,64 @@ def run_serve(
 
 
 def add_serve_args(p) -> None:
-    p.add_argument(
+    groups = help_groups(p)
+    model, chat, server = groups["model"], groups["chat and tools"], groups["server"]
+    model.add_argument(
         "model_tag",
         nargs="?",
         metavar="MODEL",
         help="a checkpoint folder (config.json, *.safetensors, the tokenizer) or a Hugging Face model id, as in "
         "`vllm serve MODEL` (default: the demo checkpoint, written on first use)",
     )
-    p.add_argument("--model", help="the same as MODEL")
-    p.add_argument(
+    model.add_argument("--model", help="the same as MODEL")
+    model.add_argument(
         "--tokenizer", help="a folder or Hugging Face id with the tokenizer (default: the model's)"
     )
-    p.add_argument(
+    model.add_argument(
         "--revision", help="the Hugging Face branch, tag or commit of MODEL (default: main)"
     )
-    p.add_argument(
+    model.add_argument(
         "--download-dir", help="the Hugging Face cache folder (default: HF_HUB_CACHE / HF_HOME's)"
     )
-    p.add_argument(
+    server.add_argument(
         "--served-model-name",
         nargs="+",
         metavar="NAME",
         help="the names clients may ask for; the first is reported in responses (default: MODEL as given)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument(
+    server.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    chat.add_argument(
         "--reasoning-parser",
         choices=sorted(REASONING_PARSERS),
         help="split the model's thinking into reasoning_content (glm45: GLM's <think>...</think>)",
     )
-    p.add_argument(
+    chat.add_argument(
         "--tool-call-parser",
         choices=sorted(TOOL_CALL_PARSERS),
         help="read the model's tool calls into tool_calls (glm47, glm45: GLM's <tool_call> format)",
     )
-    p.add_argument(
+    chat.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='let the model decide when to call a tool (tool_choice "auto"); needs --tool-call-parser',
     )
-    p.add_argument(
+    server.add_argument(
         "--api-key",
         default=os.environ.get("SPMOE_API_KEY"),
         help="every route but /health and /metrics needs 'Authorization: Bearer <key>' (default: env "
         "SPMOE_API_KEY; none: no key needed)",
     )
-    p.add_argument(
+    server.add_argument(
         "--max-request-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help=f"a request body longer than this gets 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 32 MiB)",
     )
     policy = StopPolicy()
-    p.add_argument(
+    server.add_argument(
         "--engine-timeout",
         type=float,
         default=policy.engine_timeout_s,
@@ -264,7 +268,7 @@ def add_serve_args(p) -> None:
         help=f"an engine step (or idle heartbeat) that takes longer fails every request and stops the server "
         f"with an error (default {policy.engine_timeout_s:g} s)",
     )
-    p.add_argument(
+    server.add_argument(
         "--shutdown-timeout",
         type=float,
         default=policy.shutdown_timeout_s,
@@ -272,40 +276,40 @@ def add_serve_args(p) -> None:
         help=f"after SIGTERM, how long open requests may still run before they are ended "
         f"(default {policy.shutdown_timeout_s:g} s)",
     )
-    p.add_argument(
+    server.add_argument(
         "--max-num-waiting",
         type=int,
         help=f"requests that may wait to start; one more gets 503 (default {WAITING_PER_RUNNING} x --max-num-seqs "
         f"x --dp, at least {MIN_MAX_NUM_WAITING})",
     )
-    p.add_argument(
+    model.add_argument(
         "--seed",
         type=int,
         help="seeds the sampling seeds of requests that give none (default: random)",
     )
-    p.add_argument(
+    model.add_argument(
         "--generation-config",
         default="auto",
         metavar="{auto,vllm,FOLDER}",
         help="sampling defaults for the fields a request leaves out: auto (default) the model's "
         "generation_config.json, vllm none, or that of FOLDER",
     )
-    p.add_argument(
+    model.add_argument(
         "--override-generation-config",
         metavar="JSON",
         help="generation_config.json fields set over the file's",
     )
-    p.add_argument(
+    chat.add_argument(
         "--chat-template",
         help="a Jinja chat template file, or the template itself (default: the tokenizer's)",
     )
-    p.add_argument(
+    chat.add_argument(
         "--chat-template-content-format",
         choices=CONTENT_FORMATS,
         default="auto",
         help="message content as the template sees it: string (auto, default) or openai (a list of text parts)",
     )
-    p.add_argument(
+    groups["logging"].add_argument(
         "--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="warning", help="default warning"
     )
     EngineArgs.add_cli_args(p)

@@ -59,7 +59,7 @@ M_BUCKETS = (
 
 # (m bucket, n, k) -> config for GLM-5.2's FP8 linears at TP 1, chosen from first principles before the first
 # sweep (benchmarks/bench_fp8_linear.py --sweep prints its fastest as entries of this table; figures in
-# docs/performance.md). At decode a program's k loop is bound by the latency of its loads more than by their
+# docs/performance-log/2026-12.md). At decode a program's k loop is bound by the latency of its loads more than by their
 # size (the f0db0a2 kernel moved 2-4 KiB per 128-deep step and reached 1.1 TB/s), so the steps are wide: m <= 16
 # (activations quantised inside, one 16-row tile): 128 columns, 16 KiB of weight per step, 4 steps in flight;
 # m 33-64 (activations quantised once, one 64-row tile): 64 columns, 8 KiB of weight and 8 KiB of activations

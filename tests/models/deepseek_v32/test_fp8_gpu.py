@@ -1,7 +1,7 @@
 """FP8 linears kept as stored, on one GPU in bf16, against the dequantised bf16 reference on the same checkpoint:
 the logits of a paged prefill and of a decode step (absorbed MLA's W_UK / W_UV products in FP8 included) within
-the bound docs/performance.md states (`FP8_LOGIT_RMS_ERROR`, as on CPU), and the weights' GPU bytes equal to the
-checkpoint's within 2%."""
+the bound docs/performance-log/2026-12.md states (`FP8_LOGIT_RMS_ERROR`, as on CPU), and the weights' GPU bytes
+equal to the checkpoint's within 2%."""
 
 from pathlib import Path
 
