@@ -3,8 +3,9 @@ vLLM's wheel builds (`pip download --no-deps vllm==0.34.0`, then
 `vllm.entrypoints.common.cli_args.make_arg_parser`); no code or help text copied.
 
 One line per vLLM option: its names (the long name, its short aliases, then the forms hidden from
-`--help`, such as `--no-enable-*` and `--no-disable-*`), then `switch` (no value), `value` or `json`
-(a JSON object, which vLLM also takes as dotted keys: `--X.key value`).
+`--help`, such as `--no-enable-*` and `--no-disable-*`), then its arity: `switch` (no value),
+`value`, `values` (one or more), `optional` (a value or none) or `json` (a JSON object, which vLLM
+also takes as dotted keys: `--X.key value`).
 
 vLLM's parser also reads `--x_y` as `--x-y`, and rewrites `-O3`, `-O=3` and `-O 3` to
 `--optimization-level 3`; `spmoe serve` does the same before it parses.
@@ -19,7 +20,7 @@ OPTIONS = """
 --api-server-count -asc value
 --config value
 --grpc switch
---lora-modules value
+--lora-modules values
 --chat-template value
 --chat-template-content-format value
 --trust-request-chat-template --no-trust-request-chat-template switch
@@ -66,7 +67,7 @@ OPTIONS = """
 --allowed-origins json
 --allowed-methods json
 --allowed-headers json
---api-key value
+--api-key values
 --ssl-keyfile value
 --ssl-certfile value
 --ssl-ca-certs value
@@ -91,7 +92,7 @@ OPTIONS = """
 --seed value
 --hf-config-path value
 --allowed-local-media-path value
---allowed-media-domains value
+--allowed-media-domains values
 --revision value
 --code-revision value
 --tokenizer-revision value
@@ -110,9 +111,9 @@ OPTIONS = """
 --disable-cascade-attn --enable-cascade-attn --no-disable-cascade-attn switch
 --skip-tokenizer-init --no-skip-tokenizer-init switch
 --enable-prompt-embeds --disable-prompt-embeds --no-enable-prompt-embeds switch
---served-model-name value
+--served-model-name values
 --config-format value
---hf-token value
+--hf-token optional
 --hf-overrides json
 --model-class-overrides json
 --pooler-config json
@@ -121,12 +122,12 @@ OPTIONS = """
 --enable-sleep-mode --disable-sleep-mode --no-enable-sleep-mode switch
 --sleep-mode-backend value
 --sleep-mode-offload-cudagraph --no-sleep-mode-offload-cudagraph switch
---sleep-preserve-parameter-names value
+--sleep-preserve-parameter-names values
 --enable-cumem-allocator --disable-cumem-allocator --no-enable-cumem-allocator switch
 --enable-nccl-comm-suspend --disable-nccl-comm-suspend --no-enable-nccl-comm-suspend switch
 --checkpoint-prepare-on-startup --no-checkpoint-prepare-on-startup switch
 --model-impl value
---logits-processors value
+--logits-processors values
 --io-processor-plugin value
 --renderer-num-workers value
 --load-format value
@@ -135,7 +136,7 @@ OPTIONS = """
 --safetensors-prefetch-num-threads value
 --safetensors-prefetch-block-size value
 --model-loader-extra-config json
---ignore-patterns value
+--ignore-patterns values
 --use-tqdm-on-load --no-use-tqdm-on-load switch
 --pt-load-map-location json
 --shuffle-safetensors-files --no-shuffle-safetensors-files switch
@@ -155,8 +156,8 @@ OPTIONS = """
 --distributed-timeout-seconds value
 --cpu-distributed-timeout-seconds value
 --numa-bind --no-numa-bind switch
---numa-bind-nodes value
---numa-bind-cpus value
+--numa-bind-nodes values
+--numa-bind-cpus values
 --device-ids value
 --tensor-parallel-size -tp value
 --decode-context-parallel-size -dcp value
@@ -208,7 +209,7 @@ OPTIONS = """
 --enable-prefix-caching --disable-prefix-caching --no-enable-prefix-caching switch
 --prefix-caching-hash-algo value
 --prefix-cache-retention-interval value
---kv-cache-dtype-skip-layers value
+--kv-cache-dtype-skip-layers values
 --kv-sharing-fast-prefill --no-kv-sharing-fast-prefill switch
 --swa-bounded-replay --no-swa-bounded-replay switch
 --mamba-cache-dtype value
@@ -223,11 +224,11 @@ OPTIONS = """
 --kv-offloading-backend value
 --offload-backend value
 --cpu-offload-gb value
---cpu-offload-params value
+--cpu-offload-params values
 --offload-group-size value
 --offload-num-in-group value
 --offload-prefetch-step value
---offload-params value
+--offload-params values
 --language-model-only --no-language-model-only switch
 --limit-mm-per-prompt json
 --enable-mm-embeds --disable-mm-embeds --no-enable-mm-embeds switch
@@ -259,7 +260,7 @@ OPTIONS = """
 --enable-tower-connector-lora --disable-tower-connector-lora --no-enable-tower-connector-lora switch
 --max-cpu-loras value
 --fully-sharded-loras --no-fully-sharded-loras switch
---lora-target-modules value
+--lora-target-modules values
 --default-mm-loras json
 --specialize-active-lora --no-specialize-active-lora switch
 --enable-mixed-moe-lora-format --disable-mixed-moe-lora-format --no-enable-mixed-moe-lora-format switch
@@ -270,7 +271,7 @@ OPTIONS = """
 --log-config-file value
 --show-hidden-metrics-for-version value
 --otlp-traces-endpoint value
---collect-detailed-traces value
+--collect-detailed-traces values
 --per-request-spec-decode-metrics value
 --kv-cache-metrics --no-kv-cache-metrics switch
 --kv-cache-metrics-sample value
@@ -302,7 +303,7 @@ OPTIONS = """
 --disable-hybrid-kv-cache-manager --enable-hybrid-kv-cache-manager --no-disable-hybrid-kv-cache-manager switch
 --async-scheduling --no-async-scheduling switch
 --stream-interval value
---cudagraph-capture-sizes value
+--cudagraph-capture-sizes values
 --max-cudagraph-capture-size value
 --ir-op-priority json
 --enable-flashinfer-autotune --disable-flashinfer-autotune --no-enable-flashinfer-autotune switch
@@ -345,7 +346,7 @@ OPTIONS = """
 
 
 def options() -> list[tuple[tuple[str, ...], str]]:
-    """(names, kind) per vLLM option, in vLLM's order; kind is `switch`, `value` or `json`."""
+    """(names, kind) per vLLM option, in vLLM's order; kind is the arity named above."""
     rows = []
     for line in OPTIONS.strip().splitlines():
         *names, kind = line.split()

@@ -214,12 +214,12 @@ def spec_counter(base: str, name: str) -> float:
             "--data-parallel-address 10.0.0.2: spmoe does not support vLLM's",
         ),
         (
-            ["--enable-eplb"],
-            "--enable-eplb: spmoe does not support expert load balancing; experts are placed",
+            ["--enable-lora"],
+            "--enable-lora: spmoe does not support LoRA adapters; merge the adapter",
         ),
         (
-            ["--compilation-config", "{}"],
-            "--compilation-config {}: spmoe does not support torch.compile",
+            ["--kv-transfer-config.kv_connector", "NixlConnector"],
+            '--kv-transfer-config {"kv_connector": "NixlConnector"}: spmoe does not support',
         ),
         (
             ["--speculative-config", '{"method": "eagle3"}'],
