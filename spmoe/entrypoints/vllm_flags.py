@@ -1,16 +1,18 @@
-"""vLLM's `serve` flags as spmoe sees them: one table that `spmoe serve`'s parser and the flag table of
-docs/vllm-compatibility.md are both made from. It covers every option of the pinned vLLM release
-(`vllm_flags_0_34`), every name of each, hidden forms included, and a few of older releases.
+"""vLLM's `serve` flags as spmoe sees them: one table that `spmoe serve`'s parser and the flag
+tables of docs/vllm-compatibility.md are both made from. It covers every option of the pinned vLLM
+release (`vllm_flags_0_34`), every name of each, hidden forms included, and a few of older releases.
 
 Each flag is
 - `taken`: an spmoe option under vLLM's name, with vLLM's meaning (declared by the engine's or the
   server's options, or here when it only sets one of theirs);
-- `noted`: taken, with a difference the note states (declared by the engine's or the server's options);
-- `ignored`: accepted without effect; `spmoe serve` logs the note once at start, saying why that is safe
-  (a tuning knob spmoe has no counterpart for, a feature of other model families, a logging detail);
-- `refused`: spmoe does not do it. Giving it stops `spmoe serve` before any rank starts, with one line:
-  the flag, that spmoe does not support it, and what to use instead (exit status 2). Some are refused
-  only for some values (`--pipeline-parallel-size 1` is fine: it asks for what spmoe does).
+- `noted`: taken, with a difference the note states (declared by the engine's or the server's
+  options);
+- `ignored`: accepted without effect; `spmoe serve` logs the note once at start, saying why that is
+  safe (a tuning knob spmoe has no counterpart for, a feature of other model families, a logging
+  detail);
+- `refused`: spmoe does not do it. Giving it stops `spmoe serve` before any rank starts, with one
+  line: the flag, that spmoe does not support it, and what to use instead (exit status 2). Some are
+  refused only for some values (`--pipeline-parallel-size 1` is fine: it asks for what spmoe does).
 """
 
 import argparse
@@ -22,9 +24,9 @@ from typing import Any
 from spmoe.entrypoints import vllm_flags_0_34
 
 MULTI_NODE = (
-    "for several machines run spmoe under torchrun, one process per GPU, with TP (x DP) over all of "
-    "them: torchrun --nnodes 2 --node-rank R --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "
-    "HOST0:29500 -m spmoe serve MODEL --tp 16 (docs/deployment.md)"
+    "for several machines run spmoe under torchrun, one process per GPU, with TP (x DP) over all "
+    "of them: torchrun --nnodes 2 --node-rank R --nproc-per-node 8 --rdzv-backend c10d "
+    "--rdzv-endpoint HOST0:29500 -m spmoe serve MODEL --tp 16 (docs/deployment.md)"
 )
 VERDICTS = ("taken", "noted", "ignored", "refused")
 ARITIES = {
@@ -66,7 +68,8 @@ def _all_of(name: str) -> tuple[str, ...]:
 
 
 def _off_forms(name: str) -> tuple[str, ...]:
-    """The names that turn switch `name` off: `--no-X`, and `--disable-X` for `--enable-X` (or back)."""
+    """The names that turn switch `name` off: `--no-X`, and `--disable-X` for `--enable-X` (and
+    back)."""
     inverse = {"--enable-": "--disable-", "--disable-": "--enable-"}
     flipped = {to + name.removeprefix(at) for at, to in inverse.items() if name.startswith(at)}
     return tuple(n for n in _OPTIONS[name] if n.startswith("--no-") or n in flipped)
@@ -996,7 +999,7 @@ class _FlagAction(argparse.Action):
 
 
 class _Refuse(_FlagAction):
-    """Stop with the flag's refusal (exit status 2, one line) unless its value is one spmoe accepts."""
+    """Stop with the flag's refusal (exit status 2, one line) unless spmoe accepts its value."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         value = self.shown(values)
@@ -1015,7 +1018,8 @@ class _Ignore(_FlagAction):
 
 
 class _Store(_FlagAction):
-    """A vLLM name that sets one of spmoe's options (`flag.store`: its dest and the value's conversion)."""
+    """A vLLM name that sets one of spmoe's options (`flag.store`: its dest, and the value's
+    conversion)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         dest, convert = self.flag.store
@@ -1026,7 +1030,7 @@ class _Store(_FlagAction):
 
 
 class OneOfSeveral(argparse.Action):
-    """A flag vLLM gives several values (`nargs="+"`) where spmoe takes one: more is a one-line error."""
+    """A flag vLLM gives several values (`nargs="+"`) where spmoe takes one: more is an error."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs="+", **kwargs)
@@ -1040,9 +1044,9 @@ class OneOfSeveral(argparse.Action):
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
-    """Declare on `parser` the vLLM flags that this table settles by itself: the refused ones, the
-    ignored ones and the taken ones that only set an spmoe option (`store`). The parsed namespace gets
-    `vllm_notes`: the notes of the ignored ones given."""
+    """Declare on `parser` the vLLM flags that this table settles by itself: the refused ones,
+    the ignored ones and the taken ones that only set an spmoe option (`store`). The parsed
+    namespace gets `vllm_notes`: the notes of the ignored ones given."""
     parser.set_defaults(vllm_notes=[])
     actions = {"refused": _Refuse, "ignored": _Ignore}
     for flag in VLLM_FLAGS:
@@ -1093,7 +1097,7 @@ def markdown_table(verdicts: tuple[str, ...] = VERDICTS) -> str:
 
 
 def flag_tables() -> str:
-    """The docs page's generated part: a table per verdict, with the count of vLLM's names in each."""
+    """The docs page's generated part: a table per verdict, with the count of names in each."""
     parts = [PAGE_START]
     for verdicts, title in SECTIONS:
         count = sum(len(f.names) for f in VLLM_FLAGS if f.verdict in verdicts)
@@ -1156,7 +1160,7 @@ def vllm_argv(argv: list[str]) -> list[str]:
 
 
 def dotted_options(argv: list[str]) -> tuple[str, ...]:
-    """The JSON options of vLLM's that `argv` gives in dotted form (`--compilation-config.mode 3`)."""
+    """vLLM's JSON options that `argv` gives in dotted form (`--compilation-config.mode 3`)."""
     names = (arg.partition("=")[0] for arg in argv if arg.startswith("--"))
     dotted = {name.partition(".")[0] for name in names if "." in name}
     return tuple(name for name in JSON_OPTIONS if name in dotted)

