@@ -14,7 +14,7 @@ from spmoe.engine.args import LAYOUT_OPTIONS, EngineArgs
 from spmoe.engine.vllm_values import fold_dotted
 from spmoe.entrypoints.jobs import write_atomically
 from spmoe.entrypoints.serve.server import add_serve_args, cmd_serve
-from spmoe.entrypoints.vllm_flags import dotted_options, vllm_argv
+from spmoe.entrypoints.vllm_flags import dotted_options, vllm_argv, with_config_file
 
 
 def cmd_selfcheck(args) -> int:
@@ -143,9 +143,10 @@ DOTTED_OPTIONS = (
 
 
 def prepare_argv(argv: list[str]) -> list[str]:
-    """The command line as the parser reads it: vLLM's spellings rewritten (`vllm_argv`), and the
-    dotted forms of JSON options folded into one JSON value each (`fold_dotted`)."""
-    argv = vllm_argv(argv)
+    """The command line as the parser reads it: a `--config` file's options spliced in
+    (`with_config_file`), vLLM's spellings rewritten (`vllm_argv`), and the dotted forms of JSON
+    options folded into one JSON value each (`fold_dotted`)."""
+    argv = vllm_argv(with_config_file(argv))
     return fold_dotted(argv, (*DOTTED_OPTIONS, *dotted_options(argv)))
 
 

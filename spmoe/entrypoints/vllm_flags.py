@@ -16,10 +16,13 @@ Each flag is
 """
 
 import argparse
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from spmoe.entrypoints import vllm_flags_0_34
 
@@ -809,9 +812,8 @@ VLLM_FLAGS = (
     ),
     VllmFlag(
         ("--config",),
-        "refused",
-        "reading options from a YAML file",
-        "give the options on the command line",
+        "taken",
+        "a YAML file of options, read as vLLM reads it; the command line's own options win",
     ),
     *_refused(
         "gRPC and Unix-socket front ends",
@@ -1157,6 +1159,45 @@ def vllm_argv(argv: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+def with_config_file(argv: list[str]) -> list[str]:
+    """`--config FILE.yaml` (or `--config=FILE.yaml`) replaced by the options the file holds, as
+    vLLM reads it: each key `k` becomes `--k`; true is the switch, false its `--no-k` form where vLLM
+    has one (else nothing), a list `--k` then its items, an object `--k` with its JSON, anything else
+    `--k VALUE`. They go after the subcommand and a positional model, before the command line's own
+    options, which so win."""
+    at = next((i for i, arg in enumerate(argv) if arg.partition("=")[0] == "--config"), None)
+    if at is None:
+        return argv
+    given, eq, inline = argv[at].partition("=")
+    if not eq and at + 1 >= len(argv):
+        raise ValueError("--config: expected a YAML file after it, got none")
+    path = Path(inline if eq else argv[at + 1])
+    rest = argv[:at] + argv[at + (1 if eq else 2) :]
+    if path.suffix not in (".yaml", ".yml"):
+        raise ValueError(f"--config: expected a .yaml or .yml file, got {str(path)!r}")
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"--config {path}: expected a mapping of options, got {type(config).__name__}"
+        )
+    options = []
+    for key, value in config.items():
+        if isinstance(value, bool):
+            flag = f"--{key}" if value else f"--no-{key}"
+            options += [flag] if value or flag in _OPTIONS else []
+        elif isinstance(value, list):
+            options += [f"--{key}", *map(str, value)] if value else []
+        elif isinstance(value, dict):
+            options += [f"--{key}", json.dumps(value)]
+        else:
+            options += [f"--{key}", str(value)]
+    head = 2 if len(rest) > 1 and not rest[1].startswith("-") else 1  # the subcommand, MODEL
+    return rest[:head] + options + rest[head:]
 
 
 def dotted_options(argv: list[str]) -> tuple[str, ...]:

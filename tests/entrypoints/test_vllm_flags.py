@@ -2,6 +2,8 @@
 (taken, ignored with a note, or refused in one line with exit status 2), vLLM's spellings are read,
 and the docs page's tables are the table's own rendering."""
 
+import re
+
 import pytest
 
 from spmoe.entrypoints import vllm_flags_0_34
@@ -29,7 +31,7 @@ def parse(argv: list[str]):
     """`spmoe serve ARGV` parsed as `spmoe` parses it."""
     parser = OneLineParser(prog="spmoe serve")
     add_serve_args(parser)
-    return parser.parse_args(prepare_argv(argv))
+    return parser.parse_args(prepare_argv(["serve", *argv])[1:])  # as main sees it
 
 
 def outcome(argv: list[str], capsys) -> tuple[int, str, object]:
@@ -68,12 +70,15 @@ def test_the_table_covers_every_name_once():
     vllm_flags_0_34.options(),
     ids=[names[0] for names, _ in vllm_flags_0_34.options()],
 )
-def test_every_vllm_name_is_known_and_does_what_its_verdict_says(names, arity, capsys):
+def test_every_vllm_name_is_known_and_does_what_its_verdict_says(names, arity, capsys, tmp_path):
+    config = tmp_path / "options.yaml"
+    config.write_text("max-model-len: 1k\n")
     for name in names:
         if name in ("--help", "-h"):
             continue
         flag = VERDICT[name]
-        argv = ["MODEL", "--tp", "1", name, *SAMPLE[arity]]  # MODEL first: no value is taken for it
+        sample = [str(config)] if name == "--config" else SAMPLE[arity]
+        argv = ["MODEL", "--tp", "1", name, *sample]  # MODEL first: no value is taken for it
         status, err, args = outcome(argv, capsys)
         assert "unrecognized arguments" not in err and "ambiguous" not in err, (argv, err)
         arity_errors = (
@@ -149,6 +154,46 @@ def test_vllm_spellings_reach_spmoes_options():
     assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
     note = VERDICT["--compilation-config"].note
     assert parse(["-cc.mode", "3"]).vllm_notes == [f"--compilation-config: ignored: {note}"]
+
+
+def test_a_config_file_gives_options_the_command_line_overrides(tmp_path):
+    config = tmp_path / "serve.yml"
+    config.write_text(
+        "model: org/glm\ntensor-parallel-size: 2\nmax_model_len: 4k\nenforce-eager: true\n"
+        "enable-prefix-caching: false\nserved-model-name: [a, b]\n"
+        "speculative-config:\n  method: mtp\n  num_speculative_tokens: 2\n"
+        "disable-custom-all-reduce: true\n"
+    )
+    args = parse(["--config", str(config), "--tp", "4"])
+    assert (args.model, args.tp, args.max_model_len, args.enforce_eager) == (
+        "org/glm",
+        4,
+        4000,
+        True,
+    )
+    assert args.enable_prefix_caching is False and args.served_model_name == ["a", "b"]
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    assert args.vllm_notes == [
+        f"--disable-custom-all-reduce: ignored: {VERDICT['--disable-custom-all-reduce'].note}"
+    ]
+    assert parse(["MODEL", f"--config={config}"]).model_tag == "MODEL"
+
+
+@pytest.mark.parametrize(
+    "text, name, expected",
+    [
+        ("port: 1\n", "options.json", "--config: expected a .yaml or .yml file, got"),
+        ("- a\n- b\n", "list.yaml", "expected a mapping of options, got list"),
+        ("a: [\n", "bad.yaml", "--config"),
+    ],
+)
+def test_a_bad_config_file_is_one_line(text, name, expected, tmp_path):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        parse(["--config", str(path)])
+    with pytest.raises(ValueError, match="no such file|No such file"):
+        parse(["--config", str(tmp_path / "absent.yaml")])
 
 
 def test_an_ignored_flag_is_noted_once(capsys):
