@@ -35,7 +35,11 @@ RECIPE = (
     "--chat-template-content-format=string --served-model-name glm-5.2 glm --max-model-len 128k"
 ).split()
 # what a user adds to it: accepted flags, and the room on a CPU (2 requests of 128k tokens in the paged cache)
-EXTRA = "--trust-remote-code --enable-chunked-prefill --disable-log-requests --dtype auto --block-size 64 --seed 7"
+EXTRA = (
+    "--trust-remote-code --enable-chunked-prefill --disable-log-requests --dtype auto --block-size 64 --seed 7 "
+    '--disable-custom-all-reduce --disable-fastapi-docs --allowed-origins ["*"] -O3 '
+    "--max-cudagraph-capture-size 64 --structured-outputs-config.backend xgrammar"
+)
 START_TIMEOUT_S = 180
 
 
@@ -92,7 +96,11 @@ def test_the_recipe_line_serves_the_model_id_from_the_cache(server, hf_home):
     text = log.read_text()
     snapshot = hf_home / "hub" / f"models--{REPO.replace('/', '--')}" / "snapshots" / REV
     for line in (
-        "spmoe serve: --trust-remote-code: accepted: spmoe runs no code from the checkpoint",
+        "spmoe serve: --trust-remote-code: ignored: spmoe runs no code from the checkpoint",
+        "spmoe serve: --disable-custom-all-reduce: ignored: a tuning knob of vLLM's kernels",
+        "spmoe serve: --allowed-origins: ignored: spmoe sends no CORS headers",
+        "spmoe serve: --optimization-level: ignored: spmoe does not torch.compile",
+        "spmoe serve: --structured-outputs-config: ignored: spmoe constrains every grammar with xgrammar",
         "spmoe serve: --enable-expert-parallel: spmoe's routed experts are always expert-parallel over all ranks",
         f"spmoe serve: generation defaults from {snapshot / 'generation_config.json'}: temperature=0.7, top_p=0.8, "
         "max_tokens=5",
