@@ -263,9 +263,9 @@ VLLM_FLAGS = (
     ),
     VllmFlag(
         ("--disable-expert-parallel", "--no-enable-expert-parallel"),
-        "refused",
-        "turning expert parallelism off",
-        "leave the flag out: spmoe's routed experts are always split over all ranks",
+        "ignored",
+        "spmoe's routed experts are always expert-parallel over all ranks; the layout does not "
+        "change the answers",
     ),
     VllmFlag(
         ("--pipeline-parallel-size", "-pp"),
@@ -724,6 +724,10 @@ VLLM_FLAGS = (
         "leave the flag out",
         "--enable-return-routed-experts",
         "--return-sampling-mask",
+    ),
+    *_refused(
+        "forcing decoding along a given trace of tokens",
+        "leave the flag out",
         "--enable-trace-replay",
     ),
     VllmFlag(
