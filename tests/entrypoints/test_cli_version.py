@@ -14,4 +14,3 @@ def test_version_flag(capsys):
     assert e.value.code == 0
     assert capsys.readouterr().out == f"spmoe {version('spmoe')}\n"
     assert spmoe.__version__ == version("spmoe")  # the module and the package metadata agree
-
