@@ -250,9 +250,10 @@ def add_serve_args(p) -> None:
     server.add_argument(
         "--api-key",
         action=OneOfSeveral,  # vLLM takes several keys
+        metavar="KEY",
         default=os.environ.get("SPMOE_API_KEY"),
         help="every route but /health and /metrics needs 'Authorization: Bearer <key>' (default: env "
-        "SPMOE_API_KEY; none: no key needed)",
+        "SPMOE_API_KEY; none: no key needed); one key: several, as vLLM takes them, are an error",
     )
     server.add_argument(
         "--max-request-bytes",
