@@ -209,6 +209,7 @@ class EngineArgs:
         default=False,
         metadata=option(
             "--enable-expert-parallel",
+            "-ep",
             action="store_true",
             help="accepted for vLLM's command lines: the routed experts are always expert-parallel over all "
             "tp * dp ranks",
@@ -315,6 +316,7 @@ class EngineArgs:
         default=None,
         metadata=option(
             "--gpu-memory-utilization",
+            "--device-memory-utilization",
             type=float,
             metavar="F",
             help="paged cache as this share of the GPU memory free once the weights are loaded (CUDA)",

@@ -6,6 +6,7 @@ import signal
 import sys
 from functools import partial
 
+import spmoe
 from spmoe.config import ModelConfig
 from spmoe.distributed import RankFailed, Stopped, spawn
 from spmoe.distributed.selfcheck import layout_selfcheck
@@ -13,6 +14,7 @@ from spmoe.engine.args import LAYOUT_OPTIONS, EngineArgs
 from spmoe.engine.vllm_values import fold_dotted
 from spmoe.entrypoints.jobs import write_atomically
 from spmoe.entrypoints.serve.server import add_serve_args, cmd_serve
+from spmoe.entrypoints.vllm_flags import dotted_options, vllm_argv, with_config_file
 
 
 def cmd_selfcheck(args) -> int:
@@ -137,7 +139,15 @@ def add_model_args(p, engine_options: tuple[str, ...] | None = None) -> None:
 DOTTED_OPTIONS = (
     "--speculative-config",
     "--hf-overrides",
-)  # JSON options vLLM also takes as dotted keys
+)  # JSON options spmoe reads, which vLLM also takes as dotted keys
+
+
+def prepare_argv(argv: list[str]) -> list[str]:
+    """The command line as the parser reads it: a `--config` file's options spliced in
+    (`with_config_file`), vLLM's spellings rewritten (`vllm_argv`), and the dotted forms of JSON
+    options folded into one JSON value each (`fold_dotted`)."""
+    argv = vllm_argv(with_config_file(argv))
+    return fold_dotted(argv, (*DOTTED_OPTIONS, *dotted_options(argv)))
 
 
 class AliasHelpFormatter(argparse.HelpFormatter):
@@ -164,9 +174,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 def main(argv=None) -> int:
     parser = OneLineParser(prog="spmoe", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"spmoe {spmoe.__version__}")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        argv = fold_dotted(argv, DOTTED_OPTIONS)
+        argv = prepare_argv(argv)
     except ValueError as e:
         parser.error(str(e))
     sub = parser.add_subparsers(dest="command", required=True)

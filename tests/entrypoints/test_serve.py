@@ -328,8 +328,8 @@ def test_concurrent_streams_match_their_text_alone(server):
         together = list(pool.map(stream, range(16)))
     assert together == alone
     metrics = httpx.get(base + "/metrics").text
-    assert 'spmoe:time_to_first_token_seconds_count{model_name="tiny"}' in metrics
-    assert 'spmoe:num_requests_running{model_name="tiny"} 0.0' in metrics
+    assert 'vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"}' in metrics
+    assert 'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0' in metrics
 
 
 def test_constrained_outputs_through_the_server(server):
@@ -417,9 +417,7 @@ def test_agent_loop_through_the_server(server):
 def generated_tokens(base: str) -> float:
     metrics = httpx.get(base + "/metrics").text.splitlines()
     return float(
-        next(line for line in metrics if line.startswith("spmoe:generation_tokens_total")).split()[
-            1
-        ]
+        next(line for line in metrics if line.startswith("vllm:generation_tokens_total")).split()[1]
     )
 
 
@@ -444,7 +442,8 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream):
             httpx.post(base + "/v1/completions", json=body, timeout=1.0)
     deadline = time.monotonic() + 10
     while (
-        'spmoe:num_requests_running{model_name="tiny"} 0.0' not in httpx.get(base + "/metrics").text
+        'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0'
+        not in httpx.get(base + "/metrics").text
     ):
         assert time.monotonic() < deadline, "the request still runs 10 s after its client went away"
         time.sleep(0.1)

@@ -305,28 +305,64 @@ def test_models_health_metrics(served):
     engine.preemptions = 5
     text = http.get("/metrics").text
     for line in (
-        'spmoe:num_preemptions_total{model_name="tiny"} 5.0',
-        'spmoe:num_requests_running{model_name="tiny"} 1.0',
-        'spmoe:num_requests_waiting{model_name="tiny"} 2.0',
-        'spmoe:kv_cache_usage_perc{model_name="tiny"} 0.25',
-        'spmoe:generation_tokens_total{model_name="tiny"} 7.0',
-        'spmoe:prefix_cache_queries_total{model_name="tiny"} 40.0',
-        'spmoe:prefix_cache_hits_total{model_name="tiny"} 30.0',
-        'spmoe:spec_decode_num_drafts_total{model_name="tiny"} 2.0',
-        'spmoe:spec_decode_num_draft_tokens_total{model_name="tiny"} 4.0',
-        'spmoe:spec_decode_num_accepted_tokens_total{model_name="tiny"} 3.0',
-        'spmoe:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"} 2.0',
-        'spmoe:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 1.0',
-        'spmoe:time_to_first_token_seconds_count{model_name="tiny"} 1.0',
-        'spmoe:inter_token_latency_seconds_count{model_name="tiny"} 3.0',
-        'spmoe:time_per_output_token_seconds_count{model_name="tiny"} 1.0',
-        'spmoe:e2e_request_latency_seconds_count{model_name="tiny"} 1.0',
-        'spmoe:request_prompt_tokens_sum{model_name="tiny"} 2.0',
-        'spmoe:request_generation_tokens_sum{model_name="tiny"} 4.0',
-        'spmoe:prompt_tokens_total{model_name="tiny"} 2.0',
-        'spmoe:request_success_total{finished_reason="length",model_name="tiny"} 1.0',
+        'vllm:num_preemptions_total{engine="0",model_name="tiny"} 5.0',
+        'vllm:num_requests_running{engine="0",model_name="tiny"} 1.0',
+        'vllm:num_requests_waiting{engine="0",model_name="tiny"} 2.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25',
+        'vllm:generation_tokens_total{engine="0",model_name="tiny"} 7.0',
+        'vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 40.0',
+        'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 30.0',
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="tiny"} 2.0',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="tiny"} 4.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="tiny"} 3.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"} 2.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="1"} 1.0',
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 1.0',
+        'vllm:inter_token_latency_seconds_count{engine="0",model_name="tiny"} 3.0',
+        'vllm:request_time_per_output_token_seconds_count{engine="0",model_name="tiny"} 1.0',
+        'vllm:e2e_request_latency_seconds_count{engine="0",model_name="tiny"} 1.0',
+        'vllm:request_prompt_tokens_sum{engine="0",model_name="tiny"} 2.0',
+        'vllm:request_generation_tokens_sum{engine="0",model_name="tiny"} 4.0',
+        'vllm:prompt_tokens_total{engine="0",model_name="tiny"} 2.0',
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 1.0',
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 0.0',
+        'vllm:request_decode_time_seconds_count{engine="0",model_name="tiny"} 1.0',
+        'vllm:request_params_n_sum{engine="0",model_name="tiny"} 1.0',
+        'vllm:request_params_max_tokens_sum{engine="0",model_name="tiny"} 4.0',
+        'vllm:request_max_num_generation_tokens_sum{engine="0",model_name="tiny"} 4.0',
+        'spmoe:engine_steps_total{engine="0",model_name="tiny"} 0.0',
     ):
         assert line in text, line
+    assert "spmoe:num_requests" not in text and "vllm:engine_steps" not in text  # each in its place
+
+
+def test_histograms_have_vllms_buckets(served):
+    """vLLM 0.34's default buckets (vllm/v1/metrics/buckets.py), for a max_model_len of 66."""
+    _, _, http = served
+    text = http.get("/metrics").text
+
+    def bounds(name: str) -> list[str]:
+        prefix = f'vllm:{name}_bucket{{engine="0",le="'
+        return [
+            line[len(prefix) :].split('"')[0]
+            for line in text.splitlines()
+            if line.startswith(prefix)
+        ]
+
+    latency = "0.3 0.5 0.8 1.0 1.5 2.0 2.5 5.0 10.0 15.0 20.0 30.0 40.0 50.0 60.0 120.0 240.0"
+    latency += " 480.0 960.0 1920.0 7680.0"
+    assert bounds("e2e_request_latency_seconds") == [*latency.split(), "+Inf"]
+    assert bounds("request_decode_time_seconds") == [*latency.split(), "+Inf"]
+    ttft = "0.001 0.005 0.01 0.02 0.04 0.06 0.08 0.1 0.25 0.5 0.75 1.0 2.5 5.0 7.5 10.0 20.0 40.0"
+    ttft += " 80.0 160.0 640.0 2560.0"
+    assert bounds("time_to_first_token_seconds") == [*ttft.split(), "+Inf"]
+    itl = "0.01 0.025 0.05 0.075 0.1 0.15 0.2 0.3 0.4 0.5 0.75 1.0 2.5 5.0 7.5 10.0 20.0 40.0 80.0"
+    assert bounds("inter_token_latency_seconds") == [*itl.split(), "+Inf"]
+    assert bounds("request_time_per_output_token_seconds") == [*itl.split(), "+Inf"]
+    tokens = ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "+Inf"]  # 1-2-5 up to max_model_len 66
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens"):
+        assert bounds(name) == tokens, name
+    assert bounds("request_params_n") == ["1.0", "2.0", "5.0", "10.0", "20.0", "+Inf"]
 
 
 def test_several_names_and_the_models_generation_defaults(tokenizer):

@@ -35,7 +35,11 @@ RECIPE = (
     "--chat-template-content-format=string --served-model-name glm-5.2 glm --max-model-len 128k"
 ).split()
 # what a user adds to it: accepted flags, and the room on a CPU (2 requests of 128k tokens in the paged cache)
-EXTRA = "--trust-remote-code --enable-chunked-prefill --disable-log-requests --dtype auto --block-size 64 --seed 7"
+EXTRA = (
+    "--trust-remote-code --enable-chunked-prefill --disable-log-requests --dtype auto --block-size 64 --seed 7 "
+    '--disable-custom-all-reduce --disable-fastapi-docs --allowed-origins ["*"] -O3 '
+    "--max-cudagraph-capture-size 64 --structured-outputs-config.backend xgrammar"
+)
 START_TIMEOUT_S = 180
 
 
@@ -92,7 +96,11 @@ def test_the_recipe_line_serves_the_model_id_from_the_cache(server, hf_home):
     text = log.read_text()
     snapshot = hf_home / "hub" / f"models--{REPO.replace('/', '--')}" / "snapshots" / REV
     for line in (
-        "spmoe serve: --trust-remote-code: accepted: spmoe runs no code from the checkpoint",
+        "spmoe serve: --trust-remote-code: ignored: spmoe runs no code from the checkpoint",
+        "spmoe serve: --disable-custom-all-reduce: ignored: a tuning knob of vLLM's kernels",
+        "spmoe serve: --allowed-origins: ignored: spmoe sends no CORS headers",
+        "spmoe serve: --optimization-level: ignored: spmoe does not torch.compile",
+        "spmoe serve: --structured-outputs-config: ignored: spmoe constrains every grammar with xgrammar",
         "spmoe serve: --enable-expert-parallel: spmoe's routed experts are always expert-parallel over all ranks",
         f"spmoe serve: generation defaults from {snapshot / 'generation_config.json'}: temperature=0.7, top_p=0.8, "
         "max_tokens=5",
@@ -144,7 +152,7 @@ def test_structured_output_on_the_speculating_server(server):
 
     base, _ = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    drafted_before = spec_counter(base, "spmoe:spec_decode_num_draft_tokens")
+    drafted_before = spec_counter(base, "vllm:spec_decode_num_draft_tokens")
     schema = {
         "type": "object",
         "properties": {
@@ -181,7 +189,7 @@ def test_structured_output_on_the_speculating_server(server):
         ).choices[0]
         assert reply.finish_reason == "stop" and reply.text in ("red", "blue", "green"), reply
     # the constrained requests were speculated: every step of theirs drafted a token (6 requests, >= 1 step each)
-    assert spec_counter(base, "spmoe:spec_decode_num_draft_tokens") - drafted_before >= 6
+    assert spec_counter(base, "vllm:spec_decode_num_draft_tokens") - drafted_before >= 6
 
 
 def spec_counter(base: str, name: str) -> float:
@@ -214,12 +222,12 @@ def spec_counter(base: str, name: str) -> float:
             "--data-parallel-address 10.0.0.2: spmoe does not support vLLM's",
         ),
         (
-            ["--enable-eplb"],
-            "--enable-eplb: spmoe does not support expert load balancing; experts are placed",
+            ["--enable-lora"],
+            "--enable-lora: spmoe does not support LoRA adapters; merge the adapter",
         ),
         (
-            ["--compilation-config", "{}"],
-            "--compilation-config {}: spmoe does not support torch.compile",
+            ["--kv-transfer-config.kv_connector", "NixlConnector"],
+            '--kv-transfer-config {"kv_connector": "NixlConnector"}: spmoe does not support',
         ),
         (
             ["--speculative-config", '{"method": "eagle3"}'],

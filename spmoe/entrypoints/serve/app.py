@@ -275,7 +275,7 @@ class OpenAIApi:
             await streams.aclose()
             raise failed
         prompt_tokens = sum(len(c.prompt) for c in choices if c.index % body.n == 0)
-        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.observe_request(prompt_tokens, body.n, max(c.max_new_tokens for c in choices))
         render = Render(
             self.token_texts, kind, choices, generations, parsers, body.return_tokens_as_token_ids
         )

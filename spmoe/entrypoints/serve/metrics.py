@@ -1,132 +1,144 @@
-"""`/metrics` in the Prometheus text format, from the server's own registry, under vLLM's metric names with
-the `spmoe:` prefix and a `model_name` label (so that dashboards built for vLLM work after swapping the prefix).
+"""`/metrics` in the Prometheus text format, from the server's own registry.
 
-The engine's state (requests running and waiting, KV cache usage, generated tokens, preemptions, MTP drafts,
-prefix cache queries and hits in tokens, steps, and the kernel compiles and CUDA graph captures: in all, and
-after the server reported ready) is read from
-`client.metrics()` when Prometheus scrapes; the request metrics are recorded by the front end as tokens reach it:
+vLLM's series keep vLLM's names, labels and buckets (the `vllm:` prefix, labels `model_name` and
+`engine`, the buckets of vLLM 0.34's defaults), so that vLLM's Grafana dashboards and alerts read
+spmoe unchanged; spmoe's own extra series carry the `spmoe:` prefix. docs/vllm-compatibility.md
+lists them.
+
+The engine's state (requests running and waiting, KV cache usage, generated tokens, preemptions,
+MTP drafts, prefix cache queries and hits in tokens, and spmoe's steps, kernel compiles and CUDA
+graph captures) is read from `client.metrics()` when Prometheus scrapes. The request metrics are
+recorded by the front end as tokens reach it:
 - `time_to_first_token_seconds`: from the request's arrival to its first generated token;
-- `inter_token_latency_seconds`: between a request's successive tokens (a step that brings several tokens,
-  accepted MTP drafts, counts as that many intervals of its time divided by the tokens);
-- `time_per_output_token_seconds`: per finished request, its decode time over its tokens after the first;
-- `e2e_request_latency_seconds`, `request_prompt_tokens`, `request_generation_tokens`: per finished request;
-- `request_success_total`, by `finished_reason`.
+- `inter_token_latency_seconds`: between a request's successive tokens (a step that brings several
+  tokens, accepted MTP drafts, counts as that many intervals of its time divided by the tokens);
+- per finished request: `e2e_request_latency_seconds` (arrival to the last token),
+  `request_decode_time_seconds` (first token to last), `request_time_per_output_token_seconds` (that
+  over the tokens after the first; 0 for one token, as vLLM does), `request_prompt_tokens`,
+  `request_generation_tokens`, and `request_success_total` by `finished_reason`;
+- per request admitted: `prompt_tokens_total`, `request_params_n`, `request_params_max_tokens` and
+  `request_max_num_generation_tokens` (the largest max_tokens of its choices).
+Not exposed: vLLM's `request_queue_time_seconds`, `request_prefill_time_seconds` and
+`request_inference_time_seconds`, which split the time before the first token at the moment the
+engine first schedules a request; the engine does not report that moment to the front end.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PREFIX = "spmoe:"
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+VLLM = "vllm:"  # vLLM's series, under vLLM's names
+OWN = "spmoe:"  # spmoe's extra series
+LABELS = ("model_name", "engine")  # vLLM's labels of every series; `engine` is the engine's index
+ENGINE = "0"  # spmoe serves through one engine loop (its DP groups are inside it)
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's, all exposed from 0
+# vLLM 0.34's default buckets
+REQUEST_LATENCY_BUCKETS = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
+    *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
+TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0),
+    *(20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+ITL_BUCKETS = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0),
+    *(20.0, 40.0, 80.0),
+)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's buckets of token counts: 1, 2, 5, 10, 20, 50, ... up to `max_model_len`."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class EngineCollector:
-    """The engine's snapshot as Prometheus metrics, taken at every scrape. With MTP on, the speculation
-    counters carry vLLM's names under the `spmoe:` prefix and a `model_name` label: drafts verified, draft
-    tokens proposed and accepted, and accepted drafts per position (label `position`, 0 for the first draft);
-    acceptance rate = accepted / draft tokens, mean accepted length = 1 + accepted / drafts."""
+    """The engine's snapshot as Prometheus metrics, taken at every scrape. With MTP on, the
+    speculation counters: drafts verified, draft tokens proposed and accepted, and accepted drafts
+    per position (label `position`, 0 for the first draft); acceptance rate = accepted / draft
+    tokens, mean accepted length = 1 + accepted / drafts."""
 
     def __init__(self, client, model_name: str):
-        self.client, self.model_name = client, model_name
+        self.client, self.labels = client, [model_name, ENGINE]
 
     def collect(self):
         m = self.client.metrics()
-        rows = (
-            (GaugeMetricFamily, "num_requests_running", "Requests in the running batch", m.running),
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        rows = [
+            (gauge, VLLM, "num_requests_running", "Requests in the running batch", m.running),
+            (gauge, VLLM, "num_requests_waiting", "Requests waiting to be scheduled", m.waiting),
+            (gauge, VLLM, "kv_cache_usage_perc", "KV cache in use (1 = full)", m.kv_cache_usage),
+            (counter, VLLM, "generation_tokens", "Tokens generated", m.generated_tokens),
             (
-                GaugeMetricFamily,
-                "num_requests_waiting",
-                "Requests waiting to be scheduled",
-                m.waiting,
-            ),
-            (
-                GaugeMetricFamily,
-                "kv_cache_usage_perc",
-                "Share of the KV cache in use (1 = full)",
-                m.kv_cache_usage,
-            ),
-            (
-                CounterMetricFamily,
-                "generation_tokens",
-                "Tokens generated by the engine",
-                m.generated_tokens,
-            ),
-            (
-                CounterMetricFamily,
+                counter,
+                VLLM,
                 "prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache",
                 m.prefix_cache_queries,
             ),
             (
-                CounterMetricFamily,
+                counter,
+                VLLM,
                 "prefix_cache_hits",
                 "Prompt tokens found in the prefix cache",
                 m.prefix_cache_hits,
             ),
+            (counter, VLLM, "num_preemptions", "Running requests preempted", m.preemptions),
+            (counter, OWN, "engine_steps", "Engine steps run", m.steps),
             (
-                CounterMetricFamily,
-                "num_preemptions",
-                "Running requests preempted (recomputed later)",
-                m.preemptions,
-            ),
-            (CounterMetricFamily, "engine_steps", "Engine steps run", m.steps),
-            (
-                CounterMetricFamily,
+                counter,
+                OWN,
                 "engine_steps_compiling",
                 "Engine steps that compiled a kernel or captured a graph",
                 m.steps_compiling,
             ),
+            (counter, OWN, "kernel_compiles", "Triton kernel variants loaded", m.kernel_compiles),
+            (counter, OWN, "cuda_graph_captures", "CUDA graphs captured", m.graph_captures),
             (
-                CounterMetricFamily,
-                "kernel_compiles",
-                "Triton kernel variants loaded",
-                m.kernel_compiles,
-            ),
-            (CounterMetricFamily, "cuda_graph_captures", "CUDA graphs captured", m.graph_captures),
-            (
-                CounterMetricFamily,
+                counter,
+                OWN,
                 "compiles_after_ready",
-                "Kernel compiles and CUDA graph captures after the server reported ready (0 when warm-up foresaw all)",
+                "Kernel compiles and CUDA graph captures after the server reported ready",
                 m.compiles_after_ready,
             ),
-        )
+        ]
         if self.client.num_speculative_tokens:
-            rows += (
+            rows += [
+                (counter, VLLM, "spec_decode_num_drafts", "MTP draft verifications", m.drafts),
                 (
-                    CounterMetricFamily,
-                    "spec_decode_num_drafts",
-                    "Verifications of a sequence's MTP drafts",
-                    m.drafts,
-                ),
-                (
-                    CounterMetricFamily,
+                    counter,
+                    VLLM,
                     "spec_decode_num_draft_tokens",
                     "MTP draft tokens proposed",
                     m.draft_proposed,
                 ),
                 (
-                    CounterMetricFamily,
+                    counter,
+                    VLLM,
                     "spec_decode_num_accepted_tokens",
                     "MTP draft tokens accepted",
                     m.draft_accepted,
                 ),
-            )
-        for kind, name, text, value in rows:
-            family = kind(PREFIX + name, text, labels=["model_name"])
-            family.add_metric([self.model_name], value)
+            ]
+        for kind, prefix, name, text, value in rows:
+            family = kind(prefix + name, text, labels=LABELS)
+            family.add_metric(self.labels, value)
             yield family
         if self.client.num_speculative_tokens:
             per_position = CounterMetricFamily(
-                PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                VLLM + "spec_decode_num_accepted_tokens_per_pos",
                 "MTP drafts accepted, by draft position",
-                labels=["model_name", "position"],
+                labels=[*LABELS, "position"],
             )
             for position, count in enumerate(m.accepted_per_position):
-                per_position.add_metric([self.model_name, str(position)], count)
+                per_position.add_metric([*self.labels, str(position)], count)
             yield per_position
 
 
@@ -135,12 +147,12 @@ class ServeMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(client, model_name))
         self.model_name = model_name
+        labels = (model_name, ENGINE)
+        tokens = token_buckets(client.max_model_len)
 
         def histogram(name: str, text: str, buckets: tuple) -> Histogram:
-            made = Histogram(
-                PREFIX + name, text, ["model_name"], buckets=buckets, registry=self.registry
-            )
-            return made.labels(model_name)
+            made = Histogram(VLLM + name, text, LABELS, buckets=buckets, registry=self.registry)
+            return made.labels(*labels)
 
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS
@@ -149,34 +161,54 @@ class ServeMetrics:
             "inter_token_latency_seconds", "Time between a request's tokens", ITL_BUCKETS
         )
         self.time_per_output_token = histogram(
-            "time_per_output_token_seconds",
+            "request_time_per_output_token_seconds",
             "A finished request's decode time per token after the first",
             ITL_BUCKETS,
         )
         self.e2e_latency = histogram(
-            "e2e_request_latency_seconds", "Arrival to last token", E2E_BUCKETS
+            "e2e_request_latency_seconds", "Arrival to last token", REQUEST_LATENCY_BUCKETS
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token", REQUEST_LATENCY_BUCKETS
         )
         self.request_prompt_tokens = histogram(
-            "request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS
+            "request_prompt_tokens", "Prompt tokens per request", tokens
         )
         self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Generated tokens per request", TOKEN_BUCKETS
+            "request_generation_tokens", "Generated tokens per request", tokens
         )
+        self.max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "The largest max_tokens of a request", tokens
+        )
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens of a request", tokens
+        )
+        self.params_n = histogram("request_params_n", "The n of a request", N_BUCKETS)
         self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens",
+            VLLM + "prompt_tokens",
             "Prompt tokens of admitted requests",
-            ["model_name"],
+            LABELS,
             registry=self.registry,
-        ).labels(model_name)
-        self._finished = Counter(
-            PREFIX + "request_success",
+        ).labels(*labels)
+        finished = Counter(
+            VLLM + "request_success",
             "Requests finished, by finished_reason",
-            ["model_name", "finished_reason"],
+            [*LABELS, "finished_reason"],
             registry=self.registry,
         )
+        self._finished = {reason: finished.labels(*labels, reason) for reason in FINISHED_REASONS}
+        self._finished_family = finished
+
+    def observe_request(self, prompt_tokens: int, n: int, max_tokens: int) -> None:
+        """A request was admitted: its prompt tokens (once per prompt), `n` and max_tokens."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(max_tokens)
+        self.max_num_generation_tokens.observe(max_tokens)
 
     def observe_tokens(self, count: int, since_last: float, first: bool) -> None:
-        """`count` tokens arrived `since_last` seconds after the request's previous tokens (or its arrival)."""
+        """`count` tokens arrived `since_last` seconds after the request's previous tokens (or its
+        arrival)."""
         if first:
             self.time_to_first_token.observe(since_last)
             count -= 1
@@ -193,12 +225,19 @@ class ServeMetrics:
         generated: int,
     ) -> None:
         """A request ended with `reason` after `seconds` (its first token after `first_token_s`)."""
-        self._finished.labels(self.model_name, reason).inc()
+        counter = self._finished.get(reason)
+        if counter is None:  # a reason vLLM does not have: its own series
+            counter = self._finished[reason] = self._finished_family.labels(
+                self.model_name, ENGINE, reason
+            )
+        counter.inc()
         self.e2e_latency.observe(seconds)
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generated)
-        if first_token_s is not None and generated > 1:
-            self.time_per_output_token.observe((seconds - first_token_s) / (generated - 1))
+        if first_token_s is not None:
+            decode = seconds - first_token_s
+            self.decode_time.observe(decode)
+            self.time_per_output_token.observe(decode / (generated - 1) if generated > 1 else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

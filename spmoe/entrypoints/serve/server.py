@@ -36,7 +36,7 @@ from spmoe.entrypoints.serve.client import (
 from spmoe.entrypoints.serve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 from spmoe.entrypoints.serve.supervisor import StopPolicy
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer, read_chat_template
-from spmoe.entrypoints.vllm_flags import add_vllm_flags
+from spmoe.entrypoints.vllm_flags import OneOfSeveral, add_vllm_flags
 
 CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format; auto is string
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -249,9 +249,11 @@ def add_serve_args(p) -> None:
     )
     server.add_argument(
         "--api-key",
+        action=OneOfSeveral,  # vLLM takes several keys
+        metavar="KEY",
         default=os.environ.get("SPMOE_API_KEY"),
         help="every route but /health and /metrics needs 'Authorization: Bearer <key>' (default: env "
-        "SPMOE_API_KEY; none: no key needed)",
+        "SPMOE_API_KEY; none: no key needed); one key: several, as vLLM takes them, are an error",
     )
     server.add_argument(
         "--max-request-bytes",

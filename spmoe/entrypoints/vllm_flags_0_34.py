@@ -1,0 +1,354 @@
+"""Every option `vllm serve` 0.34.0 registers: facts (names and arity) read from the parser that
+vLLM's wheel builds (`pip download --no-deps vllm==0.34.0`, then
+`vllm.entrypoints.common.cli_args.make_arg_parser`); no code or help text copied.
+
+One line per vLLM option: its names (the long name, its short aliases, then the forms hidden from
+`--help`, such as `--no-enable-*` and `--no-disable-*`), then its arity: `switch` (no value),
+`value`, `values` (one or more), `optional` (a value or none) or `json` (a JSON object, which vLLM
+also takes as dotted keys: `--X.key value`).
+
+vLLM's parser also reads `--x_y` as `--x-y`, and rewrites `-O3`, `-O=3` and `-O 3` to
+`--optimization-level 3`; `spmoe serve` does the same before it parses.
+"""
+
+VERSION = "0.34.0"
+
+OPTIONS = """
+--help -h switch
+--headless switch
+--headless-client-handshake-address value
+--api-server-count -asc value
+--config value
+--grpc switch
+--lora-modules values
+--chat-template value
+--chat-template-content-format value
+--trust-request-chat-template --no-trust-request-chat-template switch
+--trust-request-mm-kwargs --no-trust-request-mm-kwargs switch
+--default-chat-template-kwargs json
+--reasoning-effort-map json
+--response-role value
+--return-tokens-as-token-ids --no-return-tokens-as-token-ids switch
+--enable-auto-tool-choice --disable-auto-tool-choice --no-enable-auto-tool-choice switch
+--exclude-tools-when-tool-choice-none --no-exclude-tools-when-tool-choice-none switch
+--tool-call-parser value
+--tool-parser-plugin value
+--tool-strict-level value
+--tool-server value
+--max-log-len value
+--enable-prompt-tokens-details --disable-prompt-tokens-details --no-enable-prompt-tokens-details switch
+--enable-per-request-metrics --disable-per-request-metrics --no-enable-per-request-metrics switch
+--enable-server-load-tracking --disable-server-load-tracking --no-enable-server-load-tracking switch
+--enable-force-include-usage --disable-force-include-usage --no-enable-force-include-usage switch
+--sse-keep-alive-interval value
+--enable-tokenizer-info-endpoint --disable-tokenizer-info-endpoint --no-enable-tokenizer-info-endpoint switch
+--enable-log-outputs --disable-log-outputs --no-enable-log-outputs switch
+--enable-log-deltas --disable-log-deltas --no-enable-log-deltas switch
+--cohere-is-reasoning-model --no-cohere-is-reasoning-model switch
+--cohere-format value
+--anthropic-disabled-thinking-effort value
+--log-error-stack --no-log-error-stack switch
+--tokens-only --no-tokens-only switch
+--enable-scale-out --disable-scale-out --no-enable-scale-out switch
+--fingerprint-mode value
+--fingerprint-value value
+--host value
+--port value
+--grpc-port value
+--data-parallel-supervisor-port value
+--dp-supervisor-probe-interval-s value
+--dp-supervisor-probe-timeout-s value
+--dp-supervisor-probe-failure-threshold value
+--uds value
+--uvicorn-log-level value
+--disable-uvicorn-access-log --enable-uvicorn-access-log --no-disable-uvicorn-access-log switch
+--disable-access-log-for-endpoints value
+--allow-credentials --no-allow-credentials switch
+--allowed-origins json
+--allowed-methods json
+--allowed-headers json
+--api-key values
+--ssl-keyfile value
+--ssl-certfile value
+--ssl-ca-certs value
+--enable-ssl-refresh --disable-ssl-refresh --no-enable-ssl-refresh switch
+--ssl-cert-reqs value
+--ssl-ciphers value
+--root-path value
+--middleware value
+--enable-request-id-headers --disable-request-id-headers --no-enable-request-id-headers switch
+--disable-fastapi-docs --enable-fastapi-docs --no-disable-fastapi-docs switch
+--h11-max-incomplete-event-size value
+--h11-max-header-count value
+--enable-offline-docs --disable-offline-docs --no-enable-offline-docs switch
+--enable-flash-late-interaction --disable-flash-late-interaction --no-enable-flash-late-interaction switch
+--model value
+--runner value
+--convert value
+--tokenizer value
+--tokenizer-mode value
+--trust-remote-code --no-trust-remote-code switch
+--dtype value
+--seed value
+--hf-config-path value
+--allowed-local-media-path value
+--allowed-media-domains values
+--revision value
+--code-revision value
+--tokenizer-revision value
+--max-model-len value
+--quantization -q value
+--quantization-config json
+--allow-deprecated-quantization --no-allow-deprecated-quantization switch
+--enforce-eager --no-enforce-eager switch
+--enable-return-routed-experts --disable-return-routed-experts --no-enable-return-routed-experts switch
+--return-sampling-mask --no-return-sampling-mask switch
+--max-logprobs value
+--logprobs-mode value
+--use-fp64-gumbel --no-use-fp64-gumbel switch
+--enable-trace-replay --disable-trace-replay --no-enable-trace-replay switch
+--disable-sliding-window --enable-sliding-window --no-disable-sliding-window switch
+--disable-cascade-attn --enable-cascade-attn --no-disable-cascade-attn switch
+--skip-tokenizer-init --no-skip-tokenizer-init switch
+--enable-prompt-embeds --disable-prompt-embeds --no-enable-prompt-embeds switch
+--served-model-name values
+--config-format value
+--hf-token optional
+--hf-overrides json
+--model-class-overrides json
+--pooler-config json
+--generation-config value
+--override-generation-config json
+--enable-sleep-mode --disable-sleep-mode --no-enable-sleep-mode switch
+--sleep-mode-backend value
+--sleep-mode-offload-cudagraph --no-sleep-mode-offload-cudagraph switch
+--sleep-preserve-parameter-names values
+--enable-cumem-allocator --disable-cumem-allocator --no-enable-cumem-allocator switch
+--enable-nccl-comm-suspend --disable-nccl-comm-suspend --no-enable-nccl-comm-suspend switch
+--checkpoint-prepare-on-startup --no-checkpoint-prepare-on-startup switch
+--model-impl value
+--logits-processors values
+--io-processor-plugin value
+--renderer-num-workers value
+--load-format value
+--download-dir value
+--safetensors-load-strategy value
+--safetensors-prefetch-num-threads value
+--safetensors-prefetch-block-size value
+--model-loader-extra-config json
+--ignore-patterns values
+--use-tqdm-on-load --no-use-tqdm-on-load switch
+--pt-load-map-location json
+--shuffle-safetensors-files --no-shuffle-safetensors-files switch
+--attention-backend value
+--mamba-backend value
+--mamba-ssu-algorithm value
+--enable-mamba-cache-stochastic-rounding --disable-mamba-cache-stochastic-rounding --no-enable-mamba-cache-stochastic-rounding switch
+--mamba-cache-philox-rounds value
+--reasoning-parser value
+--reasoning-parser-plugin value
+--distributed-executor-backend value
+--pipeline-parallel-size -pp value
+--master-addr value
+--master-port value
+--nnodes -n value
+--node-rank -r value
+--distributed-timeout-seconds value
+--cpu-distributed-timeout-seconds value
+--numa-bind --no-numa-bind switch
+--numa-bind-nodes values
+--numa-bind-cpus values
+--device-ids value
+--tensor-parallel-size -tp value
+--decode-context-parallel-size -dcp value
+--dcp-comm-backend value
+--dcp-q-replicate --no-dcp-q-replicate switch
+--dcp-kv-cache-interleave-size value
+--cp-kv-cache-interleave-size value
+--prefill-context-parallel-size -pcp value
+--data-parallel-size -dp value
+--data-parallel-rank -dpn value
+--data-parallel-start-rank -dpr value
+--data-parallel-size-local -dpl value
+--data-parallel-address -dpa value
+--data-parallel-rpc-port -dpp value
+--data-parallel-backend -dpb value
+--data-parallel-hybrid-lb --no-data-parallel-hybrid-lb -dph switch
+--data-parallel-external-lb --no-data-parallel-external-lb -dpe switch
+--data-parallel-multi-port-external-lb -dpm switch
+--enable-hc-sp --disable-hc-sp --no-enable-hc-sp switch
+--enable-expert-parallel --disable-expert-parallel -ep --no-enable-expert-parallel switch
+--enable-batch-sharded-sampling --disable-batch-sharded-sampling --no-enable-batch-sharded-sampling switch
+--enable-ep-weight-filter --disable-ep-weight-filter --no-enable-ep-weight-filter switch
+--all2all-backend value
+--enable-dbo --disable-dbo --no-enable-dbo switch
+--enable-shm-tensor-arena --disable-shm-tensor-arena --no-enable-shm-tensor-arena switch
+--ubatch-size value
+--enable-elastic-ep --disable-elastic-ep --no-enable-elastic-ep switch
+--elastic-ep-max-dp-size value
+--dbo-decode-token-threshold value
+--dp-sync-interval value
+--dbo-prefill-token-threshold value
+--disable-nccl-for-dp-synchronization --enable-nccl-for-dp-synchronization --no-disable-nccl-for-dp-synchronization switch
+--enable-eplb --disable-eplb --no-enable-eplb switch
+--eplb-config json
+--expert-placement-strategy value
+--max-parallel-loading-workers value
+--ray-workers-use-nsight --no-ray-workers-use-nsight switch
+--disable-custom-all-reduce --enable-custom-all-reduce --no-disable-custom-all-reduce switch
+--worker-cls value
+--worker-extension-cls value
+--enable-fault-tolerance --disable-fault-tolerance --no-enable-fault-tolerance switch
+--fault-tolerance-config json
+--block-size value
+--gpu-memory-utilization --device-memory-utilization value
+--kv-cache-memory-bytes value
+--enable-extensible-kv-cache --disable-extensible-kv-cache --no-enable-extensible-kv-cache switch
+--kv-cache-dtype value
+--num-gpu-blocks-override value
+--enable-prefix-caching --disable-prefix-caching --no-enable-prefix-caching switch
+--prefix-caching-hash-algo value
+--prefix-cache-retention-interval value
+--kv-cache-dtype-skip-layers values
+--kv-sharing-fast-prefill --no-kv-sharing-fast-prefill switch
+--swa-bounded-replay --no-swa-bounded-replay switch
+--mamba-cache-dtype value
+--mamba-ssm-cache-dtype value
+--mamba-block-size value
+--prefix-match-unit value
+--mamba-cache-mode value
+--enable-mamba-shared-prefix-checkpoint --disable-mamba-shared-prefix-checkpoint --no-enable-mamba-shared-prefix-checkpoint switch
+--replayssm-buffer-len value
+--use-replayssm --no-use-replayssm switch
+--kv-offloading-size value
+--kv-offloading-backend value
+--offload-backend value
+--cpu-offload-gb value
+--cpu-offload-params values
+--offload-group-size value
+--offload-num-in-group value
+--offload-prefetch-step value
+--offload-params values
+--language-model-only --no-language-model-only switch
+--limit-mm-per-prompt json
+--enable-mm-embeds --disable-mm-embeds --no-enable-mm-embeds switch
+--media-io-kwargs json
+--mm-processor-kwargs json
+--mm-processor-cache-gb value
+--mm-processor-cache-type value
+--mm-hasher-algorithm value
+--mm-shm-cache-max-object-size-mb value
+--mm-encoder-only --no-mm-encoder-only switch
+--mm-encoder-tp-mode value
+--mm-encoder-attn-backend value
+--mm-encoder-attn-dtype value
+--mm-encoder-fp8-scale-path value
+--mm-encoder-fp8-scale-save-path value
+--mm-encoder-fp8-scale-save-margin value
+--interleave-mm-strings --no-interleave-mm-strings switch
+--skip-mm-profiling --no-skip-mm-profiling switch
+--video-pruning-rate value
+--video-pruning-method value
+--mm-tensor-ipc value
+--mm-processor-device value
+--mm-ipc-gpu-memory-gb value
+--mm-device-do-normalize --no-mm-device-do-normalize switch
+--enable-lora --disable-lora --no-enable-lora switch
+--max-loras value
+--max-lora-rank value
+--lora-dtype value
+--enable-tower-connector-lora --disable-tower-connector-lora --no-enable-tower-connector-lora switch
+--max-cpu-loras value
+--fully-sharded-loras --no-fully-sharded-loras switch
+--lora-target-modules values
+--default-mm-loras json
+--specialize-active-lora --no-specialize-active-lora switch
+--enable-mixed-moe-lora-format --disable-mixed-moe-lora-format --no-enable-mixed-moe-lora-format switch
+--enable-moe-shared-loras --disable-moe-shared-loras --no-enable-moe-shared-loras switch
+--max-lora-cls-labels value
+--logging-config json
+--log-level value
+--log-config-file value
+--show-hidden-metrics-for-version value
+--otlp-traces-endpoint value
+--collect-detailed-traces values
+--per-request-spec-decode-metrics value
+--kv-cache-metrics --no-kv-cache-metrics switch
+--kv-cache-metrics-sample value
+--custom-histogram-buckets json
+--cudagraph-metrics --no-cudagraph-metrics switch
+--enable-layerwise-nvtx-tracing --disable-layerwise-nvtx-tracing --no-enable-layerwise-nvtx-tracing switch
+--enable-mfu-metrics --disable-mfu-metrics --no-enable-mfu-metrics switch
+--enable-logging-iteration-details --disable-logging-iteration-details --no-enable-logging-iteration-details switch
+--jit-monitor-mode value
+--jit-monitor-verbose --no-jit-monitor-verbose switch
+--max-num-batched-tokens value
+--max-num-scheduled-tokens value
+--max-num-seqs value
+--max-num-active-seqs value
+--max-num-inflight-kv-loads value
+--max-num-queued-reqs value
+--max-num-queued-tokens value
+--long-prefill-token-threshold value
+--long-prefill-token-threshold-adaptive --no-long-prefill-token-threshold-adaptive switch
+--scheduling-policy value
+--enable-chunked-prefill --disable-chunked-prefill --no-enable-chunked-prefill switch
+--disable-chunked-mm-input --enable-chunked-mm-input --no-disable-chunked-mm-input switch
+--scheduler-cls value
+--scheduler-reserve-full-isl --no-scheduler-reserve-full-isl switch
+--watermark value
+--prefill-schedule-interval value
+--cache-aware-admission-window value
+--cache-aware-admission-threshold value
+--disable-hybrid-kv-cache-manager --enable-hybrid-kv-cache-manager --no-disable-hybrid-kv-cache-manager switch
+--async-scheduling --no-async-scheduling switch
+--stream-interval value
+--cudagraph-capture-sizes values
+--max-cudagraph-capture-size value
+--ir-op-priority json
+--enable-flashinfer-autotune --disable-flashinfer-autotune --no-enable-flashinfer-autotune switch
+--monokernel --no-monokernel switch
+--moe-backend value
+--linear-backend value
+--sparse-indexer-topk-backend value
+--speculative-config -sc json
+--spec-method value
+--spec-model value
+--spec-tokens value
+--watermark-config json
+--diffusion-config -dc json
+--kv-transfer-config json
+--kv-events-config json
+--ec-transfer-config json
+--ec-manager-config json
+--compilation-config -cc json
+--attention-config -ac json
+--engram-config json
+--reasoning-config json
+--kernel-config json
+--additional-config json
+--structured-outputs-config json
+--aux-output-config json
+--profiler-config json
+--watchdog-config json
+--optimization-level value
+--performance-mode value
+--weight-transfer-config json
+--disable-log-stats switch
+--aggregate-engine-logging switch
+--fail-on-environ-validation --no-fail-on-environ-validation switch
+--shutdown-timeout value
+--gdn-prefill-backend value
+--kda-prefill-backend value
+--kda-decode-backend value
+--enable-log-requests --disable-log-requests --no-enable-log-requests switch
+"""
+
+
+def options() -> list[tuple[tuple[str, ...], str]]:
+    """(names, kind) per vLLM option, in vLLM's order; kind is the arity named above."""
+    rows = []
+    for line in OPTIONS.strip().splitlines():
+        *names, kind = line.split()
+        rows.append((tuple(names), kind))
+    return rows
