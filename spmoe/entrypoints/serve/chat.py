@@ -112,7 +112,7 @@ class ChatChoices:
 
     def __call__(self, text: str, finish_reason: str | None, stream: bool) -> dict:
         if not stream:
-            message = self.parser.parse(text)
+            message = self.parser.parse(text, cut=finish_reason == "length")
             calls = [call.as_openai() for call in message.tool_calls]
             body = {
                 "role": "assistant",
@@ -128,7 +128,7 @@ class ChatChoices:
             }
         delta = self.parser.feed(text)
         if finish_reason is not None:
-            last = self.parser.flush()
+            last = self.parser.flush(cut=finish_reason == "length")
             delta.reasoning += last.reasoning
             delta.content += last.content
             delta.tool_calls += last.tool_calls

@@ -65,21 +65,22 @@ class ChatOutputParser:
         split = self.reasoning.feed(text) if self.reasoning else ReasoningSplit(content=text)
         return self._calls(split, final=False)
 
-    def flush(self) -> ChatDelta:
+    def flush(self, cut: bool = False) -> ChatDelta:
+        """`cut`: the generation was cut by the length limit (GlmToolCallParser.flush)."""
         split = self.reasoning.flush() if self.reasoning else ReasoningSplit()
-        return self._calls(split, final=True)
+        return self._calls(split, final=True, cut=cut)
 
-    def _calls(self, split: ReasoningSplit, final: bool) -> ChatDelta:
+    def _calls(self, split: ReasoningSplit, final: bool, cut: bool = False) -> ChatDelta:
         if self.tools is None:
             return ChatDelta(split.reasoning, split.content)
         content, deltas = self.tools.feed(split.content)
         if final:
-            rest, more = self.tools.flush()
+            rest, more = self.tools.flush(cut)
             content, deltas = content + rest, deltas + more
         return ChatDelta(split.reasoning, content, deltas)
 
-    def parse(self, text: str) -> ChatMessageOut:
-        whole, last = self.feed(text), self.flush()
+    def parse(self, text: str, cut: bool = False) -> ChatMessageOut:
+        whole, last = self.feed(text), self.flush(cut)
         return ChatMessageOut(
             whole.reasoning + last.reasoning,
             whole.content + last.content,
