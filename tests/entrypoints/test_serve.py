@@ -414,6 +414,57 @@ def test_agent_loop_through_the_server(server):
     )
 
 
+FORCED_TOOL = {  # short names: the demo tokenizer's tokens are bytes, and the prompt lists the tool
+    "type": "function",
+    "function": {
+        "name": "w",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "c": {"type": "string", "maxLength": 6},
+                "u": {"enum": ["c", "f"]},
+                "d": {"type": "integer", "minimum": 1, "maximum": 14},
+            },
+            "required": ["c", "u", "d"],
+        },
+    },
+}
+
+
+def test_forced_calls_follow_their_schemas_through_the_server(server):
+    """50 sampled calls of the random-weight model, `required` and named, 8 at once: every call that
+    finished is valid under its tool's schema (maxLength, enum, integer bounds), and they all finish."""
+    import jsonschema
+
+    _, base, _ = server
+    client = openai_client(base)
+    named = {"type": "function", "function": {"name": "w"}}
+
+    def ask(seed: int):
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[FORCED_TOOL],
+            tool_choice=named if seed % 2 else "required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=200,
+        )
+        return reply.choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        choices = list(pool.map(ask, range(50)))
+    finished = [c for c in choices if c.finish_reason == "tool_calls"]
+    for choice in finished:
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "w"
+        jsonschema.validate(
+            json.loads(call.function.arguments), FORCED_TOOL["function"]["parameters"]
+        )
+    assert len(finished) == 50, [c.finish_reason for c in choices]
+
+
 def generated_tokens(base: str) -> float:
     metrics = httpx.get(base + "/metrics").text.splitlines()
     return float(

@@ -182,7 +182,10 @@ def test_client_helpers(tokenizer, monkeypatch):
     assert final.choices[0].message.tool_calls[0].function.parsed_arguments == Weather(
         city="Paris", days=2
     )
-    assert engine.requests[-1].grammar is None  # "auto": the model decides
+    auto = engine.requests[
+        -1
+    ].grammar  # "auto": the model decides; a call it opens follows the schema
+    assert auto.kind == "ebnf" and 'TagDispatch(\n  ("<tool_call>"' in auto.text
 
 
 def test_thinking_off_and_tool_choice_none(tokenizer):

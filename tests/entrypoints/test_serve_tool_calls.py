@@ -4,6 +4,7 @@ client takes for a valid call), never repaired; streamed and whole answers agree
 
 import json
 
+import openai
 import pytest
 from fastapi.testclient import TestClient
 from langchain_openai import ChatOpenAI
@@ -89,3 +90,19 @@ def test_langchain_files_a_cut_call_as_invalid(tokenizer):
         ("get_weather", {"city": "Paris", "days": 2})
     ]
     assert engine.requests[-1].grammar is not None  # "any" is "required": the call is constrained
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_a_schema_feature_it_cannot_enforce_is_a_400(tokenizer, tool_choice):
+    city = {"type": "string", "not": {"const": "Paris"}}
+    parameters = {**TOOL["function"]["parameters"], "properties": {"city": city}}
+    tool = {"type": "function", "function": {**TOOL["function"], "parameters": parameters}}
+    client = _client(AgentEngine(tokenizer), tokenizer, GLM)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(
+            model="glm", messages=[USER], tools=[tool], tool_choice=tool_choice
+        )
+    assert (
+        "tool 'get_weather': parameters.properties.city uses 'not', which the tool-call grammar "
+        "cannot enforce (docs/glm-chat.md lists what it enforces)"
+    ) in error.value.message
