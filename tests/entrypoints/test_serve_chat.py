@@ -244,8 +244,9 @@ def test_tool_choice_required_and_named_constrain(tokenizer):
         ),
         (
             ChatOptions(),
-            {"tools": [TOOL], "tool_choice": "required"},
-            "needs the server started with --tool-call-parser",
+            {"tools": [TOOL]},
+            'tool_choice "auto" needs the server started with --tool-call-parser and '
+            "--enable-auto-tool-choice",
         ),
         (GLM, {"tool_choice": "required"}, "tool_choice \"required\" needs 'tools'"),
         (

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from langchain_openai import ChatOpenAI
 
 from spmoe.entrypoints.serve.app import ApiSettings, build_app
+from spmoe.entrypoints.serve.chat import ChatOptions
 from tests.entrypoints.test_serve_chat import CALL, GLM, TOOL, USER, AgentEngine, _client
 
 LOOK = CALL.index("<tool_call>")  # where the call starts in the scripted reply
@@ -106,3 +107,66 @@ def test_a_schema_feature_it_cannot_enforce_is_a_400(tokenizer, tool_choice):
         "tool 'get_weather': parameters.properties.city uses 'not', which the tool-call grammar "
         "cannot enforce (docs/glm-chat.md lists what it enforces)"
     ) in error.value.message
+
+
+GLM_CALL = (
+    "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
+    "<arg_value>2</arg_value></tool_call>"
+)
+JSON_CALL = '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}]'
+PLAIN_TEMPLATE = (  # a chat template that is not GLM's: it knows nothing of <arg_key>
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content or '' }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def plain_tokenizer(tmp_path_factory):
+    from spmoe.entrypoints.demo import write_demo_tokenizer
+    from spmoe.entrypoints.serve.tokenizer import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("plain_tokenizer")
+    write_demo_tokenizer(folder)
+    plain = load_tokenizer(folder)
+    plain.chat_template = PLAIN_TEMPLATE
+    return plain
+
+
+@pytest.mark.parametrize("template", ["glm", "plain"])
+def test_forced_calls_without_a_tool_call_parser(tokenizer, plain_tokenizer, template):
+    """A plain `spmoe serve` (no --tool-call-parser) serves `required` and a named function, as vLLM does:
+    GLM's call format where the template is GLM's, a JSON list of calls otherwise; the output's grammar
+    takes the scripted reply, and the reply comes back as the call, whole and streamed, and to LangChain."""
+    tok, reply = (tokenizer, GLM_CALL) if template == "glm" else (plain_tokenizer, JSON_CALL)
+    engine = AgentEngine(tok)
+    engine.reply = reply
+    client = _client(engine, tok, ChatOptions())
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in ("required", named):
+        request = dict(model="glm", messages=[USER], tools=[TOOL], tool_choice=tool_choice)
+        whole = client.chat.completions.create(**request).choices[0]
+        got = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert [(n, json.loads(a)) for n, a in got] == [
+            ("get_weather", {"city": "Paris", "days": 2})
+        ]
+        assert (whole.message.content, whole.finish_reason) == (None, "tool_calls")
+        assert _streamed(client, **request) == ("", got, "tool_calls")
+        grammar = engine.requests[-1].grammar
+        assert grammar.kind == ("ebnf" if template == "glm" else "json_schema")
+        matcher = engine.grammars.matcher(grammar).matcher
+        assert matcher.accept_string(reply) and matcher.is_completed()
+        assert not engine.grammars.matcher(grammar).matcher.accept_string(reply.replace("2", "x"))
+
+    http = TestClient(build_app(engine, tok, ApiSettings(["glm"])))
+    chat = ChatOpenAI(model="glm", base_url="http://testserver/v1", api_key="-", http_client=http)
+    message = chat.bind_tools([TOOL["function"]], tool_choice="any").invoke("Weather in Paris?")
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 2})
+    ]
+    engine.reply = reply[: reply.index("Paris") + 2]  # cut by max_tokens
+    cut = chat.bind_tools([TOOL["function"]], tool_choice="any").invoke(
+        "Weather in Paris?", max_tokens=len(engine.reply)
+    )
+    assert cut.tool_calls == [] and cut.response_metadata["finish_reason"] == "length"
+    (broken,) = cut.invalid_tool_calls
+    assert (broken["name"], broken["args"]) == ("get_weather", '{"city": "Pa')

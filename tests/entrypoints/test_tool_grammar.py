@@ -7,8 +7,14 @@ import json
 import jsonschema
 import pytest
 
+from spmoe.entrypoints.serve.parsers.json_calls import JsonCallListParser
 from spmoe.entrypoints.serve.parsers.tool_calls import GlmToolCallParser, assemble_tool_calls
-from spmoe.entrypoints.serve.tool_grammar import ENFORCED_KEYWORDS, FORMATS, tool_call_grammar
+from spmoe.entrypoints.serve.tool_grammar import (
+    ENFORCED_KEYWORDS,
+    FORMATS,
+    json_call_list_grammar,
+    tool_call_grammar,
+)
 from tests.engine.test_grammar import sample_batch
 
 DEFS = {"$defs": {"n": {"type": "integer", "maximum": 3}}}
@@ -211,3 +217,38 @@ def test_sampled_forced_calls_follow_their_schemas(compiler):
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
         valid += 1
     assert valid == 50
+
+
+def _json_calls(text: str) -> list[tuple[str, str]]:
+    _, deltas = JsonCallListParser(TOOLS).flush(cut=True)  # nothing fed: no calls
+    assert deltas == []
+    parser = JsonCallListParser(TOOLS)
+    assert parser.feed(text) == ("", [])  # held until the end
+    return [(c.name, c.arguments) for c in assemble_tool_calls(parser.flush(cut=True)[1])]
+
+
+def test_json_call_lists_read_back_whole_or_visibly_cut():
+    two = '[{"name": "pick", "parameters": {"n": 1}}, {"name": "pick", "parameters": {"n": -2}}]'
+    assert _json_calls(two) == [("pick", '{"n": 1}'), ("pick", '{"n": -2}')]
+    cut = '[{"name": "pick", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Pa'
+    assert _json_calls(cut) == [("pick", "{}"), ("get_weather", '{"city": "Pa')]
+    assert _json_calls('[{"name": "pick", "parameters": ') == [("pick", "{")]
+    assert _json_calls('[{"name": "get_we') == []
+
+
+def test_sampled_json_call_lists_follow_their_schemas(compiler):
+    """Without --tool-call-parser and a GLM template: 20 JSON lists of calls sampled from random logits
+    under `required` (parallel) and a named choice, read back, valid under their tools' schemas."""
+    schemas = {"get_weather": WEATHER, "pick": PICK}
+    named = {"type": "function", "function": {"name": "pick"}}
+    specs = [
+        json_call_list_grammar(TOOLS, "required", parallel=True),
+        json_call_list_grammar(TOOLS, named, parallel=True),
+    ]
+    outputs = sample_batch(compiler, [specs[i % 2] for i in range(20)], seed=4)
+    for i, tokens in enumerate(outputs):
+        calls = _json_calls(bytes(tokens).decode())
+        assert calls and (i % 2 == 0 or [name for name, _ in calls] == ["pick"]), calls
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), schemas[name])
+    assert len(outputs) == 20

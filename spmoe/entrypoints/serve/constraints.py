@@ -7,8 +7,8 @@ The request fields, as OpenAI and vLLM define them:
   strings), `grammar` (EBNF) or `json_object: true`; and the older `guided_json`, `guided_regex`,
   `guided_choice`, `guided_grammar`;
 - `tool_choice` `"required"` or `{"type": "function", "function": {"name": ...}}` (chat only): the output is
-  GLM's tool calls, every argument following its schema (tool_grammar.py). `required` allows one call of any
-  tool, or several with `parallel_tool_calls`.
+  GLM's tool calls (or, with `tool_call_format` "json", a JSON list of calls), every argument following its
+  schema (tool_grammar.py). `required` allows one call of any tool, or several with `parallel_tool_calls`.
 - `tool_choice` `"auto"` with `tools` and none of the above: the output is free, but each `<tool_call>` it
   opens follows its tool's schema.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 
 from spmoe.engine.sampling.grammar import GrammarSpec
-from spmoe.entrypoints.serve.tool_grammar import tool_call_grammar
+from spmoe.entrypoints.serve.tool_grammar import json_call_list_grammar, tool_call_grammar
 
 STRUCTURED_OUTPUT_FIELDS = (
     "response_format",
@@ -63,7 +63,9 @@ def grammar_for_request(fields: dict, tools: list[dict] | None = None) -> Gramma
     if name == "structured_outputs":
         return _structured_outputs(value)
     if name == "tool_choice":
-        return tool_call_grammar(tools or [], value, parallel)
+        json_calls = fields.get("tool_call_format") == "json"
+        grammar = json_call_list_grammar if json_calls else tool_call_grammar
+        return grammar(tools or [], value, parallel)
     return _structured(GUIDED_FIELDS[name], value, name)
 
 

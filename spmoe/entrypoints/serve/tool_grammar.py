@@ -16,6 +16,8 @@ A schema keyword xgrammar would drop without enforcing is refused with a ValueEr
 is (`check_enforceable`), rather than let a call through that breaks its schema.
 """
 
+import json
+
 from spmoe.engine.sampling.grammar import (
     GrammarSpec,
     compile_error_reason,
@@ -139,31 +141,39 @@ def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool) -> Grammar
     """`tool_choice`: "required", "auto" or {"type": "function", "function": {"name": ...}}; `parallel`:
     whether several calls may come -> the grammar of the output (see the module's docstring)."""
     st = xgrammar().structural_tag
-    tags = _call_tags(tools)
+    tags = {name: _call_tag(name, parameters) for name, parameters in _parameters(tools).items()}
     if tool_choice == "auto":
         fmt = st.TriggeredTagsFormat(
             triggers=[TOOL_CALL_START], tags=list(tags.values()), stop_after_first=not parallel
         )
-    elif tool_choice == "required":
-        if not tags:
-            raise ValueError("tool_choice 'required' needs at least one tool in 'tools'")
-        fmt = st.OrFormat(elements=list(tags.values()))
-        fmt = st.PlusFormat(content=fmt) if parallel else fmt
     else:
-        function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
-        name = (function or {}).get("name")
-        if name not in tags:
-            raise ValueError(
-                f"tool_choice names function {name!r}, which is not in 'tools' ({', '.join(tags)})"
-            )
-        fmt = tags[name]
+        chosen = [tags[name] for name in _chosen(tags, tool_choice)]
+        fmt = st.OrFormat(elements=chosen) if len(chosen) > 1 else chosen[0]
+        fmt = st.PlusFormat(content=fmt) if parallel and tool_choice == "required" else fmt
     return GrammarSpec("ebnf", _ebnf(st.StructuralTag(format=fmt)))
 
 
-def _call_tags(tools: list[dict]) -> dict:
-    """{name: the structural tag of a call of that tool}; ValueError for a tool or schema that cannot be one."""
-    st = xgrammar().structural_tag
-    tags = {}
+def json_call_list_grammar(tools: list[dict], tool_choice, parallel: bool) -> GrammarSpec:
+    """The output of a `required` / named `tool_choice` as a JSON list of calls, `[{"name": NAME,
+    "parameters": {...}}, …]` (parsers/json_calls.py): at least one call, one at most unless `parallel`
+    with `required`, each call's parameters following the tool's schema."""
+    functions = _parameters(tools)
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "parameters": functions[name]},
+            "required": ["name", "parameters"],
+        }
+        for name in _chosen(functions, tool_choice)
+    ]
+    schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    schema |= {"minItems": 1} | ({} if parallel and tool_choice == "required" else {"maxItems": 1})
+    return GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False))
+
+
+def _parameters(tools: list[dict]) -> dict[str, dict]:
+    """{tool name: its parameters' schema}; ValueError for a tool or a schema that cannot be constrained."""
+    functions = {}
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -176,14 +186,36 @@ def _call_tags(tools: list[dict]) -> dict:
         check_enforceable(parameters, where)
         if parameters.get("type", "object") != "object":
             raise ValueError(f"{where} must be an object schema, got type {parameters['type']!r}")
-        content = st.JSONSchemaFormat(json_schema=parameters, style="glm_xml")
-        tag = st.TagFormat(begin=TOOL_CALL_START + name, content=content, end=TOOL_CALL_END)
-        try:  # alone, so that an error names its tool
-            _ebnf(st.StructuralTag(format=tag))
-        except RuntimeError as e:
-            raise ValueError(f"{where} do not compile: {compile_error_reason(e)}"[:400]) from None
-        tags[name] = tag
-    return tags
+        functions[name] = parameters
+    return functions
+
+
+def _chosen(functions: dict, tool_choice) -> list[str]:
+    """The names a `required` or named `tool_choice` allows."""
+    if tool_choice == "required":
+        if not functions:
+            raise ValueError("tool_choice 'required' needs at least one tool in 'tools'")
+        return list(functions)
+    function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    name = (function or {}).get("name")
+    if name not in functions:
+        raise ValueError(
+            f"tool_choice names function {name!r}, which is not in 'tools' ({', '.join(functions)})"
+        )
+    return [name]
+
+
+def _call_tag(name: str, parameters: dict):
+    """The structural tag of a call of tool `name`."""
+    st = xgrammar().structural_tag
+    where = f"tool {name!r}: parameters"
+    content = st.JSONSchemaFormat(json_schema=parameters, style="glm_xml")
+    tag = st.TagFormat(begin=TOOL_CALL_START + name, content=content, end=TOOL_CALL_END)
+    try:  # alone, so that an error names its tool
+        _ebnf(st.StructuralTag(format=tag))
+    except RuntimeError as e:
+        raise ValueError(f"{where} do not compile: {compile_error_reason(e)}"[:400]) from None
+    return tag
 
 
 def _ebnf(tag) -> str:

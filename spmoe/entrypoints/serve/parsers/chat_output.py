@@ -4,6 +4,7 @@ looked for in the answer, never in the reasoning). The parsers are chosen by nam
 
 from dataclasses import dataclass, field
 
+from spmoe.entrypoints.serve.parsers.json_calls import JsonCallListParser
 from spmoe.entrypoints.serve.parsers.reasoning import Glm45ReasoningParser, ReasoningSplit
 from spmoe.entrypoints.serve.parsers.tool_calls import (
     GlmToolCallParser,
@@ -17,6 +18,7 @@ TOOL_CALL_PARSERS = {
     "glm45": GlmToolCallParser,
     "glm47": GlmToolCallParser,
 }  # one reader for both layouts
+JSON_CALLS = "json"  # a forced call's JSON list, without --tool-call-parser (not a flag's value)
 
 
 @dataclass
@@ -38,7 +40,7 @@ class ChatOutputParser:
     out (None) passes its part through: without a reasoning parser everything is content, without a tool-call
     parser (or with `tool_choice: none`) no call is read."""
 
-    def __init__(self, reasoning: Glm45ReasoningParser | None, tools: GlmToolCallParser | None):
+    def __init__(self, reasoning: Glm45ReasoningParser | None, tools):
         self.reasoning, self.tools = reasoning, tools
 
     @classmethod
@@ -54,11 +56,8 @@ class ChatOutputParser:
         reasoning = (
             REASONING_PARSERS[reasoning_parser](prompt_text, thinking) if reasoning_parser else None
         )
-        calls = (
-            TOOL_CALL_PARSERS[tool_call_parser](tools)
-            if tool_call_parser and tools is not None
-            else None
-        )
+        parsers = TOOL_CALL_PARSERS | {JSON_CALLS: JsonCallListParser}
+        calls = parsers[tool_call_parser](tools) if tool_call_parser and tools is not None else None
         return cls(reasoning, calls)
 
     def feed(self, text: str) -> ChatDelta:
