@@ -766,6 +766,11 @@ def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
             "--max-model-len: 100 positions, more than the model's max_position_embeddings = 64",
         ),
         ("graphs on the CPU", "--cuda-graphs needs a CUDA device (the model is on cpu)"),
+        (  # the TP-split sizes: 6 heads, 96 tokens, 72 and 12 intermediate rows
+            "tp does not divide the heads",
+            "num_attention_heads = 6 is not divisible by tensor_parallel_size = 4; "
+            "tensor_parallel_size can be 1, 2, 3 or 6",
+        ),
     ],
 )
 def test_bad_options_are_one_line_errors_before_any_rank(
@@ -796,6 +801,7 @@ def test_bad_options_are_one_line_errors_before_any_rank(
         extra = {
             "longer than the model": ["--max-model-len", "100"],
             "graphs on the CPU": ["--cuda-graphs"],
+            "tp does not divide the heads": ["--tp", "4"],
         }
         assert (
             main(
