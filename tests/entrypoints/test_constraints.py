@@ -196,8 +196,8 @@ def test_tool_choice_grammars_give_calls_that_validate(compiler):
 
 
 def test_tool_call_grammar_strings(compiler):
-    """Free string arguments: any text (`</arg_value>` ends them); JSON values compact; required arguments
-    must be there; names must match."""
+    """Free string arguments: any text (`</arg_value>` ends them); JSON values compact; required
+    arguments must be there; names must match."""
     spec = grammar_for_request({"tool_choice": "required"}, TOOLS)
     accepted = [
         "<tool_call>write<arg_key>content</arg_key><arg_value>a < b, {x} é\n</arg_value></tool_call>",

@@ -221,8 +221,8 @@ def _parser(prompt_end: str, thinking: bool) -> ChatOutputParser:
 
 
 def _run(prompt_end: str, thinking: bool, chunks: list[str], cut: bool = False):
-    """Feed the chunks (`cut`: by the length limit) -> (reasoning, content, calls as (name, arguments
-    text), the deltas)."""
+    """Feed the chunks (`cut`: by the length limit) -> (reasoning, content, calls as (name,
+    arguments text), the deltas)."""
     parser = _parser(prompt_end, thinking)
     deltas = [parser.feed(chunk) for chunk in chunks] + [parser.flush(cut)]
     tool_deltas = [d for delta in deltas for d in delta.tool_calls]
@@ -293,9 +293,9 @@ CUT_SCRIPTS = [  # (name, text cut by the length limit, content, calls: (name, a
 
 @pytest.mark.parametrize("script", CUT_SCRIPTS, ids=[s[0] for s in CUT_SCRIPTS])
 def test_a_cut_call_stays_broken_at_every_split(script):
-    """A generation cut by the length limit: a call keeps its arguments as generated, never closed (the
-    JSON does not parse, so clients see the call broken); a call without its whole name is no call; no
-    cut-off tag in the content. Any split of the text gives the same."""
+    """A generation cut by the length limit: a call keeps its arguments as generated, never closed
+    (the JSON does not parse, so clients see the call broken); a call without its whole name is no
+    call; no cut-off tag in the content. Any split of the text gives the same."""
     name, text, content, calls = script
     for chunks in [[text], *_splits(text, seed=len(text))]:
         assert _run("</think>", False, chunks, cut=True)[:3] == ("", content, calls), chunks

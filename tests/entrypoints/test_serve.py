@@ -433,7 +433,7 @@ FORCED_TOOL = {  # short names: the demo tokenizer's tokens are bytes, and the p
 
 def test_forced_calls_follow_their_schemas_through_the_server(server):
     """50 sampled calls of the random-weight model, `required` and named, 8 at once: every call that
-    finished is valid under its tool's schema (maxLength, enum, integer bounds), and they all finish."""
+    finished is valid under its tool's schema (maxLength, enum, integer bounds); all finish."""
     import jsonschema
 
     _, base, _ = server

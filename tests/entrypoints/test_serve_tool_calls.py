@@ -1,6 +1,7 @@
-"""Tool calls through the app and the clients agents use (`openai`, `langchain-openai`), against a scripted
-model: a call cut off by the length limit comes back visibly broken (its arguments as generated, which no
-client takes for a valid call), never repaired; streamed and whole answers agree."""
+"""Tool calls through the app and the clients agents use (`openai`, `langchain-openai`), against a
+scripted model: a call cut off by the length limit comes back visibly broken (its arguments as
+generated, which no client takes for a valid call), never repaired; streamed and whole answers
+agree."""
 
 import json
 
@@ -31,7 +32,7 @@ CUTS = {  # where max_tokens cuts the reply -> the calls the client gets, (name,
 
 
 def _streamed(client, **request) -> tuple[str, list[tuple[str, str]], str]:
-    """A streamed answer, reassembled -> (content, calls as (name, arguments text), finish_reason)."""
+    """A streamed answer, reassembled -> (content, calls as (name, arguments), finish_reason)."""
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(stream=True, **request):
         choice = chunk.choices[0]
@@ -110,8 +111,8 @@ def test_a_schema_feature_it_cannot_enforce_is_a_400(tokenizer, tool_choice):
 
 
 GLM_CALL = (
-    "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
-    "<arg_value>2</arg_value></tool_call>"
+    "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+    "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"
 )
 JSON_CALL = '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}]'
 PLAIN_TEMPLATE = (  # a chat template that is not GLM's: it knows nothing of <arg_key>
@@ -134,9 +135,10 @@ def plain_tokenizer(tmp_path_factory):
 
 @pytest.mark.parametrize("template", ["glm", "plain"])
 def test_forced_calls_without_a_tool_call_parser(tokenizer, plain_tokenizer, template):
-    """A plain `spmoe serve` (no --tool-call-parser) serves `required` and a named function, as vLLM does:
-    GLM's call format where the template is GLM's, a JSON list of calls otherwise; the output's grammar
-    takes the scripted reply, and the reply comes back as the call, whole and streamed, and to LangChain."""
+    """A plain `spmoe serve` (no --tool-call-parser) serves `required` and a named function, as vLLM
+    does: GLM's call format where the template is GLM's, a JSON list of calls otherwise; the
+    output's grammar takes the scripted reply, and the reply comes back as the call, whole and
+    streamed, and to LangChain."""
     tok, reply = (tokenizer, GLM_CALL) if template == "glm" else (plain_tokenizer, JSON_CALL)
     engine = AgentEngine(tok)
     engine.reply = reply

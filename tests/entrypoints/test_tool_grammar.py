@@ -1,6 +1,7 @@
-"""The grammar of GLM tool calls (tool_grammar.py): every keyword it claims to enforce is enforced (a value that
-breaks it is refused, one that keeps it accepted), a keyword it cannot enforce is refused by name, and calls
-sampled under `required` / named grammars from random logits are valid under their schemas."""
+"""The grammar of GLM tool calls (tool_grammar.py): every keyword it claims to enforce is enforced
+(a value that breaks it is refused, one that keeps it accepted), a keyword it cannot enforce is
+refused by name, and calls sampled under `required` / named grammars from random logits are valid
+under their schemas."""
 
 import json
 
@@ -20,7 +21,8 @@ from tests.engine.test_grammar import sample_batch
 DEFS = {"$defs": {"n": {"type": "integer", "maximum": 3}}}
 OLD_DEFS = {"definitions": {"n": {"type": "integer", "maximum": 3}}}
 INTS = {"type": "object", "additionalProperties": {"type": "integer"}}
-PROBES = {  # keyword: (argument v's schema, a value that keeps it, one that breaks it, the parameters' extra)
+# keyword: (argument v's schema, a value that keeps it, one that breaks it, the parameters' extra)
+PROBES = {
     "type": ({"type": "integer"}, "3", "x", {}),
     "properties": (
         {"type": "object", "properties": {"a": {"type": "integer"}}},
@@ -194,8 +196,9 @@ TOOLS = [
 
 
 def test_sampled_forced_calls_follow_their_schemas(compiler):
-    """50 calls sampled from random logits under `required` (parallel and not) and a named choice: every
-    one parses with the tool-call parser into arguments valid under the tool's schema (jsonschema)."""
+    """50 calls sampled from random logits under `required` (parallel and not) and a named choice:
+    every one parses with the tool-call parser into arguments valid under the tool's schema
+    (jsonschema)."""
     schemas = {"get_weather": WEATHER, "pick": PICK}
     named = {"type": "function", "function": {"name": "get_weather"}}
     specs = [
@@ -237,8 +240,10 @@ def test_json_call_lists_read_back_whole_or_visibly_cut():
 
 
 def test_sampled_json_call_lists_follow_their_schemas(compiler):
-    """Without --tool-call-parser and a GLM template: 20 JSON lists of calls sampled from random logits
-    under `required` (parallel) and a named choice, read back, valid under their tools' schemas."""
+    """Without --tool-call-parser and a GLM template: 20 JSON lists of calls sampled from random
+    logits under `required` (parallel) and a named choice, read back, valid under their tools'
+    schemas.
+    """
     schemas = {"get_weather": WEATHER, "pick": PICK}
     named = {"type": "function", "function": {"name": "pick"}}
     specs = [

@@ -68,7 +68,8 @@ def json_schema_grammar(schema_text: str) -> xgr.Grammar:
 
 
 def with_json_string_characters(ebnf: str) -> str:
-    """xgrammar's EBNF with JSON's string characters where it writes looser ones (LOOSE_STRING_CHARACTERS)."""
+    """xgrammar's EBNF with JSON's string characters where it writes looser ones
+    (LOOSE_STRING_CHARACTERS)."""
     for loose in LOOSE_STRING_CHARACTERS:
         ebnf = ebnf.replace(loose, JSON_STRING_CHARACTER)
     return ebnf

@@ -4,10 +4,10 @@ messages as the chat template takes them, and each choice of a response (whole o
 
 `tool_choice`: `none` (calls are not read: the text is content), `auto` (the model decides; needs
 `--enable-auto-tool-choice` and `--tool-call-parser`, as in vLLM), `required` or a named function (the output
-is constrained to the calls by a grammar, see `tool_grammar.py`). Without `--tool-call-parser`, as vLLM does,
-a forced call is GLM's call text where the chat template writes GLM's calls, else a JSON list of calls
-(`parsers/json_calls.py`). With `tools` and no `tool_choice`, `auto`. The finish reason of a turn that called
-a tool is `tool_calls`.
+is constrained to the calls by a grammar, see `tool_grammar.py`). Without `--tool-call-parser`, as
+vLLM does, a forced call is GLM's call text where the chat template writes GLM's calls, else a JSON
+list of calls (`parsers/json_calls.py`). With `tools` and no `tool_choice`, `auto`. The finish
+reason of a turn that called a tool is `tool_calls`.
 """
 
 import json
@@ -57,8 +57,8 @@ class ToolUse:
 
     @classmethod
     def for_request(cls, tools, tool_choice, parallel, options: ChatOptions, forced_parser: str):
-        """The request's `tool_choice` checked against its tools and the server's flags; ValueError with
-        what to change. `forced_parser`: the parser of a forced call without --tool-call-parser
+        """The request's `tool_choice` checked against its tools and the server's flags; ValueError
+        with what to change. `forced_parser`: the parser of a forced call without --tool-call-parser
         (`forced_call_parser`)."""
         if tool_choice is None:
             tool_choice = "auto" if tools else "none"
@@ -87,8 +87,8 @@ class ToolUse:
 
 
 def forced_call_parser(tokenizer) -> str:
-    """How a server without --tool-call-parser reads a forced call: GLM's calls ("glm47") where the chat
-    template writes `<arg_key>`, else a JSON list of calls (JSON_CALLS)."""
+    """How a server without --tool-call-parser reads a forced call: GLM's calls ("glm47") where the
+    chat template writes `<arg_key>`, else a JSON list of calls (JSON_CALLS)."""
     template = getattr(tokenizer, "chat_template", None)
     return "glm47" if isinstance(template, str) and "<arg_key>" in template else JSON_CALLS
 

@@ -7,10 +7,11 @@ The request fields, as OpenAI and vLLM define them:
   strings), `grammar` (EBNF) or `json_object: true`; and the older `guided_json`, `guided_regex`,
   `guided_choice`, `guided_grammar`;
 - `tool_choice` `"required"` or `{"type": "function", "function": {"name": ...}}` (chat only): the output is
-  GLM's tool calls (or, with `tool_call_format` "json", a JSON list of calls), every argument following its
-  schema (tool_grammar.py). `required` allows one call of any tool, or several with `parallel_tool_calls`.
-- `tool_choice` `"auto"` with `tools` and none of the above: the output is free, but each `<tool_call>` it
-  opens follows its tool's schema.
+  GLM's tool calls (or, with `tool_call_format` "json", a JSON list of calls), every argument
+  following its schema (tool_grammar.py). `required` allows one call of any tool, or several with
+  `parallel_tool_calls`.
+- `tool_choice` `"auto"` with `tools` and none of the above: the output is free, but each
+  `<tool_call>` it opens follows its tool's schema.
 
 At most one of them may be given; anything malformed is a ValueError whose message the server returns as a 400.
 """

@@ -1,19 +1,22 @@
 """GLM tool calls whose every argument follows its JSON schema, as one grammar.
 
-GLM writes a call as `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>…</tool_call>`, a
-string value raw and any other as JSON (parsers/tool_calls.py reads it back). Each tool's call is an xgrammar
-structural tag in its `glm_xml` style, which constrains every value by its schema: a string's length, pattern,
-enum and format, numbers' bounds, nested objects and arrays. The tags are put together by `tool_choice`:
-- `required`: one call of any tool, or one or more with `parallel_tool_calls`; a named function: one call of it;
-- `auto`: free text in which each `<tool_call>` opens a call that follows its tool's schema (at most one call
-  without `parallel_tool_calls`).
+GLM writes a call as
+`<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>…</tool_call>`, a string value
+raw and any other as JSON (parsers/tool_calls.py reads it back). Each tool's call is an xgrammar
+structural tag in its `glm_xml` style, which constrains every value by its schema: a string's
+length, pattern, enum and format, numbers' bounds, nested objects and arrays. The tags are put
+together by `tool_choice`:
+- `required`: one call of any tool, or one or more with `parallel_tool_calls`; a named function: one
+  call of it;
+- `auto`: free text in which each `<tool_call>` opens a call that follows its tool's schema (at most
+  one call without `parallel_tool_calls`).
 
-The grammar writes the GLM-4.7 layout: no whitespace between the tags, and compact JSON (`{"a":1}`). A string
-value with a length bound holds no `<` (so that `</arg_value>` cannot hide inside it); one without a bound
-holds anything but `</arg_value>`.
+The grammar writes the GLM-4.7 layout: no whitespace between the tags, and compact JSON (`{"a":1}`).
+A string value with a length bound holds no `<` (so that `</arg_value>` cannot hide inside it); one
+without a bound holds anything but `</arg_value>`.
 
-A schema keyword xgrammar would drop without enforcing is refused with a ValueError that names it and where it
-is (`check_enforceable`), rather than let a call through that breaks its schema.
+A schema keyword xgrammar would drop without enforcing is refused with a ValueError that names it
+and where it is (`check_enforceable`), rather than let a call through that breaks its schema.
 """
 
 import json
@@ -25,7 +28,7 @@ from spmoe.engine.sampling.grammar import (
     xgrammar,
 )
 
-# what xgrammar 0.2.9 enforces (each checked against a violating value in tests/entrypoints/test_tool_grammar.py)
+# what xgrammar 0.2.9 enforces (each checked against a value that breaks it in test_tool_grammar.py)
 ENFORCED_KEYWORDS = frozenset(
     (
         "type",
@@ -107,7 +110,8 @@ TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 
 
 def check_enforceable(schema, where: str) -> None:
-    """ValueError naming the first keyword of `schema` (at any depth) that the grammar would not enforce."""
+    """ValueError naming the first keyword of `schema` (at any depth) that the grammar would not
+    enforce."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
@@ -138,8 +142,9 @@ def check_enforceable(schema, where: str) -> None:
 
 
 def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool) -> GrammarSpec:
-    """`tool_choice`: "required", "auto" or {"type": "function", "function": {"name": ...}}; `parallel`:
-    whether several calls may come -> the grammar of the output (see the module's docstring)."""
+    """`tool_choice`: "required", "auto" or {"type": "function", "function": {"name": ...}};
+    `parallel`: whether several calls may come -> the grammar of the output (see the module's
+    docstring)."""
     st = xgrammar().structural_tag
     tags = {name: _call_tag(name, parameters) for name, parameters in _parameters(tools).items()}
     if tool_choice == "auto":
@@ -155,8 +160,8 @@ def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool) -> Grammar
 
 def json_call_list_grammar(tools: list[dict], tool_choice, parallel: bool) -> GrammarSpec:
     """The output of a `required` / named `tool_choice` as a JSON list of calls, `[{"name": NAME,
-    "parameters": {...}}, …]` (parsers/json_calls.py): at least one call, one at most unless `parallel`
-    with `required`, each call's parameters following the tool's schema."""
+    "parameters": {...}}, …]` (parsers/json_calls.py): at least one call, one at most unless
+    `parallel` with `required`, each call's parameters following the tool's schema."""
     functions = _parameters(tools)
     calls = [
         {
@@ -172,7 +177,8 @@ def json_call_list_grammar(tools: list[dict], tool_choice, parallel: bool) -> Gr
 
 
 def _parameters(tools: list[dict]) -> dict[str, dict]:
-    """{tool name: its parameters' schema}; ValueError for a tool or a schema that cannot be constrained."""
+    """{tool name: its parameters' schema}; ValueError for a tool or a schema that cannot be
+    constrained."""
     functions = {}
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -219,8 +225,9 @@ def _call_tag(name: str, parameters: dict):
 
 
 def _ebnf(tag) -> str:
-    """A structural tag -> its EBNF text, without optional whitespace, with a bounded raw string's characters
-    (see the module's docstring) and JSON's string characters (with_json_string_characters)."""
+    """A structural tag -> its EBNF text, without optional whitespace, with a bounded raw string's
+    characters (see the module's docstring) and JSON's string characters
+    (with_json_string_characters)."""
     xgr = xgrammar()
     ebnf = str(xgr.Grammar.from_structural_tag(tag.model_dump_json()))
     ebnf = ebnf.replace(WHITESPACE, '""').replace(ANY_CHARACTER, BOUNDED_STRING_CHARACTER)

@@ -1,10 +1,12 @@
-"""Tool calls as a JSON list, `[{"name": NAME, "parameters": {...}}, …]`: the output of a `required` or named
-`tool_choice` on a server without `--tool-call-parser` whose chat template is not GLM's (as vLLM serves them;
-the grammar is tool_grammar.json_call_list_grammar, which writes `name` before `parameters`).
+"""Tool calls as a JSON list, `[{"name": NAME, "parameters": {...}}, …]`: the output of a
+`required` or named `tool_choice` on a server without `--tool-call-parser` whose chat template is
+not GLM's (as vLLM serves them; the grammar is tool_grammar.json_call_list_grammar, which writes
+`name` before `parameters`).
 
-The list is read once it is all there (`flush`): a stream gets the calls in its last chunk. A list cut by the
-length limit gives its whole calls, then the cut one with its arguments as generated (unterminated, at least
-`{`: see parsers/tool_calls.py), or nothing for a call whose name is not whole.
+The list is read once it is all there (`flush`): a stream gets the calls in its last chunk. A
+list cut by the length limit gives its whole calls, then the cut one with its arguments as
+generated (unterminated, at least `{`: see parsers/tool_calls.py), or nothing for a call whose
+name is not whole.
 """
 
 import json

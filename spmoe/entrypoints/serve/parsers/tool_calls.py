@@ -162,10 +162,11 @@ class GlmToolCallParser:
         return "".join(content), deltas
 
     def flush(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
-        """What was held back, at the end of the generation (`cut`: by the length limit). Nothing is
-        repaired: a call left open keeps its arguments as generated, unterminated (invalid JSON, so that a
-        client sees the call is broken); a call whose name did not end is not a call; a tag cut off is
-        dropped (a cut generation's text ending in the start of `<tool_call>` is no content)."""
+        """What was held back, at the end of the generation (`cut`: by the length limit). Nothing
+        is repaired: a call left open keeps its arguments as generated, unterminated (invalid JSON,
+        so that a client sees the call is broken); a call whose name did not end is not a call; a
+        tag cut off is dropped (a cut generation's text ending in the start of `<tool_call>` is no
+        content)."""
         content, deltas = self.feed("")
         rest, self.buffer = self.buffer, ""
         if self.state == self.CONTENT:
