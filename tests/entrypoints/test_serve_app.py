@@ -847,17 +847,10 @@ def test_chat_roles_template_kwargs_and_continuous_usage(served, tokenizer):
         and chunks[-1].usage.completion_tokens == 4
     )
     for include_usage in (False, True):  # chat: every chunk, the role's first one included
+        options = {"include_usage": include_usage, "continuous_usage_stats": True}
+        request = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4)
         chunks = list(
-            client.chat.completions.create(
-                model="tiny",
-                messages=[{"role": "user", "content": "x"}],
-                max_tokens=4,
-                stream=True,
-                stream_options={
-                    "include_usage": include_usage,
-                    "continuous_usage_stats": True,
-                },
-            )
+            client.chat.completions.create(**request, stream=True, stream_options=options)
         )
         completion = [c.usage.completion_tokens for c in chunks]
         assert len(chunks) >= 3 + include_usage and completion == sorted(completion)
