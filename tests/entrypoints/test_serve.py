@@ -465,6 +465,25 @@ def test_forced_calls_follow_their_schemas_through_the_server(server):
     assert len(finished) == 50, [c.finish_reason for c in choices]
 
 
+def test_langchain_structured_output_by_function_calling(server):
+    """LangChain's `with_structured_output(method="function_calling")` (a named call) on the random-weight
+    model: the pydantic model comes back valid, its string's max_length kept, 5 seeds of 5."""
+    import pydantic
+    from langchain_openai import ChatOpenAI
+
+    class W(pydantic.BaseModel):
+        c: str = pydantic.Field(max_length=6)
+        d: int = pydantic.Field(ge=1, le=14)
+
+    _, base, _ = server
+    for seed in range(5):
+        chat = ChatOpenAI(
+            model="tiny", base_url=base + "/v1", api_key="-", seed=seed, max_tokens=200
+        )
+        got = chat.with_structured_output(W, method="function_calling").invoke("Weather?")
+        assert isinstance(got, W) and len(got.c) <= 6 and 1 <= got.d <= 14, got
+
+
 def generated_tokens(base: str) -> float:
     metrics = httpx.get(base + "/metrics").text.splitlines()
     return float(
