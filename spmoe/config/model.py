@@ -120,7 +120,12 @@ class ModelConfig:
             )
         for name, value, size, what in splits:
             if value % size:
-                raise ValueError(f"{name} = {value} is not divisible by {what} = {size}")
+                split = [v for _, v, _, w in splits if w == what]  # every dimension split by it
+                fits = [str(n) for n in range(1, min(split) + 1) if all(v % n == 0 for v in split)]
+                sizes = f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else fits[0]
+                raise ValueError(
+                    f"{name} = {value} is not divisible by {what} = {size}; {what} can be {sizes}"
+                )
 
     @classmethod
     def from_file(cls, path: str | Path, overrides: dict | None = None) -> "ModelConfig":

@@ -86,7 +86,6 @@ TOOLS = [
             {"guided_grammar": 'root ::= "x"', "guided_json": None},
             GrammarSpec("ebnf", 'root ::= "x"'),
         ),
-        ({"tool_choice": "auto"}, None),
         ({"tool_choice": "none"}, None),
     ],
 )
@@ -158,7 +157,7 @@ def test_bad_argument_schema():
     ]
     with pytest.raises(
         ValueError,
-        match="the schema of f's argument 'x' does not compile: Unsupported type \"foo\"",
+        match="tool 'f': parameters do not compile: Unsupported type \"foo\"",
     ):
         grammar_for_request({"tool_choice": "required"}, tools)
 
@@ -197,17 +196,20 @@ def test_tool_choice_grammars_give_calls_that_validate(compiler):
 
 
 def test_tool_call_grammar_strings(compiler):
-    """Free string arguments: any text without "</"; required arguments must be there; names must match."""
+    """Free string arguments: any text (`</arg_value>` ends them); JSON values compact; required
+    arguments must be there; names must match."""
     spec = grammar_for_request({"tool_choice": "required"}, TOOLS)
     accepted = [
         "<tool_call>write<arg_key>content</arg_key><arg_value>a < b, {x} é\n</arg_value></tool_call>",
         "<tool_call>write<arg_key>content</arg_key><arg_value></arg_value><arg_key>tags</arg_key>"
-        "<arg_value>[1, 2]</arg_value></tool_call><tool_call>stop</tool_call>",
+        "<arg_value>[1,2]</arg_value></tool_call><tool_call>stop</tool_call>",
+        "<tool_call>write<arg_key>content</arg_key><arg_value>a </b></arg_value></tool_call>",
         "<tool_call>move<arg_key>direction</arg_key><arg_value>up</arg_value><arg_key>steps</arg_key>"
         "<arg_value>3</arg_value><arg_key>label</arg_key><arg_value>ab</arg_value></tool_call>",
     ]
     rejected = [
-        "<tool_call>write<arg_key>content</arg_key><arg_value>a </b></arg_value></tool_call>",  # "</" inside
+        "<tool_call>write<arg_key>content</arg_key><arg_value>x</arg_value><arg_key>tags</arg_key>"
+        "<arg_value>[1, 2]</arg_value></tool_call>",  # not compact
         "<tool_call>move<arg_key>steps</arg_key><arg_value>3</arg_value></tool_call>",  # direction missing
         "<tool_call>fly</tool_call>",
         "<tool_call>move<arg_key>direction</arg_key><arg_value>left</arg_value>",  # not in the enum

@@ -193,15 +193,6 @@ SCRIPTS = [
         [("mystery", {"n": 42, "s": "hi there"})],
     ),
     (
-        "a call the generation left open",
-        "</think>",
-        False,
-        "<tool_call>write_file<arg_key>content</arg_key><arg_value>partial te",
-        "",
-        "",
-        [("write_file", {"content": "partial te"})],
-    ),
-    (
         "reasoning then a call",
         "<|assistant|><think>",
         True,
@@ -229,10 +220,11 @@ def _parser(prompt_end: str, thinking: bool) -> ChatOutputParser:
     )
 
 
-def _run(prompt_end: str, thinking: bool, chunks: list[str]):
-    """Feed the chunks -> (reasoning, content, calls as (name, arguments text), the deltas)."""
+def _run(prompt_end: str, thinking: bool, chunks: list[str], cut: bool = False):
+    """Feed the chunks (`cut`: by the length limit) -> (reasoning, content, calls as (name,
+    arguments text), the deltas)."""
     parser = _parser(prompt_end, thinking)
-    deltas = [parser.feed(chunk) for chunk in chunks] + [parser.flush()]
+    deltas = [parser.feed(chunk) for chunk in chunks] + [parser.flush(cut)]
     tool_deltas = [d for delta in deltas for d in delta.tool_calls]
     calls = assemble_tool_calls(tool_deltas)
     reasoning = "".join(d.reasoning for d in deltas)
@@ -267,6 +259,49 @@ def test_scripted_output_at_every_split(script):
             name,
             chunks,
         )
+
+
+CALL = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value>"
+CUT_SCRIPTS = [  # (name, text cut by the length limit, content, calls: (name, arguments text))
+    ("in a string value", CALL[:-7], "", [("get_weather", '{"city": "Oslo')]),
+    ("in a string value's end tag", CALL[:-4], "", [("get_weather", '{"city": "Oslo')]),
+    ("in the name", "Sure.\n<tool_call>get_we", "Sure.", []),
+    ("in the call's tag", "Sure. <tool_c", "Sure.", []),
+    ("after the name", "<tool_call>get_weather<arg_", "", [("get_weather", "{")]),
+    ("in a key", "<tool_call>get_weather<arg_key>ci", "", [("get_weather", '{"ci')]),
+    (
+        "before a value",
+        CALL + "<arg_key>days</arg_key><arg_v",
+        "",
+        [("get_weather", '{"city": "Oslo", "days": ')],
+    ),
+    (
+        "in a typed value",
+        CALL + "<arg_key>days</arg_key><arg_value>1</arg_v",
+        "",
+        [("get_weather", '{"city": "Oslo", "days": 1')],
+    ),
+    ("before the call's end", CALL + "</tool_ca", "", [("get_weather", '{"city": "Oslo"')]),
+    (
+        "a whole call, then a cut one",
+        CALL + "</tool_call><tool_call>get_weather<arg_key>city</arg_key><arg_value>Ber",
+        "",
+        [("get_weather", '{"city": "Oslo"}'), ("get_weather", '{"city": "Ber')],
+    ),
+]
+
+
+@pytest.mark.parametrize("script", CUT_SCRIPTS, ids=[s[0] for s in CUT_SCRIPTS])
+def test_a_cut_call_stays_broken_at_every_split(script):
+    """A generation cut by the length limit: a call keeps its arguments as generated, never closed
+    (the JSON does not parse, so clients see the call broken); a call without its whole name is no
+    call; no cut-off tag in the content. Any split of the text gives the same."""
+    name, text, content, calls = script
+    for chunks in [[text], *_splits(text, seed=len(text))]:
+        assert _run("</think>", False, chunks, cut=True)[:3] == ("", content, calls), chunks
+    for _, arguments in calls[len(calls) - 1 :]:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(arguments)
 
 
 def test_tool_call_deltas_in_openai_shape():

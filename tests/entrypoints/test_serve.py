@@ -414,6 +414,76 @@ def test_agent_loop_through_the_server(server):
     )
 
 
+FORCED_TOOL = {  # short names: the demo tokenizer's tokens are bytes, and the prompt lists the tool
+    "type": "function",
+    "function": {
+        "name": "w",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "c": {"type": "string", "maxLength": 6},
+                "u": {"enum": ["c", "f"]},
+                "d": {"type": "integer", "minimum": 1, "maximum": 14},
+            },
+            "required": ["c", "u", "d"],
+        },
+    },
+}
+
+
+def test_forced_calls_follow_their_schemas_through_the_server(server):
+    """50 sampled calls of the random-weight model, `required` and named, 8 at once: every call that
+    finished is valid under its tool's schema (maxLength, enum, integer bounds); all finish."""
+    import jsonschema
+
+    _, base, _ = server
+    client = openai_client(base)
+    named = {"type": "function", "function": {"name": "w"}}
+
+    def ask(seed: int):
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[FORCED_TOOL],
+            tool_choice=named if seed % 2 else "required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=200,
+        )
+        return reply.choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        choices = list(pool.map(ask, range(50)))
+    finished = [c for c in choices if c.finish_reason == "tool_calls"]
+    for choice in finished:
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "w"
+        jsonschema.validate(
+            json.loads(call.function.arguments), FORCED_TOOL["function"]["parameters"]
+        )
+    assert len(finished) == 50, [c.finish_reason for c in choices]
+
+
+def test_langchain_structured_output_by_function_calling(server):
+    """LangChain's `with_structured_output(method="function_calling")` (a named call) on the random-weight
+    model: the pydantic model comes back valid, its string's max_length kept, 5 seeds of 5."""
+    import pydantic
+    from langchain_openai import ChatOpenAI
+
+    class W(pydantic.BaseModel):
+        c: str = pydantic.Field(max_length=6)
+        d: int = pydantic.Field(ge=1, le=14)
+
+    _, base, _ = server
+    for seed in range(5):
+        chat = ChatOpenAI(
+            model="tiny", base_url=base + "/v1", api_key="-", seed=seed, max_tokens=200
+        )
+        got = chat.with_structured_output(W, method="function_calling").invoke("Weather?")
+        assert isinstance(got, W) and len(got.c) <= 6 and 1 <= got.d <= 14, got
+
+
 def generated_tokens(base: str) -> float:
     metrics = httpx.get(base + "/metrics").text.splitlines()
     return float(
@@ -714,6 +784,11 @@ def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
             "--max-model-len: 100 positions, more than the model's max_position_embeddings = 64",
         ),
         ("graphs on the CPU", "--cuda-graphs needs a CUDA device (the model is on cpu)"),
+        (  # the TP-split sizes: 6 heads, 96 tokens, 72 and 12 intermediate rows
+            "tp does not divide the heads",
+            "num_attention_heads = 6 is not divisible by tensor_parallel_size = 4; "
+            "tensor_parallel_size can be 1, 2, 3 or 6",
+        ),
     ],
 )
 def test_bad_options_are_one_line_errors_before_any_rank(
@@ -744,6 +819,7 @@ def test_bad_options_are_one_line_errors_before_any_rank(
         extra = {
             "longer than the model": ["--max-model-len", "100"],
             "graphs on the CPU": ["--cuda-graphs"],
+            "tp does not divide the heads": ["--tp", "4"],
         }
         assert (
             main(

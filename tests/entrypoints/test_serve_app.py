@@ -882,6 +882,16 @@ def test_chat_roles_template_kwargs_and_continuous_usage(served, tokenizer):
         and completion[-1] == 4
         and chunks[-1].usage.completion_tokens == 4
     )
+    for include_usage in (False, True):  # chat: every chunk, the role's first one included
+        options = {"include_usage": include_usage, "continuous_usage_stats": True}
+        request = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4)
+        chunks = list(
+            client.chat.completions.create(**request, stream=True, stream_options=options)
+        )
+        completion = [c.usage.completion_tokens for c in chunks]
+        assert len(chunks) >= 3 + include_usage and completion == sorted(completion)
+        assert completion[-1] == 4
+        assert {c.usage.prompt_tokens for c in chunks} == {len(engine.requests[-1].prompt)}
 
 
 def test_routes_headers_and_unknown_fields(served, tokenizer, caplog):

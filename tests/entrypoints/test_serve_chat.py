@@ -182,7 +182,10 @@ def test_client_helpers(tokenizer, monkeypatch):
     assert final.choices[0].message.tool_calls[0].function.parsed_arguments == Weather(
         city="Paris", days=2
     )
-    assert engine.requests[-1].grammar is None  # "auto": the model decides
+    auto = engine.requests[
+        -1
+    ].grammar  # "auto": the model decides; a call it opens follows the schema
+    assert auto.kind == "ebnf" and 'TagDispatch(\n  ("<tool_call>"' in auto.text
 
 
 def test_thinking_off_and_tool_choice_none(tokenizer):
@@ -241,8 +244,9 @@ def test_tool_choice_required_and_named_constrain(tokenizer):
         ),
         (
             ChatOptions(),
-            {"tools": [TOOL], "tool_choice": "required"},
-            "needs the server started with --tool-call-parser",
+            {"tools": [TOOL]},
+            'tool_choice "auto" needs the server started with --tool-call-parser and '
+            "--enable-auto-tool-choice",
         ),
         (GLM, {"tool_choice": "required"}, "tool_choice \"required\" needs 'tools'"),
         (

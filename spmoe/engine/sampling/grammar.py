@@ -64,9 +64,15 @@ def json_schema_grammar(schema_text: str) -> xgr.Grammar:
     string characters everywhere; RuntimeError (xgrammar's) for a schema it cannot convert."""
     xgr = xgrammar()
     ebnf = str(xgr.Grammar.from_json_schema(schema_text, any_whitespace=False))
+    return xgr.Grammar.from_ebnf(with_json_string_characters(ebnf))
+
+
+def with_json_string_characters(ebnf: str) -> str:
+    """xgrammar's EBNF with JSON's string characters where it writes looser ones
+    (LOOSE_STRING_CHARACTERS)."""
     for loose in LOOSE_STRING_CHARACTERS:
         ebnf = ebnf.replace(loose, JSON_STRING_CHARACTER)
-    return xgr.Grammar.from_ebnf(ebnf)
+    return ebnf
 
 
 def compile_error_reason(error: Exception) -> str:

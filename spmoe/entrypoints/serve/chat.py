@@ -4,14 +4,17 @@ messages as the chat template takes them, and each choice of a response (whole o
 
 `tool_choice`: `none` (calls are not read: the text is content), `auto` (the model decides; needs
 `--enable-auto-tool-choice` and `--tool-call-parser`, as in vLLM), `required` or a named function (the output
-is constrained to GLM's tool-call text by a grammar, see `constraints.py`; needs `--tool-call-parser`). With
-`tools` and no `tool_choice`, `auto`. The finish reason of a turn that called a tool is `tool_calls`.
+is constrained to the calls by a grammar, see `tool_grammar.py`). Without `--tool-call-parser`, as
+vLLM does, a forced call is GLM's call text where the chat template writes GLM's calls, else a JSON
+list of calls (`parsers/json_calls.py`). With `tools` and no `tool_choice`, `auto`. The finish
+reason of a turn that called a tool is `tool_calls`.
 """
 
 import json
 from dataclasses import dataclass
 
 from spmoe.entrypoints.serve.parsers.chat_output import (
+    JSON_CALLS,
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     ChatOutputParser,
@@ -41,24 +44,53 @@ class ChatOptions:
             )
 
 
-def effective_tool_choice(tools: list[dict] | None, tool_choice, options: ChatOptions):
-    """The request's `tool_choice` checked against its tools and the server's flags -> "none", "auto",
-    "required" or {"type": "function", "function": {"name": ...}}; ValueError with what to change."""
-    if tool_choice is None:
-        tool_choice = "auto" if tools else "none"
-    if tool_choice == "none":
-        return "none"
-    if not tools:
-        raise ValueError(f"tool_choice {_shown(tool_choice)} needs 'tools'")
-    if options.tool_call_parser is None:
-        raise ValueError(
-            f"tool_choice {_shown(tool_choice)} needs the server started with --tool-call-parser"
+@dataclass(frozen=True)
+class ToolUse:
+    """A chat request's tools as the server serves them: `choice` is "none", "auto", "required" or
+    {"type": "function", "function": {"name": ...}}; `parser` reads the calls out of the output (a
+    --tool-call-parser name, or JSON_CALLS; None: no calls are read)."""
+
+    tools: list[dict] | None
+    choice: str | dict
+    parser: str | None
+    parallel: bool = True
+
+    @classmethod
+    def for_request(cls, tools, tool_choice, parallel, options: ChatOptions, forced_parser: str):
+        """The request's `tool_choice` checked against its tools and the server's flags; ValueError
+        with what to change. `forced_parser`: the parser of a forced call without --tool-call-parser
+        (`forced_call_parser`)."""
+        if tool_choice is None:
+            tool_choice = "auto" if tools else "none"
+        if tool_choice == "none":
+            return cls(tools, "none", None, parallel is not False)
+        if not tools:
+            raise ValueError(f"tool_choice {_shown(tool_choice)} needs 'tools'")
+        if tool_choice == "auto" and options.tool_call_parser is None:
+            raise ValueError(
+                'tool_choice "auto" needs the server started with --tool-call-parser and '
+                "--enable-auto-tool-choice"
+            )
+        if tool_choice == "auto" and not options.enable_auto_tool_choice:
+            raise ValueError(
+                'tool_choice "auto" needs the server started with --enable-auto-tool-choice'
+            )
+        return cls(
+            tools, tool_choice, options.tool_call_parser or forced_parser, parallel is not False
         )
-    if tool_choice == "auto" and not options.enable_auto_tool_choice:
-        raise ValueError(
-            'tool_choice "auto" needs the server started with --enable-auto-tool-choice'
-        )
-    return tool_choice
+
+    def grammar_fields(self) -> dict:
+        """The request fields constraints.grammar_for_request reads about tools."""
+        call_format = "json" if self.parser == JSON_CALLS else "glm"
+        fields = {"tool_choice": self.choice, "parallel_tool_calls": self.parallel}
+        return fields | {"tool_call_format": call_format}
+
+
+def forced_call_parser(tokenizer) -> str:
+    """How a server without --tool-call-parser reads a forced call: GLM's calls ("glm47") where the
+    chat template writes `<arg_key>`, else a JSON list of calls (JSON_CALLS)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return "glm47" if isinstance(template, str) and "<arg_key>" in template else JSON_CALLS
 
 
 def reasoning_end_ids(options: ChatOptions, tokenizer) -> tuple[int, ...]:
@@ -93,26 +125,20 @@ class ChatChoices:
 
     @classmethod
     def for_request(
-        cls,
-        options: ChatOptions,
-        prompt_text: str,
-        chat_template_kwargs: dict,
-        tools: list[dict] | None,
-        tool_choice,
+        cls, options: ChatOptions, prompt_text: str, chat_template_kwargs: dict, tool_use: ToolUse
     ) -> "ChatChoices":
-        tools = None if tool_choice == "none" else tools
         parser = ChatOutputParser.build(
             options.reasoning_parser,
-            options.tool_call_parser,
+            tool_use.parser,
             prompt_text,
             thinking_enabled(chat_template_kwargs),
-            tools,
+            tool_use.tools,
         )
         return cls(parser)
 
     def __call__(self, text: str, finish_reason: str | None, stream: bool) -> dict:
         if not stream:
-            message = self.parser.parse(text)
+            message = self.parser.parse(text, cut=finish_reason == "length")
             calls = [call.as_openai() for call in message.tool_calls]
             body = {
                 "role": "assistant",
@@ -128,7 +154,7 @@ class ChatChoices:
             }
         delta = self.parser.feed(text)
         if finish_reason is not None:
-            last = self.parser.flush()
+            last = self.parser.flush(cut=finish_reason == "length")
             delta.reasoning += last.reasoning
             delta.content += last.content
             delta.tool_calls += last.tool_calls

@@ -214,9 +214,9 @@ async def events(
     chunk_kind = render.kind + ".chunk" if render.kind == "chat.completion" else render.kind
     generations = render.generations
 
-    def event(choices: list[dict], with_usage: bool = True) -> str:
+    def event(choices: list[dict]) -> str:
         payload = {**head, "object": chunk_kind, "choices": choices}
-        if body.continuous_usage and with_usage:
+        if body.continuous_usage:
             payload["usage"] = usage(prompt_tokens, sum(g.completion_tokens for g in generations))
         elif body.include_usage:
             payload["usage"] = None
@@ -224,7 +224,7 @@ async def events(
 
     async with streams:
         if render.kind == "chat.completion":
-            yield event([render.role_delta(i) for i in range(len(pieces))], with_usage=False)
+            yield event([render.role_delta(i) for i in range(len(pieces))])
         open_choices = len(pieces)
         async with aclosing(_merged(pieces, firsts, head["id"])) as merged:
             async for i, piece, first in merged:

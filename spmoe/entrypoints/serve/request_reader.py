@@ -23,7 +23,8 @@ from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.serve.chat import (
     ChatChoices,
     ChatOptions,
-    effective_tool_choice,
+    ToolUse,
+    forced_call_parser,
     grammar_start_after,
     reasoning_end_ids,
 )
@@ -95,6 +96,7 @@ class RequestReader:
         self.chat_options = settings.chat
         # where a chat grammar may start
         self.reasoning_end_ids = reasoning_end_ids(settings.chat, tokenizer)
+        self.forced_parser = forced_call_parser(tokenizer)  # without --tool-call-parser
         self.max_request_bytes = max_request_bytes
         self.token_bytes = longest_token_bytes(tokenizer)
         # more cannot fit (see check_text_size)
@@ -165,13 +167,12 @@ class RequestReader:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-        choice = (
-            body.tool_choice.model_dump()
-            if isinstance(body.tool_choice, BaseModel)
-            else body.tool_choice
-        )
+        choice = body.tool_choice
+        choice = choice.model_dump() if isinstance(choice, BaseModel) else choice
         try:
-            tool_choice = effective_tool_choice(tools, choice, self.chat_options)
+            tool_use = ToolUse.for_request(
+                tools, choice, body.parallel_tool_calls, self.chat_options, self.forced_parser
+            )
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice") from None
         texts = [
@@ -186,7 +187,7 @@ class RequestReader:
             )
             parsers = [
                 ChatChoices.for_request(
-                    self.chat_options, text, body.chat_template_kwargs, tools, tool_choice
+                    self.chat_options, text, body.chat_template_kwargs, tool_use
                 )
                 for _ in range(body.n)
             ]
@@ -196,8 +197,7 @@ class RequestReader:
         max_new = self.max_new_tokens(
             len(prompt), body.max_new_tokens, self.defaults.values.get("max_tokens")
         )
-        tool_fields = {"tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls}
-        grammar = await self.grammar(body, tool_fields, tools)
+        grammar = await self.grammar(body, tool_use.grammar_fields(), tools)
         start_after = (
             grammar_start_after(self.reasoning_end_ids, body.chat_template_kwargs)
             if grammar

@@ -4,6 +4,7 @@ looked for in the answer, never in the reasoning). The parsers are chosen by nam
 
 from dataclasses import dataclass, field
 
+from spmoe.entrypoints.serve.parsers.json_calls import JsonCallListParser
 from spmoe.entrypoints.serve.parsers.reasoning import Glm45ReasoningParser, ReasoningSplit
 from spmoe.entrypoints.serve.parsers.tool_calls import (
     GlmToolCallParser,
@@ -17,6 +18,7 @@ TOOL_CALL_PARSERS = {
     "glm45": GlmToolCallParser,
     "glm47": GlmToolCallParser,
 }  # one reader for both layouts
+JSON_CALLS = "json"  # a forced call's JSON list, without --tool-call-parser (not a flag's value)
 
 
 @dataclass
@@ -38,7 +40,7 @@ class ChatOutputParser:
     out (None) passes its part through: without a reasoning parser everything is content, without a tool-call
     parser (or with `tool_choice: none`) no call is read."""
 
-    def __init__(self, reasoning: Glm45ReasoningParser | None, tools: GlmToolCallParser | None):
+    def __init__(self, reasoning: Glm45ReasoningParser | None, tools):
         self.reasoning, self.tools = reasoning, tools
 
     @classmethod
@@ -54,32 +56,30 @@ class ChatOutputParser:
         reasoning = (
             REASONING_PARSERS[reasoning_parser](prompt_text, thinking) if reasoning_parser else None
         )
-        calls = (
-            TOOL_CALL_PARSERS[tool_call_parser](tools)
-            if tool_call_parser and tools is not None
-            else None
-        )
+        parsers = TOOL_CALL_PARSERS | {JSON_CALLS: JsonCallListParser}
+        calls = parsers[tool_call_parser](tools) if tool_call_parser and tools is not None else None
         return cls(reasoning, calls)
 
     def feed(self, text: str) -> ChatDelta:
         split = self.reasoning.feed(text) if self.reasoning else ReasoningSplit(content=text)
         return self._calls(split, final=False)
 
-    def flush(self) -> ChatDelta:
+    def flush(self, cut: bool = False) -> ChatDelta:
+        """`cut`: the generation was cut by the length limit (GlmToolCallParser.flush)."""
         split = self.reasoning.flush() if self.reasoning else ReasoningSplit()
-        return self._calls(split, final=True)
+        return self._calls(split, final=True, cut=cut)
 
-    def _calls(self, split: ReasoningSplit, final: bool) -> ChatDelta:
+    def _calls(self, split: ReasoningSplit, final: bool, cut: bool = False) -> ChatDelta:
         if self.tools is None:
             return ChatDelta(split.reasoning, split.content)
         content, deltas = self.tools.feed(split.content)
         if final:
-            rest, more = self.tools.flush()
+            rest, more = self.tools.flush(cut)
             content, deltas = content + rest, deltas + more
         return ChatDelta(split.reasoning, content, deltas)
 
-    def parse(self, text: str) -> ChatMessageOut:
-        whole, last = self.feed(text), self.flush()
+    def parse(self, text: str, cut: bool = False) -> ChatMessageOut:
+        whole, last = self.feed(text), self.flush(cut)
         return ChatMessageOut(
             whole.reasoning + last.reasoning,
             whole.content + last.content,

@@ -139,7 +139,7 @@ def typed_value(text: str, schema: dict):
 
 class GlmToolCallParser:
     """`feed(text)` -> (content, tool-call deltas) for the new text; `flush()` -> the same for what was held back
-    at the end (a call the generation left open is closed there with the arguments it has)."""
+    at the end (a call the generation left open stays open: see `flush`)."""
 
     CONTENT, NAME, ARGS, KEY, VALUE_START, STRING_VALUE, TYPED_VALUE = range(7)
 
@@ -161,24 +161,29 @@ class GlmToolCallParser:
             pass
         return "".join(content), deltas
 
-    def flush(self) -> tuple[str, list[ToolCallDelta]]:
+    def flush(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """What was held back, at the end of the generation (`cut`: by the length limit). Nothing
+        is repaired: a call left open keeps its arguments as generated, unterminated (invalid JSON,
+        so that a client sees the call is broken); a call whose name did not end is not a call; a
+        tag cut off is dropped (a cut generation's text ending in the start of `<tool_call>` is no
+        content)."""
         content, deltas = self.feed("")
         rest, self.buffer = self.buffer, ""
         if self.state == self.CONTENT:
-            content += self.held_space + rest
+            if not (cut and rest):
+                content += self.held_space + rest
             self.held_space = ""
-        elif self.state == self.NAME:
-            if rest.strip():
-                self._open_call(rest.strip(), deltas)
-                self._close_call(deltas)
-        elif self.state == self.STRING_VALUE:
-            deltas.append(ToolCallDelta(self.index, _escaped(rest) + '"'))
-            self._close_call(deltas)
-        elif self.state == self.TYPED_VALUE:
-            self._typed_argument(rest, deltas)
-            self._close_call(deltas)
-        else:
-            self._close_call(deltas)
+        elif self.state == self.TYPED_VALUE:  # the value's text as generated, without a cut-off tag
+            text = rest[: len(rest) - partial_marker_length(rest, (ARG_VALUE_END,))]
+            deltas.append(ToolCallDelta(self.index, self._key_prefix() + text))
+        elif self.state == self.KEY:  # the key's text as generated, without a cut-off tag
+            key = rest[: len(rest) - partial_marker_length(rest, (ARG_KEY_END,))].lstrip()
+            prefix = ", " if self.arguments_open else "{"
+            deltas.append(ToolCallDelta(self.index, f'{prefix}"{_escaped(key)}'))
+        elif self.state == self.VALUE_START:
+            deltas.append(ToolCallDelta(self.index, self._key_prefix()))
+        elif self.state == self.ARGS and not self.arguments_open:  # "": a call without arguments
+            deltas.append(ToolCallDelta(self.index, "{"))
         return content, deltas
 
     def _step(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
