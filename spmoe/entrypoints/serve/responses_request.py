@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from fastapi import Request
-from pydantic import Discriminator, Field, Tag, TypeAdapter
+from pydantic import BeforeValidator, Discriminator, Field, Tag, model_validator
 
 from spmoe.entrypoints.serve.protocol import (
     ApiError,
     FunctionDefinition,
     SamplingFields,
     Strict,
+    parse,
 )
 from spmoe.entrypoints.serve.request_reader import ParsedRequest, RequestReader
 
@@ -45,16 +46,19 @@ class ContentText(Strict):
     text: str
 
 
+def _as_parts(content):
+    """A content given as one string -> the one text part it stands for."""
+    return [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+
+
+def _text(parts: list[ContentText]) -> str:
+    return "".join(part.text for part in parts)
+
+
 class MessageItem(Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentText]
-
-    @property
-    def text(self) -> str:
-        return (
-            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        )
+    content: Annotated[list[ContentText], BeforeValidator(_as_parts)]
 
 
 class FunctionCallItem(Strict):
@@ -71,7 +75,7 @@ class FunctionCallOutputItem(Strict):
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[ContentText]
+    output: Annotated[list[ContentText], BeforeValidator(_as_parts)]
 
 
 class ReasoningText(Strict):
@@ -88,7 +92,7 @@ class ReasoningItem(Strict):
 
     @property
     def text(self) -> str:
-        return "".join(part.text for part in self.content or self.summary)
+        return _text(self.content or self.summary)
 
 
 def _item_type(item) -> str | None:
@@ -102,13 +106,28 @@ InputItem = Annotated[
     | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
-INPUT_ITEMS = TypeAdapter(list[InputItem])
+
+
+class InputItems(Strict):
+    """`input` as items, validated apart from the rest of the request (its errors name the item's type)."""
+
+    input: list[InputItem]
 
 
 class FunctionTool(FunctionDefinition):
     """The Responses API's function tool: chat's `function` fields, flat beside `type`."""
 
     type: Literal["function"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_function(cls, tool):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise ValueError(
+                f"expected a tool of type 'function' (the only kind served), type {kind!r}"
+            )
+        return tool
 
 
 class NamedFunctionChoice(Strict):
@@ -132,7 +151,7 @@ class TextConfig(Strict):
 class ResponsesRequest(SamplingFields):
     """The Responses API's request, beside the sampling fields chat takes (`n` must stay 1)."""
 
-    input: str | list[InputItem]
+    input: str | list[dict]  # read as InputItems
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     tools: list[FunctionTool] | None = None
@@ -174,19 +193,16 @@ def chat_messages(items: str | list) -> list[dict]:
             reasoning = item.text
             continue
         if isinstance(item, FunctionCallOutputItem):
-            output = (
-                item.output
-                if isinstance(item.output, str)
-                else MessageItem(role="user", content=item.output).text
+            messages.append(
+                {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)}
             )
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
             continue
         if isinstance(item, MessageItem) and item.role != "assistant":
-            messages.append({"role": item.role, "content": item.text})
+            messages.append({"role": item.role, "content": _text(item.content)})
             continue
         last = messages[-1] if messages else None
         if isinstance(item, MessageItem) or last is None or last["role"] != "assistant":
-            text = item.text if isinstance(item, MessageItem) else None
+            text = _text(item.content) if isinstance(item, MessageItem) else None
             last = {"role": "assistant", "content": text, "tool_calls": []}
             messages.append(last)
         if reasoning:
@@ -205,7 +221,7 @@ def chat_messages(items: str | list) -> list[dict]:
 
 def output_messages(output: list[dict]) -> list[dict]:
     """A response's output items -> the chat messages they are in a conversation."""
-    return chat_messages(INPUT_ITEMS.validate_python(output))
+    return chat_messages(InputItems(input=output).input)
 
 
 class ResponseStore:
@@ -255,7 +271,8 @@ class ResponsesReader:
         history = []
         if body.previous_response_id is not None:
             history = self.store.get(body.previous_response_id, "previous_response_id")[0]
-        conversation = history + chat_messages(body.input)
+        items = body.input if isinstance(body.input, str) else parse(InputItems, raw).input
+        conversation = history + chat_messages(items)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         try:
             parsed = await self.reader.chat(self._chat_body(body, system + conversation), http)
