@@ -9,9 +9,10 @@ A stream sends, in order: `response.created`, `response.in_progress`; per item `
 then for text `response.content_part.added`, `response.output_text.delta` (reasoning:
 `response.reasoning_text.delta`) ..., `response.output_text.done`, `response.content_part.done`, or for a
 call `response.function_call_arguments.delta` ..., `response.function_call_arguments.done`; then
-`response.output_item.done`; last `response.completed` (or `response.incomplete` when `max_output_tokens`
-cut the output: the response's and its last item's status are then `incomplete`). An error after the
-stream started is an `error` event, and the stream ends. Every event has a `sequence_number` from 0.
+`response.output_item.done`; last `response.completed`, as vLLM sends it, also when `max_output_tokens`
+cut the output (the response's and its last item's status are then `incomplete`; OpenAI's API sends
+`response.incomplete` there, and the openai client's stream helper finds no final response in that). An error
+after the stream started is an `error` event, and the stream ends. Every event has a `sequence_number` from 0.
 
 A whole response is the same builder fed the same deltas, its events not sent: streamed and whole agree.
 """
@@ -105,7 +106,7 @@ class ResponseBuilder:
             ("incomplete", {"reason": "max_output_tokens"}) if incomplete else ("completed", None)
         )
         self.response = self._response(status, usage, details)
-        return events + [self.event(f"response.{status}", response=self.response)]
+        return events + [self.event("response.completed", response=self.response)]
 
     def _response(self, status: str, usage: dict | None, details: dict | None) -> dict:
         return {
