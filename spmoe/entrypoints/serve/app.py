@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API as a FastAPI app, built around an engine client: the routes.
 
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`
-(`stream` false: one JSON body; true: server-sent events ending with `data: [DONE]`), `POST /tokenize`,
+(`stream` false: one JSON body; true: server-sent events ending with `data: [DONE]`), `POST /v1/responses`
+and `GET /v1/responses/{id}` (OpenAI's Responses API, on the chat path: `responses_request`), `POST /tokenize`,
 `POST /detokenize`, `GET /version`, `GET|HEAD /health`, `GET /metrics`. Every error is an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}` with its HTTP status (503s with `Retry-After`). Every
 response carries `X-Request-Id`: the client's, or one made here; log lines about a request name it.
@@ -44,7 +45,7 @@ from spmoe.entrypoints.serve.protocol import (
 )
 from spmoe.entrypoints.serve.rendering import Render, cancel, events, first_piece, rest
 from spmoe.entrypoints.serve.request_reader import ApiSettings, Choice, ParsedRequest, RequestReader
-from spmoe.entrypoints.serve.responses_rendering import ResponseAnswer, response_head
+from spmoe.entrypoints.serve.responses_rendering import ResponseAnswer
 from spmoe.entrypoints.serve.responses_request import ResponsesReader, ResponseStore
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration, usage
 from spmoe.entrypoints.serve.tokenizer import TokenTexts, chat_prompt_text, eos_token_ids
@@ -234,19 +235,10 @@ class OpenAIApi:
 
     async def responses(self, http: Request):
         read = await self.responses_reader.read(await self._json_body(http), http)
-        body = read.body
         started = await self._start(http, read.parsed, "resp_", "response")
-        answer = ResponseAnswer(
-            response_head(started.request_id, self.model_name, body),
-            body.stream,
-            read.parsed.parsers[0],
-            started.generations[0],
-            started.prompt_tokens,
-            lambda response: body.store and self.stored.put(response, read.conversation),
-        )
-        if body.stream:
-            stream = answer.events(started.streams, started.pieces[0], started.firsts[0])
-            return StreamingResponse(stream, media_type="text/event-stream")
+        answer = ResponseAnswer(read, started, self.model_name, self.stored)
+        if read.body.stream:  # a client that goes away cancels the stream, which aborts the request
+            return StreamingResponse(answer.events(), media_type="text/event-stream")
         got = await self._gather(http, started)
         return got if isinstance(got, Response) else answer.whole(got[0])
 
@@ -299,15 +291,8 @@ class OpenAIApi:
         )
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:  # a client that goes away cancels the stream, which aborts the requests
-            stream = events(
-                started.streams,
-                started.pieces,
-                started.firsts,
-                render,
-                head,
-                body,
-                started.prompt_tokens,
-            )
+            s = started
+            stream = events(s.streams, s.pieces, s.firsts, render, head, body, s.prompt_tokens)
             return StreamingResponse(stream, media_type="text/event-stream")
         got = await self._gather(http, started)
         if isinstance(got, Response):

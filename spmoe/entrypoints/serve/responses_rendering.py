@@ -20,11 +20,15 @@ A whole response is the same builder fed the same deltas, its events not sent: s
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from spmoe.entrypoints.serve.protocol import ApiError, internal_error
-from spmoe.entrypoints.serve.responses_request import ResponsesRequest
-from spmoe.entrypoints.serve.streaming import Piece, TextGeneration
+from spmoe.entrypoints.serve.responses_request import (
+    ResponsesInput,
+    ResponsesRequest,
+    ResponseStore,
+)
+from spmoe.entrypoints.serve.streaming import Piece
 
 ITEM_ID_PREFIXES = {"reasoning": "rs_", "message": "msg_", "function_call": "fc_"}
 
@@ -230,38 +234,29 @@ def response_usage(prompt_tokens: int, output_tokens: int) -> dict:
 
 
 class ResponseAnswer:
-    """The answer to one Responses request: its one choice's pieces through the choice's chat parser into a
-    ResponseBuilder, whole (`whole`) or streamed (`events`); `done(response)` is called with the finished
-    response (the store keeps it)."""
+    """The answer to a Responses request (`ResponsesInput`) the engine took (`app.Started`, one choice):
+    its pieces through the choice's chat parser into a ResponseBuilder, whole (`whole`) or streamed
+    (`events`); the finished response goes into `store` when the request asks to store it."""
 
-    def __init__(
-        self,
-        head: dict,
-        stream: bool,
-        parser,
-        generation: TextGeneration,
-        prompt_tokens: int,
-        done: Callable[[dict], None],
-    ):
-        self.builder = ResponseBuilder(head, stream)
-        self.parser, self.generation, self.prompt_tokens, self.done = (
-            parser,
-            generation,
-            prompt_tokens,
-            done,
-        )
+    def __init__(self, read: ResponsesInput, started, model: str, store: ResponseStore):
+        self.read, self.started, self.store = read, started, store
+        head = response_head(started.request_id, model, read.body)
+        self.builder = ResponseBuilder(head, read.body.stream)
+        self.parser = read.parsed.parsers[0]
 
     def whole(self, pieces: list[Piece]) -> dict:
         for piece in pieces:
             self.builder.feed(self.parser(piece.text, piece.finish_reason, True))
         return self._finish(pieces[-1].finish_reason)[1]
 
-    async def events(self, streams, pieces, first: Piece) -> AsyncIterator[str]:
-        """The stream's events; `streams` closes the engine's request when it ends (or the client leaves)."""
-        async with streams:
+    async def events(self) -> AsyncIterator[str]:
+        """The stream's events; leaving them (the end, or a client that went away) closes the engine's
+        request."""
+        pieces = self.started.pieces[0]
+        async with self.started.streams:
             for event in self.builder.start():
                 yield event
-            piece = first
+            piece = self.started.firsts[0]
             try:
                 while True:
                     for event in self.builder.feed(
@@ -275,15 +270,18 @@ class ResponseAnswer:
                 yield self._error(e)
                 return
             except Exception:  # noqa: BLE001 - the client gets the error event, the log the details
-                yield self._error(internal_error(f"the stream of {self.builder.head['id']}"))
+                yield self._error(internal_error(f"the stream of {self.started.request_id}"))
                 return
         for event in self._finish(piece.finish_reason)[0]:
             yield event
 
     def _finish(self, finish_reason: str) -> tuple[list[str], dict]:
-        usage = response_usage(self.prompt_tokens, self.generation.completion_tokens)
-        events = self.builder.finish(finish_reason, usage)
-        self.done(self.builder.response)
+        output_tokens = self.started.generations[0].completion_tokens
+        events = self.builder.finish(
+            finish_reason, response_usage(self.started.prompt_tokens, output_tokens)
+        )
+        if self.read.body.store:
+            self.store.put(self.builder.response, self.read.conversation)
         return events, self.builder.response
 
     def _error(self, error: ApiError) -> str:
