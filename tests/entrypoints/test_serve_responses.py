@@ -1,8 +1,9 @@
-"""`POST /v1/responses` through the app against the scripted GLM model of test_serve_chat, driven by the real
-`openai` client (`responses.create`, `responses.stream`, `responses.parse`) and openai-agents' default
-`Agent` + `Runner`: the prompt is the one chat makes of the same conversation, reasoning / message /
-function_call items come out whole and streamed alike, the events come in the order the client checks,
-previous_response_id continues a stored conversation, and bad requests are 400s naming the Responses field."""
+"""`POST /v1/responses` through the app against the scripted GLM model of test_serve_chat, driven by
+the real `openai` client (`responses.create`, `responses.stream`, `responses.parse`) and
+openai-agents' default `Agent` + `Runner`: the prompt is the one chat makes of the same
+conversation, reasoning / message / function_call items come out whole and streamed alike, the
+events come in the order the client checks, previous_response_id continues a stored conversation,
+and bad requests are 400s naming the Responses field."""
 
 import asyncio
 import json
@@ -22,7 +23,7 @@ INSTRUCTIONS = "Answer in one sentence."
 
 
 def _without_ids(output: list) -> list[dict]:
-    """Output items without their fresh ids (a function call keeps its call_id's shape: call_...)."""
+    """Output items without their fresh ids (a function call's call_id checked for its shape)."""
     items = []
     for item in output:
         item = item.model_dump(exclude={"id"}, exclude_none=True)
@@ -37,9 +38,10 @@ def _prompt(engine, tokenizer) -> str:
 
 
 def test_an_agent_turn_whole_and_streamed(tokenizer):
-    """The first turn of the agent loop: the prompt is chat's for instructions + user message + tools; the
-    output is a reasoning item, a message and a function call; the stream's events build the same items (the
-    client's stream helper checks their identities), numbered from 0, in the documented order."""
+    """The first turn of the agent loop: the prompt is chat's for instructions + user message +
+    tools; the output is a reasoning item, a message and a function call; the stream's events build
+    the same items (the client's stream helper checks their identities), numbered from 0, in the
+    documented order."""
     engine = AgentEngine(tokenizer)
     client = _client(engine, tokenizer, GLM)
     system = {"role": "system", "content": INSTRUCTIONS}
@@ -104,9 +106,10 @@ def test_an_agent_turn_whole_and_streamed(tokenizer):
 
 @pytest.mark.parametrize("how", ["input items", "previous_response_id"])
 def test_the_second_turn_gives_the_template_what_chat_gives_it(tokenizer, how):
-    """The tool's result comes back as a function_call_output item, after the first turn's output items as
-    input or after previous_response_id; either way the prompt is chat's for the same history (the reasoning
-    and the call written back by the template), and the answer is a message."""
+    """The tool's result comes back as a function_call_output item, after the first turn's output
+    items as input or after previous_response_id; either way the prompt is chat's for the same
+    history (the reasoning and the call written back by the template), and the answer is a
+    message."""
     engine = AgentEngine(tokenizer)
     client = _client(engine, tokenizer, GLM)
     first = client.chat.completions.create(model="glm", messages=[USER], tools=[TOOL])
@@ -142,8 +145,9 @@ class Weather(pydantic.BaseModel):
 
 
 def test_text_format_and_tool_choice_constrain_as_chat_does(tokenizer):
-    """`text.format` json_schema (the client's parse() with a pydantic model) is chat's response_format:
-    the same grammar, starting after the reasoning; a required tool_choice is chat's tool grammar."""
+    """`text.format` json_schema (the client's parse() with a pydantic model) is chat's
+    response_format: the same grammar, starting after the reasoning; a required tool_choice is
+    chat's tool grammar."""
     engine = AgentEngine(tokenizer)
     client = _client(engine, tokenizer, GLM)
     engine.reply = 'Thinking.</think>{"city": "Oslo", "days": 3}'
@@ -278,8 +282,8 @@ def test_bad_requests_name_the_responses_field(tokenizer, body, param, fragment)
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
 def test_openai_agents_default_agent_runs_its_tool(tokenizer, streamed):
-    """openai-agents' default Agent (its Responses model) with a function tool: the model calls it, the
-    Runner runs it and sends the result back, and the model's answer is the final output."""
+    """openai-agents' default Agent (its Responses model) with a function tool: the model calls it,
+    the Runner runs it and sends the result back, and the model's answer is the final output."""
     from agents import Agent, Runner, function_tool, set_default_openai_client, set_tracing_disabled
 
     engine = AgentEngine(tokenizer)
@@ -316,8 +320,8 @@ def test_openai_agents_default_agent_runs_its_tool(tokenizer, streamed):
     assert len(engine.requests) == 2
     prompt = _prompt(engine, tokenizer)
     assert prompt.endswith(  # the first turn's reasoning, text and call given back, then the result
-        f"<|system|>{INSTRUCTIONS}<|end|><|user|>Weather in Paris?<|end|><|assistant|><think>The user "
-        "wants the weather.</think>Let me look.<tool_call>get_weather<arg_key>city</arg_key><arg_value>"
-        "Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call><|end|>"
+        f"<|system|>{INSTRUCTIONS}<|end|><|user|>Weather in Paris?<|end|><|assistant|><think>"
+        "The user wants the weather.</think>Let me look.<tool_call>get_weather<arg_key>city"
+        "</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call><|end|>"
         '<|observation|><tool_response>{"temp": 21}</tool_response><|end|><|assistant|><think>'
     )

@@ -1,8 +1,8 @@
-"""`POST /v1/responses` on a real `spmoe serve` (CPU, the tiny random checkpoint of test_serve.py with the
-demo tokenizer, `--enable-auto-tool-choice`), driven by the `openai` client and openai-agents: a response's
-text is the chat completion's for the same conversation and seed, whole and streamed; `text.format` and a
-required tool follow their schemas; openai-agents' default Agent + Runner calls its function tool and ends
-with the model's answer."""
+"""`POST /v1/responses` on a real `spmoe serve` (CPU, the tiny random checkpoint of test_serve.py
+with the demo tokenizer, `--enable-auto-tool-choice`), driven by the `openai` client and
+openai-agents: a response's text is the chat completion's for the same conversation and seed, whole
+and streamed; `text.format` and a required tool follow their schemas; openai-agents' default Agent +
+Runner calls its function tool and ends with the model's answer."""
 
 import asyncio
 import json
@@ -103,10 +103,10 @@ def test_text_format_and_a_required_tool_follow_their_schemas(base):
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
 def test_openai_agents_default_agent_with_a_function_tool(base, checkpoint, streamed):  # noqa: F811
-    """The first turn must call the tool (ModelSettings' tool_choice "required"); the Runner runs it and
-    sends its result back with tool_choice reset to auto, and the model's free text is the final output.
-    The Runner fails a turn that the length limit cuts, so the end of turn is made likely (`logit_bias`
-    on the eos token: the random model ends a free text within a few tokens)."""
+    """The first turn must call the tool (ModelSettings' tool_choice "required"); the Runner runs it
+    and sends its result back with tool_choice reset to auto, and the model's free text is the final
+    output. The Runner fails a turn that the length limit cuts, so the end of turn is made likely
+    (`logit_bias` on the eos token: the random model ends a free text within a few tokens)."""
     from agents import (
         Agent,
         ModelSettings,

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API as a FastAPI app, built around an engine client: the routes.
 
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`
-(`stream` false: one JSON body; true: server-sent events ending with `data: [DONE]`), `POST /v1/responses`
-and `GET /v1/responses/{id}` (OpenAI's Responses API, on the chat path: `responses_request`), `POST /tokenize`,
+(`stream` false: one JSON body; true: server-sent events ending with `data: [DONE]`),
+`POST /v1/responses` and `GET /v1/responses/{id}` (OpenAI's Responses API, read as chat requests:
+`responses_request`), `POST /tokenize`,
 `POST /detokenize`, `GET /version`, `GET|HEAD /health`, `GET /metrics`. Every error is an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}` with its HTTP status (503s with `Retry-After`). Every
 response carries `X-Request-Id`: the client's, or one made here; log lines about a request name it.
@@ -58,8 +59,8 @@ log = logging.getLogger("spmoe.serve")
 
 @dataclass(frozen=True)
 class Started:
-    """A request whose choices the engine took: their generations, their pieces (closing `streams` aborts
-    them) and each one's first piece."""
+    """A request whose choices the engine took: their generations, their pieces (closing `streams`
+    aborts them) and each one's first piece."""
 
     request_id: str
     generations: list[TextGeneration]
@@ -308,8 +309,8 @@ class OpenAIApi:
     async def _start(
         self, http: Request, parsed: ParsedRequest, id_prefix: str, kind: str
     ) -> Started:
-        """Hand every choice of `parsed` to the engine and wait for each one's first text (the engine's
-        refusal is the HTTP error); the request's id is `id_prefix` and a fresh hex id."""
+        """Hand every choice of `parsed` to the engine and wait for each one's first text (the
+        engine's refusal is the HTTP error); the request's id is `id_prefix` and a fresh hex id."""
         body, choices = parsed.body, parsed.choices
         if self.unavailable is not None:  # it began stopping while this request was tokenized
             raise ApiError(503, self.unavailable)
@@ -336,8 +337,8 @@ class OpenAIApi:
         return Started(request_id, generations, streams, pieces, firsts, prompt_tokens)
 
     async def _gather(self, http: Request, started: Started) -> list[list[Piece]] | Response:
-        """Every choice's pieces, to the last; a 499 response if the client went away first (which aborts
-        the engine's requests)."""
+        """Every choice's pieces, to the last; a 499 response if the client went away first (which
+        aborts the engine's requests)."""
         async with started.streams:
             collect = [
                 asyncio.ensure_future(rest(p, f)) for p, f in zip(started.pieces, started.firsts)

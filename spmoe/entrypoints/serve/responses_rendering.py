@@ -1,21 +1,23 @@
-"""`POST /v1/responses` answers: the Response object and its stream of events, built from the chat choice
-deltas the chat path's parsers make (`ChatChoices`), so that reasoning, text and tool calls are read as chat
-reads them.
+"""`POST /v1/responses` answers: the Response object and its stream of events, built from the chat
+choice deltas the chat path's parsers make (`ChatChoices`), so that reasoning, text and tool calls
+are read as chat reads them.
 
-Output items, in the order the text makes them: a `reasoning` item (the reasoning parser's text, as one
-`reasoning_text` content part), a `message` item (the content, as one `output_text` part), a
-`function_call` item per tool call. A response without content or calls still has a message (empty text).
-A stream sends, in order: `response.created`, `response.in_progress`; per item `response.output_item.added`,
-then for text `response.content_part.added`, `response.output_text.delta` (reasoning:
-`response.reasoning_text.delta`) ..., `response.output_text.done`, `response.content_part.done`, or for a
-call `response.function_call_arguments.delta` ..., `response.function_call_arguments.done`; then
-`response.output_item.done`; last `response.completed`, as vLLM sends it, also when `max_output_tokens`
-cut the output (the response's and its last item's status are then `incomplete`; OpenAI's API sends
-`response.incomplete` there, and the openai client's stream helper finds no final response in that). An error
-after the stream started is an `error` event, and the stream ends. Every event has a `sequence_number` from 0.
+Output items, in the order the text makes them: a `reasoning` item (the reasoning parser's text, as
+one `reasoning_text` content part), a `message` item (the content, as one `output_text` part), a
+`function_call` item per tool call. A response without content or calls still has a message (empty
+text). A stream sends, in order: `response.created`, `response.in_progress`; per item
+`response.output_item.added`, then for text `response.content_part.added`,
+`response.output_text.delta` (reasoning: `response.reasoning_text.delta`) ...,
+`response.output_text.done`, `response.content_part.done`, or for a call
+`response.function_call_arguments.delta` ..., `response.function_call_arguments.done`; then
+`response.output_item.done`; last `response.completed`, as vLLM sends it, also when
+`max_output_tokens` cut the output (the response's and its last item's status are then `incomplete`;
+OpenAI's API sends `response.incomplete` there, and the openai client's stream helper finds no final
+response in that). An error after the stream started is an `error` event, and the stream ends. Every
+event has a `sequence_number` from 0.
 
-A whole response is the same builder fed the same deltas, its events not sent: streamed and whole agree.
-"""
+A whole response is the same builder fed the same deltas, its events not sent: streamed and whole
+agree."""
 
 import json
 import time
@@ -34,7 +36,8 @@ ITEM_ID_PREFIXES = {"reasoning": "rs_", "message": "msg_", "function_call": "fc_
 
 
 def response_head(response_id: str, model: str, body: ResponsesRequest) -> dict:
-    """The fields of a Response that do not change as it is made: the request's settings, answered back."""
+    """The fields of a Response that do not change as it is made: the request's settings, answered
+    back."""
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
     text_format = body.text.format if body.text and body.text.format else None
     return {
@@ -71,8 +74,9 @@ def _shown_choice(choice, tools: list) -> str | dict:
 
 
 class ResponseBuilder:
-    """One response's output items (and, when `stream`, its events as server-sent event texts), fed the chat
-    choice deltas of its one choice: `start()`, `feed(choice)` per piece, `finish(...)`; then `response`."""
+    """One response's output items (and, when `stream`, its events as server-sent event texts), fed
+    the chat choice deltas of its one choice: `start()`, `feed(choice)` per piece, `finish(...)`;
+    then `response`."""
 
     def __init__(self, head: dict, stream: bool):
         self.head, self.stream = head, stream
@@ -89,7 +93,8 @@ class ResponseBuilder:
         ]
 
     def feed(self, choice: dict) -> list[str]:
-        """`choice`: a ChatChoices stream choice ({"delta": {reasoning_content, content, tool_calls}, ...})."""
+        """`choice`: a ChatChoices stream choice ({"delta": {reasoning_content, content,
+        tool_calls}, ...})."""
         delta, events = choice["delta"], []
         if delta.get("reasoning_content"):
             events += self._text("reasoning", delta["reasoning_content"])
@@ -100,7 +105,8 @@ class ResponseBuilder:
         return events
 
     def finish(self, finish_reason: str, usage: dict) -> list[str]:
-        """Close the last item and the response: `completed`, or `incomplete` when the length limit cut it."""
+        """Close the last item and the response: `completed`, or `incomplete` when the length limit
+        cut it."""
         events = []
         if not any(item["type"] != "reasoning" for item in self.output):
             events += self._open_item("message")
@@ -213,7 +219,8 @@ class ResponseBuilder:
         return {"item_id": self.open["id"], "output_index": len(self.output) - 1}
 
     def event(self, kind: str, **fields) -> str:
-        """The event as server-sent event text (serialized now: the items change after), when streaming."""
+        """The event as server-sent event text (serialized now: the items change after), when
+        streaming."""
         if not self.stream:
             return ""
         event = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -222,8 +229,8 @@ class ResponseBuilder:
 
 
 def response_usage(prompt_tokens: int, output_tokens: int) -> dict:
-    """The Responses API's usage. Cached prompt tokens and reasoning tokens are not counted per request here:
-    both are reported as 0."""
+    """The Responses API's usage. Cached prompt tokens and reasoning tokens are not counted per
+    request here: both are reported as 0."""
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},
@@ -234,9 +241,10 @@ def response_usage(prompt_tokens: int, output_tokens: int) -> dict:
 
 
 class ResponseAnswer:
-    """The answer to a Responses request (`ResponsesInput`) the engine took (`app.Started`, one choice):
-    its pieces through the choice's chat parser into a ResponseBuilder, whole (`whole`) or streamed
-    (`events`); the finished response goes into `store` when the request asks to store it."""
+    """The answer to a Responses request (`ResponsesInput`) the engine took (`app.Started`, one
+    choice): its pieces through the choice's chat parser into a ResponseBuilder, whole (`whole`) or
+    streamed (`events`); the finished response goes into `store` when the request asks to store
+    it."""
 
     def __init__(self, read: ResponsesInput, started, model: str, store: ResponseStore):
         self.read, self.started, self.store = read, started, store
@@ -250,8 +258,8 @@ class ResponseAnswer:
         return self._finish(pieces[-1].finish_reason)[1]
 
     async def events(self) -> AsyncIterator[str]:
-        """The stream's events; leaving them (the end, or a client that went away) closes the engine's
-        request."""
+        """The stream's events; leaving them (the end, or a client that went away) closes the
+        engine's request."""
         pieces = self.started.pieces[0]
         async with self.started.streams:
             for event in self.builder.start():

@@ -1,17 +1,16 @@
-"""`POST /v1/responses` requests (OpenAI's Responses API, as vLLM serves it) read into the chat path.
+"""`POST /v1/responses` requests (OpenAI's Responses API, as vLLM serves it) read as chat requests.
 
-A Responses request becomes a chat completions body: `instructions` a system message first, `input` (a text,
-or items: messages, `function_call`s, `function_call_output`s, `reasoning`) the messages after it, the flat
-function `tools` and `tool_choice` in chat's nested shape, `text.format` as `response_format`,
-`max_output_tokens` as `max_tokens`, and the sampling fields (vLLM's extensions such as `seed` and `top_k`
-included) as they are. `RequestReader.chat` then reads it as any chat request: the template, the parsers,
-the grammar. An error names the Responses field (`max_output_tokens`, `text.format`, `input`), not the chat
-one it became.
+A Responses request becomes a chat completions body: `instructions` a system message first, `input`
+(a text, or items: messages, `function_call`s, `function_call_output`s, `reasoning`) the messages
+after it, the flat function `tools` and `tool_choice` in chat's nested shape, `text.format` as
+`response_format`, `max_output_tokens` as `max_tokens`, and the sampling fields (vLLM's extensions
+such as `seed` and `top_k` included) as they are. `RequestReader.chat` then reads it as any chat
+request: the template, the parsers, the grammar. An error names the Responses field
+(`max_output_tokens`, `text.format`, `input`), not the chat one it became.
 
-A response made with `store` (the default) is kept in memory, the most recent MAX_STORED_RESPONSES of them:
-`previous_response_id` puts the stored conversation (its input and output, not its instructions) before the
-new input, and `GET /v1/responses/{id}` returns the response.
-"""
+A response made with `store` (the default) is kept in memory, the most recent MAX_STORED_RESPONSES
+of them: `previous_response_id` puts the stored conversation (its input and output, not its
+instructions) before the new input, and `GET /v1/responses/{id}` returns the response."""
 
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ RENAMED = (
 
 
 class ContentText(Strict):
-    """A part of a message's content: text the user gave or the assistant wrote (no images or files)."""
+    """A part of a message's content: text the user gave or the model wrote (no images or files)."""
 
     type: Literal["input_text", "output_text"]
     text: str
@@ -109,7 +108,7 @@ InputItem = Annotated[
 
 
 class InputItems(Strict):
-    """`input` as items, validated apart from the rest of the request (its errors name the item's type)."""
+    """`input` as items, validated apart from the request (its errors name the item's type)."""
 
     input: list[InputItem]
 
@@ -172,8 +171,8 @@ class ResponsesRequest(SamplingFields):
 
 @dataclass(frozen=True)
 class ResponsesInput:
-    """A Responses request read: its body, what to generate, and the conversation so far as chat messages
-    (the stored one of `previous_response_id`, then `input`; `instructions` left out)."""
+    """A Responses request read: its body, what to generate, and the conversation so far as chat
+    messages (the stored one of `previous_response_id`, then `input`; `instructions` left out)."""
 
     body: ResponsesRequest
     parsed: ParsedRequest
@@ -181,9 +180,9 @@ class ResponsesInput:
 
 
 def chat_messages(items: str | list) -> list[dict]:
-    """`input` (a text, or InputItems) -> chat messages: a reasoning item goes with the assistant turn after
-    it, and the function calls that follow an assistant message (or each other) join it as its
-    `tool_calls`."""
+    """`input` (a text, or InputItems) -> chat messages: a reasoning item goes with the assistant
+    turn after it, and the function calls that follow an assistant message (or each other) join it
+    as its `tool_calls`."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
@@ -225,7 +224,8 @@ def output_messages(output: list[dict]) -> list[dict]:
 
 
 class ResponseStore:
-    """The most recent `capacity` stored responses: id -> (the conversation through them, the response)."""
+    """The most recent `capacity` stored responses: id -> (the conversation through them, the
+    response)."""
 
     def __init__(self, capacity: int = MAX_STORED_RESPONSES):
         self.capacity = capacity
@@ -241,8 +241,8 @@ class ResponseStore:
             self.entries.popitem(last=False)
 
     def get(self, response_id: str, param: str | None = None) -> tuple[list[dict], dict]:
-        """-> (the conversation through the response, the response); ApiError (400 naming `param` when
-        given, else 404) for an id not stored."""
+        """-> (the conversation through the response, the response); ApiError (400 naming `param`
+        when given, else 404) for an id not stored."""
         if response_id not in self.entries:
             why = (
                 f"no stored response has the id {response_id!r}: it was made with store false, "
@@ -253,7 +253,8 @@ class ResponseStore:
 
 
 class ResponsesReader:
-    """Reads `POST /v1/responses` bodies with the server's RequestReader (see the module docstring)."""
+    """Reads `POST /v1/responses` bodies with the server's RequestReader (see the module
+    docstring)."""
 
     def __init__(self, reader: RequestReader, store: ResponseStore):
         self.reader, self.store = reader, store
