@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from spmoe.entrypoints.serve.app import ApiSettings, build_app
 from spmoe.entrypoints.serve.chat import ChatOptions
+from tests.entrypoints.test_serve_app import ScriptedEngineClient
 from tests.entrypoints.test_serve_chat import GLM, TOOL, USER, AgentEngine, _client
 
 FUNCTION = {"type": "function", **TOOL["function"]}  # the Responses API's flat function tool
@@ -325,3 +326,30 @@ def test_openai_agents_default_agent_runs_its_tool(tokenizer, streamed):
         "</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call><|end|>"
         '<|observation|><tool_response>{"temp": 21}</tool_response><|end|><|assistant|><think>'
     )
+
+
+def test_stopping_ends_an_open_stream_with_an_error_event(tokenizer):
+    """`stop` while a response streams: the stream ends with an `error` event naming the reason, after
+    the events so far (no response.completed), and the engine's request is aborted."""
+    engine = ScriptedEngineClient(tokenizer.encode("x" * 60))
+    engine.step_s = 0.05
+    app = build_app(engine, tokenizer, ApiSettings(["tiny"]))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            body = {"model": "tiny", "input": "Hi", "max_output_tokens": 40, "stream": True}
+            sent = asyncio.create_task(http.post("/v1/responses", json=body))
+            while not engine.requests and not sent.done():
+                await asyncio.sleep(0.01)
+            await app.state.api.stop("the server is shutting down", grace_s=0.1)
+            return await sent
+
+    response = asyncio.run(main())
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line[:6] == "data: "]
+    kinds = [event["type"] for event in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert "response.output_text.delta" in kinds and "response.completed" not in kinds
+    assert kinds[-1] == "error" and "the server is shutting down" in events[-1]["message"]
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert len(engine.closed_early) == 1 and app.state.api.open_requests == 0
