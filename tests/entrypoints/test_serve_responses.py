@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from spmoe.entrypoints.serve.app import ApiSettings, build_app
 from spmoe.entrypoints.serve.chat import ChatOptions
 from tests.entrypoints.test_serve_app import ScriptedEngineClient
-from tests.entrypoints.test_serve_chat import GLM, TOOL, USER, AgentEngine, _client
+from tests.entrypoints.test_serve_chat import CALL, GLM, TOOL, USER, AgentEngine, _client
 
 FUNCTION = {"type": "function", **TOOL["function"]}  # the Responses API's flat function tool
 INSTRUCTIONS = "Answer in one sentence."
@@ -353,3 +353,31 @@ def test_stopping_ends_an_open_stream_with_an_error_event(tokenizer):
     assert kinds[-1] == "error" and "the server is shutting down" in events[-1]["message"]
     assert [event["sequence_number"] for event in events] == list(range(len(events)))
     assert len(engine.closed_early) == 1 and app.state.api.open_requests == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_call_cut_off_by_the_length_limit_is_an_incomplete_item(tokenizer, stream):
+    """A call the length limit cuts keeps the arguments chat returns for it (not a repaired object), in
+    an `incomplete` function_call item of an incomplete response."""
+    engine = AgentEngine(tokenizer)
+    client = _client(engine, tokenizer, GLM)
+    limit = len(tokenizer.encode(CALL[: CALL.index("Paris") + 3]))  # into the city's value
+    chat = client.chat.completions.create(
+        model="glm", messages=[USER], tools=[TOOL], max_tokens=limit
+    )
+    fields = {"model": "glm", "input": [USER], "tools": [FUNCTION], "max_output_tokens": limit}
+    if stream:
+        with client.responses.stream(**fields) as events:
+            response = events.get_final_response()
+    else:
+        response = client.responses.create(**fields)
+    assert chat.choices[0].finish_reason == "length" and response.status == "incomplete"
+    reasoning, message, call = response.output
+    assert (reasoning.status, message.status, call.status) == (
+        "completed",
+        "completed",
+        "incomplete",
+    )
+    assert call.arguments == chat.choices[0].message.tool_calls[0].function.arguments
+    with pytest.raises(ValueError):
+        json.loads(call.arguments)
