@@ -381,3 +381,33 @@ def test_a_call_cut_off_by_the_length_limit_is_an_incomplete_item(tokenizer, str
     assert call.arguments == chat.choices[0].message.tool_calls[0].function.arguments
     with pytest.raises(ValueError):
         json.loads(call.arguments)
+
+
+def test_previous_response_id_keeps_the_conversation_not_the_instructions(tokenizer):
+    """As in OpenAI's API: the stored turns (input and output) come before the new input, under the new
+    request's instructions only; the prompt is chat's for that conversation."""
+    engine = AgentEngine(tokenizer)
+    engine.reply = "I thought.</think>ok"
+    client = _client(engine, tokenizer, GLM)
+    first = client.responses.create(model="glm", input="Hi", instructions="First rules.")
+    second = client.responses.create(
+        model="glm", input="Again", instructions="Second rules.", previous_response_id=first.id
+    )
+    third = client.responses.create(model="glm", input="More", previous_response_id=second.id)
+    second_prompt = tokenizer.decode(engine.requests[1].prompt, skip_special_tokens=False)
+    assert "Second rules." in second_prompt and "First rules." not in second_prompt
+    prompts = [_prompt(engine, tokenizer)]
+    turn = {"role": "assistant", "content": "ok", "reasoning_content": "I thought."}
+    client.chat.completions.create(
+        model="glm",
+        messages=[
+            {"role": "user", "content": "Hi"},
+            turn,
+            {"role": "user", "content": "Again"},
+            turn,
+            {"role": "user", "content": "More"},
+        ],
+    )
+    prompts.append(_prompt(engine, tokenizer))
+    assert prompts[0] == prompts[1] and "rules" not in prompts[0]
+    assert third.output_text == "ok" and third.previous_response_id == second.id
