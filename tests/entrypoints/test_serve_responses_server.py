@@ -6,14 +6,21 @@ Runner calls its function tool and ends with the model's answer."""
 
 import asyncio
 import json
+import time
 from typing import Literal
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
-from tests.entrypoints.test_serve import checkpoint, openai_client, start_server  # noqa: F401
+from tests.entrypoints.test_serve import (  # noqa: F401 - checkpoint: the fixture
+    checkpoint,
+    generated_tokens,
+    openai_client,
+    start_server,
+)
 
 SCHEMA = {
     "type": "object",
@@ -150,3 +157,31 @@ def test_openai_agents_default_agent_with_a_function_tool(base, checkpoint, stre
     assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
     assert isinstance(result.final_output, str)
     assert result.final_output == result.new_items[-1].raw_item.content[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_goes_away_aborts_its_response(base, stream):
+    before, max_tokens = generated_tokens(base), 1000
+    body = {
+        "model": "tiny",
+        "input": "abc",
+        "max_output_tokens": max_tokens,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+    if stream:
+        with httpx.stream("POST", base + "/v1/responses", json=body, timeout=30) as response:
+            for events, _ in enumerate(response.iter_lines()):
+                if events == 12:
+                    break  # leaving the block closes the connection mid-stream
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/responses", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while (
+        'num_requests_running{engine="0",model_name="tiny"} 0.0'
+        not in httpx.get(base + "/metrics").text
+    ):
+        assert time.monotonic() < deadline, "the request still runs 10 s after its client went away"
+        time.sleep(0.1)
+    assert generated_tokens(base) - before < max_tokens
