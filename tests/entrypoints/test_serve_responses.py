@@ -202,6 +202,10 @@ def test_the_length_limit_makes_an_incomplete_response(tokenizer, stream):
     assert reasoning.status == "completed" and reasoning.content[0].text == "I think."
     assert message.status == "incomplete" and message.content[0].text == "A l"
     assert response.usage.output_tokens == 19
+    cut_short = client.responses.create(**{**fields, "max_output_tokens": 5})
+    assert cut_short.status == "incomplete" and len(cut_short.output) == 1
+    assert cut_short.output[0].status == "incomplete"
+    assert cut_short.output[0].content[0].text == "I thi"
 
 
 def test_without_parsers_the_text_is_the_message(tokenizer):

@@ -4,8 +4,8 @@ are read as chat reads them.
 
 Output items, in the order the text makes them: a `reasoning` item (the reasoning parser's text, as
 one `reasoning_text` content part), a `message` item (the content, as one `output_text` part), a
-`function_call` item per tool call. A response without content or calls still has a message (empty
-text). A stream sends, in order: `response.created`, `response.in_progress`; per item
+`function_call` item per tool call. A completed response without content or calls still has a
+message (empty text). A stream sends, in order: `response.created`, `response.in_progress`; per item
 `response.output_item.added`, then for text `response.content_part.added`,
 `response.output_text.delta` (reasoning: `response.reasoning_text.delta`) ...,
 `response.output_text.done`, `response.content_part.done`, or for a call
@@ -105,12 +105,11 @@ class ResponseBuilder:
         return events
 
     def finish(self, finish_reason: str, usage: dict) -> list[str]:
-        """Close the last item and the response: `completed`, or `incomplete` when the length limit
-        cut it."""
-        events = []
-        if not any(item["type"] != "reasoning" for item in self.output):
+        """Close the last item and the response: `completed` (with an empty message if it has no
+        message or call), or `incomplete` when the length limit cut it (its last item too)."""
+        events, incomplete = [], finish_reason == "length"
+        if not incomplete and all(item["type"] == "reasoning" for item in self.output):
             events += self._open_item("message")
-        incomplete = finish_reason == "length"
         events += self._close(incomplete)
         status, details = (
             ("incomplete", {"reason": "max_output_tokens"}) if incomplete else ("completed", None)

@@ -160,7 +160,7 @@ class ResponsesRequest(SamplingFields):
     store: bool = True
     text: TextConfig | None = None
     chat_template_kwargs: dict = {}
-    # accepted and answered back as sent; they change nothing here
+    # accepted, changing nothing (reasoning, metadata, truncation: answered back); the last two: 400
     reasoning: dict | None = None
     metadata: dict | None = None
     include: list[str] | None = None
@@ -315,6 +315,6 @@ def _renamed(error: ApiError) -> ApiError:
     message, param = error.message, error.param
     for chat_name, name in RENAMED:
         message = message.replace(chat_name, name)
-        if param is not None and param.startswith(chat_name):
-            param = name + param[len(chat_name) :]
+        if param is not None and param.startswith(chat_name):  # no index: chat's counts others
+            param = name
     return ApiError(error.status, message, param)
