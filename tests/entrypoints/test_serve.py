@@ -491,25 +491,18 @@ def generated_tokens(base: str) -> float:
     )
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_goes_away_aborts_its_request(server, stream):
-    _, base, _ = server
-    before, max_tokens = generated_tokens(base), MAX_MODEL_LEN - 4
-    body = {
-        "model": "tiny",
-        "prompt": "abc",
-        "max_tokens": max_tokens,
-        "stream": stream,
-        "ignore_eos": True,
-    }
-    if stream:
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as response:
+def leave_and_check_aborted(base: str, path: str, body: dict, max_tokens: int) -> None:
+    """POST `body` (max_tokens `max_tokens`, ignore_eos) to `path` and leave: a stream after a few
+    lines, a whole request after 1 s; the server must then stop generating for it within 10 s."""
+    before = generated_tokens(base)
+    if body["stream"]:
+        with httpx.stream("POST", base + path, json=body, timeout=30) as response:
             for events, _ in enumerate(response.iter_lines()):
-                if events == 4:
+                if events == 12:
                     break  # leaving the block closes the connection mid-stream
     else:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(base + "/v1/completions", json=body, timeout=1.0)
+            httpx.post(base + path, json=body, timeout=1.0)
     deadline = time.monotonic() + 10
     while (
         'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0'
@@ -518,6 +511,20 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream):
         assert time.monotonic() < deadline, "the request still runs 10 s after its client went away"
         time.sleep(0.1)
     assert generated_tokens(base) - before < max_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_aborts_its_request(server, stream):
+    _, base, _ = server
+    max_tokens = MAX_MODEL_LEN - 4
+    body = {
+        "model": "tiny",
+        "prompt": "abc",
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+    leave_and_check_aborted(base, "/v1/completions", body, max_tokens)
 
 
 @pytest.mark.parametrize(

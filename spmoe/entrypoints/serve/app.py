@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API as a FastAPI app, built around an engine client: the routes.
 
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`
-(`stream` false: one JSON body; true: server-sent events ending with `data: [DONE]`), `POST /tokenize`,
+(`stream` false: one JSON body; true: server-sent events ending with `data: [DONE]`),
+`POST /v1/responses` and `GET /v1/responses/{id}` (OpenAI's Responses API, read as chat requests:
+`responses_request`), `POST /tokenize`,
 `POST /detokenize`, `GET /version`, `GET|HEAD /health`, `GET /metrics`. Every error is an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}` with its HTTP status (503s with `Retry-After`). Every
 response carries `X-Request-Id`: the client's, or one made here; log lines about a request name it.
@@ -44,13 +46,28 @@ from spmoe.entrypoints.serve.protocol import (
 )
 from spmoe.entrypoints.serve.rendering import Render, cancel, events, first_piece, rest
 from spmoe.entrypoints.serve.request_reader import ApiSettings, Choice, ParsedRequest, RequestReader
-from spmoe.entrypoints.serve.streaming import TextGeneration, usage
+from spmoe.entrypoints.serve.responses_rendering import ResponseAnswer
+from spmoe.entrypoints.serve.responses_request import ResponsesReader, ResponseStore
+from spmoe.entrypoints.serve.streaming import Piece, TextGeneration, usage
 from spmoe.entrypoints.serve.tokenizer import TokenTexts, chat_prompt_text, eos_token_ids
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 END_WAIT_S = 5.0  # how long `stop` waits for the requests it ended to send their last chunk
 RETRY_AFTER_S = "1"  # what a 503 tells the client to wait
 log = logging.getLogger("spmoe.serve")
+
+
+@dataclass(frozen=True)
+class Started:
+    """A request whose choices the engine took: their generations, their pieces (closing `streams`
+    aborts them) and each one's first piece."""
+
+    request_id: str
+    generations: list[TextGeneration]
+    streams: AsyncExitStack
+    pieces: list
+    firsts: list[Piece]
+    prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,8 @@ def build_app(
     app.post("/detokenize")(api.detokenize)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    app.post("/v1/responses")(api.responses)
+    app.get("/v1/responses/{response_id}")(api.stored_response)
     if limits.api_key is not None:
         app.add_middleware(RequireApiKey, api_key=limits.api_key)
     app.add_middleware(RequestIdMiddleware)  # the outermost: a 401 carries the id too
@@ -124,6 +143,8 @@ class OpenAIApi:
     ):
         self.client, self.tokenizer = client, tokenizer
         self.reader = RequestReader(client, tokenizer, settings, max_request_bytes)
+        self.stored = ResponseStore()  # responses made with `store`, for previous_response_id
+        self.responses_reader = ResponsesReader(self.reader, self.stored)
         self.model_names = settings.served_model_names
         self.model_name = self.model_names[0]
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
@@ -207,11 +228,23 @@ class OpenAIApi:
 
     async def completions(self, http: Request):
         parsed = await self.reader.completion(await self._json_body(http), http)
-        return await self._respond(http, parsed, "cmpl", "text_completion")
+        return await self._respond(http, parsed, "cmpl-", "text_completion")
 
     async def chat_completions(self, http: Request):
         parsed = await self.reader.chat(await self._json_body(http), http)
-        return await self._respond(http, parsed, "chatcmpl", "chat.completion")
+        return await self._respond(http, parsed, "chatcmpl-", "chat.completion")
+
+    async def responses(self, http: Request):
+        read = await self.responses_reader.read(await self._json_body(http), http)
+        started = await self._start(http, read.parsed, "resp_", "response")
+        answer = ResponseAnswer(read, started, self.model_name, self.stored)
+        if read.body.stream:  # a client that goes away cancels the stream, which aborts the request
+            return StreamingResponse(answer.events(), media_type="text/event-stream")
+        got = await self._gather(http, started)
+        return got if isinstance(got, Response) else answer.whole(got[0])
+
+    async def stored_response(self, response_id: str) -> dict:
+        return self.stored.get(response_id)[1]
 
     async def _json_body(self, http: Request):
         """The body as JSON (`RequestReader.json_body`), refused with 503 while stopping."""
@@ -246,17 +279,42 @@ class OpenAIApi:
             discard_output=choice.discard_output,
         )
 
-    async def _respond(
-        self,
-        http: Request,
-        parsed: ParsedRequest,
-        id_prefix: str,
-        kind: str,
-    ):
-        body, choices, parsers = parsed.body, parsed.choices, parsed.parsers
+    async def _respond(self, http: Request, parsed: ParsedRequest, id_prefix: str, kind: str):
+        started = await self._start(http, parsed, id_prefix, kind)
+        body, request_id = parsed.body, started.request_id
+        render = Render(
+            self.token_texts,
+            kind,
+            parsed.choices,
+            started.generations,
+            parsed.parsers,
+            body.return_tokens_as_token_ids,
+        )
+        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        if body.stream:  # a client that goes away cancels the stream, which aborts the requests
+            s = started
+            stream = events(s.streams, s.pieces, s.firsts, render, head, body, s.prompt_tokens)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        got = await self._gather(http, started)
+        if isinstance(got, Response):
+            return got
+        completion_tokens = sum(g.completion_tokens for g in started.generations)
+        return {
+            **head,
+            "object": kind,
+            "choices": [render.whole(i, collected) for i, collected in enumerate(got)],
+            "usage": usage(started.prompt_tokens, completion_tokens),
+        }
+
+    async def _start(
+        self, http: Request, parsed: ParsedRequest, id_prefix: str, kind: str
+    ) -> Started:
+        """Hand every choice of `parsed` to the engine and wait for each one's first text (the
+        engine's refusal is the HTTP error); the request's id is `id_prefix` and a fresh hex id."""
+        body, choices = parsed.body, parsed.choices
         if self.unavailable is not None:  # it began stopping while this request was tokenized
             raise ApiError(503, self.unavailable)
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        request_id = f"{id_prefix}{uuid.uuid4().hex}"
         log.info(
             "[%s] %s: %d choice(s) as %s", http.state.request_id, kind, len(choices), request_id
         )
@@ -276,15 +334,15 @@ class OpenAIApi:
             raise failed
         prompt_tokens = sum(len(c.prompt) for c in choices if c.index % body.n == 0)
         self.metrics.observe_request(prompt_tokens, body.n, max(c.max_new_tokens for c in choices))
-        render = Render(
-            self.token_texts, kind, choices, generations, parsers, body.return_tokens_as_token_ids
-        )
-        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
-        if body.stream:  # a client that goes away cancels the stream, which aborts the requests
-            stream = events(streams, pieces, firsts, render, head, body, prompt_tokens)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        async with streams:
-            collect = [asyncio.ensure_future(rest(p, f)) for p, f in zip(pieces, firsts)]
+        return Started(request_id, generations, streams, pieces, firsts, prompt_tokens)
+
+    async def _gather(self, http: Request, started: Started) -> list[list[Piece]] | Response:
+        """Every choice's pieces, to the last; a 499 response if the client went away first (which
+        aborts the engine's requests)."""
+        async with started.streams:
+            collect = [
+                asyncio.ensure_future(rest(p, f)) for p, f in zip(started.pieces, started.firsts)
+            ]
             try:
                 while not all(task.done() for task in collect):
                     await asyncio.wait(collect, timeout=0.25)
@@ -295,16 +353,9 @@ class OpenAIApi:
                         raise failed
                     if await http.is_disconnected():  # leaving aborts the requests
                         return Response(status_code=499)
-                got = [task.result() for task in collect]
+                return [task.result() for task in collect]
             finally:
                 await cancel(collect)
-        completion_tokens = sum(g.completion_tokens for g in generations)
-        return {
-            **head,
-            "object": kind,
-            "choices": [render.whole(i, collected) for i, collected in enumerate(got)],
-            "usage": usage(prompt_tokens, completion_tokens),
-        }
 
     async def _until_stopped(self, pieces):
         """`pieces`, counted in `open_requests`, until `stop` ends the requests still open: then ApiError 503

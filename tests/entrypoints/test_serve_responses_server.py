@@ -1,0 +1,163 @@
+"""`POST /v1/responses` on a real `spmoe serve` (CPU, the tiny random checkpoint of test_serve.py
+with the demo tokenizer, `--enable-auto-tool-choice`), driven by the `openai` client and
+openai-agents: a response's text is the chat completion's for the same conversation and seed, whole
+and streamed; `text.format` and a required tool follow their schemas; openai-agents' default Agent +
+Runner calls its function tool and ends with the model's answer."""
+
+import asyncio
+import json
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+
+from spmoe.entrypoints.serve.tokenizer import load_tokenizer
+from tests.entrypoints.test_serve import (  # noqa: F401 - checkpoint: the fixture
+    checkpoint,
+    leave_and_check_aborted,
+    openai_client,
+    start_server,
+)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green"]}, "n": {"type": "integer"}},
+    "required": ["colour", "n"],
+    "additionalProperties": False,
+}
+PICK = {
+    "type": "function",
+    "name": "pick",
+    "description": "Pick a colour",
+    "parameters": {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green"]}},
+        "required": ["colour"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def base(checkpoint, tmp_path_factory):  # noqa: F811 - the checkpoint fixture imported above
+    """The URL of a one-rank server with auto tool choice and room for an agent's two turns."""
+    log = tmp_path_factory.mktemp("responses_log") / "stderr.txt"
+    proc, url = start_server(
+        checkpoint, log, "--tp", "1", "--enable-auto-tool-choice", "--max-model-len", "1024"
+    )
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+def test_a_response_is_the_chat_completion_of_its_conversation(base):
+    client = openai_client(base)
+    system, user = "Be brief.", "Say something"
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        max_tokens=24,
+        seed=5,
+    )
+    chat = reply.choices[0]
+    fields = {
+        "model": "tiny",
+        "instructions": system,
+        "input": user,
+        "max_output_tokens": 24,
+        "extra_body": {"seed": 5},
+    }
+    whole = client.responses.create(**fields)
+    with client.responses.stream(**fields) as stream:
+        streamed = stream.get_final_response()
+    status = "incomplete" if chat.finish_reason == "length" else "completed"
+    for response in (whole, streamed):
+        assert response.output_text == chat.message.content and response.status == status
+        assert (response.usage.input_tokens, response.usage.output_tokens) == (
+            reply.usage.prompt_tokens,
+            reply.usage.completion_tokens,
+        )
+
+
+def test_text_format_and_a_required_tool_follow_their_schemas(base):
+    client = openai_client(base)
+    fmt = {"type": "json_schema", "name": "pick", "schema": SCHEMA, "strict": True}
+    for seed in range(3):
+        response = client.responses.create(
+            model="tiny",
+            input="JSON please",
+            text={"format": fmt},
+            max_output_tokens=200,
+            extra_body={"seed": seed},
+        )
+        assert response.status == "completed", response.output_text
+        jsonschema.validate(json.loads(response.output_text), SCHEMA)
+    called = client.responses.create(
+        model="tiny",
+        input="Pick one",
+        tools=[PICK],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=200,
+        extra_body={"seed": 1},
+    )
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert called.status == "completed" and call.status == "completed"
+    assert call.name == "pick" and json.loads(call.arguments)["colour"] in ("red", "green")
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_openai_agents_default_agent_with_a_function_tool(base, checkpoint, streamed):  # noqa: F811
+    """The first turn must call the tool (ModelSettings' tool_choice "required"); the Runner runs it
+    and sends its result back with tool_choice reset to auto, and the model's free text is the final
+    output. The Runner fails a turn that the length limit cuts, so the end of turn is made likely
+    (`logit_bias` on the eos token: the random model ends a free text within a few tokens)."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        Runner,
+        function_tool,
+        set_default_openai_client,
+        set_tracing_disabled,
+    )
+
+    picked, eos = [], load_tokenizer(checkpoint).eos_token_id
+
+    @function_tool
+    def pick(colour: Literal["red", "green"]) -> str:
+        """Pick a colour."""
+        picked.append(colour)
+        return "done"
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        set_default_openai_client(client, use_for_tracing=False)
+        set_tracing_disabled(True)
+        settings = ModelSettings(
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=200,
+            extra_body={"seed": 3, "logit_bias": {str(eos): 4}},
+        )
+        agent = Agent(
+            name="picker", instructions="Pick.", tools=[pick], model="tiny", model_settings=settings
+        )
+        if not streamed:
+            return await Runner.run(agent, "Pick a colour", max_turns=3)
+        result = Runner.run_streamed(agent, "Pick a colour", max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    result = asyncio.run(run())
+    assert len(picked) == 1 and picked[0] in ("red", "green")
+    kinds = [item.type for item in result.new_items]
+    assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
+    assert isinstance(result.final_output, str)
+    assert result.final_output == result.new_items[-1].raw_item.content[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_goes_away_aborts_its_response(base, stream):
+    body = {"model": "tiny", "input": "abc", "max_output_tokens": 1000, "stream": stream}
+    leave_and_check_aborted(base, "/v1/responses", {**body, "ignore_eos": True}, 1000)
