@@ -20,7 +20,7 @@ from .conftest import choices_and_alone
 SEQS = heldout_sequences(3, 512)
 BUDGET = 128  # tokens a step feeds: each 512-token prompt in 4 chunks
 MTP_PROMPTS = heldout_sequences(4, 96, offset=4096)
-MTP_NEW = 48
+MTP_NEW = 32
 
 
 def prompt_logprobs(engine, seqs: list[list[int]]) -> list[list[tuple[float, int]]]:
@@ -48,7 +48,7 @@ def caches(folder: str) -> dict:
         model = load_model(folder, ParallelConfig(), dtype)
         builds = {"paged": lambda: PagedKVCache.for_model(model, 2**24)}
         if dtype == torch.float32:
-            builds["dense"] = lambda: KVCache.for_model(model, len(SEQS), 512)
+            builds["dense"] = lambda: KVCache.for_model(model, len(SEQS), 513)
         else:
             builds["fp8"] = lambda: PagedKVCache.for_model(model, 2**24, "fp8")
         for name, build in builds.items():
@@ -100,7 +100,7 @@ def speculate(folder: str) -> dict:
     model = load_model(folder, ParallelConfig(), with_mtp=True)
     out = {}
     for k in range(4):
-        for temperature in (0.0, 1.0):
+        for temperature in (0.0, 1.0) if k else (0.0,):  # k = 0: the greedy reference
             engine = Engine(model, PagedKVCache.for_model(model, 2**24), num_speculative_tokens=k)
             gen = engine.generate(MTP_PROMPTS, MTP_NEW, SamplingParams(temperature, seed=5))
             out[(k, temperature)] = (gen.outputs, gen.stats.get("speculative"))
@@ -120,11 +120,11 @@ def test_mtp_drafts_are_accepted_on_heldout_text(speculated):
                 f"k={k} T={temperature}: acceptance {spec['acceptance_rate']:.3f}, mean accepted length "
                 f"{spec['mean_accepted_length']:.3f}, per position {spec['per_position']}"
             )
-            assert spec["acceptance_rate"] > 0.3  # random weights: ~0
+            assert spec["per_position"][0] > 0.35  # the first draft; random weights: ~0
         # greedy output is the target's, drafts or not
         assert speculated[(k, 0.0)][0] == speculated[(0, 0.0)][0]
     greedy = [speculated[(k, 0.0)][1]["mean_accepted_length"] for k in (1, 2, 3)]
-    assert greedy[0] < greedy[1] < greedy[2]  # a longer draft gets more tokens through per step
+    assert 1.6 < greedy[0] < greedy[1] < greedy[2]  # a longer draft gets more tokens through a step
 
 
 def forks_and_prefix(folder: str) -> dict:

@@ -32,9 +32,7 @@ def test_perplexity_equals_transformers(tp1):
     assert tp1 < 6  # a trained model: random weights give ~264
 
 
-@pytest.mark.parametrize(
-    "tp, dp, sp", [(2, 1, "off"), (2, 1, "on"), (4, 1, "on"), (1, 2, "off"), (2, 2, "on")]
-)
+@pytest.mark.parametrize("tp, dp, sp", [(2, 1, "off"), (2, 1, "on"), (4, 1, "on"), (1, 2, "off")])
 def test_perplexity_is_the_same_in_every_layout(tp, dp, sp, tp1):
     parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sp=sp)
     logits, _ = run_forward(str(CHECKPOINT), parallel, SEQS)
