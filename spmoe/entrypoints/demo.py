@@ -43,7 +43,7 @@ MODES = [  # (label, --sp, scope, MTP drafts)
 ]
 
 
-CHAT = [{"role": "user", "content": "Hello! Who are you?"}]
+CHAT = [{"role": "user", "content": "import os"}]  # the model knows Python source, not chat
 SERVE_MAX_TOKENS = 24
 SPECIAL_TOKENS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"] + [
     f"<|reserved_{i}|>" for i in range(3)

@@ -196,10 +196,10 @@ def test_demo_runs_on_the_trained_checkpoint():
     assert len(continuations) == len(TEXT_PROMPTS)
     text = "".join(continuations)
     assert sum(c.isprintable() or c in "\n" for c in text) >= 0.95 * len(text), text
-    # the server: the chat template wraps the 19-byte message in 3 special tokens and opens the reply with the
-    # 7 bytes of `<think>` (29 tokens); up to 24 tokens come back
+    # the server: the chat template wraps the 9-byte message in 3 special tokens and opens the reply with the
+    # 7 bytes of `<think>` (19 tokens); up to 24 tokens come back
     assert re.search(
-        r"usage: 29 prompt \+ \d+ completion tokens, finish_reason (stop|length)", done.stdout
+        r"usage: 19 prompt \+ \d+ completion tokens, finish_reason (stop|length)", done.stdout
     )
     assert "SIGTERM: the server stopped" in done.stdout
     readme = (Path(__file__).parents[2] / "README.md").read_text()
