@@ -2,13 +2,12 @@
 on (and with MTP speculation), and show that every mode produces the same tokens; then start `spmoe serve` on
 the same checkpoint, send it one chat request and stop it.
 
-The checkpoint is written once into a cache folder from a fixed seed: random weights in the GLM-5.2 layout
-(MLA + DSA indexer with IndexShare, a dense layer then MoE layers with a shared expert, one MTP layer), and a
-byte-level tokenizer with a chat template.
+The checkpoint ships with spmoe (`CHECKPOINT`): a model in the GLM-5.2 layout (MLA + DSA indexer with IndexShare,
+a dense layer then MoE layers with a shared expert, one MTP layer) trained on the Python standard library's
+source by `benchmarks/train_checkpoint.py`, with a byte-level tokenizer and a GLM chat template.
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,49 +17,21 @@ import urllib.request
 from pathlib import Path
 
 from spmoe.config import ModelConfig, ParallelConfig
-from spmoe.distributed import get_parallel_state, launch, spawn
+from spmoe.distributed import get_parallel_state, launch
 from spmoe.distributed.launcher import free_port
 from spmoe.engine.args import EngineArgs
 from spmoe.entrypoints.generate import GenerateOptions, check_generate, rank_generate
 
-CONFIG = dict(  # vocab_size: the demo tokenizer's 256 bytes + 8 special tokens
-    model_type="glm_moe_dsa",
-    vocab_size=264,
-    hidden_size=128,
-    intermediate_size=256,
-    moe_intermediate_size=32,
-    num_hidden_layers=4,
-    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-    indexer_types=["full", "shared", "full", "shared"],
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    n_routed_experts=16,
-    n_shared_experts=1,
-    num_experts_per_tok=4,
-    n_group=1,
-    topk_group=1,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    scoring_func="sigmoid",
-    topk_method="noaux_tc",
-    hidden_act="silu",
-    q_lora_rank=64,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    index_topk=8,
-    index_n_heads=4,
-    index_head_dim=16,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    num_nextn_predict_layers=1,
-    max_position_embeddings=1024,  # room for a chat prompt that lists tools
-    eos_token_id=[],
-    tie_word_embeddings=False,
-)
-SEED = 2026
-PROMPTS = [[11, 42, 7, 99, 3, 250, 17, 64, 8, 120, 31, 5], [200, 1, 77, 43, 9], [128], [60, 61, 62]]
+CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "glm-stdlib-tiny"
+HELDOUT = CHECKPOINT.parent / "heldout_stdlib.txt"  # held-out evaluation text of its corpus
+CONFIG = json.loads((CHECKPOINT / "config.json").read_text())
+TEXT_PROMPTS = [
+    "import os\n\n\ndef ",
+    "class Reader:\n    def __init__(self",
+    "    for key in ",
+    "#",
+]
+PROMPTS = [list(text.encode()) for text in TEXT_PROMPTS]  # the tokenizer: byte b is token b
 MAX_NEW_TOKENS = 16
 TP = 2
 MODES = [  # (label, --sp, scope, MTP drafts)
@@ -72,7 +43,7 @@ MODES = [  # (label, --sp, scope, MTP drafts)
 ]
 
 
-CHAT = [{"role": "user", "content": "Hello! Who are you?"}]
+CHAT = [{"role": "user", "content": "import os"}]  # the model knows Python source, not chat
 SERVE_MAX_TOKENS = 24
 SPECIAL_TOKENS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"] + [
     f"<|reserved_{i}|>" for i in range(3)
@@ -105,7 +76,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_demo_tokenizer(folder: Path) -> None:
+def write_demo_tokenizer(folder: Path, model_max_length: int = 4096) -> None:
     """A byte-level tokenizer: token b < 256 is byte b (so any text encodes and a character may span several
     tokens), then SPECIAL_TOKENS from id 256; `<|end|>` ends a chat turn and is the eos token. The thinking and
     tool-call tags are plain text (bytes). Written with
@@ -135,33 +106,11 @@ def write_demo_tokenizer(folder: Path) -> None:
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "eos_token": "<|end|>",
                 "chat_template": CHAT_TEMPLATE,
-                "model_max_length": CONFIG["max_position_embeddings"],
+                "model_max_length": model_max_length,
             },
             indent=2,
         )
     )
-
-
-def checkpoint_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "spmoe" / f"demo-glm-seed{SEED}"
-
-
-def ensure_checkpoint(folder: Path) -> bool:
-    """Write the demo checkpoint unless an identical one is there (the tokenizer, which takes milliseconds,
-    always). Returns whether the checkpoint was written now."""
-    from spmoe.models.deepseek_v32.weights import write_random_checkpoint
-
-    write_demo_tokenizer(folder)
-    config = folder / "config.json"
-    if (
-        config.is_file()
-        and (folder / "model.safetensors").is_file()
-        and json.loads(config.read_text()) == CONFIG
-    ):
-        return False
-    spawn(write_random_checkpoint, 1, CONFIG, folder, SEED)
-    return True
 
 
 def _rank_demo(folder: str, dp: int, device: str) -> dict | None:
@@ -198,16 +147,17 @@ def _modes(dp: int, device: str) -> list[tuple[str, GenerateOptions]]:
 
 
 def run_demo(device: str = "cpu", dp: int = 1) -> int:
-    folder = checkpoint_dir()
-    written = ensure_checkpoint(folder)
+    folder = CHECKPOINT
     cfg = ModelConfig.from_file(folder)
     for _, opts in _modes(dp, device):
         check_generate(cfg, PROMPTS, opts)
     print(
-        f"spmoe demo: tiny GLM-5.2-shaped model, random weights (seed {SEED}): 4 layers (1 dense + 3 MoE, "
-        f"16 experts top-4 + 1 shared), MLA + DSA indexer, 1 MTP layer"
+        f"spmoe demo: tiny GLM-5.2-shaped model trained on Python's standard library: "
+        f"{cfg.num_hidden_layers} layers (1 dense + {cfg.num_hidden_layers - 1} MoE, {cfg.n_routed_experts} "
+        f"experts top-{cfg.num_experts_per_tok} + 1 shared), MLA + DSA indexer (top-{cfg.index_topk}), "
+        f"1 MTP layer, byte tokens"
     )
-    print(f"checkpoint: {folder} ({'written now' if written else 'reused'})")
+    print(f"checkpoint: {folder}")
     print(
         f"generating {MAX_NEW_TOKENS} tokens after {len(PROMPTS)} prompts of {[len(p) for p in PROMPTS]} tokens "
         f"on {TP * dp} local ranks (TP {TP} x DP {dp}, {'gloo, CPU' if device == 'cpu' else 'NCCL, CUDA'}), greedy, "
@@ -254,8 +204,8 @@ def run_demo(device: str = "cpu", dp: int = 1) -> int:
         f"\nA decode forward runs {CONFIG['num_hidden_layers']} decoder layers, the embedding and the LM head; with "
         f"MTP it verifies\n1 + 2 tokens per sequence. max|dlogit|: against SP off. Tokens (SP off):"
     )
-    for prompt, out in zip(PROMPTS, reference.outputs):
-        print(f"  {prompt} -> {out}")
+    for prompt, out in zip(TEXT_PROMPTS, reference.outputs):
+        print(f"  {json.dumps(prompt)} -> {json.dumps(bytes(out).decode(errors='replace'))}")
     if not identical:
         print("error: the modes produced different tokens", file=sys.stderr)
         return 1
@@ -312,7 +262,7 @@ def show_server(device: str, dp: int) -> int:
             reply = json.load(response)
         choice, usage = reply["choices"][0], reply["usage"]
         print(
-            f"reply ({time.perf_counter() - began:.1f} s; random weights, so random bytes): "
+            f"reply ({time.perf_counter() - began:.1f} s; a model of Python source, so Python-like text): "
             f"{json.dumps(choice['message']['content'], ensure_ascii=False)}\n"
             f"usage: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens, "
             f"finish_reason {choice['finish_reason']}",

@@ -210,7 +210,7 @@ def add_serve_args(p) -> None:
         nargs="?",
         metavar="MODEL",
         help="a checkpoint folder (config.json, *.safetensors, the tokenizer) or a Hugging Face model id, as in "
-        "`vllm serve MODEL` (default: the demo checkpoint, written on first use)",
+        "`vllm serve MODEL` (default: the demo checkpoint shipped with spmoe)",
     )
     model.add_argument("--model", help="the same as MODEL")
     model.add_argument(
@@ -326,10 +326,9 @@ def cmd_serve(args) -> int:
         )
     named = args.model_tag or args.model
     if named is None:
-        from spmoe.entrypoints.demo import checkpoint_dir, ensure_checkpoint
+        from spmoe.entrypoints.demo import CHECKPOINT
 
-        model = str(checkpoint_dir())
-        ensure_checkpoint(checkpoint_dir())
+        model = str(CHECKPOINT)
     else:
         option = "MODEL" if args.model is None else "--model"
         weights, tokenizer = args.load_format != "dummy", args.tokenizer is None
