@@ -61,8 +61,12 @@ MIN_MAX_NUM_WAITING = 64  # and at least this many; one more waiting request get
 COMPILE_POLL_MS = 5  # while idle with grammars compiling: how often the loop looks at them
 WATCH_PERIOD_S = 0.2  # how often rank 0 looks at its front end processes from the watch thread
 STUCK_GRACE_S = 5.0  # a front end exited and the engine loop has not ended since: rank 0 exits 1
-FRONT_END_EXIT_S = 10.0  # how long a front end may take to exit when rank 0 stops it, before SIGKILL
-FAILED_EXIT_S = 3.0  # after the engine failed: how long the front ends may take to end their streams
+FRONT_END_EXIT_S = (
+    10.0  # how long a front end may take to exit when rank 0 stops it, before SIGKILL
+)
+FAILED_EXIT_S = (
+    3.0  # after the engine failed: how long the front ends may take to end their streams
+)
 
 
 def for_model(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
@@ -118,7 +122,9 @@ class EngineLoop:
         self.engine, self.front_end, self.facts = engine, front_end, facts
         self.codec = Codec()
         self.serving = ServingLoop(engine)
-        self.peers: dict[bytes, list[RequestOutput]] = {}  # front end identity -> its outputs this step
+        self.peers: dict[
+            bytes, list[RequestOutput]
+        ] = {}  # front end identity -> its outputs this step
         self.rejected: dict[bytes, list[tuple[str, str]]] = {}
         self.owner: dict[str, bytes] = {}  # live or compiling request -> its front end
         self.compiling: list[tuple[Future, Request]] = []  # in arrival order
@@ -140,7 +146,9 @@ class EngineLoop:
         self.socket.bind(address.url)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
-            self.procs = [self._start_front_end(address.url, i) for i in range(self.front_end.count)]
+            self.procs = [
+                self._start_front_end(address.url, i) for i in range(self.front_end.count)
+            ]
             threading.Thread(target=self._watch, name="spmoe-front-end-watch", daemon=True).start()
             failure = self._serve()
         finally:

@@ -98,9 +98,7 @@ def start_front_end(options: FrontEndOptions, client: EngineClient, index: int =
         options.chat,
     )
     app = build_app(client, tokenizer, settings, options.limits)
-    config = uvicorn.Config(
-        app, log_level=options.uvicorn_log_level, timeout_graceful_shutdown=5
-    )
+    config = uvicorn.Config(app, log_level=options.uvicorn_log_level, timeout_graceful_shutdown=5)
     server = Server(config)
     sock = listening_socket(options.host, options.port, options.api_server_count > 1)
 

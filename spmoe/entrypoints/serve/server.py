@@ -5,8 +5,9 @@ What can be checked before any rank starts is: the model folder, its tokenizer, 
 Stopping: SIGTERM to the `spmoe serve` process is passed on to rank 0 and from there to the front end, which
 drains (`supervisor.py`: new requests get 503, open ones may finish for --shutdown-timeout, then end with an
 error chunk and `[DONE]`); rank 0 then stops the other ranks and the command exits 0. Under torchrun the
-agent signals every worker; rank 0 does the same. SIGINT (Ctrl-C) ends every rank at once (the launcher does that). An engine that
-fails or stalls for --engine-timeout ends the open requests with an error and the command exits 1.
+agent signals every worker; rank 0 does the same. SIGINT (Ctrl-C) ends every rank at once (the launcher does
+that). An engine that fails or stalls for --engine-timeout ends the open requests with an error and the
+command exits 1.
 """
 
 import errno
