@@ -304,11 +304,13 @@ class EngineLoop:
         """A front end that exits while the engine loop is stuck in a step (a rank stopped answering) would
         wait for it forever: after `STUCK_GRACE_S` this process exits 1 instead."""
         while not self.done.is_set():
-            if any(proc.poll() not in (None, 0) for proc in self.procs):
+            exited = [(p.pid, p.poll()) for p in self.procs if p.poll() not in (None, 0)]
+            if exited:
                 if not self.done.wait(STUCK_GRACE_S):
+                    pid, code = exited[0]
                     print(
-                        "spmoe serve: a front end exited and the engine loop is stuck in a step; "
-                        "exiting",
+                        f"spmoe serve: the front end process {pid} exited with code {code} and the engine "
+                        f"loop has been stuck in a step since (a rank stopped answering); exiting",
                         file=sys.stderr,
                         flush=True,
                     )
