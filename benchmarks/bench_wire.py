@@ -4,6 +4,7 @@ msgpack (each record turned into a tuple by hand and back), in microseconds per 
 `--reps`), and the bytes; then what a request's grammar costs the engine (its spec's bytes on the wire, the
 engine's compile from the spec, a cache hit).
 
+    pip install msgpack  # for the comparison only; spmoe itself uses msgspec
     python benchmarks/bench_wire.py --streams 256
 
 The messages: the engine's step output (one token per stream, and with logprobs top-5 on every stream,

@@ -757,7 +757,7 @@ def test_a_killed_process_takes_the_server_down_and_leaves_nothing(checkpoint, t
         if victim == "front end":
             assert f"the front end process {front[0]} exited with code -9" in text, text
         else:
-            assert "rank 0 of 2 failed" in text, text
+            assert "rank 0 of 2 was killed by SIGKILL" in text, text
     finally:
         for pid in everything:
             if alive(pid):
