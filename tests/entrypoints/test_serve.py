@@ -767,6 +767,72 @@ def test_a_killed_process_takes_the_server_down_and_leaves_nothing(checkpoint, t
             proc.wait()
 
 
+def connections_on(pid: int, port: int) -> int:
+    """Established TCP connections of process `pid` on local port `port` (from /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local_port, state, inode = int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]
+            count += local_port == port and state == "01" and inode in inodes
+    return count
+
+
+def test_two_front_end_processes_share_the_port(checkpoint, tmp_path):
+    """--api-server-count 2: two front end processes of rank 0 listen on the port; 16 streams held open
+    at once are spread over both (the kernel's choice: all on one has odds 2 ** -15), each stream gets its
+    tokens, and SIGTERM stops them and every rank."""
+    log = tmp_path / "stderr.txt"
+    proc, base = start_server(checkpoint, log, "--api-server-count", "2", "--shutdown-timeout", "2")
+    everything = descendants(proc.pid)
+    try:
+        front = [pid for pid in everything if b"spmoe.entrypoints.serve.frontend" in cmdline(pid)]
+        assert len(front) == 2, front
+        port = int(base.rsplit(":", 1)[1])
+        body = {
+            "model": "tiny",
+            "prompt": "hi",
+            "max_tokens": 40,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        streams = [[] for _ in range(16)]
+        started = [threading.Event() for _ in streams]
+        holders = [
+            threading.Thread(target=stream_events, args=(base, body, events, go))
+            for events, go in zip(streams, started)
+        ]
+        for holder in holders:
+            holder.start()
+        deadline, held = time.monotonic() + 60, [0, 0]
+        while time.monotonic() < deadline and not all(held):
+            held = [connections_on(pid, port) for pid in front]
+            time.sleep(0.05)
+        assert all(held), held
+        for holder in holders:
+            holder.join(timeout=120)
+        for events in streams:
+            assert events[0] == 200 and events[-1] == "[DONE]", events[-3:]
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length", events[-2]
+        sigterm_leaves_nothing(proc, list(everything), log)
+        assert proc.returncode == 0, log.read_text()
+    finally:
+        for pid in everything:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def sigterm_leaves_nothing(
     proc: subprocess.Popen, pids: list[int], log, signalled: bool = False
 ) -> float:

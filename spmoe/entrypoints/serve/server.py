@@ -149,6 +149,14 @@ def add_serve_args(p) -> None:
         help='let the model decide when to call a tool (tool_choice "auto"); needs --tool-call-parser',
     )
     server.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="HTTP front end processes, sharing the port (default 1); each serves rank 0's engine",
+    )
+    server.add_argument(
         "--api-key",
         action=OneOfSeveral,  # vLLM takes several keys
         metavar="KEY",
@@ -272,6 +280,7 @@ def cmd_serve(args) -> int:
         chat,
         FrontEndLimits(args.max_request_bytes, args.api_key),
         StopPolicy(args.engine_timeout, args.shutdown_timeout),
+        args.api_server_count,
     )
     notes = list(args.vllm_notes)
     if device_chosen:
