@@ -20,13 +20,14 @@ from dataclasses import fields
 from pathlib import Path
 
 import msgpack
+import zmq
 
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
 from spmoe.engine.sampling.grammar import GrammarCompiler, GrammarSpec
 from spmoe.engine.sampling.sampler import SamplingParams
 from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
-from spmoe.entrypoints.serve.wire import Codec, FromEngine, ToEngine
+from spmoe.entrypoints.serve.wire import Codec, FromEngine, PrivateAddress, ToEngine
 
 SCHEMA = {
     "type": "object",
@@ -168,6 +169,43 @@ def codec_rows(streams: int, reps: int) -> None:
             print(f"{name:48} {lib:8} {len(blob):8d} {enc:10.1f} {dec:10.1f}")
 
 
+def exchange_row(streams: int, reps: int) -> None:
+    """The engine's side of one decode step's exchange over the real socket: look for messages (none
+    waiting, the usual case), encode the step's output and send it to a front end."""
+    address, codec = PrivateAddress(), Codec()
+    context = zmq.Context.instance()
+    engine, front = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    try:
+        engine.bind(address.url)
+        front.connect(address.url)
+        front.send(codec.encode(ToEngine()))
+        peer, _ = engine.recv_multipart()
+        message = step_output(streams, False)
+
+        def step() -> None:
+            try:
+                engine.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            engine.send_multipart((peer, codec.encode(message)), zmq.NOBLOCK)
+            front.recv()  # the front end's side, outside the engine's time but in the loop's
+
+        def front_only() -> None:
+            engine.send_multipart((peer, b""), zmq.NOBLOCK)
+            front.recv()
+
+        total, rest = median_us(step, reps), median_us(front_only, reps)
+    finally:
+        front.close()
+        engine.close()
+        address.remove()
+    print(
+        f"engine side of a step's exchange at {streams} streams (look, encode, send): "
+        f"{total - rest:.1f} us (median {total:.1f} us with the front end's receive, less an empty "
+        f"message's round {rest:.1f} us)"
+    )
+
+
 def grammar_rows() -> None:
     """The engine compiles a request's grammar from its spec (JSON schema text), once per spec."""
     with tempfile.TemporaryDirectory() as folder:
@@ -197,6 +235,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=200)
     args = p.parse_args()
     codec_rows(args.streams, args.reps)
+    exchange_row(args.streams, args.reps)
     grammar_rows()
 
 
