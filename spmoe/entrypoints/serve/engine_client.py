@@ -63,15 +63,19 @@ class EngineClient:
         self._metrics = EngineMetrics()
         self._heard = time.monotonic()  # the engine's last message
         self.exchange_s = self.idle_s = 0.0  # the engine's seconds on the exchange, idle (so far)
+        self.front_ends = 0  # the engine's front ends that listen (have said hello)
 
     async def start(self) -> None:
-        """Connect, and say hello: the engine sends this front end a message after each step from now."""
+        """Connect, and say hello (once this front end listens): the engine sends it a message after each
+        step from now."""
         self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(self.address)
         self._heard = time.monotonic()
         await self._socket.send(self._codec.encode(ToEngine()))
         self._receiver = asyncio.create_task(self._receive())
+        if self._adds or self._aborts:  # requests that came before
+            self._flush()
 
     async def close(self) -> None:
         if self._receiver is not None:
@@ -146,11 +150,13 @@ class EngineClient:
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
+        """Send what is queued (kept until `start` if not connected yet)."""
         self._flush_due = False
+        if self._socket is None or self._socket.closed:
+            return
         message = ToEngine(adds=self._adds, aborts=self._aborts)
         self._adds, self._aborts = [], []
-        if self._socket is not None and not self._socket.closed:
-            self._socket.send(self._codec.encode(message), zmq.NOBLOCK)
+        self._socket.send(self._codec.encode(message), zmq.NOBLOCK)
 
     async def _receive(self) -> None:
         """Each engine message: outputs to their queues, refusals as ValueError, a failure to every stream."""
@@ -160,6 +166,7 @@ class EngineClient:
             self._heard = time.monotonic()
             self._metrics = message.metrics
             self.exchange_s, self.idle_s = message.exchange_s, message.idle_s
+            self.front_ends = message.front_ends
             for request_id, why in message.rejected:
                 outputs = self._streams.get(request_id)
                 if outputs is not None:

@@ -295,6 +295,7 @@ class EngineLoop:
                 error=error,
                 exchange_s=self.exchange_s,
                 idle_s=self.idle_s,
+                front_ends=len(self.peers),
             )
             self.socket.send_multipart((peer, self.codec.encode(message)), zmq.NOBLOCK)
             self.peers[peer] = []

@@ -108,13 +108,15 @@ def start_front_end(options: FrontEndOptions, client: EngineClient, index: int =
             asyncio.get_running_loop().add_signal_handler(signum, signals.put_nowait, signum)
         for signum in early:
             signals.put_nowait(signum)
-        await client.start()
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if not server.started:
             await task
             return None
+        await client.start()
+        while client.front_ends < options.api_server_count and client.error is None:
+            await asyncio.sleep(0.05)  # every front end listens before the server says it is ready
         if index == 0:
             print(
                 f"spmoe serve: ready: http://{options.host}:{options.port}/v1 (model "

@@ -5,7 +5,7 @@ engine binds a ROUTER, each front end connects a DEALER. Messages are MessagePac
 step at most:
 - front end -> engine, `ToEngine`: the requests that arrived since the last message and the aborts (token ids
   only; a request's grammar travels as its spec, the schema's text, and the engine compiles it again, cached
-  by spec); an empty one says hello;
+  by spec); an empty one says hello, once the front end listens;
 - engine -> front end, `FromEngine`: after every step (or heartbeat, when idle), that front end's outputs, the
   requests the engine refused as invalid, the engine's counters, and the engine's time on the exchange.
 
@@ -33,7 +33,8 @@ class FromEngine(msgspec.Struct, array_like=True):
     """What the engine sends each front end after a step or heartbeat. `rejected`: (request id, why) for
     requests the engine refused before they ran (a 400); `error`: the engine loop failed (every open
     request also got an output with finish_reason "error"); `exchange_s` / `idle_s`: the engine process's
-    seconds so far on this exchange (receiving, decoding, encoding, sending) and waiting for work."""
+    seconds so far on this exchange (receiving, decoding, encoding, sending) and waiting for work;
+    `front_ends`: the front ends that have said hello (each does once it listens)."""
 
     outputs: list[RequestOutput]
     metrics: EngineMetrics
@@ -41,6 +42,7 @@ class FromEngine(msgspec.Struct, array_like=True):
     error: str | None = None
     exchange_s: float = 0.0
     idle_s: float = 0.0
+    front_ends: int = 0
 
 
 class Codec:
