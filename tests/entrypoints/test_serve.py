@@ -700,12 +700,17 @@ def test_a_stopped_rank_fails_requests_and_the_server_exits_1(checkpoint, tmp_pa
             .startswith("spmoe serve: error: rank 0 of 2 exited with code 1")
         ), text
     finally:
-        for pid in ranks:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_left(proc, ranks)
+
+
+def kill_left(proc: subprocess.Popen, pids) -> None:
+    """After a test: SIGKILL to each process of `pids` still alive, and to `proc`."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def cmdline(pid: int) -> bytes:
@@ -759,12 +764,7 @@ def test_a_killed_process_takes_the_server_down_and_leaves_nothing(checkpoint, t
         else:
             assert "rank 0 of 2 was killed by SIGKILL" in text, text
     finally:
-        for pid in everything:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_left(proc, everything)
 
 
 def connections_on(pid: int, port: int) -> int:
@@ -825,12 +825,7 @@ def test_two_front_end_processes_share_the_port(checkpoint, tmp_path):
         sigterm_leaves_nothing(proc, list(everything), log)
         assert proc.returncode == 0, log.read_text()
     finally:
-        for pid in everything:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_left(proc, everything)
 
 
 def sigterm_leaves_nothing(
