@@ -143,3 +143,31 @@ def test_the_client_over_the_wire():
     }
     assert got["error"] == "RuntimeError: x"
     assert got["stalled"] < 5
+
+
+async def early_request() -> list:
+    """A request made before the client has said hello (its front end not listening yet) waits for it."""
+    address, codec = PrivateAddress(), Codec()
+    engine = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    engine.bind(address.url)
+    client = EngineClient(address.url, FACTS, os.getppid())
+    try:
+        stream = client.generate(Request("early", [1], 2))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        await client.start()
+        got = []
+        while await engine.poll(200):
+            got.append(codec.to_engine.decode((await engine.recv_multipart())[1]))
+        first.cancel()
+        return got
+    finally:
+        await client.close()
+        engine.close()
+        address.remove()
+
+
+def test_a_request_before_the_hello_follows_it():
+    hello, *rest = asyncio.run(early_request())
+    assert hello == ToEngine()
+    assert [[r.request_id for r in m.adds] for m in rest] == [["early"]]
