@@ -10,6 +10,7 @@ or went away.
 
 import asyncio
 import importlib
+import os
 import pickle
 import signal
 import socket
@@ -165,4 +166,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # everything is closed; the interpreter's teardown (torch, the tokenizer) would hold the server's stop
+    # up for seconds
+    os._exit(code)
