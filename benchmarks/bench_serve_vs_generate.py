@@ -1,5 +1,6 @@
 """The same batch through `spmoe generate` and through `spmoe serve` + `bench_serve.py`: is the front end the
-bottleneck? (Goal: served output tokens/s within 5% of generate's.)
+bottleneck? (Goal: served output tokens/s within 10% of generate's.) With several `--concurrency` values, one
+run of each per value, and a table at the end.
 
 Writes a GLM-5.2-wide checkpoint with the demo's byte-level tokenizer (2 layers: 1 dense + 1 MoE of
 `--experts` experts top-8, vocab 264, no eos, random weights), then:
@@ -8,9 +9,14 @@ Writes a GLM-5.2-wide checkpoint with the demo's byte-level tokenizer (2 layers:
 2. `spmoe serve` with `--max-num-seqs = --concurrency`, loaded by `bench_serve.py` at that concurrency with
    the same counts and lengths (`ignore_eos`, so every request generates `--output-len` tokens).
 Both run with the options after `--` (e.g. `--device cuda --dtype bfloat16 --cuda-graphs`). Prints both
-output token rates (generated tokens / wall time of the batch, prefill included) and their ratio.
+output token rates (generated tokens / wall time of the batch, prefill included) and their ratio, and, from
+the server's /metrics before and after the load, the engine process's time per step on the exchange with the
+front end (receiving, decoding, encoding, sending; wall time) and its seconds in all waiting for requests with
+nothing to run (the engine never waits while a request is live; this is the time around and between the load's
+requests, the bench client's start included).
 
-    python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg -- --device cuda --dtype bfloat16 --cuda-graphs
+    python benchmarks/bench_serve_vs_generate.py --folder /tmp/svg --concurrency 1 16 64 256 \
+        --num-prompts 512 --input-len 128 --output-len 256 -- --device cuda --dtype bfloat16 --cuda-graphs
 
 On the CPU, `--widths demo` (the demo's small widths) makes the model step cheap enough that the front end's
 cost per token shows:
@@ -32,6 +38,7 @@ with (the tokenizer gets a token for every id: id i >= 264 is " w<i>"):
 import argparse
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -86,7 +93,7 @@ def widen_tokenizer(folder: Path, vocab_size: int) -> None:
     path.write_text(json.dumps(spec))
 
 
-def run_generate(folder: Path, args, rest: list[str]) -> float:
+def run_generate(folder: Path, args, concurrency: int, rest: list[str]) -> float:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(256) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     (folder / "prompts.json").write_text(json.dumps(prompts))
@@ -106,7 +113,7 @@ def run_generate(folder: Path, args, rest: list[str]) -> float:
             "--max-new-tokens",
             str(args.output_len),
             "--max-num-seqs",
-            str(args.concurrency),
+            str(concurrency),
             "--output",
             str(out),
             *rest,
@@ -118,9 +125,27 @@ def run_generate(folder: Path, args, rest: list[str]) -> float:
     return stats["tokens_per_s"]
 
 
-def run_serve(folder: Path, args, rest: list[str]) -> float:
-    """`spmoe serve` loaded by bench_serve at `--concurrency` with `--sampling` -> the median output token rate
-    of the timed runs of the first setting (bench_serve's JSON, not its printed table)."""
+ENGINE_COUNTERS = ("engine_steps", "engine_exchange_seconds", "engine_idle_seconds")
+
+
+def engine_counters(base: str) -> dict[str, float]:
+    """The engine's step count and its seconds on the exchange and idle, from the server's /metrics."""
+    import httpx
+
+    text = httpx.get(base + "/metrics", timeout=30).text
+    found = {}
+    for name in ENGINE_COUNTERS:
+        match = re.search(rf"^spmoe:{name}_total{{[^}}]*}} (\S+)$", text, re.M)
+        if match is None:
+            raise RuntimeError(f"/metrics has no spmoe:{name}_total")
+        found[name] = float(match.group(1))
+    return found
+
+
+def run_serve(folder: Path, args, concurrency: int, rest: list[str]) -> tuple[float, dict]:
+    """`spmoe serve` loaded by bench_serve at `concurrency` with `--sampling` -> the median output token rate
+    of the timed runs of the first setting (bench_serve's JSON, not its printed table), and the engine's
+    steps and seconds on the exchange and idle during the load (warm-up included)."""
     port = free_port()
     server = subprocess.Popen(
         [
@@ -133,7 +158,7 @@ def run_serve(folder: Path, args, rest: list[str]) -> float:
             "--port",
             str(port),
             "--max-num-seqs",
-            str(args.concurrency),
+            str(concurrency),
             *rest,
         ],
         stderr=subprocess.PIPE,
@@ -146,6 +171,7 @@ def run_serve(folder: Path, args, rest: list[str]) -> float:
                 break
         else:
             raise RuntimeError(f"spmoe serve exited with {server.wait()} before it was ready")
+        before = engine_counters(f"http://127.0.0.1:{port}")
         bench = subprocess.run(
             [
                 sys.executable,
@@ -153,7 +179,7 @@ def run_serve(folder: Path, args, rest: list[str]) -> float:
                 "--base-url",
                 f"http://127.0.0.1:{port}/v1",
                 "--concurrency",
-                str(args.concurrency),
+                str(concurrency),
                 "--num-prompts",
                 str(args.num_prompts),
                 "--input-len",
@@ -174,12 +200,14 @@ def run_serve(folder: Path, args, rest: list[str]) -> float:
             text=True,
         )
         print(bench.stdout, end="", flush=True)
+        after = engine_counters(f"http://127.0.0.1:{port}")
         runs = json.loads((folder / "bench_serve.json").read_text())["runs"]
-        return statistics.median(
+        rate = statistics.median(
             r["out_tok_per_s"]
             for r in runs
             if r["sampling"] == args.sampling[0] and r["round"] != "warm-up"
         )
+        return rate, {name: after[name] - before[name] for name in ENGINE_COUNTERS}
     finally:
         server.terminate()
         began = time.monotonic()
@@ -197,7 +225,7 @@ def main() -> None:
         "--folder", type=Path, required=True, help="where the checkpoint is written (reused)"
     )
     parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[8])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
@@ -226,14 +254,26 @@ def main() -> None:
     rest = [a for a in rest if a != "--"]
     write_checkpoint(args.folder, args.experts, args.vocab_size, args.widths)
     if args.sampling:
-        run_serve(args.folder, args, rest)
+        for concurrency in args.concurrency:
+            run_serve(args.folder, args, concurrency, rest)
         return
     args.sampling = ["plain"]
-    generated = run_generate(args.folder, args, rest)
-    served = run_serve(args.folder, args, rest)
+    rows = []
+    for concurrency in args.concurrency:
+        generated = run_generate(args.folder, args, concurrency, rest)
+        served, engine = run_serve(args.folder, args, concurrency, rest)
+        steps = max(engine["engine_steps"], 1)
+        rows.append(
+            f"| {concurrency} | {generated:.1f} | {served:.1f} | {served / generated:.3f} | "
+            f"{engine['engine_steps']:.0f} | {1e3 * engine['engine_exchange_seconds'] / steps:.3f} | "
+            f"{engine['engine_idle_seconds']:.2f} |"
+        )
     print(
-        f"output tokens/s: generate {generated:.1f}, serve {served:.1f}, serve / generate {served / generated:.3f}"
+        f"{args.input_len} in -> {args.output_len} out, {args.num_prompts} prompts\n"
+        "| streams | generate out tok/s | serve out tok/s | serve / generate | engine steps | "
+        "exchange ms/step | idle s |\n|---|---|---|---|---|---|---|"
     )
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -315,10 +315,9 @@ VLLM_FLAGS = (
     ),
     VllmFlag(
         _all_of("--api-server-count"),
-        "refused",
-        "several API server processes",
-        "spmoe runs one HTTP front end on rank 0",
-        allowed=_is("1"),
+        "noted",
+        "N HTTP front end processes share the port; each one's /metrics has the engine's counters and "
+        "its own request metrics",
     ),
     VllmFlag(
         ("--moe-backend",),

@@ -1,27 +1,24 @@
-"""`serve_rank` on 2 gloo ranks, TP 2 and DP 2 x TP 1, driven by a front end written here that uses the
-EngineClient from asyncio: concurrent requests get the tokens `generate` gives; one consumer that stops
-iterating and one task that is cancelled free their cache for the waiting requests; a bad request and a full
-queue are errors at once; an idle spell longer than the process group's timeout passes (the heartbeat); the
-shutdown returns every rank. A failing engine loop ends its requests with an error and stops every rank. And,
-without ranks: a step's outputs reach the event loop in one call.
+"""`serve_rank` on 2 gloo ranks, TP 2 and DP 2 x TP 1, serving a front end process (`serve_front_ends.py`)
+that uses the EngineClient over the wire from asyncio: concurrent requests get the tokens `generate` gives;
+one consumer that stops iterating and one task that is cancelled free their cache for the waiting requests;
+a bad request and a full queue are errors at once; an idle spell longer than the process group's timeout
+passes (the heartbeat); the front end's exit shuts every rank down. The front end process imports nothing
+of the engine or the model, and is not rank 0's process. A failing engine loop ends its requests with an
+error and stops every rank.
 
-One spawned group per layout runs every case; the comparisons happen here.
+One spawned group per layout runs every case; the front end writes what it saw, the comparisons happen here.
 """
 
-import asyncio
-import contextlib
+import pickle
 import time
-from functools import partial
-from pathlib import Path
 
 import pytest
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import RankFailed, spawn
 from spmoe.engine.args import EngineArgs
-from spmoe.engine.request import Request
 from spmoe.engine.sampling.sampler import SamplingParams
-from spmoe.entrypoints.serve.client import HEARTBEAT_S, serve_rank
+from spmoe.entrypoints.serve.engine_process import HEARTBEAT_S, FrontEndCommand, serve_rank
 
 from .test_generate import EOS, MAX_NEW, PROMPTS
 
@@ -30,90 +27,6 @@ OPTIONS = dict(max_num_seqs=2, max_model_len=32)
 MAX_NUM_WAITING = 5
 TIMEOUT_S = 6  # the process groups' timeout in these runs; the idle spell lasts longer
 IDLE_S = TIMEOUT_S + 2 * HEARTBEAT_S
-
-
-async def collect(
-    client, request, stats: dict, started: asyncio.Event | None = None
-) -> tuple[list[int], str]:
-    tokens, reason = [], None
-    async for out in client.generate(request):
-        tokens += out.new_token_ids
-        reason = out.finish_reason
-        stats["max_running"] = max(stats["max_running"], client.metrics().running)
-        if started is not None:
-            started.set()
-    return tokens, reason
-
-
-async def first_outputs(client, request, count: int) -> list[int]:
-    """Read `count` outputs, then stop iterating (the generator is closed: a client that went away)."""
-    tokens = []
-    async with contextlib.aclosing(client.generate(request)) as stream:
-        async for out in stream:
-            tokens += out.new_token_ids
-            if len(tokens) >= count:
-                break
-    return tokens
-
-
-async def scenario(client) -> dict:
-    stats, got = {"max_running": 0}, {}
-    greedy = [Request(f"g{i}", p, MAX_NEW, eos_token_ids=EOS) for i, p in enumerate(PROMPTS)]
-    # 2 slots per DP group: the two dropped requests come first and must free their slots for the others
-    dropped = asyncio.ensure_future(
-        first_outputs(client, Request("closed", PROMPTS[0], MAX_NEW), 2)
-    )
-    started = asyncio.Event()
-    cancelled = asyncio.ensure_future(
-        collect(client, Request("cancelled", PROMPTS[1], 20), stats, started)
-    )
-    sampled = asyncio.ensure_future(
-        collect(client, Request("s", PROMPTS[2], MAX_NEW, SAMPLED), stats)
-    )
-    await started.wait()
-    cancelled.cancel()  # after its first token, long before its 20th
-    tasks = [asyncio.ensure_future(collect(client, r, stats)) for r in greedy]
-    results = await asyncio.wait_for(asyncio.gather(*tasks, sampled, dropped), timeout=120)
-    got["greedy"], got["sampled"], got["closed"] = results[:4], results[4], results[5]
-    got["cancelled"] = cancelled.cancelled()
-    got["max_running"] = stats["max_running"]
-    await asyncio.sleep(0.2)  # the aborts reach the engine loop
-    got["after"] = client.metrics()
-
-    # Errors at once: a bad request, a duplicate id, a full queue (5 wait; the next 2 are refused).
-    errors = {}
-    for name, request in [("bad", Request("b", [1, 96], 4)), ("long", Request("l", [1] * 30, 4))]:
-        try:
-            await client.generate(request).__anext__()
-        except ValueError as e:
-            errors[name] = str(e)
-    burst = [
-        asyncio.ensure_future(collect(client, Request(f"q{i}", PROMPTS[3], 2), stats))
-        for i in range(7)
-    ]
-    outcomes = await asyncio.gather(*burst, return_exceptions=True)
-    errors["queue_full"] = [
-        type(o).__name__ if isinstance(o, Exception) else "ok" for o in outcomes
-    ]
-    got["burst"] = [o for o in outcomes if not isinstance(o, Exception)]
-    got["errors"] = errors
-
-    # Idle longer than the process group timeout, then serve again.
-    await asyncio.sleep(IDLE_S)
-    got["after_idle"] = await collect(client, greedy[1], stats)
-    got["final"] = client.metrics()
-    return got
-
-
-def front_end(client) -> dict:
-    """What `spmoe serve` does with uvicorn, in a few lines: run the scenario on an event loop, in the main
-    thread of rank 0, and return."""
-    info = {
-        "vocab_size": client.vocab_size,
-        "max_model_len": client.max_model_len,
-        "num_speculative_tokens": client.num_speculative_tokens,
-    }
-    return {**asyncio.run(scenario(client)), "info": info}
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +47,15 @@ def reference(engine_checkpoint):
     return greedy.outputs, sampled.outputs[0], full.outputs[0]
 
 
+FRONT_ENDS = "tests.engine.serve_front_ends"
+CASES = dict(PROMPTS=PROMPTS, EOS=EOS, MAX_NEW=MAX_NEW, SAMPLED=SAMPLED, IDLE_S=IDLE_S)
+
+
 @pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
-def test_serve_on_two_ranks(tp, dp, engine_checkpoint, reference):
+def test_serve_on_two_ranks(tp, dp, engine_checkpoint, reference, tmp_path):
     greedy, sampled, full = reference
     parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp)
-    began = time.monotonic()
+    began, report = time.monotonic(), tmp_path / "front_end.pickle"
     args = EngineArgs(tp=tp, dp=dp, **OPTIONS)
     results = spawn(
         serve_rank,
@@ -146,13 +63,16 @@ def test_serve_on_two_ranks(tp, dp, engine_checkpoint, reference):
         engine_checkpoint,
         args,
         MAX_NUM_WAITING,
-        front_end,
+        FrontEndCommand(f"{FRONT_ENDS}:front_end", (str(report), CASES)),
         config=parallel,
         timeout_s=TIMEOUT_S,
     )
-    assert results[1] is None  # the worker left its loop at the shutdown
-    got = results[0]
+    assert results == [None, None]  # the front end exited 0; every rank left its loop
+    got = pickle.loads(report.read_bytes())
     print(f"tp{tp} x dp{dp}: {time.monotonic() - began:.1f} s, {got['final']}")
+    assert got["engine_modules"] == []
+    pids = got["pids"]
+    assert pids["front_end"] != pids["engine"] and pids["parent"] == pids["engine"], pids
     assert [tokens for tokens, _ in got["greedy"]] == greedy
     assert [reason for _, reason in got["greedy"]] == [
         "stop" if out[-1] in EOS else "length" for out in greedy
@@ -174,26 +94,22 @@ def test_serve_on_two_ranks(tp, dp, engine_checkpoint, reference):
     assert got["info"] == {"vocab_size": 96, "max_model_len": 32, "num_speculative_tokens": 0}
 
 
-def failing_front_end(report: str, client) -> None:
-    """Breaks rank 0's engine at its third step, then waits on a request as a server would; writes the
-    error output it got to the file `report`."""
-    steps, run = [0], client.engine.run  # the serving loop schedules, then runs the batch
+def serve_rank_failing(*args):
+    """`serve_rank` with rank 0's engine broken at its third step."""
+    from spmoe.distributed import get_parallel_state
+    from spmoe.engine.engine import Engine
 
-    def broken_run(batch):
-        steps[0] += 1
-        if steps[0] == 3:
-            raise RuntimeError("injected failure")
-        return run(batch)
+    if get_parallel_state().rank == 0:
+        steps, run = [0], Engine.run
 
-    client.engine.run = broken_run
+        def broken_run(self, batch):
+            steps[0] += 1
+            if steps[0] == 3:
+                raise RuntimeError("injected failure")
+            return run(self, batch)
 
-    async def wait() -> None:
-        async for out in client.generate(Request("r", PROMPTS[0], MAX_NEW)):
-            if out.finish_reason == "error":
-                Path(report).write_text(out.error)
-                await asyncio.sleep(60)  # the engine loop's failure must stop the front end
-
-    asyncio.run(wait())
+        Engine.run = broken_run
+    return serve_rank(*args)
 
 
 def test_engine_failure_stops_every_rank(engine_checkpoint, tmp_path):
@@ -204,46 +120,13 @@ def test_engine_failure_stops_every_rank(engine_checkpoint, tmp_path):
         match="rank 0 of 2 failed: RuntimeError: the engine loop failed: RuntimeError: injected failure",
     ):
         spawn(
-            serve_rank,
+            serve_rank_failing,
             2,
             engine_checkpoint,
             EngineArgs(tp=2, **OPTIONS),
             MAX_NUM_WAITING,
-            partial(failing_front_end, str(report)),
+            FrontEndCommand(f"{FRONT_ENDS}:wait_for_error", (str(report), PROMPTS[0], MAX_NEW)),
             config=ParallelConfig(tensor_parallel_size=2),
         )
     assert report.read_text() == "RuntimeError: injected failure"
     assert time.monotonic() - began < 40  # not the front end's 60 s wait
-
-
-def test_a_steps_outputs_reach_the_event_loop_in_one_call():
-    """The engine loop hands a step's outputs over in one `call_soon_threadsafe` per event loop, each output
-    to its request's queue in order; a finished request's stream is forgotten, an unknown one's output dropped."""
-    from spmoe.engine.request import RequestOutput
-    from spmoe.entrypoints.serve.client import EngineClient
-
-    class Loop:  # records what would run on the event loop
-        def __init__(self):
-            self.calls = []
-
-        def call_soon_threadsafe(self, fn, *args):
-            self.calls.append((fn, args))
-
-    loop, other = Loop(), Loop()
-    queues = {name: asyncio.Queue() for name in ("a", "b", "c")}
-    streams = {"a": (loop, queues["a"]), "b": (loop, queues["b"]), "c": (other, queues["c"])}
-    outputs = [
-        RequestOutput("a", [1], None),
-        RequestOutput("b", [2], "length"),
-        RequestOutput("gone", [3], None),
-        RequestOutput("c", [4], None),
-    ]
-    EngineClient._hand_out(streams, outputs)
-    assert len(loop.calls) == 1 and len(other.calls) == 1
-    for fn, args in loop.calls + other.calls:
-        fn(*args)
-    got = {
-        name: [q.get_nowait().new_token_ids for _ in range(q.qsize())] for name, q in queues.items()
-    }
-    assert got == {"a": [[1]], "b": [[2]], "c": [[4]]}
-    assert set(streams) == {"a", "c"}  # b finished

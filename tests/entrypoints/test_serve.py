@@ -1,7 +1,8 @@
 """`spmoe serve` end to end: one real server (TP 2, gloo, CPU) on a tiny checkpoint with the demo tokenizer,
 driven by the real `openai` client; its greedy text against `spmoe generate`'s tokens; concurrent streams;
 bad requests; SIGTERM during streams (a drain, exit 0); a second server whose rank 1 is stopped (the
-watchdog); and the one-line errors for bad options before any rank starts."""
+watchdog); servers whose front end process or engine process is killed (the server goes down, nothing is
+left); and the one-line errors for bad options before any rank starts."""
 
 import json
 import os
@@ -650,7 +651,8 @@ def test_sigterm_drains_open_streams_and_stops_every_rank(server):
 
 def test_a_stopped_rank_fails_requests_and_the_server_exits_1(checkpoint, tmp_path):
     """The watchdog: rank 1 stopped (SIGSTOP), a request then waits on it; after --engine-timeout 3 the request
-    ends with an error, /health stops answering 200, and the command exits 1 saying why."""
+    ends with an error, /health stops answering 200, the front end exits 1, then rank 0, and the command exits
+    1 saying why."""
     log = tmp_path / "stderr.txt"
     proc, base = start_server(checkpoint, log, "--engine-timeout", "3")
     ranks = sorted(
@@ -690,16 +692,140 @@ def test_a_stopped_rank_fails_requests_and_the_server_exits_1(checkpoint, tmp_pa
             assert events[0] == 503, events
         text = log.read_text()
         assert "no engine step finished in" in text and "(--engine-timeout 3)" in text, text
-        assert text.strip().splitlines()[-1].startswith("spmoe serve: error: rank 0 of 2 failed"), (
-            text
-        )
+        # the front end exits 1; rank 0, stuck in the step with the stopped rank, exits 1 after it
+        assert "exited with code 1 and the engine loop has been stuck in a step since" in text, text
+        assert (
+            text.strip()
+            .splitlines()[-1]
+            .startswith("spmoe serve: error: rank 0 of 2 exited with code 1")
+        ), text
     finally:
-        for pid in ranks:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_left(proc, ranks)
+
+
+def kill_left(proc: subprocess.Popen, pids) -> None:
+    """After a test: SIGKILL to each process of `pids` still alive, and to `proc`."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+@pytest.mark.parametrize("victim", ["front end", "engine"])
+def test_a_killed_process_takes_the_server_down_and_leaves_nothing(checkpoint, tmp_path, victim):
+    """The front end runs in a process of its own, started by rank 0 (the engine process). SIGKILL to
+    either: the command exits 1 within seconds, saying why, and no process of the server is left (a
+    stream open at the time ends, cut or with an error)."""
+    log = tmp_path / "stderr.txt"
+    proc, base = start_server(checkpoint, log)
+    everything = descendants(proc.pid)
+    try:
+        front = [pid for pid in everything if b"spmoe.entrypoints.serve.frontend" in cmdline(pid)]
+        ranks = sorted(pid for pid in everything if b"spawn_main" in cmdline(pid))
+        assert len(front) == 1 and len(ranks) == 2, (front, ranks)
+        assert front[0] in descendants(ranks[0])  # rank 0 started it
+        events: list = []
+        stream_events(
+            base, {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True}, events
+        )
+        assert events[0] == 200 and events[-1] == "[DONE]", events
+        events, started = [], threading.Event()
+        body = {
+            "model": "tiny",
+            "prompt": "hi",
+            "max_tokens": 600,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        holder = threading.Thread(target=stream_events, args=(base, body, events, started))
+        holder.start()
+        assert started.wait(60)
+        began = time.monotonic()
+        os.kill(front[0] if victim == "front end" else ranks[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1, log.read_text()
+        while any(alive(pid) for pid in everything) and time.monotonic() - began < 30:
+            time.sleep(0.2)
+        assert not [pid for pid in everything if alive(pid)], log.read_text()
+        assert time.monotonic() - began < 30
+        holder.join(timeout=30)
+        assert events[-1] != "[DONE]" or "error" in json.loads(events[-2]), events[-3:]
+        text = log.read_text()
+        if victim == "front end":
+            assert f"the front end process {front[0]} exited with code -9" in text, text
+        else:
+            assert "rank 0 of 2 was killed by SIGKILL" in text, text
+    finally:
+        kill_left(proc, everything)
+
+
+def connections_on(pid: int, port: int) -> int:
+    """Established TCP connections of process `pid` on local port `port` (from /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local_port, state, inode = int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]
+            count += local_port == port and state == "01" and inode in inodes
+    return count
+
+
+def test_two_front_end_processes_share_the_port(checkpoint, tmp_path):
+    """--api-server-count 2: two front end processes of rank 0 listen on the port; 16 streams held open
+    at once are spread over both (the kernel's choice: all on one has odds 2 ** -15), each stream gets its
+    tokens, and SIGTERM stops them and every rank."""
+    log = tmp_path / "stderr.txt"
+    proc, base = start_server(checkpoint, log, "--api-server-count", "2", "--shutdown-timeout", "2")
+    everything = descendants(proc.pid)
+    try:
+        front = [pid for pid in everything if b"spmoe.entrypoints.serve.frontend" in cmdline(pid)]
+        assert len(front) == 2, front
+        port = int(base.rsplit(":", 1)[1])
+        body = {
+            "model": "tiny",
+            "prompt": "hi",
+            "max_tokens": 40,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        streams = [[] for _ in range(16)]
+        started = [threading.Event() for _ in streams]
+        holders = [
+            threading.Thread(target=stream_events, args=(base, body, events, go))
+            for events, go in zip(streams, started)
+        ]
+        for holder in holders:
+            holder.start()
+        deadline, held = time.monotonic() + 60, [0, 0]
+        while time.monotonic() < deadline and not all(held):
+            held = [connections_on(pid, port) for pid in front]
+            time.sleep(0.05)
+        assert all(held), held
+        for holder in holders:
+            holder.join(timeout=120)
+        for events in streams:
+            assert events[0] == 200 and events[-1] == "[DONE]", events[-3:]
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length", events[-2]
+        sigterm_leaves_nothing(proc, list(everything), log)
+        assert proc.returncode == 0, log.read_text()
+    finally:
+        kill_left(proc, everything)
 
 
 def sigterm_leaves_nothing(

@@ -19,7 +19,7 @@ from spmoe.engine.request import EngineMetrics, RequestOutput
 from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.serve.app import ApiSettings, FrontEndLimits, build_app
-from spmoe.entrypoints.serve.client import QueueFull
+from spmoe.entrypoints.serve.engine_client import QueueFull
 from spmoe.entrypoints.serve.streaming import StopStrings
 from spmoe.entrypoints.serve.supervisor import StopPolicy, supervise
 from spmoe.entrypoints.serve.tokenizer import (
@@ -104,6 +104,7 @@ class ScriptedEngineClient:
     whose output iterator was closed before the end (the real client aborts those)."""
 
     max_model_len, vocab_size, num_speculative_tokens, error = 66, 264, 2, None
+    exchange_s, idle_s = 0.125, 2.5  # the engine process's seconds on the exchange, idle
 
     def __init__(self, script: list[int], eos_token_ids=(), per_step=1):
         self.script, self.eos_token_ids, self.per_step = script, eos_token_ids, per_step
@@ -331,6 +332,8 @@ def test_models_health_metrics(served):
         'vllm:request_params_max_tokens_sum{engine="0",model_name="tiny"} 4.0',
         'vllm:request_max_num_generation_tokens_sum{engine="0",model_name="tiny"} 4.0',
         'spmoe:engine_steps_total{engine="0",model_name="tiny"} 0.0',
+        'spmoe:engine_exchange_seconds_total{engine="0",model_name="tiny"} 0.125',
+        'spmoe:engine_idle_seconds_total{engine="0",model_name="tiny"} 2.5',
     ):
         assert line in text, line
     assert "spmoe:num_requests" not in text and "vllm:engine_steps" not in text  # each in its place

@@ -7,7 +7,8 @@ lists them.
 
 The engine's state (requests running and waiting, KV cache usage, generated tokens, preemptions,
 MTP drafts, prefix cache queries and hits in tokens, and spmoe's steps, kernel compiles and CUDA
-graph captures) is read from `client.metrics()` when Prometheus scrapes. The request metrics are
+graph captures, and the engine process's seconds on the exchange with the front ends and idle) is read
+from the engine client when Prometheus scrapes. The request metrics are
 recorded by the front end as tokens reach it:
 - `time_to_first_token_seconds`: from the request's arrival to its first generated token;
 - `inter_token_latency_seconds`: between a request's successive tokens (a step that brings several
@@ -107,6 +108,20 @@ class EngineCollector:
                 "compiles_after_ready",
                 "Kernel compiles and CUDA graph captures after the server reported ready",
                 m.compiles_after_ready,
+            ),
+            (
+                counter,
+                OWN,
+                "engine_exchange_seconds",
+                "Seconds the engine process spent on the front-end exchange (receive, decode, encode, send)",
+                self.client.exchange_s,
+            ),
+            (
+                counter,
+                OWN,
+                "engine_idle_seconds",
+                "Seconds the engine process waited for requests with nothing to run",
+                self.client.idle_s,
             ),
         ]
         if self.client.num_speculative_tokens:

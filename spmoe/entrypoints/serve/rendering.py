@@ -6,7 +6,7 @@ import asyncio
 import json
 from contextlib import AsyncExitStack, aclosing
 
-from spmoe.entrypoints.serve.client import QueueFull
+from spmoe.entrypoints.serve.engine_client import QueueFull
 from spmoe.entrypoints.serve.protocol import ApiError, SamplingFields, internal_error
 from spmoe.entrypoints.serve.request_reader import Choice
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration, usage

@@ -215,15 +215,14 @@ class RequestReader:
     async def grammar(
         self, body: SamplingFields, extra: dict, tools: list[dict] | None
     ) -> GrammarSpec | None:
-        """The grammar the request's output must follow (None: none), compiled now, off the event loop, so that
-        a bad one is a 400 here and the engine's compile is a cache hit."""
+        """The grammar the request's output must follow (None: none), compiled now, off the event loop, by
+        this front end's own compiler, so that a bad one is a 400 here (the engine process compiles the spec
+        again, cached by spec)."""
         fields = {name: getattr(body, name) for name in STRUCTURED_OUTPUT_FIELDS} | extra
 
         def build() -> GrammarSpec | None:  # tool grammars build with xgrammar
             spec = grammar_for_request(fields, tools)
-            if (
-                spec is not None
-            ):  # the engine's compiler on rank 0: its own compile is then a cache hit
+            if spec is not None:
                 self.client.grammars.compile(spec)
             return spec
 

@@ -1,23 +1,20 @@
-"""`spmoe serve`: check the options, start every rank with `serve_rank`, and on rank 0 run the HTTP front end
-under uvicorn until the server is stopped.
+"""`spmoe serve`: check the options, start every rank with `serve_rank`; rank 0 runs the engine loop and starts
+the HTTP front end process (`frontend.py`), which serves under uvicorn until the server is stopped.
 
 What can be checked before any rank starts is: the model folder, its tokenizer, and the address to listen on.
-Stopping: SIGTERM to the `spmoe serve` process is passed on to rank 0, which drains (`supervisor.py`: new
-requests get 503, open ones may finish for --shutdown-timeout, then end with an error chunk and `[DONE]`);
-`serve_rank` then stops the other ranks and the command exits 0. Under torchrun the agent signals every
-worker; rank 0 does the same. SIGINT (Ctrl-C) ends every rank at once (the launcher does that). An engine that
-fails or stalls for --engine-timeout ends the open requests with an error and the command exits 1.
+Stopping: SIGTERM to the `spmoe serve` process is passed on to rank 0 and from there to the front end, which
+drains (`supervisor.py`: new requests get 503, open ones may finish for --shutdown-timeout, then end with an
+error chunk and `[DONE]`); rank 0 then stops the other ranks and the command exits 0. Under torchrun the
+agent signals every worker; rank 0 does the same. SIGINT (Ctrl-C) ends every rank at once (the launcher does
+that). An engine that fails or stalls for --engine-timeout ends the open requests with an error and the
+command exits 1.
 """
 
-import asyncio
 import errno
 import os
 import signal
 import socket
 import sys
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 from spmoe.distributed import launch
@@ -27,12 +24,14 @@ from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.model_source import resolve_model
 from spmoe.entrypoints.serve.app import DEFAULT_MAX_REQUEST_BYTES, FrontEndLimits
 from spmoe.entrypoints.serve.chat import ChatOptions
-from spmoe.entrypoints.serve.client import (
+from spmoe.entrypoints.serve.engine_process import (
     MIN_MAX_NUM_WAITING,
     WAITING_PER_RUNNING,
+    FrontEndCommand,
     check_serve,
     serve_rank,
 )
+from spmoe.entrypoints.serve.frontend import FrontEndOptions
 from spmoe.entrypoints.serve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 from spmoe.entrypoints.serve.supervisor import StopPolicy
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer, read_chat_template
@@ -42,106 +41,6 @@ CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 DRAIN_MARGIN_S = 15.0  # beyond --shutdown-timeout: ending the streams left and stopping every rank
-
-
-@dataclass(frozen=True)
-class FrontEndOptions:
-    tokenizer_dir: str  # where the tokenizer is
-    served_model_names: list[str]  # the first is reported in responses
-    host: str
-    port: int
-    chat_template: str | None = None  # in place of the tokenizer's
-    chat_template_content_format: str = "string"
-    defaults: GenerationDefaults = GenerationDefaults()
-    seed: int | None = None  # seeds the seeds of requests that give none
-    uvicorn_log_level: str = "warning"
-    chat: ChatOptions = ChatOptions()  # the reasoning and tool-call parsers
-    limits: FrontEndLimits = field(default_factory=FrontEndLimits)
-    policy: StopPolicy = field(default_factory=StopPolicy)
-
-
-def start_front_end(options: FrontEndOptions, client) -> int | None:
-    """Rank 0, main thread: serve the app for `client` until `supervise` ends it (a stop signal, a failed or
-    stalled engine); print the URL once it listens. -> SIGTERM if that is what ended it, else None."""
-    import uvicorn
-
-    from spmoe.entrypoints.serve.app import ApiSettings, build_app
-    from spmoe.entrypoints.serve.supervisor import supervise
-
-    class Server(uvicorn.Server):
-        @contextmanager
-        def capture_signals(
-            self,
-        ):  # the stop signals go to `supervise`, which drains before uvicorn stops
-            yield
-
-    settings = ApiSettings(
-        options.served_model_names,
-        options.defaults,
-        options.chat_template_content_format,
-        options.seed,
-        options.chat,
-    )
-    app = build_app(
-        client,
-        load_tokenizer(options.tokenizer_dir, options.chat_template),
-        settings,
-        options.limits,
-    )
-    config = uvicorn.Config(
-        app,
-        host=options.host,
-        port=options.port,
-        log_level=options.uvicorn_log_level,
-        timeout_graceful_shutdown=5,
-    )
-    server = Server(config)
-
-    async def serve() -> int | None:
-        signals: asyncio.Queue = asyncio.Queue()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(signum, signals.put_nowait, signum)
-        for signum in early:
-            signals.put_nowait(signum)
-        task = asyncio.create_task(server.serve())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.05)
-        if not server.started:
-            await task
-            return None
-        print(
-            f"spmoe serve: ready: http://{options.host}:{options.port}/v1 (model "
-            f"{', '.join(repr(name) for name in options.served_model_names)})"
-            f"; stop with Ctrl-C or SIGTERM",
-            file=sys.stderr,
-            flush=True,
-        )
-        watch = asyncio.create_task(supervise(app.state.api, client, options.policy, signals))
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-        server.should_exit = True
-        ending = None
-        if watch.done():
-            ending = watch.result()
-        else:  # uvicorn stopped on its own
-            watch.cancel()
-        await task
-        return ending
-
-    # Outside the event loop a stop signal is only noted (one before the loop starts is then passed to
-    # `supervise`); inside it the loop's handlers pass it on.
-    early: list[int] = []
-    previous = {
-        s: signal.signal(s, lambda signum, _: early.append(signum))
-        for s in (signal.SIGINT, signal.SIGTERM)
-    }
-    try:
-        ending = asyncio.run(serve())
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if not server.started:
-        raise RuntimeError(f"the HTTP server did not start on {options.host}:{options.port}")
-    return ending
 
 
 def check_address(host: str, port: int) -> None:
@@ -194,7 +93,9 @@ def run_serve(
         model_dir,
         args,
         max_num_waiting,
-        partial(start_front_end, front),
+        FrontEndCommand(
+            "spmoe.entrypoints.serve.frontend:serve_http", (front,), front.api_server_count
+        ),
         front.tokenizer_dir,
         config=parallel,
         device=args.device,
@@ -246,6 +147,14 @@ def add_serve_args(p) -> None:
         "--enable-auto-tool-choice",
         action="store_true",
         help='let the model decide when to call a tool (tool_choice "auto"); needs --tool-call-parser',
+    )
+    server.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="HTTP front end processes, sharing the port (default 1); each serves rank 0's engine",
     )
     server.add_argument(
         "--api-key",
@@ -370,6 +279,7 @@ def cmd_serve(args) -> int:
         chat,
         FrontEndLimits(args.max_request_bytes, args.api_key),
         StopPolicy(args.engine_timeout, args.shutdown_timeout),
+        args.api_server_count,
     )
     notes = list(args.vllm_notes)
     if device_chosen:

@@ -1,0 +1,375 @@
+"""What `spmoe serve` runs on every rank (`serve_rank`), and rank 0's engine loop (`EngineLoop`), which runs
+in rank 0's own process and serves the HTTP front end process(es) it starts.
+
+Rank 0's main thread runs the engine loop: each iteration it reads every message the front ends sent since
+the last one (new requests, aborts: `wire.ToEngine`), plans the step, runs it on every rank through the
+engine's serving loop (`spmoe.engine.ranks`), and sends each front end one message (`wire.FromEngine`: its
+outputs, the engine's counters, the time spent on the exchange). The engine never waits for a front end;
+while nothing runs it waits for a message for up to `HEARTBEAT_S`, then runs an idle step anyway, so the
+other ranks, blocked on the next plan, never reach the process group's timeout, and the front ends hear
+from it (their watchdog).
+
+A request's grammar arrives as its spec; the engine compiles it on a worker thread (cached by spec), and the
+request joins a step once it has compiled, so a compile never holds up the steps of the others.
+
+The front ends are child processes (`python -m spmoe.entrypoints.serve.frontend`), started once the engine
+is warm. A SIGTERM to rank 0 is passed on to them: they drain, exit 0, and rank 0 then stops every rank. A
+front end that exits otherwise takes the server down: the others are stopped (SIGINT), every rank shuts
+down and rank 0 fails; if the engine loop is stuck in a step (a rank stopped answering), rank 0 exits 1
+after `STUCK_GRACE_S`. A front end whose engine process is gone stops and exits 1 (`EngineClient.error`).
+"""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from functools import partial
+
+import zmq
+
+from spmoe.config import ModelConfig
+from spmoe.distributed import get_parallel_state
+from spmoe.engine.args import EngineArgs
+from spmoe.engine.engine import Engine
+from spmoe.engine.ranks import ServingLoop, worker_loop
+from spmoe.engine.request import EngineMetrics, Request, RequestOutput
+from spmoe.engine.sampling.grammar import GrammarCompiler, GrammarSpec
+from spmoe.engine.warmup import warm_up
+from spmoe.entrypoints.serve.engine_client import EngineFacts
+from spmoe.entrypoints.serve.frontend import FrontEndLaunch
+from spmoe.entrypoints.serve.tokenizer import load_tokenizer
+from spmoe.entrypoints.serve.wire import Codec, FromEngine, PrivateAddress
+
+HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
+# serve's defaults for what the command line leaves out (`for_model`, `default_max_num_waiting`). On CUDA, as
+# vLLM's: 256 requests running at once per DP group and the model's whole context. On the CPU (the tests, the
+# demo) small ones: there the paged cache without a size holds max_num_seqs x max_model_len tokens.
+CUDA_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_SEQS = 8
+CPU_MAX_MODEL_LEN = (
+    2048  # at most; also the length for a config that states no max_position_embeddings
+)
+WAITING_PER_RUNNING = (
+    4  # max_num_waiting: this many per request that can run at once, so a burst still queues,
+)
+MIN_MAX_NUM_WAITING = 64  # and at least this many; one more waiting request gets QueueFull (503)
+COMPILE_POLL_MS = 5  # while idle with grammars compiling: how often the loop looks at them
+WATCH_PERIOD_S = 0.2  # how often rank 0 looks at its front end processes from the watch thread
+STUCK_GRACE_S = 5.0  # a front end exited and the engine loop has not ended since: rank 0 exits 1
+FRONT_END_EXIT_S = (
+    10.0  # how long a front end may take to exit when rank 0 stops it, before SIGKILL
+)
+FAILED_EXIT_S = (
+    3.0  # after the engine failed: how long the front ends may take to end their streams
+)
+
+
+def for_model(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
+    """The engine options with serve's defaults settled for the model on `args.device` (settled too): on CUDA
+    `CUDA_MAX_NUM_SEQS` requests at once and the model's max_position_embeddings; on the CPU `CPU_MAX_NUM_SEQS`
+    and at most `CPU_MAX_MODEL_LEN`. An option the command line gives stays."""
+    positions = cfg.max_position_embeddings or CPU_MAX_MODEL_LEN
+    on_cuda = args.device == "cuda"
+    return replace(
+        args,
+        max_num_seqs=args.max_num_seqs or (CUDA_MAX_NUM_SEQS if on_cuda else CPU_MAX_NUM_SEQS),
+        max_model_len=args.max_model_len
+        or (positions if on_cuda else min(CPU_MAX_MODEL_LEN, positions)),
+    )
+
+
+def default_max_num_waiting(args: EngineArgs) -> int:
+    """--max-num-waiting's default for settled `args`: `WAITING_PER_RUNNING` per request that can run at once
+    over all DP groups (rank 0's front end feeds every group), at least `MIN_MAX_NUM_WAITING`."""
+    return max(MIN_MAX_NUM_WAITING, WAITING_PER_RUNNING * args.max_num_seqs * args.dp)
+
+
+def check_serve(
+    model_dir: str, args: EngineArgs, max_num_waiting: int | None = None
+) -> tuple[EngineArgs, int]:
+    """What can be checked before starting any rank: the engine options, serve's defaults settled
+    (`for_model`), against the checkpoint (`EngineArgs.check`), and the queue's limit (None: its default,
+    `default_max_num_waiting`). -> the settled options and queue limit, as `serve_rank` takes them."""
+    cfg = args.model_config(model_dir)
+    args = for_model(args, cfg)
+    args.check(cfg, args.max_model_len)
+    if max_num_waiting is None:
+        max_num_waiting = default_max_num_waiting(args)
+    if max_num_waiting < 1:
+        raise ValueError(f"--max-num-waiting must be >= 1, got {max_num_waiting}")
+    return args, max_num_waiting
+
+
+@dataclass(frozen=True)
+class FrontEndCommand:
+    """The front end processes rank 0 starts: `count` of them, each running `target` ("module:function",
+    called with the engine client and `args`; see `frontend.py`)."""
+
+    target: str
+    args: tuple = ()
+    count: int = 1
+
+
+class EngineLoop:
+    """Rank 0's engine loop and the front end processes it serves (`run`)."""
+
+    def __init__(self, engine: Engine, front_end: FrontEndCommand, facts: EngineFacts):
+        self.engine, self.front_end, self.facts = engine, front_end, facts
+        self.codec = Codec()
+        self.serving = ServingLoop(engine)
+        self.peers: dict[
+            bytes, list[RequestOutput]
+        ] = {}  # front end identity -> its outputs this step
+        self.rejected: dict[bytes, list[tuple[str, str]]] = {}
+        self.owner: dict[str, bytes] = {}  # live or compiling request -> its front end
+        self.compiling: list[tuple[Future, Request]] = []  # in arrival order
+        self.compiles: dict[GrammarSpec, Future] = {}
+        self.compile_work = ThreadPoolExecutor(1, thread_name_prefix="spmoe-grammar")
+        self.exchange_s = self.idle_s = 0.0
+        self.metrics = EngineMetrics()
+        self.procs: list[subprocess.Popen] = []
+        self.sigterm = False
+        self.done = threading.Event()  # set when the loop has left its last step
+
+    def run(self) -> int | None:
+        """Start the front ends and serve them until they have all exited. -> SIGTERM if one reached this
+        process (the front ends drained), else None; RuntimeError if the engine loop failed or a front end
+        exited with an error."""
+        address = PrivateAddress()
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address.url)
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            self.procs = [
+                self._start_front_end(address.url, i) for i in range(self.front_end.count)
+            ]
+            threading.Thread(target=self._watch, name="spmoe-front-end-watch", daemon=True).start()
+            failure = self._serve()
+        finally:
+            self.done.set()
+            self._end_front_ends(FRONT_END_EXIT_S if self.sigterm else FAILED_EXIT_S)
+            signal.signal(signal.SIGTERM, previous)
+            self.socket.close()
+            address.remove()
+        # after a SIGTERM (under torchrun it reaches every rank) a failed loop is a peer that the signal ended
+        if failure is not None and not self.sigterm:
+            raise RuntimeError(failure)
+        return signal.SIGTERM if self.sigterm else None
+
+    def _start_front_end(self, address: str, index: int) -> subprocess.Popen:
+        launch = FrontEndLaunch(
+            target=self.front_end.target,
+            args=self.front_end.args,
+            address=address,
+            facts=self.facts,
+            engine_pid=os.getpid(),
+            index=index,
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spmoe.entrypoints.serve.frontend"], stdin=subprocess.PIPE
+        )
+        proc.stdin.write(pickle.dumps(launch))
+        proc.stdin.close()
+        return proc
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """Pass the SIGTERM on: the front ends drain, then exit."""
+        self.sigterm = True
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    def _serve(self) -> str | None:
+        """The loop. -> why it failed, or None once every front end has exited cleanly."""
+        try:
+            while True:
+                new, aborts = self._receive()
+                exits = [proc.poll() for proc in self.procs]
+                shutdown = all(code is not None for code in exits) or any(
+                    code not in (None, 0) for code in exits
+                )
+                plan = self.serving.plan(new, aborts, shutdown)
+                outputs, self.metrics = self.serving.step(plan)
+                self._send(outputs)
+                if plan.command == "shutdown":
+                    return self._front_end_failure(exits)
+        except Exception as e:  # noqa: BLE001 - the front ends must learn of it, not hang
+            error = f"{type(e).__name__}: {e}"
+            for request_id in list(self.owner):
+                self.peers[self.owner[request_id]].append(
+                    RequestOutput(request_id, [], "error", error=error)
+                )
+            self._send([], error)
+            return f"the engine loop failed: {error}"
+
+    def _front_end_failure(self, exits: list[int | None]) -> str | None:
+        for proc, code in zip(self.procs, exits):
+            if code not in (None, 0):
+                return f"the front end process {proc.pid} exited with code {code}"
+        return None
+
+    def _receive(self) -> tuple[list[Request], list[str]]:
+        """Every message waiting (while nothing is live, the first one waited for up to a heartbeat), and
+        the grammars compiled since. -> the requests that may join the next step, and the aborts."""
+        if not self.serving.has_live():
+            began = time.perf_counter()
+            self.socket.poll(COMPILE_POLL_MS if self.compiling else HEARTBEAT_S * 1000)
+            self.idle_s += time.perf_counter() - began
+        began = time.perf_counter()
+        new, aborts = [], []
+        while True:
+            try:
+                peer, data = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            message = self.codec.to_engine.decode(data)
+            self.peers.setdefault(peer, [])
+            for request in message.adds:
+                self._admit(peer, request, new)
+            for request_id in message.aborts:
+                if self.owner.pop(request_id, None) is not None:
+                    aborts.append(request_id)
+        self.exchange_s += time.perf_counter() - began
+        return self._compiled(new), aborts
+
+    def _admit(self, peer: bytes, request: Request, new: list[Request]) -> None:
+        """A request from `peer` into `new`, into `compiling` while its grammar compiles, or refused."""
+        try:
+            if request.request_id in self.owner:
+                raise ValueError(f"request id {request.request_id!r} is in use; expected a new id")
+            self.engine.validate(request)
+        except ValueError as e:
+            self.rejected.setdefault(peer, []).append((request.request_id, str(e)))
+            return
+        self.owner[request.request_id] = peer
+        if request.grammar is None:
+            new.append(request)
+            return
+        compiled = self.compiles.get(request.grammar)
+        if compiled is None:
+            compiled = self.compile_work.submit(self.engine.grammars.compile, request.grammar)
+            self.compiles[request.grammar] = compiled
+        self.compiling.append((compiled, request))
+
+    def _compiled(self, new: list[Request]) -> list[Request]:
+        """`new` and, in arrival order, the compiling requests whose grammar is ready (one that does not
+        compile is refused; one aborted meanwhile is dropped)."""
+        waiting = []
+        for compiled, request in self.compiling:
+            peer = self.owner.get(request.request_id)
+            if peer is None:
+                continue
+            if not compiled.done():
+                waiting.append((compiled, request))
+            elif compiled.exception() is not None:
+                del self.owner[request.request_id]
+                why = str(compiled.exception())
+                self.rejected.setdefault(peer, []).append((request.request_id, why))
+            else:
+                new.append(request)
+        self.compiling = waiting
+        self.compiles = {spec: f for spec, f in self.compiles.items() if not f.done()}
+        return new
+
+    def _send(self, outputs: list[RequestOutput], error: str | None = None) -> None:
+        """One message to each front end: its outputs of the step, its refused requests, the counters."""
+        began = time.perf_counter()
+        for out in outputs:
+            if out.finish_reason is None:
+                peer = self.owner.get(out.request_id)
+            else:
+                peer = self.owner.pop(out.request_id, None)
+            if peer is not None:
+                self.peers[peer].append(out)
+        for peer, mine in self.peers.items():
+            message = FromEngine(
+                outputs=mine,
+                metrics=self.metrics,
+                rejected=self.rejected.pop(peer, []),
+                error=error,
+                exchange_s=self.exchange_s,
+                idle_s=self.idle_s,
+                front_ends=len(self.peers),
+            )
+            self.socket.send_multipart((peer, self.codec.encode(message)), zmq.NOBLOCK)
+            self.peers[peer] = []
+        self.exchange_s += time.perf_counter() - began
+
+    def _watch(self) -> None:
+        """A front end that exits while the engine loop is stuck in a step (a rank stopped answering) would
+        wait for it forever: after `STUCK_GRACE_S` this process exits 1 instead."""
+        while not self.done.is_set():
+            exited = [(p.pid, p.poll()) for p in self.procs if p.poll() not in (None, 0)]
+            if exited:
+                if not self.done.wait(STUCK_GRACE_S):
+                    pid, code = exited[0]
+                    print(
+                        f"spmoe serve: the front end process {pid} exited with code {code} and the engine "
+                        f"loop has been stuck in a step since (a rank stopped answering); exiting",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    os._exit(1)
+                return
+            self.done.wait(WATCH_PERIOD_S)
+
+    def _end_front_ends(self, grace_s: float) -> None:
+        """Each front end may exit on its own for `grace_s` (after a drain, or with the engine's error);
+        then one still running gets SIGINT (it ends its requests at once and exits), and SIGKILL if it has
+        not exited `FRONT_END_EXIT_S` later."""
+        deadline = time.monotonic() + grace_s
+        while any(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + FRONT_END_EXIT_S
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def serve_rank(
+    model_dir: str,
+    args: EngineArgs,
+    max_num_waiting: int,
+    front_end: FrontEndCommand,
+    tokenizer_dir: str | None = None,
+):
+    """Run on every rank: load the model and build the engine, warm it up. Rank 0 then runs the engine
+    loop for the front end processes `front_end` describes (`EngineLoop.run`: -> SIGTERM if that stopped
+    it, else None); the other ranks run the worker loop and return None. `args` and `max_num_waiting`:
+    settled (`check_serve`); `tokenizer_dir` (default `model_dir`): for grammars."""
+    state = get_parallel_state()
+    model = args.load_model(model_dir, state.device)
+    # every rank compiles the grammars of structured-output requests itself, the same from the same spec
+    grammars = GrammarCompiler(
+        partial(load_tokenizer, tokenizer_dir or model_dir), model.cfg.vocab_size
+    )
+    log = (
+        (lambda line: print(f"spmoe serve: {line}", file=sys.stderr, flush=True))
+        if state.rank == 0
+        else None
+    )
+    engine = args.build_engine(model, args.max_num_seqs, args.max_model_len, grammars, log)
+    warm_up(engine, log)  # before the front end starts: nothing compiles or captures after ready
+    if state.rank != 0:
+        worker_loop(engine)
+        return None
+    facts = EngineFacts(
+        max_model_len=args.max_model_len,
+        max_num_waiting=-(-max_num_waiting // front_end.count),
+        vocab_size=model.cfg.vocab_size,
+        eos_token_ids=tuple(model.cfg.eos_token_ids),
+        num_speculative_tokens=engine.k,
+    )
+    return EngineLoop(engine, front_end, facts).run()
