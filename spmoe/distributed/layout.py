@@ -118,7 +118,9 @@ def largest_dp_batch(num_tokens: int) -> int:
     """The largest N over the data-parallel ranks, agreed once per forward: the expert dispatch spans every
     DP rank, so all of them pad their rows to the same count. One tiny all-reduce; none when DP = 1."""
     state = get_parallel_state()
-    if state.dp_size == 1:
+    if (
+        state.ep_size == state.tp_size
+    ):  # DP 1 (a simulated rank's control plane says DP 1 regardless)
         return num_tokens
     agreed = torch.tensor([num_tokens], device=state.device)
     return int(all_reduce(agreed, state.ep_group, op="max").item())
