@@ -435,6 +435,9 @@ def main(argv=None):
         "sp": "on" if parallel.use_sequence_parallel_moe else "off",
         "load": opts.load,
         "config": str(opts.config),
+        "full_layers": ModelConfig.from_dict(
+            read_config(opts.config, opts.hf_overrides)
+        ).num_hidden_layers,
         "hf_overrides": opts.hf_overrides,
         "bandwidth": opts.bandwidth,
         "argv": sys.argv[1:] if argv is None else argv,
