@@ -11,7 +11,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
 from spmoe.entrypoints.jobs import flatten, split_for_dp
 
-from .conftest import hf_logits, make_nontrivial, relative_error
+from .conftest import TP8_WIDTHS, hf_logits, make_nontrivial, relative_error
 from .test_glm52_config import GLM52
 
 TOLERANCE = 1e-4  # relative to the largest |logit|, as the other oracle tests
@@ -25,24 +25,6 @@ STRUCTURE = (
     "norm_topk_prob",
     "rms_norm_eps",
     "num_experts_per_tok",
-)
-TINY = dict(  # widths that divide over 8 TP ranks; 16 experts, 2 a rank at EP 8
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=32,
-    moe_intermediate_size=16,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    n_routed_experts=16,
-    kv_lora_rank=16,
-    q_lora_rank=16,
-    qk_rope_head_dim=8,
-    v_head_dim=8,
-    qk_nope_head_dim=8,
-    index_topk=4,
-    index_head_dim=16,
-    index_n_heads=2,
-    max_position_embeddings=64,
 )
 SEQS = [[5, 17, 3, 90, 41, 8, 1], [60, 2, 33], [7, 7, 9, 11, 12], [4]]
 
@@ -106,7 +88,7 @@ def glm52(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.GlmMoeDsaForCausalLM(
         transformers.GlmMoeDsaConfig(
-            **TINY, **{key: published[key] for key in STRUCTURE}, first_k_dense_replace=3
+            **TP8_WIDTHS, **{key: published[key] for key in STRUCTURE}, first_k_dense_replace=3
         )
     ).eval()
     make_nontrivial(model)

@@ -27,34 +27,22 @@ from spmoe.distributed.simulated import (
 from spmoe.entrypoints.jobs import flatten
 from spmoe.layers.moe.work import count_moe_work
 
+from .conftest import TP8_WIDTHS
+
 # Widths that divide over 8 TP ranks; 16 experts, 2 a rank; a dense layer, then MoE layers with IndexShare.
 CONFIG = dict(
     model_type="glm_moe_dsa",
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=32,
-    moe_intermediate_size=16,
+    **TP8_WIDTHS,
     num_hidden_layers=3,
     mlp_layer_types=["dense", "sparse", "sparse"],
     indexer_types=["full", "shared", "full"],
-    num_attention_heads=8,
-    n_routed_experts=16,
     n_shared_experts=1,
     num_experts_per_tok=4,
     n_group=1,
     topk_group=1,
     routed_scaling_factor=2.5,
     norm_topk_prob=True,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=8,
-    index_topk=4,
-    index_n_heads=2,
-    index_head_dim=16,
     rms_norm_eps=1e-5,
-    max_position_embeddings=64,
 )
 SEQS = [[5, 17, 3, 90, 41, 8, 1, 2, 3, 4, 5], [60, 2]]  # every DP group runs this batch (N = 13)
 
