@@ -74,6 +74,8 @@ ENGINE_HELP_GROUPS = {
         "ep_backend",
         "moe_backend",
         "enable_expert_parallel",
+        "simulate_rank",
+        "simulated_load",
     ),
     "model": ("dtype", "device", "load_format", "hf_overrides", "quantization"),
     "memory and cache": (
