@@ -328,10 +328,10 @@ def size_rank(opts) -> list[dict]:
             record["warmup"] = warmup_report(model, opts, parallel)
         width = -(-opts.max_model_len // BLOCK_SIZE)
         cache = PagedKVCache.for_model(model, int(opts.timing_kv_gib * 2**30), opts.kv_cache_dtype)
-        for layer in cache.layers.values():  # random rows: timing only
+        for layer in cache.layers.values():  # random rows (timing only), FP8 ones through bf16
             for t in (layer.latent, layer.rope, layer.index_key):
-                if t is not None and t.is_floating_point():
-                    t.normal_()
+                if t is not None:
+                    t.copy_(torch.randn(t.shape, dtype=torch.bfloat16, device=t.device))
         record["decode"] = [
             decode_case(
                 model, cache, timer, b, c, k, max(width, -(-(c + k + 1) // BLOCK_SIZE)), opts
