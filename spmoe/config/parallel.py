@@ -33,6 +33,13 @@ class ParallelConfig:
         "allgather_reducescatter"  # one of EP_BACKENDS: how SP layers dispatch to experts
     )
     moe_backend: str = "auto"  # one of MOE_BACKENDS: the expert kernels
+    # Measurement only (spmoe.distributed.simulated): rank 0 of this layout runs in one process, the other
+    # ranks simulated; `routing_seed` makes every router's top-k a seeded function of (layer, token) (the
+    # simulated rank's default 0; set alone, a real run routes the same way); `simulated_load`: "rank0" or
+    # "busiest" (each layer's busiest EP rank's experts on this rank).
+    simulate_rank: bool = False
+    routing_seed: int | None = None
+    simulated_load: str = "rank0"
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
@@ -63,6 +70,20 @@ class ParallelConfig:
                     "sp='on' needs enable_expert_parallel=True: each rank "
                     "routes only its own token shard, so every expert must be whole on some rank"
                 )
+        if self.simulated_load not in ("rank0", "busiest"):
+            raise ValueError(
+                f"simulated_load must be 'rank0' or 'busiest', got {self.simulated_load!r}"
+            )
+        if self.simulate_rank and self.ep_backend != "allgather_reducescatter":
+            raise ValueError(
+                f"the simulated rank fills the all-gather dispatch's blocks only; ep_backend must be "
+                f"'allgather_reducescatter', got {self.ep_backend!r}"
+            )
+        if self.simulated_load != "rank0" and not self.simulate_rank:
+            raise ValueError(
+                f"simulated_load={self.simulated_load!r} needs simulate_rank=True (a real run has "
+                f"every rank's own load)"
+            )
         if self.pipeline_parallel_size > 1:
             raise ValueError(
                 f"pipeline parallelism is not implemented (pipeline_parallel_size="
@@ -77,6 +98,13 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def seeded_routing(self) -> int | None:
+        """The seed of the routers' seeded top-k, or None: the model's own gates route."""
+        if self.routing_seed is None and self.simulate_rank:
+            return 0
+        return self.routing_seed
 
     @property
     def use_sequence_parallel_moe(self) -> bool:

@@ -15,6 +15,11 @@ the rest. Bytes are the size of the full-length buffer of the call on this rank:
 | all_gather     | the gathered output (all ranks' rows)|
 | reduce_scatter | the full input (before scattering)   |
 | all_to_all     | the bytes this rank sends            |
+
+Each call is also counted under its path: "one_shot_fused" (a collective fused with its add-norm),
+"one_shot", "nccl" or "gloo". On a simulated group (`simulated.SimulatedGroup`: the other ranks do not
+exist) the functions move no data, return finite, deterministic tensors of the real shapes and count the
+path the real group would take at that size (`simulated.node_path`).
 """
 
 from contextlib import contextmanager
@@ -22,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from spmoe.distributed.simulated import is_simulated
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -32,22 +39,37 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class CommStats:
-    """Per-kind `{"count": int, "bytes": int}` of the collectives run while it was active."""
+    """Per-kind `{"count": int, "bytes": int}` of the collectives run while it was active, and the same per
+    (kind, path) in `paths`."""
 
     counts: dict = field(default_factory=lambda: {k: {"count": 0, "bytes": 0} for k in KINDS})
+    paths: dict = field(default_factory=dict)  # (kind, path) -> {"count": int, "bytes": int}
 
-    def record(self, kind: str, nbytes: int) -> None:
-        self.counts[kind]["count"] += 1
-        self.counts[kind]["bytes"] += nbytes
+    def record(self, kind: str, nbytes: int, path: str) -> None:
+        for entry in (self.counts[kind], self.paths.setdefault((kind, path), _zero())):
+            entry["count"] += 1
+            entry["bytes"] += nbytes
 
     def add(self, other: "CommStats") -> None:
         """Add `other`'s counts (a CUDA graph's collectives, counted once at capture, on each replay)."""
         for kind, value in other.counts.items():
             self.counts[kind]["count"] += value["count"]
             self.counts[kind]["bytes"] += value["bytes"]
+        for key, value in other.paths.items():
+            entry = self.paths.setdefault(key, _zero())
+            entry["count"] += value["count"]
+            entry["bytes"] += value["bytes"]
 
     def as_dict(self) -> dict:
         return {k: dict(v) for k, v in self.counts.items()}
+
+    def path_rows(self) -> list[dict]:
+        """`[{"kind", "path", "count", "bytes"}]`, one per (kind, path) seen, sorted."""
+        return [{"kind": k, "path": p, **v} for (k, p), v in sorted(self.paths.items())]
+
+
+def _zero() -> dict:
+    return {"count": 0, "bytes": 0}
 
 
 _ACTIVE: list[CommStats] = []
@@ -75,9 +97,26 @@ def enable_one_shot(group, device: torch.device) -> str | None:
     return None
 
 
+def node_path(kind: str, x: torch.Tensor, world: int, op: str = "sum") -> str:
+    """The path the real group of `world` GPUs takes for a `kind` call on input `x` (the input of all_gather
+    and all_reduce, the full input of reduce_scatter): "one_shot" where the one-shot kernel takes it
+    (`ONE_SHOT_MAX_BYTES`, the buffer), else "nccl"."""
+    from spmoe.distributed.one_shot import BUFFER_BYTES, DTYPES
+
+    if kind not in ONE_SHOT_MAX_BYTES or op != "sum" or x.dtype not in DTYPES:
+        return "nccl"
+    buffer = x.numel() * x.element_size() * (1 if kind == "reduce_scatter" else world)
+    return "one_shot" if buffer <= min(ONE_SHOT_MAX_BYTES[kind], BUFFER_BYTES) else "nccl"
+
+
 def disable_one_shot() -> None:
     """Forget every group's one-shot kernels (the groups are being destroyed)."""
     _ONE_SHOT.clear()
+
+
+def group_size(group) -> int:
+    """The number of ranks in `group` (a simulated group's included)."""
+    return group.size if is_simulated(group) else dist.get_world_size(group)
 
 
 def _one_shot(kind: str, x: torch.Tensor, group):
@@ -102,22 +141,29 @@ def count_collectives(stats: CommStats | None = None):
         _ACTIVE.remove(stats)
 
 
-def _record(kind: str, t: torch.Tensor) -> None:
-    _record_bytes(kind, t.numel() * t.element_size())
+def _record(kind: str, t: torch.Tensor, path: str) -> None:
+    _record_bytes(kind, t.numel() * t.element_size(), path)
 
 
-def _record_bytes(kind: str, nbytes: int) -> None:
+def _record_bytes(kind: str, nbytes: int, path: str) -> None:
     for stats in _ACTIVE:
-        stats.record(kind, nbytes)
+        stats.record(kind, nbytes, path)
+
+
+def _backend(x: torch.Tensor) -> str:
+    return "nccl" if x.is_cuda else "gloo"
 
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
-    """Reduce `x` over `group` in place (`op`: "sum", "max" or "min"). Returns `x`."""
-    _record("all_reduce", x)
+    """Reduce `x` over `group` in place (`op`: "sum", "max" or "min"). Returns `x` (simulated: unchanged)."""
+    if is_simulated(group):
+        _record("all_reduce", x, node_path("all_reduce", x, group.size, op))
+        return x
     one_shot = _one_shot("all_reduce", x, group) if op == "sum" and x.is_contiguous() else None
+    _record("all_reduce", x, "one_shot" if one_shot is not None else _backend(x))
     if one_shot is not None:
         return one_shot.run("all_reduce", x, x)
     dist.all_reduce(x, op=REDUCE_OPS[op], group=group)
@@ -130,32 +176,63 @@ def one_shot_add_rms_norm(
     """The `kind` collective of x over `group` fused with the RMSNorm `norm`'s residual add and norm, as one
     one-shot kernel (`OneShot.add_rms_norm`, which gives the shapes) -> (normed, new residual); None, with
     nothing run, where the group has no one-shot kernels or the call does not fit them. Counted as the
-    collective alone would be (reduce-scatter and all-gather: the `[n * t, H]` padded rows)."""
-    one_shot = _ONE_SHOT.get(group)
+    collective alone would be (reduce-scatter and all-gather: the `[n * t, H]` padded rows). A simulated group
+    on CUDA runs this rank's part: the add-norm of its rows, its block or its rows repeated for the others'."""
+    simulated = is_simulated(group)
+    one_shot = None if simulated else _ONE_SHOT.get(group)
     if (
-        one_shot is None
+        (one_shot is None and not simulated)
         or x.dim() != 2
         or not x.is_cuda
         or x.dtype not in (torch.bfloat16, torch.float16)
     ):
         return None
+    world = group.size if simulated else one_shot.world
+    rows = num_tokens if kind == "all_reduce" else -(-num_tokens // world)
     row_bytes = x.shape[1] * x.element_size()
-    if one_shot.world * one_shot.norm_rows(kind, num_tokens) * row_bytes > ONE_SHOT_MAX_BYTES[kind]:
+    if world * rows * row_bytes > ONE_SHOT_MAX_BYTES[kind]:
         return None  # the buffer bytes per rank, as `OneShot.buffer_bytes` counts them for the collective alone
-    counted = (
-        num_tokens
-        if kind == "all_reduce"
-        else one_shot.norm_rows(kind, num_tokens) * one_shot.world
+    _record_bytes(
+        kind, (rows if kind == "all_reduce" else rows * world) * row_bytes, "one_shot_fused"
     )
-    _record_bytes(kind, counted * row_bytes)
+    if simulated:
+        return _simulated_add_rms_norm(kind, x, residual, norm, num_tokens, rows, group)
     return one_shot.add_rms_norm(kind, x, residual, norm.weight, norm.eps, num_tokens)
 
 
-def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
-    """`[m, ...]` on each rank -> `[m * world, ...]`, rank blocks in rank order."""
-    out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
-    _record("all_gather", out)
+def _simulated_add_rms_norm(kind, x, residual, norm, num_tokens: int, rows: int, group):
+    """This rank's part of `one_shot_add_rms_norm` on a simulated group (shapes as there)."""
+    if kind == "reduce_scatter":  # this rank's block of the partial sum, zero pad past N
+        x = x[group.rank * rows : (group.rank + 1) * rows]
+        x = torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])]) if x.shape[0] < rows else x
+    normed, new_residual = norm.add_norm(x, residual)
+    if kind == "all_gather":
+        normed = normed.repeat(group.size, 1)[:num_tokens]
+    return normed, new_residual
+
+
+def all_gather_rows(
+    x: torch.Tensor, group, simulated_out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`[m, ...]` on each rank -> `[m * world, ...]`, rank blocks in rank order. On a simulated group:
+    `simulated_out` (the blocks the other ranks would send, as the caller knows them), or by default this
+    rank's block repeated."""
+    world = group_size(group)
+    if is_simulated(group):
+        _record_bytes(
+            "all_gather", x.numel() * x.element_size() * world, node_path("all_gather", x, world)
+        )
+        if simulated_out is None:
+            return x.repeat(world, *([1] * (x.dim() - 1)))
+        if simulated_out.shape != (x.shape[0] * world, *x.shape[1:]):
+            raise ValueError(
+                f"simulated all-gather of {tuple(x.shape)} over {world} ranks: the filled output must be "
+                f"{(x.shape[0] * world, *x.shape[1:])}, got {tuple(simulated_out.shape)}"
+            )
+        return simulated_out
+    out = x.new_empty((x.shape[0] * world, *x.shape[1:]))
     one_shot = _one_shot("all_gather", x, group)
+    _record("all_gather", out, "one_shot" if one_shot is not None else _backend(x))
     if one_shot is not None:
         return one_shot.run("all_gather", x.contiguous(), out)
     _all_gather_single(out, x.contiguous(), group=group)
@@ -163,15 +240,19 @@ def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
-    """`[m * world, ...]` partial sums -> `[m, ...]`: this rank's block of the sum."""
-    world = dist.get_world_size(group)
+    """`[m * world, ...]` partial sums -> `[m, ...]`: this rank's block of the sum (simulated: of its own
+    partial sum)."""
+    world = group_size(group)
     if x.shape[0] % world:
         raise ValueError(
             f"reduce_scatter_rows needs rows divisible by the group size {world}, got {tuple(x.shape)}"
         )
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    _record("reduce_scatter", x)
+    if is_simulated(group):
+        _record("reduce_scatter", x, node_path("reduce_scatter", x, world))
+        return out.copy_(x[group.rank * out.shape[0] : (group.rank + 1) * out.shape[0]])
     one_shot = _one_shot("reduce_scatter", x, group)
+    _record("reduce_scatter", x, "one_shot" if one_shot is not None else _backend(x))
     if one_shot is not None:
         return one_shot.run("reduce_scatter", x.contiguous(), out)
     _reduce_scatter_single(out, x.contiguous(), group=group)
@@ -182,8 +263,12 @@ def all_to_all_rows(
     x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group
 ) -> torch.Tensor:
     """Send `send_counts[j]` consecutive rows of `x` to rank j; receive `recv_counts[i]` rows from rank i."""
+    if is_simulated(group):
+        raise ValueError(
+            "all_to_all_rows on a simulated group: the simulated rank supports the all-gather dispatch only"
+        )
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    _record("all_to_all", x)
+    _record("all_to_all", x, _backend(x))
     dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
     return out
 
@@ -192,7 +277,7 @@ def broadcast_object(obj, group, src: int = 0):
     """A picklable host object from global rank `src` to every rank of `group` (the gloo control group) ->
     the object on every rank (`obj` is ignored on the others). A group of one rank returns `obj` as it is
     (not pickled: `spmoe serve` on one rank broadcasts a plan every step)."""
-    if dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
@@ -201,6 +286,8 @@ def broadcast_object(obj, group, src: int = 0):
 
 def gather_object(obj, group, dst: int = 0) -> list | None:
     """Every rank's picklable host object -> on global rank `dst` the list in group rank order, else None."""
+    if is_simulated(group):  # the control plane of a simulated rank: a world of one
+        return [obj]
     gathered = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     dist.gather_object(obj, gathered, dst=dst, group=group)
     return gathered

@@ -101,6 +101,8 @@ class ExpertRows:
     keep_output: (
         bool  # False: a TP peer keeps the same complete routed output, this rank contributes zero
     )
+    tokens: int  # this DP group's N
+    sharded: bool  # whether the input is this rank's SP shard of the N rows (else all N)
 
 
 class LayerCommunicator:
@@ -157,9 +159,11 @@ class LayerCommunicator:
         if moe is Layout.SHARDED:
             n = shard_rows(num_tokens, state.tp_size)
             valid = min(n, max(0, num_tokens - state.tp_rank * n))  # pad rows sit at the tail
-            return ExpertRows(valid, state.ep_group, shard_rows(max_tokens, state.tp_size), True)
+            rows_max = shard_rows(max_tokens, state.tp_size)
+            return ExpertRows(valid, state.ep_group, rows_max, True, num_tokens, True)
         if (
             moe is Layout.FULL
         ):  # every TP rank gets the same complete rows back; one keeps them -> PARTIAL
-            return ExpertRows(num_tokens, state.ep_group, max_tokens, state.tp_rank == 0)
-        return ExpertRows(num_tokens, None, num_tokens, True)
+            keep = state.tp_rank == 0
+            return ExpertRows(num_tokens, state.ep_group, max_tokens, keep, num_tokens, False)
+        return ExpertRows(num_tokens, None, num_tokens, True, num_tokens, False)

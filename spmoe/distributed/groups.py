@@ -8,6 +8,7 @@ hang. On CUDA the TP and EP groups also get the one-shot kernels for small
 collectives where the GPUs support them (`comm.enable_one_shot`).
 """
 
+import dataclasses
 import ipaddress
 import os
 import socket
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from spmoe.config import ParallelConfig
-from spmoe.distributed.comm import disable_one_shot, enable_one_shot
+from spmoe.distributed.comm import disable_one_shot, enable_one_shot, group_size
+from spmoe.distributed.simulated import SimulatedGroup, is_simulated
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -55,11 +57,11 @@ class ParallelState:
 
     @property
     def ep_size(self) -> int:
-        return dist.get_world_size(self.ep_group)
+        return group_size(self.ep_group)
 
     @property
     def ep_rank(self) -> int:
-        return dist.get_rank(self.ep_group)
+        return self.ep_group.rank if is_simulated(self.ep_group) else dist.get_rank(self.ep_group)
 
 
 _STATE: ParallelState | None = None
@@ -71,12 +73,17 @@ def init_distributed(
     """Join the process group described by RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK).
 
     `config` defaults to pure tensor parallelism over the whole world. Its world size must match WORLD_SIZE.
+    A `config.simulate_rank` makes this process rank 0 of the config's layout with the other ranks simulated
+    (`spmoe.distributed.simulated`): no process group is joined.
     """
     global _STATE
     if _STATE is not None:
         raise RuntimeError(
             "init_distributed() was already called in this process; call destroy_distributed() first"
         )
+    if config is not None and config.simulate_rank:
+        _STATE = _simulated_state(config, device)
+        return _STATE
     missing = [
         k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
     ]
@@ -142,6 +149,29 @@ def init_distributed(
     return _STATE
 
 
+def _simulated_state(config: ParallelConfig, device: str) -> ParallelState:
+    """Rank 0 of `config`'s layout, alone: TP and EP groups of the layout's sizes, simulated; a control plane
+    of one rank (DP 1: the rank serves its DP group's share itself)."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' was requested but torch.cuda.is_available() is False")
+        dev = torch.device("cuda", torch.cuda.current_device())
+    elif device == "cpu":
+        dev = torch.device("cpu")
+    else:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    control = SimulatedGroup("control", 1)
+    return ParallelState(
+        config=dataclasses.replace(config, data_parallel_size=1),
+        rank=0,
+        device=dev,
+        tp_group=SimulatedGroup("tp", config.tensor_parallel_size),
+        ep_group=SimulatedGroup("ep", config.world_size),
+        control_group=control,
+        tp_control_group=control,
+    )
+
+
 def _loopback_store(rank: int, world: int, timeout_s: float) -> dist.TCPStore | None:
     """The rendezvous store when every rank is on this machine (MASTER_ADDR is a loopback address): rank 0
     listens on that address only, where torch's own store would listen on every interface. None (torch makes
@@ -173,11 +203,6 @@ def get_parallel_state() -> ParallelState:
             "distributed state is not initialised; call spmoe.distributed.init_distributed() first"
         )
     return _STATE
-
-
-def group_size(group) -> int:
-    """The number of ranks in `group`."""
-    return dist.get_world_size(group)
 
 
 def is_first_rank() -> bool:

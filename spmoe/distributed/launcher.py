@@ -261,7 +261,10 @@ def launch(
     drain_s: float | None = None,
 ):
     """Run `fn(*args)` on every rank; return rank 0's result (None on the other ranks under torchrun).
-    `drain_s`: see `spawn` (under torchrun the agent's SIGTERM reaches every rank itself)."""
+    `drain_s`: see `spawn` (under torchrun the agent's SIGTERM reaches every rank itself). A
+    `config.simulate_rank` runs rank 0 alone, in one process (`spmoe.distributed.simulated`)."""
+    if config is not None and config.simulate_rank:
+        world_size = 1
     if "WORLD_SIZE" not in os.environ:
         return spawn(fn, world_size, *args, config=config, device=device, drain_s=drain_s)[0]
     if int(os.environ["WORLD_SIZE"]) != world_size:

@@ -20,6 +20,7 @@ import torch
 
 from spmoe.distributed.comm import all_gather_rows, all_reduce, reduce_scatter_rows
 from spmoe.distributed.groups import get_parallel_state
+from spmoe.distributed.simulated import is_simulated
 
 
 class Layout(enum.Enum):
@@ -116,9 +117,13 @@ def _restore_full_token_layout_if_needed(
 
 def largest_dp_batch(num_tokens: int) -> int:
     """The largest N over the data-parallel ranks, agreed once per forward: the expert dispatch spans every
-    DP rank, so all of them pad their rows to the same count. One tiny all-reduce; none when DP = 1."""
+    DP rank, so all of them pad their rows to the same count. One tiny all-reduce; none when DP = 1. A
+    simulated rank counts it and takes its own N (no host sync: its step can be captured)."""
     state = get_parallel_state()
-    if state.dp_size == 1:
+    if state.ep_size == state.tp_size:  # DP 1 (a simulated rank's control plane says DP 1 too)
+        return num_tokens
+    if is_simulated(state.ep_group):  # the other DP groups run batches of this one's size
+        all_reduce(torch.tensor([num_tokens]), state.ep_group, op="max")  # counted; no device sync
         return num_tokens
     agreed = torch.tensor([num_tokens], device=state.device)
     return int(all_reduce(agreed, state.ep_group, op="max").item())

@@ -74,6 +74,8 @@ ENGINE_HELP_GROUPS = {
         "ep_backend",
         "moe_backend",
         "enable_expert_parallel",
+        "simulate_rank",
+        "simulated_load",
     ),
     "model": ("dtype", "device", "load_format", "hf_overrides", "quantization"),
     "memory and cache": (
@@ -213,6 +215,25 @@ class EngineArgs:
             action="store_true",
             help="accepted for vLLM's command lines: the routed experts are always expert-parallel over all "
             "tp * dp ranks",
+        ),
+    )
+    simulate_rank: bool = field(
+        default=False,
+        metadata=option(
+            "--simulate-rank",
+            action="store_true",
+            help="measurement only: run rank 0 of the --tp x --dp layout on this one device, the other ranks "
+            "simulated (collectives move no data; seeded routing; outputs are not the model's). Needs "
+            "--load-format dummy. See docs/deployment-sizing.md",
+        ),
+    )
+    simulated_load: str = field(
+        default="rank0",
+        metadata=option(
+            "--simulated-load",
+            choices=("rank0", "busiest"),
+            help="with --simulate-rank: the experts' rows of rank 0 (default) or, per layer, of the busiest "
+            "EP rank",
         ),
     )
     # the model
@@ -418,6 +439,13 @@ class EngineArgs:
                     "--speculative-config says what --speculative does; pass one or the other"
                 )
             SpeculativeConfig.parse(self.speculative_config)
+        if self.simulate_rank and self.load_format != "dummy":
+            raise ValueError(
+                f"--simulate-rank needs --load-format dummy (its outputs are not the model's), got "
+                f"--load-format {self.load_format}"
+            )
+        if self.simulated_load != "rank0" and not self.simulate_rank:
+            raise ValueError(f"--simulated-load {self.simulated_load} needs --simulate-rank")
         if self.cuda_graphs and self.enforce_eager:
             raise ValueError("--cuda-graphs and --enforce-eager contradict each other; pass one")
         if self.speculative is None and self.num_speculative_tokens is not None:
@@ -529,6 +557,8 @@ class EngineArgs:
             sp_scope=self.sp_scope,
             ep_backend=self.ep_backend,
             moe_backend=self.moe_backend,
+            simulate_rank=self.simulate_rank,
+            simulated_load=self.simulated_load,
         )
 
     def describe(self, parallel: ParallelConfig) -> str:
@@ -538,6 +568,7 @@ class EngineArgs:
             f" (--sp {self.sp}, scope {self.sp_scope}), {f'MTP with {self.drafts} drafts, ' if self.drafts else ''}"
             f"{self.dtype} on {self.device}{self._graphs_said()}"
             f"{', dummy weights' if self.load_format == 'dummy' else ''}"
+            f"{', SIMULATED RANK (rank 0 alone; measurement only)' if self.simulate_rank else ''}"
         )
 
     def _graphs_said(self) -> str:
@@ -587,7 +618,7 @@ class EngineArgs:
         a cache budget that holds a sequence of `longest` positions."""
         parallel = self.parallel_config()
         cfg.check_parallel(parallel)
-        check_device(self.device, parallel.world_size)
+        check_device(self.device, 1 if self.simulate_rank else parallel.world_size)
         if self.drafts and not cfg.num_nextn_predict_layers:
             raise ValueError(
                 "--speculative mtp needs an MTP layer; the checkpoint has num_nextn_predict_layers = 0"

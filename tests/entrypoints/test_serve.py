@@ -922,6 +922,7 @@ def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
             "num_attention_heads = 6 is not divisible by tensor_parallel_size = 4; "
             "tensor_parallel_size can be 1, 2, 3 or 6",
         ),
+        ("simulated, real weights", "--simulate-rank needs --load-format dummy"),
     ],
 )
 def test_bad_options_are_one_line_errors_before_any_rank(
@@ -953,6 +954,7 @@ def test_bad_options_are_one_line_errors_before_any_rank(
             "longer than the model": ["--max-model-len", "100"],
             "graphs on the CPU": ["--cuda-graphs"],
             "tp does not divide the heads": ["--tp", "4"],
+            "simulated, real weights": ["--simulate-rank"],
         }
         assert (
             main(
@@ -963,3 +965,23 @@ def test_bad_options_are_one_line_errors_before_any_rank(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("spmoe serve: error: ") and fragment in err[-1], err
     assert "loading the weights" not in "\n".join(err)
+
+
+def test_a_simulated_rank_serves_alone_and_labels_every_response_and_metric(checkpoint, tmp_path):
+    """`--simulate-rank --load-format dummy`: rank 0 of TP 2 alone, with a banner; the first served name
+    (responses, metrics) says SIMULATED-RANK, and the given name is still accepted."""
+    log = tmp_path / "stderr.txt"
+    proc, base = start_server(
+        checkpoint, log, "--simulate-rank", "--load-format", "dummy", "--simulated-load", "busiest"
+    )
+    try:
+        assert "SIMULATED RANK: rank 0 of tp=2 x dp=1" in log.read_text()
+        assert len(descendants(proc.pid)) <= 2  # one rank process (and the spawn helper's tracker)
+        models = [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]]
+        assert models == ["tiny-SIMULATED-RANK", "tiny"]
+        reply = openai_client(base).completions.create(model="tiny", prompt="ab", max_tokens=2)
+        assert reply.model == "tiny-SIMULATED-RANK"
+        assert 'model_name="tiny-SIMULATED-RANK"' in httpx.get(f"{base}/metrics").text
+    finally:
+        proc.kill()
+        proc.wait()

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from spmoe.distributed import launch
+from spmoe.distributed.simulated import banner
 from spmoe.engine.args import EngineArgs, help_groups
 from spmoe.engine.vllm_values import parse_json_object, served_model_names
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
@@ -41,6 +42,10 @@ CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 DRAIN_MARGIN_S = 15.0  # beyond --shutdown-timeout: ending the streams left and stopping every rank
+
+
+# Under --simulate-rank the first served name (the one responses and metrics report) carries this suffix.
+SIMULATED_SUFFIX = "-SIMULATED-RANK"
 
 
 def check_address(host: str, port: int) -> None:
@@ -266,9 +271,13 @@ def cmd_serve(args) -> int:
             args.override_generation_config, "--override-generation-config"
         )
     defaults = GenerationDefaults.load(args.generation_config, model, overrides)
+    names = served_model_names(args.served_model_name, named or "spmoe-demo")
+    if engine_args.simulate_rank:  # every response and metric names the model as simulated
+        print(banner(engine_args.parallel_config()), file=sys.stderr, flush=True)
+        names = [names[0] + SIMULATED_SUFFIX, *names]
     front = FrontEndOptions(
         tokenizer,
-        served_model_names(args.served_model_name, named or "spmoe-demo"),
+        names,
         args.host,
         args.port,
         read_chat_template(args.chat_template) if args.chat_template is not None else None,

@@ -17,11 +17,19 @@ from spmoe.layers.moe.work import run_experts
 
 
 def allgather_reducescatter(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group, rows_max: int
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts,
+    group,
+    rows_max: int,
+    node: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows, complete.
     Blocks are padded to `rows_max` rows with id -1, so every rank gathers the same shape. The routing rides
-    behind the hidden columns (its float32 bytes viewed in x's dtype): one all-gather, not two."""
+    behind the hidden columns (its float32 bytes viewed in x's dtype): one all-gather, not two. `node`: on a
+    simulated group, every rank's ids and weights `[P * rows_max, k]`, which the simulated all-gather
+    returns behind copies of this rank's hidden rows."""
     (n, k), pad, size = ids.shape, rows_max - ids.shape[0], x.shape[1]
     if pad:
         x = torch.cat([x, x.new_zeros(pad, size)])
@@ -30,8 +38,12 @@ def allgather_reducescatter(
             torch.cat([weights, weights.new_zeros(pad, k)]),
         )
     routing = torch.cat([ids.float(), weights.float()], dim=1)  # [rows_max, 2k] float32
+    filled = None
+    if node is not None:
+        every = torch.cat([node[0].float(), node[1].float()], dim=1)  # [rows_max*P, 2k]
+        filled = torch.cat([x.repeat(group_size(group), 1), every.view(x.dtype)], dim=1)
     gathered = all_gather_rows(
-        torch.cat([x, routing.view(x.dtype)], dim=1), group
+        torch.cat([x, routing.view(x.dtype)], dim=1), group, filled
     )  # [rows_max*P, H + ...]
     got = gathered[:, size:].view(torch.float32)  # [rows_max*P, 2k], a strided view
     partial = run_experts(experts, gathered[:, :size], got[:, :k].long(), got[:, k:])
@@ -39,10 +51,16 @@ def allgather_reducescatter(
 
 
 def all_to_all(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, group, rows_max: int
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts,
+    group,
+    rows_max: int,
+    node: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows, complete.
-    Uneven blocks need no padding here (`rows_max` is unused).
+    Uneven blocks need no padding here (`rows_max` is unused); `node` must be None (no simulated group).
 
     Three all-to-alls: the row counts, the rows with their routing packed behind the hidden columns, and the
     partial outputs back. Experts are split evenly: rank r owns ids `[r * E_r, (r + 1) * E_r)`.

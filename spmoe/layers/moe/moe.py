@@ -7,6 +7,12 @@ from spmoe.config import ModelConfig
 from spmoe.distributed import get_parallel_state
 from spmoe.distributed.communicator import ExpertRows
 from spmoe.distributed.layer_plan import LayerPlan
+from spmoe.distributed.simulated import (
+    block_tokens,
+    is_simulated,
+    rotate_to_busiest,
+    seeded_routing,
+)
 from spmoe.layers.mlp import MLP
 from spmoe.layers.moe.dispatch import DISPATCH
 from spmoe.layers.moe.experts.base import Experts
@@ -26,16 +32,28 @@ class MoE(nn.Module):
     - not SP, DP > 1: the experts live across DP groups, so every TP rank dispatches its group's N tokens (the
       same tokens t times: the duplication SP removes) and gets the complete routed output back; one TP rank
       keeps it (`ExpertRows.keep_output`), so the output is again PARTIAL.
+
+    With the parallel config's `seeded_routing` (the simulated rank; tests) the gate is not used: the top-k is a seeded
+    function of (layer, global token) (`simulated.seeded_routing`). On a simulated EP group the dispatch gets
+    every rank's block of routing, the rows the real node would gather.
     """
 
     def __init__(self, cfg: ModelConfig, plan: LayerPlan, experts: type[Experts], ep_backend: str):
         super().__init__()
         state = get_parallel_state()
+        routing_seed = state.config.seeded_routing
         per_rank = cfg.n_routed_experts // state.ep_size
         if plan.use_sequence_parallel_moe and experts.routes_internally:
             raise ValueError(
                 f"experts backend {experts.name} routes inside its kernel, which SP layers cannot use"
             )
+        if routing_seed is not None and experts.routes_internally:
+            raise ValueError(
+                f"experts backend {experts.name} routes inside its kernel; seeded routing (the "
+                f"simulated rank) needs experts that take the routing"
+            )
+        self.layer_idx, self.routing_seed = plan.layer_idx, routing_seed
+        self.busiest = state.config.simulated_load == "busiest"
         self.dispatch = DISPATCH[ep_backend]
         self.gate = Router(cfg)
         self.experts = experts(cfg, state.ep_rank * per_rank, per_rank)
@@ -52,12 +70,16 @@ class MoE(nn.Module):
         if self.experts.routes_internally:
             out = self.experts(x, self.gate)
         else:
-            ids, weights = self.gate(x, rows.valid)
+            node = None
+            if self.routing_seed is None:
+                ids, weights = self.gate(x, rows.valid)
+            else:
+                ids, weights, node = self._seeded(x, rows)
             if rows.group is None:
                 out = run_experts(self.experts, x, ids, weights)
             else:
                 record_dispatched(rows.valid)
-                out = self.dispatch(x, ids, weights, self.experts, rows.group, rows.rows_max)
+                out = self.dispatch(x, ids, weights, self.experts, rows.group, rows.rows_max, node)
                 if (
                     not rows.keep_output
                 ):  # a TP peer holds the same complete output; keep one copy -> PARTIAL
@@ -65,3 +87,28 @@ class MoE(nn.Module):
         return (
             out if self.shared_experts is None else self.shared_experts(x, out=out)
         )  # added by its GEMM
+
+    def _seeded(self, x: torch.Tensor, rows: ExpertRows):
+        """Seeded routing of every EP rank's block -> (this rank's ids, weights `[m, k]`; on a simulated EP
+        group every block's ids and weights `[P * rows_max, k]`, else None)."""
+        state, cfg = get_parallel_state(), self.gate.cfg
+        ep = 1 if rows.group is None else state.ep_size
+        starts, valid = block_tokens(
+            rows.tokens, rows.sharded, state.tp_size, ep, state.dp_rank, x.device
+        )
+        block = rows.rows_max if rows.group is not None else x.shape[0]
+        ids, weights = seeded_routing(
+            self.routing_seed,
+            self.layer_idx,
+            starts,
+            valid,
+            block,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cfg.routed_scaling_factor,
+        )
+        if self.busiest:
+            ids = rotate_to_busiest(ids, state.ep_size, cfg.n_routed_experts)
+        own = (state.ep_rank if rows.group is not None else 0) * block
+        node = (ids, weights) if is_simulated(rows.group) else None
+        return ids[own : own + x.shape[0]], weights[own : own + x.shape[0]], node

@@ -6,10 +6,11 @@ token t times; with SP each token is dispatched once. These counters make that v
     with count_moe_work() as work:
         model(...)
     work.rows_dispatched, work.expert_rows  # this rank: real rows dispatched; rows per local expert `[E_r]`
+    work.calls  # rows per local expert `[E_r]` of each MoE call (layer), in call order
 """
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +21,7 @@ class MoEWork:
     expert_rows: torch.Tensor | None = (
         None  # `[local experts]` int64: (row, expert) pairs computed, summed
     )
+    calls: list = field(default_factory=list)  # the same per MoE call (a layer), in call order
 
     def as_dict(self) -> dict:
         rows = [] if self.expert_rows is None else self.expert_rows.tolist()
@@ -57,4 +59,5 @@ def run_experts(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
         rows = torch.bincount(local[local >= 0], minlength=experts.count).cpu()
         for work in _ACTIVE:
             work.expert_rows = rows if work.expert_rows is None else work.expert_rows + rows
+            work.calls.append(rows)
     return experts(x, ids, weights)

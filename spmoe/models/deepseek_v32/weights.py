@@ -66,17 +66,38 @@ def load_model(
         raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {load_format!r}")
     cfg = ModelConfig.from_file(model_dir, overrides)
     if load_format == "dummy":
-        return random_model(cfg, parallel, dtype, device, with_mtp)
-    ckpt = Checkpoint(Path(model_dir), cfg.fp8_block_size, cfg.fp8_scale_suffix)
+        model = random_model(cfg, parallel, dtype, device, with_mtp, keep_fp8=keep_fp8)
+    else:
+        model = _load_checkpoint(Path(model_dir), cfg, parallel, dtype, device, with_mtp, keep_fp8)
+    if get_parallel_state().rank == 0:
+        size = weight_bytes(model)
+        size = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+        print(f"weights: {size} on each rank", file=sys.stderr, flush=True)
+    return model.eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of `model`'s parameters (each shared tensor once)."""
+    params = {id(t): t for t in model.parameters()}.values()
+    return sum(t.numel() * t.element_size() for t in params)
+
+
+def _keeps_fp8(cfg: ModelConfig, dtype, device, keep_fp8: bool | None) -> bool:
+    """Whether the FP8 linears of `cfg` stay FP8 (`load_model`'s keep_fp8)."""
     if keep_fp8 and cfg.fp8_block_size not in (None, FP8_BLOCK):
         raise ValueError(
             f"FP8 linears can stay FP8 with {FP8_BLOCK} blocks only, the checkpoint has {cfg.fp8_block_size}"
         )
-    keep = (
-        fp8_stays_fp8(cfg, dtype, device)
-        if keep_fp8 is None
-        else keep_fp8 and cfg.fp8_block_size is not None
-    )
+    if keep_fp8 is None:
+        return fp8_stays_fp8(cfg, dtype, device)
+    return keep_fp8 and cfg.fp8_block_size is not None
+
+
+def _load_checkpoint(
+    folder: Path, cfg: ModelConfig, parallel, dtype, device, with_mtp, keep_fp8
+) -> DeepseekV32ForCausalLM:
+    ckpt = Checkpoint(folder, cfg.fp8_block_size, cfg.fp8_scale_suffix)
+    keep = _keeps_fp8(cfg, dtype, device, keep_fp8)
     # dequantised: built as a model without FP8 (the experts' backends decide from the config)
     build_cfg = cfg if keep else dataclasses.replace(cfg, fp8_block_size=None)
     model = build_model(build_cfg, parallel, with_mtp, ckpt.keys(), dtype, device)
@@ -84,13 +105,7 @@ def load_model(
     if keep:
         keep_fp8_linears(model, fp8)
     load_weights(model, ckpt)
-    if get_parallel_state().rank == 0:
-        nbytes = sum(
-            t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values()
-        )
-        size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-        print(f"weights: {size} on each rank", file=sys.stderr, flush=True)
-    return model.eval()
+    return model
 
 
 def fp8_stays_fp8(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> bool:
@@ -235,12 +250,30 @@ def random_model(
     device: str | torch.device = "cpu",
     with_mtp: bool = False,
     seed: int = 0,
+    keep_fp8: bool | None = None,
 ) -> DeepseekV32ForCausalLM:
     """This rank's model with random weights from the config alone (`--load-format dummy`): no file is read.
     Every tensor is drawn whole on this rank's device from a generator seeded by `seed` and its checkpoint
     key (`random_init`), and this rank keeps its slice, so TP ranks hold the slices of one tensor and the
-    weights do not depend on the number of ranks. FP8 weights kept as FP8 get scales of 1."""
-    model = build_model(cfg, parallel, with_mtp, set(), dtype, device)
+    weights do not depend on the number of ranks.
+
+    An FP8 config builds the modules and dtypes its checkpoint would (`keep_fp8` as in `load_model`): kept
+    FP8, every linear the DeepSeek / GLM FP8 checkpoints store in FP8 (all but `BF16_IN_FP8_CHECKPOINTS` and
+    those the quantization config leaves unquantised) holds e4m3 weights with scales of 1; otherwise the
+    dequantised model."""
+    keep = _keeps_fp8(cfg, dtype, device, keep_fp8)
+    build_cfg = cfg if keep else dataclasses.replace(cfg, fp8_block_size=None)
+    model = build_model(build_cfg, parallel, with_mtp, set(), dtype, device)
+    if keep:
+        keep_fp8_linears(
+            model,
+            {
+                name
+                for name, _, _ in _linear_parts(model)
+                if cfg.fp8_expected(name) is not False
+                and not name.endswith(BF16_IN_FP8_CHECKPOINTS)
+            },
+        )
     state = get_parallel_state()
     with torch.no_grad():
         for key, (dest, dim, _) in sorted(_plan(model).items()):
@@ -263,6 +296,9 @@ def random_model(
 
 
 FP8_SCHEMES = ("fp8", "compressed-tensors")
+# The linears that DeepSeek-V3.2's and GLM-5's FP8 checkpoints keep in bf16 without naming them in the
+# quantization config: the indexer's per-head weights.
+BF16_IN_FP8_CHECKPOINTS = ("indexer.weights_proj",)
 
 
 def write_fp8_checkpoint(
@@ -270,7 +306,7 @@ def write_fp8_checkpoint(
     raw_config: dict,
     folder: Path,
     scheme: str = "fp8",
-    unquantized: tuple[str, ...] = ("indexer.weights_proj",),
+    unquantized: tuple[str, ...] = BF16_IN_FP8_CHECKPOINTS,
 ) -> None:
     """Write the FP8 twin of a TP 1 `model`'s weights to `folder` (with `raw_config`, its config.json, plus the
     quantization config): every linear (the experts', `Linear`s, `MergedLinear` parts) as e4m3 with 128 x 128

@@ -26,6 +26,25 @@ COMMON = dict(
     index_n_heads=8,
     max_position_embeddings=64,
 )
+# Widths that divide over 8 TP ranks, 16 experts (2 a rank at EP 8): GLM-5.2's structure at tiny widths.
+TP8_WIDTHS = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=32,
+    moe_intermediate_size=16,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    n_routed_experts=16,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    qk_nope_head_dim=8,
+    index_topk=4,
+    index_head_dim=16,
+    index_n_heads=2,
+    max_position_embeddings=64,
+)
 MODELS = {
     # A dense layer after an MoE layer, IndexShare, ungrouped router.
     "glm": (
