@@ -976,7 +976,10 @@ def test_a_simulated_rank_serves_alone_and_labels_every_response_and_metric(chec
     )
     try:
         assert "SIMULATED RANK: rank 0 of tp=2 x dp=1" in log.read_text()
-        assert len(descendants(proc.pid)) <= 2  # one rank process (and the spawn helper's tracker)
+        below = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in descendants(proc.pid)]
+        ranks = [cmd for cmd in below if b"spmoe.entrypoints.serve.frontend" not in cmd]
+        assert len(ranks) <= 2, below  # one rank process (and the spawn helper's tracker)
+        assert len(below) - len(ranks) == 1, below  # and the HTTP front end's process
         models = [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]]
         assert models == ["tiny-SIMULATED-RANK", "tiny"]
         reply = openai_client(base).completions.create(model="tiny", prompt="ab", max_tokens=2)
