@@ -34,11 +34,12 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What one step did to one request: the tokens it committed (one, or several when drafts were accepted),
-    and `finish_reason` once it ended ("stop": an eos id, "length": max_new_tokens, "abort", "error" with
-    `error` saying why). `prompt_tokens` is the prompt's length. When the request's sampling asks for them:
-    `logprobs`, one per new token; `prompt_logprobs`, one per prompt token (None for the first), with the
-    first output that has tokens."""
+    """What one step did to one request: the tokens it committed (one, or several when drafts were
+    accepted), and `finish_reason` once it ended ("stop": an eos or stop id, which `stop_token` names, or
+    its grammar complete; "length": max_new_tokens, "abort", "error" with `error` saying why).
+    `prompt_tokens` is the prompt's length. When the request's sampling asks for them: `logprobs`, one per
+    new token; `prompt_logprobs`, one per prompt token (None for the first), with the first output that
+    has tokens."""
 
     request_id: str
     new_token_ids: list[int]
@@ -47,6 +48,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    stop_token: int | None = None
 
 
 @dataclass

@@ -12,7 +12,8 @@ from spmoe.config import ModelConfig
 from spmoe.distributed import get_parallel_state, launch
 from spmoe.engine.args import DTYPES, EngineArgs
 from spmoe.engine.cache.slots import KVCache
-from spmoe.engine.engine import Generation, check_positions, check_prompts, per_prompt
+from spmoe.engine.engine import check_positions, check_prompts, per_prompt
+from spmoe.engine.ranks import Generation, generate
 from spmoe.engine.sampling.sampler import SamplingParams
 from spmoe.engine.warmup import warm_up
 from spmoe.entrypoints.jobs import check_writable, gather_from_dp, split_for_dp
@@ -84,7 +85,8 @@ def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOption
                 flush=True,
             )
 
-    gen = engine.generate(
+    gen = generate(
+        engine,
         mine,
         opts.max_new_tokens,
         sampling,

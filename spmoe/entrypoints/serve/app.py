@@ -238,7 +238,6 @@ class OpenAIApi:
             self.tokenizer,
             choice.prompt,
             body.stop,
-            eos + stop_ids,
             self.metrics,
             eos_token_ids=eos,
             include_stop=body.include_stop_str_in_output,
