@@ -77,14 +77,15 @@ def build_engine(
     engine = Engine(
         model,
         build_kv_cache(args, model, max_num_seqs, cache_len),
-        args.drafts,
-        args.use_cuda_graphs(model),
-        max_num_seqs,
-        args.max_num_batched_tokens,
-        args.max_model_len or cache_len,  # the graphs' block tables: the job's longest sequence
-        args.prefix_caching,
-        grammars,
-        log,
+        num_speculative_tokens=args.drafts,
+        cuda_graphs=args.use_cuda_graphs(model),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        # the graphs' block tables: as wide as the job's longest sequence
+        max_model_len=args.max_model_len or cache_len,
+        enable_prefix_caching=args.prefix_caching,
+        grammars=grammars,
+        log=log,
     )
     connect(engine)
     return engine

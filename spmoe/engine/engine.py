@@ -144,17 +144,22 @@ class Engine:
         self.runner = ModelRunner(
             model,
             cache,
-            room.max_num_seqs,
-            self.stats,
-            self.sampler,
-            num_speculative_tokens,
-            cuda_graphs,
-            room.max_tokens_per_sequence,
-            max_num_batched_tokens,
-            log,
+            max_num_seqs=room.max_num_seqs,
+            stats=self.stats,
+            sampler=self.sampler,
+            num_speculative_tokens=num_speculative_tokens,
+            cuda_graphs=cuda_graphs,
+            max_model_len=room.max_tokens_per_sequence,
+            max_num_batched_tokens=max_num_batched_tokens,
+            log=log,
         )
         self.drafter = MtpDrafter(
-            model, cache, num_speculative_tokens, self.stats, self.runner.graphs, keep_in_step
+            model,
+            cache,
+            num_speculative_tokens,
+            stats=self.stats,
+            graphs=self.runner.graphs,
+            keep_in_step=keep_in_step,
         )
         # how the step's admissions are made: here alone; on several TP ranks `ranks.connect` gives the
         # engine its group's channel
@@ -236,22 +241,26 @@ class Engine:
 
     def metrics(self) -> EngineMetrics:
         totals = self.stats.totals
+        queries, hits = self.scheduler.room.prefix_cache_counts()
         return EngineMetrics(
-            len(self.scheduler.running),
-            len(self.scheduler.waiting),
-            self.scheduler.room.usage(),
-            totals.generated_tokens,
-            totals.draft_proposed,
-            totals.draft_accepted,
-            *self.scheduler.room.prefix_cache_counts(),
-            self.scheduler.preemptions,
-            totals.steps,
-            totals.steps_compiling,
-            len(KernelCompiles.names),
-            self.graph_captures(),
-            0 if self._ready_count is None else self._compiles() - self._ready_count,
-            totals.drafts,
-            list(totals.accepted_per_position),
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.scheduler.room.usage(),
+            generated_tokens=totals.generated_tokens,
+            draft_proposed=totals.draft_proposed,
+            draft_accepted=totals.draft_accepted,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            preemptions=self.scheduler.preemptions,
+            steps=totals.steps,
+            steps_compiling=totals.steps_compiling,
+            kernel_compiles=len(KernelCompiles.names),
+            graph_captures=self.graph_captures(),
+            compiles_after_ready=0
+            if self._ready_count is None
+            else self._compiles() - self._ready_count,
+            drafts=totals.drafts,
+            accepted_per_position=list(totals.accepted_per_position),
         )
 
     def step(self) -> list[RequestOutput]:

@@ -4,7 +4,7 @@ These are plain host objects (no tensors): the server builds requests from HTTP 
 the other ranks, and the outputs travel back to the asyncio side.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from spmoe.engine.sampling.grammar import GrammarSpec
 from spmoe.engine.sampling.sampler import SamplingParams
@@ -85,26 +85,9 @@ class EngineMetrics:
     def combine(cls, parts: list["EngineMetrics"]) -> "EngineMetrics":
         """The metrics of several engines (one per DP group) as one: counts add up, cache usage averages
         (each group has a cache of the same size)."""
+        counts = [f.name for f in fields(cls) if f.type is int]
         return cls(
-            sum(m.running for m in parts),
-            sum(m.waiting for m in parts),
-            sum(m.kv_cache_usage for m in parts) / len(parts),
-            sum(m.generated_tokens for m in parts),
-            sum(m.draft_proposed for m in parts),
-            sum(m.draft_accepted for m in parts),
-            sum(m.prefix_cache_queries for m in parts),
-            sum(m.prefix_cache_hits for m in parts),
-            sum(m.preemptions for m in parts),
-            *(
-                sum(getattr(m, name) for m in parts)
-                for name in (
-                    "steps",
-                    "steps_compiling",
-                    "kernel_compiles",
-                    "graph_captures",
-                    "compiles_after_ready",
-                )
-            ),
-            sum(m.drafts for m in parts),
-            [sum(counts) for counts in zip(*(m.accepted_per_position for m in parts))],
+            **{name: sum(getattr(m, name) for m in parts) for name in counts},
+            kv_cache_usage=sum(m.kv_cache_usage for m in parts) / len(parts),
+            accepted_per_position=[sum(c) for c in zip(*(m.accepted_per_position for m in parts))],
         )
