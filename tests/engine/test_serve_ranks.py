@@ -177,15 +177,15 @@ def test_serve_on_two_ranks(tp, dp, engine_checkpoint, reference):
 def failing_front_end(report: str, client) -> None:
     """Breaks rank 0's engine at its third step, then waits on a request as a server would; writes the
     error output it got to the file `report`."""
-    steps, run = [0], client.engine.run  # the serving loop schedules, then runs the batch
+    steps, step = [0], client.engine.step
 
-    def broken_run(batch):
+    def broken_step():
         steps[0] += 1
         if steps[0] == 3:
             raise RuntimeError("injected failure")
-        return run(batch)
+        return step()
 
-    client.engine.run = broken_run
+    client.engine.step = broken_step
 
     async def wait() -> None:
         async for out in client.generate(Request("r", PROMPTS[0], MAX_NEW)):
