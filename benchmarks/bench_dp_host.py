@@ -33,7 +33,7 @@ def control_plane_us(batches: list[int], tokens: list[int], reps: int) -> dict:
             times = []
             for _ in range(reps):
                 began = time.perf_counter()
-                broadcast_object(StepPlan("step", admissions=None), state.control_group)
+                broadcast_object(StepPlan("step"), state.control_group)
                 mine = (outputs, EngineMetrics(running=batch)) if state.tp_rank == 0 else None
                 gather_object(mine, state.control_group)
                 times.append((time.perf_counter() - began) * 1e6)

@@ -36,6 +36,7 @@ from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.config.parallel import SP_MODES
 from spmoe.distributed import get_parallel_state, spawn
 from spmoe.engine.args import check_device
+from spmoe.engine.ranks import generate
 
 
 def agreeing_weights(model, residual_scale: float) -> None:
@@ -88,10 +89,10 @@ def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: boo
         0, model.cfg.vocab_size, (batch, args.prompt_len), generator=gen
     ).tolist()
     sampling = SamplingParams(temperature=temperature, seed=1)
-    engine.generate(
-        prompts, args.new_tokens, sampling
+    generate(
+        engine, prompts, args.new_tokens, sampling
     )  # untimed, as long as the timed run: compiles, captures
-    stats = engine.generate(prompts, args.new_tokens, sampling).stats
+    stats = generate(engine, prompts, args.new_tokens, sampling).stats
     spec = stats.get("speculative", {})
     target, drafter = stats["phases"]["decode"], stats["phases"]["draft"]
     del engine, cache

@@ -46,8 +46,9 @@ from spmoe.config.model import read_config
 from spmoe.distributed import count_collectives, get_parallel_state, spawn
 from spmoe.distributed.simulated import banner
 from spmoe.engine.args import EngineArgs
+from spmoe.engine.build import build_engine
 from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache, cache_layout, token_bytes
-from spmoe.engine.runner.graphs import decode_hidden, draft_tokens, padded_tables
+from spmoe.engine.runner.static_step import decode_hidden, draft_tokens, padded_tables
 from spmoe.engine.warmup import warm_up
 from spmoe.layers.moe.work import count_moe_work
 from spmoe.models.deepseek_v32.weights import load_model, weight_bytes
@@ -266,7 +267,7 @@ def warmup_report(model, opts, parallel: ParallelConfig) -> dict:
         num_speculative_tokens=opts.warmup_mtp or None,
     )
     began = time.perf_counter()
-    engine = args.build_engine(model, opts.graph_sizes, opts.max_model_len)
+    engine = build_engine(args, model, opts.graph_sizes, opts.max_model_len)
     built = time.perf_counter() - began
     report = warm_up(engine)
     return {

@@ -1,6 +1,7 @@
 """The shape of the code (DESIGN.md, "Shape of the code"): every module imports only from its own floor or the
-floors below it (config < distributed < layers < models < engine < entrypoints), no import cycle anywhere in
-spmoe, function-level imports included, and torch.distributed used only inside spmoe/distributed/."""
+floors below it (config < distributed < layers < models < engine < entrypoints), the engine's modules likewise
+over the engine's own floors (`ENGINE_FLOORS`), no import cycle anywhere in spmoe, function-level imports
+included, and torch.distributed used only inside spmoe/distributed/."""
 
 import ast
 from pathlib import Path
@@ -130,3 +131,57 @@ def test_torch_distributed_only_in_the_distributed_package():
     users = sorted(name for name, path in MODULES.items() if uses_torch_distributed(path))
     assert "spmoe.distributed.comm" in users  # the scan sees it where it is
     assert [u for u in users if not u.startswith("spmoe.distributed")] == []
+
+
+# The engine's own floors, lowest first: each engine module imports only from its own floor or below.
+ENGINE_FLOORS = (
+    ("cache",),  # the KV caches: slots, paged, blocks
+    ("sampling",),  # processors, sampler, noise, rejection, grammar and their kernels
+    ("request", "sequence", "vllm_values"),  # requests, sequences and the step's records; values
+    ("stats",),
+    ("runner",),  # the forward and the choice, the drafter, the graphs
+    ("rooms", "scheduler"),
+    ("engine",),
+    ("ranks", "warmup"),  # everything about ranks; warming up drives the batch job
+    ("args",),  # the options and their checks
+    ("build",),  # what the options build
+)
+
+
+def engine_floor(module: str) -> int | None:
+    """The engine floor of an spmoe.engine module (None: outside the engine, or the package itself)."""
+    parts = module.split(".")
+    if parts[:2] != ["spmoe", "engine"] or len(parts) < 3:
+        return None
+    return next((i for i, names in enumerate(ENGINE_FLOORS) if parts[2] in names), None)
+
+
+def upward_engine_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'importer -> imported' for every engine import from a higher engine floor than the importer's."""
+    return sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        for target in targets
+        if engine_floor(name) is not None
+        and engine_floor(target) is not None
+        and engine_floor(target) > engine_floor(name)
+    )
+
+
+def test_upward_engine_imports_are_found():
+    graph = {
+        "spmoe.engine.engine": {"spmoe.engine.ranks", "spmoe.engine.sequence"},
+        "spmoe.engine.ranks": {"spmoe.engine.engine"},
+    }
+    assert upward_engine_imports(graph) == ["spmoe.engine.engine -> spmoe.engine.ranks"]
+
+
+def test_every_engine_module_has_an_engine_floor():
+    engine = [name for name in MODULES if name.startswith("spmoe.engine.")]
+    assert len(engine) > 20 and all(engine_floor(name) is not None for name in engine)
+
+
+def test_no_upward_engine_import():
+    graph = {name: imports(path) - {name} for name, path in MODULES.items()}
+    assert graph["spmoe.engine.engine"]  # the walk sees the engine's imports
+    assert upward_engine_imports(graph) == []

@@ -1,5 +1,5 @@
-"""Every engine option, declared once: `EngineArgs`, its command-line flags (`add_cli_args` / `from_cli`), its
-checks, and what it builds (the parallel layout, the KV cache, the engine). `spmoe generate`, `spmoe serve`,
+"""Every engine option, declared once: `EngineArgs`, its command-line flags (`add_cli_args` /
+`from_cli`) and its checks; what the options build is `build.py`'s. `spmoe generate`, `spmoe serve`,
 `spmoe demo` and the benchmarks build their engines from it; options only one command needs (addresses,
 output paths, input ids, max_new_tokens, sampling) stay with that command.
 
@@ -14,24 +14,19 @@ positions, the paged cache's budget), both before any rank starts.
 import argparse
 import os
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 
 import torch
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.config.model import read_config
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
-from spmoe.engine.cache.paged import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    PagedKVCache,
-    build_paged_cache,
-    check_paged_budget,
-)
-from spmoe.engine.cache.slots import KVCache
-from spmoe.engine.engine import Engine, check_positions
-from spmoe.engine.runner.graphs import deployment_problems
-from spmoe.engine.sampling.grammar import GrammarCompiler
+from spmoe.engine.cache.paged import DEFAULT_GPU_MEMORY_UTILIZATION, check_paged_budget
+from spmoe.engine.engine import check_positions
+from spmoe.engine.runner.static_step import deployment_problems
 from spmoe.engine.vllm_values import (
     SpeculativeConfig,
+    argparse_type,
     check_block_size,
     check_quantization,
     parse_json_object,
@@ -44,59 +39,15 @@ from spmoe.models.deepseek_v32 import weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_CACHES = ("paged", "dense")
 SPECULATIVE_METHODS = ("mtp",)
-LAYOUT_OPTIONS = (
-    "tp",
-    "dp",
-    "sp",
-    "sp_scope",
-    "ep_backend",
-    "moe_backend",
-    "dtype",
-    "device",
-)  # `spmoe forward`'s
+# `spmoe forward`'s options
+LAYOUT_OPTIONS = ("tp", "dp", "sp", "sp_scope", "ep_backend", "moe_backend", "dtype", "device")
 
 
+# `--help`'s sections, in the order users look for a flag
 HELP_GROUPS = (
-    "model",
-    "parallelism",
-    "memory and cache",
-    "speculation and CUDA graphs",
-    "chat and tools",
-    "server",
+    "model", "parallelism", "memory and cache", "speculation and CUDA graphs", "chat and tools", "server",
     "logging",
-)  # `--help`'s sections, in the order users look for a flag
-ENGINE_HELP_GROUPS = {
-    "parallelism": (
-        "tp",
-        "dp",
-        "sp",
-        "sp_scope",
-        "ep_backend",
-        "moe_backend",
-        "enable_expert_parallel",
-        "simulate_rank",
-        "simulated_load",
-    ),
-    "model": ("dtype", "device", "load_format", "hf_overrides", "quantization"),
-    "memory and cache": (
-        "max_num_seqs",
-        "max_model_len",
-        "max_num_batched_tokens",
-        "kv_cache",
-        "kv_cache_memory",
-        "gpu_memory_utilization",
-        "kv_cache_dtype",
-        "enable_prefix_caching",
-        "block_size",
-    ),
-    "speculation and CUDA graphs": (
-        "speculative",
-        "num_speculative_tokens",
-        "speculative_config",
-        "cuda_graphs",
-        "enforce_eager",
-    ),
-}  # each engine option's section of `--help`
+)  # fmt: skip
 
 
 def help_groups(parser: argparse.ArgumentParser) -> dict:
@@ -106,40 +57,24 @@ def help_groups(parser: argparse.ArgumentParser) -> dict:
     return {title: made.get(title) or parser.add_argument_group(title) for title in HELP_GROUPS}
 
 
-def option(*flags: str, help: str, cli_default=field, **argparse_kwargs) -> dict:
-    """A field's command line: its flag names (the first one names it in error messages; vLLM's names are
-    aliases), what argparse takes beside them (type, choices, metavar, action), and, where the command line's
-    default differs from the field's (an `auto` that `from_cli` settles), `cli_default`."""
-    meta = {"flags": flags, "help": help, "argparse": argparse_kwargs}
+def option(default, *flags: str, section: str, help: str, cli_default=field, **argparse_kwargs):
+    """A field with its `default` and its command line: its flag names (the first one names it in error
+    messages; vLLM's names are aliases), its `section` of `--help` (one of HELP_GROUPS), what argparse
+    takes beside them (type, choices, metavar, action), and, where the command line's default differs
+    from the field's (an `auto` that `from_cli` settles), `cli_default`."""
+    if section not in HELP_GROUPS:
+        raise ValueError(f"{flags[0]}: section must be one of {HELP_GROUPS}, got {section!r}")
+    meta = {"flags": flags, "section": section, "help": help, "argparse": argparse_kwargs}
     if cli_default is not field:
         meta["cli_default"] = cli_default
-    return meta
+    return field(default=default, metadata=meta)
 
 
-def _arg(parse, option_name: str):
-    """An argparse `type` from a value parser that raises ValueError("OPTION: why"): argparse's one line
-    then names the option once."""
-
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{option_name}: ")) from None
-
-    convert.__name__ = option_name
-    return convert
-
-
-def _speculative_config(text: str) -> dict:
-    """`--speculative-config`'s JSON, checked as a whole (`SpeculativeConfig.parse`) while parsing."""
-    config = parse_json_object(text, "--speculative-config")
-    SpeculativeConfig.parse(config)
-    return config
-
-
-def default_device() -> str:
-    """CUDA when a GPU is visible, else the CPU: the device `--device` leaves to spmoe."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+# the options of each engine section of `--help`
+parallel_option = partial(option, section="parallelism")
+model_option = partial(option, section="model")
+memory_option = partial(option, section="memory and cache")
+speculation_option = partial(option, section="speculation and CUDA graphs")
 
 
 def check_device(device: str, ranks: int) -> None:
@@ -158,257 +93,205 @@ def check_device(device: str, ranks: int) -> None:
 @dataclass(frozen=True)
 class EngineArgs:
     # the parallel layout
-    tp: int = field(
-        default=1,
-        metadata=option(
-            "--tp",
-            "--tensor-parallel-size",
-            "-tp",
-            type=int,
-            help="tensor-parallel size (default 1)",
-        ),
+    tp: int = parallel_option(
+        1,
+        "--tp",
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        help="tensor-parallel size (default 1)",
     )
-    dp: int = field(
-        default=1,
-        metadata=option(
-            "--dp",
-            "--data-parallel-size",
-            "-dp",
-            type=int,
-            help="data-parallel size (default 1): DP groups of --tp ranks each take a share of the requests; "
-            "the experts are split over all dp * tp ranks",
-        ),
+    dp: int = parallel_option(
+        1,
+        "--dp",
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        help="data-parallel size (default 1): DP groups of --tp ranks each take a share of the requests; "
+        "the experts are split over all dp * tp ranks",
     )
-    sp: str = field(
-        default="auto",
-        metadata=option(
-            "--sp",
-            choices=SP_MODES,
-            help="sequence-parallel MoE (default auto: on when tp > 1 and dp > 1)",
-        ),
+    sp: str = parallel_option(
+        "auto",
+        "--sp",
+        choices=SP_MODES,
+        help="sequence-parallel MoE (default auto: on when tp > 1 and dp > 1)",
     )
-    sp_scope: str = field(
-        default="moe",
-        metadata=option("--sp-scope", choices=SP_SCOPES, help="which layers are SP (default moe)"),
+    sp_scope: str = parallel_option(
+        "moe", "--sp-scope", choices=SP_SCOPES, help="which layers are SP (default moe)"
     )
-    ep_backend: str = field(
-        default="allgather_reducescatter",
-        metadata=option(
-            "--ep-backend",
-            choices=EP_BACKENDS,
-            help="how SP layers dispatch tokens to experts (default allgather_reducescatter)",
-        ),
+    ep_backend: str = parallel_option(
+        "allgather_reducescatter",
+        "--ep-backend",
+        choices=EP_BACKENDS,
+        help="how SP layers dispatch tokens to experts (default allgather_reducescatter)",
     )
-    moe_backend: str = field(
-        default="auto",
-        metadata=option(
-            "--moe-backend",
-            choices=MOE_BACKENDS,
-            help="expert kernels (default auto: the first that fits, see docs/serving.md)",
-        ),
+    moe_backend: str = parallel_option(
+        "auto",
+        "--moe-backend",
+        choices=MOE_BACKENDS,
+        help="expert kernels (default auto: the first that fits, see docs/serving.md)",
     )
-    enable_expert_parallel: bool = field(
-        default=False,
-        metadata=option(
-            "--enable-expert-parallel",
-            "-ep",
-            action="store_true",
-            help="accepted for vLLM's command lines: the routed experts are always expert-parallel over all "
-            "tp * dp ranks",
-        ),
+    enable_expert_parallel: bool = parallel_option(
+        False,
+        "--enable-expert-parallel",
+        "-ep",
+        action="store_true",
+        help="accepted for vLLM's command lines: the routed experts are always expert-parallel over all "
+        "tp * dp ranks",
     )
-    simulate_rank: bool = field(
-        default=False,
-        metadata=option(
-            "--simulate-rank",
-            action="store_true",
-            help="measurement only: run rank 0 of the --tp x --dp layout on this one device, the other ranks "
-            "simulated (collectives move no data; seeded routing; outputs are not the model's). Needs "
-            "--load-format dummy. See docs/deployment-sizing.md",
-        ),
+    simulate_rank: bool = parallel_option(
+        False,
+        "--simulate-rank",
+        action="store_true",
+        help="measurement only: run rank 0 of the --tp x --dp layout on this one device, the other ranks "
+        "simulated (collectives move no data; seeded routing; outputs are not the model's). Needs "
+        "--load-format dummy. See docs/deployment-sizing.md",
     )
-    simulated_load: str = field(
-        default="rank0",
-        metadata=option(
-            "--simulated-load",
-            choices=("rank0", "busiest"),
-            help="with --simulate-rank: the experts' rows of rank 0 (default) or, per layer, of the busiest "
-            "EP rank",
-        ),
+    simulated_load: str = parallel_option(
+        "rank0",
+        "--simulated-load",
+        choices=("rank0", "busiest"),
+        help="with --simulate-rank: the experts' rows of rank 0 (default) or, per layer, of the busiest "
+        "EP rank",
     )
     # the model
-    dtype: str = field(
-        default="float32",
-        metadata=option(
-            "--dtype",
-            choices=("auto", *DTYPES, "float"),
-            cli_default="auto",
-            help="compute dtype (default auto: bfloat16 on CUDA; on the CPU the checkpoint's torch_dtype, "
-            "float32 if it states none); float is float32",
-        ),
+    dtype: str = model_option(
+        "float32",
+        "--dtype",
+        choices=("auto", *DTYPES, "float"),
+        cli_default="auto",
+        help="compute dtype (default auto: bfloat16 on CUDA; on the CPU the checkpoint's torch_dtype, "
+        "float32 if it states none); float is float32",
     )
-    device: str = field(
-        default="cpu",
-        metadata=option(
-            "--device",
-            choices=("cpu", "cuda"),
-            cli_default=None,
-            help="default: cuda when a GPU is visible, else cpu",
-        ),
+    device: str = model_option(
+        "cpu",
+        "--device",
+        choices=("cpu", "cuda"),
+        cli_default=None,
+        help="default: cuda when a GPU is visible, else cpu",
     )
-    load_format: str = field(
-        default="auto",
-        metadata=option(
-            "--load-format",
-            choices=weights.LOAD_FORMATS,
-            help="auto / safetensors (default: the checkpoint's weights) or dummy (random weights from "
-            "config.json alone, no weight file read)",
-        ),
+    load_format: str = model_option(
+        "auto",
+        "--load-format",
+        choices=weights.LOAD_FORMATS,
+        help="auto / safetensors (default: the checkpoint's weights) or dummy (random weights from "
+        "config.json alone, no weight file read)",
     )
-    hf_overrides: dict | None = field(
-        default=None,
-        metadata=option(
-            "--hf-overrides",
-            type=_arg(lambda text: parse_json_object(text, "--hf-overrides"), "--hf-overrides"),
-            metavar="JSON",
-            help="JSON object merged into config.json, nested objects key by key (also as dotted keys: "
-            "--hf-overrides.num_hidden_layers 4)",
+    hf_overrides: dict | None = model_option(
+        None,
+        "--hf-overrides",
+        type=argparse_type(
+            lambda text: parse_json_object(text, "--hf-overrides"), "--hf-overrides"
         ),
+        metavar="JSON",
+        help="JSON object merged into config.json, nested objects key by key (also as dotted keys: "
+        "--hf-overrides.num_hidden_layers 4)",
     )
-    quantization: str | None = field(
-        default=None,
-        metadata=option(
-            "--quantization",
-            "-q",
-            metavar="METHOD",
-            help="accepted when it is the method the checkpoint declares (fp8); spmoe does not quantize at load",
-        ),
+    quantization: str | None = model_option(
+        None,
+        "--quantization",
+        "-q",
+        metavar="METHOD",
+        help="accepted when it is the method the checkpoint declares (fp8); spmoe does not quantize at load",
     )
     # the scheduler
-    max_num_seqs: int | None = field(
-        default=None,
-        metadata=option(
-            "--max-num-seqs",
-            type=int,
-            help="sequences running at once per DP group; more wait (default: generate every prompt; serve 256 on "
-            "CUDA, 8 on the CPU)",
-        ),
+    max_num_seqs: int | None = memory_option(
+        None,
+        "--max-num-seqs",
+        type=int,
+        help="sequences running at once per DP group; more wait (default: generate every prompt; serve 256 on "
+        "CUDA, 8 on the CPU)",
     )
-    max_model_len: int | None = field(
-        default=None,
-        metadata=option(
-            "--max-model-len",
-            type=_arg(parse_length, "--max-model-len"),
-            metavar="LEN",
-            help="KV cache positions per sequence: prompt + output + drafts; 2048, 128k (x1000), 128K (x1024) "
-            "(default: generate the longest "
-            "prompt + max new tokens + drafts; serve the model's max_position_embeddings, on the CPU at most 2048)",
-        ),
+    max_model_len: int | None = memory_option(
+        None,
+        "--max-model-len",
+        type=argparse_type(parse_length, "--max-model-len"),
+        metavar="LEN",
+        help="KV cache positions per sequence: prompt + output + drafts; 2048, 128k (x1000), 128K (x1024) "
+        "(default: generate the longest "
+        "prompt + max new tokens + drafts; serve the model's max_position_embeddings, on the CPU at most 2048)",
     )
-    max_num_batched_tokens: int = field(
-        default=8192,
-        metadata=option(
-            "--max-num-batched-tokens",
-            type=int,
-            help="tokens one step feeds (default 8192): decode tokens first, then prompts in chunks",
-        ),
+    max_num_batched_tokens: int = memory_option(
+        8192,
+        "--max-num-batched-tokens",
+        type=int,
+        help="tokens one step feeds (default 8192): decode tokens first, then prompts in chunks",
     )
     # the KV cache
-    kv_cache: str = field(
-        default="paged",
-        metadata=option(
-            "--kv-cache",
-            choices=KV_CACHES,
-            help="paged (default): blocks of 64 tokens handed out as sequences grow, sparse DSA attention; "
-            "dense: one slot of --max-model-len positions per sequence, dense attention (the reference)",
-        ),
+    kv_cache: str = memory_option(
+        "paged",
+        "--kv-cache",
+        choices=KV_CACHES,
+        help="paged (default): blocks of 64 tokens handed out as sequences grow, sparse DSA attention; "
+        "dense: one slot of --max-model-len positions per sequence, dense attention (the reference)",
     )
-    kv_cache_memory: float | None = field(
-        default=None,
-        metadata=option(
-            "--kv-cache-memory",
-            type=float,
-            metavar="GIB",
-            help=f"paged cache size in GiB per rank (default: on CUDA --gpu-memory-utilization "
-            f"{DEFAULT_GPU_MEMORY_UTILIZATION}; on CPU --max-num-seqs x --max-model-len tokens)",
-        ),
+    kv_cache_memory: float | None = memory_option(
+        None,
+        "--kv-cache-memory",
+        type=float,
+        metavar="GIB",
+        help=f"paged cache size in GiB per rank (default: on CUDA --gpu-memory-utilization "
+        f"{DEFAULT_GPU_MEMORY_UTILIZATION}; on CPU --max-num-seqs x --max-model-len tokens)",
     )
-    gpu_memory_utilization: float | None = field(
-        default=None,
-        metadata=option(
-            "--gpu-memory-utilization",
-            "--device-memory-utilization",
-            type=float,
-            metavar="F",
-            help="paged cache as this share of the GPU memory free once the weights are loaded (CUDA)",
-        ),
+    gpu_memory_utilization: float | None = memory_option(
+        None,
+        "--gpu-memory-utilization",
+        "--device-memory-utilization",
+        type=float,
+        metavar="F",
+        help="paged cache as this share of the GPU memory free once the weights are loaded (CUDA)",
     )
-    kv_cache_dtype: str = field(
-        default="auto",
-        metadata=option(
-            "--kv-cache-dtype",
-            type=_arg(parse_kv_cache_dtype, "--kv-cache-dtype"),
-            metavar="{auto,fp8,fp8_e4m3}",
-            help="paged cache: auto (the model dtype, default) or fp8 = fp8_e4m3 (the latent in e4m3 with a "
-            "scale per 128 values, the indexer key in e4m3 with one scale)",
-        ),
+    kv_cache_dtype: str = memory_option(
+        "auto",
+        "--kv-cache-dtype",
+        type=argparse_type(parse_kv_cache_dtype, "--kv-cache-dtype"),
+        metavar="{auto,fp8,fp8_e4m3}",
+        help="paged cache: auto (the model dtype, default) or fp8 = fp8_e4m3 (the latent in e4m3 with a "
+        "scale per 128 values, the indexer key in e4m3 with one scale)",
     )
-    enable_prefix_caching: bool | None = field(
-        default=None,
-        metadata=option(
-            "--enable-prefix-caching",
-            action=argparse.BooleanOptionalAction,
-            help="paged cache: keep full blocks after their request ends, so that a later request with the same "
-            "prefix reuses them instead of computing it again (default on; --no-enable-prefix-caching: off)",
-        ),
+    enable_prefix_caching: bool | None = memory_option(
+        None,
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="paged cache: keep full blocks after their request ends, so that a later request with the same "
+        "prefix reuses them instead of computing it again (default on; --no-enable-prefix-caching: off)",
     )
     # speculation and CUDA graphs
-    speculative: str | None = field(
-        default=None,
-        metadata=option(
-            "--speculative",
-            choices=SPECULATIVE_METHODS,
-            help="draft tokens with the checkpoint's MTP layer (greedy and sampled requests)",
-        ),
+    speculative: str | None = speculation_option(
+        None,
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        help="draft tokens with the checkpoint's MTP layer (greedy and sampled requests)",
     )
-    num_speculative_tokens: int | None = field(
-        default=None,
-        metadata=option(
-            "--num-speculative-tokens",
-            type=int,
-            help="MTP drafts per step (default 1, with --speculative)",
-        ),
+    num_speculative_tokens: int | None = speculation_option(
+        None,
+        "--num-speculative-tokens",
+        type=int,
+        help="MTP drafts per step (default 1, with --speculative)",
     )
-    speculative_config: dict | None = field(
-        default=None,
-        metadata=option(
-            "--speculative-config",
-            type=_arg(_speculative_config, "--speculative-config"),
-            metavar="JSON",
-            help='vLLM\'s form of --speculative: {"method": "mtp", "num_speculative_tokens": 1} (method also '
-            "deepseek_mtp or glm4_moe_mtp), or as dotted keys: --speculative-config.method mtp",
-        ),
+    speculative_config: dict | None = speculation_option(
+        None,
+        "--speculative-config",
+        type=argparse_type(SpeculativeConfig.checked_json, "--speculative-config"),
+        metavar="JSON",
+        help='vLLM\'s form of --speculative: {"method": "mtp", "num_speculative_tokens": 1} (method also '
+        "deepseek_mtp or glm4_moe_mtp), or as dotted keys: --speculative-config.method mtp",
     )
-    cuda_graphs: bool | None = field(
-        default=False,
-        metadata=option(
-            "--cuda-graphs",
-            action="store_true",
-            cli_default=None,
-            help="replay decode steps, speculative ones too, from CUDA graphs (CUDA, DP 1; default: where they apply)",
-        ),
+    cuda_graphs: bool | None = speculation_option(
+        False,
+        "--cuda-graphs",
+        action="store_true",
+        cli_default=None,
+        help="replay decode steps, speculative ones too, from CUDA graphs (CUDA, DP 1; default: where they apply)",
     )
-    enforce_eager: bool = field(
-        default=False,
-        metadata=option(
-            "--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly"
-        ),
+    enforce_eager: bool = speculation_option(
+        False,
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: every step runs eagerly",
     )
-    block_size: int | None = field(
-        default=None,
-        metadata=option(
-            "--block-size", type=int, help="the paged cache's block: 64 (the only size spmoe has)"
-        ),
+    block_size: int | None = memory_option(
+        None, "--block-size", type=int, help="the paged cache's block: 64 (the only size spmoe has)"
     )
 
     def __post_init__(self):
@@ -420,11 +303,8 @@ class EngineArgs:
         for f in fields(self):
             choices = f.metadata["argparse"].get("choices")
             value = getattr(self, f.name)
-            if (
-                choices is not None
-                and value not in choices
-                and not (value is None and f.default is None)
-            ):
+            unset = value is None and f.default is None
+            if choices is not None and value not in choices and not unset:
                 raise ValueError(
                     f"{self.flag(f.name)} must be one of {tuple(choices)}, got {value!r}"
                 )
@@ -460,15 +340,8 @@ class EngineArgs:
             raise ValueError(
                 f"--speculative mtp needs --num-speculative-tokens >= 1, got {self.num_speculative_tokens}"
             )
-        if self.kv_cache == "dense" and (
-            self.kv_cache_memory,
-            self.gpu_memory_utilization,
-            self.kv_cache_dtype,
-        ) != (
-            None,
-            None,
-            "auto",
-        ):
+        paged_sizes = (self.kv_cache_memory, self.gpu_memory_utilization, self.kv_cache_dtype)
+        if self.kv_cache == "dense" and paged_sizes != (None, None, "auto"):
             raise ValueError(
                 "--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; "
                 "got them with --kv-cache dense"
@@ -491,34 +364,23 @@ class EngineArgs:
     ) -> None:
         """Every engine option (or those named in `only`) as a flag of `parser`, with its default and help."""
         groups = help_groups(parser)
-        section = {name: title for title, names in ENGINE_HELP_GROUPS.items() for name in names}
-        unplaced = [f.name for f in fields(cls) if f.name not in section]
-        if unplaced:
-            raise ValueError(
-                f"engine options without a --help section in ENGINE_HELP_GROUPS: {unplaced}"
-            )
         for f in fields(cls):
             if only is None or f.name in only:
                 meta = f.metadata
                 default = meta.get("cli_default", f.default)
-                groups[section[f.name]].add_argument(
-                    *meta["flags"],
-                    dest=f.name,
-                    default=default,
-                    help=meta["help"],
-                    **meta["argparse"],
-                )
+                kwargs = {**meta["argparse"], "help": meta["help"]}
+                group = groups[meta["section"]]
+                group.add_argument(*meta["flags"], dest=f.name, default=default, **kwargs)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace, model_dir: str | None = None) -> "EngineArgs":
-        """The options `add_cli_args` parsed (the defaults for those it did not add), checked, with the
-        command line's `auto`s settled: the device (`default_device`), the dtype (from the checkpoint in
-        `model_dir`: `resolve_dtype`), and CUDA graphs off where they cannot apply (elsewhere None:
-        `use_cuda_graphs` settles them once the model is built); `--quantization` is checked against the
-        checkpoint. The options are checked alone before the checkpoint is read."""
+        """The options `add_cli_args` parsed (the defaults for those it did not add), checked alone, then
+        the command line's `auto`s settled: the device (CUDA when a GPU is visible), the dtype (from the
+        checkpoint in `model_dir`: `resolve_dtype`), CUDA graphs off where they cannot apply (else None:
+        `use_cuda_graphs` settles them); `--quantization` checked against the checkpoint."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         if given.get("device", "cpu") is None:
-            given["device"] = default_device()
+            given["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = given.get("dtype", "float32")
         options = cls(**{**given, "dtype": dtype if dtype in DTYPES else "float32"})
         if options.cuda_graphs is None and not options.graphs_may_apply():
@@ -561,23 +423,6 @@ class EngineArgs:
             simulated_load=self.simulated_load,
         )
 
-    def describe(self, parallel: ParallelConfig) -> str:
-        """One line for the start of a job: the layout, speculation, dtype and device."""
-        return (
-            f"tp={self.tp}, dp={self.dp}, sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'}"
-            f" (--sp {self.sp}, scope {self.sp_scope}), {f'MTP with {self.drafts} drafts, ' if self.drafts else ''}"
-            f"{self.dtype} on {self.device}{self._graphs_said()}"
-            f"{', dummy weights' if self.load_format == 'dummy' else ''}"
-            f"{', SIMULATED RANK (rank 0 alone; measurement only)' if self.simulate_rank else ''}"
-        )
-
-    def _graphs_said(self) -> str:
-        if self.cuda_graphs:
-            return ", CUDA graphs"
-        if self.cuda_graphs is None and not self.enforce_eager and self.device == "cuda":
-            return ", CUDA graphs where they apply"
-        return ""
-
     def use_cuda_graphs(self, model) -> bool:
         """Whether decode steps replay CUDA graphs: as --cuda-graphs / --enforce-eager say, or, left to the
         default (None), wherever they apply: CUDA, DP 1, the all-gather dispatch, experts that a
@@ -596,19 +441,6 @@ class EngineArgs:
     def model_config(self, model_dir: str) -> ModelConfig:
         """The checkpoint's config with `--hf-overrides` merged in."""
         return ModelConfig.from_file(model_dir, self.hf_overrides)
-
-    def load_model(self, model_dir: str, device: torch.device):
-        """This rank's model: the checkpoint's weights, or random ones (`--load-format dummy`), under
-        `--hf-overrides`."""
-        return weights.load_model(
-            model_dir,
-            self.parallel_config(),
-            self.torch_dtype,
-            device,
-            with_mtp=self.drafts > 0,
-            load_format=self.load_format,
-            overrides=self.hf_overrides,
-        )
 
     # The checks that need the checkpoint, before any rank starts.
 
@@ -640,46 +472,3 @@ class EngineArgs:
                 self.device,
                 longest,
             )
-
-    # What the options build, on every rank.
-
-    def build_kv_cache(self, model, max_num_seqs: int, max_len: int) -> KVCache | PagedKVCache:
-        """Dense: one slot of `max_len` positions for each of `max_num_seqs` sequences; or paged
-        (`build_paged_cache`: on CPU without a size, room for `max_num_seqs` x `max_len` tokens; on CUDA, room
-        for at least one sequence of `max_len`)."""
-        if self.kv_cache == "dense":
-            return KVCache.for_model(model, max_num_seqs, max_len)
-        return build_paged_cache(
-            model,
-            self.kv_cache_memory,
-            self.gpu_memory_utilization,
-            self.kv_cache_dtype,
-            max_num_seqs,
-            max_len,
-        )
-
-    def build_engine(
-        self,
-        model,
-        max_num_seqs: int,
-        cache_len: int,
-        grammars: GrammarCompiler | None = None,
-        log=None,
-    ) -> Engine:
-        """The engine over a new KV cache for `max_num_seqs` sequences of `cache_len` positions (the dense
-        cache's slots; the paged cache's default room on CPU; without --max-model-len, the longest sequence, which
-        sets the width of the graphs' block tables), its CUDA graphs captured (`log(line)`: progress);
-        `grammars`: for structured-output requests. `warmup.warm_up` then makes it ready."""
-        return Engine(
-            model,
-            self.build_kv_cache(model, max_num_seqs, cache_len),
-            self.drafts,
-            self.use_cuda_graphs(model),
-            max_num_seqs,
-            self.max_num_batched_tokens,
-            self.max_model_len
-            or cache_len,  # the graphs' block tables: as wide as the job's longest sequence
-            self.prefix_caching,
-            grammars,
-            log,
-        )

@@ -1,58 +1,32 @@
-"""The engine: requests in, tokens out, one step at a time, with MTP speculation optional.
+"""The engine: requests in, tokens out, one step at a time (`add_request`, `step`, `abort`), with MTP
+speculation optional. A step reads schedule -> forward -> choose -> commit -> draft -> update
+(docs/architecture.md).
 
-Every rank of the TP group runs the same steps on the same requests. The logits are identical on every rank
-(the LM head gathers them), and each request samples from its own seeded generator, so every rank picks the
-same tokens and the ranks stay in step without exchanging them. Under DP each DP group has its own engine and
-requests; every DP rank steps together (the MoE dispatch spans all of them), with an empty batch if need be.
+Every rank of a TP group runs the same steps on the same requests: the logits are identical on every rank
+(the LM head gathers them), and each request draws from its own seeded noise, so every rank picks the same
+tokens without exchanging them. Which waiting requests join a step is decided by the group's leader
+(`Engine.admissions`; `ranks.py` connects an engine on several ranks to its group and drives them).
 
 The KV cache is either the paged cache (`PagedKVCache`: blocks handed out as sequences grow, the sparse DSA
-path; the default of `spmoe generate` and `spmoe serve`) or the slot cache (`KVCache`: the dense reference).
-
-One step is three calls on named records (`sequence.py`):
-1. `Scheduler.schedule() -> ScheduledBatch` (`scheduler.py`): decode tokens first, then prompt chunks under the
-   token budget; admit waiting requests while the cache has room (decided on the DP group's TP rank 0, with
-   what each reuses from the prefix cache, and followed by the other ranks: `serving_loop.py`); grow every
-   running sequence's room, preempting when it runs out.
-2. `ModelRunner.run(batch) -> StepResult` (`model_runner.py`): one target forward over every scheduled
-   sequence's tokens, laid end to end (a chunk of a prompt, else its last token followed by its drafts when
-   speculating; with `cuda_graphs`, decode steps replay a captured graph), the choice of each sampling
-   sequence's tokens (every row of the step through the batched `Sampler`, `sampling.py`, then the lossless
-   acceptance of drafts, `rejection.py`, for greedy and sampled requests alike), the prompt logprobs asked
-   for, and the MTP drafter's next drafts.
-3. `Scheduler.update(batch, result) -> list[RequestOutput]`: commit the tokens, finish sequences at an eos id
-   or `max_new_tokens` and free their room. A sequence whose logits hold a NaN or an infinity has no next
-   token: it finishes with finish_reason "error" and an error naming the step, and the others carry on (the
-   server keeps serving); `generate` raises that error instead.
-`stats.py` counts the forwards, tokens, seconds and collectives of each phase, and the MTP acceptance.
-
-`generate` is the batch job (spmoe generate, the demo) on top of `add_request` / `step`, driven on every rank by
-`serving_loop.run_to_completion`; `spmoe serve` drives engines through `serving_loop.ServingLoop`.
+path) or the slot cache (`KVCache`: the dense reference).
 """
 
-import time
-from dataclasses import dataclass, replace
-
-import torch
+from contextlib import contextmanager
+from dataclasses import replace
 
 from spmoe.distributed import get_parallel_state
 from spmoe.engine.cache.paged import PagedKVCache
 from spmoe.engine.cache.slots import KVCache
-from spmoe.engine.ranks import run_to_completion, schedule_in_group
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
+from spmoe.engine.rooms import BlockRoom, SlotRoom
+from spmoe.engine.runner.drafter import MtpDrafter
 from spmoe.engine.runner.model_runner import ModelRunner
 from spmoe.engine.sampling.grammar import GrammarCompiler
 from spmoe.engine.sampling.sampler import Sampler, SamplingParams
-from spmoe.engine.scheduler import BlockRoom, Scheduler, SlotRoom
-from spmoe.engine.sequence import ScheduledBatch, Sequence
+from spmoe.engine.scheduler import Admissions, Scheduler
+from spmoe.engine.sequence import Batch, Sequence
 from spmoe.engine.stats import KernelCompiles, StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
-
-
-@dataclass
-class Generation:
-    outputs: list[list[int]]
-    stats: dict
-    logits: list[torch.Tensor] | None  # per sequence `[len(output), V]` float32, when recorded
 
 
 def check_prompt(
@@ -170,16 +144,26 @@ class Engine:
         self.runner = ModelRunner(
             model,
             cache,
-            room.max_num_seqs,
-            self.stats,
-            self.sampler,
-            num_speculative_tokens,
-            cuda_graphs,
-            keep_in_step,
-            room.max_tokens_per_sequence,
-            max_num_batched_tokens,
-            log,
+            max_num_seqs=room.max_num_seqs,
+            stats=self.stats,
+            sampler=self.sampler,
+            num_speculative_tokens=num_speculative_tokens,
+            cuda_graphs=cuda_graphs,
+            max_model_len=room.max_tokens_per_sequence,
+            max_num_batched_tokens=max_num_batched_tokens,
+            log=log,
         )
+        self.drafter = MtpDrafter(
+            model,
+            cache,
+            num_speculative_tokens,
+            stats=self.stats,
+            graphs=self.runner.graphs,
+            keep_in_step=keep_in_step,
+        )
+        # how the step's admissions are made: here alone; on several TP ranks `ranks.connect` gives the
+        # engine its group's channel
+        self.admissions = Admissions()
         self._ready_count: int | None = None  # compiles + captures when the engine was marked warm
 
     def graph_captures(self) -> int:
@@ -257,102 +241,59 @@ class Engine:
 
     def metrics(self) -> EngineMetrics:
         totals = self.stats.totals
+        queries, hits = self.scheduler.room.prefix_cache_counts()
         return EngineMetrics(
-            len(self.scheduler.running),
-            len(self.scheduler.waiting),
-            self.scheduler.room.usage(),
-            totals.generated_tokens,
-            totals.draft_proposed,
-            totals.draft_accepted,
-            *self.scheduler.room.prefix_cache_counts(),
-            self.scheduler.preemptions,
-            totals.steps,
-            totals.steps_compiling,
-            len(KernelCompiles.names),
-            self.graph_captures(),
-            0 if self._ready_count is None else self._compiles() - self._ready_count,
-            totals.drafts,
-            list(totals.accepted_per_position),
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.scheduler.room.usage(),
+            generated_tokens=totals.generated_tokens,
+            draft_proposed=totals.draft_proposed,
+            draft_accepted=totals.draft_accepted,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            preemptions=self.scheduler.preemptions,
+            steps=totals.steps,
+            steps_compiling=totals.steps_compiling,
+            kernel_compiles=len(KernelCompiles.names),
+            graph_captures=self.graph_captures(),
+            compiles_after_ready=0
+            if self._ready_count is None
+            else self._compiles() - self._ready_count,
+            drafts=totals.drafts,
+            accepted_per_position=list(totals.accepted_per_position),
         )
 
     def step(self) -> list[RequestOutput]:
-        """Schedule (the DP group's TP rank 0 decides what joins, the other TP ranks follow:
-        `serving_loop.schedule_in_group`), run the batch, commit. -> one output per request that committed tokens
-        this step (a prompt chunk before the last commits none). With nothing to run it returns at once, except
-        under DP, where every rank must run every step."""
-        return self.run(schedule_in_group(self))
-
-    def schedule(self, admissions: list[tuple[str, int]] | None = None) -> ScheduledBatch | None:
-        """The step's batch (`Scheduler.schedule`): `admissions` None: this rank decides which waiting requests
-        join and what they reuse from the prefix cache (the batch's `admissions`); else it follows the deciding
-        rank's."""
-        return self.scheduler.schedule(admissions)
-
-    def has_waiting(self) -> bool:
-        """Whether a request waits to join the running batch."""
-        return bool(self.scheduler.waiting)
-
-    def run(self, batch: ScheduledBatch | None) -> list[RequestOutput]:
-        """Run a scheduled batch and commit it. -> one output per request that committed tokens (none for
-        None: nothing to run)."""
+        """One step: schedule -> forward -> choose -> commit -> draft -> update. -> one output per
+        sequence that drew this step. With nothing to run it returns at once, except under DP, where every
+        rank runs every step."""
+        batch = self.admissions.schedule(self.scheduler)
         if batch is None:
             return []
+        with self._counted(batch):
+            forward = self.runner.forward(batch)
+            results = self.runner.choose(batch, forward)
+            for result in results:
+                result.part.seq.commit(result, batch.step)
+            drafts = self.drafter.draft(batch, forward, results)
+        self.stats.record(batch, results)
+        return self.scheduler.update(results, drafts)
+
+    @contextmanager
+    def _counted(self, batch: Batch):
+        """Count the step, and whether a kernel compiled or a graph was captured in it (once the engine is
+        ready, each such kernel is named in the log)."""
         before, kernels_before = self._compiles(), len(KernelCompiles.names)
-        result = self.runner.run(batch)
-        self.stats.record(batch, result)
+        yield
         self.stats.totals.steps += 1
         self.stats.totals.steps_compiling += self._compiles() > before
-        if (
-            self._ready_count is not None and self.log is not None
-        ):  # what warming up did not foresee, named
+        if self._ready_count is not None and self.log is not None:
+            tokens = sum(len(part.tokens) for part in batch.parts)
             for name in KernelCompiles.names[kernels_before:]:
-                self.log(
-                    f"compiled after ready, in a step of {sum(batch.num_tokens)} tokens: {name}"
-                )
-        return self.scheduler.update(batch, result)
+                self.log(f"compiled after ready, in a step of {tokens} tokens: {name}")
 
-    # The batch job.
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        sampling: SamplingParams | list[SamplingParams] = SamplingParams(),
-        eos_token_ids: tuple[int, ...] = (),
-        record_logits: bool = False,
-        on_step=None,
-    ) -> Generation:
-        """Generate up to `max_new_tokens` after each prompt, stopping at any of `eos_token_ids`. `sampling`:
-        one per prompt, or one for all, prompt i then sampling from seed `sampling.seed + i`.
-        `on_step(done_tokens, live_sequences, prompt_tokens_cached)` is called after every step (for progress
-        output; the last counts the prompt tokens prefilled so far). A request that ends with an error
-        (non-finite logits) stops the job: FloatingPointError with its message."""
-        samplings = sampling if isinstance(sampling, list) else per_prompt(sampling, len(prompts))
-        self.reset_stats()
-        seqs = [
-            self.add_request(
-                Request(f"generate-{i}", list(p), max_new_tokens, params, tuple(eos_token_ids)),
-                record_logits,
-            )
-            for i, (p, params) in enumerate(zip(prompts, samplings))
-        ]
-        start = time.perf_counter()
-
-        def progress() -> None:
-            on_step(
-                sum(len(s.output) for s in seqs),
-                len(self.scheduler.running),
-                sum(min(s.cached, len(s.request.prompt)) for s in seqs),
-            )
-
-        run_to_completion(self, progress if on_step is not None else None)
-        return Generation(
-            [s.output for s in seqs],
-            self._stats(seqs, time.perf_counter() - start),
-            [torch.stack(s.logits) for s in seqs] if record_logits else None,
-        )
-
-    def _stats(self, seqs: list[Sequence], seconds: float) -> dict:
+    def report(self, seqs: list[Sequence], seconds: float) -> dict:
+        """The statistics of a batch job over `seqs` that took `seconds`."""
         generated = sum(len(s.output) for s in seqs)
         graphs = self.runner.graphs
         return {

@@ -1,40 +1,63 @@
-"""Driving every rank's engine through the same steps: the serving loop (`spmoe serve`) and the batch job
-(`spmoe generate`, the demo).
+"""Everything about ranks: driving every rank's engine through the same steps, in the serving loop
+(`spmoe serve`) and the batch job (`spmoe generate`, the demo, warming up).
 
 Every rank of a TP group runs the same steps on the same requests; under DP every rank steps together (the
 MoE dispatch spans all of them), a DP group with nothing to run taking an empty step.
 
-The serving loop: rank 0 decides everything. Each iteration it plans a step (`StepPlan`: the new requests,
-each given to the least loaded DP group, or with the prompt of another new one to that one's, the aborts, and
-whether to step at all), sends the plan to every
-rank over the gloo control group, and every rank applies it and runs the step; under DP > 1 TP rank 0 of each
-DP group sends its outputs and metrics back to rank 0 (`ServingLoop.step`). The other ranks apply plans until
-the shutdown (`worker_loop`).
+Admissions, one channel: which waiting requests join a step, and how many of their prompt tokens come from
+the prefix cache (or that they fork), is decided by each DP group's TP rank 0, its leader, which sends its
+decisions to its TP peers over the group's gloo control group (`GroupAdmissions`), with or without DP; the
+peers follow them and never look a prompt up themselves (`Scheduler.schedule(admissions)`), raising where
+their cache cannot. Only in a step where the group has waiting requests is anything sent (the ranks of a
+group agree on that, having admitted the same). Block ids need not travel: each rank's block tables address
+its own pool, and a rank finds the blocks to reuse by the same chain hashes.
 
-Which waiting requests join a step, and how many of their prompt tokens come from the prefix cache, is decided
-on one rank of each DP group, its TP rank 0, and followed by the others, which never look a prompt up
-themselves (`Scheduler.schedule(admissions)`): a rank whose cache cannot give what the decision reuses raises
-instead of computing something else. Without DP, rank 0 schedules its step before sending the plan, and the
-plan carries its admissions (`StepPlan.admissions`). Under DP, each DP group's TP rank 0 schedules after the
-plan and sends its admissions to its TP peers over the group's gloo control group (`schedule_in_group`); so
-does the batch job. That exchange happens only in a step where the group has waiting requests: with none
-waiting (the ranks of a group agree on that, having admitted the same), the step admits nothing. The block ids
-themselves need not travel: each rank's block tables address its own pool, and a rank finds the blocks to
-reuse by the same chain hashes (`BlockManager.allocate(reuse=...)`).
+The serving loop: rank 0 decides everything else. Each iteration it plans a step (`StepPlan`: the new
+requests, each given to the least loaded DP group, or with the prompt of another new one to that one's, the
+aborts, and whether to step at all), sends the plan to every rank over the gloo control group, and every
+rank applies it and runs the step; under DP > 1 TP rank 0 of each DP group sends its outputs and metrics
+back to rank 0 (`ServingLoop.step`). The other ranks apply plans until the shutdown (`worker_loop`).
 
 The batch job knows its requests up front, so it needs no plan per step: each DP group adds its own share,
 and every rank steps until no rank has work left (`run_to_completion`; with DP > 1 one tiny all-reduce per
 step says whether any rank still has).
 """
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from spmoe.distributed import get_parallel_state
 from spmoe.distributed.comm import all_reduce, broadcast_object, gather_object
+from spmoe.engine.engine import Engine, per_prompt
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
-from spmoe.engine.sequence import ScheduledBatch
+from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.scheduler import Admissions, Scheduler
+from spmoe.engine.sequence import Batch
+
+
+class GroupAdmissions(Admissions):
+    """The admissions of a DP group's steps: its TP rank 0 decides them and sends them to the group's
+    other ranks, which follow them. With nothing waiting nothing is admitted, and nothing sent."""
+
+    def schedule(self, scheduler: Scheduler) -> Batch | None:
+        state = get_parallel_state()
+        if not scheduler.waiting:
+            return scheduler.schedule([])
+        leader = state.dp_rank * state.tp_size  # the group's TP rank 0
+        if state.tp_rank == 0:
+            batch = scheduler.schedule()
+            admitted = batch.admissions if batch is not None else []
+            broadcast_object(admitted, state.tp_control_group, src=leader)
+            return batch
+        return scheduler.schedule(broadcast_object(None, state.tp_control_group, src=leader))
+
+
+def connect(engine: Engine) -> None:
+    """On several TP ranks, the engine follows its group leader's admissions (`GroupAdmissions`)."""
+    if get_parallel_state().tp_size > 1 and not isinstance(engine.admissions, GroupAdmissions):
+        engine.admissions = GroupAdmissions()
 
 
 @dataclass
@@ -42,16 +65,11 @@ class StepPlan:
     """One iteration of the serving loop, the same on every rank."""
 
     command: str  # "step" (run one engine step), "idle" (the heartbeat: nothing to run), "shutdown"
-    new: list[tuple[Request, int]] = field(
-        default_factory=list
-    )  # requests and the DP group that runs each
+    new: list[tuple[Request, int]] = field(default_factory=list)  # requests, the DP group of each
     aborts: list[str] = field(default_factory=list)  # request ids
-    # without DP, in a "step": the requests rank 0 admits and the prompt tokens each reuses from the prefix
-    # cache, which every other rank follows; None under DP (each DP group's TP rank 0 decides for its group)
-    admissions: list[tuple[str, int]] | None = None
 
 
-def apply_requests(engine, plan: StepPlan) -> None:
+def apply_requests(engine: Engine, plan: StepPlan) -> None:
     """This rank's DP group's new requests and the aborts of the plan, into its engine."""
     state = get_parallel_state()
     for request, dp_group in plan.new:
@@ -61,31 +79,12 @@ def apply_requests(engine, plan: StepPlan) -> None:
         engine.abort(request_id)
 
 
-def schedule_in_group(engine) -> ScheduledBatch | None:
-    """This step's batch on every rank of a DP group: its TP rank 0 decides the admissions and sends them to
-    the group's other ranks, which follow them. With nothing waiting nothing is admitted, and nothing sent."""
+def run_plan(engine: Engine, plan: StepPlan) -> tuple[list[RequestOutput], EngineMetrics] | None:
+    """Apply the plan and run its step on this rank. -> on rank 0, every DP group's outputs and their
+    metrics combined; None on the other ranks."""
     state = get_parallel_state()
-    if state.tp_size == 1:
-        return engine.schedule()
-    if not engine.has_waiting():
-        return engine.schedule([])
-    first = state.dp_rank * state.tp_size  # the group's TP rank 0
-    if state.tp_rank == 0:
-        batch = engine.schedule()
-        broadcast_object(
-            batch.admissions if batch is not None else [], state.tp_control_group, src=first
-        )
-        return batch
-    return engine.schedule(broadcast_object(None, state.tp_control_group, src=first))
-
-
-def finish_step(
-    engine, plan: StepPlan, batch: ScheduledBatch | None
-) -> tuple[list[RequestOutput], EngineMetrics] | None:
-    """Run the plan's scheduled batch on this rank. -> on rank 0, every DP group's outputs and their metrics
-    combined; None on the other ranks."""
-    state = get_parallel_state()
-    outputs = engine.run(batch) if plan.command == "step" else []
+    apply_requests(engine, plan)
+    outputs = engine.step() if plan.command == "step" else []
     if state.dp_size == 1:
         return (outputs, engine.metrics()) if state.rank == 0 else None
     parts = gather_object(
@@ -94,25 +93,17 @@ def finish_step(
     if state.rank != 0:
         return None
     per_dp = parts[:: state.tp_size]  # TP rank 0 of each DP group
-    return [out for outs, _ in per_dp for out in outs], EngineMetrics.combine(
-        [m for _, m in per_dp]
-    )
+    outputs = [out for outs, _ in per_dp for out in outs]
+    return outputs, EngineMetrics.combine([m for _, m in per_dp])
 
 
-def worker_loop(engine) -> None:
+def worker_loop(engine: Engine) -> None:
     """Every rank but 0: apply rank 0's plans until the shutdown."""
+    connect(engine)
     state = get_parallel_state()
     while True:
         plan = broadcast_object(None, state.control_group)
-        apply_requests(engine, plan)
-        batch = None
-        if plan.command == "step":
-            batch = (
-                schedule_in_group(engine)
-                if plan.admissions is None
-                else engine.schedule(plan.admissions)
-            )
-        finish_step(engine, plan, batch)
+        run_plan(engine, plan)
         if plan.command == "shutdown":
             return
 
@@ -120,8 +111,10 @@ def worker_loop(engine) -> None:
 class ServingLoop:
     """Rank 0's side of the serving loop: it plans each step and runs it on every rank."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.engine = engine
+        if engine is not None:
+            connect(engine)
         self.state = get_parallel_state()
         self.dp_of: dict[str, int] = {}  # live request -> its DP group
 
@@ -150,27 +143,67 @@ class ServingLoop:
         return plan
 
     def step(self, plan: StepPlan) -> tuple[list[RequestOutput], EngineMetrics]:
-        """Apply the plan here (without DP, schedule its step: its admissions go in the plan), send it to every
-        rank and run it here. -> every DP group's outputs and metrics; finished
-        requests are no longer live."""
-        apply_requests(self.engine, plan)
-        batch = None
-        if plan.command == "step" and self.state.dp_size == 1:
-            batch = self.engine.schedule()  # rank 0 decides; the plan tells the others
-            plan.admissions = batch.admissions if batch is not None else []
+        """Send the plan to every rank and run it here. -> every DP group's outputs and metrics;
+        finished requests are no longer live."""
         broadcast_object(plan, self.state.control_group)
-        if plan.command == "step" and self.state.dp_size > 1:
-            batch = schedule_in_group(self.engine)
-        outputs, metrics = finish_step(self.engine, plan, batch)
+        outputs, metrics = run_plan(self.engine, plan)
         for out in outputs:
             if out.finish_reason is not None:
                 self.dp_of.pop(out.request_id, None)
         return outputs, metrics
 
 
-def run_to_completion(engine, on_step=None) -> None:
-    """The batch job on every rank: step until no rank has work left, after each step calling `on_step()`.
-    A request that ends with an error (non-finite logits) stops the job: FloatingPointError with its message."""
+@dataclass
+class Generation:
+    outputs: list[list[int]]
+    stats: dict
+    logits: list[torch.Tensor] | None  # per sequence `[len(output), V]` float32, when recorded
+
+
+def generate(
+    engine: Engine,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: SamplingParams | list[SamplingParams] = SamplingParams(),
+    eos_token_ids: tuple[int, ...] = (),
+    record_logits: bool = False,
+    on_step=None,
+) -> Generation:
+    """The batch job on every rank: up to `max_new_tokens` after each prompt, stopping at any of
+    `eos_token_ids`. `sampling`: one per prompt, or one for all, prompt i then sampling from seed
+    `sampling.seed + i`. `on_step(done_tokens, live_sequences, prompt_tokens_cached)` is called after every
+    step (for progress output). A request that ends with an error (non-finite logits) stops the job:
+    FloatingPointError with its message."""
+    samplings = sampling if isinstance(sampling, list) else per_prompt(sampling, len(prompts))
+    engine.reset_stats()
+    seqs = [
+        engine.add_request(
+            Request(f"generate-{i}", list(p), max_new_tokens, params, tuple(eos_token_ids)),
+            record_logits,
+        )
+        for i, (p, params) in enumerate(zip(prompts, samplings))
+    ]
+    start = time.perf_counter()
+
+    def progress() -> None:
+        on_step(
+            sum(len(s.output) for s in seqs),
+            len(engine.scheduler.running),
+            sum(min(s.cached, len(s.request.prompt)) for s in seqs),
+        )
+
+    run_to_completion(engine, progress if on_step is not None else None)
+    return Generation(
+        [s.output for s in seqs],
+        engine.report(seqs, time.perf_counter() - start),
+        [torch.stack(s.logits) for s in seqs] if record_logits else None,
+    )
+
+
+def run_to_completion(engine: Engine, on_step=None) -> None:
+    """Step every rank until no rank has work left, after each step calling `on_step()`. A request that
+    ends with an error (non-finite logits) stops the job: FloatingPointError with its message."""
+    connect(engine)
     while _any_rank_busy(engine.has_unfinished()):
         failed = [out.error for out in engine.step() if out.finish_reason == "error"]
         if failed:

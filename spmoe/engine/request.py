@@ -4,7 +4,7 @@ These are plain host objects (no tensors): the server builds requests from HTTP 
 the other ranks, and the outputs travel back to the asyncio side.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from spmoe.engine.sampling.grammar import GrammarSpec
 from spmoe.engine.sampling.sampler import SamplingParams
@@ -34,11 +34,12 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What one step did to one request: the tokens it committed (one, or several when drafts were accepted),
-    and `finish_reason` once it ended ("stop": an eos id, "length": max_new_tokens, "abort", "error" with
-    `error` saying why). `prompt_tokens` is the prompt's length. When the request's sampling asks for them:
-    `logprobs`, one per new token; `prompt_logprobs`, one per prompt token (None for the first), with the
-    first output that has tokens."""
+    """What one step did to one request: the tokens it committed (one, or several when drafts were
+    accepted), and `finish_reason` once it ended ("stop": an eos or stop id, which `stop_token` names, or
+    its grammar complete; "length": max_new_tokens, "abort", "error" with `error` saying why).
+    `prompt_tokens` is the prompt's length. When the request's sampling asks for them: `logprobs`, one per
+    new token; `prompt_logprobs`, one per prompt token (None for the first), with the first output that
+    has tokens."""
 
     request_id: str
     new_token_ids: list[int]
@@ -47,6 +48,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    stop_token: int | None = None
 
 
 @dataclass
@@ -83,26 +85,9 @@ class EngineMetrics:
     def combine(cls, parts: list["EngineMetrics"]) -> "EngineMetrics":
         """The metrics of several engines (one per DP group) as one: counts add up, cache usage averages
         (each group has a cache of the same size)."""
+        counts = [f.name for f in fields(cls) if f.type is int]
         return cls(
-            sum(m.running for m in parts),
-            sum(m.waiting for m in parts),
-            sum(m.kv_cache_usage for m in parts) / len(parts),
-            sum(m.generated_tokens for m in parts),
-            sum(m.draft_proposed for m in parts),
-            sum(m.draft_accepted for m in parts),
-            sum(m.prefix_cache_queries for m in parts),
-            sum(m.prefix_cache_hits for m in parts),
-            sum(m.preemptions for m in parts),
-            *(
-                sum(getattr(m, name) for m in parts)
-                for name in (
-                    "steps",
-                    "steps_compiling",
-                    "kernel_compiles",
-                    "graph_captures",
-                    "compiles_after_ready",
-                )
-            ),
-            sum(m.drafts for m in parts),
-            [sum(counts) for counts in zip(*(m.accepted_per_position for m in parts))],
+            **{name: sum(getattr(m, name) for m in parts) for name in counts},
+            kv_cache_usage=sum(m.kv_cache_usage for m in parts) / len(parts),
+            accepted_per_position=[sum(c) for c in zip(*(m.accepted_per_position for m in parts))],
         )

@@ -1,129 +1,220 @@
-"""A request inside the engine (`Sequence`) and the two records a step passes between the scheduler and the
-model runner: `ScheduledBatch` (what runs) and `StepResult` (what the forward chose).
+"""A request inside the engine (`Sequence`, with its one `commit`) and the records of a step, keyed by
+sequence: `Part` (what one sequence does in a step, its `Role`), `Admission` (a waiting sequence that
+joins), `Batch` (the step's parts), `PartResult` (what the forward drew for one part).
 
-One step is `Scheduler.schedule() -> ScheduledBatch`, `ModelRunner.run(batch) -> StepResult`,
-`Scheduler.update(batch, result) -> list[RequestOutput]`. The runner only reads sequences; `update` is the one
-place that changes them after a forward.
+A step is `Scheduler.schedule -> Batch`, `ModelRunner.forward` and `choose -> PartResult` per part,
+`Sequence.commit` per part, `MtpDrafter.draft`, `Scheduler.update` (docs/architecture.md).
 """
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
-from spmoe.engine.request import Request, TokenLogprobs
+from spmoe.engine.request import Request, RequestOutput, TokenLogprobs
 from spmoe.engine.sampling.grammar import SequenceGrammar
+
+
+class Status(Enum):
+    """Where a sequence is; a finished one's value is its finish reason."""
+
+    WAITING = "waiting"  # queued (or preempted): no cache room, no sampler row
+    RUNNING = "running"
+    STOPPED = "stop"  # an eos or stop id, or its grammar complete
+    LENGTH = "length"  # max_new_tokens
+    ABORTED = "abort"
+    ERROR = (
+        "error"  # non-finite logits, or a token its grammar refuses (`Sequence.error` says which)
+    )
+
+    @property
+    def finished(self) -> bool:
+        return self not in (Status.WAITING, Status.RUNNING)
+
+
+class Role(Enum):
+    """What one sequence's part of a step is."""
+
+    PROMPT_CHUNK = (
+        "prompt chunk"  # a chunk of its prompt (after a preemption: prompt and output); no draw
+    )
+    PROMPT_END = "prompt end"  # the rest of it; draws its next token from the last row
+    DECODE = "decode"  # its last token and its drafts: verifies them, draws after the last it keeps
+    FORK = "fork"  # feeds nothing: draws its first token from `source`'s last prompt row
 
 
 @dataclass(eq=False)
 class Sequence:
-    """A request inside the engine: its cache room, what the next forwards feed, what it generated. Compared by
-    identity: each is one request's life in the engine (and the scheduler's list lookups stay cheap: a
-    field-by-field comparison cost 32k dataclass comparisons a step at 256 sequences)."""
+    """A request inside the engine: its cache room, what the next forwards feed, what it generated, its
+    status. Compared by identity (one request's life in the engine; list lookups stay cheap)."""
 
     request: Request
     record_logits: bool = False  # keep the logits row `[V]` behind every generated token
-    grammar: SequenceGrammar | None = (
-        None  # structured output: where the sequence is in its grammar
-    )
+    grammar: SequenceGrammar | None = None  # structured output: where it is in its grammar
+    status: Status = Status.WAITING
     cache_id: int = -1  # its slot (slot cache) or block-table id (paged cache); -1: no room
     sample_row: int = -1  # its row of the engine's Sampler while it runs; -1: none
     cached: int = 0  # tokens of this sequence in the target's KV cache
     pending: list[int] = field(default_factory=list)  # what the next target forwards feed
     drafts: list[int] = field(default_factory=list)  # the tail of `pending` that MTP drafted
-    prefilling: bool = (
-        False  # `pending` is (the rest of) a prompt, fed in chunks; it samples after the last
-    )
+    prefilling: bool = False  # `pending` is (the rest of) a prompt, fed in chunks
     output: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(
-        default_factory=list
-    )  # `[V]` per committed token, when recorded
-    finish_reason: str | None = None
-    error: str | None = None  # why it finished with finish_reason "error"
+    logits: list[torch.Tensor] = field(default_factory=list)  # `[V]` per token, when recorded
+    error: str | None = None  # why it finished with status ERROR
     preemptions: int = 0
-    # the prefix cache's chained hashes of its first blocks, as far as computed (its tokens are only appended
-    # to, so they stay valid for its life: each block is hashed once, however often it is looked up)
+    # the prefix cache's chained hashes of its first blocks, as far as computed (its tokens are only
+    # appended to: each block is hashed once, however often it is looked up)
     block_hashes: list[bytes] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs | None] = field(
-        default_factory=list
-    )  # gathered chunk by chunk
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # chunk by chunk
     prompt_logprobs_sent: bool = (
         False  # they went out with its first tokens: a recompute needs none
     )
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Whether the prompt rows it feeds now need their logits (asked for, and not yet sent)."""
         return self.request.sampling.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    def commit(self, result: "PartResult", step: int) -> None:
+        """Commit what step number `step` drew for this sequence's part: the one place where its eos and
+        stop ids, its length, its grammar's end and a non-finite row are decided (`decide_stop`), and the
+        one place its grammar walks committed tokens. Sets `result.output` (None for a prompt chunk)."""
+        part = result.part
+        if result.prompt_logprobs is not None:
+            self.prompt_logprobs += result.prompt_logprobs
+        if part.role is Role.PROMPT_CHUNK:
+            self.cached += len(part.tokens)
+            self.pending = self.pending[len(part.tokens) :]
+            return
+        if not result.finite:
+            self.error = (
+                f"non-finite logits (NaN or inf) at step {step} "
+                f"({'decode' if self.cached else 'prefill'}) for request {self.request_id!r} "
+                f"after {len(self.output)} generated tokens: no token can be chosen (check the "
+                "checkpoint for NaN / inf weights)"
+            )
+            self.status = Status.ERROR
+            result.output = self._output([])
+            return
+        tokens, self.status, stop_token = self.decide_stop(result.tokens)
+        self.output += tokens
+        if self.record_logits:
+            self.logits += result.logit_rows[: len(tokens)]
+        # the fed positions whose rows stay valid: all but the rejected drafts'
+        self.cached += len(part.tokens) - (len(part.drafts) - result.accepted)
+        # a fork feeds next the rest of its prompt that it does not share, then its first token
+        self.pending = self.request.prompt[self.cached :] + [tokens[-1]]
+        self.drafts, self.prefilling = [], self.cached < len(self.request.prompt)
+        output = self._output(tokens, stop_token)
+        if result.logprobs is not None:
+            output.logprobs = result.logprobs[: len(tokens)]
+        if self.wants_prompt_logprobs:
+            output.prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        result.output = output
 
-    def until_stop(self, candidates: list[int]) -> tuple[list[int], str | None]:
-        """The tokens it would commit next -> those it does commit: up to and including the first eos id
-        (finish reason "stop") or the token that reaches `max_new_tokens` ("length"); None: it goes on."""
-        request = self.request
+    def decide_stop(self, candidates: list[int]) -> tuple[list[int], Status, int | None]:
+        """The tokens drawn for it, in order -> (those it commits, its status after them, the eos or stop
+        id that ended it or None). Walks its grammar over the committed tokens."""
+        request, grammar = self.request, self.grammar
         for j, token in enumerate(candidates):
+            kept = candidates[: j + 1]
+            if grammar is not None and not grammar.accept(token):
+                self.error = (
+                    f"request {self.request_id!r}: token {token} does not follow its grammar"
+                )
+                return kept, Status.ERROR, None
             if token in request.eos_token_ids:
-                return candidates[: j + 1], "stop"
+                return kept, Status.STOPPED, token
             if len(self.output) + j + 1 == request.max_new_tokens:
-                return candidates[: j + 1], "length"
-        return candidates, None
+                return kept, Status.LENGTH, None
+            if grammar is not None and grammar.finished:
+                return kept, Status.STOPPED, None
+        return candidates, Status.RUNNING, None
+
+    def _output(self, tokens: list[int], stop_token: int | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=tokens,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            prompt_tokens=len(self.request.prompt),
+            stop_token=stop_token,
+        )
 
 
-@dataclass
-class ScheduledBatch:
-    """The sequences one step runs, in admission order, and for each: how many tokens it feeds from the head
-    of its `pending`, from which position (`starts`, its cached length), into which cache room (`locations`:
-    a slot of the slot cache, a block table of the paged one), and whether it samples (it feeds all it has
-    pending; a prompt chunk before the last does not). `decode`: every sequence feeds one decode token after
-    its prefix (no prompt chunk), so a captured CUDA graph can run it. `step`: the step's number since the
-    statistics were reset, for error messages. `admissions`: which waiting sequences joined this step and with
-    how many cached tokens (`scheduler.FORKED`: as a fork). No sequences: an empty step that keeps the DP ranks
-    in step.
+@dataclass(eq=False, kw_only=True)
+class Part:
+    """One sequence's part of a step: it feeds `tokens` (the head of its `pending`) from position `start`
+    (its cached length) into its cache room `location` (a slot, or a block table); `drafts`: the MTP
+    drafts among them (their tail). A fork feeds nothing and draws from `source`'s last row."""
 
-    `forks`: sequences that feed nothing and draw their first token from the logits row of another one's last
-    prompt token (the n choices of a request: the prompt is computed once), as (the fork, the index in `seqs`
-    of the sequence whose prompt completes this step). Each draws with its own sampling row, seed and output
-    index 0, as it would from its own forward; it holds the full blocks of that prompt from here on."""
+    seq: Sequence
+    role: Role
+    tokens: list[int] = field(default_factory=list)
+    start: int = 0
+    location: int | list[int] | None = None
+    drafts: list[int] = field(default_factory=list)
+    source: "Part | None" = None
 
-    seqs: list[Sequence]
-    num_tokens: list[int]
-    starts: list[int]
-    locations: list
-    samples: list[bool]
-    decode: bool
+    @property
+    def draws(self) -> bool:
+        """Whether it draws tokens this step (all but a prompt chunk)."""
+        return self.role is not Role.PROMPT_CHUNK
+
+
+@dataclass(kw_only=True)
+class Admission:
+    """A waiting sequence that joins a step, as the deciding rank sends it to the others: with the prompt
+    tokens it reuses from the prefix cache, or as a fork of the sequence computing its prompt."""
+
+    request_id: str
+    cached: int = 0
+    fork: bool = False
+
+
+@dataclass(kw_only=True)
+class Batch:
+    """A step: its parts (the sequences that feed, in admission order, then the forks), its number since
+    the statistics were reset (for error messages), and the admissions it made. No parts: an empty step
+    that keeps the DP ranks in step."""
+
+    parts: list[Part]
     step: int
-    # the waiting sequences this step admitted: (request id, prompt tokens it reuses from the prefix cache), as
-    # the deciding rank sends them to the others (`serving_loop`)
-    admissions: list[tuple[str, int]] = field(default_factory=list)
-    forks: list[tuple[Sequence, int]] = field(default_factory=list)
+    admissions: list[Admission] = field(default_factory=list)
 
-    def tokens(self) -> list[list[int]]:
-        """What each sequence feeds this step."""
-        return [seq.pending[:n] for seq, n in zip(self.seqs, self.num_tokens)]
+    @property
+    def fed(self) -> list[Part]:
+        """The parts that feed tokens, laid end to end in the forward (all but the forks)."""
+        return [part for part in self.parts if part.role is not Role.FORK]
+
+    @property
+    def decode(self) -> bool:
+        """Every part decodes (no prompt): a captured CUDA graph can run the step."""
+        return all(part.role is Role.DECODE for part in self.parts)
 
 
-@dataclass
-class StepResult:
-    """What one forward chose, per scheduled sequence (in the batch's order), then per fork (`batch.forks`'s
-    order) for `token_ids`, `accepted`, `finite`, `logit_rows` and `logprobs`.
+@dataclass(kw_only=True)
+class PartResult:
+    """What the forward drew for one part. `tokens`: the accepted drafts and the target's draw after them
+    (before the stop decision; none for a prompt chunk); `accepted`: the drafts the target kept; `finite`:
+    every row it draws from was finite; `logit_rows`: `[V]` float32 on the host behind each token, when its
+    sequence records them; `logprobs`: per token, when asked; `prompt_logprobs`: for the prompt tokens it
+    fed, each but the prompt's first one's under the model at the position before (the first: None), when
+    asked. `output`: what its commit made (None for a prompt chunk)."""
 
-    `token_ids`: the tokens it commits (none for a prompt chunk that does not sample, or when its logits were
-    not finite), already cut at its first eos id or its token limit; `accepted`: how many of its drafts the
-    target accepted; `finite`: whether every logits row it commits from was finite (False: it has no next
-    token and finishes with an error); `drafts`: its next MTP drafts when speculating ([] if it finishes or
-    does not sample), else None; `logit_rows`: `[V]` float32 rows on the host behind each committed token,
-    for a sequence that records its logits, else None; `logprobs`: per committed token (its logprob, its
-    most likely tokens) for a sequence whose request asks for logprobs, else None; `prompt_logprobs`: for the
-    prompt tokens this step fed, each but the prompt's first one's (logprob, most likely tokens) under the
-    model's distribution at the position before it (the first prompt token gets None), for a sequence whose
-    request asks for them, else None."""
-
-    token_ids: list[list[int]]
-    accepted: list[int]
-    finite: list[bool]
-    drafts: list[list[int]] | None = None
-    logit_rows: list[list[torch.Tensor] | None] | None = None
-    logprobs: list[list[TokenLogprobs] | None] | None = None
-    prompt_logprobs: list[list[TokenLogprobs | None] | None] | None = None
+    part: Part
+    tokens: list[int] = field(default_factory=list)
+    accepted: int = 0
+    finite: bool = True
+    logit_rows: list[torch.Tensor] | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    output: RequestOutput | None = None

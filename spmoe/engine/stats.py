@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from spmoe.distributed import CommStats, count_collectives
 from spmoe.engine.request import EngineMetrics
-from spmoe.engine.sequence import ScheduledBatch, StepResult
+from spmoe.engine.sequence import Batch, PartResult
 from spmoe.layers.fused import TRITON_INSTALLED
 
 PHASES = ("prefill", "decode", "draft")
@@ -90,22 +90,26 @@ class StepStats:
         self.verify_steps = 0  # sequences whose drafts a target forward verified, summed over steps
         self.accepted_at = [0] * self.k  # verifications that accepted more than j drafts, per j
 
-    def target_phase(self, batch: ScheduledBatch) -> Phase:
+    def target_phase(self, batch: Batch) -> Phase:
         return self.phases["decode" if batch.decode else "prefill"]
 
-    def record(self, batch: ScheduledBatch, result: StepResult) -> None:
-        """Count the step's committed tokens and the drafts it verified (before `Scheduler.update` replaces
-        them)."""
-        for seq, sampled, accepted in zip(batch.seqs, batch.samples, result.accepted):
-            if sampled and seq.drafts:
+    def record(self, batch: Batch, results: list[PartResult]) -> None:
+        """Count the step's committed tokens (in the phase of its target forward too) and the drafts it
+        verified."""
+        committed = 0
+        for result in results:
+            if result.part.draws and result.part.drafts:
                 self.verify_steps += 1
                 self.totals.drafts += 1
-                self.totals.draft_proposed += len(seq.drafts)
-                self.totals.draft_accepted += accepted
-                for j in range(accepted):
+                self.totals.draft_proposed += len(result.part.drafts)
+                self.totals.draft_accepted += result.accepted
+                for j in range(result.accepted):
                     self.accepted_at[j] += 1
                     self.totals.accepted_per_position[j] += 1
-        self.totals.generated_tokens += sum(map(len, result.token_ids))
+            if result.output is not None:
+                committed += len(result.output.new_token_ids)
+        self.totals.generated_tokens += committed
+        self.target_phase(batch).tokens_committed += committed
 
     def as_dict(self) -> dict:
         """The phases, the prefill / decode split of the time and the speculation figures."""

@@ -6,6 +6,7 @@ Every parser here takes the text the user wrote and returns spmoe's value, or ra
 naming the option, what it expected and what came.
 """
 
+import argparse
 import json
 import re
 from dataclasses import dataclass
@@ -37,6 +38,20 @@ def parse_length(text: str, option: str = "--max-model-len") -> int:
             raise ValueError(f"{option}: {text!r} is not a whole number of tokens")
         value = int(scaled)
     return value
+
+
+def argparse_type(parse, option_name: str):
+    """An argparse `type` from a value parser that raises ValueError("OPTION: why"): argparse's one line
+    then names the option once."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{option_name}: ")) from None
+
+    convert.__name__ = option_name
+    return convert
 
 
 def parse_json_object(text: str, option: str) -> dict:
@@ -144,6 +159,13 @@ class SpeculativeConfig:
                 f"{option}: num_speculative_tokens must be an integer >= 1, got {drafts!r}"
             )
         return cls(drafts)
+
+    @classmethod
+    def checked_json(cls, text: str) -> dict:
+        """`--speculative-config`'s JSON, checked as a whole (`parse`) while the command line is parsed."""
+        config = parse_json_object(text, "--speculative-config")
+        cls.parse(config)
+        return config
 
 
 # `--kv-cache-dtype`: vLLM's names -> spmoe's paged cache dtypes (fp8 is e4m3 with block scales).

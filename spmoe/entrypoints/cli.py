@@ -74,6 +74,7 @@ def cmd_forward(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from spmoe.engine.build import describe
     from spmoe.engine.sampling.sampler import SamplingParams
     from spmoe.entrypoints.generate import GenerateOptions, check_generate, run_generate
     from spmoe.entrypoints.jobs import read_input_ids
@@ -91,7 +92,7 @@ def cmd_generate(args) -> int:
     parallel = engine_args.parallel_config()
     print(
         f"spmoe generate: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens each, "
-        f"{engine_args.describe(parallel)}",
+        f"{describe(engine_args, parallel)}",
         file=sys.stderr,
         flush=True,
     )

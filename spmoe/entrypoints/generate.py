@@ -11,8 +11,10 @@ import torch
 from spmoe.config import ModelConfig
 from spmoe.distributed import get_parallel_state, launch
 from spmoe.engine.args import DTYPES, EngineArgs
+from spmoe.engine.build import build_engine, load_model
 from spmoe.engine.cache.slots import KVCache
-from spmoe.engine.engine import Generation, check_positions, check_prompts, per_prompt
+from spmoe.engine.engine import check_positions, check_prompts, per_prompt
+from spmoe.engine.ranks import Generation, generate
 from spmoe.engine.sampling.sampler import SamplingParams
 from spmoe.engine.warmup import warm_up
 from spmoe.entrypoints.jobs import check_writable, gather_from_dp, split_for_dp
@@ -45,7 +47,7 @@ def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOption
     """The job on one rank (of a launch with the TP and DP sizes of `opts.engine`) -> rank 0's `Generation`,
     None on the other ranks."""
     state, args = get_parallel_state(), opts.engine
-    model = args.load_model(model_dir, state.device)
+    model = load_model(args, model_dir, state.device)
     mine = split_for_dp(
         prompts, state.dp_rank, state.dp_size
     )  # this DP rank's prompts (maybe none)
@@ -55,7 +57,7 @@ def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOption
         if opts.progress and state.rank == 0
         else None
     )
-    engine = args.build_engine(model, opts.cache_slots(len(mine)), opts.cache_len(prompts), log)
+    engine = build_engine(args, model, opts.cache_slots(len(mine)), opts.cache_len(prompts), log)
     warm_up(engine, log)
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
@@ -84,7 +86,8 @@ def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOption
                 flush=True,
             )
 
-    gen = engine.generate(
+    gen = generate(
+        engine,
         mine,
         opts.max_new_tokens,
         sampling,

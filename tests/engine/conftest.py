@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from spmoe.engine.ranks import generate
+
 ENGINE_CONFIG = dict(
     model_type="glm_moe_dsa",
     vocab_size=96,
@@ -65,10 +67,10 @@ def choices_and_alone(engine, prompt: list[int], seeds: list[int], max_new: int)
 
     samplings = [SamplingParams(1.0, seed=seed) for seed in seeds]
     queries = engine.scheduler.room.prefix_cache_counts()[0]
-    choices = engine.generate([prompt] * len(seeds), max_new, samplings, record_logits=True)
+    choices = generate(engine, [prompt] * len(seeds), max_new, samplings, record_logits=True)
     queries = engine.scheduler.room.prefix_cache_counts()[0] - queries
     alone = [
-        engine.generate([prompt], max_new, [params], record_logits=True) for params in samplings
+        generate(engine, [prompt], max_new, [params], record_logits=True) for params in samplings
     ]
     return (
         choices.outputs,

@@ -9,6 +9,7 @@ import torch
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from spmoe.engine.cache.paged import BLOCK_SIZE
+from spmoe.engine.sequence import Role
 
 from ..conftest import relative_error
 from .conftest import ENGINE_CONFIG
@@ -72,7 +73,7 @@ def drive(engine, seqs, aborts: dict[int, int]) -> dict:
         nonlocal peak
         batch = schedule(admissions)
         if batch is not None:
-            forked.update(seq.request_id for seq, _ in batch.forks)
+            forked.update(p.seq.request_id for p in batch.parts if p.role is Role.FORK)
             peak = max(peak, len({b for s in engine.scheduler.running for b in room.location(s)}))
         return batch
 

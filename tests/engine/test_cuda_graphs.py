@@ -7,6 +7,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import CommStats, get_parallel_state
+from spmoe.engine.ranks import generate
 
 from ..multigpu import requires_gpus, run_on_gpus
 from .conftest import ENGINE_CONFIG
@@ -59,8 +60,12 @@ def graph_cases(folder: str) -> dict:
         out[sp, "bitwise"] = torch.equal(replayed, eager)
         out[sp, "collectives"] = {k: v["count"] for k, v in stats.counts.items()}
         generations = [
-            Engine(model, KVCache.for_model(model, len(PROMPTS), 32), cuda_graphs=graphed).generate(
-                PROMPTS, MAX_NEW, eos_token_ids=EOS, record_logits=True
+            generate(
+                Engine(model, KVCache.for_model(model, len(PROMPTS), 32), cuda_graphs=graphed),
+                PROMPTS,
+                MAX_NEW,
+                eos_token_ids=EOS,
+                record_logits=True,
             )
             for graphed in (False, True)
         ]

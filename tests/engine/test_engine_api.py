@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from spmoe.distributed import spawn
+from spmoe.engine.ranks import generate
 from spmoe.engine.request import Request
 from spmoe.engine.sampling.sampler import SamplingParams
 
@@ -27,7 +28,7 @@ def alone(model, prompt, sampling=SamplingParams(), eos=EOS) -> list[int]:
     from spmoe.engine.engine import Engine
 
     engine = Engine(model, KVCache.for_model(model, 1, ALONE_MAX_LEN))
-    return engine.generate([prompt], MAX_NEW, [sampling], eos).outputs[0]
+    return generate(engine, [prompt], MAX_NEW, [sampling], eos).outputs[0]
 
 
 def drive(engine, schedule: dict[int, list], steps: int) -> tuple[dict, list]:

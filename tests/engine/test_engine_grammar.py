@@ -48,6 +48,7 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
     from spmoe.distributed import get_parallel_state
     from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
+    from spmoe.engine.ranks import connect
     from spmoe.engine.request import Request
     from spmoe.engine.sampling.grammar import GrammarCompiler, GrammarSpec
     from spmoe.engine.sampling.sampler import SamplingParams
@@ -110,6 +111,7 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
         engine = Engine(
             model, cache, drafts, graphs, max_num_seqs=64, max_model_len=1024, grammars=grammars
         )
+        connect(engine)  # on 2 TP ranks: rank 0 decides the admissions, rank 1 follows
         outputs, reasons = {r.request_id: [] for r in requests}, {}
         for request in requests:
             engine.add_request(request)

@@ -16,6 +16,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import RankFailed, get_parallel_state, spawn
+from spmoe.engine.ranks import generate
 from spmoe.engine.sampling.sampler import SamplingParams
 from spmoe.entrypoints.jobs import flatten
 
@@ -57,7 +58,8 @@ def run_engine(folder: str, modes: list[tuple[str, str]]):
         for name, (prompts, kw) in CASES.items():
             cache = KVCache.for_model(model, kw.get("max_seqs", len(prompts)), 32)
             engine = Engine(model, cache, kw.get("k", 0))
-            gen = engine.generate(
+            gen = generate(
+                engine,
                 prompts,
                 MAX_NEW,
                 kw.get("sampling", SamplingParams()),
@@ -202,7 +204,7 @@ def generate_then_die(folder: str):
         if state.rank == 1 and done >= 3:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    Engine(model, KVCache.for_model(model, 1, 64)).generate([[1, 2, 3]], 50, on_step=on_step)
+    generate(Engine(model, KVCache.for_model(model, 1, 64)), [[1, 2, 3]], 50, on_step=on_step)
 
 
 def test_killed_rank_ends_the_run(engine_checkpoint):

@@ -95,6 +95,7 @@ def speculate(folder: str) -> dict:
     speculation statistics per (k, temperature)."""
     from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
+    from spmoe.engine.ranks import generate
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(), with_mtp=True)
@@ -102,7 +103,7 @@ def speculate(folder: str) -> dict:
     for k in range(4):
         for temperature in (0.0, 1.0) if k else (0.0,):  # k = 0: the greedy reference
             engine = Engine(model, PagedKVCache.for_model(model, 2**24), num_speculative_tokens=k)
-            gen = engine.generate(MTP_PROMPTS, MTP_NEW, SamplingParams(temperature, seed=5))
+            gen = generate(engine, MTP_PROMPTS, MTP_NEW, SamplingParams(temperature, seed=5))
             out[(k, temperature)] = (gen.outputs, gen.stats.get("speculative"))
     return out
 
@@ -130,14 +131,15 @@ def test_mtp_drafts_are_accepted_on_heldout_text(speculated):
 def forks_and_prefix(folder: str) -> dict:
     from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
+    from spmoe.engine.ranks import generate
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig())
     engine = Engine(model, PagedKVCache.for_model(model, 2**24), max_num_batched_tokens=BUDGET)
     prompt = SEQS[0][:300]
-    first = engine.generate([prompt], 16, record_logits=True)
+    first = generate(engine, [prompt], 16, record_logits=True)
     hits = engine.metrics().prefix_cache_hits
-    again = engine.generate([prompt], 16, record_logits=True)
+    again = generate(engine, [prompt], 16, record_logits=True)
     return {
         "first": (first.outputs, first.logits[0]),
         "again": (again.outputs, again.logits[0]),

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
+from spmoe.engine.ranks import generate
 from spmoe.engine.request import Request
 from spmoe.engine.sampling.sampler import SamplingParams
 from spmoe.entrypoints.cli import main
@@ -32,7 +33,7 @@ def generate_with_nan(folder: str) -> dict:
     def attempt(sampling=SamplingParams(), k=0):
         engine = Engine(model, KVCache.for_model(model, 1, 16), k)
         try:
-            return engine.generate([PROMPT], 4, sampling).outputs[0]
+            return generate(engine, [PROMPT], 4, sampling).outputs[0]
         except FloatingPointError as e:
             return str(e)
 
@@ -129,11 +130,8 @@ def serve_with_one_nan_prompt(folder: str) -> dict:
     clean = Request("clean", [9, 40], 3)
     after = Request("after", [12, 3, 7], 4)
     with torch.no_grad():
-        expected = (
-            Engine(model, KVCache.for_model(model, 1, 16))
-            .generate([clean.prompt, after.prompt], 4)
-            .outputs
-        )
+        engine = Engine(model, KVCache.for_model(model, 1, 16))
+        expected = generate(engine, [clean.prompt, after.prompt], 4).outputs
         model.model.embed_tokens.weight[PROMPT[0], 3] = float("nan")
         engine = Engine(model, KVCache.for_model(model, 1, 16))
         got = {}

@@ -12,6 +12,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
+from spmoe.engine.ranks import generate
 from spmoe.entrypoints.jobs import split_for_dp
 
 from ..conftest import relative_error
@@ -61,9 +62,8 @@ def paged_and_dense(folder: str, modes: list[tuple[str, str]]) -> dict:
                     if name == "dense"
                     else PagedKVCache.for_model(model, 2**22)
                 )
-                gen = Engine(model, cache, k, max_num_batched_tokens=BUDGET).generate(
-                    prompts, MAX_NEW, record_logits=True
-                )
+                engine = Engine(model, cache, k, max_num_batched_tokens=BUDGET)
+                gen = generate(engine, prompts, MAX_NEW, record_logits=True)
                 results[sp, scope, case, name] = (gen.outputs, torch.cat(gen.logits), gen.stats)
     return results
 
@@ -128,14 +128,13 @@ def preemption(folder: str) -> dict:
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1), with_mtp=True)
     prompts, out = prompts_of((58, 59, 60), seed=1), {}
     for k in (0, 2):
-        dense = Engine(model, KVCache.for_model(model, 3, 60 + 12 + k), k).generate(
-            prompts, 12, record_logits=True
-        )
+        dense_engine = Engine(model, KVCache.for_model(model, 3, 60 + 12 + k), k)
+        dense = generate(dense_engine, prompts, 12, record_logits=True)
         one_block = PagedKVCache.for_model(model, 2**20).bytes_per_token * BLOCK_SIZE
         engine = Engine(
             model, PagedKVCache.for_model(model, 3 * one_block), k, max_num_batched_tokens=64
         )
-        paged = engine.generate(prompts, 12, record_logits=True)
+        paged = generate(engine, prompts, 12, record_logits=True)
         paged.stats["metrics_preemptions"] = engine.metrics().preemptions  # what /metrics shows
         out[k] = (
             dense.outputs,
@@ -171,9 +170,8 @@ def progress_of_a_chunked_prompt(folder: str) -> list[tuple[int, int, int]]:
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1))
     steps = []
-    Engine(model, PagedKVCache.for_model(model, 2**20), max_num_batched_tokens=16).generate(
-        prompts_of((40,)), 3, on_step=lambda *progress: steps.append(progress)
-    )
+    engine = Engine(model, PagedKVCache.for_model(model, 2**20), max_num_batched_tokens=16)
+    generate(engine, prompts_of((40,)), 3, on_step=lambda *progress: steps.append(progress))
     return steps
 
 
@@ -205,7 +203,7 @@ def fp8_against_full(folder: str) -> dict:
         engine = Engine(
             model, PagedKVCache.for_model(model, 2**22, dtype), max_num_batched_tokens=64
         )
-        gen = engine.generate(prompts, 16)
+        gen = generate(engine, prompts, 16)
         choices = []
         for prompt in prompts:
             cache = PagedKVCache.for_model(model, 2**22, dtype)

@@ -12,6 +12,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
+from spmoe.engine.ranks import generate
 
 from ..conftest import relative_error
 from ..multigpu import requires_gpus
@@ -64,7 +65,7 @@ def engines(folder: str) -> dict:
             max_model_len=512, log=lines.append,
         )  # fmt: skip
         warm_up(engine, lines.append)
-        gen = engine.generate(prompts, 16, record_logits=True)
+        gen = generate(engine, prompts, 16, record_logits=True)
         out[name] = (gen.outputs, torch.cat(gen.logits), gen.stats["cuda_graph_batch_sizes"])
         out[name, "prompt replays"] = gen.stats["phases"]["prefill"]["replays"]
         m = engine.metrics()
@@ -81,7 +82,7 @@ def engines(folder: str) -> dict:
             name != "dense"
         ):  # the next turn of prompt 2: its full blocks cached, 62 tokens to compute
             hits = engine.metrics().prefix_cache_hits
-            second = engine.generate([turn], 16, record_logits=True)
+            second = generate(engine, [turn], 16, record_logits=True)
             replays = second.stats["phases"]["prefill"]["replays"]
             out[name, "turn"] = (
                 second.outputs,
@@ -183,8 +184,8 @@ def speculating_engines(folder: str) -> dict:
             max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512,
         )  # fmt: skip
         warm_up(engine, lambda line: None)
-        greedy = engine.generate(prompts, 16, record_logits=True)
-        sampled = engine.generate(prompts, 16, SamplingParams(temperature=1.0, seed=3))
+        greedy = generate(engine, prompts, 16, record_logits=True)
+        sampled = generate(engine, prompts, 16, SamplingParams(temperature=1.0, seed=3))
         m = engine.metrics()
         out[name] = (greedy.outputs, torch.cat(greedy.logits), sampled.outputs)
         out[name, "speculative"] = (greedy.stats["speculative"], sampled.stats["speculative"])

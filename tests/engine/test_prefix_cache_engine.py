@@ -19,6 +19,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
 from spmoe.distributed.comm import broadcast_object
 from spmoe.engine.cache.paged import BLOCK_SIZE
+from spmoe.engine.ranks import generate
 from spmoe.engine.request import Request
 
 from ..conftest import relative_error
@@ -95,7 +96,7 @@ def on_and_off(folder: str) -> dict:
             for number, prompts in enumerate(
                 rounds()
             ):  # both rounds name their requests generate-0, -1, ...
-                gen = engine.generate(prompts, MAX_NEW, record_logits=True)
+                gen = generate(engine, prompts, MAX_NEW, record_logits=True)
                 outputs += gen.outputs
                 logits += gen.logits
                 drafts.update({(number, key): value for key, value in recorded.items()})
@@ -162,7 +163,7 @@ def diverged(engine) -> str | None:
     -> on rank 1 the error it raised (None if it raised none); None on rank 0. No forward runs after."""
     state = get_parallel_state()
     first, second = rounds()
-    engine.generate(first, MAX_NEW)
+    generate(engine, first, MAX_NEW)
     if state.rank != 0:
         blocks = engine.scheduler.room.blocks
         blocks.allocate(-1, blocks.capacity_tokens)
@@ -170,40 +171,42 @@ def diverged(engine) -> str | None:
     for i, prompt in enumerate(second):
         engine.add_request(Request(f"second-{i}", prompt, MAX_NEW))
     if state.rank == 0:
-        broadcast_object(engine.schedule().admissions, state.control_group)
+        broadcast_object(engine.scheduler.schedule().admissions, state.control_group)
         return None
     admissions = broadcast_object(None, state.control_group)
     try:
-        engine.schedule(admissions)
+        engine.scheduler.schedule(admissions)
     except RuntimeError as error:
         return str(error)
     return None
 
 
 def record_drafts(engine) -> dict:
-    """Wrap the model runner's draft step: -> a dict it fills with each sequence's drafts, keyed by (request
+    """Wrap the drafter's draft step: -> a dict it fills with each sequence's drafts, keyed by (request
     id, tokens it had generated before the step), and with the MTP layer's cache rows of each prompt once the
     drafter has caught up on all of it (keyed by request id): `[prompt, c + r]`, the latent and the rope key."""
-    recorded, draft = {}, engine.runner.draft
+    recorded, draft = {}, engine.drafter.draft
     mtp = engine.cache.layers[engine.model.cfg.num_hidden_layers]
 
-    def draft_and_record(batch, result, hidden, replayed):
-        proposed = draft(batch, result, hidden, replayed)
-        for seq, table, new in zip(batch.seqs, batch.locations, proposed):
-            if new:
-                recorded[seq.request_id, len(seq.output)] = new
-            if (
-                new and not seq.output
-            ):  # its first token: the drafter has caught up on the whole prompt
+    def draft_and_record(batch, forward, results):
+        proposed = draft(batch, forward, results)
+        for result in results:
+            seq, new = result.part.seq, proposed.get(result.part.seq)
+            if not new:
+                continue
+            # the drafts follow this step's commit: the tokens it had before it
+            before = len(seq.output) - len(result.output.new_token_ids)
+            recorded[seq.request_id, before] = new
+            if not before:  # its first token: the drafter has caught up on the whole prompt
                 positions = torch.arange(len(seq.request.prompt))
                 rows = (
-                    torch.tensor(table)[positions // BLOCK_SIZE] * BLOCK_SIZE
+                    torch.tensor(result.part.location)[positions // BLOCK_SIZE] * BLOCK_SIZE
                     + positions % BLOCK_SIZE
                 )
                 recorded[seq.request_id] = torch.cat([mtp.latent[rows], mtp.rope[rows]], dim=1)
         return proposed
 
-    engine.runner.draft = draft_and_record
+    engine.drafter.draft = draft_and_record
     return recorded
 
 

@@ -14,14 +14,9 @@ import math
 import pytest
 import torch
 
+from spmoe.engine.sampling.noise import exponential_noise, race, seed_keys
 from spmoe.engine.sampling.rejection import accept_drafts, rejection_sample
-from spmoe.engine.sampling.sampler import (
-    Sampler,
-    SamplingParams,
-    exponential_noise,
-    race,
-    seed_keys,
-)
+from spmoe.engine.sampling.sampler import Sampler, SamplingParams
 
 
 @pytest.mark.parametrize(

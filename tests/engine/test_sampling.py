@@ -11,18 +11,16 @@ import random
 import pytest
 import torch
 
-from spmoe.engine.sampling.processors import apply_top_k_top_p
-from spmoe.engine.sampling.sampler import (
+from spmoe.engine.sampling.noise import (
     MASK32,
-    Sampler,
-    SamplingParams,
     draw_tokens,
     exponential_noise,
     exponential_of,
     mix32,
-    prompt_logprobs,
     seed_keys,
 )
+from spmoe.engine.sampling.processors import apply_top_k_top_p
+from spmoe.engine.sampling.sampler import Sampler, SamplingParams, prompt_logprobs
 
 V = 12
 NEG = float("-inf")

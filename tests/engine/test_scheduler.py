@@ -1,10 +1,11 @@
-"""The scheduler over a real paged cache's blocks, without a model: decode tokens first, prompt chunks under
-the token budget, admission only into free blocks, and preemption of the most recently admitted sequence
-(its blocks freed, queued first, to be recomputed from its prompt and the tokens it generated); `update`
-committing hand-made step results: eos, length, non-finite logits, drafts accepted and rejected, a prompt
-chunk that does not sample; prefix caching: admission with the cached prefix (a shared head, an exact block
-multiple, the whole prompt), chunks continuing from it, a preempted sequence finding its own blocks again, and
-eviction of unreferenced cached blocks when room is needed; a scheduler following another's admissions."""
+"""The scheduler over a real paged cache's blocks, without a model: decode tokens first, prompt chunks
+under the token budget, admission only into free blocks, and preemption of the most recently admitted
+sequence (its blocks freed, queued first, to be recomputed from its prompt and the tokens it generated);
+each sequence's commit and `update` over hand-made step results: eos, length, non-finite logits, drafts
+accepted and rejected, a prompt chunk that does not sample; prefix caching: admission with the cached
+prefix (a shared head, an exact block multiple, the whole prompt), chunks continuing from it, a preempted
+sequence finding its own blocks again, and eviction of unreferenced cached blocks when room is needed; a
+scheduler following another's admissions."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache, token_bytes
 from spmoe.engine.request import Request
 from spmoe.engine.sampling.sampler import Sampler
 from spmoe.engine.scheduler import BlockRoom, Scheduler
-from spmoe.engine.sequence import ScheduledBatch, Sequence, StepResult
+from spmoe.engine.sequence import Admission, Batch, PartResult, Role, Sequence
 
 from .conftest import ENGINE_CONFIG
 
@@ -41,16 +42,50 @@ def paged_room(num_blocks: int, prefix_caching: bool = False, lookahead: int = 0
     return BlockRoom(cache, 8, enable_prefix_caching=prefix_caching, lookahead=lookahead)
 
 
-def pairs(batch: ScheduledBatch) -> list[tuple[str, int]]:
-    return [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_tokens)]
+def pairs(batch: Batch) -> list[tuple[str, int]]:
+    """(request id, tokens fed) of each part that feeds, in order."""
+    return [(p.seq.request_id, len(p.tokens)) for p in batch.fed]
 
 
-def feed(scheduler: Scheduler, batch: ScheduledBatch, token: int = 7) -> None:
-    """A step without drafts: every sequence that samples, and every fork, commits `token`."""
-    samples = batch.samples + [True] * len(batch.forks)
-    n = len(samples)
-    result = StepResult([[token] if last else [] for last in samples], [0] * n, [True] * n)
-    scheduler.update(batch, result)
+def samples(batch: Batch) -> list[bool]:
+    return [p.draws for p in batch.fed]
+
+
+def starts(batch: Batch) -> list[int]:
+    return [p.start for p in batch.fed]
+
+
+def locations(batch: Batch) -> list:
+    return [p.location for p in batch.fed]
+
+
+def forks(batch: Batch) -> list[tuple[str, int]]:
+    """(request id, the index among the fed parts of its source) of each fork."""
+    return [
+        (p.seq.request_id, batch.fed.index(p.source)) for p in batch.parts if p.role is Role.FORK
+    ]
+
+
+def commit(scheduler: Scheduler, batch: Batch, drawn: dict, drafts: dict | None = None) -> list:
+    """As the engine's step after the forward: each part commits its hand-made result (`drawn`: request
+    id -> `PartResult` fields; a part not named draws nothing), then `update` with the next `drafts`
+    (request id -> drafts). -> the outputs."""
+    results = [PartResult(part=p, **drawn.get(p.seq.request_id, {})) for p in batch.parts]
+    for result in results:
+        result.part.seq.commit(result, batch.step)
+    by_seq = {
+        p.seq: (drafts or {})[p.seq.request_id]
+        for p in batch.parts
+        if p.seq.request_id in (drafts or {})
+    }
+    return scheduler.update(results, by_seq)
+
+
+def feed(scheduler: Scheduler, batch: Batch, token: int = 7) -> None:
+    """A step without drafts: every part that draws, forks included, commits `token`."""
+    commit(
+        scheduler, batch, {p.seq.request_id: dict(tokens=[token]) for p in batch.parts if p.draws}
+    )
 
 
 def test_chunks_admission_and_preemption():
@@ -65,7 +100,7 @@ def test_chunks_admission_and_preemption():
     batch = scheduler.schedule()  # a whole, b's first 36 tokens; c: no budget left
     assert (
         pairs(batch) == [("a", 64), ("b", 36)]
-        and batch.samples == [True, False]
+        and samples(batch) == [True, False]
         and not batch.decode
     )
     assert [s.request_id for s in scheduler.waiting] == ["c"] and room.blocks.num_used_blocks == 2
@@ -75,7 +110,7 @@ def test_chunks_admission_and_preemption():
     batch = (
         scheduler.schedule()
     )  # a decodes into a second block, b's last 28; c finds no free block
-    assert pairs(batch) == [("a", 1), ("b", 28)] and batch.starts == [64, 36]
+    assert pairs(batch) == [("a", 1), ("b", 28)] and starts(batch) == [64, 36]
     assert room.blocks.num_free_blocks == 0 and [s.request_id for s in scheduler.waiting] == ["c"]
     feed(scheduler, batch)
 
@@ -103,7 +138,7 @@ def test_nothing_to_run():
     """An empty scheduler has no step to run, unless the DP ranks must keep in step: then an empty batch."""
     assert Scheduler(paged_room(1), Sampler(8, 16)).schedule() is None
     batch = Scheduler(paged_room(1), Sampler(8, 16), keep_in_step=True).schedule()
-    assert batch.seqs == [] and batch.step == 1
+    assert batch.parts == [] and batch.step == 1
 
 
 def test_update_commits_a_hand_made_result():
@@ -119,21 +154,15 @@ def test_update_commits_a_hand_made_result():
         scheduler.add(seq)
     batch = scheduler.schedule()
     assert pairs(batch) == [("eos", 4), ("length", 3), ("nan", 1), ("spec", 1), ("chunk", 91)]
-    assert batch.samples == [True, True, True, True, False]
+    assert samples(batch) == [True, True, True, True, False]
     length.output = [9]  # one token short of its limit
-    result = StepResult(
-        token_ids=[
-            [40, 50, 60],
-            [11, 12],
-            [0],
-            [21],
-            [],
-        ],  # eos and length: cut after the stopping token
-        accepted=[0, 0, 0, 0, 0],
-        finite=[True, True, False, True, True],
-        drafts=[[], [], [], [22, 23], []],
-    )
-    outputs = scheduler.update(batch, result)
+    drawn = {  # eos and length: cut after the stopping token
+        "eos": dict(tokens=[40, 50, 60]),
+        "length": dict(tokens=[11, 12]),
+        "nan": dict(tokens=[0], finite=False),
+        "spec": dict(tokens=[21]),
+    }
+    outputs = commit(scheduler, batch, drawn, drafts={"spec": [22, 23]})
     got = {o.request_id: (o.new_token_ids, o.finish_reason, o.prompt_tokens) for o in outputs}
     assert got == {
         "eos": ([40, 50], "stop", 4),
@@ -156,12 +185,12 @@ def test_update_commits_a_hand_made_result():
     batch = scheduler.schedule()  # spec verifies its drafts; the chunk's last 9 tokens
     assert (
         pairs(batch) == [("spec", 3), ("chunk", 9)]
-        and batch.starts == [1, 91]
-        and batch.samples == [True] * 2
+        and starts(batch) == [1, 91]
+        and samples(batch) == [True] * 2
     )
     # spec: the target accepts 22, rejects 23 and picks 30 there; its next drafts 31, 32
-    result = StepResult([[22, 30], [70]], [1, 0], [True, True], [[31, 32], [71, 72]])
-    scheduler.update(batch, result)
+    drawn = {"spec": dict(tokens=[22, 30], accepted=1), "chunk": dict(tokens=[70])}
+    commit(scheduler, batch, drawn, drafts={"spec": [31, 32], "chunk": [71, 72]})
     assert (spec.cached, spec.pending, spec.drafts, spec.output) == (
         3,
         [30, 31, 32],
@@ -178,9 +207,8 @@ def test_update_commits_a_hand_made_result():
     batch = (
         scheduler.schedule()
     )  # spec: both drafts rejected, one token; chunk: both accepted and a bonus
-    scheduler.update(
-        batch, StepResult([[33], [71, 72, 73]], [0, 2], [True, True], [[34, 35], [74, 75]])
-    )
+    drawn = {"spec": dict(tokens=[33]), "chunk": dict(tokens=[71, 72, 73], accepted=2)}
+    commit(scheduler, batch, drawn, drafts={"spec": [34, 35], "chunk": [74, 75]})
     assert (spec.cached, spec.pending, spec.output[-1]) == (4, [33, 34, 35], 33)
     assert (chunk.cached, chunk.pending, chunk.output) == (103, [73, 74, 75], [70, 71, 72, 73])
 
@@ -191,7 +219,7 @@ def test_prefix_cache_admission():
     a = sequence("a", 130, max_new_tokens=3)
     scheduler.add(a)
     batch = scheduler.schedule()
-    assert pairs(batch) == [("a", 100)] and batch.starts == [0]
+    assert pairs(batch) == [("a", 100)] and starts(batch) == [0]
     feed(scheduler, batch)  # positions 0-99 written: block 0 cached
     assert room.blocks.num_cached_blocks == 1
     feed(scheduler, scheduler.schedule())  # the last 30 and a first token: block 1 cached too
@@ -205,8 +233,8 @@ def test_prefix_cache_admission():
         scheduler.add(seq)
     batch = scheduler.schedule()
     assert pairs(batch) == [("a", 1), ("b", 2), ("c", 64), ("d", 2)]
-    assert batch.starts == [130, 128, 64, 128] and batch.samples == [True] * 4
-    tables = batch.locations
+    assert starts(batch) == [130, 128, 64, 128] and samples(batch) == [True] * 4
+    tables = locations(batch)
     assert (
         tables[1][:2] == tables[0][:2]
         and tables[2][:1] == tables[0][:1]
@@ -242,8 +270,8 @@ def test_preempted_sequence_finds_its_blocks_again():
     assert room.blocks.num_cached_blocks == 1  # a's and b's prompt blocks are equal: one is cached
     batch = scheduler.schedule()
     assert scheduler.preemptions == 1 and b.preemptions == 1
-    assert pairs(batch) == [("a", 1), ("b", 1)] and batch.starts == [65, 64]
-    assert batch.locations[1][0] == batch.locations[0][0]  # b holds a's cached block
+    assert pairs(batch) == [("a", 1), ("b", 1)] and starts(batch) == [65, 64]
+    assert locations(batch)[1][0] == locations(batch)[0][0]  # b holds a's cached block
     assert room.prefix_cache_counts() == (64 + 64 + 65, 64)
 
 
@@ -259,10 +287,10 @@ def test_a_twin_waits_for_the_prompt_blocks_it_shares():
     batch = (
         scheduler.schedule()
     )  # the first alone; the twin (and what queues behind it) waits for it
-    assert pairs(batch) == [("first", 130)] and batch.forks == []
+    assert pairs(batch) == [("first", 130)] and forks(batch) == []
     feed(scheduler, batch)  # its prompt written: blocks 0 and 1 cached
     batch = scheduler.schedule()
-    assert pairs(batch) == [("first", 1), ("twin", 3), ("other", 20)] and batch.starts == [
+    assert pairs(batch) == [("first", 1), ("twin", 3), ("other", 20)] and starts(batch) == [
         130,
         128,
         0,
@@ -287,7 +315,8 @@ def test_a_follower_admits_what_the_decider_admits():
         scheduler.add(sequence("b", 140))  # its first two blocks are a's
         scheduler.add(sequence("c", 10))
     batch = decider.schedule()
-    assert batch.admissions == [("b", 128), ("c", 0)] and pairs(batch) == [
+    want = [Admission(request_id="b", cached=128), Admission(request_id="c", cached=0)]
+    assert batch.admissions == want and pairs(batch) == [
         ("a", 1),
         ("b", 12),
         ("c", 10),
@@ -295,16 +324,16 @@ def test_a_follower_admits_what_the_decider_admits():
     followed = follower.schedule(batch.admissions)
     assert (
         pairs(followed) == pairs(batch)
-        and followed.starts == batch.starts
+        and starts(followed) == starts(batch)
         and followed.admissions == batch.admissions
     )
-    assert followed.locations == batch.locations and rooms[1].prefix_cache_counts() == (280, 128)
+    assert locations(followed) == locations(batch) and rooms[1].prefix_cache_counts() == (280, 128)
     # the follower refuses admissions it cannot follow (budget: 100 - a's decode token - b's 12 - c's 10)
     for scheduler in (decider, follower):
         scheduler.add(sequence("d", 70))
         scheduler.add(sequence("e", 70))
     with pytest.raises(RuntimeError) as error:
-        follower.schedule([("e", 0)])
+        follower.schedule([Admission(request_id="e", cached=0)])
     assert str(error.value) == (
         "the deciding rank admits request 'e' with 0 cached tokens, but this rank's next waiting request is "
         "'d', with 77 tokens of budget and 3 of 8 sequences running: the ranks diverged"
@@ -332,16 +361,16 @@ def test_choices_fork_from_the_prompt_they_share(caching, prompt_len, lookahead,
     for seq in (*choices, other):
         scheduler.add(seq)
     batch = scheduler.schedule()
-    assert pairs(batch) == [("n0", 100)] and batch.forks == [] and len(scheduler.waiting) == 4
+    assert pairs(batch) == [("n0", 100)] and forks(batch) == [] and len(scheduler.waiting) == 4
     feed(scheduler, batch)
     batch = (
         scheduler.schedule()
     )  # n0's last chunk; the other three fork from it (feeding nothing); other admitted
-    assert pairs(batch) == [("n0", prompt_len - 100), ("other", 20)] and batch.samples == [
+    assert pairs(batch) == [("n0", prompt_len - 100), ("other", 20)] and samples(batch) == [
         True,
         True,
     ]
-    assert [(seq.request_id, source) for seq, source in batch.forks] == [
+    assert forks(batch) == [
         ("n1", 0),
         ("n2", 0),
         ("n3", 0),
@@ -353,7 +382,8 @@ def test_choices_fork_from_the_prompt_they_share(caching, prompt_len, lookahead,
         table[: shared // BLOCK_SIZE] == tables[0][: shared // BLOCK_SIZE] for table in tables
     )
     assert len(own) == len(set(own)) and not set(own) & set(tables[0][: shared // BLOCK_SIZE])
-    outputs = scheduler.update(batch, StepResult([[7], [8], [9], [10], [11]], [0] * 5, [True] * 5))
+    tokens = dict(n0=[7], other=[8], n1=[9], n2=[10], n3=[11])
+    outputs = commit(scheduler, batch, {name: dict(tokens=t) for name, t in tokens.items()})
     assert [(o.request_id, o.new_token_ids) for o in outputs] == [
         ("n0", [7]),
         ("other", [8]),
@@ -376,9 +406,9 @@ def test_choices_fork_from_the_prompt_they_share(caching, prompt_len, lookahead,
         ("other", 1)
     ]
     assert (
-        batch.starts == [prompt_len] + [shared] * 3 + [20]
-        and batch.forks == []
-        and batch.samples == [True] * 5
+        starts(batch) == [prompt_len] + [shared] * 3 + [20]
+        and forks(batch) == []
+        and samples(batch) == [True] * 5
     )
     assert batch.decode == (shared == prompt_len)
     # counted from the tables: the shared blocks once, each choice's own blocks, other's one
@@ -407,16 +437,14 @@ def test_forks_after_an_abort_and_without_room():
     batch = (
         scheduler.schedule()
     )  # n1 computes the rest; n2 forks into the one free block; n3 finds none
-    assert pairs(batch) == [("n1", 66)] and batch.starts == [64]
-    assert [(s.request_id, i) for s, i in batch.forks] == [
-        ("n2", 0)
-    ] and room.blocks.num_free_blocks == 0
+    assert pairs(batch) == [("n1", 66)] and starts(batch) == [64]
+    assert forks(batch) == [("n2", 0)] and room.blocks.num_free_blocks == 0
     assert [s.request_id for s in scheduler.waiting] == ["n3"]
     feed(scheduler, batch)
     steps = []
     while scheduler.has_unfinished():
         batch = scheduler.schedule()
-        steps.append(list(zip(pairs(batch), batch.starts)))
+        steps.append(list(zip(pairs(batch), starts(batch))))
         feed(scheduler, batch)
     assert steps[0] == [(("n1", 1), 130), (("n2", 3), 128)]
     assert steps[4] == [
@@ -440,10 +468,13 @@ def peak_blocks_of_choices(prompt_len: int, n: int) -> int:
         batch = scheduler.schedule()
         held = {block for seq in scheduler.running for block in room.location(seq)}
         peak = max(peak, len(held))
-        samples = batch.samples + [True] * len(batch.forks)
         token += 1  # each choice its own tokens
-        tokens = [[(token + j) % 90] if last else [] for j, last in enumerate(samples)]
-        scheduler.update(batch, StepResult(tokens, [0] * len(samples), [True] * len(samples)))
+        tokens = {
+            p.seq.request_id: dict(tokens=[(token + j) % 90])
+            for j, p in enumerate(batch.parts)
+            if p.draws
+        }
+        commit(scheduler, batch, tokens)
     assert [len(seq.output) for seq in choices] == [16] * n
     assert (
         room.blocks.num_used_blocks == 0 and room.blocks.num_free_blocks == room.blocks.num_blocks

@@ -14,15 +14,14 @@ import math
 import pytest
 import torch
 
-from spmoe.engine.sampling.sampler import (
-    Sampler,
-    SamplingParams,
+from spmoe.engine.sampling.noise import (
     draw_tokens_by_torch,
     exponential_noise,
     exponential_of,
     noise_bits,
     seed_keys,
 )
+from spmoe.engine.sampling.sampler import Sampler, SamplingParams
 
 from ..multigpu import kernel_devices, requires_gpus
 

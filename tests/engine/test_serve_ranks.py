@@ -100,15 +100,15 @@ def serve_rank_failing(*args):
     from spmoe.engine.engine import Engine
 
     if get_parallel_state().rank == 0:
-        steps, run = [0], Engine.run
+        steps, step = [0], Engine.step
 
-        def broken_run(self, batch):
+        def broken_step(self):
             steps[0] += 1
             if steps[0] == 3:
                 raise RuntimeError("injected failure")
-            return run(self, batch)
+            return step(self)
 
-        Engine.run = broken_run
+        Engine.step = broken_step
     return serve_rank(*args)
 
 

@@ -43,9 +43,10 @@ def requests(per_setting: int) -> list[SamplingParams]:
     return out
 
 
-def generate(folder: str, per_setting: int = PER_SETTING) -> dict:
+def generate_all(folder: str, per_setting: int = PER_SETTING) -> dict:
     from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
+    from spmoe.engine.ranks import generate
     from spmoe.engine.request import Request
     from spmoe.models.deepseek_v32.weights import load_model
 
@@ -54,7 +55,7 @@ def generate(folder: str, per_setting: int = PER_SETTING) -> dict:
 
     def run(sampling: list[SamplingParams], k: int):
         engine = Engine(model, KVCache.for_model(model, len(sampling), len(PROMPT) + NEW + K), k)
-        return engine.generate([PROMPT] * len(sampling), NEW, sampling)
+        return generate(engine, [PROMPT] * len(sampling), NEW, sampling)
 
     def with_logprobs(k: int) -> list[tuple[list[int], list]]:
         """Each of LOGPROB_REQUESTS' (tokens, logprobs), 8 tokens each, in one batch."""
@@ -120,7 +121,7 @@ def chi_square_p(tokens: list[list[int]], exact: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def sampled(engine_checkpoint):
-    return spawn(generate, 1, engine_checkpoint)[0], exact_distributions(engine_checkpoint)
+    return spawn(generate_all, 1, engine_checkpoint)[0], exact_distributions(engine_checkpoint)
 
 
 def test_sampled_continuations_follow_the_target_distribution(sampled):

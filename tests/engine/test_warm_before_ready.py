@@ -13,6 +13,7 @@ import torch
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from spmoe.engine.args import EngineArgs
+from spmoe.engine.build import build_engine
 from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
 from spmoe.engine.engine import Engine
 from spmoe.engine.request import Request
@@ -191,7 +192,7 @@ def graph_default_case(model):
     assert args.cuda_graphs is False and not args.use_cuda_graphs(
         model
     )  # the default settles off on CPU
-    engine = args.build_engine(model, 2, 64)
+    engine = build_engine(args, model, 2, 64)
     assert engine.runner.graphs is None and engine.graph_captures() == 0
 
 

@@ -153,7 +153,11 @@ class ScriptedEngineClient:
                     reason = "length"
                 finished = reason is not None
                 out = RequestOutput(
-                    request.request_id, new, reason, prompt_tokens=len(request.prompt)
+                    request.request_id,
+                    new,
+                    reason,
+                    prompt_tokens=len(request.prompt),
+                    stop_token=new[-1] if reason == "stop" else None,  # as the engine names it
                 )
                 if request.sampling.logprobs is not None:  # made-up values the tests can recognise
                     out.logprobs = [

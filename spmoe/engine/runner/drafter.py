@@ -1,33 +1,134 @@
-"""Speculative decoding with MTP: draft k tokens per sequence, let the target verify them in one forward.
+"""Speculative decoding with MTP: the whole draft step, after the step's commits.
 
 Per sequence and step:
 
-    target forward over [t, d1 .. dk] at positions p .. p+k  -> the target's draws y0 .. yk (`rejection.py`:
-                                                                the argmax of a greedy request, a seeded draw
-                                                                from the processed distribution otherwise)
+    target forward over [t, d1 .. dk] at positions p .. p+k  -> the target's draws y0 .. yk (`rejection.py`)
     accept d1 .. da while d_j == y_(j-1); commit d1 .. da and y_a (a + 1 tokens)
     MTP catch-up over the a + 1 verified positions, fed (next token, target post-norm hidden) -> draft d1'
     k - 1 more MTP steps, each fed (its last draft, its own post-norm hidden)           -> d2' .. dk'
 
-Rejected positions need no rollback: the engine only advances a sequence's cached length over verified
-tokens, and later writes overwrite the stale cache rows. A sequence with a grammar (structured output) drafts
-among the tokens its grammar allows (`grammar.DraftGrammars`): a draft the grammar forbids would be rejected.
+Rejected positions need no rollback: a sequence's cached length only advances over verified tokens, and
+later writes overwrite the stale cache rows. Drafts are greedy (the drafter's q is one-hot); a sequence
+with a grammar drafts among the tokens its grammar allows (its grammar walks the drafts, then rolls
+back). After a replayed decode step without grammars the drafter's CUDA graph runs; otherwise the eager
+drafter. Under DP every rank runs the draft step, even an empty one.
 """
 
 import torch
 
 from spmoe.engine.cache.paged import PagedKVCache
 from spmoe.engine.cache.slots import KVCache
-from spmoe.engine.sampling.grammar import DraftGrammars
+from spmoe.engine.runner.graphs import StepGraphs
+from spmoe.engine.runner.model_runner import Forward
+from spmoe.engine.sampling.grammar import SequenceGrammar, mask_allowed
+from spmoe.engine.sequence import Batch, PartResult, Role, Sequence, Status
+from spmoe.engine.stats import StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 
 class MtpDrafter:
-    """Drafts `k` tokens per sequence with the model's MTP layer, greedily (its q is one-hot). Its KV cache rows
-    live in the engine's cache, under the MTP layer's index, in the same slots (or blocks) as the target's."""
+    """Drafts `k` tokens per sequence with the model's MTP layer (k = 0: no speculation, no draft step).
+    Its KV cache rows live in the engine's cache, under the MTP layer's index, in the same slots (or
+    blocks) as the target's. `graphs`: the engine's CUDA graphs (None: eager only); `keep_in_step`: run
+    the draft step even with nothing to draft (DP)."""
 
-    def __init__(self, model: DeepseekV32ForCausalLM, cache: KVCache | PagedKVCache, k: int):
+    def __init__(
+        self,
+        model: DeepseekV32ForCausalLM,
+        cache: KVCache | PagedKVCache,
+        k: int,
+        stats: StepStats | None = None,
+        graphs: StepGraphs | None = None,
+        keep_in_step: bool = False,
+    ):
         self.model, self.cache, self.k = model, cache, k
+        self.stats, self.graphs, self.keep_in_step = stats, graphs, keep_in_step
+
+    @torch.no_grad()
+    def draft(
+        self, batch: Batch, forward: Forward, results: list[PartResult]
+    ) -> dict[Sequence, list[int]]:
+        """The MTP layer catches up on every position the target fed and kept: a prompt chunk only fills
+        its cache rows; a sequence that committed tokens and goes on gets its next drafts; one that ended
+        in the step its forks took its prompt's blocks fills the rows of its prompt (but the last
+        token's). -> the next drafts of each sequence that goes on (a fork: after it has fed)."""
+        if not self.k:
+            return {}
+        replayed = forward.replayed
+        fed = [r for r in results if r.part.role is not Role.FORK]
+        if replayed is not None and replayed.draft is not None:
+            if all(r.part.seq.grammar is None for r in fed):
+                return self._replayed(fed)
+        sources = {r.part.source for r in results if r.part.role is Role.FORK}
+        to_draft, row = [], 0  # (result, the token after each fed position, the hidden there)
+        for result in fed:
+            part, n = result.part, len(result.part.tokens)
+            if part.role is Role.PROMPT_CHUNK:  # its sequence's pending starts with the next token
+                to_draft.append((result, part.tokens[1:] + part.seq.pending[:1], row, n))
+            elif part.seq.status is Status.RUNNING:
+                verified = n - (len(part.drafts) - result.accepted)
+                next_ids = part.tokens[1:verified] + [result.output.new_token_ids[-1]]
+                to_draft.append((result, next_ids, row, verified))
+            elif part in sources and n > 1:  # it ends, but its forks hold its prompt's blocks
+                to_draft.append((result, part.tokens[1:n], row, n - 1))
+            row += n
+        if not to_draft and not self.keep_in_step:
+            return {}
+        phase = self.stats.phases["draft"]
+        with phase.measure():
+            hidden = [forward.hidden[start : start + count] for *_, start, count in to_draft]
+            hidden = hidden or [
+                torch.zeros(
+                    0, self.model.cfg.hidden_size, dtype=self.cache.dtype, device=self.cache.device
+                )
+            ]
+            grammars = [self._walks(result) for result, *_ in to_draft]
+            proposed = self.propose(
+                [result.part.location for result, *_ in to_draft],
+                [result.part.start for result, *_ in to_draft],
+                [next_ids for _, next_ids, *_ in to_draft],
+                torch.cat(hidden),
+                grammars if any(g is not None for g in grammars) else None,
+            )
+        phase.forwards += self.k
+        phase.tokens_fed += sum(len(ids) for _, ids, *_ in to_draft) + (self.k - 1) * len(to_draft)
+        return {
+            result.part.seq: new
+            for (result, *_), new in zip(to_draft, proposed)
+            if result.part.seq.status is Status.RUNNING and result.part.draws
+        }
+
+    @staticmethod
+    def _walks(result: PartResult) -> SequenceGrammar | None:
+        """The grammar that masks a sequence's drafts: that of one that drew and goes on, if it has one."""
+        seq = result.part.seq
+        drafting = result.part.draws and seq.status is Status.RUNNING
+        return seq.grammar if drafting and seq.grammar is not None else None
+
+    def _replayed(self, fed: list[PartResult]) -> dict[Sequence, list[int]]:
+        """The draft step after a replayed target step: the drafter's graph catches up on every fed
+        position (a sequence's committed tokens are the tokens after its verified ones) and drafts from
+        its last verified one; a sequence that stops gets none (its steps write the scratch room)."""
+        k, per_seq = self.k, 1 + self.k
+        next_ids, last, starts = [], [], []
+        for result in fed:
+            tokens = result.output.new_token_ids
+            goes_on = result.part.seq.status is Status.RUNNING
+            next_ids.append((tokens + [0] * per_seq)[:per_seq])
+            last.append(max(len(tokens) - 1, 0))
+            starts.append(result.part.start + len(tokens) if goes_on else None)
+        phase = self.stats.phases["draft"]
+        locations = [result.part.location for result in fed]
+        with phase.measure():
+            proposed = self.graphs.draft(next_ids, last, starts, locations, phase.collectives)
+        phase.forwards += k
+        phase.replays += 1
+        phase.tokens_fed += len(fed) * (per_seq + k - 1)
+        return {
+            result.part.seq: new
+            for result, new, start in zip(fed, proposed, starts)
+            if start is not None
+        }
 
     def propose(
         self,
@@ -35,43 +136,72 @@ class MtpDrafter:
         starts: list[int],
         next_ids: list[list[int]],
         hidden: torch.Tensor,
-        grammars: DraftGrammars | None = None,
+        grammars: list[SequenceGrammar | None] | None = None,
     ) -> list[list[int]]:
         """Catch up on the verified positions of each sequence, then draft.
 
         Sequence i (cache room `locations[i]`: a slot, or a block table) has `len(next_ids[i])` verified
         positions from `starts[i]` on; `next_ids[i]` holds the token after each of them and `hidden`
-        `[sum of lengths, H]` the target's post-norm hidden at each. `grammars`: the sequences' grammars, when
-        one has a grammar: each draft is then chosen among the tokens its grammar allows. Returns k drafts per
-        sequence.
-        """
+        `[sum of lengths, H]` the target's post-norm hidden at each. `grammars`: per sequence the grammar
+        its drafts follow, or None (each grammar walks the drafts and is rolled back). -> k drafts per
+        sequence."""
+        walk = _DraftWalk(grammars) if grammars is not None else None
+        try:
+            return self._propose(locations, starts, next_ids, hidden, walk)
+        finally:
+            if walk is not None:
+                walk.rewind()
+
+    def _propose(self, locations, starts, next_ids, hidden, walk) -> list[list[int]]:
         device, lens = hidden.device, [len(ids) for ids in next_ids]
         view = self.cache.view(locations, starts, lens)
         ids = torch.tensor([t for seq in next_ids for t in seq], dtype=torch.long, device=device)
         last_rows = torch.tensor(lens, dtype=torch.long, device=device).cumsum(0) - 1
-        h = self.model.forward_draft_hidden(ids, view.positions, hidden, lens, view)[
-            last_rows
-        ]  # [S, H]
-        tokens = self.best(h, grammars)  # [S]
+        h = self.model.forward_draft_hidden(ids, view.positions, hidden, lens, view)[last_rows]
+        tokens = self.best(h, walk)  # [S]
         drafts = [tokens]
         positions, ones = [s + n for s, n in zip(starts, lens)], [1] * len(locations)
         for _ in range(self.k - 1):
             view = self.cache.view(locations, positions, ones)
-            h = self.model.forward_draft_hidden(
-                tokens, view.positions, h, ones, view
-            )  # recycle the post-norm hidden
-            tokens = self.best(h, grammars)
+            # recycle the post-norm hidden `[S, H]`
+            h = self.model.forward_draft_hidden(tokens, view.positions, h, ones, view)
+            tokens = self.best(h, walk)
             drafts.append(tokens)
             positions = [p + 1 for p in positions]
         return torch.stack(drafts, dim=1).tolist()  # [S, k]: read back once
 
-    def best(self, h: torch.Tensor, grammars: DraftGrammars | None) -> torch.Tensor:
-        """MTP post-norm hidden `[S, H]` -> each sequence's next draft `[S]`: the argmax of its draft logits, among
-        the tokens its grammar allows when it has one (then read back, for the grammars to walk on)."""
+    def best(self, h: torch.Tensor, walk: "_DraftWalk | None") -> torch.Tensor:
+        """MTP post-norm hidden `[S, H]` -> each sequence's next draft `[S]`: the argmax of its draft
+        logits, among the tokens its grammar allows when it has one (then read back, for the walk)."""
         logits = self.model.compute_draft_logits(h)
-        if grammars is None:
+        if walk is None:
             return logits.argmax(-1)
-        grammars.mask(logits)
+        walk.mask(logits)
         tokens = logits.argmax(-1)
-        grammars.advance(tokens.tolist())
+        walk.advance(tokens.tolist())
         return tokens
+
+
+class _DraftWalk:
+    """The grammars of the drafted sequences (None: no grammar) walked over each new draft, so that every
+    draft is the drafter's best among the tokens its grammar allows; `rewind` puts them back. A grammar
+    that refuses a draft (its row allowed nothing) or ends with one stops walking."""
+
+    def __init__(self, grammars: list[SequenceGrammar | None]):
+        self.grammars = grammars
+        self.before = {i: g.position() for i, g in enumerate(grammars) if g is not None}
+        self.walking = [i for i in self.before if not grammars[i].finished]
+
+    def mask(self, logits: torch.Tensor) -> None:
+        mask_allowed(
+            logits,
+            [self.grammars[i] if i in self.walking else None for i in range(len(self.grammars))],
+        )
+
+    def advance(self, drafts: list[int]) -> None:
+        self.walking = [i for i in self.walking if self.grammars[i].accept(drafts[i])]
+        self.walking = [i for i in self.walking if not self.grammars[i].finished]
+
+    def rewind(self) -> None:
+        for i, position in self.before.items():
+            self.grammars[i].rewind(position)

@@ -3,13 +3,13 @@ k drafts) and for any other step of up to 512 tokens (paged cache), SP on or off
 
 Launching a decode step's few hundred small kernels and collectives one by one costs more than running them
 at small batches. Instead the step (the model, then the LM head) is captured once per padded batch size B in
-`BATCH_SIZES` up to the engine's sequence count, and each decode step replays the smallest graph that fits.
+`static_step.BATCH_SIZES` up to the engine's sequence count, and each decode step replays the smallest graph that fits.
 Pad sequences get token 0 at positions 0 .. T - 1 in the cache's scratch slot or block; they attend only
 themselves and their logits are dropped.
 
 With speculation (k drafts) each sequence feeds T = 1 + k tokens at positions p .. p + k, laid out in
 sequence order (row b * T + j), and a second graph per B holds the MTP drafter's step (`draft_tokens`;
-`speculative.MtpDrafter` is its eager form): the catch-up over all B * T fed rows (a row past a sequence's
+`drafter.MtpDrafter` is its eager form): the catch-up over all B * T fed rows (a row past a sequence's
 last verified position writes an MTP cache row that a later write replaces before anything reads it, as the
 target's rejected rows do), then its k - 1 one-token steps. The host's only work between the two replays is
 the choice of tokens (the sampler and the acceptance rule), which also says which row is each sequence's last
@@ -17,7 +17,7 @@ verified one.
 
 Paged cache: any other step of N <= 512 fed tokens (a prompt chunk beside the decoding sequences, the next
 turn of a conversation whose history is cached, a speculative step whose sequences feed different counts)
-replays the mixed graph of the smallest captured size R >= N in `MIXED_TOKENS`. Its rows are laid end to
+replays the mixed graph of the smallest captured size R >= N in `static_step.MIXED_TOKENS`. Its rows are laid end to
 end as the eager step lays them (sequence i's tokens at their positions, each row naming table row i), then
 R - N pad rows name the all-scratch table row, at positions within the scratch block. The graph holds the
 model only: the model runner computes the logits of the rows the step commits from after the replay, as it
@@ -46,47 +46,23 @@ back), experts that never sync the host (not the torch reference), and a CUDA de
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from spmoe.distributed import CommStats, count_collectives, get_parallel_state
-from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache, check_room
+from spmoe.engine.cache.paged import PagedKVCache, check_room
 from spmoe.engine.cache.slots import KVCache
-from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
-
-# a decode step's sequences, padded to the next: on an H200 (4 GLM-width layers, in a graph) a step takes 4.72 ms
-# at 48 rows, 4.92 at 64, 5.40 at 128 and 6.46 at 256, about 8 us per row above 64, so 129 sequences padded to
-# 256 took a fifth longer than they need; four sizes per doubling above 32 keep the padding under a quarter of
-# the rows (above 128, at most 31 pad rows, about 0.25 ms). Each size is one more graph captured at start-up,
-# holding its [B * T, V] float32 logits (620 KB a row at 154880 tokens): up to 256, 18 graphs and 1519 rows,
-# 0.88 GiB x T (powers of two alone: 9 graphs, 511 rows, 0.29 GiB x T).
-BATCH_SIZES = (
-    1,
-    2,
-    4,
-    8,
-    16,
-    32,
-    40,
-    48,
-    56,
-    64,
-    80,
-    96,
-    112,
-    128,
-    160,
-    192,
-    224,
-    256,
-    320,
-    384,
-    448,
-    512,
+from spmoe.engine.runner.static_step import (
+    decode_hidden,
+    decode_logits,
+    deployment_problems,
+    draft_tokens,
+    graph_sizes,
+    mixed_rows,
+    mixed_sizes,
+    padded_tables,
+    table_width,
 )
-# a step's fed tokens, padded to the next: above about 200 tokens a step's time grows with its rows
-# (`bench_decode_step.py`), so the sizes are close enough that padding adds at most a quarter above 128
-MIXED_TOKENS = (16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 
 @dataclass
@@ -120,128 +96,6 @@ class CapturedStep:
     hidden: torch.Tensor  # [N, H] the post-norm hidden the logits come from (the drafter's input)
     collectives: CommStats  # of one replay, counted at capture
     draft: CapturedDraft | None  # with speculation (decode steps)
-
-
-def deployment_problems(device_type: str, dp_size: int, ep_backend: str) -> list[str]:
-    """What the deployment lacks for captured decode steps (empty if nothing), known before any rank starts.
-    Whether the experts can be captured is known only once they are built."""
-    problems = []
-    if device_type != "cuda":
-        problems.append(f"a CUDA device (the model is on {device_type})")
-    if dp_size > 1:
-        problems.append(f"data_parallel_size 1 (got {dp_size})")
-    if ep_backend != "allgather_reducescatter":
-        problems.append(f"ep_backend 'allgather_reducescatter' (got {ep_backend!r})")
-    return problems
-
-
-def graph_sizes(max_batch: int) -> list[int]:
-    """The padded batch sizes captured for up to `max_batch` sequences."""
-    return [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
-
-
-def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
-    """The padded sizes of the mixed-step graphs for a step token budget of `max_num_batched_tokens`."""
-    most = min(max_num_batched_tokens, MIXED_TOKENS[-1])
-    return [n for n in MIXED_TOKENS if n < most] + [most]
-
-
-def table_width(cache: PagedKVCache, max_model_len: int) -> int:
-    """Blocks in a captured step's block tables: enough for `max_model_len` positions, at most the cache's."""
-    return min(-(-max_model_len // cache.block_size), cache.num_blocks)
-
-
-def padded_tables(tables: list[list[int]], rows: int, width: int, scratch: int) -> np.ndarray:
-    """Block tables of a decode step -> `[rows, width]` int32, each padded with `scratch`, then pad rows of
-    `scratch` alone (a pad row writes its one token to the scratch block)."""
-    out = np.full((rows, width), scratch, dtype=np.int32)
-    for row, table in enumerate(tables):
-        out[row, : len(table)] = table
-    return out
-
-
-def mixed_rows(
-    tokens: list[list[int]], starts: list[int], size: int, pad_where: int
-) -> list[list[int]]:
-    """The inputs `[3, size]` (ids, where, positions; see `step_view`) of a mixed-step graph: sequence i's
-    `tokens[i]` at positions `starts[i]` .. in table row i, laid end to end, then pad rows of token 0 in table
-    row `pad_where`, at positions within its first block (`BLOCK_SIZE`)."""
-    ids = [t for seq in tokens for t in seq]
-    where = [i for i, seq in enumerate(tokens) for _ in seq]
-    positions = [start + j for seq, start in zip(tokens, starts) for j in range(len(seq))]
-    pad = size - len(ids)
-    return [
-        ids + [0] * pad,
-        where + [pad_where] * pad,
-        positions + [j % BLOCK_SIZE for j in range(pad)],
-    ]
-
-
-def step_view(
-    cache: KVCache | PagedKVCache, where: torch.Tensor, positions: torch.Tensor, block_tables
-):
-    """The cache view of rows `[N]` at `positions` `[N]`: `where` is each row's slot (slot cache) or its
-    sequence's row of block_tables `[S, W]` (paged cache)."""
-    if block_tables is None:
-        return cache.decode_view(where, positions)
-    return cache.decode_view(block_tables, where, positions)
-
-
-def decode_logits(
-    model: DeepseekV32ForCausalLM,
-    cache: KVCache | PagedKVCache,
-    inputs: torch.Tensor,
-    block_tables: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The step a graph captures, run eagerly: inputs `[3, N]` (ids, where, positions; see `step_view`) and,
-    paged, block_tables `[S, W]` -> logits `[N, V]`."""
-    return model.compute_logits(decode_hidden(model, cache, inputs, block_tables))
-
-
-def decode_hidden(
-    model: DeepseekV32ForCausalLM, cache, inputs: torch.Tensor, block_tables
-) -> torch.Tensor:
-    """`decode_logits`' post-norm hidden `[N, H]`, before the LM head."""
-    ids, where, positions = inputs
-    return model.forward_hidden(
-        ids, positions, [1] * ids.shape[0], step_view(cache, where, positions, block_tables)
-    )
-
-
-def draft_tokens(
-    model: DeepseekV32ForCausalLM,
-    cache: KVCache | PagedKVCache,
-    inputs: torch.Tensor,
-    block_tables: torch.Tensor | None,
-    hidden: torch.Tensor,
-    next_ids: torch.Tensor,
-    last: torch.Tensor,
-    where: torch.Tensor,
-    first: torch.Tensor,
-    k: int,
-) -> torch.Tensor:
-    """The drafter's step a graph captures, run eagerly, after a target step over S sequences of T fed rows:
-    inputs `[3, S * T]` and block_tables as that step's, hidden `[S * T, H]` its post-norm hidden; next_ids
-    `[S * T]` the token after each fed row; per sequence `[S]`: last, its last verified row; where and first,
-    the room (see `step_view`) and first position of its k - 1 one-token steps -> drafts `[S, k]` int64.
-
-    The MTP layer catches up on every fed row (rows past a sequence's last verified one write cache rows that
-    are rewritten before they are read), its draft comes from the last verified row, and each next draft from
-    a one-token step fed the previous draft and the MTP layer's own post-norm hidden."""
-    _, rows_where, positions = inputs
-    view = step_view(cache, rows_where, positions, block_tables)
-    h = model.forward_draft_hidden(next_ids, positions, hidden, [1] * next_ids.shape[0], view)[
-        last
-    ]  # [S, H]
-    tokens = model.compute_draft_logits(h).argmax(-1)  # [S]
-    drafts, ones = [tokens], [1] * last.shape[0]
-    for i in range(k - 1):
-        step_positions = first + i
-        view = step_view(cache, where, step_positions, block_tables)
-        h = model.forward_draft_hidden(tokens, step_positions, h, ones, view)
-        tokens = model.compute_draft_logits(h).argmax(-1)
-        drafts.append(tokens)
-    return torch.stack(drafts, dim=1)
 
 
 class StepGraphs:

@@ -219,7 +219,7 @@ def fill_bitmask(
     speculation once it had committed them. The grammars walk over the drafts, one draft position at a time,
     and the rows of each position are filled together by xgrammar's batch matcher (its threads): k + 1 batched
     fills for k drafts. Then every grammar is rewound to where it was: the tokens the step commits advance it
-    (`Scheduler.update`). A sequence stops walking at a draft its grammar refuses, or once its grammar has taken
+    (`Sequence.commit`). A sequence stops walking at a draft its grammar refuses, or once its grammar has taken
     its stop token; its later rows allow every token and are never committed from (the row before a refused
     draft masks that draft, so the target's choice there rejects it; after the stop token it ends). Rows whose
     grammar has not started allow every token."""
@@ -255,40 +255,18 @@ def fill_bitmask(
     return GrammarMasks(bitmask, rows, most_tokens)
 
 
-class DraftGrammars:
-    """The grammars of the sequences the MTP drafter drafts for (None: no grammar), walked ahead over the tokens
-    the step commits and then over each draft, so that every draft is the drafter's best token among those its
-    grammar allows: fewer drafts for the target to reject. Only the acceptance rate depends on it (the target's
-    rows are masked on their own, `fill_bitmask`). `rewind` puts every grammar back where it was."""
-
-    def __init__(self, grammars: list[SequenceGrammar | None], committed: list[list[int]]):
-        """`committed[i]`: the tokens sequence i commits this step (its grammar has not taken them yet)."""
-        self.grammars = grammars
-        self.before = {i: g.position() for i, g in enumerate(grammars) if g is not None}
-        self.walking = [i for i in self.before if all(map(grammars[i].accept, committed[i]))]
-        self.walking = [i for i in self.walking if not grammars[i].finished]
-
-    def mask(self, logits: torch.Tensor) -> None:
-        """Draft logits `[S, V]`, one row per drafted sequence -> in place, -inf at the tokens each grammar does not
-        allow next (one batched fill and apply; rows without a started grammar untouched)."""
-        started = [i for i in self.walking if self.grammars[i].active]
-        if not started:
-            return
-        bitmask = xgrammar().allocate_token_bitmask(logits.shape[0], logits.shape[-1])
-        _batch_matcher().batch_fill_next_token_bitmask(
-            [self.grammars[i].matcher for i in started], bitmask, started
-        )
-        apply_bitmask(logits, bitmask, started)
-
-    def advance(self, drafts: list[int]) -> None:
-        """Walk every grammar over its sequence's new draft (`drafts[i]`); a grammar that refuses it (the drafter's
-        row allowed nothing) or ends with it stops walking: its later drafts are the drafter's own."""
-        self.walking = [i for i in self.walking if self.grammars[i].accept(drafts[i])]
-        self.walking = [i for i in self.walking if not self.grammars[i].finished]
-
-    def rewind(self) -> None:
-        for i, position in self.before.items():
-            self.grammars[i].rewind(position)
+def mask_allowed(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> None:
+    """logits `[S, V]`, one row per sequence -> in place, -inf at the tokens each row's grammar does not
+    allow next (one batched fill and apply; rows without a grammar, or whose grammar has not started,
+    untouched)."""
+    started = [i for i, g in enumerate(grammars) if g is not None and g.active]
+    if not started:
+        return
+    bitmask = xgrammar().allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    _batch_matcher().batch_fill_next_token_bitmask(
+        [grammars[i].matcher for i in started], bitmask, started
+    )
+    apply_bitmask(logits, bitmask, started)
 
 
 @functools.cache

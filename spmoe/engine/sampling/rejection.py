@@ -29,7 +29,7 @@ so the residual is 0 at x_j and the residual race never looks at that noise: the
 
 import torch
 
-from spmoe.engine.sampling.sampler import race
+from spmoe.engine.sampling.noise import race
 
 
 def accept_drafts(

@@ -271,7 +271,6 @@ class OpenAIApi:
             self.tokenizer,
             choice.prompt,
             body.stop,
-            eos + stop_ids,
             self.metrics,
             eos_token_ids=eos,
             include_stop=body.include_stop_str_in_output,
@@ -324,7 +323,7 @@ class OpenAIApi:
         ]
         streams = AsyncExitStack()  # closing a choice's pieces aborts its engine request
         pieces = [
-            await streams.enter_async_context(aclosing(self._until_stopped(g.pieces())))
+            await streams.enter_async_context(aclosing(self._open_while_serving(g.pieces())))
             for g in generations
         ]
         firsts = await asyncio.gather(*(first_piece(p) for p in pieces), return_exceptions=True)
@@ -357,7 +356,7 @@ class OpenAIApi:
             finally:
                 await cancel(collect)
 
-    async def _until_stopped(self, pieces):
+    async def _open_while_serving(self, pieces):
         """`pieces`, counted in `open_requests`, until `stop` ends the requests still open: then ApiError 503
         (the engine's request is aborted as the inner iterator closes). `stop` cancels the tasks waiting here
         (`_waiting`); a piece costs no task of its own."""

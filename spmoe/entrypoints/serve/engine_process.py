@@ -35,6 +35,7 @@ import zmq
 from spmoe.config import ModelConfig
 from spmoe.distributed import get_parallel_state
 from spmoe.engine.args import EngineArgs
+from spmoe.engine.build import build_engine, load_model
 from spmoe.engine.engine import Engine
 from spmoe.engine.ranks import ServingLoop, worker_loop
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
@@ -350,7 +351,7 @@ def serve_rank(
     it, else None); the other ranks run the worker loop and return None. `args` and `max_num_waiting`:
     settled (`check_serve`); `tokenizer_dir` (default `model_dir`): for grammars."""
     state = get_parallel_state()
-    model = args.load_model(model_dir, state.device)
+    model = load_model(args, model_dir, state.device)
     # every rank compiles the grammars of structured-output requests itself, the same from the same spec
     grammars = GrammarCompiler(
         partial(load_tokenizer, tokenizer_dir or model_dir), model.cfg.vocab_size
@@ -360,7 +361,7 @@ def serve_rank(
         if state.rank == 0
         else None
     )
-    engine = args.build_engine(model, args.max_num_seqs, args.max_model_len, grammars, log)
+    engine = build_engine(args, model, args.max_num_seqs, args.max_model_len, grammars, log)
     warm_up(engine, log)  # before the front end starts: nothing compiles or captures after ready
     if state.rank != 0:
         worker_loop(engine)

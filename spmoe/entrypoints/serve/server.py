@@ -76,6 +76,8 @@ def run_serve(
         raise ValueError(
             f"--model {model_dir}: expected a checkpoint folder with config.json, found none"
         )
+    from spmoe.engine.build import describe
+
     args, max_num_waiting = check_serve(model_dir, args, max_num_waiting)
     load_tokenizer(front.tokenizer_dir, front.chat_template)
     check_address(front.host, front.port)
@@ -87,7 +89,7 @@ def run_serve(
         flush=True,
     )
     print(
-        f"spmoe serve: {model_dir} on {parallel.world_size} local ranks ({args.describe(parallel)}); "
+        f"spmoe serve: {model_dir} on {parallel.world_size} local ranks ({describe(args, parallel)}); "
         f"loading the weights",
         file=sys.stderr,
         flush=True,

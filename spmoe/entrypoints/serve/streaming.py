@@ -59,8 +59,8 @@ class TextGeneration:
     """One request (one choice) in flight. `pieces()` yields its text; `prompt_tokens` and `completion_tokens`
     count as it goes (completion tokens are every token the engine generated for it, an eos id included).
 
-    `stop_token_ids`: ids that end the text without being part of it (eos and the request's stop ids), unless
-    `include_stop`, which keeps a stop string or a stop id's text (never an eos id's); `discard_output`: the
+    The eos or stop id that ended a request (the output's `stop_token`) ends the text without being part of
+    it, unless `include_stop`, which keeps a stop string or a stop id's text (never an eos id's); `discard_output`: the
     generated tokens are dropped (echo with max_tokens 0: the engine generates one token that nobody sees);
     `prompt_logprobs` is filled from the first output when the request asked for them."""
 
@@ -70,7 +70,6 @@ class TextGeneration:
         tokenizer,
         prompt: list[int],
         stops: list[str],
-        stop_token_ids: tuple[int, ...],
         metrics: ServeMetrics,
         eos_token_ids: tuple[int, ...] = (),
         include_stop: bool = False,
@@ -78,7 +77,7 @@ class TextGeneration:
         discard_output: bool = False,
     ):
         self.outputs, self.metrics = outputs, metrics
-        self.stop_token_ids, self.eos_token_ids = set(stop_token_ids), set(eos_token_ids)
+        self.eos_token_ids = set(eos_token_ids)
         self.include_stop, self.discard_output = include_stop, discard_output
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
         self.stops = StopStrings(stops, include_stop)
@@ -112,9 +111,8 @@ class TextGeneration:
                     self._count(len(ids))
                     held_ids += ids
                     held_logprobs += out.logprobs or []
-                last = ids[-1] if ids else None
-                if out.finish_reason == "stop" and last in self.stop_token_ids:
-                    if not self.include_stop or last in self.eos_token_ids:
+                if ids and out.stop_token is not None:
+                    if not self.include_stop or out.stop_token in self.eos_token_ids:
                         ids = ids[:-1]  # the stop token ends the text without being part of it
                 text = self.detokenizer.push(ids)
                 if out.finish_reason:

@@ -1,0 +1,92 @@
+"""What the engine options (`EngineArgs`) build, on every rank: the model, the KV cache, the engine
+(connected to its group's ranks: `ranks.connect`)."""
+
+import torch
+
+from spmoe.config import ParallelConfig
+from spmoe.engine.args import EngineArgs
+from spmoe.engine.cache.paged import PagedKVCache, build_paged_cache
+from spmoe.engine.cache.slots import KVCache
+from spmoe.engine.engine import Engine
+from spmoe.engine.ranks import connect
+from spmoe.engine.sampling.grammar import GrammarCompiler
+from spmoe.models.deepseek_v32 import weights
+
+
+def describe(args: EngineArgs, parallel: ParallelConfig) -> str:
+    """One line for the start of a job: the layout, speculation, dtype and device."""
+    sp = "on" if parallel.use_sequence_parallel_moe else "off"
+    graphs = ""
+    if args.cuda_graphs:
+        graphs = ", CUDA graphs"
+    elif args.cuda_graphs is None and not args.enforce_eager and args.device == "cuda":
+        graphs = ", CUDA graphs where they apply"
+    return (
+        f"tp={args.tp}, dp={args.dp}, sequence-parallel MoE {sp} (--sp {args.sp}, scope "
+        f"{args.sp_scope}), {f'MTP with {args.drafts} drafts, ' if args.drafts else ''}"
+        f"{args.dtype} on {args.device}{graphs}"
+        f"{', dummy weights' if args.load_format == 'dummy' else ''}"
+        f"{', SIMULATED RANK (rank 0 alone; measurement only)' if args.simulate_rank else ''}"
+    )
+
+
+def load_model(args: EngineArgs, model_dir: str, device: torch.device):
+    """This rank's model: the checkpoint's weights, or random ones (`--load-format dummy`), under
+    `--hf-overrides`."""
+    return weights.load_model(
+        model_dir,
+        args.parallel_config(),
+        args.torch_dtype,
+        device,
+        with_mtp=args.drafts > 0,
+        load_format=args.load_format,
+        overrides=args.hf_overrides,
+    )
+
+
+def build_kv_cache(
+    args: EngineArgs, model, max_num_seqs: int, max_len: int
+) -> KVCache | PagedKVCache:
+    """Dense: one slot of `max_len` positions for each of `max_num_seqs` sequences; or paged
+    (`build_paged_cache`: on CPU without a size, room for `max_num_seqs` x `max_len` tokens; on CUDA,
+    room for at least one sequence of `max_len`)."""
+    if args.kv_cache == "dense":
+        return KVCache.for_model(model, max_num_seqs, max_len)
+    return build_paged_cache(
+        model,
+        args.kv_cache_memory,
+        args.gpu_memory_utilization,
+        args.kv_cache_dtype,
+        max_num_seqs,
+        max_len,
+    )
+
+
+def build_engine(
+    args: EngineArgs,
+    model,
+    max_num_seqs: int,
+    cache_len: int,
+    grammars: GrammarCompiler | None = None,
+    log=None,
+) -> Engine:
+    """The engine over a new KV cache for `max_num_seqs` sequences of `cache_len` positions (the dense
+    cache's slots; the paged cache's default room on CPU; without --max-model-len, the longest sequence,
+    which sets the width of the graphs' block tables), its CUDA graphs captured (`log(line)`: progress),
+    connected to its group's ranks; `grammars`: for structured-output requests. `warmup.warm_up` then
+    makes it ready."""
+    engine = Engine(
+        model,
+        build_kv_cache(args, model, max_num_seqs, cache_len),
+        num_speculative_tokens=args.drafts,
+        cuda_graphs=args.use_cuda_graphs(model),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        # the graphs' block tables: as wide as the job's longest sequence
+        max_model_len=args.max_model_len or cache_len,
+        enable_prefix_caching=args.prefix_caching,
+        grammars=grammars,
+        log=log,
+    )
+    connect(engine)
+    return engine
