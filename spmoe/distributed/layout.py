@@ -115,10 +115,10 @@ def _restore_full_token_layout_if_needed(
 
 
 def largest_dp_batch(num_tokens: int, agreed: int | None = None) -> int:
-    """The largest N over the data-parallel ranks: the expert dispatch spans every DP rank, so all of
-    them pad their rows to the same count. `agreed`: decided before the forward (a captured step must not
-    ask the other ranks, `StepGraphs.shape`); None: agreed now, one tiny all-reduce read back by the
-    host (none when DP = 1)."""
+    """The largest N over the data-parallel ranks: the expert dispatch spans every DP rank, so all
+    of them pad their rows to the same count. `agreed`: decided before the forward (a captured step
+    must not ask the other ranks, `StepGraphs.shape`); None: agreed now, one tiny all-reduce read
+    back by the host (none when DP = 1)."""
     if agreed is not None:
         if agreed < num_tokens:
             raise ValueError(

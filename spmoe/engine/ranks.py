@@ -18,9 +18,9 @@ aborts, and whether to step at all), sends the plan to every rank over the gloo 
 rank applies it and runs the step; under DP > 1 TP rank 0 of each DP group sends its outputs and metrics
 back to rank 0 (`ServingLoop.step`). The other ranks apply plans until the shutdown (`worker_loop`).
 
-Under DP with CUDA graphs every rank replays the same graph each step (the expert dispatch spans them
-all): before any replay the ranks agree on its kind, size and whether the drafter's graph follows, by one
-all-reduce of five ints over the gloo control group (`agree_step`).
+Under DP with CUDA graphs every rank replays the same graph each step (the expert dispatch spans
+them all): before any replay the ranks agree on its kind, size and whether the drafter's graph
+follows, by one all-reduce of five ints over the gloo control group (`agree_step`).
 
 The batch job knows its requests up front, so it needs no plan per step: each DP group adds its own share,
 and every rank steps until no rank has work left (`run_to_completion`; with DP > 1 one tiny all-reduce per
@@ -60,8 +60,8 @@ class GroupAdmissions(Admissions):
 
 
 def connect(engine: Engine) -> None:
-    """On several TP ranks, the engine follows its group leader's admissions (`GroupAdmissions`); under
-    DP with CUDA graphs, its steps' graphs are agreed by every rank (`agree_step`)."""
+    """On several TP ranks, the engine follows its group leader's admissions (`GroupAdmissions`);
+    under DP with CUDA graphs, its steps' graphs are agreed by every rank (`agree_step`)."""
     state = get_parallel_state()
     if state.tp_size > 1 and not isinstance(engine.admissions, GroupAdmissions):
         engine.admissions = GroupAdmissions()
@@ -70,9 +70,9 @@ def connect(engine: Engine) -> None:
 
 
 def agree_step(needs: StepNeeds) -> StepNeeds:
-    """This rank's step needs -> every rank's (the most sequences and tokens of any rank; a graph kind
-    only where every rank can run it): one all-reduce of five ints over the gloo control group, on the
-    host, before any replay."""
+    """This rank's step needs -> every rank's (the most sequences and tokens of any rank; a graph
+    kind only where every rank can run it): one all-reduce of five ints over the gloo control group,
+    on the host, before any replay."""
     state = get_parallel_state()
     cannot = [not needs.decode, not needs.mixed, not needs.draft]
     ints = torch.tensor([needs.sequences, needs.tokens, *cannot], dtype=torch.int64)

@@ -11,8 +11,8 @@ Rejected positions need no rollback: a sequence's cached length only advances ov
 later writes overwrite the stale cache rows. Drafts are greedy (the drafter's q is one-hot); a sequence
 with a grammar drafts among the tokens its grammar allows (its grammar walks the drafts, then rolls
 back). After a replayed decode step without grammars (on every DP rank: `StepShape.draft_graph`) the
-drafter's CUDA graph runs; otherwise the eager drafter. Under DP every rank runs the draft step, even an
-empty one.
+drafter's CUDA graph runs; otherwise the eager drafter. Under DP every rank runs the draft step,
+even an empty one.
 """
 
 import torch

@@ -26,11 +26,11 @@ PROMPT_LOGPROB_ROWS = 256  # prompt rows turned into logits at once: bounds the 
 
 @dataclass(kw_only=True)
 class Forward:
-    """What the target forward gave: `logits` `[R, V]` float32 of the R rows the step draws from (the
-    last 1 + drafts rows of each fed part that draws), `hidden` the FULL post-norm hidden `[N, H]` of the
-    N fed tokens (a replayed graph's has pad rows after them), `replayed` the CUDA graph that ran or None,
-    `phase` the statistics it was counted in, `draft_graph` whether the drafter's graph follows (as every
-    DP rank agreed, `StepShape`)."""
+    """What the target forward gave: `logits` `[R, V]` float32 of the R rows the step draws from
+    (the last 1 + drafts rows of each fed part that draws), `hidden` the FULL post-norm hidden
+    `[N, H]` of the N fed tokens (a replayed graph's has pad rows after them), `replayed` the CUDA
+    graph that ran or None, `phase` the statistics it was counted in, `draft_graph` whether the drafter's
+    graph follows (as every DP rank agreed, `StepShape`)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
@@ -111,8 +111,8 @@ class ModelRunner:
         )
 
     def shape(self, batch: Batch) -> StepShape | None:
-        """The graph every DP rank replays this step, as they agree on it before any replay (None: no
-        graphs)."""
+        """The graph every DP rank replays this step, as they agree on it before any replay (None:
+        no graphs)."""
         if self.graphs is None:
             return None
         lens = [len(part.tokens) for part in batch.fed]

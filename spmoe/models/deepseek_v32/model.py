@@ -72,9 +72,10 @@ class DeepseekV32Model(nn.Module):
         cache: KeyStore | None = None,
         max_tokens: int | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions `[N]`; seq_lens: new tokens per sequence, laid end to end -> FULL `[N, H]`
-        final-normed hidden states, identical on every TP rank. max_tokens: the largest N over the DP
-        ranks when decided before the forward (None: agreed here, `largest_dp_batch`)."""
+        """input_ids, positions `[N]`; seq_lens: new tokens per sequence, laid end to end -> FULL
+        `[N, H]` final-normed hidden states, identical on every TP rank. max_tokens: the largest N
+        over the DP ranks when decided before the forward (None: agreed here,
+        `largest_dp_batch`)."""
         num_tokens = input_ids.shape[0]
         batch = attention_batch(
             self.cfg,

@@ -80,9 +80,10 @@ class DeepseekV32MultiTokenPredictorLayer(nn.Module):
         cache: KeyStore | None = None,
         max_tokens: int | None = None,
     ) -> torch.Tensor:
-        """input_ids `[N]` (the token after each position), positions `[N]`, previous_hidden FULL `[N, H]`
-        -> FULL `[N, H]` post-norm hidden, identical on every TP rank. max_tokens: the largest N over the
-        DP ranks when decided before the forward (None: agreed here, `largest_dp_batch`)."""
+        """input_ids `[N]` (the token after each position), positions `[N]`, previous_hidden FULL
+        `[N, H]` -> FULL `[N, H]` post-norm hidden, identical on every TP rank. max_tokens: the
+        largest N over the DP ranks when decided before the forward (None: agreed here,
+        `largest_dp_batch`)."""
         num_tokens, layout = input_ids.shape[0], self.plan.input
         batch = attention_batch(
             self.cfg,
