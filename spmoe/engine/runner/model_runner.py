@@ -29,8 +29,8 @@ class Forward:
     """What the target forward gave: `logits` `[R, V]` float32 of the R rows the step draws from
     (the last 1 + drafts rows of each fed part that draws), `hidden` the FULL post-norm hidden
     `[N, H]` of the N fed tokens (a replayed graph's has pad rows after them), `replayed` the CUDA
-    graph that ran or None, `phase` the statistics it was counted in, `draft_graph` whether the drafter's
-    graph follows (as every DP rank agreed, `StepShape`)."""
+    graph that ran or None, `phase` the statistics it was counted in, `draft_graph` whether the
+    drafter's graph follows (as every DP rank agreed, `StepShape`)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
