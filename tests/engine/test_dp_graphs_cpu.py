@@ -26,6 +26,8 @@ PROMPTS = {
     1: (5,),
 }  # DP rank -> its prompts' lengths: rank 1 decodes beside the chunks
 MAX_NEW = 10
+# (cache, drafts k): the slot cache has no mixed graphs, so its prompt steps are eager on every rank
+CASES = (("paged", 0), ("paged", 2), ("slots", 2))
 # calls that read a tensor back to the host (on a GPU: a sync, which a captured graph cannot hold)
 HOST_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"}
 HOST_READS |= {"nonzero", "unique", "masked_select"}  # their output's shape is read back
@@ -93,13 +95,14 @@ def watched_step_graphs(log: dict):
 
 
 def dp_engines(folder: str) -> dict:
-    """On each rank: this DP rank's prompts run to completion with and without graphs (k = 0 and 2)
+    """On each rank: this DP rank's prompts run to completion with and without graphs (`CASES`)
     -> the tokens, what each graph step agreed (this rank's needs, every rank's shape) and the
     checks' log."""
     from spmoe.distributed import get_parallel_state
     from spmoe.distributed.layout import largest_dp_batch
     from spmoe.engine import ranks
     from spmoe.engine.cache.paged import PagedKVCache
+    from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
     from spmoe.engine.request import Request
     from spmoe.engine.runner import graphs, model_runner
@@ -133,16 +136,19 @@ def dp_engines(folder: str) -> dict:
         torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPTS[state.dp_rank]
     ]
     out = {"probe": probe, "log": log}
-    for k in (0, 2):
+    for cache, k in CASES:
         for use_graphs in (False, True):
             steps = []
             engine = Engine(
-                model, PagedKVCache.for_model(model, 2**22), num_speculative_tokens=k,
-                cuda_graphs=use_graphs, max_num_seqs=4, max_num_batched_tokens=BUDGET,
-                max_model_len=256,
+                model,
+                PagedKVCache.for_model(model, 2**22)
+                if cache == "paged"
+                else KVCache.for_model(model, 4, 160),
+                num_speculative_tokens=k, cuda_graphs=use_graphs, max_num_seqs=4,
+                max_num_batched_tokens=BUDGET, max_model_len=256,
             )  # fmt: skip
-            out[k, use_graphs] = ranks.generate(engine, prompts, MAX_NEW).outputs
-            out[k, use_graphs, "steps"] = steps
+            out[cache, k, use_graphs] = ranks.generate(engine, prompts, MAX_NEW).outputs
+            out[cache, k, use_graphs, "steps"] = steps
     alone = Engine(
         model, PagedKVCache.for_model(model, 2**22), cuda_graphs=True, max_num_seqs=4,
         max_num_batched_tokens=BUDGET, max_model_len=256,
@@ -162,27 +168,26 @@ def check_dp_graphs(got: list[dict], tp: int) -> None:
         assert "ranks.connect" in out.get("alone", ""), out.get("alone")
         assert out["log"]["reads"] == [], (rank, sorted(set(out["log"]["reads"])))
         assert out["log"]["checked"] > 0 and out["log"]["mismatches"] == [], (rank, out["log"])
-        for k in (0, 2):
-            assert out[k, True] == out[k, False] and all(out[k, False]), (rank, k)
-            assert out[k, False, "steps"] == []  # eager engines agree on nothing
-    for k in (0, 2):
-        per_rank = [
-            out[k, True, "steps"] for out in by_dp
-        ]  # each DP rank's (needs, shape) per step
+        for case in CASES:
+            assert out[(*case, True)] == out[(*case, False)] and all(out[(*case, False)]), case
+            assert out[(*case, False, "steps")] == []  # eager engines agree on nothing
+    for cache, k in CASES:
+        # each DP rank's (needs, shape) per step
+        per_rank = [out[cache, k, True, "steps"] for out in by_dp]
         assert len(per_rank[0]) == len(per_rank[1]) > 0, k
         assert all(shape_0 == shape_1 for (_, shape_0), (_, shape_1) in zip(*per_rank)), k
         steps = [(a, b, shape) for (a, shape), (b, _) in zip(*per_rank)]
-        # rank 0 feeds a prompt chunk while rank 1 decodes: both replay the mixed graph
+        # rank 0 feeds a prompt chunk while rank 1 decodes: both run the mixed graph (paged cache),
+        # or both eagerly (slot cache)
+        beside = "mixed" if cache == "paged" else "eager"
         assert any(
-            not a.decode and b.decode and b.sequences and s.kind == "mixed" for a, b, s in steps
-        ), (k, steps)
+            not a.decode and b.decode and b.sequences and s.kind == beside for a, b, s in steps
+        ), (cache, k, steps)
         # rank 1 has nothing left while rank 0 decodes: it replays the decode graph with pad rows
-        assert any(not b.sequences and a.sequences and s.kind == "decode" for a, b, s in steps), (
-            k,
-            steps,
-        )
+        idle = [s for a, b, s in steps if a.sequences and not b.sequences]
+        assert any(s.kind == "decode" for s in idle), (cache, k, steps)
         assert any(s.kind == "decode" and s.draft_graph == (k > 0) for _, _, s in steps), k
-        assert all(s.kind != "eager" for _, _, s in steps), k
+        assert all(s.kind in ("decode", beside) for _, _, s in steps), (cache, k)
 
 
 def test_dp2_tp1_graph_steps_match_their_capture_and_the_eager_engine(engine_checkpoint):
