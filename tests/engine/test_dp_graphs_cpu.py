@@ -198,3 +198,14 @@ def test_dp2_tp1_graph_steps_match_their_capture_and_the_eager_engine(engine_che
 def test_dp2_tp2_graph_steps_match_their_capture_and_the_eager_engine(engine_checkpoint):
     config = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2)
     check_dp_graphs(spawn(dp_engines, 4, engine_checkpoint, config=config), tp=2)
+
+
+def test_an_agreed_dp_batch_smaller_than_the_rank_s_own_is_refused():
+    """A step's largest DP batch decided before the forward must hold this rank's rows."""
+    import pytest
+
+    from spmoe.distributed.layout import largest_dp_batch
+
+    assert largest_dp_batch(3, 8) == 8
+    with pytest.raises(ValueError, match="agreed is 4 rows; this rank has 5"):
+        largest_dp_batch(5, 4)
