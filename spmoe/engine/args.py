@@ -267,7 +267,7 @@ class EngineArgs:
         "--cuda-graphs",
         action="store_true",
         cli_default=None,
-        help="replay decode steps, speculative ones too, from CUDA graphs (CUDA, DP 1; default: where they apply)",
+        help="replay decode steps, speculative ones too, from CUDA graphs (CUDA; default: where they apply)",
     )
     enforce_eager: bool = speculation_option(
         False,
