@@ -3,8 +3,8 @@ drives them (each graph a captured function run again on its static inputs), in 
 every rank replays the graph the DP ranks agreed on (`ranks.agree_step`), also where one rank feeds
 a prompt chunk while the other decodes with MTP, and where one rank has nothing left to run.
 Checked: each replay's collectives equal its capture's, nothing in a captured function reads a
-tensor back to the host, the tokens equal the eager engine's at DP 2, and an engine not connected to
-its ranks refuses to step. The CPU experts loop over the experts present (a host sync the GPU's
+tensor back to the host, the tokens equal the eager engine's at DP 2 (paged and slot cache), and an
+engine not connected to its ranks refuses to step. The CPU experts loop over the experts present (a host sync the GPU's
 never make): here they are swapped for a dense form that reads nothing back. What this leaves to the
 GPU: the capture itself and NCCL inside a real graph."""
 
@@ -21,10 +21,8 @@ from .conftest import ENGINE_CONFIG
 from .test_step_graphs_cpu import EagerReplay, cpu_step_graphs
 
 BUDGET = 48  # tokens a step feeds: the 130-token prompt takes three chunks
-PROMPTS = {
-    0: (130, 9),
-    1: (5,),
-}  # DP rank -> its prompts' lengths: rank 1 decodes beside the chunks
+# DP rank -> its prompts' lengths: rank 1 decodes beside rank 0's chunks, then has nothing to run
+PROMPTS = {0: (130, 9), 1: (5,)}
 MAX_NEW = 10
 # (cache, drafts k): the slot cache has no mixed graphs, so its prompt steps are eager on every rank
 CASES = (("paged", 0), ("paged", 2), ("slots", 2))
@@ -51,8 +49,8 @@ class HostReads(TorchFunctionMode):
 
 def dense_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """`TorchExperts.forward` without reading the routing back: every local expert on every row,
-    weighted by the rows' gates for it (zero where a row did not pick it). x `[m, H]` -> `[m,
-    H]`."""
+    weighted by the rows' gates for it (zero where a row did not pick it). x `[m, H]` ->
+    `[m, H]`."""
     local, out = self.local_ids(ids), torch.zeros_like(x)
     for e in range(self.count):
         gate = ((local == e) * weights).sum(-1, keepdim=True).to(x.dtype)  # [m, 1]
