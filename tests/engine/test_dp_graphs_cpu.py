@@ -4,9 +4,9 @@ every rank replays the graph the DP ranks agreed on (`ranks.agree_step`), also w
 a prompt chunk while the other decodes with MTP, and where one rank has nothing left to run.
 Checked: each replay's collectives equal its capture's, nothing in a captured function reads a
 tensor back to the host, the tokens equal the eager engine's at DP 2 (paged and slot cache), and an
-engine not connected to its ranks refuses to step. The CPU experts loop over the experts present (a host sync the GPU's
-never make): here they are swapped for a dense form that reads nothing back. What this leaves to the
-GPU: the capture itself and NCCL inside a real graph."""
+engine not connected to its ranks refuses to step. The CPU experts loop over the experts present (a
+host sync the GPU's never make): here they are swapped for a dense form that reads nothing back.
+What this leaves to the GPU: the capture itself and NCCL inside a real graph."""
 
 from contextlib import contextmanager
 
