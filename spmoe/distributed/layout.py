@@ -115,10 +115,18 @@ def _restore_full_token_layout_if_needed(
     return hidden, residual
 
 
-def largest_dp_batch(num_tokens: int) -> int:
-    """The largest N over the data-parallel ranks, agreed once per forward: the expert dispatch spans every
-    DP rank, so all of them pad their rows to the same count. One tiny all-reduce; none when DP = 1. A
-    simulated rank counts it and takes its own N (no host sync: its step can be captured)."""
+def largest_dp_batch(num_tokens: int, agreed: int | None = None) -> int:
+    """The largest N over the data-parallel ranks: the expert dispatch spans every DP rank, so all
+    of them pad their rows to the same count. `agreed`: decided before the forward (a captured step
+    must not ask the other ranks, `StepGraphs.shape`); None: agreed now, one tiny all-reduce read
+    back by the host (none when DP = 1). A simulated rank counts it and takes its own N (no host
+    sync: its step can be captured)."""
+    if agreed is not None:
+        if agreed < num_tokens:
+            raise ValueError(
+                f"the largest DP batch agreed is {agreed} rows; this rank has {num_tokens}"
+            )
+        return agreed
     state = get_parallel_state()
     if state.ep_size == state.tp_size:  # DP 1 (a simulated rank's control plane says DP 1 too)
         return num_tokens

@@ -282,7 +282,7 @@ class EngineArgs:
         "--cuda-graphs",
         action="store_true",
         cli_default=None,
-        help="replay decode steps, speculative ones too, from CUDA graphs (CUDA, DP 1; default: where they apply)",
+        help="replay decode steps, speculative ones too, from CUDA graphs (CUDA; default: where they apply)",
     )
     enforce_eager: bool = speculation_option(
         False,
@@ -425,7 +425,7 @@ class EngineArgs:
 
     def use_cuda_graphs(self, model) -> bool:
         """Whether decode steps replay CUDA graphs: as --cuda-graphs / --enforce-eager say, or, left to the
-        default (None), wherever they apply: CUDA, DP 1, the all-gather dispatch, experts that a
+        default (None), wherever they apply: CUDA, the all-gather dispatch, experts that a
         graph can capture (`model.graph_capturable`)."""
         if self.cuda_graphs is not None:
             return self.cuda_graphs
@@ -433,10 +433,8 @@ class EngineArgs:
 
     def graphs_may_apply(self) -> bool:
         """Whether the deployment can have CUDA graphs (known before any rank starts): not --enforce-eager,
-        CUDA, DP 1, the all-gather dispatch."""
-        return not (
-            self.enforce_eager or deployment_problems(self.device, self.dp, self.ep_backend)
-        )
+        CUDA, the all-gather dispatch."""
+        return not (self.enforce_eager or deployment_problems(self.device, self.ep_backend))
 
     def model_config(self, model_dir: str) -> ModelConfig:
         """The checkpoint's config with `--hf-overrides` merged in."""
@@ -456,7 +454,7 @@ class EngineArgs:
                 "--speculative mtp needs an MTP layer; the checkpoint has num_nextn_predict_layers = 0"
             )
         if self.cuda_graphs:
-            problems = deployment_problems(self.device, self.dp, self.ep_backend)
+            problems = deployment_problems(self.device, self.ep_backend)
             if problems:
                 raise ValueError("--cuda-graphs needs " + "; ".join(problems))
         if self.max_model_len is not None:

@@ -18,6 +18,10 @@ aborts, and whether to step at all), sends the plan to every rank over the gloo 
 rank applies it and runs the step; under DP > 1 TP rank 0 of each DP group sends its outputs and metrics
 back to rank 0 (`ServingLoop.step`). The other ranks apply plans until the shutdown (`worker_loop`).
 
+Under DP with CUDA graphs every rank replays the same graph each step (the expert dispatch spans
+them all): before any replay the ranks agree on its kind, size and whether the drafter's graph
+follows, by one all-reduce of five ints over the gloo control group (`agree_step`).
+
 The batch job knows its requests up front, so it needs no plan per step: each DP group adds its own share,
 and every rank steps until no rank has work left (`run_to_completion`; with DP > 1 one tiny all-reduce per
 step says whether any rank still has).
@@ -32,6 +36,7 @@ from spmoe.distributed import get_parallel_state
 from spmoe.distributed.comm import all_reduce, broadcast_object, gather_object
 from spmoe.engine.engine import Engine, per_prompt
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
+from spmoe.engine.runner.graphs import StepNeeds
 from spmoe.engine.sampling.sampler import SamplingParams
 from spmoe.engine.scheduler import Admissions, Scheduler
 from spmoe.engine.sequence import Batch
@@ -55,9 +60,31 @@ class GroupAdmissions(Admissions):
 
 
 def connect(engine: Engine) -> None:
-    """On several TP ranks, the engine follows its group leader's admissions (`GroupAdmissions`)."""
-    if get_parallel_state().tp_size > 1 and not isinstance(engine.admissions, GroupAdmissions):
+    """On several TP ranks, the engine follows its group leader's admissions (`GroupAdmissions`);
+    under DP with CUDA graphs, its steps' graphs are agreed by every rank (`agree_step`)."""
+    state = get_parallel_state()
+    if state.tp_size > 1 and not isinstance(engine.admissions, GroupAdmissions):
         engine.admissions = GroupAdmissions()
+    if state.dp_size > 1 and engine.runner.graphs is not None:
+        engine.runner.agree = agree_step
+
+
+def agree_step(needs: StepNeeds) -> StepNeeds:
+    """This rank's step needs -> every rank's (the most sequences and tokens of any rank; a graph
+    kind only where every rank can run it): one all-reduce of five ints over the gloo control group,
+    on the host, before any replay."""
+    state = get_parallel_state()
+    cannot = [not needs.decode, not needs.mixed, not needs.draft]
+    ints = torch.tensor([needs.sequences, needs.tokens, *cannot], dtype=torch.int64)
+    sequences, tokens, *cannot = all_reduce(ints, state.control_group, op="max").tolist()
+    no_decode, no_mixed, no_draft = cannot
+    return StepNeeds(
+        sequences=sequences,
+        tokens=tokens,
+        decode=not no_decode,
+        mixed=not no_mixed,
+        draft=not no_draft,
+    )
 
 
 @dataclass

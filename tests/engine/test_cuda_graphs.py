@@ -52,7 +52,7 @@ def graph_cases(folder: str) -> dict:
                 view,
             )
             starts, stats = list(map(len, prompts)), CommStats()
-            replayed = graphs.step([11, 12, 13], slots, starts, stats).clone()
+            replayed = graphs.step([[11], [12], [13]], slots, starts, stats).clone()
             inputs = torch.tensor(
                 [[11, 12, 13, 0], slots + [cache.scratch_slot], starts + [0]], device=state.device
             )

@@ -10,8 +10,9 @@ Per sequence and step:
 Rejected positions need no rollback: a sequence's cached length only advances over verified tokens, and
 later writes overwrite the stale cache rows. Drafts are greedy (the drafter's q is one-hot); a sequence
 with a grammar drafts among the tokens its grammar allows (its grammar walks the drafts, then rolls
-back). After a replayed decode step without grammars the drafter's CUDA graph runs; otherwise the eager
-drafter. Under DP every rank runs the draft step, even an empty one.
+back). After a replayed decode step without grammars (on every DP rank: `StepShape.draft_graph`) the
+drafter's CUDA graph runs; otherwise the eager drafter. Under DP every rank runs the draft step,
+even an empty one.
 """
 
 import torch
@@ -54,11 +55,9 @@ class MtpDrafter:
         token's). -> the next drafts of each sequence that goes on (a fork: after it has fed)."""
         if not self.k:
             return {}
-        replayed = forward.replayed
         fed = [r for r in results if r.part.role is not Role.FORK]
-        if replayed is not None and replayed.draft is not None:
-            if all(r.part.seq.grammar is None for r in fed):
-                return self._replayed(fed)
+        if forward.draft_graph:
+            return self._replayed(fed)
         sources = {r.part.source for r in results if r.part.role is Role.FORK}
         to_draft, row = [], 0  # (result, the token after each fed position, the hidden there)
         for result in fed:

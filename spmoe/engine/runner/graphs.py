@@ -39,16 +39,24 @@ order, so nothing is captured while serving; `captures` counts them.
   tables have one more row than sequences, all scratch: the drafter's steps of a sequence that stops this
   step write there (its own table may hold no room past its last token).
 
-Captured, the step must not sync the host nor change shape with the data. Hence it needs: DP = 1 (DP ranks
-would have to agree on B each step), the `allgather_reducescatter` dispatch (`all_to_all` reads its counts
-back), experts that never sync the host (not the torch reference), and a CUDA device.
+Under DP every rank replays the same graph each step, since the expert dispatch spans them all:
+before any replay the ranks agree on the step's kind (decode, mixed or eager), its size and whether
+the drafter's graph follows (`StepNeeds`, combined by `ranks.agree_step`; `shape`). A rank whose
+step is a decode step replays the mixed graph when another rank feeds a prompt chunk; a rank with
+nothing to run replays the agreed graph with pad rows alone. The graph's rows are then the largest
+DP batch, a number fixed at capture (`static_step.decode_hidden`).
+
+Captured, the step must not sync the host nor change shape with the data. Hence it needs the
+`allgather_reducescatter` dispatch (`all_to_all` reads its counts back), experts that never sync the
+host (not the torch reference), and a CUDA device.
 """
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from spmoe.distributed import CommStats, count_collectives, get_parallel_state
+from spmoe.distributed import CommStats, count_collectives
 from spmoe.engine.cache.paged import PagedKVCache, check_room
 from spmoe.engine.cache.slots import KVCache
 from spmoe.engine.runner.static_step import (
@@ -63,6 +71,31 @@ from spmoe.engine.runner.static_step import (
     table_width,
 )
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepNeeds:
+    """What one rank's step needs of the graphs, or (combined over the DP ranks, `ranks.agree_step`)
+    what every rank's step needs: the sequences that feed and their tokens (the most of any rank),
+    whether a decode graph and a mixed graph can run it, and whether the drafter's graph can follow
+    a decode replay (no sequence drafts under a grammar); each true only if true on every rank."""
+
+    sequences: int
+    tokens: int
+    decode: bool
+    mixed: bool
+    draft: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """What every DP rank runs this step: the decode graph of `size` sequences, the mixed graph of
+    `size` rows, or an eager step (`size`: the most tokens a rank feeds); `draft_graph`: the
+    drafter's graph follows the decode replay."""
+
+    kind: Literal["decode", "mixed", "eager"]
+    size: int
+    draft_graph: bool
 
 
 @dataclass
@@ -115,9 +148,7 @@ class StepGraphs:
         Paged cache: block tables of `table_width(cache, max_model_len)` blocks (None: the whole cache).
         `on_capture(kind, size, index, count)` is called before each capture (progress output): kind "decode"
         (size: B) or "mixed" (size: tokens), the index-th of count."""
-        problems = deployment_problems(
-            cache.device.type, get_parallel_state().dp_size, model.parallel.ep_backend
-        )
+        problems = deployment_problems(cache.device.type, model.parallel.ep_backend)
         capturable, experts = model.graph_capturable
         if not capturable:
             problems.append(
@@ -165,6 +196,28 @@ class StepGraphs:
         return 0 < len(num_tokens) <= self.max_num_seqs and 0 < sum(num_tokens) <= max(
             self.mixed, default=0
         )
+
+    def needs(self, num_tokens: list[int], decode: bool, grammars: bool) -> StepNeeds:
+        """What a step of sequences feeding `num_tokens` each needs (`decode`: all of them decode;
+        `grammars`: one of them drafts under a grammar). No sequences: any graph can run it."""
+        return StepNeeds(
+            sequences=len(num_tokens),
+            tokens=sum(num_tokens),
+            decode=not num_tokens or (decode and self.fits(num_tokens)),
+            mixed=self.fits_mixed(num_tokens) if num_tokens else bool(self.mixed),
+            draft=not grammars,
+        )
+
+    def shape(self, needs: StepNeeds) -> StepShape:
+        """Every DP rank's step, from the needs of all (`ranks.agree_step`): the decode graph that
+        fits the most sequences, else the mixed graph that fits the most tokens, else eager."""
+        if needs.decode and needs.sequences:
+            size = min(s for s in self.steps if s >= needs.sequences)
+            return StepShape(kind="decode", size=size, draft_graph=needs.draft and self.drafts > 0)
+        if needs.mixed and needs.tokens:
+            size = min(n for n in self.mixed if n >= needs.tokens)
+            return StepShape(kind="mixed", size=size, draft_graph=False)
+        return StepShape(kind="eager", size=needs.tokens, draft_graph=False)
 
     def eager_step(
         self, inputs: torch.Tensor, block_tables: torch.Tensor | None = None
@@ -251,19 +304,26 @@ class StepGraphs:
         return graph, out, collectives
 
     def step(
-        self, ids: list[list[int]], locations: list, starts: list[int], stats: CommStats
+        self,
+        ids: list[list[int]],
+        locations: list,
+        starts: list[int],
+        stats: CommStats,
+        size: int | None = None,
     ) -> torch.Tensor:
-        """One decode step for `len(ids)` sequences, each feeding its T tokens `ids[i]` from position `starts[i]`
-        (`locations`: their slots, or block tables) -> logits `[len(ids) * T, V]` (a view of the graph's
-        output, valid until the next step; row i * T + j follows token j of sequence i). Adds the replayed
-        collectives to `stats`."""
+        """One decode step for `len(ids)` sequences, each feeding its T tokens `ids[i]` from
+        position `starts[i]` (`locations`: their slots, or block tables) -> logits
+        `[len(ids) * T, V]` (a view of the graph's output, valid until the next step; row i * T + j
+        follows token j of sequence i). `size`: the graph replayed, as the DP ranks agreed (`shape`;
+        None: the smallest that fits). Adds the replayed collectives to `stats`."""
         count, per_seq = len(ids), self.tokens_per_seq
-        if not self.fits([len(t) for t in ids]):
+        size = size or min((s for s in self.steps if s >= count), default=0)
+        if size not in self.steps or count > size or any(len(t) != per_seq for t in ids):
             raise ValueError(
-                f"a decode step of {count} sequences feeding {sorted({len(t) for t in ids})} tokens; graphs were "
-                f"captured for up to {self.max_num_seqs} sequences of {per_seq}"
+                f"a decode step of {count} sequences feeding {sorted({len(t) for t in ids})} "
+                f"tokens in a graph of {size}; graphs were captured for {self.batch_sizes()} "
+                f"sequences of {per_seq}"
             )
-        size = min(s for s in graph_sizes(self.max_num_seqs) if s >= count)
         captured, pad = self.steps[size], size - count
         flat_ids = [t for seq in ids for t in seq] + [0] * (pad * per_seq)
         positions = [s + j for s in starts + [0] * pad for j in range(per_seq)]
@@ -285,22 +345,28 @@ class StepGraphs:
         return captured.logits[: count * per_seq]
 
     def mixed_step(
-        self, tokens: list[list[int]], tables: list[list[int]], starts: list[int], stats
+        self,
+        tokens: list[list[int]],
+        tables: list[list[int]],
+        starts: list[int],
+        stats,
+        size: int | None = None,
     ) -> torch.Tensor:
-        """One step of the sequences feeding `tokens[i]` from position `starts[i]` into the blocks `tables[i]`
-        -> the post-norm hidden `[size, H]` (the fed rows laid end to end first, then pad rows; valid until the
-        next step). Adds the replayed collectives to `stats`."""
+        """One step of the sequences feeding `tokens[i]` from position `starts[i]` into the blocks
+        `tables[i]` -> the post-norm hidden `[size, H]` (the fed rows laid end to end first, then
+        pad rows; valid until the next step). `size`: the graph replayed, as the DP ranks agreed
+        (`shape`; None: the smallest that fits). Adds the replayed collectives to `stats`."""
         lens = [len(t) for t in tokens]
-        if not self.fits_mixed(lens):
+        size = size or min((n for n in self.mixed if n >= sum(lens)), default=0)
+        if size not in self.mixed or sum(lens) > size or len(tokens) > self.max_num_seqs:
             raise ValueError(
-                f"a step of {len(tokens)} sequences feeding {sum(lens)} tokens; mixed graphs were captured for up "
-                f"to {self.max_num_seqs} sequences and {max(self.mixed, default=0)} tokens"
+                f"a step of {len(tokens)} sequences feeding {sum(lens)} tokens in a graph of "
+                f"{size}; mixed graphs were captured for up to {self.max_num_seqs} sequences and "
+                f"{sorted(self.mixed)} tokens"
             )
         check_room(tables, starts, lens)
-        size = min(n for n in self.mixed if n >= sum(lens))
-        captured = self.mixed[
-            size
-        ]  # its table rows: min(size, max_num_seqs) >= the sequences, each feeding 1+
+        # its table rows: min(size, max_num_seqs) >= the sequences, each feeding 1+
+        captured = self.mixed[size]
         self._load_tables(captured, tables, len(tables))
         captured.inputs.copy_(torch.tensor(mixed_rows(tokens, starts, size, captured.size)))
         captured.graph.replay()
@@ -309,10 +375,11 @@ class StepGraphs:
         return captured.hidden
 
     def _load_tables(self, captured: CapturedStep, tables: list[list[int]], rows: int) -> None:
-        """Write the step's block tables into the first `rows` table rows of `captured` (rows past `tables`:
-        the scratch block), as wide as the widest of them; the columns past it keep stale ids, which no row
-        reads (each reads up to its own position)."""
-        used = max(len(table) for table in tables)
+        """Write the step's block tables into the first `rows` table rows of `captured` (rows past
+        `tables`: the scratch block), as wide as the widest of them (at least one block: a pad row
+        writes to its first); the columns past it keep stale ids, which no row reads (each reads up
+        to its own position)."""
+        used = max((len(table) for table in tables), default=1)
         if used > self.width:
             raise ValueError(
                 f"a block table of {used} blocks in a step; graphs were captured for {self.width} (max_model_len)"

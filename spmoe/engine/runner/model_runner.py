@@ -10,9 +10,10 @@ from itertools import accumulate
 
 import torch
 
+from spmoe.distributed import get_parallel_state
 from spmoe.engine.cache.paged import PagedKVCache
 from spmoe.engine.cache.slots import KVCache
-from spmoe.engine.runner.graphs import CapturedStep, StepGraphs
+from spmoe.engine.runner.graphs import CapturedStep, StepGraphs, StepNeeds, StepShape
 from spmoe.engine.sampling.grammar import apply_bitmask, fill_bitmask
 from spmoe.engine.sampling.rejection import accept_drafts
 from spmoe.engine.sampling.sampler import Sampler, prompt_logprobs
@@ -25,15 +26,27 @@ PROMPT_LOGPROB_ROWS = 256  # prompt rows turned into logits at once: bounds the 
 
 @dataclass(kw_only=True)
 class Forward:
-    """What the target forward gave: `logits` `[R, V]` float32 of the R rows the step draws from (the
-    last 1 + drafts rows of each fed part that draws), `hidden` the FULL post-norm hidden `[N, H]` of the
-    N fed tokens (a replayed graph's has pad rows after them), `replayed` the CUDA graph that ran or None,
-    `phase` the statistics it was counted in."""
+    """What the target forward gave: `logits` `[R, V]` float32 of the R rows the step draws from
+    (the last 1 + drafts rows of each fed part that draws), `hidden` the FULL post-norm hidden
+    `[N, H]` of the N fed tokens (a replayed graph's has pad rows after them), `replayed` the CUDA
+    graph that ran or None, `phase` the statistics it was counted in, `draft_graph` whether the
+    drafter's graph follows (as every DP rank agreed, `StepShape`)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
     replayed: CapturedStep | None
     phase: Phase
+    draft_graph: bool = False
+
+
+def alone(needs: StepNeeds) -> StepNeeds:
+    """A step's graph needs agreed by this rank alone: DP 1."""
+    if get_parallel_state().dp_size > 1:
+        raise RuntimeError(
+            "under DP every rank must replay the same CUDA graph each step: connect the engine to "
+            "its ranks (ranks.connect), which agree on it"
+        )
+    return needs
 
 
 class ModelRunner:
@@ -66,6 +79,9 @@ class ModelRunner:
                 )
                 log(f"warming up: capturing the CUDA graph of {step} ({index}/{count})")
 
+        # how the DP ranks agree on each step's graph: this rank alone; `ranks.connect` gives an
+        # engine under DP the agreement of every rank
+        self.agree = alone
         self.graphs = None
         if cuda_graphs:
             self.graphs = StepGraphs(
@@ -84,31 +100,46 @@ class ModelRunner:
         that must keep in step)."""
         phase = self.stats.target_phase(batch)
         with phase.measure():
-            logits, hidden, replayed = self._forward(batch.fed, batch.decode, phase)
+            shape = self.shape(batch)
+            logits, hidden, replayed = self._forward(batch.fed, shape, phase)
         phase.replays += replayed is not None
         phase.forwards += 1
         phase.tokens_fed += sum(len(part.tokens) for part in batch.fed)
-        return Forward(logits=logits, hidden=hidden, replayed=replayed, phase=phase)
+        draft_graph = shape is not None and shape.draft_graph
+        return Forward(
+            logits=logits, hidden=hidden, replayed=replayed, phase=phase, draft_graph=draft_graph
+        )
+
+    def shape(self, batch: Batch) -> StepShape | None:
+        """The graph every DP rank replays this step, as they agree on it before any replay (None:
+        no graphs)."""
+        if self.graphs is None:
+            return None
+        lens = [len(part.tokens) for part in batch.fed]
+        grammars = any(part.seq.grammar is not None for part in batch.fed)
+        return self.graphs.shape(self.agree(self.graphs.needs(lens, batch.decode, grammars)))
 
     def _forward(
-        self, fed: list[Part], decode: bool, phase: Phase
+        self, fed: list[Part], shape: StepShape | None, phase: Phase
     ) -> tuple[torch.Tensor, torch.Tensor, CapturedStep | None]:
         tokens, graphs = [part.tokens for part in fed], self.graphs
         locations, starts = [part.location for part in fed], [part.start for part in fed]
         lens = [len(t) for t in tokens]
-        if graphs is not None and decode and graphs.fits(lens):
-            logits = graphs.step(tokens, locations, starts, phase.collectives)
+        kind = shape.kind if shape is not None else "eager"
+        if kind == "decode":
+            logits = graphs.step(tokens, locations, starts, phase.collectives, shape.size)
             return logits, graphs.replayed.hidden, graphs.replayed
         replayed = None
-        if graphs is not None and graphs.fits_mixed(lens):
-            hidden = graphs.mixed_step(tokens, locations, starts, phase.collectives)
+        if kind == "mixed":
+            hidden = graphs.mixed_step(tokens, locations, starts, phase.collectives, shape.size)
             replayed = graphs.replayed
-        else:
+        else:  # the largest DP batch: as agreed, or (no graphs) asked in the forward
+            max_tokens = shape.size if shape is not None else None
             view = self.cache.view(locations, starts, lens)
             ids = torch.tensor(
                 [t for seq in tokens for t in seq], dtype=torch.long, device=view.positions.device
             )
-            hidden = self.model.forward_hidden(ids, view.positions, lens, view)  # FULL [N, H]
+            hidden = self.model.forward_hidden(ids, view.positions, lens, view, max_tokens)
         drawn_rows = [1 + len(part.drafts) if part.draws else 0 for part in fed]
         rows = [r for end, m in zip(accumulate(lens), drawn_rows) for r in range(end - m, end)]
         index = torch.tensor(rows, dtype=torch.long, device=hidden.device)

@@ -24,14 +24,12 @@ BATCH_SIZES = (
 MIXED_TOKENS = (16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
-def deployment_problems(device_type: str, dp_size: int, ep_backend: str) -> list[str]:
+def deployment_problems(device_type: str, ep_backend: str) -> list[str]:
     """What the deployment lacks for captured decode steps (empty if nothing), known before any rank starts.
     Whether the experts can be captured is known only once they are built."""
     problems = []
     if device_type != "cuda":
         problems.append(f"a CUDA device (the model is on {device_type})")
-    if dp_size > 1:
-        problems.append(f"data_parallel_size 1 (got {dp_size})")
     if ep_backend != "allgather_reducescatter":
         problems.append(f"ep_backend 'allgather_reducescatter' (got {ep_backend!r})")
     return problems
@@ -103,11 +101,12 @@ def decode_logits(
 def decode_hidden(
     model: DeepseekV32ForCausalLM, cache, inputs: torch.Tensor, block_tables
 ) -> torch.Tensor:
-    """`decode_logits`' post-norm hidden `[N, H]`, before the LM head."""
+    """`decode_logits`' post-norm hidden `[N, H]`, before the LM head. Every DP rank replays a graph
+    of the same N (`StepGraphs.shape`), so N is the largest DP batch: no rank asks the others."""
     ids, where, positions = inputs
-    return model.forward_hidden(
-        ids, positions, [1] * ids.shape[0], step_view(cache, where, positions, block_tables)
-    )
+    rows = ids.shape[0]
+    view = step_view(cache, where, positions, block_tables)
+    return model.forward_hidden(ids, positions, [1] * rows, view, max_tokens=rows)
 
 
 def draft_tokens(
@@ -129,10 +128,12 @@ def draft_tokens(
 
     The MTP layer catches up on every fed row (rows past a sequence's last verified one write cache rows that
     are rewritten before they are read), its draft comes from the last verified row, and each next draft from
-    a one-token step fed the previous draft and the MTP layer's own post-norm hidden."""
+    a one-token step fed the previous draft and the MTP layer's own post-norm hidden. As in
+    `decode_hidden`, each forward's rows are the largest DP batch."""
     _, rows_where, positions = inputs
     view = step_view(cache, rows_where, positions, block_tables)
-    h = model.forward_draft_hidden(next_ids, positions, hidden, [1] * next_ids.shape[0], view)[
+    rows = next_ids.shape[0]
+    h = model.forward_draft_hidden(next_ids, positions, hidden, [1] * rows, view, rows)[
         last
     ]  # [S, H]
     tokens = model.compute_draft_logits(h).argmax(-1)  # [S]
@@ -140,7 +141,7 @@ def draft_tokens(
     for i in range(k - 1):
         step_positions = first + i
         view = step_view(cache, where, step_positions, block_tables)
-        h = model.forward_draft_hidden(tokens, step_positions, h, ones, view)
+        h = model.forward_draft_hidden(tokens, step_positions, h, ones, view, len(ones))
         tokens = model.compute_draft_logits(h).argmax(-1)
         drafts.append(tokens)
     return torch.stack(drafts, dim=1)

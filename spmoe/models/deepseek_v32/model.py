@@ -70,9 +70,12 @@ class DeepseekV32Model(nn.Module):
         positions: torch.Tensor,
         seq_lens: list[int],
         cache: KeyStore | None = None,
+        max_tokens: int | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions `[N]`; seq_lens: new tokens per sequence, laid end to end -> FULL `[N, H]`
-        final-normed hidden states, identical on every TP rank."""
+        """input_ids, positions `[N]`; seq_lens: new tokens per sequence, laid end to end -> FULL
+        `[N, H]` final-normed hidden states, identical on every TP rank. max_tokens: the largest N
+        over the DP ranks when decided before the forward (None: agreed here,
+        `largest_dp_batch`)."""
         num_tokens = input_ids.shape[0]
         batch = attention_batch(
             self.cfg,
@@ -83,7 +86,7 @@ class DeepseekV32Model(nn.Module):
             self.norm.weight.dtype,
             self.rotary_table,
         )
-        max_tokens = largest_dp_batch(num_tokens)
+        max_tokens = largest_dp_batch(num_tokens, max_tokens)
         hidden = enter(
             self.embed_tokens(input_ids), self.plan.layers[0].input
         )  # PARTIAL [N, H] -> layer 0
@@ -142,10 +145,11 @@ class DeepseekV32ForCausalLM(nn.Module):
         positions: torch.Tensor,
         seq_lens: list[int],
         cache: KeyStore | None = None,
+        max_tokens: int | None = None,
     ) -> torch.Tensor:
         """input_ids, positions `[N]`; seq_lens: new tokens per sequence, end to end -> FULL `[N, H]` post-norm
-        hidden, identical on every TP rank."""
-        return self.model(input_ids, positions, seq_lens, cache)
+        hidden, identical on every TP rank. max_tokens: see `DeepseekV32Model.forward`."""
+        return self.model(input_ids, positions, seq_lens, cache, max_tokens)
 
     def compute_logits(
         self, hidden: torch.Tensor, rows: torch.Tensor | None = None
@@ -171,10 +175,11 @@ class DeepseekV32ForCausalLM(nn.Module):
         previous_hidden: torch.Tensor,
         seq_lens: list[int],
         cache: KeyStore | None = None,
+        max_tokens: int | None = None,
     ) -> torch.Tensor:
         """MTP layer 0: input_ids `[N]` (the token after each position), positions `[N]`, previous_hidden FULL
-        `[N, H]` post-norm -> FULL `[N, H]` post-norm hidden."""
-        return self.mtp[0](input_ids, positions, previous_hidden, seq_lens, cache)
+        `[N, H]` post-norm -> FULL `[N, H]` post-norm hidden. max_tokens: as `forward_hidden`'s."""
+        return self.mtp[0](input_ids, positions, previous_hidden, seq_lens, cache, max_tokens)
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """MTP post-norm hidden `[m, H]` -> draft logits `[m, vocab]` float32."""

@@ -78,9 +78,12 @@ class DeepseekV32MultiTokenPredictorLayer(nn.Module):
         previous_hidden: torch.Tensor,
         seq_lens: list[int],
         cache: KeyStore | None = None,
+        max_tokens: int | None = None,
     ) -> torch.Tensor:
-        """input_ids `[N]` (the token after each position), positions `[N]`, previous_hidden FULL `[N, H]`
-        -> FULL `[N, H]` post-norm hidden, identical on every TP rank."""
+        """input_ids `[N]` (the token after each position), positions `[N]`, previous_hidden FULL
+        `[N, H]` -> FULL `[N, H]` post-norm hidden, identical on every TP rank. max_tokens: the
+        largest N over the DP ranks when decided before the forward (None: agreed here,
+        `largest_dp_batch`)."""
         num_tokens, layout = input_ids.shape[0], self.plan.input
         batch = attention_batch(
             self.cfg,
@@ -106,7 +109,9 @@ class DeepseekV32MultiTokenPredictorLayer(nn.Module):
                 [self.enorm(embeds.masked_fill(at_start, 0.0)), self.hnorm(previous_hidden)], -1
             )
         )
-        out, residual, _ = self.mtp_block(x, None, batch, None, largest_dp_batch(num_tokens))
+        out, residual, _ = self.mtp_block(
+            x, None, batch, None, largest_dp_batch(num_tokens, max_tokens)
+        )
         return final_norm(out, residual, self.shared_head.norm, self.plan.output, num_tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
