@@ -3,7 +3,7 @@ vLLM's refused or no-op flags left to docs/vllm-compatibility.md."""
 
 import argparse
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -86,13 +86,21 @@ def test_refused_and_noop_vllm_flags_stay_out_of_help(capsys):
         assert flag not in text
 
 
-def test_an_engine_option_without_a_section_is_named():
-    @dataclass(frozen=True)
-    class More(EngineArgs):
-        brand_new: int = field(default=0, metadata=option("--brand-new", type=int, help="new"))
+def test_an_engine_option_outside_the_help_sections_is_named():
+    with pytest.raises(ValueError, match=r"--brand-new: section must be one of .*got 'misc'"):
 
-    with pytest.raises(ValueError, match=r"without a --help section .*\['brand_new'\]"):
-        More.add_cli_args(argparse.ArgumentParser())
+        @dataclass(frozen=True)
+        class More(EngineArgs):
+            brand_new: int = option(0, "--brand-new", section="misc", type=int, help="new")
+
+    @dataclass(frozen=True)
+    class Placed(EngineArgs):
+        brand_new: int = option(0, "--brand-new", section="parallelism", type=int, help="new")
+
+    parser = argparse.ArgumentParser()
+    Placed.add_cli_args(parser)
+    titles = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
+    assert "brand_new" in titles["parallelism"]
 
 
 def test_docs_serving_holds_the_current_help(capsys, monkeypatch):
