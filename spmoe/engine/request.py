@@ -39,7 +39,9 @@ class RequestOutput:
     its grammar complete; "length": max_new_tokens, "abort", "error" with `error` saying why).
     `prompt_tokens` is the prompt's length. When the request's sampling asks for them: `logprobs`, one per
     new token; `prompt_logprobs`, one per prompt token (None for the first), with the first output that
-    has tokens."""
+    has tokens. With the first output that has tokens, the engine's own seconds (durations: the
+    front end's clock differs): `queue_s` from adding the request to first scheduling it,
+    `prefill_s` from then to this first token."""
 
     request_id: str
     new_token_ids: list[int]
@@ -49,6 +51,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     stop_token: int | None = None
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 @dataclass

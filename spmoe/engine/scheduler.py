@@ -48,6 +48,7 @@ each with how many cached tokens, or as a fork: the batch's `admissions`); the o
 carries the decisions).
 """
 
+import time
 from collections import deque
 
 from spmoe.distributed import get_parallel_state
@@ -253,8 +254,11 @@ class Scheduler:
         )
 
     def _start(self, seq: Sequence) -> None:
-        """An admitted sequence runs, holding its sampler row (a preempted one's output counted again)."""
+        """An admitted sequence runs, holding its sampler row (a preempted one's output counted
+        again); the first time, it notes when (`Sequence.scheduled_s`)."""
         request = seq.request
+        if seq.scheduled_s is None:
+            seq.scheduled_s = time.perf_counter()
         seq.sample_row = self.sampler.add(
             request.sampling, request.prompt, request.eos_token_ids, seq.output
         )

@@ -6,6 +6,7 @@ A step is `Scheduler.schedule -> Batch`, `ModelRunner.forward` and `choose -> Pa
 `Sequence.commit` per part, `MtpDrafter.draft`, `Scheduler.update` (docs/architecture.md).
 """
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -69,6 +70,8 @@ class Sequence:
     prompt_logprobs_sent: bool = (
         False  # they went out with its first tokens: a recompute needs none
     )
+    added_s: float = field(default_factory=time.perf_counter)  # when it entered the engine
+    scheduled_s: float | None = None  # when it was first scheduled (`Scheduler._start`)
 
     @property
     def request_id(self) -> str:
@@ -86,7 +89,8 @@ class Sequence:
     def commit(self, result: "PartResult", step: int) -> None:
         """Commit what step number `step` drew for this sequence's part: the one place where its eos and
         stop ids, its length, its grammar's end and a non-finite row are decided (`decide_stop`), and the
-        one place its grammar walks committed tokens. Sets `result.output` (None for a prompt chunk)."""
+        one place its grammar walks committed tokens. Sets `result.output` (None for a prompt
+        chunk), with its queue and prefill seconds when it brings the first tokens."""
         part = result.part
         if result.prompt_logprobs is not None:
             self.prompt_logprobs += result.prompt_logprobs
@@ -104,6 +108,7 @@ class Sequence:
             self.status = Status.ERROR
             result.output = self._output([])
             return
+        first = not self.output
         tokens, self.status, stop_token = self.decide_stop(result.tokens)
         self.output += tokens
         if self.record_logits:
@@ -114,6 +119,9 @@ class Sequence:
         self.pending = self.request.prompt[self.cached :] + [tokens[-1]]
         self.drafts, self.prefilling = [], self.cached < len(self.request.prompt)
         output = self._output(tokens, stop_token)
+        if first:
+            output.queue_s = self.scheduled_s - self.added_s
+            output.prefill_s = time.perf_counter() - self.scheduled_s
         if result.logprobs is not None:
             output.logprobs = result.logprobs[: len(tokens)]
         if self.wants_prompt_logprobs:

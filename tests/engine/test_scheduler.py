@@ -7,6 +7,8 @@ prefix (a shared head, an exact block multiple, the whole prompt), chunks contin
 sequence finding its own blocks again, and eviction of unreferenced cached blocks when room is needed; a
 scheduler following another's admissions."""
 
+import time
+
 import pytest
 import torch
 
@@ -491,3 +493,27 @@ def test_four_choices_hold_at_most_a_quarter_more_blocks_than_one(prompt_len):
     assert one == -(-(prompt_len + 16 - 1) // BLOCK_SIZE)  # the last output token is never fed
     assert four <= 1.25 * one, (prompt_len, one, four)
     assert four == one + 3, (prompt_len, one, four)  # one block of its own for each further choice
+
+
+def test_first_outputs_carry_queue_and_prefill_seconds():
+    """b waits a step behind a's prompt, then prefills in two chunks: its first output carries the
+    seconds it waited (a's forward) and those from its scheduling to its first token (its two
+    forwards); a, scheduled at once, waited less than a forward; later outputs carry none."""
+    forward_s = 0.05  # each step's "forward" here
+    room = paged_room(4)
+    scheduler = Scheduler(room, sampler_for(room), max_num_batched_tokens=16)
+    a, b = sequence("a", 16), sequence("b", 24, first=101)
+    scheduler.add(a)
+    scheduler.add(b)
+    outputs = {}
+    for _ in range(3):  # a's prompt; a decodes, b's first 15; a decodes, b's last 9
+        batch = scheduler.schedule()
+        time.sleep(forward_s)
+        drawn = {p.seq.request_id: dict(tokens=[7]) for p in batch.parts if p.draws}
+        for out in commit(scheduler, batch, drawn):
+            outputs.setdefault(out.request_id, []).append(out)
+    assert [len(outputs[name]) for name in "ab"] == [3, 1]  # b drew in the third step only
+    first_a, first_b = outputs["a"][0], outputs["b"][0]
+    assert 0 <= first_a.queue_s < forward_s <= first_a.prefill_s
+    assert first_b.queue_s >= forward_s and first_b.prefill_s >= 2 * forward_s
+    assert all(out.queue_s is None and out.prefill_s is None for out in outputs["a"][1:])

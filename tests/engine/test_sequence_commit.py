@@ -38,6 +38,7 @@ def running(output: list[int], max_new: int = 10, grammar=None, prompt_len: int 
         grammar=grammar,
     )
     seq.status, seq.output = Status.RUNNING, list(output)
+    seq.scheduled_s = seq.added_s  # as the scheduler notes it when it runs
     seq.cached = prompt_len + len(output) - 1 if output else 0
     return seq
 

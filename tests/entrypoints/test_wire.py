@@ -39,6 +39,7 @@ def test_the_codec_gives_back_what_it_was_given():
         outputs=[
             RequestOutput("r-0", [3, 4], None, logprobs=[(-0.5, [(3, -0.5)]), (-1.0, [(4, -1.0)])]),
             RequestOutput("r-1", [], "error", error="boom", prompt_tokens=1),
+            RequestOutput("r-3", [8], None, queue_s=0.25, prefill_s=0.125),
         ],
         metrics=EngineMetrics(running=1, accepted_per_position=[2, 1]),
         rejected=[("r-2", "bad")],

@@ -16,12 +16,12 @@ recorded by the front end as tokens reach it:
 - per finished request: `e2e_request_latency_seconds` (arrival to the last token),
   `request_decode_time_seconds` (first token to last), `request_time_per_output_token_seconds` (that
   over the tokens after the first; 0 for one token, as vLLM does), `request_prompt_tokens`,
-  `request_generation_tokens`, and `request_success_total` by `finished_reason`;
+  `request_generation_tokens`, and `request_success_total` by `finished_reason`; and from the
+  engine's own clock (its first output carries the durations): `request_queue_time_seconds` (added
+  to the engine to first scheduled), `request_prefill_time_seconds` (first scheduled to first token)
+  and `request_inference_time_seconds` (that prefill time plus the decode time);
 - per request admitted: `prompt_tokens_total`, `request_params_n`, `request_params_max_tokens` and
   `request_max_num_generation_tokens` (the largest max_tokens of its choices).
-Not exposed: vLLM's `request_queue_time_seconds`, `request_prefill_time_seconds` and
-`request_inference_time_seconds`, which split the time before the first token at the moment the
-engine first schedules a request; the engine does not report that moment to the front end.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -186,6 +186,21 @@ class ServeMetrics:
         self.decode_time = histogram(
             "request_decode_time_seconds", "First token to last token", REQUEST_LATENCY_BUCKETS
         )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Added to the engine to first scheduled",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "First scheduled to first token",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds",
+            "First scheduled to last token",
+            REQUEST_LATENCY_BUCKETS,
+        )
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt tokens per request", tokens
         )
@@ -238,8 +253,10 @@ class ServeMetrics:
         first_token_s: float | None,
         prompt_tokens: int,
         generated: int,
+        engine_s: tuple[float, float] | None,
     ) -> None:
-        """A request ended with `reason` after `seconds` (its first token after `first_token_s`)."""
+        """A request ended with `reason` after `seconds` (its first token after `first_token_s`);
+        `engine_s`: its queue and prefill seconds as the engine measured them (None: none came)."""
         counter = self._finished.get(reason)
         if counter is None:  # a reason vLLM does not have: its own series
             counter = self._finished[reason] = self._finished_family.labels(
@@ -253,6 +270,12 @@ class ServeMetrics:
             decode = seconds - first_token_s
             self.decode_time.observe(decode)
             self.time_per_output_token.observe(decode / (generated - 1) if generated > 1 else 0.0)
+        if engine_s is not None:
+            queue_s, prefill_s = engine_s
+            self.queue_time.observe(queue_s)
+            self.prefill_time.observe(prefill_s)
+            if first_token_s is not None:
+                self.inference_time.observe(prefill_s + seconds - first_token_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -85,6 +85,7 @@ class TextGeneration:
         self.prompt_logprobs = None
         self.arrival = self.last_event = time.perf_counter()  # the arrival, then the latest tokens
         self.first_token_s = None
+        self.engine_s = None  # its first output's (queue_s, prefill_s), the engine's durations
 
     async def pieces(self) -> AsyncIterator[Piece]:
         held_ids, held_logprobs = [], []  # tokens whose text is not out yet
@@ -106,6 +107,8 @@ class TextGeneration:
                     )
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs = out.prompt_logprobs
+                if out.queue_s is not None:
+                    self.engine_s = (out.queue_s, out.prefill_s)
                 ids = [] if self.discard_output else out.new_token_ids
                 if not self.discard_output:
                     self._count(len(ids))
@@ -144,7 +147,12 @@ class TextGeneration:
     def _finish(self, reason: str) -> None:
         seconds = time.perf_counter() - self.arrival
         self.metrics.observe_finished(
-            reason, seconds, self.first_token_s, self.prompt_tokens, self.completion_tokens
+            reason,
+            seconds,
+            self.first_token_s,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.engine_s,
         )
 
     @property
