@@ -143,6 +143,7 @@ ENGINE_FLOORS = (
     ("rooms", "scheduler"),
     ("engine",),
     ("ranks", "warmup"),  # everything about ranks; warming up drives the batch job
+    ("options",),  # how an option is declared
     ("args",),  # the options and their checks
     ("build",),  # what the options build
 )

@@ -3,8 +3,8 @@
 `spmoe demo` and the benchmarks build their engines from it; options only one command needs (addresses,
 output paths, input ids, max_new_tokens, sampling) stay with that command.
 
-Each option is a dataclass field whose metadata names its flags: adding a flag name (an alias) is adding it to
-that field's `flags`.
+Each option is a dataclass field declared with `options.option`, which names its flags: adding a flag name
+(an alias) is adding it to that field's `flags`.
 
 The checks come in two steps: what the options say alone (`__post_init__`: ranges and combinations), and
 what needs the checkpoint's config (`check`: the parallel layout, the device, the MTP layer, CUDA graphs,
@@ -13,8 +13,7 @@ positions, the paged cache's budget), both before any rank starts.
 
 import argparse
 import os
-from dataclasses import dataclass, field, fields, replace
-from functools import partial
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -23,6 +22,13 @@ from spmoe.config.model import read_config
 from spmoe.config.parallel import EP_BACKENDS, MOE_BACKENDS, SP_MODES, SP_SCOPES
 from spmoe.engine.cache.paged import DEFAULT_GPU_MEMORY_UTILIZATION, check_paged_budget
 from spmoe.engine.engine import check_positions
+from spmoe.engine.options import (
+    help_groups,
+    memory_option,
+    model_option,
+    parallel_option,
+    speculation_option,
+)
 from spmoe.engine.runner.static_step import deployment_problems
 from spmoe.engine.vllm_values import (
     SpeculativeConfig,
@@ -41,40 +47,6 @@ KV_CACHES = ("paged", "dense")
 SPECULATIVE_METHODS = ("mtp",)
 # `spmoe forward`'s options
 LAYOUT_OPTIONS = ("tp", "dp", "sp", "sp_scope", "ep_backend", "moe_backend", "dtype", "device")
-
-
-# `--help`'s sections, in the order users look for a flag
-HELP_GROUPS = (
-    "model", "parallelism", "memory and cache", "speculation and CUDA graphs", "chat and tools", "server",
-    "logging",
-)  # fmt: skip
-
-
-def help_groups(parser: argparse.ArgumentParser) -> dict:
-    """`parser`'s sections of `--help` by title (HELP_GROUPS), made on the first call; empty ones print
-    nothing."""
-    made = {group.title: group for group in parser._action_groups}
-    return {title: made.get(title) or parser.add_argument_group(title) for title in HELP_GROUPS}
-
-
-def option(default, *flags: str, section: str, help: str, cli_default=field, **argparse_kwargs):
-    """A field with its `default` and its command line: its flag names (the first one names it in error
-    messages; vLLM's names are aliases), its `section` of `--help` (one of HELP_GROUPS), what argparse
-    takes beside them (type, choices, metavar, action), and, where the command line's default differs
-    from the field's (an `auto` that `from_cli` settles), `cli_default`."""
-    if section not in HELP_GROUPS:
-        raise ValueError(f"{flags[0]}: section must be one of {HELP_GROUPS}, got {section!r}")
-    meta = {"flags": flags, "section": section, "help": help, "argparse": argparse_kwargs}
-    if cli_default is not field:
-        meta["cli_default"] = cli_default
-    return field(default=default, metadata=meta)
-
-
-# the options of each engine section of `--help`
-parallel_option = partial(option, section="parallelism")
-model_option = partial(option, section="model")
-memory_option = partial(option, section="memory and cache")
-speculation_option = partial(option, section="speculation and CUDA graphs")
 
 
 def check_device(device: str, ranks: int) -> None:

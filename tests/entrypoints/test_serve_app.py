@@ -18,8 +18,9 @@ from fastapi.testclient import TestClient
 from spmoe.engine.request import EngineMetrics, RequestOutput
 from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
-from spmoe.entrypoints.serve.app import ApiSettings, FrontEndLimits, build_app
+from spmoe.entrypoints.serve.app import ApiSettings, build_app
 from spmoe.entrypoints.serve.engine_client import QueueFull
+from spmoe.entrypoints.serve.middleware import FrontEndLimits
 from spmoe.entrypoints.serve.streaming import StopStrings
 from spmoe.entrypoints.serve.supervisor import StopPolicy, supervise
 from spmoe.entrypoints.serve.tokenizer import (

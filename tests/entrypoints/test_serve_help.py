@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from spmoe.engine.args import EngineArgs, option
+from spmoe.engine.args import EngineArgs
+from spmoe.engine.options import option
 from spmoe.entrypoints.cli import main
 
 

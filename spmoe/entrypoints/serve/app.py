@@ -36,7 +36,12 @@ from starlette.exceptions import HTTPException
 import spmoe
 from spmoe.engine.request import Request as EngineRequest
 from spmoe.entrypoints.serve.metrics import CONTENT_TYPE, ServeMetrics
-from spmoe.entrypoints.serve.middleware import RequestIdMiddleware, RequireApiKey
+from spmoe.entrypoints.serve.middleware import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    FrontEndLimits,
+    RequestIdMiddleware,
+    RequireApiKey,
+)
 from spmoe.entrypoints.serve.protocol import (
     ApiError,
     DetokenizeRequest,
@@ -51,7 +56,6 @@ from spmoe.entrypoints.serve.responses_request import ResponsesReader, ResponseS
 from spmoe.entrypoints.serve.streaming import Piece, TextGeneration, usage
 from spmoe.entrypoints.serve.tokenizer import TokenTexts, chat_prompt_text, eos_token_ids
 
-DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 END_WAIT_S = 5.0  # how long `stop` waits for the requests it ended to send their last chunk
 RETRY_AFTER_S = "1"  # what a 503 tells the client to wait
 log = logging.getLogger("spmoe.serve")
@@ -68,18 +72,6 @@ class Started:
     pieces: list
     firsts: list[Piece]
     prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class FrontEndLimits:
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a longer body gets 413
-    api_key: str | None = None  # None: no key needed
-
-    def __post_init__(self):
-        if self.max_request_bytes < 1:
-            raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("--api-key (or SPMOE_API_KEY) must not be empty")
 
 
 def build_app(

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
-from spmoe.entrypoints.serve.app import FrontEndLimits
 from spmoe.entrypoints.serve.chat import ChatOptions
 from spmoe.entrypoints.serve.engine_client import EngineClient, EngineFacts
+from spmoe.entrypoints.serve.middleware import FrontEndLimits
 from spmoe.entrypoints.serve.supervisor import StopPolicy
 
 

@@ -1,14 +1,28 @@
-"""The app's ASGI middleware: the API key every route but OPEN_ROUTES needs, and the request id every
-response carries."""
+"""The app's ASGI middleware and the limits it enforces (`FrontEndLimits`): the API key every route but
+OPEN_ROUTES needs, and the request id every response carries."""
 
 import secrets
 import uuid
+from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
 from spmoe.entrypoints.serve.protocol import ApiError
 
 OPEN_ROUTES = ("/health", "/metrics")  # the routes that need no API key
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class FrontEndLimits:
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a longer body gets 413
+    api_key: str | None = None  # None: no key needed
+
+    def __post_init__(self):
+        if self.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key (or SPMOE_API_KEY) must not be empty")
 
 
 class RequireApiKey:

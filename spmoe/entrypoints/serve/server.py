@@ -19,11 +19,11 @@ from pathlib import Path
 
 from spmoe.distributed import launch
 from spmoe.distributed.simulated import banner
-from spmoe.engine.args import EngineArgs, help_groups
+from spmoe.engine.args import EngineArgs
+from spmoe.engine.options import help_groups
 from spmoe.engine.vllm_values import parse_json_object, served_model_names
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.model_source import resolve_model
-from spmoe.entrypoints.serve.app import DEFAULT_MAX_REQUEST_BYTES, FrontEndLimits
 from spmoe.entrypoints.serve.chat import ChatOptions
 from spmoe.entrypoints.serve.engine_process import (
     MIN_MAX_NUM_WAITING,
@@ -33,6 +33,7 @@ from spmoe.entrypoints.serve.engine_process import (
     serve_rank,
 )
 from spmoe.entrypoints.serve.frontend import FrontEndOptions
+from spmoe.entrypoints.serve.middleware import DEFAULT_MAX_REQUEST_BYTES, FrontEndLimits
 from spmoe.entrypoints.serve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 from spmoe.entrypoints.serve.supervisor import StopPolicy
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer, read_chat_template
