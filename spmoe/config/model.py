@@ -54,9 +54,10 @@ class ModelConfig:
     max_position_embeddings: int | None = (
         None  # the longest sequence the model takes; None: not stated
     )
-    # FP8 checkpoints: the suffix of a weight's block scales (DeepSeek / GLM `weight_scale_inv`, compressed-tensors
-    # `weight_scale`; both multiply the stored values), and the modules the quantization config leaves unquantised
-    # (regexes matched from the start of the module name: `modules_to_not_convert` / `ignore`)
+    # FP8 checkpoints: the suffix of a weight's block scales (DeepSeek / GLM `weight_scale_inv`,
+    # compressed-tensors `weight_scale`; both multiply the stored values), and the modules the
+    # quantization config leaves unquantised (regexes matched from the start of the module name:
+    # `modules_to_not_convert` / `ignore`)
     fp8_scale_suffix: str = "weight_scale_inv"
     fp8_unquantized: tuple[str, ...] = ()
     fp8_every_linear: bool = False  # compressed-tensors: every linear not in `ignore` is FP8

@@ -33,10 +33,10 @@ class ParallelConfig:
         "allgather_reducescatter"  # one of EP_BACKENDS: how SP layers dispatch to experts
     )
     moe_backend: str = "auto"  # one of MOE_BACKENDS: the expert kernels
-    # Measurement only (spmoe.distributed.simulated): rank 0 of this layout runs in one process, the other
-    # ranks simulated; `routing_seed` makes every router's top-k a seeded function of (layer, token) (the
-    # simulated rank's default 0; set alone, a real run routes the same way); `simulated_load`: "rank0" or
-    # "busiest" (each layer's busiest EP rank's experts on this rank).
+    # Measurement only (spmoe.distributed.simulated): rank 0 of this layout runs in one process, the
+    # other ranks simulated; `routing_seed` makes every router's top-k a seeded function of (layer,
+    # token) (the simulated rank's default 0; set alone, a real run routes the same way);
+    # `simulated_load`: "rank0" or "busiest" (each layer's busiest EP rank's experts on this rank).
     simulate_rank: bool = False
     routing_seed: int | None = None
     simulated_load: str = "rank0"

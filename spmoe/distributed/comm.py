@@ -74,8 +74,9 @@ def _zero() -> dict:
 
 _ACTIVE: list[CommStats] = []
 _ONE_SHOT: dict = {}  # group -> OneShot
-# Buffer bytes up to which the one-shot kernel beat NCCL in a CUDA graph on 2 x H200 at H = 6144, bf16
-# (docs/performance-log/2026-11.md): all-gather and reduce-scatter up to N = 256 tokens, all-reduce up to N = 64.
+# Buffer bytes up to which the one-shot kernel beat NCCL in a CUDA graph on 2 x H200 at H = 6144,
+# bf16 (docs/performance-log/2026-11.md): all-gather and reduce-scatter up to N = 256 tokens,
+# all-reduce up to N = 64.
 ONE_SHOT_MAX_BYTES = {"all_gather": 4 << 20, "reduce_scatter": 4 << 20, "all_reduce": 2 << 20}
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-# Global token index of row i of DP group d: d * DP_STRIDE + i (no step has this many rows on one DP group).
+# Global token index of row i of DP group d: d * DP_STRIDE + i (no step has this many rows on one DP
+# group).
 DP_STRIDE = 1 << 24
 LOADS = ("rank0", "busiest")
 _MIX = (-7046029254386353131, -4658895280553007687, -49064778989728563)  # 64-bit odd multipliers

@@ -125,7 +125,8 @@ class Engine:
             log,
         )
         if isinstance(cache, PagedKVCache):
-            # the MTP layer's row at a position embeds the next token: a block depends on one token past it
+            # the MTP layer's row at a position embeds the next token: a block depends on one token
+            # past it
             lookahead = 1 if num_speculative_tokens else 0
             room = BlockRoom(
                 cache, max_num_seqs or 256, max_model_len, enable_prefix_caching, lookahead
@@ -161,8 +162,8 @@ class Engine:
             graphs=self.runner.graphs,
             keep_in_step=keep_in_step,
         )
-        # how the step's admissions are made: here alone; on several TP ranks `ranks.connect` gives the
-        # engine its group's channel
+        # how the step's admissions are made: here alone; on several TP ranks `ranks.connect` gives
+        # the engine its group's channel
         self.admissions = Admissions()
         self._ready_count: int | None = None  # compiles + captures when the engine was marked warm
 

@@ -11,7 +11,8 @@ from spmoe.engine.sampling.sampler import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
-# a token's log-probability and the most likely tokens at its position, most likely first: (logprob, [(id, logprob)])
+# a token's log-probability and the most likely tokens at its position, most likely first: (logprob,
+# [(id, logprob)])
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 

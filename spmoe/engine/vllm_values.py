@@ -121,8 +121,8 @@ def _json_or_text(value: str):
         return value
 
 
-# vLLM's names for speculating with the checkpoint's own multi-token-prediction layers (DeepSeek-V3 and GLM):
-# all of them mean the same thing here.
+# vLLM's names for speculating with the checkpoint's own multi-token-prediction layers (DeepSeek-V3
+# and GLM): all of them mean the same thing here.
 MTP_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp")
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "model")
 

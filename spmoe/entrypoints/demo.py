@@ -48,12 +48,12 @@ SERVE_MAX_TOKENS = 24
 SPECIAL_TOKENS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"] + [
     f"<|reserved_{i}|>" for i in range(3)
 ]
-# GLM's chat layout, in short: turns open with <|role|> and end with <|end|>; tools are listed in a system turn;
-# the assistant turn opens its thinking block in the prompt (<think>), or closes it there when thinking is off
-# (chat_template_kwargs enable_thinking / thinking); its tool calls are written as
-# <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value></tool_call> (a string value raw, any other as
-# JSON; the server hands the template each call's arguments as an object); tool results come back in an
-# <|observation|> turn.
+# GLM's chat layout, in short: turns open with <|role|> and end with <|end|>; tools are listed in a
+# system turn; the assistant turn opens its thinking block in the prompt (<think>), or closes it
+# there when thinking is off (chat_template_kwargs enable_thinking / thinking); its tool calls are
+# written as <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value></tool_call> (a string
+# value raw, any other as JSON; the server hands the template each call's arguments as an object);
+# tool results come back in an <|observation|> turn.
 CHAT_TEMPLATE = (
     "{% set thinking = enable_thinking if enable_thinking is defined"
     " else (thinking if thinking is defined else true) %}"
@@ -233,7 +233,8 @@ def show_server(device: str, dp: int) -> int:
     server = subprocess.Popen(
         [sys.executable, "-m", *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
-    # a SIGTERM to the demo unwinds through the `finally` below, which stops the server and its ranks
+    # a SIGTERM to the demo unwinds through the `finally` below, which stops the server and its
+    # ranks
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         ready = _echo_until_ready(server)

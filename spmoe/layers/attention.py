@@ -113,8 +113,8 @@ class Indexer(nn.Module):
             index = torch.einsum("qh,qhk->qk", weights[c], scores).masked_fill(
                 ~batch.allowed[c], float("-inf")
             )
-            # a stable sort, so that tied scores (relu makes exact zeros common) pick the earliest positions,
-            # whatever else shares the batch or the cache
+            # a stable sort, so that tied scores (relu makes exact zeros common) pick the earliest
+            # positions, whatever else shares the batch or the cache
             topk = index.sort(dim=-1, descending=True, stable=True).indices[:, : cfg.index_topk]
             selected[c].scatter_(1, topk, True)
         return selected & batch.allowed

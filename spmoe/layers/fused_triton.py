@@ -266,8 +266,8 @@ def _index_key_kernel(
     slot = tl.load(slots_ptr + n).to(tl.int64)  # slot * DIM passes 2**31 from 16M cache rows
     if FP8:
         # key @ hadamard in float32, CHUNK rows of the matrix at a time, then one scale per key as
-        # quantize_fp8_vectors: max |value| * (1 / FP8_MAX) (torch multiplies by the reciprocal), values divided
-        # exactly
+        # quantize_fp8_vectors: max |value| * (1 / FP8_MAX) (torch multiplies by the reciprocal),
+        # values divided exactly
         value = tl.zeros([DIM], tl.float32)
         for start in tl.static_range(0, DIM, CHUNK):
             r = start + tl.arange(0, CHUNK)

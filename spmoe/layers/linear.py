@@ -125,8 +125,8 @@ class MergedLinear(nn.Module):
         }
         self.dense_parts = {n: w for n, w in self.parts.items() if n not in names}
         with torch.device(device):
-            # in the model dtype even when no part is left in it: the layer's dtype and device (attention's cache
-            # needs read them)
+            # in the model dtype even when no part is left in it: the layer's dtype and device
+            # (attention's cache needs read them)
             self.weight = nn.Parameter(
                 torch.empty(sum(self.dense_parts.values()), in_features, dtype=dtype)
             )

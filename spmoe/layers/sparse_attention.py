@@ -39,10 +39,10 @@ from spmoe.layers.quantization.fp8 import dequantize
 POSITION_BITS = (
     31  # positions are below 2**31; the low half of an ordering key holds 2**31 - 1 - position
 )
-# The torch paths (CPU, and any device without the Triton kernels) score at most this many values per step: they
-# go over the queries in chunks sized so that a chunk's largest intermediates (scores, gathered keys) hold about
-# this many elements (256 MiB of float32), whatever the number of tokens in the batch. Every query's result is
-# computed on its own, so chunking changes no value.
+# The torch paths (CPU, and any device without the Triton kernels) score at most this many values
+# per step: they go over the queries in chunks sized so that a chunk's largest intermediates
+# (scores, gathered keys) hold about this many elements (256 MiB of float32), whatever the number of
+# tokens in the batch. Every query's result is computed on its own, so chunking changes no value.
 TORCH_CHUNK_ELEMENTS = 1 << 26
 
 
@@ -73,7 +73,7 @@ def use_triton(t: torch.Tensor, *dims: int) -> bool:
     )
 
 
-# -- indexer ------------------------------------------------------------------------------------------------
+# -- indexer -------------------------------------------------------------------------------------
 
 
 def indexer_topk(
@@ -99,8 +99,8 @@ def indexer_topk(
             topk_rows,
         )
 
-        # a few tokens (decode; tables maybe padded far past them for a CUDA graph): a top-k bounded by each
-        # token's position, and no keys written past it
+        # a few tokens (decode; tables maybe padded far past them for a CUDA graph): a top-k bounded
+        # by each token's position, and no keys written past it
         bounded = q.shape[0] <= TOPK_ROWS_MAX_TOKENS and block_tables.shape[1] * block_size > topk
         keys = indexer_order_keys(
             q, weights, cache, block_tables, seq_index, positions, block_size, fill_past=not bounded
@@ -108,7 +108,8 @@ def indexer_topk(
         if bounded:
             return topk_rows(keys, topk, block_tables, seq_index, positions, block_size)
         return rows_of_best(keys, topk, block_tables, seq_index, block_size)
-    # in query chunks: the keys `[N, L]` and the scores `[N, h, L]` of the whole batch never exist at once
+    # in query chunks: the keys `[N, L]` and the scores `[N, h, L]` of the whole batch never exist
+    # at once
     n, heads, dim = q.shape
     per_query = (
         block_tables.shape[1] * block_size * (dim + heads + 8)
@@ -217,7 +218,7 @@ def cache_rows_torch(best, block_tables, seq_index, positions, block_size: int) 
     return torch.where(best > _NEG_INF_KEY_MAX, blocks * block_size + position % block_size, -1)
 
 
-# -- absorbed MLA -------------------------------------------------------------------------------------------
+# -- absorbed MLA --------------------------------------------------------------------------------
 
 
 def sparse_mla(

@@ -45,20 +45,22 @@ from spmoe.layers.paged_rows import PagedLayerCache
 NUM_SMS_TARGET = 264  # programs to aim for (2 per H200 multiprocessor)
 LOG2_E = 1.4426950408889634  # the kernel's softmax uses exp2: exp(x) = exp2(x * log2(e))
 # sparse_mla's tile configs (heads per tile, rows per tile, num_warps, num_stages), the fastest of
-# benchmarks/bench_sparse_attention.py at GLM-5.2 widths (64 heads, latent 512, rope 64, 2048 rows) on an H200.
-# Decode (--sweep, 1 and 8 tokens at a 32k context): 16 heads per tile, the rows split over programs.
-# Prefill (--prefill-sweep, 8192 tokens): all 64 heads of a token in one tile, so each gathered row is read once
-# per token, not once per 16 heads: 9.6 ms (244 TFLOP/s) with the bf16 cache and 11.7 ms (199 TFLOP/s) with the
-# FP8 cache, against 23.7 ms (99 TFLOP/s, bf16) for the decode tiles at 2 stages.
+# benchmarks/bench_sparse_attention.py at GLM-5.2 widths (64 heads, latent 512, rope 64, 2048 rows)
+# on an H200. Decode (--sweep, 1 and 8 tokens at a 32k context): 16 heads per tile, the rows split
+# over programs. Prefill (--prefill-sweep, 8192 tokens): all 64 heads of a token in one tile, so
+# each gathered row is read once per token, not once per 16 heads: 9.6 ms (244 TFLOP/s) with the
+# bf16 cache and 11.7 ms (199 TFLOP/s) with the FP8 cache, against 23.7 ms (99 TFLOP/s, bf16) for
+# the decode tiles at 2 stages.
 DECODE_TILES = (16, 32, 4, 3)
 PREFILL_TILES = (64, 64, 8, 2)
-# indexer_order_keys' tile configs (tokens per program, cache blocks per program, num_warps, num_stages). Decode:
-# one token per program and block, as many programs as blocks. Prefill (from INDEXER_TILE_MIN_TOKENS tokens):
-# TOKENS tokens of a sequence share each key block they load (one [BLOCK, d] x [d, TOKENS * heads] dot) and a
-# program walks BLOCKS blocks with its queries held; with fewer than INDEXER_MIN_PROGRAMS programs, one block each.
-# Past NUM_SMS_TARGET tiles of blocks a program takes several tiles in turn (`indexer_programs`).
-# Measured (--indexer-sweep, 8192 tokens at positions 0 .. 8191): 0.80 ms (343 TFLOP/s) with the bf16 cache and
-# 0.60 ms with the FP8 cache, 8 tokens per tile the same within 1%, against 3.3 ms and 1.6 ms for the decode tiles.
+# indexer_order_keys' tile configs (tokens per program, cache blocks per program, num_warps,
+# num_stages). Decode: one token per program and block, as many programs as blocks. Prefill (from
+# INDEXER_TILE_MIN_TOKENS tokens): TOKENS tokens of a sequence share each key block they load (one
+# [BLOCK, d] x [d, TOKENS * heads] dot) and a program walks BLOCKS blocks with its queries held;
+# with fewer than INDEXER_MIN_PROGRAMS programs, one block each. Past NUM_SMS_TARGET tiles of blocks
+# a program takes several tiles in turn (`indexer_programs`). Measured (--indexer-sweep, 8192 tokens
+# at positions 0 .. 8191): 0.80 ms (343 TFLOP/s) with the bf16 cache and 0.60 ms with the FP8 cache,
+# 8 tokens per tile the same within 1%, against 3.3 ms and 1.6 ms for the decode tiles.
 INDEXER_DECODE_TILES = (1, 1, 4, 1)
 INDEXER_PREFILL_TILES = (4, 16, 4, 3)
 INDEXER_TILE_MIN_TOKENS = 64
@@ -221,8 +223,8 @@ def _index_tiles(
         )
 
 
-# tile_step unspecialised: its value follows the shape (1, a multiple of 16 or another), and each class would be
-# one more compile of the kernel, for no gain in a loop's step
+# tile_step unspecialised: its value follows the shape (1, a multiple of 16 or another), and each
+# class would be one more compile of the kernel, for no gain in a loop's step
 @triton.jit(do_not_specialize=["tile_step"])
 def _indexer_kernel(
     q_ptr,
@@ -463,9 +465,10 @@ def _topk_rows_kernel(
             rows = tl.where(seen, block * BLOCK_SIZE + column % BLOCK_SIZE, -1)
             tl.store(out_row + column, rows, mask=column < K)
     else:
-        # Radix select of the K-th largest key among the visible ones, a byte at a time from the top. Bins
-        # 1 .. 256 count the keys that match the bytes chosen so far, by their next byte (the top byte with its
-        # sign bit flipped, so that bins follow the signed order); bin 0 takes the rest.
+        # Radix select of the K-th largest key among the visible ones, a byte at a time from the
+        # top. Bins 1 .. 256 count the keys that match the bytes chosen so far, by their next byte
+        # (the top byte with its sign bit flipped, so that bins follow the signed order); bin 0
+        # takes the rest.
         bins = tl.arange(0, 512)
         threshold = tl.zeros([1], tl.int64)  # the chosen bytes, the others 0
         wanted = tl.full([1], K, tl.int32)  # how many keys of the matching ones still to take
@@ -491,7 +494,8 @@ def _topk_rows_kernel(
             if byte == 0:
                 value = value ^ 128
             threshold = threshold | (value.to(tl.int64) << shift)
-        # the K keys at or above the threshold (keys are distinct: each holds its position), rows of finite scores
+        # the K keys at or above the threshold (keys are distinct: each holds its position), rows of
+        # finite scores
         none = _order_key(tl.full([TILE], float("-inf"), tl.float32), tl.zeros([TILE], tl.int64))
         written = tl.zeros([1], tl.int32)
         for first in range(0, visible, TILE):
@@ -771,7 +775,8 @@ def sparse_mla(
     splits = max(1, min(tiles, triton.cdiv(NUM_SMS_TARGET, n * head_blocks)))
     rows_per_split = triton.cdiv(tiles, splits) * block_k
     splits = triton.cdiv(max(topk, 1), rows_per_split)
-    # one split (a prefill: tokens enough to fill the GPU) writes the output itself; more go through the merge
+    # one split (a prefill: tokens enough to fill the GPU) writes the output itself; more go through
+    # the merge
     acc = (
         torch.empty(n, heads, splits, latent_dim, dtype=torch.float32, device=q_latent.device)
         if splits > 1

@@ -85,7 +85,7 @@ class BlockManager:
         self.queries = 0  # prompt tokens looked up in the prefix cache, since start
         self.hits = 0  # of those, tokens found cached
 
-    # -- queries --------------------------------------------------------------------------------------------
+    # -- queries ----------------------------------------------------------------------------------
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""
@@ -145,7 +145,7 @@ class BlockManager:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._tables
 
-    # -- changes ----------------------------------------------------------------------------------------------
+    # -- changes ----------------------------------------------------------------------------------
 
     def allocate(
         self,
@@ -233,7 +233,8 @@ class BlockManager:
             self._hold(block)
         self._tables[child_id] = shared + [self._take_block() for _ in range(fresh)]
         self._reserved[child_id] = num_tokens
-        # the parent may not have hashed every shared block yet: the child's chain is extended when needed
+        # the parent may not have hashed every shared block yet: the child's chain is extended when
+        # needed
         self._chains[child_id] = self._chains[parent_id][: len(shared)]
         self._written[child_id] = len(shared)
         return len(shared) * self.block_size
@@ -288,7 +289,7 @@ class BlockManager:
                 self._free.append(block)
         del self._reserved[seq_id], self._chains[seq_id], self._written[seq_id]
 
-    # -- helpers ----------------------------------------------------------------------------------------------
+    # -- helpers ----------------------------------------------------------------------------------
 
     def _check(self, seq_id: int) -> int:
         if seq_id not in self._tables:

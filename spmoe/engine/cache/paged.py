@@ -230,7 +230,7 @@ class PagedKVCache:
         cfg, layers, dtype, device = cache_layout(model)
         return cls(cfg, layers, budget_bytes, dtype, device, kv_cache_dtype)
 
-    # -- sizes ------------------------------------------------------------------------------------------------
+    # -- sizes ------------------------------------------------------------------------------------
 
     @property
     def bytes_per_token(self) -> int:
@@ -260,7 +260,7 @@ class PagedKVCache:
             fields.get("index_scale"),
         )
 
-    # -- views ------------------------------------------------------------------------------------------------
+    # -- views ------------------------------------------------------------------------------------
 
     def view(
         self, block_tables: list[list[int]], starts: list[int], lens: list[int]

@@ -226,8 +226,8 @@ class ModelRunner:
             fed += len(other.tokens)
         count = min(n, len(prompt) - start)  # prompt tokens fed this step
         got = [None] if start == 0 else []
-        # row i (position start + i) predicts prompt[start + i + 1]; the prompt's last row predicts an
-        # output token: it is no prompt token's
+        # row i (position start + i) predicts prompt[start + i + 1]; the prompt's last row predicts
+        # an output token: it is no prompt token's
         predicting = min(count, len(prompt) - 1 - start)
         for first in range(0, predicting, PROMPT_LOGPROB_ROWS):
             size = min(PROMPT_LOGPROB_ROWS, predicting - first)

@@ -10,17 +10,19 @@ from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
 from spmoe.engine.cache.slots import KVCache
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
-# a decode step's sequences, padded to the next: on an H200 (4 GLM-width layers, in a graph) a step takes 4.72 ms
-# at 48 rows, 4.92 at 64, 5.40 at 128 and 6.46 at 256, about 8 us per row above 64, so 129 sequences padded to
-# 256 took a fifth longer than they need; four sizes per doubling above 32 keep the padding under a quarter of
-# the rows (above 128, at most 31 pad rows, about 0.25 ms). Each size is one more graph captured at start-up,
-# holding its [B * T, V] float32 logits (620 KB a row at 154880 tokens): up to 256, 18 graphs and 1519 rows,
-# 0.88 GiB x T (powers of two alone: 9 graphs, 511 rows, 0.29 GiB x T).
+# a decode step's sequences, padded to the next: on an H200 (4 GLM-width layers, in a graph) a step
+# takes 4.72 ms at 48 rows, 4.92 at 64, 5.40 at 128 and 6.46 at 256, about 8 us per row above 64, so
+# 129 sequences padded to 256 took a fifth longer than they need; four sizes per doubling above 32
+# keep the padding under a quarter of the rows (above 128, at most 31 pad rows, about 0.25 ms). Each
+# size is one more graph captured at start-up, holding its [B * T, V] float32 logits (620 KB a row
+# at 154880 tokens): up to 256, 18 graphs and 1519 rows, 0.88 GiB x T (powers of two alone: 9
+# graphs, 511 rows, 0.29 GiB x T).
 BATCH_SIZES = (
     1, 2, 4, 8, 16, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512
 )  # fmt: skip
 # a step's fed tokens, padded to the next: above about 200 tokens a step's time grows with its rows
-# (`bench_decode_step.py`), so the sizes are close enough that padding adds at most a quarter above 128
+# (`bench_decode_step.py`), so the sizes are close enough that padding adds at most a quarter above
+# 128
 MIXED_TOKENS = (16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 

@@ -24,10 +24,11 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
-# xgrammar 0.2.9 writes a JSON string's characters as one of the first two classes: the first (length-bounded
-# strings) lets raw control characters in, where JSON forbids them, and on a byte-level vocabulary both let the
-# UTF-8 bytes of a surrogate (U+D800-U+DFFF, no character) through, which decode to U+FFFD and break the length
-# bounds. The third class is JSON's characters without the surrogates.
+# xgrammar 0.2.9 writes a JSON string's characters as one of the first two classes: the first
+# (length-bounded strings) lets raw control characters in, where JSON forbids them, and on a
+# byte-level vocabulary both let the UTF-8 bytes of a surrogate (U+D800-U+DFFF, no character)
+# through, which decode to U+FFFD and break the length bounds. The third class is JSON's characters
+# without the surrogates.
 LOOSE_STRING_CHARACTERS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
 JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\ud800-\udfff]"
 

@@ -50,9 +50,11 @@ from spmoe.engine.sampling.processors import (
 
 MAX_LOGPROBS = 20  # the most top logprobs a row may ask for (OpenAI's limit)
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
-# temperatures below this are greedy: dividing logits by less overflows float32 (vLLM draws the same line)
+# temperatures below this are greedy: dividing logits by less overflows float32 (vLLM draws the same
+# line)
 GREEDY_BELOW = 1e-5
-# repetition_penalty's range: a logit is divided or multiplied by it, so outside it a row overflows to inf
+# repetition_penalty's range: a logit is divided or multiplied by it, so outside it a row overflows
+# to inf
 REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 
 
@@ -123,7 +125,7 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1
 
 
-# -- the batched sampler -------------------------------------------------------------------------------------
+# -- the batched sampler -------------------------------------------------------------------------
 
 
 @dataclass
@@ -163,13 +165,14 @@ class Sampler:
         self.bias_ids = torch.full((max_rows, 0), -1, dtype=torch.int64, device=self.device)
         self.bias_values = torch.zeros(max_rows, 0, device=self.device)
         self.stop_ids = torch.full((max_rows, 0), -1, dtype=torch.int64, device=self.device)
-        # `[max_rows, V]`, made when the first request with a penalty arrives (most servers never need them)
+        # `[max_rows, V]`, made when the first request with a penalty arrives (most servers never
+        # need them)
         self.output_counts: torch.Tensor | None = None  # int32: times each token was generated
         self.prompt_mask: torch.Tensor | None = (
             None  # bool: the token is in the prompt (repetition penalty)
         )
 
-    # -- rows ----------------------------------------------------------------------------------------------
+    # -- rows -------------------------------------------------------------------------------------
 
     def add(
         self,
@@ -242,7 +245,7 @@ class Sampler:
         ones = torch.ones(len(rows), dtype=torch.int32, device=self.device)
         self.output_counts.index_put_((index[0], index[1]), ones, accumulate=True)
 
-    # -- choosing ------------------------------------------------------------------------------------------
+    # -- choosing ---------------------------------------------------------------------------------
 
     def process(
         self,
@@ -329,8 +332,9 @@ class Sampler:
         ids = best.argmax(-1)
         sampled = [j for j, p in enumerate(params) if not p.greedy]
         if sampled:  # the sampled rows only: the reference's noise, `[rows, V]`, is the step's largest temporary
-            # one transfer; each list padded to an even length, so that every one starts 16-byte aligned whatever
-            # the count (Triton compiles a kernel per alignment of its pointers: no new compile after warm-up)
+            # one transfer; each list padded to an even length, so that every one starts 16-byte
+            # aligned whatever the count (Triton compiles a kernel per alignment of its pointers: no
+            # new compile after warm-up)
             pad = [0] * (len(sampled) % 2)
             picked = [
                 sampled + pad,
@@ -375,7 +379,7 @@ class Sampler:
             [int(t) for t in flat[:m]], [bool(f) for f in flat[m : 2 * m]], chosen, tops
         )
 
-    # -- helpers -------------------------------------------------------------------------------------------
+    # -- helpers ----------------------------------------------------------------------------------
 
     def _params_of(self, rows: list[int]) -> list[SamplingParams]:
         bad = [r for r in rows if not 0 <= r < self.max_rows or self.params[r] is None]

@@ -72,8 +72,9 @@ def _race_kernel(logits_ptr, stride_row, at_ptr, keys_ptr, index_ptr, out_ptr, v
         x = tl.load(row_ptr + start + cols, mask=start + cols < vocab, other=float("-inf"))
         largest = tl.maximum(largest, x)
     row_max = tl.max(largest)
-    # per lane the largest ratio so far and its token; a lane meets its tokens in increasing order and keeps the
-    # first of equal ratios. Every real ratio is >= 0 > -1; an all -inf row's are NaN and keep -1 (token 0).
+    # per lane the largest ratio so far and its token; a lane meets its tokens in increasing order
+    # and keeps the first of equal ratios. Every real ratio is >= 0 > -1; an all -inf row's are NaN
+    # and keep -1 (token 0).
     best = tl.full([BLOCK], -1.0, tl.float32)
     best_id = tl.zeros([BLOCK], tl.int32)
     for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):

@@ -86,7 +86,8 @@ def build_app(
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
-        # after a 413 the connection closes: the rest of the body is not read (and parsed) for nothing
+        # after a 413 the connection closes: the rest of the body is not read (and parsed) for
+        # nothing
         headers = (
             {"Connection": "close"}
             if e.status == 413

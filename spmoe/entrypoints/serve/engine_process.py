@@ -47,9 +47,10 @@ from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 from spmoe.entrypoints.serve.wire import Codec, FromEngine, PrivateAddress
 
 HEARTBEAT_S = 1.0  # the longest rank 0 stays silent while idle
-# serve's defaults for what the command line leaves out (`for_model`, `default_max_num_waiting`). On CUDA, as
-# vLLM's: 256 requests running at once per DP group and the model's whole context. On the CPU (the tests, the
-# demo) small ones: there the paged cache without a size holds max_num_seqs x max_model_len tokens.
+# serve's defaults for what the command line leaves out (`for_model`, `default_max_num_waiting`). On
+# CUDA, as vLLM's: 256 requests running at once per DP group and the model's whole context. On the
+# CPU (the tests, the demo) small ones: there the paged cache without a size holds max_num_seqs x
+# max_model_len tokens.
 CUDA_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 8
 CPU_MAX_MODEL_LEN = (
@@ -158,7 +159,8 @@ class EngineLoop:
             signal.signal(signal.SIGTERM, previous)
             self.socket.close()
             address.remove()
-        # after a SIGTERM (under torchrun it reaches every rank) a failed loop is a peer that the signal ended
+        # after a SIGTERM (under torchrun it reaches every rank) a failed loop is a peer that the
+        # signal ended
         if failure is not None and not self.sigterm:
             raise RuntimeError(failure)
         return signal.SIGTERM if self.sigterm else None
@@ -352,7 +354,8 @@ def serve_rank(
     settled (`check_serve`); `tokenizer_dir` (default `model_dir`): for grammars."""
     state = get_parallel_state()
     model = load_model(args, model_dir, state.device)
-    # every rank compiles the grammars of structured-output requests itself, the same from the same spec
+    # every rank compiles the grammars of structured-output requests itself, the same from the same
+    # spec
     grammars = GrammarCompiler(
         partial(load_tokenizer, tokenizer_dir or model_dir), model.cfg.vocab_size
     )

@@ -138,8 +138,8 @@ def start_front_end(options: FrontEndOptions, client: EngineClient, index: int =
         await client.close()
         return ending
 
-    # Outside the event loop a stop signal is only noted (one before the loop starts is then passed to
-    # `supervise`); inside it the loop's handlers pass it on.
+    # Outside the event loop a stop signal is only noted (one before the loop starts is then passed
+    # to `supervise`); inside it the loop's handlers pass it on.
     early: list[int] = []
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, _: early.append(signum))
@@ -169,6 +169,6 @@ if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    # everything is closed; the interpreter's teardown (torch, the tokenizer) would hold the server's stop
-    # up for seconds
+    # everything is closed; the interpreter's teardown (torch, the tokenizer) would hold the
+    # server's stop up for seconds
     os._exit(code)

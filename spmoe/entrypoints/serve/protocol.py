@@ -149,8 +149,8 @@ class SamplingFields(Strict):
     return_tokens_as_token_ids: bool = (
         False  # logprobs name tokens "token_id:<id>" instead of their text
     )
-    # structured output (constraints.py checks them): OpenAI's response_format, vLLM's structured_outputs and
-    # its older guided_* fields
+    # structured output (constraints.py checks them): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields
     response_format: dict | None = None
     structured_outputs: dict | None = None
     guided_json: dict | str | None = None

@@ -103,8 +103,8 @@ class RequestReader:
         self.max_prompt_bytes = client.max_model_len * self.token_bytes
         # unknown request fields already logged (at most MAX_LOGGED_FIELDS)
         self.logged_fields: set[str] = set()
-        # One worker: a tokenizer is not safe to use from several threads at once, and one thread keeps the
-        # event loop free, which is what matters.
+        # One worker: a tokenizer is not safe to use from several threads at once, and one thread
+        # keeps the event loop free, which is what matters.
         self.text_work = ThreadPoolExecutor(1, thread_name_prefix="spmoe-tokenize")
 
     async def completion(self, raw, http: Request) -> "ParsedRequest":

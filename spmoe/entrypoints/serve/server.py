@@ -45,7 +45,8 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DRAIN_MARGIN_S = 15.0  # beyond --shutdown-timeout: ending the streams left and stopping every rank
 
 
-# Under --simulate-rank the first served name (the one responses and metrics report) carries this suffix.
+# Under --simulate-rank the first served name (the one responses and metrics report) carries this
+# suffix.
 SIMULATED_SUFFIX = "-SIMULATED-RANK"
 
 

@@ -57,15 +57,16 @@ M_BUCKETS = (
     64,
 )  # decode buckets (upper bounds of m); larger m is prefill, bucket 0 in the table
 
-# (m bucket, n, k) -> config for GLM-5.2's FP8 linears at TP 1, chosen from first principles before the first
-# sweep (benchmarks/bench_fp8_linear.py --sweep prints its fastest as entries of this table; figures in
-# docs/performance-log/2026-12.md). At decode a program's k loop is bound by the latency of its loads more than by their
-# size (the f0db0a2 kernel moved 2-4 KiB per 128-deep step and reached 1.1 TB/s), so the steps are wide: m <= 16
-# (activations quantised inside, one 16-row tile): 128 columns, 16 KiB of weight per step, 4 steps in flight;
-# m 33-64 (activations quantised once, one 64-row tile): 64 columns, 8 KiB of weight and 8 KiB of activations
-# (from L2) per step. Then k splits bring the programs to about 264 (2 per SM; 3 fit). The float32 partial sums
-# (splits x m x n) are a few % of the weight's bytes at m <= 16; at m = 64 up to half for the 2048-deep layers,
-# a few MiB that mostly stay in L2.
+# (m bucket, n, k) -> config for GLM-5.2's FP8 linears at TP 1, chosen from first principles before
+# the first sweep (benchmarks/bench_fp8_linear.py --sweep prints its fastest as entries of this
+# table; figures in docs/performance-log/2026-12.md). At decode a program's k loop is bound by the
+# latency of its loads more than by their size (the f0db0a2 kernel moved 2-4 KiB per 128-deep step
+# and reached 1.1 TB/s), so the steps are wide: m <= 16 (activations quantised inside, one 16-row
+# tile): 128 columns, 16 KiB of weight per step, 4 steps in flight; m 33-64 (activations quantised
+# once, one 64-row tile): 64 columns, 8 KiB of weight and 8 KiB of activations (from L2) per step.
+# Then k splits bring the programs to about 264 (2 per SM; 3 fit). The float32 partial sums (splits
+# x m x n) are a few % of the weight's bytes at m <= 16; at m = 64 up to half for the 2048-deep
+# layers, a few MiB that mostly stay in L2.
 MATMUL_CONFIGS: dict[tuple[int, int, int], MatmulConfig] = {
     # x_proj (q_a + kv_a (+ indexer wk), 128-row padded parts): 21-22 / 42-44 column tiles
     (16, 2816, 6144): MatmulConfig(16, 128, 12, 4, 4),

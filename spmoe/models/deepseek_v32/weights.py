@@ -221,8 +221,9 @@ def write_random_checkpoint(raw_config: dict, folder: Path, seed: int) -> None:
         key: random_init(key, torch.randn(dest.shape, generator=gen), cfg.hidden_size)
         for key, (dest, _, _) in sorted(_plan(model).items())
     }
-    # Structure for MTP to find: the LM head is a permutation of the embedding, so each token has a likely
-    # successor (which the layers perturb), and eh_proj passes the next token's embedding through.
+    # Structure for MTP to find: the LM head is a permutation of the embedding, so each token has a
+    # likely successor (which the layers perturb), and eh_proj passes the next token's embedding
+    # through.
     perm = torch.randperm(cfg.vocab_size, generator=gen)
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"][perm] * cfg.hidden_size**-0.5
     folder.mkdir(parents=True, exist_ok=True)
@@ -296,8 +297,8 @@ def random_model(
 
 
 FP8_SCHEMES = ("fp8", "compressed-tensors")
-# The linears that DeepSeek-V3.2's and GLM-5's FP8 checkpoints keep in bf16 without naming them in the
-# quantization config: the indexer's per-head weights.
+# The linears that DeepSeek-V3.2's and GLM-5's FP8 checkpoints keep in bf16 without naming them in
+# the quantization config: the indexer's per-head weights.
 BF16_IN_FP8_CHECKPOINTS = ("indexer.weights_proj",)
 
 

@@ -102,7 +102,7 @@ class Experts(nn.Module):
             self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, hidden))
             self.down_proj = nn.Parameter(torch.empty(e, hidden, inter))
 
-    # -- selection --------------------------------------------------------------------------------------------
+    # -- selection --------------------------------------------------------------------------------
 
     @classmethod
     def unsupported_reason(cls, d: ExpertsDeployment) -> str | None:
@@ -128,7 +128,7 @@ class Experts(nn.Module):
     def _supports_parallel_config(cls, d: ExpertsDeployment) -> bool:
         return True
 
-    # -- weights ------------------------------------------------------------------------------------------------
+    # -- weights ----------------------------------------------------------------------------------
 
     def checkpoint_plan(self, prefix: str) -> dict[str, tuple[torch.Tensor, bool]]:
         """Checkpoint key -> (destination view, raw) for this rank's experts. raw: copy the stored FP8 values
