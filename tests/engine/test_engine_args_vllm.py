@@ -65,8 +65,10 @@ def test_auto_device_dtype_and_graphs(tmp_path, monkeypatch):
     capturable = type("Model", (), {"graph_capturable": (True, "triton")})()
     syncing = type("Model", (), {"graph_capturable": (False, "torch")})()
     assert on_gpu.use_cuda_graphs(capturable) and not on_gpu.use_cuda_graphs(syncing)
-    for argv in (["--enforce-eager"], ["--dp", "2"], ["--device", "cpu"]):
+    for argv in (["--enforce-eager"], ["--device", "cpu"]):
         assert not parse(argv, tmp_path).use_cuda_graphs(capturable), argv
+    # DP replays graphs too: its ranks agree on each step's graph before the replay (ranks.py)
+    assert parse(["--dp", "2"], tmp_path).use_cuda_graphs(capturable)
     assert parse(["--speculative-config.method", "mtp"], tmp_path).use_cuda_graphs(
         capturable
     )  # MTP in graphs too
