@@ -3,20 +3,18 @@
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`
 (`stream` false: one JSON body; true: server-sent events ending with `data: [DONE]`),
 `POST /v1/responses` and `GET /v1/responses/{id}` (OpenAI's Responses API, read as chat requests:
-`responses_request`), `POST /tokenize`,
-`POST /detokenize`, `GET /version`, `GET|HEAD /health`, `GET /metrics`. Every error is an OpenAI-style body
-`{"error": {"message", "type", "param", "code"}}` with its HTTP status (503s with `Retry-After`). Every
-response carries `X-Request-Id`: the client's, or one made here; log lines about a request name it.
+`responses_request`), `POST /tokenize`, `POST /detokenize`, `GET /version`, `GET|HEAD /health`,
+`GET /metrics`. Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`
+with its HTTP status (503s with `Retry-After`). Every response carries `X-Request-Id`: the client's, or
+one made here; log lines about a request name it.
 
 Requests are read by `request_reader` (validated, tokenized, one engine request per choice) and answered by
 `rendering`. The app waits for every choice's first text before it answers, so a request the engine
 refuses (a full queue: 503, one that can never fit: 400) gets its status even when it asked for a stream.
 Which request fields do what: docs/openai-api.md.
 
-What a client can send is bounded before it costs much (`FrontEndLimits`): the body is counted as it arrives
-and refused with 413 past `max_request_bytes`; an error the app did not foresee is a 500 that names only a
-request id (the details go to the log). With an `api_key`, every route but /health and /metrics needs
-`Authorization: Bearer <key>`.
+A client's body is bounded (`middleware.FrontEndLimits`: 413 past `max_request_bytes`, and the API key);
+an error the app did not foresee is a 500 that names only a request id (the details go to the log).
 
 `OpenAIApi.stop` ends serving in order: new requests get 503, the requests under way get `grace_s` to finish,
 then every one still open ends (a stream with an error chunk and `data: [DONE]`, a whole response with 503).
