@@ -138,8 +138,8 @@ def count_collectives(stats: CommStats | None = None):
     _ACTIVE.append(stats)
     try:
         yield stats
-    finally:
-        _ACTIVE.remove(stats)
+    finally:  # by identity: CommStats compare by value, and nested blocks may hold equal counts
+        del _ACTIVE[next(i for i, active in enumerate(_ACTIVE) if active is stats)]
 
 
 def _record(kind: str, t: torch.Tensor, path: str) -> None:

@@ -4,7 +4,8 @@ gloo control group, uneven sizes included, and outside the counted collectives (
 import torch
 
 from spmoe.distributed import count_collectives, get_parallel_state, spawn
-from spmoe.distributed.comm import broadcast_object, gather_object
+from spmoe.distributed.comm import all_reduce, broadcast_object, gather_object
+from spmoe.distributed.simulated import SimulatedGroup
 
 
 def exchange_objects():
@@ -35,3 +36,13 @@ def test_broadcast_and_gather_objects_reach_every_rank_in_order_uncounted():
     assert all(
         torch.equal(o["rows"][0], torch.full((r, 2), float(r))) for r, o in enumerate(everyone)
     )
+
+
+def test_a_nested_block_that_ends_stops_counting_itself_not_its_parent():
+    group = SimulatedGroup("tp", 8)  # counted like a real group, no process needed
+    with count_collectives() as outer:
+        with count_collectives() as inner:  # equal to `outer` (both empty) when it ends
+            pass
+        all_reduce(torch.ones(4), group)
+    assert outer.counts["all_reduce"]["count"] == 1
+    assert inner.counts["all_reduce"]["count"] == 0
