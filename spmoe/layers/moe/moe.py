@@ -70,10 +70,9 @@ class MoE(nn.Module):
         if self.experts.routes_internally:
             out = self.experts(x, self.gate)
         else:
+            ids, weights = self.gate(x, rows.valid)  # seeded: run for its cost, choice replaced
             node = None
-            if self.routing_seed is None:
-                ids, weights = self.gate(x, rows.valid)
-            else:
+            if self.routing_seed is not None:
                 ids, weights, node = self._seeded(x, rows)
             if rows.group is None:
                 out = run_experts(self.experts, x, ids, weights)
