@@ -32,6 +32,7 @@ On an H200 (see docs/deployment-sizing.md for the commands and their time):
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -333,14 +334,14 @@ def size_rank(opts) -> list[dict]:
             for t in (layer.latent, layer.rope, layer.index_key):
                 if t is not None:
                     t.copy_(torch.randn(t.shape, dtype=torch.bfloat16, device=t.device))
-        record["decode"] = [
-            decode_case(
+        print(f"layers {layers}: {json.dumps(record)}", file=sys.stderr, flush=True)
+        record["decode"] = []
+        for c, b, k in itertools.product(opts.contexts, opts.batches, opts.mtp):
+            case = decode_case(
                 model, cache, timer, b, c, k, max(width, -(-(c + k + 1) // BLOCK_SIZE)), opts
             )
-            for c in opts.contexts
-            for b in opts.batches
-            for k in opts.mtp
-        ]
+            record["decode"].append(case)
+            print(f"layers {layers}: {json.dumps(case)}", file=sys.stderr, flush=True)
         record["prefill"] = [prefill_case(model, cache, n, opts.chunk) for n in opts.prefill]
         records.append(record)
         del model, cache
