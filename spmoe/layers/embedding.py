@@ -32,14 +32,21 @@ class VocabParallelEmbedding(_VocabShard):
 
 
 class ParallelLMHead(_VocabShard):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """FULL `[N, H]` -> logits `[N, V]` in float32: local vocab columns, then one all-gather."""
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """FULL `[N, H]` -> logits `[N, V]` in float32: local vocab columns, then one all-gather.
+        `out`: a float32 `[N, V]` the logits are written into (a CUDA graph's output shared by
+        every captured size), else a new tensor."""
         state = get_parallel_state()
-        logits = F.linear(x, self.weight).float()  # [N, V/t]
+        local = F.linear(x, self.weight)  # [N, V/t]
+        vocab = state.tp_size * local.shape[1]
+        if out is not None and tuple(out.shape) != (x.shape[0], vocab):
+            raise ValueError(f"logits `out` must be [{x.shape[0]}, {vocab}], got {list(out.shape)}")
+        if out is None:
+            out = torch.empty(x.shape[0], vocab, dtype=torch.float32, device=x.device)
         if state.tp_size == 1:
-            return logits
-        gathered = all_gather_rows(logits, state.tp_group)  # [t*N, V/t], rank blocks
-        vocab = state.tp_size * logits.shape[1]
-        return (
-            gathered.view(state.tp_size, *logits.shape).permute(1, 0, 2).reshape(x.shape[0], vocab)
-        )
+            return out.copy_(local)
+        # gathered as computed (bf16: half the bytes of float32; the widening in the copy is exact)
+        gathered = all_gather_rows(local, state.tp_group)  # [t*N, V/t], rank blocks
+        blocks = gathered.view(state.tp_size, *local.shape).permute(1, 0, 2)  # [N, t, V/t]
+        out.view(x.shape[0], state.tp_size, local.shape[1]).copy_(blocks)
+        return out

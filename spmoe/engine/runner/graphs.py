@@ -123,9 +123,9 @@ class CapturedStep:
     block_tables: (
         torch.Tensor | None
     )  # [B + 1, W] int32 (paged cache: W = `StepGraphs.width`), else None
-    logits: (
-        torch.Tensor | None
-    )  # [N, V] float32, rewritten by each replay (mixed: None, computed after it)
+    # [N, V] float32, rewritten by each replay (a view of the buffer every decode graph writes;
+    # mixed: None, computed after it)
+    logits: torch.Tensor | None
     hidden: torch.Tensor  # [N, H] the post-norm hidden the logits come from (the drafter's input)
     collectives: CommStats  # of one replay, counted at capture
     draft: CapturedDraft | None  # with speculation (decode steps)
@@ -167,6 +167,10 @@ class StepGraphs:
             None  # the step replayed last, whose rows `draft` continues
         )
         self._pool = None
+        # every decode graph's logits, [largest B * T, V] float32, allocated once: one graph
+        # replays at a time, and a buffer per size would hold B * T * V * 4 bytes for each of
+        # ~20 sizes (3.5 GiB at GLM-5.2's vocabulary, 256 sequences and 3 drafts)
+        self._logits: torch.Tensor | None = None
         plan = [
             ("decode", size) for size in reversed(graph_sizes(max_num_seqs))
         ]  # largest first: the others
@@ -243,9 +247,14 @@ class StepGraphs:
         if k:
             self._pad_draft_inputs(draft_inputs, size, 0)
 
+        if self._logits is None:  # the largest size is captured first
+            vocab = self.model.cfg.vocab_size
+            self._logits = torch.empty(size * per_seq, vocab, dtype=torch.float32, device=device)
+        logits = self._logits[: size * per_seq]
+
         def target():
             hidden = decode_hidden(self.model, self.cache, inputs, tables)
-            return self.model.compute_logits(hidden), hidden
+            return self.model.compute_logits(hidden, out=logits), hidden
 
         def drafter(hidden):
             return draft_tokens(

@@ -152,10 +152,14 @@ class DeepseekV32ForCausalLM(nn.Module):
         return self.model(input_ids, positions, seq_lens, cache, max_tokens)
 
     def compute_logits(
-        self, hidden: torch.Tensor, rows: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """FULL hidden `[N, H]` -> logits `[m, vocab]` float32 of `rows` `[m]` (int64; all N rows if None)."""
-        return self.lm_head(hidden if rows is None else hidden[rows])
+        """FULL hidden `[N, H]` -> logits `[m, vocab]` float32 of `rows` `[m]` (int64; all N rows if
+        None), written into `out` if given."""
+        return self.lm_head(hidden if rows is None else hidden[rows], out)
 
     @property
     def num_draft_layers(self) -> int:
