@@ -46,10 +46,17 @@ POSITION_BITS = (
 TORCH_CHUNK_ELEMENTS = 1 << 26
 
 
-def query_chunks(n: int, per_query: int):
-    """Slices of `range(n)` (one empty slice when n is 0) holding at most `TORCH_CHUNK_ELEMENTS // per_query`
+# The Triton indexer of a prompt chunk (more tokens than `topk_rows` takes) writes every token's
+# ordering key for every position of its table, int64, then takes their top-k: it goes over the
+# queries in chunks of at most this many keys (512 MiB), as a chunk of 8,192 tokens at 128k positions
+# would otherwise hold 8 GiB of keys.
+TRITON_CHUNK_KEYS = 1 << 26
+
+
+def query_chunks(n: int, per_query: int, budget: int = TORCH_CHUNK_ELEMENTS):
+    """Slices of `range(n)` (one empty slice when n is 0) holding at most `budget // per_query`
     queries each (at least one): per_query is the elements one query's intermediates take."""
-    size = max(1, TORCH_CHUNK_ELEMENTS // max(1, per_query))
+    size = max(1, budget // max(1, per_query))
     return [slice(i, i + size) for i in range(0, n, size)] or [slice(0, 0)]
 
 
@@ -101,13 +108,20 @@ def indexer_topk(
 
         # a few tokens (decode; tables maybe padded far past them for a CUDA graph): a top-k bounded
         # by each token's position, and no keys written past it
-        bounded = q.shape[0] <= TOPK_ROWS_MAX_TOKENS and block_tables.shape[1] * block_size > topk
-        keys = indexer_order_keys(
-            q, weights, cache, block_tables, seq_index, positions, block_size, fill_past=not bounded
-        )
-        if bounded:
+        width = block_tables.shape[1] * block_size
+        if q.shape[0] <= TOPK_ROWS_MAX_TOKENS and width > topk:
+            keys = indexer_order_keys(
+                q, weights, cache, block_tables, seq_index, positions, block_size, fill_past=False
+            )
             return topk_rows(keys, topk, block_tables, seq_index, positions, block_size)
-        return rows_of_best(keys, topk, block_tables, seq_index, block_size)
+
+        # a prompt chunk: in query chunks of at most TRITON_CHUNK_KEYS keys
+        def chunk_rows(c: slice) -> torch.Tensor:
+            step = (seq_index[c], positions[c], block_size)
+            keys = indexer_order_keys(q[c], weights[c], cache, block_tables, *step)
+            return rows_of_best(keys, topk, block_tables, seq_index[c], block_size)
+
+        return torch.cat([chunk_rows(c) for c in query_chunks(len(q), width, TRITON_CHUNK_KEYS)])
     # in query chunks: the keys `[N, L]` and the scores `[N, h, L]` of the whole batch never exist
     # at once
     n, heads, dim = q.shape

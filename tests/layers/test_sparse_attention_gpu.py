@@ -633,3 +633,26 @@ def test_kernels_at_large_batch_and_context(batch, context, kv_cache_dtype):
         got = triton_sparse_mla(q_latent, q_rope, rows, chosen, 0.07)
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         assert err < 2e-2, (batch, context, tokens, err)
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+def test_prompt_indexer_in_query_chunks(monkeypatch):
+    """A prompt chunk of more tokens than `topk_rows` takes goes through the Triton indexer in query
+    chunks of at most `TRITON_CHUNK_KEYS` keys: with a budget of a few tokens' keys (many chunks, the
+    last one short) it selects exactly the rows of the whole chunk's keys at once."""
+    from spmoe.layers import sparse_attention
+    from spmoe.layers.sparse_attention_triton import TOPK_ROWS_MAX_TOKENS, indexer_order_keys
+
+    cache, tables = filled_cache("auto")
+    n = TOPK_ROWS_MAX_TOKENS + 200
+    view = cache.view(tables[2:], [CONTEXTS[2] - n], [n])
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(n, 32, 128, device="cuda", generator=gen).bfloat16()
+    weights = torch.rand(n, 32, device="cuda", generator=gen)
+    args = (q, weights, cache.layers[0], view.block_tables, view.seq_index, view.positions)
+    whole = rows_of_best(indexer_order_keys(*args, BLOCK), TOPK, *args[3:5], BLOCK)
+    width = view.block_tables.shape[1] * BLOCK
+    monkeypatch.setattr(sparse_attention, "TRITON_CHUNK_KEYS", 97 * width)
+    chunked = indexer_topk(*args, TOPK, BLOCK)
+    assert torch.equal(chunked.sort(-1).values, whole.sort(-1).values)
