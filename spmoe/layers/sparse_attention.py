@@ -53,10 +53,11 @@ TORCH_CHUNK_ELEMENTS = 1 << 26
 TRITON_CHUNK_KEYS = 1 << 26
 
 
-def query_chunks(n: int, per_query: int, budget: int = TORCH_CHUNK_ELEMENTS):
+def query_chunks(n: int, per_query: int, budget: int | None = None):
     """Slices of `range(n)` (one empty slice when n is 0) holding at most `budget // per_query`
-    queries each (at least one): per_query is the elements one query's intermediates take."""
-    size = max(1, budget // max(1, per_query))
+    queries each (at least one; budget None: `TORCH_CHUNK_ELEMENTS`): per_query is the elements one
+    query's intermediates take."""
+    size = max(1, (budget or TORCH_CHUNK_ELEMENTS) // max(1, per_query))
     return [slice(i, i + size) for i in range(0, n, size)] or [slice(0, 0)]
 
 
