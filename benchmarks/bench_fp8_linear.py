@@ -1,18 +1,21 @@
-"""FP8 block-128 linears at GLM-5.2's shapes (TP 1) on one GPU: the Triton kernels (`quantization.fp8_kernels`:
-split-K GEMV with the activations quantised inside for m <= 16, else quantise + GEMM) against bf16 `F.linear` (cuBLAS)
-on the same shapes, and against `torch._scaled_mm` with 1 x 128 activation and 128 x 128 weight scales
-(cuBLAS's block-scaled FP8 GEMM, given the same quantised activations; the quantisation is timed with it).
+"""FP8 block-128 linears at GLM-5.2's shapes (TP 1, or one rank's at `--tp`) on one GPU: the Triton
+kernels (`quantization.fp8_kernels`: split-K GEMV with the activations quantised inside for m <= 16,
+else quantise + GEMM) against bf16 `F.linear` (cuBLAS) on the same shapes, and against
+`torch._scaled_mm` with 1 x 128 activation and 128 x 128 weight scales (cuBLAS's block-scaled FP8
+GEMM, given the same quantised activations; the quantisation is timed with it).
 
-Each call is timed inside a CUDA graph that cycles through enough copies of the weight to exceed the L2 cache
-(so every call reads its weight from HBM, as in a model), median of CUDA-event timings over the replays. Printed
-per shape and m: microseconds per call and what that is as bytes / s (weight + activations + output; the
-decode cases' roofline is 4.3 TB/s) or TFLOP/s (prefill). `_scaled_mm`'s output is checked against the torch
-reference before it is timed; if this torch build refuses the block-scaled form, the row says why.
+Each call is timed inside a CUDA graph that cycles through enough copies of the weight to exceed the
+L2 cache (so every call reads its weight from HBM, as in a model), median of CUDA-event timings over
+the replays. Printed per shape and m: microseconds per call and what that is as bytes / s (weight +
+activations + output; the decode cases' roofline is 4.3 TB/s on an H200, 3.35 on an H100) or TFLOP/s
+(prefill). `_scaled_mm`'s output is checked against the torch reference before it is timed; if this
+torch build refuses the block-scaled form, the row says why.
 
-`--sweep` times the Triton GEMM's launch configs (`fp8_matmul`'s `config`: tiles, k splits, warps, stages) per
-shape and m instead, every candidate printed, then the fastest as entries of `fp8_kernels.MATMUL_CONFIGS`.
+`--sweep` times the Triton GEMM's launch configs (`fp8_matmul`'s `config`: tiles, k splits, warps,
+stages) per shape and m instead, every candidate printed, then the fastest as entries of
+`fp8_kernels.MATMUL_CONFIGS`.
 
-    python benchmarks/bench_fp8_linear.py [--m 1 16 64 8192] [--sweep]
+    python benchmarks/bench_fp8_linear.py [--tp 8] [--m 1 16 64 8192] [--sweep]
 """
 
 import argparse
@@ -42,6 +45,29 @@ SHAPES = {  # name: (n, k) at TP 1; x_proj's FP8 parts padded to 128-row blocks 
     "dense gate_up": (2 * 12288, 6144),
     "dense down": (6144, 12288),
 }
+# how TP splits each: "n" column-parallel, "k" row-parallel, None replicated (the MLA down
+# projections and the indexer); the shared experts as off SP (TP-sharded, replicated under SP)
+TP_SPLIT = {
+    "q_b_proj": "n",
+    "o_proj": "k",
+    "shared gate_up": "n",
+    "shared down": "k",
+    "dense gate_up": "n",
+    "dense down": "k",
+}
+
+
+def shapes_at(tp: int) -> dict[str, tuple[int, int]]:
+    """`SHAPES` on one rank of TP `tp` (each split dimension divided by tp)."""
+    return {
+        name: (
+            n // tp if TP_SPLIT.get(name) == "n" else n,
+            k // tp if TP_SPLIT.get(name) == "k" else k,
+        )
+        for name, (n, k) in SHAPES.items()
+    }
+
+
 L2_BYTES = 60 << 20  # H200: 50 MiB of L2, with a margin
 REPS = 30
 
@@ -87,7 +113,7 @@ def candidates(m: int, n: int, k: int) -> list[MatmulConfig]:
     return list(dict.fromkeys(found))
 
 
-def sweep(ms: list[int], gen) -> None:
+def sweep(ms: list[int], shapes: dict[str, tuple[int, int]], gen) -> None:
     """Every candidate's time per shape and m (a line each, the table's own pick marked *), then the fastest
     per shape and m bucket as `MATMUL_CONFIGS` entries."""
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; Triton FP8 GEMM configs")
@@ -95,7 +121,7 @@ def sweep(ms: list[int], gen) -> None:
         "config = (block_m, block_n, split_k, num_warps, num_stages); us per call; * = matmul_config's pick"
     )
     picks = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         w8, ws = quantize_blocks(
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
         )
@@ -143,18 +169,21 @@ def main():
     p.add_argument(
         "--sweep", action="store_true", help="time the Triton GEMM's launch configs instead"
     )
+    p.add_argument("--tp", type=int, default=1, help="the shapes on one rank of this TP size")
     args = p.parse_args()
+    shapes = shapes_at(args.tp)
     gen = torch.Generator(device="cuda").manual_seed(0)
     if args.sweep:
-        sweep(args.m, gen)
+        sweep(args.m, shapes, gen)
         return
     print(
-        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; us per call (GB/s | TFLOP/s)"
+        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, TP {args.tp} shapes; "
+        "us per call (GB/s | TFLOP/s)"
     )
     print(
         f"{'shape':<26} {'n':>6} {'k':>6} {'m':>5}  {'bf16 F.linear':>22} {'FP8 Triton':>22} {'FP8 _scaled_mm':>22}"
     )
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
         w8, ws = quantize_blocks(w16)
         copies16 = max(1, -(-L2_BYTES // w16.nbytes))

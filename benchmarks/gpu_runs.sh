@@ -88,7 +88,8 @@ for stage in "$@"; do
     fp8)
       run fp8_step python3 benchmarks/bench_decode_step.py --weights bf16 fp8 \
         --cases 1x8192 16x8192 64x8192
-      run fp8_linear python3 benchmarks/bench_fp8_linear.py ;;
+      run fp8_linear python3 benchmarks/bench_fp8_linear.py --tp 8 --m 1 16 64 8192
+      run fp8_sweep python3 benchmarks/bench_fp8_linear.py --tp 8 --m 1 16 64 --sweep ;;
     *)
       echo "unknown stage '$stage': expected smoke, rank8k, rank128k, serve, spon, dp8, gputests," \
         "memcheck or fp8" >&2
