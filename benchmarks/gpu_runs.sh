@@ -70,7 +70,7 @@ for stage in "$@"; do
         set -- $shape
         run "serve_${1}_$2" python3 benchmarks/bench_serve_vs_generate.py --folder /tmp/glm_widths \
           --widths glm --vocab-size 154880 --concurrency 16 64 256 --num-prompts 512 \
-          --input-len "$1" --output-len "$2"
+          --input-len "$1" --output-len "$2" -- --device cuda --dtype bfloat16 --cuda-graphs
       done ;;
     spon)
       run spon size --tp 8 --sp on --layers 78 --batches 1 16 64 256 --contexts 8192 --mtp 0 3 \
