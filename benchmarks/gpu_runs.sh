@@ -8,7 +8,8 @@
 #
 # Stages (H200 for the 78-layer ones: TP 8's weights are about 95 GB a rank):
 #   smoke     TP 8 rank at 4 and 8 layers, batches 1 / 64, 8k context, MTP 0 / 3, warm-up: the CUDA path
-#   rank8k    TP 8 SP off, 78 layers, batches 1 / 16 / 64 / 256, 8k context, MTP 0 / 3, warm-up
+#   rank8k    TP 8 SP off, 78 layers, batches 1 / 16 / 64 / 256, 8k context, MTP 0 / 3
+#   warmup    TP 8 SP off, 78 layers: the engine's build and warm-up as served (graphs up to 256, MTP 3)
 #   rank128k  TP 8 SP off, 78 layers, batches 1 / 16, 128k context, MTP 0 / 3
 #   serve     bench_serve_vs_generate at GLM-5.2's widths: 16 / 64 / 256 streams, 128->256 and 1024->128
 #   spon      TP 8 SP on, 78 layers (as rank8k)
@@ -61,7 +62,11 @@ for stage in "$@"; do
         --timing-kv-gib 16 --warmup --graph-sizes 8 --out "$OUT/tp8_l4_8.json" ;;
     rank8k)
       run rank8k size --tp 8 --sp off --layers 78 --batches 1 16 64 256 --contexts 8192 --mtp 0 3 \
-        --prefill 8192 --timing-kv-gib 24 --warmup --graph-sizes 64 --out "$OUT/tp8_spoff.json" ;;
+        --prefill 8192 --timing-kv-gib 24 --out "$OUT/tp8_spoff.json" ;;
+    warmup)
+      run warmup size --tp 8 --sp off --layers 78 --batches 1 --contexts 8192 --mtp 0 3 --prefill \
+        --warmup --graph-sizes 256 --warmup-mtp 3 --warmup-kv-gib 24 --timing-kv-gib 4 \
+        --out "$OUT/tp8_warmup.json" ;;
     rank128k)
       run rank128k size --tp 8 --sp off --layers 78 --batches 1 16 --contexts 131072 --mtp 0 3 \
         --prefill --max-model-len 132096 --timing-kv-gib 24 --out "$OUT/tp8_spoff_128k.json" ;;
@@ -91,7 +96,7 @@ for stage in "$@"; do
       run fp8_linear python3 benchmarks/bench_fp8_linear.py --tp 8 --m 1 16 64 8192
       run fp8_sweep python3 benchmarks/bench_fp8_linear.py --tp 8 --m 1 16 64 --sweep ;;
     *)
-      echo "unknown stage '$stage': expected smoke, rank8k, rank128k, serve, spon, dp8, gputests," \
+      echo "unknown stage '$stage': expected smoke, rank8k, warmup, rank128k, serve, spon, dp8, gputests," \
         "memcheck or fp8" >&2
       exit 2 ;;
   esac
