@@ -10,6 +10,7 @@
 #   smoke     TP 8 rank at 4 and 8 layers, batches 1 / 64, 8k context, MTP 0 / 3, warm-up: the CUDA path
 #   rank8k    TP 8 SP off, 78 layers, batches 1 / 16 / 64 / 256, 8k context, MTP 0 / 3
 #   warmup    TP 8 SP off, 78 layers: the engine's build and warm-up as served (graphs up to 256, MTP 3)
+#   serve78   spmoe serve as that rank (defaults, MTP 3, FP8 KV): ready time, memory, 64 / 256 streams
 #   rank128k  TP 8 SP off, 78 layers, batches 1 / 16, 128k context, MTP 0 / 3
 #   serve     bench_serve_vs_generate at GLM-5.2's widths: 16 / 64 / 256 streams, 128->256 and 1024->128
 #   spon      TP 8 SP on, 78 layers (as rank8k)
@@ -67,6 +68,10 @@ for stage in "$@"; do
       run warmup size --tp 8 --sp off --layers 78 --batches 1 --contexts 8192 --mtp 0 3 --prefill \
         --warmup --graph-sizes 256 --warmup-mtp 3 --warmup-kv-gib 24 --timing-kv-gib 4 \
         --out "$OUT/tp8_warmup.json" ;;
+    serve78)
+      run serve78 python3 benchmarks/serve_simulated_rank.py --layers 78 --concurrency 64 256 \
+        --num-prompts 256 --input-len 1024 --output-len 128 --out "$OUT/serve78.json" -- \
+        --kv-cache-dtype fp8 --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}' ;;
     rank128k)
       run rank128k size --tp 8 --sp off --layers 78 --batches 1 16 --contexts 131072 --mtp 0 3 \
         --prefill --max-model-len 132096 --timing-kv-gib 24 --out "$OUT/tp8_spoff_128k.json" ;;
@@ -96,7 +101,7 @@ for stage in "$@"; do
       run fp8_linear python3 benchmarks/bench_fp8_linear.py --tp 8 --m 1 16 64 8192
       run fp8_sweep python3 benchmarks/bench_fp8_linear.py --tp 8 --m 1 16 64 --sweep ;;
     *)
-      echo "unknown stage '$stage': expected smoke, rank8k, warmup, rank128k, serve, spon, dp8, gputests," \
+      echo "unknown stage '$stage': expected smoke, rank8k, warmup, serve78, rank128k, serve, spon, dp8, gputests," \
         "memcheck or fp8" >&2
       exit 2 ;;
   esac
