@@ -91,7 +91,7 @@ for stage in "$@"; do
       run dp_host python3 benchmarks/bench_dp_host.py --dp 8 --batches 1 2 8 32 --tokens 1 3 \
         --out "$OUT/dp_host.json" ;;
     gputests)
-      run gputests python3 -m pytest -q -p no:cacheprovider -m gpu tests
+      run gputests python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests
       run dp_graphs python3 -m pytest -q -p no:cacheprovider tests/engine/test_dp_graphs_gpu.py ;;
     memcheck)
       run memcheck bash benchmarks/memcheck_gpu_tests.sh "$OUT/memcheck" 4 "$(($(left) - 30))" ;;
