@@ -63,7 +63,7 @@ for stage in "$@"; do
         --timing-kv-gib 16 --warmup --graph-sizes 8 --out "$OUT/tp8_l4_8.json" ;;
     rank8k)
       run rank8k size --tp 8 --sp off --layers 78 --batches 1 16 64 256 --contexts 8192 --mtp 0 3 \
-        --prefill 8192 --timing-kv-gib 24 --out "$OUT/tp8_spoff.json" ;;
+        --prefill 8192 --timing-kv-gib 24 --kernels --out "$OUT/tp8_spoff.json" ;;
     warmup)
       run warmup size --tp 8 --sp off --layers 78 --batches 1 --contexts 8192 --mtp 0 3 --prefill \
         --warmup --graph-sizes 256 --warmup-mtp 3 --warmup-kv-gib 24 --timing-kv-gib 4 \

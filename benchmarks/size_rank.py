@@ -14,6 +14,8 @@ It reports, per depth in `--layers`:
   (eager on the CPU), median ms; the target step's bytes floor (`bench_decode_step.step_bytes`: weights as
   stored, the experts this rank computes, the cache rows attended) over `--bandwidth`; its collectives
   (kind, path, count, bytes); the experts this rank computes per MoE layer against the uniform expectation;
+  with `--kernels` (CUDA), the device time by kernel family of one eager target step and the FP8 linears'
+  and routed experts' share of their bytes roofline inside it (`step_kernels.py`);
 - a prefill of `--prefill` tokens (one sequence, chunks of `--chunk`), eager.
 
 Cache rows are random (timing only). A case whose sequences need more blocks than the timing cache holds
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import torch
 from bench_decode_step import step_bytes
+from step_kernels import kernel_report
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.config.model import read_config
@@ -200,6 +203,8 @@ def decode_case(model, cache, timer, batch: int, context: int, k: int, width: in
     touched = [hit["experts_hit"] for hit in result["experts"]]
     rows = [(batch, context + j) for j in range(per_seq)]
     result["floor_ms"] = step_bytes(model, cache, rows, touched) / opts.bandwidth * 1e3
+    if opts.kernels and device.type == "cuda":
+        result["kernels"] = kernel_report(target, model, touched, opts.bandwidth)
     result["drafter_ms"] = 0.0
     if k:
         next_ids = inputs[0].roll(-1)
@@ -378,6 +383,17 @@ def summary(run: dict) -> str:
                 + ", ".join(f"{c['kind']}/{c['path']} x{c['count']}" for c in case["collectives"])
                 + (" [blocks shared]" if case["blocks_shared"] else "")
             )
+            kernels = case.get("kernels", {})
+            if kernels:
+                lines.append(
+                    f"    device busy {kernels['busy_us'] / 1e3:.3f} ms; "
+                    + ", ".join(
+                        f"{name} {row['us'] / 1e3:.3f} ms"
+                        + (f" ({row['roofline']:.0%} of roofline)" if "roofline" in row else "")
+                        for name, row in kernels.items()
+                        if name != "busy_us"
+                    )
+                )
             hits = case["experts"]
             if hits:
                 lines.append(
@@ -422,6 +438,11 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="per case, device time by kernel family and the weight streams' share of --bandwidth",
+    )
     p.add_argument("--out", required=True, help="the raw output, JSON")
     opts = p.parse_args(argv)
     if max(opts.contexts) + max(opts.mtp) + 1 > opts.max_model_len:
