@@ -25,10 +25,11 @@ import argparse
 import torch
 from timing import cuda_ms
 
+from spmoe.engine.request import SamplingParams
 from spmoe.engine.sampling import sampler as sampling
 from spmoe.engine.sampling.noise import draw_tokens_by_torch, seed_keys
 from spmoe.engine.sampling.processors import top_k_top_p_threshold_by_sort
-from spmoe.engine.sampling.sampler import Sampler, SamplingParams
+from spmoe.engine.sampling.sampler import Sampler
 from spmoe.layers import fused
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, logprobs=5)

@@ -71,7 +71,7 @@ def agreeing_weights(model, residual_scale: float) -> None:
 def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: bool) -> dict:
     from spmoe.engine.cache.paged import build_paged_cache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.sampling.sampler import SamplingParams
+    from spmoe.engine.request import SamplingParams
 
     longest = args.prompt_len + args.new_tokens + k
     cache = build_paged_cache(model, args.kv_cache_memory, None, "auto", batch, longest)

@@ -135,9 +135,10 @@ def test_torch_distributed_only_in_the_distributed_package():
 
 # The engine's own floors, lowest first: each engine module imports only from its own floor or below.
 ENGINE_FLOORS = (
+    ("request",),  # what goes in and comes out: plain records, no torch (the server's wire)
     ("cache",),  # the KV caches: slots, paged, blocks
     ("sampling",),  # processors, sampler, noise, rejection, grammar and their kernels
-    ("request", "sequence", "vllm_values"),  # requests, sequences and the step's records; values
+    ("sequence", "vllm_values"),  # sequences and the step's records; values
     ("stats",),
     ("runner",),  # the forward and the choice, the drafter, the graphs
     ("rooms", "scheduler"),

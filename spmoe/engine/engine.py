@@ -12,17 +12,18 @@ path) or the slot cache (`KVCache`: the dense reference).
 """
 
 from contextlib import contextmanager
-from dataclasses import replace
+
+from msgspec.structs import replace
 
 from spmoe.distributed import get_parallel_state
 from spmoe.engine.cache.paged import PagedKVCache
 from spmoe.engine.cache.slots import KVCache
-from spmoe.engine.request import EngineMetrics, Request, RequestOutput
+from spmoe.engine.request import EngineMetrics, Request, RequestOutput, SamplingParams
 from spmoe.engine.rooms import BlockRoom, SlotRoom
 from spmoe.engine.runner.drafter import MtpDrafter
 from spmoe.engine.runner.model_runner import ModelRunner
 from spmoe.engine.sampling.grammar import GrammarCompiler
-from spmoe.engine.sampling.sampler import Sampler, SamplingParams
+from spmoe.engine.sampling.sampler import Sampler
 from spmoe.engine.scheduler import Admissions, Scheduler
 from spmoe.engine.sequence import Batch, Sequence
 from spmoe.engine.stats import KernelCompiles, StepStats

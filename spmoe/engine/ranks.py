@@ -35,9 +35,8 @@ import torch
 from spmoe.distributed import get_parallel_state
 from spmoe.distributed.comm import all_reduce, broadcast_object, gather_object
 from spmoe.engine.engine import Engine, per_prompt
-from spmoe.engine.request import EngineMetrics, Request, RequestOutput
+from spmoe.engine.request import EngineMetrics, Request, RequestOutput, SamplingParams
 from spmoe.engine.runner.graphs import StepNeeds
-from spmoe.engine.sampling.sampler import SamplingParams
 from spmoe.engine.scheduler import Admissions, Scheduler
 from spmoe.engine.sequence import Batch
 

@@ -1,28 +1,132 @@
-"""What goes into the engine and what comes out of it: a request, its per-step output, the engine's counters.
+"""What goes into the engine and what comes out of it, as plain records (`msgspec.Struct`, no torch): a
+request with its sampling parameters and grammar spec, its per-step output, the engine's counters.
 
-These are plain host objects (no tensors): the server builds requests from HTTP bodies, rank 0 sends them to
-the other ranks, and the outputs travel back to the asyncio side.
+The server's front end builds requests from HTTP bodies and sends them over the wire to rank 0's engine
+process, which hands them to the other ranks; the outputs travel back. Both processes import these
+records, which import nothing of torch. On the engine's side the sampler (`sampling/sampler.py`)
+builds its device rows from `SamplingParams`, and the grammar compiler (`sampling/grammar.py`) its
+compiled grammars from `GrammarSpec`.
 """
 
-from dataclasses import dataclass, field, fields
+import math
 
-from spmoe.engine.sampling.grammar import GrammarSpec
-from spmoe.engine.sampling.sampler import SamplingParams
+import msgspec
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
+# the most top logprobs a row may ask for (OpenAI's limit)
+MAX_LOGPROBS = 20
+# |bias| per token, as OpenAI bounds it
+MAX_LOGIT_BIAS = 100.0
+# temperatures below this are greedy: dividing logits by less overflows float32 (vLLM draws the same
+# line)
+GREEDY_BELOW = 1e-5
+# repetition_penalty's range: a logit is divided or multiplied by it, so outside it a row overflows
+# to inf
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 
-# a token's log-probability and the most likely tokens at its position, most likely first: (logprob,
-# [(id, logprob)])
+# a token's log-probability and the most likely tokens at its position, most likely first:
+# (logprob, [(id, logprob)])
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
-@dataclass(frozen=True)
-class Request:
-    """One generation: up to `max_new_tokens` tokens after `prompt` (token ids), stopping early at any of
-    `eos_token_ids`, sampled with `sampling` (its own seed: the tokens do not depend on the other requests in
-    the batch). The engine validates it on `add_request`. With a `grammar` (structured output), every token
-    follows it, from the first one or from the one after `grammar_start_after` (the tokens that end the
-    reasoning); the request ends when the grammar is complete."""
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How one request chooses its tokens. Every field's default leaves the logits unchanged.
+
+    `logit_bias`: (token id, bias) pairs; `min_tokens`: the eos and stop ids are excluded until this
+    many tokens were generated; `logprobs`: None, or how many most likely tokens to report beside the
+    chosen one's logprob (0..20); `prompt_logprobs`: the same for the prompt's tokens (the server's
+    `echo`). `check` says whether the values are in range."""
+
+    # 0 (below `GREEDY_BELOW`): greedy
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    # 0: off
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Raise a one-line ValueError naming the first field out of its range."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        low, high = REPETITION_PENALTY_RANGE
+        # NaN too
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(
+                f"repetition_penalty must be in [{low:g}, {high:g}] (1 = off), "
+                f"got {self.repetition_penalty}"
+            )
+        for token, bias in self.logit_bias:
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}"
+                )
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def truncated(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1
+
+
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """A grammar as plain text, so that it travels with its request and every rank compiles the same
+    one. `kind`: "json_schema" (`text`: the schema's JSON), "json_object" (any JSON object; `text` ""),
+    "regex", "choice" (`text`: a JSON list of the allowed strings) or "ebnf" (xgrammar's EBNF, rule
+    `root`)."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self):
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(
+                f"a grammar's kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}"
+            )
+
+
+class Request(msgspec.Struct, frozen=True):
+    """One generation: up to `max_new_tokens` tokens after `prompt` (token ids), stopping early at any
+    of `eos_token_ids`, sampled with `sampling` (its own seed: the tokens do not depend on the other
+    requests in the batch). The engine validates it on `add_request`. With a `grammar` (structured
+    output), every token follows it, from the first one or from the one after `grammar_start_after`
+    (the tokens that end the reasoning); the request ends when the grammar is complete."""
 
     request_id: str
     prompt: list[int]
@@ -33,16 +137,15 @@ class Request:
     grammar_start_after: tuple[int, ...] = ()
 
 
-@dataclass
-class RequestOutput:
+class RequestOutput(msgspec.Struct):
     """What one step did to one request: the tokens it committed (one, or several when drafts were
-    accepted), and `finish_reason` once it ended ("stop": an eos or stop id, which `stop_token` names, or
-    its grammar complete; "length": max_new_tokens, "abort", "error" with `error` saying why).
-    `prompt_tokens` is the prompt's length. When the request's sampling asks for them: `logprobs`, one per
-    new token; `prompt_logprobs`, one per prompt token (None for the first), with the first output that
-    has tokens. With the first output that has tokens, the engine's own seconds (durations: the
-    front end's clock differs): `queue_s` from adding the request to first scheduling it,
-    `prefill_s` from then to this first token."""
+    accepted), and `finish_reason` once it ended ("stop": an eos or stop id, which `stop_token` names,
+    or its grammar complete; "length": max_new_tokens, "abort", "error" with `error` saying why).
+    `prompt_tokens` is the prompt's length. When the request's sampling asks for them: `logprobs`, one
+    per new token; `prompt_logprobs`, one per prompt token (None for the first), with the first output
+    that has tokens. With the first output that has tokens, the engine's own seconds (durations: the
+    front end's clock differs): `queue_s` from adding the request to first scheduling it, `prefill_s`
+    from then to this first token."""
 
     request_id: str
     new_token_ids: list[int]
@@ -56,14 +159,17 @@ class RequestOutput:
     prefill_s: float | None = None
 
 
-@dataclass
-class EngineMetrics:
-    """A snapshot of the engine: requests running (holding cache) and waiting (queued), the share of the KV
-    cache in use (0..1), and counters since start: generated tokens, drafts proposed and accepted (MTP), the
-    prefix cache's queries and hits in tokens (prompt tokens looked up when a sequence is admitted, and of
-    those the ones found cached), running sequences preempted (their cache freed, to be recomputed) when the
-    cache ran out, and for MTP the verifications (`drafts`: a sequence's drafts checked by one target forward)
-    and the accepted drafts per position (`accepted_per_position[j]`: verifications that accepted draft j + 1)."""
+class EngineMetrics(msgspec.Struct):
+    """A snapshot of the engine: requests running (holding cache) and waiting (queued), the share of
+    the KV cache in use (0..1), and counters since start: generated tokens, drafts proposed and
+    accepted (MTP), the prefix cache's queries and hits in tokens (prompt tokens looked up when a
+    sequence is admitted, and of those the ones found cached), running sequences preempted (their
+    cache freed, to be recomputed) when the cache ran out; engine steps run, and of those the steps in
+    which a kernel compiled or a CUDA graph was captured; Triton kernel variants loaded in the process
+    (`stats.KernelCompiles`); CUDA graphs captured; kernel compiles and graph captures since the engine
+    was warm; and for MTP the verifications (`drafts`: a sequence's drafts checked by one target
+    forward) and the accepted drafts per position (`accepted_per_position[j]`: verifications that
+    accepted draft j + 1)."""
 
     running: int = 0
     waiting: int = 0
@@ -74,23 +180,19 @@ class EngineMetrics:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     preemptions: int = 0
-    steps: int = 0  # engine steps run
-    steps_compiling: int = (
-        0  # of those, steps in which a kernel compiled or a CUDA graph was captured
-    )
-    kernel_compiles: int = (
-        0  # Triton kernel variants loaded in the process (`stats.KernelCompiles`)
-    )
-    graph_captures: int = 0  # CUDA graphs captured
-    compiles_after_ready: int = 0  # kernel compiles and graph captures since the engine was warm
+    steps: int = 0
+    steps_compiling: int = 0
+    kernel_compiles: int = 0
+    graph_captures: int = 0
+    compiles_after_ready: int = 0
     drafts: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = []
 
     @classmethod
     def combine(cls, parts: list["EngineMetrics"]) -> "EngineMetrics":
-        """The metrics of several engines (one per DP group) as one: counts add up, cache usage averages
-        (each group has a cache of the same size)."""
-        counts = [f.name for f in fields(cls) if f.type is int]
+        """The metrics of several engines (one per DP group) as one: counts add up, cache usage
+        averages (each group has a cache of the same size)."""
+        counts = [f.name for f in msgspec.structs.fields(cls) if f.type is int]
         return cls(
             **{name: sum(getattr(m, name) for m in parts) for name in counts},
             kv_cache_usage=sum(m.kv_cache_usage for m in parts) / len(parts),

@@ -25,8 +25,7 @@ warm-up's batch had not (a 128-token prompt alone, 63 of them with one decode to
 import time
 
 from spmoe.engine.ranks import run_to_completion
-from spmoe.engine.request import Request
-from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.request import Request, SamplingParams
 from spmoe.engine.stats import KernelCompiles
 
 WARMUP_NEW_TOKENS = 4  # tokens each warm-up request generates: enough for every request to decode

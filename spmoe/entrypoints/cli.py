@@ -75,7 +75,7 @@ def cmd_forward(args) -> int:
 
 def cmd_generate(args) -> int:
     from spmoe.engine.build import describe
-    from spmoe.engine.sampling.sampler import SamplingParams
+    from spmoe.engine.request import SamplingParams
     from spmoe.entrypoints.generate import GenerateOptions, check_generate, run_generate
     from spmoe.entrypoints.jobs import read_input_ids
 

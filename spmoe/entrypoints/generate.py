@@ -15,7 +15,7 @@ from spmoe.engine.build import build_engine, load_model
 from spmoe.engine.cache.slots import KVCache
 from spmoe.engine.engine import check_positions, check_prompts, per_prompt
 from spmoe.engine.ranks import Generation, generate
-from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.request import SamplingParams
 from spmoe.engine.warmup import warm_up
 from spmoe.entrypoints.jobs import check_writable, gather_from_dp, split_for_dp
 

@@ -63,7 +63,7 @@ def choices_and_alone(engine, prompt: list[int], seeds: list[int], max_new: int)
     it), then each choice's sampling alone. -> (the choices' tokens, each alone's, their logits `[n, max_new, V]`
     float32 on the CPU, each alone's likewise, the prompt tokens the choices looked up in the prefix cache, the
     cache blocks in use after the last lone run)."""
-    from spmoe.engine.sampling.sampler import SamplingParams
+    from spmoe.engine.request import SamplingParams
 
     samplings = [SamplingParams(1.0, seed=seed) for seed in seeds]
     queries = engine.scheduler.room.prefix_cache_counts()[0]

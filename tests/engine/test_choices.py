@@ -39,7 +39,7 @@ FORK_STEP = 2  # the step (from 0) that completes the prompt
 
 def choice_sampling(i: int):
     """Choice i's settings: the server gives choice i the seed `seed + i`; one choice is greedy with a penalty."""
-    from spmoe.engine.sampling.sampler import SamplingParams
+    from spmoe.engine.request import SamplingParams
 
     if i == 3:
         return SamplingParams(0.0, seed=11 + i, frequency_penalty=0.5, logprobs=2)

@@ -13,8 +13,7 @@ import pytest
 
 from spmoe.distributed import spawn
 from spmoe.engine.ranks import generate
-from spmoe.engine.request import Request
-from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.request import Request, SamplingParams
 
 from .test_generate import EOS, MAX_NEW, PROMPTS
 

@@ -49,9 +49,8 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
     from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
     from spmoe.engine.ranks import connect
-    from spmoe.engine.request import Request
-    from spmoe.engine.sampling.grammar import GrammarCompiler, GrammarSpec
-    from spmoe.engine.sampling.sampler import SamplingParams
+    from spmoe.engine.request import GrammarSpec, Request, SamplingParams
+    from spmoe.engine.sampling.grammar import GrammarCompiler
     from spmoe.entrypoints.serve.tokenizer import load_tokenizer
     from spmoe.models.deepseek_v32.weights import load_model
 

@@ -7,8 +7,7 @@ for prompt logprobs of a prompt whose first block is in the prefix cache still g
 import pytest
 
 from spmoe.distributed import spawn
-from spmoe.engine.request import Request
-from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.request import Request, SamplingParams
 
 from .conftest import log_softmax
 

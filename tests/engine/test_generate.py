@@ -17,7 +17,7 @@ import torch
 from spmoe.config import ParallelConfig
 from spmoe.distributed import RankFailed, get_parallel_state, spawn
 from spmoe.engine.ranks import generate
-from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.request import SamplingParams
 from spmoe.entrypoints.jobs import flatten
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [79, 32], [38], [46, 26, 43, 38]]

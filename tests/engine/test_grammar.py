@@ -8,8 +8,8 @@ import jsonschema
 import pytest
 import torch
 
+from spmoe.engine.request import GrammarSpec
 from spmoe.engine.sampling.grammar import (
-    GrammarSpec,
     apply_bitmask,
     apply_bitmask_reference,
     fill_bitmask,
@@ -413,7 +413,8 @@ def without_xgrammar(name, *args, **kwargs):
     return real(name, *args, **kwargs)
 builtins.__import__ = without_xgrammar
 import spmoe.engine.engine, spmoe.entrypoints.serve.app
-from spmoe.engine.sampling.grammar import GrammarCompiler, GrammarSpec, fill_bitmask
+from spmoe.engine.request import GrammarSpec
+from spmoe.engine.sampling.grammar import GrammarCompiler, fill_bitmask
 assert fill_bitmask([None, None], 264) is None
 try:
     GrammarCompiler(lambda: None, 264).compile(GrammarSpec("json_object"))

@@ -10,8 +10,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
-from spmoe.engine.request import Request
-from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.request import Request, SamplingParams
 from spmoe.entrypoints.demo import CHECKPOINT
 from spmoe.entrypoints.heldout import heldout_sequences
 

@@ -12,8 +12,7 @@ from safetensors.torch import load_file, save_file
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from spmoe.engine.ranks import generate
-from spmoe.engine.request import Request
-from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.request import Request, SamplingParams
 from spmoe.entrypoints.cli import main
 
 PROMPT = [5, 17, 33]

@@ -163,9 +163,8 @@ def speculating_engines(folder: str) -> dict:
     from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
     from spmoe.engine.ranks import run_to_completion
-    from spmoe.engine.request import Request
+    from spmoe.engine.request import Request, SamplingParams
     from spmoe.engine.runner.graphs import draft_tokens
-    from spmoe.engine.sampling.sampler import SamplingParams
     from spmoe.engine.warmup import warm_up
     from spmoe.models.deepseek_v32.weights import load_model
 

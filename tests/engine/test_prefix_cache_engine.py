@@ -133,7 +133,7 @@ def through_serving_loop(engine) -> tuple[list[list[int]], dict] | None:
     every rank, the outputs in `generate`'s order (None on rank 1) and the engine's KV cache stats."""
     from spmoe.engine.engine import per_prompt
     from spmoe.engine.ranks import ServingLoop, worker_loop
-    from spmoe.engine.sampling.sampler import SamplingParams
+    from spmoe.engine.request import SamplingParams
 
     if get_parallel_state().rank != 0:
         worker_loop(engine)

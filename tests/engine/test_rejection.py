@@ -14,9 +14,10 @@ import math
 import pytest
 import torch
 
+from spmoe.engine.request import SamplingParams
 from spmoe.engine.sampling.noise import exponential_noise, race, seed_keys
 from spmoe.engine.sampling.rejection import accept_drafts, rejection_sample
-from spmoe.engine.sampling.sampler import Sampler, SamplingParams
+from spmoe.engine.sampling.sampler import Sampler
 
 
 @pytest.mark.parametrize(

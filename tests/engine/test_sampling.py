@@ -10,7 +10,9 @@ import random
 
 import pytest
 import torch
+from msgspec.structs import replace
 
+from spmoe.engine.request import SamplingParams
 from spmoe.engine.sampling.noise import (
     MASK32,
     draw_tokens,
@@ -20,7 +22,7 @@ from spmoe.engine.sampling.noise import (
     seed_keys,
 )
 from spmoe.engine.sampling.processors import apply_top_k_top_p
-from spmoe.engine.sampling.sampler import Sampler, SamplingParams, prompt_logprobs
+from spmoe.engine.sampling.sampler import Sampler, prompt_logprobs
 
 V = 12
 NEG = float("-inf")
@@ -281,11 +283,8 @@ def test_a_seed_fixes_the_token_whatever_else_is_in_the_batch():
 
 def test_logprobs_are_those_of_the_distribution_drawn_from():
     rows = ROWS[:3] + [(SamplingParams(0.5, top_k=3, seed=1, logprobs=5), [0], [], ())]
-    rows = [
-        (SamplingParams(**{**p.__dict__, "logprobs": p.logprobs or i}), *rest)
-        for i, (p, *rest) in enumerate(rows)
-    ]
-    rows[1] = (SamplingParams(**{**rows[1][0].__dict__, "logprobs": None}), *rows[1][1:])
+    rows = [(replace(p, logprobs=p.logprobs or i), *rest) for i, (p, *rest) in enumerate(rows)]
+    rows[1] = (replace(rows[1][0], logprobs=None), *rows[1][1:])
     sampler, taken = loaded_sampler(rows)
     logits = rand_logits(len(rows), seed=3)
     got = sampler.sample(logits, taken, [len(o) for _, _, o, _ in rows])
@@ -324,10 +323,7 @@ def test_logprobs_of_the_rows_that_asked_are_those_of_a_batch_where_every_row_as
 
     def sample(logprobs):
         sampler = Sampler(len(wanted), vocab)
-        rows = [
-            sampler.add(SamplingParams(**{**p.__dict__, "logprobs": k}), [0])
-            for p, k in zip(settings, logprobs)
-        ]
+        rows = [sampler.add(replace(p, logprobs=k), [0]) for p, k in zip(settings, logprobs)]
         return sampler.sample(logits, rows, list(range(len(wanted))))
 
     some, every = sample(wanted), sample([5] * len(wanted))

@@ -5,7 +5,8 @@ same logprobs within 1e-4: the hashed noise is integer arithmetic, identical on 
 import pytest
 import torch
 
-from spmoe.engine.sampling.sampler import Sampler, SamplingParams
+from spmoe.engine.request import SamplingParams
+from spmoe.engine.sampling.sampler import Sampler
 
 from ..multigpu import requires_gpus
 

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from spmoe.engine.request import SamplingParams
 from spmoe.engine.sampling.noise import (
     draw_tokens_by_torch,
     exponential_noise,
@@ -21,7 +22,7 @@ from spmoe.engine.sampling.noise import (
     noise_bits,
     seed_keys,
 )
-from spmoe.engine.sampling.sampler import Sampler, SamplingParams
+from spmoe.engine.sampling.sampler import Sampler
 
 from ..multigpu import kernel_devices, requires_gpus
 

@@ -7,8 +7,7 @@ import pytest
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
-from spmoe.engine.request import Request
-from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.request import Request, SamplingParams
 from spmoe.engine.sequence import Part, PartResult, Role, Sequence, Status
 
 EOS, STOP_ID = 50, 70

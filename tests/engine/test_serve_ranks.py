@@ -17,7 +17,7 @@ import pytest
 from spmoe.config import ParallelConfig
 from spmoe.distributed import RankFailed, spawn
 from spmoe.engine.args import EngineArgs
-from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.request import SamplingParams
 from spmoe.entrypoints.serve.engine_process import HEARTBEAT_S, FrontEndCommand, serve_rank
 
 from .test_generate import EOS, MAX_NEW, PROMPTS

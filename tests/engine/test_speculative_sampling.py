@@ -9,14 +9,13 @@ processed with the same temperature and top-p, by a chi-square test; the same co
 setting's distribution fail it (the test can tell distributions apart). Greedy rows give the plain greedy
 tokens, and a seeded request gives the same tokens in a smaller batch and without speculation."""
 
-from dataclasses import replace
-
 import pytest
 import torch
+from msgspec.structs import replace
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
-from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.request import SamplingParams
 
 from .test_rejection import drawn_probs
 

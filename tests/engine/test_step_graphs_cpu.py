@@ -72,8 +72,7 @@ def run_waves(engine, prompts: list[list[int]], extra: list[int]) -> dict:
     greedy with prompt logprobs; sampled with penalties), the next turn of the longest conversation (its
     prompt and output cached, `extra` new tokens), then n = 3 sampled choices of one prompt. -> request id ->
     (tokens, logprobs of the chosen tokens, prompt logprobs), and the graph replays per phase."""
-    from spmoe.engine.request import Request
-    from spmoe.engine.sampling.sampler import SamplingParams
+    from spmoe.engine.request import Request, SamplingParams
     from spmoe.engine.stats import PHASES
 
     settings = [

@@ -6,7 +6,7 @@ import json
 import jsonschema
 import pytest
 
-from spmoe.engine.sampling.grammar import GrammarSpec
+from spmoe.engine.request import GrammarSpec
 from spmoe.entrypoints.serve.constraints import grammar_for_request
 from spmoe.entrypoints.serve.parsers.tool_calls import GlmToolCallParser, assemble_tool_calls
 from tests.engine.test_grammar import sample_batch

@@ -9,7 +9,8 @@ import pydantic
 import pytest
 from fastapi.testclient import TestClient
 
-from spmoe.engine.sampling.grammar import GrammarCompiler, GrammarSpec
+from spmoe.engine.request import GrammarSpec
+from spmoe.engine.sampling.grammar import GrammarCompiler
 from spmoe.entrypoints.serve.app import ApiSettings, build_app
 from spmoe.entrypoints.serve.chat import ChatOptions
 from tests.entrypoints.test_serve_app import ScriptedEngineClient

@@ -11,9 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from spmoe.engine.request import EngineMetrics, Request, RequestOutput
-from spmoe.engine.sampling.grammar import GrammarSpec
-from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.request import EngineMetrics, GrammarSpec, Request, RequestOutput, SamplingParams
 from spmoe.entrypoints.serve.engine_client import EngineClient, EngineFacts, QueueFull
 from spmoe.entrypoints.serve.wire import Codec, FromEngine, PrivateAddress, ToEngine
 

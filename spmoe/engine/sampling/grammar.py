@@ -15,15 +15,15 @@ import json
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from spmoe.engine.request import GrammarSpec
+
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
 # xgrammar 0.2.9 writes a JSON string's characters as one of the first two classes: the first
 # (length-bounded strings) lets raw control characters in, where JSON forbids them, and on a
 # byte-level vocabulary both let the UTF-8 bytes of a surrogate (U+D800-U+DFFF, no character)
@@ -43,21 +43,6 @@ def xgrammar():
             "structured output needs the xgrammar package (pip install xgrammar)"
         ) from None
     return module
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """`kind`: "json_schema" (`text`: the schema's JSON), "json_object" (any JSON object; `text` ""), "regex",
-    "choice" (`text`: a JSON list of the allowed strings) or "ebnf" (xgrammar's EBNF, rule `root`)."""
-
-    kind: str
-    text: str = ""
-
-    def __post_init__(self):
-        if self.kind not in GRAMMAR_KINDS:
-            raise ValueError(
-                f"a grammar's kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}"
-            )
 
 
 def json_schema_grammar(schema_text: str) -> xgr.Grammar:

@@ -33,11 +33,11 @@ Every choice comes with a per-row finite flag, read back in the same host transf
 whose processors exclude every token (a grammar that allows nothing) is flagged the same way.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from spmoe.engine.request import SamplingParams
 from spmoe.engine.sampling.noise import draw_tokens, seed_keys
 from spmoe.engine.sampling.processors import (
     add_logit_bias,
@@ -47,83 +47,6 @@ from spmoe.engine.sampling.processors import (
     scale_by_temperature,
     suppress_tokens,
 )
-
-MAX_LOGPROBS = 20  # the most top logprobs a row may ask for (OpenAI's limit)
-MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
-# temperatures below this are greedy: dividing logits by less overflows float32 (vLLM draws the same
-# line)
-GREEDY_BELOW = 1e-5
-# repetition_penalty's range: a logit is divided or multiplied by it, so outside it a row overflows
-# to inf
-REPETITION_PENALTY_RANGE = (1e-3, 1e3)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request chooses its tokens. Every field's default leaves the logits unchanged.
-
-    `logit_bias`: (token id, bias) pairs; `min_tokens`: the eos and stop ids are excluded until this many
-    tokens were generated; `logprobs`: None, or how many most likely tokens to report beside the chosen one's
-    logprob (0..20); `prompt_logprobs`: the same for the prompt's tokens (the server's `echo`)."""
-
-    temperature: float = 0.0  # 0 (below `GREEDY_BELOW`): greedy
-    top_p: float = 1.0
-    seed: int = 0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-
-    def __post_init__(self):
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        low, high = REPETITION_PENALTY_RANGE
-        if not low <= self.repetition_penalty <= high:  # NaN too
-            raise ValueError(
-                f"repetition_penalty must be in [{low:g}, {high:g}] (1 = off), got {self.repetition_penalty}"
-            )
-        for token, bias in self.logit_bias:
-            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(
-                    f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}"
-                )
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def penalised(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
-
-    @property
-    def truncated(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1
-
 
 # -- the batched sampler -------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 
-from spmoe.engine.sampling.grammar import GrammarSpec
+from spmoe.engine.request import GrammarSpec
 from spmoe.entrypoints.serve.tool_grammar import json_call_list_grammar, tool_call_grammar
 
 STRUCTURED_OUTPUT_FIELDS = (

@@ -38,8 +38,8 @@ from spmoe.engine.args import EngineArgs
 from spmoe.engine.build import build_engine, load_model
 from spmoe.engine.engine import Engine
 from spmoe.engine.ranks import ServingLoop, worker_loop
-from spmoe.engine.request import EngineMetrics, Request, RequestOutput
-from spmoe.engine.sampling.grammar import GrammarCompiler, GrammarSpec
+from spmoe.engine.request import EngineMetrics, GrammarSpec, Request, RequestOutput
+from spmoe.engine.sampling.grammar import GrammarCompiler
 from spmoe.engine.warmup import warm_up
 from spmoe.entrypoints.serve.engine_client import EngineFacts
 from spmoe.entrypoints.serve.frontend import FrontEndLaunch

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from pydantic import BaseModel
 
-from spmoe.engine.sampling.grammar import GrammarSpec
-from spmoe.engine.sampling.sampler import SamplingParams
+from spmoe.engine.request import GrammarSpec, SamplingParams
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.serve.chat import (
     ChatChoices,

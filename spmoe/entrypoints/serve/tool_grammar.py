@@ -21,8 +21,8 @@ and where it is (`check_enforceable`), rather than let a call through that break
 
 import json
 
+from spmoe.engine.request import GrammarSpec
 from spmoe.engine.sampling.grammar import (
-    GrammarSpec,
     compile_error_reason,
     with_json_string_characters,
     xgrammar,
