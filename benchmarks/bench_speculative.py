@@ -36,7 +36,7 @@ from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.config.parallel import SP_MODES
 from spmoe.distributed import get_parallel_state, spawn
 from spmoe.engine.args import check_device
-from spmoe.engine.ranks import generate
+from spmoe.engine.ranks import channel, generate
 
 
 def agreeing_weights(model, residual_scale: float) -> None:
@@ -83,6 +83,7 @@ def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: boo
         max_num_seqs=batch,
         max_model_len=longest,
         enable_prefix_caching=False,
+        ranks=channel(),
     )
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(

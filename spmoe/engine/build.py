@@ -1,5 +1,5 @@
 """What the engine options (`EngineArgs`) build, on every rank: the model, the KV cache, the engine
-(connected to its group's ranks: `ranks.connect`)."""
+(with its channel to the other ranks: `ranks.channel`)."""
 
 import torch
 
@@ -8,7 +8,7 @@ from spmoe.engine.args import EngineArgs
 from spmoe.engine.cache.paged import PagedKVCache, build_paged_cache
 from spmoe.engine.cache.slots import KVCache
 from spmoe.engine.engine import Engine
-from spmoe.engine.ranks import connect
+from spmoe.engine.ranks import channel
 from spmoe.engine.sampling.grammar import GrammarCompiler
 from spmoe.models.deepseek_v32 import weights
 
@@ -73,9 +73,9 @@ def build_engine(
     """The engine over a new KV cache for `max_num_seqs` sequences of `cache_len` positions (the dense
     cache's slots; the paged cache's default room on CPU; without --max-model-len, the longest sequence,
     which sets the width of the graphs' block tables), its CUDA graphs captured (`log(line)`: progress),
-    connected to its group's ranks; `grammars`: for structured-output requests. `warmup.warm_up` then
+    keeping in step with the other ranks; `grammars`: for structured-output requests. `warmup.warm_up` then
     makes it ready."""
-    engine = Engine(
+    return Engine(
         model,
         build_kv_cache(args, model, max_num_seqs, cache_len),
         num_speculative_tokens=args.drafts,
@@ -87,6 +87,5 @@ def build_engine(
         enable_prefix_caching=args.prefix_caching,
         grammars=grammars,
         log=log,
+        ranks=channel(),
     )
-    connect(engine)
-    return engine

@@ -4,14 +4,17 @@ speculation optional. A step reads schedule -> forward -> choose -> commit -> dr
 
 Every rank of a TP group runs the same steps on the same requests: the logits are identical on every rank
 (the LM head gathers them), and each request draws from its own seeded noise, so every rank picks the same
-tokens without exchanging them. Which waiting requests join a step is decided by the group's leader
-(`Engine.admissions`; `ranks.py` connects an engine on several ranks to its group and drives them).
+tokens without exchanging them. Which waiting requests join a step is decided by the group's leader:
+an engine is built with its channel to the other ranks (`RankChannel`, made by `ranks.channel()`),
+and `ranks.py` drives the engines of several ranks.
 
 The KV cache is either the paged cache (`PagedKVCache`: blocks handed out as sequences grow, the sparse DSA
 path) or the slot cache (`KVCache`: the dense reference).
 """
 
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from msgspec.structs import replace
 
@@ -21,10 +24,11 @@ from spmoe.engine.cache.slots import KVCache
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput, SamplingParams
 from spmoe.engine.rooms import BlockRoom, SlotRoom
 from spmoe.engine.runner.drafter import MtpDrafter
+from spmoe.engine.runner.graphs import StepNeeds
 from spmoe.engine.runner.model_runner import ModelRunner
 from spmoe.engine.sampling.grammar import GrammarCompiler
 from spmoe.engine.sampling.sampler import Sampler
-from spmoe.engine.scheduler import Admissions, Scheduler
+from spmoe.engine.scheduler import Scheduler
 from spmoe.engine.sequence import Batch, Sequence
 from spmoe.engine.stats import KernelCompiles, StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
@@ -91,6 +95,27 @@ def per_prompt(sampling: SamplingParams, count: int) -> list[SamplingParams]:
     return [replace(sampling, seed=sampling.seed + i) for i in range(count)]
 
 
+def scheduled_alone(scheduler: Scheduler) -> Batch | None:
+    """A step's batch on a lone TP rank: its scheduler decides the admissions."""
+    return scheduler.schedule()
+
+
+def agreed_alone(needs: StepNeeds) -> StepNeeds:
+    """A step's graph needs as one rank alone agrees on them: its own."""
+    return needs
+
+
+@dataclass(frozen=True)
+class RankChannel:
+    """How an engine keeps in step with the other ranks, given to it when it is built: `schedule`
+    makes a step's batch with its admissions (a lone TP rank decides them; on several, the group's
+    leader decides and sends them, and the others follow), `agree` turns this rank's CUDA graph needs
+    into every DP rank's (`ranks.channel()` builds this rank's)."""
+
+    schedule: Callable[[Scheduler], Batch | None] = scheduled_alone
+    agree: Callable[[StepNeeds], StepNeeds] = agreed_alone
+
+
 class Engine:
     def __init__(
         self,
@@ -104,6 +129,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         grammars: GrammarCompiler | None = None,
         log=None,
+        ranks: RankChannel | None = None,
     ):
         """`max_num_seqs`: sequences running at once on a paged cache (the slot cache: its slot count);
         `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit; `max_model_len`: the
@@ -111,9 +137,19 @@ class Engine:
         `enable_prefix_caching`: a paged cache keeps full blocks for later requests with the same prefix;
         `grammars`: compiles the grammars of structured-output requests (None: such requests are refused). With
         `cuda_graphs` every graph (decode steps, prompt chunks) is captured here (`log(line)`: a progress line
-        for each; once the engine is ready, a line for each kernel variant a step compiled)."""
+        for each; once the engine is ready, a line for each kernel variant a step compiled). `ranks`: its channel
+        to the other ranks (`ranks.channel()`); None on one rank alone (ValueError on several TP
+        ranks, or under DP with CUDA graphs: those must keep in step)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        state = get_parallel_state()
+        if ranks is None and (state.tp_size > 1 or (state.dp_size > 1 and cuda_graphs)):
+            raise ValueError(
+                f"an engine on {state.tp_size} TP x {state.dp_size} DP ranks keeps in step with "
+                "them: expected its channel, ranks=spmoe.engine.ranks.channel() (build_engine "
+                "gives it one)"
+            )
+        self.ranks = ranks or RankChannel()
         if num_speculative_tokens and not model.num_draft_layers:
             raise ValueError(
                 "speculative decoding needs the MTP layer: load the model with with_mtp=True"
@@ -134,9 +170,8 @@ class Engine:
             )
         else:
             room = SlotRoom(cache)
-        keep_in_step = (
-            get_parallel_state().dp_size > 1
-        )  # every DP rank runs every step, empty or not
+        # every DP rank runs every step, empty or not
+        keep_in_step = state.dp_size > 1
         self.stats = StepStats(num_speculative_tokens)
         self.sampler = Sampler(room.max_num_seqs, model.cfg.vocab_size, cache.device)
         self.scheduler = Scheduler(
@@ -153,6 +188,7 @@ class Engine:
             cuda_graphs=cuda_graphs,
             max_model_len=room.max_tokens_per_sequence,
             max_num_batched_tokens=max_num_batched_tokens,
+            agree=self.ranks.agree,
             log=log,
         )
         self.drafter = MtpDrafter(
@@ -163,9 +199,6 @@ class Engine:
             graphs=self.runner.graphs,
             keep_in_step=keep_in_step,
         )
-        # how the step's admissions are made: here alone; on several TP ranks `ranks.connect` gives
-        # the engine its group's channel
-        self.admissions = Admissions()
         self._ready_count: int | None = None  # compiles + captures when the engine was marked warm
 
     def graph_captures(self) -> int:
@@ -223,10 +256,6 @@ class Engine:
         """Queue a request; it joins the running batch when the cache has room. `record_logits` keeps the
         logits row behind every token it generates (`Sequence.logits`). -> its sequence."""
         self.validate(request)
-        if self.scheduler.holds(request.request_id):
-            raise ValueError(
-                f"request id {request.request_id!r} is already in the engine; expected a new id"
-            )
         grammar = None
         if request.grammar is not None:
             grammar = self.grammars.matcher(request.grammar, request.grammar_start_after)
@@ -269,7 +298,7 @@ class Engine:
         """One step: schedule -> forward -> choose -> commit -> draft -> update. -> one output per
         sequence that drew this step. With nothing to run it returns at once, except under DP, where every
         rank runs every step."""
-        batch = self.admissions.schedule(self.scheduler)
+        batch = self.ranks.schedule(self.scheduler)
         if batch is None:
             return []
         with self._counted(batch):

@@ -6,7 +6,7 @@ MoE dispatch spans all of them), a DP group with nothing to run taking an empty 
 
 Admissions, one channel: which waiting requests join a step, and how many of their prompt tokens come from
 the prefix cache (or that they fork), is decided by each DP group's TP rank 0, its leader, which sends its
-decisions to its TP peers over the group's gloo control group (`GroupAdmissions`), with or without DP; the
+decisions to its TP peers over the group's gloo control group (`follow_leader`), with or without DP; the
 peers follow them and never look a prompt up themselves (`Scheduler.schedule(admissions)`), raising where
 their cache cannot. Only in a step where the group has waiting requests is anything sent (the ranks of a
 group agree on that, having admitted the same). Block ids need not travel: each rank's block tables address
@@ -22,6 +22,9 @@ Under DP with CUDA graphs every rank replays the same graph each step (the exper
 them all): before any replay the ranks agree on its kind, size and whether the drafter's graph
 follows, by one all-reduce of five ints over the gloo control group (`agree_step`).
 
+Both are an engine's channel to the other ranks (`channel()`), which `build_engine` hands it when it
+builds it.
+
 The batch job knows its requests up front, so it needs no plan per step: each DP group adds its own share,
 and every rank steps until no rank has work left (`run_to_completion`; with DP > 1 one tiny all-reduce per
 step says whether any rank still has).
@@ -34,38 +37,39 @@ import torch
 
 from spmoe.distributed import get_parallel_state
 from spmoe.distributed.comm import all_reduce, broadcast_object, gather_object
-from spmoe.engine.engine import Engine, per_prompt
+from spmoe.engine.engine import Engine, RankChannel, agreed_alone, per_prompt, scheduled_alone
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput, SamplingParams
 from spmoe.engine.runner.graphs import StepNeeds
-from spmoe.engine.scheduler import Admissions, Scheduler
+from spmoe.engine.scheduler import Scheduler
 from spmoe.engine.sequence import Batch
 
 
-class GroupAdmissions(Admissions):
-    """The admissions of a DP group's steps: its TP rank 0 decides them and sends them to the group's
-    other ranks, which follow them. With nothing waiting nothing is admitted, and nothing sent."""
-
-    def schedule(self, scheduler: Scheduler) -> Batch | None:
-        state = get_parallel_state()
-        if not scheduler.waiting:
-            return scheduler.schedule([])
-        leader = state.dp_rank * state.tp_size  # the group's TP rank 0
-        if state.tp_rank == 0:
-            batch = scheduler.schedule()
-            admitted = batch.admissions if batch is not None else []
-            broadcast_object(admitted, state.tp_control_group, src=leader)
-            return batch
-        return scheduler.schedule(broadcast_object(None, state.tp_control_group, src=leader))
-
-
-def connect(engine: Engine) -> None:
-    """On several TP ranks, the engine follows its group leader's admissions (`GroupAdmissions`);
-    under DP with CUDA graphs, its steps' graphs are agreed by every rank (`agree_step`)."""
+def follow_leader(scheduler: Scheduler) -> Batch | None:
+    """A step's batch on one of a DP group's several TP ranks: its TP rank 0 decides the admissions
+    and sends them to the group's other ranks, which follow them. With nothing waiting nothing is
+    admitted, and nothing sent."""
     state = get_parallel_state()
-    if state.tp_size > 1 and not isinstance(engine.admissions, GroupAdmissions):
-        engine.admissions = GroupAdmissions()
-    if state.dp_size > 1 and engine.runner.graphs is not None:
-        engine.runner.agree = agree_step
+    if not scheduler.waiting:
+        return scheduler.schedule([])
+    # the group's TP rank 0
+    leader = state.dp_rank * state.tp_size
+    if state.tp_rank == 0:
+        batch = scheduler.schedule()
+        admitted = batch.admissions if batch is not None else []
+        broadcast_object(admitted, state.tp_control_group, src=leader)
+        return batch
+    return scheduler.schedule(broadcast_object(None, state.tp_control_group, src=leader))
+
+
+def channel() -> RankChannel:
+    """This rank's channel to the others, for the engine built on it: on several TP ranks it follows
+    its group leader's admissions (`follow_leader`); under DP its steps' CUDA graphs are agreed by
+    every rank (`agree_step`)."""
+    state = get_parallel_state()
+    return RankChannel(
+        schedule=follow_leader if state.tp_size > 1 else scheduled_alone,
+        agree=agree_step if state.dp_size > 1 else agreed_alone,
+    )
 
 
 def agree_step(needs: StepNeeds) -> StepNeeds:
@@ -125,7 +129,6 @@ def run_plan(engine: Engine, plan: StepPlan) -> tuple[list[RequestOutput], Engin
 
 def worker_loop(engine: Engine) -> None:
     """Every rank but 0: apply rank 0's plans until the shutdown."""
-    connect(engine)
     state = get_parallel_state()
     while True:
         plan = broadcast_object(None, state.control_group)
@@ -139,8 +142,6 @@ class ServingLoop:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        if engine is not None:
-            connect(engine)
         self.state = get_parallel_state()
         self.dp_of: dict[str, int] = {}  # live request -> its DP group
 
@@ -229,7 +230,6 @@ def generate(
 def run_to_completion(engine: Engine, on_step=None) -> None:
     """Step every rank until no rank has work left, after each step calling `on_step()`. A request that
     ends with an error (non-finite logits) stops the job: FloatingPointError with its message."""
-    connect(engine)
     while _any_rank_busy(engine.has_unfinished()):
         failed = [out.error for out in engine.step() if out.finish_reason == "error"]
         if failed:

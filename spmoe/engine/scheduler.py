@@ -51,26 +51,10 @@ carries the decisions).
 import time
 from collections import deque
 
-from spmoe.distributed import get_parallel_state
 from spmoe.engine.request import Request, RequestOutput
 from spmoe.engine.rooms import BlockRoom, SlotRoom
 from spmoe.engine.sampling.sampler import Sampler
 from spmoe.engine.sequence import Admission, Batch, Part, PartResult, Role, Sequence, Status
-
-
-class Admissions:
-    """How a rank's scheduler gets a step's admissions; this one decides them alone, as a lone TP rank
-    does. On several TP ranks `ranks.connect` gives the engine its group's channel instead (the group's
-    leader decides and sends, the others follow)."""
-
-    def schedule(self, scheduler: "Scheduler") -> Batch | None:
-        tp = get_parallel_state().tp_size
-        if tp > 1:
-            raise RuntimeError(
-                f"an engine on {tp} TP ranks follows its group leader's admissions; expected it "
-                "connected to its group (spmoe.engine.ranks.connect)"
-            )
-        return scheduler.schedule()
 
 
 class Scheduler:
@@ -98,7 +82,10 @@ class Scheduler:
                 "sequences"
             )
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
+        # in admission order
+        self.running: list[Sequence] = []
+        # every sequence waiting or running, by request id
+        self.requests: dict[str, Sequence] = {}
         self.preemptions = 0
         self.steps = 0  # steps scheduled since the engine's statistics were reset
 
@@ -106,10 +93,13 @@ class Scheduler:
         """The most cache positions the request can occupy."""
         return len(request.prompt) + request.max_new_tokens + self.reserve_tokens
 
-    def holds(self, request_id: str) -> bool:
-        return any(s.request_id == request_id for s in (*self.waiting, *self.running))
-
     def add(self, seq: Sequence) -> None:
+        """Queue `seq` last; ValueError if its request id is already waiting or running."""
+        if seq.request_id in self.requests:
+            raise ValueError(
+                f"request id {seq.request_id!r} is already in the engine; expected a new id"
+            )
+        self.requests[seq.request_id] = seq
         seq.pending, seq.prefilling, seq.status = list(seq.request.prompt), True, Status.WAITING
         self.waiting.append(seq)
 
@@ -287,6 +277,7 @@ class Scheduler:
                     # lack their row
                     self.room.cache_written(seq, part.start if self.reserve_tokens else seq.cached)
                 self._leave(seq)
+                del self.requests[seq.request_id]
             if output is not None:
                 outputs.append(output)
         self.sampler.commit(counted_rows, counted_tokens)
@@ -360,11 +351,6 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a running sequence out of the batch with finish reason `reason` and free its room."""
-        seq.status = Status(reason)
-        self._leave(seq)
-
     def _leave(self, seq: Sequence) -> None:
         """Out of the running batch: its cache room and its sampler row freed."""
         self.running.remove(seq)
@@ -372,18 +358,24 @@ class Scheduler:
         self.sampler.release(seq.sample_row)
         seq.sample_row = -1
 
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a running sequence out of the batch with finish reason `reason` and free its room."""
+        seq.status = Status(reason)
+        self._leave(seq)
+        del self.requests[seq.request_id]
+
     def abort(self, request_id: str) -> bool:
         """Drop the sequence wherever it is, freeing its room. -> whether it was there."""
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                seq.status = Status.ABORTED
-                return True
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self.finish(seq, "abort")
-                return True
-        return False
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+            del self.requests[request_id]
+            seq.status = Status.ABORTED
+        else:
+            self.finish(seq, "abort")
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -7,7 +7,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import CommStats, get_parallel_state
-from spmoe.engine.ranks import generate
+from spmoe.engine.ranks import channel, generate
 
 from ..multigpu import requires_gpus, run_on_gpus
 from .conftest import ENGINE_CONFIG
@@ -61,7 +61,12 @@ def graph_cases(folder: str) -> dict:
         out[sp, "collectives"] = {k: v["count"] for k, v in stats.counts.items()}
         generations = [
             generate(
-                Engine(model, KVCache.for_model(model, len(PROMPTS), 32), cuda_graphs=graphed),
+                Engine(
+                    model,
+                    KVCache.for_model(model, len(PROMPTS), 32),
+                    cuda_graphs=graphed,
+                    ranks=channel(),
+                ),
                 PROMPTS,
                 MAX_NEW,
                 eos_token_ids=EOS,

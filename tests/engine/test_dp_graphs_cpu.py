@@ -102,7 +102,6 @@ def dp_engines(folder: str) -> dict:
     from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.request import Request
     from spmoe.engine.runner import graphs, model_runner
     from spmoe.layers.moe.experts.torch_ref import TorchExperts
     from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
@@ -143,18 +142,17 @@ def dp_engines(folder: str) -> dict:
                 if cache == "paged"
                 else KVCache.for_model(model, 4, 160),
                 num_speculative_tokens=k, cuda_graphs=use_graphs, max_num_seqs=4,
-                max_num_batched_tokens=BUDGET, max_model_len=256,
+                max_num_batched_tokens=BUDGET, max_model_len=256, ranks=ranks.channel(),
             )  # fmt: skip
             out[cache, k, use_graphs] = ranks.generate(engine, prompts, MAX_NEW).outputs
             out[cache, k, use_graphs, "steps"] = steps
-    alone = Engine(
-        model, PagedKVCache.for_model(model, 2**22), cuda_graphs=True, max_num_seqs=4,
-        max_num_batched_tokens=BUDGET, max_model_len=256,
-    )  # fmt: skip
-    alone.add_request(Request("alone", prompts[0], 1))
-    try:  # not connected to its ranks, which must agree on each step's graph
-        alone.step()
-    except RuntimeError as e:
+    # without its channel to the ranks, which must agree on each step's graph
+    try:
+        Engine(
+            model, PagedKVCache.for_model(model, 2**22), cuda_graphs=True, max_num_seqs=4,
+            max_num_batched_tokens=BUDGET, max_model_len=256,
+        )  # fmt: skip
+    except ValueError as e:
         out["alone"] = str(e)
     return out
 
@@ -163,7 +161,7 @@ def check_dp_graphs(got: list[dict], tp: int) -> None:
     by_dp = got[::tp]  # TP rank 0 of each DP group (its TP peers run the same steps)
     for rank, out in enumerate(got):
         assert out["probe"] == ["item"], out["probe"]
-        assert "ranks.connect" in out.get("alone", ""), out.get("alone")
+        assert "expected its channel, ranks=spmoe.engine.ranks.channel()" in out.get("alone", "")
         assert out["log"]["reads"] == [], (rank, sorted(set(out["log"]["reads"])))
         assert out["log"]["checked"] > 0 and out["log"]["mismatches"] == [], (rank, out["log"])
         for case in CASES:

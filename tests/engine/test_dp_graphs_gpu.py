@@ -21,7 +21,7 @@ def dp_engines(folder: str) -> dict:
     from spmoe.distributed import get_parallel_state
     from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.ranks import connect, generate
+    from spmoe.engine.ranks import channel, generate
     from spmoe.engine.warmup import warm_up
     from spmoe.models.deepseek_v32.weights import load_model
 
@@ -38,8 +38,8 @@ def dp_engines(folder: str) -> dict:
         engine = Engine(
             model, PagedKVCache.for_model(model, 2**26), num_speculative_tokens=2,
             cuda_graphs=graphs, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512,
+            ranks=channel(),
         )  # fmt: skip
-        connect(engine)
         warm_up(engine, lambda line: None)
         got = generate(engine, prompts, 16, record_logits=True)
         phases = got.stats["phases"]

@@ -48,7 +48,7 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
     from spmoe.distributed import get_parallel_state
     from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.ranks import connect
+    from spmoe.engine.ranks import channel
     from spmoe.engine.request import GrammarSpec, Request, SamplingParams
     from spmoe.engine.sampling.grammar import GrammarCompiler
     from spmoe.entrypoints.serve.tokenizer import load_tokenizer
@@ -107,10 +107,17 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
         the engine counted them."""
         cache = PagedKVCache.for_model(model, 64 << 20)
         graphs = device == "cuda"  # on the GPU the decode and verification steps replay CUDA graphs
+        # on 2 TP ranks: rank 0 decides the admissions, rank 1 follows
         engine = Engine(
-            model, cache, drafts, graphs, max_num_seqs=64, max_model_len=1024, grammars=grammars
+            model,
+            cache,
+            drafts,
+            graphs,
+            max_num_seqs=64,
+            max_model_len=1024,
+            grammars=grammars,
+            ranks=channel(),
         )
-        connect(engine)  # on 2 TP ranks: rank 0 decides the admissions, rank 1 follows
         outputs, reasons = {r.request_id: [] for r in requests}, {}
         for request in requests:
             engine.add_request(request)
@@ -132,7 +139,11 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
     refusals = []
     try:
         Engine(
-            model, PagedKVCache.for_model(model, 8 << 20), max_num_seqs=4, max_model_len=64
+            model,
+            PagedKVCache.for_model(model, 8 << 20),
+            max_num_seqs=4,
+            max_model_len=64,
+            ranks=channel(),
         ).validate(Request("g", PROMPT, 4, SamplingParams(), eos, GrammarSpec("json_object")))
     except ValueError as e:
         refusals.append(str(e))

@@ -16,7 +16,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import RankFailed, get_parallel_state, spawn
-from spmoe.engine.ranks import generate
+from spmoe.engine.ranks import channel, generate
 from spmoe.engine.request import SamplingParams
 from spmoe.entrypoints.jobs import flatten
 
@@ -57,7 +57,7 @@ def run_engine(folder: str, modes: list[tuple[str, str]]):
         model = load_model(folder, parallel, with_mtp=True)
         for name, (prompts, kw) in CASES.items():
             cache = KVCache.for_model(model, kw.get("max_seqs", len(prompts)), 32)
-            engine = Engine(model, cache, kw.get("k", 0))
+            engine = Engine(model, cache, kw.get("k", 0), ranks=channel())
             gen = generate(
                 engine,
                 prompts,
@@ -204,7 +204,8 @@ def generate_then_die(folder: str):
         if state.rank == 1 and done >= 3:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    generate(Engine(model, KVCache.for_model(model, 1, 64)), [[1, 2, 3]], 50, on_step=on_step)
+    engine = Engine(model, KVCache.for_model(model, 1, 64), ranks=channel())
+    generate(engine, [[1, 2, 3]], 50, on_step=on_step)
 
 
 def test_killed_rank_ends_the_run(engine_checkpoint):

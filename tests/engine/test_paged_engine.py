@@ -12,7 +12,7 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
-from spmoe.engine.ranks import generate
+from spmoe.engine.ranks import channel, generate
 from spmoe.entrypoints.jobs import split_for_dp
 
 from ..conftest import relative_error
@@ -62,7 +62,7 @@ def paged_and_dense(folder: str, modes: list[tuple[str, str]]) -> dict:
                     if name == "dense"
                     else PagedKVCache.for_model(model, 2**22)
                 )
-                engine = Engine(model, cache, k, max_num_batched_tokens=BUDGET)
+                engine = Engine(model, cache, k, max_num_batched_tokens=BUDGET, ranks=channel())
                 gen = generate(engine, prompts, MAX_NEW, record_logits=True)
                 results[sp, scope, case, name] = (gen.outputs, torch.cat(gen.logits), gen.stats)
     return results

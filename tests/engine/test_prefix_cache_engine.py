@@ -19,7 +19,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import get_parallel_state, spawn
 from spmoe.distributed.comm import broadcast_object
 from spmoe.engine.cache.paged import BLOCK_SIZE
-from spmoe.engine.ranks import generate
+from spmoe.engine.ranks import channel, generate
 from spmoe.engine.request import Request
 
 from ..conftest import relative_error
@@ -89,6 +89,7 @@ def on_and_off(folder: str) -> dict:
                 k,
                 max_num_batched_tokens=BUDGET,
                 enable_prefix_caching=caching,
+                ranks=channel(),
             )
             blind_lookup(engine)
             recorded = record_drafts(engine) if k else {}
@@ -116,7 +117,13 @@ def caching_engine(model, caching: bool = True):
 
     cache = PagedKVCache.for_model(model, 2**22)
     return blind_lookup(
-        Engine(model, cache, max_num_batched_tokens=BUDGET, enable_prefix_caching=caching)
+        Engine(
+            model,
+            cache,
+            max_num_batched_tokens=BUDGET,
+            enable_prefix_caching=caching,
+            ranks=channel(),
+        )
     )
 
 

@@ -5,12 +5,12 @@ of drafts, `rejection.py`; a fork draws from a copy of its source's last row; pr
 It reads the sequences and changes none of them: each commits its `PartResult` (`Sequence.commit`).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
-from spmoe.distributed import get_parallel_state
 from spmoe.engine.cache.paged import PagedKVCache
 from spmoe.engine.cache.slots import KVCache
 from spmoe.engine.runner.graphs import CapturedStep, StepGraphs, StepNeeds, StepShape
@@ -39,16 +39,6 @@ class Forward:
     draft_graph: bool = False
 
 
-def alone(needs: StepNeeds) -> StepNeeds:
-    """A step's graph needs agreed by this rank alone: DP 1."""
-    if get_parallel_state().dp_size > 1:
-        raise RuntimeError(
-            "under DP every rank must replay the same CUDA graph each step: connect the engine to "
-            "its ranks (ranks.connect), which agree on it"
-        )
-    return needs
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -57,16 +47,18 @@ class ModelRunner:
         max_num_seqs: int,
         stats: StepStats,
         sampler: Sampler,
+        agree: Callable[[StepNeeds], StepNeeds],
         num_speculative_tokens: int = 0,
         cuda_graphs: bool = False,
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 0,
         log=None,
     ):
-        """`stats`: where the forwards are counted; `sampler`: the sequences' sampling rows (the scheduler
-        takes and frees them); `max_model_len`: the most positions a sequence takes (the width of the
-        graphs' block tables); `max_num_batched_tokens`: the step's token budget (the largest mixed-step
-        graph); `log(line)`: progress while capturing graphs."""
+        """`stats`: where the forwards are counted; `sampler`: the sequences' sampling rows (the
+        scheduler takes and frees them); `agree`: this rank's graph needs of a step -> every DP
+        rank's; `max_model_len`: the most positions a sequence takes (the width of the graphs' block
+        tables); `max_num_batched_tokens`: the step's token budget (the largest mixed-step graph);
+        `log(line)`: progress while capturing graphs."""
         self.model, self.cache, self.stats, self.sampler = model, cache, stats, sampler
         on_capture = None
         if log is not None:
@@ -79,9 +71,7 @@ class ModelRunner:
                 )
                 log(f"warming up: capturing the CUDA graph of {step} ({index}/{count})")
 
-        # how the DP ranks agree on each step's graph: this rank alone; `ranks.connect` gives an
-        # engine under DP the agreement of every rank
-        self.agree = alone
+        self.agree = agree
         self.graphs = None
         if cuda_graphs:
             self.graphs = StepGraphs(
