@@ -214,7 +214,7 @@ def _settle(procs, results, outputs, errors, died, grace_s: float = 1.0):
     """After a first failure, wait briefly for the other ranks' reports: a rank that died often makes its
     peers fail too, and the dead rank is the one to blame."""
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and len(outputs) + len(errors) < len(procs):
         try:
             rank, ok, payload = results.get(timeout=0.05)
             (outputs if ok else errors)[rank] = pickle.loads(payload) if ok else payload

@@ -317,7 +317,7 @@ VLLM_FLAGS = (
         _all_of("--api-server-count"),
         "noted",
         "N HTTP front end processes share the port; each one's /metrics has the engine's counters and "
-        "its own request metrics",
+        "every front end's request metrics, totalled",
     ),
     VllmFlag(
         ("--moe-backend",),

@@ -18,7 +18,8 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import RankFailed, spawn
 from spmoe.engine.args import EngineArgs
 from spmoe.engine.request import SamplingParams
-from spmoe.entrypoints.serve.engine_process import HEARTBEAT_S, FrontEndCommand, serve_rank
+from spmoe.entrypoints.serve.engine_process import HEARTBEAT_S, serve_rank
+from spmoe.entrypoints.serve.front_ends import FrontEndCommand
 
 from .test_generate import EOS, MAX_NEW, PROMPTS
 

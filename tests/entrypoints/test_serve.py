@@ -1,8 +1,9 @@
 """`spmoe serve` end to end: one real server (TP 2, gloo, CPU) on a tiny checkpoint with the demo tokenizer,
 driven by the real `openai` client; its greedy text against `spmoe generate`'s tokens; concurrent streams;
 bad requests; SIGTERM during streams (a drain, exit 0); a second server whose rank 1 is stopped (the
-watchdog); servers whose front end process or engine process is killed (the server goes down, nothing is
-left); and the one-line errors for bad options before any rank starts."""
+watchdog); a server whose engine process is killed (it goes down, nothing is left) and one whose front
+end process is killed (restarted, until it keeps dying: then the server goes down); and the one-line
+errors for bad options before any rank starts."""
 
 import json
 import os
@@ -720,11 +721,26 @@ def cmdline(pid: int) -> bytes:
         return b""
 
 
-@pytest.mark.parametrize("victim", ["front end", "engine"])
-def test_a_killed_process_takes_the_server_down_and_leaves_nothing(checkpoint, tmp_path, victim):
-    """The front end runs in a process of its own, started by rank 0 (the engine process). SIGKILL to
-    either: the command exits 1 within seconds, saying why, and no process of the server is left (a
-    stream open at the time ends, cut or with an error)."""
+def hold_a_stream(base: str) -> tuple[threading.Thread, list]:
+    """A long stream, held open from a thread once its first token came. -> (the thread, its events)."""
+    events, started = [], threading.Event()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 600, "stream": True, "ignore_eos": True}
+    holder = threading.Thread(target=stream_events, args=(base, body, events, started))
+    holder.start()
+    assert started.wait(60)
+    return holder, events
+
+
+def running_requests(base: str) -> float:
+    """The engine's running requests, as /metrics says."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    line = next(line for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_killed_engine_takes_the_server_down_and_leaves_nothing(checkpoint, tmp_path):
+    """SIGKILL to the engine process (rank 0): the command exits 1 within seconds, saying why, no
+    process of the server is left, and a stream open at the time ends (cut or with an error)."""
     log = tmp_path / "stderr.txt"
     proc, base = start_server(checkpoint, log)
     everything = descendants(proc.pid)
@@ -733,24 +749,9 @@ def test_a_killed_process_takes_the_server_down_and_leaves_nothing(checkpoint, t
         ranks = sorted(pid for pid in everything if b"spawn_main" in cmdline(pid))
         assert len(front) == 1 and len(ranks) == 2, (front, ranks)
         assert front[0] in descendants(ranks[0])  # rank 0 started it
-        events: list = []
-        stream_events(
-            base, {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True}, events
-        )
-        assert events[0] == 200 and events[-1] == "[DONE]", events
-        events, started = [], threading.Event()
-        body = {
-            "model": "tiny",
-            "prompt": "hi",
-            "max_tokens": 600,
-            "stream": True,
-            "ignore_eos": True,
-        }
-        holder = threading.Thread(target=stream_events, args=(base, body, events, started))
-        holder.start()
-        assert started.wait(60)
+        holder, events = hold_a_stream(base)
         began = time.monotonic()
-        os.kill(front[0] if victim == "front end" else ranks[0], signal.SIGKILL)
+        os.kill(ranks[0], signal.SIGKILL)
         assert proc.wait(timeout=60) == 1, log.read_text()
         while any(alive(pid) for pid in everything) and time.monotonic() - began < 30:
             time.sleep(0.2)
@@ -758,11 +759,68 @@ def test_a_killed_process_takes_the_server_down_and_leaves_nothing(checkpoint, t
         assert time.monotonic() - began < 30
         holder.join(timeout=30)
         assert events[-1] != "[DONE]" or "error" in json.loads(events[-2]), events[-3:]
+        assert "rank 0 of 2 was killed by SIGKILL" in log.read_text(), log.read_text()
+    finally:
+        kill_left(proc, everything)
+
+
+def test_a_killed_front_end_is_restarted_until_it_keeps_dying(checkpoint, tmp_path):
+    """SIGKILL to the front end process, a stream open: the stream ends at once (its connection
+    closes with the process), the engine aborts its request, and rank 0 starts a new front end in
+    its place, which serves. Killed again and again: after `MAX_RESTARTS` restarts the next death
+    stops the server, exit 1, saying why, and no process of the server is left (how long each takes:
+    benchmarks/bench_front_end.py)."""
+    log = tmp_path / "stderr.txt"
+    proc, base = start_server(checkpoint, log)
+    everything = descendants(proc.pid)
+
+    def front_end() -> int:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            found = [
+                p for p in descendants(proc.pid) if alive(p) and b"serve.frontend" in cmdline(p)
+            ]
+            try:
+                healthy = httpx.get(f"{base}/health", timeout=10).status_code == 200
+            except httpx.TransportError:
+                healthy = False
+            if len(found) == 1 and healthy:
+                everything.update(descendants(proc.pid))
+                return found[0]
+            time.sleep(0.2)
+        raise AssertionError(f"no front end serves:\n{log.read_text()}")
+
+    try:
+        killed = front_end()
+        holder, events = hold_a_stream(base)
+        began = time.monotonic()
+        os.kill(killed, signal.SIGKILL)
+        holder.join(timeout=30)
+        assert not holder.is_alive() and events[-1].startswith("cut: "), events[-3:]
+        restarted = front_end()
+        assert restarted != killed
         text = log.read_text()
-        if victim == "front end":
-            assert f"the front end process {front[0]} exited with code -9" in text, text
-        else:
-            assert "rank 0 of 2 was killed by SIGKILL" in text, text
+        assert f"the front end process {killed} exited with code -9; its open requests end" in text
+        assert "(restart 1 of at most 3 in 300 s)" in text, text
+        reply = openai_client(base).completions.create(model="tiny", prompt="ab", max_tokens=2)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert running_requests(base) == 0  # the killed front end's request was aborted
+        for restart in (2, 3):
+            os.kill(front_end(), signal.SIGKILL)
+            front_end()
+            assert f"(restart {restart} of at most 3 in 300 s)" in log.read_text()
+        last = front_end()
+        began = time.monotonic()
+        os.kill(last, signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1, log.read_text()
+        print(f"the server stopped {time.monotonic() - began:.1f} s after the last death")
+        while any(alive(pid) for pid in everything) and time.monotonic() - began < 30:
+            time.sleep(0.2)
+        assert not [pid for pid in everything if alive(pid)], log.read_text()
+        assert (
+            f"the front end process {last} exited with code -9, after 3 restarts of front ends "
+            "in 300 s; stopping the server"
+        ) in log.read_text(), log.read_text()
     finally:
         kill_left(proc, everything)
 
@@ -789,7 +847,7 @@ def connections_on(pid: int, port: int) -> int:
 def test_two_front_end_processes_share_the_port(checkpoint, tmp_path):
     """--api-server-count 2: two front end processes of rank 0 listen on the port; 16 streams held open
     at once are spread over both (the kernel's choice: all on one has odds 2 ** -15), each stream gets its
-    tokens, and SIGTERM stops them and every rank."""
+    tokens, /metrics totals both front ends' requests, and SIGTERM stops them and every rank."""
     log = tmp_path / "stderr.txt"
     proc, base = start_server(checkpoint, log, "--api-server-count", "2", "--shutdown-timeout", "2")
     everything = descendants(proc.pid)
@@ -822,6 +880,17 @@ def test_two_front_end_processes_share_the_port(checkpoint, tmp_path):
         for events in streams:
             assert events[0] == 200 and events[-1] == "[DONE]", events[-3:]
             assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length", events[-2]
+        # every scrape, whichever front end answers it, totals both front ends' requests
+        finished = (
+            'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"}'
+        )
+        for _ in range(8):
+            counts = [
+                line.rsplit(" ", 1)[1]
+                for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines()
+                if line.startswith(finished)
+            ]
+            assert counts == ["16.0"], counts
         sigterm_leaves_nothing(proc, list(everything), log)
         assert proc.returncode == 0, log.read_text()
     finally:

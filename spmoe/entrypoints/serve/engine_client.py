@@ -44,8 +44,17 @@ class EngineClient:
     between `start()` and `close()`. `grammars`: this process's own compiler (a bad grammar is a 400 here;
     the engine compiles the spec again, cached by spec)."""
 
-    def __init__(self, address: str, facts: EngineFacts, engine_pid: int, grammars=None):
+    def __init__(
+        self,
+        address: str,
+        facts: EngineFacts,
+        engine_pid: int,
+        identity: bytes | None = None,
+        grammars=None,
+    ):
+        """`identity`: this front end's on the engine's socket (None: one ZeroMQ makes up)."""
         self.address, self.engine_pid, self.grammars = address, engine_pid, grammars
+        self.identity = identity
         self.max_model_len = facts.max_model_len
         self.max_num_waiting = facts.max_num_waiting
         self.vocab_size = facts.vocab_size
@@ -70,6 +79,8 @@ class EngineClient:
         step from now."""
         self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if self.identity is not None:
+            self._socket.setsockopt(zmq.IDENTITY, self.identity)
         self._socket.connect(self.address)
         self._heard = time.monotonic()
         await self._socket.send(self._codec.encode(ToEngine()))

@@ -12,22 +12,21 @@ from it (their watchdog).
 A request's grammar arrives as its spec; the engine compiles it on a worker thread (cached by spec), and the
 request joins a step once it has compiled, so a compile never holds up the steps of the others.
 
-The front ends are child processes (`python -m spmoe.entrypoints.serve.frontend`), started once the engine
-is warm. A SIGTERM to rank 0 is passed on to them: they drain, exit 0, and rank 0 then stops every rank. A
-front end that exits otherwise takes the server down: the others are stopped (SIGINT), every rank shuts
-down and rank 0 fails; if the engine loop is stuck in a step (a rank stopped answering), rank 0 exits 1
-after `STUCK_GRACE_S`. A front end whose engine process is gone stops and exits 1 (`EngineClient.error`).
+The front ends are child processes (`front_ends.py`), started once the engine is warm. A SIGTERM to rank 0
+is passed on to them: they drain, exit 0, and rank 0 then stops every rank. A front end that exits with an
+error is replaced (its requests aborted), a bounded number of times; past that the others are stopped
+(SIGINT), every rank shuts down and rank 0 fails. If the engine loop is stuck in a step (a rank stopped
+answering) when a front end dies, rank 0 exits 1 after `STUCK_GRACE_S`. A front end whose engine process
+is gone stops and exits 1 (`EngineClient.error`).
 """
 
 import os
-import pickle
 import signal
-import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
 import zmq
@@ -42,7 +41,7 @@ from spmoe.engine.request import EngineMetrics, GrammarSpec, Request, RequestOut
 from spmoe.engine.sampling.grammar import GrammarCompiler
 from spmoe.engine.warmup import warm_up
 from spmoe.entrypoints.serve.engine_client import EngineFacts
-from spmoe.entrypoints.serve.frontend import FrontEndLaunch
+from spmoe.entrypoints.serve.front_ends import FRONT_END_EXIT_S, FrontEndCommand, FrontEnds
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 from spmoe.entrypoints.serve.wire import Codec, FromEngine, PrivateAddress
 
@@ -61,11 +60,9 @@ WAITING_PER_RUNNING = (
 )
 MIN_MAX_NUM_WAITING = 64  # and at least this many; one more waiting request gets QueueFull (503)
 COMPILE_POLL_MS = 5  # while idle with grammars compiling: how often the loop looks at them
-WATCH_PERIOD_S = 0.2  # how often rank 0 looks at its front end processes from the watch thread
+# how often rank 0 looks at its front end processes while idle, and from its watch thread
+WATCH_PERIOD_S = 0.2
 STUCK_GRACE_S = 5.0  # a front end exited and the engine loop has not ended since: rank 0 exits 1
-FRONT_END_EXIT_S = (
-    10.0  # how long a front end may take to exit when rank 0 stops it, before SIGKILL
-)
 FAILED_EXIT_S = (
     3.0  # after the engine failed: how long the front ends may take to end their streams
 )
@@ -107,16 +104,6 @@ def check_serve(
     return args, max_num_waiting
 
 
-@dataclass(frozen=True)
-class FrontEndCommand:
-    """The front end processes rank 0 starts: `count` of them, each running `target` ("module:function",
-    called with the engine client and `args`; see `frontend.py`)."""
-
-    target: str
-    args: tuple = ()
-    count: int = 1
-
-
 class EngineLoop:
     """Rank 0's engine loop and the front end processes it serves (`run`)."""
 
@@ -124,9 +111,10 @@ class EngineLoop:
         self.engine, self.front_end, self.facts = engine, front_end, facts
         self.codec = Codec()
         self.serving = ServingLoop(engine)
-        self.peers: dict[
-            bytes, list[RequestOutput]
-        ] = {}  # front end identity -> its outputs this step
+        # front end identity -> its outputs this step
+        self.peers: dict[bytes, list[RequestOutput]] = {}
+        # the identities of front ends that died: what they sent last is not read
+        self.gone: set[bytes] = set()
         self.rejected: dict[bytes, list[tuple[str, str]]] = {}
         self.owner: dict[str, bytes] = {}  # live or compiling request -> its front end
         self.compiling: list[tuple[Future, Request]] = []  # in arrival order
@@ -134,28 +122,29 @@ class EngineLoop:
         self.compile_work = ThreadPoolExecutor(1, thread_name_prefix="spmoe-grammar")
         self.exchange_s = self.idle_s = 0.0
         self.metrics = EngineMetrics()
-        self.procs: list[subprocess.Popen] = []
         self.sigterm = False
         self.done = threading.Event()  # set when the loop has left its last step
 
     def run(self) -> int | None:
-        """Start the front ends and serve them until they have all exited. -> SIGTERM if one reached this
-        process (the front ends drained), else None; RuntimeError if the engine loop failed or a front end
-        exited with an error."""
+        """Start the front ends and serve them until they have all exited, restarting one that dies
+        (`front_ends.py`). -> SIGTERM if one reached this process (the front ends drained), else None;
+        RuntimeError if the engine loop failed or the front ends kept dying."""
         address = PrivateAddress()
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address.url)
+        self.front_ends = FrontEnds(self.front_end, address.url, self.facts)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        failure = None
         try:
-            self.procs = [
-                self._start_front_end(address.url, i) for i in range(self.front_end.count)
-            ]
+            self.front_ends.start()
             threading.Thread(target=self._watch, name="spmoe-front-end-watch", daemon=True).start()
             failure = self._serve()
         finally:
             self.done.set()
-            self._end_front_ends(FRONT_END_EXIT_S if self.sigterm else FAILED_EXIT_S)
+            grace_s = FRONT_END_EXIT_S if self.sigterm else FAILED_EXIT_S
+            # front ends that kept dying: the others are stopped at once
+            self.front_ends.end(0 if self.front_ends.failure else grace_s)
             signal.signal(signal.SIGTERM, previous)
             self.socket.close()
             address.remove()
@@ -165,43 +154,24 @@ class EngineLoop:
             raise RuntimeError(failure)
         return signal.SIGTERM if self.sigterm else None
 
-    def _start_front_end(self, address: str, index: int) -> subprocess.Popen:
-        launch = FrontEndLaunch(
-            target=self.front_end.target,
-            args=self.front_end.args,
-            address=address,
-            facts=self.facts,
-            engine_pid=os.getpid(),
-            index=index,
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "spmoe.entrypoints.serve.frontend"], stdin=subprocess.PIPE
-        )
-        proc.stdin.write(pickle.dumps(launch))
-        proc.stdin.close()
-        return proc
-
     def _on_sigterm(self, signum, frame) -> None:
         """Pass the SIGTERM on: the front ends drain, then exit."""
         self.sigterm = True
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        self.front_ends.signal(signal.SIGTERM)
 
     def _serve(self) -> str | None:
         """The loop. -> why it failed, or None once every front end has exited cleanly."""
         try:
             while True:
                 new, aborts = self._receive()
-                exits = [proc.poll() for proc in self.procs]
-                shutdown = all(code is not None for code in exits) or any(
-                    code not in (None, 0) for code in exits
-                )
+                dead, failure = self.front_ends.replace_dead(stopping=self.sigterm)
+                aborts += self._forget(dead)
+                shutdown = failure is not None or self.front_ends.all_exited()
                 plan = self.serving.plan(new, aborts, shutdown)
                 outputs, self.metrics = self.serving.step(plan)
                 self._send(outputs)
                 if plan.command == "shutdown":
-                    return self._front_end_failure(exits)
+                    return failure
         except Exception as e:  # noqa: BLE001 - the front ends must learn of it, not hang
             error = f"{type(e).__name__}: {e}"
             for request_id in list(self.owner):
@@ -211,18 +181,29 @@ class EngineLoop:
             self._send([], error)
             return f"the engine loop failed: {error}"
 
-    def _front_end_failure(self, exits: list[int | None]) -> str | None:
-        for proc, code in zip(self.procs, exits):
-            if code not in (None, 0):
-                return f"the front end process {proc.pid} exited with code {code}"
-        return None
+    def _forget(self, dead: list[bytes]) -> list[str]:
+        """The front ends `dead` are gone: nothing more is sent to them, or read from them. -> the
+        ids of their requests, to abort (their clients' connections closed with them)."""
+        self.gone.update(dead)
+        for peer in dead:
+            self.peers.pop(peer, None)
+            self.rejected.pop(peer, None)
+        aborts = [request_id for request_id, peer in self.owner.items() if peer in self.gone]
+        for request_id in aborts:
+            del self.owner[request_id]
+        return aborts
 
     def _receive(self) -> tuple[list[Request], list[str]]:
-        """Every message waiting (while nothing is live, the first one waited for up to a heartbeat), and
-        the grammars compiled since. -> the requests that may join the next step, and the aborts."""
+        """Every message waiting (while nothing is live, the first one waited for up to a heartbeat, or
+        until a front end dies), and the grammars compiled since. -> the requests that may join the
+        next step, and the aborts."""
         if not self.serving.has_live():
             began = time.perf_counter()
-            self.socket.poll(COMPILE_POLL_MS if self.compiling else HEARTBEAT_S * 1000)
+            wait_ms = COMPILE_POLL_MS if self.compiling else HEARTBEAT_S * 1000
+            while not self.socket.poll(min(wait_ms, WATCH_PERIOD_S * 1000)):
+                wait_ms -= WATCH_PERIOD_S * 1000
+                if wait_ms <= 0 or self.front_ends.dead() is not None:
+                    break
             self.idle_s += time.perf_counter() - began
         began = time.perf_counter()
         new, aborts = [], []
@@ -231,6 +212,8 @@ class EngineLoop:
                 peer, data = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            if peer in self.gone:
+                continue
             message = self.codec.to_engine.decode(data)
             self.peers.setdefault(peer, [])
             for request in message.adds:
@@ -305,40 +288,22 @@ class EngineLoop:
         self.exchange_s += time.perf_counter() - began
 
     def _watch(self) -> None:
-        """A front end that exits while the engine loop is stuck in a step (a rank stopped answering) would
-        wait for it forever: after `STUCK_GRACE_S` this process exits 1 instead."""
+        """A front end that dies while the engine loop is stuck in a step (a rank stopped answering)
+        is never replaced, and its clients' requests would wait forever: after `STUCK_GRACE_S` this
+        process exits 1 instead."""
         while not self.done.is_set():
-            exited = [(p.pid, p.poll()) for p in self.procs if p.poll() not in (None, 0)]
-            if exited:
-                if not self.done.wait(STUCK_GRACE_S):
-                    pid, code = exited[0]
+            dead = self.front_ends.dead()
+            if dead is not None and not self.done.wait(STUCK_GRACE_S):
+                if dead in self.front_ends.procs.values():
                     print(
-                        f"spmoe serve: the front end process {pid} exited with code {code} and the engine "
-                        f"loop has been stuck in a step since (a rank stopped answering); exiting",
+                        f"spmoe serve: the front end process {dead.pid} exited with code "
+                        f"{dead.returncode} and the engine loop has been stuck in a step since (a "
+                        "rank stopped answering); exiting",
                         file=sys.stderr,
                         flush=True,
                     )
                     os._exit(1)
-                return
             self.done.wait(WATCH_PERIOD_S)
-
-    def _end_front_ends(self, grace_s: float) -> None:
-        """Each front end may exit on its own for `grace_s` (after a drain, or with the engine's error);
-        then one still running gets SIGINT (it ends its requests at once and exits), and SIGKILL if it has
-        not exited `FRONT_END_EXIT_S` later."""
-        deadline = time.monotonic() + grace_s
-        while any(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + FRONT_END_EXIT_S
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def serve_rank(

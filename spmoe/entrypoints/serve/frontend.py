@@ -54,10 +54,15 @@ class FrontEndLaunch:
 
     target: str
     args: tuple
-    address: str  # the engine's socket
+    # the engine's socket, and this front end's identity on it
+    address: str
+    identity: bytes
     facts: EngineFacts
     engine_pid: int
-    index: int  # which of rank 0's front ends this is (0 prints the ready line)
+    # which of rank 0's front ends this is (0 prints the ready line), and how many front ends were
+    # restarted before it (a restarted one prints no ready line)
+    index: int
+    restart: int = 0
 
 
 def listening_socket(host: str, port: int, shared: bool) -> socket.socket:
@@ -72,9 +77,12 @@ def listening_socket(host: str, port: int, shared: bool) -> socket.socket:
     return sock
 
 
-def start_front_end(options: FrontEndOptions, client: EngineClient, index: int = 0) -> int | None:
-    """Serve the app for `client` until `supervise` ends it (a stop signal, a failed, stalled or vanished
-    engine); print the URL once it listens (front end 0). -> SIGTERM if that is what ended it, else None."""
+def start_front_end(
+    options: FrontEndOptions, client: EngineClient, announce: bool = True
+) -> int | None:
+    """Serve the app for `client` until `supervise` ends it (a stop signal, a failed, stalled or
+    vanished engine); print the URL once it listens, if it `announce`s. -> SIGTERM if that is what
+    ended it, else None."""
     import uvicorn
 
     from spmoe.engine.sampling.grammar import GrammarCompiler
@@ -118,7 +126,7 @@ def start_front_end(options: FrontEndOptions, client: EngineClient, index: int =
         await client.start()
         while client.front_ends < options.api_server_count and client.error is None:
             await asyncio.sleep(0.05)  # every front end listens before the server says it is ready
-        if index == 0:
+        if announce:
             print(
                 f"spmoe serve: ready: http://{options.host}:{options.port}/v1 (model "
                 f"{', '.join(repr(name) for name in options.served_model_names)})"
@@ -151,7 +159,7 @@ def start_front_end(options: FrontEndOptions, client: EngineClient, index: int =
 
 def serve_http(client: EngineClient, launch: FrontEndLaunch, options: FrontEndOptions) -> int:
     """`spmoe serve`'s front end. -> the exit code: 1 if the engine failed, stalled or went away."""
-    start_front_end(options, client, launch.index)
+    start_front_end(options, client, launch.index == 0 and launch.restart == 0)
     return 1 if client.error is not None else 0
 
 
@@ -161,7 +169,7 @@ def main() -> int:
     launch: FrontEndLaunch = pickle.load(sys.stdin.buffer)
     module, name = launch.target.split(":")
     target = getattr(importlib.import_module(module), name)
-    client = EngineClient(launch.address, launch.facts, launch.engine_pid)
+    client = EngineClient(launch.address, launch.facts, launch.engine_pid, launch.identity)
     return target(client, launch, *launch.args) or 0
 
 

@@ -22,10 +22,17 @@ recorded by the front end as tokens reach it:
   and `request_inference_time_seconds` (that prefill time plus the decode time);
 - per request admitted: `prompt_tokens_total`, `request_params_n`, `request_params_max_tokens` and
   `request_max_num_generation_tokens` (the largest max_tokens of its choices).
+
+With several front end processes each records its own requests, in prometheus_client's multiprocess
+mode (as vLLM does): under `PROMETHEUS_MULTIPROC_DIR`, which rank 0 gives them all, so that a scrape
+of any front end totals every front end's counters and histograms.
 """
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 VLLM = "vllm:"  # vLLM's series, under vLLM's names
@@ -159,14 +166,21 @@ class EngineCollector:
 
 class ServeMetrics:
     def __init__(self, client, model_name: str):
+        # what a scrape reads: the engine's snapshot, and the request metrics of this front end or,
+        # in multiprocess mode, of every front end (the ones recorded here are then read from the
+        # shared folder, not from this registry)
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(client, model_name))
+        own = self.registry
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            MultiProcessCollector(self.registry)
+            own = CollectorRegistry()
         self.model_name = model_name
         labels = (model_name, ENGINE)
         tokens = token_buckets(client.max_model_len)
 
         def histogram(name: str, text: str, buckets: tuple) -> Histogram:
-            made = Histogram(VLLM + name, text, LABELS, buckets=buckets, registry=self.registry)
+            made = Histogram(VLLM + name, text, LABELS, buckets=buckets, registry=own)
             return made.labels(*labels)
 
         self.time_to_first_token = histogram(
@@ -218,13 +232,13 @@ class ServeMetrics:
             VLLM + "prompt_tokens",
             "Prompt tokens of admitted requests",
             LABELS,
-            registry=self.registry,
+            registry=own,
         ).labels(*labels)
         finished = Counter(
             VLLM + "request_success",
             "Requests finished, by finished_reason",
             [*LABELS, "finished_reason"],
-            registry=self.registry,
+            registry=own,
         )
         self._finished = {reason: finished.labels(*labels, reason) for reason in FINISHED_REASONS}
         self._finished_family = finished

@@ -28,10 +28,10 @@ from spmoe.entrypoints.serve.chat import ChatOptions
 from spmoe.entrypoints.serve.engine_process import (
     MIN_MAX_NUM_WAITING,
     WAITING_PER_RUNNING,
-    FrontEndCommand,
     check_serve,
     serve_rank,
 )
+from spmoe.entrypoints.serve.front_ends import FrontEndCommand
 from spmoe.entrypoints.serve.frontend import FrontEndOptions
 from spmoe.entrypoints.serve.middleware import DEFAULT_MAX_REQUEST_BYTES, FrontEndLimits
 from spmoe.entrypoints.serve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
