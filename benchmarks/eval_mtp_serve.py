@@ -23,7 +23,7 @@ from bench_serve import server_counters
 
 from spmoe.distributed.launcher import free_port
 from spmoe.entrypoints.demo import CHECKPOINT
-from spmoe.entrypoints.heldout import heldout_sequences
+from spmoe.testing.heldout import heldout_sequences
 
 PROMPTS, PROMPT_LEN, OFFSET, NEW_TOKENS, SEED = 4, 96, 4096, 32, 5
 

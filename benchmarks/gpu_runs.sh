@@ -3,8 +3,8 @@
 #   bash benchmarks/gpu_runs.sh STAGE...        (from the checkout's root, on the GPU machine)
 # Each stage writes its raw output (log, JSON) under $OUT, as printed; stages run in the order given and
 # share the call's time: a stage gets what is left of BUDGET_S (default 560 s) less a margin, so the call
-# ends inside its 10 minutes and whatever ran comes back. Wheels the machine lacks travel as .whl
-# (../shared/tools/device-wheels.sh here, carry ".whl"); they are installed first when present.
+# ends inside its 10 minutes and whatever ran comes back. Wheels the machine lacks travel in the
+# checkout's `.whl/` folder; they are installed first when present.
 #
 # Stages (H200 for the 78-layer ones: TP 8's weights are about 95 GB a rank):
 #   smoke     TP 8 rank at 4 and 8 layers, batches 1 / 64, 8k context, MTP 0 / 3, warm-up: the CUDA path

@@ -1,7 +1,7 @@
-"""The shape of the code (DESIGN.md, "Shape of the code"): every module imports only from its own floor or the
-floors below it (config < distributed < layers < models < engine < entrypoints), the engine's modules likewise
-over the engine's own floors (`ENGINE_FLOORS`), no import cycle anywhere in spmoe, function-level imports
-included, and torch.distributed used only inside spmoe/distributed/."""
+"""The shape of the code (docs/architecture.md, "The floors"): every module imports only from its own floor
+or the floors below it (config < distributed < layers < models < engine < entrypoints < testing), the
+engine's modules likewise over the engine's own floors (`ENGINE_FLOORS`), no import cycle anywhere in
+spmoe, function-level imports included, and torch.distributed used only inside spmoe/distributed/."""
 
 import ast
 from pathlib import Path
@@ -65,7 +65,8 @@ def test_no_import_cycle():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
-FLOORS = ("config", "distributed", "layers", "models", "engine", "entrypoints")  # lowest first
+# lowest first; `testing`: what the tests and benchmarks share, above everything it may exercise
+FLOORS = ("config", "distributed", "layers", "models", "engine", "entrypoints", "testing")
 
 
 def floor(module: str) -> int | None:

@@ -32,7 +32,7 @@ other (preempted, aborted, finished alone).
 
 The scheduler asks the cache about room in tokens, through a room (`rooms.py`).
 
-Prefix caching (`BlockRoom` with `enable_prefix_caching`; see `block_manager.py`). A waiting sequence is
+Prefix caching (`BlockRoom` with `enable_prefix_caching`; see `cache/blocks.py`). A waiting sequence is
 admitted with the longest chain of cached full blocks that matches what it feeds (its prompt, or after a
 preemption its prompt and output): its `cached` count starts there and its prompt chunks continue from it.
 A waiting sequence whose first block of prompt a running sequence is still prefilling waits for it (prompts

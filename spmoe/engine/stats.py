@@ -73,8 +73,9 @@ class KernelCompiles:
 
 
 class StepStats:
-    """The per-phase statistics since `reset` (what `Engine.generate` reports) and the counters since start
-    (`totals`: generated tokens; drafts proposed, verified and accepted, per position too)."""
+    """The per-phase statistics since `reset` (what `Engine.report` gives the batch job) and the
+    counters since start (`totals`: generated tokens; drafts proposed, verified and accepted, per
+    position too)."""
 
     def __init__(self, num_speculative_tokens: int):
         self.k = num_speculative_tokens

@@ -1,5 +1,5 @@
 """The layer plan: every layer's layouts for each SP mode and scope, written out from the layout contract
-(DESIGN.md), and the GLM-5.2 tables in docs/architecture.md. Pure rules: no process group needed."""
+(docs/layout-contract.md), and the GLM-5.2 tables in docs/architecture.md. Pure rules: no process group needed."""
 
 from pathlib import Path
 

@@ -1,10 +1,9 @@
-"""A tiny deterministic checkpoint with an MTP layer, written by spmoe itself (dims divide by TP 1, 2 and 3;
-12 experts divide by EP 1 to 4), and what several engine tests share: the log-softmax and relative-error
-references, n choices against each alone."""
+"""The config of a tiny deterministic checkpoint with an MTP layer (dims divide by TP 1, 2 and 3; 12
+experts divide by EP 1 to 4; the root conftest's `engine_checkpoint` writes it), and what several
+engine tests share: the log-softmax reference, n choices against each alone."""
 
 import math
 
-import pytest
 import torch
 
 from spmoe.engine.ranks import generate
@@ -39,16 +38,6 @@ ENGINE_CONFIG = dict(
     rope_theta=10000.0,
     num_nextn_predict_layers=1,
 )
-
-
-@pytest.fixture(scope="session")
-def engine_checkpoint(tmp_path_factory) -> str:
-    from spmoe.distributed import spawn
-    from spmoe.models.deepseek_v32.weights import write_random_checkpoint
-
-    folder = tmp_path_factory.mktemp("engine_ckpt")
-    spawn(write_random_checkpoint, 1, ENGINE_CONFIG, folder, 1)
-    return str(folder)
 
 
 def log_softmax(row: list[float]) -> list[float]:

@@ -28,6 +28,7 @@ def graph_cases(folder: str) -> dict:
     from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
     from spmoe.engine.runner.graphs import StepGraphs
+    from spmoe.engine.runner.static_step import decode_hidden
     from spmoe.models.deepseek_v32.weights import load_model
 
     state, out = get_parallel_state(), {}
@@ -56,7 +57,7 @@ def graph_cases(folder: str) -> dict:
             inputs = torch.tensor(
                 [[11, 12, 13, 0], slots + [cache.scratch_slot], starts + [0]], device=state.device
             )
-            eager = graphs.eager_step(inputs)[:3]
+            eager = model.compute_logits(decode_hidden(model, cache, inputs, None))[:3]
         out[sp, "bitwise"] = torch.equal(replayed, eager)
         out[sp, "collectives"] = {k: v["count"] for k, v in stats.counts.items()}
         generations = [

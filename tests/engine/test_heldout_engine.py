@@ -1,4 +1,4 @@
-"""The trained demo checkpoint through the engine, on held-out text (`spmoe.entrypoints.heldout`): prompt
+"""The trained demo checkpoint through the engine, on held-out text (`spmoe.testing.heldout`): prompt
 logprobs (prefilled in chunks, so later chunks read the cache) give the same perplexity over the paged and the
 dense cache; the FP8 paged cache stays within 1% of the bf16 one's perplexity and agrees with its greedy choice
 at >= 95% of positions; MTP speculation accepts drafts on text the model has learned, and changes no greedy
@@ -12,7 +12,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from spmoe.engine.request import Request, SamplingParams
 from spmoe.entrypoints.demo import CHECKPOINT
-from spmoe.entrypoints.heldout import heldout_sequences
+from spmoe.testing.heldout import heldout_sequences
 
 from .conftest import choices_and_alone
 

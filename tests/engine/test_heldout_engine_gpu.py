@@ -9,7 +9,7 @@ import torch
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from spmoe.entrypoints.demo import CHECKPOINT
-from spmoe.entrypoints.heldout import heldout_sequences
+from spmoe.testing.heldout import heldout_sequences
 
 from ..multigpu import requires_gpus
 from .test_heldout_engine import BUDGET, MTP_PROMPTS, SEQS, ppl, prompt_logprobs

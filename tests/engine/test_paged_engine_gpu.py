@@ -165,6 +165,7 @@ def speculating_engines(folder: str) -> dict:
     from spmoe.engine.ranks import run_to_completion
     from spmoe.engine.request import Request, SamplingParams
     from spmoe.engine.runner.graphs import draft_tokens
+    from spmoe.engine.runner.static_step import decode_hidden
     from spmoe.engine.warmup import warm_up
     from spmoe.models.deepseek_v32.weights import load_model
 
@@ -201,7 +202,8 @@ def speculating_engines(folder: str) -> dict:
     with torch.no_grad():
         captured.graph.replay()
         replayed = captured.logits.clone()
-        eager = graphs.eager_step(captured.inputs, captured.block_tables)
+        hidden = decode_hidden(model, graphs.cache, captured.inputs, captured.block_tables)
+        eager = model.compute_logits(hidden)
         captured.draft.graph.replay()
         drafts = captured.draft.drafts.clone()
         eager_drafts = draft_tokens(

@@ -17,7 +17,8 @@ from spmoe.engine.build import build_engine
 from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
 from spmoe.engine.engine import Engine
 from spmoe.engine.request import Request
-from spmoe.engine.runner.graphs import decode_logits, padded_tables, table_width
+from spmoe.engine.runner.graphs import padded_tables, table_width
+from spmoe.engine.runner.static_step import decode_hidden
 from spmoe.engine.stats import KernelCompiles
 from spmoe.engine.warmup import (
     warm_up,
@@ -69,7 +70,7 @@ def padded_tables_case(model):
             [next_ids.tolist() + [0] * pad, list(range(rows)), list(CONTEXTS) + [0] * pad],
             dtype=torch.long,
         )
-        graphed = decode_logits(model, cache, inputs, padded)
+        graphed = model.compute_logits(decode_hidden(model, cache, inputs, padded))
     assert (
         padded[len(CONTEXTS) :].eq(cache.scratch_block).all()
         and padded[0, 1:].eq(cache.scratch_block).all()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from spmoe.entrypoints.demo import CHECKPOINT
-from spmoe.entrypoints.heldout import heldout_sequences
+from spmoe.testing.heldout import heldout_sequences
 
 from .test_serve import openai_client, start_server
 

@@ -61,7 +61,6 @@ from spmoe.engine.cache.paged import PagedKVCache, check_room
 from spmoe.engine.cache.slots import KVCache
 from spmoe.engine.runner.static_step import (
     decode_hidden,
-    decode_logits,
     deployment_problems,
     draft_tokens,
     graph_sizes,
@@ -222,12 +221,6 @@ class StepGraphs:
             size = min(n for n in self.mixed if n >= needs.tokens)
             return StepShape(kind="mixed", size=size, draft_graph=False)
         return StepShape(kind="eager", size=needs.tokens, draft_graph=False)
-
-    def eager_step(
-        self, inputs: torch.Tensor, block_tables: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """`decode_logits` of this model and cache."""
-        return decode_logits(self.model, self.cache, inputs, block_tables)
 
     def _capture(self, size: int) -> None:
         device, per_seq, k = self.cache.device, self.tokens_per_seq, self.drafts

@@ -89,22 +89,13 @@ def step_view(
     return cache.decode_view(block_tables, where, positions)
 
 
-def decode_logits(
-    model: DeepseekV32ForCausalLM,
-    cache: KVCache | PagedKVCache,
-    inputs: torch.Tensor,
-    block_tables: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The step a graph captures, run eagerly: inputs `[3, N]` (ids, where, positions; see `step_view`) and,
-    paged, block_tables `[S, W]` -> logits `[N, V]`."""
-    return model.compute_logits(decode_hidden(model, cache, inputs, block_tables))
-
-
 def decode_hidden(
     model: DeepseekV32ForCausalLM, cache, inputs: torch.Tensor, block_tables
 ) -> torch.Tensor:
-    """`decode_logits`' post-norm hidden `[N, H]`, before the LM head. Every DP rank replays a graph
-    of the same N (`StepGraphs.shape`), so N is the largest DP batch: no rank asks the others."""
+    """The step a graph captures, run eagerly: inputs `[3, N]` (ids, where, positions; see
+    `step_view`) and, paged, block_tables `[S, W]` -> the post-norm hidden `[N, H]`, before the LM
+    head. Every DP rank replays a graph of the same N (`StepGraphs.shape`), so N is the largest DP
+    batch: no rank asks the others."""
     ids, where, positions = inputs
     rows = ids.shape[0]
     view = step_view(cache, where, positions, block_tables)

@@ -1,4 +1,4 @@
-"""The trained demo checkpoint on held-out text (`spmoe.entrypoints.heldout`), one forward per layout: spmoe's
+"""The trained demo checkpoint on held-out text (`spmoe.testing.heldout`), one forward per layout: spmoe's
 perplexity equals transformers' within 1e-3 relative and is the same at TP 1, 2 and 4, SP on and off, and DP 2;
 the checkpoint's FP8 block-128 twin stays within 3% of it."""
 
@@ -9,7 +9,7 @@ from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
 from spmoe.entrypoints.demo import CHECKPOINT, CONFIG
 from spmoe.entrypoints.forward import run_forward
-from spmoe.entrypoints.heldout import heldout_sequences, perplexity
+from spmoe.testing.heldout import heldout_sequences, perplexity
 
 SEQS = heldout_sequences(4, 512)  # contexts 8 x index_topk: the sparse selection matters
 

@@ -1,6 +1,6 @@
 """The demo checkpoint's held-out text (Python standard-library files its training never saw, shipped beside
 it) as token sequences, and the perplexity of logits over them; for the numerics tests and
-`benchmarks/eval_checkpoint.py`."""
+`benchmarks/eval_mtp_serve.py`."""
 
 import math
 
