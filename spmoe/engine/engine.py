@@ -1,6 +1,6 @@
-"""The engine: requests in, tokens out, one step at a time (`add_request`, `step`, `abort`), with MTP
-speculation optional. A step reads schedule -> forward -> choose -> commit -> draft -> update
-(docs/architecture.md).
+"""The engine: requests in, tokens out, one step at a time (`add_request`, `step`, `abort`), with
+speculation optional (the MTP layer, a lookup in the context, or both: `runner/speculator.py`). A
+step reads schedule -> forward -> choose -> commit -> draft -> update (docs/architecture.md).
 
 Every rank of a TP group runs the same steps on the same requests: the logits are identical on every rank
 (the LM head gathers them), and each request draws from its own seeded noise, so every rank picks the same
@@ -14,6 +14,7 @@ path) or the slot cache (`KVCache`: the dense reference).
 
 from collections.abc import Callable
 from contextlib import contextmanager
+from copy import deepcopy
 from dataclasses import dataclass
 
 from msgspec.structs import replace
@@ -26,10 +27,12 @@ from spmoe.engine.rooms import BlockRoom, SlotRoom
 from spmoe.engine.runner.drafter import MtpDrafter
 from spmoe.engine.runner.graphs import StepNeeds
 from spmoe.engine.runner.model_runner import ModelRunner
+from spmoe.engine.runner.speculator import Speculator
 from spmoe.engine.sampling.grammar import GrammarCompiler
 from spmoe.engine.sampling.sampler import Sampler
 from spmoe.engine.scheduler import Scheduler
 from spmoe.engine.sequence import Batch, Sequence
+from spmoe.engine.speculation import Speculation
 from spmoe.engine.stats import KernelCompiles, StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
@@ -130,6 +133,7 @@ class Engine:
         grammars: GrammarCompiler | None = None,
         log=None,
         ranks: RankChannel | None = None,
+        speculation: Speculation | None = None,
     ):
         """`max_num_seqs`: sequences running at once on a paged cache (the slot cache: its slot count);
         `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit; `max_model_len`: the
@@ -139,9 +143,8 @@ class Engine:
         `cuda_graphs` every graph (decode steps, prompt chunks) is captured here (`log(line)`: a progress line
         for each; once the engine is ready, a line for each kernel variant a step compiled). `ranks`: its channel
         to the other ranks (`ranks.channel()`); None on one rank alone (ValueError on several TP
-        ranks, or under DP with CUDA graphs: those must keep in step)."""
-        if num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        ranks, or under DP with CUDA graphs: those must keep in step). `speculation`: what drafts
+        (`Speculation`); `num_speculative_tokens` alone is short for MTP with that many drafts."""
         state = get_parallel_state()
         if ranks is None and (state.tp_size > 1 or (state.dp_size > 1 and cuda_graphs)):
             raise ValueError(
@@ -150,9 +153,20 @@ class Engine:
                 "gives it one)"
             )
         self.ranks = ranks or RankChannel()
-        if num_speculative_tokens and not model.num_draft_layers:
+        if speculation is None:
+            speculation = Speculation(num_speculative_tokens=num_speculative_tokens)
+        elif num_speculative_tokens:
             raise ValueError(
-                "speculative decoding needs the MTP layer: load the model with with_mtp=True"
+                "pass num_speculative_tokens (MTP drafts) or speculation, not both; got "
+                f"{num_speculative_tokens} and {speculation}"
+            )
+        num_speculative_tokens, mtp_drafts = (
+            speculation.num_speculative_tokens,
+            speculation.mtp_drafts,
+        )
+        if mtp_drafts and not model.num_draft_layers:
+            raise ValueError(
+                "speculative decoding with MTP needs the MTP layer: load the model with with_mtp=True"
             )
         self.model, self.cache, self.k, self.grammars, self.log = (
             model,
@@ -161,10 +175,11 @@ class Engine:
             grammars,
             log,
         )
+        self.speculation = speculation
         if isinstance(cache, PagedKVCache):
             # the MTP layer's row at a position embeds the next token: a block depends on one token
             # past it
-            lookahead = 1 if num_speculative_tokens else 0
+            lookahead = 1 if mtp_drafts else 0
             room = BlockRoom(
                 cache, max_num_seqs or 256, max_model_len, enable_prefix_caching, lookahead
             )
@@ -172,7 +187,7 @@ class Engine:
             room = SlotRoom(cache)
         # every DP rank runs every step, empty or not
         keep_in_step = state.dp_size > 1
-        self.stats = StepStats(num_speculative_tokens)
+        self.stats = StepStats(num_speculative_tokens, speculation.lookup_name)
         self.sampler = Sampler(room.max_num_seqs, model.cfg.vocab_size, cache.device)
         self.scheduler = Scheduler(
             room, self.sampler, num_speculative_tokens, max_num_batched_tokens, keep_in_step
@@ -184,21 +199,24 @@ class Engine:
             max_num_seqs=room.max_num_seqs,
             stats=self.stats,
             sampler=self.sampler,
-            num_speculative_tokens=num_speculative_tokens,
+            num_speculative_tokens=mtp_drafts,
             cuda_graphs=cuda_graphs,
             max_model_len=room.max_tokens_per_sequence,
             max_num_batched_tokens=max_num_batched_tokens,
             agree=self.ranks.agree,
             log=log,
         )
-        self.drafter = MtpDrafter(
-            model,
-            cache,
-            num_speculative_tokens,
-            stats=self.stats,
-            graphs=self.runner.graphs,
-            keep_in_step=keep_in_step,
-        )
+        mtp = None
+        if mtp_drafts:
+            mtp = MtpDrafter(
+                model,
+                cache,
+                mtp_drafts,
+                stats=self.stats,
+                graphs=self.runner.graphs,
+                keep_in_step=keep_in_step,
+            )
+        self.drafter = Speculator(speculation, mtp, self.stats)
         self._ready_count: int | None = None  # compiles + captures when the engine was marked warm
 
     def graph_captures(self) -> int:
@@ -292,6 +310,7 @@ class Engine:
             else self._compiles() - self._ready_count,
             drafts=totals.drafts,
             accepted_per_position=list(totals.accepted_per_position),
+            by_source={name: deepcopy(counts) for name, counts in totals.by_source.items()},
         )
 
     def step(self) -> list[RequestOutput]:

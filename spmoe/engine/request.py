@@ -9,6 +9,7 @@ compiled grammars from `GrammarSpec`.
 """
 
 import math
+from itertools import zip_longest
 
 import msgspec
 
@@ -159,17 +160,37 @@ class RequestOutput(msgspec.Struct):
     prefill_s: float | None = None
 
 
+class DraftCounts(msgspec.Struct):
+    """One draft source's speculation counters since start: `drafts`, verifications whose first draft
+    it proposed; `proposed` and `accepted`, its draft tokens; `accepted_per_position[j]`, its drafts
+    accepted at position j (0: the first draft); `chosen`, the (sequence, step) drafts it led."""
+
+    drafts: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = []
+    chosen: int = 0
+
+    def add(self, other: "DraftCounts") -> None:
+        self.drafts += other.drafts
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.chosen += other.chosen
+        pairs = zip_longest(self.accepted_per_position, other.accepted_per_position, fillvalue=0)
+        self.accepted_per_position = [a + b for a, b in pairs]
+
+
 class EngineMetrics(msgspec.Struct):
     """A snapshot of the engine: requests running (holding cache) and waiting (queued), the share of
     the KV cache in use (0..1), and counters since start: generated tokens, drafts proposed and
-    accepted (MTP), the prefix cache's queries and hits in tokens (prompt tokens looked up when a
+    accepted, the prefix cache's queries and hits in tokens (prompt tokens looked up when a
     sequence is admitted, and of those the ones found cached), running sequences preempted (their
     cache freed, to be recomputed) when the cache ran out; engine steps run, and of those the steps in
     which a kernel compiled or a CUDA graph was captured; Triton kernel variants loaded in the process
     (`stats.KernelCompiles`); CUDA graphs captured; kernel compiles and graph captures since the engine
-    was warm; and for MTP the verifications (`drafts`: a sequence's drafts checked by one target
-    forward) and the accepted drafts per position (`accepted_per_position[j]`: verifications that
-    accepted draft j + 1)."""
+    was warm; and with speculation the verifications (`drafts`: a sequence's drafts checked by one
+    target forward) and the accepted drafts per position (`accepted_per_position[j]`: verifications
+    that accepted draft j + 1), in all and by draft source (`by_source`)."""
 
     running: int = 0
     waiting: int = 0
@@ -187,14 +208,22 @@ class EngineMetrics(msgspec.Struct):
     compiles_after_ready: int = 0
     drafts: int = 0
     accepted_per_position: list[int] = []
+    # the same by draft source ("mtp", "ngram", "suffix"), and per source the drafts it led; "none":
+    # the steps a drawing sequence had no draft (a lookup alone without a match)
+    by_source: dict[str, DraftCounts] = {}
 
     @classmethod
     def combine(cls, parts: list["EngineMetrics"]) -> "EngineMetrics":
         """The metrics of several engines (one per DP group) as one: counts add up, cache usage
         averages (each group has a cache of the same size)."""
         counts = [f.name for f in msgspec.structs.fields(cls) if f.type is int]
+        by_source: dict[str, DraftCounts] = {}
+        for m in parts:
+            for source, part in m.by_source.items():
+                by_source.setdefault(source, DraftCounts()).add(part)
         return cls(
             **{name: sum(getattr(m, name) for m in parts) for name in counts},
             kv_cache_usage=sum(m.kv_cache_usage for m in parts) / len(parts),
             accepted_per_position=[sum(c) for c in zip(*(m.accepted_per_position for m in parts))],
+            by_source=by_source,
         )

@@ -54,7 +54,16 @@ from collections import deque
 from spmoe.engine.request import Request, RequestOutput
 from spmoe.engine.rooms import BlockRoom, SlotRoom
 from spmoe.engine.sampling.sampler import Sampler
-from spmoe.engine.sequence import Admission, Batch, Part, PartResult, Role, Sequence, Status
+from spmoe.engine.sequence import (
+    Admission,
+    Batch,
+    Draft,
+    Part,
+    PartResult,
+    Role,
+    Sequence,
+    Status,
+)
 
 
 class Scheduler:
@@ -149,6 +158,7 @@ class Scheduler:
             start=seq.cached,
             location=self.room.location(seq),
             drafts=seq.drafts,
+            lookup_drafts=seq.lookup_drafts,
         )
 
     def _decide_admissions(self, budget: int, work: list[Part], forks: list[Part]) -> list:
@@ -256,7 +266,7 @@ class Scheduler:
         self.running.append(seq)
 
     def update(
-        self, results: list[PartResult], drafts: dict[Sequence, list[int]]
+        self, results: list[PartResult], drafts: dict[Sequence, Draft]
     ) -> list[RequestOutput]:
         """The bookkeeping after every part's commit (`Sequence.commit`): a finished sequence leaves and
         frees its room, one that goes on feeds its `drafts` after its last token, the rows written are
@@ -265,7 +275,8 @@ class Scheduler:
         for result in results:
             part, seq, output = result.part, result.part.seq, result.output
             if seq.status is Status.RUNNING:
-                seq.drafts = drafts.get(seq, [])
+                draft = drafts.get(seq, Draft(tokens=[]))
+                seq.drafts, seq.lookup_drafts = draft.tokens, draft.from_lookup
                 seq.pending += seq.drafts
                 self.room.cache_written(seq, seq.cached)
                 if output is not None:
@@ -343,7 +354,8 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's room and queue it first, to recompute its prompt and output later."""
         self._leave(seq)
-        seq.cached, seq.drafts, seq.prefilling, seq.status = 0, [], True, Status.WAITING
+        seq.cached, seq.drafts, seq.lookup_drafts = 0, [], 0
+        seq.prefilling, seq.status = True, Status.WAITING
         if not seq.prompt_logprobs_sent:
             seq.prompt_logprobs = []  # gathered again as the prompt is recomputed
         seq.pending = list(seq.request.prompt) + seq.output

@@ -1,9 +1,10 @@
 """A request inside the engine (`Sequence`, with its one `commit`) and the records of a step, keyed by
-sequence: `Part` (what one sequence does in a step, its `Role`), `Admission` (a waiting sequence that
-joins), `Batch` (the step's parts), `PartResult` (what the forward drew for one part).
+sequence: `Part` (what one sequence does in a step, its `Role`), `Draft` (its next drafts),
+`Admission` (a waiting sequence that joins), `Batch` (the step's parts), `PartResult` (what the
+forward drew for one part).
 
 A step is `Scheduler.schedule -> Batch`, `ModelRunner.forward` and `choose -> PartResult` per part,
-`Sequence.commit` per part, `MtpDrafter.draft`, `Scheduler.update` (docs/architecture.md).
+`Sequence.commit` per part, `Speculator.draft`, `Scheduler.update` (docs/architecture.md).
 """
 
 import time
@@ -57,7 +58,8 @@ class Sequence:
     sample_row: int = -1  # its row of the engine's Sampler while it runs; -1: none
     cached: int = 0  # tokens of this sequence in the target's KV cache
     pending: list[int] = field(default_factory=list)  # what the next target forwards feed
-    drafts: list[int] = field(default_factory=list)  # the tail of `pending` that MTP drafted
+    drafts: list[int] = field(default_factory=list)  # the tail of `pending` that was drafted
+    lookup_drafts: int = 0  # of its drafts, the leading ones the context lookup proposed
     prefilling: bool = False  # `pending` is (the rest of) a prompt, fed in chunks
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # `[V]` per token, when recorded
@@ -117,7 +119,8 @@ class Sequence:
         self.cached += len(part.tokens) - (len(part.drafts) - result.accepted)
         # a fork feeds next the rest of its prompt that it does not share, then its first token
         self.pending = self.request.prompt[self.cached :] + [tokens[-1]]
-        self.drafts, self.prefilling = [], self.cached < len(self.request.prompt)
+        self.drafts, self.lookup_drafts = [], 0
+        self.prefilling = self.cached < len(self.request.prompt)
         output = self._output(tokens, stop_token)
         if first:
             output.queue_s = self.scheduled_s - self.added_s
@@ -161,8 +164,9 @@ class Sequence:
 @dataclass(eq=False, kw_only=True)
 class Part:
     """One sequence's part of a step: it feeds `tokens` (the head of its `pending`) from position `start`
-    (its cached length) into its cache room `location` (a slot, or a block table); `drafts`: the MTP
-    drafts among them (their tail). A fork feeds nothing and draws from `source`'s last row."""
+    (its cached length) into its cache room `location` (a slot, or a block table); `drafts`: the
+    drafts among them (their tail), the first `lookup_drafts` of them the context lookup's, the rest
+    MTP's. A fork feeds nothing and draws from `source`'s last row."""
 
     seq: Sequence
     role: Role
@@ -170,12 +174,22 @@ class Part:
     start: int = 0
     location: int | list[int] | None = None
     drafts: list[int] = field(default_factory=list)
+    lookup_drafts: int = 0
     source: "Part | None" = None
 
     @property
     def draws(self) -> bool:
         """Whether it draws tokens this step (all but a prompt chunk)."""
         return self.role is not Role.PROMPT_CHUNK
+
+
+@dataclass(kw_only=True)
+class Draft:
+    """A sequence's next drafts: `tokens`, the first `from_lookup` of them proposed by the context
+    lookup (`runner/lookup.py`), the rest by the MTP layer."""
+
+    tokens: list[int]
+    from_lookup: int = 0
 
 
 @dataclass(kw_only=True)

@@ -1,14 +1,15 @@
 """What the engine counts per phase of a step: target forwards over prompts ("prefill") and decode tokens
-("decode"), MTP forwards ("draft"): forwards, tokens fed and committed, seconds and collectives; the MTP
-acceptance per draft position; and the counters since start that the server's metrics report, the Triton
-kernel variants loaded in the process (`KernelCompiles`) among them."""
+("decode"), MTP forwards ("draft"): forwards, tokens fed and committed, seconds and collectives; the
+acceptance of drafts per draft position, in all and by draft source, and the source each draft was led
+by; and the counters since start that the server's metrics report, the Triton kernel variants loaded in
+the process (`KernelCompiles`) among them."""
 
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from spmoe.distributed import CommStats, count_collectives
-from spmoe.engine.request import EngineMetrics
+from spmoe.engine.request import DraftCounts, EngineMetrics
 from spmoe.engine.sequence import Batch, PartResult
 from spmoe.layers.fused import TRITON_INSTALLED
 
@@ -75,10 +76,11 @@ class KernelCompiles:
 class StepStats:
     """The per-phase statistics since `reset` (what `Engine.report` gives the batch job) and the
     counters since start (`totals`: generated tokens; drafts proposed, verified and accepted, per
-    position too)."""
+    position too, in all and by source). `lookup`: the name of the lookup that leads a draft's first
+    tokens (the rest are MTP's)."""
 
-    def __init__(self, num_speculative_tokens: int):
-        self.k = num_speculative_tokens
+    def __init__(self, num_speculative_tokens: int, lookup: str | None = None):
+        self.k, self.lookup = num_speculative_tokens, lookup
         self.reset_totals()
         self.reset()
 
@@ -90,6 +92,7 @@ class StepStats:
         self.phases = {name: Phase() for name in PHASES}
         self.verify_steps = 0  # sequences whose drafts a target forward verified, summed over steps
         self.accepted_at = [0] * self.k  # verifications that accepted more than j drafts, per j
+        self.by_source: dict[str, DraftCounts] = {}  # the same by source, since `reset`
 
     def target_phase(self, batch: Batch) -> Phase:
         return self.phases["decode" if batch.decode else "prefill"]
@@ -97,20 +100,47 @@ class StepStats:
     def record(self, batch: Batch, results: list[PartResult]) -> None:
         """Count the step's committed tokens (in the phase of its target forward too) and the drafts it
         verified."""
-        committed = 0
+        self.record_drafts(results)
+        committed = sum(len(r.output.new_token_ids) for r in results if r.output is not None)
+        self.totals.generated_tokens += committed
+        self.target_phase(batch).tokens_committed += committed
+
+    def record_drafts(self, results: list[PartResult]) -> None:
+        """Count the drafts the results verified, in all and by source."""
         for result in results:
-            if result.part.draws and result.part.drafts:
+            part = result.part
+            if part.draws and part.drafts:
                 self.verify_steps += 1
                 self.totals.drafts += 1
-                self.totals.draft_proposed += len(result.part.drafts)
+                self.totals.draft_proposed += len(part.drafts)
                 self.totals.draft_accepted += result.accepted
                 for j in range(result.accepted):
                     self.accepted_at[j] += 1
                     self.totals.accepted_per_position[j] += 1
-            if result.output is not None:
-                committed += len(result.output.new_token_ids)
-        self.totals.generated_tokens += committed
-        self.target_phase(batch).tokens_committed += committed
+                for counts in self._sources(part.lookup_drafts > 0):
+                    counts.drafts += 1
+                for j in range(len(part.drafts)):
+                    for counts in self._sources(j < part.lookup_drafts):
+                        counts.proposed += 1
+                        counts.accepted += j < result.accepted
+                        counts.accepted_per_position[j] += j < result.accepted
+
+    def count_choices(self, drafts) -> None:
+        """Count the source that leads each of a step's drafts (`Draft`s; "none": no tokens)."""
+        for draft in drafts:
+            source = (self.lookup if draft.from_lookup else "mtp") if draft.tokens else "none"
+            for counts in self._named(source):
+                counts.chosen += 1
+
+    def _sources(self, from_lookup: bool) -> list[DraftCounts]:
+        """The counters (since `reset`, since start) of the lookup's drafts or MTP's."""
+        return self._named(self.lookup if from_lookup else "mtp")
+
+    def _named(self, source: str) -> list[DraftCounts]:
+        return [
+            counts.setdefault(source, DraftCounts(accepted_per_position=[0] * self.k))
+            for counts in (self.by_source, self.totals.by_source)
+        ]
 
     def as_dict(self) -> dict:
         """The phases, the prefill / decode split of the time and the speculation figures."""
@@ -124,13 +154,27 @@ class StepStats:
         }
         if self.k:
             steps, accepted = self.verify_steps, sum(self.accepted_at)
+            proposed = sum(c.proposed for c in self.by_source.values())
             stats["speculative"] = {
                 "num_speculative_tokens": self.k,
                 "verify_steps": steps,
-                "proposed": steps * self.k,
+                "proposed": proposed,
                 "accepted": accepted,
-                "acceptance_rate": accepted / (steps * self.k) if steps else 0.0,
+                "acceptance_rate": accepted / proposed if proposed else 0.0,
                 "mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
                 "per_position": [count / steps if steps else 0.0 for count in self.accepted_at],
+                "by_source": {
+                    name: {
+                        "chosen": counts.chosen,
+                        "drafts": counts.drafts,
+                        "proposed": counts.proposed,
+                        "accepted": counts.accepted,
+                        "acceptance_rate": counts.accepted / counts.proposed
+                        if counts.proposed
+                        else 0.0,
+                        "accepted_per_position": counts.accepted_per_position,
+                    }
+                    for name, counts in sorted(self.by_source.items())
+                },
             }
         return stats

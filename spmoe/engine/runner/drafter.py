@@ -1,11 +1,14 @@
-"""Speculative decoding with MTP: the whole draft step, after the step's commits.
+"""The MTP layer's part of the draft step, after the step's commits (`speculator.py` runs the step).
 
 Per sequence and step:
 
     target forward over [t, d1 .. dk] at positions p .. p+k  -> the target's draws y0 .. yk (`rejection.py`)
     accept d1 .. da while d_j == y_(j-1); commit d1 .. da and y_a (a + 1 tokens)
     MTP catch-up over the a + 1 verified positions, fed (next token, target post-norm hidden) -> draft d1'
-    k - 1 more MTP steps, each fed (its last draft, its own post-norm hidden)           -> d2' .. dk'
+    k - 1 more MTP steps, each fed (the last slot's draft, its own post-norm hidden)    -> d2' .. dk'
+
+A slot's draft is the MTP layer's own choice unless the context lookup leads it (`forced`): the chain
+then goes on from the lookup's token, so MTP's drafts extend the lookup's.
 
 Rejected positions need no rollback: a sequence's cached length only advances over verified tokens, and
 later writes overwrite the stale cache rows. Drafts are greedy (the drafter's q is one-hot); a sequence
@@ -28,7 +31,7 @@ from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 
 class MtpDrafter:
-    """Drafts `k` tokens per sequence with the model's MTP layer (k = 0: no speculation, no draft step).
+    """Drafts `k` tokens per sequence with the model's MTP layer.
     Its KV cache rows live in the engine's cache, under the MTP layer's index, in the same slots (or
     blocks) as the target's. `graphs`: the engine's CUDA graphs (None: eager only); `keep_in_step`: run
     the draft step even with nothing to draft (DP)."""
@@ -47,17 +50,20 @@ class MtpDrafter:
 
     @torch.no_grad()
     def draft(
-        self, batch: Batch, forward: Forward, results: list[PartResult]
+        self,
+        batch: Batch,
+        forward: Forward,
+        results: list[PartResult],
+        forced: dict[Sequence, list[int]],
     ) -> dict[Sequence, list[int]]:
         """The MTP layer catches up on every position the target fed and kept: a prompt chunk only fills
         its cache rows; a sequence that committed tokens and goes on gets its next drafts; one that ended
         in the step its forks took its prompt's blocks fills the rows of its prompt (but the last
-        token's). -> the next drafts of each sequence that goes on (a fork: after it has fed)."""
-        if not self.k:
-            return {}
+        token's). `forced`: per sequence the lookup's drafts that lead its first slots. -> per sequence
+        that goes on (a fork: after it has fed), the MTP layer's own choice at each of its k slots."""
         fed = [r for r in results if r.part.role is not Role.FORK]
         if forward.draft_graph:
-            return self._replayed(fed)
+            return self._replayed(fed, forced)
         sources = {r.part.source for r in results if r.part.role is Role.FORK}
         to_draft, row = [], 0  # (result, the token after each fed position, the hidden there)
         for result in fed:
@@ -88,6 +94,7 @@ class MtpDrafter:
                 [next_ids for _, next_ids, *_ in to_draft],
                 torch.cat(hidden),
                 grammars if any(g is not None for g in grammars) else None,
+                [forced.get(result.part.seq, []) for result, *_ in to_draft],
             )
         phase.forwards += self.k
         phase.tokens_fed += sum(len(ids) for _, ids, *_ in to_draft) + (self.k - 1) * len(to_draft)
@@ -104,7 +111,9 @@ class MtpDrafter:
         drafting = result.part.draws and seq.status is Status.RUNNING
         return seq.grammar if drafting and seq.grammar is not None else None
 
-    def _replayed(self, fed: list[PartResult]) -> dict[Sequence, list[int]]:
+    def _replayed(
+        self, fed: list[PartResult], forced: dict[Sequence, list[int]]
+    ) -> dict[Sequence, list[int]]:
         """The draft step after a replayed target step: the drafter's graph catches up on every fed
         position (a sequence's committed tokens are the tokens after its verified ones) and drafts from
         its last verified one; a sequence that stops gets none (its steps write the scratch room)."""
@@ -119,7 +128,10 @@ class MtpDrafter:
         phase = self.stats.phases["draft"]
         locations = [result.part.location for result in fed]
         with phase.measure():
-            proposed = self.graphs.draft(next_ids, last, starts, locations, phase.collectives)
+            leads = [forced.get(result.part.seq, []) for result in fed]
+            proposed = self.graphs.draft(
+                next_ids, last, starts, locations, phase.collectives, leads
+            )
         phase.forwards += k
         phase.replays += 1
         phase.tokens_fed += len(fed) * (per_seq + k - 1)
@@ -136,48 +148,59 @@ class MtpDrafter:
         next_ids: list[list[int]],
         hidden: torch.Tensor,
         grammars: list[SequenceGrammar | None] | None = None,
+        forced: list[list[int]] | None = None,
     ) -> list[list[int]]:
         """Catch up on the verified positions of each sequence, then draft.
 
         Sequence i (cache room `locations[i]`: a slot, or a block table) has `len(next_ids[i])` verified
         positions from `starts[i]` on; `next_ids[i]` holds the token after each of them and `hidden`
         `[sum of lengths, H]` the target's post-norm hidden at each. `grammars`: per sequence the grammar
-        its drafts follow, or None (each grammar walks the drafts and is rolled back). -> k drafts per
-        sequence."""
+        its drafts follow, or None (each grammar walks the drafts and is rolled back); `forced`: per
+        sequence the drafts of its first slots that the lookup leads (None: none). -> the MTP layer's
+        own choice at each of the k slots of each sequence."""
         walk = _DraftWalk(grammars) if grammars is not None else None
+        leads = torch.full((len(next_ids), self.k), -1, dtype=torch.long)
+        for i, tokens in enumerate(forced or []):
+            leads[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         try:
-            return self._propose(locations, starts, next_ids, hidden, walk)
+            return self._propose(locations, starts, next_ids, hidden, walk, leads)
         finally:
             if walk is not None:
                 walk.rewind()
 
-    def _propose(self, locations, starts, next_ids, hidden, walk) -> list[list[int]]:
+    def _propose(self, locations, starts, next_ids, hidden, walk, leads) -> list[list[int]]:
         device, lens = hidden.device, [len(ids) for ids in next_ids]
+        leads = leads.to(device)
         view = self.cache.view(locations, starts, lens)
         ids = torch.tensor([t for seq in next_ids for t in seq], dtype=torch.long, device=device)
         last_rows = torch.tensor(lens, dtype=torch.long, device=device).cumsum(0) - 1
         h = self.model.forward_draft_hidden(ids, view.positions, hidden, lens, view)[last_rows]
-        tokens = self.best(h, walk)  # [S]
-        drafts = [tokens]
+        own = [self.best(h, walk)]  # [S] per slot
         positions, ones = [s + n for s, n in zip(starts, lens)], [1] * len(locations)
-        for _ in range(self.k - 1):
+        for slot in range(self.k - 1):
+            tokens = self._chosen(own[-1], leads[:, slot], walk)
             view = self.cache.view(locations, positions, ones)
             # recycle the post-norm hidden `[S, H]`
             h = self.model.forward_draft_hidden(tokens, view.positions, h, ones, view)
-            tokens = self.best(h, walk)
-            drafts.append(tokens)
+            own.append(self.best(h, walk))
             positions = [p + 1 for p in positions]
-        return torch.stack(drafts, dim=1).tolist()  # [S, k]: read back once
+        return torch.stack(own, dim=1).tolist()  # [S, k]: read back once
 
     def best(self, h: torch.Tensor, walk: "_DraftWalk | None") -> torch.Tensor:
-        """MTP post-norm hidden `[S, H]` -> each sequence's next draft `[S]`: the argmax of its draft
-        logits, among the tokens its grammar allows when it has one (then read back, for the walk)."""
+        """MTP post-norm hidden `[S, H]` -> each sequence's own choice `[S]`: the argmax of its draft
+        logits, among the tokens its grammar allows when it has one."""
         logits = self.model.compute_draft_logits(h)
-        if walk is None:
-            return logits.argmax(-1)
-        walk.mask(logits)
-        tokens = logits.argmax(-1)
-        walk.advance(tokens.tolist())
+        if walk is not None:
+            walk.mask(logits)
+        return logits.argmax(-1)
+
+    @staticmethod
+    def _chosen(own: torch.Tensor, leads: torch.Tensor, walk: "_DraftWalk | None") -> torch.Tensor:
+        """A slot's drafts `[S]`: the lookup's where it leads (`leads` >= 0), else MTP's own choice; the
+        grammars walk over them."""
+        tokens = torch.where(leads >= 0, leads, own)
+        if walk is not None:
+            walk.advance(tokens.tolist())
         return tokens
 
 

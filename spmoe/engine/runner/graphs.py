@@ -11,9 +11,12 @@ With speculation (k drafts) each sequence feeds T = 1 + k tokens at positions p 
 sequence order (row b * T + j), and a second graph per B holds the MTP drafter's step (`draft_tokens`;
 `drafter.MtpDrafter` is its eager form): the catch-up over all B * T fed rows (a row past a sequence's
 last verified position writes an MTP cache row that a later write replaces before anything reads it, as the
-target's rejected rows do), then its k - 1 one-token steps. The host's only work between the two replays is
-the choice of tokens (the sampler and the acceptance rule), which also says which row is each sequence's last
-verified one.
+target's rejected rows do), then its k - 1 one-token steps, each fed the slot's draft: the context
+lookup's where it leads the sequence's draft (an input, -1 elsewhere), else the MTP layer's own choice.
+The host's work between the two replays is the choice of tokens (the sampler and the acceptance rule),
+which also says which row is each sequence's last verified one, and the lookup. Speculation by the
+lookup alone has no drafter graph: its decode graphs feed one token per sequence, and a step whose
+sequences have drafts (of varying counts) replays a mixed graph.
 
 Paged cache: any other step of N <= 512 fed tokens (a prompt chunk beside the decoding sequences, the next
 turn of a conversation whose history is cached, a speculative step whose sequences feed different counts)
@@ -102,11 +105,13 @@ class CapturedDraft:
     """The drafter's step of one batch size B (with k drafts, T = 1 + k fed tokens per sequence)."""
 
     graph: torch.cuda.CUDAGraph
-    inputs: (
+    # [B * T + 3 * B + B * k] int64: the token after each fed row, then per sequence its last
+    # verified row, where its one-token steps write (`StepGraphs.draft`) and their first position,
+    # then its forced draft per slot (-1: none)
+    inputs: torch.Tensor
+    drafts: (
         torch.Tensor
-    )  # [B * T + 3 * B] int64: the token after each fed row, then per sequence its last
-    # verified row, where its one-token steps write (`StepGraphs.draft`) and their first position
-    drafts: torch.Tensor  # [B, k] int64, rewritten by each replay
+    )  # [B, k] int64: the MTP layer's own choice per slot, rewritten by each replay
     collectives: CommStats  # of one replay, counted at capture
 
 
@@ -236,7 +241,9 @@ class StepGraphs:
             )
         else:
             inputs[1] = self.cache.scratch_slot
-        draft_inputs = torch.zeros(size * per_seq + 3 * size, dtype=torch.long, device=device)
+        draft_inputs = torch.zeros(
+            size * per_seq + 3 * size + size * k, dtype=torch.long, device=device
+        )
         if k:
             self._pad_draft_inputs(draft_inputs, size, 0)
 
@@ -250,8 +257,9 @@ class StepGraphs:
             return self.model.compute_logits(hidden, out=logits), hidden
 
         def drafter(hidden):
+            *split, forced = self._split(draft_inputs, size)
             return draft_tokens(
-                self.model, self.cache, inputs, tables, hidden, *self._split(draft_inputs, size), k
+                self.model, self.cache, inputs, tables, hidden, *split, forced.view(size, k)
             )
 
         self._warm(lambda: drafter(target()[1]) if k else target())
@@ -397,19 +405,21 @@ class StepGraphs:
         starts: list[int | None],
         locations: list,
         stats: CommStats,
+        forced: list[list[int]],
     ) -> list[list[int]]:
         """The drafter's step after the target's `step`, for its sequences (`locations`: as given to `step`):
         `next_ids[i]`: the token after each of sequence i's T fed positions (past its last verified one:
         anything); `last[i]`: the index (< T) of its last verified position; `starts[i]`: the position of its
         first one-token step (after its last verified position), or None for a sequence that stops this step
-        (its steps write the scratch room: its own may end at its last token). -> k drafts per sequence. Adds
+        (its steps write the scratch room: its own may end at its last token); `forced[i]`: the lookup's
+        drafts that lead its slots (`draft_tokens`). -> the MTP layer's own k choices per sequence. Adds
         the replayed collectives to `stats`."""
         captured, per_seq = self.replayed, self.tokens_per_seq
         if captured is None or captured.draft is None:
             raise RuntimeError("the drafter's graph runs after a replayed speculative target step")
         size, count = captured.size, len(next_ids)
-        host = torch.zeros(size * per_seq + 3 * size, dtype=torch.long)
-        ids, rows, where, first = self._split(host, size)
+        host = torch.zeros(size * per_seq + 3 * size + size * self.drafts, dtype=torch.long)
+        ids, rows, where, first, leads = self._split(host, size)
         self._pad_draft_inputs(host, size, count)
         ids[: count * per_seq] = torch.tensor([t for seq in next_ids for t in seq])
         rows[:count] = torch.tensor([i * per_seq + j for i, j in enumerate(last)])
@@ -417,6 +427,9 @@ class StepGraphs:
         own = range(count) if self.paged else locations
         where[:count] = torch.tensor([scratch if s is None else w for s, w in zip(starts, own)])
         first[:count] = torch.tensor([0 if s is None else s for s in starts])
+        leads[: count * self.drafts] = -1
+        for i, tokens in enumerate(forced):
+            leads[i * self.drafts : i * self.drafts + len(tokens)] = torch.tensor(tokens)
         captured.draft.inputs.copy_(host)
         captured.draft.graph.replay()
         stats.add(captured.draft.collectives)
@@ -424,12 +437,15 @@ class StepGraphs:
 
     def _pad_draft_inputs(self, inputs: torch.Tensor, size: int, count: int) -> None:
         """Pad sequences count .. size - 1 of a drafter's inputs: last row their first, their one-token steps in
-        the scratch room from position 0."""
-        _, rows, where, first = self._split(inputs, size)
+        the scratch room from position 0, no forced drafts."""
+        _, rows, where, first, forced = self._split(inputs, size)
         rows[count:] = torch.arange(count, size, device=inputs.device) * self.tokens_per_seq
         where[count:] = size if self.paged else self.cache.scratch_slot
         first[count:] = 0
+        forced[count * self.drafts :] = -1
 
     def _split(self, inputs: torch.Tensor, size: int) -> list[torch.Tensor]:
-        """A drafter's flat inputs -> (next ids `[B * T]`, last rows `[B]`, where `[B]`, first positions `[B]`)."""
-        return list(inputs.split([size * self.tokens_per_seq, size, size, size]))
+        """A drafter's flat inputs -> (next ids `[B * T]`, last rows `[B]`, where `[B]`, first positions
+        `[B]`, forced drafts `[B * k]`)."""
+        sizes = [size * self.tokens_per_seq, size, size, size, size * self.drafts]
+        return list(inputs.split(sizes))

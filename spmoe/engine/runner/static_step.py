@@ -112,29 +112,31 @@ def draft_tokens(
     last: torch.Tensor,
     where: torch.Tensor,
     first: torch.Tensor,
-    k: int,
+    forced: torch.Tensor,
 ) -> torch.Tensor:
     """The drafter's step a graph captures, run eagerly, after a target step over S sequences of T fed rows:
     inputs `[3, S * T]` and block_tables as that step's, hidden `[S * T, H]` its post-norm hidden; next_ids
     `[S * T]` the token after each fed row; per sequence `[S]`: last, its last verified row; where and first,
-    the room (see `step_view`) and first position of its k - 1 one-token steps -> drafts `[S, k]` int64.
+    the room (see `step_view`) and first position of its k - 1 one-token steps; forced `[S, k]` the
+    lookup's draft at each slot (-1: none) -> the MTP layer's own choice at each slot `[S, k]` int64.
 
     The MTP layer catches up on every fed row (rows past a sequence's last verified one write cache rows that
-    are rewritten before they are read), its draft comes from the last verified row, and each next draft from
-    a one-token step fed the previous draft and the MTP layer's own post-norm hidden. As in
-    `decode_hidden`, each forward's rows are the largest DP batch."""
+    are rewritten before they are read), its choice for slot 1 comes from the last verified row, and each
+    next one from a one-token step fed the previous slot's draft (the forced token where there is one,
+    else its own choice) and the MTP layer's own post-norm hidden. As in `decode_hidden`, each forward's
+    rows are the largest DP batch."""
     _, rows_where, positions = inputs
     view = step_view(cache, rows_where, positions, block_tables)
     rows = next_ids.shape[0]
     h = model.forward_draft_hidden(next_ids, positions, hidden, [1] * rows, view, rows)[
         last
     ]  # [S, H]
-    tokens = model.compute_draft_logits(h).argmax(-1)  # [S]
-    drafts, ones = [tokens], [1] * last.shape[0]
-    for i in range(k - 1):
+    own = [model.compute_draft_logits(h).argmax(-1)]  # [S] per slot
+    ones = [1] * last.shape[0]
+    for i in range(forced.shape[1] - 1):
+        tokens = torch.where(forced[:, i] >= 0, forced[:, i], own[-1])
         step_positions = first + i
         view = step_view(cache, where, step_positions, block_tables)
         h = model.forward_draft_hidden(tokens, step_positions, h, ones, view, len(ones))
-        tokens = model.compute_draft_logits(h).argmax(-1)
-        drafts.append(tokens)
-    return torch.stack(drafts, dim=1)
+        own.append(model.compute_draft_logits(h).argmax(-1))
+    return torch.stack(own, dim=1)

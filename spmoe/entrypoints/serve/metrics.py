@@ -68,10 +68,11 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
 
 
 class EngineCollector:
-    """The engine's snapshot as Prometheus metrics, taken at every scrape. With MTP on, the
+    """The engine's snapshot as Prometheus metrics, taken at every scrape. With speculation on, the
     speculation counters: drafts verified, draft tokens proposed and accepted, and accepted drafts
     per position (label `position`, 0 for the first draft); acceptance rate = accepted / draft
-    tokens, mean accepted length = 1 + accepted / drafts."""
+    tokens, mean accepted length = 1 + accepted / drafts. vLLM's series count every draft source
+    together; spmoe's series of the same names count them by source (label `draft_source`)."""
 
     def __init__(self, client, model_name: str):
         self.client, self.labels = client, [model_name, ENGINE]
@@ -133,19 +134,19 @@ class EngineCollector:
         ]
         if self.client.num_speculative_tokens:
             rows += [
-                (counter, VLLM, "spec_decode_num_drafts", "MTP draft verifications", m.drafts),
+                (counter, VLLM, "spec_decode_num_drafts", "Draft verifications", m.drafts),
                 (
                     counter,
                     VLLM,
                     "spec_decode_num_draft_tokens",
-                    "MTP draft tokens proposed",
+                    "Draft tokens proposed",
                     m.draft_proposed,
                 ),
                 (
                     counter,
                     VLLM,
                     "spec_decode_num_accepted_tokens",
-                    "MTP draft tokens accepted",
+                    "Draft tokens accepted",
                     m.draft_accepted,
                 ),
             ]
@@ -156,12 +157,43 @@ class EngineCollector:
         if self.client.num_speculative_tokens:
             per_position = CounterMetricFamily(
                 VLLM + "spec_decode_num_accepted_tokens_per_pos",
-                "MTP drafts accepted, by draft position",
+                "Drafts accepted, by draft position",
                 labels=[*LABELS, "position"],
             )
             for position, count in enumerate(m.accepted_per_position):
                 per_position.add_metric([*self.labels, str(position)], count)
             yield per_position
+            yield from self.by_source(m)
+
+    def by_source(self, m):
+        """The same speculation counters by draft source (label `draft_source`: mtp, ngram, suffix),
+        and the drafts each source led (`none`: a lookup alone without a match)."""
+        labels = [*LABELS, "draft_source"]
+        families = {
+            "drafts": (
+                "spec_decode_num_drafts",
+                "Draft verifications, by the source of their first draft",
+            ),
+            "proposed": ("spec_decode_num_draft_tokens", "Draft tokens proposed, by source"),
+            "accepted": ("spec_decode_num_accepted_tokens", "Draft tokens accepted, by source"),
+            "chosen": ("spec_decode_num_led", "Drafts (a sequence's in a step) each source led"),
+        }
+        for field, (name, text) in families.items():
+            family = CounterMetricFamily(OWN + name, text, labels=labels)
+            for source, counts in sorted(m.by_source.items()):
+                if source != "none" or field == "chosen":
+                    family.add_metric([*self.labels, source], getattr(counts, field))
+            yield family
+        per_position = CounterMetricFamily(
+            OWN + "spec_decode_num_accepted_tokens_per_pos",
+            "Drafts accepted, by source and draft position",
+            labels=[*labels, "position"],
+        )
+        for source, counts in sorted(m.by_source.items()):
+            for position, count in enumerate(counts.accepted_per_position):
+                if source != "none":
+                    per_position.add_metric([*self.labels, source, str(position)], count)
+        yield per_position
 
 
 class ServeMetrics:
