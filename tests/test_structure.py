@@ -139,7 +139,8 @@ ENGINE_FLOORS = (
     ("request",),  # what goes in and comes out: plain records, no torch (the server's wire)
     ("cache",),  # the KV caches: slots, paged, blocks
     ("sampling",),  # processors, sampler, noise, rejection, grammar and their kernels
-    ("sequence", "vllm_values"),  # sequences and the step's records; values
+    # sequences and the step's records; what speculates; values
+    ("sequence", "speculation", "vllm_values"),
     ("stats",),
     ("runner",),  # the forward and the choice, the drafter, the graphs
     ("rooms", "scheduler"),

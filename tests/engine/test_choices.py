@@ -1,8 +1,9 @@
-"""The n choices of one prompt in the engine (prefill once, then fork): each choice's tokens, logprobs and
-logits are the ones it gets as a request of its own with the same settings and seed, with the prompt chunked,
-with MTP speculation, with prefix caching off, in a cache so small that a choice cannot fork or is preempted,
-and with aborts before and after the fork; every block comes back. One spawned rank runs every case; the
-comparisons happen here (TP 2 with SP: `test_prefix_cache_engine.py`)."""
+"""The n choices of one prompt in the engine (prefill once, then fork): each choice's tokens, logprobs
+and logits are the ones it gets as a request of its own with the same settings and seed, with the
+prompt chunked, with MTP speculation, with the hybrid (MTP + n-gram lookup), with prefix caching
+off, in a cache so small that a choice cannot fork or is preempted, and with aborts before and after
+the fork; every block comes back. One spawned rank runs every case; the comparisons happen here (TP
+2 with SP: `test_prefix_cache_engine.py`)."""
 
 import torch
 
@@ -25,6 +26,7 @@ CASES = {  # name -> (MTP drafts, prefix caching, cache blocks; None: room for e
         None,
         PROMPT_LENS,
     ),  # 128 tokens: the fork shares 1 block and recomputes 64 tokens
+    "hybrid": (2, True, None, PROMPT_LENS),  # MTP and the n-gram lookup
     "no prefix caching": (0, False, None, (130,)),
     "small cache": (
         0,
@@ -103,19 +105,21 @@ def forked_and_alone(folder: str) -> dict:
     from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
     from spmoe.engine.request import Request
+    from spmoe.engine.speculation import NgramConfig, Speculation
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=1), with_mtp=True)
     token_bytes = PagedKVCache.for_model(model, 2**20).bytes_per_token
 
-    def engine(k: int, caching: bool, blocks: int | None):
+    def engine(k: int, caching: bool, blocks: int | None, lookup: bool = False):
         budget = 2**22 if blocks is None else blocks * BLOCK_SIZE * token_bytes
+        ngram = NgramConfig(prompt_lookup_min=1, prompt_lookup_max=2) if lookup else None
         return Engine(
             model,
             PagedKVCache.for_model(model, budget),
-            k,
             max_num_batched_tokens=BUDGET,
             enable_prefix_caching=caching,
+            speculation=Speculation(num_speculative_tokens=k, lookup=ngram),
         )
 
     gen = torch.Generator().manual_seed(3)
@@ -136,7 +140,8 @@ def forked_and_alone(folder: str) -> dict:
         results[prompt_len, "alone"] = alone
         for case, (k, caching, blocks, lens) in CASES.items():
             if prompt_len in lens:
-                results[case, prompt_len] = run_choices(engine(k, caching, blocks), prompt)
+                built = engine(k, caching, blocks, lookup=case == "hybrid")
+                results[case, prompt_len] = run_choices(built, prompt)
         if prompt_len != 130:
             continue
         # choice 2 aborted while the prompt is computed, the source once the others forked, choice 3 two steps

@@ -51,6 +51,7 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
     from spmoe.engine.ranks import channel
     from spmoe.engine.request import GrammarSpec, Request, SamplingParams
     from spmoe.engine.sampling.grammar import GrammarCompiler
+    from spmoe.engine.speculation import NgramConfig, Speculation
     from spmoe.entrypoints.serve.tokenizer import load_tokenizer
     from spmoe.models.deepseek_v32.weights import load_model
 
@@ -102,22 +103,17 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
         Request("free-1", PROMPT, 12, SamplingParams(), ()),
     ]
 
-    def run(drafts: int) -> tuple[dict, dict, tuple[int, int, int]]:
+    def run(drafts: int, lookup=None) -> tuple[dict, dict, tuple[int, int, int]]:
         """-> every request's tokens, (finish reason, error), and (tokens generated, drafts proposed, accepted) as
-        the engine counted them."""
+        the engine counted them (with a `lookup` beside MTP: its drafts led, proposed and accepted)."""
         cache = PagedKVCache.for_model(model, 64 << 20)
         graphs = device == "cuda"  # on the GPU the decode and verification steps replay CUDA graphs
+        speculation = Speculation(num_speculative_tokens=drafts, lookup=lookup)
         # on 2 TP ranks: rank 0 decides the admissions, rank 1 follows
         engine = Engine(
-            model,
-            cache,
-            drafts,
-            graphs,
-            max_num_seqs=64,
-            max_model_len=1024,
-            grammars=grammars,
-            ranks=channel(),
-        )
+            model, cache, cuda_graphs=graphs, max_num_seqs=64, max_model_len=1024,
+            grammars=grammars, ranks=channel(), speculation=speculation,
+        )  # fmt: skip
         outputs, reasons = {r.request_id: [] for r in requests}, {}
         for request in requests:
             engine.add_request(request)
@@ -128,6 +124,9 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
                     if out.finish_reason:
                         reasons[out.request_id] = (out.finish_reason, out.error)
         metrics = engine.metrics()
+        if lookup is not None:
+            looked_up = metrics.by_source["ngram"]
+            return outputs, reasons, (looked_up.chosen, looked_up.proposed, looked_up.accepted)
         return (
             outputs,
             reasons,
@@ -136,6 +135,8 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
 
     outputs, reasons, counts = run(0)
     speculated, speculated_reasons, speculated_counts = run(DRAFTS)
+    ngram = NgramConfig(prompt_lookup_min=1, prompt_lookup_max=3)
+    hybrid, hybrid_reasons, hybrid_counts = run(DRAFTS, ngram)
     refusals = []
     try:
         Engine(
@@ -155,6 +156,9 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
         "speculated_reasons": speculated_reasons,
         "counts": counts,
         "speculated_counts": speculated_counts,
+        "hybrid": hybrid,
+        "hybrid_reasons": hybrid_reasons,
+        "hybrid_counts": hybrid_counts,
         "refusals": refusals,
     }
 
@@ -228,10 +232,22 @@ def test_speculation_commits_the_tokens_it_would_without(constrained):
     assert 0.3 * proposed < accepted < proposed, rank0["speculated_counts"]
 
 
+def test_lookup_drafts_under_grammars_change_no_token(constrained):
+    """The hybrid (MTP + n-gram lookup, k = 2): the lookup's drafts are not masked (a draft the grammar
+    refuses is rejected by the masked row before it), and no token changes; it led drafts that were
+    accepted and drafts that were rejected."""
+    (rank0, _), _ = constrained
+    assert rank0["hybrid"] == rank0["outputs"]
+    assert rank0["hybrid_reasons"] == rank0["reasons"]
+    led, proposed, accepted = rank0["hybrid_counts"]
+    assert led > 0 and 0 < accepted < proposed, rank0["hybrid_counts"]
+
+
 def test_every_rank_commits_the_same_tokens(constrained):
     (rank0, rank1), _ = constrained
     assert rank0["outputs"] == rank1["outputs"]
     assert rank0["speculated"] == rank1["speculated"]
+    assert rank0["hybrid"] == rank1["hybrid"]
 
 
 def test_refused_without_a_compiler(constrained):

@@ -21,6 +21,12 @@ from spmoe.engine.request import SamplingParams
 from spmoe.entrypoints.jobs import flatten
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [79, 32], [38], [46, 26, 43, 38]]
+LOOKUP_PROMPTS = [
+    [3, 14, 15, 92, 65, 3, 14, 15, 92, 65, 3, 14],
+    [79, 32, 79, 32, 79],
+    [38],
+    [4, 5] * 4,
+]
 EOS = (51, 74, 39)  # with this checkpoint the four sequences stop after 3, 10, 5 and 7 tokens
 MAX_NEW = 10
 MIXED = [
@@ -42,7 +48,26 @@ CASES = {  # name -> (prompts, engine / generate arguments)
     # speculation with sampled and greedy requests in one batch: prompts 0 and 2 greedy, 1 and 3 sampled
     "spec_mixed": (PROMPTS, dict(k=2, sampling=MIXED)),
     "spec_mixed_again": (PROMPTS, dict(k=2, sampling=MIXED)),
+    # lookups in the context (prompts that repeat themselves, 24 tokens): alone, and beside MTP
+    "lookup_plain": (LOOKUP_PROMPTS, dict(new=24)),
+    "spec_ngram": (LOOKUP_PROMPTS, dict(new=24, spec=("ngram", False, 3))),
+    "spec_suffix": (LOOKUP_PROMPTS, dict(new=24, spec=("suffix", False, 4))),
+    "spec_hybrid": (LOOKUP_PROMPTS, dict(new=24, spec=("ngram", True, 3))),
+    "spec_hybrid_suffix": (LOOKUP_PROMPTS, dict(new=24, eos=EOS, spec=("suffix", True, 4))),
+    "lookup_mixed": (LOOKUP_PROMPTS, dict(new=24, sampling=MIXED)),
+    "spec_hybrid_mixed": (LOOKUP_PROMPTS, dict(new=24, sampling=MIXED, spec=("ngram", True, 3))),
 }
+
+
+def speculation(kw: dict):
+    """A case's draft sources: `spec` (lookup, with MTP, k), else MTP with `k` drafts (or none)."""
+    from spmoe.engine.speculation import NgramConfig, Speculation, SuffixConfig
+
+    if "spec" not in kw:
+        return Speculation(num_speculative_tokens=kw.get("k", 0))
+    lookup, mtp, k = kw["spec"]
+    config = NgramConfig(prompt_lookup_min=1, prompt_lookup_max=3) if lookup == "ngram" else None
+    return Speculation(num_speculative_tokens=k, mtp=mtp, lookup=config or SuffixConfig())
 
 
 def run_engine(folder: str, modes: list[tuple[str, str]]):
@@ -56,12 +81,12 @@ def run_engine(folder: str, modes: list[tuple[str, str]]):
         parallel = ParallelConfig(tensor_parallel_size=state.tp_size, sp=sp, sp_scope=scope)
         model = load_model(folder, parallel, with_mtp=True)
         for name, (prompts, kw) in CASES.items():
-            cache = KVCache.for_model(model, kw.get("max_seqs", len(prompts)), 32)
-            engine = Engine(model, cache, kw.get("k", 0), ranks=channel())
+            cache = KVCache.for_model(model, kw.get("max_seqs", len(prompts)), 48)
+            engine = Engine(model, cache, ranks=channel(), speculation=speculation(kw))
             gen = generate(
                 engine,
                 prompts,
-                MAX_NEW,
+                kw.get("new", MAX_NEW),
                 kw.get("sampling", SamplingParams()),
                 kw.get("eos", ()),
                 record_logits=kw.get("record", False),
@@ -141,6 +166,35 @@ def test_greedy_identical_across_tp_and_sp(generations):
             elif name == "single":
                 assert outputs == generations[1][0][("off", "moe", "single")][0], (tp, sp, scope)
         assert all(rank == ranks[0] for rank in ranks[1:]), f"tp={tp}: ranks disagree"
+
+
+def test_lookup_drafts_change_no_token(generations):
+    """n-gram and suffix drafts, alone and beside MTP (the hybrid), greedy and seeded sampling mixed
+    in one batch: the tokens are those without speculation, under every TP size and SP mode; the lookup
+    led drafts that were accepted and drafts that were rejected."""
+    plain = generations[1][0][("off", "moe", "lookup_plain")][0]
+    mixed = generations[1][0][("off", "moe", "lookup_mixed")][0]
+    assert mixed != plain  # really sampled
+    spec = generations[1][0][("off", "moe", "spec_hybrid")][1]
+    print(f"hybrid by source: {spec['by_source']}")
+    for source in ("mtp", "ngram"):
+        counts = spec["by_source"][source]
+        assert counts["chosen"] > 0 and 0 < counts["accepted"] < counts["proposed"], source
+    assert spec["mean_accepted_length"] > 1
+    for tp, ranks in generations.items():
+        for (sp, scope, name), (outputs, _, _) in ranks[0].items():
+            if name in ("spec_ngram", "spec_suffix", "spec_hybrid"):
+                assert outputs == plain, (tp, sp, scope, name)
+            elif name == "spec_hybrid_suffix":
+                assert outputs == [cut_at(out, EOS) for out in plain], (tp, sp, scope, name)
+            elif name == "spec_hybrid_mixed":
+                assert outputs == mixed, (tp, sp, scope, name)
+
+
+def cut_at(tokens: list[int], stops: tuple[int, ...]) -> list[int]:
+    """`tokens` up to and with the first of `stops` in them."""
+    end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+    return tokens[:end]
 
 
 def test_kv_cache_matches_cacheless_forward(generations):

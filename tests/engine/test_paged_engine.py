@@ -1,7 +1,8 @@
 """The engine over the paged cache (sparse DSA attention, chunked prefill, blocks grown per step) against the
 engine over the dense slot cache (the reference), float32 on CPU: the same tokens and logits within tolerance
 for contexts below and above index_topk, prompts chunked by a small token budget, at TP 1, 2 and 3 with SP
-off, on and all, with MTP speculation, and under DP 2; preemption when the blocks run out (every sequence
+off, on and all, with MTP speculation and with the hybrid (MTP + n-gram lookup: no greedy token
+changes), and under DP 2; preemption when the blocks run out (every sequence
 still gets exactly its tokens); the FP8 cache's greedy tokens against the full-precision cache's.
 
 One spawned group per layout runs every case; the comparisons happen here.
@@ -23,7 +24,7 @@ from .conftest import ENGINE_CONFIG
 PROMPT_LENS = (2, 9, 70, 131)
 MAX_NEW = 6
 BUDGET = 24
-CASES = {"plain": 0, "mtp": 2}  # name -> MTP drafts
+CASES = {"plain": (0, None), "mtp": (2, False), "hybrid": (2, True)}  # name -> (k, n-gram lookup)
 LAYOUTS = {
     1: [("off", "moe")],
     2: [("off", "moe"), ("on", "moe"), ("on", "all")],
@@ -43,6 +44,7 @@ def paged_and_dense(folder: str, modes: list[tuple[str, str]]) -> dict:
     from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
+    from spmoe.engine.speculation import NgramConfig, Speculation
     from spmoe.models.deepseek_v32.weights import load_model
 
     state, results = get_parallel_state(), {}
@@ -55,14 +57,22 @@ def paged_and_dense(folder: str, modes: list[tuple[str, str]]) -> dict:
             sp_scope=scope,
         )
         model = load_model(folder, parallel, with_mtp=True)
-        for case, k in CASES.items():
+        for case, (k, lookup) in CASES.items():
+            ngram = NgramConfig(prompt_lookup_min=1, prompt_lookup_max=2) if lookup else None
+            speculation = Speculation(num_speculative_tokens=k, lookup=ngram)
             for name in ("dense", "paged"):
                 cache = (
                     KVCache.for_model(model, len(prompts), max(PROMPT_LENS) + MAX_NEW + k)
                     if name == "dense"
                     else PagedKVCache.for_model(model, 2**22)
                 )
-                engine = Engine(model, cache, k, max_num_batched_tokens=BUDGET, ranks=channel())
+                engine = Engine(
+                    model,
+                    cache,
+                    max_num_batched_tokens=BUDGET,
+                    ranks=channel(),
+                    speculation=speculation,
+                )
                 gen = generate(engine, prompts, MAX_NEW, record_logits=True)
                 results[sp, scope, case, name] = (gen.outputs, torch.cat(gen.logits), gen.stats)
     return results
@@ -92,13 +102,17 @@ def test_paged_engine_equals_dense(tp, engine_checkpoint):
     assert all(rank.keys() == ranks[0].keys() for rank in ranks)
     for key, (outputs, _, _) in ranks[0].items():
         assert all(rank[key][0] == outputs for rank in ranks[1:]), f"TP {tp} {key}: ranks disagree"
-    plain, spec = (
-        ranks[0][(*LAYOUTS[tp][0], "plain", "paged")],
-        ranks[0][(*LAYOUTS[tp][0], "mtp", "paged")],
-    )
-    assert (
-        spec[0] == plain[0] and spec[2]["speculative"]["verify_steps"] > 0
-    )  # MTP changes nothing greedy
+    check_speculation(ranks, LAYOUTS[tp][0])
+
+
+def check_speculation(ranks: list[dict], layout: tuple[str, str]) -> None:
+    """MTP and the hybrid (MTP + n-gram) change no greedy token; the lookup led drafts."""
+    for got in ranks:
+        plain = got[(*layout, "plain", "paged")]
+        for case in ("mtp", "hybrid"):
+            spec = got[(*layout, case, "paged")]
+            assert spec[0] == plain[0] and spec[2]["speculative"]["verify_steps"] > 0, case
+        assert got[(*layout, "hybrid", "paged")][2]["speculative"]["by_source"]["ngram"]["chosen"]
 
 
 def test_paged_engine_equals_dense_dp2(engine_checkpoint):
@@ -110,6 +124,7 @@ def test_paged_engine_equals_dense_dp2(engine_checkpoint):
         config=ParallelConfig(tensor_parallel_size=1, data_parallel_size=2),
     )
     check_layout(ranks, "DP 2")
+    check_speculation(ranks, ("off", "moe"))
     assert (
         ranks[0][("off", "moe", "plain", "paged")][0]
         != ranks[1][("off", "moe", "plain", "paged")][0]

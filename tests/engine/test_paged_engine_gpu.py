@@ -206,9 +206,12 @@ def speculating_engines(folder: str) -> dict:
         eager = model.compute_logits(hidden)
         captured.draft.graph.replay()
         drafts = captured.draft.drafts.clone()
+        *split, forced = captured.draft.inputs.split(
+            [size * (1 + SPEC_K), size, size, size, size * SPEC_K]
+        )
         eager_drafts = draft_tokens(
             model, graphs.cache, captured.inputs, captured.block_tables, captured.hidden,
-            *captured.draft.inputs.split([size * (1 + SPEC_K), size, size, size]), SPEC_K,
+            *split, forced.view(size, SPEC_K),
         )  # fmt: skip
     out["replay logit error"] = relative_error(replayed, eager)
     out["replay drafts"] = (size, drafts.tolist(), eager_drafts.tolist())

@@ -17,7 +17,7 @@ from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache, token_bytes
 from spmoe.engine.request import Request
 from spmoe.engine.sampling.sampler import Sampler
 from spmoe.engine.scheduler import BlockRoom, Scheduler
-from spmoe.engine.sequence import Admission, Batch, PartResult, Role, Sequence
+from spmoe.engine.sequence import Admission, Batch, Draft, PartResult, Role, Sequence
 
 from .conftest import ENGINE_CONFIG
 
@@ -76,7 +76,7 @@ def commit(scheduler: Scheduler, batch: Batch, drawn: dict, drafts: dict | None 
     for result in results:
         result.part.seq.commit(result, batch.step)
     by_seq = {
-        p.seq: (drafts or {})[p.seq.request_id]
+        p.seq: Draft(tokens=(drafts or {})[p.seq.request_id])
         for p in batch.parts
         if p.seq.request_id in (drafts or {})
     }

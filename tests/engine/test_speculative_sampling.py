@@ -7,7 +7,11 @@ with greedy requests mixed in. The two tokens of the sampled requests are compar
 distribution p(t1) p(t2 | t1), enumerated from transformers' forward of every continuation and
 processed with the same temperature and top-p, by a chi-square test; the same counts against the other
 setting's distribution fail it (the test can tell distributions apart). Greedy rows give the plain greedy
-tokens, and a seeded request gives the same tokens in a smaller batch and without speculation."""
+tokens, and a seeded request gives the same tokens in a smaller batch and without speculation.
+
+The same again with mixed draft sources in one batch: the hybrid (MTP + n-gram lookup, k = 2) on a
+prompt that holds its own greedy continuation, so that the lookup leads the drafts after the first
+tokens it has seen in the prompt and MTP the others; both sources' drafts are accepted and rejected."""
 
 import pytest
 import torch
@@ -42,27 +46,41 @@ def requests(per_setting: int) -> list[SamplingParams]:
     return out
 
 
-def generate_all(folder: str, per_setting: int = PER_SETTING) -> dict:
+def hybrid(k: int):
+    """MTP and the n-gram lookup (n = 1, 2) with k draft slots."""
+    from spmoe.engine.speculation import NgramConfig, Speculation
+
+    lookup = NgramConfig(prompt_lookup_min=1, prompt_lookup_max=2)
+    return Speculation(num_speculative_tokens=k, lookup=lookup)
+
+
+def generate_all(folder: str, prompt: list[int], mixed_sources: bool) -> dict:
+    """Every sampled and greedy request for `prompt`, speculating with MTP (or, `mixed_sources`, the
+    hybrid), then the checks' smaller runs."""
     from spmoe.engine.cache.slots import KVCache
     from spmoe.engine.engine import Engine
     from spmoe.engine.ranks import generate
     from spmoe.engine.request import Request
+    from spmoe.engine.speculation import Speculation
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(), with_mtp=True)
-    params = requests(per_setting)
+    params = requests(PER_SETTING)
+
+    def speculation(k: int):
+        return hybrid(k) if mixed_sources and k else Speculation(num_speculative_tokens=k)
 
     def run(sampling: list[SamplingParams], k: int):
-        engine = Engine(model, KVCache.for_model(model, len(sampling), len(PROMPT) + NEW + K), k)
-        return generate(engine, [PROMPT] * len(sampling), NEW, sampling)
+        cache = KVCache.for_model(model, len(sampling), len(prompt) + NEW + K)
+        engine = Engine(model, cache, speculation=speculation(k))
+        return generate(engine, [prompt] * len(sampling), NEW, sampling)
 
     def with_logprobs(k: int) -> list[tuple[list[int], list]]:
         """Each of LOGPROB_REQUESTS' (tokens, logprobs), 8 tokens each, in one batch."""
-        engine = Engine(
-            model, KVCache.for_model(model, len(LOGPROB_REQUESTS), len(PROMPT) + 8 + K), k
-        )
+        cache = KVCache.for_model(model, len(LOGPROB_REQUESTS), len(prompt) + 8 + K)
+        engine = Engine(model, cache, speculation=speculation(k))
         for i, sampling in enumerate(LOGPROB_REQUESTS):
-            engine.add_request(Request(str(i), PROMPT, 8, sampling))
+            engine.add_request(Request(str(i), prompt, 8, sampling))
         got = [([], []) for _ in LOGPROB_REQUESTS]
         while engine.has_unfinished():
             for out in engine.step():
@@ -83,18 +101,18 @@ def generate_all(folder: str, per_setting: int = PER_SETTING) -> dict:
     }
 
 
-def exact_distributions(folder: str) -> dict[str, torch.Tensor]:
-    """setting -> `[V, V]` the exact probability of each two first tokens, from transformers' logits."""
+def exact_distributions(folder: str, prompt: list[int]) -> dict[str, torch.Tensor]:
+    """setting -> `[V, V]` the exact probability of each two first tokens after `prompt`, from
+    transformers' logits."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         vocab = model.config.vocab_size
         grid = torch.arange(vocab)
-        first = model(torch.tensor([PROMPT])).logits[0, -1:]  # [1, V]
-        second = model(torch.stack([torch.full((vocab,), PROMPT[0]), grid], 1)).logits[
-            :, -1
-        ]  # [V, V]
+        first = model(torch.tensor([prompt])).logits[0, -1:]  # [1, V]
+        contexts = torch.cat([torch.tensor(prompt).expand(vocab, -1), grid[:, None]], 1)
+        second = model(contexts).logits[:, -1]  # [V, V]
     out = {}
     for name, params in SETTINGS.items():
         out[name] = (
@@ -118,13 +136,31 @@ def chi_square_p(tokens: list[list[int]], exact: torch.Tensor) -> float:
     return torch.special.gammaincc(dof / 2, statistic / 2).item()
 
 
-@pytest.fixture(scope="module")
-def sampled(engine_checkpoint):
-    return spawn(generate_all, 1, engine_checkpoint)[0], exact_distributions(engine_checkpoint)
+def plain_greedy(folder: str) -> list[int]:
+    """PROMPT's greedy tokens (no speculation)."""
+    from spmoe.engine.cache.slots import KVCache
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.ranks import generate
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    model = load_model(folder, ParallelConfig(), with_mtp=True)
+    return generate(Engine(model, KVCache.for_model(model, 1, 16)), [PROMPT], 3).outputs[0]
+
+
+@pytest.fixture(scope="module", params=["mtp", "mixed sources"])
+def sampled(engine_checkpoint, request):
+    """(the runs, the exact distributions, whether the drafts mixed sources)."""
+    mixed = request.param == "mixed sources"
+    prompt = PROMPT
+    if mixed:
+        # PROMPT, its first 3 greedy tokens, PROMPT again: the n-gram lookup finds its matches
+        prompt = PROMPT + spawn(plain_greedy, 1, engine_checkpoint)[0] + PROMPT
+    got = spawn(generate_all, 1, engine_checkpoint, prompt, mixed)[0]
+    return got, exact_distributions(engine_checkpoint, prompt), mixed
 
 
 def test_sampled_continuations_follow_the_target_distribution(sampled):
-    got, exact = sampled
+    got, exact, mixed = sampled
     by_setting = {name: [] for name in SETTINGS}
     for params, tokens in zip(got["params"], got["outputs"]):
         for name, setting in SETTINGS.items():
@@ -133,6 +169,10 @@ def test_sampled_continuations_follow_the_target_distribution(sampled):
     assert [len(v) for v in by_setting.values()] == [PER_SETTING] * len(SETTINGS)
     spec = got["speculative"]
     assert 0.05 < spec["per_position"][0] < 0.95, spec  # first drafts both accepted and rejected
+    print("drafts by source:", spec["by_source"])
+    for source in ("mtp", "ngram") if mixed else ("mtp",):
+        counts = spec["by_source"][source]  # each source led drafts, accepted and rejected
+        assert counts["chosen"] > 0 and 0 < counts["accepted"] < counts["proposed"], source
     for name, tokens in by_setting.items():
         assert chi_square_p(tokens, exact[name]) > 1e-3, name
     assert (
@@ -141,7 +181,7 @@ def test_sampled_continuations_follow_the_target_distribution(sampled):
 
 
 def test_greedy_rows_and_seeds_in_a_speculating_batch(sampled):
-    got, _ = sampled
+    got, *_ = sampled
     greedy = [tokens for params, tokens in zip(got["params"], got["outputs"]) if params.greedy]
     assert greedy == [got["plain_greedy"]] * GREEDY
     assert (
@@ -151,7 +191,7 @@ def test_greedy_rows_and_seeds_in_a_speculating_batch(sampled):
 
 
 def test_logprobs_with_speculation_are_those_without(sampled):
-    got, _ = sampled
+    got, *_ = sampled
     for (tokens, logprobs), (plain_tokens, plain_logprobs) in zip(
         got["logprobs"], got["logprobs_unspeculated"]
     ):

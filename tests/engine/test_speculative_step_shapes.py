@@ -6,9 +6,10 @@ same paged cache:
   row names its sequence's block table, a pad sequence in the scratch block), gives the hidden states of the
   eager forward over the same tokens;
 - the drafter's step, which catches up on every fed row (junk tokens past each sequence's last verified row)
-  and drafts from the last verified one, proposes what `MtpDrafter.propose` proposes when it is fed only the
-  verified rows; a sequence that stops sends its one-token steps to the scratch row; and nothing outside the
-  rows the step may write changes in any layer's cache."""
+  and drafts from the last verified one, its chain fed the lookup's drafts where they lead (`FORCED`),
+  proposes what `MtpDrafter.propose` proposes when it is fed only the verified rows; a sequence that
+  stops sends its one-token steps to the scratch row; and nothing outside the rows the step may write
+  changes in any layer's cache."""
 
 import torch
 
@@ -21,6 +22,7 @@ K = 2
 T = 1 + K
 PROMPT_LENS = (5, 70, 130, 9)  # the last sequence stops in the step under test
 LAST = (0, 2, 1, 1)  # each sequence's last verified row (accepted drafts)
+FORCED = ([7], [], [11, 12], [])  # the lookup's drafts that lead each sequence's slots
 
 
 def fixed_shape_cases(folder: str) -> dict:
@@ -81,6 +83,7 @@ def fixed_shape_cases(folder: str) -> dict:
             [PROMPT_LENS[i] for i in range(count) if goes_on[i]],
             [after[i][: LAST[i] + 1] for i in range(count) if goes_on[i]],
             torch.cat([hidden[i * T : i * T + LAST[i] + 1] for i in range(count) if goes_on[i]]),
+            forced=[FORCED[i] for i in range(count) if goes_on[i]],
         )
         reference = cache_state(cache)
         for key, t in before.items():  # start again from the state before the reference ran
@@ -100,7 +103,7 @@ def fixed_shape_cases(folder: str) -> dict:
                 [n + a + 1 if goes_on[i] else 0 for i, (n, a) in enumerate(zip(PROMPT_LENS, LAST))]
                 + [0]
             ),
-            K,
+            torch.tensor([f + [-1] * (K - len(f)) for f in FORCED] + [[-1] * K]),
         )
         out["drafts"] = (got[: count - 1].tolist(), want)
 

@@ -2,9 +2,11 @@
 the CPU, each "graph" replayed by running its captured function again on its static inputs (`EagerReplay`:
 what a replay computes, without CUDA), against the eager engine: the same tokens, logprobs and prompt
 logprobs, over prompt chunks beside decoding sequences, a cached conversation's next turn, n = 3 forks,
-greedy and sampled requests with penalties, with and without MTP speculation (k = 2). The graph engine must
-have replayed both decode and mixed steps. What this leaves to the GPU tests: the capture itself and the
-kernels inside a real graph (`test_paged_engine_gpu.py`)."""
+greedy and sampled requests with penalties, without speculation, with MTP (k = 2), with the hybrid (MTP
++ n-gram, k = 2: the drafter's graph fed the lookup's leading drafts) and with the n-gram lookup alone
+(its varying draft counts on mixed steps). The graph engine must have replayed both decode and mixed
+steps. What this leaves to the GPU tests: the capture itself and the kernels inside a real graph
+(`test_paged_engine_gpu.py`)."""
 
 import torch
 
@@ -125,37 +127,62 @@ def graph_and_eager_engines(folder: str) -> dict:
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     extra = torch.randint(0, vocab, (20,), generator=gen).tolist()
     out = {}
-    for k in (0, 2):
+    for name, speculation in SPECULATIONS.items():
         for use_graphs in (False, True):
             engine = Engine(
-                model, PagedKVCache.for_model(model, 2**22), num_speculative_tokens=k, cuda_graphs=use_graphs,
-                max_num_seqs=4, max_num_batched_tokens=BUDGET, max_model_len=512,
+                model, PagedKVCache.for_model(model, 2**22), cuda_graphs=use_graphs, max_num_seqs=4,
+                max_num_batched_tokens=BUDGET, max_model_len=512, speculation=speculation(),
             )  # fmt: skip
             before = dict(graphs_class.replays)
-            out[k, use_graphs] = run_waves(engine, prompts, extra)
-            out[k, use_graphs, "captures"] = engine.graph_captures()
-            out[k, use_graphs, "replays"] = {
+            out[name, use_graphs] = run_waves(engine, prompts, extra)
+            out[name, use_graphs, "captures"] = engine.graph_captures()
+            out[name, use_graphs, "replays"] = {
                 kind: graphs_class.replays[kind] - before[kind] for kind in before
             }
+            out[name, use_graphs, "sources"] = engine.metrics().by_source
     return out
+
+
+def ngram(k: int, mtp: bool):
+    from spmoe.engine.speculation import NgramConfig, Speculation
+
+    lookup = NgramConfig(prompt_lookup_min=1, prompt_lookup_max=2)
+    return Speculation(num_speculative_tokens=k, mtp=mtp, lookup=lookup)
+
+
+def mtp(k: int):
+    from spmoe.engine.speculation import Speculation
+
+    return Speculation(num_speculative_tokens=k)
+
+
+SPECULATIONS = {  # name -> its speculation, built in the rank
+    "none": lambda: mtp(0),
+    "mtp": lambda: mtp(2),
+    "hybrid": lambda: ngram(2, mtp=True),
+    "ngram": lambda: ngram(2, mtp=False),
+}
 
 
 def test_graph_steps_replayed_on_the_cpu_match_the_eager_engine(engine_checkpoint):
     got = spawn(graph_and_eager_engines, 1, engine_checkpoint)[0]
-    for k in (0, 2):
+    for k in SPECULATIONS:
         eager, graphed = got[k, False], got[k, True]
-        # decode graphs for batches 1, 2, 4 (and their drafters with k > 0), mixed steps of 16, 32, 48 tokens
-        assert (
-            got[k, True, "captures"] == 3 * (2 if k else 1) + 3 and got[k, False, "captures"] == 0
-        )
+        drafter = k in ("mtp", "hybrid")
+        # decode graphs for batches 1, 2, 4 (and their drafters with MTP), mixed steps of 16, 32, 48
+        # tokens
+        assert got[k, True, "captures"] == 3 * (2 if drafter else 1) + 3
+        assert got[k, False, "captures"] == 0
         assert eager["replays"] == {"prefill": 0, "decode": 0, "draft": 0}
         assert got[k, False, "replays"] == {"step": 0, "mixed_step": 0, "draft": 0}
-        kinds = got[
-            k, True, "replays"
-        ]  # each kind of graph replayed: decode steps, mixed steps, the drafter
-        assert kinds["step"] > 0 and kinds["mixed_step"] > 0 and (kinds["draft"] > 0) == (k > 0), (
-            kinds
-        )
+        # each kind of graph replayed: decode steps, mixed steps, the drafter
+        kinds = got[k, True, "replays"]
+        assert kinds["step"] > 0 and kinds["mixed_step"] > 0, kinds
+        assert (kinds["draft"] > 0) == drafter, kinds
+        if k in ("hybrid", "ngram"):  # the lookup led drafts (the drafter's graph fed them)
+            sources = got[k, True, "sources"]
+            assert sources["ngram"].chosen > 0, sources
+            assert sources == got[k, False, "sources"]
         assert (
             graphed["replays"]["prefill"] > 0 and graphed["replays"]["draft"] == kinds["draft"]
         ), graphed["replays"]

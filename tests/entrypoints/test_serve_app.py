@@ -15,7 +15,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from spmoe.engine.request import EngineMetrics, RequestOutput
+from spmoe.engine.request import DraftCounts, EngineMetrics, RequestOutput
 from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.serve.app import ApiSettings, build_app
@@ -185,6 +185,15 @@ class ScriptedEngineClient:
             preemptions=self.preemptions,
             drafts=2,
             accepted_per_position=[2, 1],
+            by_source={
+                "mtp": DraftCounts(
+                    drafts=1, proposed=3, accepted=1, accepted_per_position=[1, 0], chosen=1
+                ),
+                "ngram": DraftCounts(
+                    drafts=1, proposed=1, accepted=2, accepted_per_position=[1, 1], chosen=1
+                ),
+                "none": DraftCounts(accepted_per_position=[0, 0], chosen=4),
+            },
         )
 
 
@@ -323,6 +332,12 @@ def test_models_health_metrics(served):
         'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="tiny"} 3.0',
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"} 2.0',
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="1"} 1.0',
+        'spmoe:spec_decode_num_drafts_total{draft_source="ngram",engine="0",model_name="tiny"} 1.0',
+        'spmoe:spec_decode_num_draft_tokens_total{draft_source="mtp",engine="0",model_name="tiny"} 3.0',
+        'spmoe:spec_decode_num_accepted_tokens_total{draft_source="ngram",engine="0",model_name="tiny"} 2.0',
+        'spmoe:spec_decode_num_led_total{draft_source="none",engine="0",model_name="tiny"} 4.0',
+        "spmoe:spec_decode_num_accepted_tokens_per_pos_total"
+        '{draft_source="ngram",engine="0",model_name="tiny",position="1"} 1.0',
         'vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 1.0',
         'vllm:inter_token_latency_seconds_count{engine="0",model_name="tiny"} 3.0',
         'vllm:request_time_per_output_token_seconds_count{engine="0",model_name="tiny"} 1.0',
