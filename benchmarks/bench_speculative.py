@@ -11,6 +11,14 @@ likely successor that both the target and the MTP layer predict. The acceptance 
 often they did agree. With `--tp N` every rank runs the same generations, as `spmoe generate` does under TP;
 at batch 1 a step is then set by the collectives and their latency more than by one GPU's weight bytes.
 
+`--sources` adds the other draft sources at each k (`ngram`, `suffix`: the lookup alone; `mtp+ngram`,
+`mtp+suffix`: the hybrid). `--workload edit` makes each answer copy its prompt, as a code edit does: the
+prompt is a random prefix R, the model's own greedy continuation G of R (`--new-tokens` long, from a plain
+run), then R again, so that the answer is G again (the random model's next token hardly depends on more
+than the last one). The random model copies by construction: the figure measures what the lookups and
+the drafter's graph cost and what longer accepted runs give on the GPU, not GLM-5.2's acceptance
+(`eval_draft_sources.py` measures acceptance on real text).
+
 Per row: `--new-tokens` tokens after a `--prompt-len` random prompt per sequence, on the paged cache; decode
 tokens/s = tokens committed by decode steps / (the decode steps' seconds + the MTP draft steps' seconds), from
 the engine's own phase timings (rank 0's), and its ratio to k = 0 in the same mode (eager or CUDA graphs);
@@ -24,6 +32,8 @@ capture).
         --drafts 1 3 --temperatures 0          # GLM-5.2's shape on 8 GPUs, expert parallel
     python benchmarks/bench_speculative.py --device cpu --tp 2 --layers 2 --experts 8 --batches 1 --drafts 1 \\
         --temperatures 0 --prompt-len 16 --new-tokens 8   # the script itself, on the CPU (float32, gloo)
+    python benchmarks/bench_speculative.py --workload edit --batches 1 16 --drafts 3 --temperatures 0 \\
+        --sources mtp mtp+ngram ngram --prompt-len 256 --new-tokens 256   # code editing: hybrid vs MTP
 """
 
 import argparse
@@ -68,27 +78,63 @@ def agreeing_weights(model, residual_scale: float) -> None:
                 p.mul_(residual_scale)
 
 
-def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: bool) -> dict:
+def speculation(source: str, k: int):
+    """The engine's draft sources for a `--sources` name and k."""
+    from spmoe.engine.speculation import NgramConfig, Speculation, SuffixConfig
+
+    lookup = source.removeprefix("mtp").removeprefix("+") or None
+    config = {
+        None: None,
+        "ngram": NgramConfig(prompt_lookup_min=2, prompt_lookup_max=5),
+        "suffix": SuffixConfig(),
+    }[lookup]
+    return Speculation(num_speculative_tokens=k, mtp=source.startswith("mtp"), lookup=config)
+
+
+def engine_for(model, args, batch: int, k: int, source: str, graphs: bool):
     from spmoe.engine.cache.paged import build_paged_cache
     from spmoe.engine.engine import Engine
-    from spmoe.engine.request import SamplingParams
 
-    longest = args.prompt_len + args.new_tokens + k
+    longest = prompt_len(args) + args.new_tokens + k
     cache = build_paged_cache(model, args.kv_cache_memory, None, "auto", batch, longest)
-    engine = Engine(
+    return Engine(
         model,
         cache,
-        num_speculative_tokens=k,
         cuda_graphs=graphs,
         max_num_seqs=batch,
         max_model_len=longest,
         enable_prefix_caching=False,
         ranks=channel(),
+        speculation=speculation(source, k),
     )
+
+
+def prompt_len(args) -> int:
+    return args.prompt_len * 2 + args.new_tokens if args.workload == "edit" else args.prompt_len
+
+
+def prompts_for(model, args, batch: int) -> list[list[int]]:
+    """`batch` random prompts, or with `--workload edit` each R + G + R (see the module)."""
+    from spmoe.engine.ranks import generate
+
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(
         0, model.cfg.vocab_size, (batch, args.prompt_len), generator=gen
     ).tolist()
+    if args.workload != "edit":
+        return prompts
+    engine = engine_for(model, args, batch, 0, "mtp", graphs=False)
+    answers = generate(engine, prompts, args.new_tokens).outputs
+    del engine
+    return [r + g + r for r, g in zip(prompts, answers)]
+
+
+def decode_rate(
+    model, args, batch: int, k: int, temperature: float, graphs: bool, source: str, prompts
+) -> dict:
+    from spmoe.engine.request import SamplingParams
+
+    engine = engine_for(model, args, batch, k, source, graphs)
     sampling = SamplingParams(temperature=temperature, seed=1)
     generate(
         engine, prompts, args.new_tokens, sampling
@@ -96,7 +142,7 @@ def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: boo
     stats = generate(engine, prompts, args.new_tokens, sampling).stats
     spec = stats.get("speculative", {})
     target, drafter = stats["phases"]["decode"], stats["phases"]["draft"]
-    del engine, cache
+    del engine
     torch.cuda.empty_cache()
     return {
         "tok_s": stats["decode_tokens_per_s"],
@@ -104,7 +150,7 @@ def decode_rate(model, args, batch: int, k: int, temperature: float, graphs: boo
         * target["seconds"]
         / max(target["forwards"], 1),  # one decode (verification) step
         "draft_ms": 1e3 * drafter["seconds"] * k / max(drafter["forwards"], 1)
-        if k
+        if k and source.startswith("mtp")
         else None,  # k MTP forwards
         "accept": spec.get("acceptance_rate"),
         "length": spec.get("mean_accepted_length"),
@@ -143,15 +189,19 @@ def run(args) -> list[tuple] | None:
     modes = ("eager", "graphs") if args.device == "cuda" else ("eager",)  # graphs: CUDA only
     for temperature in args.temperatures:
         for batch in args.batches:
+            prompts = prompts_for(model, args, batch)
             for mode in modes:
                 plain = None
-                for k in (0, *args.drafts):
-                    got = decode_rate(model, args, batch, k, temperature, mode == "graphs")
+                runs = [("mtp", 0)] + [(s, k) for k in args.drafts for s in args.sources]
+                for source, k in runs:
+                    graphs = mode == "graphs"
+                    got = decode_rate(model, args, batch, k, temperature, graphs, source, prompts)
                     plain = plain or got
-                    rows.append((temperature, batch, mode, k, got, plain))
+                    label = f"{k}" if source == "mtp" or not k else f"{k} {source}"
+                    rows.append((temperature, batch, mode, label, got, plain))
                     if state.rank == 0:
                         print(
-                            f"T={temperature} batch {batch} {mode} k={k}: {got['tok_s']:.1f} tokens/s",
+                            f"T={temperature} batch {batch} {mode} k={label}: {got['tok_s']:.1f} tokens/s",
                             flush=True,
                         )
     return rows if state.rank == 0 else None
@@ -179,6 +229,16 @@ def main() -> None:
     )
     parser.add_argument(
         "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy"
+    )
+    parser.add_argument(
+        "--sources",
+        nargs="+",
+        default=["mtp"],
+        choices=("mtp", "ngram", "suffix", "mtp+ngram", "mtp+suffix"),
+        help="draft sources run at each k",
+    )
+    parser.add_argument(
+        "--workload", choices=("random", "edit"), default="random", help="see the module"
     )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -211,7 +271,7 @@ def main() -> None:
         f"widths, {args.layers} layers + MTP, vocab {args.vocab}, {'bf16' if args.device == 'cuda' else 'float32'}"
     )
     print(
-        f"{'T':>4}{'batch':>7}{'mode':>8}{'k':>3}{'tokens/s':>11}{'vs k=0':>8}{'target ms':>11}{'vs k=0':>8}"
+        f"{'T':>4}{'batch':>7}{'mode':>8}{'k':>16}{'tokens/s':>11}{'vs k=0':>8}{'target ms':>11}{'vs k=0':>8}"
         f"{'draft ms':>10}{'accept':>9}{'length':>8}"
     )
     for temperature, batch, mode, k, got, plain in rows:
@@ -219,7 +279,7 @@ def main() -> None:
         length = f"{got['length']:.2f}" if got["length"] is not None else "-"
         draft = f"{got['draft_ms']:.3f}" if got["draft_ms"] is not None else "-"
         print(
-            f"{temperature:>4g}{batch:>7}{mode:>8}{k:>3}{got['tok_s']:>11.1f}{got['tok_s'] / plain['tok_s']:>7.2f}x"
+            f"{temperature:>4g}{batch:>7}{mode:>8}{k:>16}{got['tok_s']:>11.1f}{got['tok_s'] / plain['tok_s']:>7.2f}x"
             f"{got['target_ms']:>11.3f}{got['target_ms'] / plain['target_ms']:>7.2f}x{draft:>10}{accept:>9}{length:>8}"
         )
 

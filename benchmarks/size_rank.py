@@ -211,10 +211,11 @@ def decode_case(model, cache, timer, batch: int, context: int, k: int, width: in
         last = torch.arange(batch, device=device) * per_seq + k  # every draft verified
         where = torch.arange(batch, device=device)
         first = torch.full((batch,), context + per_seq, device=device)
+        forced = torch.full((batch, k), -1, device=device)  # MTP drafts every slot
 
         def drafter():
             return draft_tokens(
-                model, cache, inputs, block_tables, hidden, next_ids, last, where, first, k
+                model, cache, inputs, block_tables, hidden, next_ids, last, where, first, forced
             )
 
         with torch.no_grad(), count_collectives() as counted:
