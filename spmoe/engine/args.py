@@ -30,6 +30,7 @@ from spmoe.engine.options import (
     speculation_option,
 )
 from spmoe.engine.runner.static_step import deployment_problems
+from spmoe.engine.speculation import Speculation
 from spmoe.engine.vllm_values import (
     SpeculativeConfig,
     argparse_type,
@@ -247,7 +248,8 @@ class EngineArgs:
         type=argparse_type(SpeculativeConfig.checked_json, "--speculative-config"),
         metavar="JSON",
         help='vLLM\'s form of --speculative: {"method": "mtp", "num_speculative_tokens": 1} (method also '
-        "deepseek_mtp or glm4_moe_mtp), or as dotted keys: --speculative-config.method mtp",
+        "deepseek_mtp or glm4_moe_mtp; ngram, suffix with vLLM's keys; mtp+ngram, mtp+suffix: both in "
+        "one draft), or as dotted keys: --speculative-config.method mtp",
     )
     cuda_graphs: bool | None = speculation_option(
         False,
@@ -367,12 +369,18 @@ class EngineArgs:
 
     @property
     def drafts(self) -> int:
-        """MTP drafts per step; 0: no speculation."""
+        """Draft tokens per sequence and step; 0: no speculation."""
+        return self.speculation.num_speculative_tokens
+
+    @property
+    def speculation(self) -> Speculation:
+        """What drafts: --speculative-config, or --speculative mtp with its drafts."""
         if self.speculative_config is not None:
-            return SpeculativeConfig.parse(self.speculative_config).num_speculative_tokens
+            return SpeculativeConfig.parse(self.speculative_config)
         if self.speculative is None:
-            return 0
-        return 1 if self.num_speculative_tokens is None else self.num_speculative_tokens
+            return Speculation()
+        drafts = 1 if self.num_speculative_tokens is None else self.num_speculative_tokens
+        return Speculation(num_speculative_tokens=drafts)
 
     @property
     def prefix_caching(self) -> bool:
@@ -421,7 +429,7 @@ class EngineArgs:
         parallel = self.parallel_config()
         cfg.check_parallel(parallel)
         check_device(self.device, 1 if self.simulate_rank else parallel.world_size)
-        if self.drafts and not cfg.num_nextn_predict_layers:
+        if self.speculation.mtp_drafts and not cfg.num_nextn_predict_layers:
             raise ValueError(
                 "--speculative mtp needs an MTP layer; the checkpoint has num_nextn_predict_layers = 0"
             )
@@ -434,7 +442,7 @@ class EngineArgs:
         if self.kv_cache == "paged":
             check_paged_budget(
                 cfg,
-                self.drafts > 0,
+                self.speculation.mtp_drafts > 0,
                 self.torch_dtype,
                 self.kv_cache_dtype,
                 self.kv_cache_memory,

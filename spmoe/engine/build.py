@@ -10,6 +10,7 @@ from spmoe.engine.cache.slots import KVCache
 from spmoe.engine.engine import Engine
 from spmoe.engine.ranks import channel
 from spmoe.engine.sampling.grammar import GrammarCompiler
+from spmoe.engine.speculation import Speculation
 from spmoe.models.deepseek_v32 import weights
 
 
@@ -23,11 +24,19 @@ def describe(args: EngineArgs, parallel: ParallelConfig) -> str:
         graphs = ", CUDA graphs where they apply"
     return (
         f"tp={args.tp}, dp={args.dp}, sequence-parallel MoE {sp} (--sp {args.sp}, scope "
-        f"{args.sp_scope}), {f'MTP with {args.drafts} drafts, ' if args.drafts else ''}"
+        f"{args.sp_scope}), {drafting(args.speculation)}"
         f"{args.dtype} on {args.device}{graphs}"
         f"{', dummy weights' if args.load_format == 'dummy' else ''}"
         f"{', SIMULATED RANK (rank 0 alone; measurement only)' if args.simulate_rank else ''}"
     )
+
+
+def drafting(speculation: Speculation) -> str:
+    """`MTP with 3 drafts, `, `ngram with 8 drafts, `, `MTP + suffix with 8 drafts, `, or nothing."""
+    if not speculation.num_speculative_tokens:
+        return ""
+    sources = [s for s in ("MTP" if speculation.mtp else None, speculation.lookup_name) if s]
+    return f"{' + '.join(sources)} with {speculation.num_speculative_tokens} drafts, "
 
 
 def load_model(args: EngineArgs, model_dir: str, device: torch.device):
@@ -38,7 +47,7 @@ def load_model(args: EngineArgs, model_dir: str, device: torch.device):
         args.parallel_config(),
         args.torch_dtype,
         device,
-        with_mtp=args.drafts > 0,
+        with_mtp=args.speculation.mtp_drafts > 0,
         load_format=args.load_format,
         overrides=args.hf_overrides,
     )
@@ -78,7 +87,7 @@ def build_engine(
     return Engine(
         model,
         build_kv_cache(args, model, max_num_seqs, cache_len),
-        num_speculative_tokens=args.drafts,
+        speculation=args.speculation,
         cuda_graphs=args.use_cuda_graphs(model),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

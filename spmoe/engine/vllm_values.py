@@ -9,10 +9,10 @@ naming the option, what it expected and what came.
 import argparse
 import json
 import re
-from dataclasses import dataclass
 
 from spmoe.config.model import merge_overrides
 from spmoe.engine.cache.paged import BLOCK_SIZE
+from spmoe.engine.speculation import NgramConfig, Speculation, SuffixConfig
 
 DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}  # lower case: powers of ten
 BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # upper case: powers of two
@@ -124,41 +124,72 @@ def _json_or_text(value: str):
 # vLLM's names for speculating with the checkpoint's own multi-token-prediction layers (DeepSeek-V3
 # and GLM): all of them mean the same thing here.
 MTP_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp")
-SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "model")
+# vLLM's lookups in the context, with the keys each takes
+LOOKUP_KEYS = {
+    "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": (
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "suffix_decoding_min_token_prob",
+    ),
+}
+# spmoe's hybrids: MTP and a lookup in one draft (docs/architecture.md, "Speculation")
+HYBRIDS = {"mtp+ngram": "ngram", "mtp+suffix": "suffix"}
+SPECULATIVE_METHODS = (*MTP_METHODS, *LOOKUP_KEYS, *HYBRIDS)
 
 
-@dataclass(frozen=True)
 class SpeculativeConfig:
-    num_speculative_tokens: int  # MTP drafts per step
+    """vLLM's `--speculative-config` object, checked and turned into the engine's draft sources."""
 
-    @classmethod
-    def parse(cls, config: dict, target_model: str | None = None) -> "SpeculativeConfig":
-        """vLLM's `--speculative-config` object -> spmoe's MTP drafts. `method` must name MTP; `model`, if
-        given, must be the served model itself (the MTP layer is in its checkpoint)."""
+    @staticmethod
+    def parse(config: dict, target_model: str | None = None) -> Speculation:
+        """`method`: MTP (one of MTP_METHODS), vLLM's `ngram` or `suffix`, or spmoe's hybrids
+        `mtp+ngram` and `mtp+suffix`; each takes `num_speculative_tokens` and its lookup's keys, with
+        vLLM's defaults (MTP: 1 draft; suffix: `suffix_decoding_max_tree_depth` drafts; n-gram and the
+        hybrids: none, it must be given). `model`, if given, must be the served model itself."""
         option = "--speculative-config"
-        unknown = [key for key in config if key not in SPECULATIVE_KEYS]
+        known = ("method", "num_speculative_tokens", "model", *sum(LOOKUP_KEYS.values(), ()))
+        unknown = [key for key in config if key not in known]
         if unknown:
             raise ValueError(
-                f"{option}: spmoe does not support the key {unknown[0]!r}; it takes {', '.join(SPECULATIVE_KEYS)}"
+                f"{option}: spmoe does not support the key {unknown[0]!r}; it takes {', '.join(known)}"
             )
         method = config.get("method")
-        if method not in MTP_METHODS:
+        if method not in SPECULATIVE_METHODS:
             raise ValueError(
-                f"{option}: method {method!r} is not supported; spmoe drafts with the checkpoint's MTP layer: "
-                f"method one of {', '.join(MTP_METHODS)}"
+                f"{option}: method {method!r} is not supported; expected one of "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        lookup = HYBRIDS.get(method, method if method in LOOKUP_KEYS else None)
+        allowed = ("method", "num_speculative_tokens", "model", *LOOKUP_KEYS.get(lookup, ()))
+        unknown = [key for key in config if key not in allowed]
+        if unknown:
+            raise ValueError(
+                f"{option}: method {method!r} does not take the key {unknown[0]!r}; it takes "
+                f"{', '.join(allowed)}"
             )
         model = config.get("model")
         if model is not None and model != target_model:
             raise ValueError(
-                f"{option}: model {model!r} is a separate draft model, which spmoe does not support; MTP drafts "
-                f"with the served model's own layer (leave model out)"
+                f"{option}: model {model!r} is a separate draft model, which spmoe does not support; "
+                "MTP drafts with the served model's own layer, a lookup with none (leave model out)"
             )
-        drafts = config.get("num_speculative_tokens", 1)
+        try:
+            lookup_config = _lookup_config(lookup, config)
+        except ValueError as e:
+            raise ValueError(f"{option}: {e}") from None
+        default = 1 if lookup is None else None
+        if method == "suffix":
+            default = lookup_config.max_tree_depth
+        drafts = config.get("num_speculative_tokens", default)
         if not isinstance(drafts, int) or isinstance(drafts, bool) or drafts < 1:
             raise ValueError(
-                f"{option}: num_speculative_tokens must be an integer >= 1, got {drafts!r}"
+                f"{option}: method {method!r} needs num_speculative_tokens, an integer >= 1, got "
+                f"{drafts!r}"
             )
-        return cls(drafts)
+        mtp = lookup is None or method in HYBRIDS
+        return Speculation(num_speculative_tokens=drafts, mtp=mtp, lookup=lookup_config)
 
     @classmethod
     def checked_json(cls, text: str) -> dict:
@@ -166,6 +197,23 @@ class SpeculativeConfig:
         config = parse_json_object(text, "--speculative-config")
         cls.parse(config)
         return config
+
+
+def _lookup_config(lookup: str | None, config: dict) -> NgramConfig | SuffixConfig | None:
+    """The lookup's settings from its keys in `config`: vLLM's defaults (n-gram: both bounds 5, one
+    given sets the other)."""
+    if lookup == "ngram":
+        low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        low = low if low is not None else high if high is not None else 5
+        return NgramConfig(
+            prompt_lookup_min=low, prompt_lookup_max=high if high is not None else low
+        )
+    if lookup == "suffix":
+        keys = LOOKUP_KEYS["suffix"]
+        return SuffixConfig(
+            **{key.removeprefix("suffix_decoding_"): config[key] for key in keys if key in config}
+        )
+    return None
 
 
 # `--kv-cache-dtype`: vLLM's names -> spmoe's paged cache dtypes (fp8 is e4m3 with block scales).

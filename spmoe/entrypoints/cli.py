@@ -112,7 +112,7 @@ def cmd_generate(args) -> int:
     print(
         f"wrote {gen.stats['generated_tokens']} tokens to {args.output}: {gen.stats['tokens_per_s']:.1f} tokens/s"
         + (
-            f", MTP acceptance {spec['acceptance_rate']:.1%}, mean accepted length {spec['mean_accepted_length']:.2f}"
+            f", draft acceptance {spec['acceptance_rate']:.1%}, mean accepted length {spec['mean_accepted_length']:.2f}"
             if spec
             else ""
         ),

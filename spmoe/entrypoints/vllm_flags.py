@@ -621,7 +621,8 @@ VLLM_FLAGS = (
     VllmFlag(
         _all_of("--speculative-config"),
         "noted",
-        "MTP only (method mtp, deepseek_mtp or glm4_moe_mtp), as JSON or dotted keys; greedy and "
+        "methods mtp (deepseek_mtp, glm4_moe_mtp), ngram and suffix with vLLM's keys, and "
+        "spmoe's mtp+ngram and mtp+suffix (both in one draft), as JSON or dotted keys; greedy and "
         "sampled requests",
     ),
     VllmFlag(

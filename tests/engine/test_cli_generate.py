@@ -66,7 +66,39 @@ def test_generate_writes_outputs_and_stats(engine_checkpoint, tmp_path, capsys):
     assert 0 <= stats["speculative"]["acceptance_rate"] <= 1
     # kv_lora 16 + rope 8 per layer, indexer key 16 on the 3 indexer layers (2 main + MTP), float32
     assert stats["kv_cache"]["bytes_per_token"] == (4 * 24 + 3 * 16) * 4
-    assert "MTP acceptance" in capsys.readouterr().err
+    assert "draft acceptance" in capsys.readouterr().err
+
+
+def test_vllm_lookup_launch_lines_generate_the_plain_tokens(engine_checkpoint, tmp_path):
+    """vLLM's ngram and suffix lines (JSON and dotted keys) and spmoe's hybrid, on 2 TP ranks with SP:
+    the tokens without speculation, each step's draft source counted."""
+    prompts = [[3, 14, 15, 3, 14, 15, 3], [79, 32, 79, 32]]
+    lines = {
+        "plain": [],
+        "ngram": [
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+        ],
+        "suffix": [
+            "--speculative-config.method", "suffix",
+            "--speculative-config.num_speculative_tokens", "4",
+        ],
+        "mtp+ngram": [
+            "--speculative-config",
+            '{"method": "mtp+ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}',
+        ],
+    }  # fmt: skip
+    got = {}
+    for name, line in lines.items():
+        assert (
+            generate_cli(tmp_path, engine_checkpoint, prompts, "--max-new-tokens", "12", *line) == 0
+        )
+        got[name] = json.loads((tmp_path / "out.json").read_text())
+    for name in ("ngram", "suffix", "mtp+ngram"):
+        assert got[name]["outputs"] == got["plain"]["outputs"], name
+        sources = got[name]["stats"]["speculative"]["by_source"]
+        assert sum(counts["chosen"] for counts in sources.values()) > 0, (name, sources)
+    assert got["ngram"]["stats"]["speculative"]["by_source"]["ngram"]["chosen"] > 0
 
 
 @pytest.mark.parametrize(

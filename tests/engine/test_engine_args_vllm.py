@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spmoe.engine.args import EngineArgs
-from spmoe.engine.vllm_values import fold_dotted
+from spmoe.engine.vllm_values import SpeculativeConfig, fold_dotted
 from spmoe.entrypoints.cli import DOTTED_OPTIONS, OneLineParser
 from tests.engine.conftest import ENGINE_CONFIG
 
@@ -78,3 +78,71 @@ def test_auto_device_dtype_and_graphs(tmp_path, monkeypatch):
     assert EngineArgs().cuda_graphs is False and not EngineArgs(device="cuda").use_cuda_graphs(
         capturable
     )
+
+
+def test_speculative_config_lookups_and_hybrids():
+    """vLLM's ngram and suffix launch lines as vLLM spells them (dotted keys too), with vLLM's
+    defaults, and spmoe's hybrids; each malformed one refused in one line naming what it expected."""
+    from spmoe.engine.speculation import NgramConfig, Speculation, SuffixConfig
+
+    def speculation(config: dict) -> Speculation:
+        return parse(["--speculative-config", json.dumps(config)]).speculation
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 6}
+    assert speculation(ngram) == Speculation(
+        num_speculative_tokens=4,
+        mtp=False,
+        lookup=NgramConfig(prompt_lookup_min=6, prompt_lookup_max=6),
+    )
+    dotted = [
+        "--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens", "4",
+        "--speculative-config.prompt_lookup_min", "2", "--speculative-config.prompt_lookup_max", "6",
+    ]  # fmt: skip
+    assert parse(dotted).speculation.lookup == NgramConfig(prompt_lookup_min=2, prompt_lookup_max=6)
+    suffix = speculation({"method": "suffix", "suffix_decoding_min_token_prob": 0.2})
+    assert suffix == Speculation(
+        num_speculative_tokens=24, mtp=False, lookup=SuffixConfig(min_token_prob=0.2)
+    )
+    hybrid = speculation({"method": "mtp+suffix", "num_speculative_tokens": 5})
+    assert (hybrid.mtp_drafts, hybrid.lookup_name) == (5, "suffix")
+    assert (
+        parse(
+            [
+                "--speculative-config.method",
+                "mtp+ngram",
+                "--speculative-config.num_speculative_tokens",
+                "3",
+            ]
+        ).drafts
+        == 3
+    )
+    for config, message in (
+        (
+            {"method": "ngram"},
+            "method 'ngram' needs num_speculative_tokens, an integer >= 1, got None",
+        ),
+        (
+            {"method": "mtp", "prompt_lookup_max": 3},
+            "method 'mtp' does not take the key 'prompt_lookup_max'",
+        ),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_min=4, prompt_lookup_max=2",
+        ),
+        (
+            {"method": "suffix", "suffix_decoding_min_token_prob": 2},
+            "suffix_decoding_min_token_prob must be in",
+        ),
+        (
+            {"method": "eagle", "num_speculative_tokens": 2},
+            "method 'eagle' is not supported; expected one of",
+        ),
+        ({"method": "mtp+ngram"}, "method 'mtp\\+ngram' needs num_speculative_tokens"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.parse(config)

@@ -131,18 +131,18 @@ def test_mtp_methods(method):
     [
         (
             {"method": "mtp", "draft_tensor_parallel_size": 1},
-            "does not support the key 'draft_tensor_parallel_size'",
+            "spmoe does not support the key 'draft_tensor_parallel_size'",
         ),
         ({"method": "eagle3"}, "method 'eagle3' is not supported"),
         ({"num_speculative_tokens": 1}, "method None is not supported"),
         ({"method": "mtp", "model": "other/draft"}, "separate draft model"),
         (
             {"method": "mtp", "num_speculative_tokens": 0},
-            "num_speculative_tokens must be an integer >= 1",
+            "method 'mtp' needs num_speculative_tokens, an integer >= 1, got 0",
         ),
         (
             {"method": "mtp", "num_speculative_tokens": "2"},
-            "num_speculative_tokens must be an integer >= 1",
+            "method 'mtp' needs num_speculative_tokens, an integer >= 1, got '2'",
         ),
     ],
 )
