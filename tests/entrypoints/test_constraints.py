@@ -10,9 +10,10 @@ from spmoe.engine.request import GrammarSpec
 from spmoe.entrypoints.serve.constraints import grammar_for_request
 from spmoe.entrypoints.serve.parsers.tool_calls import GlmToolCallParser, assemble_tool_calls
 from tests.engine.test_grammar import sample_batch
+from tests.entrypoints.test_tool_grammar import accepts
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-CANONICAL = json.dumps(SCHEMA, sort_keys=True)
+COMPACT = json.dumps(SCHEMA, separators=(",", ":"))
 TOOLS = [
     {
         "type": "function",
@@ -64,22 +65,22 @@ TOOLS = [
                     "json_schema": {"name": "x", "schema": SCHEMA},
                 }
             },
-            GrammarSpec("json_schema", CANONICAL),
+            GrammarSpec("json_schema", COMPACT),
         ),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
             GrammarSpec("json_object"),
         ),
-        ({"structured_outputs": {"json": SCHEMA}}, GrammarSpec("json_schema", CANONICAL)),
+        ({"structured_outputs": {"json": SCHEMA}}, GrammarSpec("json_schema", COMPACT)),
         (
             {"structured_outputs": {"json": json.dumps(SCHEMA, indent=2)}},
-            GrammarSpec("json_schema", CANONICAL),
+            GrammarSpec("json_schema", COMPACT),
         ),
         ({"structured_outputs": {"regex": "a+"}}, GrammarSpec("regex", "a+")),
         ({"structured_outputs": {"choice": ["a", "é"]}}, GrammarSpec("choice", '["a", "é"]')),
         ({"structured_outputs": {"grammar": 'root ::= "x"'}}, GrammarSpec("ebnf", 'root ::= "x"')),
         ({"structured_outputs": {"json_object": True}}, GrammarSpec("json_object")),
-        ({"guided_json": SCHEMA}, GrammarSpec("json_schema", CANONICAL)),
+        ({"guided_json": SCHEMA}, GrammarSpec("json_schema", COMPACT)),
         ({"guided_regex": "[0-9]+"}, GrammarSpec("regex", "[0-9]+")),
         ({"guided_choice": ["x", "y"]}, GrammarSpec("choice", '["x", "y"]')),
         (
@@ -90,7 +91,8 @@ TOOLS = [
     ],
 )
 def test_request_fields_to_grammar(fields, spec):
-    assert grammar_for_request(fields, TOOLS) == spec
+    output = grammar_for_request(fields, TOOLS)
+    assert (output and output.spec) == spec
 
 
 @pytest.mark.parametrize(
@@ -103,6 +105,10 @@ def test_request_fields_to_grammar(fields, spec):
         (
             {"guided_json": SCHEMA, "tool_choice": "required"},
             "only one of these may constrain the output, got guided_json, tool_choice",
+        ),
+        (
+            {"response_format": {"type": "xml"}, "tool_choice": "required"},
+            "response_format.type must be 'text', 'json_object' or 'json_schema', got 'xml'",
         ),
         (
             {"response_format": {"type": "xml"}},
@@ -141,6 +147,52 @@ def test_bad_fields(fields, message):
     assert str(error.value).startswith(message)
 
 
+def _json_schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "move"}}])
+def test_a_forced_call_is_the_output_beside_response_format(choice):
+    """OpenAI's rule: with a forced tool_choice the call is the output, and response_format (even
+    strict, with a keyword the grammar cannot enforce) has no message text to constrain."""
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
+    forced = {"tool_choice": choice, "parallel_tool_calls": False}
+    for response_format in ({"type": "json_object"}, _json_schema_format(schema)):
+        with_format = grammar_for_request(forced | {"response_format": response_format}, TOOLS)
+        assert with_format == grammar_for_request(forced, TOOLS)
+        assert with_format.spec.kind == "ebnf" and "<tool_call>" in with_format.spec.text
+
+
+ORDERED = {  # properties out of alphabetical order, nested too
+    "type": "object",
+    "properties": {
+        "zeta": {"type": "integer", "minimum": 0, "maximum": 9},
+        "mid": {
+            "type": "object",
+            "properties": {"y": {"type": "boolean"}, "b": {"enum": ["p", "q"]}},
+            "required": ["y", "b"],
+        },
+        "alpha": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["zeta", "mid", "alpha"],
+}
+SORTED = json.loads(json.dumps(ORDERED, sort_keys=True))
+
+
+def test_a_schema_compiles_in_its_own_property_order(compiler):
+    """Keys come in the schema's order, nested objects too: the same schema with its properties
+    sorted is another grammar, which takes the keys sorted."""
+    written = '{"zeta": 1, "mid": {"y": true, "b": "p"}, "alpha": 2}'
+    alphabetical = '{"alpha": 2, "mid": {"b": "p", "y": true}, "zeta": 1}'
+    as_given = grammar_for_request({"guided_json": ORDERED}).spec
+    as_sorted = grammar_for_request({"structured_outputs": {"json": SORTED}}).spec
+    assert as_given != as_sorted
+    for spec, good, bad in ((as_given, written, alphabetical), (as_sorted, alphabetical, written)):
+        assert accepts(compiler, spec, good) and not accepts(compiler, spec, bad)
+    spaced = {"guided_json": json.dumps(ORDERED, indent=4)}
+    assert grammar_for_request(spaced).spec == as_given  # one cache entry for the same schema
+
+
 def test_required_without_tools():
     with pytest.raises(
         ValueError, match="tool_choice 'required' needs at least one tool in 'tools'"
@@ -176,11 +228,13 @@ def test_tool_choice_grammars_give_calls_that_validate(compiler):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     bounded = TOOLS[:2]
     specs = [
-        grammar_for_request({"tool_choice": "required"}, bounded),
-        grammar_for_request({"tool_choice": "required", "parallel_tool_calls": False}, bounded),
+        grammar_for_request({"tool_choice": "required"}, bounded).spec,
+        grammar_for_request(
+            {"tool_choice": "required", "parallel_tool_calls": False}, bounded
+        ).spec,
         grammar_for_request(
             {"tool_choice": {"type": "function", "function": {"name": "move"}}}, TOOLS
-        ),
+        ).spec,
     ]
     counts = [set(), set(), set()]
     outputs = sample_batch(compiler, [spec for spec in specs for _ in range(5)], seed=5)
@@ -198,7 +252,7 @@ def test_tool_choice_grammars_give_calls_that_validate(compiler):
 def test_tool_call_grammar_strings(compiler):
     """Free string arguments: any text (`</arg_value>` ends them); JSON values compact; required
     arguments must be there; names must match."""
-    spec = grammar_for_request({"tool_choice": "required"}, TOOLS)
+    spec = grammar_for_request({"tool_choice": "required"}, TOOLS).spec
     accepted = [
         "<tool_call>write<arg_key>content</arg_key><arg_value>a < b, {x} é\n</arg_value></tool_call>",
         "<tool_call>write<arg_key>content</arg_key><arg_value></arg_value><arg_key>tags</arg_key>"

@@ -28,6 +28,7 @@ from spmoe.entrypoints.serve.tokenizer import chat_prompt_text, load_tokenizer
 from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 from tests.engine.conftest import ENGINE_CONFIG, log_softmax
 from tests.engine.test_engine_grammar import ENGINE_SCHEMAS
+from tests.entrypoints.test_constraints import ORDERED
 
 SERVE_CONFIG = {
     **ENGINE_CONFIG,
@@ -370,6 +371,123 @@ def test_constrained_outputs_through_the_server(server):
         assert finish_reason == "stop", text
         jsonschema.validate(json.loads(text), schema)
     assert len(answers) == 50
+
+
+SET_FIELD = {
+    "type": "object",
+    "properties": {
+        "xs": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "uniqueItems": True,
+            "maxItems": 3,
+        }
+    },
+    "required": ["xs"],
+}
+
+
+def key_order(text: str) -> list:
+    """A JSON object's keys in the order written, each nested object's after its key."""
+    pairs = json.loads(text, object_pairs_hook=list)
+    return [
+        [k, *([key_order(json.dumps(dict(v)))] if isinstance(v, list) else [])] for k, v in pairs
+    ]
+
+
+def test_keys_come_in_the_schemas_order_through_the_server(server):
+    """response_format (chat) and guided_json (completions), 3 seeds each: the answer's keys, the
+    nested object's too, in the schema's order (zeta, mid, alpha), not sorted."""
+    import jsonschema
+
+    _, base, _ = server
+    client = openai_client(base)
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": ORDERED}}
+    for seed in range(3):
+        chat = (
+            client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "JSON"}],
+                seed=seed,
+                response_format=fmt,
+            )
+            .choices[0]
+            .message.content
+        )
+        completion = (
+            client.completions.create(
+                model="tiny",
+                prompt="{",
+                max_tokens=60,
+                seed=seed,
+                extra_body={"guided_json": ORDERED},
+            )
+            .choices[0]
+            .text
+        )
+        for text in (chat, completion):
+            jsonschema.validate(json.loads(text), ORDERED)
+            assert key_order(text) == [["zeta"], ["mid", [["y"], ["b"]]], ["alpha"]], text
+
+
+def test_one_keyword_policy_through_the_server(server):
+    """A keyword the grammar cannot enforce (uniqueItems): under strict (response_format's, a
+    tool's) a 400 naming it and its path; without strict accepted through response_format,
+    guided_json and a tool, logged once, counted once a request."""
+    _, base, log = server
+    client = openai_client(base)
+    messages = [{"role": "user", "content": "JSON"}]
+
+    def response_format(**strict) -> dict:
+        schema = {"name": "s", "schema": SET_FIELD, **strict}
+        return {"type": "json_schema", "json_schema": schema}
+
+    def tools(**strict) -> list[dict]:
+        return [{"type": "function", "function": {"name": "s", "parameters": SET_FIELD, **strict}}]
+
+    def counted() -> float:
+        line = 'spmoe:structured_output_unenforced_keywords_total{engine="0",keyword="uniqueItems"'
+        found = [x for x in httpx.get(base + "/metrics").text.splitlines() if x.startswith(line)]
+        return float(found[0].split()[-1]) if found else 0.0
+
+    before = counted()
+    for where, kwargs in (
+        ("response_format.json_schema.schema", {"response_format": response_format(strict=True)}),
+        ("tools[0].function.parameters", {"tools": tools(strict=True), "tool_choice": "required"}),
+    ):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model="tiny", messages=messages, **kwargs)
+        assert f"'uniqueItems' at {where}.properties.xs" in error.value.message
+        assert "strict: true refuses" in error.value.message
+    accepted = [
+        client.chat.completions.create(
+            model="tiny", messages=messages, seed=1, response_format=response_format()
+        )
+        .choices[0]
+        .message.content,
+        client.completions.create(
+            model="tiny", prompt="{", max_tokens=60, seed=1, extra_body={"guided_json": SET_FIELD}
+        )
+        .choices[0]
+        .text,
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            seed=1,
+            tools=tools(strict=False),
+            tool_choice="required",
+            max_tokens=200,
+        )
+        .choices[0]
+        .message.tool_calls[0]
+        .function.arguments,
+    ]
+    for text in accepted:
+        xs = json.loads(text)["xs"]
+        assert all(0 <= x <= 9 for x in xs) and len(xs) <= 3, text
+    assert counted() - before == 3
+    logged = [line for line in log.read_text().splitlines() if "'uniqueItems' at" in line]
+    assert len(logged) == 1 and "response_format.json_schema.schema.properties.xs" in logged[0]
 
 
 def test_agent_loop_through_the_server(server):

@@ -14,7 +14,10 @@ import pytest
 
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 from tests.entrypoints.test_serve import (  # noqa: F401 - checkpoint: the fixture
+    ORDERED,
+    SET_FIELD,
     checkpoint,
+    key_order,
     leave_and_check_aborted,
     openai_client,
     start_server,
@@ -104,6 +107,49 @@ def test_text_format_and_a_required_tool_follow_their_schemas(base):
     (call,) = [item for item in called.output if item.type == "function_call"]
     assert called.status == "completed" and call.status == "completed"
     assert call.name == "pick" and json.loads(call.arguments)["colour"] in ("red", "green")
+
+
+def test_text_format_with_a_forced_tool_the_call_is_the_output(base):
+    """instructor's Responses-tools request: a strict text.format whose schema the grammar cannot
+    wholly enforce, and the same schema as a tool that tool_choice forces: accepted, as OpenAI
+    does; the call is the output. Alone, the strict text.format is a 400 naming the keyword."""
+    client = openai_client(base)
+    schema = {**SET_FIELD, "additionalProperties": False}
+    fmt = {"type": "json_schema", "name": "s", "schema": schema, "strict": True}
+    tool = {"type": "function", "name": "s", "parameters": schema}
+    for choice in ("required", {"type": "function", "name": "s"}):
+        called = client.responses.create(
+            model="tiny",
+            input="Pick digits",
+            text={"format": fmt},
+            tools=[tool],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_output_tokens=200,
+            extra_body={"seed": 2},
+        )
+        assert [item.type for item in called.output] == ["function_call"], called.output
+        xs = json.loads(called.output[0].arguments)["xs"]
+        assert all(0 <= x <= 9 for x in xs) and len(xs) <= 3, xs
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model="tiny", input="x", text={"format": fmt})
+    assert "'uniqueItems' at text.format.schema.properties.xs" in error.value.message
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(
+            model="tiny", input="x", tools=[{**tool, "strict": True}], tool_choice="required"
+        )
+    assert "'uniqueItems' at tools[0].parameters.properties.xs" in error.value.message
+
+
+def test_text_format_keys_come_in_the_schemas_order(base):
+    client = openai_client(base)
+    fmt = {"type": "json_schema", "name": "o", "schema": ORDERED}
+    for seed in range(2):
+        response = client.responses.create(
+            model="tiny", input="JSON", text={"format": fmt}, extra_body={"seed": seed}
+        )
+        jsonschema.validate(json.loads(response.output_text), ORDERED)
+        assert key_order(response.output_text) == [["zeta"], ["mid", [["y"], ["b"]]], ["alpha"]]
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])

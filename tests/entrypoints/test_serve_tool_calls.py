@@ -95,19 +95,27 @@ def test_langchain_files_a_cut_call_as_invalid(tokenizer):
 
 
 @pytest.mark.parametrize("tool_choice", ["auto", "required"])
-def test_a_schema_feature_it_cannot_enforce_is_a_400(tokenizer, tool_choice):
+def test_a_schema_feature_it_cannot_enforce_is_a_400_under_strict(tokenizer, tool_choice):
+    """`not` under the tool's strict: a 400 naming it and where; without strict the call is served
+    (constrained as far as the grammar goes), as vLLM serves it."""
     city = {"type": "string", "not": {"const": "Paris"}}
     parameters = {**TOOL["function"]["parameters"], "properties": {"city": city}}
-    tool = {"type": "function", "function": {**TOOL["function"], "parameters": parameters}}
-    client = _client(AgentEngine(tokenizer), tokenizer, GLM)
-    with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(
-            model="glm", messages=[USER], tools=[tool], tool_choice=tool_choice
-        )
-    assert (
-        "tool 'get_weather': parameters.properties.city uses 'not', which the tool-call grammar "
-        "cannot enforce (docs/glm-chat.md lists what it enforces)"
-    ) in error.value.message
+    engine = AgentEngine(tokenizer)
+    client = _client(engine, tokenizer, GLM)
+    for strict in (True, False):
+        function = {**TOOL["function"], "parameters": parameters, "strict": strict}
+        tool = {"type": "function", "function": function}
+        ask = dict(model="glm", messages=[USER], tools=[tool], tool_choice=tool_choice)
+        if not strict:
+            assert client.chat.completions.create(**ask).choices[0].message.tool_calls
+            assert engine.requests[-1].grammar is not None
+            continue
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(**ask)
+        assert (
+            "strict: true refuses a schema keyword the grammar cannot enforce: 'not' at "
+            "tools[0].function.parameters.properties.city. Remove it"
+        ) in error.value.message
 
 
 GLM_CALL = (

@@ -133,14 +133,14 @@ class OpenAIApi:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ):
         self.client, self.tokenizer = client, tokenizer
-        self.reader = RequestReader(client, tokenizer, settings, max_request_bytes)
-        self.stored = ResponseStore()  # responses made with `store`, for previous_response_id
-        self.responses_reader = ResponsesReader(self.reader, self.stored)
         self.model_names = settings.served_model_names
         self.model_name = self.model_names[0]
+        self.metrics = ServeMetrics(client, self.model_name)
+        self.reader = RequestReader(client, tokenizer, settings, max_request_bytes, self.metrics)
+        self.stored = ResponseStore()  # responses made with `store`, for previous_response_id
+        self.responses_reader = ResponsesReader(self.reader, self.stored)
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.token_texts = TokenTexts(tokenizer)  # how logprobs name tokens
-        self.metrics = ServeMetrics(client, self.model_name)
         self.created = int(time.time())
         self.unavailable: str | None = None  # why new requests get 503 (`stop`)
         self.open_requests = 0  # requests between their admission and their last piece

@@ -13,7 +13,16 @@ The request fields, as OpenAI and vLLM define them:
 - `tool_choice` `"auto"` with `tools` and none of the above: the output is free, but each
   `<tool_call>` it opens follows its tool's schema.
 
-At most one of them may be given; anything malformed is a ValueError whose message the server returns as a 400.
+At most one of them may be given, except that `response_format` may come with a forced `tool_choice`, as
+OpenAI allows: the forced call is then the output (there is no message text to constrain), and
+`response_format` is read only for its shape. Anything malformed is a ValueError whose message the server
+returns as a 400.
+
+A JSON schema is compiled as the client wrote it (its properties in the order given: the output's keys come
+in that order); its spec, and so the grammar cache's key, is its compact text, so that the same schema
+differently spaced shares an entry, and two that differ only in property order are two grammars. Every schema
+goes through the keyword policy of schema_policy.py (`strict` from `response_format.json_schema.strict`;
+`guided_json` and `structured_outputs.json` have none).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import json
 
 from spmoe.engine.request import GrammarSpec
+from spmoe.entrypoints.serve.schema_policy import OutputGrammar, checked
 from spmoe.entrypoints.serve.tool_grammar import json_call_list_grammar, tool_call_grammar
 
 STRUCTURED_OUTPUT_FIELDS = (
@@ -40,7 +50,7 @@ GUIDED_FIELDS = {
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
 
 
-def grammar_for_request(fields: dict, tools: list[dict] | None = None) -> GrammarSpec | None:
+def grammar_for_request(fields: dict, tools: list[dict] | None = None) -> OutputGrammar | None:
     """`fields`: the request body's fields (those absent or None are not given) -> the grammar its output must
     follow, or None."""
     given = {
@@ -48,6 +58,8 @@ def grammar_for_request(fields: dict, tools: list[dict] | None = None) -> Gramma
     }
     tool_choice = fields.get("tool_choice")
     if tool_choice == "required" or isinstance(tool_choice, dict):
+        if "response_format" in given:
+            _read_response_format(given.pop("response_format"))
         given["tool_choice"] = tool_choice
     if len(given) > 1:
         raise ValueError(
@@ -70,30 +82,33 @@ def grammar_for_request(fields: dict, tools: list[dict] | None = None) -> Gramma
     return _structured(GUIDED_FIELDS[name], value, name)
 
 
-def _response_format(value) -> GrammarSpec | None:
+def _read_response_format(value) -> tuple[str, object, bool]:
+    """`response_format` -> (its type, its schema or None, its `strict`); ValueError for a malformed one."""
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return GrammarSpec("json_object")
+    if kind in ("text", "json_object"):
+        return kind, None, False
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
             raise ValueError(
                 f"response_format.json_schema must be an object with a 'schema', got {spec!r}"[:300]
             )
-        schema = spec.get("schema")
-        return (
-            GrammarSpec("json_object")
-            if schema is None
-            else _json_schema(schema, "response_format.json_schema")
-        )
+        return kind, spec.get("schema"), spec.get("strict") is True
     raise ValueError(
         f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
     )
 
 
-def _structured_outputs(value) -> GrammarSpec:
+def _response_format(value) -> OutputGrammar | None:
+    kind, schema, strict = _read_response_format(value)
+    if kind == "text":
+        return None
+    if schema is None:
+        return OutputGrammar(GrammarSpec("json_object"))
+    return _json_schema(schema, strict, "response_format.json_schema.schema")
+
+
+def _structured_outputs(value) -> OutputGrammar:
     if not isinstance(value, dict):
         raise ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
     given = [
@@ -106,15 +121,15 @@ def _structured_outputs(value) -> GrammarSpec:
         )
     key = given[0]
     return (
-        GrammarSpec("json_object")
+        OutputGrammar(GrammarSpec("json_object"))
         if key == "json_object"
         else _structured(key, value[key], f"structured_outputs.{key}")
     )
 
 
-def _structured(key: str, value, where: str) -> GrammarSpec:
+def _structured(key: str, value, where: str) -> OutputGrammar:
     if key == "json":
-        return _json_schema(value, where)
+        return _json_schema(value, False, where)
     if key == "choice":
         if (
             not isinstance(value, list)
@@ -124,15 +139,15 @@ def _structured(key: str, value, where: str) -> GrammarSpec:
             raise ValueError(
                 f"{where} must be a non-empty list of non-empty strings, got {value!r}"[:300]
             )
-        return GrammarSpec("choice", json.dumps(value, ensure_ascii=False))
+        return OutputGrammar(GrammarSpec("choice", json.dumps(value, ensure_ascii=False)))
     if not isinstance(value, str) or not value:
         raise ValueError(f"{where} must be a non-empty string, got {value!r}"[:300])
-    return GrammarSpec(STRUCTURED_KINDS[key], value)
+    return OutputGrammar(GrammarSpec(STRUCTURED_KINDS[key], value))
 
 
-def _json_schema(schema, where: str) -> GrammarSpec:
-    """A schema as an object or as its JSON text -> its spec, the text canonical (sorted keys) so that equal
-    schemas share a cache entry."""
+def _json_schema(schema, strict: bool, where: str) -> OutputGrammar:
+    """A schema as an object or as its JSON text -> its grammar: the schema's compact text, in the
+    client's order, and the keywords it leaves unenforced (under `strict`: a ValueError)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -140,4 +155,6 @@ def _json_schema(schema, where: str) -> GrammarSpec:
             raise ValueError(f"{where} is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a JSON schema object, got {type(schema).__name__}")
-    return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+    unenforced = checked(schema, where, strict)
+    text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    return OutputGrammar(GrammarSpec("json_schema", text), unenforced)

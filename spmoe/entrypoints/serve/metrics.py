@@ -21,7 +21,10 @@ recorded by the front end as tokens reach it:
   to the engine to first scheduled), `request_prefill_time_seconds` (first scheduled to first token)
   and `request_inference_time_seconds` (that prefill time plus the decode time);
 - per request admitted: `prompt_tokens_total`, `request_params_n`, `request_params_max_tokens` and
-  `request_max_num_generation_tokens` (the largest max_tokens of its choices).
+  `request_max_num_generation_tokens` (the largest max_tokens of its choices);
+- per request accepted with a schema keyword its grammar leaves unenforced (schema_policy.py), once per
+  keyword: spmoe's `structured_output_unenforced_keywords_total` by `keyword` (a JSON schema keyword,
+  or "other").
 
 With several front end processes each records its own requests, in prometheus_client's multiprocess
 mode (as vLLM does): under `PROMETHEUS_MULTIPROC_DIR`, which rank 0 gives them all, so that a scrape
@@ -274,6 +277,17 @@ class ServeMetrics:
         )
         self._finished = {reason: finished.labels(*labels, reason) for reason in FINISHED_REASONS}
         self._finished_family = finished
+        self.unenforced_keywords = Counter(
+            OWN + "structured_output_unenforced_keywords",
+            "Requests accepted with a schema keyword the grammar does not enforce, by keyword",
+            [*LABELS, "keyword"],
+            registry=own,
+        )
+
+    def observe_unenforced_keywords(self, keywords: set[str]) -> None:
+        """A request was accepted with these schema keywords unenforced (schema_policy.py)."""
+        for keyword in keywords:
+            self.unenforced_keywords.labels(self.model_name, ENGINE, keyword).inc()
 
     def observe_request(self, prompt_tokens: int, n: int, max_tokens: int) -> None:
         """A request was admitted: its prompt tokens (once per prompt), `n` and max_tokens."""

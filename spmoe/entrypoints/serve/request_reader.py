@@ -28,6 +28,7 @@ from spmoe.entrypoints.serve.chat import (
     reasoning_end_ids,
 )
 from spmoe.entrypoints.serve.constraints import STRUCTURED_OUTPUT_FIELDS, grammar_for_request
+from spmoe.entrypoints.serve.metrics import ServeMetrics
 from spmoe.entrypoints.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -37,6 +38,7 @@ from spmoe.entrypoints.serve.protocol import (
     internal_error,
     parse,
 )
+from spmoe.entrypoints.serve.schema_policy import KNOWN_KEYWORDS, OutputGrammar, Unenforced
 from spmoe.entrypoints.serve.tokenizer import chat_prompt_text, longest_token_bytes
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the room left
@@ -85,8 +87,15 @@ class RequestReader:
     """Reads requests for the server: `completion` and `chat` turn a body into a ParsedRequest; the rest are
     the checks and conversions they (and the other routes) share."""
 
-    def __init__(self, client, tokenizer, settings: ApiSettings, max_request_bytes: int):
-        self.client, self.tokenizer = client, tokenizer
+    def __init__(
+        self,
+        client,
+        tokenizer,
+        settings: ApiSettings,
+        max_request_bytes: int,
+        metrics: ServeMetrics,
+    ):
+        self.client, self.tokenizer, self.metrics = client, tokenizer, metrics
         self.model_names, self.defaults = settings.served_model_names, settings.defaults
         self.content_format = settings.chat_template_content_format
         self.seeds = (
@@ -102,6 +111,8 @@ class RequestReader:
         self.max_prompt_bytes = client.max_model_len * self.token_bytes
         # unknown request fields already logged (at most MAX_LOGGED_FIELDS)
         self.logged_fields: set[str] = set()
+        # schema keywords already logged as unenforced (KNOWN_KEYWORDS and "other")
+        self.logged_keywords: set[str] = set()
         # One worker: a tokenizer is not safe to use from several threads at once, and one thread
         # keeps the event loop free, which is what matters.
         self.text_work = ThreadPoolExecutor(1, thread_name_prefix="spmoe-tokenize")
@@ -128,7 +139,7 @@ class RequestReader:
             )
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens: 0 is allowed only with echo, got 0", "max_tokens")
-        grammar = await self.grammar(body, {}, None)
+        grammar = await self.grammar(body, {}, None, http)
         choices, seed = [], self.seed(body)
         default_max = self.defaults.values.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
         for p, prompt in enumerate(body.prompts):
@@ -196,7 +207,7 @@ class RequestReader:
         max_new = self.max_new_tokens(
             len(prompt), body.max_new_tokens, self.defaults.values.get("max_tokens")
         )
-        grammar = await self.grammar(body, tool_use.grammar_fields(), tools)
+        grammar = await self.grammar(body, tool_use.grammar_fields(), tools, http)
         start_after = (
             grammar_start_after(self.reasoning_end_ids, body.chat_template_kwargs)
             if grammar
@@ -212,24 +223,44 @@ class RequestReader:
         )
 
     async def grammar(
-        self, body: SamplingFields, extra: dict, tools: list[dict] | None
+        self, body: SamplingFields, extra: dict, tools: list[dict] | None, http: Request
     ) -> GrammarSpec | None:
         """The grammar the request's output must follow (None: none), compiled now, off the event loop, by
         this front end's own compiler, so that a bad one is a 400 here (the engine process compiles the spec
         again, cached by spec)."""
         fields = {name: getattr(body, name) for name in STRUCTURED_OUTPUT_FIELDS} | extra
 
-        def build() -> GrammarSpec | None:  # tool grammars build with xgrammar
-            spec = grammar_for_request(fields, tools)
-            if spec is not None:
-                self.client.grammars.compile(spec)
-            return spec
+        def build() -> OutputGrammar | None:  # tool grammars build with xgrammar
+            output = grammar_for_request(fields, tools)
+            if output is not None:
+                self.client.grammars.compile(output.spec)
+            return output
 
         try:
-            spec = await asyncio.to_thread(build)  # one hop off the event loop for both
+            output = await asyncio.to_thread(build)  # one hop off the event loop for both
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        return spec
+        if output is None:
+            return None
+        if output.unenforced:
+            self.note_unenforced(output.unenforced, http.state.request_id)
+        return output.spec
+
+    def note_unenforced(self, found: tuple[Unenforced, ...], request_id: str) -> None:
+        """A request accepted with schema keywords its grammar leaves unenforced: counted once per
+        keyword, each keyword logged the first time it comes."""
+        named = {u.keyword if u.keyword in KNOWN_KEYWORDS else "other": u for u in found}
+        self.metrics.observe_unenforced_keywords(set(named))
+        new = [u for keyword, u in named.items() if keyword not in self.logged_keywords]
+        if new:
+            self.logged_keywords.update(named)
+            log.warning(
+                "[%s] schema keywords accepted without strict but not enforced by the grammar "
+                "(each keyword logged once; counted in "
+                "spmoe:structured_output_unenforced_keywords_total): %s",
+                request_id,
+                "; ".join(map(str, new)),
+            )
 
     async def json_body(self, http: Request):
         """The body as JSON, refused with 413 once it passes max_request_bytes: by its Content-Length

@@ -33,6 +33,7 @@ MAX_STORED_RESPONSES = 1024  # the most recent responses kept for previous_respo
 RENAMED = (
     ("response_format.json_schema", "text.format"),
     ("response_format", "text.format"),
+    ("].function.parameters", "].parameters"),  # a tool's: flat in the Responses API
     ("max_tokens", "max_output_tokens"),
     ("messages", "input"),
 )

@@ -15,8 +15,8 @@ The grammar writes the GLM-4.7 layout: no whitespace between the tags, and compa
 A string value with a length bound holds no `<` (so that `</arg_value>` cannot hide inside it); one
 without a bound holds anything but `</arg_value>`.
 
-A schema keyword xgrammar would drop without enforcing is refused with a ValueError that names it
-and where it is (`check_enforceable`), rather than let a call through that breaks its schema.
+Each tool's parameters go through the keyword policy of schema_policy.py, under the tool's own
+`strict`.
 """
 
 import json
@@ -27,78 +27,8 @@ from spmoe.engine.sampling.grammar import (
     with_json_string_characters,
     xgrammar,
 )
+from spmoe.entrypoints.serve.schema_policy import OutputGrammar, Unenforced, checked
 
-# what xgrammar 0.2.9 enforces (each checked against a value that breaks it in test_tool_grammar.py)
-ENFORCED_KEYWORDS = frozenset(
-    (
-        "type",
-        "properties",
-        "required",
-        "additionalProperties",
-        "items",
-        "prefixItems",
-        "minItems",
-        "maxItems",
-        "enum",
-        "const",
-        "anyOf",
-        "allOf",  # with one schema; more are refused below
-        "$ref",
-        "$defs",
-        "definitions",
-        "minLength",
-        "maxLength",
-        "pattern",
-        "format",
-        "minimum",
-        "maximum",
-        "exclusiveMinimum",
-        "exclusiveMaximum",
-        "multipleOf",
-        "minProperties",
-        "maxProperties",
-        "patternProperties",
-        "propertyNames",
-        "unevaluatedProperties",
-    )
-)
-ANNOTATIONS = frozenset(  # keywords that say nothing about which values are valid
-    (
-        "title",
-        "description",
-        "default",
-        "examples",
-        "$schema",
-        "$id",
-        "$comment",
-        "deprecated",
-        "readOnly",
-        "writeOnly",
-        "contentMediaType",
-        "contentEncoding",
-    )
-)
-FORMATS = frozenset(
-    (
-        "date",
-        "time",
-        "date-time",
-        "duration",
-        "email",
-        "hostname",
-        "ipv4",
-        "ipv6",
-        "uri",
-        "uri-reference",
-        "uri-template",
-        "json-pointer",
-        "relative-json-pointer",
-        "uuid",
-    )
-)
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # {name: schema}
-SCHEMA_LISTS = ("prefixItems", "anyOf", "allOf")  # [schema, ...]
-SCHEMA_VALUES = ("items", "additionalProperties", "unevaluatedProperties", "propertyNames")
 WHITESPACE = r"[ \n\r\t]*"  # how xgrammar writes optional whitespace
 ANY_CHARACTER = (
     r"[\0-\U0010ffff]"  # a length-bounded raw string's characters, as xgrammar writes them
@@ -109,44 +39,13 @@ BOUNDED_STRING_CHARACTER = (
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 
 
-def check_enforceable(schema, where: str) -> None:
-    """ValueError naming the first keyword of `schema` (at any depth) that the grammar would not
-    enforce."""
-    if isinstance(schema, bool):
-        return
-    if not isinstance(schema, dict):
-        raise ValueError(f"{where} must be a JSON schema object, got {type(schema).__name__}")
-    for key, value in schema.items():
-        if key in ANNOTATIONS:
-            continue
-        if key not in ENFORCED_KEYWORDS:
-            raise ValueError(
-                f"{where} uses '{key}', which the tool-call grammar cannot enforce "
-                "(docs/glm-chat.md lists what it enforces)"
-            )
-        if key == "format" and value not in FORMATS:
-            raise ValueError(
-                f"{where} has format {value!r}, which the tool-call grammar cannot enforce; "
-                f"it enforces {', '.join(sorted(FORMATS))}"
-            )
-        if key == "allOf" and len(value) != 1:
-            raise ValueError(f"{where} has 'allOf' with {len(value)} schemas; only one is enforced")
-        if key in SCHEMA_MAPS and isinstance(value, dict):
-            for name, inner in value.items():
-                check_enforceable(inner, f"{where}.{key}.{name}")
-        elif key in SCHEMA_LISTS and isinstance(value, list):
-            for i, inner in enumerate(value):
-                check_enforceable(inner, f"{where}.{key}[{i}]")
-        elif key in SCHEMA_VALUES:
-            check_enforceable(value, f"{where}.{key}")
-
-
-def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool) -> GrammarSpec:
+def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool) -> OutputGrammar:
     """`tool_choice`: "required", "auto" or {"type": "function", "function": {"name": ...}};
     `parallel`: whether several calls may come -> the grammar of the output (see the module's
     docstring)."""
     st = xgrammar().structural_tag
-    tags = {name: _call_tag(name, parameters) for name, parameters in _parameters(tools).items()}
+    functions, unenforced = _parameters(tools)
+    tags = {name: _call_tag(name, parameters) for name, parameters in functions.items()}
     if tool_choice == "auto":
         fmt = st.TriggeredTagsFormat(
             triggers=[TOOL_CALL_START], tags=list(tags.values()), stop_after_first=not parallel
@@ -155,14 +54,14 @@ def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool) -> Grammar
         chosen = [tags[name] for name in _chosen(tags, tool_choice)]
         fmt = st.OrFormat(elements=chosen) if len(chosen) > 1 else chosen[0]
         fmt = st.PlusFormat(content=fmt) if parallel and tool_choice == "required" else fmt
-    return GrammarSpec("ebnf", _ebnf(st.StructuralTag(format=fmt)))
+    return OutputGrammar(GrammarSpec("ebnf", _ebnf(st.StructuralTag(format=fmt))), unenforced)
 
 
-def json_call_list_grammar(tools: list[dict], tool_choice, parallel: bool) -> GrammarSpec:
+def json_call_list_grammar(tools: list[dict], tool_choice, parallel: bool) -> OutputGrammar:
     """The output of a `required` / named `tool_choice` as a JSON list of calls, `[{"name": NAME,
     "parameters": {...}}, …]` (parsers/json_calls.py): at least one call, one at most unless
     `parallel` with `required`, each call's parameters following the tool's schema."""
-    functions = _parameters(tools)
+    functions, unenforced = _parameters(tools)
     calls = [
         {
             "type": "object",
@@ -173,14 +72,15 @@ def json_call_list_grammar(tools: list[dict], tool_choice, parallel: bool) -> Gr
     ]
     schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     schema |= {"minItems": 1} | ({} if parallel and tool_choice == "required" else {"maxItems": 1})
-    return GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False))
+    text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    return OutputGrammar(GrammarSpec("json_schema", text), unenforced)
 
 
-def _parameters(tools: list[dict]) -> dict[str, dict]:
-    """{tool name: its parameters' schema}; ValueError for a tool or a schema that cannot be
-    constrained."""
-    functions = {}
-    for tool in tools:
+def _parameters(tools: list[dict]) -> tuple[dict[str, dict], tuple[Unenforced, ...]]:
+    """-> ({tool name: its parameters' schema}, the keywords they leave unenforced); ValueError for
+    a tool or a schema that cannot be constrained."""
+    functions, unenforced = {}, ()
+    for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise ValueError(
@@ -188,12 +88,15 @@ def _parameters(tools: list[dict]) -> dict[str, dict]:
                 f"got {tool!r}"[:300]
             )
         name, parameters = function["name"], function.get("parameters") or {"type": "object"}
-        where = f"tool {name!r}: parameters"
-        check_enforceable(parameters, where)
-        if parameters.get("type", "object") != "object":
-            raise ValueError(f"{where} must be an object schema, got type {parameters['type']!r}")
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            got = parameters.get("type") if isinstance(parameters, dict) else parameters
+            raise ValueError(
+                f"tool {name!r}: parameters must be an object schema, got {got!r}"[:300]
+            )
+        strict = function.get("strict") is True
+        unenforced += checked(parameters, f"tools[{i}].function.parameters", strict)
         functions[name] = parameters
-    return functions
+    return functions, unenforced
 
 
 def _chosen(functions: dict, tool_choice) -> list[str]:
