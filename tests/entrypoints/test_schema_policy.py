@@ -130,10 +130,39 @@ PROBES = {
         [("uniqueItems", "")],
     ),
     "uniqueItems of an enum": (
-        {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True},
-        ["a", "b"],
+        {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True},
+        ["a", "c"],
         ["a", "a"],
+        [],
+    ),
+    "uniqueItems of an enum's $ref, bounded": (
+        {"type": "array", "items": {"$ref": "#/$defs/e"}, "uniqueItems": True, "maxItems": 2},
+        [1, 3],
+        [3, 3],
+        [],
+    ),
+    "uniqueItems of booleans": (
+        {"type": "array", "items": {"type": "boolean"}, "uniqueItems": True},
+        [True, False],
+        [True, True],
+        [],
+    ),
+    "uniqueItems of an enum of too many values": (
+        {"type": "array", "items": {"enum": list(range(7))}, "uniqueItems": True},
+        [0, 1],
+        [1, 1],
         [("uniqueItems", "")],
+    ),
+    "uniqueItems of an enum beside contains": (
+        {
+            "type": "array",
+            "items": {"enum": ["a", "b"]},
+            "uniqueItems": True,
+            "contains": {"const": "a"},
+        },
+        ["a"],
+        ["a", "a"],
+        [("uniqueItems", ""), ("contains", "")],
     ),
     "not": ({"type": "integer", "not": {"const": 3}}, 1, 3, [("not", "")]),
     "if": (
@@ -228,7 +257,7 @@ PROBES = {
         [("uniqueItems", "$defs.u")],
     ),
 }
-PROBE_DEFS = {**DEFS, "u": PROBES["uniqueItems"][0]}
+PROBE_DEFS = {**DEFS, "u": PROBES["uniqueItems"][0], "e": {"enum": [1, 2, 3], "type": "integer"}}
 
 
 def _root(schema: dict) -> dict:
@@ -274,6 +303,16 @@ def test_the_policy_names_what_xgrammar_leaves_unenforced(compiler, name):
     ):
         assert accepts(compiler, spec, text(good)), (spec.kind, good)
         assert accepts(compiler, spec, text(bad)) == bool(expected), (spec.kind, bad)
+
+
+def test_a_set_of_an_enum_is_written_in_the_enums_order(compiler):
+    """The grammar writes a set of an enum's values in the enum's order: another order of the same
+    values is refused, as an array of more than `maxItems`."""
+    schema = {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True}
+    spec = grammar_for_request({"guided_json": _root({**schema, "maxItems": 2})}).spec
+    for value, taken in ([], True), (["c"], True), (["b", "c"], True), (["c", "b"], False):
+        assert accepts(compiler, spec, json.dumps({"v": value})) == taken, value
+    assert not accepts(compiler, spec, json.dumps({"v": ["a", "b", "c"]}))
 
 
 def test_every_listed_format_is_enforced(compiler):

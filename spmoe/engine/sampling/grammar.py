@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from spmoe.engine.request import GrammarSpec
+from spmoe.engine.sampling.json_schema import with_unique_items
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -47,8 +48,10 @@ def xgrammar():
 
 def json_schema_grammar(schema_text: str) -> xgr.Grammar:
     """A JSON schema's text -> its grammar (compact JSON: no whitespace beyond ", " and ": "), with JSON's
-    string characters everywhere; RuntimeError (xgrammar's) for a schema it cannot convert."""
+    string characters everywhere and the `uniqueItems` it can enforce (json_schema.py); RuntimeError
+    (xgrammar's) for a schema it cannot convert."""
     xgr = xgrammar()
+    schema_text = json.dumps(with_unique_items(json.loads(schema_text)))
     ebnf = str(xgr.Grammar.from_json_schema(schema_text, any_whitespace=False))
     return xgr.Grammar.from_ebnf(with_json_string_characters(ebnf))
 

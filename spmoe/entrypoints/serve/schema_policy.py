@@ -23,7 +23,8 @@ checks every rule with a value that breaks the keyword, refused where enforced, 
 - Strings: `pattern`, `minLength`, `maxLength` and a `format` of FORMATS; a known `format` drops the
   `pattern` and lengths beside it (an unknown one is dropped itself). Numbers: the bounds; `multipleOf`
   on integers only. Arrays: `items`, `prefixItems`, `minItems`, `maxItems`, `unevaluatedItems`; not
-  `uniqueItems`, `contains`, `minContains`, `maxContains`. Objects: `properties`, `required`,
+  `contains`, `minContains`, `maxContains`, nor `uniqueItems` but where spmoe's rewrite enforces it
+  (engine/sampling/json_schema.py: a set of an enum's values). Objects: `properties`, `required`,
   `additionalProperties`, `patternProperties`, `propertyNames`, `minProperties`, `maxProperties`,
   `unevaluatedProperties`; not `dependentRequired`, `dependentSchemas`, `dependencies`.
 - Never: `not`, `if` / `then` / `else`, `$dynamicRef`, `$recursiveRef`, OpenAPI's `nullable`, or any
@@ -34,6 +35,7 @@ import json
 from dataclasses import dataclass
 
 from spmoe.engine.request import GrammarSpec
+from spmoe.engine.sampling.json_schema import resolve_ref, unique_item_values
 
 ANNOTATIONS = frozenset(
     (
@@ -145,20 +147,10 @@ class _Walk:
         self.root, self.where, self.followed = root, where, set()
 
     def resolve(self, ref) -> tuple[object, str] | None:
-        """A local `$ref` ("#", "#/$defs/Name", any JSON pointer) -> (the schema, its path); None
-        for one that names nothing here (its compile error says so)."""
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            return None
-        target, path = self.root, self.where
-        for part in filter(None, ref[1:].split("/")):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict) and part in target:
-                target, path = target[part], f"{path}.{part}"
-            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target, path = target[int(part)], f"{path}[{part}]"
-            else:
-                return None
-        return target, path
+        """A local `$ref` -> (the schema, its path); None for one that names nothing here (its
+        compile error says so)."""
+        target = resolve_ref(self.root, ref)
+        return None if target is None else (target, self.where + ref[1:].replace("/", "."))
 
     def node(self, schema, path: str, untyped: frozenset = ALL_TYPES) -> list[Unenforced]:
         """`untyped`: the types of a schema without `type` here (a property name's: a string)."""
@@ -242,7 +234,9 @@ class _Walk:
             return "beside 'format'"
         if key in ("minLength", "maxLength") and "pattern" in schema:
             return "beside 'pattern'"
-        if key == "uniqueItems" and schema[key] is False:
+        if key == "uniqueItems" and (
+            schema[key] is False or unique_item_values(schema, self.root) is not None
+        ):
             return None
         if not any(key in TYPE_KEYWORDS[t][1] for t in of_type & types):
             return None

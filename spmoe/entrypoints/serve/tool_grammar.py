@@ -27,6 +27,7 @@ from spmoe.engine.sampling.grammar import (
     with_json_string_characters,
     xgrammar,
 )
+from spmoe.engine.sampling.json_schema import with_unique_items
 from spmoe.entrypoints.serve.schema_policy import OutputGrammar, Unenforced, checked
 
 WHITESPACE = r"[ \n\r\t]*"  # how xgrammar writes optional whitespace
@@ -118,7 +119,7 @@ def _call_tag(name: str, parameters: dict):
     """The structural tag of a call of tool `name`."""
     st = xgrammar().structural_tag
     where = f"tool {name!r}: parameters"
-    content = st.JSONSchemaFormat(json_schema=parameters, style="glm_xml")
+    content = st.JSONSchemaFormat(json_schema=with_unique_items(parameters), style="glm_xml")
     tag = st.TagFormat(begin=TOOL_CALL_START + name, content=content, end=TOOL_CALL_END)
     try:  # alone, so that an error names its tool
         _ebnf(st.StructuralTag(format=tag))
