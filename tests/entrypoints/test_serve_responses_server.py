@@ -1,5 +1,5 @@
-"""`POST /v1/responses` on a real `spmoe serve` (CPU, the tiny random checkpoint of test_serve.py
-with the demo tokenizer, `--enable-auto-tool-choice`), driven by the `openai` client and
+"""`POST /v1/responses` on a real `spmoe serve` (CPU, the shipped demo checkpoint, one rank,
+`--enable-auto-tool-choice`: conftest's `demo_server`), driven by the `openai` client and
 openai-agents: a response's text is the chat completion's for the same conversation and seed, whole
 and streamed; `text.format` and a required tool follow their schemas; openai-agents' default Agent +
 Runner calls its function tool and ends with the model's answer."""
@@ -12,20 +12,22 @@ import jsonschema
 import openai
 import pytest
 
+from spmoe.entrypoints.demo import CHECKPOINT
 from spmoe.entrypoints.serve.tokenizer import load_tokenizer
-from tests.entrypoints.test_serve import (  # noqa: F401 - checkpoint: the fixture
+from tests.entrypoints.test_serve import (
     ORDERED,
     SET_FIELD,
-    checkpoint,
     key_order,
     leave_and_check_aborted,
     openai_client,
-    start_server,
 )
 
 SCHEMA = {
     "type": "object",
-    "properties": {"colour": {"enum": ["red", "green"]}, "n": {"type": "integer"}},
+    "properties": {
+        "colour": {"enum": ["red", "green"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},  # the demo model writes long numbers
+    },
     "required": ["colour", "n"],
     "additionalProperties": False,
 }
@@ -41,20 +43,8 @@ PICK = {
 }
 
 
-@pytest.fixture(scope="module")
-def base(checkpoint, tmp_path_factory):  # noqa: F811 - the checkpoint fixture imported above
-    """The URL of a one-rank server with auto tool choice and room for an agent's two turns."""
-    log = tmp_path_factory.mktemp("responses_log") / "stderr.txt"
-    proc, url = start_server(
-        checkpoint, log, "--tp", "1", "--enable-auto-tool-choice", "--max-model-len", "1024"
-    )
-    yield url
-    proc.kill()
-    proc.wait()
-
-
-def test_a_response_is_the_chat_completion_of_its_conversation(base):
-    client = openai_client(base)
+def test_a_response_is_the_chat_completion_of_its_conversation(demo_server):
+    client = openai_client(demo_server)
     system, user = "Be brief.", "Say something"
     reply = client.chat.completions.create(
         model="tiny",
@@ -82,8 +72,8 @@ def test_a_response_is_the_chat_completion_of_its_conversation(base):
         )
 
 
-def test_text_format_and_a_required_tool_follow_their_schemas(base):
-    client = openai_client(base)
+def test_text_format_and_a_required_tool_follow_their_schemas(demo_server):
+    client = openai_client(demo_server)
     fmt = {"type": "json_schema", "name": "pick", "schema": SCHEMA, "strict": True}
     for seed in range(3):
         response = client.responses.create(
@@ -109,11 +99,11 @@ def test_text_format_and_a_required_tool_follow_their_schemas(base):
     assert call.name == "pick" and json.loads(call.arguments)["colour"] in ("red", "green")
 
 
-def test_text_format_with_a_forced_tool_the_call_is_the_output(base):
+def test_text_format_with_a_forced_tool_the_call_is_the_output(demo_server):
     """instructor's Responses-tools request: a strict text.format whose schema the grammar cannot
     wholly enforce, and the same schema as a tool that tool_choice forces: accepted, as OpenAI
     does; the call is the output. Alone, the strict text.format is a 400 naming the keyword."""
-    client = openai_client(base)
+    client = openai_client(demo_server)
     schema = {**SET_FIELD, "additionalProperties": False}
     fmt = {"type": "json_schema", "name": "s", "schema": schema, "strict": True}
     tool = {"type": "function", "name": "s", "parameters": schema}
@@ -141,23 +131,23 @@ def test_text_format_with_a_forced_tool_the_call_is_the_output(base):
     assert "'uniqueItems' at tools[0].parameters.properties.xs" in error.value.message
 
 
-def test_text_format_keys_come_in_the_schemas_order(base):
-    client = openai_client(base)
+def test_text_format_keys_come_in_the_schemas_order(demo_server):
+    client = openai_client(demo_server)
     fmt = {"type": "json_schema", "name": "o", "schema": ORDERED}
     for seed in range(2):
         response = client.responses.create(
             model="tiny", input="JSON", text={"format": fmt}, extra_body={"seed": seed}
         )
         jsonschema.validate(json.loads(response.output_text), ORDERED)
-        assert key_order(response.output_text) == [["zeta"], ["mid", [["y"], ["b"]]], ["alpha"]]
+        assert key_order(response.output_text) == ["zeta", "mid", "mid.y", "mid.b", "alpha"]
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
-def test_openai_agents_default_agent_with_a_function_tool(base, checkpoint, streamed):  # noqa: F811
+def test_openai_agents_default_agent_with_a_function_tool(demo_server, streamed):
     """The first turn must call the tool (ModelSettings' tool_choice "required"); the Runner runs it
     and sends its result back with tool_choice reset to auto, and the model's free text is the final
     output. The Runner fails a turn that the length limit cuts, so the end of turn is made likely
-    (`logit_bias` on the eos token: the random model ends a free text within a few tokens)."""
+    (`logit_bias` on the eos token: the demo model then ends a free text within a few tokens)."""
     from agents import (
         Agent,
         ModelSettings,
@@ -167,7 +157,7 @@ def test_openai_agents_default_agent_with_a_function_tool(base, checkpoint, stre
         set_tracing_disabled,
     )
 
-    picked, eos = [], load_tokenizer(checkpoint).eos_token_id
+    picked, eos = [], load_tokenizer(CHECKPOINT).eos_token_id
 
     @function_tool
     def pick(colour: Literal["red", "green"]) -> str:
@@ -176,14 +166,14 @@ def test_openai_agents_default_agent_with_a_function_tool(base, checkpoint, stre
         return "done"
 
     async def run():
-        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=demo_server + "/v1", api_key="unused", max_retries=0)
         set_default_openai_client(client, use_for_tracing=False)
         set_tracing_disabled(True)
         settings = ModelSettings(
             tool_choice="required",
             parallel_tool_calls=False,
             max_tokens=200,
-            extra_body={"seed": 3, "logit_bias": {str(eos): 4}},
+            extra_body={"seed": 3, "logit_bias": {str(eos): 10}},
         )
         agent = Agent(
             name="picker", instructions="Pick.", tools=[pick], model="tiny", model_settings=settings
@@ -204,6 +194,6 @@ def test_openai_agents_default_agent_with_a_function_tool(base, checkpoint, stre
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_client_that_goes_away_aborts_its_response(base, stream):
+def test_a_client_that_goes_away_aborts_its_response(demo_server, stream):
     body = {"model": "tiny", "input": "abc", "max_output_tokens": 1000, "stream": stream}
-    leave_and_check_aborted(base, "/v1/responses", {**body, "ignore_eos": True}, 1000)
+    leave_and_check_aborted(demo_server, "/v1/responses", {**body, "ignore_eos": True}, 1000)
