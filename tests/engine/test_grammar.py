@@ -10,6 +10,8 @@ import torch
 
 from spmoe.engine.request import GrammarSpec
 from spmoe.engine.sampling.grammar import (
+    GrammarCompiler,
+    SequenceGrammar,
     apply_bitmask,
     apply_bitmask_reference,
     fill_bitmask,
@@ -378,6 +380,26 @@ def test_compile_errors_and_cache(compiler):
     assert compiler.compile(spec) is compiler.compile(
         GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))
     )
+
+
+def test_the_cache_keeps_the_most_recently_used_grammars(tokenizer):
+    """Every client's schema may be new: the compiler keeps `cache_size` grammars, not one per schema
+    ever seen, and drops the least recently used; a dropped one compiles again and still works."""
+
+    compiler = GrammarCompiler(lambda: tokenizer, VOCAB, cache_size=3)
+    specs = [GrammarSpec("json_schema", json.dumps({"enum": [f"word{i}"]})) for i in range(5)]
+    first = [compiler.compile(spec) for spec in specs[:3]]
+    assert compiler.compile(specs[0]) is first[0]
+    compiler.compile(specs[3])
+    compiler.compile(specs[4])
+    assert list(compiler.cache) == [specs[0], specs[3], specs[4]]
+    again = compiler.compile(specs[1])
+    assert again is not first[1] and len(compiler.cache) == 3
+    walk = tokenizer.encode('"word1"', add_special_tokens=False)
+    grammar = SequenceGrammar(again)
+    assert all(grammar.accept(t) for t in walk) and grammar.accept(256) and grammar.finished
+    other = SequenceGrammar(again)
+    assert not all(other.accept(t) for t in tokenizer.encode('"word2"', add_special_tokens=False))
 
 
 @pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "string", "maxLength": 12}])

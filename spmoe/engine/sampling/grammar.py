@@ -14,6 +14,7 @@ import functools
 import json
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
 # without the surrogates.
 LOOSE_STRING_CHARACTERS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
 JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\ud800-\udfff]"
+# compiled grammars kept, the most recently used: each client's schema is a new one, and each kept
+# grammar holds memory (about 0.2 MiB for a small schema over GLM-5.2's vocabulary)
+GRAMMAR_CACHE_SIZE = 128
 
 
 def xgrammar():
@@ -80,17 +84,24 @@ def choice_ebnf(choices: list[str]) -> str:
 
 
 class GrammarCompiler:
-    """Compiles `GrammarSpec`s for one tokenizer, each once: the cache is keyed by the spec. Thread-safe (the
+    """Compiles `GrammarSpec`s for one tokenizer: the `cache_size` most recently used are kept, keyed by
+    the spec (an older one is compiled again when it comes back). Thread-safe (the
     server compiles in worker threads). The tokenizer's vocabulary is read at the first compile, through
     `load_tokenizer()` (reading a large one takes about a second: a server that never gets a grammar never
     pays it, and a checkpoint without a tokenizer serves everything else)."""
 
-    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int):
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], object],
+        vocab_size: int,
+        cache_size: int = GRAMMAR_CACHE_SIZE,
+    ):
         """`load_tokenizer`: -> a transformers tokenizer; `vocab_size`: the model's (the LM head's rows, which
         may pad the tokenizer's vocabulary)."""
         self.load_tokenizer, self.vocab_size = load_tokenizer, vocab_size
         self.compiler: xgr.GrammarCompiler | None = None
-        self.cache: dict[GrammarSpec, xgr.CompiledGrammar] = {}
+        self.cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
+        self.cache_size = cache_size
         self.lock = threading.Lock()
 
     @classmethod
@@ -113,8 +124,9 @@ class GrammarCompiler:
         """-> the compiled grammar; ValueError naming the kind and what is wrong when it does not compile."""
         with self.lock:
             compiled = self.cache.get(spec)
-        if compiled is not None:
-            return compiled
+            if compiled is not None:
+                self.cache.move_to_end(spec)
+                return compiled
         try:
             compiled = self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as e:
@@ -122,7 +134,10 @@ class GrammarCompiler:
                 f"the {spec.kind} grammar does not compile: {compile_error_reason(e)}"[:400]
             ) from None
         with self.lock:
-            return self.cache.setdefault(spec, compiled)
+            compiled = self.cache.setdefault(spec, compiled)
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+            return compiled
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         compiler = self._xgrammar()
