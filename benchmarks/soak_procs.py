@@ -48,7 +48,10 @@ class Usage:
 
 
 def usage(pid: int) -> Usage | None:
-    """VmRSS and the count of open fds; None if the process is gone."""
+    """VmRSS and the count of open fds; None if the process is gone (a zombie, not yet reaped, has
+    neither)."""
+    if not alive(pid):
+        return None
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         fds = len(os.listdir(f"/proc/{pid}/fd"))

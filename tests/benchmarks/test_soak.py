@@ -4,9 +4,11 @@ growing series), and a real run against `spmoe serve` on the demo checkpoint pas
 
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import soak_check  # noqa: E402 - benchmarks/ is not a package
 import soak_mix  # noqa: E402
+import soak_procs  # noqa: E402
 
 
 def sent(rid: str, t: float, allowed=("ok", "refused:503"), deadline_s: float = 10.0) -> dict:
@@ -124,6 +127,20 @@ def test_flatness_measures_the_floor_after_the_warm_up():
     assert grown["growth"] == pytest.approx(0.05 * 90 / 99)
     assert grown["slope_growth"] == pytest.approx(0.05)
     assert soak_check.flatness(warm, since=40.0) is None  # 10 samples: too short to judge
+
+
+def test_a_process_that_exited_is_not_sampled():
+    """A child that exited but is not reaped yet (a zombie) has no memory or fds to sample: counting
+    it as 0 would show a killed front end's RSS falling to nothing."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        assert soak_procs.usage(os.getpid()).rss_bytes > 0
+        deadline = time.monotonic() + 30
+        while soak_procs.alive(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not soak_procs.alive(child.pid) and soak_procs.usage(child.pid) is None
+    finally:
+        child.wait()
 
 
 def stream_of(*lines: str, fail: Exception | None = None):
