@@ -34,8 +34,10 @@ from spmoe.engine.speculation import Speculation
 from spmoe.engine.vllm_values import (
     SpeculativeConfig,
     argparse_type,
-    check_block_size,
+    block_size_note,
     check_quantization,
+    parse_device,
+    parse_dtype,
     parse_json_object,
     parse_kv_cache_dtype,
     parse_length,
@@ -44,6 +46,7 @@ from spmoe.engine.vllm_values import (
 from spmoe.models.deepseek_v32 import weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEVICES = ("cpu", "cuda")
 KV_CACHES = ("paged", "dense")
 SPECULATIVE_METHODS = ("mtp",)
 # `spmoe forward`'s options
@@ -61,6 +64,31 @@ def check_device(device: str, ranks: int) -> None:
             f"--device cuda with {ranks} ranks needs {needed} visible GPU(s), found "
             f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
         )
+
+
+def inapplicable(given: dict) -> dict[str, str]:
+    """The options among `given` (field -> value, the device settled) that vLLM's launch lines carry
+    but that cannot apply here, each with the note that says so: a --block-size other than 64 (64 is
+    used), --gpu-memory-utilization on the CPU (a share of GPU memory) or beside --kv-cache-memory
+    (which sizes the cache, as vLLM's --kv-cache-memory-bytes does over it). A share outside (0, 1]
+    is an error wherever it is given."""
+    out = {}
+    if note := block_size_note(given.get("block_size")):
+        out["block_size"] = f"{note}; 64 used"
+    share = given.get("gpu_memory_utilization")
+    if share is not None and not 0 < share <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {share}")
+    if share is not None and given.get("device") == "cpu":
+        out["gpu_memory_utilization"] = (
+            f"--gpu-memory-utilization {share}: ignored on cpu (a share of GPU memory): the paged "
+            "cache is sized by --kv-cache-memory, else --max-num-seqs x --max-model-len"
+        )
+    elif share is not None and given.get("kv_cache_memory") is not None:
+        out["gpu_memory_utilization"] = (
+            f"--gpu-memory-utilization {share}: ignored: --kv-cache-memory sizes the paged cache "
+            "(vLLM's --kv-cache-memory-bytes likewise wins over it)"
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -131,7 +159,8 @@ class EngineArgs:
     dtype: str = model_option(
         "float32",
         "--dtype",
-        choices=("auto", *DTYPES, "float"),
+        type=argparse_type(parse_dtype, "--dtype"),
+        metavar="{auto,bfloat16,float32,float}",
         cli_default="auto",
         help="compute dtype (default auto: bfloat16 on CUDA; on the CPU the checkpoint's torch_dtype, "
         "float32 if it states none); float is float32",
@@ -139,9 +168,10 @@ class EngineArgs:
     device: str = model_option(
         "cpu",
         "--device",
-        choices=("cpu", "cuda"),
+        type=argparse_type(parse_device, "--device"),
+        metavar="{auto,cpu,cuda}",
         cli_default=None,
-        help="default: cuda when a GPU is visible, else cpu",
+        help="default (auto): cuda when a GPU is visible, else cpu",
     )
     load_format: str = model_option(
         "auto",
@@ -240,7 +270,8 @@ class EngineArgs:
         None,
         "--num-speculative-tokens",
         type=int,
-        help="MTP drafts per step (default 1, with --speculative)",
+        help="MTP drafts per step (default 1 with --speculative; alone it turns MTP on, as vLLM 0.7 "
+        "took it)",
     )
     speculative_config: dict | None = speculation_option(
         None,
@@ -265,7 +296,10 @@ class EngineArgs:
         help="no CUDA graphs: every step runs eagerly",
     )
     block_size: int | None = memory_option(
-        None, "--block-size", type=int, help="the paged cache's block: 64 (the only size spmoe has)"
+        None,
+        "--block-size",
+        type=int,
+        help="the paged cache's block: 64, the only size spmoe has (another is noted and 64 used)",
     )
 
     def __post_init__(self):
@@ -282,7 +316,10 @@ class EngineArgs:
                 raise ValueError(
                     f"{self.flag(f.name)} must be one of {tuple(choices)}, got {value!r}"
                 )
-        check_block_size(self.block_size)
+        if note := block_size_note(self.block_size):
+            raise ValueError(note)
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(
                 f"--dtype must be one of {tuple(DTYPES)} here, got {self.dtype!r} (from_cli settles auto)"
@@ -302,17 +339,10 @@ class EngineArgs:
             raise ValueError(f"--simulated-load {self.simulated_load} needs --simulate-rank")
         if self.cuda_graphs and self.enforce_eager:
             raise ValueError("--cuda-graphs and --enforce-eager contradict each other; pass one")
-        if self.speculative is None and self.num_speculative_tokens is not None:
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ValueError(
-                f"--num-speculative-tokens {self.num_speculative_tokens} needs --speculative mtp"
-            )
-        if (
-            self.speculative is not None
-            and self.num_speculative_tokens is not None
-            and self.num_speculative_tokens < 1
-        ):
-            raise ValueError(
-                f"--speculative mtp needs --num-speculative-tokens >= 1, got {self.num_speculative_tokens}"
+                f"--num-speculative-tokens must be >= 1 (MTP drafts per step), got "
+                f"{self.num_speculative_tokens}"
             )
         paged_sizes = (self.kv_cache_memory, self.gpu_memory_utilization, self.kv_cache_dtype)
         if self.kv_cache == "dense" and paged_sizes != (None, None, "auto"):
@@ -347,14 +377,21 @@ class EngineArgs:
                 group.add_argument(*meta["flags"], dest=f.name, default=default, **kwargs)
 
     @classmethod
-    def from_cli(cls, args: argparse.Namespace, model_dir: str | None = None) -> "EngineArgs":
+    def from_cli(
+        cls, args: argparse.Namespace, model_dir: str | None = None, notes: list | None = None
+    ) -> "EngineArgs":
         """The options `add_cli_args` parsed (the defaults for those it did not add), checked alone, then
         the command line's `auto`s settled: the device (CUDA when a GPU is visible), the dtype (from the
         checkpoint in `model_dir`: `resolve_dtype`), CUDA graphs off where they cannot apply (else None:
-        `use_cuda_graphs` settles them); `--quantization` checked against the checkpoint."""
+        `use_cuda_graphs` settles them); `--quantization` checked against the checkpoint. A vLLM option
+        that cannot apply here (`inapplicable`) is dropped and its note appended to `notes`."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         if given.get("device", "cpu") is None:
             given["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+        for name, note in inapplicable(given).items():
+            given[name] = None
+            if notes is not None:
+                notes.append(note)
         dtype = given.get("dtype", "float32")
         options = cls(**{**given, "dtype": dtype if dtype in DTYPES else "float32"})
         if options.cuda_graphs is None and not options.graphs_may_apply():
@@ -374,10 +411,11 @@ class EngineArgs:
 
     @property
     def speculation(self) -> Speculation:
-        """What drafts: --speculative-config, or --speculative mtp with its drafts."""
+        """What drafts: --speculative-config, or --speculative mtp with its drafts (the drafts alone:
+        MTP, as vLLM 0.7 took them)."""
         if self.speculative_config is not None:
             return SpeculativeConfig.parse(self.speculative_config)
-        if self.speculative is None:
+        if self.speculative is None and self.num_speculative_tokens is None:
             return Speculation()
         drafts = 1 if self.num_speculative_tokens is None else self.num_speculative_tokens
         return Speculation(num_speculative_tokens=drafts)

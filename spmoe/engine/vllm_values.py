@@ -229,8 +229,9 @@ def parse_kv_cache_dtype(text: str) -> str:
     return KV_CACHE_DTYPE_NAMES[text]
 
 
-# `--dtype`: the names vLLM takes that spmoe computes in; float16 has no kernels here.
+# `--dtype`: the names vLLM takes that spmoe computes in.
 DTYPE_NAMES = {"auto": "auto", "bfloat16": "bfloat16", "float32": "float32", "float": "float32"}
+HALF_NAMES = ("float16", "half")
 CHECKPOINT_DTYPES = {
     "bfloat16": "bfloat16",
     "float32": "float32",
@@ -239,13 +240,40 @@ CHECKPOINT_DTYPES = {
 }
 
 
+def parse_dtype(text: str) -> str:
+    """`--dtype`: one of DTYPE_NAMES (returned as given; `resolve_dtype` settles it). float16 is
+    refused: the DeepSeek-V3 family's activations can pass float16's largest value (65504), which
+    turns the output into NaN (docs/vllm-compatibility.md), and spmoe's GPU kernels are built for
+    bfloat16."""
+    if text in HALF_NAMES:
+        raise ValueError(
+            f"--dtype: spmoe does not compute in float16 ({text}): the DeepSeek-V3 family's "
+            f"activations can pass its largest value, 65504; use --dtype bfloat16 (auto picks it "
+            f"on CUDA)"
+        )
+    if text not in DTYPE_NAMES:
+        raise ValueError(f"--dtype: expected one of {', '.join(DTYPE_NAMES)}, got {text!r}")
+    return text
+
+
+def parse_device(text: str) -> str | None:
+    """`--device`: auto (None: settled to cuda when a GPU is visible), cuda or cpu; vLLM's other
+    devices are refused by name."""
+    if text == "auto":
+        return None
+    if text not in ("cpu", "cuda"):
+        raise ValueError(
+            f"--device: spmoe runs on cuda or cpu, not {text}; give auto, cuda or cpu (auto: cuda "
+            f"when a GPU is visible)"
+        )
+    return text
+
+
 def resolve_dtype(text: str, raw_config: dict, device: str) -> str:
     """The compute dtype for `--dtype text`: `auto` is bfloat16 on CUDA; on the CPU the checkpoint's
     `torch_dtype` (`dtype` in newer configs) when it is float32, else bfloat16 for a bf16/fp16/FP8 checkpoint,
     float32 when the config states none."""
-    if text not in DTYPE_NAMES:
-        raise ValueError(f"--dtype: expected one of {', '.join(DTYPE_NAMES)}, got {text!r}")
-    if DTYPE_NAMES[text] != "auto":
+    if DTYPE_NAMES[parse_dtype(text)] != "auto":
         return DTYPE_NAMES[text]
     if device == "cuda":
         return "bfloat16"
@@ -283,8 +311,12 @@ def check_quantization(method: str | None, raw_config: dict) -> None:
         )
 
 
-def check_block_size(size: int | None) -> None:
-    if size is not None and size != BLOCK_SIZE:
-        raise ValueError(
-            f"--block-size {size}: spmoe's paged cache has blocks of {BLOCK_SIZE} tokens only"
-        )
+def block_size_note(size: int | None) -> str:
+    """What to say of `--block-size size`: nothing for 64 (or none given), else that spmoe's
+    blocks are 64 tokens, the size vLLM's MLA kernels (FlashMLA) take too."""
+    if size is None or size == BLOCK_SIZE:
+        return ""
+    return (
+        f"--block-size {size}: spmoe's paged cache has blocks of {BLOCK_SIZE} tokens only (vLLM "
+        f"uses {BLOCK_SIZE} for MLA's paged cache too)"
+    )

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 import signal
 import sys
 from functools import partial
@@ -79,7 +80,10 @@ def cmd_generate(args) -> int:
     from spmoe.entrypoints.generate import GenerateOptions, check_generate, run_generate
     from spmoe.entrypoints.jobs import read_input_ids
 
-    engine_args = EngineArgs.from_cli(args, args.model)
+    notes = []
+    engine_args = EngineArgs.from_cli(args, args.model, notes)
+    for note in notes:
+        print(f"spmoe generate: {note}", file=sys.stderr, flush=True)
     cfg = engine_args.model_config(args.model)
     prompts = read_input_ids(args.input_ids, cfg.vocab_size)
     opts = GenerateOptions(
@@ -161,15 +165,24 @@ class AliasHelpFormatter(argparse.HelpFormatter):
         return f"{', '.join(action.option_strings)} {value}"
 
 
+# argparse's words for a value outside `choices`
+_INVALID_CHOICE = re.compile(r"invalid choice: (?P<got>.*) \(choose from (?P<choices>.*)\)$")
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """Bad usage is one line on stderr (`spmoe serve: error: ...`), exit status 2: no usage dump. `--help`
-    shows each option's aliases once (AliasHelpFormatter)."""
+    """Bad usage is one line on stderr (`spmoe serve: error: ...`), exit status 2: no usage dump; a
+    value outside an option's choices is said as the project says it (`expected one of a, b, got
+    'c'`). `--help` shows each option's aliases once (AliasHelpFormatter)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", AliasHelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message):
+        head, _, tail = message.partition(": ")
+        if match := _INVALID_CHOICE.match(tail):
+            choices = match["choices"].replace("'", "")
+            message = f"{head}: expected one of {choices}, got {match['got']}"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -1,6 +1,7 @@
 """vLLM's `serve` flags as spmoe sees them: one table that `spmoe serve`'s parser and the flag
 tables of docs/vllm-compatibility.md are both made from. It covers every option of the pinned vLLM
-release (`vllm_flags_0_34`), every name of each, hidden forms included, and a few of older releases.
+release (`vllm_flags_0_34`), every name of each, hidden forms included, and every option of the
+releases from 0.6 to 0.33 that the pinned one no longer has (`vllm_flags_before_0_34`).
 
 Each flag is
 - `taken`: an spmoe option under vLLM's name, with vLLM's meaning (declared by the engine's or the
@@ -24,7 +25,8 @@ from typing import Any
 
 import yaml
 
-from spmoe.entrypoints import vllm_flags_0_34
+from spmoe.entrypoints import vllm_flags_0_34, vllm_flags_before_0_34
+from spmoe.entrypoints.vllm_flags_read import version_key
 
 MULTI_NODE = (
     "for several machines run spmoe under torchrun, one process per GPU, with TP (x DP) over all "
@@ -40,8 +42,31 @@ ARITIES = {
     "optional": "?",
 }  # argparse nargs
 
-_OPTIONS = {name: names for names, _ in vllm_flags_0_34.options() for name in names}
-_ARITY = {name: arity for names, arity in vllm_flags_0_34.options() for name in names}
+OLDER = {
+    name: (first, last)
+    for names, _, first, last in vllm_flags_before_0_34.options()
+    for name in names
+    if name not in {n for names, _ in vllm_flags_0_34.options() for n in names}
+}  # a name of vLLM before 0.34 that 0.34 lacks -> the first and last release read with it
+# vLLM before 0.8 took some switches with an optional true or false after them
+# (`--enable-chunked-prefill false`): `vllm_argv` reads that value, so they are switches here
+BOOLEAN_VALUED = tuple(
+    name
+    for names, arity, *_ in vllm_flags_before_0_34.options()
+    if arity == "optional"
+    for name in names
+    if not name.startswith("--no-")
+)
+_ROWS = [
+    *vllm_flags_0_34.options(),
+    *(
+        (names, "switch" if arity == "optional" else arity)
+        for names, arity, *_ in vllm_flags_before_0_34.options()
+        if set(names) <= set(OLDER)
+    ),
+]
+_OPTIONS = {name: names for names, _ in _ROWS for name in names}
+_ARITY = {name: arity for names, arity in _ROWS for name in names}
 
 
 @dataclass(frozen=True)
@@ -50,7 +75,7 @@ class VllmFlag:
     verdict: str  # one of VERDICTS
     note: str  # taken / noted / ignored: what spmoe does with it; refused: what spmoe does not do
     instead: str = ""  # refused: what to do instead
-    arity: str = ""  # a key of ARITIES; "" (the default): the pinned release's
+    arity: str = ""  # a key of ARITIES; "" (the default): vLLM's (the pinned release's, or older)
     allowed: Callable[[str | None], bool] | None = None  # refused: values accepted after all
     store: tuple[str, Callable[[str | None], Any]] | None = (
         None  # taken here: (dest, value -> value)
@@ -66,7 +91,7 @@ def _is(*values: str) -> Callable[[str | None], bool]:
 
 
 def _all_of(name: str) -> tuple[str, ...]:
-    """Every name of the pinned release's option `name` belongs to."""
+    """Every name of the vLLM option `name` belongs to (of the pinned release, else an older one)."""
     return _OPTIONS[name]
 
 
@@ -168,8 +193,9 @@ VLLM_FLAGS = (
     VllmFlag(
         ("--dtype",),
         "noted",
-        "auto, bfloat16, float32 or float (no float16); auto is bfloat16 on CUDA, on the CPU the "
-        "checkpoint's",
+        "auto, bfloat16, float32 or float; auto is bfloat16 on CUDA, on the CPU the checkpoint's; "
+        "float16 and half are refused in a line naming bfloat16 (the DeepSeek-V3 family's "
+        "activations can pass float16's largest value)",
     ),
     VllmFlag(
         ("--quantization", "-q"),
@@ -431,7 +457,8 @@ VLLM_FLAGS = (
     VllmFlag(
         ("--gpu-memory-utilization", "--device-memory-utilization"),
         "noted",
-        "the share of GPU memory free after the weights",
+        "the share of GPU memory free after the weights; on the CPU, or beside "
+        "--kv-cache-memory(-bytes), noted at start and ignored",
     ),
     VllmFlag(
         ("--kv-cache-memory-bytes",),
@@ -449,7 +476,12 @@ VLLM_FLAGS = (
         "spmoe's FP8 cache covers every layer: use --kv-cache-dtype auto to keep it all in the "
         "model's dtype",
     ),
-    VllmFlag(("--block-size",), "noted", "64 only (the paged cache's block)"),
+    VllmFlag(
+        ("--block-size",),
+        "noted",
+        "64, the paged cache's block; another size is noted at start and 64 used (vLLM uses 64 "
+        "for MLA's paged cache too)",
+    ),
     VllmFlag(
         ("--enable-chunked-prefill",),
         "ignored",
@@ -497,12 +529,6 @@ VLLM_FLAGS = (
         "once, not their output",
         "--kv-offloading-size",
         "--kv-offloading-backend",
-    ),
-    VllmFlag(
-        ("--swap-space",),
-        "ignored",
-        "spmoe keeps no CPU swap space (vLLM before 0.11)",
-        arity="value",
     ),
     VllmFlag(
         ("--cpu-offload-gb",),
@@ -833,15 +859,16 @@ VLLM_FLAGS = (
     ),
     VllmFlag(
         ("--default-chat-template-kwargs",),
-        "refused",
-        "server-wide chat template arguments",
-        "send chat_template_kwargs in each request, or edit the template (--chat-template)",
+        "taken",
+        "JSON (or dotted keys) the chat template gets for every request, under the request's own "
+        'chat_template_kwargs: {"enable_thinking": false} turns thinking off server-wide',
     ),
     VllmFlag(
         ("--reasoning-effort-map",),
         "refused",
         "mapping reasoning_effort to template arguments",
-        "send chat_template_kwargs (enable_thinking) in each request",
+        "send chat_template_kwargs (enable_thinking) in each request, or give them server-wide "
+        "with --default-chat-template-kwargs",
     ),
     VllmFlag(
         ("--response-role",),
@@ -981,6 +1008,186 @@ VLLM_FLAGS = (
         "--profiler-config",
         "--watchdog-config",
     ),
+    # vLLM before 0.34: the flags of older releases that launch scripts still carry.
+    VllmFlag(
+        ("--device",),
+        "noted",
+        "auto (the default: cuda when a GPU is visible, else cpu), cuda or cpu; vLLM's other "
+        "devices (tpu, xpu, neuron, hpu, openvino) are an error that says so",
+    ),
+    VllmFlag(
+        ("--num-speculative-tokens",),
+        "noted",
+        "MTP drafts per step; alone it drafts with the checkpoint's MTP layer, as vLLM 0.7 did for "
+        "checkpoints with one (same as --speculative-config.num_speculative_tokens)",
+    ),
+    VllmFlag(
+        ("--speculative-model",),
+        "noted",
+        "accepted when it names the served model (vLLM 0.7's MTP form, with "
+        "--num-speculative-tokens); a separate draft model is an error that says what to use",
+        store=("speculative_model", lambda value: value),
+    ),
+    *_ignored(
+        "a setting of vLLM's draft-model speculation: spmoe drafts with the MTP layer and accepts "
+        "drafts by the exact rejection rule, so outputs keep the model's distribution",
+        "--speculative-model-quantization",
+        "--speculative-draft-tensor-parallel-size",
+        "--speculative-max-model-len",
+        "--speculative-disable-by-batch-size",
+        "--ngram-prompt-lookup-max",
+        "--ngram-prompt-lookup-min",
+        "--spec-decoding-acceptance-method",
+        "--typical-acceptance-sampler-posterior-threshold",
+        "--typical-acceptance-sampler-posterior-alpha",
+        "--disable-logprobs-during-spec-decoding",
+        "--speculative-disable-mqa-scorer",
+        "--num-lookahead-slots",
+    ),
+    VllmFlag(
+        ("--task",),
+        "refused",
+        "other tasks (embedding, scoring, classification, ...)",
+        "spmoe generates text only; serve pooling models with vLLM",
+        allowed=_is("auto", "generate"),
+    ),
+    *_ignored(
+        "pooling only: spmoe runs the generate task",
+        "--override-pooler-config",
+    ),
+    *_refused(
+        "vLLM's ray workers",
+        "spmoe starts its own local ranks, or runs under torchrun; " + MULTI_NODE,
+        "--worker-use-ray",
+        "--engine-use-ray",
+    ),
+    *_ignored(
+        "spmoe's front end always runs in a process of its own (--api-server-count for more)",
+        "--disable-frontend-multiprocessing",
+    ),
+    *_ignored(
+        "spmoe constrains every grammar with xgrammar; the output still follows the request's "
+        "schema (vLLM 0.11 moved these into --structured-outputs-config)",
+        "--guided-decoding-backend",
+        "--guided-decoding-disable-fallback",
+        "--guided-decoding-disable-any-whitespace",
+        "--guided-decoding-disable-additional-properties",
+    ),
+    *_ignored(
+        "vLLM before 0.10 needed it beside --reasoning-parser; spmoe splits the reasoning out "
+        "whenever --reasoning-parser is given",
+        "--enable-reasoning",
+    ),
+    *_ignored(
+        "spmoe keeps the tools in the prompt whatever tool_choice says; none only means that no "
+        "call is read",
+        "--expand-tools-even-if-tool-choice-none",
+    ),
+    VllmFlag(
+        ("--rope-scaling",),
+        "refused",
+        "--rope-scaling as a flag of its own",
+        "give it as --hf-overrides '{\"rope_scaling\": {...}}', as vLLM 0.11 and later take it",
+    ),
+    VllmFlag(
+        ("--rope-theta",),
+        "refused",
+        "--rope-theta as a flag of its own",
+        "give it as --hf-overrides '{\"rope_theta\": ...}', as vLLM 0.11 and later take it",
+    ),
+    VllmFlag(
+        ("--override-attention-dtype",),
+        "refused",
+        "a separate attention dtype",
+        "spmoe computes attention in --dtype (the paged cache's is --kv-cache-dtype); leave the "
+        "flag out",
+    ),
+    VllmFlag(
+        ("--qlora-adapter-name-or-path",),
+        "refused",
+        "QLoRA adapters",
+        "merge the adapter into the checkpoint",
+    ),
+    *_refused(
+        "prompt adapters", "merge the adapter into the checkpoint", "--enable-prompt-adapter"
+    ),
+    VllmFlag(
+        ("--prompt-adapters",),
+        "refused",
+        "prompt adapters",
+        "merge the adapter into the checkpoint",
+    ),
+    *_ignored(
+        "a prompt-adapter setting: without --enable-prompt-adapter (which spmoe refuses) it does "
+        "nothing",
+        "--max-prompt-adapters",
+        "--max-prompt-adapter-token",
+    ),
+    *_ignored(
+        LORA_OFF,
+        "--lora-extra-vocab-size",
+        "--long-lora-scaling-factors",
+        "--enable-lora-bias",
+    ),
+    *_ignored(
+        "spmoe's FP8 KV cache computes its scales as it writes (one per 128 values)",
+        "--quantization-param-path",
+        "--calculate-kv-scales",
+    ),
+    *_ignored(
+        "spmoe keeps no CPU swap space; a preempted request is recomputed, with the same output",
+        "--swap-space",
+        "--preemption-mode",
+    ),
+    *_ignored(
+        SAFE_TUNING,
+        "--use-v2-block-manager",
+        "--num-scheduler-steps",
+        "--multi-step-stream-outputs",
+        "--no-multi-step-stream-outputs",
+        "--scheduler-delay-factor",
+        "--max-num-partial-prefills",
+        "--max-long-partial-prefills",
+        "--disable-async-output-proc",
+        "--enable-bf16x3-router-gemm",
+    ),
+    *_ignored(
+        "spmoe captures a decode graph per batch size up to --max-num-seqs, each for every length",
+        "--max-context-len-to-capture",
+        "--max-seq-len-to-capture",
+        "--cuda-graph-sizes",
+    ),
+    VllmFlag(
+        ("-O",),
+        "ignored",
+        "vLLM's torch.compile settings before 0.12 (-O '{...}'): spmoe does not torch.compile",
+    ),
+    *_ignored(
+        "spmoe's front end tokenizes in its own worker thread",
+        "--tokenizer-pool-size",
+        "--tokenizer-pool-type",
+        "--tokenizer-pool-extra-config",
+    ),
+    *_ignored(
+        "spmoe loads no logits processors named by requests",
+        "--logits-processor-pattern",
+    ),
+    *_ignored(
+        "expert load balancing moves experts, not results: spmoe places them statically, an "
+        "equal share on every rank",
+        "--num-redundant-experts",
+        "--eplb-window-size",
+        "--eplb-step-interval",
+        "--eplb-log-balancedness",
+    ),
+    *_ignored(
+        MULTIMODAL,
+        "--disable-mm-preprocessor-cache",
+        "--enable-multimodal-encoder-data-parallel",
+    ),
+    *_ignored(MAMBA, "--enable-mamba-fine-grained-prefix-cache"),
+    *_ignored("AWS Neuron devices: spmoe runs on CUDA or the CPU", "--override-neuron-config"),
+    *_ignored("spmoe logs no requests; the counters are in /metrics", "--no-disable-log-requests"),
     VllmFlag(("--help", "-h"), "taken", "spmoe serve's own help"),
 )
 
@@ -1092,7 +1299,7 @@ def markdown_table(verdicts: tuple[str, ...] = VERDICTS) -> str:
     for flag in VLLM_FLAGS:
         if flag.verdict not in verdicts:
             continue
-        names = ", ".join(f"`{name}`" for name in flag.names)
+        names = ", ".join(f"`{name}`" for name in flag.names) + _releases(flag.names)
         if flag.verdict == "refused":
             only = " (other values)" if flag.allowed is not None else ""
             text = f"not supported{only}: {flag.note}; {flag.instead}"
@@ -1100,6 +1307,14 @@ def markdown_table(verdicts: tuple[str, ...] = VERDICTS) -> str:
             text = flag.note
         rows.append(f"| {names} | {VERDICT_TITLES[flag.verdict]} | {text.replace('|', '/')} |")
     return "\n".join(rows) + "\n"
+
+
+def _releases(names: tuple[str, ...]) -> str:
+    """` (vLLM 0.6.0 to 0.10.2)` for names only releases before the pinned one had, else ""."""
+    if not set(names) <= set(OLDER):
+        return ""
+    firsts, lasts = zip(*(OLDER[name] for name in names))
+    return f" (vLLM {min(firsts, key=version_key)} to {max(lasts, key=version_key)})"
 
 
 def flag_tables() -> str:
@@ -1140,8 +1355,13 @@ def vllm_argv(argv: list[str]) -> list[str]:
     """vLLM's spellings of its flags, rewritten as `spmoe serve`'s parser reads them: `--x_y` is
     `--x-y` (the name only, not a dotted key or the value), `-O3`, `-O=3` and `-O 3` are
     `--optimization-level 3`, a JSON option's short name is its long one (`-sc.method` is
-    `--speculative-config.method`), and `--spec-method X` is `--speculative-config.method X` (so
-    for `--spec-model` and `--spec-tokens`)."""
+    `--speculative-config.method`), `--spec-method X` is `--speculative-config.method X` (so
+    for `--spec-model` and `--spec-tokens`), and a switch of BOOLEAN_VALUED followed by true or
+    false (any case; or `=true`) is the switch, or its off form (`--no-X`, where vLLM has one)."""
+    return _boolean_values(_spellings(argv))
+
+
+def _spellings(argv: list[str]) -> list[str]:
     out = []
     for i, arg in enumerate(argv):
         short, sep, rest = (
@@ -1162,6 +1382,24 @@ def vllm_argv(argv: list[str]) -> list[str]:
             out.append("--optimization-level")
         else:
             out.append(arg)
+    return out
+
+
+def _boolean_values(argv: list[str]) -> list[str]:
+    """`--X true` -> `--X`, `--X false` -> `--no-X` (else `--X`) for X in BOOLEAN_VALUED."""
+    out, i = [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if not eq and i + 1 < len(argv):
+            value = argv[i + 1]
+        truth = value.lower() if name in BOOLEAN_VALUED else ""
+        if truth not in ("true", "false"):
+            out.append(argv[i])
+            i += 1
+            continue
+        off = "--no-" + name.removeprefix("--")
+        out.append(off if truth == "false" and off in _ARITY else name)
+        i += 1 if eq else 2
     return out
 
 

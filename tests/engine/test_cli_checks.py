@@ -70,13 +70,17 @@ GENERATE_CASES = {  # case -> ({option: value, or None for a flag}, the line aft
         "slots, 1 of them scratch, x 10000000000 positions x 416 B per token), more than "
         "MemAvailable, ...",
     ),
-    "drafts without speculation": (
-        {"--num-speculative-tokens": "2"},
-        "--num-speculative-tokens 2 needs --speculative mtp",
-    ),
     "zero drafts": (
         {"--speculative": "mtp", "--num-speculative-tokens": "0"},
-        "--speculative mtp needs --num-speculative-tokens >= 1, got 0",
+        "--num-speculative-tokens must be >= 1 (MTP drafts per step), got 0",
+    ),
+    "zero drafts alone": (
+        {"--num-speculative-tokens": "0"},
+        "--num-speculative-tokens must be >= 1 (MTP drafts per step), got 0",
+    ),
+    "drafts alone without an MTP layer": (
+        {"--num-speculative-tokens": "2", "--model": "{no_mtp}"},
+        "--speculative mtp needs an MTP layer; the checkpoint has num_nextn_predict_layers = 0",
     ),
     "eos id beyond the vocabulary": (
         {"--eos-id": "96"},
@@ -129,6 +133,7 @@ def test_generate_input_is_checked_before_any_rank_starts(
         list_config=tmp_path / "list",
         short=copy_with(engine_checkpoint, tmp_path / "short", max_position_embeddings=16),
         string_heads=copy_with(engine_checkpoint, tmp_path / "heads", num_attention_heads="6"),
+        no_mtp=copy_with(engine_checkpoint, tmp_path / "no_mtp", num_nextn_predict_layers=0),
     )
     ids = tmp_path / "ids.json"
     ids.write_text("[[1, 2, 3]]")

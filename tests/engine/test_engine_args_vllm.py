@@ -1,5 +1,6 @@
 """vLLM's names and values in EngineArgs: the aliases parse to the same options as spmoe's names, the speculative
-config as JSON and as dotted keys, `auto` settled for the device, the dtype and CUDA graphs."""
+config as JSON and as dotted keys, `auto` settled for the device, the dtype and CUDA graphs, and the options of
+vLLM's launch lines that cannot apply here noted and dropped."""
 
 import json
 
@@ -12,10 +13,11 @@ from spmoe.entrypoints.cli import DOTTED_OPTIONS, OneLineParser
 from tests.engine.conftest import ENGINE_CONFIG
 
 
-def parse(argv: list[str], model_dir=None) -> EngineArgs:
+def parse(argv: list[str], model_dir=None, notes=None) -> EngineArgs:
     parser = OneLineParser(prog="spmoe serve")
     EngineArgs.add_cli_args(parser)
-    return EngineArgs.from_cli(parser.parse_args(fold_dotted(argv, DOTTED_OPTIONS)), model_dir)
+    args = parser.parse_args(fold_dotted(argv, DOTTED_OPTIONS))
+    return EngineArgs.from_cli(args, model_dir, notes)
 
 
 def test_vllm_names_are_aliases():
@@ -146,3 +148,50 @@ def test_speculative_config_lookups_and_hybrids():
     ):
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.parse(config)
+
+
+@pytest.mark.parametrize(
+    "argv, device, dropped, note",
+    [
+        (
+            ["--gpu-memory-utilization", "0.9"],
+            "cpu",
+            "gpu_memory_utilization",
+            "--gpu-memory-utilization 0.9: ignored on cpu (a share of GPU memory)",
+        ),
+        (
+            ["--kv-cache-memory", "2", "--gpu-memory-utilization", "0.9"],
+            "cuda",
+            "gpu_memory_utilization",
+            "--gpu-memory-utilization 0.9: ignored: --kv-cache-memory sizes the paged cache",
+        ),
+        (
+            ["--block-size", "16"],
+            "cpu",
+            "block_size",
+            "--block-size 16: spmoe's paged cache has blocks of 64 tokens only",
+        ),
+    ],
+)
+def test_what_cannot_apply_here_is_noted_and_dropped(argv, device, dropped, note, monkeypatch):
+    """vLLM's launch lines run here: a GPU share on the CPU, a GPU share beside a size in bytes (which
+    vLLM also lets win), a block size other than MLA's 64."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
+    notes = []
+    args = parse(argv, notes=notes)
+    assert getattr(args, dropped) is None and args.device == device
+    assert len(notes) == 1 and notes[0].startswith(note), notes
+    assert parse(
+        ["--block-size", "64", "--device", "cuda", "--gpu-memory-utilization", "0.9"], notes=notes
+    )
+    assert len(notes) == 1  # what applies is kept, without a note
+    with pytest.raises(ValueError, match="--block-size 16: spmoe's paged cache has blocks of 64"):
+        EngineArgs(block_size=16)  # the engine's own options are not a launch line: an error
+
+
+def test_device_auto_and_vllms_other_devices(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parse(["--device", "auto"]).device == "cpu"
+    with pytest.raises(SystemExit):
+        parse(["--device", "neuron"])
+    assert "argument --device: spmoe runs on cuda or cpu, not neuron" in capsys.readouterr().err

@@ -35,14 +35,9 @@ TWO_BLOCKS_GIB = 2 * 64 * BYTES_PER_TOKEN / 2**30
             f"GiB holds 128 tokens in all",
         ),
         (
-            "GPU share on CPU",
-            ["--gpu-memory-utilization", "0.5"],
-            "--gpu-memory-utilization needs --device cuda and a fraction in (0, 1], got 0.5 on cpu",
-        ),
-        (
-            "both budgets",
-            ["--kv-cache-memory", "1", "--gpu-memory-utilization", "0.5"],
-            "give the KV cache budget as --kv-cache-memory or --gpu-memory-utilization, not both; got 1.0 and 0.5",
+            "GPU share beyond the GPU",
+            ["--gpu-memory-utilization", "1.5"],
+            "--gpu-memory-utilization must be a fraction in (0, 1], got 1.5",
         ),
         (
             "FP8 on the dense cache",

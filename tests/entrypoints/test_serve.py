@@ -100,6 +100,13 @@ def start_server(checkpoint: Path, log: Path, *extra: str) -> tuple[subprocess.P
             stdout=err,
             stderr=err,
         )
+    wait_until_ready(proc, log)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_until_ready(proc: subprocess.Popen, log: Path) -> None:
+    """Return once `spmoe serve`'s log says it is ready; fail with the log if it exits or takes longer
+    than START_TIMEOUT_S."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while "ready: http://" not in log.read_text():
         assert proc.poll() is None, f"spmoe serve exited with {proc.returncode}:\n{log.read_text()}"
@@ -107,7 +114,6 @@ def start_server(checkpoint: Path, log: Path, *extra: str) -> tuple[subprocess.P
             f"spmoe serve not ready after {START_TIMEOUT_S} s:\n{log.read_text()}"
         )
         time.sleep(0.2)
-    return proc, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")

@@ -5,21 +5,25 @@ one line before any rank starts."""
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
+from contextlib import contextmanager
 
 import openai
 import pytest
+import torch
 
 from spmoe.distributed import spawn
 from spmoe.distributed.launcher import free_port
 from spmoe.entrypoints.cli import main
-from spmoe.entrypoints.demo import write_demo_tokenizer
+from spmoe.entrypoints.demo import CHECKPOINT, write_demo_tokenizer
+from spmoe.entrypoints.vllm_flags import VLLM_FLAGS
 from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 from tests.engine.conftest import ENGINE_CONFIG
+from tests.entrypoints.test_serve import wait_until_ready
 
 REPO, REV = "zai-org/GLM-5.2", "0123456789abcdef0123456789abcdef01234567"
 CONFIG = {
@@ -40,7 +44,6 @@ EXTRA = (
     '--disable-custom-all-reduce --disable-fastapi-docs --allowed-origins ["*"] -O3 '
     "--max-cudagraph-capture-size 64 --structured-outputs-config.backend xgrammar"
 )
-START_TIMEOUT_S = 180
 
 
 @pytest.fixture(scope="module")
@@ -57,38 +60,36 @@ def hf_home(tmp_path_factory):
     return home
 
 
+@contextmanager
+def serving(argv: list[str], log, env=None):
+    """`spmoe serve ARGV` on a free port, once ready -> its base URL; SIGTERM at the end."""
+    port = free_port()
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spmoe", "serve", *argv, "--port", str(port)],
+            stdout=err,
+            stderr=err,
+            env=env,
+        )
+    try:
+        wait_until_ready(proc, log)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture(scope="module")
 def server(hf_home, tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("vllm_line") / "stderr.txt"
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    command = [
-        "spmoe",
-        "serve",
-        *RECIPE,
-        *EXTRA.split(),
-        "--max-num-seqs",
-        "2",
-        "--port",
-        str(port),
-    ]
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", *command], stdout=err, stderr=err, env=env)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while "ready: http://" not in log.read_text():
-        assert proc.poll() is None, f"spmoe serve exited with {proc.returncode}:\n{log.read_text()}"
-        assert time.monotonic() < deadline, (
-            f"spmoe serve not ready after {START_TIMEOUT_S} s:\n{log.read_text()}"
-        )
-        time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}", log
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    with serving([*RECIPE, *EXTRA.split(), "--max-num-seqs", "2"], log, env) as base:
+        yield base, log
 
 
 def test_the_recipe_line_serves_the_model_id_from_the_cache(server, hf_home):
@@ -245,6 +246,26 @@ def spec_counter(base: str, name: str) -> float:
             ["--kv-cache-dtype", "fp8_e5m2"],
             "argument --kv-cache-dtype: expected one of auto, fp8, fp8_e4m3",
         ),
+        (
+            ["--dtype", "float16"],
+            "argument --dtype: spmoe does not compute in float16 (float16): the DeepSeek-V3",
+        ),
+        (["--dtype", "half"], "argument --dtype: spmoe does not compute in float16 (half)"),
+        (["--device", "tpu"], "argument --device: spmoe runs on cuda or cpu, not tpu"),
+        (["--worker-use-ray"], "--worker-use-ray: spmoe does not support vLLM's ray workers"),
+        (["--task", "embed"], "--task embed: spmoe does not support other tasks"),
+        (
+            ["--rope-scaling", '{"rope_type": "yarn", "factor": 4}'],
+            '--rope-scaling {"rope_type": "yarn", "factor": 4}: spmoe does not support',
+        ),
+        (
+            ["--enable-chunked-prefill", "False"],
+            "--no-enable-chunked-prefill: spmoe does not support turning chunked prefill off",
+        ),
+        (
+            ["--reasoning-parser", "deepseek_r1"],
+            "argument --reasoning-parser: expected one of glm45, got 'deepseek_r1'",
+        ),
     ],
 )
 def test_a_refused_flag_stops_before_any_rank_in_one_line(argv, message, capsys):
@@ -264,8 +285,8 @@ def test_a_refused_flag_stops_before_any_rank_in_one_line(argv, message, capsys)
             "--quantization awq: spmoe does not quantize at load time and the checkpoint",
         ),
         (
-            [REPO, "--block-size", "16"],
-            "--block-size 16: spmoe's paged cache has blocks of 64 tokens only",
+            [REPO, "--speculative-model", "org/small-draft", "--num-speculative-tokens", "3"],
+            "--speculative-model org/small-draft: spmoe does not support a separate draft model",
         ),
         (
             [REPO, "--cuda-graphs", "--enforce-eager"],
@@ -283,3 +304,143 @@ def test_bad_values_are_one_line_errors_before_any_rank(
     assert main(["serve", *argv, "--tp", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"spmoe serve: error: {message}") and err.count("\n") == 1, err
+
+
+# launch lines as users of older vLLM releases wrote them (`vllm serve` or the OpenAI server module,
+# with `vllm` replaced by `spmoe`): each runs here, on this CPU, with the notes it should print
+OLDER_LINES = {
+    "0.6 OpenAI server": (
+        f"--model {REPO} --tensor-parallel-size 2 --swap-space 16 --disable-log-requests "
+        "--gpu-memory-utilization 0.9 --max-model-len 8192 --enable-chunked-prefill "
+        "--use-v2-block-manager --dtype auto --trust-remote-code --max-num-batched-tokens 8192 "
+        "--num-scheduler-steps 8 --max-seq-len-to-capture 8192 --guided-decoding-backend outlines "
+        "--block-size 16 --tokenizer-mode auto --distributed-executor-backend mp "
+        "--preemption-mode recompute --tokenizer-pool-size 0"
+    ),
+    "0.7 DeepSeek MTP": (
+        f"{REPO} -tp 2 --trust-remote-code --num-speculative-tokens 1 --enable-chunked-prefill True "
+        "--max-model-len 32768 --gpu-memory-utilization 0.95 --enable-prefix-caching "
+        "--disable-async-output-proc --speculative-disable-mqa-scorer --max-num-seqs 4"
+    ),
+    "0.7 draft model = the served model": (
+        f"{REPO} --tp 2 --speculative-model {REPO} --num-speculative-tokens 2 "
+        "--spec-decoding-acceptance-method rejection_sampler --ngram-prompt-lookup-max 4"
+    ),
+    "0.9 reasoning": (
+        f"{REPO} -tp 2 --enable-reasoning --reasoning-parser glm45 --tool-call-parser glm45 "
+        "--enable-auto-tool-choice --guided-decoding-backend xgrammar "
+        "--guided-decoding-disable-any-whitespace --cuda-graph-sizes 1 2 4 "
+        "--max-num-partial-prefills 2 --disable-mm-preprocessor-cache --calculate-kv-scales "
+        "--override-neuron-config {}"
+    ),
+    "0.10 GLM-4.5": (
+        f"{REPO} --tensor-parallel-size 2 --tool-call-parser glm45 --reasoning-parser glm45 "
+        "--enable-auto-tool-choice --served-model-name glm-4.5 --task generate "
+        "--disable-log-requests --no-disable-log-requests --enable-expert-parallel "
+        "--num-lookahead-slots 0 --max-num-seqs 2"
+    ),
+}
+
+
+@pytest.mark.parametrize("line", OLDER_LINES.values(), ids=OLDER_LINES.keys())
+def test_older_vllm_launch_lines_reach_a_running_config(line, hf_home, monkeypatch, capsys):
+    """`spmoe serve` reads the line, settles the options for this CPU and checks them against the
+    checkpoint, up to starting the ranks (stood in for here): every flag known, each ignored one
+    noted once, nothing in argparse's words."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    started = []
+    monkeypatch.setattr(
+        "spmoe.entrypoints.serve.server.launch", lambda *args, **kwargs: started.append(args)
+    )
+    argv = ["serve", *shlex.split(line), "--port", str(free_port())]
+    assert main(argv) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert not any(w in err for w in ("unrecognized", "invalid choice", "error")), err
+    ((_, world, _, engine_args, _, front, *_),) = started
+    assert (world, engine_args.tp, engine_args.device, engine_args.block_size) == (
+        2,
+        2,
+        "cpu",
+        None,
+    )
+    given = set(shlex.split(line))
+    for flag in VLLM_FLAGS:
+        for name in given & set(flag.names):
+            if flag.verdict == "ignored":
+                assert err.count(f"spmoe serve: {name}: ignored: {flag.note}\n") == 1, (name, err)
+    if "--block-size" in given:
+        assert "spmoe serve: --block-size 16: spmoe's paged cache has blocks of 64 tokens" in err
+    if "--gpu-memory-utilization" in given:
+        assert engine_args.gpu_memory_utilization is None
+        assert "--gpu-memory-utilization 0.9" in err or "--gpu-memory-utilization 0.95" in err
+        assert "ignored on cpu (a share of GPU memory)" in err
+    tokens = shlex.split(line)
+    if "--num-speculative-tokens" in tokens:  # vLLM 0.7's MTP form
+        drafts = int(tokens[tokens.index("--num-speculative-tokens") + 1])
+        assert engine_args.drafts == drafts and f"MTP with {drafts} drafts" in err
+    else:
+        assert engine_args.drafts == 0
+    (options,) = front.args  # the front end's options
+    assert options.served_model_names[0] in (REPO, "glm-4.5")
+
+
+# a vLLM 0.6 / 0.7 launch line on the shipped demo checkpoint, thinking off server-wide
+OLDER_DEMO_LINE = (
+    "--gpu-memory-utilization 0.9 --block-size 16 --kv-cache-dtype fp8 --swap-space 4 "
+    "--use-v2-block-manager --disable-log-requests --guided-decoding-backend outlines "
+    "--enable-reasoning --reasoning-parser glm45 --enable-chunked-prefill True "
+    "--num-speculative-tokens 1 --max-model-len 1024 --max-num-seqs 2 --dtype auto "
+    "--trust-remote-code --max-seq-len-to-capture 8192 "
+    "--default-chat-template-kwargs.enable_thinking false"
+)
+
+
+@pytest.fixture(scope="module")
+def older_demo_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("older_line") / "stderr.txt"
+    argv = ["--model", str(CHECKPOINT), *shlex.split(OLDER_DEMO_LINE), "--device", "cpu"]
+    with serving(argv, log) as base:
+        yield base, log
+
+
+def test_an_older_launch_line_serves_the_demo(older_demo_server):
+    """The line's flags noted at start (what cannot matter on this CPU among them), the FP8 cache
+    and its capacity in the log, MTP from --num-speculative-tokens alone; thinking off for every
+    request from --default-chat-template-kwargs, back on for a request that asks; /ping answers."""
+    base, log = older_demo_server
+    text = log.read_text()
+    for line in (
+        "spmoe serve: --swap-space: ignored: spmoe keeps no CPU swap space",
+        "spmoe serve: --guided-decoding-backend: ignored: spmoe constrains every grammar",
+        "spmoe serve: --enable-reasoning: ignored: vLLM before 0.10 needed it",
+        "spmoe serve: --enable-chunked-prefill: ignored: always on in spmoe",
+        "spmoe serve: --block-size 16: spmoe's paged cache has blocks of 64 tokens only (vLLM uses "
+        "64 for MLA's paged cache too); 64 used",
+        "spmoe serve: --gpu-memory-utilization 0.9: ignored on cpu (a share of GPU memory)",
+        "MTP with 1 drafts",
+        "spmoe serve: paged KV cache FP8 (fp8_e4m3: the latent and indexer keys in e4m3",
+    ):
+        assert line in text, (line, text)
+    cache_line = next(x for x in text.splitlines() if "paged KV cache FP8" in x)
+    assert " blocks of 64 tokens = " in cache_line and " sequences of 1024 tokens" in cache_line
+    with urllib.request.urlopen(base + "/ping", timeout=30) as reply:
+        assert reply.status == 200
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Name a color."}]
+    off = client.chat.completions.create(
+        model=str(CHECKPOINT), messages=messages, max_tokens=8, temperature=0
+    ).choices[0]
+    assert off.message.content and getattr(off.message, "reasoning_content", None) is None, off
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}
+    on = client.chat.completions.create(
+        model=str(CHECKPOINT),
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body=thinking,
+    ).choices[0]
+    assert on.message.model_extra.get("reasoning_content"), on  # the answer starts thinking

@@ -1,12 +1,13 @@
-"""vLLM's serve flags on `spmoe serve`'s command line: every name vLLM 0.34.0 accepts is known
-(taken, ignored with a note, or refused in one line with exit status 2), vLLM's spellings are read,
-and the docs page's tables are the table's own rendering."""
+"""vLLM's serve flags on `spmoe serve`'s command line: every name vLLM 0.34.0 accepts, and every
+name of the releases from 0.6 to 0.33 that 0.34.0 no longer has, is known (taken, ignored with a
+note, or refused in one line with exit status 2), vLLM's spellings are read, and the docs page's
+tables are the table's own rendering."""
 
 import re
 
 import pytest
 
-from spmoe.entrypoints import vllm_flags_0_34
+from spmoe.entrypoints import vllm_flags_0_34, vllm_flags_before_0_34
 from spmoe.entrypoints.cli import OneLineParser, prepare_argv
 from spmoe.entrypoints.serve.server import add_serve_args
 from spmoe.entrypoints.vllm_flags import (
@@ -65,6 +66,31 @@ def test_the_table_covers_every_name_once():
         assert flag.note, flag.names
 
 
+def check_name(name: str, sample: list[str], capsys) -> None:
+    """`spmoe serve MODEL NAME SAMPLE...` does what NAME's verdict says, never in argparse's words."""
+    flag = VERDICT[name]
+    argv = ["MODEL", "--tp", "1", name, *sample]  # MODEL first: no value is taken for it
+    status, err, args = outcome(argv, capsys)
+    argparse_words = ("unrecognized arguments", "ambiguous", "invalid choice")
+    assert not any(words in err for words in argparse_words), (argv, err)
+    arity_errors = ("expected one argument", "expected at least one", "ignored explicit argument")
+    assert not any(e in err for e in arity_errors), (argv, err)  # spmoe takes vLLM's arity
+    if flag.verdict == "refused" and (
+        flag.allowed is None or not flag.allowed(" ".join(argv[4:]) or None)
+    ):
+        assert (
+            status == 2
+            and err.startswith(f"spmoe serve: error: {read_as(name)}")
+            and err.count("\n") == 1
+        )
+        assert "spmoe does not support" in err, (argv, err)
+    elif flag.verdict == "ignored":
+        assert status == 0, (argv, err)
+        assert args.vllm_notes == [f"{read_as(name)}: ignored: {flag.note}"]
+    elif status != 0:  # taken: a sample value spmoe's option rejects, in one line naming it
+        assert status == 2 and read_as(name) in err and err.count("\n") == 1, (argv, err)
+
+
 @pytest.mark.parametrize(
     "names, arity",
     vllm_flags_0_34.options(),
@@ -74,33 +100,79 @@ def test_every_vllm_name_is_known_and_does_what_its_verdict_says(names, arity, c
     config = tmp_path / "options.yaml"
     config.write_text("max-model-len: 1k\n")
     for name in names:
-        if name in ("--help", "-h"):
-            continue
-        flag = VERDICT[name]
-        sample = [str(config)] if name == "--config" else SAMPLE[arity]
-        argv = ["MODEL", "--tp", "1", name, *sample]  # MODEL first: no value is taken for it
-        status, err, args = outcome(argv, capsys)
-        assert "unrecognized arguments" not in err and "ambiguous" not in err, (argv, err)
-        arity_errors = (
-            "expected one argument",
-            "expected at least one",
-            "ignored explicit argument",
-        )
-        assert not any(e in err for e in arity_errors), (argv, err)  # spmoe takes vLLM's arity
-        if flag.verdict == "refused" and (
-            flag.allowed is None or not flag.allowed(" ".join(argv[4:]) or None)
-        ):
-            assert (
-                status == 2
-                and err.startswith(f"spmoe serve: error: {read_as(name)}")
-                and err.count("\n") == 1
-            )
-            assert "spmoe does not support" in err, (argv, err)
-        elif flag.verdict == "ignored":
-            assert status == 0, (argv, err)
-            assert args.vllm_notes == [f"{read_as(name)}: ignored: {flag.note}"]
-        elif status != 0:  # taken: a sample value spmoe's option rejects, in one line naming it
-            assert status == 2 and read_as(name) in err and err.count("\n") == 1, (argv, err)
+        if name not in ("--help", "-h"):
+            check_name(name, [str(config)] if name == "--config" else SAMPLE[arity], capsys)
+
+
+OLDER = vllm_flags_before_0_34.options()
+
+
+@pytest.mark.parametrize(
+    "names, arity, first, last", OLDER, ids=[f"{names[0]}@{first}" for names, _, first, _ in OLDER]
+)
+def test_every_name_of_older_releases_is_known(names, arity, first, last, capsys):
+    """What vLLM 0.6 to 0.33 took: the value forms they took (an optional true / false after a
+    switch included) do what the name's verdict says."""
+    for name in names:
+        for sample in [[], ["true"]] if arity == "optional" else [SAMPLE[arity]]:
+            check_name(name, sample, capsys)
+        if arity == "optional":  # false: the switch's off form, whose verdict may differ
+            status, err, _ = outcome(["MODEL", name, "False"], capsys)
+            assert "unrecognized" not in err and "invalid choice" not in err, err
+            assert status == 0 or ("spmoe does not support" in err and err.count("\n") == 1)
+
+
+def test_the_older_list_spans_0_6_to_0_33():
+    """Releases 0.6.0 to 0.33.0; each row's releases among them, in order; no name twice, none of
+    0.34.0's unless its form changed (an optional true / false where 0.34 has a switch)."""
+    releases = vllm_flags_before_0_34.RELEASES
+    assert (releases[0], releases[-1]) == ("0.6.0", "0.33.0") and len(releases) >= 5
+    pinned = {name for names, _ in vllm_flags_0_34.options() for name in names}
+    names = [name for row in OLDER for name in row[0]]
+    assert len(names) == len(set(names))
+    for row_names, arity, first, last in OLDER:
+        assert releases.index(first) <= releases.index(last), row_names
+        assert arity in ("switch", "value", "values", "optional", "json"), row_names
+        assert not set(row_names) & pinned or arity == "optional", row_names
+    # what the vLLM releases are known to have taken, and when
+    rows = {row[0][0]: row[1:] for row in OLDER}
+    assert rows["--guided-decoding-backend"] == ("value", "0.6.0", "0.10.2")
+    assert rows["--enable-chunked-prefill"] == ("optional", "0.6.0", "0.7.3")
+    assert rows["--swap-space"][0] == "value" and rows["--use-v2-block-manager"][0] == "switch"
+
+
+def test_the_table_covers_every_older_name():
+    names = {name for flag in VLLM_FLAGS for name in flag.names}
+    pinned = {name for names, _ in vllm_flags_0_34.options() for name in names}
+    older = {name for row in OLDER for name in row[0]}
+    assert sorted(older - pinned - names) == []
+    assert sorted(names - pinned - older) == ["model"]  # the positional MODEL; nothing else
+
+
+@pytest.mark.parametrize(
+    "argv, noted",
+    [
+        (["--enable-chunked-prefill", "True"], "--enable-chunked-prefill"),
+        (["--enable-chunked-prefill=true"], "--enable-chunked-prefill"),
+        (["--enable_chunked_prefill", "TRUE"], "--enable-chunked-prefill"),
+        (["--multi-step-stream-outputs", "false"], "--no-multi-step-stream-outputs"),
+        (
+            ["--disable-logprobs-during-spec-decoding", "False"],
+            "--disable-logprobs-during-spec-decoding",
+        ),
+    ],
+)
+def test_an_optional_true_or_false_is_read(argv, noted):
+    """vLLM before 0.8 took `--enable-chunked-prefill false`: the value is the switch's, not a
+    second MODEL; false is the switch's off form where vLLM has one."""
+    args = parse([*argv, "MODEL"])
+    assert args.model_tag == "MODEL"
+    assert [note.partition(":")[0] for note in args.vllm_notes] == [noted]
+
+
+def test_an_optional_false_turning_chunked_prefill_off_is_refused(capsys):
+    status, err, _ = outcome(["MODEL", "--enable-chunked-prefill", "false"], capsys)
+    assert status == 2 and "spmoe does not support turning chunked prefill off" in err
 
 
 def test_every_json_option_takes_the_dotted_form(capsys):
@@ -291,7 +363,11 @@ def test_the_docs_page_is_current():
     page = PAGE.read_text()
     assert with_flag_tables(page) == page, "run: python -m spmoe.entrypoints.vllm_flags"
     for flag in VLLM_FLAGS:
-        assert f"| {', '.join(f'`{name}`' for name in flag.names)} |" in page, flag.names
+        names = ", ".join(f"`{name}`" for name in flag.names)
+        assert f"| {names} |" in page or f"| {names} (vLLM " in page, flag.names
+    assert (
+        "| `--guided-decoding-backend` (vLLM 0.6.0 to 0.10.2) | accepted without effect |" in page
+    )
 
 
 def test_the_readme_links_the_page_instead_of_copying_it():

@@ -105,6 +105,9 @@ def check_paged_budget(
         raise ValueError(
             f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
         )
+    if kv_cache_dtype == "fp8":
+        layers = model_layers(cfg, with_mtp)
+        check_fp8_widths(cfg, any(layers.values()))
     if gib is not None and memory_fraction is not None:
         raise ValueError(
             f"give the KV cache budget as --kv-cache-memory or --gpu-memory-utilization, not both; "
@@ -128,6 +131,22 @@ def check_paged_budget(
     check_sequence_fits(
         longest, blocks * BLOCK_SIZE, f"--kv-cache-memory {gib} GiB", "--kv-cache-memory"
     )
+
+
+def check_fp8_widths(cfg: ModelConfig, with_indexer: bool) -> None:
+    """Raise unless an FP8 cache can hold `cfg`'s rows: a latent scaled per 128 values, indexer keys
+    (`with_indexer`) Hadamard-rotated, which needs a power-of-2 width."""
+    if cfg.kv_lora_rank % 128:
+        raise ValueError(
+            f"an FP8 KV cache scales the latent per 128 values; kv_lora_rank {cfg.kv_lora_rank} "
+            f"is not a multiple of 128"
+        )
+    d = cfg.index_head_dim
+    if with_indexer and d & (d - 1):
+        raise ValueError(
+            f"an FP8 KV cache Hadamard-rotates the indexer keys, which needs a power-of-2 width; "
+            f"index_head_dim {d} is not a power of 2"
+        )
 
 
 def check_sequence_fits(longest: int, capacity_tokens: int, budget: str, flag: str) -> None:
@@ -195,17 +214,8 @@ class PagedKVCache:
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
             )
         self.fp8 = kv_cache_dtype == "fp8"
-        if self.fp8 and cfg.kv_lora_rank % 128:
-            raise ValueError(
-                f"an FP8 KV cache scales the latent per 128 values; kv_lora_rank {cfg.kv_lora_rank} "
-                f"is not a multiple of 128"
-            )
-        d = cfg.index_head_dim
-        if self.fp8 and any(layers.values()) and d & (d - 1):
-            raise ValueError(
-                f"an FP8 KV cache Hadamard-rotates the indexer keys, which needs a power-of-2 width; "
-                f"index_head_dim {d} is not a power of 2"
-            )
+        if self.fp8:
+            check_fp8_widths(cfg, any(layers.values()))
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.block_size = BLOCK_SIZE
         self.layer_indexer = dict(layers)

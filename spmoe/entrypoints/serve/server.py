@@ -236,8 +236,30 @@ def add_serve_args(p) -> None:
     add_vllm_flags(p)
 
 
+def check_speculative_model(draft: str | None, named: str | None, engine_args: EngineArgs) -> None:
+    """vLLM 0.7's `--speculative-model`: the served model itself (its MTP layer drafts, as many as
+    --num-speculative-tokens says); a separate draft model is refused."""
+    if draft is None:
+        return
+    if draft != named:
+        raise ValueError(
+            f"--speculative-model {draft}: spmoe does not support a separate draft model; it drafts "
+            f"with the checkpoint's own MTP layer: --num-speculative-tokens N, or "
+            f'--speculative-config \'{{"method": "mtp", "num_speculative_tokens": N}}\''
+        )
+    if not engine_args.drafts:
+        raise ValueError(
+            f"--speculative-model {draft} needs --num-speculative-tokens N (drafts per step)"
+        )
+
+
 def cmd_serve(args) -> int:
-    chat = ChatOptions(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
+    chat = ChatOptions(
+        args.reasoning_parser,
+        args.tool_call_parser,
+        args.enable_auto_tool_choice,
+        args.default_chat_template_kwargs or {},
+    )
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(
             f"MODEL {args.model_tag} and --model {args.model} disagree; give the model once"
@@ -268,7 +290,9 @@ def cmd_serve(args) -> int:
             )
         )
     device_chosen = args.device is None
-    engine_args = EngineArgs.from_cli(args, model)
+    notes = list(args.vllm_notes)
+    engine_args = EngineArgs.from_cli(args, model, notes)
+    check_speculative_model(getattr(args, "speculative_model", None), named, engine_args)
     overrides = None
     if args.override_generation_config is not None:
         overrides = parse_json_object(
@@ -294,7 +318,6 @@ def cmd_serve(args) -> int:
         StopPolicy(args.engine_timeout, args.shutdown_timeout),
         args.api_server_count,
     )
-    notes = list(args.vllm_notes)
     if device_chosen:
         found = "a GPU is visible" if engine_args.device == "cuda" else "no GPU is visible"
         notes.append(f"device {engine_args.device}: {found} (--device overrides)")
