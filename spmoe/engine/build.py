@@ -71,6 +71,13 @@ def build_kv_cache(
     )
 
 
+def cache_room(cache: KVCache | PagedKVCache, longest: int) -> float:
+    """How many sequences of `longest` positions `cache` holds at once (vLLM's "maximum concurrency")."""
+    if isinstance(cache, KVCache):
+        return cache.max_seqs if longest <= cache.max_len else 0
+    return cache.capacity_tokens / longest
+
+
 def build_engine(
     args: EngineArgs,
     model,
@@ -84,9 +91,13 @@ def build_engine(
     which sets the width of the graphs' block tables), its CUDA graphs captured (`log(line)`: progress),
     keeping in step with the other ranks; `grammars`: for structured-output requests. `warmup.warm_up` then
     makes it ready."""
+    cache = build_kv_cache(args, model, max_num_seqs, cache_len)
+    if log is not None:
+        longest = args.max_model_len or cache_len
+        log(f"{cache.describe()}; {cache_room(cache, longest):.3g} sequences of {longest} tokens")
     return Engine(
         model,
-        build_kv_cache(args, model, max_num_seqs, cache_len),
+        cache,
         speculation=args.speculation,
         cuda_graphs=args.use_cuda_graphs(model),
         max_num_seqs=max_num_seqs,

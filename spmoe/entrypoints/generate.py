@@ -57,7 +57,9 @@ def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOption
         if opts.progress and state.rank == 0
         else None
     )
-    engine = build_engine(args, model, opts.cache_slots(len(mine)), opts.cache_len(prompts), log)
+    engine = build_engine(
+        args, model, opts.cache_slots(len(mine)), opts.cache_len(prompts), log=log
+    )
     warm_up(engine, log)
     eos = model.cfg.eos_token_ids if opts.eos_token_ids is None else opts.eos_token_ids
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]

@@ -251,6 +251,22 @@ class PagedKVCache:
     def capacity_tokens(self) -> int:
         return self.num_blocks * BLOCK_SIZE
 
+    def describe(self) -> str:
+        """One line for the start-up log: the cache's dtype and capacity on each rank."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        kind = (
+            f"FP8 (fp8_e4m3: the latent and indexer keys in e4m3 with their scales, the rope key "
+            f"in {dtype})"
+            if self.fp8
+            else dtype
+        )
+        gib = (self.num_blocks * BLOCK_SIZE * self.bytes_per_token) / 2**30
+        return (
+            f"paged KV cache {kind}: {self.num_blocks} blocks of {BLOCK_SIZE} tokens = "
+            f"{self.capacity_tokens} tokens, {gib:.3g} GiB on each rank ({self.bytes_per_token} B "
+            f"a token)"
+        )
+
     def _allocate(self, rows: int, has_indexer: bool) -> PagedLayerCache:
         fields = {
             name: torch.zeros(rows, width, dtype=dtype, device=self.device)

@@ -91,6 +91,17 @@ class KVCache:
         )
         return per_token * dtype.itemsize * (max_seqs + 1) * max_len
 
+    def describe(self) -> str:
+        """One line for the start-up log: the cache's dtype and capacity on each rank."""
+        gib = sum(
+            b.numel() * b.element_size() for kinds in self.buffers.values() for b in kinds.values()
+        )
+        return (
+            f"dense KV cache {str(self.dtype).removeprefix('torch.')}: {self.max_seqs} slots of "
+            f"{self.max_len} positions = {self.max_seqs * self.max_len} tokens, "
+            f"{gib / 2**30:.3g} GiB on each rank"
+        )
+
     @classmethod
     def for_model(cls, model: nn.Module, max_seqs: int, max_len: int) -> "KVCache":
         """A cache for every attention layer in `model` (the MTP layer's included), in the model's dtype."""
