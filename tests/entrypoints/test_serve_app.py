@@ -19,6 +19,7 @@ from spmoe.engine.request import DraftCounts, EngineMetrics, RequestOutput
 from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.serve.app import ApiSettings, build_app
+from spmoe.entrypoints.serve.chat import ChatOptions
 from spmoe.entrypoints.serve.engine_client import QueueFull
 from spmoe.entrypoints.serve.middleware import FrontEndLimits
 from spmoe.entrypoints.serve.streaming import StopStrings
@@ -623,7 +624,7 @@ def test_chat_template_and_content_format(tmp_path, tokenizer):
         (
             {"model": "tiny", "prompt": "Hi", "stop": [1]},
             400,
-            "stop.0: Input should be a valid string",
+            "stop[0]: Input should be a valid string",
         ),
         ({"model": 7, "prompt": "Hi"}, 400, "model: Input should be a valid string"),
         (
@@ -671,7 +672,7 @@ def test_bad_completion_requests(served, body, status, fragment):
 
 def test_bad_chat_requests_and_a_full_queue(served):
     engine, client, http = served
-    with pytest.raises(openai.BadRequestError, match="messages.0.role"):
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.role"):
         client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="messages: List should have at least 1 item"):
         client.chat.completions.create(model="tiny", messages=[])
@@ -990,7 +991,10 @@ def test_bad_chat_inputs_are_400(served):
     ]
     for body, fragment in (
         ({"model": "tiny", "messages": [{"role": "user", "content": "\ud83d"}]}, "lone surrogate"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": 5}]},
+            "messages[0].content: expected a string or a list of text parts, got 5",
+        ),
         ({"model": "tiny", "messages": "hi"}, "messages: Input should be a valid list"),
         (
             {"model": "tiny", "messages": too_long},
@@ -1013,6 +1017,104 @@ def test_bad_chat_inputs_are_400(served):
         assert response.status_code == 400 and fragment in response.json()["error"]["message"], (
             response.text
         )
+
+
+def test_ping_answers_as_vllms_does(served):
+    """vLLM's /ping (SageMaker's health check) is /health under another name, GET and POST, with no
+    key needed; 503 once the engine has stopped."""
+    engine, _, http = served
+    for response in (http.get("/ping"), http.post("/ping")):
+        assert (response.status_code, response.content) == (200, b"")
+    engine.error = "the engine stopped"
+    assert http.get("/ping").status_code == http.post("/ping").status_code == 503
+
+
+@pytest.mark.parametrize(
+    "message, param, fragment",
+    [
+        (
+            {"role": "tool", "content": "21"},
+            "messages[1]",
+            "messages[1]: a 'tool' message needs 'tool_call_id': the id of the call it answers",
+        ),
+        *(
+            (
+                {"role": "user", "content": [{"type": "text", "text": "see"}, part]},
+                "messages[1].content",
+                f"messages[1].content: this model takes text only, and the content has a "
+                f"{part['type']!r} part",
+            )
+            for part in (
+                {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+                {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                {"type": "file", "file": {"file_id": "file-1"}},
+            )
+        ),
+        (
+            {"role": "user", "content": [{"type": "txt", "text": "see"}]},
+            "messages[1].content[0].type",
+            "messages[1].content[0].type: Input should be 'text', got 'txt'",
+        ),
+    ],
+)
+def test_bad_messages_are_400_in_the_clients_names(served, message, param, fragment):
+    """OpenAI requires a tool message's tool_call_id; an image, audio or file part is refused as what
+    it is; the error and its param name the field as the client wrote it, no validation internals."""
+    engine, client, _ = served
+    messages = [{"role": "user", "content": "Hi"}, message]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="tiny", messages=messages)
+    body = error.value.body
+    assert body["param"] == param and body["message"].startswith(fragment), body
+    assert ".str" not in body["message"] and "literal[" not in body["message"]
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize(
+    "tool_choice, param, fragment",
+    [
+        ("any", "tool_choice", 'tool_choice: expected "none", "auto", "required" or {"type":'),
+        ({"type": "function"}, "tool_choice.function", "missing required parameter"),
+        ({"type": "function", "function": {}}, "tool_choice.function.name", "missing required"),
+    ],
+)
+def test_a_bad_tool_choice_names_tool_choice(served, tool_choice, param, fragment):
+    _, _, http = served
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    response = http.post("/v1/chat/completions", json={**body, "tool_choice": tool_choice})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param, error
+    assert fragment in error["message"] and "literal[" not in error["message"], error
+
+
+def test_default_chat_template_kwargs_under_the_requests(tokenizer):
+    """--default-chat-template-kwargs: the template gets them for every request; a request's own
+    chat_template_kwargs win key by key (as vLLM merges them); /tokenize prompts the same."""
+    engine = ScriptedEngineClient(tokenizer.encode("ok"))
+    chat = ChatOptions(default_template_kwargs={"greeting": "Ahoy ", "mark": "!"})
+    http = TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"], chat=chat)))
+    client = openai.OpenAI(
+        base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0
+    )
+    original = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}{{ mark }}"
+    )
+    messages = [{"role": "user", "content": "x"}]
+    try:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        assert engine.requests[-1].prompt == tokenizer.encode("Ahoy x!", add_special_tokens=False)
+        kwargs = {"chat_template_kwargs": {"greeting": "Hi "}}
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=2, extra_body=kwargs
+        )
+        assert engine.requests[-1].prompt == tokenizer.encode("Hi x!", add_special_tokens=False)
+        tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        assert tokens == tokenizer.encode("Ahoy x!", add_special_tokens=False)
+    finally:
+        tokenizer.chat_template = original
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs must not set tools"):
+        ChatOptions(default_template_kwargs={"tools": []})
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_read(tokenizer):
@@ -1098,6 +1200,7 @@ def test_api_key(tokenizer):
             assert response.status_code == 401, (headers, path)
             assert response.json()["error"]["type"] == "authentication_error"
     assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+    assert http.get("/ping").status_code == 200
     client = openai.OpenAI(
         base_url="http://testserver/v1", api_key="s3cret", http_client=http, max_retries=0
     )

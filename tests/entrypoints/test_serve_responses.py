@@ -238,17 +238,27 @@ BAD_FORMAT = {"format": {"type": "json_schema", "name": "x", "schema": {"type": 
 BAD = [
     (
         {"input": [IMAGE]},
-        "input.0.message.content.0.type",
-        "Input should be 'input_text' or 'output_text', got 'input_image'",
+        "input[0].content",
+        "input[0].content: this model takes text only, and the content has a 'input_image' part",
+    ),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_txt", "text": "x"}]}]},
+        "input[0].content[0].type",
+        "Input should be 'input_text' or 'output_text', got 'input_txt'",
     ),
     (
         {"input": [{"type": "item_reference", "id": "x"}]},
-        "input.0",
+        "input[0]",
         "tag 'item_reference' found using _item_type() does not match any of the expected tags",
     ),
     (
+        {"input": "Hi", "tool_choice": "any"},
+        "tool_choice",
+        'tool_choice: expected "none", "auto", "required" or {"type": "function", "name": ...}',
+    ),
+    (
         {"input": "Hi", "tools": [{"type": "web_search"}]},
-        "tools.0",
+        "tools[0]",
         "expected a tool of type 'function' (the only kind served), type 'web_search'",
     ),
     ({"input": "Hi", "max_output_tokens": 5000}, "max_output_tokens", "max_output_tokens is 5000"),

@@ -4,8 +4,9 @@ Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /
 (`stream` false: one JSON body; true: server-sent events ending with `data: [DONE]`),
 `POST /v1/responses` and `GET /v1/responses/{id}` (OpenAI's Responses API, read as chat requests:
 `responses_request`), `POST /tokenize`, `POST /detokenize`, `GET /version`, `GET|HEAD /health`,
-`GET /metrics`. Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`
-with its HTTP status (503s with `Retry-After`). Every response carries `X-Request-Id`: the client's, or
+`GET|POST /ping` (the same, as vLLM answers it), `GET /metrics`. Every error is an OpenAI-style
+body `{"error": {"message", "type", "param", "code"}}` with its HTTP status (503s with
+`Retry-After`). Every response carries `X-Request-Id`: the client's, or
 one made here; log lines about a request name it.
 
 Requests are read by `request_reader` (validated, tokenized, one engine request per choice) and answered by
@@ -108,6 +109,7 @@ def build_app(
         )
 
     app.api_route("/health", methods=["GET", "HEAD"])(api.health)
+    app.api_route("/ping", methods=["GET", "POST"])(api.health)  # vLLM's (SageMaker's) name
     app.get("/metrics")(api.metrics_text)
     app.get("/version")(api.version)
     app.get("/v1/models")(api.models)
@@ -195,8 +197,9 @@ class OpenAIApi:
         else:
             try:
                 messages = [m.as_template_input(self.reader.content_format) for m in body.messages]
+                kwargs = self.reader.chat_options.template_kwargs(body.chat_template_kwargs)
                 text = await self.reader.off_loop(
-                    chat_prompt_text, self.tokenizer, messages, None, body.chat_template_kwargs
+                    chat_prompt_text, self.tokenizer, messages, None, kwargs
                 )
             except ValueError as e:
                 raise ApiError(400, str(e), "messages") from None

@@ -11,7 +11,7 @@ reason of a turn that called a tool is `tool_calls`.
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spmoe.entrypoints.serve.parsers.chat_output import (
     JSON_CALLS,
@@ -21,15 +21,23 @@ from spmoe.entrypoints.serve.parsers.chat_output import (
 )
 from spmoe.entrypoints.serve.parsers.reasoning import THINK_END, thinking_enabled
 from spmoe.entrypoints.serve.parsers.tool_calls import coalesce_deltas
+from spmoe.entrypoints.serve.tokenizer import SERVER_TEMPLATE_KWARGS
 
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """The server's `--reasoning-parser`, `--tool-call-parser` and `--enable-auto-tool-choice`."""
+    """The server's `--reasoning-parser`, `--tool-call-parser`, `--enable-auto-tool-choice` and
+    `--default-chat-template-kwargs` (the template arguments a request's `chat_template_kwargs`
+    goes over, key by key, as in vLLM: `{"enable_thinking": false}` turns thinking off server-wide)."""
 
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    default_template_kwargs: dict = field(default_factory=dict)
+
+    def template_kwargs(self, requested: dict) -> dict:
+        """A request's chat template arguments: the server's defaults, then the request's own."""
+        return {**self.default_template_kwargs, **requested}
 
     def __post_init__(self):
         for flag, name, known in (
@@ -38,6 +46,12 @@ class ChatOptions:
         ):
             if name is not None and name not in known:
                 raise ValueError(f"{flag} must be one of {', '.join(known)}, got {name!r}")
+        reserved = sorted(SERVER_TEMPLATE_KWARGS & set(self.default_template_kwargs))
+        if reserved:
+            raise ValueError(
+                f"--default-chat-template-kwargs must not set {', '.join(reserved)}: the server "
+                f"sets them"
+            )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(
                 "--enable-auto-tool-choice needs --tool-call-parser (glm47 or glm45 for GLM models)"

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from spmoe.entrypoints.serve.protocol import ApiError
 
-OPEN_ROUTES = ("/health", "/metrics")  # the routes that need no API key
+OPEN_ROUTES = ("/health", "/ping", "/metrics")  # the routes that need no API key
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 
 

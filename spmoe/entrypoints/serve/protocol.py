@@ -12,6 +12,7 @@ Unicode text (a lone surrogate such as `"\\ud800"` decodes to a `str` that no to
 
 import json
 import logging
+import re
 import reprlib
 import uuid
 from typing import Literal
@@ -262,13 +263,39 @@ class ToolCall(Strict):
     function: FunctionCall
 
 
+# content parts of OpenAI's (and vLLM's) multimodal messages, none of which a text model takes
+NOT_TEXT_PARTS = (
+    "image_url", "input_image", "image", "image_pil", "image_embeds", "input_audio", "audio_url",
+    "audio", "video_url", "video", "file", "input_file",
+)  # fmt: skip
+
+
+def text_parts_only(content):
+    """A message's content before validation: a string, or a list of parts of which an image, audio,
+    video or file part is refused as such ("this model takes text only")."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("expected a string or a list of text parts")
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in NOT_TEXT_PARTS:
+            raise ValueError(
+                f"this model takes text only, and the content has a {kind!r} part; send text "
+                f'parts ({{"type": "text", "text": ...}}) or a string'
+            )
+    return content
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
-    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_call_id: str | None = None  # a tool message: the call it answers (OpenAI requires it)
     reasoning_content: str | None = None  # an assistant turn's thinking, given back to the template
+
+    _text_only = field_validator("content", mode="before")(text_parts_only)
 
     @model_validator(mode="after")
     def _content_or_calls(self):
@@ -280,6 +307,8 @@ class ChatMessage(Strict):
             raise ValueError(
                 f"only an assistant message may have tool_calls, not a '{self.role}' message"
             )
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a 'tool' message needs 'tool_call_id': the id of the call it answers")
         return self
 
     def as_template_input(self, content_format: str = "string") -> dict:
@@ -335,6 +364,17 @@ class NamedToolChoice(Strict):
     function: NamedFunction
 
 
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def named_or_listed_choice(choice, named: str):
+    """`tool_choice` before validation: one of TOOL_CHOICES, or an object (a named function, in the
+    shape `named` shows); anything else is refused in those words."""
+    if choice is None or choice in TOOL_CHOICES or isinstance(choice, dict):
+        return choice
+    raise ValueError(f'expected "none", "auto", "required" or {named}')
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(
@@ -344,6 +384,12 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict = {}  # passed to the chat template (enable_thinking: GLM's thinking switch)
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, choice):
+        return named_or_listed_choice(choice, '{"type": "function", "function": {"name": ...}}')
+
     logprobs: bool = False  # the chosen tokens' logprobs
     top_logprobs: int | None = Field(
         None, ge=0, le=20
@@ -367,15 +413,38 @@ class DetokenizeRequest(Strict):
     tokens: list[int]
 
 
-def parse(model: type[BaseModel], body) -> BaseModel:
-    """A decoded JSON body -> the validated request; `ApiError` 400 naming the first bad field."""
+# what pydantic puts in an error's location for the member of a union that failed: a type's name
+# (`str`, `list[TextPart]`, `literal['none','auto']`, `NamedToolChoice`, `function-after[...]`);
+# the request's own field names are lower case, without brackets
+_UNION_MEMBER = re.compile(r"[A-Z]\w*|(str|int|float|bool|none)|[\w-]+\[.*\]")
+
+
+def client_parts(loc: tuple, tags: frozenset = frozenset()) -> list:
+    """An error's location less the union members pydantic names in it (`tags`: the tags of the
+    model's discriminated unions, which pydantic names too)."""
+    return [
+        p for p in loc if isinstance(p, int) or not (p in tags or _UNION_MEMBER.fullmatch(str(p)))
+    ]
+
+
+def client_path(loc: tuple, tags: frozenset = frozenset()) -> str:
+    """An error's location in the names the client sent: `messages[0].content`, not pydantic's
+    `messages.0.content.str` (list indices in brackets, union members left out)."""
+    parts = client_parts(loc, tags)
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).removeprefix(".")
+
+
+def parse(model: type[BaseModel], body, tags: frozenset = frozenset()) -> BaseModel:
+    """A decoded JSON body -> the validated request; `ApiError` 400 naming the first bad field in
+    the client's names (`client_path`; `tags`: those of the model's discriminated unions)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
+        # the deepest error: of a union's members, the one that got furthest into the value
+        first = max(e.errors(), key=lambda error: len(client_parts(error["loc"], tags)))
+        where = client_path(first["loc"], tags) or "body"
         if first["type"] == "missing":
             raise ApiError(400, f"missing required parameter '{where}'", where) from None
         message = first["msg"].removeprefix("Value error, ")

@@ -190,15 +190,14 @@ class RequestReader:
             for m in body.messages
         ]
         self.check_text_size(texts, "messages")
+        template_kwargs = self.chat_options.template_kwargs(body.chat_template_kwargs)
         try:
             messages = [m.as_template_input(self.content_format) for m in body.messages]
             text = await self.off_loop(
-                chat_prompt_text, self.tokenizer, messages, tools, body.chat_template_kwargs
+                chat_prompt_text, self.tokenizer, messages, tools, template_kwargs
             )
             parsers = [
-                ChatChoices.for_request(
-                    self.chat_options, text, body.chat_template_kwargs, tool_use
-                )
+                ChatChoices.for_request(self.chat_options, text, template_kwargs, tool_use)
                 for _ in range(body.n)
             ]
         except ValueError as e:
@@ -209,9 +208,7 @@ class RequestReader:
         )
         grammar = await self.grammar(body, tool_use.grammar_fields(), tools, http)
         start_after = (
-            grammar_start_after(self.reasoning_end_ids, body.chat_template_kwargs)
-            if grammar
-            else ()
+            grammar_start_after(self.reasoning_end_ids, template_kwargs) if grammar else ()
         )
         logprobs, seed = (body.top_logprobs or 0) if body.logprobs else None, self.seed(body)
         choices = [

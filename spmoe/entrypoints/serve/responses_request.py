@@ -17,14 +17,16 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from fastapi import Request
-from pydantic import BeforeValidator, Discriminator, Field, Tag, model_validator
+from pydantic import BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
 
 from spmoe.entrypoints.serve.protocol import (
     ApiError,
     FunctionDefinition,
     SamplingFields,
     Strict,
+    named_or_listed_choice,
     parse,
+    text_parts_only,
 )
 from spmoe.entrypoints.serve.request_reader import ParsedRequest, RequestReader
 
@@ -47,8 +49,11 @@ class ContentText(Strict):
 
 
 def _as_parts(content):
-    """A content given as one string -> the one text part it stands for."""
-    return [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+    """A content given as one string -> the one text part it stands for; an image, audio or file
+    part is refused as such (`text_parts_only`)."""
+    if isinstance(content, str):
+        return [{"type": "input_text", "text": content}]
+    return text_parts_only(content)
 
 
 def _text(parts: list[ContentText]) -> str:
@@ -99,13 +104,14 @@ def _item_type(item) -> str | None:
     return item.get("type", "message") if isinstance(item, dict) else None
 
 
+ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
-]
+]  # pydantic names an item's type (a tag of ITEM_TYPES) in an error's location
 
 
 class InputItems(Strict):
@@ -158,6 +164,12 @@ class ResponsesRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, choice):
+        return named_or_listed_choice(choice, '{"type": "function", "name": ...}')
+
     store: bool = True
     text: TextConfig | None = None
     chat_template_kwargs: dict = {}
@@ -273,7 +285,9 @@ class ResponsesReader:
         history = []
         if body.previous_response_id is not None:
             history = self.store.get(body.previous_response_id, "previous_response_id")[0]
-        items = body.input if isinstance(body.input, str) else parse(InputItems, raw).input
+        items = (
+            body.input if isinstance(body.input, str) else parse(InputItems, raw, ITEM_TYPES).input
+        )
         conversation = history + chat_messages(items)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         try:

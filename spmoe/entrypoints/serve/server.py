@@ -21,7 +21,7 @@ from spmoe.distributed import launch
 from spmoe.distributed.simulated import banner
 from spmoe.engine.args import EngineArgs
 from spmoe.engine.options import help_groups
-from spmoe.engine.vllm_values import parse_json_object, served_model_names
+from spmoe.engine.vllm_values import argparse_type, parse_json_object, served_model_names
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.model_source import resolve_model
 from spmoe.entrypoints.serve.chat import ChatOptions
@@ -170,8 +170,9 @@ def add_serve_args(p) -> None:
         action=OneOfSeveral,  # vLLM takes several keys
         metavar="KEY",
         default=os.environ.get("SPMOE_API_KEY"),
-        help="every route but /health and /metrics needs 'Authorization: Bearer <key>' (default: env "
-        "SPMOE_API_KEY; none: no key needed); one key: several, as vLLM takes them, are an error",
+        help="every route but /health, /ping and /metrics needs 'Authorization: Bearer <key>' "
+        "(default: env SPMOE_API_KEY; none: no key needed); one key: several, as vLLM takes them, "
+        "are an error",
     )
     server.add_argument(
         "--max-request-bytes",
@@ -222,6 +223,16 @@ def add_serve_args(p) -> None:
     chat.add_argument(
         "--chat-template",
         help="a Jinja chat template file, or the template itself (default: the tokenizer's)",
+    )
+    chat.add_argument(
+        "--default-chat-template-kwargs",
+        type=argparse_type(
+            lambda text: parse_json_object(text, "--default-chat-template-kwargs"),
+            "--default-chat-template-kwargs",
+        ),
+        metavar="JSON",
+        help="chat template arguments for every request, under its own chat_template_kwargs: "
+        '{"enable_thinking": false} turns GLM\'s thinking off server-wide',
     )
     chat.add_argument(
         "--chat-template-content-format",

@@ -50,6 +50,12 @@ def read_chat_template(value: str) -> str:
     )
 
 
+# the chat template's arguments the server sets itself
+SERVER_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "tokenize", "add_generation_prompt", "conversation"}
+)
+
+
 def chat_prompt_text(
     tokenizer,
     messages: list[dict],
@@ -64,9 +70,7 @@ def chat_prompt_text(
             "this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); use /v1/completions"
         )
     kwargs = dict(template_kwargs or {})
-    reserved = sorted(
-        {"messages", "tools", "tokenize", "add_generation_prompt", "conversation"} & set(kwargs)
-    )
+    reserved = sorted(SERVER_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise ValueError(
             f"chat_template_kwargs must not set {', '.join(reserved)}: the server sets them"
