@@ -1024,19 +1024,25 @@ VLLM_FLAGS = (
     VllmFlag(
         ("--speculative-model",),
         "noted",
-        "accepted when it names the served model (vLLM 0.7's MTP form, with "
-        "--num-speculative-tokens); a separate draft model is an error that says what to use",
+        "the served model (vLLM 0.7's MTP form, with --num-speculative-tokens), or [ngram] (vLLM "
+        "0.6's n-gram lookup: with --num-speculative-tokens and --ngram-prompt-lookup-max / -min, "
+        "read as --speculative-config's ngram method and keys); a separate draft model is an error "
+        "that says what to use",
         store=("speculative_model", lambda value: value),
     ),
     *_ignored(
-        "a setting of vLLM's draft-model speculation: spmoe drafts with the MTP layer and accepts "
-        "drafts by the exact rejection rule, so outputs keep the model's distribution",
+        "without --speculative-model [ngram] it does nothing, as in vLLM; with it, it is the "
+        "n-gram lookup's prompt_lookup_max (min), read as --speculative-config's key",
+        "--ngram-prompt-lookup-max",
+        "--ngram-prompt-lookup-min",
+    ),
+    *_ignored(
+        "a setting of vLLM's draft-model speculation: spmoe drafts with the MTP layer or a lookup "
+        "and accepts drafts by the exact rejection rule, so outputs keep the model's distribution",
         "--speculative-model-quantization",
         "--speculative-draft-tensor-parallel-size",
         "--speculative-max-model-len",
         "--speculative-disable-by-batch-size",
-        "--ngram-prompt-lookup-max",
-        "--ngram-prompt-lookup-min",
         "--spec-decoding-acceptance-method",
         "--typical-acceptance-sampler-posterior-threshold",
         "--typical-acceptance-sampler-posterior-alpha",
@@ -1356,9 +1362,11 @@ def vllm_argv(argv: list[str]) -> list[str]:
     `--x-y` (the name only, not a dotted key or the value), `-O3`, `-O=3` and `-O 3` are
     `--optimization-level 3`, a JSON option's short name is its long one (`-sc.method` is
     `--speculative-config.method`), `--spec-method X` is `--speculative-config.method X` (so
-    for `--spec-model` and `--spec-tokens`), and a switch of BOOLEAN_VALUED followed by true or
-    false (any case; or `=true`) is the switch, or its off form (`--no-X`, where vLLM has one)."""
-    return _boolean_values(_spellings(argv))
+    for `--spec-model` and `--spec-tokens`), a switch of BOOLEAN_VALUED followed by true or
+    false (any case; or `=true`) is the switch, or its off form (`--no-X`, where vLLM has one), and
+    vLLM 0.6's n-gram lookup (`--speculative-model [ngram]`, `NGRAM_FORM`) is the ngram method of
+    `--speculative-config`."""
+    return _ngram_form(_boolean_values(_spellings(argv)))
 
 
 def _spellings(argv: list[str]) -> list[str]:
@@ -1400,6 +1408,40 @@ def _boolean_values(argv: list[str]) -> list[str]:
         off = "--no-" + name.removeprefix("--")
         out.append(off if truth == "false" and off in _ARITY else name)
         i += 1 if eq else 2
+    return out
+
+
+# vLLM before 0.8 asked for its n-gram lookup with `--speculative-model [ngram]`; these flags were
+# then that lookup's keys: the flag -> the key of --speculative-config
+NGRAM_FORM = {
+    "--speculative-model": "method",
+    "--num-speculative-tokens": "num_speculative_tokens",
+    "--ngram-prompt-lookup-max": "prompt_lookup_max",
+    "--ngram-prompt-lookup-min": "prompt_lookup_min",
+}
+
+
+def _ngram_form(argv: list[str]) -> list[str]:
+    """With `--speculative-model [ngram]`, each flag of NGRAM_FORM as its dotted key of
+    `--speculative-config` (`[ngram]` as the method `ngram`); any other line as it is."""
+    values = {}
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in NGRAM_FORM:
+            values[i] = (name, value if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
+    if ("--speculative-model", "[ngram]") not in values.values():
+        return argv
+    out, skip = [], set()
+    for i, arg in enumerate(argv):
+        if i in skip:
+            continue
+        if i not in values:
+            out.append(arg)
+            continue
+        name, value = values[i]
+        out += [f"--speculative-config.{NGRAM_FORM[name]}", value.strip("[]")]
+        if "=" not in arg:
+            skip.add(i + 1)
     return out
 
 

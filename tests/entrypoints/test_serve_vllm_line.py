@@ -20,7 +20,7 @@ from spmoe.distributed import spawn
 from spmoe.distributed.launcher import free_port
 from spmoe.entrypoints.cli import main
 from spmoe.entrypoints.demo import CHECKPOINT, write_demo_tokenizer
-from spmoe.entrypoints.vllm_flags import VLLM_FLAGS
+from spmoe.entrypoints.vllm_flags import NGRAM_FORM, VLLM_FLAGS
 from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 from tests.engine.conftest import ENGINE_CONFIG
 from tests.entrypoints.test_serve import wait_until_ready
@@ -326,6 +326,10 @@ OLDER_LINES = {
         f"{REPO} --tp 2 --speculative-model {REPO} --num-speculative-tokens 2 "
         "--spec-decoding-acceptance-method rejection_sampler --ngram-prompt-lookup-max 4"
     ),
+    "0.6 n-gram lookup": (
+        f"{REPO} -tp 2 --speculative-model [ngram] --num-speculative-tokens 5 "
+        "--ngram-prompt-lookup-max 4 --ngram-prompt-lookup-min=2 --use-v2-block-manager"
+    ),
     "0.9 reasoning": (
         f"{REPO} -tp 2 --enable-reasoning --reasoning-parser glm45 --tool-call-parser glm45 "
         "--enable-auto-tool-choice --guided-decoding-backend xgrammar "
@@ -367,9 +371,10 @@ def test_older_vllm_launch_lines_reach_a_running_config(line, hf_home, monkeypat
         "cpu",
         None,
     )
-    given = set(shlex.split(line))
+    given = {arg.partition("=")[0] for arg in shlex.split(line)}
+    taken = set(NGRAM_FORM) if "[ngram]" in given else set()  # vLLM 0.6's lookup: its keys
     for flag in VLLM_FLAGS:
-        for name in given & set(flag.names):
+        for name in given & set(flag.names) - taken:
             if flag.verdict == "ignored":
                 assert err.count(f"spmoe serve: {name}: ignored: {flag.note}\n") == 1, (name, err)
     if "--block-size" in given:
@@ -379,7 +384,11 @@ def test_older_vllm_launch_lines_reach_a_running_config(line, hf_home, monkeypat
         assert "--gpu-memory-utilization 0.9" in err or "--gpu-memory-utilization 0.95" in err
         assert "ignored on cpu (a share of GPU memory)" in err
     tokens = shlex.split(line)
-    if "--num-speculative-tokens" in tokens:  # vLLM 0.7's MTP form
+    if "[ngram]" in tokens:  # vLLM 0.6's n-gram lookup
+        lookup = engine_args.speculation.lookup
+        assert (lookup.prompt_lookup_min, lookup.prompt_lookup_max) == (2, 4)
+        assert engine_args.drafts == 5 and "ngram with 5 drafts" in err, err
+    elif "--num-speculative-tokens" in tokens:  # vLLM 0.7's MTP form
         drafts = int(tokens[tokens.index("--num-speculative-tokens") + 1])
         assert engine_args.drafts == drafts and f"MTP with {drafts} drafts" in err
     else:
