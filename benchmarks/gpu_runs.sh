@@ -6,7 +6,8 @@
 # ends inside its 10 minutes and whatever ran comes back. Wheels the machine lacks travel in the
 # checkout's `.whl/` folder; they are installed first when present.
 #
-# Stages (H200 for the 78-layer ones: TP 8's weights are about 95 GB a rank):
+# Stages (H200 for the 78-layer ones: TP 8's weights are about 95 GB a rank; on an H100, LAYERS=40
+# runs them at the depth that fits; MEMCHECK_JOBS test files at once under the sanitizer, default 2):
 #   smoke     TP 8 rank at 4 and 8 layers, batches 1 / 64, 8k context, MTP 0 / 3, warm-up: the CUDA path
 #   rank8k    TP 8 SP off, 78 layers, batches 1 / 16 / 64 / 256, 8k context, MTP 0 / 3
 #   warmup    TP 8 SP off, 78 layers: the engine's build and warm-up as served (graphs up to 256, MTP 3)
@@ -54,26 +55,33 @@ run() {
   echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - began))s" | tee -a "$OUT/$name.log"
 }
 
-size() { (cd benchmarks && python3 size_rank.py --kv-cache-dtype fp8 --reps 10 "$@"); }
+# an array, not a function: `run` hands its command to `timeout`, which runs programs only
+size=(python3 benchmarks/size_rank.py --kv-cache-dtype fp8 --reps 10)
+# GLM-5.2's depth; an H100 holds about 40 of its layers at TP 8 (LAYERS=40 there)
+layers=${LAYERS:-78}
 
 for stage in "$@"; do
   case $stage in
     smoke)
-      run smoke size --tp 8 --layers 4 8 --batches 1 64 --contexts 8192 --mtp 0 3 --prefill 8192 \
+      run smoke "${size[@]}" --tp 8 --layers 4 8 --batches 1 64 \
+        --contexts 8192 --mtp 0 3 --prefill 8192 \
         --timing-kv-gib 16 --warmup --graph-sizes 8 --out "$OUT/tp8_l4_8.json" ;;
     rank8k)
-      run rank8k size --tp 8 --sp off --layers 78 --batches 1 16 64 256 --contexts 8192 --mtp 0 3 \
+      run rank8k "${size[@]}" --tp 8 --sp off --layers "$layers" --batches 1 16 64 256 \
+        --contexts 8192 --mtp 0 3 \
         --prefill 8192 --timing-kv-gib 24 --kernels --out "$OUT/tp8_spoff.json" ;;
     warmup)
-      run warmup size --tp 8 --sp off --layers 78 --batches 1 --contexts 8192 --mtp 0 3 --prefill \
+      run warmup "${size[@]}" --tp 8 --sp off --layers "$layers" --batches 1 \
+        --contexts 8192 --mtp 0 3 --prefill \
         --warmup --graph-sizes 256 --warmup-mtp 3 --warmup-kv-gib 24 --timing-kv-gib 4 \
         --out "$OUT/tp8_warmup.json" ;;
     serve78)
-      run serve78 python3 benchmarks/serve_simulated_rank.py --layers 78 --concurrency 64 256 \
+      run serve78 python3 benchmarks/serve_simulated_rank.py --layers "$layers" --concurrency 64 256 \
         --num-prompts 256 --input-len 1024 --output-len 128 --out "$OUT/serve78.json" -- \
         --kv-cache-dtype fp8 --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}' ;;
     rank128k)
-      run rank128k size --tp 8 --sp off --layers 78 --batches 1 16 --contexts 131072 --mtp 0 3 \
+      run rank128k "${size[@]}" --tp 8 --sp off --layers "$layers" --batches 1 16 \
+        --contexts 131072 --mtp 0 3 \
         --prefill --max-model-len 132096 --timing-kv-gib 24 --out "$OUT/tp8_spoff_128k.json" ;;
     serve)
       for shape in "128 256" "1024 128"; do
@@ -83,18 +91,21 @@ for stage in "$@"; do
           --input-len "$1" --output-len "$2" -- --device cuda --dtype bfloat16 --cuda-graphs
       done ;;
     spon)
-      run spon size --tp 8 --sp on --layers 78 --batches 1 16 64 256 --contexts 8192 --mtp 0 3 \
+      run spon "${size[@]}" --tp 8 --sp on --layers "$layers" --batches 1 16 64 256 \
+        --contexts 8192 --mtp 0 3 \
         --prefill 8192 --timing-kv-gib 24 --out "$OUT/tp8_spon.json" ;;
     dp8)
-      run dp8 size --tp 1 --dp 8 --layers 78 --batches 1 2 8 32 --contexts 8192 --mtp 0 3 \
+      run dp8 "${size[@]}" --tp 1 --dp 8 --layers "$layers" --batches 1 2 8 32 \
+        --contexts 8192 --mtp 0 3 \
         --prefill 8192 --timing-kv-gib 16 --out "$OUT/dp8.json"
       run dp_host python3 benchmarks/bench_dp_host.py --dp 8 --batches 1 2 8 32 --tokens 1 3 \
         --out "$OUT/dp_host.json" ;;
     gputests)
-      run gputests python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests
+      # tests/entrypoints needs the openai client, which the GPU machine lacks; none of it is GPU-only
+      run gputests python3 -m pytest -q -p no:cacheprovider -m gpu -rs --ignore=tests/entrypoints tests
       run dp_graphs python3 -m pytest -q -p no:cacheprovider tests/engine/test_dp_graphs_gpu.py ;;
     memcheck)
-      run memcheck bash benchmarks/memcheck_gpu_tests.sh "$OUT/memcheck" 4 "$(($(left) - 30))" ;;
+      run memcheck bash benchmarks/memcheck_gpu_tests.sh "$OUT/memcheck" "${MEMCHECK_JOBS:-2}" "$(($(left) - 30))" ;;
     fp8)
       run fp8_step python3 benchmarks/bench_decode_step.py --weights bf16 fp8 \
         --cases 1x8192 16x8192 64x8192

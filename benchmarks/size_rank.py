@@ -272,6 +272,8 @@ def warmup_report(model, opts, parallel: ParallelConfig) -> dict:
         kv_cache_memory=opts.warmup_kv_gib,
         speculative="mtp" if opts.warmup_mtp else None,
         num_speculative_tokens=opts.warmup_mtp or None,
+        # as `spmoe serve` leaves it: CUDA graphs wherever they apply (the field's default is off)
+        cuda_graphs=None,
     )
     began = time.perf_counter()
     engine = build_engine(args, model, opts.graph_sizes, opts.max_model_len)

@@ -122,19 +122,19 @@ def test_fp8_matmul_past_2_31_input_elements():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_fp8_matmul_in_a_cuda_graph(m):
-    """At (6144, 2048) the table splits k (shared down at decode): the partials and their sum replay too, and
-    the fixed-order sum makes the replay bit-equal to an eager call."""
+    """At (2816, 6144) the table splits k (x_proj at decode): the partials and their sum replay too,
+    and the fixed-order sum makes the replay bit-equal to an eager call."""
     from spmoe.layers.quantization.fp8_kernels import matmul_config
 
-    assert matmul_config(m, 6144, 2048).split_k > 1
+    assert matmul_config(m, 2816, 6144).split_k > 1
     gen = torch.Generator(device="cuda").manual_seed(4)
-    w, s = _weight(6144, 2048, gen)
-    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w, s = _weight(2816, 6144, gen)
+    x = torch.randn(m, 6144, device="cuda", dtype=torch.bfloat16, generator=gen)
     eager = fp8_matmul(x, w, s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fp8_matmul(x, w, s)
-    x.copy_(torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16, generator=gen))
+    x.copy_(torch.randn(m, 6144, device="cuda", dtype=torch.bfloat16, generator=gen))
     graph.replay()
     assert not torch.equal(captured, eager)
     torch.testing.assert_close(captured, fp8_matmul(x, w, s), rtol=0, atol=0)

@@ -68,29 +68,43 @@ M_BUCKETS = (
 # x m x n) are a few % of the weight's bytes at m <= 16; at m = 64 up to half for the 2048-deep
 # layers, a few MiB that mostly stay in L2.
 MATMUL_CONFIGS: dict[tuple[int, int, int], MatmulConfig] = {
-    # x_proj (q_a + kv_a (+ indexer wk), 128-row padded parts): 21-22 / 42-44 column tiles
-    (16, 2816, 6144): MatmulConfig(16, 128, 12, 4, 4),
+    # x_proj (q_a + kv_a (+ indexer wk), 128-row padded parts): 42-44 column tiles at m 64
     (64, 2816, 6144): MatmulConfig(64, 64, 6, 4, 4),
-    (16, 2688, 6144): MatmulConfig(16, 128, 12, 4, 4),
     (64, 2688, 6144): MatmulConfig(64, 64, 6, 4, 4),
     # q_b_proj: 128 / 256 column tiles
     (16, 16384, 2048): MatmulConfig(16, 128, 2, 4, 4),
     (64, 16384, 2048): MatmulConfig(64, 64, 1, 4, 4),
-    # indexer wq_b, shared experts' gate_up: 32 / 64 tiles
-    (16, 4096, 2048): MatmulConfig(16, 128, 8, 4, 4),
-    (64, 4096, 2048): MatmulConfig(64, 64, 4, 4, 4),
+    # shared experts' gate_up: 32 / 64 tiles
     (16, 4096, 6144): MatmulConfig(16, 128, 8, 4, 4),
     (64, 4096, 6144): MatmulConfig(64, 64, 4, 4, 4),
-    # o_proj, shared and dense down: 48 / 96 tiles
+    # o_proj and dense down: 48 / 96 tiles
     (16, 6144, 16384): MatmulConfig(16, 128, 6, 4, 4),
     (64, 6144, 16384): MatmulConfig(64, 64, 3, 4, 4),
-    (16, 6144, 2048): MatmulConfig(16, 128, 6, 4, 4),
-    (64, 6144, 2048): MatmulConfig(64, 64, 3, 4, 4),
     (16, 6144, 12288): MatmulConfig(16, 128, 6, 4, 4),
     (64, 6144, 12288): MatmulConfig(64, 64, 3, 4, 4),
     # dense gate_up: 192 / 384 tiles (2 splits at m <= 16: 384 programs, one wave at 3 per SM)
     (16, 24576, 6144): MatmulConfig(16, 128, 2, 4, 4),
     (64, 24576, 6144): MatmulConfig(64, 64, 1, 4, 4),
+    # TP 8's shapes (x_proj's, the indexer wq_b's and TP 1's shared down alike at any TP),
+    # measured (one H100, `bench_fp8_linear.py --tp 8 --m 1 16 64 --sweep`, 2026-12-07): per
+    # m <= 16 the least time of m = 1 and m = 16 together, per m <= 64 the fastest at 64. Fewer k
+    # splits than the rule above gives: at these widths a split's partial sums and second pass cost
+    # more than the loads it spreads.
+    (16, 2816, 6144): MatmulConfig(16, 64, 6, 4, 4),
+    (16, 2688, 6144): MatmulConfig(16, 64, 6, 4, 4),
+    (16, 2048, 2048): MatmulConfig(16, 32, 4, 4, 4),
+    (64, 2048, 2048): MatmulConfig(64, 64, 1, 4, 4),
+    (16, 4096, 2048): MatmulConfig(16, 32, 1, 4, 4),
+    (64, 4096, 2048): MatmulConfig(64, 64, 1, 4, 4),
+    (16, 6144, 2048): MatmulConfig(16, 64, 1, 4, 4),
+    (64, 6144, 2048): MatmulConfig(64, 64, 1, 4, 4),
+    (16, 512, 6144): MatmulConfig(16, 32, 16, 4, 4),
+    (64, 512, 6144): MatmulConfig(64, 64, 1, 4, 4),
+    (16, 6144, 256): MatmulConfig(16, 64, 1, 4, 4),
+    (16, 3072, 6144): MatmulConfig(16, 64, 6, 4, 4),
+    (64, 3072, 6144): MatmulConfig(64, 64, 1, 4, 4),
+    (16, 6144, 1536): MatmulConfig(16, 64, 1, 4, 4),
+    (64, 6144, 1536): MatmulConfig(64, 64, 1, 4, 4),
 }
 
 

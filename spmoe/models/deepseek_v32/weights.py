@@ -320,17 +320,17 @@ def write_fp8_checkpoint(
     linears = {f"{name}.weight" for name, _, _ in _linear_parts(model)}
     linears |= {key for key in plan if EXPERT_KEY.match(key)}
     suffix = "weight_scale_inv" if scheme == "fp8" else "weight_scale"
+    # each tensor leaves the model's device as it is made: the FP8 twin of a model that fills most
+    # of a GPU does not fit beside it
     tensors = {}
     for key, (dest, _, _) in plan.items():
         if key in linears and not key.removesuffix(".weight").endswith(unquantized):
-            tensors[key], tensors[key.removesuffix("weight") + suffix] = quantize_blocks(dest)
+            q, scale = quantize_blocks(dest.detach())
+            tensors[key], tensors[key.removesuffix("weight") + suffix] = q.cpu(), scale.cpu()
         else:
-            tensors[key] = dest
+            tensors[key] = dest.detach().cpu().contiguous()
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {key: t.detach().cpu().contiguous() for key, t in tensors.items()},
-        folder / "model.safetensors",
-    )
+    save_file(tensors, folder / "model.safetensors")
     block = list(FP8_BLOCK)
     if scheme == "fp8":
         quantization = dict(
