@@ -27,10 +27,15 @@ import zmq
 from spmoe.distributed.launcher import free_port
 from spmoe.engine.request import EngineMetrics
 from spmoe.entrypoints.demo import CHECKPOINT
-from spmoe.entrypoints.serve.engine_client import EngineFacts
-from spmoe.entrypoints.serve.front_ends import MAX_RESTARTS
-from spmoe.entrypoints.serve.frontend import FrontEndLaunch, FrontEndOptions
-from spmoe.entrypoints.serve.wire import Codec, FromEngine, PrivateAddress
+from spmoe.entrypoints.serve.engine.front_ends import MAX_RESTARTS
+from spmoe.entrypoints.serve.frontend.process import FrontEndOptions
+from spmoe.entrypoints.serve.wire import (
+    Codec,
+    EngineFacts,
+    FromEngine,
+    FrontEndLaunch,
+    PrivateAddress,
+)
 
 FRONT_END = [sys.executable, "-m", "spmoe.entrypoints.serve.frontend"]
 
@@ -62,8 +67,8 @@ def start_once(tokenizer: str, port: int) -> dict:
         num_speculative_tokens=0,
     )
     launch = FrontEndLaunch(
-        target="spmoe.entrypoints.serve.frontend:serve_http",
-        args=(options,),
+        target="spmoe.entrypoints.serve.frontend.process:serve_http",
+        args=pickle.dumps((options,)),
         address=address.url,
         identity=b"bench",
         facts=facts,

@@ -25,8 +25,8 @@ import zmq
 from spmoe.engine.request import EngineMetrics, GrammarSpec, Request, RequestOutput, SamplingParams
 from spmoe.engine.sampling.grammar import GrammarCompiler
 from spmoe.entrypoints.demo import write_demo_tokenizer
-from spmoe.entrypoints.serve.tokenizer import load_tokenizer
 from spmoe.entrypoints.serve.wire import Codec, FromEngine, PrivateAddress, ToEngine
+from spmoe.entrypoints.tokenizer import load_tokenizer
 
 SCHEMA = {
     "type": "object",

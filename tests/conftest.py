@@ -26,7 +26,7 @@ def engine_checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from spmoe.entrypoints.demo import write_demo_tokenizer
-    from spmoe.entrypoints.serve.tokenizer import load_tokenizer
+    from spmoe.entrypoints.tokenizer import load_tokenizer
 
     folder = tmp_path_factory.mktemp("tokenizer")
     write_demo_tokenizer(folder)

@@ -4,6 +4,9 @@ engine's modules likewise over the engine's own floors (`ENGINE_FLOORS`), no imp
 spmoe, function-level imports included, and torch.distributed used only inside spmoe/distributed/."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,3 +192,99 @@ def test_no_upward_engine_import():
     graph = {name: imports(path) - {name} for name, path in MODULES.items()}
     assert graph["spmoe.engine.engine"]  # the walk sees the engine's imports
     assert upward_engine_imports(graph) == []
+
+
+# The server, one folder per process (docs/architecture.md, "The server's processes"): a front end
+# process imports no torch and nothing of the engine but its records, a rank process no HTTP
+# framework; each folder imports nothing of the other's, and the wire between them is plain records.
+SERVE = "spmoe.entrypoints.serve"
+FRONT_END, RANK_SIDE, WIRE = f"{SERVE}.frontend", f"{SERVE}.engine", f"{SERVE}.wire"
+# what a front end may import of spmoe outside its folder: the wire, the records it carries, and the
+# entry points' modules that the jobs share and that import no torch
+FRONT_END_MAY_IMPORT = (
+    WIRE,
+    "spmoe.engine.request",
+    "spmoe.entrypoints.tokenizer",
+    "spmoe.entrypoints.generation_defaults",
+)
+NOT_IN_A_FRONT_END = ("torch", "triton", "xgrammar", "safetensors")
+NOT_IN_A_RANK = ("fastapi", "starlette", "uvicorn")
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module name `path` imports, at any depth of its code (absolute imports)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+def within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def process_breaches() -> list[str]:
+    """'importer -> imported' for every import that crosses the server's process folders."""
+    breaches = []
+    for name, path in MODULES.items():
+        names = imported_names(path)
+        spmoe = {n for n in names if within(n, ("spmoe",))}
+        other = {n for n in names if not within(n, ("spmoe",))}
+        if within(name, (FRONT_END,)):
+            bad = {
+                n for n in spmoe - {"spmoe"} if not within(n, (FRONT_END, *FRONT_END_MAY_IMPORT))
+            }
+            bad |= {n for n in other if within(n, NOT_IN_A_FRONT_END)}
+        elif within(name, (RANK_SIDE,)):
+            bad = {n for n in spmoe if within(n, (FRONT_END,))}
+            bad |= {n for n in other if within(n, NOT_IN_A_RANK)}
+        elif name == WIRE:
+            bad = {n for n in spmoe if not within(n, ("spmoe.engine.request",))}
+            bad |= {n for n in other if within(n, NOT_IN_A_FRONT_END + NOT_IN_A_RANK)}
+        else:
+            bad = set()
+        breaches += [f"{name} -> {n}" for n in sorted(bad)]
+    return breaches
+
+
+def test_the_server_folders_hold_one_process_each():
+    assert any(within(name, (FRONT_END,)) for name in MODULES)
+    assert any(within(name, (RANK_SIDE,)) for name in MODULES)
+    assert process_breaches() == []
+
+
+def loaded_by(module: str) -> set[str]:
+    """The modules in `sys.modules` after a fresh interpreter imports `module`."""
+    code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    return set(done.stdout.split())
+
+
+def test_a_front_end_process_loads_neither_torch_nor_the_engine():
+    """What `python -m spmoe.entrypoints.serve.frontend` has loaded before it reads its launch."""
+    loaded = loaded_by(f"{FRONT_END}.__main__")
+    assert {"fastapi", "uvicorn", f"{FRONT_END}.app"} <= loaded
+    assert sorted(m for m in loaded if within(m, NOT_IN_A_FRONT_END)) == []
+    outside = ("spmoe", "spmoe.engine", "spmoe.entrypoints", SERVE, FRONT_END)
+    assert (
+        sorted(
+            m
+            for m in loaded
+            if within(m, ("spmoe",)) and m not in outside
+            if not within(m, (FRONT_END, *FRONT_END_MAY_IMPORT))
+        )
+        == []
+    )
+
+
+def test_a_rank_process_loads_no_http_framework():
+    """What a rank has loaded once it can run `serve_rank`."""
+    loaded = loaded_by(f"{RANK_SIDE}.rank")
+    assert {"torch", f"{RANK_SIDE}.loop", "spmoe.engine.engine"} <= loaded
+    assert sorted(m for m in loaded if within(m, NOT_IN_A_RANK)) == []

@@ -14,7 +14,7 @@ from itertools import zip_longest
 import msgspec
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "tool_calls")
 # the most top logprobs a row may ask for (OpenAI's limit)
 MAX_LOGPROBS = 20
 # |bias| per token, as OpenAI bounds it
@@ -37,7 +37,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     `logit_bias`: (token id, bias) pairs; `min_tokens`: the eos and stop ids are excluded until this
     many tokens were generated; `logprobs`: None, or how many most likely tokens to report beside the
     chosen one's logprob (0..20); `prompt_logprobs`: the same for the prompt's tokens (the server's
-    `echo`). `check` says whether the values are in range."""
+    `echo`). Where a request is read, `check` refuses values out of range; the engine takes them as
+    they come."""
 
     # 0 (below `GREEDY_BELOW`): greedy
     temperature: float = 0.0
@@ -53,9 +54,6 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-
-    def __post_init__(self):
-        self.check()
 
     def check(self) -> None:
         """Raise a one-line ValueError naming the first field out of its range."""
@@ -109,17 +107,25 @@ class SamplingParams(msgspec.Struct, frozen=True):
 class GrammarSpec(msgspec.Struct, frozen=True):
     """A grammar as plain text, so that it travels with its request and every rank compiles the same
     one. `kind`: "json_schema" (`text`: the schema's JSON), "json_object" (any JSON object; `text` ""),
-    "regex", "choice" (`text`: a JSON list of the allowed strings) or "ebnf" (xgrammar's EBNF, rule
-    `root`)."""
+    "regex", "choice" (`text`: a JSON list of the allowed strings), "ebnf" (xgrammar's EBNF, rule
+    `root`) or "tool_calls" (`text`: a `ToolCalls`' JSON; GLM's tool-call layout)."""
 
     kind: str
     text: str = ""
 
-    def __post_init__(self):
-        if self.kind not in GRAMMAR_KINDS:
-            raise ValueError(
-                f"a grammar's kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}"
-            )
+
+class ToolCalls(msgspec.Struct, frozen=True):
+    """The text of a "tool_calls" grammar (`spec_text`): which calls the output may hold. `tools`:
+    (name, its parameters' JSON schema) in the client's order; `free_text`: text around the calls
+    (`tool_choice` `auto`), else the output is the calls; `several`: more than one call may come."""
+
+    tools: list[tuple[str, dict]]
+    free_text: bool
+    several: bool
+
+    def spec_text(self) -> str:
+        """Compact JSON, each schema's keys in the client's order."""
+        return msgspec.json.encode(self).decode()
 
 
 class Request(msgspec.Struct, frozen=True):

@@ -123,6 +123,7 @@ def check_generate(
     write), the eos ids, the prompts against the KV cache and
     `max_position_embeddings`, and the KV cache against the memory available."""
     args = opts.engine
+    opts.sampling.check()
     drafts, cache_len = args.drafts, opts.cache_len(prompts)
     longest = max(map(len, prompts)) + opts.max_new_tokens + drafts
     args.check(cfg, longest)

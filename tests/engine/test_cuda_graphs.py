@@ -8,10 +8,10 @@ import torch
 from spmoe.config import ParallelConfig
 from spmoe.distributed import CommStats, get_parallel_state
 from spmoe.engine.ranks import channel, generate
+from tests.engine.test_generate import EOS, MAX_NEW, PROMPTS
 
 from ..multigpu import requires_gpus, run_on_gpus
 from .conftest import ENGINE_CONFIG
-from .test_generate import EOS, MAX_NEW, PROMPTS
 
 # Triton needs multiples of 128; 8 heads and 16 experts divide over 2, 4 and 8 ranks
 GRAPH_CONFIG = {

@@ -14,8 +14,7 @@ import pytest
 from spmoe.distributed import spawn
 from spmoe.engine.ranks import generate
 from spmoe.engine.request import Request, SamplingParams
-
-from .test_generate import EOS, MAX_NEW, PROMPTS
+from tests.engine.test_generate import EOS, MAX_NEW, PROMPTS
 
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
 ALONE_MAX_LEN = 32

@@ -52,7 +52,7 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
     from spmoe.engine.request import GrammarSpec, Request, SamplingParams
     from spmoe.engine.sampling.grammar import GrammarCompiler
     from spmoe.engine.speculation import NgramConfig, Speculation
-    from spmoe.entrypoints.serve.tokenizer import load_tokenizer
+    from spmoe.entrypoints.tokenizer import load_tokenizer
     from spmoe.models.deepseek_v32.weights import load_model
 
     state = get_parallel_state()
@@ -166,7 +166,7 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
 def checkpoint(folder, config: dict):
     """`folder` with a random checkpoint of `config` and the demo tokenizer -> the tokenizer."""
     from spmoe.entrypoints.demo import write_demo_tokenizer
-    from spmoe.entrypoints.serve.tokenizer import load_tokenizer
+    from spmoe.entrypoints.tokenizer import load_tokenizer
     from spmoe.models.deepseek_v32.weights import write_random_checkpoint
 
     spawn(write_random_checkpoint, 1, config, folder, 1)

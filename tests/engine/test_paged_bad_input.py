@@ -95,7 +95,7 @@ def test_generate_rejects(case, extra, fragment, engine_checkpoint, tmp_path, ca
 
 def test_serve_checks_the_budget(engine_checkpoint):
     from spmoe.engine.args import EngineArgs
-    from spmoe.entrypoints.serve.engine_process import check_serve
+    from spmoe.entrypoints.serve.engine.rank import check_serve
 
     with pytest.raises(ValueError, match="--kv-cache-memory 1e-06 GiB holds no block"):
         check_serve(engine_checkpoint, EngineArgs(kv_cache_memory=1e-6))
@@ -143,7 +143,7 @@ def test_serve_defaults_settle_per_device(device, positions, given, expected):
     """`for_model` and `default_max_num_waiting` are pure: "cuda" needs no GPU here."""
     from spmoe.config import ModelConfig
     from spmoe.engine.args import EngineArgs
-    from spmoe.entrypoints.serve.engine_process import default_max_num_waiting, for_model
+    from spmoe.entrypoints.serve.engine.rank import default_max_num_waiting, for_model
 
     cfg = ModelConfig.from_dict({**ENGINE_CONFIG, "max_position_embeddings": positions})
     max_num_seqs, max_model_len = given
@@ -157,7 +157,7 @@ def test_serve_defaults_settle_per_device(device, positions, given, expected):
 def test_serve_waiting_default_counts_every_dp_group():
     from spmoe.config import ModelConfig
     from spmoe.engine.args import EngineArgs
-    from spmoe.entrypoints.serve.engine_process import default_max_num_waiting, for_model
+    from spmoe.entrypoints.serve.engine.rank import default_max_num_waiting, for_model
 
     args = for_model(EngineArgs(device="cuda", dp=2), ModelConfig.from_dict(ENGINE_CONFIG))
     assert default_max_num_waiting(args) == 2048  # 4 x 256 running in each of 2 groups

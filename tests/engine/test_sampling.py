@@ -393,7 +393,7 @@ def test_rows_that_are_not_finite_or_allow_nothing_are_flagged():
 )
 def test_bad_parameters_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError) as info:
-        SamplingParams(**kwargs)
+        SamplingParams(**kwargs).check()
     assert str(info.value) == message
 
 

@@ -4,15 +4,15 @@ not allow next to -inf in the logits before sampling.
 
 A `GrammarSpec` is plain text (a kind and its text), so rank 0 sends it with the request and every rank
 compiles the same grammar from its own cache: the masks, and so the sampled tokens, are the same on every rank.
-Compiling takes milliseconds to seconds (a large schema); the server compiles a request's grammar off its event
-loop before the request enters the engine, so the engine's compile is a cache hit on rank 0.
+Compiling takes milliseconds to seconds (a large schema); the server's engine loop compiles a request's
+grammar on a worker thread before the request joins a step (`grammar_text.py` and `tool_call_grammar.py`
+write a spec's text as xgrammar takes it).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -20,67 +20,21 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from spmoe.engine.request import GrammarSpec
-from spmoe.engine.sampling.json_schema import with_unique_items
+from spmoe.engine.request import GRAMMAR_KINDS, GrammarSpec
+from spmoe.engine.sampling.grammar_text import (
+    choice_ebnf,
+    compile_error_reason,
+    json_schema_grammar,
+    xgrammar,
+)
+from spmoe.engine.sampling.tool_call_grammar import ToolParametersError, tool_calls_ebnf
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-# xgrammar 0.2.9 writes a JSON string's characters as one of the first two classes: the first
-# (length-bounded strings) lets raw control characters in, where JSON forbids them, and on a
-# byte-level vocabulary both let the UTF-8 bytes of a surrogate (U+D800-U+DFFF, no character)
-# through, which decode to U+FFFD and break the length bounds. The third class is JSON's characters
-# without the surrogates.
-LOOSE_STRING_CHARACTERS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
-JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\ud800-\udfff]"
 # compiled grammars kept, the most recently used: each client's schema is a new one, and each kept
 # grammar holds memory (about 0.2 MiB for a small schema over GLM-5.2's vocabulary)
 GRAMMAR_CACHE_SIZE = 128
-
-
-def xgrammar():
-    """The xgrammar package, imported at the first grammar: the engine and the server run without it until a
-    request asks for structured output (a GPU image may lack it)."""
-    try:
-        import xgrammar as module
-    except ImportError:
-        raise ValueError(
-            "structured output needs the xgrammar package (pip install xgrammar)"
-        ) from None
-    return module
-
-
-def json_schema_grammar(schema_text: str) -> xgr.Grammar:
-    """A JSON schema's text -> its grammar (compact JSON: no whitespace beyond ", " and ": "), with JSON's
-    string characters everywhere and the `uniqueItems` it can enforce (json_schema.py); RuntimeError
-    (xgrammar's) for a schema it cannot convert."""
-    xgr = xgrammar()
-    schema_text = json.dumps(with_unique_items(json.loads(schema_text)))
-    ebnf = str(xgr.Grammar.from_json_schema(schema_text, any_whitespace=False))
-    return xgr.Grammar.from_ebnf(with_json_string_characters(ebnf))
-
-
-def with_json_string_characters(ebnf: str) -> str:
-    """xgrammar's EBNF with JSON's string characters where it writes looser ones
-    (LOOSE_STRING_CHARACTERS)."""
-    for loose in LOOSE_STRING_CHARACTERS:
-        ebnf = ebnf.replace(loose, JSON_STRING_CHARACTER)
-    return ebnf
-
-
-def compile_error_reason(error: Exception) -> str:
-    """xgrammar's error -> its first line without the "[time] file.cc:line: " xgrammar puts before it."""
-    lines = str(error).strip().splitlines()
-    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0]) if lines else type(error).__name__
-
-
-def choice_ebnf(choices: list[str]) -> str:
-    """The EBNF grammar whose sentences are exactly `choices`."""
-    if not choices or not all(isinstance(c, str) and c for c in choices):
-        raise ValueError(
-            f"a choice must be a non-empty list of non-empty strings, got {choices!r}"[:300]
-        )
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class GrammarCompiler:
@@ -129,6 +83,8 @@ class GrammarCompiler:
                 return compiled
         try:
             compiled = self._compile(spec)
+        except ToolParametersError:
+            raise
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(
                 f"the {spec.kind} grammar does not compile: {compile_error_reason(e)}"[:400]
@@ -140,6 +96,8 @@ class GrammarCompiler:
             return compiled
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        if spec.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"expected a kind of {', '.join(GRAMMAR_KINDS)}")
         compiler = self._xgrammar()
         if spec.kind == "json_schema":
             json.loads(spec.text)  # a ValueError that says where the JSON is broken
@@ -150,6 +108,8 @@ class GrammarCompiler:
             return compiler.compile_regex(spec.text)
         if spec.kind == "choice":
             return compiler.compile_grammar(choice_ebnf(json.loads(spec.text)))
+        if spec.kind == "tool_calls":
+            return compiler.compile_grammar(tool_calls_ebnf(spec.text))
         return compiler.compile_grammar(spec.text)
 
     def matcher(self, spec: GrammarSpec, start_after: tuple[int, ...] = ()) -> SequenceGrammar:
@@ -288,15 +248,3 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
         vocab_size=logits.shape[-1],
         indices=rows,
     )
-
-
-def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """The same in torch: the bits unpacked to a `[len(rows), V]` boolean mask."""
-    vocab = logits.shape[-1]
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    words = bitmask.to(logits.device)[index]  # [r, W]
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = (
-        ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
-    )  # [r, W * 32] -> [r, V]
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

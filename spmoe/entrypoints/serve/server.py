@@ -1,13 +1,14 @@
-"""`spmoe serve`: check the options, start every rank with `serve_rank`; rank 0 runs the engine loop and starts
-the HTTP front end process (`frontend.py`), which serves under uvicorn until the server is stopped.
+"""`spmoe serve`: check the options, start every rank with `serve_rank` (`engine/rank.py`); rank 0
+runs the engine loop and starts the HTTP front end process(es) (`frontend/process.py`), which serve
+under uvicorn until the server is stopped.
 
-What can be checked before any rank starts is: the model folder, its tokenizer, and the address to listen on.
-Stopping: SIGTERM to the `spmoe serve` process is passed on to rank 0 and from there to the front end, which
-drains (`supervisor.py`: new requests get 503, open ones may finish for --shutdown-timeout, then end with an
-error chunk and `[DONE]`); rank 0 then stops the other ranks and the command exits 0. Under torchrun the
-agent signals every worker; rank 0 does the same. SIGINT (Ctrl-C) ends every rank at once (the launcher does
-that). An engine that fails or stalls for --engine-timeout ends the open requests with an error and the
-command exits 1.
+What can be checked before any rank starts is: the model folder, its tokenizer, and the address to
+listen on. Stopping: SIGTERM to the `spmoe serve` process is passed on to rank 0 and from there to the
+front ends, which drain (`frontend/supervisor.py`: new requests get 503, open ones may finish for
+--shutdown-timeout, then end with an error chunk and `[DONE]`); rank 0 then stops the other ranks and
+the command exits 0. Under torchrun the agent signals every worker; rank 0 does the same. SIGINT
+(Ctrl-C) ends every rank at once (the launcher does that). An engine that fails or stalls for
+--engine-timeout ends the open requests with an error and the command exits 1.
 """
 
 import errno
@@ -24,19 +25,23 @@ from spmoe.engine.options import help_groups
 from spmoe.engine.vllm_values import argparse_type, parse_json_object, served_model_names
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.model_source import resolve_model
-from spmoe.entrypoints.serve.chat import ChatOptions
-from spmoe.entrypoints.serve.engine_process import (
+from spmoe.entrypoints.serve.engine.front_ends import FrontEndCommand
+from spmoe.entrypoints.serve.engine.rank import (
     MIN_MAX_NUM_WAITING,
     WAITING_PER_RUNNING,
     check_serve,
     serve_rank,
 )
-from spmoe.entrypoints.serve.front_ends import FrontEndCommand
-from spmoe.entrypoints.serve.frontend import FrontEndOptions
-from spmoe.entrypoints.serve.middleware import DEFAULT_MAX_REQUEST_BYTES, FrontEndLimits
-from spmoe.entrypoints.serve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
-from spmoe.entrypoints.serve.supervisor import StopPolicy
-from spmoe.entrypoints.serve.tokenizer import load_tokenizer, read_chat_template
+from spmoe.entrypoints.serve.frontend.chat import ChatOptions
+from spmoe.entrypoints.serve.frontend.middleware import DEFAULT_MAX_REQUEST_BYTES, FrontEndLimits
+from spmoe.entrypoints.serve.frontend.parsers.chat_output import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+)
+from spmoe.entrypoints.serve.frontend.process import FrontEndOptions
+from spmoe.entrypoints.serve.frontend.supervisor import StopPolicy
+from spmoe.entrypoints.serve.frontend.tokenizer import read_chat_template
+from spmoe.entrypoints.tokenizer import load_tokenizer
 from spmoe.entrypoints.vllm_flags import OneOfSeveral, add_vllm_flags
 
 CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format; auto is string
@@ -102,8 +107,10 @@ def run_serve(
         model_dir,
         args,
         max_num_waiting,
-        FrontEndCommand(
-            "spmoe.entrypoints.serve.frontend:serve_http", (front,), front.api_server_count
+        FrontEndCommand.with_args(
+            "spmoe.entrypoints.serve.frontend.process:serve_http",
+            front,
+            count=front.api_server_count,
         ),
         front.tokenizer_dir,
         config=parallel,

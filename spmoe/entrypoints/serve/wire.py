@@ -1,24 +1,60 @@
-"""The wire between the HTTP front end process(es) and rank 0's engine process.
+"""The wire between the HTTP front end process(es) and rank 0's engine process: plain records both
+sides import (these, and the requests and outputs of `spmoe.engine.request`), nothing of torch.
 
-One ZeroMQ socket pair over an `ipc://` path in a folder only the server's user may enter (mode 0700): the
-engine binds a ROUTER, each front end connects a DEALER. Messages are MessagePack (msgspec), one each way per
-step at most:
-- front end -> engine, `ToEngine`: the requests that arrived since the last message and the aborts (token ids
-  only; a request's grammar travels as its spec, the schema's text, and the engine compiles it again, cached
-  by spec); an empty one says hello, once the front end listens;
-- engine -> front end, `FromEngine`: after every step (or heartbeat, when idle), that front end's outputs, the
-  requests the engine refused as invalid, the engine's counters, and the engine's time on the exchange.
+One ZeroMQ socket pair over an `ipc://` path in a folder only the server's user may enter (mode 0700):
+the engine binds a ROUTER, each front end connects a DEALER under the identity rank 0 gave it.
+Messages are MessagePack (msgspec), one each way per step at most:
+- front end -> engine, `ToEngine`: the requests that arrived since the last message and the aborts
+  (token ids only; a request's grammar travels as its spec, which the engine compiles, once per
+  spec); an empty one says hello, once the front end listens;
+- engine -> front end, `FromEngine`: after every step (or heartbeat, when idle), that front end's
+  outputs, the requests the engine refused (they can never run, or their grammar does not compile),
+  the engine's counters, and the engine's time on the exchange.
 
-`benchmarks/bench_wire.py` measures the codec (msgspec against msgpack) at 256 streams.
+A front end process starts with a `FrontEndLaunch` on its standard input, and knows the engine by its
+`EngineFacts`. `benchmarks/bench_wire.py` measures the codec (msgspec against msgpack) at 256 streams.
 """
 
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 
 import msgspec
 
 from spmoe.engine.request import EngineMetrics, Request, RequestOutput
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a front end knows of the engine it serves."""
+
+    max_model_len: int
+    # per front end
+    max_num_waiting: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class FrontEndLaunch:
+    """What rank 0 hands a front end process on its standard input (pickled): `target`
+    ("module:function") is called with the engine client, this launch and the arguments `args`
+    holds (pickled by the launcher: only the front end process unpickles them, so the rank side never
+    loads the front end's classes), in the main thread; it returns once serving is over."""
+
+    target: str
+    args: bytes
+    # the engine's socket, and this front end's identity on it
+    address: str
+    identity: bytes
+    facts: EngineFacts
+    engine_pid: int
+    # which of rank 0's front ends this is (0 prints the ready line), and how many front ends were
+    # restarted before it (a restarted one prints no ready line)
+    index: int
+    restart: int = 0
 
 
 class ToEngine(msgspec.Struct, array_like=True):
@@ -31,7 +67,8 @@ class ToEngine(msgspec.Struct, array_like=True):
 
 class FromEngine(msgspec.Struct, array_like=True):
     """What the engine sends each front end after a step or heartbeat. `rejected`: (request id, why) for
-    requests the engine refused before they ran (a 400); `error`: the engine loop failed (every open
+    requests the engine refused before they ran (a 400: they can never run, their grammar does not
+    compile, or their id is in use); `error`: the engine loop failed (every open
     request also got an output with finish_reason "error"); `exchange_s` / `idle_s`: the engine process's
     seconds so far on this exchange (receiving, decoding, encoding, sending) and waiting for work;
     `front_ends`: the front ends that have said hello (each does once it listens)."""
