@@ -37,27 +37,13 @@ from spmoe.engine.stats import KernelCompiles, StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 
-def check_prompt(
-    label: str, prompt, vocab_size: int, max_new_tokens: int, drafts: int, max_len: int
-) -> None:
-    """Raise a one-line ValueError naming `label` unless the prompt is valid and fits the KV cache with its new
-    tokens and drafts."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if (
-        not isinstance(prompt, list)
-        or not prompt
-        or any(
-            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt
-        )
-    ):
+def check_capacity(label: str, length: int, max_new_tokens: int, drafts: int, max_len: int) -> None:
+    """Raise a one-line ValueError naming `label` unless `length` prompt tokens fit a KV cache of
+    `max_len` positions a sequence, with their new tokens and drafts."""
+    if length + max_new_tokens + drafts > max_len:
         raise ValueError(
-            f"{label} must be a non-empty list of token ids in [0, {vocab_size}), got {str(prompt)[:60]}"
-        )
-    if len(prompt) + max_new_tokens + drafts > max_len:
-        raise ValueError(
-            f"{label} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} and {drafts} "
-            f"speculative tokens it needs {len(prompt) + max_new_tokens + drafts} KV cache positions, "
+            f"{label} has {length} tokens; with max_new_tokens={max_new_tokens} and {drafts} "
+            f"speculative tokens it needs {length + max_new_tokens + drafts} KV cache positions, "
             f"the cache holds {max_len} per sequence"
         )
 
@@ -67,29 +53,6 @@ def check_positions(longest: int, max_position_embeddings: int | None, what: str
     if max_position_embeddings is not None and longest > max_position_embeddings:
         raise ValueError(
             f"{what}: {longest} positions, more than the model's max_position_embeddings = {max_position_embeddings}"
-        )
-
-
-def check_prompts(
-    prompts: list[list[int]], vocab_size: int, max_new_tokens: int, drafts: int, max_len: int
-) -> None:
-    """Raise unless every prompt is valid and fits the KV cache with its new tokens and drafts."""
-    for i, prompt in enumerate(prompts):
-        check_prompt(f"prompt {i}", prompt, vocab_size, max_new_tokens, drafts, max_len)
-
-
-def check_sampling(
-    label: str, sampling: SamplingParams, max_new_tokens: int, vocab_size: int
-) -> None:
-    """Raise a one-line ValueError unless the sampling settings fit the model and the request."""
-    bad = [token for token, _ in sampling.logit_bias if token >= vocab_size]
-    if bad:
-        raise ValueError(
-            f"{label}: logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}"
-        )
-    if sampling.min_tokens > max_new_tokens:
-        raise ValueError(
-            f"{label}: min_tokens ({sampling.min_tokens}) must not exceed max_tokens ({max_new_tokens})"
         )
 
 
@@ -242,37 +205,27 @@ class Engine:
     # The request API.
 
     def validate(self, request: Request) -> None:
-        """Raise a one-line ValueError unless the request is well formed and can ever fit the cache."""
+        """Raise a one-line ValueError unless the request can ever run here: what only the engine
+        knows (its KV cache's room for a sequence, the model's positions, whether it compiles
+        grammars). The rest of a request is checked where it is read: the server's front end, the
+        batch job's input."""
         label = f"request {request.request_id!r}: the prompt"
-        cfg = self.model.cfg
-        check_prompt(
-            label,
-            request.prompt,
-            cfg.vocab_size,
-            request.max_new_tokens,
-            self.k,
-            self.scheduler.room.max_tokens_per_sequence,
-        )
+        room = self.scheduler.room.max_tokens_per_sequence
+        check_capacity(label, len(request.prompt), request.max_new_tokens, self.k, room)
         check_positions(
             len(request.prompt) + request.max_new_tokens + self.k,
-            cfg.max_position_embeddings,
+            self.model.cfg.max_position_embeddings,
             f"{label} with its new and speculative tokens",
         )
-        check_sampling(
-            label.removesuffix(": the prompt"),
-            request.sampling,
-            request.max_new_tokens,
-            cfg.vocab_size,
-        )
-        if request.grammar is not None:
-            if self.grammars is None:
-                raise ValueError(
-                    f"request {request.request_id!r} has a grammar, but this engine has no compiler"
-                )
+        if request.grammar is not None and self.grammars is None:
+            raise ValueError(
+                f"request {request.request_id!r} has a grammar, but this engine has no compiler"
+            )
 
     def add_request(self, request: Request, record_logits: bool = False) -> Sequence:
         """Queue a request; it joins the running batch when the cache has room. `record_logits` keeps the
-        logits row behind every token it generates (`Sequence.logits`). -> its sequence."""
+        logits row behind every token it generates (`Sequence.logits`). -> its sequence. ValueError
+        (nothing queued) if it cannot run here (`validate`) or its id is in the engine already."""
         self.validate(request)
         grammar = None
         if request.grammar is not None:

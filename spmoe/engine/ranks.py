@@ -99,32 +99,50 @@ class StepPlan:
     aborts: list[str] = field(default_factory=list)  # request ids
 
 
-def apply_requests(engine: Engine, plan: StepPlan) -> None:
-    """This rank's DP group's new requests and the aborts of the plan, into its engine."""
-    state = get_parallel_state()
+@dataclass
+class StepDone:
+    """What a step of the serving loop gave, every DP group's: the outputs, the requests the engines
+    refused (request id, why: it can never run there, or its id is in use), the metrics combined."""
+
+    outputs: list[RequestOutput]
+    refused: list[tuple[str, str]]
+    metrics: EngineMetrics
+
+
+def apply_requests(engine: Engine, plan: StepPlan) -> list[tuple[str, str]]:
+    """This rank's DP group's new requests and the aborts of the plan, into its engine. -> the
+    requests it refused (request id, why), the same on every rank of the group."""
+    state, refused = get_parallel_state(), []
     for request, dp_group in plan.new:
         if dp_group == state.dp_rank:
-            engine.add_request(request)
+            try:
+                engine.add_request(request)
+            except ValueError as e:
+                refused.append((request.request_id, str(e)))
     for request_id in plan.aborts:
         engine.abort(request_id)
+    return refused
 
 
-def run_plan(engine: Engine, plan: StepPlan) -> tuple[list[RequestOutput], EngineMetrics] | None:
-    """Apply the plan and run its step on this rank. -> on rank 0, every DP group's outputs and their
-    metrics combined; None on the other ranks."""
+def run_plan(engine: Engine, plan: StepPlan) -> StepDone | None:
+    """Apply the plan and run its step on this rank. -> on rank 0, what every DP group's step gave;
+    None on the other ranks."""
     state = get_parallel_state()
-    apply_requests(engine, plan)
+    refused = apply_requests(engine, plan)
     outputs = engine.step() if plan.command == "step" else []
     if state.dp_size == 1:
-        return (outputs, engine.metrics()) if state.rank == 0 else None
-    parts = gather_object(
-        (outputs, engine.metrics()) if state.tp_rank == 0 else None, state.control_group
-    )
+        return StepDone(outputs, refused, engine.metrics()) if state.rank == 0 else None
+    mine = StepDone(outputs, refused, engine.metrics()) if state.tp_rank == 0 else None
+    parts = gather_object(mine, state.control_group)
     if state.rank != 0:
         return None
-    per_dp = parts[:: state.tp_size]  # TP rank 0 of each DP group
-    outputs = [out for outs, _ in per_dp for out in outs]
-    return outputs, EngineMetrics.combine([m for _, m in per_dp])
+    # TP rank 0 of each DP group
+    per_dp = parts[:: state.tp_size]
+    return StepDone(
+        outputs=[out for part in per_dp for out in part.outputs],
+        refused=[why for part in per_dp for why in part.refused],
+        metrics=EngineMetrics.combine([part.metrics for part in per_dp]),
+    )
 
 
 def worker_loop(engine: Engine) -> None:
@@ -169,15 +187,17 @@ class ServingLoop:
         plan.command = "shutdown" if shutdown else "step" if self.dp_of else "idle"
         return plan
 
-    def step(self, plan: StepPlan) -> tuple[list[RequestOutput], EngineMetrics]:
-        """Send the plan to every rank and run it here. -> every DP group's outputs and metrics;
-        finished requests are no longer live."""
+    def step(self, plan: StepPlan) -> StepDone:
+        """Send the plan to every rank and run it here. -> what every DP group's step gave; finished
+        and refused requests are no longer live."""
         broadcast_object(plan, self.state.control_group)
-        outputs, metrics = run_plan(self.engine, plan)
-        for out in outputs:
+        done = run_plan(self.engine, plan)
+        for out in done.outputs:
             if out.finish_reason is not None:
                 self.dp_of.pop(out.request_id, None)
-        return outputs, metrics
+        for request_id, _ in done.refused:
+            self.dp_of.pop(request_id, None)
+        return done
 
 
 @dataclass

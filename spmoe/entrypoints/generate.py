@@ -13,7 +13,7 @@ from spmoe.distributed import get_parallel_state, launch
 from spmoe.engine.args import DTYPES, EngineArgs
 from spmoe.engine.build import build_engine, load_model
 from spmoe.engine.cache.slots import KVCache
-from spmoe.engine.engine import check_positions, check_prompts, per_prompt
+from spmoe.engine.engine import check_capacity, check_positions, per_prompt
 from spmoe.engine.ranks import Generation, generate
 from spmoe.engine.request import SamplingParams
 from spmoe.engine.warmup import warm_up
@@ -148,6 +148,25 @@ def check_generate(
     check_kv_cache_memory(
         cfg, drafts > 0, slots, cache_len, args.dtype, args.device, args.tp * args.dp
     )
+
+
+def check_prompts(
+    prompts: list[list[int]], vocab_size: int, max_new_tokens: int, drafts: int, max_len: int
+) -> None:
+    """Raise a one-line ValueError unless every prompt is a non-empty list of token ids in
+    [0, `vocab_size`) that fits the KV cache with its new tokens and drafts."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for i, prompt in enumerate(prompts):
+        ids = isinstance(prompt, list) and prompt
+        if not ids or any(
+            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt
+        ):
+            raise ValueError(
+                f"prompt {i} must be a non-empty list of token ids in [0, {vocab_size}), "
+                f"got {str(prompt)[:60]}"
+            )
+        check_capacity(f"prompt {i}", len(prompt), max_new_tokens, drafts, max_len)
 
 
 def check_kv_cache_memory(

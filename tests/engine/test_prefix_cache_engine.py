@@ -156,7 +156,7 @@ def through_serving_loop(engine) -> tuple[list[list[int]], dict] | None:
         ]
         plan = loop.plan(requests, [])
         while plan.command == "step":
-            for out in loop.step(plan)[0]:
+            for out in loop.step(plan).outputs:
                 tokens[out.request_id] += out.new_token_ids
             plan = loop.plan([], [])
         outputs += tokens.values()

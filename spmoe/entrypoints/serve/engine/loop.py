@@ -111,8 +111,13 @@ class EngineLoop:
                 aborts += self._forget(dead)
                 shutdown = failure is not None or self.front_ends.all_exited()
                 plan = self.serving.plan(new, aborts, shutdown)
-                outputs, self.metrics = self.serving.step(plan)
-                self._send(outputs)
+                done = self.serving.step(plan)
+                self.metrics = done.metrics
+                for request_id, why in done.refused:
+                    peer = self.owner.pop(request_id, None)
+                    if peer is not None:
+                        self.rejected.setdefault(peer, []).append((request_id, why))
+                self._send(done.outputs)
                 if plan.command == "shutdown":
                     return failure
         except Exception as e:  # noqa: BLE001 - the front ends must learn of it, not hang
@@ -168,16 +173,11 @@ class EngineLoop:
         return self._compiled(new), aborts
 
     def _admit(self, peer: bytes, request: Request, new: list[Request]) -> None:
-        """A request from `peer` into `new`, into `compiling` while its grammar compiles, or refused."""
-        try:
-            if request.request_id in self.owner:
-                raise ValueError(f"request id {request.request_id!r} is in use; expected a new id")
-            self.engine.validate(request)
-        except ValueError as e:
-            self.rejected.setdefault(peer, []).append((request.request_id, str(e)))
-            return
+        """A request from `peer` into `new`, or into `compiling` while its grammar compiles. The
+        engines refuse what cannot run (`Engine.add_request`, on every rank): the refusals come
+        back with the step."""
         self.owner[request.request_id] = peer
-        if request.grammar is None:
+        if request.grammar is None or self.engine.grammars is None:
             new.append(request)
             return
         compiled = self.compiles.get(request.grammar)

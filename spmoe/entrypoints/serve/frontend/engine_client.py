@@ -89,13 +89,13 @@ class EngineClient:
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the steps produce them, up to and including the one with a
-        `finish_reason`. Raises on the first iteration: ValueError (the request is invalid, here or in the
-        engine, or its id is in use), QueueFull, RuntimeError (the engine has stopped). If the consumer
-        stops iterating, the request is aborted and its cache freed."""
+        `finish_reason`. Raises on the first iteration: ValueError (the engine refused it: it can never
+        run there, its grammar does not compile, or its id is in use), QueueFull, RuntimeError (the
+        engine has stopped). If the consumer stops iterating, the request is aborted and its cache
+        freed. Request ids are unique by construction (the server's are a uuid4 each): the engine
+        alone checks."""
         if self.error is not None:
             raise RuntimeError(f"the engine has stopped: {self.error}")
-        if request.request_id in self._streams:
-            raise ValueError(f"request id {request.request_id!r} is in use; expected a new id")
         if self._not_started >= self.max_num_waiting:
             raise QueueFull(
                 f"{self._not_started} requests wait to start; the server takes at most "

@@ -10,7 +10,7 @@ import pickle
 import sys
 from pathlib import Path
 
-from spmoe.engine.request import Request
+from spmoe.engine.request import GrammarSpec, Request
 
 # what a front end process must never import: the engine, its runner, cache and ranks, the model
 ENGINE_MODULES = (
@@ -77,9 +77,11 @@ async def scenario(client, PROMPTS, EOS, MAX_NEW, SAMPLED, IDLE_S) -> dict:
     await asyncio.sleep(0.5)  # the aborts reach the engine loop, and its counters come back
     got["after"] = client.metrics()
 
-    # Errors at once: a bad request, a duplicate id, a full queue (5 wait; the next 2 are refused).
+    # Refusals at once: a grammar that does not compile (the checkpoint has no tokenizer), a request
+    # that can never fit the KV cache, a full queue (5 wait; the next 2 are refused).
     errors = {}
-    for name, request in [("bad", Request("b", [1, 96], 4)), ("long", Request("l", [1] * 30, 4))]:
+    unreadable = Request("b", [1, 2], 4, grammar=GrammarSpec("regex", "a+"))
+    for name, request in [("grammar", unreadable), ("long", Request("l", [1] * 30, 4))]:
         try:
             await client.generate(request).__anext__()
         except ValueError as e:
