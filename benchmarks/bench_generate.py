@@ -41,7 +41,7 @@ from timing import launch_count, layer_ops
 
 from spmoe.config import ModelConfig, ParallelConfig
 from spmoe.distributed import spawn
-from spmoe.engine.args import EngineArgs
+from spmoe.entrypoints.engine_flags import add_engine_args, engine_args_from_cli
 
 PEAK_FLOPS = 790e12  # H200 dense bf16
 PEAK_BYTES = 4.3e12  # H200 HBM3e
@@ -340,7 +340,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--new-tokens", type=int, default=32)
-    EngineArgs.add_cli_args(parser, ("max_num_batched_tokens", "kv_cache_memory"))
+    add_engine_args(parser, ("max_num_batched_tokens", "kv_cache_memory"))
     parser.set_defaults(kv_cache_memory=8.0)  # the paged kinds' budget in GiB
     parser.add_argument(
         "--profile", action="store_true", help="print the kernels of one paged prefill chunk"
@@ -349,7 +349,7 @@ def main() -> None:
         "--weights", nargs="+", choices=("bf16", "fp8"), default=["bf16"], help="weights to run"
     )
     args = parser.parse_args()
-    EngineArgs.from_cli(args)  # the engine options' checks
+    engine_args_from_cli(args)  # the engine options' checks
     spawn(run, 1, args, device="cuda", timeout_s=3600)
 
 

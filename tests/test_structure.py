@@ -142,14 +142,13 @@ ENGINE_FLOORS = (
     ("request",),  # what goes in and comes out: plain records, no torch (the server's wire)
     ("cache",),  # the KV caches: slots, paged, blocks
     ("sampling",),  # processors, sampler, noise, rejection, grammar and their kernels
-    # sequences and the step's records; what speculates; values
-    ("sequence", "speculation", "vllm_values"),
+    # sequences and the step's records; what speculates
+    ("sequence", "speculation"),
     ("stats",),
     ("runner",),  # the forward and the choice, the drafter, the graphs
     ("rooms", "scheduler"),
     ("engine",),
     ("ranks", "warmup"),  # everything about ranks; warming up drives the batch job
-    ("options",),  # how an option is declared
     ("args",),  # the options and their checks
     ("build",),  # what the options build
 )
@@ -192,6 +191,18 @@ def test_no_upward_engine_import():
     graph = {name: imports(path) - {name} for name, path in MODULES.items()}
     assert graph["spmoe.engine.engine"]  # the walk sees the engine's imports
     assert upward_engine_imports(graph) == []
+
+
+def test_the_command_line_is_not_the_engines():
+    """Flags, `--help` and vLLM's value forms live with the entry points: no engine module reads a
+    command line."""
+    readers = sorted(
+        name
+        for name, path in MODULES.items()
+        if name.startswith("spmoe.engine") and "argparse" in imported_names(path)
+    )
+    assert "argparse" in imported_names(PACKAGE / "entrypoints" / "engine_flags.py")
+    assert readers == []
 
 
 # The server, one folder per process (docs/architecture.md, "The server's processes"): a front end

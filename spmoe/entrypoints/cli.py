@@ -11,11 +11,11 @@ import spmoe
 from spmoe.config import ModelConfig
 from spmoe.distributed import RankFailed, Stopped, spawn
 from spmoe.distributed.selfcheck import layout_selfcheck
-from spmoe.engine.args import LAYOUT_OPTIONS, EngineArgs
-from spmoe.engine.vllm_values import fold_dotted
+from spmoe.entrypoints.engine_flags import LAYOUT_OPTIONS, add_engine_args, engine_args_from_cli
 from spmoe.entrypoints.jobs import write_atomically
 from spmoe.entrypoints.serve.server import add_serve_args, cmd_serve
 from spmoe.entrypoints.vllm_flags import dotted_options, vllm_argv, with_config_file
+from spmoe.entrypoints.vllm_values import fold_dotted
 
 
 def cmd_selfcheck(args) -> int:
@@ -45,7 +45,7 @@ def cmd_forward(args) -> int:
     from spmoe.entrypoints.forward import check_forward, run_forward
     from spmoe.entrypoints.jobs import read_input_ids
 
-    engine_args = EngineArgs.from_cli(args, args.model)
+    engine_args = engine_args_from_cli(args, args.model)
     cfg = ModelConfig.from_file(args.model)
     parallel = engine_args.parallel_config()
     seqs = read_input_ids(args.input_ids, cfg.vocab_size)
@@ -81,7 +81,7 @@ def cmd_generate(args) -> int:
     from spmoe.entrypoints.jobs import read_input_ids
 
     notes = []
-    engine_args = EngineArgs.from_cli(args, args.model, notes)
+    engine_args = engine_args_from_cli(args, args.model, notes)
     for note in notes:
         print(f"spmoe generate: {note}", file=sys.stderr, flush=True)
     cfg = engine_args.model_config(args.model)
@@ -138,7 +138,7 @@ def add_model_args(p, engine_options: tuple[str, ...] | None = None) -> None:
     p.add_argument(
         "--input-ids", required=True, help="JSON list of token-id lists, one per sequence"
     )
-    EngineArgs.add_cli_args(p, engine_options)
+    add_engine_args(p, engine_options)
 
 
 DOTTED_OPTIONS = (

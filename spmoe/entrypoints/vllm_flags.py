@@ -130,7 +130,7 @@ def _sets(dest: str, value: Any) -> tuple[str, Callable[[str | None], Any]]:
 
 def _gib(text: str | None) -> float:
     """vLLM's byte count (`8589934592`, `8G`, `8g`) -> GiB, as `--kv-cache-memory` takes it."""
-    from spmoe.engine.vllm_values import parse_length
+    from spmoe.entrypoints.vllm_values import parse_length
 
     return parse_length(text or "", "--kv-cache-memory-bytes") / 2**30
 

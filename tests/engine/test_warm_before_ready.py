@@ -12,7 +12,6 @@ import torch
 
 from spmoe.config import ParallelConfig
 from spmoe.distributed import spawn
-from spmoe.engine.args import EngineArgs
 from spmoe.engine.build import build_engine
 from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
 from spmoe.engine.engine import Engine
@@ -26,6 +25,7 @@ from spmoe.engine.warmup import (
     warmup_step_prompts,
     warmup_step_sizes,
 )
+from spmoe.entrypoints.engine_flags import add_engine_args, engine_args_from_cli
 from spmoe.models.deepseek_v32.weights import load_model
 
 from .conftest import ENGINE_CONFIG
@@ -188,8 +188,8 @@ def graph_default_case(model):
     """The engine gets the options' graphs (`EngineArgs.use_cuda_graphs`): off on CPU by default, and the
     runner captures nothing without them."""
     parser = argparse.ArgumentParser()
-    EngineArgs.add_cli_args(parser)
-    args = EngineArgs.from_cli(parser.parse_args([]))
+    add_engine_args(parser)
+    args = engine_args_from_cli(parser.parse_args([]))
     assert args.cuda_graphs is False and not args.use_cuda_graphs(
         model
     )  # the default settles off on CPU

@@ -3,14 +3,12 @@ vLLM's refused or no-op flags left to docs/vllm-compatibility.md."""
 
 import argparse
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from spmoe.engine.args import EngineArgs
-from spmoe.engine.options import option
 from spmoe.entrypoints.cli import main
+from spmoe.entrypoints.options import option
 
 
 def serve_help(capsys) -> str:
@@ -87,19 +85,13 @@ def test_refused_and_noop_vllm_flags_stay_out_of_help(capsys):
         assert flag not in text
 
 
-def test_an_engine_option_outside_the_help_sections_is_named():
+def test_an_option_outside_the_help_sections_is_named():
     with pytest.raises(ValueError, match=r"--brand-new: section must be one of .*got 'misc'"):
-
-        @dataclass(frozen=True)
-        class More(EngineArgs):
-            brand_new: int = option(0, "--brand-new", section="misc", type=int, help="new")
-
-    @dataclass(frozen=True)
-    class Placed(EngineArgs):
-        brand_new: int = option(0, "--brand-new", section="parallelism", type=int, help="new")
-
+        option("--brand-new", section="misc", type=int, help="new")
     parser = argparse.ArgumentParser()
-    Placed.add_cli_args(parser)
+    option("--brand-new", section="parallelism", type=int, help="new").add_to(
+        parser, "brand_new", 0
+    )
     titles = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
     assert "brand_new" in titles["parallelism"]
 

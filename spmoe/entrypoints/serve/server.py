@@ -21,10 +21,10 @@ from pathlib import Path
 from spmoe.distributed import launch
 from spmoe.distributed.simulated import banner
 from spmoe.engine.args import EngineArgs
-from spmoe.engine.options import help_groups
-from spmoe.engine.vllm_values import argparse_type, parse_json_object, served_model_names
+from spmoe.entrypoints.engine_flags import add_engine_args, engine_args_from_cli
 from spmoe.entrypoints.generation_defaults import GenerationDefaults
 from spmoe.entrypoints.model_source import resolve_model
+from spmoe.entrypoints.options import help_groups
 from spmoe.entrypoints.serve.engine.front_ends import FrontEndCommand
 from spmoe.entrypoints.serve.engine.rank import (
     MIN_MAX_NUM_WAITING,
@@ -43,6 +43,7 @@ from spmoe.entrypoints.serve.frontend.supervisor import StopPolicy
 from spmoe.entrypoints.serve.frontend.tokenizer import read_chat_template
 from spmoe.entrypoints.tokenizer import load_tokenizer
 from spmoe.entrypoints.vllm_flags import OneOfSeveral, add_vllm_flags
+from spmoe.entrypoints.vllm_values import argparse_type, parse_json_object, served_model_names
 
 CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format; auto is string
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -250,7 +251,7 @@ def add_serve_args(p) -> None:
     groups["logging"].add_argument(
         "--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="warning", help="default warning"
     )
-    EngineArgs.add_cli_args(p)
+    add_engine_args(p)
     add_vllm_flags(p)
 
 
@@ -309,7 +310,7 @@ def cmd_serve(args) -> int:
         )
     device_chosen = args.device is None
     notes = list(args.vllm_notes)
-    engine_args = EngineArgs.from_cli(args, model, notes)
+    engine_args = engine_args_from_cli(args, model, notes)
     check_speculative_model(getattr(args, "speculative_model", None), named, engine_args)
     overrides = None
     if args.override_generation_config is not None:

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from spmoe.config import ModelConfig
-from spmoe.engine.vllm_values import (
+from spmoe.entrypoints.vllm_values import (
     SpeculativeConfig,
     block_size_note,
     check_quantization,

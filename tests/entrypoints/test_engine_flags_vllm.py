@@ -8,16 +8,17 @@ import pytest
 import torch
 
 from spmoe.engine.args import EngineArgs
-from spmoe.engine.vllm_values import SpeculativeConfig, fold_dotted
 from spmoe.entrypoints.cli import DOTTED_OPTIONS, OneLineParser
+from spmoe.entrypoints.engine_flags import add_engine_args, engine_args_from_cli
+from spmoe.entrypoints.vllm_values import SpeculativeConfig, fold_dotted
 from tests.engine.conftest import ENGINE_CONFIG
 
 
 def parse(argv: list[str], model_dir=None, notes=None) -> EngineArgs:
     parser = OneLineParser(prog="spmoe serve")
-    EngineArgs.add_cli_args(parser)
+    add_engine_args(parser)
     args = parser.parse_args(fold_dotted(argv, DOTTED_OPTIONS))
-    return EngineArgs.from_cli(args, model_dir, notes)
+    return engine_args_from_cli(args, model_dir, notes)
 
 
 def test_vllm_names_are_aliases():
@@ -185,7 +186,7 @@ def test_what_cannot_apply_here_is_noted_and_dropped(argv, device, dropped, note
         ["--block-size", "64", "--device", "cuda", "--gpu-memory-utilization", "0.9"], notes=notes
     )
     assert len(notes) == 1  # what applies is kept, without a note
-    with pytest.raises(ValueError, match="--block-size 16: spmoe's paged cache has blocks of 64"):
+    with pytest.raises(ValueError, match="--block-size must be 64, the paged cache's only block"):
         EngineArgs(block_size=16)  # the engine's own options are not a launch line: an error
 
 

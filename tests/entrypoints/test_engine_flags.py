@@ -1,18 +1,32 @@
-"""`EngineArgs`: one declaration of the engine options, the same flags and rules in `generate` and `serve`."""
+"""The engine's options on the command line (`engine_flags.py`) into `EngineArgs`: one declaration of
+the options, the same flags and rules in `generate` and `serve`."""
 
 import argparse
 import re
+from dataclasses import fields
 
 import pytest
 
 from spmoe.engine.args import EngineArgs
 from spmoe.entrypoints.cli import main
+from spmoe.entrypoints.engine_flags import ENGINE_FLAGS, add_engine_args, engine_args_from_cli
 
 
 def parse(argv: list[str]) -> EngineArgs:
     parser = argparse.ArgumentParser()
-    EngineArgs.add_cli_args(parser)
-    return EngineArgs.from_cli(parser.parse_args(argv))
+    add_engine_args(parser)
+    return engine_args_from_cli(parser.parse_args(argv))
+
+
+def test_every_field_has_its_flag_named_as_the_engine_names_it():
+    """The command line covers the engine's options one for one, in their order, and each option's
+    first flag is the one the engine's errors name (`EngineArgs.flag`)."""
+    assert list(ENGINE_FLAGS) == [f.name for f in fields(EngineArgs)]
+    assert [flag.names[0] for flag in ENGINE_FLAGS.values()] == [
+        EngineArgs.flag(name) for name in ENGINE_FLAGS
+    ]
+    with pytest.raises(ValueError, match=r"^--ep-backend must be one of \('allgather"):
+        EngineArgs(ep_backend="nccl")
 
 
 def test_flags_fill_the_fields():
