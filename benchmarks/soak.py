@@ -49,7 +49,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from soak_check import Ledger, flatness, idle_differences
 from soak_mix import Call, Mix, Seen, send
-from soak_procs import Watch, alive
+from soak_procs import Watch, alive, tree
 
 from spmoe.distributed.launcher import free_port
 
@@ -136,11 +136,18 @@ class Server:
         self.log, self.url = log, f"http://127.0.0.1:{port}"
         with open(log, "w") as out:
             self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            self.wait_ready()
+        except BaseException:
+            # not ready in time, or the soak itself stopped (SIGTERM, Ctrl-C): nothing left behind
+            self.stop(tree(self.proc.pid))
+            raise
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while "ready: http://" not in log.read_text():
+        while "ready: http://" not in self.log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                raise SystemExit(f"spmoe serve did not start:\n{log.read_text()[-3000:]}")
+                raise SystemExit(f"spmoe serve did not start:\n{self.log.read_text()[-3000:]}")
             time.sleep(0.2)
 
     def stop(self, watched: list[int]) -> dict:
@@ -551,8 +558,14 @@ def commit() -> str | None:
         return None
 
 
+def exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM ends the soak as Ctrl-C does: the server it started is stopped on the way out."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     server = None
     if args.url is None:
         log = args.server_log or Path(f"/tmp/soak-server-{os.getpid()}.log")

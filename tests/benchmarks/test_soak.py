@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -212,6 +213,27 @@ def test_the_mix_is_seeded_and_every_schema_is_new():
     assert {c.kind for c in draw} == set(soak_mix.WEIGHTS)
     schemas = [json.dumps(c.body["response_format"]) for c in draw if c.kind == "json_schema"]
     assert len(set(schemas)) == len(schemas) > 5
+
+
+def test_a_soak_stopped_while_its_server_starts_leaves_no_process(tmp_path):
+    """SIGTERM to the soak while the `spmoe serve` it started is still loading: the soak exits with
+    143 and stops the server, its ranks and front ends with it."""
+    log = tmp_path / "server.log"
+    command = [sys.executable, str(BENCHMARKS / "soak.py"), "--server-log", str(log)]
+    soak = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while "loading the weights" not in (log.read_text() if log.exists() else ""):
+            assert soak.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        started = soak_procs.tree(soak.pid)
+        assert len(started) >= 2, started
+        soak.send_signal(signal.SIGTERM)
+        assert soak.wait(90) == 143
+        assert [pid for pid in started if soak_procs.alive(pid)] == []
+    finally:
+        soak.kill()
+        soak.wait()
 
 
 def test_a_soak_of_the_demo_server_passes(tmp_path):
