@@ -18,7 +18,8 @@ The checks (`soak_check.py` defines each):
   reader's pauses), and one its call allows; checked each second as well as at the end;
 - after the warm-up (`--warmup` of the run) the load pauses and the server must drain to idle: the
   engine's requests running and waiting, its KV cache use and the per-request tables
-  (`spmoe:request_table_entries`, where the server has it) back to what they were before any load;
+  (`spmoe:request_table_entries`: the scheduler's, the blocks', the engine loop's, the front end's
+  open streams) back to what they were before any load;
   the same at the end;
 - each process of the server (sampled every second from /proc): RSS after the warm-up grows at most
   `--max-rss-growth` (end against start, and the least-squares slope over the window, both on the

@@ -264,6 +264,10 @@ class Engine:
             drafts=totals.drafts,
             accepted_per_position=list(totals.accepted_per_position),
             by_source={name: deepcopy(counts) for name, counts in totals.by_source.items()},
+            request_tables={
+                "scheduler_requests": len(self.scheduler.requests),
+                **self.scheduler.room.request_tables(),
+            },
         )
 
     def step(self) -> list[RequestOutput]:

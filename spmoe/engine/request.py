@@ -196,7 +196,9 @@ class EngineMetrics(msgspec.Struct):
     (`stats.KernelCompiles`); CUDA graphs captured; kernel compiles and graph captures since the engine
     was warm; and with speculation the verifications (`drafts`: a sequence's drafts checked by one
     target forward) and the accepted drafts per position (`accepted_per_position[j]`: verifications
-    that accepted draft j + 1), in all and by draft source (`by_source`)."""
+    that accepted draft j + 1), in all and by draft source (`by_source`). `request_tables`: the
+    entries of each table kept per request or sequence (the scheduler's requests, the KV room's block
+    tables, ...), every one 0 once the engine is idle."""
 
     running: int = 0
     waiting: int = 0
@@ -217,6 +219,7 @@ class EngineMetrics(msgspec.Struct):
     # the same by draft source ("mtp", "ngram", "suffix"), and per source the drafts it led; "none":
     # the steps a drawing sequence had no draft (a lookup alone without a match)
     by_source: dict[str, DraftCounts] = {}
+    request_tables: dict[str, int] = {}
 
     @classmethod
     def combine(cls, parts: list["EngineMetrics"]) -> "EngineMetrics":
@@ -224,12 +227,16 @@ class EngineMetrics(msgspec.Struct):
         averages (each group has a cache of the same size)."""
         counts = [f.name for f in msgspec.structs.fields(cls) if f.type is int]
         by_source: dict[str, DraftCounts] = {}
+        tables: dict[str, int] = {}
         for m in parts:
             for source, part in m.by_source.items():
                 by_source.setdefault(source, DraftCounts()).add(part)
+            for table, entries in m.request_tables.items():
+                tables[table] = tables.get(table, 0) + entries
         return cls(
             **{name: sum(getattr(m, name) for m in parts) for name in counts},
             kv_cache_usage=sum(m.kv_cache_usage for m in parts) / len(parts),
             accepted_per_position=[sum(c) for c in zip(*(m.accepted_per_position for m in parts))],
             by_source=by_source,
+            request_tables=tables,
         )

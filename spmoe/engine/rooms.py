@@ -77,6 +77,10 @@ class SlotRoom:
         """The share of the cache held by sequences (0..1)."""
         return 1 - self.cache.free_slots / self.cache.max_seqs
 
+    def request_tables(self) -> dict[str, int]:
+        """Per-sequence entries: the slots held."""
+        return {"kv_slots": self.cache.max_seqs - self.cache.free_slots}
+
     def stats(self) -> dict:
         return {
             "kind": "slots",
@@ -193,6 +197,9 @@ class BlockRoom:
     def usage(self) -> float:
         """The share of the blocks held by sequences (0..1; cached blocks nobody holds are free)."""
         return self.blocks.usage
+
+    def request_tables(self) -> dict[str, int]:
+        return self.blocks.request_tables()
 
     def stats(self) -> dict:
         return {

@@ -177,6 +177,54 @@ def test_preemption_recomputes_and_loses_nothing(engine_checkpoint):
         )
 
 
+def request_tables(folder: str) -> list[dict[str, int]]:
+    """Requests through a paged engine with MTP and the prefix cache in a cache small enough to preempt:
+    four finish, one is aborted after a few steps, one is aborted before it is ever scheduled. -> the
+    engine's request tables before any request, after each step, and once idle."""
+    from spmoe.engine.cache.paged import BLOCK_SIZE, PagedKVCache
+    from spmoe.engine.engine import Engine
+    from spmoe.engine.request import Request
+    from spmoe.models.deepseek_v32.weights import load_model
+
+    model = load_model(folder, ParallelConfig(tensor_parallel_size=1), with_mtp=True)
+    one_block = PagedKVCache.for_model(model, 2**20).bytes_per_token * BLOCK_SIZE
+    engine = Engine(
+        model,
+        PagedKVCache.for_model(model, 4 * one_block),
+        2,
+        max_num_seqs=3,
+        max_num_batched_tokens=64,
+    )
+    seen = [engine.metrics().request_tables]
+    prompts = prompts_of((58, 59, 60, 61, 30, 20), seed=2)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", prompt, 12))
+    engine.abort("r5")
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 3:
+            engine.abort("r4")
+        seen.append(engine.metrics().request_tables)
+    seen.append({**engine.metrics().request_tables, "preemptions": engine.metrics().preemptions})
+    return seen
+
+
+def test_the_request_tables_empty_once_idle(engine_checkpoint):
+    """Every table the engine keeps per request or sequence (the scheduler's requests, the blocks'
+    tables, reservations and memos) has entries while requests run and none once they all ended:
+    finished, preempted and recomputed, aborted while running or while waiting."""
+    seen = spawn(request_tables, 1, engine_checkpoint)[0]
+    before, during, idle = seen[0], seen[1:-1], seen[-1]
+    assert set(before) >= {"scheduler_requests", "block_tables", "block_hash_chains"}, before
+    assert all(v == 0 for v in before.values()), before
+    assert max(t["scheduler_requests"] for t in during) >= 3, during
+    assert max(t["block_tables"] for t in during) >= 3, during
+    assert idle.pop("preemptions") > 0
+    assert idle == dict.fromkeys(before, 0), idle
+
+
 def progress_of_a_chunked_prompt(folder: str) -> list[tuple[int, int, int]]:
     """-> what `generate` reports after each step for one 40-token prompt fed 16 tokens a step."""
     from spmoe.engine.cache.paged import PagedKVCache

@@ -116,6 +116,16 @@ class BlockManager:
         """Fraction of blocks held by sequences, 0..1 (cached blocks nobody holds count as free)."""
         return self.num_used_blocks / self.num_blocks
 
+    def request_tables(self) -> dict[str, int]:
+        """Entries of the per-sequence tables: block tables, reservations, the memos of hashes and
+        written blocks (each empties when its sequences are freed)."""
+        return {
+            "block_tables": len(self._tables),
+            "block_reservations": len(self._reserved),
+            "block_hash_chains": len(self._chains),
+            "blocks_written": len(self._written),
+        }
+
     def cached_prefix(self, token_ids: Sequence[int], hashes: list[bytes] | None = None) -> int:
         """Tokens at the head of a prompt `token_ids` whose rows the cache holds: whole blocks, fewer than
         `len(token_ids)` (0 with caching off). `hashes`: the chain hashes of the prompt's first blocks as far

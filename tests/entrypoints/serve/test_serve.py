@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from spmoe.distributed import spawn
 from spmoe.distributed.launcher import free_port
@@ -340,6 +341,25 @@ def test_concurrent_streams_match_their_text_alone(server):
     metrics = httpx.get(base + "/metrics").text
     assert 'vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"}' in metrics
     assert 'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0' in metrics
+    # every table kept per request is empty again (the engine loop's own once it has sent the last
+    # outputs)
+    deadline = time.monotonic() + 30
+    while (tables := request_tables(base)) and any(tables.values()):
+        assert time.monotonic() < deadline, tables
+        time.sleep(0.2)
+    assert {"scheduler_requests", "block_tables", "engine_loop_owners", "front_end_streams"} <= set(
+        tables
+    ), tables
+
+
+def request_tables(base: str) -> dict[str, float]:
+    """spmoe:request_table_entries from /metrics: table -> entries."""
+    found = {}
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "spmoe:request_table_entries":
+                found[sample.labels["table"]] = sample.value
+    return found
 
 
 def test_constrained_outputs_through_the_server(server):

@@ -108,6 +108,7 @@ async def exchange() -> dict:
         )
         await engine.send_multipart((peer, codec.encode(failed)))
         got["streams"] = {name: await task for name, task in tasks.items()}
+        got["tables_after"] = client.metrics().request_tables
         got["error"] = client.error
         got["stalled"] = client.stalled_for()
     finally:
@@ -122,7 +123,11 @@ def test_the_client_over_the_wire():
     assert got["hello"] == ToEngine()
     assert [[r.request_id for r in m.adds] for m in got["first"]] == [["a", "b", "bad", "c"]]
     assert got["queue_full"].startswith("4 requests wait to start")
-    assert got["metrics"] == EngineMetrics(running=2, generated_tokens=3)
+    # the front end's open requests beside the engine's tables: a and c
+    assert got["metrics"] == EngineMetrics(
+        running=2, generated_tokens=3, request_tables={"front_end_streams": 2}
+    )
+    assert got["tables_after"] == {"front_end_streams": 0}
     assert got["exchange_s"] == 0.25
     assert got["streams"] == {
         "a": [([7], None), ([], "error")],
@@ -160,3 +165,19 @@ def test_a_request_before_the_hello_follows_it():
     hello, *rest = asyncio.run(early_request())
     assert hello == ToEngine()
     assert [[r.request_id for r in m.adds] for m in rest] == [["early"]]
+
+
+def test_the_metrics_of_dp_groups_as_one():
+    """Two DP groups' engines as /metrics shows them: counts and table entries add up, the cache's
+    usage is their mean."""
+    parts = [
+        EngineMetrics(running=2, kv_cache_usage=0.5, request_tables={"block_tables": 2}),
+        EngineMetrics(
+            running=1,
+            kv_cache_usage=0.25,
+            request_tables={"block_tables": 1, "scheduler_requests": 3},
+        ),
+    ]
+    one = EngineMetrics.combine(parts)
+    assert one.running == 3 and one.kv_cache_usage == 0.375
+    assert one.request_tables == {"block_tables": 3, "scheduler_requests": 3}

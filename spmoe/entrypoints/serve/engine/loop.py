@@ -27,6 +27,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import msgspec
 import zmq
 
 from spmoe.engine.engine import Engine
@@ -112,7 +113,12 @@ class EngineLoop:
                 shutdown = failure is not None or self.front_ends.all_exited()
                 plan = self.serving.plan(new, aborts, shutdown)
                 done = self.serving.step(plan)
-                self.metrics = done.metrics
+                # the loop's own tables beside the engine's
+                loop_tables = {"engine_loop_owners": len(self.owner)}
+                loop_tables["engine_loop_compiling"] = len(self.compiling)
+                self.metrics = msgspec.structs.replace(
+                    done.metrics, request_tables={**done.metrics.request_tables, **loop_tables}
+                )
                 for request_id, why in done.refused:
                     peer = self.owner.pop(request_id, None)
                     if peer is not None:

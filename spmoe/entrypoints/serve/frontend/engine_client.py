@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -125,8 +126,10 @@ class EngineClient:
                 self._send_soon(abort=request.request_id)
 
     def metrics(self) -> EngineMetrics:
-        """Every DP group's engine after its last step."""
-        return self._metrics
+        """Every DP group's engine after its last step, with this front end's open requests among the
+        request tables."""
+        tables = {**self._metrics.request_tables, "front_end_streams": len(self._streams)}
+        return msgspec.structs.replace(self._metrics, request_tables=tables)
 
     def stalled_for(self) -> float:
         """Seconds since the engine's last message."""

@@ -167,6 +167,14 @@ class EngineCollector:
                 per_position.add_metric([*self.labels, str(position)], count)
             yield per_position
             yield from self.by_source(m)
+        tables = GaugeMetricFamily(
+            OWN + "request_table_entries",
+            "Entries of a table kept per request (each 0 once the server is idle)",
+            labels=[*LABELS, "table"],
+        )
+        for table, entries in sorted(m.request_tables.items()):
+            tables.add_metric([*self.labels, table], entries)
+        yield tables
 
     def by_source(self, m):
         """The same speculation counters by draft source (label `draft_source`: mtp, ngram, suffix),

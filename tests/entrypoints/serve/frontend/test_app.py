@@ -190,6 +190,7 @@ class ScriptedEngineClient:
                 ),
                 "none": DraftCounts(accepted_per_position=[0, 0], chosen=4),
             },
+            request_tables={"scheduler_requests": 3, "block_tables": 1},
         )
 
 
@@ -350,6 +351,8 @@ def test_models_health_metrics(served):
         'spmoe:engine_steps_total{engine="0",model_name="tiny"} 0.0',
         'spmoe:engine_exchange_seconds_total{engine="0",model_name="tiny"} 0.125',
         'spmoe:engine_idle_seconds_total{engine="0",model_name="tiny"} 2.5',
+        'spmoe:request_table_entries{engine="0",model_name="tiny",table="scheduler_requests"} 3.0',
+        'spmoe:request_table_entries{engine="0",model_name="tiny",table="block_tables"} 1.0',
     ):
         assert line in text, line
     assert "spmoe:num_requests" not in text and "vllm:engine_steps" not in text  # each in its place
