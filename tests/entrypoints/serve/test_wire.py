@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from spmoe.engine.request import EngineMetrics, GrammarSpec, Request, RequestOutput, SamplingParams
-from spmoe.entrypoints.serve.frontend.engine_client import EngineClient, QueueFull
+from spmoe.entrypoints.serve.frontend.engine_client import EngineClient, QueueFull, merged
 from spmoe.entrypoints.serve.wire import Codec, EngineFacts, FromEngine, PrivateAddress, ToEngine
 
 FACTS = EngineFacts(
@@ -181,3 +181,84 @@ def test_the_metrics_of_dp_groups_as_one():
     one = EngineMetrics.combine(parts)
     assert one.running == 3 and one.kv_cache_usage == 0.375
     assert one.request_tables == {"block_tables": 3, "scheduler_requests": 3}
+
+
+def test_merged_joins_a_requests_outputs_in_order():
+    lp = [(-0.25, [(7, -0.25)]), (-0.5, [(8, -0.5)]), (-0.75, [(9, -0.75)])]
+    outputs = [
+        RequestOutput("r", [7], None, prompt_tokens=3, logprobs=lp[:1], queue_s=0.5, prefill_s=1.0),
+        RequestOutput("r", [8], None, prompt_tokens=3, logprobs=lp[1:2]),
+        RequestOutput("r", [9], "stop", prompt_tokens=3, logprobs=lp[2:], stop_token=9),
+    ]
+    outputs[0].prompt_logprobs = [None, (-1.0, [(2, -1.0)])]
+    assert merged(outputs) == [
+        RequestOutput(
+            "r",
+            [7, 8, 9],
+            "stop",
+            prompt_tokens=3,
+            logprobs=lp,
+            prompt_logprobs=[None, (-1.0, [(2, -1.0)])],
+            stop_token=9,
+            queue_s=0.5,
+            prefill_s=1.0,
+        )
+    ]
+    failure = RuntimeError("the engine has stopped")
+    got = merged([RequestOutput("r", [1], None), RequestOutput("r", [2], None), failure])
+    assert got == [RequestOutput("r", [1, 2], None), failure]
+    # an error ends the request after the text before it; nothing joins a finished output
+    error = RequestOutput("r", [], "error", error="boom")
+    assert merged([RequestOutput("r", [1], None), error]) == [RequestOutput("r", [1], None), error]
+    done = RequestOutput("r", [1], "length")
+    assert merged([done, RequestOutput("r", [2], None)]) == [done, RequestOutput("r", [2], None)]
+
+
+async def slow_reader() -> dict:
+    """A stream that is not read while three steps come: it gets them as one output, then a failure
+    that came after its last tokens."""
+    address, codec = PrivateAddress(), Codec()
+    engine = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    engine.bind(address.url)
+    client = EngineClient(address.url, FACTS, os.getppid())
+
+    async def step(*outputs, error=None):
+        message = FromEngine(outputs=list(outputs), metrics=EngineMetrics(), error=error)
+        await engine.send_multipart((peer, codec.encode(message)))
+
+    got = {}
+    try:
+        await client.start()
+        peer, _ = await engine.recv_multipart()
+        for name in ("slow", "failed"):
+            stream = client.generate(Request(name, [1, 2], 8))
+            first = asyncio.ensure_future(anext(stream))
+            await engine.recv_multipart()
+            await step(RequestOutput(name, [3], None, prompt_tokens=2))
+            got[name] = [await first]
+            await step(RequestOutput(name, [4], None, logprobs=[(-1.0, [])]))
+            await step(RequestOutput(name, [5], None, logprobs=[(-2.0, [])]))
+            await step(RequestOutput(name, [6], "length" if name == "slow" else None))
+            if name == "failed":
+                await step(error="RuntimeError: x")
+            await asyncio.sleep(0.2)  # the steps arrive while nobody reads this stream
+            try:
+                async for out in stream:
+                    got[name].append(out)
+            except RuntimeError as e:
+                got[name].append(str(e))
+    finally:
+        await client.close()
+        engine.close()
+        address.remove()
+    return got
+
+
+def test_a_stream_that_falls_behind_gets_its_steps_as_one_output():
+    got = asyncio.run(slow_reader())
+    tokens = RequestOutput("slow", [4, 5, 6], "length", logprobs=[(-1.0, []), (-2.0, [])])
+    assert got["slow"] == [RequestOutput("slow", [3], None, prompt_tokens=2), tokens]
+    assert got["failed"][1] == RequestOutput(
+        "failed", [4, 5, 6], None, logprobs=[(-1.0, []), (-2.0, [])]
+    )
+    assert got["failed"][2] == "the engine has stopped: RuntimeError: x"

@@ -3,8 +3,10 @@ talking to the engine over the wire (`wire.py`).
 
 Requests and aborts are gathered as they come and sent in one message per turn of the event loop; the
 engine's one message per step is read by a task on the event loop, which hands each output to its
-request's queue. The client never imports the engine or the model: what it must know of them
-(`EngineFacts`) comes with the front end's launch.
+request's mailbox (`Outputs`). A stream takes everything its mailbox holds at once: the outputs of the
+steps that ran since it last looked come as one output (`merged`), so a front end that falls behind the
+engine sends fewer, larger chunks instead of falling further behind. The client never imports the engine
+or the model: what it must know of them (`EngineFacts`) comes with the front end's launch.
 
 The engine is watched from here: `stalled_for()` is the time since its last message (it sends one after
 every step, and a heartbeat at least every second while idle), and `error` is set when it reports a
@@ -26,6 +28,56 @@ from spmoe.entrypoints.serve.wire import Codec, EngineFacts, ToEngine
 
 class QueueFull(RuntimeError):
     """`max_num_waiting` requests already wait to start (the front end answers 503)."""
+
+
+class Outputs:
+    """One request's mailbox: the outputs (or the exception that ends it) its stream has not taken."""
+
+    __slots__ = ("items", "ready")
+
+    def __init__(self):
+        self.items: list = []
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def take(self) -> list:
+        """Everything put since the last take (waits for at least one), merged (`merged`)."""
+        await self.ready.wait()
+        self.ready.clear()
+        items, self.items = self.items, []
+        return merged(items)
+
+
+def merged(items: list) -> list:
+    """Consecutive outputs of one request as one: the tokens and their logprobs in order, the first's
+    prompt logprobs and engine seconds, the last's finish (reason, stop token). An exception, an
+    output that ends the request as "abort" or "error" (the text before it still goes out first), and
+    whatever follows a finished output stay apart. The outputs are the wire's, decoded for this
+    request alone: the first of a run is extended in place."""
+    out = []
+    for item in items:
+        last = out[-1] if out else None
+        if (
+            isinstance(item, Exception)
+            or item.finish_reason in ("abort", "error")
+            or not isinstance(last, RequestOutput)
+            or last.finish_reason is not None
+        ):
+            out.append(item)
+            continue
+        last.new_token_ids += item.new_token_ids
+        if item.logprobs is not None:
+            last.logprobs = (last.logprobs or []) + item.logprobs
+        if last.prompt_logprobs is None:
+            last.prompt_logprobs = item.prompt_logprobs
+        if last.queue_s is None:
+            last.queue_s, last.prefill_s = item.queue_s, item.prefill_s
+        last.finish_reason, last.stop_token = item.finish_reason, item.stop_token
+        last.prompt_tokens = item.prompt_tokens or last.prompt_tokens
+    return out
 
 
 class EngineClient:
@@ -51,7 +103,7 @@ class EngineClient:
         self._codec = Codec()
         self._socket = None
         self._receiver: asyncio.Task | None = None
-        self._streams: dict[str, asyncio.Queue] = {}  # open requests' outputs (and refusals)
+        self._streams: dict[str, Outputs] = {}  # open requests' outputs (and refusals)
         self._not_started = 0  # of those, requests that have no output yet
         self._adds: list[Request] = []  # not sent yet
         self._aborts: list[str] = []
@@ -89,12 +141,13 @@ class EngineClient:
         return self._error
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as the steps produce them, up to and including the one with a
-        `finish_reason`. Raises on the first iteration: ValueError (the engine refused it: it can never
-        run there, its grammar does not compile, or its id is in use), QueueFull, RuntimeError (the
-        engine has stopped). If the consumer stops iterating, the request is aborted and its cache
-        freed. Request ids are unique by construction (the server's are a uuid4 each): the engine
-        alone checks."""
+        """Yield the request's outputs as the steps produce them (those of several steps merged into one
+        when they came before this iterator was read again: `Outputs`), up to and including the one
+        with a `finish_reason`. Raises on the first iteration: ValueError (the engine refused it: it
+        can never run there, its grammar does not compile, or its id is in use), QueueFull,
+        RuntimeError (the engine has stopped). If the consumer stops iterating, the request is aborted
+        and its cache freed. Request ids are unique by construction (the server's are a uuid4 each):
+        the engine alone checks."""
         if self.error is not None:
             raise RuntimeError(f"the engine has stopped: {self.error}")
         if self._not_started >= self.max_num_waiting:
@@ -102,22 +155,24 @@ class EngineClient:
                 f"{self._not_started} requests wait to start; the server takes at most "
                 f"{self.max_num_waiting} (max_num_waiting)"
             )
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = Outputs()
         self._streams[request.request_id] = outputs
         self._not_started += 1
         started = finished = False
         self._send_soon(add=request)
         try:
             while not finished:
-                out = await outputs.get()
-                if isinstance(out, Exception):  # refused by the engine, or the engine has stopped
-                    finished = True
-                    raise out
-                if not started:
-                    started = True
-                    self._not_started -= 1
-                finished = out.finish_reason is not None
-                yield out
+                for out in await outputs.take():
+                    if isinstance(out, Exception):  # refused by the engine, or it has stopped
+                        finished = True
+                        raise out
+                    if not started:
+                        started = True
+                        self._not_started -= 1
+                    finished = out.finish_reason is not None
+                    yield out
+                    if finished:
+                        break
         finally:
             if not started:
                 self._not_started -= 1
@@ -170,12 +225,12 @@ class EngineClient:
             for request_id, why in message.rejected:
                 outputs = self._streams.get(request_id)
                 if outputs is not None:
-                    outputs.put_nowait(ValueError(why))
+                    outputs.put(ValueError(why))
             for out in message.outputs:
                 outputs = self._streams.get(out.request_id)
                 if outputs is not None:
-                    outputs.put_nowait(out)
+                    outputs.put(out)
             if message.error is not None:
                 self._error = message.error
                 for outputs in self._streams.values():
-                    outputs.put_nowait(RuntimeError(f"the engine has stopped: {message.error}"))
+                    outputs.put(RuntimeError(f"the engine has stopped: {message.error}"))

@@ -283,6 +283,79 @@ def test_several_tokens_per_step(tokenizer):
     assert engine.requests[-1].sampling.temperature == 1  # OpenAI's default
 
 
+def streamed_with(tokenizer, per_step: int) -> dict:
+    """Streamed completions and chat (logprobs, usage) of REPLY with `per_step` tokens an output: what
+    the engine client gives a stream that fell behind (steps merged) or one that speculates."""
+    engine = ScriptedEngineClient(tokenizer.encode(REPLY) + [tokenizer.eos_token_id], (), per_step)
+    client = openai.OpenAI(
+        base_url="http://testserver/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=TestClient(build_app(engine, tokenizer, ApiSettings(["tiny"]))),
+    )
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    completion = list(
+        client.completions.create(
+            model="tiny", prompt="Hi", max_tokens=20, logprobs=1, stream=True, stream_options=usage
+        )
+    )
+    chat = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            logprobs=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    got = {
+        "chunks": (len(completion), len(chat)),
+        "text": "".join(c.choices[0].text for c in completion if c.choices),
+        "logprobs": [
+            (t, lp, off)
+            for c in completion
+            if c.choices
+            for t, lp, off in zip(
+                c.choices[0].logprobs.tokens,
+                c.choices[0].logprobs.token_logprobs,
+                c.choices[0].logprobs.text_offset,
+            )
+        ],
+        # the finish_reasons given, and whether the last chunk with a choice gave the last
+        "finishes": [c.choices[0].finish_reason for c in completion if c.choices],
+        "usage": [c.usage.completion_tokens for c in completion][-1],
+        "chat": "".join(c.choices[0].delta.content or "" for c in chat if c.choices),
+        "chat_logprobs": [
+            (e.token, e.logprob)
+            for c in chat
+            if c.choices and c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content
+        ],
+        "chat_finishes": [c.choices[0].finish_reason for c in chat if c.choices],
+        "chat_usage": chat[-1].usage.completion_tokens,
+    }
+    for key in ("finishes", "chat_finishes"):  # None but in the last chunk with a choice
+        assert all(f is None for f in got[key][:-1]), got[key]
+        got[key] = got[key][-1]
+    return got
+
+
+def test_several_tokens_an_output_stream_as_one_token_an_output_does(tokenizer):
+    """Text, logprobs (token by token, with their offsets), usage and the one finish_reason of a
+    stream are the same whether each output carries one token or four."""
+    one, four = streamed_with(tokenizer, 1), streamed_with(tokenizer, 4)
+    assert four["chunks"][0] < one["chunks"][0] and four["chunks"][1] < one["chunks"][1]
+    assert one["text"] == REPLY.encode()[:20].decode(errors="replace")
+    assert one["chat"] == REPLY
+    ids = tokenizer.encode(REPLY)
+    assert [lp for _, lp, _ in one["logprobs"]] == [-t / 100 for t in ids[:20]]
+    assert (one["finishes"], one["chat_finishes"]) == ("length", "stop")
+    assert (one["usage"], one["chat_usage"]) == (20, len(ids) + 1)
+    assert {k: v for k, v in four.items() if k != "chunks"} == {
+        k: v for k, v in one.items() if k != "chunks"
+    }
+
+
 def test_ignore_eos_generates_max_tokens(served, tokenizer):
     engine, client, _ = served
     engine.script = [tokenizer.eos_token_id] * 3 + tokenizer.encode("abc")
