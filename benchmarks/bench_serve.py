@@ -50,6 +50,7 @@ class Result:
     ttft_s: float
     latency_s: float
     output_tokens: int
+    events: int  # the stream's chunks with choices
 
     @property
     def tpot_s(self) -> float | None:
@@ -90,7 +91,7 @@ async def one_request(
         **SAMPLING[sampling],
     }
     began = time.perf_counter()
-    ttft, usage = None, None
+    ttft, usage, events = None, None, 0
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(
@@ -102,14 +103,16 @@ async def one_request(
             chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']['message']}")
-            if ttft is None and chunk["choices"]:
-                ttft = time.perf_counter() - began
+            if chunk["choices"]:
+                events += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - began
             usage = chunk.get("usage") or usage
     if usage is None:
         raise RuntimeError(
             "the stream had no usage chunk; expected one with stream_options.include_usage"
         )
-    return Result(ttft, time.perf_counter() - began, usage["completion_tokens"])
+    return Result(ttft, time.perf_counter() - began, usage["completion_tokens"], events)
 
 
 async def run_level(

@@ -1,0 +1,398 @@
+"""The HTTP front end's streaming cost with the model taken out: does one front end process keep up with
+an engine that steps like the GPU's?
+
+A scripted engine (this file, in a process of its own) plays rank 0's engine process on the real wire: it
+starts the real front end process (`spmoe.entrypoints.serve.frontend`, the demo's byte tokenizer), takes
+its requests (at most `--streams` running, as `--max-num-seqs`), and every step gives each running
+request one token (its first in the step that admits it) until `--output-len`, taking `--step-ms` +
+`--step-ms-per-seq` x batch per step (defaults: a line through the H100's `spmoe generate` figures at GLM-5.2
+widths, 2026-12-07: 2.53 / 3.54 / 7.16 ms a step at 16 / 64 / 256 sequences). `bench_serve.py`'s client
+(the GPU run's) keeps `--streams` streaming completions in flight from this process. Per level:
+- `ideal tok/s`: the engine's rate with every step full (`--streams` over the step's time);
+- `out tok/s`: the client's (usage tokens over the wall time), and `/ ideal`;
+- `batch`: the engine's mean running requests a step (`--streams` when the front end keeps up), `idle s`;
+- `events/s` and `tok/event`: the SSE chunks the client read;
+- `front end us/tok` and `us/event`: the front end process's CPU seconds (user + system) over the tokens
+  and events it sent; `client us/event`: this process's, likewise;
+- the client's TTFT and TPOT (ms).
+
+`--client-ceiling` first measures the client alone against a canned server (raw asyncio, chunks shaped like
+the front end's, one token each, every stream served in turn as fast as the sockets take them): the most
+events a second the client reads, so that a front end figure near it is known to be the client's.
+
+`--before DIR` runs every level a second time with the front end imported from DIR (another checkout:
+the code before a change), alternating which goes first, the two side by side in one table.
+
+    python benchmarks/bench_streaming.py --streams 16 64 256 --client-ceiling --before /work/main
+"""
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import pickle
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import zmq
+from bench_serve import percentile, run_level
+
+from spmoe.distributed.launcher import free_port
+from spmoe.engine.request import EngineMetrics, RequestOutput
+from spmoe.entrypoints.demo import CHECKPOINT
+from spmoe.entrypoints.serve.engine_client import EngineFacts
+from spmoe.entrypoints.serve.frontend import FrontEndLaunch, FrontEndOptions
+from spmoe.entrypoints.serve.wire import Codec, FromEngine, PrivateAddress
+
+TEXT_IDS = list(range(32, 127))  # the byte tokenizer's printable ASCII: what the engine "generates"
+HEARTBEAT_S = 0.5
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system seconds of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class ScriptedEngine:
+    """The engine's side of the wire for one front end: requests in, one token per running request a
+    step out. `run(conn)` serves until `conn` says "quit"; "begin" starts a level's counters, "end"
+    sends them back (steps, tokens, idle seconds, the front end's CPU seconds)."""
+
+    def __init__(
+        self, streams: int, step_s: float, step_s_per_seq: float, front_end: subprocess.Popen
+    ):
+        self.streams, self.step_s, self.step_s_per_seq = streams, step_s, step_s_per_seq
+        self.front_end = front_end
+        self.waiting: list = []
+        self.live: dict[str, list] = {}  # request id -> [request, tokens given]
+        self.counters = {}
+
+    def run(self, engine: zmq.Socket, peer: bytes, conn) -> None:
+        codec = Codec()
+        began_cpu = 0.0
+        last_sent = time.perf_counter()
+        while True:
+            if conn.poll():
+                what = conn.recv()
+                if what == "quit":
+                    return
+                if what == "begin":
+                    self.counters = {"steps": 0, "tokens": 0, "idle_s": 0.0}
+                    began_cpu = cpu_seconds(self.front_end.pid)
+                else:
+                    used = cpu_seconds(self.front_end.pid) - began_cpu
+                    conn.send({**self.counters, "front_end_cpu_s": used})
+            if not self.live and not self.waiting:
+                idle = time.perf_counter()
+                engine.poll(50)
+                self.counters["idle_s"] = self.counters.get("idle_s", 0.0) + (
+                    time.perf_counter() - idle
+                )
+            while engine.poll(0):
+                _, data = engine.recv_multipart()
+                message = codec.to_engine.decode(data)
+                self.waiting += message.adds
+                for request_id in message.aborts:
+                    self.live.pop(request_id, None)
+            outputs = self.step()
+            if outputs or time.perf_counter() - last_sent > HEARTBEAT_S:
+                message = FromEngine(outputs=outputs, metrics=EngineMetrics(), front_ends=1)
+                engine.send_multipart((peer, codec.encode(message)))
+                last_sent = time.perf_counter()
+
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits, give every running request its next token, take the step's time."""
+        while self.waiting and len(self.live) < self.streams:
+            request = self.waiting.pop(0)
+            self.live[request.request_id] = [request, 0]
+        if not self.live:
+            return []
+        began = time.perf_counter()
+        outputs = []
+        for request_id, entry in list(self.live.items()):
+            request, given = entry
+            token = TEXT_IDS[given % len(TEXT_IDS)]
+            entry[1] = given = given + 1
+            done = given >= request.max_new_tokens
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    [token],
+                    "length" if done else None,
+                    prompt_tokens=len(request.prompt),
+                    queue_s=0.0 if given == 1 else None,
+                    prefill_s=0.0 if given == 1 else None,
+                )
+            )
+            if done:
+                del self.live[request_id]
+        self.counters["steps"] = self.counters.get("steps", 0) + 1
+        self.counters["tokens"] = self.counters.get("tokens", 0) + len(outputs)
+        # the step's time, as a GPU step at this batch would take it
+        rest = self.step_s + self.step_s_per_seq * len(outputs) - (time.perf_counter() - began)
+        if rest > 0:
+            time.sleep(rest)
+        return outputs
+
+
+def engine_process(conn, streams: int, port: int, step_s: float, per_seq: float, code: str):
+    """Start a front end (its code imported from `code`) and play its engine until told to quit."""
+    address = PrivateAddress()
+    engine = zmq.Context.instance().socket(zmq.ROUTER)
+    engine.setsockopt(zmq.LINGER, 0)
+    engine.bind(address.url)
+    options = FrontEndOptions(str(CHECKPOINT), ["bench"], "127.0.0.1", port)
+    facts = EngineFacts(
+        max_model_len=8192,
+        max_num_waiting=4 * streams,
+        vocab_size=264,
+        eos_token_ids=(),
+        num_speculative_tokens=0,
+    )
+    launch = FrontEndLaunch(
+        target="spmoe.entrypoints.serve.frontend:serve_http",
+        args=(options,),
+        address=address.url,
+        identity=b"bench",
+        facts=facts,
+        engine_pid=os.getpid(),
+        index=1,
+    )
+    env = {**os.environ, "PYTHONPATH": code}
+    front_end = subprocess.Popen(
+        [sys.executable, "-m", "spmoe.entrypoints.serve.frontend"], stdin=subprocess.PIPE, env=env
+    )
+    try:
+        front_end.stdin.write(pickle.dumps(launch))
+        front_end.stdin.close()
+        if not engine.poll(120_000):
+            raise RuntimeError("the front end did not say hello in 120 s")
+        peer, _ = engine.recv_multipart()
+        hello = FromEngine(outputs=[], metrics=EngineMetrics(), front_ends=1)
+        engine.send_multipart((peer, Codec().encode(hello)))
+        conn.send("ready")
+        ScriptedEngine(streams, step_s, per_seq, front_end).run(engine, peer, conn)
+    finally:
+        front_end.terminate()
+        try:
+            front_end.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            front_end.kill()
+            front_end.wait()
+        engine.close()
+        address.remove()
+
+
+def wait_healthy(base: str, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{base} did not turn healthy in {seconds:.0f} s")
+
+
+def load(base: str, streams: int, requests: int, input_len: int, output_len: int) -> dict:
+    """`requests` streaming completions, `streams` at a time, through bench_serve's client."""
+    prompts = [[(7 * i + j) % 256 for j in range(input_len)] for i in range(requests)]
+    cpu = time.process_time()
+    results, seconds = asyncio.run(
+        run_level(base + "/v1", "bench", prompts, output_len, streams, [0.0] * requests, "plain")
+    )
+    wrong = [r.output_tokens for r in results if r.output_tokens != output_len]
+    if wrong:
+        raise RuntimeError(f"expected usage of {output_len} tokens a request, got {wrong[:5]}")
+    tokens = sum(r.output_tokens for r in results)
+    events = sum(r.events for r in results)
+    ttft = [r.ttft_s * 1e3 for r in results]
+    tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None]
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "events": events,
+        "client_cpu_s": time.process_time() - cpu,
+        "ttft_p50_ms": statistics.median(ttft),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "tpot_p50_ms": statistics.median(tpot),
+    }
+
+
+def one_level(args, streams: int, code: str) -> dict:
+    """A front end from `code` against the scripted engine, loaded at `streams`."""
+    context = multiprocessing.get_context("spawn")
+    conn, child = context.Pipe()
+    port = free_port()
+    engine = context.Process(
+        target=engine_process,
+        args=(child, streams, port, args.step_ms / 1e3, args.step_ms_per_seq / 1e3, code),
+    )
+    engine.start()
+    try:
+        if not conn.poll(180) or conn.recv() != "ready":
+            raise RuntimeError("the scripted engine did not start its front end")
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base)
+        conn.send("begin")
+        got = load(
+            base, streams, args.requests_per_stream * streams, args.input_len, args.output_len
+        )
+        conn.send("end")
+        got.update(conn.recv())
+        conn.send("quit")
+    finally:
+        engine.join(60)
+        if engine.is_alive():
+            engine.kill()
+    step = args.step_ms + args.step_ms_per_seq * streams
+    got["ideal_tok_s"] = streams / step * 1e3
+    return got
+
+
+async def canned_stream(reader, writer, chunk: bytes, output_len: int):
+    """Answer each request on one connection with `output_len` copies of `chunk` (one HTTP chunk
+    each, one a turn of all the connections), a usage chunk and [DONE]."""
+    while True:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:  # the client closed the connection
+            return
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.lower().split(b"\r\n")
+            if line.startswith(b"content-length:")
+        )
+        await reader.readexactly(length)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        usage = {"completion_tokens": output_len, "prompt_tokens": 1, "total_tokens": 1}
+        last = json.dumps({"choices": [], "usage": usage}).encode()
+        for frame in [chunk] * output_len + [b"data: " + last + b"\n\n", b"data: [DONE]\n\n"]:
+            writer.write(b"%x\r\n%s\r\n" % (len(frame), frame))
+            await writer.drain()
+            await asyncio.sleep(0)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+def canned_server(port: int, output_len: int) -> None:
+    """The client's yardstick: a server as fast as its sockets (see `canned_stream`)."""
+    choice = {"index": 0, "text": "a", "logprobs": None, "finish_reason": None}
+    payload = {"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "bench"}
+    payload.update(choices=[choice], usage=None)
+    chunk = b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+    async def serve():
+        server = await asyncio.start_server(
+            lambda r, w: canned_stream(r, w, chunk, output_len), "127.0.0.1", port
+        )
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(serve())
+
+
+def can_connect(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def client_ceiling(args, streams: int) -> dict:
+    port = free_port()
+    server = multiprocessing.get_context("spawn").Process(
+        target=canned_server, args=(port, args.output_len)
+    )
+    server.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not can_connect(port):
+            if time.monotonic() > deadline or not server.is_alive():
+                raise RuntimeError("the canned server did not listen in 120 s")
+            time.sleep(0.1)
+        base = f"http://127.0.0.1:{port}"
+        return load(base, streams, args.requests_per_stream * streams, 4, args.output_len)
+    finally:
+        server.kill()
+        server.join()
+
+
+def row(name: str, streams: int, got: dict) -> str:
+    tokens, events = got["tokens"], max(got["events"], 1)
+    ideal = f"{got['ideal_tok_s']:>10.0f}" if "ideal_tok_s" in got else f"{'-':>10}"
+    ratio = (
+        f"{got['tokens'] / got['seconds'] / got['ideal_tok_s']:>7.3f}"
+        if "ideal_tok_s" in got
+        else f"{'-':>7}"
+    )
+    engine = (
+        f"{got['tokens'] / max(got['steps'], 1):>7.1f}{got['idle_s']:>7.2f}"
+        f"{got['front_end_cpu_s'] / tokens * 1e6:>9.1f}{got['front_end_cpu_s'] / events * 1e6:>9.1f}"
+        if "steps" in got
+        else f"{'-':>7}{'-':>7}{'-':>9}{'-':>9}"
+    )
+    return (
+        f"{name:>13}{streams:>8}{ideal}{tokens / got['seconds']:>10.0f}{ratio}{engine}"
+        f"{events / got['seconds']:>10.0f}{tokens / events:>6.2f}"
+        f"{got['client_cpu_s'] / events * 1e6:>9.1f}{got['ttft_p50_ms']:>9.1f}"
+        f"{got['ttft_p99_ms']:>9.1f}{got['tpot_p50_ms']:>8.2f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--streams", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--step-ms", type=float, default=2.22, help="the step's time at batch 0")
+    parser.add_argument(
+        "--step-ms-per-seq", type=float, default=0.0193, help="what each running request adds"
+    )
+    parser.add_argument("--client-ceiling", action="store_true")
+    parser.add_argument("--before", help="a checkout whose front end runs each level too")
+    parser.add_argument("--json", type=Path, help="also write every level's figures there")
+    args = parser.parse_args()
+    here = str(Path(__file__).resolve().parents[1])
+    codes = [("this", here)] + ([("before", args.before)] if args.before else [])
+    print(
+        f"bench_streaming: {args.input_len} -> {args.output_len} tokens, "
+        f"{args.requests_per_stream} requests a stream, step {args.step_ms} ms + "
+        f"{args.step_ms_per_seq} ms a sequence"
+    )
+    print(
+        f"{'front end':>13}{'streams':>8}{'ideal':>10}{'out tok/s':>10}{'/ideal':>7}{'batch':>7}"
+        f"{'idle s':>7}{'FE us/tok':>9}{'FE us/ev':>9}{'events/s':>10}{'tok/ev':>6}"
+        f"{'cl us/ev':>9}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>8}"
+    )
+    figures = []
+    for streams in args.streams:
+        if args.client_ceiling:
+            got = client_ceiling(args, streams)
+            figures.append({"front_end": "canned", "streams": streams, **got})
+            print(row("canned server", streams, got), flush=True)
+        for name, code in codes if len(figures) % 2 == 0 else codes[::-1]:
+            got = one_level(args, streams, code)
+            figures.append({"front_end": name, "streams": streams, **got})
+            print(row(name, streams, got), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
