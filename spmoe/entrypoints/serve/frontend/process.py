@@ -28,6 +28,8 @@ from spmoe.entrypoints.serve.frontend.supervisor import StopPolicy, supervise
 from spmoe.entrypoints.serve.wire import FrontEndLaunch
 from spmoe.entrypoints.tokenizer import load_tokenizer
 
+GC_YOUNG = 50_000  # container objects allocated between two collections of the young generation
+
 
 @dataclass(frozen=True)
 class FrontEndOptions:
@@ -128,11 +130,14 @@ def start_front_end(
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, _: early.append(signum))
     # What start-up built (the tokenizer, transformers, the app: some 10^5 objects) lives as long as
-    # the process: out of the collector's sight, so that its full collections, which streaming's
-    # many short-lived objects set off, look only at what serving made. Without this they took
-    # about a quarter of the front end's time at 256 streams (bench_streaming.py).
+    # the process: out of the collector's sight, so that its full collections look only at what
+    # serving made; and a young generation of GC_YOUNG objects, not 700, so that the objects every
+    # step allocates (each output, its token list) do not set off a collection a step. Without
+    # these the collector took a fifth to a quarter of the front end's time at 256 streams
+    # (bench_streaming.py under a profiler); with them, none of the samples.
     gc.collect()
     gc.freeze()
+    gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
     ending = asyncio.run(serve())
     if not server.started:
         raise RuntimeError(f"the HTTP server did not start on {options.host}:{options.port}")
