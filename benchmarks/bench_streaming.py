@@ -8,13 +8,17 @@ request one token (its first in the step that admits it) until `--output-len`, t
 `--step-ms-per-seq` x batch per step (defaults: a line through the H100's `spmoe generate` figures at GLM-5.2
 widths, 2026-12-07: 2.53 / 3.54 / 7.16 ms a step at 16 / 64 / 256 sequences). `bench_serve.py`'s client
 (the GPU run's) keeps `--streams` streaming completions in flight from this process. Per level:
-- `ideal tok/s`: the engine's rate with every step full (`--streams` over the step's time);
+- `ideal`: the engine's output tokens/s with every step full (`--streams` over the step's time);
 - `out tok/s`: the client's (usage tokens over the wall time), and `/ ideal`;
-- `batch`: the engine's mean running requests a step (`--streams` when the front end keeps up), `idle s`;
-- `events/s` and `tok/event`: the SSE chunks the client read;
-- `front end us/tok` and `us/event`: the front end process's CPU seconds (user + system) over the tokens
-  and events it sent; `client us/event`: this process's, likewise;
+- `batch`: the engine's mean running requests a step (`--streams` when the front end keeps up), and
+  `idle s`, its seconds with nothing to run;
+- `FE us/tok` and `FE us/ev`: the front end process's CPU seconds (user + system) over the tokens and
+  the SSE events it sent: its own cost, whatever else runs on the machine;
+- `events/s` and `tok/ev`: the SSE events (chunks with a choice) the client read; `cl us/ev`: the
+  client's CPU (this process's) per event;
 - the client's TTFT and TPOT (ms).
+The wall-clock columns need a core each for the engine, the front end and the client; on a machine with
+fewer free cores they measure the machine, and the CPU columns are the ones to compare.
 
 `--client-ceiling` first measures the client alone against a canned server (raw asyncio, chunks shaped like
 the front end's, one token each, every stream served in turn as fast as the sockets take them): the most
@@ -46,9 +50,14 @@ from bench_serve import percentile, run_level
 from spmoe.distributed.launcher import free_port
 from spmoe.engine.request import EngineMetrics, RequestOutput
 from spmoe.entrypoints.demo import CHECKPOINT
-from spmoe.entrypoints.serve.engine_client import EngineFacts
-from spmoe.entrypoints.serve.frontend import FrontEndLaunch, FrontEndOptions
-from spmoe.entrypoints.serve.wire import Codec, FromEngine, PrivateAddress
+from spmoe.entrypoints.serve.frontend.process import FrontEndOptions
+from spmoe.entrypoints.serve.wire import (
+    Codec,
+    EngineFacts,
+    FromEngine,
+    FrontEndLaunch,
+    PrivateAddress,
+)
 
 TEXT_IDS = list(range(32, 127))  # the byte tokenizer's printable ASCII: what the engine "generates"
 HEARTBEAT_S = 0.5
@@ -157,8 +166,8 @@ def engine_process(conn, streams: int, port: int, step_s: float, per_seq: float,
         num_speculative_tokens=0,
     )
     launch = FrontEndLaunch(
-        target="spmoe.entrypoints.serve.frontend:serve_http",
-        args=(options,),
+        target="spmoe.entrypoints.serve.frontend.process:serve_http",
+        args=pickle.dumps((options,)),
         address=address.url,
         identity=b"bench",
         facts=facts,
@@ -332,23 +341,20 @@ def client_ceiling(args, streams: int) -> dict:
 
 def row(name: str, streams: int, got: dict) -> str:
     tokens, events = got["tokens"], max(got["events"], 1)
-    ideal = f"{got['ideal_tok_s']:>10.0f}" if "ideal_tok_s" in got else f"{'-':>10}"
-    ratio = (
-        f"{got['tokens'] / got['seconds'] / got['ideal_tok_s']:>7.3f}"
-        if "ideal_tok_s" in got
-        else f"{'-':>7}"
-    )
-    engine = (
-        f"{got['tokens'] / max(got['steps'], 1):>7.1f}{got['idle_s']:>7.2f}"
-        f"{got['front_end_cpu_s'] / tokens * 1e6:>9.1f}{got['front_end_cpu_s'] / events * 1e6:>9.1f}"
-        if "steps" in got
-        else f"{'-':>7}{'-':>7}{'-':>9}{'-':>9}"
-    )
+    ideal, ratio, engine = f"{'-':>10}", f"{'-':>8}", f"{'-':>7}{'-':>8}{'-':>10}{'-':>10}"
+    if "ideal_tok_s" in got:
+        ideal = f"{got['ideal_tok_s']:>10.0f}"
+        ratio = f"{tokens / got['seconds'] / got['ideal_tok_s']:>8.3f}"
+        cpu = got["front_end_cpu_s"] * 1e6
+        engine = (
+            f"{tokens / max(got['steps'], 1):>7.1f}{got['idle_s']:>8.2f}"
+            f"{cpu / tokens:>10.1f}{cpu / events:>10.1f}"
+        )
     return (
         f"{name:>13}{streams:>8}{ideal}{tokens / got['seconds']:>10.0f}{ratio}{engine}"
-        f"{events / got['seconds']:>10.0f}{tokens / events:>6.2f}"
-        f"{got['client_cpu_s'] / events * 1e6:>9.1f}{got['ttft_p50_ms']:>9.1f}"
-        f"{got['ttft_p99_ms']:>9.1f}{got['tpot_p50_ms']:>8.2f}"
+        f"{events / got['seconds']:>10.0f}{tokens / events:>7.2f}"
+        f"{got['client_cpu_s'] / events * 1e6:>10.1f}{got['ttft_p50_ms']:>10.1f}"
+        f"{got['ttft_p99_ms']:>10.1f}{got['tpot_p50_ms']:>10.2f}"
     )
 
 
@@ -376,9 +382,9 @@ def main() -> None:
         f"{args.step_ms_per_seq} ms a sequence"
     )
     print(
-        f"{'front end':>13}{'streams':>8}{'ideal':>10}{'out tok/s':>10}{'/ideal':>7}{'batch':>7}"
-        f"{'idle s':>7}{'FE us/tok':>9}{'FE us/ev':>9}{'events/s':>10}{'tok/ev':>6}"
-        f"{'cl us/ev':>9}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>8}"
+        f"{'front end':>13}{'streams':>8}{'ideal':>10}{'out tok/s':>10}{'/ ideal':>8}{'batch':>7}"
+        f"{'idle s':>8}{'FE us/tok':>10}{'FE us/ev':>10}{'events/s':>10}{'tok/ev':>7}"
+        f"{'cl us/ev':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
     )
     figures = []
     for streams in args.streams:
