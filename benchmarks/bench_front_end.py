@@ -53,36 +53,48 @@ def maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def start_once(tokenizer: str, port: int) -> dict:
-    """One front end against an engine socket here. -> its start-up seconds, memory, torch."""
-    address, codec = PrivateAddress(), Codec()
-    engine = zmq.Context.instance().socket(zmq.ROUTER)
-    engine.bind(address.url)
-    options = FrontEndOptions(tokenizer, ["bench"], "127.0.0.1", port)
+def launch_here(tokenizer: str, address: str, port: int, max_num_waiting: int) -> FrontEndLaunch:
+    """What rank 0 hands a front end: serve `tokenizer`'s byte vocabulary on `port`, against an
+    engine socket at `address` in this process, as front end 1 (it prints no ready line)."""
     facts = EngineFacts(
         max_model_len=2048,
-        max_num_waiting=64,
+        max_num_waiting=max_num_waiting,
         vocab_size=264,
         eos_token_ids=(),
         num_speculative_tokens=0,
     )
-    launch = FrontEndLaunch(
+    options = FrontEndOptions(tokenizer, ["bench"], "127.0.0.1", port)
+    return FrontEndLaunch(
         target="spmoe.entrypoints.serve.frontend.process:serve_http",
         args=pickle.dumps((options,)),
-        address=address.url,
+        address=address,
         identity=b"bench",
         facts=facts,
         engine_pid=os.getpid(),
         index=1,
     )
+
+
+def hello_from(engine: zmq.Socket) -> bytes:
+    """Wait for a front end's hello on `engine` (up to 120 s). -> its identity."""
+    if not engine.poll(120_000):
+        raise RuntimeError("the front end did not say hello in 120 s")
+    peer, _ = engine.recv_multipart()
+    return peer
+
+
+def start_once(tokenizer: str, port: int) -> dict:
+    """One front end against an engine socket here. -> its start-up seconds, memory, torch."""
+    address, codec = PrivateAddress(), Codec()
+    engine = zmq.Context.instance().socket(zmq.ROUTER)
+    engine.bind(address.url)
+    launch = launch_here(tokenizer, address.url, port, 64)
     began = time.perf_counter()
     proc = subprocess.Popen(FRONT_END, stdin=subprocess.PIPE)
     try:
         proc.stdin.write(pickle.dumps(launch))
         proc.stdin.close()
-        if not engine.poll(120_000):
-            raise RuntimeError("the front end did not say hello in 120 s")
-        peer, _ = engine.recv_multipart()
+        peer = hello_from(engine)
         seconds = time.perf_counter() - began
         rss, peak = memory_kib(proc.pid)
         torch = maps_torch(proc.pid)

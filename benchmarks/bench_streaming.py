@@ -45,19 +45,13 @@ from pathlib import Path
 
 import httpx
 import zmq
+from bench_front_end import hello_from, launch_here
 from bench_serve import percentile, run_level
 
 from spmoe.distributed.launcher import free_port
 from spmoe.engine.request import EngineMetrics, RequestOutput
 from spmoe.entrypoints.demo import CHECKPOINT
-from spmoe.entrypoints.serve.frontend.process import FrontEndOptions
-from spmoe.entrypoints.serve.wire import (
-    Codec,
-    EngineFacts,
-    FromEngine,
-    FrontEndLaunch,
-    PrivateAddress,
-)
+from spmoe.entrypoints.serve.wire import Codec, FromEngine, PrivateAddress
 
 TEXT_IDS = list(range(32, 127))  # the byte tokenizer's printable ASCII: what the engine "generates"
 HEARTBEAT_S = 0.5
@@ -157,33 +151,17 @@ def engine_process(conn, streams: int, port: int, step_s: float, per_seq: float,
     engine = zmq.Context.instance().socket(zmq.ROUTER)
     engine.setsockopt(zmq.LINGER, 0)
     engine.bind(address.url)
-    options = FrontEndOptions(str(CHECKPOINT), ["bench"], "127.0.0.1", port)
-    facts = EngineFacts(
-        max_model_len=8192,
-        max_num_waiting=4 * streams,
-        vocab_size=264,
-        eos_token_ids=(),
-        num_speculative_tokens=0,
-    )
-    launch = FrontEndLaunch(
-        target="spmoe.entrypoints.serve.frontend.process:serve_http",
-        args=pickle.dumps((options,)),
-        address=address.url,
-        identity=b"bench",
-        facts=facts,
-        engine_pid=os.getpid(),
-        index=1,
-    )
-    env = {**os.environ, "PYTHONPATH": code}
+    launch = launch_here(str(CHECKPOINT), address.url, port, 4 * streams)
+    # `code` first: its spmoe; the rest as it was (packages installed beside the checkout)
+    path = os.pathsep.join(p for p in (code, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     front_end = subprocess.Popen(
         [sys.executable, "-m", "spmoe.entrypoints.serve.frontend"], stdin=subprocess.PIPE, env=env
     )
     try:
         front_end.stdin.write(pickle.dumps(launch))
         front_end.stdin.close()
-        if not engine.poll(120_000):
-            raise RuntimeError("the front end did not say hello in 120 s")
-        peer, _ = engine.recv_multipart()
+        peer = hello_from(engine)
         hello = FromEngine(outputs=[], metrics=EngineMetrics(), front_ends=1)
         engine.send_multipart((peer, Codec().encode(hello)))
         conn.send("ready")

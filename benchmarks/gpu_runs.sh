@@ -14,6 +14,8 @@
 #   serve78   spmoe serve as that rank (defaults, MTP 3, FP8 KV): ready time, memory, 64 / 256 streams
 #   rank128k  TP 8 SP off, 78 layers, batches 1 / 16, 128k context, MTP 0 / 3
 #   serve     bench_serve_vs_generate at GLM-5.2's widths: 16 / 64 / 256 streams, 128->256 and 1024->128
+#   streaming bench_streaming on this machine's CPUs: the front end against a scripted engine, 16 / 64 /
+#             256 streams, and the bench client's own ceiling (no GPU used; a minute or two)
 #   spon      TP 8 SP on, 78 layers (as rank8k)
 #   dp8       DP 8 x EP 8, 78 layers, batches 1 / 2 / 8 / 32 a rank, and bench_dp_host on this machine
 #   gputests  pytest -m gpu, the DP graphs test, the trained checkpoint's perplexity graphs vs eager
@@ -90,6 +92,9 @@ for stage in "$@"; do
           --widths glm --vocab-size 154880 --concurrency 16 64 256 --num-prompts 512 \
           --input-len "$1" --output-len "$2" -- --device cuda --dtype bfloat16 --cuda-graphs
       done ;;
+    streaming)
+      run streaming python3 benchmarks/bench_streaming.py --streams 16 64 256 --client-ceiling \
+        --json "$OUT/streaming.json" ;;
     spon)
       run spon "${size[@]}" --tp 8 --sp on --layers "$layers" --batches 1 16 64 256 \
         --contexts 8192 --mtp 0 3 \
