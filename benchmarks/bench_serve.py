@@ -61,6 +61,12 @@ class Result:
         )
 
 
+# A request sent on a kept-alive connection that the server closed before it answered (no response
+# came) is sent again, this many times at most: uvicorn closes a connection 5 s after it wrote the
+# last byte of a response, which a client reading seconds behind the server (its own CPU the limit)
+# learns only when it sends the next request on it. The time to first token counts from the first try.
+STALE_RETRIES = 3
+
 SAMPLING = {
     "plain": {},
     "processed": {
@@ -91,23 +97,34 @@ async def one_request(
         **SAMPLING[sampling],
     }
     began = time.perf_counter()
+    for attempt in range(STALE_RETRIES + 1):
+        response = None
+        try:
+            async with client.stream("POST", url, json=body) as response:
+                return await read_stream(response, began)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            if response is not None or attempt == STALE_RETRIES:
+                raise
+
+
+async def read_stream(response: httpx.Response, began: float) -> Result:
+    """One streamed completion's events, to its usage chunk and [DONE]."""
+    if response.status_code != 200:
+        raise RuntimeError(
+            f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+        )
     ttft, usage, events = None, None, 0
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(
-                f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
-            )
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']['message']}")
-            if chunk["choices"]:
-                events += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - began
-            usage = chunk.get("usage") or usage
+    async for line in response.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: ") :])
+        if "error" in chunk:
+            raise RuntimeError(f"stream error: {chunk['error']['message']}")
+        if chunk["choices"]:
+            events += 1
+            if ttft is None:
+                ttft = time.perf_counter() - began
+        usage = chunk.get("usage") or usage
     if usage is None:
         raise RuntimeError(
             "the stream had no usage chunk; expected one with stream_options.include_usage"

@@ -230,9 +230,13 @@ def one_level(args, streams: int, code: str) -> dict:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base)
         conn.send("begin")
-        got = load(
-            base, streams, args.requests_per_stream * streams, args.input_len, args.output_len
-        )
+        try:
+            requests = args.requests_per_stream * streams
+            got = load(base, streams, requests, args.input_len, args.output_len)
+        except Exception as e:
+            engine.join(1)
+            state = "runs" if engine.is_alive() else f"exited with {engine.exitcode}"
+            raise RuntimeError(f"the load failed; the scripted engine process {state}") from e
         conn.send("end")
         got.update(conn.recv())
         conn.send("quit")
