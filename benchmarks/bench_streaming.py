@@ -27,7 +27,7 @@ events a second the client reads, so that a front end figure near it is known to
 `--before DIR` runs every level a second time with the front end imported from DIR (another checkout:
 the code before a change), alternating which goes first, the two side by side in one table.
 
-    python benchmarks/bench_streaming.py --streams 16 64 256 --client-ceiling --before /work/main
+    python benchmarks/bench_streaming.py --streams 16 64 256 --client-ceiling --before ../main
 """
 
 import argparse
