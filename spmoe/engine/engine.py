@@ -178,6 +178,8 @@ class Engine:
                 stats=self.stats,
                 graphs=self.runner.graphs,
                 keep_in_step=keep_in_step,
+                # its catch-up of owed rows is no larger than a step's tokens (none under DP)
+                max_owed=0 if keep_in_step else max_num_batched_tokens,
             )
         self.drafter = Speculator(speculation, mtp, self.stats)
         self._ready_count: int | None = None  # compiles + captures when the engine was marked warm

@@ -38,12 +38,13 @@ preemption its prompt and output): its `cached` count starts there and its promp
 A waiting sequence whose first block of prompt a running sequence is still prefilling waits for it (prompts
 that begin alike: the shared blocks are computed and held once).
 After each step `update` tells the room how many leading positions of each sequence have all their rows
-written (`cache_written`), so that its full blocks become cached: with MTP a position's rows are complete once
-the drafter has caught up on it, which it does in the step that verifies it, except for a sequence that
-finishes there. Preemption and finishing free a sequence's references; its cached blocks stay for later
-requests until a new block needs their room. Every rank of a DP group runs this scheduler on the same plans and
-the same sampled tokens, but only the group's TP rank 0 decides admissions (which waiting sequences join,
-each with how many cached tokens, or as a fork: the batch's `admissions`); the other ranks follow them
+written (`cache_written`), so that its full blocks become cached: with MTP a position's rows are
+complete once the drafter has caught up on it, which it does in the step that verifies it, except for a
+sequence that finishes there, or later when the lookup alone drafted that step (`Sequence.written`).
+Preemption and finishing free a sequence's references; its cached blocks stay for later requests until a
+new block needs their room. Every rank of a DP group runs this scheduler on the same plans and the same
+sampled tokens, but only the group's TP rank 0 decides admissions (which waiting sequences join, each
+with how many cached tokens, or as a fork: the batch's `admissions`); the other ranks follow them
 (`schedule(admissions)`), never looking a prompt up themselves, and raise if they cannot (`ranks.py`
 carries the decisions).
 """
@@ -278,7 +279,7 @@ class Scheduler:
                 draft = drafts.get(seq, Draft(tokens=[]))
                 seq.drafts, seq.lookup_drafts = draft.tokens, draft.from_lookup
                 seq.pending += seq.drafts
-                self.room.cache_written(seq, seq.cached)
+                self.room.cache_written(seq, seq.written)
                 if output is not None:
                     counted_rows += [seq.sample_row] * len(output.new_token_ids)
                     counted_tokens += output.new_token_ids
@@ -364,9 +365,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _leave(self, seq: Sequence) -> None:
-        """Out of the running batch: its cache room and its sampler row freed."""
+        """Out of the running batch: its cache room, its sampler row and the MTP rows owed to it
+        freed (a preempted sequence's are computed again with its prompt)."""
         self.running.remove(seq)
         self.room.free(seq)
+        seq.owed = None
         self.sampler.release(seq.sample_row)
         seq.sample_row = -1
 

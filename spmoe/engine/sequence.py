@@ -1,7 +1,7 @@
 """A request inside the engine (`Sequence`, with its one `commit`) and the records of a step, keyed by
 sequence: `Part` (what one sequence does in a step, its `Role`), `Draft` (its next drafts),
 `Admission` (a waiting sequence that joins), `Batch` (the step's parts), `PartResult` (what the
-forward drew for one part).
+forward drew for one part); and `Owed`, the MTP rows a sequence's drafter has deferred.
 
 A step is `Scheduler.schedule -> Batch`, `ModelRunner.forward` and `choose -> PartResult` per part,
 `Sequence.commit` per part, `Speculator.draft`, `Scheduler.update` (docs/architecture.md).
@@ -60,6 +60,7 @@ class Sequence:
     pending: list[int] = field(default_factory=list)  # what the next target forwards feed
     drafts: list[int] = field(default_factory=list)  # the tail of `pending` that was drafted
     lookup_drafts: int = 0  # of its drafts, the leading ones the context lookup proposed
+    owed: "Owed | None" = None  # the MTP rows its drafter deferred (`drafter.py`); None: none
     prefilling: bool = False  # `pending` is (the rest of) a prompt, fed in chunks
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # `[V]` per token, when recorded
@@ -82,6 +83,12 @@ class Sequence:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
+
+    @property
+    def written(self) -> int:
+        """Its first positions whose rows are all in the cache: the target's, and the MTP layer's up
+        to the first row the drafter owes it."""
+        return self.cached if self.owed is None else self.owed.start
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -190,6 +197,17 @@ class Draft:
 
     tokens: list[int]
     from_lookup: int = 0
+
+
+@dataclass(kw_only=True)
+class Owed:
+    """The MTP layer's rows of a sequence's verified positions `start` .. `start + len(next_ids) - 1`,
+    not written yet (steps whose drafts the lookup made alone, `drafter.py`): per position the token
+    after it and, per such step, the target's post-norm hidden `[n, H]` of its positions."""
+
+    start: int
+    next_ids: list[int] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

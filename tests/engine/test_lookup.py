@@ -130,3 +130,24 @@ def test_the_lookup_leads_while_it_is_right_more_often_than_mtp():
     choice.remember(seq, [], [1, 2, 3])
     choice.observe(verified(seq, [1, 2, 3], 0, [0], 0))
     assert {k: choice.state[seq][k] for k in ("lookup", "mtp")} == before
+
+
+def test_a_tie_goes_to_the_lookup_and_a_step_without_mtp_scores_the_lookup_alone():
+    choice, seq = SourceChoice(), sequence([1])
+    choice.lookup_leads(seq)  # the priors: lookup 1.5 / 2, MTP 1 / 2
+    # MTP led and both proposals were verified: the lookup missed at once (0 of 1), MTP was right
+    # at its first slot and wrong at its second (1 of 2): lookup 1.35 / 2.8, MTP 1.9 / 3.8
+    choice.remember(seq, [9], [5, 6, 7])
+    choice.observe(verified(seq, [5, 6, 7], 0, [5, 8], 1))
+    assert choice.state[seq]["mtp"] == pytest.approx([1.9, 3.8])
+    assert not choice.lookup_leads(seq)  # 0.48 < 0.5
+    # the lookup filled every slot and MTP did not draft: only the lookup is scored (2 of 3 right):
+    # 1.35 * 0.9 + 2 = 3.215 over 2.8 * 0.9 + 3 = 5.52, 0.58; MTP's 1.9 / 3.8 stays
+    choice.remember(seq, [5, 6, 7], [])
+    choice.observe(verified(seq, [5, 6, 7], 3, [5, 6, 8], 2))
+    assert choice.state[seq]["mtp"] == pytest.approx([1.9, 3.8])
+    assert choice.state[seq]["lookup"] == pytest.approx([3.215, 5.52])
+    assert choice.lookup_leads(seq)
+    # equal rates: the lookup leads (it costs no GPU time)
+    choice.state[seq]["lookup"] = [1.9, 3.8]
+    assert choice.lookup_leads(seq)

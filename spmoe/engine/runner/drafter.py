@@ -10,12 +10,19 @@ Per sequence and step:
 A slot's draft is the MTP layer's own choice unless the context lookup leads it (`forced`): the chain
 then goes on from the lookup's token, so MTP's drafts extend the lookup's.
 
+A step whose drafts the context lookup makes alone (`speculator.py`) runs no MTP forward: the MTP rows
+of the positions it verified are owed to each sequence (`Owed`: the tokens after them and the target's
+hidden there, kept on the device), and written by one catch-up forward over all of them before the MTP
+layer next drafts for it, or when it ends, so that its next draft reads the same rows as if it had
+drafted every step (and its blocks join the prefix cache whole: `Sequence.written`). The rows owed in a
+step stay within the engine's token budget (`max_owed`), beyond which the MTP layer drafts that step.
+
 Rejected positions need no rollback: a sequence's cached length only advances over verified tokens, and
 later writes overwrite the stale cache rows. Drafts are greedy (the drafter's q is one-hot); a sequence
 with a grammar drafts among the tokens its grammar allows (its grammar walks the drafts, then rolls
 back). After a replayed decode step without grammars (on every DP rank: `StepShape.draft_graph`) the
 drafter's CUDA graph runs; otherwise the eager drafter. Under DP every rank runs the draft step,
-even an empty one.
+even an empty one, and no rows are owed (the ranks would have to agree on skipping the MTP layer).
 """
 
 import torch
@@ -25,7 +32,7 @@ from spmoe.engine.cache.slots import KVCache
 from spmoe.engine.runner.graphs import StepGraphs
 from spmoe.engine.runner.model_runner import Forward
 from spmoe.engine.sampling.grammar import SequenceGrammar, mask_allowed
-from spmoe.engine.sequence import Batch, PartResult, Role, Sequence, Status
+from spmoe.engine.sequence import Batch, Owed, PartResult, Role, Sequence, Status
 from spmoe.engine.stats import StepStats
 from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
@@ -34,7 +41,8 @@ class MtpDrafter:
     """Drafts `k` tokens per sequence with the model's MTP layer.
     Its KV cache rows live in the engine's cache, under the MTP layer's index, in the same slots (or
     blocks) as the target's. `graphs`: the engine's CUDA graphs (None: eager only); `keep_in_step`: run
-    the draft step even with nothing to draft (DP)."""
+    the draft step even with nothing to draft (DP); `max_owed`: the most MTP rows the sequences of a
+    step may be owed (`defer`; 0: none)."""
 
     def __init__(
         self,
@@ -44,9 +52,11 @@ class MtpDrafter:
         stats: StepStats | None = None,
         graphs: StepGraphs | None = None,
         keep_in_step: bool = False,
+        max_owed: int = 0,
     ):
         self.model, self.cache, self.k = model, cache, k
         self.stats, self.graphs, self.keep_in_step = stats, graphs, keep_in_step
+        self.max_owed = max_owed
 
     @torch.no_grad()
     def draft(
@@ -60,8 +70,10 @@ class MtpDrafter:
         its cache rows; a sequence that committed tokens and goes on gets its next drafts; one that ended
         in the step its forks took its prompt's blocks fills the rows of its prompt (but the last
         token's). `forced`: per sequence the lookup's drafts that lead its first slots. -> per sequence
-        that goes on (a fork: after it has fed), the MTP layer's own choice at each of its k slots."""
+        that goes on (a fork: after it has fed), the MTP layer's own choice at each of its k slots.
+        The rows owed to the sequences that fed are written first."""
         fed = [r for r in results if r.part.role is not Role.FORK]
+        self._pay(fed)
         if forward.draft_graph:
             return self._replayed(fed, forced)
         sources = {r.part.source for r in results if r.part.role is Role.FORK}
@@ -71,9 +83,8 @@ class MtpDrafter:
             if part.role is Role.PROMPT_CHUNK:  # its sequence's pending starts with the next token
                 to_draft.append((result, part.tokens[1:] + part.seq.pending[:1], row, n))
             elif part.seq.status is Status.RUNNING:
-                verified = n - (len(part.drafts) - result.accepted)
-                next_ids = part.tokens[1:verified] + [result.output.new_token_ids[-1]]
-                to_draft.append((result, next_ids, row, verified))
+                next_ids = _verified(result)
+                to_draft.append((result, next_ids, row, len(next_ids)))
             elif part in sources and n > 1:  # it ends, but its forks hold its prompt's blocks
                 to_draft.append((result, part.tokens[1:n], row, n - 1))
             row += n
@@ -103,6 +114,49 @@ class MtpDrafter:
             for (result, *_), new in zip(to_draft, proposed)
             if result.part.seq.status is Status.RUNNING and result.part.draws
         }
+
+    def can_defer(self, results: list[PartResult]) -> bool:
+        """Whether the MTP rows of this step's verified positions may be owed (`defer`): every part
+        decodes, and the rows owed after it stay within `max_owed`."""
+        if not all(r.part.role is Role.DECODE for r in results):
+            return False
+        owed = [r.part.seq.owed for r in results if r.part.seq.owed is not None]
+        rows = sum(len(r.part.tokens) for r in results) + sum(len(o.next_ids) for o in owed)
+        return rows <= self.max_owed
+
+    def defer(self, forward: Forward, results: list[PartResult]) -> None:
+        """The step's drafts are the lookup's alone (`can_defer`): no MTP forward, but the rows of the
+        positions each sequence that goes on verified are owed to it (`Owed`, its hidden rows copied
+        out of `forward`); a sequence that ends is paid what it was owed before this step."""
+        row = 0
+        for result in results:
+            seq = result.part.seq
+            if seq.status is Status.RUNNING:
+                next_ids = _verified(result)
+                seq.owed = seq.owed or Owed(start=result.part.start)
+                seq.owed.next_ids += next_ids
+                seq.owed.hidden.append(forward.hidden[row : row + len(next_ids)].clone())
+            row += len(result.part.tokens)
+        self._pay([r for r in results if r.part.seq.status.finished])
+
+    def _pay(self, results: list[PartResult]) -> None:
+        """Write the MTP rows owed to the sequences of `results` (one forward over all of them)."""
+        owing = [r for r in results if r.part.seq.owed is not None]
+        if not owing:
+            return
+        owed = [r.part.seq.owed for r in owing]
+        phase = self.stats.phases["draft"]
+        with phase.measure():
+            self._fed(
+                [r.part.location for r in owing],
+                [o.start for o in owed],
+                [o.next_ids for o in owed],
+                torch.cat([h for o in owed for h in o.hidden]),
+            )
+        phase.forwards += 1
+        phase.tokens_fed += sum(len(o.next_ids) for o in owed)
+        for result in owing:
+            result.part.seq.owed = None
 
     @staticmethod
     def _walks(result: PartResult) -> SequenceGrammar | None:
@@ -168,13 +222,20 @@ class MtpDrafter:
             if walk is not None:
                 walk.rewind()
 
+    def _fed(self, locations, starts, next_ids, hidden) -> torch.Tensor:
+        """The MTP layer's forward over verified positions (`propose`'s arguments) -> its post-norm
+        hidden `[sum of lengths, H]`; writes their MTP rows."""
+        lens = [len(ids) for ids in next_ids]
+        view = self.cache.view(locations, starts, lens)
+        flat = [t for seq in next_ids for t in seq]
+        ids = torch.tensor(flat, dtype=torch.long, device=hidden.device)
+        return self.model.forward_draft_hidden(ids, view.positions, hidden, lens, view)
+
     def _propose(self, locations, starts, next_ids, hidden, walk, leads) -> list[list[int]]:
         device, lens = hidden.device, [len(ids) for ids in next_ids]
         leads = leads.to(device)
-        view = self.cache.view(locations, starts, lens)
-        ids = torch.tensor([t for seq in next_ids for t in seq], dtype=torch.long, device=device)
         last_rows = torch.tensor(lens, dtype=torch.long, device=device).cumsum(0) - 1
-        h = self.model.forward_draft_hidden(ids, view.positions, hidden, lens, view)[last_rows]
+        h = self._fed(locations, starts, next_ids, hidden)[last_rows]
         own = [self.best(h, walk)]  # [S] per slot
         positions, ones = [s + n for s, n in zip(starts, lens)], [1] * len(locations)
         for slot in range(self.k - 1):
@@ -202,6 +263,14 @@ class MtpDrafter:
         if walk is not None:
             walk.advance(tokens.tolist())
         return tokens
+
+
+def _verified(result: PartResult) -> list[int]:
+    """A decode part's verified positions (its last token and the drafts kept) -> the token after
+    each: the next fed one, then the token the target drew after the last."""
+    part = result.part
+    verified = len(part.tokens) - (len(part.drafts) - result.accepted)
+    return part.tokens[1:verified] + [result.output.new_token_ids[-1]]
 
 
 class _DraftWalk:

@@ -6,10 +6,13 @@ Sources: the MTP layer (`drafter.py`) and a lookup in the context (`lookup.py`: 
 - MTP alone: k MTP drafts, every sequence, every step.
 - a lookup alone: its proposal, up to k drafts (none without a match).
 - both, the hybrid: per sequence, the lookup leads when it has a proposal and has lately been right
-  more often per draft than MTP (`SourceChoice`). Its L drafts fill the first slots; MTP's chain is fed
-  them and fills the other k - L (MTP's drafts extend the lookup's). Otherwise MTP fills all k. Every
-  sequence thus has k drafts, whatever their sources, and one target forward verifies them all (the
-  decode and drafter CUDA graphs run it).
+  at least as often per draft as MTP (`SourceChoice`: a tie goes to the lookup, which costs no GPU
+  time). Its L drafts fill the first slots; MTP's chain is fed them and fills the other k - L (MTP's
+  drafts extend the lookup's). Otherwise MTP fills all k. Every sequence thus has k drafts, whatever
+  their sources, and one target forward verifies them all (the decode and drafter CUDA graphs run it).
+  When the lookup leads every sequence of the step with all k slots, the MTP layer runs no forward
+  that step (`MtpDrafter.defer`: the rows it owes are written before it next drafts): the step costs
+  what the lookup alone costs.
 
 Every draft is a deterministic proposal, so the one-hot rule keeps the output lossless whatever the
 source (`sampling/rejection.py`), and every rank drafts the same from the same committed tokens.
@@ -37,19 +40,21 @@ class SourceChoice:
     sources are scored against the committed tokens, slot by slot, where their proposal was made under
     the committed prefix: MTP's own choice at slot i while the drafts before it were accepted (its chain
     was fed them), the lookup's token at slot i while its tokens before it were right. A rate is hits /
-    tries, each step's counts added to the earlier ones decayed by DECAY, from PRIORS. The lookup leads
-    when its rate beats MTP's: with per-draft rates a > b, a draft of L lookup tokens then MTP's
-    expects more accepted tokens than MTP's alone, for every L."""
+    tries, each step's counts added to the earlier ones decayed by DECAY, from PRIORS; a step where the
+    MTP layer did not draft (the lookup filled every slot) scores the lookup alone. The lookup leads
+    when its rate is at least MTP's: with per-draft rates a >= b, a draft of L lookup tokens then
+    MTP's expects at least as many accepted tokens as MTP's alone, for every L, at less GPU time."""
 
     def __init__(self):
         self.state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def lookup_leads(self, seq: Sequence) -> bool:
         state = self._state(seq)
-        return _rate(state["lookup"]) > _rate(state["mtp"])
+        return _rate(state["lookup"]) >= _rate(state["mtp"])
 
     def remember(self, seq: Sequence, lookup: list[int], mtp: list[int]) -> None:
-        """The proposals behind `seq`'s next draft: the lookup's (may be empty), MTP's own choices."""
+        """The proposals behind `seq`'s next draft: the lookup's (may be empty), MTP's own choices
+        (empty: the MTP layer did not draft)."""
         self._state(seq)["proposed"] = (lookup, mtp)
 
     def _state(self, seq: Sequence) -> dict:
@@ -65,8 +70,9 @@ class SourceChoice:
             return
         lookup, mtp = proposed
         drawn, accepted = result.tokens, result.accepted
-        seen = [(mtp[i] == drawn[i]) for i in range(min(len(mtp), len(drawn), accepted + 1))]
-        _add(state["mtp"], seen)
+        if mtp:
+            seen = [(mtp[i] == drawn[i]) for i in range(min(len(mtp), len(drawn), accepted + 1))]
+            _add(state["mtp"], seen)
         seen = []
         for i in range(min(len(lookup), len(drawn))):
             seen.append(lookup[i] == drawn[i])
@@ -102,7 +108,7 @@ class Speculator:
         self, batch: Batch, forward: Forward, results: list[PartResult]
     ) -> dict[Sequence, Draft]:
         """-> the next drafts of each sequence that drew this step and goes on (the MTP layer also
-        catches up on what the others fed: `MtpDrafter.draft`)."""
+        catches up on what the others fed, `MtpDrafter.draft`, or owes it, `MtpDrafter.defer`)."""
         if not self.k:
             return {}
         for result in results:
@@ -119,12 +125,22 @@ class Speculator:
             proposals = {seq: self.lookup.propose(seq, self.k) for seq in going_on}
         if self.drafter is None:
             drafts = {seq: Draft(tokens=p, from_lookup=len(p)) for seq, p in proposals.items()}
+            self.stats.count_choices(drafts.values())
+            return drafts
+        leads = self.leads(proposals)
+        if self.lookup_fills(going_on, leads) and self.drafter.can_defer(results):
+            self.drafter.defer(forward, results)
+            own = {seq: [] for seq in going_on}
         else:
-            leads = self.leads(proposals)
             own = self.drafter.draft(batch, forward, results, leads)
-            drafts = {seq: self.merged(seq, leads, proposals, mine) for seq, mine in own.items()}
+        drafts = {seq: self.merged(seq, leads, proposals, mine) for seq, mine in own.items()}
         self.stats.count_choices(drafts.values())
         return drafts
+
+    def lookup_fills(self, seqs: list[Sequence], leads: dict[Sequence, list[int]]) -> bool:
+        """Whether the lookup leads every one of `seqs` (some) with all k slots: the MTP layer's
+        drafts would go unused."""
+        return bool(seqs) and all(len(leads.get(seq, ())) == self.k for seq in seqs)
 
     def leads(self, proposals: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:
         """The lookup's proposals that lead their sequence's next draft."""
@@ -138,7 +154,8 @@ class Speculator:
         own: list[int],
     ) -> Draft:
         """`seq`'s draft: the lookup's lead, then MTP's own choices for the other slots (`own`: one
-        per slot, fed the lead); both proposals are kept to score them once verified."""
+        per slot, fed the lead; empty when the lead fills them all and MTP did not draft); both
+        proposals are kept to score them once verified."""
         lead = leads.get(seq, [])
         self.choice.remember(seq, proposals.get(seq, []), own)
         return Draft(tokens=lead + own[len(lead) :], from_lookup=len(lead))
