@@ -24,8 +24,9 @@ tokens/s = tokens committed by decode steps / (the decode steps' seconds + the M
 the engine's own phase timings (rank 0's), and its ratio to k = 0 in the same mode (eager or CUDA graphs);
 "target ms": one decode step of the target (with k drafts: the verification of k + 1 tokens per sequence, with
 the choice of tokens), and its ratio to the plain decode step (goal at batch 1-16: <= 1 + 0.1 k); "draft ms":
-the drafter's k forwards of one step. Each configuration runs once untimed first (Triton's JIT, graph
-capture).
+the MTP drafter's seconds per decode step, and "MTP fwd" its forwards per decode step (k, or fewer where
+the hybrid's lookup drafted a step alone: `Speculator.lookup_fills`). Each configuration runs once
+untimed first (Triton's JIT, graph capture).
 
     python benchmarks/bench_speculative.py [--layers 4] [--batches 1 16 64] [--drafts 1 2 3] [--temperatures 0 1]
     python benchmarks/bench_speculative.py --tp 8 --experts 256 --vocab 154880 --layers 16 --batches 1 16 \\
@@ -149,9 +150,11 @@ def decode_rate(
         "target_ms": 1e3
         * target["seconds"]
         / max(target["forwards"], 1),  # one decode (verification) step
-        "draft_ms": 1e3 * drafter["seconds"] * k / max(drafter["forwards"], 1)
+        # the MTP layer's time and forwards per decode step
+        "draft_ms": 1e3 * drafter["seconds"] / max(target["forwards"], 1)
         if k and source.startswith("mtp")
-        else None,  # k MTP forwards
+        else None,
+        "mtp_forwards": drafter["forwards"] / max(target["forwards"], 1),
         "accept": spec.get("acceptance_rate"),
         "length": spec.get("mean_accepted_length"),
     }
@@ -272,7 +275,7 @@ def main() -> None:
     )
     print(
         f"{'T':>4}{'batch':>7}{'mode':>8}{'k':>16}{'tokens/s':>11}{'vs k=0':>8}{'target ms':>11}{'vs k=0':>8}"
-        f"{'draft ms':>10}{'accept':>9}{'length':>8}"
+        f"{'draft ms':>10}{'MTP fwd':>9}{'accept':>9}{'length':>8}"
     )
     for temperature, batch, mode, k, got, plain in rows:
         accept = f"{got['accept']:.1%}" if got["accept"] is not None else "-"
@@ -280,7 +283,8 @@ def main() -> None:
         draft = f"{got['draft_ms']:.3f}" if got["draft_ms"] is not None else "-"
         print(
             f"{temperature:>4g}{batch:>7}{mode:>8}{k:>16}{got['tok_s']:>11.1f}{got['tok_s'] / plain['tok_s']:>7.2f}x"
-            f"{got['target_ms']:>11.3f}{got['target_ms'] / plain['target_ms']:>7.2f}x{draft:>10}{accept:>9}{length:>8}"
+            f"{got['target_ms']:>11.3f}{got['target_ms'] / plain['target_ms']:>7.2f}x{draft:>10}"
+            f"{got['mtp_forwards']:>9.2f}{accept:>9}{length:>8}"
         )
 
 

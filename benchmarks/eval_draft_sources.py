@@ -1,7 +1,8 @@
-"""Draft sources compared without a GPU: mean tokens committed per target forward and target forwards
-per request, for MTP alone (k = 1..3), n-gram alone, suffix alone and the hybrid (MTP + n-gram, MTP +
-suffix), on three workloads built from the trained demo checkpoint's held-out source
-(`spmoe/checkpoints/heldout_stdlib.txt`, byte tokens):
+"""Draft sources compared without a GPU: mean tokens committed per target forward, target forwards per
+request and MTP forwards per request (what the GPU time of drafting scales with), for MTP alone (k =
+1..3), n-gram alone, suffix alone and the hybrid (MTP + n-gram, MTP + suffix), on three workloads built
+from the trained demo checkpoint's held-out source (`spmoe/checkpoints/heldout_stdlib.txt`, byte
+tokens):
 
 - edit: rewrite a given Python function (a parameter renamed, a line added or a line removed); the
   answer is the edited function, so it copies most of its prompt;
@@ -18,7 +19,11 @@ any hardware, and to any model whose answers are these.
 The drafts are the engine's own: the lookups (`runner/lookup.py`), the hybrid's choice and merge
 (`runner/speculator.py`), and the checkpoint's MTP layer run on the checkpoint's target hidden states
 over the answer so far (teacher forcing: the catch-up rows are the target's and MTP's over the committed
-tokens, then the MTP chain fed each slot's draft, the lookup's where it leads). The demo checkpoint is
+tokens, then the MTP chain fed each slot's draft, the lookup's where it leads). A step whose draft
+the lookup fills alone runs no MTP forward, as in the engine (`Speculator.lookup_fills`); the rows it
+owes the MTP layer cost one catch-up forward before MTP next drafts, or when the request ends (the
+engine's bound on rows owed, a step's token budget, is never reached by one request here). The
+demo checkpoint is
 small (3 layers, 128 wide, byte tokens) and was never taught to copy: its MTP layer predicts the next
 bytes of Python, not the answer's copied spans, so MTP alone here is weaker on copying than a large
 model's MTP would be, and the hybrid's gain over it larger.
@@ -204,7 +209,8 @@ class TeacherMtp:
 
 def replay(teachers: list[TeacherMtp], requests: list[Request], speculation) -> dict:
     """Every request replayed in turn through one speculator (`teachers`: each request's MTP drafts)
-    -> tokens committed per decode forward, target forwards per request, the drafts by source."""
+    -> tokens committed per decode forward, target and MTP forwards per request, the drafts by
+    source."""
     from spmoe.engine.request import Request as EngineRequest
     from spmoe.engine.runner.speculator import Speculator
     from spmoe.engine.sequence import Draft, Part, PartResult, Role, Sequence
@@ -213,12 +219,13 @@ def replay(teachers: list[TeacherMtp], requests: list[Request], speculation) -> 
     k = speculation.num_speculative_tokens
     stats = StepStats(k, speculation.lookup_name)
     speculator = Speculator(speculation, None, stats)
-    forwards = decode_forwards = committed = 0
+    forwards = decode_forwards = committed = mtp_forwards = 0
     for i, request in enumerate(requests):
         tokens = request.prompt + request.answer
         teacher = teachers[i] if speculation.mtp and k else None
         seq = Sequence(EngineRequest(str(i), request.prompt, len(request.answer)))
         seq.output, forwards = request.answer[:1], forwards + 1  # the prefill draws the first
+        owed = False  # whether MTP rows are owed (steps the lookup drafted alone)
         while len(seq.output) < len(request.answer):
             n = len(request.prompt) + len(seq.output)
             proposals = {}
@@ -229,7 +236,12 @@ def replay(teachers: list[TeacherMtp], requests: list[Request], speculation) -> 
                 lookup_drafts = len(drafts)
             else:
                 leads = speculator.leads(proposals)
-                own = teacher.own(n, tuple(leads.get(seq, [])), k)
+                own = []
+                if speculator.lookup_fills([seq], leads):
+                    owed = True
+                else:
+                    own = teacher.own(n, tuple(leads.get(seq, [])), k)
+                    mtp_forwards, owed = mtp_forwards + k + owed, False
                 draft = speculator.merged(seq, leads, proposals, own)
                 drafts, lookup_drafts = draft.tokens, draft.from_lookup
             stats.count_choices([Draft(tokens=drafts, from_lookup=lookup_drafts)])
@@ -246,11 +258,13 @@ def replay(teachers: list[TeacherMtp], requests: list[Request], speculation) -> 
             seq.output = seq.output + result.tokens
             forwards, decode_forwards = forwards + 1, decode_forwards + 1
             committed += len(result.tokens)
+        mtp_forwards += owed
         if speculator.lookup is not None:
             speculator.lookup.finished(seq)
     return {
         "tokens_per_forward": committed / decode_forwards,
         "forwards_per_request": forwards / len(requests),
+        "mtp_forwards_per_request": mtp_forwards / len(requests),
         "by_source": {
             name: (c.chosen, c.proposed, c.accepted) for name, c in stats.by_source.items()
         },
@@ -308,7 +322,8 @@ def run(args) -> None:
             got = replay(teachers, requests, speculation)
             print(
                 f"  {label:<16} tokens/forward {got['tokens_per_forward']:.3f}  forwards/request "
-                f"{got['forwards_per_request']:.1f}  by source (led, proposed, accepted) "
+                f"{got['forwards_per_request']:.1f}  MTP forwards/request "
+                f"{got['mtp_forwards_per_request']:.1f}  by source (led, proposed, accepted) "
                 f"{got['by_source']}  [{time.perf_counter() - began:.0f} s]",
                 flush=True,
             )
