@@ -93,7 +93,9 @@ def write_demo_tokenizer(folder: Path, model_max_length: int = 4096) -> None:
     )  # byte-level BPE's convention: unprintable bytes map to chr(256 + k)
     byte_chars = [chr(b) if b in printable else chr(next(others)) for b in range(256)]
     tokenizer = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(byte_chars)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    # text split into words as GPT-2's byte-level tokenizers split it: the same tokens (every byte is
+    # one), but the BPE model caches each piece it encodes (up to 10,000), a word and not a whole prompt
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]

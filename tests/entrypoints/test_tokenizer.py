@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import spmoe
 from spmoe.entrypoints.demo import write_demo_tokenizer
 from spmoe.entrypoints.tokenizer import load_tokenizer
 
@@ -49,6 +50,23 @@ def test_it_reads_and_writes_text_as_auto_tokenizer_does(tmp_path):
         MESSAGES, tokenize=False, add_generation_prompt=True
     ) == auto.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert (ours.eos_token_id, len(ours)) == (auto.eos_token_id, len(auto))
+
+
+@pytest.mark.parametrize("shipped", [False, True])
+def test_the_demo_tokenizer_splits_text_into_words(tmp_path, shipped):
+    """The demo's tokens are the text's bytes, and its pre-tokenizer splits the text into words first,
+    as real byte-level tokenizers do: the BPE model caches every piece it encodes (up to 10,000), and
+    whole prompts as pieces made a front end keep about 4 KiB of every distinct prompt it read."""
+    folder = Path(spmoe.__file__).parent / "checkpoints" / "glm-stdlib-tiny"
+    if not shipped:
+        write_demo_tokenizer(folder := tmp_path)
+    tokenizer = load_tokenizer(folder)
+    text = "def f(x):\n    return x  # a word or two"
+    assert tokenizer.encode(text) == list(text.encode())
+    pieces = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
+    assert len(pieces) >= 10 and "".join(piece for piece, _ in pieces) == text.replace(
+        " ", "Ġ"
+    ).replace("\n", "Ċ")
 
 
 def test_another_class_goes_through_auto_tokenizer(tmp_path):
