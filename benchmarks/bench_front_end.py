@@ -1,10 +1,10 @@
-"""A front end process of `spmoe serve`, started as rank 0 starts it but against an engine socket held
-here (no ranks, no model): its start-up time (the process started -> it listens and says hello to the
-engine), its resident memory then (RSS, and the peak), and whether torch and spmoe's layers are in the
-process (read from its /proc maps: torch's shared library); then `--restarts` times, against a real
-`spmoe serve` on the demo checkpoint, how long a killed front end takes to be replaced (SIGKILL ->
-/health answers 200 again), and how long after the death past the restart budget the server command
-exits. Medians of `--reps`.
+"""A front end process of `spmoe serve`, started as rank 0 starts it but against an engine socket
+held here (no ranks, no model): its start-up time (the process started -> it listens and says hello
+to the engine), its resident memory then (RSS, and the peak), and whether torch and spmoe's layers
+are in the process (read from its /proc maps: torch's shared library); then `--restarts` times,
+against a real `spmoe serve` on the demo checkpoint, how long a killed front end takes to be
+replaced (SIGKILL -> /health answers 200 again), and how long after the death past the restart
+budget the server command exits. Medians of `--reps`.
 
     python benchmarks/bench_front_end.py --reps 5
 """
@@ -150,8 +150,9 @@ def healthy(base: str) -> bool:
 
 
 def restarts(model: str, log: Path) -> dict:
-    """A server on the demo checkpoint; its front end killed `MAX_RESTARTS` + 1 times. -> the seconds
-    from each of the first kills to /health 200 again, and from the last kill to the command's exit."""
+    """A server on the demo checkpoint; its front end killed `MAX_RESTARTS` + 1 times. -> the
+    seconds from each of the first kills to /health 200 again, and from the last kill to the
+    command's exit."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with open(log, "w") as err:

@@ -1,31 +1,34 @@
-"""Long-context generation on one GPU, TP 1 with CUDA graphs: the engine over the paged cache (sparse DSA
-attention, bf16 and FP8 cache) side by side with the dense reference (slot cache, dense attention), at
-contexts from 2k to 128k tokens.
+"""Long-context generation on one GPU, TP 1 with CUDA graphs: the engine over the paged cache
+(sparse DSA attention, bf16 and FP8 cache) side by side with the dense reference (slot cache, dense
+attention), at contexts from 2k to 128k tokens.
 
-The model is GLM-5.2 wide with a few layers (default 4: 1 dense, 3 MoE of 64 experts top-8, 1 shared expert,
-vocab 32768), random bf16 weights generated on the device. Per cache kind and context: one sequence whose
-prompt is the context, prefilled in chunks of `--max-num-batched-tokens`, then `--new-tokens` greedy decode
-steps (the first two warm up: they capture the step's CUDA graph). Printed per row:
-- prefill ms (wall, to the first token) and prefill tokens/s, with % of the FLOP roofline (790 TFLOP/s bf16
-  dense; each row runs twice and the second is timed, as the first prefill of a size pays one-off costs: the
-  allocator's first blocks of that size, cuBLAS's first call of a shape); FLOPs = 2 x active parameters per
-  token (the LM head's once per step) + the attention actually computed (dense: every earlier position;
-  sparse: min(position, index_topk) selected rows in latent space,
-  plus the indexer over every earlier position);
-- decode ms/step (wall median, graph replay plus the host's step) and tokens/s, with % of the bandwidth
-  roofline (4.3 TB/s): bytes = the weights one token reads (dense weights, 8 routed + 1 shared expert per MoE
-  layer, the LM head) + the cache rows it reads;
+The model is GLM-5.2 wide with a few layers (default 4: 1 dense, 3 MoE of 64 experts top-8, 1 shared
+expert, vocab 32768), random bf16 weights generated on the device. Per cache kind and context: one
+sequence whose prompt is the context, prefilled in chunks of `--max-num-batched-tokens`, then
+`--new-tokens` greedy decode steps (the first two warm up: they capture the step's CUDA graph).
+Printed per row:
+- prefill ms (wall, to the first token) and prefill tokens/s, with % of the FLOP roofline (790
+  TFLOP/s bf16 dense; each row runs twice and the second is timed, as the first prefill of a size
+  pays one-off costs: the allocator's first blocks of that size, cuBLAS's first call of a shape);
+  FLOPs = 2 x active parameters per token (the LM head's once per step) + the attention actually
+  computed (dense: every earlier position; sparse: min(position, index_topk) selected rows in latent
+  space, plus the indexer over every earlier position);
+- decode ms/step (wall median, graph replay plus the host's step) and tokens/s, with % of the
+  bandwidth roofline (4.3 TB/s): bytes = the weights one token reads (dense weights, 8 routed + 1
+  shared expert per MoE layer, the LM head) + the cache rows it reads;
 - peak GPU memory (torch's allocator) over the row;
-- with `--weights bf16 fp8`, each row for the random bf16 weights and for their FP8 block-128 twin (written with
-  `write_fp8_checkpoint` and loaded as an FP8 checkpoint is: every linear runs FP8), and the FP8 / bf16 ratios of
-  prefill and decode tokens/s; the bandwidth roofline counts the bytes as stored (FP8: 1 per weight + scales);
+- with `--weights bf16 fp8`, each row for the random bf16 weights and for their FP8 block-128 twin
+  (written with `write_fp8_checkpoint` and loaded as an FP8 checkpoint is: every linear runs FP8),
+  and the FP8 / bf16 ratios of prefill and decode tokens/s; the bandwidth roofline counts the bytes
+  as stored (FP8: 1 per weight + scales);
 - KV bytes per token and layer;
-- the GPU operations each decoder layer launches in one decode step (one extra, untimed step run eagerly);
+- the GPU operations each decoder layer launches in one decode step (one extra, untimed step run
+  eagerly);
 - for FP8 rows, the share of greedy tokens equal to the bf16 cache's at the same context.
 A dense row that runs out of memory prints OOM (and larger contexts are skipped for it).
 
-    python benchmarks/bench_generate.py [--layers 4] [--contexts 2048 8192 32768 131072] [--kinds paged fp8 dense]
-        [--weights bf16 fp8]
+    python benchmarks/bench_generate.py [--layers 4] [--contexts 2048 8192 32768 131072]
+        [--kinds paged fp8 dense] [--weights bf16 fp8]
 """
 
 import argparse
@@ -81,8 +84,8 @@ def glm_config(layers: int) -> dict:
 
 
 def active_params(model, cfg: ModelConfig) -> tuple[int, int]:
-    """(parameters one token multiplies by, outside the LM head; the LM head's): routed experts count
-    `num_experts_per_tok` of `n_routed_experts`, the embedding not at all."""
+    """(parameters one token multiplies by, outside the LM head; the LM head's): routed experts
+    count `num_experts_per_tok` of `n_routed_experts`, the embedding not at all."""
     body = head = 0
     for name, p in model.named_parameters():
         if "embed_tokens" in name:
@@ -97,8 +100,8 @@ def active_params(model, cfg: ModelConfig) -> tuple[int, int]:
 
 
 def active_bytes(model, cfg: ModelConfig) -> int:
-    """The bytes of the weights one token multiplies by, as stored (`active_params`' parameters, the LM head's
-    included)."""
+    """The bytes of the weights one token multiplies by, as stored (`active_params`' parameters, the
+    LM head's included)."""
     total = 0
     for name, p in model.named_parameters():
         if "embed_tokens" in name:
@@ -109,7 +112,8 @@ def active_bytes(model, cfg: ModelConfig) -> int:
 
 
 def attention_flops(cfg: ModelConfig, start: int, count: int, sparse: bool) -> float:
-    """FLOPs of attention (and the indexer) for positions start .. start + count - 1, summed over layers."""
+    """FLOPs of attention (and the indexer) for positions start .. start + count - 1, summed over
+    layers."""
     heads, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     total = 0.0
     positions = (
@@ -256,8 +260,9 @@ def run_model(model, cfg, args) -> list[dict]:
         f"{model.model.experts_backend.name}; {torch.cuda.memory_allocated() / 2**30:.1f} GiB",
         flush=True,
     )
-    # compile and tune every kernel of the shapes timed below, once: at a context past index_topk, so that the
-    # indexer's scoring kernels (which a shorter context skips: it keeps every position) compile here too
+    # compile and tune every kernel of the shapes timed below, once: at a context past index_topk,
+    # so that the indexer's scoring kernels (which a shorter context skips: it keeps every position)
+    # compile here too
     for kind in args.kinds:
         run_case(model, cfg, kind, max(min(args.contexts), 2 * cfg.index_topk), args)
     if args.profile:

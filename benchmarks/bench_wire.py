@@ -1,14 +1,14 @@
-"""The front end <-> engine wire's codec: one step's messages at `--streams` streams, encoded and decoded
-with msgspec (what `spmoe.entrypoints.serve.wire` uses: the records as they are, typed decoding) against
-msgpack (each record turned into a tuple by hand and back), in microseconds per message (median of
-`--reps`), and the bytes; then what a request's grammar costs the engine (its spec's bytes on the wire, the
-engine's compile from the spec, a cache hit).
+"""The front end <-> engine wire's codec: one step's messages at `--streams` streams, encoded and
+decoded with msgspec (what `spmoe.entrypoints.serve.wire` uses: the records as they are, typed
+decoding) against msgpack (each record turned into a tuple by hand and back), in microseconds per
+message (median of `--reps`), and the bytes; then what a request's grammar costs the engine (its
+spec's bytes on the wire, the engine's compile from the spec, a cache hit).
 
     pip install msgpack  # for the comparison only; spmoe itself uses msgspec
     python benchmarks/bench_wire.py --streams 256
 
-The messages: the engine's step output (one token per stream, and with logprobs top-5 on every stream,
-and the engine's counters), and a front end's message with 16 new 1024-token requests.
+The messages: the engine's step output (one token per stream, and with logprobs top-5 on every
+stream, and the engine's counters), and a front end's message with 16 new 1024-token requests.
 """
 
 import argparse

@@ -1,7 +1,7 @@
-"""Fixtures for every test folder: the demo checkpoint's tokenizer (`spmoe.entrypoints.demo`: token b < 256 is
-byte b, then 8 special tokens, `<|end|>` the eos) loaded as the server loads one, and a grammar compiler over it;
-a tiny checkpoint with an MTP layer (`engine_checkpoint`, of `tests.engine.conftest.ENGINE_CONFIG`); and
-`relative_error`, for comparisons of tensors."""
+"""Fixtures for every test folder: the demo checkpoint's tokenizer (`spmoe.entrypoints.demo`: token
+b < 256 is byte b, then 8 special tokens, `<|end|>` the eos) loaded as the server loads one, and a
+grammar compiler over it; a tiny checkpoint with an MTP layer (`engine_checkpoint`, of
+`tests.engine.conftest.ENGINE_CONFIG`); and `relative_error`, for comparisons of tensors."""
 
 import pytest
 import torch

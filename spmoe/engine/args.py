@@ -1,13 +1,13 @@
 """Every engine option, declared once with its checks: `EngineArgs`; what the options build is
-`build.py`'s. `spmoe generate`, `spmoe serve`, `spmoe demo` and the benchmarks build their engines from
-it; options only one command needs (addresses, output paths, input ids, max_new_tokens, sampling) stay
-with that command. The command line (flags, `--help`, vLLM's value forms) is the entry points'
-(`spmoe/entrypoints/engine_flags.py`); each option's flag is its field's name with dashes
-(`EngineArgs.flag`), which is how the errors here name it.
+`build.py`'s. `spmoe generate`, `spmoe serve`, `spmoe demo` and the benchmarks build their engines
+from it; options only one command needs (addresses, output paths, input ids, max_new_tokens,
+sampling) stay with that command. The command line (flags, `--help`, vLLM's value forms) is the
+entry points' (`spmoe/entrypoints/engine_flags.py`); each option's flag is its field's name with
+dashes (`EngineArgs.flag`), which is how the errors here name it.
 
-The checks come in two steps: what the options say alone (`__post_init__`: ranges and combinations), and
-what needs the checkpoint's config (`check`: the parallel layout, the device, the MTP layer, CUDA graphs,
-positions, the paged cache's budget), both before any rank starts.
+The checks come in two steps: what the options say alone (`__post_init__`: ranges and combinations),
+and what needs the checkpoint's config (`check`: the parallel layout, the device, the MTP layer,
+CUDA graphs, positions, the paged cache's budget), both before any rank starts.
 """
 
 import os
@@ -42,8 +42,8 @@ CHOICES = {
 
 
 def check_device(device: str, ranks: int) -> None:
-    """Raise unless `device` can hold `ranks` local ranks (one GPU each on CUDA). Under torchrun every process
-    is one rank, so one GPU is enough."""
+    """Raise unless `device` can hold `ranks` local ranks (one GPU each on CUDA). Under torchrun
+    every process is one rank, so one GPU is enough."""
     if device == "cpu":
         return
     needed = 1 if "WORLD_SIZE" in os.environ else ranks
@@ -113,7 +113,8 @@ class EngineArgs:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(
-                f"--dtype must be one of {tuple(DTYPES)} here, got {self.dtype!r} (the command line settles auto)"
+                f"--dtype must be one of {tuple(DTYPES)} here, got {self.dtype!r} (the command "
+                "line settles auto)"
             )
         drafts_given = self.speculative is not None or self.num_speculative_tokens is not None
         if self.speculative_config is not None and drafts_given:
@@ -137,12 +138,13 @@ class EngineArgs:
         paged_sizes = (self.kv_cache_memory, self.gpu_memory_utilization, self.kv_cache_dtype)
         if self.kv_cache == "dense" and paged_sizes != (None, None, "auto"):
             raise ValueError(
-                "--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged cache; "
-                "got them with --kv-cache dense"
+                "--kv-cache-memory, --gpu-memory-utilization and --kv-cache-dtype size the paged "
+                "cache; got them with --kv-cache dense"
             )
         if self.kv_cache == "dense" and self.enable_prefix_caching:
             raise ValueError(
-                "--enable-prefix-caching needs --kv-cache paged: the dense cache keeps nothing between requests"
+                "--enable-prefix-caching needs --kv-cache paged: the dense cache keeps nothing "
+                "between requests"
             )
 
     @staticmethod
@@ -159,8 +161,8 @@ class EngineArgs:
 
     @property
     def speculation(self) -> Speculation:
-        """What drafts: --speculative-config, or --speculative mtp with its drafts (the drafts alone:
-        MTP, as vLLM 0.7 took them)."""
+        """What drafts: --speculative-config, or --speculative mtp with its drafts (the drafts
+        alone: MTP, as vLLM 0.7 took them)."""
         if self.speculative_config is not None:
             return self.speculative_config
         if self.speculative is None and self.num_speculative_tokens is None:
@@ -170,7 +172,8 @@ class EngineArgs:
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether the engine keeps full blocks for later requests: on for the paged cache unless turned off."""
+        """Whether the engine keeps full blocks for later requests: on for the paged cache unless
+        turned off."""
         return self.kv_cache == "paged" and self.enable_prefix_caching is not False
 
     @property
@@ -190,16 +193,16 @@ class EngineArgs:
         )
 
     def use_cuda_graphs(self, model) -> bool:
-        """Whether decode steps replay CUDA graphs: as --cuda-graphs / --enforce-eager say, or, left to the
-        default (None), wherever they apply: CUDA, the all-gather dispatch, experts that a
+        """Whether decode steps replay CUDA graphs: as --cuda-graphs / --enforce-eager say, or, left
+        to the default (None), wherever they apply: CUDA, the all-gather dispatch, experts that a
         graph can capture (`model.graph_capturable`)."""
         if self.cuda_graphs is not None:
             return self.cuda_graphs
         return self.graphs_may_apply() and model.graph_capturable[0]
 
     def graphs_may_apply(self) -> bool:
-        """Whether the deployment can have CUDA graphs (known before any rank starts): not --enforce-eager,
-        CUDA, the all-gather dispatch."""
+        """Whether the deployment can have CUDA graphs (known before any rank starts): not
+        --enforce-eager, CUDA, the all-gather dispatch."""
         return not (self.enforce_eager or deployment_problems(self.device, self.ep_backend))
 
     def model_config(self, model_dir: str) -> ModelConfig:
@@ -209,15 +212,16 @@ class EngineArgs:
     # The checks that need the checkpoint, before any rank starts.
 
     def check(self, cfg: ModelConfig, longest: int) -> None:
-        """Raise a one-line error unless the checkpoint `cfg` can run under these options: the parallel layout,
-        the device, the MTP layer, CUDA graphs, `max_model_len` against the model's positions, and (paged)
-        a cache budget that holds a sequence of `longest` positions."""
+        """Raise a one-line error unless the checkpoint `cfg` can run under these options: the
+        parallel layout, the device, the MTP layer, CUDA graphs, `max_model_len` against the model's
+        positions, and (paged) a cache budget that holds a sequence of `longest` positions."""
         parallel = self.parallel_config()
         cfg.check_parallel(parallel)
         check_device(self.device, 1 if self.simulate_rank else parallel.world_size)
         if self.speculation.mtp_drafts and not cfg.num_nextn_predict_layers:
             raise ValueError(
-                "--speculative mtp needs an MTP layer; the checkpoint has num_nextn_predict_layers = 0"
+                "--speculative mtp needs an MTP layer; the checkpoint has num_nextn_predict_layers "
+                "= 0"
             )
         if self.cuda_graphs:
             problems = deployment_problems(self.device, self.ep_backend)

@@ -2,14 +2,14 @@
 speculation optional (the MTP layer, a lookup in the context, or both: `runner/speculator.py`). A
 step reads schedule -> forward -> choose -> commit -> draft -> update (docs/architecture.md).
 
-Every rank of a TP group runs the same steps on the same requests: the logits are identical on every rank
-(the LM head gathers them), and each request draws from its own seeded noise, so every rank picks the same
-tokens without exchanging them. Which waiting requests join a step is decided by the group's leader:
-an engine is built with its channel to the other ranks (`RankChannel`, made by `ranks.channel()`),
-and `ranks.py` drives the engines of several ranks.
+Every rank of a TP group runs the same steps on the same requests: the logits are identical on every
+rank (the LM head gathers them), and each request draws from its own seeded noise, so every rank
+picks the same tokens without exchanging them. Which waiting requests join a step is decided by the
+group's leader: an engine is built with its channel to the other ranks (`RankChannel`, made by
+`ranks.channel()`), and `ranks.py` drives the engines of several ranks.
 
-The KV cache is either the paged cache (`PagedKVCache`: blocks handed out as sequences grow, the sparse DSA
-path) or the slot cache (`KVCache`: the dense reference).
+The KV cache is either the paged cache (`PagedKVCache`: blocks handed out as sequences grow, the
+sparse DSA path) or the slot cache (`KVCache`: the dense reference).
 """
 
 from collections.abc import Callable
@@ -49,7 +49,8 @@ def check_capacity(label: str, length: int, max_new_tokens: int, drafts: int, ma
 
 
 def check_positions(longest: int, max_position_embeddings: int | None, what: str) -> None:
-    """Raise if `longest` positions exceed the model's `max_position_embeddings` (when the config states it)."""
+    """Raise if `longest` positions exceed the model's `max_position_embeddings` (when the config
+    states it)."""
     if max_position_embeddings is not None and longest > max_position_embeddings:
         raise ValueError(
             f"{what}: {longest} positions, more than the model's max_position_embeddings = {max_position_embeddings}"
@@ -75,8 +76,8 @@ def agreed_alone(needs: StepNeeds) -> StepNeeds:
 class RankChannel:
     """How an engine keeps in step with the other ranks, given to it when it is built: `schedule`
     makes a step's batch with its admissions (a lone TP rank decides them; on several, the group's
-    leader decides and sends them, and the others follow), `agree` turns this rank's CUDA graph needs
-    into every DP rank's (`ranks.channel()` builds this rank's)."""
+    leader decides and sends them, and the others follow), `agree` turns this rank's CUDA graph
+    needs into every DP rank's (`ranks.channel()` builds this rank's)."""
 
     schedule: Callable[[Scheduler], Batch | None] = scheduled_alone
     agree: Callable[[StepNeeds], StepNeeds] = agreed_alone
@@ -98,16 +99,17 @@ class Engine:
         ranks: RankChannel | None = None,
         speculation: Speculation | None = None,
     ):
-        """`max_num_seqs`: sequences running at once on a paged cache (the slot cache: its slot count);
-        `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit; `max_model_len`: the
-        most positions a sequence of a paged cache may take (None: the whole cache; the slot cache: a slot);
-        `enable_prefix_caching`: a paged cache keeps full blocks for later requests with the same prefix;
-        `grammars`: compiles the grammars of structured-output requests (None: such requests are refused). With
-        `cuda_graphs` every graph (decode steps, prompt chunks) is captured here (`log(line)`: a progress line
-        for each; once the engine is ready, a line for each kernel variant a step compiled). `ranks`: its channel
-        to the other ranks (`ranks.channel()`); None on one rank alone (ValueError on several TP
-        ranks, or under DP with CUDA graphs: those must keep in step). `speculation`: what drafts
-        (`Speculation`); `num_speculative_tokens` alone is short for MTP with that many drafts."""
+        """`max_num_seqs`: sequences running at once on a paged cache (the slot cache: its slot
+        count); `max_num_batched_tokens`: the tokens one step feeds, prompts being chunked to fit;
+        `max_model_len`: the most positions a sequence of a paged cache may take (None: the whole
+        cache; the slot cache: a slot); `enable_prefix_caching`: a paged cache keeps full blocks for
+        later requests with the same prefix; `grammars`: compiles the grammars of structured-output
+        requests (None: such requests are refused). With `cuda_graphs` every graph (decode steps,
+        prompt chunks) is captured here (`log(line)`: a progress line for each; once the engine is
+        ready, a line for each kernel variant a step compiled). `ranks`: its channel to the other
+        ranks (`ranks.channel()`); None on one rank alone (ValueError on several TP ranks, or under
+        DP with CUDA graphs: those must keep in step). `speculation`: what drafts (`Speculation`);
+        `num_speculative_tokens` alone is short for MTP with that many drafts."""
         state = get_parallel_state()
         if ranks is None and (state.tp_size > 1 or (state.dp_size > 1 and cuda_graphs)):
             raise ValueError(
@@ -192,15 +194,16 @@ class Engine:
         return len(KernelCompiles.names) + self.graph_captures()
 
     def mark_ready(self) -> None:
-        """The engine is warm (`warmup.warm_up`): its step statistics and counters (`metrics()`: steps, tokens)
-        start afresh, and from here it counts the compiles and captures that warming up did not foresee
-        (`metrics().compiles_after_ready`)."""
+        """The engine is warm (`warmup.warm_up`): its step statistics and counters (`metrics()`:
+        steps, tokens) start afresh, and from here it counts the compiles and captures that warming
+        up did not foresee (`metrics().compiles_after_ready`)."""
         self.reset_stats()
         self.stats.reset_totals()
         self._ready_count = self._compiles()
 
     def reset_stats(self) -> None:
-        """Start the per-phase timings, collective counts, acceptance statistics and step numbers afresh."""
+        """Start the per-phase timings, collective counts, acceptance statistics and step numbers
+        afresh."""
         self.stats.reset()
         self.scheduler.steps = 0
 
@@ -225,9 +228,10 @@ class Engine:
             )
 
     def add_request(self, request: Request, record_logits: bool = False) -> Sequence:
-        """Queue a request; it joins the running batch when the cache has room. `record_logits` keeps the
-        logits row behind every token it generates (`Sequence.logits`). -> its sequence. ValueError
-        (nothing queued) if it cannot run here (`validate`) or its id is in the engine already."""
+        """Queue a request; it joins the running batch when the cache has room. `record_logits`
+        keeps the logits row behind every token it generates (`Sequence.logits`). -> its sequence.
+        ValueError (nothing queued) if it cannot run here (`validate`) or its id is in the engine
+        already."""
         self.validate(request)
         grammar = None
         if request.grammar is not None:
@@ -274,8 +278,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One step: schedule -> forward -> choose -> commit -> draft -> update. -> one output per
-        sequence that drew this step. With nothing to run it returns at once, except under DP, where every
-        rank runs every step."""
+        sequence that drew this step. With nothing to run it returns at once, except under DP, where
+        every rank runs every step."""
         batch = self.ranks.schedule(self.scheduler)
         if batch is None:
             return []
@@ -290,8 +294,8 @@ class Engine:
 
     @contextmanager
     def _counted(self, batch: Batch):
-        """Count the step, and whether a kernel compiled or a graph was captured in it (once the engine is
-        ready, each such kernel is named in the log)."""
+        """Count the step, and whether a kernel compiled or a graph was captured in it (once the
+        engine is ready, each such kernel is named in the log)."""
         before, kernels_before = self._compiles(), len(KernelCompiles.names)
         yield
         self.stats.totals.steps += 1

@@ -1,22 +1,24 @@
 """Everything about ranks: driving every rank's engine through the same steps, in the serving loop
 (`spmoe serve`) and the batch job (`spmoe generate`, the demo, warming up).
 
-Every rank of a TP group runs the same steps on the same requests; under DP every rank steps together (the
-MoE dispatch spans all of them), a DP group with nothing to run taking an empty step.
+Every rank of a TP group runs the same steps on the same requests; under DP every rank steps
+together (the MoE dispatch spans all of them), a DP group with nothing to run taking an empty step.
 
-Admissions, one channel: which waiting requests join a step, and how many of their prompt tokens come from
-the prefix cache (or that they fork), is decided by each DP group's TP rank 0, its leader, which sends its
-decisions to its TP peers over the group's gloo control group (`follow_leader`), with or without DP; the
-peers follow them and never look a prompt up themselves (`Scheduler.schedule(admissions)`), raising where
-their cache cannot. Only in a step where the group has waiting requests is anything sent (the ranks of a
-group agree on that, having admitted the same). Block ids need not travel: each rank's block tables address
-its own pool, and a rank finds the blocks to reuse by the same chain hashes.
+Admissions, one channel: which waiting requests join a step, and how many of their prompt tokens
+come from the prefix cache (or that they fork), is decided by each DP group's TP rank 0, its leader,
+which sends its decisions to its TP peers over the group's gloo control group (`follow_leader`),
+with or without DP; the peers follow them and never look a prompt up themselves
+(`Scheduler.schedule(admissions)`), raising where their cache cannot. Only in a step where the group
+has waiting requests is anything sent (the ranks of a group agree on that, having admitted the
+same). Block ids need not travel: each rank's block tables address its own pool, and a rank finds
+the blocks to reuse by the same chain hashes.
 
-The serving loop: rank 0 decides everything else. Each iteration it plans a step (`StepPlan`: the new
-requests, each given to the least loaded DP group, or with the prompt of another new one to that one's, the
-aborts, and whether to step at all), sends the plan to every rank over the gloo control group, and every
-rank applies it and runs the step; under DP > 1 TP rank 0 of each DP group sends its outputs and metrics
-back to rank 0 (`ServingLoop.step`). The other ranks apply plans until the shutdown (`worker_loop`).
+The serving loop: rank 0 decides everything else. Each iteration it plans a step (`StepPlan`: the
+new requests, each given to the least loaded DP group, or with the prompt of another new one to that
+one's, the aborts, and whether to step at all), sends the plan to every rank over the gloo control
+group, and every rank applies it and runs the step; under DP > 1 TP rank 0 of each DP group sends
+its outputs and metrics back to rank 0 (`ServingLoop.step`). The other ranks apply plans until the
+shutdown (`worker_loop`).
 
 Under DP with CUDA graphs every rank replays the same graph each step (the expert dispatch spans
 them all): before any replay the ranks agree on its kind, size and whether the drafter's graph
@@ -25,9 +27,9 @@ follows, by one all-reduce of five ints over the gloo control group (`agree_step
 Both are an engine's channel to the other ranks (`channel()`), which `build_engine` hands it when it
 builds it.
 
-The batch job knows its requests up front, so it needs no plan per step: each DP group adds its own share,
-and every rank steps until no rank has work left (`run_to_completion`; with DP > 1 one tiny all-reduce per
-step says whether any rank still has).
+The batch job knows its requests up front, so it needs no plan per step: each DP group adds its own
+share, and every rank steps until no rank has work left (`run_to_completion`; with DP > 1 one tiny
+all-reduce per step says whether any rank still has).
 """
 
 import time
@@ -167,10 +169,10 @@ class ServingLoop:
         return bool(self.dp_of)
 
     def plan(self, new: list[Request], aborts: list[str], shutdown: bool = False) -> StepPlan:
-        """The next step: each new request goes to the least loaded DP group, but one whose prompt equals an
-        earlier new request's goes to that one's group (the n choices of a request fork there, sharing the
-        prompt's blocks); an abort of a request that is not live is dropped; the command is "step" while any
-        request is live."""
+        """The next step: each new request goes to the least loaded DP group, but one whose prompt
+        equals an earlier new request's goes to that one's group (the n choices of a request fork
+        there, sharing the prompt's blocks); an abort of a request that is not live is dropped; the
+        command is "step" while any request is live."""
         plan, group_of_prompt = StepPlan("idle"), {}
         for request in new:
             group = group_of_prompt.get(tuple(request.prompt))
@@ -218,9 +220,9 @@ def generate(
 ) -> Generation:
     """The batch job on every rank: up to `max_new_tokens` after each prompt, stopping at any of
     `eos_token_ids`. `sampling`: one per prompt, or one for all, prompt i then sampling from seed
-    `sampling.seed + i`. `on_step(done_tokens, live_sequences, prompt_tokens_cached)` is called after every
-    step (for progress output). A request that ends with an error (non-finite logits) stops the job:
-    FloatingPointError with its message."""
+    `sampling.seed + i`. `on_step(done_tokens, live_sequences, prompt_tokens_cached)` is called
+    after every step (for progress output). A request that ends with an error (non-finite logits)
+    stops the job: FloatingPointError with its message."""
     samplings = sampling if isinstance(sampling, list) else per_prompt(sampling, len(prompts))
     engine.reset_stats()
     seqs = [
@@ -248,8 +250,9 @@ def generate(
 
 
 def run_to_completion(engine: Engine, on_step=None) -> None:
-    """Step every rank until no rank has work left, after each step calling `on_step()`. A request that
-    ends with an error (non-finite logits) stops the job: FloatingPointError with its message."""
+    """Step every rank until no rank has work left, after each step calling `on_step()`. A request
+    that ends with an error (non-finite logits) stops the job: FloatingPointError with its
+    message."""
     while _any_rank_busy(engine.has_unfinished()):
         failed = [out.error for out in engine.step() if out.finish_reason == "error"]
         if failed:
@@ -259,8 +262,9 @@ def run_to_completion(engine: Engine, on_step=None) -> None:
 
 
 def _any_rank_busy(busy: bool) -> bool:
-    """With DP > 1 every rank runs every step (the MoE dispatch spans all of them), so a DP rank that is done
-    keeps stepping with an empty batch until every rank is done: one tiny all-reduce per step."""
+    """With DP > 1 every rank runs every step (the MoE dispatch spans all of them), so a DP rank
+    that is done keeps stepping with an empty batch until every rank is done: one tiny all-reduce
+    per step."""
     state = get_parallel_state()
     if state.dp_size == 1:
         return busy

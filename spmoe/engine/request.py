@@ -1,11 +1,12 @@
-"""What goes into the engine and what comes out of it, as plain records (`msgspec.Struct`, no torch): a
-request with its sampling parameters and grammar spec, its per-step output, the engine's counters.
+"""What goes into the engine and what comes out of it, as plain records (`msgspec.Struct`, no
+torch): a request with its sampling parameters and grammar spec, its per-step output, the engine's
+counters.
 
-The server's front end builds requests from HTTP bodies and sends them over the wire to rank 0's engine
-process, which hands them to the other ranks; the outputs travel back. Both processes import these
-records, which import nothing of torch. On the engine's side the sampler (`sampling/sampler.py`)
-builds its device rows from `SamplingParams`, and the grammar compiler (`sampling/grammar.py`) its
-compiled grammars from `GrammarSpec`.
+The server's front end builds requests from HTTP bodies and sends them over the wire to rank 0's
+engine process, which hands them to the other ranks; the outputs travel back. Both processes import
+these records, which import nothing of torch. On the engine's side the sampler
+(`sampling/sampler.py`) builds its device rows from `SamplingParams`, and the grammar compiler
+(`sampling/grammar.py`) its compiled grammars from `GrammarSpec`.
 """
 
 import math
@@ -35,10 +36,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     """How one request chooses its tokens. Every field's default leaves the logits unchanged.
 
     `logit_bias`: (token id, bias) pairs; `min_tokens`: the eos and stop ids are excluded until this
-    many tokens were generated; `logprobs`: None, or how many most likely tokens to report beside the
-    chosen one's logprob (0..20); `prompt_logprobs`: the same for the prompt's tokens (the server's
-    `echo`). Where a request is read, `check` refuses values out of range; the engine takes them as
-    they come."""
+    many tokens were generated; `logprobs`: None, or how many most likely tokens to report beside
+    the chosen one's logprob (0..20); `prompt_logprobs`: the same for the prompt's tokens (the
+    server's `echo`). Where a request is read, `check` refuses values out of range; the engine takes
+    them as they come."""
 
     # 0 (below `GREEDY_BELOW`): greedy
     temperature: float = 0.0
@@ -106,9 +107,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
 class GrammarSpec(msgspec.Struct, frozen=True):
     """A grammar as plain text, so that it travels with its request and every rank compiles the same
-    one. `kind`: "json_schema" (`text`: the schema's JSON), "json_object" (any JSON object; `text` ""),
-    "regex", "choice" (`text`: a JSON list of the allowed strings), "ebnf" (xgrammar's EBNF, rule
-    `root`) or "tool_calls" (`text`: a `ToolCalls`' JSON; GLM's tool-call layout)."""
+    one. `kind`: "json_schema" (`text`: the schema's JSON), "json_object" (any JSON object; `text`
+    ""), "regex", "choice" (`text`: a JSON list of the allowed strings), "ebnf" (xgrammar's EBNF,
+    rule `root`) or "tool_calls" (`text`: a `ToolCalls`' JSON; GLM's tool-call layout)."""
 
     kind: str
     text: str = ""
@@ -129,11 +130,12 @@ class ToolCalls(msgspec.Struct, frozen=True):
 
 
 class Request(msgspec.Struct, frozen=True):
-    """One generation: up to `max_new_tokens` tokens after `prompt` (token ids), stopping early at any
-    of `eos_token_ids`, sampled with `sampling` (its own seed: the tokens do not depend on the other
-    requests in the batch). The engine validates it on `add_request`. With a `grammar` (structured
-    output), every token follows it, from the first one or from the one after `grammar_start_after`
-    (the tokens that end the reasoning); the request ends when the grammar is complete."""
+    """One generation: up to `max_new_tokens` tokens after `prompt` (token ids), stopping early at
+    any of `eos_token_ids`, sampled with `sampling` (its own seed: the tokens do not depend on the
+    other requests in the batch). The engine validates it on `add_request`. With a `grammar`
+    (structured output), every token follows it, from the first one or from the one after
+    `grammar_start_after` (the tokens that end the reasoning); the request ends when the grammar is
+    complete."""
 
     request_id: str
     prompt: list[int]
@@ -146,13 +148,13 @@ class Request(msgspec.Struct, frozen=True):
 
 class RequestOutput(msgspec.Struct):
     """What one step did to one request: the tokens it committed (one, or several when drafts were
-    accepted), and `finish_reason` once it ended ("stop": an eos or stop id, which `stop_token` names,
-    or its grammar complete; "length": max_new_tokens, "abort", "error" with `error` saying why).
-    `prompt_tokens` is the prompt's length. When the request's sampling asks for them: `logprobs`, one
-    per new token; `prompt_logprobs`, one per prompt token (None for the first), with the first output
-    that has tokens. With the first output that has tokens, the engine's own seconds (durations: the
-    front end's clock differs): `queue_s` from adding the request to first scheduling it, `prefill_s`
-    from then to this first token."""
+    accepted), and `finish_reason` once it ended ("stop": an eos or stop id, which `stop_token`
+    names, or its grammar complete; "length": max_new_tokens, "abort", "error" with `error` saying
+    why). `prompt_tokens` is the prompt's length. When the request's sampling asks for them:
+    `logprobs`, one per new token; `prompt_logprobs`, one per prompt token (None for the first),
+    with the first output that has tokens. With the first output that has tokens, the engine's own
+    seconds (durations: the front end's clock differs): `queue_s` from adding the request to first
+    scheduling it, `prefill_s` from then to this first token."""
 
     request_id: str
     new_token_ids: list[int]
@@ -167,9 +169,10 @@ class RequestOutput(msgspec.Struct):
 
 
 class DraftCounts(msgspec.Struct):
-    """One draft source's speculation counters since start: `drafts`, verifications whose first draft
-    it proposed; `proposed` and `accepted`, its draft tokens; `accepted_per_position[j]`, its drafts
-    accepted at position j (0: the first draft); `chosen`, the (sequence, step) drafts it led."""
+    """One draft source's speculation counters since start: `drafts`, verifications whose first
+    draft it proposed; `proposed` and `accepted`, its draft tokens; `accepted_per_position[j]`, its
+    drafts accepted at position j (0: the first draft); `chosen`, the (sequence, step) drafts it
+    led."""
 
     drafts: int = 0
     proposed: int = 0
@@ -189,16 +192,16 @@ class DraftCounts(msgspec.Struct):
 class EngineMetrics(msgspec.Struct):
     """A snapshot of the engine: requests running (holding cache) and waiting (queued), the share of
     the KV cache in use (0..1), and counters since start: generated tokens, drafts proposed and
-    accepted, the prefix cache's queries and hits in tokens (prompt tokens looked up when a
-    sequence is admitted, and of those the ones found cached), running sequences preempted (their
-    cache freed, to be recomputed) when the cache ran out; engine steps run, and of those the steps in
-    which a kernel compiled or a CUDA graph was captured; Triton kernel variants loaded in the process
-    (`stats.KernelCompiles`); CUDA graphs captured; kernel compiles and graph captures since the engine
-    was warm; and with speculation the verifications (`drafts`: a sequence's drafts checked by one
-    target forward) and the accepted drafts per position (`accepted_per_position[j]`: verifications
-    that accepted draft j + 1), in all and by draft source (`by_source`). `request_tables`: the
-    entries of each table kept per request or sequence (the scheduler's requests, the KV room's block
-    tables, ...), every one 0 once the engine is idle."""
+    accepted, the prefix cache's queries and hits in tokens (prompt tokens looked up when a sequence
+    is admitted, and of those the ones found cached), running sequences preempted (their cache
+    freed, to be recomputed) when the cache ran out; engine steps run, and of those the steps in
+    which a kernel compiled or a CUDA graph was captured; Triton kernel variants loaded in the
+    process (`stats.KernelCompiles`); CUDA graphs captured; kernel compiles and graph captures since
+    the engine was warm; and with speculation the verifications (`drafts`: a sequence's drafts
+    checked by one target forward) and the accepted drafts per position (`accepted_per_position[j]`:
+    verifications that accepted draft j + 1), in all and by draft source (`by_source`).
+    `request_tables`: the entries of each table kept per request or sequence (the scheduler's
+    requests, the KV room's block tables, ...), every one 0 once the engine is idle."""
 
     running: int = 0
     waiting: int = 0

@@ -132,8 +132,8 @@ def cmd_demo(args) -> int:
 
 
 def add_model_args(p, engine_options: tuple[str, ...] | None = None) -> None:
-    """The options `forward` and `generate` share: the checkpoint, the engine options (`engine_options`: only
-    those), the input."""
+    """The options `forward` and `generate` share: the checkpoint, the engine options
+    (`engine_options`: only those), the input."""
     p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
     p.add_argument(
         "--input-ids", required=True, help="JSON list of token-id lists, one per sequence"
@@ -156,7 +156,8 @@ def prepare_argv(argv: list[str]) -> list[str]:
 
 
 class AliasHelpFormatter(argparse.HelpFormatter):
-    """`--help` names an option's aliases together and its value once: `--tp, --tensor-parallel-size, -tp TP`."""
+    """`--help` names an option's aliases together and its value once: `--tp,
+    --tensor-parallel-size, -tp TP`."""
 
     def _format_action_invocation(self, action):
         if not action.option_strings or action.nargs == 0:

@@ -48,8 +48,8 @@ ENGINE_FLAGS = {
         "--data-parallel-size",
         "-dp",
         type=int,
-        help="data-parallel size (default 1): DP groups of --tp ranks each take a share of the requests; "
-        "the experts are split over all dp * tp ranks",
+        help="data-parallel size (default 1): DP groups of --tp ranks each take a share of the "
+        "requests; the experts are split over all dp * tp ranks",
     ),
     "sp": parallel_option(
         "--sp",
@@ -75,29 +75,29 @@ ENGINE_FLAGS = {
         "--enable-expert-parallel",
         "-ep",
         action="store_true",
-        help="accepted for vLLM's command lines: the routed experts are always expert-parallel over all "
-        "tp * dp ranks",
+        help="accepted for vLLM's command lines: the routed experts are always expert-parallel "
+        "over all tp * dp ranks",
     ),
     "simulate_rank": parallel_option(
         "--simulate-rank",
         action="store_true",
-        help="measurement only: run rank 0 of the --tp x --dp layout on this one device, the other ranks "
-        "simulated (collectives move no data; seeded routing; outputs are not the model's). Needs "
-        "--load-format dummy. See docs/deployment-sizing.md",
+        help="measurement only: run rank 0 of the --tp x --dp layout on this one device, the other "
+        "ranks simulated (collectives move no data; seeded routing; outputs are not the "
+        "model's). Needs --load-format dummy. See docs/deployment-sizing.md",
     ),
     "simulated_load": parallel_option(
         "--simulated-load",
         choices=CHOICES["simulated_load"],
-        help="with --simulate-rank: the experts' rows of rank 0 (default) or, per layer, of the busiest "
-        "EP rank",
+        help="with --simulate-rank: the experts' rows of rank 0 (default) or, per layer, of the "
+        "busiest EP rank",
     ),
     "dtype": model_option(
         "--dtype",
         type=argparse_type(parse_dtype, "--dtype"),
         metavar="{auto,bfloat16,float32,float}",
         cli_default="auto",
-        help="compute dtype (default auto: bfloat16 on CUDA; on the CPU the checkpoint's torch_dtype, "
-        "float32 if it states none); float is float32",
+        help="compute dtype (default auto: bfloat16 on CUDA; on the CPU the checkpoint's "
+        "torch_dtype, float32 if it states none); float is float32",
     ),
     "device": model_option(
         "--device",
@@ -125,21 +125,22 @@ ENGINE_FLAGS = {
         "--quantization",
         "-q",
         metavar="METHOD",
-        help="accepted when it is the method the checkpoint declares (fp8); spmoe does not quantize at load",
+        help="accepted when it is the method the checkpoint declares (fp8); spmoe does not "
+        "quantize at load",
     ),
     "max_num_seqs": memory_option(
         "--max-num-seqs",
         type=int,
-        help="sequences running at once per DP group; more wait (default: generate every prompt; serve 256 on "
-        "CUDA, 8 on the CPU)",
+        help="sequences running at once per DP group; more wait (default: generate every prompt; "
+        "serve 256 on CUDA, 8 on the CPU)",
     ),
     "max_model_len": memory_option(
         "--max-model-len",
         type=argparse_type(parse_length, "--max-model-len"),
         metavar="LEN",
-        help="KV cache positions per sequence: prompt + output + drafts; 2048, 128k (x1000), 128K (x1024) "
-        "(default: generate the longest "
-        "prompt + max new tokens + drafts; serve the model's max_position_embeddings, on the CPU at most 2048)",
+        help="KV cache positions per sequence: prompt + output + drafts; 2048, 128k (x1000), 128K "
+        "(x1024) (default: generate the longest prompt + max new tokens + drafts; serve the "
+        "model's max_position_embeddings, on the CPU at most 2048)",
     ),
     "max_num_batched_tokens": memory_option(
         "--max-num-batched-tokens",
@@ -149,8 +150,9 @@ ENGINE_FLAGS = {
     "kv_cache": memory_option(
         "--kv-cache",
         choices=CHOICES["kv_cache"],
-        help="paged (default): blocks of 64 tokens handed out as sequences grow, sparse DSA attention; "
-        "dense: one slot of --max-model-len positions per sequence, dense attention (the reference)",
+        help="paged (default): blocks of 64 tokens handed out as sequences grow, sparse DSA "
+        "attention; dense: one slot of --max-model-len positions per sequence, dense "
+        "attention (the reference)",
     ),
     "kv_cache_memory": memory_option(
         "--kv-cache-memory",
@@ -170,14 +172,15 @@ ENGINE_FLAGS = {
         "--kv-cache-dtype",
         type=argparse_type(parse_kv_cache_dtype, "--kv-cache-dtype"),
         metavar="{auto,fp8,fp8_e4m3}",
-        help="paged cache: auto (the model dtype, default) or fp8 = fp8_e4m3 (the latent in e4m3 with a "
-        "scale per 128 values, the indexer key in e4m3 with one scale)",
+        help="paged cache: auto (the model dtype, default) or fp8 = fp8_e4m3 (the latent in e4m3 "
+        "with a scale per 128 values, the indexer key in e4m3 with one scale)",
     ),
     "enable_prefix_caching": memory_option(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        help="paged cache: keep full blocks after their request ends, so that a later request with the same "
-        "prefix reuses them instead of computing it again (default on; --no-enable-prefix-caching: off)",
+        help="paged cache: keep full blocks after their request ends, so that a later request with "
+        "the same prefix reuses them instead of computing it again (default on; "
+        "--no-enable-prefix-caching: off)",
     ),
     "speculative": speculation_option(
         "--speculative",
@@ -187,22 +190,24 @@ ENGINE_FLAGS = {
     "num_speculative_tokens": speculation_option(
         "--num-speculative-tokens",
         type=int,
-        help="MTP drafts per step (default 1 with --speculative; alone it turns MTP on, as vLLM 0.7 "
-        "took it)",
+        help="MTP drafts per step (default 1 with --speculative; alone it turns MTP on, as vLLM "
+        "0.7 took it)",
     ),
     "speculative_config": speculation_option(
         "--speculative-config",
         type=argparse_type(SpeculativeConfig.checked_json, "--speculative-config"),
         metavar="JSON",
-        help='vLLM\'s form of --speculative: {"method": "mtp", "num_speculative_tokens": 1} (method also '
-        "deepseek_mtp or glm4_moe_mtp; ngram, suffix with vLLM's keys; mtp+ngram, mtp+suffix: both in "
-        "one draft), or as dotted keys: --speculative-config.method mtp",
+        help="vLLM's form of --speculative: "
+        '{"method": "mtp", "num_speculative_tokens": 1} (method '
+        "also deepseek_mtp or glm4_moe_mtp; ngram, suffix with vLLM's keys; mtp+ngram, "
+        "mtp+suffix: both in one draft), or as dotted keys: --speculative-config.method mtp",
     ),
     "cuda_graphs": speculation_option(
         "--cuda-graphs",
         action="store_true",
         cli_default=None,
-        help="replay decode steps, speculative ones too, from CUDA graphs (CUDA; default: where they apply)",
+        help="replay decode steps, speculative ones too, from CUDA graphs (CUDA; default: where "
+        "they apply)",
     ),
     "enforce_eager": speculation_option(
         "--enforce-eager",

@@ -38,14 +38,14 @@ class GenerateOptions:
         return max(map(len, prompts)) + self.max_new_tokens + self.engine.drafts
 
     def cache_slots(self, prompts_here: int) -> int:
-        """Sequences decoded at once on a rank whose DP group takes `prompts_here` prompts (the slots of the dense
-        cache; the default room of the paged cache on CPU)."""
+        """Sequences decoded at once on a rank whose DP group takes `prompts_here` prompts (the
+        slots of the dense cache; the default room of the paged cache on CPU)."""
         return max(1, self.engine.max_num_seqs or prompts_here)
 
 
 def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOptions):
-    """The job on one rank (of a launch with the TP and DP sizes of `opts.engine`) -> rank 0's `Generation`,
-    None on the other ranks."""
+    """The job on one rank (of a launch with the TP and DP sizes of `opts.engine`) -> rank 0's
+    `Generation`, None on the other ranks."""
     state, args = get_parallel_state(), opts.engine
     model = load_model(args, model_dir, state.device)
     mine = split_for_dp(
@@ -118,9 +118,9 @@ def check_generate(
     opts: GenerateOptions,
     outputs: dict[str, str] | None = None,
 ) -> None:
-    """Every check of a generate job, before any rank starts or any weight loads: the engine options against
-    the checkpoint (`EngineArgs.check`), the output paths (`outputs`: option name -> path the caller will
-    write), the eos ids, the prompts against the KV cache and
+    """Every check of a generate job, before any rank starts or any weight loads: the engine options
+    against the checkpoint (`EngineArgs.check`), the output paths (`outputs`: option name -> path
+    the caller will write), the eos ids, the prompts against the KV cache and
     `max_position_embeddings`, and the KV cache against the memory available."""
     args = opts.engine
     opts.sampling.check()
@@ -178,12 +178,14 @@ def check_kv_cache_memory(
     device: str,
     world_size: int,
 ) -> None:
-    """Raise if the KV cache alone cannot fit, before anything is allocated. Each rank holds a whole cache.
+    """Raise if the KV cache alone cannot fit, before anything is allocated. Each rank holds a whole
+    cache.
 
-    CPU: the ranks on this machine (all of them when spawned; LOCAL_WORLD_SIZE under torchrun) share the
-    memory, so their caches together are compared with MemAvailable (/proc/meminfo). CUDA: one rank per GPU;
-    its cache is compared with the GPU's total memory, which can be read without creating a CUDA context in
-    this process (the free memory cannot); the weights are not counted, so this is a bound, not a promise."""
+    CPU: the ranks on this machine (all of them when spawned; LOCAL_WORLD_SIZE under torchrun) share
+    the memory, so their caches together are compared with MemAvailable (/proc/meminfo). CUDA: one
+    rank per GPU; its cache is compared with the GPU's total memory, which can be read without
+    creating a CUDA context in this process (the free memory cannot); the weights are not counted,
+    so this is a bound, not a promise."""
     layers = {
         i: cfg.layer_has_indexer(i)
         for i in range(cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0))
@@ -210,8 +212,8 @@ def check_kv_cache_memory(
 
 
 def _cpu_memory_available() -> int:
-    """Bytes of memory available to new allocations: MemAvailable from /proc/meminfo (Linux), else the free
-    physical pages."""
+    """Bytes of memory available to new allocations: MemAvailable from /proc/meminfo (Linux), else
+    the free physical pages."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -223,8 +225,8 @@ def _cpu_memory_available() -> int:
 
 
 def run_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOptions):
-    """-> rank 0's `Generation` (outputs, stats, optional logits); None on the other ranks under torchrun.
-    Validates before starting any rank."""
+    """-> rank 0's `Generation` (outputs, stats, optional logits); None on the other ranks under
+    torchrun. Validates before starting any rank."""
     check_generate(opts.engine.model_config(model_dir), prompts, opts)
     parallel = opts.engine.parallel_config()
     return launch(

@@ -7,16 +7,16 @@ from functools import partial
 
 # `--help`'s sections, in the order users look for a flag
 HELP_GROUPS = (
-    "model", "parallelism", "memory and cache", "speculation and CUDA graphs", "chat and tools", "server",
-    "logging",
+    "model", "parallelism", "memory and cache", "speculation and CUDA graphs", "chat and tools",
+    "server", "logging",
 )  # fmt: skip
 # a `Flag` whose command-line default is its field's
 FIELD_DEFAULT = object()
 
 
 def help_groups(parser: argparse.ArgumentParser) -> dict:
-    """`parser`'s sections of `--help` by title (HELP_GROUPS), made on the first call; empty ones print
-    nothing."""
+    """`parser`'s sections of `--help` by title (HELP_GROUPS), made on the first call; empty ones
+    print nothing."""
     made = {group.title: group for group in parser._action_groups}
     return {title: made.get(title) or parser.add_argument_group(title) for title in HELP_GROUPS}
 
@@ -25,8 +25,8 @@ def help_groups(parser: argparse.ArgumentParser) -> dict:
 class Flag:
     """One option on the command line: its flag `names` (the first names it in error messages;
     vLLM's names are aliases), its `section` of `--help` (one of HELP_GROUPS), its `help`, what
-    argparse takes beside them (`argparse_kwargs`: type, choices, metavar, action) and, where the command
-    line's default differs from the field's (an `auto` settled once the line is read),
+    argparse takes beside them (`argparse_kwargs`: type, choices, metavar, action) and, where the
+    command line's default differs from the field's (an `auto` settled once the line is read),
     `cli_default`."""
 
     names: tuple[str, ...]

@@ -1,5 +1,5 @@
-"""The checkpoint's tokenizer, as both server processes load it: the front end to read and write text,
-rank 0 to compile grammars over the vocabulary.
+"""The checkpoint's tokenizer, as both server processes load it: the front end to read and write
+text, rank 0 to compile grammars over the vocabulary.
 
 transformers' `AutoTokenizer` imports torch (its configuration classes do), which the front end must
 not load. A checkpoint whose tokenizer is transformers' plain fast tokenizer (`tokenizer_class`

@@ -77,9 +77,8 @@ class VllmFlag:
     instead: str = ""  # refused: what to do instead
     arity: str = ""  # a key of ARITIES; "" (the default): vLLM's (the pinned release's, or older)
     allowed: Callable[[str | None], bool] | None = None  # refused: values accepted after all
-    store: tuple[str, Callable[[str | None], Any]] | None = (
-        None  # taken here: (dest, value -> value)
-    )
+    # taken here: (dest, value -> value)
+    store: tuple[str, Callable[[str | None], Any]] | None = None
 
     def __post_init__(self):
         if not self.arity:
@@ -91,7 +90,8 @@ def _is(*values: str) -> Callable[[str | None], bool]:
 
 
 def _all_of(name: str) -> tuple[str, ...]:
-    """Every name of the vLLM option `name` belongs to (of the pinned release, else an older one)."""
+    """Every name of the vLLM option `name` belongs to (of the pinned release, else an older
+    one)."""
     return _OPTIONS[name]
 
 
@@ -1447,10 +1447,10 @@ def _ngram_form(argv: list[str]) -> list[str]:
 
 def with_config_file(argv: list[str]) -> list[str]:
     """`--config FILE.yaml` (or `--config=FILE.yaml`) replaced by the options the file holds, as
-    vLLM reads it: each key `k` becomes `--k`; true is the switch, false its `--no-k` form where vLLM
-    has one (else nothing), a list `--k` then its items, an object `--k` with its JSON, anything else
-    `--k VALUE`. They go after the subcommand and a positional model, before the command line's own
-    options, which so win."""
+    vLLM reads it: each key `k` becomes `--k`; true is the switch, false its `--no-k` form where
+    vLLM has one (else nothing), a list `--k` then its items, an object `--k` with its JSON,
+    anything else `--k VALUE`. They go after the subcommand and a positional model, before the
+    command line's own options, which so win."""
     at = next((i for i, arg in enumerate(argv) if arg.partition("=")[0] == "--config"), None)
     if at is None:
         return argv

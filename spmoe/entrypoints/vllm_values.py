@@ -1,9 +1,10 @@
-"""vLLM's value syntax on spmoe's command line: lengths with suffixes (`128k`), the speculative config as JSON or
-in dotted form (`--speculative-config.method mtp`), `--hf-overrides` merged into the model config, vLLM's
-names for the KV cache dtype and the model dtype, and several served model names.
+"""vLLM's value syntax on spmoe's command line: lengths with suffixes (`128k`), the speculative
+config as JSON or in dotted form (`--speculative-config.method mtp`), `--hf-overrides` merged into
+the model config, vLLM's names for the KV cache dtype and the model dtype, and several served model
+names.
 
-Every parser here takes the text the user wrote and returns spmoe's value, or raises ValueError with one line
-naming the option, what it expected and what came.
+Every parser here takes the text the user wrote and returns spmoe's value, or raises ValueError with
+one line naming the option, what it expected and what came.
 """
 
 import argparse
@@ -20,8 +21,9 @@ _LENGTH = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
 
 
 def parse_length(text: str, option: str = "--max-model-len") -> int:
-    """`2048`, `1k` (1000), `1K` (1024), `128k`, `25.6k` (25600), `1m`, `1M` -> an int (the option checks its
-    range). A fraction is allowed with a lower-case (decimal) suffix only, and must come out whole."""
+    """`2048`, `1k` (1000), `1K` (1024), `128k`, `25.6k` (25600), `1m`, `1M` -> an int (the option
+    checks its range). A fraction is allowed with a lower-case (decimal) suffix only, and must come
+    out whole."""
     match = _LENGTH.fullmatch(text.strip())
     if match is None:
         raise ValueError(
@@ -41,8 +43,8 @@ def parse_length(text: str, option: str = "--max-model-len") -> int:
 
 
 def argparse_type(parse, option_name: str):
-    """An argparse `type` from a value parser that raises ValueError("OPTION: why"): argparse's one line
-    then names the option once."""
+    """An argparse `type` from a value parser that raises ValueError("OPTION: why"): argparse's one
+    line then names the option once."""
 
     def convert(text: str):
         try:
@@ -66,11 +68,12 @@ def parse_json_object(text: str, option: str) -> dict:
 
 
 def fold_dotted(argv: list[str], options: tuple[str, ...]) -> list[str]:
-    """vLLM's dotted form of a JSON option, folded into the JSON form: `--speculative-config.method mtp
-    --speculative-config.num_speculative_tokens 1` (or `--opt.key=value`, `--opt.a.b v` for nested keys)
-    becomes one `--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'`. A dotted value is
-    read as JSON when it parses (`1`, `true`, `{...}`), else as a string. The JSON form and the dotted form
-    may be mixed: they apply in the order given (objects merge key by key). Other arguments are untouched."""
+    """vLLM's dotted form of a JSON option, folded into the JSON form: `--speculative-config.method
+    mtp --speculative-config.num_speculative_tokens 1` (or `--opt.key=value`, `--opt.a.b v` for
+    nested keys) becomes one `--speculative-config '{"method": "mtp", "num_speculative_tokens":
+    1}'`. A dotted value is read as JSON when it parses (`1`, `true`, `{...}`), else as a string.
+    The JSON form and the dotted form may be mixed: they apply in the order given (objects merge key
+    by key). Other arguments are untouched."""
     merged: dict[str, dict] = {}
     first_at: dict[str, int] = {}
     out: list[str] = []
@@ -107,9 +110,8 @@ def fold_dotted(argv: list[str], options: tuple[str, ...]) -> list[str]:
         else:
             out.append(arg)
         i += 1
-    for base, at in sorted(
-        first_at.items(), key=lambda item: -item[1]
-    ):  # from the end: positions hold
+    # from the end: positions hold
+    for base, at in sorted(first_at.items(), key=lambda item: -item[1]):
         out.insert(at + 1, json.dumps(merged[base]))
     return out
 
@@ -145,9 +147,10 @@ class SpeculativeConfig:
     @staticmethod
     def parse(config: dict, target_model: str | None = None) -> Speculation:
         """`method`: MTP (one of MTP_METHODS), vLLM's `ngram` or `suffix`, or spmoe's hybrids
-        `mtp+ngram` and `mtp+suffix`; each takes `num_speculative_tokens` and its lookup's keys, with
-        vLLM's defaults (MTP: 1 draft; suffix: `suffix_decoding_max_tree_depth` drafts; n-gram and the
-        hybrids: none, it must be given). `model`, if given, must be the served model itself."""
+        `mtp+ngram` and `mtp+suffix`; each takes `num_speculative_tokens` and its lookup's keys,
+        with vLLM's defaults (MTP: 1 draft; suffix: `suffix_decoding_max_tree_depth` drafts; n-gram
+        and the hybrids: none, it must be given). `model`, if given, must be the served model
+        itself."""
         option = "--speculative-config"
         known = ("method", "num_speculative_tokens", "model", *sum(LOOKUP_KEYS.values(), ()))
         unknown = [key for key in config if key not in known]
@@ -193,7 +196,8 @@ class SpeculativeConfig:
 
     @classmethod
     def checked_json(cls, text: str) -> dict:
-        """`--speculative-config`'s JSON, checked as a whole (`parse`) while the command line is parsed."""
+        """`--speculative-config`'s JSON, checked as a whole (`parse`) while the command line is
+        parsed."""
         config = parse_json_object(text, "--speculative-config")
         cls.parse(config)
         return config
@@ -271,8 +275,8 @@ def parse_device(text: str) -> str | None:
 
 def resolve_dtype(text: str, raw_config: dict, device: str) -> str:
     """The compute dtype for `--dtype text`: `auto` is bfloat16 on CUDA; on the CPU the checkpoint's
-    `torch_dtype` (`dtype` in newer configs) when it is float32, else bfloat16 for a bf16/fp16/FP8 checkpoint,
-    float32 when the config states none."""
+    `torch_dtype` (`dtype` in newer configs) when it is float32, else bfloat16 for a bf16/fp16/FP8
+    checkpoint, float32 when the config states none."""
     if DTYPE_NAMES[parse_dtype(text)] != "auto":
         return DTYPE_NAMES[text]
     if device == "cuda":
@@ -288,8 +292,8 @@ def resolve_dtype(text: str, raw_config: dict, device: str) -> str:
 
 
 def served_model_names(names: list[str] | None, model: str) -> list[str]:
-    """`--served-model-name A B ...` -> the names clients may ask for, the first one reported in responses;
-    none given: the model as it was named on the command line."""
+    """`--served-model-name A B ...` -> the names clients may ask for, the first one reported in
+    responses; none given: the model as it was named on the command line."""
     if not names:
         return [model]
     if any(not name.strip() for name in names):
@@ -298,8 +302,8 @@ def served_model_names(names: list[str] | None, model: str) -> list[str]:
 
 
 def check_quantization(method: str | None, raw_config: dict) -> None:
-    """`--quantization`: only the method the checkpoint declares (`quantization_config.quant_method`), since
-    spmoe does not quantize weights at load time."""
+    """`--quantization`: only the method the checkpoint declares
+    (`quantization_config.quant_method`), since spmoe does not quantize weights at load time."""
     if method is None:
         return
     declared = (raw_config.get("quantization_config") or {}).get("quant_method")

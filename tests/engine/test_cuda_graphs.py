@@ -1,6 +1,6 @@
-"""CUDA-graph decode with TP over every GPU (2, 4 or 8), SP off and on, bfloat16 with the Triton experts: a
-replayed step equals the same step run eagerly, bit for bit, and an engine with graphs generates what the
-eager engine does."""
+"""CUDA-graph decode with TP over every GPU (2, 4 or 8), SP off and on, bfloat16 with the Triton
+experts: a replayed step equals the same step run eagerly, bit for bit, and an engine with graphs
+generates what the eager engine does."""
 
 import pytest
 import torch

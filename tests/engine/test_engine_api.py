@@ -1,9 +1,9 @@
-"""The request API of the engine (add_request / abort / step / has_unfinished / metrics) on one rank:
-requests that join at different steps, wait for room and are aborted mid-way get exactly the tokens each
-gets alone from `generate`; seeded sampling does not depend on the rest of the batch; an abort frees the
-cache room for a waiting request; a speculating engine gives plain greedy tokens; what only the engine
-can refuse (a prompt beyond the cache or the model's max_position_embeddings, an id it holds) is a
-one-line error (the rest of a request is checked where it is read).
+"""The request API of the engine (add_request / abort / step / has_unfinished / metrics) on one
+rank: requests that join at different steps, wait for room and are aborted mid-way get exactly the
+tokens each gets alone from `generate`; seeded sampling does not depend on the rest of the batch; an
+abort frees the cache room for a waiting request; a speculating engine gives plain greedy tokens;
+what only the engine can refuse (a prompt beyond the cache or the model's max_position_embeddings,
+an id it holds) is a one-line error (the rest of a request is checked where it is read).
 
 One spawned rank runs every case; the comparisons happen here.
 """
@@ -135,7 +135,8 @@ def test_requests_joining_and_leaving_get_their_own_tokens(api):
 
 def test_abort_frees_room_for_a_waiting_request(api):
     _, metrics = api["staggered"]
-    # after step 3: r0 and r1 hold both slots, r2 and r3 wait; r1's abort before step 4 lets r2 in at once
+    # after step 3: r0 and r1 hold both slots, r2 and r3 wait; r1's abort before step 4 lets r2 in
+    # at once
     assert (metrics[3].running, metrics[3].waiting, metrics[3].kv_cache_usage) == (2, 2, 1.0)
     assert (metrics[4].running, metrics[4].waiting) == (2, 1)
     assert (metrics[-1].running, metrics[-1].waiting, metrics[-1].kv_cache_usage) == (0, 0, 0.0)

@@ -1,8 +1,8 @@
-"""Structured output inside the engine, on 2 TP ranks (gloo): 10 schemas x 5 sampled requests, two greedy
-requests per schema (with an eos id and without) and 2 free ones in one continuous batch of the random-weight
-model, without and with MTP speculation (k = 2; the checkpoint's MTP layer agrees with the target often,
-`write_random_checkpoint`); every constrained output is valid under its schema, speculation changes no token,
-and every rank commits the same tokens."""
+"""Structured output inside the engine, on 2 TP ranks (gloo): 10 schemas x 5 sampled requests, two
+greedy requests per schema (with an eos id and without) and 2 free ones in one continuous batch of
+the random-weight model, without and with MTP speculation (k = 2; the checkpoint's MTP layer agrees
+with the target often, `write_random_checkpoint`); every constrained output is valid under its
+schema, speculation changes no token, and every rank commits the same tokens."""
 
 import json
 
@@ -32,7 +32,8 @@ GPU_CONFIG = {
 PROMPT = [11, 42, 7, 99]
 MAX_NEW = 300
 DRAFTS = 2  # MTP drafts per step in the speculating engine
-# the random model closes a free string after ~200 bytes on average: the one unbounded string gets a bound here
+# the random model closes a free string after ~200 bytes on average: the one unbounded string gets a
+# bound here
 UNBOUNDED = 8
 BOUNDED = dict(
     SCHEMAS[UNBOUNDED],
@@ -42,7 +43,8 @@ ENGINE_SCHEMAS = [BOUNDED if i == UNBOUNDED else schema for i, schema in enumera
 
 
 def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = False) -> dict:
-    """Every request with and without speculation on `tp` ranks of `device` (float32, or bfloat16 with `bf16`)."""
+    """Every request with and without speculation on `tp` ranks of `device` (float32, or bfloat16
+    with `bf16`)."""
     import torch
 
     from spmoe.distributed import get_parallel_state
@@ -104,8 +106,9 @@ def run_constrained(folder: str, tp: int = 2, device: str = "cpu", bf16: bool = 
     ]
 
     def run(drafts: int, lookup=None) -> tuple[dict, dict, tuple[int, int, int]]:
-        """-> every request's tokens, (finish reason, error), and (tokens generated, drafts proposed, accepted) as
-        the engine counted them (with a `lookup` beside MTP: its drafts led, proposed and accepted)."""
+        """-> every request's tokens, (finish reason, error), and (tokens generated, drafts
+        proposed, accepted) as the engine counted them (with a `lookup` beside MTP: its drafts led,
+        proposed and accepted)."""
         cache = PagedKVCache.for_model(model, 64 << 20)
         graphs = device == "cuda"  # on the GPU the decode and verification steps replay CUDA graphs
         speculation = Speculation(num_speculative_tokens=drafts, lookup=lookup)
@@ -195,8 +198,8 @@ def test_every_constrained_output_is_valid(constrained):
 
 def assert_valid(got: dict, tokenizer, greedy_may_run_out: bool = False) -> None:
     """Every constrained output of both runs ends with the eos and is valid under its schema. With
-    `greedy_may_run_out`, a greedy one may instead reach max_new_tokens (random weights' argmax can repeat one
-    item of a schema that allows any number of them), but at most half of them."""
+    `greedy_may_run_out`, a greedy one may instead reach max_new_tokens (random weights' argmax can
+    repeat one item of a schema that allows any number of them), but at most half of them."""
     eos = tokenizer.eos_token_id
     valid, ran_out = 0, 0
     for outputs, reasons in (
@@ -220,10 +223,11 @@ def assert_valid(got: dict, tokenizer, greedy_may_run_out: bool = False) -> None
 
 
 def test_speculation_commits_the_tokens_it_would_without(constrained):
-    """MTP drafts (k = 2) change no token of a constrained request, greedy or seeded: each row of a sequence that
-    fed drafts is masked by its grammar after those drafts, and a grammar that ends at a draft ends the sequence
-    there (the engine counts no token past it). The drafts were both accepted and rejected; drafting among the
-    tokens the grammar allows keeps far more of them than the 1.3% that unconstrained drafts kept."""
+    """MTP drafts (k = 2) change no token of a constrained request, greedy or seeded: each row of a
+    sequence that fed drafts is masked by its grammar after those drafts, and a grammar that ends at
+    a draft ends the sequence there (the engine counts no token past it). The drafts were both
+    accepted and rejected; drafting among the tokens the grammar allows keeps far more of them than
+    the 1.3% that unconstrained drafts kept."""
     (rank0, _), _ = constrained
     assert rank0["speculated"] == rank0["outputs"]
     assert rank0["speculated_reasons"] == rank0["reasons"]
@@ -233,9 +237,9 @@ def test_speculation_commits_the_tokens_it_would_without(constrained):
 
 
 def test_lookup_drafts_under_grammars_change_no_token(constrained):
-    """The hybrid (MTP + n-gram lookup, k = 2): the lookup's drafts are not masked (a draft the grammar
-    refuses is rejected by the masked row before it), and no token changes; it led drafts that were
-    accepted and drafts that were rejected."""
+    """The hybrid (MTP + n-gram lookup, k = 2): the lookup's drafts are not masked (a draft the
+    grammar refuses is rejected by the masked row before it), and no token changes; it led drafts
+    that were accepted and drafts that were rejected."""
     (rank0, _), _ = constrained
     assert rank0["hybrid"] == rank0["outputs"]
     assert rank0["hybrid_reasons"] == rank0["reasons"]
@@ -258,10 +262,11 @@ def test_refused_without_a_compiler(constrained):
 @pytest.mark.gpu
 @requires_gpus(1)
 def test_constrained_speculation_on_the_gpu(tmp_path):
-    """bfloat16 with the Triton kernels on one GPU, decode and verification steps replayed from CUDA graphs,
-    xgrammar's Triton bitmask kernel on the verified rows and on the drafter's logits (the drafter eager from the
-    graph's hidden states): every output valid, drafts both accepted and rejected. (The tokens with and without
-    speculation may differ: bfloat16 rounds the k + 1 rows of a verify step differently from one decode row.)"""
+    """bfloat16 with the Triton kernels on one GPU, decode and verification steps replayed from CUDA
+    graphs, xgrammar's Triton bitmask kernel on the verified rows and on the drafter's logits (the
+    drafter eager from the graph's hidden states): every output valid, drafts both accepted and
+    rejected. (The tokens with and without speculation may differ: bfloat16 rounds the k + 1 rows of
+    a verify step differently from one decode row.)"""
     tokenizer = checkpoint(tmp_path, GPU_CONFIG)
     got = spawn(run_constrained, 1, str(tmp_path), 1, "cuda", True, device="cuda", timeout_s=600)[0]
     print("generated, proposed, accepted:", got["counts"], got["speculated_counts"])

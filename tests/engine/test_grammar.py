@@ -1,6 +1,6 @@
-"""Structured output's grammar layer: constrained sampling from random logits always gives a schema-valid
-answer (checked with `jsonschema`), one batch mixing grammars and unconstrained rows; xgrammar's bitmask kernel
-against the torch reference; compile errors and the cache."""
+"""Structured output's grammar layer: constrained sampling from random logits always gives a
+schema-valid answer (checked with `jsonschema`), one batch mixing grammars and unconstrained rows;
+xgrammar's bitmask kernel against the torch reference; compile errors and the cache."""
 
 import json
 
@@ -140,8 +140,9 @@ def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: l
 def sample_batch(
     compiler, specs: list[GrammarSpec | None], seed: int, max_steps: int = 4000
 ) -> list[list[int]]:
-    """Sample every row from random logits, the constrained rows under their grammar, all rows in one batch per
-    step (a row without a grammar stops after 20 tokens) -> each row's tokens, its stop token excluded."""
+    """Sample every row from random logits, the constrained rows under their grammar, all rows in
+    one batch per step (a row without a grammar stops after 20 tokens) -> each row's tokens, its
+    stop token excluded."""
     generator = torch.Generator().manual_seed(seed)
     grammars = [compiler.matcher(spec) if spec else None for spec in specs]
     outputs: list[list[int]] = [[] for _ in specs]
@@ -172,8 +173,8 @@ def sample_batch(
 
 
 def test_constrained_sampling_is_schema_valid(compiler, tokenizer):
-    """10 schemas x 5 samples and 2 unconstrained rows in one batch: every constrained answer parses and
-    validates; the unconstrained rows are random bytes (most of them not JSON)."""
+    """10 schemas x 5 samples and 2 unconstrained rows in one batch: every constrained answer parses
+    and validates; the unconstrained rows are random bytes (most of them not JSON)."""
     specs = [GrammarSpec("json_schema", json.dumps(s)) for s in SCHEMAS for _ in range(5)] + [
         None,
         None,
@@ -248,8 +249,8 @@ def test_bitmask_kernel_on_the_gpu():
 
 
 def test_batched_fill_matches_one_at_a_time(compiler, tokenizer):
-    """fill_bitmask (xgrammar's batch matcher, rows with and without a grammar, one not started yet) against
-    SequenceGrammar.fill row by row, after each of several tokens."""
+    """fill_bitmask (xgrammar's batch matcher, rows with and without a grammar, one not started yet)
+    against SequenceGrammar.fill row by row, after each of several tokens."""
     specs = [GrammarSpec("json_schema", json.dumps(s)) for s in SCHEMAS[:4]]
     end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
     grammars = [compiler.matcher(spec) for spec in specs] + [
@@ -278,10 +279,10 @@ def test_batched_fill_matches_one_at_a_time(compiler, tokenizer):
 
 
 def test_draft_rows_are_the_masks_after_committing_the_drafts(compiler, tokenizer):
-    """With MTP drafts, row j of a sequence is the mask its grammar gives after committing its first j drafts
-    (a fresh grammar walked over them, filled alone); rows past a draft the grammar refuses, or past its stop
-    token, allow everything; the most tokens it can commit stop at its stop token; and every grammar is left
-    where it was."""
+    """With MTP drafts, row j of a sequence is the mask its grammar gives after committing its first
+    j drafts (a fresh grammar walked over them, filled alone); rows past a draft the grammar
+    refuses, or past its stop token, allow everything; the most tokens it can commit stop at its
+    stop token; and every grammar is left where it was."""
     eos = tokenizer.eos_token_id
     end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
 
@@ -350,7 +351,8 @@ def test_draft_rows_are_the_masks_after_committing_the_drafts(compiler, tokenize
 
 
 def test_grammar_starts_after_the_reasoning(compiler, tokenizer):
-    """With `start_after` the tokens of "</think>", anything goes until they are generated; then the grammar."""
+    """With `start_after` the tokens of "</think>", anything goes until they are generated; then the
+    grammar."""
     end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
     grammar = compiler.matcher(GrammarSpec("choice", '["ok"]'), start_after=end)
     bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
@@ -395,8 +397,9 @@ def test_compile_errors_and_cache(compiler):
 
 
 def test_the_cache_keeps_the_most_recently_used_grammars(tokenizer):
-    """Every client's schema may be new: the compiler keeps `cache_size` grammars, not one per schema
-    ever seen, and drops the least recently used; a dropped one compiles again and still works."""
+    """Every client's schema may be new: the compiler keeps `cache_size` grammars, not one per
+    schema ever seen, and drops the least recently used; a dropped one compiles again and still
+    works."""
 
     compiler = GrammarCompiler(lambda: tokenizer, VOCAB, cache_size=3)
     specs = [GrammarSpec("json_schema", json.dumps({"enum": [f"word{i}"]})) for i in range(5)]
@@ -416,9 +419,9 @@ def test_the_cache_keeps_the_most_recently_used_grammars(tokenizer):
 
 @pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "string", "maxLength": 12}])
 def test_json_strings_hold_characters_only(compiler, schema):
-    """No raw control character and no surrogate's UTF-8 bytes (no character: it decodes to U+FFFD) inside a
-    JSON string, bounded or not; real characters of 1 to 4 bytes are fine. (xgrammar 0.2.9 alone lets both
-    through in a bounded string and the surrogates in any.)"""
+    """No raw control character and no surrogate's UTF-8 bytes (no character: it decodes to U+FFFD)
+    inside a JSON string, bounded or not; real characters of 1 to 4 bytes are fine. (xgrammar 0.2.9
+    alone lets both through in a bounded string and the surrogates in any.)"""
     spec = GrammarSpec("json_schema", json.dumps(schema))
 
     def accepts(body: bytes) -> bool:
@@ -433,8 +436,8 @@ def test_json_strings_hold_characters_only(compiler, schema):
 
 
 def test_the_engine_and_the_server_run_without_xgrammar():
-    """A GPU image may lack xgrammar: everything imports, a step without grammars runs the mask path, and only a
-    grammar asks for the package, in a one-line error."""
+    """A GPU image may lack xgrammar: everything imports, a step without grammars runs the mask
+    path, and only a grammar asks for the package, in a one-line error."""
     import subprocess
     import sys
 

@@ -1,7 +1,7 @@
-"""The paged cache's limits, checked before any rank starts: a one-line error naming the limit and the value
-for a budget that holds no block, a sequence longer than the whole cache, and options that do not go together;
-the same checks for `spmoe serve` on its defaults (settled per device), and the engine's own check of a request
-against its cache."""
+"""The paged cache's limits, checked before any rank starts: a one-line error naming the limit and
+the value for a budget that holds no block, a sequence longer than the whole cache, and options that
+do not go together; the same checks for `spmoe serve` on its defaults (settled per device), and the
+engine's own check of a request against its cache."""
 
 import json
 
@@ -12,7 +12,8 @@ from spmoe.entrypoints.cli import main
 
 from .conftest import ENGINE_CONFIG
 
-# the engine checkpoint without MTP: 3 layers of 16 + 8 float32 values, indexer keys of 16 on 2 of them
+# the engine checkpoint without MTP: 3 layers of 16 + 8 float32 values, indexer keys of 16 on 2 of
+# them
 BYTES_PER_TOKEN = 3 * 24 * 4 + 2 * 16 * 4
 TWO_BLOCKS_GIB = 2 * 64 * BYTES_PER_TOKEN / 2**30
 
@@ -99,7 +100,8 @@ def test_serve_checks_the_budget(engine_checkpoint):
 
     with pytest.raises(ValueError, match="--kv-cache-memory 1e-06 GiB holds no block"):
         check_serve(engine_checkpoint, EngineArgs(kv_cache_memory=1e-6))
-    # the settled default max_model_len (2048 on the CPU: the config states no max_position_embeddings)
+    # the settled default max_model_len (2048 on the CPU: the config states no
+    # max_position_embeddings)
     with pytest.raises(ValueError) as e:
         check_serve(engine_checkpoint, EngineArgs(kv_cache_memory=TWO_BLOCKS_GIB))
     assert str(e.value) == (
@@ -119,7 +121,8 @@ def test_serve_checks_the_budget(engine_checkpoint):
 @pytest.mark.parametrize(
     "device, positions, given, expected",
     [
-        # (max_num_seqs, max_model_len) given, None: left to the default -> with max_num_waiting's default
+        # (max_num_seqs, max_model_len) given, None: left to the default -> with max_num_waiting's
+        # default
         (
             "cuda",
             202752,
@@ -188,7 +191,8 @@ def test_engine_rejects_a_request_the_cache_cannot_hold(engine_checkpoint):
 
 
 def test_view_rejects_block_ids_outside_the_cache():
-    """A block table naming a block the cache does not have is an error, before any kernel reads or writes it."""
+    """A block table naming a block the cache does not have is an error, before any kernel reads or
+    writes it."""
     import torch
 
     from spmoe.config import ModelConfig

@@ -1,16 +1,18 @@
-"""Prefix caching in the engine: the same tokens and logits with caching on as with it off, at TP 2 with SP
-off and on, with MTP speculation (the drafts too: the MTP layer's rows of reused blocks are exact), and with a
-cache so small that sequences preempt each other; every TP rank reuses the same blocks, as rank 0 decides:
-rank 1's own prefix-cache lookup is made to find nothing, and it still reuses what rank 0 reuses, in the batch
-job and in the serving loop (the decisions travelling in the step plans); a rank 1 whose cache lost the
-blocks rank 0 reuses raises instead of computing something else. In each case, n = 3 choices of one prompt
-(the others fork from the first, as rank 0 decides) get the tokens each gets alone, on every rank.
+"""Prefix caching in the engine: the same tokens and logits with caching on as with it off, at TP 2
+with SP off and on, with MTP speculation (the drafts too: the MTP layer's rows of reused blocks are
+exact), and with a cache so small that sequences preempt each other; every TP rank reuses the same
+blocks, as rank 0 decides: rank 1's own prefix-cache lookup is made to find nothing, and it still
+reuses what rank 0 reuses, in the batch job and in the serving loop (the decisions travelling in the
+step plans); a rank 1 whose cache lost the blocks rank 0 reuses raises instead of computing
+something else. In each case, n = 3 choices of one prompt (the others fork from the first, as rank 0
+decides) get the tokens each gets alone, on every rank.
 
-Two rounds of requests run through one engine: the second round's prompts share prefixes of random lengths
-with the first round's (an exact block multiple, a prompt that is a whole earlier prompt, a prompt that is
-exactly a cached block, random lengths), so they are admitted with cached blocks. One spawned group (TP 2)
-runs every case; the comparisons happen here. A second group, DP 2 x TP 2 (it needs 4 ranks), runs both
-rounds through the serving loop: each DP group's TP rank 1 follows its own group's TP rank 0.
+Two rounds of requests run through one engine: the second round's prompts share prefixes of random
+lengths with the first round's (an exact block multiple, a prompt that is a whole earlier prompt, a
+prompt that is exactly a cached block, random lengths), so they are admitted with cached blocks. One
+spawned group (TP 2) runs every case; the comparisons happen here. A second group, DP 2 x TP 2 (it
+needs 4 ranks), runs both rounds through the serving loop: each DP group's TP rank 1 follows its own
+group's TP rank 0.
 """
 
 import torch
@@ -38,9 +40,10 @@ CASES = {  # name -> (SP, MTP drafts, cache blocks; None: room for everything)
     "sp on mtp": ("on", 2, None),
     "sp on small cache": ("on", 0, 5),
 }
-# prompt tokens served from the cache (blocks of 64). Without MTP: in the first round the second prompt finds
-# the first prompt's first block and the third its first two (64 + 128); in the second round 128, 128, 0, 64
-# and 128. With MTP a block also needs the token after it to match: 0 + 128, then 64, 128, 0, 64 and 128.
+# prompt tokens served from the cache (blocks of 64). Without MTP: in the first round the second
+# prompt finds the first prompt's first block and the third its first two (64 + 128); in the second
+# round 128, 128, 0, 64 and 128. With MTP a block also needs the token after it to match: 0 + 128,
+# then 64, 128, 0, 64 and 128.
 WANT_HITS = {0: 192 + 448, 2: 128 + 384}
 PROMPT_TOKENS = (135 + 84 + 150) + (137 + 150 + 64 + 140 + 196)
 
@@ -62,10 +65,10 @@ def rounds() -> tuple[list[list[int]], list[list[int]]]:
 
 
 def on_and_off(folder: str) -> dict:
-    """-> {(case, caching): (outputs of both rounds, their logits `[tokens, V]`, the MTP drafts and prompt rows
-    (`record_drafts`), the second round's stats)}, and the serving loop's and the divergence's results
-    (`through_serving_loop`, `diverged`). Rank 1's own prefix-cache lookup always finds nothing
-    (`blind_lookup`): its engines reuse only what rank 0 tells them."""
+    """-> {(case, caching): (outputs of both rounds, their logits `[tokens, V]`, the MTP drafts and
+    prompt rows (`record_drafts`), the second round's stats)}, and the serving loop's and the
+    divergence's results (`through_serving_loop`, `diverged`). Rank 1's own prefix-cache lookup
+    always finds nothing (`blind_lookup`): its engines reuse only what rank 0 tells them."""
     from spmoe.engine.cache.paged import PagedKVCache
     from spmoe.engine.engine import Engine
     from spmoe.models.deepseek_v32.weights import load_model
@@ -128,16 +131,18 @@ def caching_engine(model, caching: bool = True):
 
 
 def blind_lookup(engine):
-    """On every TP rank but 0, the engine's own prefix-cache lookup finds nothing: only reuse that its DP
-    group's TP rank 0 decides (and this rank's cache holds) can happen there. -> the engine."""
+    """On every TP rank but 0, the engine's own prefix-cache lookup finds nothing: only reuse that
+    its DP group's TP rank 0 decides (and this rank's cache holds) can happen there. -> the
+    engine."""
     if get_parallel_state().tp_rank != 0:
         engine.scheduler.room.blocks._hit_blocks = lambda token_ids, hashes: []
     return engine
 
 
 def through_serving_loop(engine) -> tuple[list[list[int]], dict] | None:
-    """Both rounds through the serving loop (rank 0 plans, rank 1 applies the plans in `worker_loop`). -> on
-    every rank, the outputs in `generate`'s order (None on rank 1) and the engine's KV cache stats."""
+    """Both rounds through the serving loop (rank 0 plans, rank 1 applies the plans in
+    `worker_loop`). -> on every rank, the outputs in `generate`'s order (None on rank 1) and the
+    engine's KV cache stats."""
     from spmoe.engine.engine import per_prompt
     from spmoe.engine.ranks import ServingLoop, worker_loop
     from spmoe.engine.request import SamplingParams
@@ -165,9 +170,10 @@ def through_serving_loop(engine) -> tuple[list[list[int]], dict] | None:
 
 
 def diverged(engine) -> str | None:
-    """The first round on both ranks, then rank 1's cache loses every cached block (one sequence takes the whole
-    pool); rank 0 schedules the second round's first step and sends its admissions, and rank 1 follows them.
-    -> on rank 1 the error it raised (None if it raised none); None on rank 0. No forward runs after."""
+    """The first round on both ranks, then rank 1's cache loses every cached block (one sequence
+    takes the whole pool); rank 0 schedules the second round's first step and sends its admissions,
+    and rank 1 follows them. -> on rank 1 the error it raised (None if it raised none); None on rank
+    0. No forward runs after."""
     state = get_parallel_state()
     first, second = rounds()
     generate(engine, first, MAX_NEW)
@@ -189,9 +195,10 @@ def diverged(engine) -> str | None:
 
 
 def record_drafts(engine) -> dict:
-    """Wrap the drafter's draft step: -> a dict it fills with each sequence's drafts, keyed by (request
-    id, tokens it had generated before the step), and with the MTP layer's cache rows of each prompt once the
-    drafter has caught up on all of it (keyed by request id): `[prompt, c + r]`, the latent and the rope key."""
+    """Wrap the drafter's draft step: -> a dict it fills with each sequence's drafts, keyed by
+    (request id, tokens it had generated before the step), and with the MTP layer's cache rows of
+    each prompt once the drafter has caught up on all of it (keyed by request id): `[prompt, c +
+    r]`, the latent and the rope key."""
     recorded, draft = {}, engine.drafter.draft
     mtp = engine.cache.layers[engine.model.cfg.num_hidden_layers]
 
@@ -224,7 +231,8 @@ def test_prefix_caching_changes_no_output(engine_checkpoint):
         want_outputs, want_logits, want_drafts, off_stats = ranks[0][case, False]
         assert outputs == want_outputs, case
         assert relative_error(logits, want_logits) < 1e-4, case
-        # the MTP layer's rows of every prompt, reused or computed, are what computing them gives: the same drafts
+        # the MTP layer's rows of every prompt, reused or computed, are what computing them gives:
+        # the same drafts
         assert drafts.keys() == want_drafts.keys() and (len(drafts) > 0) == (k > 0), case
         for key, want in want_drafts.items():
             if isinstance(key[1], str):
@@ -254,11 +262,13 @@ def test_prefix_caching_changes_no_output(engine_checkpoint):
             assert relative_error(logits, alone_logits) < 1e-4, (case, caching)
             assert queries == (70 if caching else 0) and blocks_in_use == 0, (case, caching)
             assert ranks[1][case, caching, "choices"][0] == got, (case, caching)
-    # the serving loop: the same tokens, and rank 1 reuses what rank 0 reuses, told by the step plans
+    # the serving loop: the same tokens, and rank 1 reuses what rank 0 reuses, told by the step
+    # plans
     outputs, cache = ranks[0]["serving loop"]
     assert outputs == ranks[0]["sp off", False][0]
     assert cache["prefix_cache_hits"] == WANT_HITS[0] and ranks[1]["serving loop"][1] == cache
-    # rank 0 reuses the 128 cached tokens of the second round's first prompt, which rank 1 no longer holds
+    # rank 0 reuses the 128 cached tokens of the second round's first prompt, which rank 1 no longer
+    # holds
     assert ranks[0]["diverged"] is None
     assert ranks[1]["diverged"] == (
         "the deciding rank reuses 128 cached prompt tokens, but this rank's prefix cache holds only the first 0 of "
@@ -267,8 +277,8 @@ def test_prefix_caching_changes_no_output(engine_checkpoint):
 
 
 def data_parallel(folder: str) -> dict:
-    """DP 2 x TP 2: both rounds through the serving loop with caching off and on. -> {caching: (outputs on rank
-    0, this rank's KV cache stats)}."""
+    """DP 2 x TP 2: both rounds through the serving loop with caching off and on. -> {caching:
+    (outputs on rank 0, this rank's KV cache stats)}."""
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig(tensor_parallel_size=2, data_parallel_size=2))
@@ -278,8 +288,9 @@ def data_parallel(folder: str) -> dict:
 
 
 def test_each_dp_group_follows_its_own_tp_rank_0(engine_checkpoint):
-    """Under DP each DP group's TP rank 0 decides its group's reuse and sends it to its TP peer (whose own
-    lookup finds nothing): the same tokens as without caching, and both ranks of a group reuse the same."""
+    """Under DP each DP group's TP rank 0 decides its group's reuse and sends it to its TP peer
+    (whose own lookup finds nothing): the same tokens as without caching, and both ranks of a group
+    reuse the same."""
     ranks = spawn(
         data_parallel,
         4,

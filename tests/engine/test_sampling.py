@@ -1,9 +1,9 @@
-"""The batched sampler against references written here in plain Python, one row at a time: each logits
-processor (penalties, logit_bias, min_tokens, temperature, min_p, top_k, top_p) on a
-batch whose rows all have different settings; the seeded exponential race against its distribution (total
-variation over many draws, across output positions and across seeds); seeds that fix a row's token whatever
-else is in the batch; greedy rows equal to the plain argmax; logprobs and prompt logprobs against
-log-probabilities computed here; non-finite rows flagged."""
+"""The batched sampler against references written here in plain Python, one row at a time: each
+logits processor (penalties, logit_bias, min_tokens, temperature, min_p, top_k, top_p) on a batch
+whose rows all have different settings; the seeded exponential race against its distribution (total
+variation over many draws, across output positions and across seeds); seeds that fix a row's token
+whatever else is in the batch; greedy rows equal to the plain argmax; logprobs and prompt logprobs
+against log-probabilities computed here; non-finite rows flagged."""
 
 import math
 import random
@@ -39,7 +39,8 @@ def softmax(row: list[float]) -> list[float]:
 
 
 def reference_before_temperature(row, params, prompt, output, stop_ids, allowed=None):
-    """One row's logits after the grammar mask, min_tokens, logit_bias and penalties, by the definitions."""
+    """One row's logits after the grammar mask, min_tokens, logit_bias and penalties, by the
+    definitions."""
     out = list(row)
     if allowed is not None:
         out = [v if allowed[i] else NEG for i, v in enumerate(out)]
@@ -61,7 +62,8 @@ def reference_before_temperature(row, params, prompt, output, stop_ids, allowed=
 
 
 def reference_distribution(row, params) -> list[float]:
-    """The distribution drawn from: temperature (0 counts as 1), min_p, top_k, top_p, in that order."""
+    """The distribution drawn from: temperature (0 counts as 1), min_p, top_k, top_p, in that
+    order."""
     t = params.temperature or 1.0
     probs = softmax([v / t for v in row])
     if params.min_p:
@@ -132,8 +134,9 @@ def test_top_k_keeps_ties_at_the_kth_value():
 
 
 def test_top_p_keeps_ties_with_the_token_that_crosses_it():
-    """p = e^3, e^2, e^2, e^2, 1 over their sum: token 0 holds 0.46 of the mass, so top_p 0.5 is crossed by
-    a token of value 2; all three of them stay, whatever order a sort gives ties, and token 4 goes."""
+    """p = e^3, e^2, e^2, e^2, 1 over their sum: token 0 holds 0.46 of the mass, so top_p 0.5 is
+    crossed by a token of value 2; all three of them stay, whatever order a sort gives ties, and
+    token 4 goes."""
     logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.0]])
     mass = math.exp(3) / (math.exp(3) + 3 * math.exp(2) + 1)
     assert 0.4 < mass < 0.5
@@ -201,7 +204,8 @@ def test_seeded_draws_follow_the_distribution_across_output_positions(params):
     logits = rand_logits(1, seed=5).expand(draws, -1)
     got = sampler.sample(logits, [row] * draws, list(range(draws))).token_ids
     want = reference_distribution(logits[0].tolist(), params)
-    # E[TV] is about 0.5 * sum sqrt(2 p (1 - p) / (pi draws)) < 0.006 here; 0.015 is far out in the tail
+    # E[TV] is about 0.5 * sum sqrt(2 p (1 - p) / (pi draws)) < 0.006 here; 0.015 is far out in the
+    # tail
     assert total_variation(got, want) < 0.015
     assert all(want[t] > 0 for t in set(got))  # nothing truncated away is ever drawn
 
@@ -224,10 +228,10 @@ def test_the_hash_is_the_same_on_python_ints_and_tensors_and_uniform_enough():
 
 
 def test_the_noise_is_positive_at_every_uniform_so_no_excluded_token_is_drawn():
-    """Every value of the top 23 bits (the low 9 set, as high as bits go) gives noise in (0, 16.7) whose
-    exp(-noise) is (v + 0.5) / 2**23; a noise of 0 would make an excluded token's ratio 0 / 0 = NaN, which
-    argmax takes. At seed 7, output indices 91, 116, 169 and 170 of 154880 tokens, a 24-bit uniform rounded to
-    1.0 on an excluded token: top_k 1 must still draw the argmax there."""
+    """Every value of the top 23 bits (the low 9 set, as high as bits go) gives noise in (0, 16.7)
+    whose exp(-noise) is (v + 0.5) / 2**23; a noise of 0 would make an excluded token's ratio 0 / 0
+    = NaN, which argmax takes. At seed 7, output indices 91, 116, 169 and 170 of 154880 tokens, a
+    24-bit uniform rounded to 1.0 on an excluded token: top_k 1 must still draw the argmax there."""
     top = torch.arange(2**23, dtype=torch.int64)
     noise = exponential_of(top << 9 | 511)
     assert torch.isfinite(noise).all() and noise.min().item() > 0 and noise.max().item() < 16.7
@@ -241,8 +245,9 @@ def test_the_noise_is_positive_at_every_uniform_so_no_excluded_token_is_drawn():
 
 
 def test_draw_tokens_races_each_drawing_row_with_its_own_noise():
-    """`draw_tokens` off CUDA (the torch reference) on a subset of rows in any order, one twice: each drawing
-    row's token is the argmax of softmax / noise with the noise hashed here from Python ints, token by token."""
+    """`draw_tokens` off CUDA (the torch reference) on a subset of rows in any order, one twice:
+    each drawing row's token is the argmax of softmax / noise with the noise hashed here from Python
+    ints, token by token."""
     vocab = 50
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(2)) * 2
     logits[1, 10:] = NEG
@@ -313,8 +318,9 @@ def test_logprobs_are_those_of_the_distribution_drawn_from():
 
 
 def test_logprobs_of_the_rows_that_asked_are_those_of_a_batch_where_every_row_asked():
-    """Only the asking rows' log_softmax and topk are computed: interleaved with rows that did not ask, each gets
-    what it gets when every row asks, bit for bit (the first k of the top 5), and the others get None."""
+    """Only the asking rows' log_softmax and topk are computed: interleaved with rows that did not
+    ask, each gets what it gets when every row asks, bit for bit (the first k of the top 5), and the
+    others get None."""
     vocab, wanted = 1000, [None, 3, None, 0, 5, None, 1]
     logits = torch.randn(len(wanted), vocab, generator=torch.Generator().manual_seed(8)) * 3
     settings = [
@@ -398,9 +404,9 @@ def test_bad_parameters_are_one_line_errors(kwargs, message):
 
 
 def test_the_sort_keeps_what_the_rule_keeps_on_the_kernel_tests_rows():
-    """The CPU's top_k / top_p threshold (`top_k_top_p_threshold_by_sort`) against the float64 rule over the rows
-    the kernel's GPU test uses (ties at the k-th value and at the crossing token, -inf masks, flat rows): the
-    same tokens kept wherever no rounding can move the crossing."""
+    """The CPU's top_k / top_p threshold (`top_k_top_p_threshold_by_sort`) against the float64 rule
+    over the rows the kernel's GPU test uses (ties at the k-th value and at the crossing token, -inf
+    masks, flat rows): the same tokens kept wherever no rounding can move the crossing."""
     from spmoe.engine.sampling.processors import top_k_top_p_threshold_by_sort
 
     from .test_top_k_top_p_gpu import MARGIN, kept_count, reference_threshold, rows_at
@@ -417,9 +423,10 @@ def test_the_sort_keeps_what_the_rule_keeps_on_the_kernel_tests_rows():
 
 
 def test_tiny_temperatures_are_greedy_and_huge_counts_are_stored():
-    """A temperature below `GREEDY_BELOW` chooses the argmax, with greedy's logprobs (temperature 1): dividing
-    by it would overflow the logits (1e-50 rounded to 0 in the float32 column and drew at temperature 1); a
-    top_k or min_tokens past int64 no longer fails the write into the row (which took the row and raised)."""
+    """A temperature below `GREEDY_BELOW` chooses the argmax, with greedy's logprobs (temperature
+    1): dividing by it would overflow the logits (1e-50 rounded to 0 in the float32 column and drew
+    at temperature 1); a top_k or min_tokens past int64 no longer fails the write into the row
+    (which took the row and raised)."""
     logits = rand_logits(3, seed=4)
     sampler = Sampler(3, V)
     rows = [

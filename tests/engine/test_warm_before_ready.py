@@ -1,9 +1,9 @@
-"""One CUDA graph per batch size and warm before ready, the parts that need no GPU (float32 on CPU, the torch
-references): a decode step over block tables padded to the graphs' width (max_model_len) with pad rows gives
-the logits of the same step over tables as wide as its longest sequence, and writes no real block but its
-own rows; the engine counts the steps that compiled a kernel and what compiled after it was marked ready;
-warming up runs its requests to the end and leaves the engine empty; an engine built from the default
-options on CPU has no graphs."""
+"""One CUDA graph per batch size and warm before ready, the parts that need no GPU (float32 on CPU,
+the torch references): a decode step over block tables padded to the graphs' width (max_model_len)
+with pad rows gives the logits of the same step over tables as wide as its longest sequence, and
+writes no real block but its own rows; the engine counts the steps that compiled a kernel and what
+compiled after it was marked ready; warming up runs its requests to the end and leaves the engine
+empty; an engine built from the default options on CPU has no graphs."""
 
 import argparse
 
@@ -82,10 +82,10 @@ def padded_tables_case(model):
 
 
 def compile_counting_case(model):
-    """A kernel compiled during a step (simulated: the counter moves inside the model's forward) is counted in
-    that step, and after `mark_ready` in `compiles_after_ready`; steps that compile nothing are not; the step
-    counters start afresh at ready, the process's compile count does not; the log names each kernel compiled
-    after ready, and only those."""
+    """A kernel compiled during a step (simulated: the counter moves inside the model's forward) is
+    counted in that step, and after `mark_ready` in `compiles_after_ready`; steps that compile
+    nothing are not; the step counters start afresh at ready, the process's compile count does not;
+    the log names each kernel compiled after ready, and only those."""
     KernelCompiles.names = []
     lines = []
     engine = Engine(model, PagedKVCache.for_model(model, 2**22), max_num_seqs=2, log=lines.append)
@@ -185,8 +185,8 @@ def warm_up_case(model):
 
 
 def graph_default_case(model):
-    """The engine gets the options' graphs (`EngineArgs.use_cuda_graphs`): off on CPU by default, and the
-    runner captures nothing without them."""
+    """The engine gets the options' graphs (`EngineArgs.use_cuda_graphs`): off on CPU by default,
+    and the runner captures nothing without them."""
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = engine_args_from_cli(parser.parse_args([]))

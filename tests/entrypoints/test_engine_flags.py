@@ -1,5 +1,5 @@
-"""The engine's options on the command line (`engine_flags.py`) into `EngineArgs`: one declaration of
-the options, the same flags and rules in `generate` and `serve`."""
+"""The engine's options on the command line (`engine_flags.py`) into `EngineArgs`: one declaration
+of the options, the same flags and rules in `generate` and `serve`."""
 
 import argparse
 import re
@@ -72,8 +72,8 @@ def test_flags_fill_the_fields():
     ],
 )
 def test_one_rule_for_every_command(argv, message, capsys):
-    """The same bad options are the same one-line error from `generate` and `serve` (before any checkpoint is
-    read: these need none)."""
+    """The same bad options are the same one-line error from `generate` and `serve` (before any
+    checkpoint is read: these need none)."""
     with pytest.raises(ValueError, match=re.escape(message)):
         parse(argv)
     for command in (

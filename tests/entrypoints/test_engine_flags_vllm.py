@@ -1,6 +1,6 @@
-"""vLLM's names and values in EngineArgs: the aliases parse to the same options as spmoe's names, the speculative
-config as JSON and as dotted keys, `auto` settled for the device, the dtype and CUDA graphs, and the options of
-vLLM's launch lines that cannot apply here noted and dropped."""
+"""vLLM's names and values in EngineArgs: the aliases parse to the same options as spmoe's names,
+the speculative config as JSON and as dotted keys, `auto` settled for the device, the dtype and CUDA
+graphs, and the options of vLLM's launch lines that cannot apply here noted and dropped."""
 
 import json
 
@@ -85,7 +85,8 @@ def test_auto_device_dtype_and_graphs(tmp_path, monkeypatch):
 
 def test_speculative_config_lookups_and_hybrids():
     """vLLM's ngram and suffix launch lines as vLLM spells them (dotted keys too), with vLLM's
-    defaults, and spmoe's hybrids; each malformed one refused in one line naming what it expected."""
+    defaults, and spmoe's hybrids; each malformed one refused in one line naming what it
+    expected."""
     from spmoe.engine.speculation import NgramConfig, Speculation, SuffixConfig
 
     def speculation(config: dict) -> Speculation:
@@ -175,8 +176,8 @@ def test_speculative_config_lookups_and_hybrids():
     ],
 )
 def test_what_cannot_apply_here_is_noted_and_dropped(argv, device, dropped, note, monkeypatch):
-    """vLLM's launch lines run here: a GPU share on the CPU, a GPU share beside a size in bytes (which
-    vLLM also lets win), a block size other than MLA's 64."""
+    """vLLM's launch lines run here: a GPU share on the CPU, a GPU share beside a size in bytes
+    (which vLLM also lets win), a block size other than MLA's 64."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
     notes = []
     args = parse(argv, notes=notes)

@@ -1,5 +1,5 @@
-"""`spmoe serve --help`: flags in the sections users look in, each option's vLLM aliases on one line, and
-vLLM's refused or no-op flags left to docs/vllm-compatibility.md."""
+"""`spmoe serve --help`: flags in the sections users look in, each option's vLLM aliases on one
+line, and vLLM's refused or no-op flags left to docs/vllm-compatibility.md."""
 
 import argparse
 import re

@@ -1,6 +1,6 @@
 """The checkpoint's tokenizer as the server's processes load it (`spmoe.entrypoints.tokenizer`): a
-plain fast tokenizer loads through transformers' fast class without torch and reads and writes text as
-`AutoTokenizer`'s does; another class goes through `AutoTokenizer`."""
+plain fast tokenizer loads through transformers' fast class without torch and reads and writes text
+as `AutoTokenizer`'s does; another class goes through `AutoTokenizer`."""
 
 import json
 import subprocess
@@ -54,9 +54,10 @@ def test_it_reads_and_writes_text_as_auto_tokenizer_does(tmp_path):
 
 @pytest.mark.parametrize("shipped", [False, True])
 def test_the_demo_tokenizer_splits_text_into_words(tmp_path, shipped):
-    """The demo's tokens are the text's bytes, and its pre-tokenizer splits the text into words first,
-    as real byte-level tokenizers do: the BPE model caches every piece it encodes (up to 10,000), and
-    whole prompts as pieces made a front end keep about 4 KiB of every distinct prompt it read."""
+    """The demo's tokens are the text's bytes, and its pre-tokenizer splits the text into words
+    first, as real byte-level tokenizers do: the BPE model caches every piece it encodes (up to
+    10,000), and whole prompts as pieces made a front end keep about 4 KiB of every distinct prompt
+    it read."""
     folder = Path(spmoe.__file__).parent / "checkpoints" / "glm-stdlib-tiny"
     if not shipped:
         write_demo_tokenizer(folder := tmp_path)

@@ -1,5 +1,5 @@
-"""vLLM's value syntax: lengths with suffixes, the speculative config as JSON and dotted keys, --hf-overrides
-merged into the model config, and vLLM's dtype names."""
+"""vLLM's value syntax: lengths with suffixes, the speculative config as JSON and dotted keys,
+--hf-overrides merged into the model config, and vLLM's dtype names."""
 
 import json
 

@@ -1,12 +1,12 @@
-"""Structured output: a grammar a sequence's tokens must follow, compiled with xgrammar; a matcher per sequence
-that walks the grammar with each committed token; and the token bitmask that sets every token the grammar does
-not allow next to -inf in the logits before sampling.
+"""Structured output: a grammar a sequence's tokens must follow, compiled with xgrammar; a matcher
+per sequence that walks the grammar with each committed token; and the token bitmask that sets every
+token the grammar does not allow next to -inf in the logits before sampling.
 
-A `GrammarSpec` is plain text (a kind and its text), so rank 0 sends it with the request and every rank
-compiles the same grammar from its own cache: the masks, and so the sampled tokens, are the same on every rank.
-Compiling takes milliseconds to seconds (a large schema); the server's engine loop compiles a request's
-grammar on a worker thread before the request joins a step (`grammar_text.py` and `tool_call_grammar.py`
-write a spec's text as xgrammar takes it).
+A `GrammarSpec` is plain text (a kind and its text), so rank 0 sends it with the request and every
+rank compiles the same grammar from its own cache: the masks, and so the sampled tokens, are the
+same on every rank. Compiling takes milliseconds to seconds (a large schema); the server's engine
+loop compiles a request's grammar on a worker thread before the request joins a step
+(`grammar_text.py` and `tool_call_grammar.py` write a spec's text as xgrammar takes it).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ GRAMMAR_CACHE_SIZE = 128
 
 
 class GrammarCompiler:
-    """Compiles `GrammarSpec`s for one tokenizer: the `cache_size` most recently used are kept, keyed by
-    the spec (an older one is compiled again when it comes back). Thread-safe (the
-    server compiles in worker threads). The tokenizer's vocabulary is read at the first compile, through
-    `load_tokenizer()` (reading a large one takes about a second: a server that never gets a grammar never
-    pays it, and a checkpoint without a tokenizer serves everything else)."""
+    """Compiles `GrammarSpec`s for one tokenizer: the `cache_size` most recently used are kept,
+    keyed by the spec (an older one is compiled again when it comes back). Thread-safe (the server
+    compiles in worker threads). The tokenizer's vocabulary is read at the first compile, through
+    `load_tokenizer()` (reading a large one takes about a second: a server that never gets a grammar
+    never pays it, and a checkpoint without a tokenizer serves everything else)."""
 
     def __init__(
         self,
@@ -50,8 +50,8 @@ class GrammarCompiler:
         vocab_size: int,
         cache_size: int = GRAMMAR_CACHE_SIZE,
     ):
-        """`load_tokenizer`: -> a transformers tokenizer; `vocab_size`: the model's (the LM head's rows, which
-        may pad the tokenizer's vocabulary)."""
+        """`load_tokenizer`: -> a transformers tokenizer; `vocab_size`: the model's (the LM head's
+        rows, which may pad the tokenizer's vocabulary)."""
         self.load_tokenizer, self.vocab_size = load_tokenizer, vocab_size
         self.compiler: xgr.GrammarCompiler | None = None
         self.cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
@@ -75,7 +75,8 @@ class GrammarCompiler:
             return self.compiler
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """-> the compiled grammar; ValueError naming the kind and what is wrong when it does not compile."""
+        """-> the compiled grammar; ValueError naming the kind and what is wrong when it does not
+        compile."""
         with self.lock:
             compiled = self.cache.get(spec)
             if compiled is not None:
@@ -117,8 +118,9 @@ class GrammarCompiler:
 
 
 class SequenceGrammar:
-    """One sequence's position in its grammar. With `start_after` (token ids, e.g. those of `</think>`), the
-    grammar applies only once the sequence has generated them: the reasoning before is free."""
+    """One sequence's position in its grammar. With `start_after` (token ids, e.g. those of
+    `</think>`), the grammar applies only once the sequence has generated them: the reasoning before
+    is free."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, start_after: tuple[int, ...] = ()):
         self.matcher = xgrammar().GrammarMatcher(compiled)
@@ -128,7 +130,8 @@ class SequenceGrammar:
         self.matched = 0  # tokens the matcher has taken (what `rewind` rolls it back by)
 
     def accept(self, token: int) -> bool:
-        """Advance by a token; False if the grammar does not allow it (the matcher does not move)."""
+        """Advance by a token; False if the grammar does not allow it (the matcher does not
+        move)."""
         if self.active:
             taken = self.matcher.accept_token(token)
             self.matched += taken
@@ -138,7 +141,8 @@ class SequenceGrammar:
         return True
 
     def position(self) -> tuple[int, list[int], bool]:
-        """Where it stands now, for `rewind`: walking over drafts is undone once their rows are masked."""
+        """Where it stands now, for `rewind`: walking over drafts is undone once their rows are
+        masked."""
         return self.matched, self.recent, self.active
 
     def rewind(self, position: tuple[int, list[int], bool]) -> None:
@@ -148,9 +152,9 @@ class SequenceGrammar:
         self.matched = matched
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into `bitmask[row]` (`[W]` int32, bit t % 32 of word t // 32 for token
-        t; all allowed while the grammar has not started). One sequence at a time: the reference that
-        `fill_bitmask`'s batched fill is tested against."""
+        """Write the tokens allowed next into `bitmask[row]` (`[W]` int32, bit t % 32 of word t //
+        32 for token t; all allowed while the grammar has not started). One sequence at a time: the
+        reference that `fill_bitmask`'s batched fill is tested against."""
         if self.active:
             self.matcher.fill_next_token_bitmask(bitmask, row)
         else:
@@ -163,10 +167,10 @@ class SequenceGrammar:
 
 
 class GrammarMasks(NamedTuple):
-    """What `fill_bitmask` gives for a step: `bitmask` `[R, ceil(V / 32)]` int32 on the CPU (R: every logits row
-    of the step), `rows`: the rows that have a grammar, and per sequence `most_tokens`: the most tokens it can
-    commit this step (1 + its drafts, or fewer when its grammar takes its stop token among the drafts: it ends
-    there)."""
+    """What `fill_bitmask` gives for a step: `bitmask` `[R, ceil(V / 32)]` int32 on the CPU (R:
+    every logits row of the step), `rows`: the rows that have a grammar, and per sequence
+    `most_tokens`: the most tokens it can commit this step (1 + its drafts, or fewer when its
+    grammar takes its stop token among the drafts: it ends there)."""
 
     bitmask: torch.Tensor
     rows: list[int]
@@ -176,17 +180,19 @@ class GrammarMasks(NamedTuple):
 def fill_bitmask(
     grammars: list[SequenceGrammar | None], vocab_size: int, drafts: list[list[int]] | None = None
 ) -> GrammarMasks | None:
-    """The step's committing sequences (None: no grammar) and the MTP drafts each fed (None: no drafts) -> their
-    masks, or None when no sequence has a grammar. Sequence i has 1 + len(drafts[i]) rows, one after another.
+    """The step's committing sequences (None: no grammar) and the MTP drafts each fed (None: no
+    drafts) -> their masks, or None when no sequence has a grammar. Sequence i has 1 +
+    len(drafts[i]) rows, one after another.
 
-    Row j of sequence i holds what its grammar allows after its first j drafts: the mask it would get without
-    speculation once it had committed them. The grammars walk over the drafts, one draft position at a time,
-    and the rows of each position are filled together by xgrammar's batch matcher (its threads): k + 1 batched
-    fills for k drafts. Then every grammar is rewound to where it was: the tokens the step commits advance it
-    (`Sequence.commit`). A sequence stops walking at a draft its grammar refuses, or once its grammar has taken
-    its stop token; its later rows allow every token and are never committed from (the row before a refused
-    draft masks that draft, so the target's choice there rejects it; after the stop token it ends). Rows whose
-    grammar has not started allow every token."""
+    Row j of sequence i holds what its grammar allows after its first j drafts: the mask it would
+    get without speculation once it had committed them. The grammars walk over the drafts, one draft
+    position at a time, and the rows of each position are filled together by xgrammar's batch
+    matcher (its threads): k + 1 batched fills for k drafts. Then every grammar is rewound to where
+    it was: the tokens the step commits advance it (`Sequence.commit`). A sequence stops walking at
+    a draft its grammar refuses, or once its grammar has taken its stop token; its later rows allow
+    every token and are never committed from (the row before a refused draft masks that draft, so
+    the target's choice there rejects it; after the stop token it ends). Rows whose grammar has not
+    started allow every token."""
     drafts = drafts if drafts is not None else [[] for _ in grammars]
     if all(g is None for g in grammars):
         return None
@@ -220,9 +226,9 @@ def fill_bitmask(
 
 
 def mask_allowed(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> None:
-    """logits `[S, V]`, one row per sequence -> in place, -inf at the tokens each row's grammar does not
-    allow next (one batched fill and apply; rows without a grammar, or whose grammar has not started,
-    untouched)."""
+    """logits `[S, V]`, one row per sequence -> in place, -inf at the tokens each row's grammar does
+    not allow next (one batched fill and apply; rows without a grammar, or whose grammar has not
+    started, untouched)."""
     started = [i for i, g in enumerate(grammars) if g is not None and g.active]
     if not started:
         return
@@ -239,9 +245,9 @@ def _batch_matcher() -> xgr.BatchGrammarMatcher:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """logits `[m, V]` (any device; float32 on the CPU) -> in place, -inf wherever `bitmask` `[m, ceil(V / 32)]`
-    has a 0 bit, in `rows` only (the other rows have no grammar and are left as they are). xgrammar's kernels:
-    Triton on a GPU (compiled at its first call), C++ on the CPU."""
+    """logits `[m, V]` (any device; float32 on the CPU) -> in place, -inf wherever `bitmask` `[m,
+    ceil(V / 32)]` has a 0 bit, in `rows` only (the other rows have no grammar and are left as they
+    are). xgrammar's kernels: Triton on a GPU (compiled at its first call), C++ on the CPU."""
     xgrammar().apply_token_bitmask_inplace(
         logits,
         bitmask.to(logits.device, non_blocking=True),

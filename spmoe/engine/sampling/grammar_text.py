@@ -21,8 +21,8 @@ JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\ud800-\udfff]"
 
 
 def xgrammar():
-    """The xgrammar package, imported at the first grammar: the engine and the server run without it until a
-    request asks for structured output (a GPU image may lack it)."""
+    """The xgrammar package, imported at the first grammar: the engine and the server run without it
+    until a request asks for structured output (a GPU image may lack it)."""
     try:
         import xgrammar as module
     except ImportError:
@@ -33,8 +33,9 @@ def xgrammar():
 
 
 def json_schema_grammar(schema_text: str) -> xgr.Grammar:
-    """A JSON schema's text -> its grammar (compact JSON: no whitespace beyond ", " and ": "), with JSON's
-    string characters everywhere; RuntimeError (xgrammar's) for a schema it cannot convert."""
+    """A JSON schema's text -> its grammar (compact JSON: no whitespace beyond ", " and ": "), with
+    JSON's string characters everywhere; RuntimeError (xgrammar's) for a schema it cannot
+    convert."""
     xgr = xgrammar()
     ebnf = str(xgr.Grammar.from_json_schema(schema_text, any_whitespace=False))
     return xgr.Grammar.from_ebnf(with_json_string_characters(ebnf))
@@ -49,7 +50,8 @@ def with_json_string_characters(ebnf: str) -> str:
 
 
 def compile_error_reason(error: Exception) -> str:
-    """xgrammar's error -> its first line without the "[time] file.cc:line: " xgrammar puts before it."""
+    """xgrammar's error -> its first line without the "[time] file.cc:line: " xgrammar puts before
+    it."""
     lines = str(error).strip().splitlines()
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0]) if lines else type(error).__name__
 

@@ -3,11 +3,11 @@ runs the engine loop and starts the HTTP front end process(es) (`frontend/proces
 under uvicorn until the server is stopped.
 
 What can be checked before any rank starts is: the model folder, its tokenizer, and the address to
-listen on. Stopping: SIGTERM to the `spmoe serve` process is passed on to rank 0 and from there to the
-front ends, which drain (`frontend/supervisor.py`: new requests get 503, open ones may finish for
---shutdown-timeout, then end with an error chunk and `[DONE]`); rank 0 then stops the other ranks and
-the command exits 0. Under torchrun the agent signals every worker; rank 0 does the same. SIGINT
-(Ctrl-C) ends every rank at once (the launcher does that). An engine that fails or stalls for
+listen on. Stopping: SIGTERM to the `spmoe serve` process is passed on to rank 0 and from there to
+the front ends, which drain (`frontend/supervisor.py`: new requests get 503, open ones may finish
+for --shutdown-timeout, then end with an error chunk and `[DONE]`); rank 0 then stops the other
+ranks and the command exits 0. Under torchrun the agent signals every worker; rank 0 does the same.
+SIGINT (Ctrl-C) ends every rank at once (the launcher does that). An engine that fails or stalls for
 --engine-timeout ends the open requests with an error and the command exits 1.
 """
 
@@ -78,8 +78,8 @@ def check_address(host: str, port: int) -> None:
 def run_serve(
     model_dir: str, args: EngineArgs, max_num_waiting: int | None, front: FrontEndOptions
 ) -> int | None:
-    """Validate, settle serve's defaults (`check_serve`), then serve until stopped. -> SIGTERM if it reached
-    rank 0 itself (under torchrun), else None."""
+    """Validate, settle serve's defaults (`check_serve`), then serve until stopped. -> SIGTERM if it
+    reached rank 0 itself (under torchrun), else None."""
     if not Path(model_dir, "config.json").is_file():
         raise ValueError(
             f"--model {model_dir}: expected a checkpoint folder with config.json, found none"

@@ -180,8 +180,8 @@ def answers(demo_server) -> dict:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_library_gets_a_valid_order(answers, mode):
-    """The object is an Order made from the JSON, which the library's schema validates, its keys (the
-    union's too) in the model's field order."""
+    """The object is an Order made from the JSON, which the library's schema validates, its keys
+    (the union's too) in the model's field order."""
     answer = answers[mode]
     if isinstance(answer, BaseException):
         raise answer

@@ -1,12 +1,12 @@
-"""A loglikelihood multiple-choice task built from held-out text (which of four 32-byte continuations of a
-128-byte snippet is the real one), scored as lm-eval's `local-completions` model scores one: a completion
-request with the context and a continuation as the prompt, `echo`, `max_tokens` 0 and `logprobs`, the
-continuation's summed token logprobs. `spmoe serve` (TP 2) on the trained demo checkpoint picks what
-transformers picks on every item, so its accuracy is transformers'. lm-eval itself
-(`lm_eval.simple_evaluate`, model `local-completions`) scores the same items, written as a custom task
-(YAML + JSONL), against the same server, and reports transformers' accuracy; lm-eval scores a context's
-trailing whitespace as part of each continuation, so for it the items are written, and scored by
-transformers, split that way."""
+"""A loglikelihood multiple-choice task built from held-out text (which of four 32-byte
+continuations of a 128-byte snippet is the real one), scored as lm-eval's `local-completions` model
+scores one: a completion request with the context and a continuation as the prompt, `echo`,
+`max_tokens` 0 and `logprobs`, the continuation's summed token logprobs. `spmoe serve` (TP 2) on the
+trained demo checkpoint picks what transformers picks on every item, so its accuracy is
+transformers'. lm-eval itself (`lm_eval.simple_evaluate`, model `local-completions`) scores the same
+items, written as a custom task (YAML + JSONL), against the same server, and reports transformers'
+accuracy; lm-eval scores a context's trailing whitespace as part of each continuation, so for it the
+items are written, and scored by transformers, split that way."""
 
 import json
 
@@ -23,8 +23,8 @@ TASK = "spmoe_heldout_choice"
 
 
 def items() -> list[tuple[list[int], list[list[int]], int]]:
-    """-> (context, the choices, the real one's index) per item: the distractors are the continuations of
-    other items, the real one at a rotating index."""
+    """-> (context, the choices, the real one's index) per item: the distractors are the
+    continuations of other items, the real one at a rotating index."""
     snippets = heldout_sequences(ITEMS, CONTEXT + CONTINUATION, offset=16384)
     out = []
     for i, snippet in enumerate(snippets):
@@ -104,8 +104,8 @@ def split_as_lm_eval(tasks) -> list[tuple[list[int], list[list[int]], int]]:
 
 
 def write_task(folder, tasks) -> None:
-    """The items as text (the tokenizer: byte b is token b) in `items.jsonl`, and a task YAML that makes
-    each choice the bare continuation of its context."""
+    """The items as text (the tokenizer: byte b is token b) in `items.jsonl`, and a task YAML that
+    makes each choice the bare continuation of its context."""
     with open(folder / "items.jsonl", "w") as f:
         for context, choices, gold in tasks:
             text = {

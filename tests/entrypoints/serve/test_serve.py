@@ -1,9 +1,9 @@
-"""`spmoe serve` end to end: one real server (TP 2, gloo, CPU) on a tiny checkpoint with the demo tokenizer,
-driven by the real `openai` client; its greedy text against `spmoe generate`'s tokens; concurrent streams;
-bad requests; SIGTERM during streams (a drain, exit 0); a second server whose rank 1 is stopped (the
-watchdog); a server whose engine process is killed (it goes down, nothing is left) and one whose front
-end process is killed (restarted, until it keeps dying: then the server goes down); and the one-line
-errors for bad options before any rank starts."""
+"""`spmoe serve` end to end: one real server (TP 2, gloo, CPU) on a tiny checkpoint with the demo
+tokenizer, driven by the real `openai` client; its greedy text against `spmoe generate`'s tokens;
+concurrent streams; bad requests; SIGTERM during streams (a drain, exit 0); a second server whose
+rank 1 is stopped (the watchdog); a server whose engine process is killed (it goes down, nothing is
+left) and one whose front end process is killed (restarted, until it keeps dying: then the server
+goes down); and the one-line errors for bad options before any rank starts."""
 
 import json
 import os
@@ -74,7 +74,8 @@ def alive(pid: int) -> bool:
 
 
 def start_server(checkpoint: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """`spmoe serve --tp 2` on a free port with `extra` options, once it is ready. -> (process, base URL)."""
+    """`spmoe serve --tp 2` on a free port with `extra` options, once it is ready. -> (process, base
+    URL)."""
     port = free_port()
     with open(log, "w") as err:
         proc = subprocess.Popen(
@@ -107,8 +108,8 @@ def start_server(checkpoint: Path, log: Path, *extra: str) -> tuple[subprocess.P
 
 
 def wait_until_ready(proc: subprocess.Popen, log: Path) -> None:
-    """Return once `spmoe serve`'s log says it is ready; fail with the log if it exits or takes longer
-    than START_TIMEOUT_S."""
+    """Return once `spmoe serve`'s log says it is ready; fail with the log if it exits or takes
+    longer than START_TIMEOUT_S."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while "ready: http://" not in log.read_text():
         assert proc.poll() is None, f"spmoe serve exited with {proc.returncode}:\n{log.read_text()}"
@@ -120,8 +121,8 @@ def wait_until_ready(proc: subprocess.Popen, log: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    """-> (process, base URL, log path) of `spmoe serve` on a free port (SIGTERM drains for 2 s); stopped at
-    the end if a test has not."""
+    """-> (process, base URL, log path) of `spmoe serve` on a free port (SIGTERM drains for 2 s);
+    stopped at the end if a test has not."""
     log = tmp_path_factory.mktemp("serve_log") / "stderr.txt"
     proc, base = start_server(checkpoint, log, "--shutdown-timeout", "2")
     yield proc, base, log
@@ -220,7 +221,8 @@ def test_greedy_text_equals_spmoe_generate(server, checkpoint, tmp_path):
 
 
 def forward_logits(folder: str, sequences: list[list[int]]) -> list[list[list[float]]]:
-    """A float32 CPU forward of the whole of each sequence, no cache: logits `[len, V]` per sequence."""
+    """A float32 CPU forward of the whole of each sequence, no cache: logits `[len, V]` per
+    sequence."""
     import torch
 
     from spmoe.config import ParallelConfig
@@ -295,8 +297,9 @@ def test_logprobs_echo_penalties_and_n_from_the_real_engine(server, checkpoint):
     assert [c.text for c in four.choices] == [c.text for c in again.choices]  # seeded: reproducible
     assert len({c.text for c in four.choices}) > 1  # and the choices differ
 
-    # values a client may send that once broke the engine loop (top_k past int64) or drew at temperature 1
-    # (a temperature that rounds to 0 in float32): the server answers, and keeps answering
+    # values a client may send that once broke the engine loop (top_k past int64) or drew at
+    # temperature 1 (a temperature that rounds to 0 in float32): the server answers, and keeps
+    # answering
     extreme = {"top_k": 2**63, "ignore_eos": True, "return_tokens_as_token_ids": True}
     tiny = client.completions.create(
         model="tiny",
@@ -363,8 +366,8 @@ def request_tables(base: str) -> dict[str, float]:
 
 
 def test_constrained_outputs_through_the_server(server):
-    """10 schemas x 5 seeded requests at once, through response_format (chat) and structured_outputs /
-    guided_json (completions): every answer is valid under its schema."""
+    """10 schemas x 5 seeded requests at once, through response_format (chat) and structured_outputs
+    / guided_json (completions): every answer is valid under its schema."""
     import jsonschema
 
     _, base, _ = server
@@ -532,9 +535,9 @@ def test_one_keyword_policy_through_the_server(server):
 
 
 def test_agent_loop_through_the_server(server):
-    """A named tool_choice makes the random-weight model call the tool (the grammar writes GLM's call, the parser
-    reads it back), whole and streamed (the openai client's stream() helper); the tool's result goes back in the
-    history, and the answer is plain text."""
+    """A named tool_choice makes the random-weight model call the tool (the grammar writes GLM's
+    call, the parser reads it back), whole and streamed (the openai client's stream() helper); the
+    tool's result goes back in the history, and the answer is plain text."""
     import pydantic
 
     class Pick(pydantic.BaseModel):
@@ -627,8 +630,9 @@ def test_forced_calls_follow_their_schemas_through_the_server(server):
 
 
 def test_langchain_structured_output_by_function_calling(server):
-    """LangChain's `with_structured_output(method="function_calling")` (a named call) on the random-weight
-    model: the pydantic model comes back valid, its string's max_length kept, 5 seeds of 5."""
+    """LangChain's `with_structured_output(method="function_calling")` (a named call) on the
+    random-weight model: the pydantic model comes back valid, its string's max_length kept, 5 seeds
+    of 5."""
     import pydantic
     from langchain_openai import ChatOpenAI
 
@@ -803,7 +807,8 @@ def test_the_front_end_never_loads_torch(server):
 def stream_events(
     base: str, body: dict, events: list, started: threading.Event | None = None
 ) -> None:
-    """POST a streaming completion; append each `data:` line to `events` (the status first, then the data)."""
+    """POST a streaming completion; append each `data:` line to `events` (the status first, then the
+    data)."""
     try:
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
             events.append(response.status_code)
@@ -817,9 +822,9 @@ def stream_events(
 
 
 def test_sigterm_drains_open_streams_and_stops_every_rank(server):
-    """SIGTERM during 4 streams that cannot finish within --shutdown-timeout 2: a new request gets 503 while the
-    server drains, each stream ends with an error chunk (or its finish) and [DONE], the command exits 0 and no
-    rank is left."""
+    """SIGTERM during 4 streams that cannot finish within --shutdown-timeout 2: a new request gets
+    503 while the server drains, each stream ends with an error chunk (or its finish) and [DONE],
+    the command exits 0 and no rank is left."""
     proc, base, log = server
     ranks = descendants(proc.pid)
     assert len(ranks) >= 2, ranks  # at least the two ranks
@@ -869,9 +874,9 @@ def test_sigterm_drains_open_streams_and_stops_every_rank(server):
 
 
 def test_a_stopped_rank_fails_requests_and_the_server_exits_1(checkpoint, tmp_path):
-    """The watchdog: rank 1 stopped (SIGSTOP), a request then waits on it; after --engine-timeout 3 the request
-    ends with an error, /health stops answering 200, the front end exits 1, then rank 0, and the command exits
-    1 saying why."""
+    """The watchdog: rank 1 stopped (SIGSTOP), a request then waits on it; after --engine-timeout 3
+    the request ends with an error, /health stops answering 200, the front end exits 1, then rank 0,
+    and the command exits 1 saying why."""
     log = tmp_path / "stderr.txt"
     proc, base = start_server(checkpoint, log, "--engine-timeout", "3")
     ranks = sorted(
@@ -899,12 +904,13 @@ def test_a_stopped_rank_fails_requests_and_the_server_exits_1(checkpoint, tmp_pa
         holder.join(timeout=30)
         assert proc.wait(timeout=30) == 1, log.read_text()
         assert 3 <= time.monotonic() - began < 40
-        # 200 until the watchdog fires, then 503 for as long as the server still listens (the app tests see the
-        # 503 itself), never 200 again
+        # 200 until the watchdog fires, then 503 for as long as the server still listens (the app
+        # tests see the 503 itself), never 200 again
         after = health[health.index(200) :]
         first_not_ok = next(i for i, status in enumerate(after) if status != 200)
         assert set(after[first_not_ok:]) <= {503, "gone"}, health
-        # the request waited for its first token: a 503, or a stream that ends with an error chunk and [DONE]
+        # the request waited for its first token: a 503, or a stream that ends with an error chunk
+        # and [DONE]
         if events[0] == 200:
             assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events
         else:
@@ -940,7 +946,8 @@ def cmdline(pid: int) -> bytes:
 
 
 def hold_a_stream(base: str) -> tuple[threading.Thread, list]:
-    """A long stream, held open from a thread once its first token came. -> (the thread, its events)."""
+    """A long stream, held open from a thread once its first token came. -> (the thread, its
+    events)."""
     events, started = [], threading.Event()
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 600, "stream": True, "ignore_eos": True}
     holder = threading.Thread(target=stream_events, args=(base, body, events, started))
@@ -1063,9 +1070,10 @@ def connections_on(pid: int, port: int) -> int:
 
 
 def test_two_front_end_processes_share_the_port(checkpoint, tmp_path):
-    """--api-server-count 2: two front end processes of rank 0 listen on the port; 16 streams held open
-    at once are spread over both (the kernel's choice: all on one has odds 2 ** -15), each stream gets its
-    tokens, /metrics totals both front ends' requests, and SIGTERM stops them and every rank."""
+    """--api-server-count 2: two front end processes of rank 0 listen on the port; 16 streams held
+    open at once are spread over both (the kernel's choice: all on one has odds 2 ** -15), each
+    stream gets its tokens, /metrics totals both front ends' requests, and SIGTERM stops them and
+    every rank."""
     log = tmp_path / "stderr.txt"
     proc, base = start_server(checkpoint, log, "--api-server-count", "2", "--shutdown-timeout", "2")
     everything = descendants(proc.pid)
@@ -1118,8 +1126,8 @@ def test_two_front_end_processes_share_the_port(checkpoint, tmp_path):
 def sigterm_leaves_nothing(
     proc: subprocess.Popen, pids: list[int], log, signalled: bool = False
 ) -> float:
-    """SIGTERM to `proc` (unless `signalled`: already sent); assert that it and every process in `pids` are gone
-    within 30 s. -> the seconds taken."""
+    """SIGTERM to `proc` (unless `signalled`: already sent); assert that it and every process in
+    `pids` are gone within 30 s. -> the seconds taken."""
     began = time.monotonic()
     if not signalled:
         proc.send_signal(signal.SIGTERM)
@@ -1131,9 +1139,9 @@ def sigterm_leaves_nothing(
 
 
 def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
-    """Under torchrun the agent sends SIGTERM to every worker: rank 0 stops its front end, the other rank
-    (blocked in the control plane's broadcast) ends on the signal, and no process of the run is left, well
-    before the agent's SIGKILL 30 s later. Rank 0 prints one line, no traceback."""
+    """Under torchrun the agent sends SIGTERM to every worker: rank 0 stops its front end, the other
+    rank (blocked in the control plane's broadcast) ends on the signal, and no process of the run is
+    left, well before the agent's SIGKILL 30 s later. Rank 0 prints one line, no traceback."""
     port, log = free_port(), tmp_path / "torchrun.txt"
     with open(log, "w") as out:
         agent = subprocess.Popen(
@@ -1181,7 +1189,8 @@ def test_sigterm_under_torchrun_leaves_no_rank(checkpoint, tmp_path):
         )
         seconds = sigterm_leaves_nothing(agent, workers, log)
         assert seconds < 20, "the workers outlived SIGTERM until torchrun's SIGKILL (30 s)"
-        # rank 0 says why it stopped, and the other rank's end (by the same signal) is no error of its own
+        # rank 0 says why it stopped, and the other rank's end (by the same signal) is no error of
+        # its own
         text = log.read_text()
         assert "spmoe serve: stopped by SIGTERM" in text and "[rank0]: Traceback" not in text, text
     finally:
@@ -1255,8 +1264,8 @@ def test_bad_options_are_one_line_errors_before_any_rank(
 
 
 def test_a_simulated_rank_serves_alone_and_labels_every_response_and_metric(checkpoint, tmp_path):
-    """`--simulate-rank --load-format dummy`: rank 0 of TP 2 alone, with a banner; the first served name
-    (responses, metrics) says SIMULATED-RANK, and the given name is still accepted."""
+    """`--simulate-rank --load-format dummy`: rank 0 of TP 2 alone, with a banner; the first served
+    name (responses, metrics) says SIMULATED-RANK, and the given name is still accepted."""
     log = tmp_path / "stderr.txt"
     proc, base = start_server(
         checkpoint, log, "--simulate-rank", "--load-format", "dummy", "--simulated-load", "busiest"

@@ -1,6 +1,7 @@
 """vLLM's published Grafana dashboard against a running CPU `spmoe serve` (TP 2, gloo): every series
-its queries read (tests/entrypoints/serve/vllm_grafana_series.txt) is in /metrics under vLLM's name, with
-the labels the queries select or group by, and the model_name the dashboard's variable lists."""
+its queries read (tests/entrypoints/serve/vllm_grafana_series.txt) is in /metrics under vLLM's name,
+with the labels the queries select or group by, and the model_name the dashboard's variable
+lists."""
 
 from pathlib import Path
 

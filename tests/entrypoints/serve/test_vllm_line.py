@@ -1,7 +1,7 @@
-"""vLLM's launch line with `vllm` replaced by `spmoe`: one real server (TP 2, gloo, CPU) started by the GLM-5.2
-recipe line, the model given as a Hugging Face id found in a Hugging Face cache laid out by hand (offline),
-with the checkpoint's generation defaults and structured output while it speculates; and the refused flags, each
-one line before any rank starts."""
+"""vLLM's launch line with `vllm` replaced by `spmoe`: one real server (TP 2, gloo, CPU) started by
+the GLM-5.2 recipe line, the model given as a Hugging Face id found in a Hugging Face cache laid out
+by hand (offline), with the checkpoint's generation defaults and structured output while it
+speculates; and the refused flags, each one line before any rank starts."""
 
 import json
 import os
@@ -39,7 +39,8 @@ RECIPE = (
     "--tool-call-parser glm47 --reasoning-parser glm45 --enable-auto-tool-choice "
     "--chat-template-content-format=string --served-model-name glm-5.2 glm --max-model-len 128k"
 ).split()
-# what a user adds to it: accepted flags, and the room on a CPU (2 requests of 128k tokens in the paged cache)
+# what a user adds to it: accepted flags, and the room on a CPU (2 requests of 128k tokens in the
+# paged cache)
 EXTRA = (
     "--trust-remote-code --enable-chunked-prefill --disable-log-requests --dtype auto --block-size 64 --seed 7 "
     '--disable-custom-all-reduce --disable-fastapi-docs --allowed-origins ["*"] -O3 '
@@ -49,7 +50,8 @@ EXTRA = (
 
 @pytest.fixture(scope="module")
 def hf_home(tmp_path_factory):
-    """HF_HOME whose hub cache holds REPO at REV (refs/main), with its tokenizer and generation_config.json."""
+    """HF_HOME whose hub cache holds REPO at REV (refs/main), with its tokenizer and
+    generation_config.json."""
     home = tmp_path_factory.mktemp("hf_home")
     repo = home / "hub" / f"models--{REPO.replace('/', '--')}"
     snapshot = repo / "snapshots" / REV
@@ -137,7 +139,8 @@ def test_generation_defaults_apply_to_what_a_request_leaves_out(server):
         model="glm-5.2", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True}
     )
     assert own.usage.completion_tokens == 3
-    # the model's default temperature applies with speculation too: sampled, so the seed decides the text
+    # the model's default temperature applies with speculation too: sampled, so the seed decides the
+    # text
     again = client.completions.create(
         model="glm-5.2", prompt="Hello", seed=5, extra_body={"ignore_eos": True}
     )
@@ -148,8 +151,9 @@ def test_generation_defaults_apply_to_what_a_request_leaves_out(server):
 
 
 def test_structured_output_on_the_speculating_server(server):
-    """The recipe line speculates (MTP, 1 draft): a response_format request is answered with JSON valid under its
-    schema, sampled (the model's default temperature) and greedy; a choice with a stop string stops at it."""
+    """The recipe line speculates (MTP, 1 draft): a response_format request is answered with JSON
+    valid under its schema, sampled (the model's default temperature) and greedy; a choice with a
+    stop string stops at it."""
     import jsonschema
 
     base, _ = server
@@ -178,7 +182,8 @@ def test_structured_output_on_the_speculating_server(server):
         ).choices[0]
         assert reply.finish_reason == "stop", reply
         jsonschema.validate(json.loads(reply.message.content), schema)
-    # a stop string cuts the constrained text there, whatever else the step committed with it (accepted drafts)
+    # a stop string cuts the constrained text there, whatever else the step committed with it
+    # (accepted drafts)
     choices = ["red fox", "blue jay", "green owl"]
     for seed in range(4):
         reply = client.completions.create(
@@ -190,7 +195,8 @@ def test_structured_output_on_the_speculating_server(server):
             extra_body={"structured_outputs": {"choice": choices}},
         ).choices[0]
         assert reply.finish_reason == "stop" and reply.text in ("red", "blue", "green"), reply
-    # the constrained requests were speculated: every step of theirs drafted a token (6 requests, >= 1 step each)
+    # the constrained requests were speculated: every step of theirs drafted a token (6 requests, >=
+    # 1 step each)
     assert spec_counter(base, "vllm:spec_decode_num_draft_tokens") - drafted_before >= 6
 
 

@@ -1,7 +1,8 @@
-"""The wire between a front end and the engine, without ranks: the codec gives back the records it was
-given; the front end's EngineClient, against an engine socket driven here, sends what arrives in one turn
-of its event loop as one message, hands each output to its request, raises a refusal as ValueError, ends
-every stream when the engine reports a failure, and counts a missing engine as stalled."""
+"""The wire between a front end and the engine, without ranks: the codec gives back the records it
+was given; the front end's EngineClient, against an engine socket driven here, sends what arrives in
+one turn of its event loop as one message, hands each output to its request, raises a refusal as
+ValueError, ends every stream when the engine reports a failure, and counts a missing engine as
+stalled."""
 
 import asyncio
 import os
@@ -140,7 +141,8 @@ def test_the_client_over_the_wire():
 
 
 async def early_request() -> list:
-    """A request made before the client has said hello (its front end not listening yet) waits for it."""
+    """A request made before the client has said hello (its front end not listening yet) waits for
+    it."""
     address, codec = PrivateAddress(), Codec()
     engine = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
     engine.bind(address.url)

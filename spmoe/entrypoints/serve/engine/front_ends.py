@@ -1,17 +1,18 @@
-"""Rank 0's front end processes: started once the engine is warm, watched from the engine loop, restarted
-when one dies, and ended with the server.
+"""Rank 0's front end processes: started once the engine is warm, watched from the engine loop,
+restarted when one dies, and ended with the server.
 
-Each front end runs `python -m spmoe.entrypoints.serve.frontend`, reads its `FrontEndLaunch` (pickled)
-on standard input and connects to the engine's socket under an identity given here, so that the engine
-loop knows whose requests to abort when it dies. The front ends keep their Prometheus counters in one
-folder of their own (`PROMETHEUS_MULTIPROC_DIR`, as prometheus_client's multiprocess mode wants), so a
-scrape of any of them totals every front end's, those of a dead one included.
+Each front end runs `python -m spmoe.entrypoints.serve.frontend`, reads its `FrontEndLaunch`
+(pickled) on standard input and connects to the engine's socket under an identity given here, so
+that the engine loop knows whose requests to abort when it dies. The front ends keep their
+Prometheus counters in one folder of their own (`PROMETHEUS_MULTIPROC_DIR`, as prometheus_client's
+multiprocess mode wants), so a scrape of any of them totals every front end's, those of a dead one
+included.
 
 A front end that exits with an error (killed, out of memory, a crash) while the server serves is
-restarted in its place, with a line on stderr, at most `MAX_RESTARTS` times in `RESTART_WINDOW_S`; one
-more failure in that window stops the server. Its clients' connections closed with it (the kernel
-resets them), so no client waits on it. A front end that exits 0 drained on a SIGTERM or was asked to
-stop: it is not restarted.
+restarted in its place, with a line on stderr, at most `MAX_RESTARTS` times in `RESTART_WINDOW_S`;
+one more failure in that window stops the server. Its clients' connections closed with it (the
+kernel resets them), so no client waits on it. A front end that exits 0 drained on a SIGTERM or was
+asked to stop: it is not restarted.
 """
 
 import os
@@ -113,7 +114,8 @@ class FrontEnds:
             self.restarts.append(now)
             print(
                 f"spmoe serve: {why}; its open requests end, and a new front end takes its place "
-                f"(restart {len(self.restarts)} of at most {MAX_RESTARTS} in {RESTART_WINDOW_S:g} s)",
+                f"(restart {len(self.restarts)} of at most {MAX_RESTARTS} in "
+                f"{RESTART_WINDOW_S:g} s)",
                 file=sys.stderr,
                 flush=True,
             )

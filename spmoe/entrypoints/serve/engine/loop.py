@@ -1,23 +1,24 @@
-"""Rank 0's engine loop (`EngineLoop`), which runs in rank 0's own process and serves the HTTP front end
-process(es) it starts.
+"""Rank 0's engine loop (`EngineLoop`), which runs in rank 0's own process and serves the HTTP front
+end process(es) it starts.
 
-Rank 0's main thread runs the engine loop: each iteration it reads every message the front ends sent since
-the last one (new requests, aborts: `wire.ToEngine`), plans the step, runs it on every rank through the
-engine's serving loop (`spmoe.engine.ranks`), and sends each front end one message (`wire.FromEngine`: its
-outputs, the engine's counters, the time spent on the exchange). The engine never waits for a front end;
-while nothing runs it waits for a message for up to `HEARTBEAT_S`, then runs an idle step anyway, so the
-other ranks, blocked on the next plan, never reach the process group's timeout, and the front ends hear
-from it (their watchdog).
+Rank 0's main thread runs the engine loop: each iteration it reads every message the front ends sent
+since the last one (new requests, aborts: `wire.ToEngine`), plans the step, runs it on every rank
+through the engine's serving loop (`spmoe.engine.ranks`), and sends each front end one message
+(`wire.FromEngine`: its outputs, the engine's counters, the time spent on the exchange). The engine
+never waits for a front end; while nothing runs it waits for a message for up to `HEARTBEAT_S`, then
+runs an idle step anyway, so the other ranks, blocked on the next plan, never reach the process
+group's timeout, and the front ends hear from it (their watchdog).
 
-A request's grammar arrives as its spec; the engine compiles it on a worker thread (cached by spec), and the
-request joins a step once it has compiled, so a compile never holds up the steps of the others.
+A request's grammar arrives as its spec; the engine compiles it on a worker thread (cached by spec),
+and the request joins a step once it has compiled, so a compile never holds up the steps of the
+others.
 
-The front ends are child processes (`front_ends.py`), started once the engine is warm. A SIGTERM to rank 0
-is passed on to them: they drain, exit 0, and rank 0 then stops every rank. A front end that exits with an
-error is replaced (its requests aborted), a bounded number of times; past that the others are stopped
-(SIGINT), every rank shuts down and rank 0 fails. If the engine loop is stuck in a step (a rank stopped
-answering) when a front end dies, rank 0 exits 1 after `STUCK_GRACE_S`. A front end whose engine process
-is gone stops and exits 1 (`EngineClient.error`).
+The front ends are child processes (`front_ends.py`), started once the engine is warm. A SIGTERM to
+rank 0 is passed on to them: they drain, exit 0, and rank 0 then stops every rank. A front end that
+exits with an error is replaced (its requests aborted), a bounded number of times; past that the
+others are stopped (SIGINT), every rank shuts down and rank 0 fails. If the engine loop is stuck in
+a step (a rank stopped answering) when a front end dies, rank 0 exits 1 after `STUCK_GRACE_S`. A
+front end whose engine process is gone stops and exits 1 (`EngineClient.error`).
 """
 
 import os
@@ -71,8 +72,8 @@ class EngineLoop:
 
     def run(self) -> int | None:
         """Start the front ends and serve them until they have all exited, restarting one that dies
-        (`front_ends.py`). -> SIGTERM if one reached this process (the front ends drained), else None;
-        RuntimeError if the engine loop failed or the front ends kept dying."""
+        (`front_ends.py`). -> SIGTERM if one reached this process (the front ends drained), else
+        None; RuntimeError if the engine loop failed or the front ends kept dying."""
         address = PrivateAddress()
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -148,9 +149,9 @@ class EngineLoop:
         return aborts
 
     def _receive(self) -> tuple[list[Request], list[str]]:
-        """Every message waiting (while nothing is live, the first one waited for up to a heartbeat, or
-        until a front end dies), and the grammars compiled since. -> the requests that may join the
-        next step, and the aborts."""
+        """Every message waiting (while nothing is live, the first one waited for up to a heartbeat,
+        or until a front end dies), and the grammars compiled since. -> the requests that may join
+        the next step, and the aborts."""
         if not self.serving.has_live():
             began = time.perf_counter()
             wait_ms = COMPILE_POLL_MS if self.compiling else HEARTBEAT_S * 1000
@@ -193,8 +194,8 @@ class EngineLoop:
         self.compiling.append((compiled, request))
 
     def _compiled(self, new: list[Request]) -> list[Request]:
-        """`new` and, in arrival order, the compiling requests whose grammar is ready (one that does not
-        compile is refused; one aborted meanwhile is dropped)."""
+        """`new` and, in arrival order, the compiling requests whose grammar is ready (one that does
+        not compile is refused; one aborted meanwhile is dropped)."""
         waiting = []
         for compiled, request in self.compiling:
             peer = self.owner.get(request.request_id)
@@ -213,7 +214,8 @@ class EngineLoop:
         return new
 
     def _send(self, outputs: list[RequestOutput], error: str | None = None) -> None:
-        """One message to each front end: its outputs of the step, its refused requests, the counters."""
+        """One message to each front end: its outputs of the step, its refused requests, the
+        counters."""
         began = time.perf_counter()
         for out in outputs:
             if out.finish_reason is None:

@@ -1,6 +1,6 @@
-"""What `spmoe serve` runs on every rank (`serve_rank`): the model loaded, the engine built and warmed
-up; then rank 0 runs the engine loop (`loop.py`) and the other ranks follow its plans. Before any rank
-starts, the launcher settles serve's defaults and checks the options (`check_serve`)."""
+"""What `spmoe serve` runs on every rank (`serve_rank`): the model loaded, the engine built and
+warmed up; then rank 0 runs the engine loop (`loop.py`) and the other ranks follow its plans. Before
+any rank starts, the launcher settles serve's defaults and checks the options (`check_serve`)."""
 
 import sys
 from dataclasses import replace
@@ -33,9 +33,10 @@ MIN_MAX_NUM_WAITING = 64
 
 
 def for_model(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
-    """The engine options with serve's defaults settled for the model on `args.device` (settled too): on CUDA
-    `CUDA_MAX_NUM_SEQS` requests at once and the model's max_position_embeddings; on the CPU `CPU_MAX_NUM_SEQS`
-    and at most `CPU_MAX_MODEL_LEN`. An option the command line gives stays."""
+    """The engine options with serve's defaults settled for the model on `args.device` (settled
+    too): on CUDA `CUDA_MAX_NUM_SEQS` requests at once and the model's max_position_embeddings; on
+    the CPU `CPU_MAX_NUM_SEQS` and at most `CPU_MAX_MODEL_LEN`. An option the command line gives
+    stays."""
     positions = cfg.max_position_embeddings or CPU_MAX_MODEL_LEN
     on_cuda = args.device == "cuda"
     return replace(
@@ -47,8 +48,9 @@ def for_model(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
 
 
 def default_max_num_waiting(args: EngineArgs) -> int:
-    """--max-num-waiting's default for settled `args`: `WAITING_PER_RUNNING` per request that can run at once
-    over all DP groups (rank 0's front end feeds every group), at least `MIN_MAX_NUM_WAITING`."""
+    """--max-num-waiting's default for settled `args`: `WAITING_PER_RUNNING` per request that can
+    run at once over all DP groups (rank 0's front end feeds every group), at least
+    `MIN_MAX_NUM_WAITING`."""
     return max(MIN_MAX_NUM_WAITING, WAITING_PER_RUNNING * args.max_num_seqs * args.dp)
 
 
@@ -56,8 +58,9 @@ def check_serve(
     model_dir: str, args: EngineArgs, max_num_waiting: int | None = None
 ) -> tuple[EngineArgs, int]:
     """What can be checked before starting any rank: the engine options, serve's defaults settled
-    (`for_model`), against the checkpoint (`EngineArgs.check`), and the queue's limit (None: its default,
-    `default_max_num_waiting`). -> the settled options and queue limit, as `serve_rank` takes them."""
+    (`for_model`), against the checkpoint (`EngineArgs.check`), and the queue's limit (None: its
+    default, `default_max_num_waiting`). -> the settled options and queue limit, as `serve_rank`
+    takes them."""
     cfg = args.model_config(model_dir)
     args = for_model(args, cfg)
     args.check(cfg, args.max_model_len)
@@ -75,10 +78,11 @@ def serve_rank(
     front_end: FrontEndCommand,
     tokenizer_dir: str | None = None,
 ):
-    """Run on every rank: load the model and build the engine, warm it up. Rank 0 then runs the engine
-    loop for the front end processes `front_end` describes (`EngineLoop.run`: -> SIGTERM if that stopped
-    it, else None); the other ranks run the worker loop and return None. `args` and `max_num_waiting`:
-    settled (`check_serve`); `tokenizer_dir` (default `model_dir`): for grammars."""
+    """Run on every rank: load the model and build the engine, warm it up. Rank 0 then runs the
+    engine loop for the front end processes `front_end` describes (`EngineLoop.run`: -> SIGTERM if
+    that stopped it, else None); the other ranks run the worker loop and return None. `args` and
+    `max_num_waiting`: settled (`check_serve`); `tokenizer_dir` (default `model_dir`): for
+    grammars."""
     state = get_parallel_state()
     model = load_model(args, model_dir, state.device)
     # every rank compiles the grammars of structured-output requests itself, the same from the same

@@ -1,4 +1,5 @@
-"""`python -m spmoe.entrypoints.serve.frontend`: a front end process, as rank 0 starts it (`process.main`)."""
+"""`python -m spmoe.entrypoints.serve.frontend`: a front end process, as rank 0 starts it
+(`process.main`)."""
 
 import os
 import sys

@@ -9,16 +9,18 @@ body `{"error": {"message", "type", "param", "code"}}` with its HTTP status (503
 `Retry-After`). Every response carries `X-Request-Id`: the client's, or
 one made here; log lines about a request name it.
 
-Requests are read by `request_reader` (validated, tokenized, one engine request per choice) and answered by
-`rendering`. The app waits for every choice's first text before it answers, so a request the engine
-refuses (a full queue: 503, one that can never fit: 400) gets its status even when it asked for a stream.
-Which request fields do what: docs/openai-api.md.
+Requests are read by `request_reader` (validated, tokenized, one engine request per choice) and
+answered by `rendering`. The app waits for every choice's first text before it answers, so a request
+the engine refuses (a full queue: 503, one that can never fit: 400) gets its status even when it
+asked for a stream. Which request fields do what: docs/openai-api.md.
 
-A client's body is bounded (`middleware.FrontEndLimits`: 413 past `max_request_bytes`, and the API key);
-an error the app did not foresee is a 500 that names only a request id (the details go to the log).
+A client's body is bounded (`middleware.FrontEndLimits`: 413 past `max_request_bytes`, and the API
+key); an error the app did not foresee is a 500 that names only a request id (the details go to the
+log).
 
-`OpenAIApi.stop` ends serving in order: new requests get 503, the requests under way get `grace_s` to finish,
-then every one still open ends (a stream with an error chunk and `data: [DONE]`, a whole response with 503).
+`OpenAIApi.stop` ends serving in order: new requests get 503, the requests under way get `grace_s`
+to finish, then every one still open ends (a stream with an error chunk and `data: [DONE]`, a whole
+response with 503).
 """
 
 import asyncio
@@ -81,9 +83,9 @@ class Started:
 def build_app(
     client, tokenizer, settings: ApiSettings, limits: FrontEndLimits = FrontEndLimits()
 ) -> FastAPI:
-    """`client`: an EngineClient (async `generate(request)`, `metrics()`, `max_model_len`, `vocab_size`,
-    `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers tokenizer. The app's
-    `OpenAIApi` is `app.state.api` (its `stop` ends serving)."""
+    """`client`: an EngineClient (async `generate(request)`, `metrics()`, `max_model_len`,
+    `vocab_size`, `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers
+    tokenizer. The app's `OpenAIApi` is `app.state.api` (its `stop` ends serving)."""
     app = FastAPI(title="spmoe", docs_url=None, redoc_url=None, openapi_url=None)
     api = OpenAIApi(client, tokenizer, settings, limits.max_request_bytes)
     app.state.api = api
@@ -356,9 +358,9 @@ class OpenAIApi:
                 await cancel(collect)
 
     async def _open_while_serving(self, pieces):
-        """`pieces`, counted in `open_requests`, until `stop` ends the requests still open: then ApiError 503
-        (the engine's request is aborted as the inner iterator closes). `stop` cancels the tasks waiting here
-        (`_waiting`); a piece costs no task of its own."""
+        """`pieces`, counted in `open_requests`, until `stop` ends the requests still open: then
+        ApiError 503 (the engine's request is aborted as the inner iterator closes). `stop` cancels
+        the tasks waiting here (`_waiting`); a piece costs no task of its own."""
         self.open_requests += 1
         try:
             async with aclosing(pieces):
@@ -389,8 +391,9 @@ class OpenAIApi:
             self.open_requests -= 1
 
     async def stop(self, reason: str, grace_s: float) -> None:
-        """From now on new requests (and /health) get 503 with `reason`; the open requests may finish for up to
-        `grace_s` seconds, then those left are ended. Returns once none is open (or END_WAIT_S later)."""
+        """From now on new requests (and /health) get 503 with `reason`; the open requests may
+        finish for up to `grace_s` seconds, then those left are ended. Returns once none is open (or
+        END_WAIT_S later)."""
         self.unavailable = reason
         log.warning(
             "%s: %d requests open, which may finish for %.0f s", reason, self.open_requests, grace_s

@@ -1,13 +1,13 @@
-"""Chat in GLM's terms on the server side: the server's parser flags, the rules for `tools` / `tool_choice`, the
-messages as the chat template takes them, and each choice of a response (whole or streamed) with its
-`reasoning_content`, `content` and `tool_calls`.
+"""Chat in GLM's terms on the server side: the server's parser flags, the rules for `tools` /
+`tool_choice`, the messages as the chat template takes them, and each choice of a response (whole or
+streamed) with its `reasoning_content`, `content` and `tool_calls`.
 
 `tool_choice`: `none` (calls are not read: the text is content), `auto` (the model decides; needs
-`--enable-auto-tool-choice` and `--tool-call-parser`, as in vLLM), `required` or a named function (the output
-is constrained to the calls by a grammar, see `tool_grammar.py`). Without `--tool-call-parser`, as
-vLLM does, a forced call is GLM's call text where the chat template writes GLM's calls, else a JSON
-list of calls (`parsers/json_calls.py`). With `tools` and no `tool_choice`, `auto`. The finish
-reason of a turn that called a tool is `tool_calls`.
+`--enable-auto-tool-choice` and `--tool-call-parser`, as in vLLM), `required` or a named function
+(the output is constrained to the calls by a grammar, see `tool_grammar.py`). Without
+`--tool-call-parser`, as vLLM does, a forced call is GLM's call text where the chat template writes
+GLM's calls, else a JSON list of calls (`parsers/json_calls.py`). With `tools` and no `tool_choice`,
+`auto`. The finish reason of a turn that called a tool is `tool_calls`.
 """
 
 import json
@@ -27,8 +27,8 @@ from spmoe.entrypoints.serve.frontend.tokenizer import SERVER_TEMPLATE_KWARGS
 @dataclass(frozen=True)
 class ChatOptions:
     """The server's `--reasoning-parser`, `--tool-call-parser`, `--enable-auto-tool-choice` and
-    `--default-chat-template-kwargs` (the template arguments a request's `chat_template_kwargs`
-    goes over, key by key, as in vLLM: `{"enable_thinking": false}` turns thinking off server-wide)."""
+    `--default-chat-template-kwargs` (the template arguments a request's `chat_template_kwargs` goes
+    over, key by key, as in vLLM: `{"enable_thinking": false}` turns thinking off server-wide)."""
 
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
@@ -116,8 +116,9 @@ def reasoning_end_ids(options: ChatOptions, tokenizer) -> tuple[int, ...]:
 
 
 def grammar_start_after(end_ids: tuple[int, ...], chat_template_kwargs: dict) -> tuple[int, ...]:
-    """Where a constrained chat output's grammar starts: after `end_ids` (`reasoning_end_ids`: () without the
-    reasoning parser) when the request thinks (the reasoning is free), else at the first token (())."""
+    """Where a constrained chat output's grammar starts: after `end_ids` (`reasoning_end_ids`: ()
+    without the reasoning parser) when the request thinks (the reasoning is free), else at the first
+    token (())."""
     return end_ids if thinking_enabled(chat_template_kwargs) else ()
 
 
@@ -130,8 +131,9 @@ def _shown(tool_choice) -> str:
 
 
 class ChatChoices:
-    """One request's choice, built from its text: `__call__(text, finish_reason, stream)` -> the choice of a
-    whole response (the text is all of it) or of one stream chunk (the text is the next piece)."""
+    """One request's choice, built from its text: `__call__(text, finish_reason, stream)` -> the
+    choice of a whole response (the text is all of it) or of one stream chunk (the text is the next
+    piece)."""
 
     def __init__(self, parser: ChatOutputParser):
         self.parser = parser

@@ -1,28 +1,28 @@
 """What in a chat or completion request constrains its output -> one `GrammarSpec` (or None).
 
 The request fields, as OpenAI and vLLM define them:
-- `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}`, or `{"type": "json_schema",
-  "json_schema": {"name": ..., "schema": {...}}}`;
-- vLLM's `structured_outputs`: one of `json` (a schema, as an object or its text), `regex`, `choice` (a list of
-  strings), `grammar` (EBNF) or `json_object: true`; and the older `guided_json`, `guided_regex`,
-  `guided_choice`, `guided_grammar`;
-- `tool_choice` `"required"` or `{"type": "function", "function": {"name": ...}}` (chat only): the output is
-  GLM's tool calls (or, with `tool_call_format` "json", a JSON list of calls), every argument
-  following its schema (tool_grammar.py). `required` allows one call of any tool, or several with
-  `parallel_tool_calls`.
+- `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}`, or `{"type":
+  "json_schema", "json_schema": {"name": ..., "schema": {...}}}`;
+- vLLM's `structured_outputs`: one of `json` (a schema, as an object or its text), `regex`, `choice`
+  (a list of strings), `grammar` (EBNF) or `json_object: true`; and the older `guided_json`,
+  `guided_regex`, `guided_choice`, `guided_grammar`;
+- `tool_choice` `"required"` or `{"type": "function", "function": {"name": ...}}` (chat only): the
+  output is GLM's tool calls (or, with `tool_call_format` "json", a JSON list of calls), every
+  argument following its schema (tool_grammar.py). `required` allows one call of any tool, or
+  several with `parallel_tool_calls`.
 - `tool_choice` `"auto"` with `tools` and none of the above: the output is free, but each
   `<tool_call>` it opens follows its tool's schema.
 
-At most one of them may be given, except that `response_format` may come with a forced `tool_choice`, as
-OpenAI allows: the forced call is then the output (there is no message text to constrain), and
-`response_format` is read only for its shape. Anything malformed is a ValueError whose message the server
-returns as a 400.
+At most one of them may be given, except that `response_format` may come with a forced
+`tool_choice`, as OpenAI allows: the forced call is then the output (there is no message text to
+constrain), and `response_format` is read only for its shape. Anything malformed is a ValueError
+whose message the server returns as a 400.
 
-A JSON schema is compiled as the client wrote it (its properties in the order given: the output's keys come
-in that order); its spec, and so the grammar cache's key, is its compact text, so that the same schema
-differently spaced shares an entry, and two that differ only in property order are two grammars. Every schema
-goes through the keyword policy of schema_policy.py (`strict` from `response_format.json_schema.strict`;
-`guided_json` and `structured_outputs.json` have none).
+A JSON schema is compiled as the client wrote it (its properties in the order given: the output's
+keys come in that order); its spec, and so the grammar cache's key, is its compact text, so that the
+same schema differently spaced shares an entry, and two that differ only in property order are two
+grammars. Every schema goes through the keyword policy of schema_policy.py (`strict` from
+`response_format.json_schema.strict`; `guided_json` and `structured_outputs.json` have none).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
 
 
 def grammar_for_request(fields: dict, tools: list[dict] | None = None) -> OutputGrammar | None:
-    """`fields`: the request body's fields (those absent or None are not given) -> the grammar its output must
-    follow, or None."""
+    """`fields`: the request body's fields (those absent or None are not given) -> the grammar its
+    output must follow, or None."""
     given = {
         name: fields[name] for name in STRUCTURED_OUTPUT_FIELDS if fields.get(name) is not None
     }
@@ -84,7 +84,8 @@ def grammar_for_request(fields: dict, tools: list[dict] | None = None) -> Output
 
 
 def _read_response_format(value) -> tuple[str, object, bool]:
-    """`response_format` -> (its type, its schema or None, its `strict`); ValueError for a malformed one."""
+    """`response_format` -> (its type, its schema or None, its `strict`); ValueError for a malformed
+    one."""
     kind = value.get("type") if isinstance(value, dict) else None
     if kind in ("text", "json_object"):
         return kind, None, False

@@ -1,16 +1,17 @@
-"""Rank 0's engine process as a front end process sees it: `EngineClient`, on the front end's event loop,
-talking to the engine over the wire (`wire.py`).
+"""Rank 0's engine process as a front end process sees it: `EngineClient`, on the front end's event
+loop, talking to the engine over the wire (`wire.py`).
 
-Requests and aborts are gathered as they come and sent in one message per turn of the event loop; the
-engine's one message per step is read by a task on the event loop, which hands each output to its
-request's mailbox (`Outputs`). A stream takes everything its mailbox holds at once: the outputs of the
-steps that ran since it last looked come as one output (`merged`), so a front end that falls behind the
-engine sends fewer, larger chunks instead of falling further behind. The client never imports the engine
-or the model: what it must know of them (`EngineFacts`) comes with the front end's launch.
+Requests and aborts are gathered as they come and sent in one message per turn of the event loop;
+the engine's one message per step is read by a task on the event loop, which hands each output to
+its request's mailbox (`Outputs`). A stream takes everything its mailbox holds at once: the outputs
+of the steps that ran since it last looked come as one output (`merged`), so a front end that falls
+behind the engine sends fewer, larger chunks instead of falling further behind. The client never
+imports the engine or the model: what it must know of them (`EngineFacts`) comes with the front
+end's launch.
 
-The engine is watched from here: `stalled_for()` is the time since its last message (it sends one after
-every step, and a heartbeat at least every second while idle), and `error` is set when it reports a
-failure or when its process is gone (this process's parent changed).
+The engine is watched from here: `stalled_for()` is the time since its last message (it sends one
+after every step, and a heartbeat at least every second while idle), and `error` is set when it
+reports a failure or when its process is gone (this process's parent changed).
 """
 
 import asyncio
@@ -31,7 +32,8 @@ class QueueFull(RuntimeError):
 
 
 class Outputs:
-    """One request's mailbox: the outputs (or the exception that ends it) its stream has not taken."""
+    """One request's mailbox: the outputs (or the exception that ends it) its stream has not
+    taken."""
 
     __slots__ = ("items", "ready")
 
@@ -52,11 +54,11 @@ class Outputs:
 
 
 def merged(items: list) -> list:
-    """Consecutive outputs of one request as one: the tokens and their logprobs in order, the first's
-    prompt logprobs and engine seconds, the last's finish (reason, stop token). An exception, an
-    output that ends the request as "abort" or "error" (the text before it still goes out first), and
-    whatever follows a finished output stay apart. The outputs are the wire's, decoded for this
-    request alone: the first of a run is extended in place."""
+    """Consecutive outputs of one request as one: the tokens and their logprobs in order, the
+    first's prompt logprobs and engine seconds, the last's finish (reason, stop token). An
+    exception, an output that ends the request as "abort" or "error" (the text before it still goes
+    out first), and whatever follows a finished output stay apart. The outputs are the wire's,
+    decoded for this request alone: the first of a run is extended in place."""
     out = []
     for item in items:
         last = out[-1] if out else None
@@ -81,8 +83,8 @@ def merged(items: list) -> list:
 
 
 class EngineClient:
-    """The engine process behind one front end. `generate` and `metrics` are called on the event loop,
-    between `start()` and `close()`."""
+    """The engine process behind one front end. `generate` and `metrics` are called on the event
+    loop, between `start()` and `close()`."""
 
     def __init__(
         self,
@@ -114,8 +116,8 @@ class EngineClient:
         self.front_ends = 0  # the engine's front ends that listen (have said hello)
 
     async def start(self) -> None:
-        """Connect, and say hello (once this front end listens): the engine sends it a message after each
-        step from now."""
+        """Connect, and say hello (once this front end listens): the engine sends it a message after
+        each step from now."""
         self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         if self.identity is not None:
@@ -141,13 +143,13 @@ class EngineClient:
         return self._error
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as the steps produce them (those of several steps merged into one
-        when they came before this iterator was read again: `Outputs`), up to and including the one
-        with a `finish_reason`. Raises on the first iteration: ValueError (the engine refused it: it
-        can never run there, its grammar does not compile, or its id is in use), QueueFull,
-        RuntimeError (the engine has stopped). If the consumer stops iterating, the request is aborted
-        and its cache freed. Request ids are unique by construction (the server's are a uuid4 each):
-        the engine alone checks."""
+        """Yield the request's outputs as the steps produce them (those of several steps merged into
+        one when they came before this iterator was read again: `Outputs`), up to and including the
+        one with a `finish_reason`. Raises on the first iteration: ValueError (the engine refused
+        it: it can never run there, its grammar does not compile, or its id is in use), QueueFull,
+        RuntimeError (the engine has stopped). If the consumer stops iterating, the request is
+        aborted and its cache freed. Request ids are unique by construction (the server's are a
+        uuid4 each): the engine alone checks."""
         if self.error is not None:
             raise RuntimeError(f"the engine has stopped: {self.error}")
         if self._not_started >= self.max_num_waiting:
@@ -181,8 +183,8 @@ class EngineClient:
                 self._send_soon(abort=request.request_id)
 
     def metrics(self) -> EngineMetrics:
-        """Every DP group's engine after its last step, with this front end's open requests among the
-        request tables."""
+        """Every DP group's engine after its last step, with this front end's open requests among
+        the request tables."""
         tables = {**self._metrics.request_tables, "front_end_streams": len(self._streams)}
         return msgspec.structs.replace(self._metrics, request_tables=tables)
 
@@ -195,7 +197,8 @@ class EngineClient:
         self._error = reason
 
     def _send_soon(self, add: Request | None = None, abort: str | None = None) -> None:
-        """Queue an add or abort; everything queued goes out in one message on the loop's next turn."""
+        """Queue an add or abort; everything queued goes out in one message on the loop's next
+        turn."""
         if add is not None:
             self._adds.append(add)
         if abort is not None:
@@ -214,7 +217,8 @@ class EngineClient:
         self._socket.send(self._codec.encode(message), zmq.NOBLOCK)
 
     async def _receive(self) -> None:
-        """Each engine message: outputs to their queues, refusals as ValueError, a failure to every stream."""
+        """Each engine message: outputs to their queues, refusals as ValueError, a failure to every
+        stream."""
         decode = self._codec.from_engine.decode
         while True:
             message = decode(await self._socket.recv())

@@ -5,11 +5,11 @@ vLLM's series keep vLLM's names, labels and buckets (the `vllm:` prefix, labels 
 spmoe unchanged; spmoe's own extra series carry the `spmoe:` prefix. docs/vllm-compatibility.md
 lists them.
 
-The engine's state (requests running and waiting, KV cache usage, generated tokens, preemptions,
-MTP drafts, prefix cache queries and hits in tokens, and spmoe's steps, kernel compiles and CUDA
-graph captures, and the engine process's seconds on the exchange with the front ends and idle) is read
-from the engine client when Prometheus scrapes. The request metrics are
-recorded by the front end as tokens reach it:
+The engine's state (requests running and waiting, KV cache usage, generated tokens, preemptions, MTP
+drafts, prefix cache queries and hits in tokens, and spmoe's steps, kernel compiles and CUDA graph
+captures, and the engine process's seconds on the exchange with the front ends and idle) is read
+from the engine client when Prometheus scrapes. The request metrics are recorded by the front end as
+tokens reach it:
 - `time_to_first_token_seconds`: from the request's arrival to its first generated token;
 - `inter_token_latency_seconds`: between a request's successive tokens (a step that brings several
   tokens, accepted MTP drafts, counts as that many intervals of its time divided by the tokens);
@@ -22,9 +22,9 @@ recorded by the front end as tokens reach it:
   and `request_inference_time_seconds` (that prefill time plus the decode time);
 - per request admitted: `prompt_tokens_total`, `request_params_n`, `request_params_max_tokens` and
   `request_max_num_generation_tokens` (the largest max_tokens of its choices);
-- per request accepted with a schema keyword its grammar leaves unenforced (schema_policy.py), once per
-  keyword: spmoe's `structured_output_unenforced_keywords_total` by `keyword` (a JSON schema keyword,
-  or "other").
+- per request accepted with a schema keyword its grammar leaves unenforced (schema_policy.py), once
+  per keyword: spmoe's `structured_output_unenforced_keywords_total` by `keyword` (a JSON schema
+  keyword, or "other").
 
 With several front end processes each records its own requests, in prometheus_client's multiprocess
 mode (as vLLM does): under `PROMETHEUS_MULTIPROC_DIR`, which rank 0 gives them all, so that a scrape

@@ -1,5 +1,5 @@
-"""The app's ASGI middleware and the limits it enforces (`FrontEndLimits`): the API key every route but
-OPEN_ROUTES needs, and the request id every response carries."""
+"""The app's ASGI middleware and the limits it enforces (`FrontEndLimits`): the API key every route
+but OPEN_ROUTES needs, and the request id every response carries."""
 
 import secrets
 import uuid
@@ -51,9 +51,10 @@ class RequireApiKey:
 
 
 class RequestIdMiddleware:
-    """Every HTTP request gets an id: the client's `X-Request-Id`, or a new one. It is `request.state.request_id`
-    for the handlers (and their log lines) and goes back as the response's `X-Request-Id` header. Plain ASGI
-    (no response wrapping), so that a handler still sees its client go away."""
+    """Every HTTP request gets an id: the client's `X-Request-Id`, or a new one. It is
+    `request.state.request_id` for the handlers (and their log lines) and goes back as the
+    response's `X-Request-Id` header. Plain ASGI (no response wrapping), so that a handler still
+    sees its client go away."""
 
     def __init__(self, app):
         self.app = app

@@ -1,10 +1,11 @@
-"""A front end process of `spmoe serve`: the HTTP server (request parsing and validation, tokenizing and
-chat templates, detokenizing, stop strings, parsers, SSE, metrics) in a process of its own, serving rank
-0's engine process over the wire (`engine_client.EngineClient`).
+"""A front end process of `spmoe serve`: the HTTP server (request parsing and validation, tokenizing
+and chat templates, detokenizing, stop strings, parsers, SSE, metrics) in a process of its own,
+serving rank 0's engine process over the wire (`engine_client.EngineClient`).
 
 Rank 0 starts it once the engine is warm, as `python -m spmoe.entrypoints.serve.frontend`, with a
-pickled `wire.FrontEndLaunch` on its standard input. Its exit code tells rank 0 how it ended: 0 after a
-drain (SIGTERM) or a stop that was asked for, 1 when the engine failed, stalled or went away.
+pickled `wire.FrontEndLaunch` on its standard input. Its exit code tells rank 0 how it ended: 0
+after a drain (SIGTERM) or a stop that was asked for, 1 when the engine failed, stalled or went
+away.
 """
 
 import asyncio
@@ -53,8 +54,8 @@ class FrontEndOptions:
 
 
 def listening_socket(host: str, port: int, shared: bool) -> socket.socket:
-    """A TCP socket bound to `host:port`; `shared`: with SO_REUSEPORT, so that several front end processes
-    listen on it and the kernel spreads the connections over them."""
+    """A TCP socket bound to `host:port`; `shared`: with SO_REUSEPORT, so that several front end
+    processes listen on it and the kernel spreads the connections over them."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT
     if shared:
@@ -151,8 +152,8 @@ def serve_http(client: EngineClient, launch: FrontEndLaunch, options: FrontEndOp
 
 
 def main() -> int:
-    """Read the launch from stdin, run its target with a client of the engine. -> the target's exit code
-    (a target that returns None: 0)."""
+    """Read the launch from stdin, run its target with a client of the engine. -> the target's exit
+    code (a target that returns None: 0)."""
     launch: FrontEndLaunch = pickle.load(sys.stdin.buffer)
     module, name = launch.target.split(":")
     target = getattr(importlib.import_module(module), name)

@@ -1,13 +1,15 @@
-"""The OpenAI request bodies the server accepts, validated, and the error they turn into when they are bad.
+"""The OpenAI request bodies the server accepts, validated, and the error they turn into when they
+are bad.
 
-Unknown fields are accepted and kept aside (`model_extra`; the app logs each name once), as vLLM ignores them:
-clients written for OpenAI or vLLM send fields that change nothing here (docs/openai-api.md lists every field
-and what it does). Types are strict: a number
-sent as a string (`"max_tokens": "16"`) or a bool where a number goes (`"seed": true`) is refused, not converted.
+Unknown fields are accepted and kept aside (`model_extra`; the app logs each name once), as vLLM
+ignores them: clients written for OpenAI or vLLM send fields that change nothing here
+(docs/openai-api.md lists every field and what it does). Types are strict: a number sent as a string
+(`"max_tokens": "16"`) or a bool where a number goes (`"seed": true`) is refused, not converted.
 
-`decode_json` turns the raw body into Python values and refuses what the models never see but that could
-still hurt: JSON nested deeper than `MAX_JSON_DEPTH`, NaN / Infinity literals, and strings that are not
-Unicode text (a lone surrogate such as `"\\ud800"` decodes to a `str` that no tokenizer can take).
+`decode_json` turns the raw body into Python values and refuses what the models never see but that
+could still hurt: JSON nested deeper than `MAX_JSON_DEPTH`, NaN / Infinity literals, and strings
+that are not Unicode text (a lone surrogate such as `"\\ud800"` decodes to a `str` that no tokenizer
+can take).
 """
 
 import json
@@ -23,7 +25,8 @@ log = logging.getLogger("spmoe.serve")
 
 
 class ApiError(Exception):
-    """An error for the client: HTTP `status`, and the OpenAI error body's message, type and param."""
+    """An error for the client: HTTP `status`, and the OpenAI error body's message, type and
+    param."""
 
     TYPES = {
         400: "invalid_request_error",
@@ -52,7 +55,8 @@ class ApiError(Exception):
 
 
 def internal_error(what: str) -> ApiError:
-    """Log the exception being handled under a new id; -> the 500 the client gets, which names only that id."""
+    """Log the exception being handled under a new id; -> the 500 the client gets, which names only
+    that id."""
     error_id = uuid.uuid4().hex
     log.exception("internal error %s in %s", error_id, what)
     return ApiError(
@@ -67,7 +71,8 @@ _short.maxstring, _short.maxother, _short.maxlist, _short.maxdict, _short.maxlev
 
 def decode_json(raw: bytes):
     """The request body -> its JSON value; `ApiError` 400 if it is not JSON, is nested deeper than
-    MAX_JSON_DEPTH, holds NaN / Infinity, or has a string that is not valid Unicode (a lone surrogate)."""
+    MAX_JSON_DEPTH, holds NaN / Infinity, or has a string that is not valid Unicode (a lone
+    surrogate)."""
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
@@ -131,9 +136,8 @@ class SamplingFields(Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    logit_bias: dict[str, float] | None = (
-        None  # token id (a JSON key: a string) -> bias in [-100, 100]
-    )
+    # token id (a JSON key: a string) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = []  # also accepted: one string, or null
@@ -144,12 +148,10 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None  # recorded by OpenAI for abuse monitoring; no effect on the output
-    ignore_eos: bool = (
-        False  # an extension (as in vLLM), for benchmarks: generate max_tokens whatever comes
-    )
-    return_tokens_as_token_ids: bool = (
-        False  # logprobs name tokens "token_id:<id>" instead of their text
-    )
+    # an extension (as in vLLM), for benchmarks: generate max_tokens whatever comes
+    ignore_eos: bool = False
+    # logprobs name tokens "token_id:<id>" instead of their text
+    return_tokens_as_token_ids: bool = False
     # structured output (constraints.py checks them): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* fields
     response_format: dict | None = None
@@ -198,9 +200,8 @@ class CompletionRequest(SamplingFields):
     prompt: (
         str | list[str] | TokenIds | list[TokenIds]
     )  # text, texts, token ids, lists of token ids
-    echo: bool = (
-        False  # the prompt before the completion (and its logprobs, when logprobs are asked)
-    )
+    # the prompt before the completion (and its logprobs, when logprobs are asked)
+    echo: bool = False
     logprobs: int | None = Field(
         None, ge=0, le=20
     )  # the chosen token's logprob and this many most likely
@@ -245,7 +246,8 @@ class FunctionCall(Strict):
     arguments: str  # a JSON object's text
 
     def parsed(self) -> dict:
-        """The arguments as an object; ValueError unless they are a JSON object's text (or empty)."""
+        """The arguments as an object; ValueError unless they are a JSON object's text (or
+        empty)."""
         try:
             value = json.loads(self.arguments) if self.arguments.strip() else {}
         except ValueError:
@@ -312,10 +314,10 @@ class ChatMessage(Strict):
         return self
 
     def as_template_input(self, content_format: str = "string") -> dict:
-        """The message as the chat template sees it: its fields as sent (None left out), its content as one
-        string ("string") or as a list of `{"type": "text", "text"}` parts ("openai", vLLM's name), and each
-        tool call's `arguments` (JSON text in the API) as the object the template writes out key by key;
-        ValueError for arguments that are not a JSON object's text."""
+        """The message as the chat template sees it: its fields as sent (None left out), its content
+        as one string ("string") or as a list of `{"type": "text", "text"}` parts ("openai", vLLM's
+        name), and each tool call's `arguments` (JSON text in the API) as the object the template
+        writes out key by key; ValueError for arguments that are not a JSON object's text."""
         out = self.model_dump(exclude_none=True, exclude=set(self.model_extra or ()))
         if (
             self.role == "developer"

@@ -1,6 +1,6 @@
-"""Response rendering: the JSON of a whole response's choices and the server-sent events of a stream, from
-the pieces of text the engine's requests produce (`Render`, `events`); the engine's refusal of a request
-as the HTTP error a client gets (`first_piece`)."""
+"""Response rendering: the JSON of a whole response's choices and the server-sent events of a
+stream, from the pieces of text the engine's requests produce (`Render`, `events`); the engine's
+refusal of a request as the HTTP error a client gets (`first_piece`)."""
 
 import asyncio
 import json
@@ -26,8 +26,9 @@ async def first_piece(pieces) -> Piece:
 
 
 class Render:
-    """The JSON of the choices: text, finish_reason and, when asked, logprobs in the completions or chat shape
-    (`echo` puts the prompt and its logprobs first; chat choices come from their ChatChoices parser)."""
+    """The JSON of the choices: text, finish_reason and, when asked, logprobs in the completions or
+    chat shape (`echo` puts the prompt and its logprobs first; chat choices come from their
+    ChatChoices parser)."""
 
     def __init__(
         self,
@@ -61,8 +62,9 @@ class Render:
         return self.choice(i, merged, first=True, stream=False)
 
     def choice(self, i: int, piece: Piece, first: bool, stream: bool) -> dict | None:
-        """The choice of a whole response, or of a stream chunk; None for a chunk that would carry nothing (a
-        chat parser holds its text back, no finish_reason): its tokens' logprobs go with the next chunk."""
+        """The choice of a whole response, or of a stream chunk; None for a chunk that would carry
+        nothing (a chat parser holds its text back, no finish_reason): its tokens' logprobs go with
+        the next chunk."""
         choice, generation = self.choices[i], self.generations[i]
         text, ids, logprobs = piece.text, list(piece.token_ids), list(piece.logprobs)
         if first and choice.prompt_text is not None:
@@ -102,7 +104,8 @@ class Render:
         }
 
     def _names(self, ids: list[int], logprobs: list) -> dict[int, str]:
-        """Every token of `ids` and of their top logprobs -> how logprobs name it, decoded together."""
+        """Every token of `ids` and of their top logprobs -> how logprobs name it, decoded
+        together."""
         every = list(
             dict.fromkeys([*ids, *(t for lp in logprobs if lp is not None for t, _ in lp[1])])
         )
@@ -172,8 +175,8 @@ async def _choice_pieces(i: int, pieces, firsts, label: str):
 
 
 async def _merged(pieces, firsts, label: str):
-    """Every choice's `_choice_pieces`, merged in the order they come. One choice is read as it is (no task
-    and queue between its pieces and the stream); several through a task each."""
+    """Every choice's `_choice_pieces`, merged in the order they come. One choice is read as it is
+    (no task and queue between its pieces and the stream); several through a task each."""
     if len(pieces) == 1:
         async with aclosing(_choice_pieces(0, pieces, firsts, label)) as only:
             async for item in only:
@@ -207,10 +210,10 @@ async def events(
     body: SamplingFields,
     prompt_tokens,
 ):
-    """Server-sent events: chunks from every choice as they come (chat: first a chunk with the role per
-    choice; later no chunk with an empty delta but the one with the finish_reason), the usage chunk if asked
-    (with `continuous_usage_stats`, usage so far in every chunk), then `[DONE]`. An error after the stream
-    started comes as a chunk with an `error` object."""
+    """Server-sent events: chunks from every choice as they come (chat: first a chunk with the role
+    per choice; later no chunk with an empty delta but the one with the finish_reason), the usage
+    chunk if asked (with `continuous_usage_stats`, usage so far in every chunk), then `[DONE]`. An
+    error after the stream started comes as a chunk with an `error` object."""
     chunk_kind = render.kind + ".chunk" if render.kind == "chat.completion" else render.kind
     generations = render.generations
 

@@ -1,11 +1,11 @@
-"""Request parsing: an HTTP request's body read within the front end's limits, validated and turned into
-what to generate (`ParsedRequest`: one `Choice` per engine request, with its prompt's tokens, sampling and
-grammar). Bad input is an ApiError naming what was expected and what came.
+"""Request parsing: an HTTP request's body read within the front end's limits, validated and turned
+into what to generate (`ParsedRequest`: one `Choice` per engine request, with its prompt's tokens,
+sampling and grammar). Bad input is an ApiError naming what was expected and what came.
 
 A request becomes one engine request per choice: each prompt of a batch, n times (choice index
-`prompt_index * n + i`, seed `seed + index`). A text prompt longer in bytes than `max_model_len` tokens could
-ever cover is refused before it is tokenized; tokenizing and chat templating run in a worker thread, not on
-the event loop.
+`prompt_index * n + i`, seed `seed + index`). A text prompt longer in bytes than `max_model_len`
+tokens could ever cover is refused before it is tokenized; tokenizing and chat templating run in a
+worker thread, not on the event loop.
 """
 
 import asyncio
@@ -65,7 +65,8 @@ class ApiSettings:
 
 @dataclass
 class Choice:
-    """One engine request of an HTTP request: its place in the answer, its prompt and how to generate."""
+    """One engine request of an HTTP request: its place in the answer, its prompt and how to
+    generate."""
 
     index: int
     prompt: list[int]
@@ -87,8 +88,8 @@ class ParsedRequest:
 
 
 class RequestReader:
-    """Reads requests for the server: `completion` and `chat` turn a body into a ParsedRequest; the rest are
-    the checks and conversions they (and the other routes) share."""
+    """Reads requests for the server: `completion` and `chat` turn a body into a ParsedRequest; the
+    rest are the checks and conversions they (and the other routes) share."""
 
     def __init__(
         self,
@@ -227,9 +228,9 @@ class RequestReader:
     async def grammar(
         self, body: SamplingFields, extra: dict, tools: list[dict] | None, http: Request
     ) -> GrammarSpec | None:
-        """The grammar the request's output must follow (None: none), its spec read and checked off the
-        event loop (a large schema's keyword policy takes a while): the engine process compiles it,
-        once per spec, and refuses one that does not compile (a 400 all the same)."""
+        """The grammar the request's output must follow (None: none), its spec read and checked off
+        the event loop (a large schema's keyword policy takes a while): the engine process compiles
+        it, once per spec, and refuses one that does not compile (a 400 all the same)."""
         fields = {name: getattr(body, name) for name in STRUCTURED_OUTPUT_FIELDS} | extra
         try:
             output = await asyncio.to_thread(grammar_for_request, fields, tools)
@@ -258,8 +259,8 @@ class RequestReader:
             )
 
     async def json_body(self, http: Request):
-        """The body as JSON, refused with 413 once it passes max_request_bytes: by its Content-Length
-        before any byte is read, else as the bytes arrive."""
+        """The body as JSON, refused with 413 once it passes max_request_bytes: by its
+        Content-Length before any byte is read, else as the bytes arrive."""
         limit, declared = self.max_request_bytes, http.headers.get("content-length")
         too_long = f"the request body is longer than the server's --max-request-bytes {limit}"
         if declared is not None:
@@ -279,7 +280,8 @@ class RequestReader:
         return decode_json(b"".join(parts))
 
     async def off_loop(self, fn, *args):
-        """`fn(*args)` on the tokenizer's worker thread. A failure that is not the client's is a 500."""
+        """`fn(*args)` on the tokenizer's worker thread. A failure that is not the client's is a
+        500."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self.text_work, fn, *args)
         except ValueError:
@@ -295,9 +297,10 @@ class RequestReader:
             )
 
     def check_text_size(self, texts: list[str], param: str) -> None:
-        """No token covers more than `token_bytes` bytes of text, so texts of more than max_model_len times
-        that many bytes cannot fit, whatever their tokens: refused without tokenizing them. (A character is at
-        least one byte: a text of more characters than the bound is refused without encoding it.)"""
+        """No token covers more than `token_bytes` bytes of text, so texts of more than
+        max_model_len times that many bytes cannot fit, whatever their tokens: refused without
+        tokenizing them. (A character is at least one byte: a text of more characters than the bound
+        is refused without encoding it.)"""
         chars, ascii_only = sum(map(len, texts)), all(t.isascii() for t in texts)
         if ascii_only or chars > self.max_prompt_bytes:  # bytes = chars, or more than chars
             num_bytes, more_than = chars, not ascii_only
@@ -320,8 +323,9 @@ class RequestReader:
         return ids
 
     def parse(self, model, raw, http: Request):
-        """`parse`, and the field names the server does not know logged once each, in one line per request (the
-        request still runs). A client sending new names without end is logged for the first MAX_LOGGED_FIELDS."""
+        """`parse`, and the field names the server does not know logged once each, in one line per
+        request (the request still runs). A client sending new names without end is logged for the
+        first MAX_LOGGED_FIELDS."""
         body = parse(model, raw)
         room = MAX_LOGGED_FIELDS - len(self.logged_fields)
         new = [name for name in body.model_extra or {} if name not in self.logged_fields][:room]
@@ -397,8 +401,8 @@ class RequestReader:
         return params
 
     def max_new_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int:
-        """The output tokens that fit: the KV cache holds max_model_len positions per request, the prompt,
-        the output and (when speculating) the drafts of the last step."""
+        """The output tokens that fit: the KV cache holds max_model_len positions per request, the
+        prompt, the output and (when speculating) the drafts of the last step."""
         limit, drafts = self.client.max_model_len, self.client.num_speculative_tokens
         room = limit - drafts - prompt_len
         with_drafts = f" with {drafts} speculative tokens" if drafts else ""

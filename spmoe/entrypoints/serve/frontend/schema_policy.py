@@ -3,14 +3,15 @@ API's `text.format`, `guided_json`, `structured_outputs.json` and the tools' par
 
 - The grammar enforces what xgrammar can; `unenforced` names every keyword it would leave
   unenforced, with its JSON path.
-- Under `strict: true` (a json_schema's or a tool's), such a keyword is a ValueError (a 400) naming it
-  and its path (`checked`).
+- Under `strict: true` (a json_schema's or a tool's), such a keyword is a ValueError (a 400) naming
+  it and its path (`checked`).
 - Without it, as vLLM does, the schema is accepted and enforced as far as the grammar goes; the
-  keywords left unenforced go back with the grammar (`OutputGrammar.unenforced`) for the server's log
-  and metric.
+  keywords left unenforced go back with the grammar (`OutputGrammar.unenforced`) for the server's
+  log and metric.
 
-How xgrammar 0.2.9 reads a schema node, found by experiment (tests/entrypoints/serve/frontend/test_schema_policy.py
-checks every rule with a value that breaks the keyword, refused where enforced, accepted where not):
+How xgrammar 0.2.9 reads a schema node, found by experiment
+(tests/entrypoints/serve/frontend/test_schema_policy.py checks every rule with a value that breaks
+the keyword, refused where enforced, accepted where not):
 - The first of `$ref`, `const`, `enum`, `anyOf`, `oneOf`, `allOf` present decides the node; its
   other validation keywords are dropped. A `type` beside them holds when every value they allow has
   that type.
@@ -21,12 +22,13 @@ checks every rule with a value that breaks the keyword, refused where enforced, 
   `additionalProperties` or `unevaluatedProperties` make it an object and `items`, `prefixItems` or
   `unevaluatedItems` an array, and with neither every type's keywords are dropped.
 - Strings: `pattern`, `minLength`, `maxLength` and a `format` of FORMATS; a known `format` drops the
-  `pattern` and lengths beside it (an unknown one is dropped itself). Numbers: the bounds; `multipleOf`
-  on integers only. Arrays: `items`, `prefixItems`, `minItems`, `maxItems`, `unevaluatedItems`; not
-  `contains`, `minContains`, `maxContains`, nor `uniqueItems` but where spmoe's rewrite enforces it
-  (json_schema.py: a set of an enum's values). Objects: `properties`, `required`,
-  `additionalProperties`, `patternProperties`, `propertyNames`, `minProperties`, `maxProperties`,
-  `unevaluatedProperties`; not `dependentRequired`, `dependentSchemas`, `dependencies`.
+  `pattern` and lengths beside it (an unknown one is dropped itself). Numbers: the bounds;
+  `multipleOf` on integers only. Arrays: `items`, `prefixItems`, `minItems`, `maxItems`,
+  `unevaluatedItems`; not `contains`, `minContains`, `maxContains`, nor `uniqueItems` but where
+  spmoe's rewrite enforces it (json_schema.py: a set of an enum's values). Objects: `properties`,
+  `required`, `additionalProperties`, `patternProperties`, `propertyNames`, `minProperties`,
+  `maxProperties`, `unevaluatedProperties`; not `dependentRequired`, `dependentSchemas`,
+  `dependencies`.
 - Never: `not`, `if` / `then` / `else`, `$dynamicRef`, `$recursiveRef`, OpenAPI's `nullable`, or any
   keyword not named here. Annotations (ANNOTATIONS, `discriminator` among them) constrain nothing.
 """

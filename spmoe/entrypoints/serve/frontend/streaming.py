@@ -1,10 +1,10 @@
-"""From one request's engine outputs to text pieces: incremental detokenizing, stop strings, token counts and
-the latency metrics.
+"""From one request's engine outputs to text pieces: incremental detokenizing, stop strings, token
+counts and the latency metrics.
 
-A stop string ends the text before it, with finish_reason "stop"; the text after the last piece that could be
-the start of a stop string is held back until it is known not to be one. Leaving the pieces early (a stop
-string, a client that went away, an error) closes the engine's output iterator, which aborts the request and
-frees its cache.
+A stop string ends the text before it, with finish_reason "stop"; the text after the last piece that
+could be the start of a stop string is held back until it is known not to be one. Leaving the pieces
+early (a stop string, a client that went away, an error) closes the engine's output iterator, which
+aborts the request and frees its cache.
 """
 
 import logging
@@ -32,8 +32,8 @@ class Piece:
 
 
 class StopStrings:
-    """Cuts text at the first stop string. `feed(text)` -> (text safe to emit, whether a stop string ended
-    it); `flush()` -> the held-back text, at the end."""
+    """Cuts text at the first stop string. `feed(text)` -> (text safe to emit, whether a stop string
+    ended it); `flush()` -> the held-back text, at the end."""
 
     def __init__(self, stops: list[str], include: bool = False):
         self.stops, self.include = stops, include
@@ -56,13 +56,15 @@ class StopStrings:
 
 
 class TextGeneration:
-    """One request (one choice) in flight. `pieces()` yields its text; `prompt_tokens` and `completion_tokens`
-    count as it goes (completion tokens are every token the engine generated for it, an eos id included).
+    """One request (one choice) in flight. `pieces()` yields its text; `prompt_tokens` and
+    `completion_tokens` count as it goes (completion tokens are every token the engine generated for
+    it, an eos id included).
 
-    The eos or stop id that ended a request (the output's `stop_token`) ends the text without being part of
-    it, unless `include_stop`, which keeps a stop string or a stop id's text (never an eos id's); `discard_output`: the
-    generated tokens are dropped (echo with max_tokens 0: the engine generates one token that nobody sees);
-    `prompt_logprobs` is filled from the first output when the request asked for them."""
+    The eos or stop id that ended a request (the output's `stop_token`) ends the text without being
+    part of it, unless `include_stop`, which keeps a stop string or a stop id's text (never an eos
+    id's); `discard_output`: the generated tokens are dropped (echo with max_tokens 0: the engine
+    generates one token that nobody sees); `prompt_logprobs` is filled from the first output when
+    the request asked for them."""
 
     def __init__(
         self,

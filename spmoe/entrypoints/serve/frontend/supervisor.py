@@ -1,14 +1,17 @@
-"""How serving ends, decided on the front end's event loop: a stop signal, or an engine that failed or stalled.
+"""How serving ends, decided on the front end's event loop: a stop signal, or an engine that failed
+or stalled.
 
 - SIGTERM drains: new requests and /health get 503, the requests under way may finish for
-  `shutdown_timeout_s`, then every one still open ends (a stream with an error chunk and `data: [DONE]`).
+  `shutdown_timeout_s`, then every one still open ends (a stream with an error chunk and `data:
+  [DONE]`).
 - SIGINT (Ctrl-C, or the engine loop's own stop after it failed) ends the open requests at once.
-- The engine loop failing (a rank died) ends the open requests at once; the engine has already sent each of
-  them an error.
-- The watchdog: one iteration of the engine loop (a step, or the idle heartbeat) running for longer than
-  `engine_timeout_s` means a rank has stopped answering (stopped, swapping, or stuck in a collective): the
-  client is marked failed (new requests get 503), the open requests end at once, and serving stops so that
-  the process exits with an error instead of hanging until the process group's own timeout.
+- The engine loop failing (a rank died) ends the open requests at once; the engine has already sent
+  each of them an error.
+- The watchdog: one iteration of the engine loop (a step, or the idle heartbeat) running for longer
+  than `engine_timeout_s` means a rank has stopped answering (stopped, swapping, or stuck in a
+  collective): the client is marked failed (new requests get 503), the open requests end at once,
+  and serving stops so that the process exits with an error instead of hanging until the process
+  group's own timeout.
 """
 
 import asyncio
@@ -42,8 +45,8 @@ async def supervise(
     api: OpenAIApi, client, policy: StopPolicy, signals: asyncio.Queue
 ) -> int | None:
     """Watch `signals` (signal numbers put there by the caller's handlers) and `client` (`error`,
-    `stalled_for()`, `fail(reason)`) until serving must end; end it through `api.stop`. -> SIGTERM if that
-    is why it ended (a drain, which the caller reports as a clean stop), else None."""
+    `stalled_for()`, `fail(reason)`) until serving must end; end it through `api.stop`. -> SIGTERM
+    if that is why it ended (a drain, which the caller reports as a clean stop), else None."""
     while True:
         try:
             signum = await asyncio.wait_for(signals.get(), POLL_S)

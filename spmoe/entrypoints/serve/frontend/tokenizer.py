@@ -1,6 +1,6 @@
 """Text in and out of the server: the checkpoint's chat template (its tokenizer is loaded by
-`spmoe.entrypoints.tokenizer`), and the incremental detokenizer that turns the engine's token ids into
-text pieces for streaming.
+`spmoe.entrypoints.tokenizer`), and the incremental detokenizer that turns the engine's token ids
+into text pieces for streaming.
 
 A byte-level tokenizer can split one character over several tokens (`é` is two bytes, two tokens).
 Decoding such a prefix gives U+FFFD (the replacement character) at the end, so the detokenizer holds
@@ -13,13 +13,13 @@ from pathlib import Path
 from jinja2 import TemplateError
 
 REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence ends with
-CONTEXT_TOKENS = (
-    4  # prompt tokens decoded before the output, for tokenizers that drop a leading space
-)
+# prompt tokens decoded before the output, for tokenizers that drop a leading space
+CONTEXT_TOKENS = 4
 
 
 def read_chat_template(value: str) -> str:
-    """`--chat-template`: a file holding a Jinja chat template, or the template itself (as vLLM takes it)."""
+    """`--chat-template`: a file holding a Jinja chat template, or the template itself (as vLLM
+    takes it)."""
     path = Path(value).expanduser()
     if path.is_file():
         return path.read_text()
@@ -42,9 +42,9 @@ def chat_prompt_text(
     tools: list[dict] | None = None,
     template_kwargs: dict | None = None,
 ) -> str:
-    """Messages `[{"role", "content", ...}, ...]` (and the request's tools and `chat_template_kwargs`) -> the
-    prompt's text through the checkpoint's chat template, ending with the assistant's turn opened. The template
-    writes any special tokens it wants itself."""
+    """Messages `[{"role", "content", ...}, ...]` (and the request's tools and
+    `chat_template_kwargs`) -> the prompt's text through the checkpoint's chat template, ending with
+    the assistant's turn opened. The template writes any special tokens it wants itself."""
     if not tokenizer.chat_template:
         raise ValueError(
             "this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); use /v1/completions"
@@ -71,10 +71,10 @@ def chat_prompt_text(
 
 
 def longest_token_bytes(tokenizer) -> int:
-    """The UTF-8 length of the longest entry of the vocabulary (special tokens included): no token stands for
-    more bytes of text than this, so a text of more than `n` times as many bytes has more than `n` tokens. (A
-    byte-level vocabulary writes each byte as one character of 1 or 2 bytes, a SentencePiece one a space as
-    3-byte U+2581: both over-count, never under-count.)"""
+    """The UTF-8 length of the longest entry of the vocabulary (special tokens included): no token
+    stands for more bytes of text than this, so a text of more than `n` times as many bytes has more
+    than `n` tokens. (A byte-level vocabulary writes each byte as one character of 1 or 2 bytes, a
+    SentencePiece one a space as 3-byte U+2581: both over-count, never under-count.)"""
     return max(len(token.encode("utf-8", "surrogatepass")) for token in tokenizer.get_vocab())
 
 
@@ -85,8 +85,9 @@ def eos_token_ids(tokenizer, model_eos: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class TokenTexts:
-    """Each token's own text, `tokenizer.decode([id])` (how logprobs name tokens), remembered for the server's
-    life (at most one string per vocabulary entry): the ids not seen before are decoded in one batched call."""
+    """Each token's own text, `tokenizer.decode([id])` (how logprobs name tokens), remembered for
+    the server's life (at most one string per vocabulary entry): the ids not seen before are decoded
+    in one batched call."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -102,17 +103,17 @@ class TokenTexts:
 class IncrementalDetokenizer:
     """Token ids in, text out, a piece at a time, never a broken character.
 
-    `push(ids)` returns the text that the new ids complete (possibly ""), `flush()` what is still held at the
-    end. Each push decodes only a short window: the tokens since the last emitted boundary plus the previous
-    step's tokens as context, whose text is subtracted (context keeps a tokenizer's leading-space rule right).
+    `push(ids)` returns the text that the new ids complete (possibly ""), `flush()` what is still
+    held at the end. Each push decodes only a short window: the tokens since the last emitted
+    boundary plus the previous step's tokens as context, whose text is subtracted (context keeps a
+    tokenizer's leading-space rule right).
     """
 
     def __init__(self, tokenizer, prompt: list[int] = (), skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         context = list(prompt[-CONTEXT_TOKENS:])
-        if self._decode(context).endswith(
-            REPLACEMENT
-        ):  # a prompt that ends inside a character: no context
+        # a prompt that ends inside a character: no context
+        if self._decode(context).endswith(REPLACEMENT):
             context = []
         self.ids = context
         self.start = 0  # the window's first token (context)

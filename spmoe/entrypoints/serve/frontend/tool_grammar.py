@@ -1,7 +1,7 @@
-"""The grammar of GLM tool calls, as the front end asks for it: a spec of kind "tool_calls" that names
-the tools, each with its parameters' schema, and how the calls may come (`request.ToolCalls`); the
-engine process builds and compiles the grammar (`spmoe/engine/sampling/tool_call_grammar.py`), and a
-tool whose parameters do not compile is refused there, a 400 naming the tool. `tool_choice`:
+"""The grammar of GLM tool calls, as the front end asks for it: a spec of kind "tool_calls" that
+names the tools, each with its parameters' schema, and how the calls may come (`request.ToolCalls`);
+the engine process builds and compiles the grammar (`spmoe/engine/sampling/tool_call_grammar.py`),
+and a tool whose parameters do not compile is refused there, a 400 naming the tool. `tool_choice`:
 - `required`: one call of any tool, or one or more with `parallel_tool_calls`; a named function: one
   call of it;
 - `auto`: free text in which each `<tool_call>` opens a call that follows its tool's schema (at most

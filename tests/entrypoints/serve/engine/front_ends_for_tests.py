@@ -1,6 +1,6 @@
 """Front ends for the serving tests' engine processes: run in a process of their own
-(`spmoe.entrypoints.serve.frontend.process`, started by rank 0), so this module imports nothing of the engine or
-the model. Each writes what it saw to a file (pickle) for the test to compare.
+(`spmoe.entrypoints.serve.frontend.process`, started by rank 0), so this module imports nothing of
+the engine or the model. Each writes what it saw to a file (pickle) for the test to compare.
 """
 
 import asyncio
@@ -43,7 +43,8 @@ async def collect(
 
 
 async def first_outputs(client, request, count: int) -> list[int]:
-    """Read `count` outputs, then stop iterating (the generator is closed: a client that went away)."""
+    """Read `count` outputs, then stop iterating (the generator is closed: a client that went
+    away)."""
     tokens = []
     async with contextlib.aclosing(client.generate(request)) as stream:
         async for out in stream:
@@ -56,7 +57,8 @@ async def first_outputs(client, request, count: int) -> list[int]:
 async def scenario(client, PROMPTS, EOS, MAX_NEW, SAMPLED, IDLE_S) -> dict:
     stats, got = {"max_running": 0}, {}
     greedy = [Request(f"g{i}", p, MAX_NEW, eos_token_ids=EOS) for i, p in enumerate(PROMPTS)]
-    # 2 slots per DP group: the two dropped requests come first and must free their slots for the others
+    # 2 slots per DP group: the two dropped requests come first and must free their slots for the
+    # others
     dropped = asyncio.ensure_future(
         first_outputs(client, Request("closed", PROMPTS[0], MAX_NEW), 2)
     )
@@ -133,8 +135,8 @@ def run_and_describe(run, client, launch) -> dict:
 
 
 def wait_for_error(client, launch, report: str, prompt: list[int], max_new: int) -> int:
-    """Wait on a request as a server would; write the error output it got to `report`, then wait: the
-    engine process must stop this one."""
+    """Wait on a request as a server would; write the error output it got to `report`, then wait:
+    the engine process must stop this one."""
 
     async def wait() -> None:
         await client.start()

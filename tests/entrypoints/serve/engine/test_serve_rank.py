@@ -1,13 +1,14 @@
-"""`serve_rank` on 2 gloo ranks, TP 2 and DP 2 x TP 1, serving a front end process (`front_ends_for_tests.py`)
-that uses the EngineClient over the wire from asyncio: concurrent requests get the tokens `generate` gives;
-one consumer that stops iterating and one task that is cancelled free their cache for the waiting requests;
-a grammar that does not compile, a request that can never fit and a full queue are errors at once; an
-idle spell longer than the process group's timeout passes (the heartbeat); the front end's exit shuts
-every rank down. The front end process imports nothing
-of the engine or the model, and is not rank 0's process. A failing engine loop ends its requests with an
-error and stops every rank.
+"""`serve_rank` on 2 gloo ranks, TP 2 and DP 2 x TP 1, serving a front end process
+(`front_ends_for_tests.py`) that uses the EngineClient over the wire from asyncio: concurrent
+requests get the tokens `generate` gives; one consumer that stops iterating and one task that is
+cancelled free their cache for the waiting requests; a grammar that does not compile, a request that
+can never fit and a full queue are errors at once; an idle spell longer than the process group's
+timeout passes (the heartbeat); the front end's exit shuts every rank down. The front end process
+imports nothing of the engine or the model, and is not rank 0's process. A failing engine loop ends
+its requests with an error and stops every rank.
 
-One spawned group per layout runs every case; the front end writes what it saw, the comparisons happen here.
+One spawned group per layout runs every case; the front end writes what it saw, the comparisons
+happen here.
 """
 
 import pickle

@@ -1,9 +1,10 @@
-"""The HTTP front end in one process: the incremental detokenizer, stop strings, and the app's routes driven by
-the real `openai` client against a scripted stand-in for the engine client (the real engine behind the real
-server is tested in test_serve.py): every request field reaches the engine request as it should, batches of
-prompts and n give their choices, logprobs come out in the completions and chat shapes (whole and streamed),
-echo, the vLLM routes and headers, unknown fields logged once, the metrics' vLLM names; the limits on what
-a client sends, the API key, and how serving ends (a drain, a stalled engine) through `supervise`."""
+"""The HTTP front end in one process: the incremental detokenizer, stop strings, and the app's
+routes driven by the real `openai` client against a scripted stand-in for the engine client (the
+real engine behind the real server is tested in test_serve.py): every request field reaches the
+engine request as it should, batches of prompts and n give their choices, logprobs come out in the
+completions and chat shapes (whole and streamed), echo, the vLLM routes and headers, unknown fields
+logged once, the metrics' vLLM names; the limits on what a client sends, the API key, and how
+serving ends (a drain, a stalled engine) through `supervise`."""
 
 import asyncio
 import json
@@ -54,8 +55,9 @@ def test_detokenizer_lets_an_unfinished_character_out_at_the_end(tokenizer):
 
 
 def test_token_texts_decode_each_id_once_as_decode_does(tokenizer):
-    """Every id's text as `decode([id])` gives it (a lone byte of a longer character is U+FFFD, a special token
-    its name), the ids not seen before decoded in one batched call, each id at most once."""
+    """Every id's text as `decode([id])` gives it (a lone byte of a longer character is U+FFFD, a
+    special token its name), the ids not seen before decoded in one batched call, each id at most
+    once."""
     calls = []
 
     class Counting:
@@ -86,8 +88,8 @@ def test_stop_strings_hold_back_a_possible_start():
 
 
 def test_the_earliest_stop_string_wins():
-    """Several stop strings in the text: it ends before the one that comes first in the text, whichever comes
-    first in the list, within one piece and across pieces."""
+    """Several stop strings in the text: it ends before the one that comes first in the text,
+    whichever comes first in the list, within one piece and across pieces."""
     assert StopStrings(["xyz", "STOP", "b"]).feed("a STOP b xyz") == ("a ", True)
     assert StopStrings(["b", "STOP"]).feed("a STOP b") == ("a ", True)
     split = StopStrings(["late", "ST"])
@@ -97,8 +99,8 @@ def test_the_earliest_stop_string_wins():
 
 class ScriptedEngineClient:
     """Stands in for EngineClient: every request gets the tokens of `script` (then `length` at
-    max_new_tokens, or `stop` after an eos id), `per_step` at a time; it records the requests it got and those
-    whose output iterator was closed before the end (the real client aborts those)."""
+    max_new_tokens, or `stop` after an eos id), `per_step` at a time; it records the requests it got
+    and those whose output iterator was closed before the end (the real client aborts those)."""
 
     max_model_len, vocab_size, num_speculative_tokens, error = 66, 264, 2, None
     exchange_s, idle_s = 0.125, 2.5  # the engine process's seconds on the exchange, idle
@@ -109,9 +111,8 @@ class ScriptedEngineClient:
         self.step_s = 0.0  # how long each step takes
         self.stalled_s = 0.0  # what `stalled_for` says
         self.failure: Exception | None = None  # raised by `generate` if set
-        self.ends_with_error: str | None = (
-            None  # the output after the first ends the request with this error
-        )
+        # the output after the first ends the request with this error
+        self.ends_with_error: str | None = None
         self.preemptions = 0
 
     def stalled_for(self) -> float:
@@ -196,7 +197,8 @@ class ScriptedEngineClient:
 
 @pytest.fixture
 def served(tokenizer):
-    """-> (engine stand-in, openai client, raw HTTP client) for a server named 'tiny' that replies REPLY."""
+    """-> (engine stand-in, openai client, raw HTTP client) for a server named 'tiny' that replies
+    REPLY."""
     engine = ScriptedEngineClient(tokenizer.encode(REPLY) + [tokenizer.eos_token_id])
     http = TestClient(
         build_app(engine, tokenizer, ApiSettings(["tiny"])), raise_server_exceptions=False
@@ -503,9 +505,8 @@ def test_several_names_and_the_models_generation_defaults(tokenizer):
     )
     client.chat.completions.create(model="glm-5.2", messages=chat)
     assert engine.requests[-1].max_new_tokens == 7
-    engine.num_speculative_tokens = (
-        2  # a speculating server samples with the model's defaults, as without drafts
-    )
+    # a speculating server samples with the model's defaults, as without drafts
+    engine.num_speculative_tokens = 2
     client.completions.create(model="glm", prompt="Hi")
     assert (engine.requests[-1].sampling.temperature, engine.requests[-1].sampling.top_p) == (
         0.6,
@@ -703,7 +704,8 @@ def test_chat_template_and_content_format(tmp_path, tokenizer):
             400,
             "prompt: expected a string, a list of strings, a list of token ids",
         ),
-        # the demo tokenizer's longest token, <|observation|>, has 15 bytes: 66 x 15 bytes is the most that can fit
+        # the demo tokenizer's longest token, <|observation|>, has 15 bytes: 66 x 15 bytes is the
+        # most that can fit
         (
             {"model": "tiny", "prompt": "x" * (66 * 15 + 1)},
             400,
@@ -1129,8 +1131,9 @@ def test_ping_answers_as_vllms_does(served):
     ],
 )
 def test_bad_messages_are_400_in_the_clients_names(served, message, param, fragment):
-    """OpenAI requires a tool message's tool_call_id; an image, audio or file part is refused as what
-    it is; the error and its param name the field as the client wrote it, no validation internals."""
+    """OpenAI requires a tool message's tool_call_id; an image, audio or file part is refused as
+    what it is; the error and its param name the field as the client wrote it, no validation
+    internals."""
     engine, client, _ = served
     messages = [{"role": "user", "content": "Hi"}, message]
     with pytest.raises(openai.BadRequestError) as error:
@@ -1285,8 +1288,9 @@ def test_api_key(tokenizer):
 
 
 def run_requests_then(app, bodies: list[dict], then):
-    """On one event loop: send `bodies` to /v1/completions at once, await `then()` once every request has
-    reached the engine, then -> (each response, what `then` returned, /health's status afterwards)."""
+    """On one event loop: send `bodies` to /v1/completions at once, await `then()` once every
+    request has reached the engine, then -> (each response, what `then` returned, /health's status
+    afterwards)."""
     import httpx
 
     async def main():
@@ -1306,8 +1310,9 @@ def run_requests_then(app, bodies: list[dict], then):
 
 
 def test_sigterm_drains_then_ends_open_streams_with_done(tokenizer):
-    """A drain: a short request finishes within the grace time, the long ones (a stream, a whole one) are then
-    ended (error chunk + [DONE]; 503) and aborted; new requests and /health get 503."""
+    """A drain: a short request finishes within the grace time, the long ones (a stream, a whole
+    one) are then ended (error chunk + [DONE]; 503) and aborted; new requests and /health get
+    503."""
     engine = ScriptedEngineClient(tokenizer.encode("x" * 60))
     engine.step_s = 0.05
     app = build_app(engine, tokenizer, ApiSettings(["tiny"]))
@@ -1343,8 +1348,8 @@ def test_sigterm_drains_then_ends_open_streams_with_done(tokenizer):
 
 
 def test_a_stalled_engine_fails_every_request(tokenizer):
-    """The watchdog: an engine iteration longer than --engine-timeout marks the client failed, ends the open
-    requests at once (error chunk + [DONE]) and returns, so that the server stops."""
+    """The watchdog: an engine iteration longer than --engine-timeout marks the client failed, ends
+    the open requests at once (error chunk + [DONE]) and returns, so that the server stops."""
     engine = ScriptedEngineClient(tokenizer.encode("x" * 60))
     engine.step_s = 0.05
     app = build_app(engine, tokenizer, ApiSettings(["tiny"]))

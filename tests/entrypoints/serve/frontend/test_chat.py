@@ -1,6 +1,7 @@
-"""GLM chat through the app and the real `openai` client, against a scripted model: the reasoning split off,
-an agent loop (tool call -> tool result -> answer) whole and streamed, the client's `parse()` / `stream()`
-helpers, the tool_choice rules and the structured-output fields handed to the engine."""
+"""GLM chat through the app and the real `openai` client, against a scripted model: the reasoning
+split off, an agent loop (tool call -> tool result -> answer) whole and streamed, the client's
+`parse()` / `stream()` helpers, the tool_choice rules and the structured-output fields handed to the
+engine."""
 
 import json
 
@@ -37,7 +38,8 @@ USER = {"role": "user", "content": "Weather in Paris?"}
 
 
 class AgentEngine(ScriptedEngineClient):
-    """Calls the tool first; once the prompt holds a tool response, answers; `reply` overrides both."""
+    """Calls the tool first; once the prompt holds a tool response, answers; `reply` overrides
+    both."""
 
     max_model_len, num_speculative_tokens = 4096, 0
 
@@ -153,8 +155,9 @@ class Weather(pydantic.BaseModel):
 
 
 def test_client_helpers(tokenizer, monkeypatch):
-    """`parse()` with a pydantic response_format, and `stream()` with a strict pydantic tool, read the replies;
-    the request carries the grammar, to start after the reasoning, whose end tag the server encoded once."""
+    """`parse()` with a pydantic response_format, and `stream()` with a strict pydantic tool, read
+    the replies; the request carries the grammar, to start after the reasoning, whose end tag the
+    server encoded once."""
     engine = AgentEngine(tokenizer)
     client = _client(engine, tokenizer, GLM)
     encoded, encode = [], tokenizer.encode
@@ -341,9 +344,9 @@ def test_completions_take_structured_output(tokenizer):
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_stream_sends_no_empty_delta_and_loses_no_logprobs(tokenizer, n):
-    """While the parsers hold text back (a `</think>` or a tool call coming a byte at a time) no chunk goes out;
-    the held tokens' logprobs go with the next chunk that has text. Only the role chunk, the finish_reason chunk
-    and the usage chunk may carry no text."""
+    """While the parsers hold text back (a `</think>` or a tool call coming a byte at a time) no
+    chunk goes out; the held tokens' logprobs go with the next chunk that has text. Only the role
+    chunk, the finish_reason chunk and the usage chunk may carry no text."""
     engine = AgentEngine(tokenizer)
     client = _client(engine, tokenizer, GLM)
     chunks = list(

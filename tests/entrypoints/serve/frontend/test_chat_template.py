@@ -1,5 +1,6 @@
-"""The demo checkpoint's GLM-style chat template: an agent's history (tools, thinking, an assistant turn with
-tool calls, the tool's result) renders as GLM lays it out, and thinking can be switched off."""
+"""The demo checkpoint's GLM-style chat template: an agent's history (tools, thinking, an assistant
+turn with tool calls, the tool's result) renders as GLM lays it out, and thinking can be switched
+off."""
 
 import pytest
 

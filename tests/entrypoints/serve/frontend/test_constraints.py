@@ -1,5 +1,6 @@
-"""Request fields -> the grammar their output must follow: every field's spec, the errors for bad ones, and the
-GLM tool-call grammar (sampled calls parse with the tool-call parser and validate against the tool's schema)."""
+"""Request fields -> the grammar their output must follow: every field's spec, the errors for bad
+ones, and the GLM tool-call grammar (sampled calls parse with the tool-call parser and validate
+against the tool's schema)."""
 
 import json
 
@@ -234,9 +235,10 @@ def _calls(tokens: list[int]):
 
 
 def test_tool_choice_grammars_give_calls_that_validate(compiler):
-    """Sampled from random logits: `required` with parallel calls gives one or more calls of the tools whose
-    arguments (bounded ones: a free string argument would take thousands of random tokens) validate; a named
-    choice gives exactly one call of that tool; `parallel_tool_calls: false` exactly one."""
+    """Sampled from random logits: `required` with parallel calls gives one or more calls of the
+    tools whose arguments (bounded ones: a free string argument would take thousands of random
+    tokens) validate; a named choice gives exactly one call of that tool; `parallel_tool_calls:
+    false` exactly one."""
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     bounded = TOOLS[:2]
     specs = [

@@ -1,5 +1,6 @@
-"""The reasoning and tool-call parsers against scripted GLM outputs: the answer written out by hand, then the
-same text fed whole, split at every position, one character at a time and in random pieces must give it."""
+"""The reasoning and tool-call parsers against scripted GLM outputs: the answer written out by hand,
+then the same text fed whole, split at every position, one character at a time and in random pieces
+must give it."""
 
 import json
 import random
@@ -236,7 +237,8 @@ def _run(prompt_end: str, thinking: bool, chunks: list[str], cut: bool = False):
 
 
 def _splits(text: str, seed: int) -> list[list[str]]:
-    """Every cut into two, one character at a time, and 30 random cuts into pieces of 1 to 6 characters."""
+    """Every cut into two, one character at a time, and 30 random cuts into pieces of 1 to 6
+    characters."""
     ways = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
     rng = random.Random(seed)
     for _ in range(30):
@@ -308,8 +310,8 @@ def test_a_cut_call_stays_broken_at_every_split(script):
 
 
 def test_tool_call_deltas_in_openai_shape():
-    """The first delta of each call names it; the rest carry only arguments; the `openai` client's own stream
-    accumulator rebuilds the message from them."""
+    """The first delta of each call names it; the rest carry only arguments; the `openai` client's
+    own stream accumulator rebuilds the message from them."""
     from openai.lib.streaming.chat import ChatCompletionStreamState
     from openai.types.chat import ChatCompletionChunk
 
@@ -348,8 +350,9 @@ def test_tool_call_deltas_in_openai_shape():
 
 
 def test_string_arguments_stream_before_the_call_closes():
-    """A long string value is sent as it arrives: fed up to just before its `</arg_value>`, the arguments sent
-    already hold all of it, escaped, but for its last characters `</arg_val`, which could be the end tag."""
+    """A long string value is sent as it arrives: fed up to just before its `</arg_value>`, the
+    arguments sent already hold all of it, escaped, but for its last characters `</arg_val`, which
+    could be the end tag."""
     text = SCRIPTS[9][3]
     value_end = text.index("</arg_value></tool_call>")
     parser = _parser("</think>", False)

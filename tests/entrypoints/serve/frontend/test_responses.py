@@ -350,8 +350,8 @@ def test_openai_agents_default_agent_runs_its_tool(tokenizer, streamed):
 
 
 def test_stopping_ends_an_open_stream_with_an_error_event(tokenizer):
-    """`stop` while a response streams: the stream ends with an `error` event naming the reason, after
-    the events so far (no response.completed), and the engine's request is aborted."""
+    """`stop` while a response streams: the stream ends with an `error` event naming the reason,
+    after the events so far (no response.completed), and the engine's request is aborted."""
     engine = ScriptedEngineClient(tokenizer.encode("x" * 60))
     engine.step_s = 0.05
     app = build_app(engine, tokenizer, ApiSettings(["tiny"]))
@@ -378,8 +378,8 @@ def test_stopping_ends_an_open_stream_with_an_error_event(tokenizer):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_call_cut_off_by_the_length_limit_is_an_incomplete_item(tokenizer, stream):
-    """A call the length limit cuts keeps the arguments chat returns for it (not a repaired object), in
-    an `incomplete` function_call item of an incomplete response."""
+    """A call the length limit cuts keeps the arguments chat returns for it (not a repaired object),
+    in an `incomplete` function_call item of an incomplete response."""
     engine = AgentEngine(tokenizer)
     client = _client(engine, tokenizer, GLM)
     limit = len(tokenizer.encode(CALL[: CALL.index("Paris") + 3]))  # into the city's value
@@ -405,8 +405,8 @@ def test_a_call_cut_off_by_the_length_limit_is_an_incomplete_item(tokenizer, str
 
 
 def test_previous_response_id_keeps_the_conversation_not_the_instructions(tokenizer):
-    """As in OpenAI's API: the stored turns (input and output) come before the new input, under the new
-    request's instructions only; the prompt is chat's for that conversation."""
+    """As in OpenAI's API: the stored turns (input and output) come before the new input, under the
+    new request's instructions only; the prompt is chat's for that conversation."""
     engine = AgentEngine(tokenizer)
     engine.reply = "I thought.</think>ok"
     client = _client(engine, tokenizer, GLM)

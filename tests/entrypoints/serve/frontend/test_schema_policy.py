@@ -1,10 +1,10 @@
-"""The keyword policy (schema_policy.py) against what xgrammar really does: for each probe, a schema,
-a value valid under it and one that breaks it (both checked with `jsonschema`), and the keywords the
-policy says the grammar leaves unenforced. Through both grammars a schema becomes (response_format's
-JSON and a tool call's arguments), the grammar accepts the valid value, and accepts the breaking one
-exactly when the policy names a keyword: a keyword xgrammar starts (or stops) enforcing fails here.
-Then the policy itself: `strict` refuses by name and path, alike for the five fields; without it the
-schema is accepted and the keywords come back."""
+"""The keyword policy (schema_policy.py) against what xgrammar really does: for each probe, a
+schema, a value valid under it and one that breaks it (both checked with `jsonschema`), and the
+keywords the policy says the grammar leaves unenforced. Through both grammars a schema becomes
+(response_format's JSON and a tool call's arguments), the grammar accepts the valid value, and
+accepts the breaking one exactly when the policy names a keyword: a keyword xgrammar starts (or
+stops) enforcing fails here. Then the policy itself: `strict` refuses by name and path, alike for
+the five fields; without it the schema is accepted and the keywords come back."""
 
 import json
 

@@ -1,6 +1,7 @@
-"""A chat turn's generated text -> its reasoning, content and tool calls, a piece at a time: the reasoning
-parser splits the thinking off first, then the tool-call parser reads the content that remains (a call is only
-looked for in the answer, never in the reasoning). The parsers are chosen by name, as on the command line."""
+"""A chat turn's generated text -> its reasoning, content and tool calls, a piece at a time: the
+reasoning parser splits the thinking off first, then the tool-call parser reads the content that
+remains (a call is only looked for in the answer, never in the reasoning). The parsers are chosen by
+name, as on the command line."""
 
 from dataclasses import dataclass, field
 
@@ -36,9 +37,9 @@ class ChatMessageOut:
 
 
 class ChatOutputParser:
-    """`feed(text)` / `flush()` -> a `ChatDelta` each; `parse(text)` the whole message at once. A parser left
-    out (None) passes its part through: without a reasoning parser everything is content, without a tool-call
-    parser (or with `tool_choice: none`) no call is read."""
+    """`feed(text)` / `flush()` -> a `ChatDelta` each; `parse(text)` the whole message at once. A
+    parser left out (None) passes its part through: without a reasoning parser everything is
+    content, without a tool-call parser (or with `tool_choice: none`) no call is read."""
 
     def __init__(self, reasoning: Glm45ReasoningParser | None, tools):
         self.reasoning, self.tools = reasoning, tools
@@ -52,7 +53,8 @@ class ChatOutputParser:
         thinking: bool,
         tools: list[dict] | None,
     ) -> "ChatOutputParser":
-        """The parsers by their command-line names; `tools` None: no tool-call parsing for this request."""
+        """The parsers by their command-line names; `tools` None: no tool-call parsing for this
+        request."""
         reasoning = (
             REASONING_PARSERS[reasoning_parser](prompt_text, thinking) if reasoning_parser else None
         )

@@ -2,8 +2,9 @@
 
 
 def partial_marker_length(text: str, markers: tuple[str, ...] | list[str]) -> int:
-    """The length of the longest end of `text` that is the beginning of one of `markers` (and not a whole
-    marker): the text that must be held back until the next piece tells whether a marker starts there."""
+    """The length of the longest end of `text` that is the beginning of one of `markers` (and not a
+    whole marker): the text that must be held back until the next piece tells whether a marker
+    starts there."""
     return max(
         (
             n

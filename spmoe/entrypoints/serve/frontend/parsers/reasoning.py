@@ -1,15 +1,15 @@
-"""`--reasoning-parser glm45`: GLM's thinking span, `<think>…</think>`, split off the generated text into
-`reasoning_content`.
+"""`--reasoning-parser glm45`: GLM's thinking span, `<think>…</think>`, split off the generated text
+into `reasoning_content`.
 
-Where the output starts depends on the prompt. GLM-4.7 and later open the block in the prompt (the assistant
-turn ends with `<think>`), so the output starts inside the reasoning and only its end tag is generated; GLM-4.5
-lets the model write `<think>` itself (after optional whitespace). With thinking switched off
-(`chat_template_kwargs: {"enable_thinking": false}`, or `"thinking": false`) the template closes the block in
-the prompt and everything generated is content.
+Where the output starts depends on the prompt. GLM-4.7 and later open the block in the prompt (the
+assistant turn ends with `<think>`), so the output starts inside the reasoning and only its end tag
+is generated; GLM-4.5 lets the model write `<think>` itself (after optional whitespace). With
+thinking switched off (`chat_template_kwargs: {"enable_thinking": false}`, or `"thinking": false`)
+the template closes the block in the prompt and everything generated is content.
 
-The whitespace the model writes between `</think>` and its answer is dropped. A tag split over chunks is held
-back until the chunk that completes it (or shows it is not one) arrives, so any split of the text gives the
-same reasoning and content as the whole.
+The whitespace the model writes between `</think>` and its answer is dropped. A tag split over
+chunks is held back until the chunk that completes it (or shows it is not one) arrives, so any split
+of the text gives the same reasoning and content as the whole.
 """
 
 from dataclasses import dataclass
@@ -26,7 +26,8 @@ class ReasoningSplit:
 
 
 def thinking_enabled(chat_template_kwargs: dict) -> bool:
-    """Whether the request asks for thinking: `enable_thinking` (GLM's name) or `thinking`, default on."""
+    """Whether the request asks for thinking: `enable_thinking` (GLM's name) or `thinking`, default
+    on."""
     value = chat_template_kwargs.get("enable_thinking", chat_template_kwargs.get("thinking", True))
     if not isinstance(value, bool):
         raise ValueError(
@@ -36,8 +37,8 @@ def thinking_enabled(chat_template_kwargs: dict) -> bool:
 
 
 class Glm45ReasoningParser:
-    """`feed(text)` -> the `ReasoningSplit` of the new text (what is certain so far); `flush()` -> what was held
-    back, at the end of the generation."""
+    """`feed(text)` -> the `ReasoningSplit` of the new text (what is certain so far); `flush()` ->
+    what was held back, at the end of the generation."""
 
     OPENING, REASONING, CONTENT = "opening", "reasoning", "content"
 
@@ -48,9 +49,8 @@ class Glm45ReasoningParser:
             self.state = self.REASONING
         else:
             self.state = self.OPENING  # the model may open the block itself
-        self.pending = (
-            ""  # text fed but not yet placed: the start of a tag, or whitespace before one
-        )
+        # text fed but not yet placed: the start of a tag, or whitespace before one
+        self.pending = ""
         self.after_reasoning = False  # drop whitespace until the answer's first character
 
     def feed(self, text: str) -> ReasoningSplit:

@@ -1,19 +1,22 @@
-"""`--tool-call-parser glm47` (and `glm45`): GLM's tool calls in the generated text -> OpenAI `tool_calls`.
+"""`--tool-call-parser glm47` (and `glm45`): GLM's tool calls in the generated text -> OpenAI
+`tool_calls`.
 
-GLM writes a call as `<tool_call>NAME` followed by `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pairs and
-`</tool_call>`. GLM-4.5 puts a newline after the name and between the tags; GLM-4.7 and later write them with
-nothing between, so the name runs straight into the first `<arg_key>`. One parser reads both: whitespace between
-the tags is optional. A call may have no arguments, and a turn may hold several calls (parallel calls).
+GLM writes a call as `<tool_call>NAME` followed by
+`<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pairs and `</tool_call>`. GLM-4.5 puts a
+newline after the name and between the tags; GLM-4.7 and later write them with nothing between, so
+the name runs straight into the first `<arg_key>`. One parser reads both: whitespace between the
+tags is optional. A call may have no arguments, and a turn may hold several calls (parallel calls).
 
-A string value is written raw; any other value as JSON. The tool's JSON schema says which is which: a key whose
-schema type is `string` becomes a JSON string, anything else is parsed as JSON (a number stays a number, `true`
-a boolean, `{…}` an object) and kept as a string only when it does not parse or its type is not one the
-schema allows while `string` is.
+A string value is written raw; any other value as JSON. The tool's JSON schema says which is which:
+a key whose schema type is `string` becomes a JSON string, anything else is parsed as JSON (a number
+stays a number, `true` a boolean, `{…}` an object) and kept as a string only when it does not parse
+or its type is not one the schema allows while `string` is.
 
-Streaming: the first delta of a call carries its index, id, type and `function.name`; the arguments follow as
-pieces of one JSON object text. A string value is JSON-escaped and sent as it arrives, never held until the call
-closes; a typed value is sent when its `</arg_value>` arrives (its whole text is needed to parse it). Text
-before a call is content; whitespace between content and a call, and after a call, is dropped.
+Streaming: the first delta of a call carries its index, id, type and `function.name`; the arguments
+follow as pieces of one JSON object text. A string value is JSON-escaped and sent as it arrives,
+never held until the call closes; a typed value is sent when its `</arg_value>` arrives (its whole
+text is needed to parse it). Text before a call is content; whitespace between content and a call,
+and after a call, is dropped.
 """
 
 import json
@@ -37,7 +40,8 @@ JSON_TYPES = {
 
 @dataclass
 class ToolCallDelta:
-    """One streamed piece of the call at `index`: the first has `id` and `name`, the others `arguments` text."""
+    """One streamed piece of the call at `index`: the first has `id` and `name`, the others
+    `arguments` text."""
 
     index: int
     arguments: str = ""
@@ -76,7 +80,8 @@ def assemble_tool_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
 
 
 def coalesce_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """Consecutive deltas of one call as one (fewer, larger pieces in a stream chunk; the same calls)."""
+    """Consecutive deltas of one call as one (fewer, larger pieces in a stream chunk; the same
+    calls)."""
     out: list[ToolCallDelta] = []
     for delta in deltas:
         if out and out[-1].index == delta.index and delta.name is None:
@@ -99,8 +104,8 @@ def tool_argument_schemas(tools: list[dict]) -> dict[str, dict]:
 
 
 def schema_types(schema: dict) -> set[str]:
-    """The JSON types a schema allows, as far as its `type`, `enum`, `const` and `anyOf` / `oneOf` say; empty
-    when it says nothing (any type)."""
+    """The JSON types a schema allows, as far as its `type`, `enum`, `const` and `anyOf` / `oneOf`
+    say; empty when it says nothing (any type)."""
     if "type" in schema:
         kind = schema["type"]
         return set(kind) if isinstance(kind, list) else {kind}
@@ -121,7 +126,8 @@ def _json_type(value) -> str:
 
 
 def typed_value(text: str, schema: dict):
-    """A non-string argument's text -> its JSON value, as the schema types it (see the module's docstring)."""
+    """A non-string argument's text -> its JSON value, as the schema types it (see the module's
+    docstring)."""
     types = schema_types(schema)
     try:
         value = json.loads(text)
@@ -138,8 +144,8 @@ def typed_value(text: str, schema: dict):
 
 
 class GlmToolCallParser:
-    """`feed(text)` -> (content, tool-call deltas) for the new text; `flush()` -> the same for what was held back
-    at the end (a call the generation left open stays open: see `flush`)."""
+    """`feed(text)` -> (content, tool-call deltas) for the new text; `flush()` -> the same for what
+    was held back at the end (a call the generation left open stays open: see `flush`)."""
 
     CONTENT, NAME, ARGS, KEY, VALUE_START, STRING_VALUE, TYPED_VALUE = range(7)
 
@@ -296,5 +302,6 @@ class GlmToolCallParser:
 
 
 def _escaped(text: str) -> str:
-    """`text` as it reads inside a JSON string (pieces escaped one by one join to the whole text escaped)."""
+    """`text` as it reads inside a JSON string (pieces escaped one by one join to the whole text
+    escaped)."""
     return json.dumps(text, ensure_ascii=False)[1:-1]
