@@ -254,7 +254,10 @@ def test_a_soak_of_the_demo_server_passes(tmp_path):
     )
     kinds = report["requests"]["by_kind"]
     assert len(kinds) >= 6 and kinds["burst"].get("refused", 0) > 0, kinds
-    assert set(kinds.get("malformed", {})) <= {"refused"}, kinds
+    # a malformed request is refused, or closed when it was in flight through the killed front
+    # end (the verdict holds a kill to closing only what it caught); never answered
+    malformed = kinds.get("malformed", {})
+    assert malformed.get("refused", 0) > 0 and set(malformed) <= {"refused", "closed"}, kinds
     assert report["kill"]["outcome"] == "restarted", report["kill"]
     alive = [p["label"].rsplit(" ", 1)[0] for p in report["processes"] if p["alive_at_end"]]
     assert sorted(alive) == ["front end", "front end", "rank", "resource tracker", "server"], alive
