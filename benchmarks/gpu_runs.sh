@@ -97,12 +97,10 @@ for stage in "$@"; do
         --json "$OUT/streaming.json" ;;
     spon)
       run spon "${size[@]}" --tp 8 --sp on --layers "$layers" --batches 1 16 64 256 \
-        --contexts 8192 --mtp 0 3 \
-        --prefill 8192 --timing-kv-gib 24 --out "$OUT/tp8_spon.json" ;;
+        --contexts 8192 --mtp 0 3 --prefill 8192 --timing-kv-gib 24 --out "$OUT/tp8_spon.json" ;;
     dp8)
       run dp8 "${size[@]}" --tp 1 --dp 8 --layers "$layers" --batches 1 2 8 32 \
-        --contexts 8192 --mtp 0 3 \
-        --prefill 8192 --timing-kv-gib 16 --out "$OUT/dp8.json"
+        --contexts 8192 --mtp 0 3 --prefill 8192 --timing-kv-gib 16 --out "$OUT/dp8.json"
       run dp_host python3 benchmarks/bench_dp_host.py --dp 8 --batches 1 2 8 32 --tokens 1 3 \
         --out "$OUT/dp_host.json" ;;
     gputests)
