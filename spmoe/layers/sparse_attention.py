@@ -107,22 +107,23 @@ def indexer_topk(
             topk_rows,
         )
 
-        # a few tokens (decode; tables maybe padded far past them for a CUDA graph): a top-k bounded
-        # by each token's position, and no keys written past it
         width = block_tables.shape[1] * block_size
-        if q.shape[0] <= TOPK_ROWS_MAX_TOKENS and width > topk:
-            keys = indexer_order_keys(
-                q, weights, cache, block_tables, seq_index, positions, block_size, fill_past=False
-            )
-            return topk_rows(keys, topk, block_tables, seq_index, positions, block_size)
+        # a decode step (tables maybe padded far past its tokens for a CUDA graph): a top-k bounded
+        # by each token's position, and no keys written past it; else a prompt chunk's top-k
+        bounded = q.shape[0] <= TOPK_ROWS_MAX_TOKENS and width > topk
 
-        # a prompt chunk: in query chunks of at most TRITON_CHUNK_KEYS keys
+        # in query chunks of at most TRITON_CHUNK_KEYS keys
         def chunk_rows(c: slice) -> torch.Tensor:
             step = (seq_index[c], positions[c], block_size)
-            keys = indexer_order_keys(q[c], weights[c], cache, block_tables, *step)
+            keys = indexer_order_keys(
+                q[c], weights[c], cache, block_tables, *step, fill_past=not bounded
+            )
+            if bounded:
+                return topk_rows(keys, topk, block_tables, *step)
             return rows_of_best(keys, topk, block_tables, seq_index[c], block_size)
 
-        return torch.cat([chunk_rows(c) for c in query_chunks(len(q), width, TRITON_CHUNK_KEYS)])
+        rows = [chunk_rows(c) for c in query_chunks(len(q), width, TRITON_CHUNK_KEYS)]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
     # in query chunks: the keys `[N, L]` and the scores `[N, h, L]` of the whole batch never exist
     # at once
     n, heads, dim = q.shape

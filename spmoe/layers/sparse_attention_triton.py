@@ -431,9 +431,9 @@ def indexer_order_keys(
     return out
 
 
-TOPK_ROWS_MAX_TOKENS = (
-    512  # topk_rows runs one program per token: for decode steps, up to the largest graph
-)
+# topk_rows runs one program per token: it takes decode steps up to the largest graph's rows, 256
+# sequences of 1 + 7 tokens (speculation's drafts are rows too)
+TOPK_ROWS_MAX_TOKENS = 2048
 TOPK_TILE = 1024  # keys per load in topk_rows
 
 

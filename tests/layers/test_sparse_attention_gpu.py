@@ -228,12 +228,15 @@ def test_selected_rows_match_torch():
 @requires_gpus(1)
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_bounded_topk_over_padded_tables(kv_cache_dtype):
+@pytest.mark.parametrize("chunk_tokens", [None, 3])
+def test_bounded_topk_over_padded_tables(kv_cache_dtype, chunk_tokens, monkeypatch):
     """Decode tokens over block tables padded far past their positions (as a CUDA graph's, to 12288
     positions): the indexer without the keys past each position gives the same keys up to it, and
     `topk_rows` the same rows as torch.topk of the fully written keys, at positions below, at and above
-    TOPK (ties and scores of both signs included)."""
+    TOPK (ties and scores of both signs included); the dispatcher too, in query chunks of
+    `chunk_tokens` tokens' keys (the last one short) where a budget is set."""
     from spmoe.engine.runner.graphs import padded_tables
+    from spmoe.layers import sparse_attention
     from spmoe.layers.sparse_attention_triton import indexer_order_keys, topk_rows
 
     cache, tables = filled_cache(kv_cache_dtype)
@@ -258,6 +261,8 @@ def test_bounded_topk_over_padded_tables(kv_cache_dtype):
     visible = torch.arange(full.shape[1], device="cuda") <= pos[:, None]
     assert torch.equal(sparse[visible], full[visible])
     want = rows_of_best(full, TOPK, padded, seq_index, BLOCK)
+    if chunk_tokens:
+        monkeypatch.setattr(sparse_attention, "TRITON_CHUNK_KEYS", chunk_tokens * full.shape[1])
     for got in (
         topk_rows(sparse, TOPK, padded, seq_index, pos, BLOCK),
         indexer_topk(*args[:6], TOPK, BLOCK),
