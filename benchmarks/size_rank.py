@@ -397,6 +397,10 @@ def summary(run: dict) -> str:
                         if name != "busy_us"
                     )
                 )
+                lines.extend(
+                    f"      other: {top['kernel'][:80]} x{top['launches']} {top['us'] / 1e3:.3f} ms"
+                    for top in kernels.get("other", {}).get("top", [])
+                )
             hits = case["experts"]
             if hits:
                 lines.append(

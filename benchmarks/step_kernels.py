@@ -24,6 +24,9 @@ FAMILIES = {
 }
 
 
+TOP_KERNELS = 8  # per family, the kernels of most device time, by name
+
+
 def family_of(kernel: str) -> str:
     return next((name for name, pattern in FAMILIES.items() if pattern.search(kernel)), "other")
 
@@ -49,14 +52,17 @@ def weight_bytes(model) -> dict[str, int]:
 
 
 def kernel_report(step, model, experts_touched: list[int], bandwidth: float) -> dict:
-    """One eager `step()` under the profiler -> per family: launches, device microseconds, and for the
-    weight-streaming families the bytes they must read and the share of `bandwidth` (bytes/s) that is."""
+    """One eager `step()` under the profiler -> per family: launches, device microseconds, its
+    `TOP_KERNELS` kernels of most time (`top`), and for the weight-streaming families the bytes
+    they must read and the share of `bandwidth` (bytes/s) that is."""
     ops = gpu_ops(step)
     report: dict[str, dict] = {}
-    for kernel, (launches, micros) in ops.items():
-        row = report.setdefault(family_of(kernel), {"launches": 0, "us": 0.0})
+    for kernel, (launches, micros) in sorted(ops.items(), key=lambda op: -op[1][1]):
+        row = report.setdefault(family_of(kernel), {"launches": 0, "us": 0.0, "top": []})
         row["launches"] += launches
         row["us"] += micros
+        if len(row["top"]) < TOP_KERNELS:
+            row["top"].append({"kernel": kernel[:120], "launches": launches, "us": micros})
     weights = weight_bytes(model)
     needed = {
         "fp8_linear": weights["fp8_linear"],
