@@ -69,9 +69,8 @@ MODEL = {
     "vocab_size": 32768,
 }
 BANDWIDTH = 4.3e12  # bytes/s
-PREFILL_TOKENS = (
-    16384  # the sequences of a case are prefilled in forwards of at most this many tokens
-)
+# the sequences of a case are prefilled in forwards of at most this many tokens
+PREFILL_TOKENS = 16384
 TOP = 40  # kernels listed per profile
 
 
@@ -94,9 +93,8 @@ def step_bytes(
         )
         index_row = nbytes(t[0] for t in (layer.index_key, layer.index_scale) if t is not None)
         for n, context in rows:
-            scored = (
-                context + 1 if context + 1 > model.cfg.index_topk else 0
-            )  # else every visible row, unscored
+            # the rows the indexer scores: none when it keeps every visible row
+            scored = context + 1 if context + 1 > model.cfg.index_topk else 0
             total += n * (scored * index_row + min(context + 1, model.cfg.index_topk) * latent_row)
     return total
 
@@ -181,11 +179,12 @@ def run_model(
         next_ids = torch.randint(0, cfg.vocab_size, (sum(lens),), device="cuda", generator=gen)
         with torch.no_grad():
             first = 0
+            # sequences of one part prefilled together, as an engine's token budget
             for (
                 batch,
                 context,
                 _,
-            ) in parts:  # sequences of one part prefilled together, as an engine's token budget
+            ) in parts:
                 group = max(1, PREFILL_TOKENS // max(context, 1))
                 for at in range(first, first + batch if context else first, group):
                     part = tables[at : min(at + group, first + batch)]

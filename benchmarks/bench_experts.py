@@ -65,9 +65,8 @@ def grouped_mm(x, local, weights, w13_t, w2_t):
     order = torch.argsort(torch.where(flat >= 0, flat, LOCAL), stable=True)
     counts = torch.bincount(flat[flat >= 0], minlength=LOCAL)
     offs = counts.cumsum(0).to(torch.int32)
-    kept = order[
-        : int(offs[-1])
-    ]  # local pairs, grouped by expert (one host sync, as a user would write it)
+    # local pairs, grouped by expert (one host sync, as a user would write it)
+    kept = order[: int(offs[-1])]
     rows = kept // TOP_K
     gate_up = torch._grouped_mm(x[rows], w13_t, offs=offs)  # [P, 2I]
     gate, up = gate_up.chunk(2, dim=-1)

@@ -116,9 +116,8 @@ def attention_flops(cfg: ModelConfig, start: int, count: int, sparse: bool) -> f
     layers."""
     heads, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     total = 0.0
-    positions = (
-        torch.arange(start, start + count, dtype=torch.float64) + 1
-    )  # keys each position attends
+    # keys each position attends
+    positions = torch.arange(start, start + count, dtype=torch.float64) + 1
     if sparse:
         keys = positions.clamp(max=cfg.index_topk)
         total += float((2 * heads * keys * (2 * c + r)).sum())
@@ -180,9 +179,8 @@ def run_case(model, cfg, kind: str, context: int, args) -> dict:
     prefill_s = time.perf_counter() - began
     layer_launches = []
     while engine.has_unfinished():
-        if (
-            len(steps) == 2 and not layer_launches
-        ):  # one untimed eager step: the GPU ops of each decoder layer
+        # one untimed eager step: the GPU ops of each decoder layer
+        if len(steps) == 2 and not layer_launches:
             graphs, engine.runner.graphs = engine.runner.graphs, None
             per_layer, outs = layer_ops(model.model.layers, engine.step)
             engine.runner.graphs, layer_launches = graphs, [launch_count(ops) for ops in per_layer]
@@ -276,9 +274,8 @@ def run_model(model, cfg, args) -> list[dict]:
                 )
                 continue
             try:
-                run_case(
-                    model, cfg, kind, context, args
-                )  # untimed: the first prefill of a size pays one-off costs
+                # untimed: the first prefill of a size pays one-off costs
+                run_case(model, cfg, kind, context, args)
                 rows.append(run_case(model, cfg, kind, context, args))
             except torch.cuda.OutOfMemoryError as e:
                 oom.add(kind)

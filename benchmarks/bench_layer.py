@@ -118,10 +118,11 @@ def measure(layer, cfg, num_tokens: int, sp: bool, decode: bool) -> dict:
 def run(decode: list[int], prefill: list[int]):
     cfg = ModelConfig.from_dict(GLM)
     results = {}
+    # one layer at a time: on 2 GPUs each holds 128 experts, about 9.7 GB
     for (
         mode,
         sp,
-    ) in MODES.items():  # one layer at a time: on 2 GPUs each holds 128 experts, about 9.7 GB
+    ) in MODES.items():
         layer = build_layer(cfg, sp, "cuda").eval()
         random_weights(layer)
         for num_tokens in decode + prefill:
@@ -162,10 +163,11 @@ def weight_gib() -> dict[str, float]:
         plan = build_layer_plan(cfg, parallel)
         total = sum(map(nbytes, vocab))
         for idx, count in ((0, 3), (3, layers - 3)):  # one dense, one MoE layer
+            # dense expert weights, as Triton's
             with (
                 torch.device("meta"),
                 _default_dtype(torch.bfloat16),
-            ):  # dense expert weights, as Triton's
+            ):
                 layer = DeepseekV32DecoderLayer(
                     cfg, plan.layers[idx], TorchExperts, parallel.ep_backend
                 )

@@ -72,19 +72,19 @@ PREFILL_TOKENS, PREFILL_CONTEXT = 8192, 32768
 INDEXER_SWEEP = [(t, b, w, 3) for t in (2, 4, 8) for b in (4, 16) for w in (4, 8)]
 # --indexer-grid's steps, as bench_decode_step's cases (`parse_case`)
 GRID_STEPS = ("32x1024", "31x1024,1x131071", "256x1024", "64x1024,1x0+256")
+# a power of 2 of blocks covering the step, or a max_model_len
 GRID_WIDTHS = [
     "pow2",
     131072,
     1525184,
-]  # a power of 2 of blocks covering the step, or a max_model_len
+]
 
 
 def fill(cache: PagedKVCache, tokens: int) -> None:
     """Random rows 0 .. tokens - 1 of layer 0, written through the cache's own write path in chunks."""
     gen, chunk = torch.Generator(device="cuda").manual_seed(0), 1 << 14
-    for start in range(
-        0, tokens, chunk
-    ):  # start is a multiple of BLOCK_SIZE: the chunk's blocks in order
+    # start is a multiple of BLOCK_SIZE: the chunk's blocks in order
+    for start in range(0, tokens, chunk):
         n = min(chunk, tokens - start)
         table = torch.arange(
             start // BLOCK_SIZE, -(-(start + n) // BLOCK_SIZE), dtype=torch.int32, device="cuda"

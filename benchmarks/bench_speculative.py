@@ -137,9 +137,8 @@ def decode_rate(
 
     engine = engine_for(model, args, batch, k, source, graphs)
     sampling = SamplingParams(temperature=temperature, seed=1)
-    generate(
-        engine, prompts, args.new_tokens, sampling
-    )  # untimed, as long as the timed run: compiles, captures
+    # untimed, as long as the timed run: compiles, captures
+    generate(engine, prompts, args.new_tokens, sampling)
     stats = generate(engine, prompts, args.new_tokens, sampling).stats
     spec = stats.get("speculative", {})
     target, drafter = stats["phases"]["decode"], stats["phases"]["draft"]

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1])
-)  # the repository root, for the oracle tests' helper
+# the repository root, for the oracle tests' helper
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.models.deepseek_v32.conftest import make_nontrivial  # noqa: E402
 
 CONFIG = dict(

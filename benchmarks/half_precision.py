@@ -18,9 +18,8 @@ from spmoe.distributed import spawn
 from spmoe.entrypoints.demo import CHECKPOINT
 from spmoe.testing.heldout import heldout_sequences
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1])
-)  # the repository root, for the test's helper
+# the repository root, for the test's helper
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.engine.test_heldout_engine import prompt_logprobs  # noqa: E402
 
 SEQS = heldout_sequences(3, 512)

@@ -336,9 +336,8 @@ def save(model, mtp: MTPLayer, config, out: str) -> None:
     tensors = load_file(path)
     mtp_tensors = mtp.checkpoint_tensors(config.num_hidden_layers)
     tensors.update({k: v.to(torch.bfloat16).contiguous() for k, v in mtp_tensors.items()})
-    for (
-        key
-    ) in tensors:  # the router's weight and correction bias stay float32, as GLM-5.2 ships them
+    # the router's weight and correction bias stay float32, as GLM-5.2 ships them
+    for key in tensors:
         if key.endswith(("gate.weight", "e_score_correction_bias")):
             source = model.state_dict() if key in model.state_dict() else mtp_tensors
             tensors[key] = source[key].float().contiguous()

@@ -39,21 +39,18 @@ class ModelConfig:
     index_head_dim: int
     rms_norm_eps: float
     mlp_layer_types: tuple[str, ...]  # "dense" or "sparse" per layer
-    indexer_types: tuple[
-        str, ...
-    ]  # "full" (runs the indexer) or "shared" (reuses the previous top-k)
+    # "full" (runs the indexer) or "shared" (reuses the previous top-k)
+    indexer_types: tuple[str, ...]
     rope_theta: float
     rope_type: str  # "default" or "yarn"
-    rope_scaling: (
-        tuple  # yarn: (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
-    )
-    #                             mscale_all_dim, truncate); empty for default
+    # yarn: (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
+    # mscale_all_dim, truncate); empty for default
+    rope_scaling: tuple
     num_nextn_predict_layers: int
     fp8_block_size: tuple[int, int] | None  # FP8 e4m3 checkpoint with one scale per block, or None
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these
-    max_position_embeddings: int | None = (
-        None  # the longest sequence the model takes; None: not stated
-    )
+    # the longest sequence the model takes; None: not stated
+    max_position_embeddings: int | None = None
     # FP8 checkpoints: the suffix of a weight's block scales (DeepSeek / GLM `weight_scale_inv`,
     # compressed-tensors `weight_scale`; both multiply the stored values), and the modules the
     # quantization config leaves unquantised (regexes matched from the start of the module name:
@@ -106,9 +103,8 @@ class ModelConfig:
             ("vocab_size", self.vocab_size, t, "tensor_parallel_size"),
             ("n_routed_experts", self.n_routed_experts, ep, "the expert-parallel size"),
         ]
-        if (
-            not parallel.use_sequence_parallel_moe or parallel.sp_scope == "moe"
-        ):  # TP-sharded dense MLPs
+        # TP-sharded dense MLPs
+        if not parallel.use_sequence_parallel_moe or parallel.sp_scope == "moe":
             splits.append(("intermediate_size", self.intermediate_size, t, "tensor_parallel_size"))
         if not parallel.use_sequence_parallel_moe:  # TP-sharded shared experts
             splits.append(

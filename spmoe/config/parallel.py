@@ -13,12 +13,13 @@ from dataclasses import dataclass
 SP_MODES = ("auto", "on", "off")
 SP_SCOPES = ("moe", "all")
 EP_BACKENDS = ("allgather_reducescatter", "all_to_all")
+# see spmoe/layers/moe/experts/selection.py
 MOE_BACKENDS = (
     "auto",
     "torch",
     "triton",
     "flashinfer_trtllm",
-)  # see spmoe/layers/moe/experts/selection.py
+)
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,8 @@ class ParallelConfig:
     enable_expert_parallel: bool = True
     sp: str = "auto"  # one of SP_MODES
     sp_scope: str = "moe"  # one of SP_SCOPES: only MoE layers are SP, or every layer
-    ep_backend: str = (
-        "allgather_reducescatter"  # one of EP_BACKENDS: how SP layers dispatch to experts
-    )
+    # one of EP_BACKENDS: how SP layers dispatch to experts
+    ep_backend: str = "allgather_reducescatter"
     moe_backend: str = "auto"  # one of MOE_BACKENDS: the expert kernels
     # Measurement only (spmoe.distributed.simulated): rank 0 of this layout runs in one process, the
     # other ranks simulated; `routing_seed` makes every router's top-k a seeded function of (layer,

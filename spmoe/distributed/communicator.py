@@ -94,13 +94,11 @@ class ExpertRows:
     """What one MoE call needs to know about its rows, from the layer plan and this step."""
 
     valid: int  # the real rows of the input; the rest are SP pad rows, which get no experts
-    group: (
-        dist.ProcessGroup | None
-    )  # the EP process group to dispatch over; None: run this rank's experts on every row
+    # the EP process group to dispatch over; None: run this rank's experts on every row
+    group: dist.ProcessGroup | None
     rows_max: int  # the largest row count over the EP group: every rank pads its block to it
-    keep_output: (
-        bool  # False: a TP peer keeps the same complete routed output, this rank contributes zero
-    )
+    # False: a TP peer keeps the same complete routed output, this rank contributes zero
+    keep_output: bool
     tokens: int  # this DP group's N
     sharded: bool  # whether the input is this rank's SP shard of the N rows (else all N)
 
@@ -149,9 +147,8 @@ class LayerCommunicator:
         )
         if fused is not None:
             return fused
-        return norm.add_norm(
-            sp_reduce_scatter(attn), residual
-        )  # the reduce-scatter leaves [n, H], complete
+        # the reduce-scatter leaves [n, H], complete
+        return norm.add_norm(sp_reduce_scatter(attn), residual)
 
     def expert_rows(self, num_tokens: int, max_tokens: int) -> ExpertRows:
         """num_tokens: this DP rank's N; max_tokens: the largest N over the DP ranks (`largest_dp_batch`)."""
@@ -161,9 +158,8 @@ class LayerCommunicator:
             valid = min(n, max(0, num_tokens - state.tp_rank * n))  # pad rows sit at the tail
             rows_max = shard_rows(max_tokens, state.tp_size)
             return ExpertRows(valid, state.ep_group, rows_max, True, num_tokens, True)
-        if (
-            moe is Layout.FULL
-        ):  # every TP rank gets the same complete rows back; one keeps them -> PARTIAL
+        # every TP rank gets the same complete rows back; one keeps them -> PARTIAL
+        if moe is Layout.FULL:
             keep = state.tp_rank == 0
             return ExpertRows(num_tokens, state.ep_group, max_tokens, keep, num_tokens, False)
         return ExpertRows(num_tokens, None, num_tokens, True, num_tokens, False)

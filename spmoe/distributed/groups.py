@@ -35,9 +35,8 @@ class ParallelState:
     tp_group: dist.ProcessGroup
     ep_group: dist.ProcessGroup
     control_group: dist.ProcessGroup  # gloo, every rank: host objects only
-    tp_control_group: (
-        dist.ProcessGroup
-    )  # gloo, this rank's DP group's ranks (the control group without DP)
+    # gloo, this rank's DP group's ranks (the control group without DP)
+    tp_control_group: dist.ProcessGroup
 
     @property
     def tp_size(self) -> int:
@@ -185,9 +184,8 @@ def _loopback_store(rank: int, world: int, timeout_s: float) -> dist.TCPStore | 
     listener = socket.create_server(
         (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
     )
-    return dist.TCPStore(
-        host, port, world, True, timeout, master_listen_fd=listener.detach()
-    )  # the store owns it
+    # the store owns it
+    return dist.TCPStore(host, port, world, True, timeout, master_listen_fd=listener.detach())
 
 
 def _is_loopback(host: str) -> bool:

@@ -62,9 +62,8 @@ def free_port() -> int:
 
 def _die_with_parent(parent_pid: int) -> None:
     """In a rank: be killed when the parent dies, by the kernel (Linux) and by a watchdog thread."""
-    signal.signal(
-        signal.SIGINT, signal.SIG_IGN
-    )  # the parent turns a Ctrl-C into killing every rank
+    # the parent turns a Ctrl-C into killing every rank
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 

@@ -44,9 +44,8 @@ class LayerPlan:
 @dataclass(frozen=True)
 class ModelPlan:
     layers: tuple[LayerPlan, ...]  # the decoder layers, in order
-    mtp: tuple[
-        LayerPlan, ...
-    ]  # the MTP layers; each takes the embedding and a hidden state, both complete
+    # the MTP layers; each takes the embedding and a hidden state, both complete
+    mtp: tuple[LayerPlan, ...]
 
     @property
     def exit(self) -> Layout:

@@ -80,9 +80,8 @@ if triton is not None:
         Every rank's buffer holds `[WORLD, numel]`: row j is what rank j sent it."""
         pid, step = tl.program_id(0), tl.num_programs(0) * BLOCK
         dtype = x_ptr.dtype.element_ty
-        for start in range(
-            pid * BLOCK, numel, step
-        ):  # push this rank's rows into every rank's buffer
+        # push this rank's rows into every rank's buffer
+        for start in range(pid * BLOCK, numel, step):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < numel
             if KIND != 1:
@@ -109,9 +108,8 @@ if triton is not None:
                 for j in tl.static_range(WORLD):
                     acc += tl.load(own + j * numel + offs, mask=mask, volatile=True).to(tl.float32)
                 tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
-        _barrier(
-            pads, pid, 1, RANK, WORLD, PROGRAMS
-        )  # before any rank pushes the next call's rows here
+        # before any rank pushes the next call's rows here
+        _barrier(pads, pid, 1, RANK, WORLD, PROGRAMS)
 
     @triton.jit
     def _add_rms_norm_row(
@@ -203,9 +201,8 @@ if triton is not None:
                 tl.store(peer + RANK * block + row * size + cols, values, mask=mask)
         _barrier(pads, pid, 0, RANK, WORLD, PROGRAMS)
         for row in range(pid, rows, programs):
-            if (
-                KIND == 0
-            ):  # the peers' normed rows (this rank's own were written above), up to `valid`
+            # the peers' normed rows (this rank's own were written above), up to `valid`
+            if KIND == 0:
                 own = tl.load(buffers + RANK).to(tl.pointer_type(out_ptr.dtype.element_ty))
                 for j in tl.static_range(WORLD):
                     if j != RANK:

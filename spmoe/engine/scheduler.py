@@ -127,9 +127,8 @@ class Scheduler:
         )
         work = []
         for seq in list(self.running):
-            if (
-                seq.cache_id < 0
-            ):  # preempted for an earlier sequence (a list lookup would cost O(n))
+            # preempted for an earlier sequence (a list lookup would cost O(n))
+            if seq.cache_id < 0:
                 continue
             count = len(seq.pending) if not seq.prefilling else min(len(seq.pending), budget)
             if count == 0:
@@ -171,9 +170,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.room.max_num_seqs:
             seq = self.waiting[0]
             source = self._fork_source(seq)
-            if (
-                source is not None
-            ):  # it waits for the source's prompt, and forks in the step ending it
+            # it waits for the source's prompt, and forks in the step ending it
+            if source is not None:
                 part = self._completing(source, work)
                 if part is None or not self.room.can_fork(seq):
                     break
@@ -330,9 +328,8 @@ class Scheduler:
                 (i for i, (a, b) in enumerate(zip(twin.request.prompt, seq.pending)) if a != b),
                 min(len(twin.request.prompt), len(seq.pending)),
             )
-            if (
-                min(common, len(seq.pending) - 1) // size * size > cached
-            ):  # its last token is always computed
+            # its last token is always computed
+            if min(common, len(seq.pending) - 1) // size * size > cached:
                 return True
         return False
 

@@ -25,9 +25,8 @@ class Status(Enum):
     STOPPED = "stop"  # an eos or stop id, or its grammar complete
     LENGTH = "length"  # max_new_tokens
     ABORTED = "abort"
-    ERROR = (
-        "error"  # non-finite logits, or a token its grammar refuses (`Sequence.error` says which)
-    )
+    # non-finite logits, or a token its grammar refuses (`Sequence.error` says which)
+    ERROR = "error"
 
     @property
     def finished(self) -> bool:
@@ -37,9 +36,8 @@ class Status(Enum):
 class Role(Enum):
     """What one sequence's part of a step is."""
 
-    PROMPT_CHUNK = (
-        "prompt chunk"  # a chunk of its prompt (after a preemption: prompt and output); no draw
-    )
+    # a chunk of its prompt (after a preemption: prompt and output); no draw
+    PROMPT_CHUNK = "prompt chunk"
     PROMPT_END = "prompt end"  # the rest of it; draws its next token from the last row
     DECODE = "decode"  # its last token and its drafts: verifies them, draws after the last it keeps
     FORK = "fork"  # feeds nothing: draws its first token from `source`'s last prompt row
@@ -70,9 +68,8 @@ class Sequence:
     # appended to: each block is hashed once, however often it is looked up)
     block_hashes: list[bytes] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # chunk by chunk
-    prompt_logprobs_sent: bool = (
-        False  # they went out with its first tokens: a recompute needs none
-    )
+    # they went out with its first tokens: a recompute needs none
+    prompt_logprobs_sent: bool = False
     added_s: float = field(default_factory=time.perf_counter)  # when it entered the engine
     scheduled_s: float | None = None  # when it was first scheduled (`Scheduler._start`)
 

@@ -74,9 +74,8 @@ def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
             room.max_tokens_per_sequence - new_tokens - engine.k,
             min(room.max_num_seqs, MAX_WARMUP_REQUESTS),
         )
-        longest = (
-            room.max_tokens_per_sequence - 1 - engine.k
-        )  # a prompt, its one new token and the drafts
+        # a prompt, its one new token and the drafts
+        longest = room.max_tokens_per_sequence - 1 - engine.k
         steps = [
             warmup_step_prompts(n, longest)
             for n in warmup_step_sizes(engine.scheduler.max_num_batched_tokens)
@@ -90,9 +89,8 @@ def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
         vocab = engine.model.cfg.vocab_size
 
         def request(i: int, n: int, max_new_tokens: int) -> Request:
-            sampled = (
-                i % 2
-            )  # greedy and sampled requests (top_p: its Triton kernel), with speculation too
+            # greedy and sampled requests (top_p: its Triton kernel), with speculation too
+            sampled = i % 2
             sampling = (
                 SamplingParams(temperature=1.0, top_p=0.95, seed=i) if sampled else SamplingParams()
             )

@@ -141,10 +141,11 @@ def add_model_args(p, engine_options: tuple[str, ...] | None = None) -> None:
     add_engine_args(p, engine_options)
 
 
+# JSON options spmoe reads, which vLLM also takes as dotted keys
 DOTTED_OPTIONS = (
     "--speculative-config",
     "--hf-overrides",
-)  # JSON options spmoe reads, which vLLM also takes as dotted keys
+)
 
 
 def prepare_argv(argv: list[str]) -> list[str]:

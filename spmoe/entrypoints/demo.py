@@ -88,9 +88,8 @@ def write_demo_tokenizer(folder: Path, model_max_length: int = 4096) -> None:
         *range(ord("¡"), ord("¬") + 1),
         *range(ord("®"), ord("ÿ") + 1),
     ]
-    others = iter(
-        range(256, 512)
-    )  # byte-level BPE's convention: unprintable bytes map to chr(256 + k)
+    # byte-level BPE's convention: unprintable bytes map to chr(256 + k)
+    others = iter(range(256, 512))
     byte_chars = [chr(b) if b in printable else chr(next(others)) for b in range(256)]
     tokenizer = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(byte_chars)}, merges=[]))
     # text split into words as GPT-2's byte-level tokenizers split it: the same tokens (every byte is
@@ -245,9 +244,8 @@ def show_server(device: str, dp: int) -> int:
                 f"error: spmoe serve did not come up (exit code {server.poll()})", file=sys.stderr
             )
             return 1
-        threading.Thread(
-            target=_echo_until_ready, args=(server,), daemon=True
-        ).start()  # later lines
+        # later lines
+        threading.Thread(target=_echo_until_ready, args=(server,), daemon=True).start()
         body = {
             "model": "spmoe-demo",
             "messages": CHAT,

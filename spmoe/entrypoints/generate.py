@@ -48,9 +48,8 @@ def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOption
     `Generation`, None on the other ranks."""
     state, args = get_parallel_state(), opts.engine
     model = load_model(args, model_dir, state.device)
-    mine = split_for_dp(
-        prompts, state.dp_rank, state.dp_size
-    )  # this DP rank's prompts (maybe none)
+    # this DP rank's prompts (maybe none)
+    mine = split_for_dp(prompts, state.dp_rank, state.dp_size)
     sampling = split_for_dp(per_prompt(opts.sampling, len(prompts)), state.dp_rank, state.dp_size)
     log = (
         (lambda line: print(line, file=sys.stderr, flush=True))
@@ -65,9 +64,8 @@ def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOption
     budget, began, last = len(mine) * opts.max_new_tokens, time.perf_counter(), [0.0]
     prompt_tokens = sum(map(len, mine))
     live_terminal = sys.stderr.isatty()
-    line_start = (
-        "\r\x1b[K" if live_terminal else ""
-    )  # on a terminal: back to the line's start, clear it
+    # on a terminal: back to the line's start, clear it
+    line_start = "\r\x1b[K" if live_terminal else ""
 
     def show(
         done: int, live: int, prefilled: int
@@ -101,9 +99,8 @@ def rank_generate(model_dir: str, prompts: list[list[int]], opts: GenerateOption
     logits = gather_from_dp(gen.logits, state.dp_size) if opts.record_logits else None
     if state.rank != 0:
         return None
-    generated = sum(
-        map(len, outputs)
-    )  # every DP rank's tokens; the ranks step together, so rank 0's clock
+    # every DP rank's tokens; the ranks step together, so rank 0's clock
+    generated = sum(map(len, outputs))
     gen.stats.update(
         generated_tokens=generated,
         tokens_per_s=generated / gen.stats["seconds"],

@@ -25,9 +25,8 @@ FIELDS = {
 
 @dataclass(frozen=True)
 class GenerationDefaults:
-    values: dict = field(
-        default_factory=dict
-    )  # request field -> default, only those the model states
+    # request field -> default, only those the model states
+    values: dict = field(default_factory=dict)
     source: str = "none"  # where they came from, for the log
 
     @classmethod

@@ -52,9 +52,8 @@ def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
     try:
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(
-            temporary, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask
-        )  # as open() would
+        # as open() would
+        os.chmod(temporary, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask)
         write(Path(temporary))
         os.replace(temporary, path)
     except BaseException:
@@ -107,9 +106,8 @@ def gather_from_dp(mine: list, dp_size: int) -> list | None:
     state = get_parallel_state()
     if dp_size == 1:
         return mine
-    shares = gather_object(
-        mine if state.tp_rank == 0 else None, state.control_group
-    )  # one copy per DP group
+    # one copy per DP group
+    shares = gather_object(mine if state.tp_rank == 0 else None, state.control_group)
     if state.rank != 0:
         return None
     per_dp = shares[:: state.tp_size]  # TP rank 0 of each DP group

@@ -34,20 +34,22 @@ MULTI_NODE = (
     "--rdzv-endpoint HOST0:29500 -m spmoe serve MODEL --tp 16 (docs/deployment.md)"
 )
 VERDICTS = ("taken", "noted", "ignored", "refused")
+# argparse nargs
 ARITIES = {
     "switch": 0,
     "value": None,
     "json": None,
     "values": "+",
     "optional": "?",
-}  # argparse nargs
+}
 
+# a name of vLLM before 0.34 that 0.34 lacks -> the first and last release read with it
 OLDER = {
     name: (first, last)
     for names, _, first, last in vllm_flags_before_0_34.options()
     for name in names
     if name not in {n for names, _ in vllm_flags_0_34.options() for n in names}
-}  # a name of vLLM before 0.34 that 0.34 lacks -> the first and last release read with it
+}
 # vLLM before 0.8 took some switches with an optional true or false after them
 # (`--enable-chunked-prefill false`): `vllm_argv` reads that value, so they are switches here
 BOOLEAN_VALUED = tuple(
@@ -1342,19 +1344,21 @@ def with_flag_tables(page: str) -> str:
 
 
 JSON_OPTIONS = tuple(names[0] for names, arity in vllm_flags_0_34.options() if arity == "json")
+# vLLM's shorthands for keys of --speculative-config
 SPEC_SHORTHANDS = {
     "--spec-method": "method",
     "--spec-model": "model",
     "--spec-tokens": "num_speculative_tokens",
-}  # vLLM's shorthands for keys of --speculative-config
+}
 OPTIMIZATION_LEVELS = ("0", "1", "2", "3")
+# -sc, -cc, ...: short names of JSON options, which vLLM also takes dotted (-cc.mode 3)
 JSON_SHORT = {
     name: names[0]
     for names, arity in vllm_flags_0_34.options()
     if arity == "json"
     for name in names[1:]
     if not name.startswith("--")
-}  # -sc, -cc, ...: short names of JSON options, which vLLM also takes dotted (-cc.mode 3)
+}
 
 
 def vllm_argv(argv: list[str]) -> list[str]:

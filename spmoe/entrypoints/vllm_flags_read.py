@@ -32,14 +32,16 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# the module with `make_arg_parser`, newest layout first
 SERVER_MODULES = (
     "vllm/entrypoints/common/cli_args.py",
     "vllm/entrypoints/launchers/cli_args.py",
     "vllm/entrypoints/openai/cli_args.py",
-)  # the module with `make_arg_parser`, newest layout first
+)
 SUBCOMMAND_MODULES = ("vllm/entrypoints/cli/serve.py", "vllm/scripts.py")
 ENGINE_MODULE = "vllm/engine/arg_utils.py"
 SWITCH_ACTIONS = ("store_true", "store_false", "store_const", "count", "help", "version")
+# a type's name -> the kind get_kwargs tells apart
 KINDS = {
     "bool": "bool",
     "str": "str",
@@ -56,7 +58,7 @@ KINDS = {
     "set": "set",
     "Set": "set",
     "Literal": "Literal",
-}  # a type's name -> the kind get_kwargs tells apart
+}
 UNIONS = ("Optional", "Union")
 WRAPPERS = ("Annotated", "SkipValidation")  # X[T, ...] is T to argparse
 Row = tuple[tuple[str, ...], str]  # an option's names and arity

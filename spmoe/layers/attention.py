@@ -106,9 +106,8 @@ class Indexer(nn.Module):
         k = batch.keys(self.layer_idx, "indexer", self._key(wk_x, batch.rotary)).float()  # [K, d]
         weights = head_weights.float() * cfg.index_n_heads**-0.5  # [N, h]
         selected = torch.zeros_like(batch.allowed)
-        for c in query_chunks(
-            q.shape[0], k.shape[0] * (q.shape[1] + 3)
-        ):  # scores [n, h, K], index, its sort
+        # scores [n, h, K], index, its sort
+        for c in query_chunks(q.shape[0], k.shape[0] * (q.shape[1] + 3)):
             scores = F.relu(torch.einsum("qhd,kd->qhk", q[c].float(), k) * cfg.index_head_dim**-0.5)
             index = torch.einsum("qh,qhk->qk", weights[c], scores).masked_fill(
                 ~batch.allowed[c], float("-inf")
@@ -272,24 +271,20 @@ class MLAttention(nn.Module):
         kv_latent = self.kv_a_layernorm(kv_latent)  # [N, c]
         batch.rotary.rotate_(k_rope.unsqueeze(1), interleaved=True)  # [N, rope]
         latent = batch.keys(self.layer_idx, "mla", torch.cat([kv_latent, k_rope], dim=-1))
-        kv_latent, k_rope = latent.split(
-            [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1
-        )  # [K, c], [K, rope]
+        # [K, c], [K, rope]
+        kv_latent, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(kv_latent).view(
             latent.shape[0], heads, cfg.qk_nope_head_dim + cfg.v_head_dim
         )
-        k_nope, v = kv.split(
-            [cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1
-        )  # [K, h, nope], [K, h, v]
-        k = torch.cat(
-            [k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1)], dim=-1
-        )  # [K, h, qk_head]
+        # [K, h, nope], [K, h, v]
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        # [K, h, qk_head]
+        k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
         if self.indexer is not None:
             selected = self.indexer(*(proj[name] for name in Indexer.PROJECTIONS), q_latent, batch)
         out = torch.empty(n_tok, heads, cfg.v_head_dim, dtype=v.dtype, device=v.device)
-        for c in query_chunks(
-            n_tok, heads * k.shape[0] * 3
-        ):  # scores [h, n, K], float32 and v's dtype probs
+        # scores [h, n, K], float32 and v's dtype probs
+        for c in query_chunks(n_tok, heads * k.shape[0] * 3):
             scores = torch.einsum("qhd,khd->hqk", q[c], k) * cfg.attention_scale
             scores = scores.masked_fill(~selected[c], float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)

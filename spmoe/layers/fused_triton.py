@@ -171,6 +171,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bo
     if n_tok == 0 or heads == 0:
         return
     block_h = min(16, triton.next_power_of_2(heads))
+    # see _rotated
     _rope_kernel[(n_tok, triton.cdiv(heads, block_h))](
         x,
         cos,
@@ -184,7 +185,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bo
         BLOCK_H=block_h,
         num_warps=4,
         enable_fp_fusion=False,
-    )  # see _rotated
+    )
 
 
 @triton.jit
@@ -329,6 +330,7 @@ def index_key_to_cache(
     if n_tok == 0:
         return
     fp8 = scales is not None
+    # see _rotated
     _index_key_kernel[(n_tok,)](
         x,
         weight,
@@ -350,7 +352,7 @@ def index_key_to_cache(
         CHUNK=min(dim, 32),
         num_warps=4 if fp8 else 1,
         enable_fp_fusion=False,
-    )  # see _rotated
+    )
 
 
 @triton.jit
@@ -409,9 +411,8 @@ def _router_kernel(
     for k in tl.static_range(K):
         top = tl.max(tl.max(choice, axis=1), axis=0)
         pick = tl.min(tl.min(tl.where(choice == top, expert, EXPERTS), axis=1), axis=0)
-        hit = (
-            expert == pick
-        ) & real  # a pad lane shares its number with the next group's first expert
+        # a pad lane shares its number with the next group's first expert
+        hit = (expert == pick) & real
         weight = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
         ids = tl.where(slot == k, pick.to(tl.int64), ids)
         weights = tl.where(slot == k, weight, weights)
@@ -443,6 +444,7 @@ def route(
     weights = torch.empty(m, top_k, dtype=torch.float32, device=sums.device)
     if m:
         group = experts // n_group
+        # one warp: its reductions need no shared memory
         _router_kernel[(m,)](
             sums,
             bias.float(),
@@ -463,13 +465,12 @@ def route(
             GROUP_P=triton.next_power_of_2(group),
             K_P=triton.next_power_of_2(top_k),
             num_warps=1,
-        )  # one warp: its reductions need no shared memory
+        )
     return ids, weights
 
 
-GEMV_ROWS = (
-    32  # at most this many rows take the Triton GEMV (`router_logit_sums`), more take cuBLAS
-)
+# at most this many rows take the Triton GEMV (`router_logit_sums`), more take cuBLAS
+GEMV_ROWS = 32
 GEMV_SLICE = 1024  # the K-slice one GEMV program sums
 
 
@@ -520,9 +521,8 @@ def router_logit_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     splits = triton.cdiv(hidden, GEMV_SLICE)
     sums = torch.empty(m, splits, experts, dtype=torch.float32, device=x.device)
     if m:
-        block_e = min(
-            8, max(2, triton.next_power_of_2(experts) // 16)
-        )  # >= ~100 programs for 64+ experts
+        # >= ~100 programs for 64+ experts
+        block_e = min(8, max(2, triton.next_power_of_2(experts) // 16))
         block_m = min(8, triton.next_power_of_2(m))
         _router_gemv_kernel[(triton.cdiv(experts, block_e), splits, triton.cdiv(m, block_m))](
             x,
@@ -577,9 +577,8 @@ def _mla_cache_write_kernel(
         groups = tl.reshape(normed.to(tl.float32), (BLOCK_C // GROUP, GROUP))
         scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-10) / FP8_MAX
         scales = tl.broadcast_to(scale[:, None], (BLOCK_C // GROUP, GROUP))
-        values = tl.math.div_rn(groups, scales).to(
-            latent_ptr.dtype.element_ty
-        )  # IEEE division, as torch's
+        # IEEE division, as torch's
+        values = tl.math.div_rn(groups, scales).to(latent_ptr.dtype.element_ty)
         cols = tl.reshape(c, (BLOCK_C // GROUP, GROUP))
         tl.store(latent_ptr + slot * stride_latent + cols, values, mask=cols < LATENT)
         g = tl.arange(0, BLOCK_C // GROUP)
@@ -597,9 +596,8 @@ def _mla_cache_write_kernel(
     odd = tl.load(rope + 2 * j + 1, mask=j_ok).to(tl.float32)
     first = _rotated(even, odd, cos, -sin, rope_ptr.dtype.element_ty)
     second = _rotated(odd, even, cos, sin, rope_ptr.dtype.element_ty)
-    tl.store(
-        rope_ptr + slot * stride_rope + j, first, mask=j_ok
-    )  # the rotated evens, then the rotated odds
+    # the rotated evens, then the rotated odds
+    tl.store(rope_ptr + slot * stride_rope + j, first, mask=j_ok)
     tl.store(rope_ptr + slot * stride_rope + HALF + j, second, mask=j_ok)
 
 
@@ -634,6 +632,7 @@ def write_mla_cache(
         return
     fp8 = latent_scale is not None
     block_c = triton.next_power_of_2(c)
+    # see _rotated
     _mla_cache_write_kernel[(n_tok,)](
         kv_a,
         weight,
@@ -658,7 +657,7 @@ def write_mla_cache(
         FP8_MAX=FP8_MAX,
         num_warps=min(8, max(1, block_c // 256)),
         enable_fp_fusion=False,
-    )  # see _rotated
+    )
 
 
 @triton.jit
@@ -671,9 +670,8 @@ def _silu_mul_kernel(
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    silu = (
-        (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    )  # F.silu rounds to the dtype, then the product
+    # F.silu rounds to the dtype, then the product
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (silu * up).to(dtype), mask=mask)
 
 

@@ -36,9 +36,8 @@ from spmoe.layers.fused import TRITON_INSTALLED, use_fused
 from spmoe.layers.paged_rows import PagedLayerCache
 from spmoe.layers.quantization.fp8 import dequantize
 
-POSITION_BITS = (
-    31  # positions are below 2**31; the low half of an ordering key holds 2**31 - 1 - position
-)
+# positions are below 2**31; the low half of an ordering key holds 2**31 - 1 - position
+POSITION_BITS = 31
 # The torch paths (CPU, and any device without the Triton kernels) score at most this many values
 # per step: they go over the queries in chunks sized so that a chunk's largest intermediates
 # (scores, gathered keys) hold about this many elements (256 MiB of float32), whatever the number of
@@ -127,9 +126,8 @@ def indexer_topk(
     # in query chunks: the keys `[N, L]` and the scores `[N, h, L]` of the whole batch never exist
     # at once
     n, heads, dim = q.shape
-    per_query = (
-        block_tables.shape[1] * block_size * (dim + heads + 8)
-    )  # gathered keys, scores, rows and keys
+    # gathered keys, scores, rows and keys
+    per_query = block_tables.shape[1] * block_size * (dim + heads + 8)
     return torch.cat(
         [
             rows_of_best(
@@ -251,9 +249,8 @@ def sparse_mla(
 
         return triton_sparse_mla(q_latent, q_rope, cache, rows, scale)
     (n, heads, latent_dim), k = q_latent.shape, rows.shape[1]
-    per_query = k * (
-        latent_dim + q_rope.shape[2] + 2 * heads
-    )  # gathered latents and rope keys, scores, weights
+    # gathered latents and rope keys, scores, weights
+    per_query = k * (latent_dim + q_rope.shape[2] + 2 * heads)
     chunks = query_chunks(n, per_query)
     if len(chunks) == 1:
         return sparse_mla_torch(q_latent, q_rope, cache, rows, scale)
@@ -290,9 +287,8 @@ def sparse_mla_torch(q_latent, q_rope, cache: PagedLayerCache, rows, scale: floa
         + torch.einsum("nhr,nkr->nhk", q_rope.float(), rope)
     ) * scale
     scores = scores.masked_fill((rows < 0)[:, None, :], float("-inf"))
-    top = scores.amax(-1, keepdim=True).clamp(
-        min=torch.finfo(torch.float32).min
-    )  # finite if all are -inf
+    # finite if all are -inf
+    top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
     weights = torch.exp(scores - top)  # [N, h, k], 0 where no row
     total = weights.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     return (torch.einsum("nhk,nkc->nhc", weights, latent) / total).to(q_latent.dtype)

@@ -100,13 +100,13 @@ def _index_block(
     seen = offsets <= tl.max(position)
     physical = tl.load(table_ptr + block).to(tl.int64)
     rows = physical * BLOCK + tl.arange(0, BLOCK)
+    # [BLOCK, DIM]
     keys = tl.load(
         k_ptr + rows[:, None] * DIM + tl.arange(0, DIM)[None, :], mask=seen[:, None], other=0.0
-    )  # [BLOCK, DIM]
+    )
     scores = tl.maximum(tl.dot(keys, tl.trans(q)), 0.0)  # [BLOCK, TOKENS * BLOCK_H] float32
-    index = tl.sum(
-        tl.reshape(scores * weights[None, :], (BLOCK, TOKENS, BLOCK_H)), axis=2
-    )  # [BLOCK, TOKENS]
+    # [BLOCK, TOKENS]
+    index = tl.sum(tl.reshape(scores * weights[None, :], (BLOCK, TOKENS, BLOCK_H)), axis=2)
     if HAS_SCALE:
         index *= tl.load(ks_ptr + rows, mask=seen, other=1.0)[:, None]
     index = tl.where(offsets[:, None] <= position[None, :], index, float("-inf"))
@@ -256,9 +256,8 @@ def _indexer_kernel(
     first_tile = tl.program_id(1)  # this program's tiles: first_tile, first_tile + tile_step, ...
     token = first_token + tl.arange(0, TOKENS)
     write = token < n
-    clamped = tl.minimum(
-        token, n - 1
-    )  # the last tile's padding repeats its last token (computed, not written)
+    # the last tile's padding repeats its last token (computed, not written)
+    clamped = tl.minimum(token, n - 1)
     seq = tl.load(seq_ptr + clamped).to(tl.int64)  # seq * table stride, as every row offset: int64
     position = tl.load(pos_ptr + clamped)
     if not FILL_PAST:
@@ -304,6 +303,7 @@ def _indexer_kernel(
         h = tl.arange(0, BLOCK_H)
         for t in range(TOKENS):
             one = tl.minimum(first_token + t, n - 1) + tl.arange(0, 1)  # [1]
+            # [BLOCK_H, DIM]
             q = tl.load(
                 q_ptr
                 + one[:, None] * stride_qn
@@ -311,7 +311,7 @@ def _indexer_kernel(
                 + tl.arange(0, DIM)[None, :],
                 mask=(h < heads)[:, None],
                 other=0.0,
-            )  # [BLOCK_H, DIM]
+            )
             weights = tl.load(w_ptr + one * stride_wn + h, mask=h < heads, other=0.0)
             _index_tiles(
                 q,
@@ -650,16 +650,18 @@ def _sparse_mla_kernel(
     token, head_block, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     c, r = tl.arange(0, LATENT), tl.arange(0, ROPE)
+    # [BLOCK_H, LATENT]
     q_lat = tl.load(
         ql_ptr + token * stride_qln + h[:, None] * stride_qlh + c[None, :],
         mask=h[:, None] < heads,
         other=0.0,
-    )  # [BLOCK_H, LATENT]
+    )
+    # [BLOCK_H, ROPE]
     q_rope = tl.load(
         qr_ptr + token * stride_qrn + h[:, None] * stride_qrh + r[None, :],
         mask=h[:, None] < heads,
         other=0.0,
-    )  # [BLOCK_H, ROPE]
+    )
     best = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, LATENT], tl.float32)
@@ -674,20 +676,20 @@ def _sparse_mla_kernel(
         )
         if FP8:  # one scale per GROUP values: scale the [BLOCK_K, groups, GROUP] view
             g = tl.arange(0, LATENT // GROUP)
+            # [BLOCK_K, groups]
             group_scale = tl.load(
                 lat_scale_ptr + row[:, None] * (LATENT // GROUP) + g[None, :],
                 mask=valid[:, None],
                 other=0.0,
-            )  # [BLOCK_K, groups]
+            )
             latent = (
                 tl.reshape(latent.to(tl.float32), (BLOCK_K, LATENT // GROUP, GROUP))
                 * group_scale[:, :, None]
             )
             latent = tl.reshape(latent, (BLOCK_K, LATENT)).to(q_lat.dtype)
         rope = tl.load(rope_ptr + row[:, None] * ROPE + r[None, :], mask=valid[:, None], other=0.0)
-        scores = tl.dot(q_lat, tl.trans(latent)) + tl.dot(
-            q_rope, tl.trans(rope)
-        )  # [BLOCK_H, BLOCK_K]
+        # [BLOCK_H, BLOCK_K]
+        scores = tl.dot(q_lat, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))
         scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
         shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # no row yet: keep exp2 finite
@@ -734,9 +736,8 @@ def _merge_splits_kernel(
     acc = tl.load(
         acc_ptr + base[:, None] * LATENT + c[None, :], mask=(s < SPLITS)[:, None], other=0.0
     )
-    denominator = tl.maximum(
-        tl.sum(weight * total, axis=0), 1.1754943508222875e-38
-    )  # no row at all: zeros
+    # no row at all: zeros
+    denominator = tl.maximum(tl.sum(weight * total, axis=0), 1.1754943508222875e-38)
     out = tl.sum(acc * weight[:, None], axis=0) / denominator
     tl.store(out_ptr + token * stride_on + head * stride_oh + c, out.to(out_ptr.dtype.element_ty))
 
@@ -835,9 +836,8 @@ def sparse_mla(
     return out
 
 
-HEAD_MATMUL_TOKENS = (
-    16  # head_matmul's tile of tokens: the rows of one tl.dot, and the most tokens it takes
-)
+# head_matmul's tile of tokens: the rows of one tl.dot, and the most tokens it takes
+HEAD_MATMUL_TOKENS = 16
 
 
 @triton.jit

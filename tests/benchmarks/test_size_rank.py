@@ -33,9 +33,8 @@ TINY = {
 
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory):
-    sys.path.insert(
-        0, str(BENCHMARKS)
-    )  # as when run from benchmarks/ (its rank process imports it too)
+    # as when run from benchmarks/ (its rank process imports it too)
+    sys.path.insert(0, str(BENCHMARKS))
     import size_rank
 
     out = tmp_path_factory.mktemp("size") / "rank.json"

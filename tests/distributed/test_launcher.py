@@ -26,9 +26,8 @@ def rank_and_sum():
 def raise_on_rank_1():
     if get_parallel_state().rank == 1:
         raise ValueError("boom on purpose")
-    all_reduce(
-        torch.ones(1), get_parallel_state().tp_group
-    )  # rank 0 blocks here until it is killed
+    # rank 0 blocks here until it is killed
+    all_reduce(torch.ones(1), get_parallel_state().tp_group)
 
 
 def die_on_rank_1():
@@ -58,9 +57,8 @@ def listening_addresses() -> set[str]:
             address, hex_port = local.split(":")
             if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
                 raw = bytes.fromhex(address)
-                words = [
-                    raw[i : i + 4][::-1] for i in range(0, len(raw), 4)
-                ]  # little-endian 32-bit words
+                # little-endian 32-bit words
+                words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]
                 found.add(
                     socket.inet_ntop(
                         socket.AF_INET if len(raw) == 4 else socket.AF_INET6, b"".join(words)

@@ -42,11 +42,12 @@ def descendants(pid: int) -> dict[int, str]:
 
 def still_running(processes: dict[int, str]) -> list[int]:
     table = process_table()
+    # a zombie has ended
     return [
         pid
         for pid, start in processes.items()
         if pid in table and table[pid][2] == start and table[pid][1] != "Z"
-    ]  # a zombie has ended
+    ]
 
 
 def start_generation(model: str, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
@@ -60,6 +61,7 @@ def start_generation(model: str, tmp_path: Path) -> tuple[subprocess.Popen, Path
         ),
     }
     with open(err, "w") as stderr:
+        # its own process group, as a shell job has
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -83,11 +85,10 @@ def start_generation(model: str, tmp_path: Path) -> tuple[subprocess.Popen, Path
             stderr=stderr,
             env=env,
             start_new_session=True,
-        )  # its own process group, as a shell job has
+        )
     deadline = time.monotonic() + 120
-    while (
-        "generating:" not in err.read_text()
-    ):  # the first progress line comes after the first step
+    # the first progress line comes after the first step
+    while "generating:" not in err.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
         time.sleep(0.2)
     return proc, err

@@ -70,9 +70,8 @@ def compare_with_nccl() -> list[str]:
                     if kind in kinds and not close(outs[kind], want):
                         err = (outs[kind].float() - want.float()).abs().max().item()
                         failures.append(f"{kind} {dtype} rows={rows} {trial}: max |diff| {err:.3e}")
-    too_big = torch.empty(
-        BUFFER_BYTES // (2 * t) + 1, dtype=torch.bfloat16, device=device
-    )  # x t ranks x 2 B
+    # one element more than fits: elements x t ranks x 2 B > BUFFER_BYTES
+    too_big = torch.empty(BUFFER_BYTES // (2 * t) + 1, dtype=torch.bfloat16, device=device)
     try:
         one_shot.run("all_reduce", too_big, too_big)
         failures.append("an all-reduce larger than the buffer ran")

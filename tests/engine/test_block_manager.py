@@ -65,9 +65,8 @@ def test_bad_calls_raise_clear_errors():
         ValueError, match="5 more tokens of sequence 0 needs 2 KV cache blocks, 1 of 2 are free"
     ):
         blocks.grow(0, 5)
-    assert blocks.reserved(0) == 4 and blocks.block_table(0) == [
-        0
-    ]  # a refused growth changes nothing
+    # a refused growth changes nothing
+    assert blocks.reserved(0) == 4 and blocks.block_table(0) == [0]
     with pytest.raises(KeyError, match="sequence 3 holds no blocks"):
         blocks.free(3)
     with pytest.raises(KeyError, match="sequence 3 holds no blocks"):
@@ -258,9 +257,8 @@ def test_a_held_cached_block_is_shared_not_evicted():
     a = [1, 2, 3, 4, 5]
     blocks.allocate(0, 5, a)
     rows.write(0, a, 0, 5)
-    assert blocks.can_allocate(5, a) and not blocks.can_allocate(
-        5
-    )  # 1 fresh block with the hit, 3 without
+    # 1 fresh block with the hit, 3 without
+    assert blocks.can_allocate(5, a) and not blocks.can_allocate(5)
     assert blocks.allocate(1, 5, a) == 4  # the two full blocks, held by both
     assert blocks.block_table(1)[:2] == blocks.block_table(0)[:2] and blocks.num_free_blocks == 0
     audit(blocks, {0: blocks.block_table(0), 1: blocks.block_table(1)})
@@ -319,10 +317,11 @@ def test_fork_shares_the_prompts_full_blocks(enable_caching, lookahead):
     rows.write(0, prompt + [20], 0, 8)  # the parent's prompt, and its first token known
     shared = 8 if lookahead == 0 else 4
     assert blocks.fork(0, 1, 8) == shared
+    # its own first token: the shared rows are still what computing them gives
     child = prompt + [
         30,
         31,
-    ]  # its own first token: the shared rows are still what computing them gives
+    ]
     rows.check(1, child, shared)
     assert blocks.block_table(1)[: shared // 4] == blocks.block_table(0)[: shared // 4]
     blocks.grow(1, 1)
@@ -361,9 +360,8 @@ def test_bad_prefix_calls_raise_clear_errors():
         ValueError, match="finds 4 prompt tokens cached .* more than 4 tokens expected, got 4"
     ):
         blocks.allocate(1, 4, a)
-    assert (
-        blocks.num_used_blocks == 0 and blocks.num_cached_blocks == 2
-    )  # a refused allocation takes nothing
+    # a refused allocation takes nothing
+    assert blocks.num_used_blocks == 0 and blocks.num_cached_blocks == 2
     with pytest.raises(KeyError, match="sequence 7 holds no blocks"):
         blocks.fork(7, 8, 4)
     blocks.allocate(1, 5, a)
@@ -441,9 +439,8 @@ def test_no_leaked_block_after_1000_random_requests(lookahead):
             parent = rng.choice(sorted(running))
             tokens, done, known, _ = running[parent]
             prompt = tokens[:known]
-            if done < len(prompt) or not blocks.can_fork(
-                len(prompt)
-            ):  # forks once the prompt is written
+            # forks once the prompt is written
+            if done < len(prompt) or not blocks.can_fork(len(prompt)):
                 continue
             shared = blocks.fork(parent, next_id, len(prompt))
             assert shared == (len(prompt) - lookahead) // size * size

@@ -89,9 +89,8 @@ def drive(engine, seqs, aborts: dict[int, int]) -> dict:
         steps += 1
     engine.scheduler.schedule = schedule
     blocks = room.blocks
-    assert (
-        blocks.num_used_blocks == 0 and blocks.num_free_blocks == blocks.num_blocks
-    )  # every block came back
+    # every block came back
+    assert blocks.num_used_blocks == 0 and blocks.num_free_blocks == blocks.num_blocks
     got = {
         i: (seq.output, logprobs[seq.request_id], torch.stack(seq.logits) if seq.logits else None)
         for i, seq in enumerate(seqs)
@@ -173,19 +172,16 @@ def test_each_choice_gets_what_it_gets_alone(engine_checkpoint):
                     assert abs(logprob - want_logprob) < 1e-4 and [t for t, _ in top] == [
                         t for t, _ in want_top
                     ]
-            assert len({tuple(got[i][0]) for i in range(4)}) == 4, (
-                where
-            )  # the seeds give different choices
+            # the seeds give different choices
+            assert len({tuple(got[i][0]) for i in range(4)}) == 4, where
             if blocks is None:
                 assert got["forked"] == {"choice-1", "choice-2", "choice-3"}, where
-            if (
-                blocks is None and k == 0
-            ):  # the prompt's full blocks once, and one block of its own per choice
+            # the prompt's full blocks once, and one block of its own per choice
+            if blocks is None and k == 0:
                 assert got["peak"] == alone["peak"] + 3, (where, got["peak"], alone["peak"])
         small = results["small cache", prompt_len]
-        if (
-            prompt_len == 130
-        ):  # the source's 3 blocks and 2 forks fill the cache: the last choice computes its own
+        # the source's 3 blocks and 2 forks fill the cache: the last choice computes its own
+        if prompt_len == 130:
             assert small["forked"] == {"choice-1", "choice-2"} and small["preemptions"] == 0
         else:  # the three forks hold nothing of their own until they decode: the last one admitted yields
             assert (
@@ -193,10 +189,11 @@ def test_each_choice_gets_what_it_gets_alone(engine_checkpoint):
             )
 
     aborted, alone = results["aborts", 130], results[130, "alone"]
+    # choice 2 was gone before the prompt was computed
     assert aborted["forked"] == {
         "choice-1",
         "choice-3",
-    }  # choice 2 was gone before the prompt was computed
+    }
     assert (
         aborted[2][0] == []
         and 0 < len(aborted[0][0]) < MAX_NEW

@@ -100,9 +100,8 @@ def test_graph_replay_equals_eager(tmp_path):
         assert got[sp, "graph sizes"] == [1, 2, 4]
         eager, graphed = got[sp, "outputs"]
         assert graphed == eager, f"SP {sp}"
-        assert got[sp, "logit error"] < 2e-2, got[
-            sp, "logit error"
-        ]  # bf16; the padded batch changes GEMM shapes
+        # bf16; the padded batch changes GEMM shapes
+        assert got[sp, "logit error"] < 2e-2, got[sp, "logit error"]
     assert (
         got["on", "collectives"]["reduce_scatter"] > 0
         and got["off", "collectives"]["reduce_scatter"] == 0

@@ -104,9 +104,8 @@ def run_api_cases(folder: str) -> dict:
             engine.add_request(req)
         except ValueError as e:
             errors[name] = str(e)
-    model.cfg = replace(
-        model.cfg, max_position_embeddings=24
-    )  # a model that takes fewer positions than a slot
+    # a model that takes fewer positions than a slot
+    model.cfg = replace(model.cfg, max_position_embeddings=24)
     try:
         engine.add_request(Request("p", [1] * 20, 3))
     except ValueError as e:
@@ -126,9 +125,8 @@ def test_requests_joining_and_leaving_get_their_own_tokens(api):
     assert got["r0"] == (full[0], "length")
     assert got["r2"][0] == alone[2] and got["r3"][0] == alone[3]
     assert got["r2"][1] == ("stop" if alone[2][-1] in EOS else "length")
-    tokens, reason = got[
-        "r1"
-    ]  # aborted after two steps: a prefix of its own tokens, no finish output
+    # aborted after two steps: a prefix of its own tokens, no finish output
+    tokens, reason = got["r1"]
     assert reason is None and len(tokens) == 2 and full[1][:2] == tokens
     assert api["staggered_done"] == (False, 2)
 

@@ -16,11 +16,12 @@ from tests.engine.test_cuda_graphs import GRAPH_CONFIG
 from tests.engine.test_grammar import SCHEMAS
 from tests.multigpu import requires_gpus
 
+# the demo tokenizer's vocabulary
 CONFIG = {
     **ENGINE_CONFIG,
     "vocab_size": 264,
     "max_position_embeddings": 1024,
-}  # the demo tokenizer's vocabulary
+}
 # the GPU's Triton kernels want wider layers (as in test_paged_engine_gpu.py)
 GPU_CONFIG = {
     **GRAPH_CONFIG,

@@ -11,6 +11,7 @@ from spmoe.engine.request import Request, SamplingParams
 
 from .conftest import log_softmax
 
+# 70 tokens: one full block of 64 for the prefix cache
 PROMPT = [
     3,
     14,
@@ -22,7 +23,7 @@ PROMPT = [
     7,
     7,
     21,
-] * 7  # 70 tokens: one full block of 64 for the prefix cache
+] * 7
 MAX_NEW = 6
 REQUESTS = {
     "logprobs": SamplingParams(logprobs=3, prompt_logprobs=2),
@@ -50,9 +51,8 @@ def run_engine_and_forward(folder: str) -> dict:
     from spmoe.models.deepseek_v32.weights import load_model
 
     model = load_model(folder, ParallelConfig())
-    engine = Engine(
-        model, PagedKVCache.for_model(model, 2**22), max_num_batched_tokens=8
-    )  # prompts in chunks
+    # prompts in chunks
+    engine = Engine(model, PagedKVCache.for_model(model, 2**22), max_num_batched_tokens=8)
     for name, params in REQUESTS.items():
         engine.add_request(Request(name, PROMPT, MAX_NEW, params))
     got = {name: {"tokens": [], "logprobs": [], "prompt_logprobs": None} for name in REQUESTS}
@@ -121,13 +121,11 @@ def test_penalties_steer_greedy_and_sampled_requests(ran):
         ]
         assert token == max(range(len(row)), key=lambda t: row[t])
     assert greedy["tokens"] != plain  # the penalty changed something
-    assert len(set(greedy["tokens"])) < len(
-        greedy["tokens"]
-    )  # negative penalties: it repeats itself
+    # negative penalties: it repeats itself
+    assert len(set(greedy["tokens"])) < len(greedy["tokens"])
     sampled, logits = ran["got"]["penalised_sampled"], ran["forward"]["penalised_sampled"]
-    assert (
-        len(sampled["logprobs"]) == len(sampled["tokens"]) > 0
-    )  # the loop below checks every token
+    # the loop below checks every token
+    assert len(sampled["logprobs"]) == len(sampled["tokens"]) > 0
     for j, (token, (lp, top)) in enumerate(zip(sampled["tokens"], sampled["logprobs"])):
         before, row = sampled["tokens"][:j], list(logits[len(PROMPT) - 1 + j])
         row[5] += 3.0

@@ -131,9 +131,8 @@ def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: l
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     words = bitmask.to(logits.device)[index]  # [r, W]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = (
-        ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
-    )  # [r, W * 32] -> [r, V]
+    # [r, W * 32] -> [r, V]
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
@@ -186,9 +185,8 @@ def test_constrained_sampling_is_schema_valid(compiler, tokenizer):
             continue
         text = tokenizer.decode(tokens)
         jsonschema.validate(json.loads(text), json.loads(spec.text))
-    assert (
-        len({tokenizer.decode(t) for t in outputs[:50]}) > 25
-    )  # sampled, not one fixed answer per schema
+    # sampled, not one fixed answer per schema
+    assert len({tokenizer.decode(t) for t in outputs[:50]}) > 25
 
 
 @pytest.mark.parametrize(
@@ -327,9 +325,8 @@ def test_draft_rows_are_the_masks_after_committing_the_drafts(compiler, tokenize
     before = fill_bitmask(grammars, VOCAB)
     masks = fill_bitmask(grammars, VOCAB, drafts)
     assert masks.most_tokens == [7, 4, 2, 3, 4, 1]
-    assert masks.rows == list(range(15)) + list(
-        range(18, 23)
-    )  # the sequence without a grammar: rows 15-17
+    # the sequence without a grammar: rows 15-17
+    assert masks.rows == list(range(15)) + list(range(18, 23))
     expected, first = torch.full_like(masks.bitmask, -1), 0
     for spec, start_after, committed, fed in cases:
         for j in range(1 + len(fed)):
@@ -341,9 +338,8 @@ def test_draft_rows_are_the_masks_after_committing_the_drafts(compiler, tokenize
         first += 1 + len(fed)
     assert torch.equal(masks.bitmask, expected)
     assert (masks.bitmask[7:9] != -1).any(-1).all()  # "yes" or "no", then "es" after "y", ...
-    assert torch.equal(
-        masks.bitmask[9:11], torch.full_like(masks.bitmask[9:11], -1)
-    )  # ... nothing after "x"
+    # nothing allowed after "x"
+    assert torch.equal(masks.bitmask[9:11], torch.full_like(masks.bitmask[9:11], -1))
     after = fill_bitmask(grammars, VOCAB)  # rewound: the same masks as before the drafts
     assert torch.equal(after.bitmask, before.bitmask) and after.rows == before.rows
     assert [g.active for g in grammars if g] == [True, True, True, False, True]
@@ -430,9 +426,8 @@ def test_json_strings_hold_characters_only(compiler, schema):
 
     assert accepts("aé€🙂\u0096".encode())
     assert not accepts(b"a\x04") and not accepts(b"\x1f")
-    assert not accepts(b"\xed\xa0\x80") and accepts(
-        b"\xed\x9f\xbf"
-    )  # U+D800, a surrogate; U+D7FF, a character
+    # U+D800, a surrogate; U+D7FF, a character
+    assert not accepts(b"\xed\xa0\x80") and accepts(b"\xed\x9f\xbf")
 
 
 def test_the_engine_and_the_server_run_without_xgrammar():

@@ -39,9 +39,8 @@ def mixed_cases(folder: str) -> list[dict]:
     scratch = set(range(cache.scratch_block * BLOCK_SIZE, (cache.scratch_block + 1) * BLOCK_SIZE))
     out = []
     with torch.no_grad():
-        other = torch.randint(
-            0, vocab, (BLOCK_SIZE,), generator=gen
-        )  # the stale block holds real rows
+        # the stale block holds real rows
+        other = torch.randint(0, vocab, (BLOCK_SIZE,), generator=gen)
         view = cache.view([[STALE]], [0], [BLOCK_SIZE])
         model.forward_hidden(other, view.positions, [BLOCK_SIZE], view)
         for seqs, size in CASES:
@@ -53,9 +52,8 @@ def mixed_cases(folder: str) -> list[dict]:
                     prompt = torch.randint(0, vocab, (context,), generator=gen)
                     model.forward_hidden(prompt, view.positions, [context], view)
             tokens = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
-            rows = torch.tensor(
-                [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
-            )  # each sequence's last
+            # each sequence's last
+            rows = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))])
             before = cache_state(cache)
 
             view = cache.view(tables, starts, lens)  # the eager step

@@ -42,17 +42,15 @@ def generate_with_nan(folder: str) -> dict:
             ("greedy", SamplingParams()),
             ("sampled", SamplingParams(temperature=0.8, seed=1)),
         ):
-            first = attempt(sampling)[
-                0
-            ]  # the clean model's first token (same seed, same draw), fed at step 2
+            # the clean model's first token (same seed, same draw), fed at step 2
+            first = attempt(sampling)[0]
             results[f"{name}: first token"] = first
             row = model.model.embed_tokens.weight[first].clone()
             model.model.embed_tokens.weight[first, 3] = float("nan")  # only that token's embedding
             results[f"{name}, NaN from decode on"] = attempt(sampling)
             model.model.embed_tokens.weight[first] = row
-        model.model.layers[0].self_attn.o_proj.weight[0, 0] = float(
-            "nan"
-        )  # every token, from prefill on
+        # every token, from prefill on
+        model.model.layers[0].self_attn.o_proj.weight[0, 0] = float("nan")
         results["greedy, NaN from prefill on"] = attempt()
         results["speculative, NaN from prefill on"] = attempt(k=2)
     return results

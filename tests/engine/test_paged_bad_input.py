@@ -206,10 +206,11 @@ def test_view_rejects_block_ids_outside_the_cache():
         torch.float32,
         "cpu",
     )
+    # 3: the scratch
     assert cache.view([[2, 0], [1]], [0, 0], [70, 5]).block_tables.tolist() == [
         [2, 0],
         [1, 3],
-    ]  # 3: the scratch
+    ]
     for tables in ([[4]], [[0, 7]], [[-1]]):
         with pytest.raises(
             ValueError, match=r"block ids must be in \[0, 3\] \(the cache's 3 blocks"

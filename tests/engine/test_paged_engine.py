@@ -90,9 +90,8 @@ def check_layout(ranks: list[dict], label: str) -> None:
             assert (
                 stats["kv_cache"]["kind"] == "paged" and stats["kv_cache"]["blocks_in_use"] == 0
             ), where
-            assert stats["phases"]["prefill"]["forwards"] > 1, (
-                where
-            )  # the budget chunked the prompts
+            # the budget chunked the prompts
+            assert stats["phases"]["prefill"]["forwards"] > 1, where
 
 
 @pytest.mark.parametrize("tp", sorted(LAYOUTS))
@@ -245,11 +244,12 @@ def test_generate_reports_the_prompt_tokens_prefilled(engine_checkpoint):
     assert steps == [(0, 1, 16), (0, 1, 32), (1, 1, 40), (2, 1, 40), (3, 0, 40)], steps
 
 
+# FP8 scales the latent per 128
 FP8_CONFIG = {
     **ENGINE_CONFIG,
     "kv_lora_rank": 128,
     "index_topk": 16,
-}  # FP8 scales the latent per 128
+}
 
 
 def fp8_against_full(folder: str) -> dict:

@@ -24,6 +24,7 @@ PROMPT_LENS = (5, 40, 150, 300)  # the longer two attend more than index_topk po
 # the first step feeds 320 of the prompts' 495 tokens (the last prompt chunked): 320 rows of 8 heads take the
 # prefill tiles of the sparse MLA kernel (from NUM_SMS_TARGET = 264 rows x head groups) and of the indexer
 STEP_TOKENS = 320
+# the mixed-step graphs for that budget, largest first
 MIXED = (
     320,
     256,
@@ -35,7 +36,7 @@ MIXED = (
     64,
     32,
     16,
-)  # the mixed-step graphs for that budget, largest first
+)
 
 
 def engines(folder: str) -> dict:
@@ -50,9 +51,8 @@ def engines(folder: str) -> dict:
     prompts = [
         torch.randint(0, CONFIG["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS
     ]
-    turn = (
-        prompts[2] + torch.randint(0, CONFIG["vocab_size"], (40,), generator=gen).tolist()
-    )  # its next turn
+    # its next turn
+    turn = prompts[2] + torch.randint(0, CONFIG["vocab_size"], (40,), generator=gen).tolist()
     out = {}
     for name, cache, graphs in (
         ("dense", KVCache.for_model(model, 4, 340), False),
@@ -78,9 +78,8 @@ def engines(folder: str) -> dict:
         out[name, "kernel compiles"] = m.kernel_compiles
         out[name, "log"] = lines
         out[name, "width"] = engine.runner.graphs.width if graphs else None
-        if (
-            name != "dense"
-        ):  # the next turn of prompt 2: its full blocks cached, 62 tokens to compute
+        # the next turn of prompt 2: its full blocks cached, 62 tokens to compute
+        if name != "dense":
             hits = engine.metrics().prefix_cache_hits
             second = generate(engine, [turn], 16, record_logits=True)
             replays = second.stats["phases"]["prefill"]["replays"]
@@ -120,9 +119,8 @@ def test_paged_engine_graphs(tmp_path):
     assert capture_lines == [f"{step} ({i}/{len(steps)})" for i, step in enumerate(steps, 1)], (
         capture_lines
     )
-    assert (
-        got["dense", "kernel compiles"] > 0
-    )  # Triton's hook counts what the first engine compiled
+    # Triton's hook counts what the first engine compiled
+    assert got["dense", "kernel compiles"] > 0
     print("compiles or captures after ready:", after_ready)
     assert after_ready == 0
     assert relative_error(graphed[1], eager[1]) < 2e-2
@@ -149,10 +147,11 @@ def test_paged_engine_graphs(tmp_path):
     choices, alone, choice_logits, alone_logits, queries, _ = got["choices"]
     assert queries == PROMPT_LENS[2] and len({tuple(c) for c in choices}) == 4
     assert [c[0] for c in choices] == [a[0] for a in alone]
+    # the prompt's last token's row, the same forward
     first, want = (
         choice_logits[:, 0],
         alone_logits[:, 0],
-    )  # the prompt's last token's row, the same forward
+    )
     assert relative_error(first, want) < 1e-3
     same = sum(a == b for c, d in zip(choices, alone) for a, b in zip(c, d)) / (4 * 16)
     print("n = 4: tokens equal to the lone runs'", same)

@@ -97,9 +97,8 @@ def on_and_off(folder: str) -> dict:
             blind_lookup(engine)
             recorded = record_drafts(engine) if k else {}
             outputs, logits, drafts = [], [], {}
-            for number, prompts in enumerate(
-                rounds()
-            ):  # both rounds name their requests generate-0, -1, ...
+            # both rounds name their requests generate-0, -1, ...
+            for number, prompts in enumerate(rounds()):
                 gen = generate(engine, prompts, MAX_NEW, record_logits=True)
                 outputs += gen.outputs
                 logits += gen.logits
@@ -247,14 +246,14 @@ def test_prefix_caching_changes_no_output(engine_checkpoint):
             assert cache["prefix_cache_hits"] == WANT_HITS[k], case
         else:
             assert stats["preemptions"] > 0 and cache["prefix_cache_hits"] > 0, case
-        for rank in ranks[
-            1:
-        ]:  # every TP rank made rank 0's decisions, its own lookup finding nothing
+        # every TP rank made rank 0's decisions, its own lookup finding nothing
+        for rank in ranks[1:]:
             assert rank[case, True][0] == outputs and rank[case, True][3]["kv_cache"] == cache, case
+        # n = 3: each choice gets what it gets alone, the prompt computed once
         for caching in (
             False,
             True,
-        ):  # n = 3: each choice gets what it gets alone, the prompt computed once
+        ):
             got, alone, logits, alone_logits, queries, blocks_in_use = ranks[0][
                 case, caching, "choices"
             ]

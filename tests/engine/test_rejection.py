@@ -46,9 +46,8 @@ def test_one_hot_acceptance_worked_examples(drafts, choices, accepted, committed
     num = torch.tensor([sum(d >= 0 for d in drafts)])
     got = accept_drafts(torch.tensor([drafts]), num, torch.tensor([choices]))
     assert got.tolist() == [accepted]
-    kept = choices[
-        : got.item() + 1
-    ]  # what the row commits: its accepted drafts, then the target's draw
+    # what the row commits: its accepted drafts, then the target's draw
+    kept = choices[: got.item() + 1]
     assert kept == committed and kept[:accepted] == drafts[:accepted]
 
 
@@ -58,24 +57,28 @@ def test_general_rule_worked_examples():
     the bonus from p_K. Three rows (K = 2, V = 4): both drafts kept and the bonus; the second rejected; the
     first rejected. Each commits its kept drafts, then the draw after them."""
     p, q = torch.full((3, 3, 4), 0.25), torch.zeros(3, 2, 4)
+    # keeps 1
     p[0, 0], q[0, 0] = (
         torch.tensor([0.1, 0.6, 0.3, 0.0]),
         torch.tensor([0.0, 0.5, 0.5, 0.0]),
-    )  # keeps 1
+    )
+    # keeps 2
     p[0, 1], q[0, 1] = (
         torch.tensor([0.2, 0.0, 0.8, 0.0]),
         torch.tensor([0.0, 0.0, 0.7, 0.3]),
-    )  # keeps 2
+    )
     p[0, 2] = torch.tensor([0.0, 0.0, 0.0, 1.0])  # the bonus: 3
     p[1, 0], q[1, 0] = p[0, 0], q[0, 0]  # keeps 1
+    # rejects 3: 2
     p[1, 1], q[1, 1] = (
         torch.tensor([0.4, 0.0, 0.6, 0.0]),
         torch.tensor([0.4, 0.0, 0.0, 0.6]),
-    )  # rejects 3: 2
+    )
+    # rejects 0: 3
     p[2, 0], q[2, 0] = (
         torch.tensor([0.0, 0.3, 0.0, 0.7]),
         torch.tensor([0.5, 0.5, 0.0, 0.0]),
-    )  # rejects 0: 3
+    )
     q[2, 1] = torch.tensor([0.0, 1.0, 0.0, 0.0])
     drafts = torch.tensor([[1, 2], [1, 3], [0, 1]])
     gen = torch.Generator().manual_seed(5)
@@ -125,15 +128,15 @@ def two_tokens(rule: str, top_k: int, top_p: float) -> tuple[float, float, float
     acceptance rate of the first draft, its exact value)."""
     gen = torch.Generator().manual_seed(11)
     target = processed(torch.randn(1 + V + V * V, V, generator=gen) * 1.5, top_k, top_p)
+    # p(.), p(. | a), p(. | a, b)
     p0, p1, p2 = (
         target[0],
         target[1 : 1 + V],
         target[1 + V :].reshape(V, V, V),
-    )  # p(.), p(. | a), p(. | a, b)
+    )
     noise = seeded_noise()
-    if (
-        rule == "one-hot"
-    ):  # a deterministic drafter: the target's mode first, then the mode or its neighbour
+    # a deterministic drafter: the target's mode first, then the mode or its neighbour
+    if rule == "one-hot":
         q0, q1 = torch.eye(V)[p0.argmax()], torch.eye(V)[(p1.argmax(-1) + torch.arange(V) % 2) % V]
     else:
         q = torch.softmax(torch.randn(1 + V, V, generator=gen) * 1.5, dim=-1)
@@ -148,9 +151,8 @@ def two_tokens(rule: str, top_k: int, top_p: float) -> tuple[float, float, float
     else:
         draft_probs = torch.stack([q0.expand(N, V), q1[x1]], dim=1)
         if rule == "accept-all":
-            draft_probs = torch.zeros_like(
-                draft_probs
-            )  # u * 0 < p(x): every draft in the support is kept
+            # u * 0 < p(x): every draft in the support is kept
+            draft_probs = torch.zeros_like(draft_probs)
         accepted, tokens = rejection_sample(probs, drafts, draft_probs, noise)
     t1 = tokens[:, 0]
     second_step = race(p1[t1], noise[:, 1])  # the next step's draw at output index 1, after t1
@@ -171,9 +173,8 @@ def test_committed_tokens_follow_the_target_distribution(rule, top_k, top_p):
     tv, bound, rate, exact_rate = two_tokens(rule, top_k, top_p)
     assert tv < bound, (tv, bound)
     assert 0.05 < rate < 0.95  # drafts are both accepted and rejected
-    assert abs(rate - exact_rate) < 4 * math.sqrt(
-        exact_rate * (1 - exact_rate) / N
-    )  # min(1, p/q) on average
+    # min(1, p/q) on average
+    assert abs(rate - exact_rate) < 4 * math.sqrt(exact_rate * (1 - exact_rate) / N)
 
 
 def test_a_rule_that_keeps_every_draft_fails_the_same_bound():

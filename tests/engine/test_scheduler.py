@@ -91,9 +91,8 @@ def feed(scheduler: Scheduler, batch: Batch, token: int = 7) -> None:
 
 
 def test_chunks_admission_and_preemption():
-    room = paged_room(
-        3
-    )  # no prefix caching: b recomputes (see test_preempted_sequence_finds_its_blocks_again)
+    # no prefix caching: b recomputes (see test_preempted_sequence_finds_its_blocks_again)
+    room = paged_room(3)
     scheduler = Scheduler(room, sampler_for(room), max_num_batched_tokens=100)
     a, b, c = sequence("a", 64), sequence("b", 64, first=101), sequence("c", 64, first=201)
     for seq in (a, b, c):
@@ -109,16 +108,14 @@ def test_chunks_admission_and_preemption():
     feed(scheduler, batch)
     assert a.output == [7] and b.output == [] and b.cached == 36
 
-    batch = (
-        scheduler.schedule()
-    )  # a decodes into a second block, b's last 28; c finds no free block
+    # a decodes into a second block, b's last 28; c finds no free block
+    batch = scheduler.schedule()
     assert pairs(batch) == [("a", 1), ("b", 28)] and starts(batch) == [64, 36]
     assert room.blocks.num_free_blocks == 0 and [s.request_id for s in scheduler.waiting] == ["c"]
     feed(scheduler, batch)
 
-    batch = (
-        scheduler.schedule()
-    )  # b needs a second block for its 65th token: b, the latest admitted, yields
+    # b needs a second block for its 65th token: b, the latest admitted, yields
+    batch = scheduler.schedule()
     assert pairs(batch) == [("a", 1)] and batch.decode and batch.step == 3
     assert [s.request_id for s in scheduler.waiting] == ["b", "c"] and scheduler.preemptions == 1
     assert (
@@ -129,9 +126,8 @@ def test_chunks_admission_and_preemption():
     )
     assert room.blocks.num_used_blocks == 2  # a's; b's block is free again
     scheduler.finish(a, "length")
-    batch = (
-        scheduler.schedule()
-    )  # b first again, recomputing its 65 tokens; c in what budget is left
+    # b first again, recomputing its 65 tokens; c in what budget is left
+    batch = scheduler.schedule()
     assert pairs(batch) == [("b", 65), ("c", 35)]
     assert room.blocks.num_used_blocks == 3
 
@@ -166,20 +162,22 @@ def test_update_commits_a_hand_made_result():
     }
     outputs = commit(scheduler, batch, drawn, drafts={"spec": [22, 23]})
     got = {o.request_id: (o.new_token_ids, o.finish_reason, o.prompt_tokens) for o in outputs}
+    # the chunk that did not sample has no output
     assert got == {
         "eos": ([40, 50], "stop", 4),
         "length": ([11], "length", 3),
         "nan": ([], "error", 1),
         "spec": ([21], None, 1),
-    }  # the chunk that did not sample has no output
+    }
     assert eos.output == [40, 50] and length.output == [9, 11] and nan.output == []
     assert nan.error.startswith(
         "non-finite logits (NaN or inf) at step 1 (prefill) for request 'nan' after 0"
     )
+    # the finished ones left, room freed
     assert [s.request_id for s in scheduler.running] == [
         "spec",
         "chunk",
-    ]  # the finished ones left, room freed
+    ]
     assert all(s.cache_id == -1 for s in (eos, length, nan))
     assert (spec.cached, spec.pending, spec.drafts) == (1, [21, 22, 23], [22, 23])
     assert (chunk.cached, chunk.pending, chunk.output) == (91, list(range(92, 101)), [])
@@ -206,9 +204,8 @@ def test_update_commits_a_hand_made_result():
         [70],
     )
 
-    batch = (
-        scheduler.schedule()
-    )  # spec: both drafts rejected, one token; chunk: both accepted and a bonus
+    # spec: both drafts rejected, one token; chunk: both accepted and a bonus
+    batch = scheduler.schedule()
     drawn = {"spec": dict(tokens=[33]), "chunk": dict(tokens=[71, 72, 73], accepted=2)}
     commit(scheduler, batch, drawn, drafts={"spec": [34, 35], "chunk": [74, 75]})
     assert (spec.cached, spec.pending, spec.output[-1]) == (4, [33, 34, 35], 33)
@@ -265,9 +262,8 @@ def test_preempted_sequence_finds_its_blocks_again():
     a, b = sequence("a", 64), sequence("b", 64)
     scheduler.add(a)
     feed(scheduler, scheduler.schedule())
-    scheduler.add(
-        b
-    )  # a's prompt once a decodes: b computes its prompt's last token into its own block
+    # a's prompt once a decodes: b computes its prompt's last token into its own block
+    scheduler.add(b)
     feed(scheduler, scheduler.schedule())
     assert room.blocks.num_cached_blocks == 1  # a's and b's prompt blocks are equal: one is cached
     batch = scheduler.schedule()
@@ -286,9 +282,8 @@ def test_a_twin_waits_for_the_prompt_blocks_it_shares():
     other = sequence("other", 20, first=300)
     for seq in (first, twin, other):
         scheduler.add(seq)
-    batch = (
-        scheduler.schedule()
-    )  # the first alone; the twin (and what queues behind it) waits for it
+    # the first alone; the twin (and what queues behind it) waits for it
+    batch = scheduler.schedule()
     assert pairs(batch) == [("first", 130)] and forks(batch) == []
     feed(scheduler, batch)  # its prompt written: blocks 0 and 1 cached
     batch = scheduler.schedule()
@@ -365,9 +360,8 @@ def test_choices_fork_from_the_prompt_they_share(caching, prompt_len, lookahead,
     batch = scheduler.schedule()
     assert pairs(batch) == [("n0", 100)] and forks(batch) == [] and len(scheduler.waiting) == 4
     feed(scheduler, batch)
-    batch = (
-        scheduler.schedule()
-    )  # n0's last chunk; the other three fork from it (feeding nothing); other admitted
+    # n0's last chunk; the other three fork from it (feeding nothing); other admitted
+    batch = scheduler.schedule()
     assert pairs(batch) == [("n0", prompt_len - 100), ("other", 20)] and samples(batch) == [
         True,
         True,
@@ -401,9 +395,8 @@ def test_choices_fork_from_the_prompt_they_share(caching, prompt_len, lookahead,
         )
         assert seq.prefilling == (shared < prompt_len)
     scheduler.max_num_batched_tokens = 300
-    batch = (
-        scheduler.schedule()
-    )  # each fork recomputes what it does not share, with its first token
+    # each fork recomputes what it does not share, with its first token
+    batch = scheduler.schedule()
     assert pairs(batch) == [("n0", 1)] + [(f"n{i}", prompt_len - shared + 1) for i in (1, 2, 3)] + [
         ("other", 1)
     ]
@@ -436,9 +429,8 @@ def test_forks_after_an_abort_and_without_room():
         scheduler.add(seq)
     feed(scheduler, scheduler.schedule())  # n0's first 100 tokens: its first block cached
     assert scheduler.abort("n0") and room.blocks.num_used_blocks == 0
-    batch = (
-        scheduler.schedule()
-    )  # n1 computes the rest; n2 forks into the one free block; n3 finds none
+    # n1 computes the rest; n2 forks into the one free block; n3 finds none
+    batch = scheduler.schedule()
     assert pairs(batch) == [("n1", 66)] and starts(batch) == [64]
     assert forks(batch) == [("n2", 0)] and room.blocks.num_free_blocks == 0
     assert [s.request_id for s in scheduler.waiting] == ["n3"]
@@ -449,9 +441,8 @@ def test_forks_after_an_abort_and_without_room():
         steps.append(list(zip(pairs(batch), starts(batch))))
         feed(scheduler, batch)
     assert steps[0] == [(("n1", 1), 130), (("n2", 3), 128)]
-    assert steps[4] == [
-        (("n3", 2), 128)
-    ]  # once n1 and n2 ended: n3 no longer forks, it finds 128 cached
+    # once n1 and n2 ended: n3 no longer forks, it finds 128 cached
+    assert steps[4] == [(("n3", 2), 128)]
     assert [len(seq.output) for seq in choices] == [0, 5, 5, 5] and room.blocks.num_used_blocks == 0
 
 

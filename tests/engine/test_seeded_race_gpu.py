@@ -36,6 +36,7 @@ KEYS = [seed_keys(s) for s in (0, 1, 2**32 - 1, 2**32, 2**63 - 1, 12345)] + [
     (0, 0),
     (2**32 - 1, 2**32 - 1),
 ]
+# the kernel keeps the low 32 bits, as the reference
 INDICES = [
     0,
     1,
@@ -44,7 +45,7 @@ INDICES = [
     2**32 + 7,
     2**62,
     17,
-]  # the kernel keeps the low 32 bits, as the reference
+]
 
 
 def keys_and_indices(s: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,16 +60,16 @@ def keys_and_indices(s: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
 def case_rows(vocab: int, gen: torch.Generator) -> list[torch.Tensor]:
     """One row `[V]` per case."""
     randn = lambda scale: torch.randn(vocab, generator=gen) * scale
-    rows = [
-        randn(3.0) / t for t in (0.05, 0.5, 1.0, 2.0)
-    ]  # temperature-scaled: 0.05 gives logits of +-200
+    # temperature-scaled: 0.05 gives logits of +-200
+    rows = [randn(3.0) / t for t in (0.05, 0.5, 1.0, 2.0)]
     rows += [randn(2.0) + 100.0, randn(2.0) - 100.0]
     row = randn(5.0)  # what top_p leaves: the 50 largest
     rows.append(row.masked_fill(row < row.topk(min(50, vocab)).values[-1], float("-inf")))
+    # masks: a grammar's at the float32 lowest
     for fill, share in (
         (float("-inf"), 0.9),
         (LOWEST, 0.99),
-    ):  # masks: a grammar's at the float32 lowest
+    ):
         row = randn(2.0)
         row[torch.randperm(vocab, generator=gen)[: int(vocab * share)]] = fill
         rows.append(row)
@@ -76,11 +77,12 @@ def case_rows(vocab: int, gen: torch.Generator) -> list[torch.Tensor]:
         row = torch.full((vocab,), fill)
         row[vocab // 3] = -7.0
         rows.append(row)
+    # all equal
     rows += [
         torch.zeros(vocab),
         torch.full((vocab,), LOWEST),
         torch.full((vocab,), 5.0),
-    ]  # all equal
+    ]
     rows.append(torch.full((vocab,), float("-inf")))  # nothing allowed (`finite` flags it): token 0
     return rows
 
@@ -124,14 +126,12 @@ def test_kernel_draws_the_reference_tokens(device, vocab):
 
     gen = torch.Generator().manual_seed(vocab)
     cases = case_rows(vocab, gen)
-    batches = (
-        (1, 3, 64, 256) if vocab < 10000 or device == "cuda" else (1, 16)
-    )  # the interpreter is slow
+    # the interpreter is slow
+    batches = (1, 3, 64, 256) if vocab < 10000 or device == "cuda" else (1, 16)
     near_ties = drawn = 0
     for batch in batches:
-        m = (
-            max(batch, len(cases)) + 3
-        )  # more rows than draw: `at` picks some, in any order, one twice
+        # more rows than draw: `at` picks some, in any order, one twice
+        m = max(batch, len(cases)) + 3
         logits = torch.stack(
             cases + [torch.randn(vocab, generator=gen) * 2 for _ in range(m - len(cases))]
         )
@@ -141,9 +141,8 @@ def test_kernel_draws_the_reference_tokens(device, vocab):
         keys, index = keys_and_indices(batch, "cpu")
         on_device = [t.to(device) for t in (logits, at, keys, index)]
         got = seeded_race(*on_device).cpu()
-        for lo in range(
-            0, batch, 32
-        ):  # the reference `[32, V]` at a time: its temporaries are large
+        # the reference `[32, V]` at a time: its temporaries are large
+        for lo in range(0, batch, 32):
             want = draw_tokens_by_torch(on_device[0], *(t[lo : lo + 32] for t in on_device[1:]))
             for j, w in zip(range(lo, lo + 32), want.cpu().tolist()):
                 row = logits[at[j]]
@@ -151,13 +150,13 @@ def test_kernel_draws_the_reference_tokens(device, vocab):
                     assert got[j].item() == w == 0
                     continue
                 ratios = exact_ratios(row, keys[j], index[j])
+                # the race's winner
                 assert ratios[got[j]].item() >= (1 - NEAR) * ratios.max().item(), (
                     batch,
                     j,
-                )  # the race's winner
-                assert (
-                    row[got[j]].item() > LOWEST or (row == LOWEST).all()
-                )  # never an excluded token
+                )
+                # never an excluded token
+                assert row[got[j]].item() > LOWEST or (row == LOWEST).all()
                 near_ties += got[j].item() != w
                 drawn += 1
     print(f"V {vocab} on {device}: {near_ties} near-ties in {drawn} draws")

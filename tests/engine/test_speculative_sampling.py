@@ -175,18 +175,16 @@ def test_sampled_continuations_follow_the_target_distribution(sampled):
         assert counts["chosen"] > 0 and 0 < counts["accepted"] < counts["proposed"], source
     for name, tokens in by_setting.items():
         assert chi_square_p(tokens, exact[name]) > 1e-3, name
-    assert (
-        chi_square_p(by_setting["cool"], exact["nucleus"]) < 1e-6
-    )  # the test tells the settings apart
+    # the test tells the settings apart
+    assert chi_square_p(by_setting["cool"], exact["nucleus"]) < 1e-6
 
 
 def test_greedy_rows_and_seeds_in_a_speculating_batch(sampled):
     got, *_ = sampled
     greedy = [tokens for params, tokens in zip(got["params"], got["outputs"]) if params.greedy]
     assert greedy == [got["plain_greedy"]] * GREEDY
-    assert (
-        got["subset"] == got["outputs"][:40]
-    )  # a request's seed decides its tokens, whatever the batch
+    # a request's seed decides its tokens, whatever the batch
+    assert got["subset"] == got["outputs"][:40]
     assert got["unspeculated"] == got["outputs"][:40]  # and the same tokens without speculation
 
 

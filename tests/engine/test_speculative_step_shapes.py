@@ -43,12 +43,10 @@ def fixed_shape_cases(folder: str) -> dict:
         first_block += blocks
     width = max(map(len, tables)) + 1
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    fed = [
-        torch.randint(0, vocab, (T,), generator=gen).tolist() for _ in PROMPT_LENS
-    ]  # token + K drafts
-    after = [
-        torch.randint(0, vocab, (T,), generator=gen).tolist() for _ in PROMPT_LENS
-    ]  # token after each row
+    # token + K drafts
+    fed = [torch.randint(0, vocab, (T,), generator=gen).tolist() for _ in PROMPT_LENS]
+    # token after each row
+    after = [torch.randint(0, vocab, (T,), generator=gen).tolist() for _ in PROMPT_LENS]
     drafter, out = MtpDrafter(model, cache, K), {}
     with torch.no_grad():
         view = cache.view(tables, [0] * count, list(PROMPT_LENS))
@@ -60,9 +58,8 @@ def fixed_shape_cases(folder: str) -> dict:
         # the verification step, eagerly over the cache view, then as graph rows (plus one pad sequence)
         view = cache.view(tables, list(PROMPT_LENS), [T] * count)
         eager = model.forward_hidden(torch.tensor(sum(fed, [])), view.positions, [T] * count, view)
-        padded = torch.full(
-            (count + 2, width), cache.scratch_block, dtype=torch.int32
-        )  # + pad, + scratch row
+        # + pad, + scratch row
+        padded = torch.full((count + 2, width), cache.scratch_block, dtype=torch.int32)
         for i, table in enumerate(tables):
             padded[i, : len(table)] = torch.tensor(table)
         inputs = torch.stack(

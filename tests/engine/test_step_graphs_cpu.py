@@ -39,11 +39,12 @@ def cpu_step_graphs():
     from spmoe.engine.runner import graphs
 
     class CpuStepGraphs(graphs.StepGraphs):
+        # calls of each kind of replay, for the test
         replays = {
             "step": 0,
             "mixed_step": 0,
             "draft": 0,
-        }  # calls of each kind of replay, for the test
+        }
 
         def _warm(self, run) -> None:
             pass
@@ -93,9 +94,8 @@ def run_waves(engine, prompts: list[list[int]], extra: list[int]) -> dict:
             for out in engine.step():
                 tokens, logprobs, prompt = got[out.request_id]
                 tokens += out.new_token_ids
-                logprobs += [
-                    chosen for chosen, _ in out.logprobs or []
-                ]  # (logprob, top entries) per token
+                # (logprob, top entries) per token
+                logprobs += [chosen for chosen, _ in out.logprobs or []]
                 if out.prompt_logprobs is not None:
                     prompt = [None if entry is None else entry[0] for entry in out.prompt_logprobs]
                 got[out.request_id] = (tokens, logprobs, prompt)

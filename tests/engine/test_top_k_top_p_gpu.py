@@ -16,9 +16,8 @@ pytestmark = pytest.mark.gpu
 
 DEVICES = kernel_devices()
 LOWEST = torch.finfo(torch.float32).min
-MARGIN = (
-    1e-5  # rows compared exactly: the mass above the crossing token is at least this far from top_p
-)
+# rows compared exactly: the mass above the crossing token is at least this far from top_p
+MARGIN = 1e-5
 TOLERANCE = 2e-6  # the kernel's float32 weights (1e-7 x (1 + |x - max|) each): the rule's kept set at a top_p
 # this close, on flat rows
 
@@ -33,9 +32,8 @@ def reference_threshold(row: torch.Tensor, k: int, p: float) -> tuple[float, flo
     kept = x[x >= kth]
     values, group = torch.unique(kept, return_inverse=True)  # ascending; -0.0 and 0.0 are one value
     mass = torch.zeros_like(values).index_add_(0, group, torch.exp(kept - x.max()))
-    through = (
-        mass.flip(0).cumsum(0) / mass.sum()
-    )  # the mass of the tokens >= each value, largest value first
+    # the mass of the tokens >= each value, largest value first
+    through = mass.flip(0).cumsum(0) / mass.sum()
     crossing = int((through < p).sum())  # the first group whose mass reaches p
     margin = through[crossing].item() - p
     if crossing:  # (the mass above the max is exactly 0: no rounding moves the first group out)
@@ -50,12 +48,10 @@ def kept_count(row: torch.Tensor, threshold: float) -> int:
 def rows_at(vocab: int) -> list[tuple[torch.Tensor, int, float, bool]]:
     """(logits `[V]`, top_k, top_p, exact: the row's margin must be at least MARGIN) for every case."""
     gen = torch.Generator().manual_seed(vocab)
-    peaked = lambda: (
-        torch.randn(vocab, generator=gen) * 5
-    )  # top_p 0.95 keeps tens to hundreds of 154880
-    flat = lambda: torch.randn(
-        vocab, generator=gen
-    )  # top_p 0.9 keeps most of them: margins of 1e-6 occur
+    # top_p 0.95 keeps tens to hundreds of 154880
+    peaked = lambda: torch.randn(vocab, generator=gen) * 5
+    # top_p 0.9 keeps most of them: margins of 1e-6 occur
+    flat = lambda: torch.randn(vocab, generator=gen)
     rows = [
         (peaked(), 0, 0.95, True),
         (peaked(), 0, 0.5, True),
@@ -72,9 +68,8 @@ def rows_at(vocab: int) -> list[tuple[torch.Tensor, int, float, bool]]:
         (flat(), 0, 0.9, False),
         (flat(), vocab // 4, 0.999, False),
     ]
-    background = lambda: (
-        torch.rand(vocab, generator=gen) * 10 - 20
-    )  # far below the tokens placed on top
+    # far below the tokens placed on top
+    background = lambda: torch.rand(vocab, generator=gen) * 10 - 20
     # the k-th value tied: top_k 3 over 5, 4, 4, 4, 4 keeps all five
     row = background()
     row[torch.randperm(vocab, generator=gen)[:5]] = torch.tensor([5.0, 4.0, 4.0, 4.0, 4.0])
@@ -92,9 +87,8 @@ def rows_at(vocab: int) -> list[tuple[torch.Tensor, int, float, bool]]:
     row = background()
     row[torch.randperm(vocab, generator=gen)[:5]] = torch.tensor([3.0, 2.0, 2.0, 2.0, 0.0])
     rows.append((row, 0, 0.5, True))
-    rows.append(
-        (row.clone(), 4, 0.5, True)
-    )  # the same with top_k 4: the 2s tie at the 4th value, all stay
+    # the same with top_k 4: the 2s tie at the 4th value, all stay
+    rows.append((row.clone(), 4, 0.5, True))
     # the max tied and top_p tiny: both copies of the max stay
     row = peaked()
     row[torch.randperm(vocab, generator=gen)[:2]] = row.max() + 1.0
@@ -144,10 +138,11 @@ def test_kernel_keeps_what_the_rule_and_the_sort_keep(device, vocab):
         counts = dict(kernel=kept_count(row, got[j, 0].item()), rule=kept_count(row, want))
         counts["sort"] = kept_count(row, by_sort[j, 0].item())
         if exact:
+            # the case is as it was meant (no rounding can move it)
             assert margin >= MARGIN, (
                 j,
                 margin,
-            )  # the case is as it was meant (no rounding can move it)
+            )
             assert counts["kernel"] == counts["rule"] == counts["sort"], (j, counts)
             assert got[j, 0].item() == want, (j, got[j, 0].item(), want)
         else:  # flat rows: the kept set is the rule's at a top_p within TOLERANCE
@@ -155,9 +150,8 @@ def test_kernel_keeps_what_the_rule_and_the_sort_keep(device, vocab):
                 kept_count(row, reference_threshold(row, k, p + s * TOLERANCE)[0]) for s in (1, -1)
             )
             assert fewest <= counts["kernel"] <= most, (j, fewest, counts, most)
-            assert (
-                counts["kernel"] > vocab // 10
-            )  # as meant: the crossing lies among many tokens of similar mass
+            # as meant: the crossing lies among many tokens of similar mass
+            assert counts["kernel"] > vocab // 10
     # on CUDA apply_top_k_top_p takes the kernel's threshold; elsewhere the sort's
     applied = apply_top_k_top_p(logits.to(device), top_k, top_p).cpu()
     threshold = got if device == "cuda" else by_sort

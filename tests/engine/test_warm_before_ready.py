@@ -30,12 +30,13 @@ from spmoe.models.deepseek_v32.weights import load_model
 
 from .conftest import ENGINE_CONFIG
 
+# 1, 1, 2 and 3 blocks at the decode step; index_topk is 4: all but one score
 CONTEXTS = (
     2,
     9,
     70,
     131,
-)  # 1, 1, 2 and 3 blocks at the decode step; index_topk is 4: all but one score
+)
 
 
 def padded_tables_case(model):
@@ -51,18 +52,18 @@ def padded_tables_case(model):
     with torch.no_grad():
         view = cache.view(tables, [0] * len(CONTEXTS), list(CONTEXTS))
         model.forward_hidden(torch.cat(prompts), view.positions, list(CONTEXTS), view)
-        view = cache.view(
-            tables, list(CONTEXTS), [1] * len(CONTEXTS)
-        )  # tables as wide as the longest: 3
+        # tables as wide as the longest: 3
+        view = cache.view(tables, list(CONTEXTS), [1] * len(CONTEXTS))
         per_width = model.compute_logits(
             model.forward_hidden(next_ids, view.positions, [1] * 4, view)
         )
         written = {name: t.clone() for name, t in vars(cache.layers[0]).items() if t is not None}
 
+        # 4 pad rows; 16 blocks, as a graph for max_model_len 1000
         rows, width = (
             8,
             table_width(cache, 1000),
-        )  # 4 pad rows; 16 blocks, as a graph for max_model_len 1000
+        )
         assert width == 16 and width > max(map(len, tables))
         padded = torch.from_numpy(padded_tables(tables, rows, width, cache.scratch_block))
         pad = rows - len(CONTEXTS)
@@ -143,13 +144,13 @@ def warm_up_case(model):
     assert lines[-1].startswith("warm: 0 kernel")
     sizes = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17]  # 2**k - 1, 2**k, 2**k + 1 up to the budget of 24
     assert warmup_step_sizes(24) == sizes
+    # longer than a prompt
     assert warmup_step_prompts(17, 8) == [8, 8, 1] and warmup_step_prompts(16, 8) == [
         8,
         8,
-    ]  # longer than a prompt
-    assert (
-        step_tokens[-len(sizes) :] == sizes
-    )  # each a step of its own, after the batch of requests
+    ]
+    # each a step of its own, after the batch of requests
+    assert step_tokens[-len(sizes) :] == sizes
     assert done["generated_tokens"] == 5 * 4 + len(sizes) and done["steps"] > 5 + len(sizes)
     short = Engine(
         model,
@@ -172,13 +173,14 @@ def warm_up_case(model):
     assert engine.scheduler.room.usage() == 0 and m.compiles_after_ready == 0
     assert engine.stats.phases["decode"].forwards == 0  # the statistics start afresh at ready
     assert (done["kernel_compiles"], done["graph_captures"]) == (0, 0)
+    # the chunked prompt capped by the longest
     assert warmup_prompt_lengths(24, 40, 5) == [
         1,
         17,
         40,
         5,
         7,
-    ]  # the chunked prompt capped by the longest
+    ]
     idle = Engine(model, PagedKVCache.for_model(model, 2**22), max_num_seqs=2)
     warm_up(idle)  # on CPU there is nothing to compile: no requests
     assert idle.metrics().steps == 0
@@ -190,9 +192,8 @@ def graph_default_case(model):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = engine_args_from_cli(parser.parse_args([]))
-    assert args.cuda_graphs is False and not args.use_cuda_graphs(
-        model
-    )  # the default settles off on CPU
+    # the default settles off on CPU
+    assert args.cuda_graphs is False and not args.use_cuda_graphs(model)
     engine = build_engine(args, model, 2, 64)
     assert engine.runner.graphs is None and engine.graph_captures() == 0
 

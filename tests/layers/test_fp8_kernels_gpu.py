@@ -65,9 +65,8 @@ def test_fp8_matmul_matches_torch(n, k):
         got = fp8_matmul(x, w, s, out=out)
         assert got.data_ptr() == out.data_ptr()
         _close(got, want)
-    strided = torch.randn(9, 2 * k, device="cuda", dtype=torch.bfloat16, generator=gen)[
-        :, :k
-    ]  # a view's rows
+    # a view's rows
+    strided = torch.randn(9, 2 * k, device="cuda", dtype=torch.bfloat16, generator=gen)[:, :k]
     _close(fp8_matmul(strided, w, s), fp8_linear_torch(strided, w, s))
 
 

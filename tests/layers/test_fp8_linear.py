@@ -20,9 +20,8 @@ def test_block_quantisation_round_trips_within_e4m3_rounding():
     q, scale = quantize_blocks(w)
     assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and scale.shape == (3, 2)
     back = dequantize_blocks(q, scale)
-    assert (
-        (back - w).abs() <= w.abs() * 2**-4 + scale.max() * 2**-9
-    ).all()  # half an e4m3 step, or subnormal
+    # half an e4m3 step, or subnormal
+    assert ((back - w).abs() <= w.abs() * 2**-4 + scale.max() * 2**-9).all()
     assert (back - w).abs().max() > 0  # it did quantise
 
 
@@ -30,20 +29,17 @@ def test_fp8_linear_reference_is_the_linear_of_the_quantised_operands():
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(5, 200, generator=gen), torch.randn(70, 200, generator=gen)
     q, scale = quantize_blocks(w)
-    xq, xs = quantize_fp8_groups(
-        F.pad(x, (0, 56))
-    )  # the last group zero-padded, as the kernels see it
+    # the last group zero-padded, as the kernels see it
+    xq, xs = quantize_fp8_groups(F.pad(x, (0, 56)))
     xq = xq[:, :200]
-    want = F.linear(
-        dequantize_blocks(xq, xs, (1, 128)), dequantize_blocks(q, scale)
-    )  # blocks of 1 x 128
+    # blocks of 1 x 128
+    want = F.linear(dequantize_blocks(xq, xs, (1, 128)), dequantize_blocks(q, scale))
     torch.testing.assert_close(fp8_linear_torch(x, q, scale), want)
     out = torch.ones(5, 70)
     torch.testing.assert_close(fp8_linear_torch(x, q, scale, out=out), want + 1)
     assert out.sub(1).sub(want).abs().max() < 1e-5  # in place
-    assert (
-        F.linear(x, w) - want
-    ).abs().max() < 0.1 * want.abs().max()  # the quantisation error is small
+    # the quantisation error is small
+    assert (F.linear(x, w) - want).abs().max() < 0.1 * want.abs().max()
 
 
 def test_fp8_head_matmul_reference_is_the_per_head_product_of_the_dequantised_weight():

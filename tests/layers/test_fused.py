@@ -54,9 +54,8 @@ def test_rotate_in_place_equals_reference():
 def test_rotary_table_rows_are_cos_sin_and_only_cuda_models_have_one():
     cfg = ModelConfig.from_dict({**CFG, "max_position_embeddings": 50})
     assert RotaryTable.for_model(cfg, "cpu", torch.float32) is None
-    assert (
-        RotaryTable.for_model(ModelConfig.from_dict(CFG), "cuda", torch.float32) is None
-    )  # length not stated
+    # length not stated
+    assert RotaryTable.for_model(ModelConfig.from_dict(CFG), "cuda", torch.float32) is None
     table = RotaryTable(cfg, 50, "cpu", torch.float32)
     positions = torch.tensor([0, 3, 17, 49, 3])
     want_cos, want_sin = cos_sin(cfg, positions, torch.float32)
@@ -65,9 +64,8 @@ def test_rotary_table_rows_are_cos_sin_and_only_cuda_models_have_one():
     torch.testing.assert_close(cos, want_cos, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(sin, want_sin, rtol=1e-6, atol=1e-7)
     assert not torch.equal(cos[1], cos[2])
-    rotary = Rotary(
-        cfg, positions, torch.float32, table
-    )  # on CPU the rows are computed, the reference
+    # on CPU the rows are computed, the reference
+    rotary = Rotary(cfg, positions, torch.float32, table)
     assert (
         torch.equal(rotary.cos, want_cos)
         and torch.equal(rotary.sin, want_sin)

@@ -87,9 +87,8 @@ def check_add_rms_norm(device: str, dtype: torch.dtype):
         with torch.no_grad():
             out, new_residual = add_rms_norm(x, residual, norm.weight, norm.eps)
             ref_out, ref_residual = reference(norm.add_norm, x, residual)
-            torch.testing.assert_close(
-                new_residual, ref_residual, rtol=0, atol=0
-            )  # one rounded add
+            # one rounded add
+            torch.testing.assert_close(new_residual, ref_residual, rtol=0, atol=0)
             torch.testing.assert_close(out, ref_out)
             alone, same = add_rms_norm(x, None, norm.weight, norm.eps)
             torch.testing.assert_close(alone, reference(norm, x))
@@ -147,10 +146,11 @@ def check_router(device: str, dtype: torch.dtype):
                 )
                 ids, weights = router(x, valid)
                 ref_ids, ref_weights = reference(router, x, valid)
+            # the same experts; ties may order them differently
             order, ref_order = (
                 ids.sort(-1),
                 ref_ids.sort(-1),
-            )  # the same experts; ties may order them differently
+            )
             assert torch.equal(order.values, ref_order.values), (
                 f"{name}, {rows} rows: experts differ"
             )
@@ -176,10 +176,11 @@ def check_silu_mul(device: str, dtype: torch.dtype):
     gen = torch.Generator(device=device).manual_seed(3)
     for rows, size, strided in ((1, 2048, False), (8, 12288, False), (37, 100, True)):
         both = torch.randn(rows, 2 * size + 8 * strided, generator=gen, device=device).to(dtype) * 3
+        # strided rows, like halves of one product
         gate, up = (
             both[:, :size],
             both[:, size : 2 * size],
-        )  # strided rows, like halves of one product
+        )
         torch.testing.assert_close(silu_mul(gate, up), reference(silu_mul, gate, up))
 
 
@@ -231,9 +232,8 @@ def check_mla_cache_write(device: str, dtype: torch.dtype):
             dequantize(got.latent, got.latent_scale),
             dequantize(want.latent, want.latent_scale),
         )
-        step = (
-            want.latent_scale.repeat_interleave(128, dim=1) * 2**-9
-        )  # the smallest e4m3 step, scaled
+        # the smallest e4m3 step, scaled
+        step = want.latent_scale.repeat_interleave(128, dim=1) * 2**-9
         assert ((values - ref).abs() <= 0.125 * ref.abs() + step).all(), (
             "an FP8 latent is off by more than a step"
         )
@@ -264,17 +264,14 @@ def check_align_one_program(device: str, dtype: torch.dtype):
                 triton_kernels.ONE_PROGRAM_PAIRS = saved
         (pairs, blocks), (ref_pairs, ref_blocks) = aligned
         assert torch.equal(blocks, ref_blocks), (rows, k, blocks.tolist(), ref_blocks.tolist())
-        owner = blocks.long().repeat_interleave(block_m) * (
-            ids.numel() + 1
-        )  # each row's expert, as a sort key
+        # each row's expert, as a sort key
+        owner = blocks.long().repeat_interleave(block_m) * (ids.numel() + 1)
         by_expert = [owner + p.long() for p in (pairs, ref_pairs)]
-        assert torch.equal(
-            by_expert[0].sort().values, by_expert[1].sort().values
-        )  # each expert's pairs, and pads
+        # each expert's pairs, and pads
+        assert torch.equal(by_expert[0].sort().values, by_expert[1].sort().values)
         local = ((ids >= first) & (ids < first + count)).sum().item()
-        assert (
-            pairs < ids.numel()
-        ).sum().item() == local  # every local pair placed once, nothing else
+        # every local pair placed once, nothing else
+        assert (pairs < ids.numel()).sum().item() == local
 
 
 def check_index_key(device: str, dtype: torch.dtype):
@@ -284,9 +281,8 @@ def check_index_key(device: str, dtype: torch.dtype):
     for model_type, fp8, n_tok in itertools.product(
         ("glm_moe_dsa", "deepseek_v32"), (False, True), (1, 8, 33)
     ):
-        cfg = ModelConfig.from_dict(
-            {**BASE, **ROUTERS["glm"], "model_type": model_type}
-        )  # rope interleaved / not
+        # rope interleaved / not
+        cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"], "model_type": model_type})
         norm = torch.nn.LayerNorm(cfg.index_head_dim, eps=1e-6).to(device=device, dtype=dtype)
         with torch.no_grad():
             norm.weight.normal_(1.0, 0.2, generator=gen)
@@ -345,26 +341,23 @@ def check_quantize_query(device: str, dtype: torch.dtype):
     gen = torch.Generator(device=device).manual_seed(4)
     for n_tok in (1, 8, 33):
         heads_of_all_sizes = torch.logspace(-2, 2, 32, device=device)[:, None]
+        # float32, as the indexer's
         q = hadamard_rotate(
             (torch.randn(n_tok, 32, 128, generator=gen, device=device) * heads_of_all_sizes).to(
                 dtype
             )
-        )  # float32, as the indexer's
-        values, scale = quantize_index_vectors(
-            q
-        )  # the experts' quantisation kernel: vectors of 128
+        )
+        # the experts' quantisation kernel: vectors of 128
+        values, scale = quantize_index_vectors(q)
         want, want_scale = reference(quantize_fp8_vectors, q)
         assert values.shape == q.shape and scale.shape == (n_tok, 32, 1)
-        torch.testing.assert_close(
-            scale, want_scale, rtol=1e-6, atol=0
-        )  # the kernel divides by 448
+        # the kernel divides by 448
+        torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
         exact = (values.float() == want.float()).float().mean().item()
-        assert exact > 0.97, (
-            exact
-        )  # its approximate division may round a value to the next e4m3 step
-        torch.testing.assert_close(
-            values.float(), want.float(), rtol=0.13, atol=2**-9
-        )  # e4m3's least step
+        # its approximate division may round a value to the next e4m3 step
+        assert exact > 0.97, exact
+        # e4m3's least step
+        torch.testing.assert_close(values.float(), want.float(), rtol=0.13, atol=2**-9)
 
 
 @requires_gpus(1)
@@ -445,9 +438,8 @@ def test_row_kernels_past_32_bit_offsets():
     size = 6144
     rows = 2**31 // size + 2  # 349527
     norm = RMSNorm(size, 1e-5).to(device="cuda", dtype=torch.bfloat16)
-    flat = torch.randn(
-        2**31 + 2**16, generator=gen, device="cuda", dtype=torch.bfloat16
-    )  # views of it below
+    # views of it below
+    flat = torch.randn(2**31 + 2**16, generator=gen, device="cuda", dtype=torch.bfloat16)
     x = flat[: rows * size].view(rows, size)
     residual = torch.randn(rows, size, generator=gen, device="cuda").bfloat16()
     with torch.no_grad():
@@ -459,9 +451,8 @@ def test_row_kernels_past_32_bit_offsets():
         torch.testing.assert_close(got, want)
     del out, new_residual, residual
 
-    both = flat[: (2**31 // 4096 + 2) * 4096].view(
-        -1, 4096
-    )  # silu_mul: gate and up, halves of 4096-wide rows
+    # silu_mul: gate and up, halves of 4096-wide rows
+    both = flat[: (2**31 // 4096 + 2) * 4096].view(-1, 4096)
     gate, up = both[:, :2048], both[:, 2048:]
     got = silu_mul(gate, up)
     torch.testing.assert_close(
@@ -471,9 +462,8 @@ def test_row_kernels_past_32_bit_offsets():
     del got, both, gate, up
 
     cfg = ModelConfig.from_dict({**BASE, **ROUTERS["glm"]})
-    tokens = flat[: (2**31 // (64 * 256) + 2) * 64 * 256].view(
-        -1, 64, 256
-    )  # q of GLM-5.2's 64 heads x 256
+    # q of GLM-5.2's 64 heads x 256
+    tokens = flat[: (2**31 // (64 * 256) + 2) * 64 * 256].view(-1, 64, 256)
     positions = torch.randint(0, 5000, (tokens.shape[0],), generator=gen, device="cuda")
     rotary = Rotary(cfg, positions, torch.bfloat16)
     alone = tokens[tail].clone()

@@ -177,12 +177,10 @@ def test_hadamard_matrix_is_orthonormal_and_keeps_dot_products():
     for d in (1, 2, 16, 128):
         h = hadamard_matrix(d, torch.device("cpu"))
         assert torch.allclose(h @ h.T, torch.eye(d), atol=1e-6) and torch.equal(h, h.T), d
-        assert torch.equal(h.abs(), torch.full((d, d), d**-0.5)) and (h[0] > 0).all(), (
-            d
-        )  # Sylvester: row 0 all +
-    assert hadamard_matrix(16, torch.device("cpu")) is hadamard_matrix(
-        16, torch.device("cpu")
-    )  # built once
+        # Sylvester: row 0 all +
+        assert torch.equal(h.abs(), torch.full((d, d), d**-0.5)) and (h[0] > 0).all(), d
+    # built once
+    assert hadamard_matrix(16, torch.device("cpu")) is hadamard_matrix(16, torch.device("cpu"))
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(5, 4, 128, generator=gen), torch.randn(5, 1, 128, generator=gen).bfloat16()
     rotated = (hadamard_rotate(q) * hadamard_rotate(k)).sum(-1)
@@ -256,22 +254,21 @@ def test_rows_of_ties_go_to_earliest_positions():
         [3 * 64 + 5, 3 * 64 + 0, 3 * 64 + 1, 3 * 64 + 2, 3 * 64 + 3]
     )
     rows = indexer_topk(q, weights, cache, tables, seq_index, positions, 10, 64)
-    assert sorted(rows[1].tolist()) == [-1] * 3 + [
-        3 * 64 + p for p in range(7)
-    ]  # 7 visible positions
+    # 7 visible positions
+    assert sorted(rows[1].tolist()) == [-1] * 3 + [3 * 64 + p for p in range(7)]
     rows = indexer_topk(q, weights, cache, tables, seq_index, positions, 200, 64)
+    # topk above the table's 128 positions: all kept, in position order
     assert rows.shape == (
         2,
         128,
-    )  # topk above the table's 128 positions: all kept, in position order
+    )
     assert rows[1].tolist() == [3 * 64 + p for p in range(7)] + [-1] * 121
     assert (
         rows[0].tolist()
         == [3 * 64 + p for p in range(64)] + [64 + p for p in range(17)] + [-1] * 47
     )
-    assert torch.equal(
-        visible_rows(tables, seq_index, positions, 64), rows
-    )  # the same, with no scores
+    # the same, with no scores
+    assert torch.equal(visible_rows(tables, seq_index, positions, 64), rows)
 
 
 def test_order_keys_sorts_by_score_then_earliest():
@@ -424,9 +421,8 @@ def test_torch_paths_in_query_chunks_equal_one_chunk(monkeypatch, kv_cache_dtype
     monkeypatch.setattr(sparse_attention, "query_chunks", counted)
     monkeypatch.setattr(attention, "query_chunks", counted)
     chunked = run_steps(cfg, kv_cache_dtype)
-    assert max(chunk_counts) == max(
-        sum(n for _, n in step) for step in STEPS
-    )  # one query per chunk
+    # one query per chunk
+    assert max(chunk_counts) == max(sum(n for _, n in step) for step in STEPS)
     for i, ((dense, paged), (dense_chunked, paged_chunked)) in enumerate(zip(whole, chunked)):
         assert relative_error(dense_chunked, dense) < 2e-6, (
             i,

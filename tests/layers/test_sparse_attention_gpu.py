@@ -144,9 +144,8 @@ def test_triton_kernels_match_torch(kv_cache_dtype):
         assert_same_keys(got, want, kv_cache_dtype)
         selected = rows_of_best(got, TOPK, view.block_tables, view.seq_index, BLOCK)
         reference = rows_of_best(want, TOPK, view.block_tables, view.seq_index, BLOCK)
-        short = (
-            view.positions < TOPK
-        )  # every visible row is selected: the same set, in the same order of scores
+        # every visible row is selected: the same set, in the same order of scores
+        short = view.positions < TOPK
         assert torch.equal(selected[short].sort(-1).values, reference[short].sort(-1).values)
         overlap = sum(
             len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(selected, reference)
@@ -482,10 +481,11 @@ def test_paged_attention_layer_matches_dense_on_gpu():
     layer = bf16_attention_layer(cfg)
     dense = KVCache(cfg, {0: True}, 2, 1024, torch.bfloat16, "cuda")
     paged = PagedKVCache(cfg, {0: True}, 2**27, torch.bfloat16, "cuda")
+    # room for 640 tokens each
     tables = [
         [5, 2, 9, 0, 11, 13, 15, 17, 19, 21],
         [7, 1, 3, 4, 6, 8, 10, 12, 14, 16],
-    ]  # room for 640 tokens each
+    ]
     slots, errors = [dense.allocate() for _ in range(2)], []
     for starts, lens in (([0, 0], [600, 250]), ([600, 250], [1, 1]), ([601, 251], [1, 1])):
         x = torch.randn(sum(lens), cfg.hidden_size, device="cuda").bfloat16()
@@ -542,9 +542,8 @@ def check_head_matmul(device: str, dtype: torch.dtype):
                         fused.ENABLED = True
     many = torch.randn(HEAD_MATMUL_TOKENS + 1, 8, nope, generator=gen, device=device).to(dtype)
     if device == "cuda":
-        assert torch.equal(
-            head_matmul(many, w_uk), head_matmul_torch(many, w_uk)
-        )  # more tokens: the GEMM
+        # more tokens: the GEMM
+        assert torch.equal(head_matmul(many, w_uk), head_matmul_torch(many, w_uk))
     with pytest.raises(ValueError, match="head_matmul needs x"):
         triton_head_matmul(many, w_uk)
     assert triton_head_matmul(many[:0], w_uk).shape == (0, 8, c)

@@ -10,6 +10,7 @@ from spmoe.config import ModelConfig
 
 from ..multigpu import requires_gpus
 
+# this rank holds experts 16..31
 H, I, TOTAL_EXPERTS, LOCAL, FIRST, TOP_K = (
     6144,
     2048,
@@ -17,7 +18,7 @@ H, I, TOTAL_EXPERTS, LOCAL, FIRST, TOP_K = (
     16,
     16,
     8,
-)  # this rank holds experts 16..31
+)
 
 
 def glm_config(fp8: bool) -> ModelConfig:
@@ -129,9 +130,8 @@ def test_triton_experts_match_reference(rows):
         assert loose < 0.15, (
             f"fp8 rows={rows}: rel err {loose:.2e} against the unquantised reference"
         )
-        assert torch.all(got[: rows // 5] == 0) and torch.all(
-            got8[: rows // 5] == 0
-        )  # pad rows stay zero
+        # pad rows stay zero
+        assert torch.all(got[: rows // 5] == 0) and torch.all(got8[: rows // 5] == 0)
     print(
         f"rows={rows}: bf16 rel err {err:.1e}, fp8 {err8:.1e} (emulated) / {loose:.1e} (unquantised)"
     )
@@ -303,9 +303,8 @@ def check_fused_moe(rows: int, skewed: bool, fp8: bool, configs: list[dict | Non
         w13, w2, w13_scale, w2_scale = w13.bfloat16(), w2.bfloat16(), None, None
     with torch.no_grad():
         want = reference_moe(x, ids, weights, w13_ref, w2_ref, fp8)
-        nothing_local = ~((ids >= FIRST) & (ids < FIRST + LOCAL)).any(
-            1
-        )  # pad rows, rows routed elsewhere
+        # pad rows, rows routed elsewhere
+        nothing_local = ~((ids >= FIRST) & (ids < FIRST + LOCAL)).any(1)
         for config in configs:
             got = fused_moe(x, ids, weights, FIRST, w13, w2, w13_scale, w2_scale, config=config)
             assert got.shape == x.shape and got.dtype == x.dtype

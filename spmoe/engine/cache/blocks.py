@@ -65,23 +65,19 @@ class BlockManager:
             raise ValueError(f"lookahead must be >= 0 tokens, got {lookahead}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_caching, self.lookahead = enable_caching, lookahead
-        self._free = list(
-            range(num_blocks - 1, -1, -1)
-        )  # uncached, unreferenced; popped from the end: 0 first
-        self._evictable: OrderedDict[int, None] = (
-            OrderedDict()
-        )  # cached, unreferenced; least recently used first
+        # uncached, unreferenced; popped from the end: 0 first
+        self._free = list(range(num_blocks - 1, -1, -1))
+        # cached, unreferenced; least recently used first
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         self._refs = [0] * num_blocks  # sequences holding each block
         self._hash_of: dict[int, bytes] = {}  # cached block -> its hash
         self._block_of: dict[bytes, int] = {}  # hash -> cached block
         self._tables: dict[int, list[int]] = {}
         self._reserved: dict[int, int] = {}
-        self._chains: dict[
-            int, list[bytes]
-        ] = {}  # sequence -> the hashes of its leading blocks (memo)
-        self._written: dict[
-            int, int
-        ] = {}  # sequence -> its leading blocks full, written and done by cache_blocks
+        # sequence -> the hashes of its leading blocks (memo)
+        self._chains: dict[int, list[bytes]] = {}
+        # sequence -> its leading blocks full, written and done by cache_blocks
+        self._written: dict[int, int] = {}
         self.queries = 0  # prompt tokens looked up in the prefix cache, since start
         self.hits = 0  # of those, tokens found cached
 
@@ -312,9 +308,8 @@ class BlockManager:
         if not self.enable_caching:
             return []
         chain, blocks = [] if hashes is None else hashes, []
-        for i in range(
-            (len(token_ids) - 1) // self.block_size
-        ):  # block i ends at or before the last token
+        # block i ends at or before the last token
+        for i in range((len(token_ids) - 1) // self.block_size):
             self._extend_chain(chain, token_ids, i + 1)
             if chain[i] not in self._block_of:
                 break

@@ -294,9 +294,8 @@ class PagedKVCache:
         """One forward in which sequence i (blocks `block_tables[i]`, `starts[i]` tokens already cached) adds
         `lens[i]` new tokens at positions `starts[i] ...`, laid end to end."""
         check_room(block_tables, starts, lens)
-        width = max(
-            (len(t) for t in block_tables), default=1
-        )  # an empty batch (a DP rank in step): [0, 1]
+        # an empty batch (a DP rank in step): [0, 1]
+        width = max((len(t) for t in block_tables), default=1)
         tables = torch.tensor(
             [t + [self.scratch_block] * (width - len(t)) for t in block_tables], dtype=torch.int32
         ).view(len(block_tables), width)

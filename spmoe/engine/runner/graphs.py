@@ -109,9 +109,8 @@ class CapturedDraft:
     # verified row, where its one-token steps write (`StepGraphs.draft`) and their first position,
     # then its forced draft per slot (-1: none)
     inputs: torch.Tensor
-    drafts: (
-        torch.Tensor
-    )  # [B, k] int64: the MTP layer's own choice per slot, rewritten by each replay
+    # [B, k] int64: the MTP layer's own choice per slot, rewritten by each replay
+    drafts: torch.Tensor
     collectives: CommStats  # of one replay, counted at capture
 
 
@@ -124,9 +123,8 @@ class CapturedStep:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [3, N] int64: token ids, where (slot cache: the row's slot; paged: its
     # sequence's row of block_tables), positions
-    block_tables: (
-        torch.Tensor | None
-    )  # [B + 1, W] int32 (paged cache: W = `StepGraphs.width`), else None
+    # [B + 1, W] int32 (paged cache: W = `StepGraphs.width`), else None
+    block_tables: torch.Tensor | None
     # [N, V] float32, rewritten by each replay (a view of the buffer every decode graph writes;
     # mixed: None, computed after it)
     logits: torch.Tensor | None
@@ -167,17 +165,15 @@ class StepGraphs:
         self.steps: dict[int, CapturedStep] = {}  # B -> graph
         self.mixed: dict[int, CapturedStep] = {}  # padded tokens -> graph
         self.captures = 0  # graphs captured by this object, ever
-        self.replayed: CapturedStep | None = (
-            None  # the step replayed last, whose rows `draft` continues
-        )
+        # the step replayed last, whose rows `draft` continues
+        self.replayed: CapturedStep | None = None
         self._pool = None
         # every decode graph's logits, [largest B * T, V] float32, allocated once: one graph
         # replays at a time, and a buffer per size would hold B * T * V * 4 bytes for each of
         # ~20 sizes (3.5 GiB at GLM-5.2's vocabulary, 256 sequences and 3 drafts)
         self._logits: torch.Tensor | None = None
-        plan = [
-            ("decode", size) for size in reversed(graph_sizes(max_num_seqs))
-        ]  # largest first: the others
+        # largest first: the others
+        plan = [("decode", size) for size in reversed(graph_sizes(max_num_seqs))]
         if self.paged and max_num_batched_tokens:  # reuse its memory
             plan += [("mixed", tokens) for tokens in reversed(mixed_sizes(max_num_batched_tokens))]
         for index, (kind, size) in enumerate(plan, 1):
@@ -230,9 +226,8 @@ class StepGraphs:
     def _capture(self, size: int) -> None:
         device, per_seq, k = self.cache.device, self.tokens_per_seq, self.drafts
         inputs = torch.zeros(3, size * per_seq, dtype=torch.long, device=device)
-        inputs[2] = torch.arange(per_seq, device=device).repeat(
-            size
-        )  # pad sequences: positions 0 .. T - 1
+        # pad sequences: positions 0 .. T - 1
+        inputs[2] = torch.arange(per_seq, device=device).repeat(size)
         tables = None
         if self.paged:
             inputs[1] = torch.arange(size, device=device).repeat_interleave(per_seq)

@@ -147,9 +147,8 @@ class ModelRunner:
         logits, rows, generated, preceding, spans = forward.logits, [], [], [], {}
         fork_rows = []
         for part in batch.parts:
-            if (
-                part.role is Role.FORK
-            ):  # its source ends its prompt: its one row is the last token's
+            # its source ends its prompt: its one row is the last token's
+            if part.role is Role.FORK:
                 fork_rows.append(spans[part.source].start)
                 drafts = []
             else:

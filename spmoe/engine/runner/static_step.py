@@ -128,9 +128,8 @@ def draft_tokens(
     _, rows_where, positions = inputs
     view = step_view(cache, rows_where, positions, block_tables)
     rows = next_ids.shape[0]
-    h = model.forward_draft_hidden(next_ids, positions, hidden, [1] * rows, view, rows)[
-        last
-    ]  # [S, H]
+    # [S, H]
+    h = model.forward_draft_hidden(next_ids, positions, hidden, [1] * rows, view, rows)[last]
     own = [model.compute_draft_logits(h).argmax(-1)]  # [S] per slot
     ones = [1] * last.shape[0]
     for i in range(forced.shape[1] - 1):

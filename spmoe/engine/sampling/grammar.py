@@ -69,9 +69,8 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self.load_tokenizer(), vocab_size=self.vocab_size
                 )
-                self.compiler = xgr.GrammarCompiler(
-                    info, cache_enabled=False
-                )  # cached here, by spec
+                # cached here, by spec
+                self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
             return self.compiler
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
@@ -199,9 +198,8 @@ def fill_bitmask(
     firsts = [0]
     for fed in drafts:
         firsts.append(firsts[-1] + 1 + len(fed))
-    bitmask = xgrammar().allocate_token_bitmask(
-        firsts[-1], vocab_size
-    )  # every bit set: every token allowed
+    # every bit set: every token allowed
+    bitmask = xgrammar().allocate_token_bitmask(firsts[-1], vocab_size)
     walking = [i for i, g in enumerate(grammars) if g is not None]
     rows = [firsts[i] + j for i in walking for j in range(1 + len(drafts[i]))]
     most_tokens = [1 + len(fed) for fed in drafts]
@@ -215,9 +213,8 @@ def fill_bitmask(
             )
         walking = [i for i in walking if j < len(drafts[i]) and grammars[i].accept(drafts[i][j])]
         for i in walking:
-            if grammars[
-                i
-            ].finished:  # its draft j + 1 is the stop token: nothing after it is committed
+            # its draft j + 1 is the stop token: nothing after it is committed
+            if grammars[i].finished:
                 most_tokens[i] = j + 1
         walking = [i for i in walking if not grammars[i].finished]
     for i, position in before.items():

@@ -114,8 +114,7 @@ def top_k_top_p_threshold_by_sort(
     sorted_logits.masked_fill_(sorted_logits < kth, NEG_INF)
     probs = torch.softmax(sorted_logits, dim=-1)
     before = probs.cumsum(-1) - probs  # the mass of the more likely tokens
-    drop_sorted = (before >= top_p[:, None]) & (top_p < 1)[
-        :, None
-    ]  # top_p 1: keep all (no rounding losses)
+    # top_p 1: keep all (no rounding losses)
+    drop_sorted = (before >= top_p[:, None]) & (top_p < 1)[:, None]
     drop_sorted |= sorted_logits == NEG_INF
     return sorted_logits.gather(1, ((~drop_sorted).sum(-1, keepdim=True) - 1).clamp(min=0))

@@ -72,9 +72,8 @@ class Sampler:
                 f"the sampler needs max_rows >= 1 and vocab_size >= 1, got {max_rows}, {vocab_size}"
             )
         self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, torch.device(device)
-        self.params: list[SamplingParams | None] = [
-            None
-        ] * max_rows  # host copy: decides which processors run
+        # host copy: decides which processors run
+        self.params: list[SamplingParams | None] = [None] * max_rows
         self._free = list(range(max_rows - 1, -1, -1))
 
         def column(value: float, dtype=torch.float32) -> torch.Tensor:
@@ -91,9 +90,8 @@ class Sampler:
         # `[max_rows, V]`, made when the first request with a penalty arrives (most servers never
         # need them)
         self.output_counts: torch.Tensor | None = None  # int32: times each token was generated
-        self.prompt_mask: torch.Tensor | None = (
-            None  # bool: the token is in the prompt (repetition penalty)
-        )
+        # bool: the token is in the prompt (repetition penalty)
+        self.prompt_mask: torch.Tensor | None = None
 
     # -- rows -------------------------------------------------------------------------------------
 
@@ -191,9 +189,8 @@ class Sampler:
         )
         row, done = index[0], index[1]
         raw_finite = torch.isfinite(logits).all(-1)
-        out = torch.where(
-            raw_finite[:, None], logits.to(torch.float32), 0.0
-        )  # a copy: the caller's stays
+        # a copy: the caller's stays
+        out = torch.where(raw_finite[:, None], logits.to(torch.float32), 0.0)
         if any(p.min_tokens > g for p, g in zip(params, generated)):
             suppress_tokens(out, self.stop_ids[row], done < self.min_tokens[row])
         if any(p.logit_bias for p in params):
@@ -248,9 +245,8 @@ class Sampler:
         if plain and not any(
             p.min_tokens > g or p.logit_bias or p.penalised for p, g in zip(params, generated)
         ):
-            return _without_logprobs(
-                logits.argmax(-1), torch.isfinite(logits).all(-1)
-            )  # what greedy always was
+            # what greedy always was
+            return _without_logprobs(logits.argmax(-1), torch.isfinite(logits).all(-1))
         best, drawn, finite = self.process(logits, rows, generated, preceding)
         ids = best.argmax(-1)
         sampled = [j for j, p in enumerate(params) if not p.greedy]
@@ -272,9 +268,8 @@ class Sampler:
             return _without_logprobs(ids, finite)
         m, a, width = len(params), len(asked), max(params[j].logprobs for j in asked)
         source, chosen_ids = drawn, ids
-        if (
-            a < m
-        ):  # the rows that asked only: log_softmax and topk are per row, the others' would be dropped
+        # the rows that asked only: log_softmax and topk are per row, the others' would be dropped
+        if a < m:
             where = torch.tensor(asked, dtype=torch.int64).to(self.device, non_blocking=True)
             source, chosen_ids = drawn[where], ids[where]
         logprobs = torch.log_softmax(source, dim=-1)  # [a, V]
@@ -286,9 +281,8 @@ class Sampler:
         if width:
             top = logprobs.topk(width, dim=-1)  # [a, width]
             parts += [top.indices.flatten().double(), top.values.flatten().double()]
-        flat = torch.cat(
-            parts
-        ).tolist()  # the one host transfer: ids, flags, then the asking rows' logprobs
+        # the one host transfer: ids, flags, then the asking rows' logprobs
+        flat = torch.cat(parts).tolist()
         chosen, tops = [None] * m, [None] * m
         top_ids, top_values = flat[2 * m + a : 2 * m + a + a * width], flat[2 * m + a + a * width :]
         for n, j in enumerate(asked):

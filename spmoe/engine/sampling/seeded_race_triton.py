@@ -80,16 +80,14 @@ def _race_kernel(logits_ptr, stride_row, at_ptr, keys_ptr, index_ptr, out_ptr, v
     for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
         ids = start + cols
         x = tl.load(row_ptr + ids, mask=ids < vocab, other=float("-inf"))
-        ratio = tl.div_rn(
-            tl.exp(x - row_max), exponential(noise_bits(a, b, ids))
-        )  # IEEE division, as torch's
+        # IEEE division, as torch's
+        ratio = tl.div_rn(tl.exp(x - row_max), exponential(noise_bits(a, b, ids)))
         better = ratio > best
         best = tl.where(better, ratio, best)
         best_id = tl.where(better, ids, best_id)
     top = tl.max(best)
-    tl.store(
-        out_ptr + j, tl.min(tl.where(best == top, best_id, vocab)).to(tl.int64)
-    )  # the first of the largest
+    # the first of the largest
+    tl.store(out_ptr + j, tl.min(tl.where(best == top, best_id, vocab)).to(tl.int64))
 
 
 def seeded_race(

@@ -33,16 +33,13 @@ import triton
 import triton.language as tl
 
 # constexpr globals: the kernel's functions read them as compile-time constants
-BLOCK = tl.constexpr(
-    4096
-)  # tokens a full pass reads per step: 8 a thread at 16 warps (8192 spills registers)
+# tokens a full pass reads per step: 8 a thread at 16 warps (8192 spills registers)
+BLOCK = tl.constexpr(4096)
 STAGES = tl.constexpr(3)  # a full pass's loads are pipelined this deep (the row streams from L2)
-GROUP = tl.constexpr(
-    4
-)  # weights added in float32 four at a time, then in float64 (one conversion per four)
-CAP = tl.constexpr(
-    4096
-)  # at most this many tokens left in the interval: gathered once, the search ends in registers
+# weights added in float32 four at a time, then in float64 (one conversion per four)
+GROUP = tl.constexpr(4)
+# at most this many tokens left in the interval: gathered once, the search ends in registers
+CAP = tl.constexpr(4096)
 NUM_WARPS = 16
 
 
@@ -140,9 +137,8 @@ def _largest_passing(
             x = tl.load(row_ptr + start + cols, mask=valid, other=float("-inf"))
             inside = (valid & (x >= low) & (x <= high)).to(tl.int32)
             slot = filled + tl.cumsum(inside, 0) - 1
-            tl.store(
-                scratch_ptr + slot, x, mask=(inside > 0) & (slot < CAP)
-            )  # slot < CAP: NaN rows stay inside
+            # slot < CAP: NaN rows stay inside
+            tl.store(scratch_ptr + slot, x, mask=(inside > 0) & (slot < CAP))
             filled += tl.sum(inside)
         tl.debug_barrier()  # the gathered tokens, written by every thread, read back by every thread
         index = tl.arange(0, CAP)
@@ -197,9 +193,8 @@ def _threshold_kernel(
                 row_max,
                 False,
             )
-        if by_p & (
-            row_max > float("-inf")
-        ):  # of the tokens >= that, the largest v whose tokens >= v hold top_p
+        # of the tokens >= that, the largest v whose tokens >= v hold top_p
+        if by_p & (row_max > float("-inf")):
             kept, count, _, _ = _tally_row(row_ptr, vocab, threshold, row_max, True)
             target = p.to(tl.float64) * kept
             threshold = _largest_passing(

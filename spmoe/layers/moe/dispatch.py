@@ -42,9 +42,8 @@ def allgather_reducescatter(
     if node is not None:
         every = torch.cat([node[0].float(), node[1].float()], dim=1)  # [rows_max*P, 2k]
         filled = torch.cat([x.repeat(group_size(group), 1), every.view(x.dtype)], dim=1)
-    gathered = all_gather_rows(
-        torch.cat([x, routing.view(x.dtype)], dim=1), group, filled
-    )  # [rows_max*P, H + ...]
+    # [rows_max*P, H + ...]
+    gathered = all_gather_rows(torch.cat([x, routing.view(x.dtype)], dim=1), group, filled)
     got = gathered[:, size:].view(torch.float32)  # [rows_max*P, 2k], a strided view
     partial = run_experts(experts, gathered[:, :size], got[:, :k].long(), got[:, k:])
     return reduce_scatter_rows(partial, group)[:n]
@@ -77,14 +76,14 @@ def all_to_all(
     ).squeeze(1)
     sends, recvs = send_counts.tolist(), recv_counts.tolist()
     routing = torch.cat([ids.float(), weights.float()], dim=1)[send_row]  # [S, 2k] float32
-    payload = torch.cat(
-        [x[send_row], routing.view(x.dtype)], dim=1
-    )  # routing's bytes ride behind the hidden
+    # routing's bytes ride behind the hidden
+    payload = torch.cat([x[send_row], routing.view(x.dtype)], dim=1)
     received = all_to_all_rows(payload, sends, recvs, group)  # [R, H + ...]
     got_routing = received[:, size:].contiguous().view(torch.float32)  # [R, 2k]
+    # [R, H]
     partial = run_experts(
         experts, received[:, :size], got_routing[:, :k].long(), got_routing[:, k:]
-    )  # [R, H]
+    )
     returned = all_to_all_rows(partial, recvs, sends, group)  # [S, H]
     return torch.zeros_like(x).index_add_(0, send_row, returned)
 

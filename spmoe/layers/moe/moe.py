@@ -79,13 +79,11 @@ class MoE(nn.Module):
             else:
                 record_dispatched(rows.valid)
                 out = self.dispatch(x, ids, weights, self.experts, rows.group, rows.rows_max, node)
-                if (
-                    not rows.keep_output
-                ):  # a TP peer holds the same complete output; keep one copy -> PARTIAL
+                # a TP peer holds the same complete output; keep one copy -> PARTIAL
+                if not rows.keep_output:
                     out = torch.zeros_like(out)
-        return (
-            out if self.shared_experts is None else self.shared_experts(x, out=out)
-        )  # added by its GEMM
+        # added by its GEMM
+        return out if self.shared_experts is None else self.shared_experts(x, out=out)
 
     def _seeded(self, x: torch.Tensor, rows: ExpertRows):
         """Seeded routing of every EP rank's block -> (this rank's ids, weights `[m, k]`; on a simulated EP

@@ -18,9 +18,8 @@ import torch
 @dataclass
 class MoEWork:
     rows_dispatched: int = 0  # real (not padding) token rows this rank sent to its experts' owners
-    expert_rows: torch.Tensor | None = (
-        None  # `[local experts]` int64: (row, expert) pairs computed, summed
-    )
+    # `[local experts]` int64: (row, expert) pairs computed, summed
+    expert_rows: torch.Tensor | None = None
     calls: list = field(default_factory=list)  # the same per MoE call (a layer), in call order
 
     def as_dict(self) -> dict:

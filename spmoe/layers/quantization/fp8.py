@@ -7,9 +7,8 @@ from functools import cache
 
 import torch
 
-FP8_GROUP = (
-    128  # activation channels per FP8 scale (per token), as the FP8 checkpoints' kernels expect
-)
+# activation channels per FP8 scale (per token), as the FP8 checkpoints' kernels expect
+FP8_GROUP = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 

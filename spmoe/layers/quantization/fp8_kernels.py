@@ -51,11 +51,12 @@ class MatmulConfig(NamedTuple):
     num_stages: int
 
 
+# decode buckets (upper bounds of m); larger m is prefill, bucket 0 in the table
 M_BUCKETS = (
     16,
     32,
     64,
-)  # decode buckets (upper bounds of m); larger m is prefill, bucket 0 in the table
+)
 
 # (m bucket, n, k) -> config for GLM-5.2's FP8 linears at TP 1, chosen from first principles before
 # the first sweep (benchmarks/bench_fp8_linear.py --sweep prints its fastest as entries of this
@@ -166,18 +167,15 @@ def _fp8_matmul_kernel(
     first = pid_s * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(k, BLOCK_K))
     x_ptrs = x_ptr + rows[:, None] * stride_xm + first * BLOCK_K + offs_k[None, :]
-    w_ptrs = (
-        w_ptr + cols[None, :] * stride_wn + first * BLOCK_K + offs_k[:, None]
-    )  # [BLOCK_K, BLOCK_N]: W^T
-    ws_ptrs = (
-        ws_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn
-    )  # one weight block row per tile (BLOCK_N | 128)
+    # [BLOCK_K, BLOCK_N]: W^T
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + first * BLOCK_K + offs_k[:, None]
+    # one weight block row per tile (BLOCK_N | 128)
+    ws_ptrs = ws_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(first, last):
         k_ok = offs_k < k - kb * BLOCK_K
-        if (
-            QUANTIZE
-        ):  # 16-bit activations: quantise this 128-channel group of every row, as `quantize_fp8`
+        # 16-bit activations: quantise this 128-channel group of every row, as `quantize_fp8`
+        if QUANTIZE:
             xv = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             x_scale = tl.maximum(tl.max(tl.abs(xv), 1), 1e-10) / FP8_MAX_
             a = (xv / x_scale[:, None]).to(tl.float8e4nv)
@@ -339,9 +337,8 @@ def _fp8_head_matmul_kernel(
         k = first + tl.arange(0, BLOCK_K)
         k_ok = k < depth
         x = tl.load(x_rows + k[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
-        if (
-            DEPTH_ALONG_ROWS
-        ):  # w[k, m] = W[base + k, m]: the scale varies along k, one block column per tile
+        # w[k, m] = W[base + k, m]: the scale varies along k, one block column per tile
+        if DEPTH_ALONG_ROWS:
             w_rows = base_row + k
             w = tl.load(
                 w_ptr + w_rows[:, None] * stride_wr + cols[None, :],

@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from spmoe.layers.fused import use_fused
 from spmoe.layers.quantization.fp8 import FP8_GROUP, FP8_MAX, dequantize, quantize_fp8_groups
 
+# the weight block FP8 linears keep; other block sizes are dequantised on load
 FP8_BLOCK = (
     128,
     128,
-)  # the weight block FP8 linears keep; other block sizes are dequantised on load
+)
 
 
 def block_grid(rows: int, cols: int, block: tuple[int, int] = FP8_BLOCK) -> tuple[int, int]:

@@ -87,9 +87,8 @@ class DeepseekV32Model(nn.Module):
             self.rotary_table,
         )
         max_tokens = largest_dp_batch(num_tokens, max_tokens)
-        hidden = enter(
-            self.embed_tokens(input_ids), self.plan.layers[0].input
-        )  # PARTIAL [N, H] -> layer 0
+        # PARTIAL [N, H] -> layer 0
+        hidden = enter(self.embed_tokens(input_ids), self.plan.layers[0].input)
         residual, selected = None, None
         for layer in self.layers:
             hidden, residual, selected = layer(hidden, residual, batch, selected, max_tokens)

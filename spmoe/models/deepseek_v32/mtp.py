@@ -97,9 +97,8 @@ class DeepseekV32MultiTokenPredictorLayer(nn.Module):
         check_rows(previous_hidden, num_tokens, f"MTP previous hidden (FULL, N={num_tokens})")
         at_start = (positions == 0).unsqueeze(1)  # [N, 1]
         # SP: shard before eh_proj, so the 2H -> H projection runs on n rows
-        embeds = enter(
-            self.embed_tokens(input_ids), layout
-        )  # PARTIAL [N, H] -> complete, in `layout`
+        # PARTIAL [N, H] -> complete, in `layout`
+        embeds = enter(self.embed_tokens(input_ids), layout)
         previous_hidden, at_start = (
             shard_like(previous_hidden, layout),
             shard_like(at_start, layout),

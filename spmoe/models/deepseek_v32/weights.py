@@ -39,11 +39,12 @@ from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 
 EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+# vLLM's names: auto and safetensors read the checkpoint
 LOAD_FORMATS = (
     "auto",
     "safetensors",
     "dummy",
-)  # vLLM's names: auto and safetensors read the checkpoint
+)
 MTP_MODULE = re.compile(r"^mtp\.(\d+)\.(mtp_block\.)?")  # our module names -> model.layers.{L}.
 
 
@@ -491,9 +492,8 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
                 f"tensor {key}: checkpoint shape {ckpt.shape(key)} does not match the expected {tuple(full)}"
             )
         dtype = ckpt.dtype(key)
-        if (
-            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
-        ):  # copying would make integers weights
+        # copying would make integers weights
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(
                 f"tensor {key}: checkpoint dtype {dtype}; expected a floating-point tensor (F32, BF16, F16 or F8_E4M3)"
             )

@@ -103,10 +103,11 @@ def _untied_logits(model, seq: list[int]) -> torch.Tensor:
     scores, topk = [], torch.Tensor.topk
 
     def recording_topk(self, k, *args, **kwargs):
+        # the indexer's [1, S, S] scores
         if self.dim() == 3 and self.shape[-2:] == (
             len(seq),
             len(seq),
-        ):  # the indexer's [1, S, S] scores
+        ):
             scores.append((self.detach().clone(), k))
         return topk(self, k, *args, **kwargs)
 

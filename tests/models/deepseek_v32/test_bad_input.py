@@ -156,9 +156,10 @@ def test_broken_checkpoints_name_the_tensor(checkpoints, tmp_path):
     errors = spawn(load_broken, 2, folders + [str(corrupt)])[0]
     for (name, (_, fragment)), error in zip(variants.items(), errors):
         assert error is not None and fragment in error, (name, error)
+    # the rest is safetensors' own
     assert errors[-1].startswith(
         f"ValueError: {corrupt}/model.safetensors is not a readable safetensors file: Error while deserializing header"
-    ), errors[-1]  # the rest is safetensors' own
+    ), errors[-1]
 
 
 def test_a_failing_rank_ends_forward_with_one_line(checkpoints, tmp_path, capsys):

@@ -91,9 +91,8 @@ def test_matches_transformers(tp, dp, dp_runs, checkpoints):
             )
             counts = ranks[0][2][m][b][1]
             if sp == "on" and scope == "all":
-                assert (
-                    counts["all_reduce"] == 1
-                )  # only the per-step agreement on the largest DP batch
+                # only the per-step agreement on the largest DP batch
+                assert counts["all_reduce"] == 1
             if sp == "off":  # no SP reduce-scatter: only the combine of the 2 MoE layers' dispatch
                 assert counts["reduce_scatter"] == 2
     print(f"tp{tp} x dp{dp}: worst rel err {worst:.2e}")
@@ -115,6 +114,5 @@ def test_sp_removes_duplicated_expert_work(dp_runs, checkpoints):
                 tp_rank,
             )
         dispatched_on = sum(results[on][b][2]["rows_dispatched"] for *_, results in ranks)
-        assert (
-            dispatched_on == sum(map(len, seqs)) * 2
-        )  # each token once per MoE layer, pad rows excluded
+        # each token once per MoE layer, pad rows excluded
+        assert dispatched_on == sum(map(len, seqs)) * 2

@@ -50,9 +50,8 @@ CONFIG = dict(
     num_nextn_predict_layers=0,
 )
 IDS = [5, 9, 1, 33, 17, 2, 60]
-FP8_LOGIT_RMS_ERROR = (
-    0.06  # docs/performance-log/2026-12.md states it; the GPU test holds the kernels to it too
-)
+# docs/performance-log/2026-12.md states it; the GPU test holds the kernels to it too
+FP8_LOGIT_RMS_ERROR = 0.06
 
 
 def relative_rms_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -103,9 +102,8 @@ def test_compressed_tensors_loads_as_the_deepseek_format(checkpoints):
     ct = load_file(folder / "compressed-tensors" / "model.safetensors")
     assert ds["model.layers.0.self_attn.q_b_proj.weight"].dtype == torch.float8_e4m3fn
     assert "model.layers.0.self_attn.q_b_proj.weight_scale" in ct
-    assert (
-        ds["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
-    )  # left unquantised
+    # left unquantised
+    assert ds["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
     for keep in (False, True):
         (ds_logits, ds_kinds), (ct_logits, ct_kinds) = (
             logits["fp8", keep],

@@ -57,9 +57,8 @@ def expected_counts(mlp_types, sp_flags, t, ep_backend="allgather_reducescatter"
     previous = None
     for kind, sp in zip(mlp_types, sp_flags):
         if previous is None:
-            counts["reduce_scatter" if sp else "all_reduce"] += (
-                1  # embedding partial: RS into shards, or AR
-            )
+            # embedding partial: RS into shards, or AR
+            counts["reduce_scatter" if sp else "all_reduce"] += 1
         elif previous and not sp:
             counts["all_gather"] += 1  # _all_gather_sp_states: the sharded region ends
         elif not previous:

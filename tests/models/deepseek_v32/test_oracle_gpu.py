@@ -16,9 +16,8 @@ from spmoe.entrypoints.jobs import flatten
 
 from ...multigpu import requires_gpus, run_on_gpus
 
-ROW_TOLERANCE = (
-    5e-2  # per row, relative to the row's largest |logit|: bfloat16 keeps 8 significant bits
-)
+# per row, relative to the row's largest |logit|: bfloat16 keeps 8 significant bits
+ROW_TOLERANCE = 5e-2
 ROWS_WITHIN = 0.75  # of the compared rows
 MEDIAN_TOLERANCE = 2.5e-2
 SP_TOLERANCE = 3e-2  # SP on against SP off, every row

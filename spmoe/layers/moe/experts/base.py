@@ -38,9 +38,8 @@ class ExpertsDeployment:
     triton: bool  # Triton is importable
     flashinfer: bool  # FlashInfer is importable
     data_parallel_size: int = 1
-    enable_eplb: bool = (
-        False  # spmoe has no EPLB; the field is here so the kernels' rule is stated and tested
-    )
+    # spmoe has no EPLB; the field is here so the kernels' rule is stated and tested
+    enable_eplb: bool = False
 
     @classmethod
     def for_layer(
@@ -76,12 +75,10 @@ def _installed(package: str) -> bool:
 class Experts(nn.Module):
     name: ClassVar[str]
     routes_internally: ClassVar[bool] = False
-    keeps_fp8: ClassVar[bool] = (
-        False  # holds the checkpoint's FP8 weights instead of dequantising them
-    )
-    syncs_host: ClassVar[bool] = (
-        False  # reads routing back to the host, so a CUDA graph cannot capture it
-    )
+    # holds the checkpoint's FP8 weights instead of dequantising them
+    keeps_fp8: ClassVar[bool] = False
+    # reads routing back to the host, so a CUDA graph cannot capture it
+    syncs_host: ClassVar[bool] = False
 
     def __init__(self, cfg: ModelConfig, first: int, count: int):
         super().__init__()

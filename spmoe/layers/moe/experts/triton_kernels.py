@@ -71,16 +71,14 @@ def _gate_up_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pairs_ptr + rows)
     valid = pairs < num_pairs
-    tokens = tl.where(valid, pairs // top_k, 0).to(
-        tl.int64
-    )  # token * stride passes 2**31 from 349526 rows
+    # token * stride passes 2**31 from 349526 rows
+    tokens = tl.where(valid, pairs // top_k, 0).to(tl.int64)
     rows = rows.to(tl.int64)  # R * I passes 2**31 from m = 131072 at top-8, I 2048
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
-    g_ptrs = (
-        w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]
-    )  # [BLOCK_K, BLOCK_N]
+    # [BLOCK_K, BLOCK_N]
+    g_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + inter * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -210,9 +208,8 @@ def _blocks_kernel(
     end = tl.cumsum(padded, 0)
     tl.store(start_ptr + experts, end - padded, mask=(experts < count) & (tl.program_id(0) == 0))
     blocks = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    before = tl.sum(
-        (end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1
-    )  # runs ending before
+    # runs ending before
+    before = tl.sum((end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
     tl.store(
         block_expert_ptr + blocks, tl.where(before < count, before, -1), mask=blocks < num_blocks
     )
@@ -266,12 +263,10 @@ def _align_one_program_kernel(
     mine = expert[:, None] == e[None, :]  # [P, E]
     padded = (tl.sum(mine.to(tl.int32), axis=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, 0)
-    start = tl.sum(
-        tl.where(mine, (end - padded)[None, :], 0), axis=1
-    )  # [P]: the start of the pair's run
-    earlier = (expert[:, None] == expert[None, :]) & (
-        p[None, :] < p[:, None]
-    )  # [P, P]: same expert, before it
+    # [P]: the start of the pair's run
+    start = tl.sum(tl.where(mine, (end - padded)[None, :], 0), axis=1)
+    # [P, P]: same expert, before it
+    earlier = (expert[:, None] == expert[None, :]) & (p[None, :] < p[:, None])
     place = start + tl.sum(earlier.to(tl.int32), axis=1)
     for r0 in range(0, num_rows, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
@@ -280,9 +275,8 @@ def _align_one_program_kernel(
     tl.store(pairs_ptr + place, p, mask=local)
     for b0 in range(0, num_rows // BLOCK_M, BLOCK_B):
         b = b0 + tl.arange(0, BLOCK_B)
-        before = tl.sum(
-            (end[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1
-        )  # runs ending before
+        # runs ending before
+        before = tl.sum((end[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
         tl.store(
             block_expert_ptr + b, tl.where(before < count, before, -1), mask=b < num_rows // BLOCK_M
         )
@@ -308,6 +302,7 @@ def align_pairs(ids: torch.Tensor, first: int, count: int, block_m: int):
             max(16, triton.next_power_of_2(num_pairs)),
             max(16, triton.next_power_of_2(count)),
         )
+        # 2.2 us at batch 1 on an H200; 1 warp took 2.8
         _align_one_program_kernel[(1,)](
             ids,
             pairs,
@@ -322,11 +317,10 @@ def align_pairs(ids: torch.Tensor, first: int, count: int, block_m: int):
             BLOCK_R=256,
             BLOCK_B=64,
             num_warps=8,
-        )  # 2.2 us at batch 1 on an H200; 1 warp took 2.8
+        )
         return pairs, block_expert
-    counters = torch.zeros(
-        2, count, dtype=torch.int32, device=device
-    )  # pairs per expert, placement cursors
+    # pairs per expert, placement cursors
+    counters = torch.zeros(2, count, dtype=torch.int32, device=device)
     start = torch.empty(count, dtype=torch.int32, device=device)
     block_expert = torch.empty(rows_max // block_m, dtype=torch.int32, device=device)
     pairs = torch.full((rows_max,), num_pairs, dtype=torch.int32, device=device)
@@ -362,9 +356,8 @@ def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, co
     dtype. `config`: the tile sizes (`pick_config` by default)."""
     (m, k), (count, two_inter, hidden) = ids.shape, w13.shape
     inter, fp8 = two_inter // 2, w13.dtype == torch.float8_e4m3fn
-    x = (
-        x if x.stride(-1) == 1 else x.contiguous()
-    )  # rows may be strided (a view of a packed gather)
+    # rows may be strided (a view of a packed gather)
+    x = x if x.stride(-1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     if m == 0:
         return torch.empty_like(x)
@@ -398,9 +391,8 @@ def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, co
         **launch,
     )
     aq, a_s = quantize_fp8(act) if fp8 else (act, act)
-    y32 = torch.zeros(
-        m, hidden, dtype=torch.float32, device=x.device
-    )  # rows without a local pair stay 0
+    # rows without a local pair stay 0
+    y32 = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(rows // bm, triton.cdiv(hidden, bn))](
         aq,
         a_s,
