@@ -53,9 +53,12 @@ def maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def launch_here(tokenizer: str, address: str, port: int, max_num_waiting: int) -> FrontEndLaunch:
+def launch_here(
+    tokenizer: str, address: PrivateAddress, port: int, max_num_waiting: int
+) -> FrontEndLaunch:
     """What rank 0 hands a front end: serve `tokenizer`'s byte vocabulary on `port`, against an
-    engine socket at `address` in this process, as front end 1 (it prints no ready line)."""
+    engine socket at `address` in this process (its folder the front end's shared one), as front
+    end 1 (it prints no ready line)."""
     facts = EngineFacts(
         max_model_len=2048,
         max_num_waiting=max_num_waiting,
@@ -67,10 +70,11 @@ def launch_here(tokenizer: str, address: str, port: int, max_num_waiting: int) -
     return FrontEndLaunch(
         target="spmoe.entrypoints.serve.frontend.process:serve_http",
         args=pickle.dumps((options,)),
-        address=address,
+        address=address.url,
         identity=b"bench",
         facts=facts,
         engine_pid=os.getpid(),
+        shared_dir=address.folder,
         index=1,
     )
 
@@ -88,7 +92,7 @@ def start_once(tokenizer: str, port: int) -> dict:
     address, codec = PrivateAddress(), Codec()
     engine = zmq.Context.instance().socket(zmq.ROUTER)
     engine.bind(address.url)
-    launch = launch_here(tokenizer, address.url, port, 64)
+    launch = launch_here(tokenizer, address, port, 64)
     began = time.perf_counter()
     proc = subprocess.Popen(FRONT_END, stdin=subprocess.PIPE)
     try:

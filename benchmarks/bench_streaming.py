@@ -151,7 +151,7 @@ def engine_process(conn, streams: int, port: int, step_s: float, per_seq: float,
     engine = zmq.Context.instance().socket(zmq.ROUTER)
     engine.setsockopt(zmq.LINGER, 0)
     engine.bind(address.url)
-    launch = launch_here(str(CHECKPOINT), address.url, port, 4 * streams)
+    launch = launch_here(str(CHECKPOINT), address, port, 4 * streams)
     # `code` first: its spmoe; the rest as it was (packages installed beside the checkout)
     path = os.pathsep.join(p for p in (code, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path}

@@ -243,8 +243,8 @@ def test_a_soak_of_the_demo_server_passes(tmp_path):
     every process sampled)."""
     out, log = tmp_path / "soak.json", tmp_path / "server.log"
     # RSS: a bound for gross leaks only; in 75 s the processes' caches (the tokenizer's, the
-    # grammars', the stored responses) are still filling, which the 30-minute run outlasts
-    # (docs/robustness.md)
+    # grammars', the stored responses' page cache) are still filling, which the 30-minute run
+    # outlasts (docs/robustness.md)
     command = [sys.executable, str(BENCHMARKS / "soak.py"), "--duration", "75"]
     command += ["--max-rss-growth", "0.25", "--json", str(out), "--server-log", str(log)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1200)

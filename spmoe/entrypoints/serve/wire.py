@@ -52,6 +52,9 @@ class FrontEndLaunch:
     identity: bytes
     facts: EngineFacts
     engine_pid: int
+    # a folder of the server's front ends alone (mode 0700), kept across their restarts and removed
+    # when the server stops: their stored responses (`frontend/response_store.py`)
+    shared_dir: str
     # which of rank 0's front ends this is (0 prints the ready line), and how many front ends were
     # restarted before it (a restarted one prints no ready line)
     index: int

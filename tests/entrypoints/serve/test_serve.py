@@ -3,7 +3,8 @@ tokenizer, driven by the real `openai` client; its greedy text against `spmoe ge
 concurrent streams; bad requests; SIGTERM during streams (a drain, exit 0); a second server whose
 rank 1 is stopped (the watchdog); a server whose engine process is killed (it goes down, nothing is
 left) and one whose front end process is killed (restarted, until it keeps dying: then the server
-goes down); and the one-line errors for bad options before any rank starts."""
+goes down; a response stored before the kill is still found); two front ends sharing the port and
+the stored responses; and the one-line errors for bad options before any rank starts."""
 
 import json
 import os
@@ -25,6 +26,7 @@ from spmoe.distributed import spawn
 from spmoe.distributed.launcher import free_port
 from spmoe.entrypoints.cli import main
 from spmoe.entrypoints.demo import write_demo_tokenizer
+from spmoe.entrypoints.serve.frontend.response_store import RESPONSES_DATABASE
 from spmoe.entrypoints.serve.frontend.tokenizer import chat_prompt_text
 from spmoe.entrypoints.tokenizer import load_tokenizer
 from spmoe.models.deepseek_v32.weights import write_random_checkpoint
@@ -956,6 +958,49 @@ def hold_a_stream(base: str) -> tuple[threading.Thread, list]:
     return holder, events
 
 
+def store_response(base: str, text: str) -> dict:
+    """A stored response to `text`, over a connection of its own (whichever front end takes it)."""
+    body = {"model": "tiny", "input": text, "max_output_tokens": 2}
+    made = httpx.post(f"{base}/v1/responses", json=body, timeout=60)
+    assert made.status_code == 200, made.text
+    return made.json()
+
+
+def check_stored(base: str, made: dict) -> None:
+    """`made` is read back, and continued with its conversation before the new input, each over a
+    connection of its own (whichever front end takes it)."""
+    got = httpx.get(f"{base}/v1/responses/{made['id']}", timeout=60)
+    assert got.status_code == 200 and got.json() == made, got.text
+    body = {"model": "tiny", "input": "more", "max_output_tokens": 2}
+    more = httpx.post(
+        f"{base}/v1/responses", json={**body, "previous_response_id": made["id"]}, timeout=60
+    )
+    alone = httpx.post(f"{base}/v1/responses", json=body, timeout=60)
+    assert more.status_code == 200 and alone.status_code == 200, (more.text, alone.text)
+    # the stored conversation came before the new input
+    assert more.json()["usage"]["input_tokens"] > alone.json()["usage"]["input_tokens"]
+
+
+def open_files(pid: int) -> list[str]:
+    """What process `pid`'s open fds point to (paths, `socket:[inode]`, ...), from /proc."""
+    targets = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            targets.append(os.readlink(fd))
+        except OSError:
+            continue
+    return targets
+
+
+def front_ends_folder(pid: int) -> Path:
+    """The folder the front ends share, from the stored responses' database that front end `pid`
+    has open."""
+    for target in open_files(pid):
+        if target.endswith(f"/{RESPONSES_DATABASE}"):
+            return Path(target).parent
+    raise AssertionError(f"front end {pid} has no {RESPONSES_DATABASE} open")
+
+
 def running_requests(base: str) -> float:
     """The engine's running requests, as /metrics says."""
     text = httpx.get(f"{base}/metrics", timeout=30).text
@@ -992,8 +1037,9 @@ def test_a_killed_engine_takes_the_server_down_and_leaves_nothing(checkpoint, tm
 def test_a_killed_front_end_is_restarted_until_it_keeps_dying(checkpoint, tmp_path):
     """SIGKILL to the front end process, a stream open: the stream ends at once (its connection
     closes with the process), the engine aborts its request, and rank 0 starts a new front end in
-    its place, which serves. Killed again and again: after `MAX_RESTARTS` restarts the next death
-    stops the server, exit 1, saying why, and no process of the server is left (how long each takes:
+    its place, which serves, and finds the responses stored before the kill. Killed again and
+    again: after `MAX_RESTARTS` restarts the next death stops the server, exit 1, saying why, and no
+    process of the server is left, nor the front ends' folder (how long each takes:
     benchmarks/bench_front_end.py)."""
     log = tmp_path / "stderr.txt"
     proc, base = start_server(checkpoint, log)
@@ -1017,6 +1063,8 @@ def test_a_killed_front_end_is_restarted_until_it_keeps_dying(checkpoint, tmp_pa
 
     try:
         killed = front_end()
+        folder = front_ends_folder(killed)
+        stored = store_response(base, "remember this")
         holder, events = hold_a_stream(base)
         began = time.monotonic()
         os.kill(killed, signal.SIGKILL)
@@ -1030,6 +1078,7 @@ def test_a_killed_front_end_is_restarted_until_it_keeps_dying(checkpoint, tmp_pa
         reply = openai_client(base).completions.create(model="tiny", prompt="ab", max_tokens=2)
         assert reply.choices[0].finish_reason in ("stop", "length")
         assert running_requests(base) == 0  # the killed front end's request was aborted
+        check_stored(base, stored)
         for restart in (2, 3):
             os.kill(front_end(), signal.SIGKILL)
             front_end()
@@ -1046,20 +1095,14 @@ def test_a_killed_front_end_is_restarted_until_it_keeps_dying(checkpoint, tmp_pa
             f"the front end process {last} exited with code -9, after 3 restarts of front ends "
             "in 300 s; stopping the server"
         ) in log.read_text(), log.read_text()
+        assert not folder.exists(), sorted(folder.iterdir())
     finally:
         kill_left(proc, everything)
 
 
 def connections_on(pid: int, port: int) -> int:
     """Established TCP connections of process `pid` on local port `port` (from /proc)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+    inodes = {target[8:-1] for target in open_files(pid) if target.startswith("socket:[")}
     count = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
@@ -1072,8 +1115,10 @@ def connections_on(pid: int, port: int) -> int:
 def test_two_front_end_processes_share_the_port(checkpoint, tmp_path):
     """--api-server-count 2: two front end processes of rank 0 listen on the port; 16 streams held
     open at once are spread over both (the kernel's choice: all on one has odds 2 ** -15), each
-    stream gets its tokens, /metrics totals both front ends' requests, and SIGTERM stops them and
-    every rank."""
+    stream gets its tokens, /metrics totals both front ends' requests; a stored response is read
+    back and continued through either front end (8 responses, each read back and continued on
+    fresh connections: that all 16 calls land on the front end that stored theirs has odds
+    2 ** -16); SIGTERM stops them and every rank, and their shared folder is removed."""
     log = tmp_path / "stderr.txt"
     proc, base = start_server(checkpoint, log, "--api-server-count", "2", "--shutdown-timeout", "2")
     everything = descendants(proc.pid)
@@ -1117,8 +1162,13 @@ def test_two_front_end_processes_share_the_port(checkpoint, tmp_path):
                 if line.startswith(finished)
             ]
             assert counts == ["16.0"], counts
+        folder = front_ends_folder(front[0])
+        assert front_ends_folder(front[1]) == folder
+        for made in [store_response(base, f"note {i}") for i in range(8)]:
+            check_stored(base, made)
         sigterm_leaves_nothing(proc, list(everything), log)
         assert proc.returncode == 0, log.read_text()
+        assert not folder.exists(), sorted(folder.iterdir())
     finally:
         kill_left(proc, everything)
 

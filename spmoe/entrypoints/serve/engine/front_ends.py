@@ -3,10 +3,12 @@ restarted when one dies, and ended with the server.
 
 Each front end runs `python -m spmoe.entrypoints.serve.frontend`, reads its `FrontEndLaunch`
 (pickled) on standard input and connects to the engine's socket under an identity given here, so
-that the engine loop knows whose requests to abort when it dies. The front ends keep their
-Prometheus counters in one folder of their own (`PROMETHEUS_MULTIPROC_DIR`, as prometheus_client's
-multiprocess mode wants), so a scrape of any of them totals every front end's, those of a dead one
-included.
+that the engine loop knows whose requests to abort when it dies. The front ends share one folder
+(mode 0700), made here before the first starts and removed when the server stops: their
+Prometheus counters in `metrics/` (`PROMETHEUS_MULTIPROC_DIR`, as prometheus_client's multiprocess
+mode wants), so a scrape of any of them totals every front end's, those of a dead one included; and
+their stored responses' database (`frontend/response_store.py`), so that a response stored through
+one is found through any other, a restarted one included.
 
 A front end that exits with an error (killed, out of memory, a crash) while the server serves is
 restarted in its place, with a line on stderr, at most `MAX_RESTARTS` times in `RESTART_WINDOW_S`;
@@ -56,7 +58,9 @@ class FrontEnds:
 
     def __init__(self, command: FrontEndCommand, address: str, facts: EngineFacts):
         self.command, self.address, self.facts = command, address, facts
-        self.metrics_dir = tempfile.mkdtemp(prefix="spmoe-metrics-")
+        self.folder = tempfile.mkdtemp(prefix="spmoe-front-ends-")
+        self.metrics_dir = os.path.join(self.folder, "metrics")
+        os.mkdir(self.metrics_dir)
         # replaced, never changed in place: the engine loop's watch thread reads it
         self.procs: dict[bytes, subprocess.Popen] = {}
         self.index: dict[bytes, int] = {}
@@ -78,6 +82,7 @@ class FrontEnds:
             address=self.address,
             facts=self.facts,
             engine_pid=os.getpid(),
+            shared_dir=self.folder,
             index=index,
             identity=identity,
             restart=restart,
@@ -137,7 +142,7 @@ class FrontEnds:
     def end(self, grace_s: float) -> None:
         """Each front end may exit on its own for `grace_s` (after a drain, or with the engine's
         error); then one still running gets SIGINT (it ends its requests at once and exits), and
-        SIGKILL if it has not exited `FRONT_END_EXIT_S` later. Their metrics folder is removed."""
+        SIGKILL if it has not exited `FRONT_END_EXIT_S` later. Their shared folder is removed."""
         procs = list(self.procs.values())
         deadline = time.monotonic() + grace_s
         while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
@@ -150,4 +155,4 @@ class FrontEnds:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        shutil.rmtree(self.folder, ignore_errors=True)

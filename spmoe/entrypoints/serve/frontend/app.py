@@ -57,8 +57,9 @@ from spmoe.entrypoints.serve.frontend.request_reader import (
     ParsedRequest,
     RequestReader,
 )
+from spmoe.entrypoints.serve.frontend.response_store import ResponseStore
 from spmoe.entrypoints.serve.frontend.responses_rendering import ResponseAnswer
-from spmoe.entrypoints.serve.frontend.responses_request import ResponsesReader, ResponseStore
+from spmoe.entrypoints.serve.frontend.responses_request import ResponsesReader
 from spmoe.entrypoints.serve.frontend.streaming import Piece, TextGeneration, usage
 from spmoe.entrypoints.serve.frontend.tokenizer import TokenTexts, chat_prompt_text, eos_token_ids
 
@@ -81,13 +82,19 @@ class Started:
 
 
 def build_app(
-    client, tokenizer, settings: ApiSettings, limits: FrontEndLimits = FrontEndLimits()
+    client,
+    tokenizer,
+    settings: ApiSettings,
+    limits: FrontEndLimits = FrontEndLimits(),
+    store: ResponseStore | None = None,
 ) -> FastAPI:
     """`client`: an EngineClient (async `generate(request)`, `metrics()`, `max_model_len`,
     `vocab_size`, `eos_token_ids`, `num_speculative_tokens`, `error`); `tokenizer`: a transformers
-    tokenizer. The app's `OpenAIApi` is `app.state.api` (its `stop` ends serving)."""
+    tokenizer; `store`: the server's stored responses (None: a store of this app's own). The app's
+    `OpenAIApi` is `app.state.api` (its `stop` ends serving)."""
     app = FastAPI(title="spmoe", docs_url=None, redoc_url=None, openapi_url=None)
-    api = OpenAIApi(client, tokenizer, settings, limits.max_request_bytes)
+    store = ResponseStore() if store is None else store
+    api = OpenAIApi(client, tokenizer, settings, store, limits.max_request_bytes)
     app.state.api = api
 
     @app.exception_handler(ApiError)
@@ -139,6 +146,7 @@ class OpenAIApi:
         client,
         tokenizer,
         settings: ApiSettings,
+        store: ResponseStore,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ):
         self.client, self.tokenizer = client, tokenizer
@@ -146,7 +154,7 @@ class OpenAIApi:
         self.model_name = self.model_names[0]
         self.metrics = ServeMetrics(client, self.model_name)
         self.reader = RequestReader(client, tokenizer, settings, max_request_bytes, self.metrics)
-        self.stored = ResponseStore()  # responses made with `store`, for previous_response_id
+        self.stored = store  # responses made with `store`, for previous_response_id
         self.responses_reader = ResponsesReader(self.reader, self.stored)
         self.eos_token_ids = eos_token_ids(tokenizer, tuple(client.eos_token_ids))
         self.token_texts = TokenTexts(tokenizer)  # how logprobs name tokens
@@ -242,10 +250,10 @@ class OpenAIApi:
         if read.body.stream:  # a client that goes away cancels the stream, which aborts the request
             return StreamingResponse(answer.events(), media_type="text/event-stream")
         got = await self._gather(http, started)
-        return got if isinstance(got, Response) else answer.whole(got[0])
+        return got if isinstance(got, Response) else await answer.whole(got[0])
 
     async def stored_response(self, response_id: str) -> dict:
-        return self.stored.get(response_id)[1]
+        return (await self.stored.get(response_id))[1]
 
     async def _json_body(self, http: Request):
         """The body as JSON (`RequestReader.json_body`), refused with 503 while stopping."""

@@ -11,6 +11,7 @@ away.
 import asyncio
 import gc
 import importlib
+import os
 import pickle
 import signal
 import socket
@@ -25,6 +26,7 @@ from spmoe.entrypoints.serve.frontend.app import ApiSettings, build_app
 from spmoe.entrypoints.serve.frontend.chat import ChatOptions
 from spmoe.entrypoints.serve.frontend.engine_client import EngineClient
 from spmoe.entrypoints.serve.frontend.middleware import FrontEndLimits
+from spmoe.entrypoints.serve.frontend.response_store import RESPONSES_DATABASE, ResponseStore
 from spmoe.entrypoints.serve.frontend.supervisor import StopPolicy, supervise
 from spmoe.entrypoints.serve.wire import FrontEndLaunch
 from spmoe.entrypoints.tokenizer import load_tokenizer
@@ -66,11 +68,14 @@ def listening_socket(host: str, port: int, shared: bool) -> socket.socket:
 
 
 def start_front_end(
-    options: FrontEndOptions, client: EngineClient, announce: bool = True
+    options: FrontEndOptions,
+    client: EngineClient,
+    store: ResponseStore,
+    announce: bool = True,
 ) -> int | None:
-    """Serve the app for `client` until `supervise` ends it (a stop signal, a failed, stalled or
-    vanished engine); print the URL once it listens, if it `announce`s. -> SIGTERM if that is what
-    ended it, else None."""
+    """Serve the app for `client`, with the server's stored responses `store`, until `supervise`
+    ends it (a stop signal, a failed, stalled or vanished engine); print the URL once it listens,
+    if it `announce`s. -> SIGTERM if that is what ended it, else None."""
 
     class Server(uvicorn.Server):
         @contextmanager
@@ -85,7 +90,7 @@ def start_front_end(
         options.seed,
         options.chat,
     )
-    app = build_app(client, tokenizer, settings, options.limits)
+    app = build_app(client, tokenizer, settings, options.limits, store)
     config = uvicorn.Config(app, log_level=options.uvicorn_log_level, timeout_graceful_shutdown=5)
     server = Server(config)
     sock = listening_socket(options.host, options.port, options.api_server_count > 1)
@@ -147,7 +152,8 @@ def start_front_end(
 
 def serve_http(client: EngineClient, launch: FrontEndLaunch, options: FrontEndOptions) -> int:
     """`spmoe serve`'s front end. -> the exit code: 1 if the engine failed, stalled or went away."""
-    start_front_end(options, client, launch.index == 0 and launch.restart == 0)
+    store = ResponseStore(os.path.join(launch.shared_dir, RESPONSES_DATABASE))
+    start_front_end(options, client, store, launch.index == 0 and launch.restart == 0)
     return 1 if client.error is not None else 0
 
 

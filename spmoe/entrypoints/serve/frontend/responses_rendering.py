@@ -25,10 +25,11 @@ import uuid
 from collections.abc import AsyncIterator
 
 from spmoe.entrypoints.serve.frontend.protocol import ApiError, internal_error
+from spmoe.entrypoints.serve.frontend.response_store import ResponseStore
 from spmoe.entrypoints.serve.frontend.responses_request import (
     ResponsesInput,
     ResponsesRequest,
-    ResponseStore,
+    output_messages,
 )
 from spmoe.entrypoints.serve.frontend.streaming import Piece
 
@@ -251,10 +252,10 @@ class ResponseAnswer:
         self.builder = ResponseBuilder(head, read.body.stream)
         self.parser = read.parsed.parsers[0]
 
-    def whole(self, pieces: list[Piece]) -> dict:
+    async def whole(self, pieces: list[Piece]) -> dict:
         for piece in pieces:
             self.builder.feed(self.parser(piece.text, piece.finish_reason, True))
-        return self._finish(pieces[-1].finish_reason)[1]
+        return (await self._finish(pieces[-1].finish_reason))[1]
 
     async def events(self) -> AsyncIterator[str]:
         """The stream's events; leaving them (the end, or a client that went away) closes the
@@ -279,16 +280,18 @@ class ResponseAnswer:
             except Exception:  # noqa: BLE001 - the client gets the error event, the log the details
                 yield self._error(internal_error(f"the stream of {self.started.request_id}"))
                 return
-        for event in self._finish(piece.finish_reason)[0]:
+        for event in (await self._finish(piece.finish_reason))[0]:
             yield event
 
-    def _finish(self, finish_reason: str) -> tuple[list[str], dict]:
+    async def _finish(self, finish_reason: str) -> tuple[list[str], dict]:
         output_tokens = self.started.generations[0].completion_tokens
         events = self.builder.finish(
             finish_reason, response_usage(self.started.prompt_tokens, output_tokens)
         )
         if self.read.body.store:
-            self.store.put(self.builder.response, self.read.conversation)
+            response = self.builder.response
+            conversation = self.read.conversation + output_messages(response["output"])
+            await self.store.put(response, conversation)
         return events, self.builder.response
 
     def _error(self, error: ApiError) -> str:

@@ -8,11 +8,10 @@ such as `seed` and `top_k` included) as they are. `RequestReader.chat` then read
 request: the template, the parsers, the grammar. An error names the Responses field
 (`max_output_tokens`, `text.format`, `input`), not the chat one it became.
 
-A response made with `store` (the default) is kept in memory, the most recent MAX_STORED_RESPONSES
-of them: `previous_response_id` puts the stored conversation (its input and output, not its
-instructions) before the new input, and `GET /v1/responses/{id}` returns the response."""
+A response made with `store` (the default) is kept in the server's `ResponseStore`, which every
+front end shares: `previous_response_id` puts the stored conversation (its input and output, not
+its instructions) before the new input, and `GET /v1/responses/{id}` returns the response."""
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -29,8 +28,8 @@ from spmoe.entrypoints.serve.frontend.protocol import (
     text_parts_only,
 )
 from spmoe.entrypoints.serve.frontend.request_reader import ParsedRequest, RequestReader
+from spmoe.entrypoints.serve.frontend.response_store import ResponseStore
 
-MAX_STORED_RESPONSES = 1024  # the most recent responses kept for previous_response_id
 # chat names in an error -> the Responses fields they came from, the longer names first
 RENAMED = (
     ("response_format.json_schema", "text.format"),
@@ -236,35 +235,6 @@ def output_messages(output: list[dict]) -> list[dict]:
     return chat_messages(InputItems(input=output).input)
 
 
-class ResponseStore:
-    """The most recent `capacity` stored responses: id -> (the conversation through them, the
-    response)."""
-
-    def __init__(self, capacity: int = MAX_STORED_RESPONSES):
-        self.capacity = capacity
-        self.entries: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
-
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        self.entries[response["id"]] = (
-            conversation + output_messages(response["output"]),
-            response,
-        )
-        self.entries.move_to_end(response["id"])
-        while len(self.entries) > self.capacity:
-            self.entries.popitem(last=False)
-
-    def get(self, response_id: str, param: str | None = None) -> tuple[list[dict], dict]:
-        """-> (the conversation through the response, the response); ApiError (400 naming `param`
-        when given, else 404) for an id not stored."""
-        if response_id not in self.entries:
-            why = (
-                f"no stored response has the id {response_id!r}: it was made with store false, "
-                f"by another server, or is older than the {self.capacity} most recent"
-            )
-            raise ApiError(400 if param else 404, why, param)
-        return self.entries[response_id]
-
-
 class ResponsesReader:
     """Reads `POST /v1/responses` bodies with the server's RequestReader (see the module
     docstring)."""
@@ -284,7 +254,7 @@ class ResponsesReader:
                 raise ApiError(400, f"{name}: {why}", name)
         history = []
         if body.previous_response_id is not None:
-            history = self.store.get(body.previous_response_id, "previous_response_id")[0]
+            history = (await self.store.get(body.previous_response_id, "previous_response_id"))[0]
         items = (
             body.input if isinstance(body.input, str) else parse(InputItems, raw, ITEM_TYPES).input
         )
