@@ -18,6 +18,9 @@
 #             256 streams, and the bench client's own ceiling (no GPU used; a minute or two)
 #   spon      TP 8 SP on, 78 layers (as rank8k)
 #   dp8       DP 8 x EP 8, 78 layers, batches 1 / 2 / 8 / 32 a rank, and bench_dp_host on this machine
+#   depths    TP 8 SP off at 20 and 40 layers (an H100 holds both), batches 1 / 16 / 64 / 256, 8k
+#             context, MTP 0 / 3, the kernels by name: two depths for project_node.py's extrapolation
+#   spec      bench_speculative on code edits: MTP, n-gram and both, batch 1 and 16, graphs
 #   gputests  pytest -m gpu, the DP graphs test, the trained checkpoint's perplexity graphs vs eager
 #   memcheck  compute-sanitizer over every GPU kernel test file
 #   fp8       bench_decode_step bf16 vs fp8 weights, and bench_fp8_linear
@@ -103,6 +106,13 @@ for stage in "$@"; do
         --contexts 8192 --mtp 0 3 --prefill 8192 --timing-kv-gib 16 --out "$OUT/dp8.json"
       run dp_host python3 benchmarks/bench_dp_host.py --dp 8 --batches 1 2 8 32 --tokens 1 3 \
         --out "$OUT/dp_host.json" ;;
+    depths)
+      run depths "${size[@]}" --tp 8 --sp off --layers 20 40 --batches 1 16 64 256 \
+        --contexts 8192 --mtp 0 3 --prefill 8192 --timing-kv-gib 12 --kernels \
+        --out "$OUT/tp8_spoff_l20_40.json" ;;
+    spec)
+      run spec python3 benchmarks/bench_speculative.py --workload edit --batches 1 16 --drafts 3 \
+        --temperatures 0 --sources mtp mtp+ngram ngram --prompt-len 256 --new-tokens 256 ;;
     gputests)
       # tests/entrypoints needs the openai client, which the GPU machine lacks; none of it is GPU-only
       run gputests python3 -m pytest -q -p no:cacheprovider -m gpu -rs --ignore=tests/entrypoints tests
@@ -115,8 +125,8 @@ for stage in "$@"; do
       run fp8_linear python3 benchmarks/bench_fp8_linear.py --tp 8 --m 1 16 64 8192
       run fp8_sweep python3 benchmarks/bench_fp8_linear.py --tp 8 --m 1 16 64 --sweep ;;
     *)
-      echo "unknown stage '$stage': expected smoke, rank8k, warmup, serve78, rank128k, serve, spon, dp8, gputests," \
-        "memcheck or fp8" >&2
+      echo "unknown stage '$stage': expected smoke, rank8k, warmup, serve78, rank128k, serve, streaming," \
+        "spon, dp8, depths, spec, gputests, memcheck or fp8" >&2
       exit 2 ;;
   esac
 done
