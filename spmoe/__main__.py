@@ -1,4 +1,5 @@
-"""`python -m spmoe ...` is the `spmoe` command (torchrun starts it this way: `torchrun ... -m spmoe generate`)."""
+"""`python -m spmoe ...` is the `spmoe` command (torchrun starts it this way:
+`torchrun ... -m spmoe generate`)."""
 
 import sys
 

@@ -1,7 +1,8 @@
-"""The model configuration, read from a Hugging Face `config.json` (`glm_moe_dsa` or `deepseek_v32`).
+"""The model configuration, read from a Hugging Face `config.json` (`glm_moe_dsa` or
+`deepseek_v32`).
 
-Every field that changes the math is either honoured or rejected with an error naming it; bookkeeping fields
-(initializer_range, transformers_version, ...) are ignored.
+Every field that changes the math is either honoured or rejected with an error naming it;
+bookkeeping fields (initializer_range, transformers_version, ...) are ignored.
 """
 
 import json
@@ -60,10 +61,10 @@ class ModelConfig:
     fp8_every_linear: bool = False  # compressed-tensors: every linear not in `ignore` is FP8
 
     def fp8_expected(self, module: str) -> bool | None:
-        """Whether the quantization config says linear `module` is stored in FP8: False where it is left
-        unquantised, True where every other linear is FP8 (compressed-tensors), None where the stored dtype
-        decides (DeepSeek / GLM `fp8`, whose checkpoints keep a few linears, e.g. the indexer's head weights, in
-        bf16 without naming them)."""
+        """Whether the quantization config says linear `module` is stored in FP8: False where it is
+        left unquantised, True where every other linear is FP8 (compressed-tensors), None where the
+        stored dtype decides (DeepSeek / GLM `fp8`, whose checkpoints keep a few linears, e.g. the
+        indexer's head weights, in bf16 without naming them)."""
         if self.fp8_block_size is None or any(re.match(p, module) for p in self.fp8_unquantized):
             return False
         return True if self.fp8_every_linear else None
@@ -89,14 +90,16 @@ class ModelConfig:
         return scale
 
     def layer_is_moe(self, layer_idx: int) -> bool:
-        """Layers from `num_hidden_layers` on are MTP blocks, which are MoE with their own indexer."""
+        """Layers from `num_hidden_layers` on are MTP blocks, which are MoE with their
+        own indexer."""
         return layer_idx >= self.num_hidden_layers or self.mlp_layer_types[layer_idx] == "sparse"
 
     def layer_has_indexer(self, layer_idx: int) -> bool:
         return layer_idx >= self.num_hidden_layers or self.indexer_types[layer_idx] == "full"
 
     def check_parallel(self, parallel) -> None:
-        """Raise unless every TP/EP-split dimension divides by the sizes of `parallel` (a ParallelConfig)."""
+        """Raise unless every TP/EP-split dimension divides by the sizes of `parallel` (a
+        ParallelConfig)."""
         t, ep = parallel.tensor_parallel_size, parallel.world_size
         splits = [
             ("num_attention_heads", self.num_attention_heads, t, "tensor_parallel_size"),
@@ -126,8 +129,9 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path, overrides: dict | None = None) -> "ModelConfig":
-        """`path`: a checkpoint folder (its config.json is read) or a config.json itself; `overrides` (vLLM's
-        `--hf-overrides`) are merged into it first, nested objects key by key."""
+        """`path`: a checkpoint folder (its config.json is read) or a config.json itself;
+        `overrides` (vLLM's `--hf-overrides`) are merged into it first, nested
+        objects key by key."""
         return cls.from_dict(read_config(path, overrides))
 
     @classmethod
@@ -171,23 +175,27 @@ class ModelConfig:
         ):
             if len(values) != layers or any(v not in allowed for v in values):
                 raise ValueError(
-                    f"{name} must list one of {allowed} for each of the {layers} layers, got {values}"
+                    f"{name} must list one of {allowed} for each of the {layers} "
+                    f"layers, got {values}"
                 )
         if indexer_types[0] != "full":
             raise ValueError(
-                "indexer_types[0] must be 'full': a 'shared' layer reuses the top-k of an earlier one"
+                "indexer_types[0] must be 'full': a 'shared' layer reuses the top-k "
+                "of an earlier one"
             )
         rope_type, rope_theta, rope_scaling = _rope(raw)
         n_group, topk_group = raw.get("n_group") or 1, raw.get("topk_group") or 1
         experts = raw["n_routed_experts"]
         if experts % n_group or topk_group > n_group:
             raise ValueError(
-                f"router groups do not fit: n_routed_experts={experts}, n_group={n_group}, topk_group={topk_group}"
+                f"router groups do not fit: n_routed_experts={experts}, n_group={n_group}, "
+                f"topk_group={topk_group}"
             )
         if raw["num_experts_per_tok"] > experts // n_group * topk_group:
             raise ValueError(
-                f"num_experts_per_tok={raw['num_experts_per_tok']} is more than the {experts // n_group * topk_group} "
-                f"experts a token's {topk_group} of {n_group} router groups hold (n_routed_experts={experts})"
+                f"num_experts_per_tok={raw['num_experts_per_tok']} is more than the "
+                f"{experts // n_group * topk_group} experts a token's {topk_group} of {n_group} "
+                f"router groups hold (n_routed_experts={experts})"
             )
         return cls(
             model_type=model_type,
@@ -262,14 +270,16 @@ OPTIONAL_FLOATS = ("rope_theta",)
 
 
 def _check_types(raw: dict) -> None:
-    """Raise unless every numeric field is a number of the right kind and range (JSON "8" is not 8)."""
+    """Raise unless every numeric field is a number of the right kind and range (JSON
+    "8" is not 8)."""
     for name, least in {**REQUIRED_INTS, **OPTIONAL_INTS}.items():
         value = raw[name] if name in REQUIRED_INTS else raw.get(name)
         if value is None and name in OPTIONAL_INTS:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(
-                f"config field {name} must be an integer >= {least}, got {value!r} ({type(value).__name__})"
+                f"config field {name} must be an integer >= {least}, got {value!r} "
+                f"({type(value).__name__})"
             )
     for name in REQUIRED_FLOATS + OPTIONAL_FLOATS:
         value = raw[name] if name in REQUIRED_FLOATS else raw.get(name)
@@ -281,7 +291,8 @@ def _check_types(raw: dict) -> None:
             or not math.isfinite(value)
         ):
             raise ValueError(
-                f"config field {name} must be a finite number, got {value!r} ({type(value).__name__})"
+                f"config field {name} must be a finite number, got {value!r} "
+                f"({type(value).__name__})"
             )
     if not isinstance(raw["norm_topk_prob"], bool):
         raise ValueError(
@@ -324,7 +335,8 @@ def _rope(raw: dict) -> tuple[str, float, tuple]:
         raise ValueError(f"rope_type {rope_type!r} is not supported; expected 'default' or 'yarn'")
     if params.get("attention_factor") is not None:
         raise ValueError(
-            "yarn attention_factor is not supported; expected it derived from mscale / mscale_all_dim"
+            "yarn attention_factor is not supported; expected it derived from mscale "
+            "/ mscale_all_dim"
         )
     return (
         "yarn",
@@ -342,10 +354,10 @@ def _rope(raw: dict) -> tuple[str, float, tuple]:
 
 
 def _quantization(q: dict | None) -> dict:
-    """quantization_config -> the ModelConfig fields of its FP8 scheme: DeepSeek / GLM `fp8` (`weight_block_size`,
-    `weight_scale_inv`, optional `modules_to_not_convert`, matched as substrings of module names) or
-    compressed-tensors FP8 block (llm-compressor's FP8_BLOCK: `weight_scale`, `ignore` of exact names or `re:`
-    regexes)."""
+    """quantization_config -> the ModelConfig fields of its FP8 scheme: DeepSeek / GLM `fp8`
+    (`weight_block_size`, `weight_scale_inv`, optional `modules_to_not_convert`, matched as
+    substrings of module names) or compressed-tensors FP8 block (llm-compressor's FP8_BLOCK:
+    `weight_scale`, `ignore` of exact names or `re:` regexes)."""
     if q is None:
         return {"fp8_block_size": None}
     if q.get("quant_method") == "compressed-tensors":
@@ -356,8 +368,8 @@ def _quantization(q: dict | None) -> dict:
         or not q.get("weight_block_size")
     ):
         raise ValueError(
-            f"quantization_config {q} is not supported; expected fp8 e4m3 with weight_block_size, or "
-            f"compressed-tensors FP8 block"
+            f"quantization_config {q} is not supported; expected fp8 e4m3 with weight_block_size, "
+            "or compressed-tensors FP8 block"
         )
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(
@@ -371,7 +383,8 @@ def _quantization(q: dict | None) -> dict:
 
 
 def merge_overrides(raw: dict, overrides: dict) -> dict:
-    """A copy of `raw` with `overrides` merged in: nested objects merge key by key, anything else replaces."""
+    """A copy of `raw` with `overrides` merged in: nested objects merge key by key, anything
+    else replaces."""
     merged = dict(raw)
     for key, value in overrides.items():
         both_objects = isinstance(value, dict) and isinstance(merged.get(key), dict)
@@ -415,8 +428,8 @@ def _compressed_tensors(q: dict) -> dict:
     )
     if not fp8_weights or len(block) != 2 or weights.get("dynamic"):
         raise ValueError(
-            f"compressed-tensors weights {weights} are not supported; expected static FP8 (type float, 8 bits) with "
-            f"strategy block and a two-entry block_structure"
+            f"compressed-tensors weights {weights} are not supported; expected static FP8 (type "
+            "float, 8 bits) with strategy block and a two-entry block_structure"
         )
     if acts and (
         acts.get("type") != "float" or acts.get("num_bits") != 8 or not acts.get("dynamic")
@@ -426,7 +439,8 @@ def _compressed_tensors(q: dict) -> dict:
         )
     if q.get("format", "float-quantized") != "float-quantized":
         raise ValueError(
-            f"compressed-tensors format {q['format']!r} is not supported; expected 'float-quantized'"
+            f"compressed-tensors format {q['format']!r} is not supported; expected "
+            "'float-quantized'"
         )
     ignored = tuple(
         p[3:] if p.startswith("re:") else re.escape(p) + "$" for p in q.get("ignore") or ()

@@ -1,10 +1,10 @@
 """The parallel configuration: validated once, at build time.
 
-World layout: `world = dp * tp`. Rank `r` sits in DP group `r // tp` at TP rank `r % tp`; the TP group holds
-consecutive ranks, and the expert-parallel (EP) group spans all `dp * tp` ranks.
+World layout: `world = dp * tp`. Rank `r` sits in DP group `r // tp` at TP rank `r % tp`; the TP
+group holds consecutive ranks, and the expert-parallel (EP) group spans all `dp * tp` ranks.
 
-`sp` is the request (the CLI's `--sp`: auto, on or off); `use_sequence_parallel_moe` is the
-decision it resolves to. The layer plan (`spmoe.distributed.layer_plan`) reads that decision and `sp_scope`
+`sp` is the request (the CLI's `--sp`: auto, on or off); `use_sequence_parallel_moe` is the decision
+it resolves to. The layer plan (`spmoe.distributed.layer_plan`) reads that decision and `sp_scope`
 (which layers it covers) and derives every layer's layouts from them.
 """
 
@@ -76,8 +76,8 @@ class ParallelConfig:
             )
         if self.simulate_rank and self.ep_backend != "allgather_reducescatter":
             raise ValueError(
-                f"the simulated rank fills the all-gather dispatch's blocks only; ep_backend must be "
-                f"'allgather_reducescatter', got {self.ep_backend!r}"
+                "the simulated rank fills the all-gather dispatch's blocks only; ep_backend must "
+                f"be 'allgather_reducescatter', got {self.ep_backend!r}"
             )
         if self.simulated_load != "rank0" and not self.simulate_rank:
             raise ValueError(
@@ -91,8 +91,9 @@ class ParallelConfig:
             )
         if not self.enable_expert_parallel and self.world_size > 1:
             raise ValueError(
-                f"enable_expert_parallel=False (TP-sharded experts) is not implemented; with "
-                f"{self.world_size} ranks the routed experts are split over the EP group, so pass True"
+                "enable_expert_parallel=False (TP-sharded experts) is not implemented; with "
+                f"{self.world_size} ranks the routed experts are split over the EP "
+                "group, so pass True"
             )
 
     @property
@@ -110,8 +111,9 @@ class ParallelConfig:
     def use_sequence_parallel_moe(self) -> bool:
         """Whether the MoE layers run sequence-parallel (and with `sp_scope="all"`, every layer).
 
-        `auto` follows the upstream rule (vLLM #48849): SP only when attention is both data- and tensor-parallel
-        with experts spread over DP x TP, because at DP=1 SP measured up to 19% slower at one request.
+        `auto` follows the upstream rule (vLLM #48849): SP only when attention is both data- and
+        tensor-parallel with experts spread over DP x TP, because at DP=1 SP measured up to 19%
+        slower at one request.
         """
         if self.sp == "on":
             return True

@@ -1,5 +1,5 @@
-"""Process groups, the local launcher, counted collectives, the sequence-parallel layout primitives, the layer plan
-and the communicator that applies it."""
+"""Process groups, the local launcher, counted collectives, the sequence-parallel layout primitives,
+the layer plan and the communicator that applies it."""
 
 from spmoe.distributed.comm import CommStats, count_collectives
 from spmoe.distributed.groups import (

@@ -1,12 +1,13 @@
 """Collectives with accounting, and the choice between NCCL and the one-shot kernels.
 
 Every collective the project runs goes through this module. The model's go through the four counted
-functions (`all_reduce`, `all_gather_rows`, `reduce_scatter_rows`, `all_to_all_rows`), so `count_collectives()`
-sees all of them. The host objects of the control plane (the serving loop's step plans, gathered outputs and
-job results) go through `broadcast_object` and `gather_object` on the gloo control group: host-only, never on
-the model's path, and not counted. On groups where `enable_one_shot` succeeded, small all-gathers, reduce-scatters and
-all-reduce sums of floating-point tensors run as one-shot kernels (`one_shot.py`) up to `ONE_SHOT_MAX_BYTES`
-of buffer, the sizes where they beat NCCL inside a CUDA graph (`benchmarks/bench_collectives.py`); NCCL runs
+functions (`all_reduce`, `all_gather_rows`, `reduce_scatter_rows`, `all_to_all_rows`), so
+`count_collectives()` sees all of them. The host objects of the control plane (the serving loop's
+step plans, gathered outputs and job results) go through `broadcast_object` and `gather_object` on
+the gloo control group: host-only, never on the model's path, and not counted. On groups where
+`enable_one_shot` succeeded, small all-gathers, reduce-scatters and all-reduce sums of
+floating-point tensors run as one-shot kernels (`one_shot.py`) up to `ONE_SHOT_MAX_BYTES` of buffer,
+the sizes where they beat NCCL inside a CUDA graph (`benchmarks/bench_collectives.py`); NCCL runs
 the rest. Bytes are the size of the full-length buffer of the call on this rank:
 
 | kind           | bytes counted                        |
@@ -17,9 +18,9 @@ the rest. Bytes are the size of the full-length buffer of the call on this rank:
 | all_to_all     | the bytes this rank sends            |
 
 Each call is also counted under its path: "one_shot_fused" (a collective fused with its add-norm),
-"one_shot", "nccl" or "gloo". On a simulated group (`simulated.SimulatedGroup`: the other ranks do not
-exist) the functions move no data, return finite, deterministic tensors of the real shapes and count the
-path the real group would take at that size (`simulated.node_path`).
+"one_shot", "nccl" or "gloo". On a simulated group (`simulated.SimulatedGroup`: the other ranks do
+not exist) the functions move no data, return finite, deterministic tensors of the real shapes and
+count the path the real group would take at that size (`simulated.node_path`).
 """
 
 from contextlib import contextmanager
@@ -39,8 +40,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class CommStats:
-    """Per-kind `{"count": int, "bytes": int}` of the collectives run while it was active, and the same per
-    (kind, path) in `paths`."""
+    """Per-kind `{"count": int, "bytes": int}` of the collectives run while it was active, and the
+    same per (kind, path) in `paths`."""
 
     counts: dict = field(default_factory=lambda: {k: {"count": 0, "bytes": 0} for k in KINDS})
     paths: dict = field(default_factory=dict)  # (kind, path) -> {"count": int, "bytes": int}
@@ -51,7 +52,8 @@ class CommStats:
             entry["bytes"] += nbytes
 
     def add(self, other: "CommStats") -> None:
-        """Add `other`'s counts (a CUDA graph's collectives, counted once at capture, on each replay)."""
+        """Add `other`'s counts (a CUDA graph's collectives, counted once at capture, on
+        each replay)."""
         for kind, value in other.counts.items():
             self.counts[kind]["count"] += value["count"]
             self.counts[kind]["bytes"] += value["bytes"]
@@ -81,8 +83,8 @@ ONE_SHOT_MAX_BYTES = {"all_gather": 4 << 20, "reduce_scatter": 4 << 20, "all_red
 
 
 def enable_one_shot(group, device: torch.device) -> str | None:
-    """Set up the one-shot kernels on `group` (collective over it). Returns None, or why they are not used;
-    the members agree, so either all of them use the kernels or none does."""
+    """Set up the one-shot kernels on `group` (collective over it). Returns None, or why they are
+    not used; the members agree, so either all of them use the kernels or none does."""
     from spmoe.distributed.one_shot import OneShot
 
     reason = None
@@ -99,9 +101,9 @@ def enable_one_shot(group, device: torch.device) -> str | None:
 
 
 def node_path(kind: str, x: torch.Tensor, world: int, op: str = "sum") -> str:
-    """The path the real group of `world` GPUs takes for a `kind` call on input `x` (the input of all_gather
-    and all_reduce, the full input of reduce_scatter): "one_shot" where the one-shot kernel takes it
-    (`ONE_SHOT_MAX_BYTES`, the buffer), else "nccl"."""
+    """The path the real group of `world` GPUs takes for a `kind` call on input `x` (the input of
+    all_gather and all_reduce, the full input of reduce_scatter): "one_shot" where the one-shot
+    kernel takes it (`ONE_SHOT_MAX_BYTES`, the buffer), else "nccl"."""
     from spmoe.distributed.one_shot import BUFFER_BYTES, DTYPES
 
     if kind not in ONE_SHOT_MAX_BYTES or op != "sum" or x.dtype not in DTYPES:
@@ -132,8 +134,8 @@ def _one_shot(kind: str, x: torch.Tensor, group):
 
 @contextmanager
 def count_collectives(stats: CommStats | None = None):
-    """Count every collective run inside the block into `stats` (a new one by default; nested blocks each
-    count their own)."""
+    """Count every collective run inside the block into `stats` (a new one by default; nested blocks
+    each count their own)."""
     stats = stats if stats is not None else CommStats()
     _ACTIVE.append(stats)
     try:
@@ -159,7 +161,8 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Re
 
 
 def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
-    """Reduce `x` over `group` in place (`op`: "sum", "max" or "min"). Returns `x` (simulated: unchanged)."""
+    """Reduce `x` over `group` in place (`op`: "sum", "max" or "min"). Returns `x`
+    (simulated: unchanged)."""
     if is_simulated(group):
         _record("all_reduce", x, node_path("all_reduce", x, group.size, op))
         return x
@@ -174,11 +177,12 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
 def one_shot_add_rms_norm(
     kind: str, x: torch.Tensor, residual: torch.Tensor | None, norm, num_tokens: int, group
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The `kind` collective of x over `group` fused with the RMSNorm `norm`'s residual add and norm, as one
-    one-shot kernel (`OneShot.add_rms_norm`, which gives the shapes) -> (normed, new residual); None, with
-    nothing run, where the group has no one-shot kernels or the call does not fit them. Counted as the
-    collective alone would be (reduce-scatter and all-gather: the `[n * t, H]` padded rows). A simulated group
-    on CUDA runs this rank's part: the add-norm of its rows, its block or its rows repeated for the others'."""
+    """The `kind` collective of x over `group` fused with the RMSNorm `norm`'s residual add and
+    norm, as one one-shot kernel (`OneShot.add_rms_norm`, which gives the shapes) -> (normed, new
+    residual); None, with nothing run, where the group has no one-shot kernels or the call does not
+    fit them. Counted as the collective alone would be (reduce-scatter and all-gather: the
+    `[n * t, H]` padded rows). A simulated group on CUDA runs this rank's part: the add-norm of its
+    rows, its block or its rows repeated for the others'."""
     simulated = is_simulated(group)
     one_shot = None if simulated else _ONE_SHOT.get(group)
     if (
@@ -192,7 +196,8 @@ def one_shot_add_rms_norm(
     rows = num_tokens if kind == "all_reduce" else -(-num_tokens // world)
     row_bytes = x.shape[1] * x.element_size()
     if world * rows * row_bytes > ONE_SHOT_MAX_BYTES[kind]:
-        return None  # the buffer bytes per rank, as `OneShot.buffer_bytes` counts them for the collective alone
+        # the buffer bytes per rank, as `OneShot.buffer_bytes` counts them for the collective alone
+        return None
     _record_bytes(
         kind, (rows if kind == "all_reduce" else rows * world) * row_bytes, "one_shot_fused"
     )
@@ -215,9 +220,9 @@ def _simulated_add_rms_norm(kind, x, residual, norm, num_tokens: int, rows: int,
 def all_gather_rows(
     x: torch.Tensor, group, simulated_out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`[m, ...]` on each rank -> `[m * world, ...]`, rank blocks in rank order. On a simulated group:
-    `simulated_out` (the blocks the other ranks would send, as the caller knows them), or by default this
-    rank's block repeated."""
+    """`[m, ...]` on each rank -> `[m * world, ...]`, rank blocks in rank order. On a simulated
+    group: `simulated_out` (the blocks the other ranks would send, as the caller knows them), or by
+    default this rank's block repeated."""
     world = group_size(group)
     if is_simulated(group):
         _record_bytes(
@@ -227,8 +232,8 @@ def all_gather_rows(
             return x.repeat(world, *([1] * (x.dim() - 1)))
         if simulated_out.shape != (x.shape[0] * world, *x.shape[1:]):
             raise ValueError(
-                f"simulated all-gather of {tuple(x.shape)} over {world} ranks: the filled output must be "
-                f"{(x.shape[0] * world, *x.shape[1:])}, got {tuple(simulated_out.shape)}"
+                f"simulated all-gather of {tuple(x.shape)} over {world} ranks: the filled output "
+                f"must be {(x.shape[0] * world, *x.shape[1:])}, got {tuple(simulated_out.shape)}"
             )
         return simulated_out
     out = x.new_empty((x.shape[0] * world, *x.shape[1:]))
@@ -241,12 +246,13 @@ def all_gather_rows(
 
 
 def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
-    """`[m * world, ...]` partial sums -> `[m, ...]`: this rank's block of the sum (simulated: of its own
-    partial sum)."""
+    """`[m * world, ...]` partial sums -> `[m, ...]`: this rank's block of the sum (simulated: of
+    its own partial sum)."""
     world = group_size(group)
     if x.shape[0] % world:
         raise ValueError(
-            f"reduce_scatter_rows needs rows divisible by the group size {world}, got {tuple(x.shape)}"
+            f"reduce_scatter_rows needs rows divisible by the group size {world}, got "
+            f"{tuple(x.shape)}"
         )
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     if is_simulated(group):
@@ -263,10 +269,12 @@ def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
 def all_to_all_rows(
     x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group
 ) -> torch.Tensor:
-    """Send `send_counts[j]` consecutive rows of `x` to rank j; receive `recv_counts[i]` rows from rank i."""
+    """Send `send_counts[j]` consecutive rows of `x` to rank j; receive `recv_counts[i]` rows
+    from rank i."""
     if is_simulated(group):
         raise ValueError(
-            "all_to_all_rows on a simulated group: the simulated rank supports the all-gather dispatch only"
+            "all_to_all_rows on a simulated group: the simulated rank supports the "
+            "all-gather dispatch only"
         )
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     _record("all_to_all", x, _backend(x))
@@ -275,9 +283,9 @@ def all_to_all_rows(
 
 
 def broadcast_object(obj, group, src: int = 0):
-    """A picklable host object from global rank `src` to every rank of `group` (the gloo control group) ->
-    the object on every rank (`obj` is ignored on the others). A group of one rank returns `obj` as it is
-    (not pickled: `spmoe serve` on one rank broadcasts a plan every step)."""
+    """A picklable host object from global rank `src` to every rank of `group` (the gloo control
+    group) -> the object on every rank (`obj` is ignored on the others). A group of one rank returns
+    `obj` as it is (not pickled: `spmoe serve` on one rank broadcasts a plan every step)."""
     if group_size(group) == 1:
         return obj
     box = [obj]
@@ -286,7 +294,8 @@ def broadcast_object(obj, group, src: int = 0):
 
 
 def gather_object(obj, group, dst: int = 0) -> list | None:
-    """Every rank's picklable host object -> on global rank `dst` the list in group rank order, else None."""
+    """Every rank's picklable host object -> on global rank `dst` the list in group rank
+    order, else None."""
     if is_simulated(group):  # the control plane of a simulated rank: a world of one
         return [obj]
     gathered = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None

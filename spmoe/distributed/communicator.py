@@ -1,24 +1,29 @@
-"""The one place where tokens change layout: the transitions of the layer plan (`layer_plan.py`), built on
-the layout primitives (`layout.py`). Layers, norms and the MoE never decide or perform a layout change.
+"""The one place where tokens change layout: the transitions of the layer plan (`layer_plan.py`),
+built on the layout primitives (`layout.py`). Layers, norms and the MoE never decide or perform
+a layout change.
 
 Per layer (`LayerCommunicator`), with N tokens, t TP ranks, n = ceil(N/t):
 
-    before attention  input PARTIAL: all-reduce + add-norm (`fused_allreduce_rms_norm`)   -> h FULL, residual FULL
-                      input SHARDED, layer SP: add-norm on the shard, all-gather h (H)    -> h FULL, residual SHARDED
-                      input SHARDED, layer not SP: all-gather (hidden | residual) (2H)    -> h FULL, residual FULL
+    before attention  input PARTIAL: all-reduce + add-norm (`fused_allreduce_rms_norm`)
+                        -> h FULL, residual FULL
+                      input SHARDED, layer SP: add-norm on the shard, all-gather h (H)
+                        -> h FULL, residual SHARDED
+                      input SHARDED, layer not SP: all-gather (hidden | residual) (2H)
                         once (`_restore_full_token_layout_if_needed`), add-norm
-                      input FULL: add-norm                                               -> h FULL, residual FULL
-    before the MLP    layer SP: reduce-scatter the attention output, chunk a FULL residual locally (no
-                        communication), add-norm on the shard                            -> SHARDED
-                      layer not SP: all-reduce + add-norm                                -> FULL
+                        -> h FULL, residual FULL
+                      input FULL: add-norm -> h FULL, residual FULL
+    before the MLP    layer SP: reduce-scatter the attention output, chunk a FULL residual
+                        locally (no communication), add-norm on the shard -> SHARDED
+                      layer not SP: all-reduce + add-norm -> FULL
 
-Around the layers: `enter` brings the embedding's PARTIAL sum into the first layer's input layout, and
-`final_norm` turns the last output into FULL normed rows. A norm here is an RMSNorm: `weight`, `eps` and
-`add_norm(x, residual) -> (norm(x + residual), x + residual)`.
+Around the layers: `enter` brings the embedding's PARTIAL sum into the first layer's input layout,
+and `final_norm` turns the last output into FULL normed rows. A norm here is an RMSNorm: `weight`,
+`eps` and `add_norm(x, residual) -> (norm(x + residual), x + residual)`.
 
-Where the TP group runs one-shot kernels (CUDA, > 1 rank) and the rows fit them, a collective and the add-norm
-next to it are one kernel (`comm.one_shot_add_rms_norm`): all-reduce + add-norm, reduce-scatter + add-norm, and
-add-norm + all-gather, so SP on launches no more kernels per transition than SP off.
+Where the TP group runs one-shot kernels (CUDA, > 1 rank) and the rows fit them, a collective and
+the add-norm next to it are one kernel (`comm.one_shot_add_rms_norm`): all-reduce + add-norm,
+reduce-scatter + add-norm, and add-norm + all-gather, so SP on launches no more kernels per
+transition than SP off.
 """
 
 from dataclasses import dataclass
@@ -41,12 +46,13 @@ from spmoe.distributed.layout import (
 
 
 def fused_allreduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor | None, norm):
-    """PARTIAL `[N, H]` + FULL residual `[N, H]` (or None) -> (normed, new residual), both FULL `[N, H]`.
+    """PARTIAL `[N, H]` + FULL residual `[N, H]` (or None) -> (normed, new residual),
+    both FULL `[N, H]`.
 
-    The one entry point for "reduce a partial sum exactly once, add the residual, RMSNorm". Where the TP group
-    runs one-shot kernels and the tensor fits them, one kernel does all three; otherwise an all-reduce over the
-    TP group (in place) and then the norm's fused add-norm. Never called on an SP layer, whose tensors are
-    already complete.
+    The one entry point for "reduce a partial sum exactly once, add the residual, RMSNorm". Where
+    the TP group runs one-shot kernels and the tensor fits them, one kernel does all three;
+    otherwise an all-reduce over the TP group (in place) and then the norm's fused add-norm. Never
+    called on an SP layer, whose tensors are already complete.
     """
     state = get_parallel_state()
     if state.tp_size > 1:
@@ -60,8 +66,8 @@ def fused_allreduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor | Non
 
 
 def enter(partial: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The embedding's PARTIAL `[N, H]` -> `layout`: unchanged for PARTIAL (the first norm reduces it),
-    all-reduced for FULL, reduce-scattered into `[n, H]` for SHARDED."""
+    """The embedding's PARTIAL `[N, H]` -> `layout`: unchanged for PARTIAL (the first norm reduces
+    it), all-reduced for FULL, reduce-scattered into `[n, H]` for SHARDED."""
     if layout is Layout.SHARDED:
         return sp_reduce_scatter(partial)
     state = get_parallel_state()
@@ -71,8 +77,8 @@ def enter(partial: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 def shard_like(full: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """A FULL `[N, ...]` tensor in `layout`: this rank's `[n, ...]` rows for SHARDED (no communication), else
-    unchanged."""
+    """A FULL `[N, ...]` tensor in `layout`: this rank's `[n, ...]` rows for SHARDED (no
+    communication), else unchanged."""
     return sp_shard(full) if layout is Layout.SHARDED else full
 
 
@@ -81,8 +87,8 @@ def final_norm(
 ) -> torch.Tensor:
     """The last layer's (output, residual) in `layout` -> FULL `[N, H]` normed rows.
 
-    SHARDED: the output is complete, so add-norm on the shard and gather H columns (not 2H). PARTIAL: reduce
-    the partial sum exactly once, with the add-norm.
+    SHARDED: the output is complete, so add-norm on the shard and gather H columns (not 2H).
+    PARTIAL: reduce the partial sum exactly once, with the add-norm.
     """
     if layout is Layout.SHARDED:
         return sp_all_gather(norm.add_norm(hidden, residual)[0], num_tokens)
@@ -104,7 +110,8 @@ class ExpertRows:
 
 
 class LayerCommunicator:
-    """Applies one layer's transitions, as its `LayerPlan` declares them (see the module docstring)."""
+    """Applies one layer's transitions, as its `LayerPlan` declares them (see the
+    module docstring)."""
 
     def __init__(self, plan: LayerPlan):
         self.plan = plan
@@ -113,7 +120,8 @@ class LayerCommunicator:
     def before_attention(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, norm, num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) in `plan.input` -> (normed FULL `[N, H]` attention input, residual)."""
+        """(hidden, residual) in `plan.input` -> (normed FULL `[N, H]` attention
+        input, residual)."""
         plan, t = self.plan, get_parallel_state().tp_size
         rows = shard_rows(num_tokens, t) if plan.input is Layout.SHARDED else num_tokens
         check_rows(
@@ -137,7 +145,8 @@ class LayerCommunicator:
     def before_mlp(
         self, attn: torch.Tensor, residual: torch.Tensor, norm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention's PARTIAL `[N, H]` + residual -> (normed MLP input, residual), both in `plan.mlp_input`."""
+        """Attention's PARTIAL `[N, H]` + residual -> (normed MLP input, residual), both in
+        `plan.mlp_input`."""
         if not self.plan.use_sequence_parallel_moe:
             return fused_allreduce_rms_norm(attn, residual, norm)
         if not self.residual_sharded:
@@ -151,7 +160,8 @@ class LayerCommunicator:
         return norm.add_norm(sp_reduce_scatter(attn), residual)
 
     def expert_rows(self, num_tokens: int, max_tokens: int) -> ExpertRows:
-        """num_tokens: this DP rank's N; max_tokens: the largest N over the DP ranks (`largest_dp_batch`)."""
+        """num_tokens: this DP rank's N; max_tokens: the largest N over the DP ranks
+        (`largest_dp_batch`)."""
         state, moe = get_parallel_state(), self.plan.moe_output
         if moe is Layout.SHARDED:
             n = shard_rows(num_tokens, state.tp_size)

@@ -1,11 +1,12 @@
-"""Process groups: initialise from the torchrun environment, build the TP / DP / EP groups, tear down.
+"""Process groups: initialise from the torchrun environment, build the TP / DP / EP
+groups, tear down.
 
-gloo on CPU, NCCL on CUDA; on both, a gloo `control_group` over every rank carries host objects (the serving
-loop's step plans, job results; `comm.broadcast_object` / `comm.gather_object`), and under DP a gloo
-`tp_control_group` over each DP group's ranks (its TP rank 0's admissions; the control group without DP).
-Every collective carries `timeout_s`, so a dead peer turns into an error on the surviving ranks instead of a
-hang. On CUDA the TP and EP groups also get the one-shot kernels for small
-collectives where the GPUs support them (`comm.enable_one_shot`).
+gloo on CPU, NCCL on CUDA; on both, a gloo `control_group` over every rank carries host objects (the
+serving loop's step plans, job results; `comm.broadcast_object` / `comm.gather_object`), and under
+DP a gloo `tp_control_group` over each DP group's ranks (its TP rank 0's admissions; the control
+group without DP). Every collective carries `timeout_s`, so a dead peer turns into an error on the
+surviving ranks instead of a hang. On CUDA the TP and EP groups also get the one-shot kernels for
+small collectives where the GPUs support them (`comm.enable_one_shot`).
 """
 
 import dataclasses
@@ -69,16 +70,18 @@ _STATE: ParallelState | None = None
 def init_distributed(
     config: ParallelConfig | None = None, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> ParallelState:
-    """Join the process group described by RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK).
+    """Join the process group described by RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    (and LOCAL_RANK).
 
-    `config` defaults to pure tensor parallelism over the whole world. Its world size must match WORLD_SIZE.
-    A `config.simulate_rank` makes this process rank 0 of the config's layout with the other ranks simulated
-    (`spmoe.distributed.simulated`): no process group is joined.
+    `config` defaults to pure tensor parallelism over the whole world. Its world size must match
+    WORLD_SIZE. A `config.simulate_rank` makes this process rank 0 of the config's layout with the
+    other ranks simulated (`spmoe.distributed.simulated`): no process group is joined.
     """
     global _STATE
     if _STATE is not None:
         raise RuntimeError(
-            "init_distributed() was already called in this process; call destroy_distributed() first"
+            "init_distributed() was already called in this process; call "
+            "destroy_distributed() first"
         )
     if config is not None and config.simulate_rank:
         _STATE = _simulated_state(config, device)
@@ -92,8 +95,9 @@ def init_distributed(
     config = config or ParallelConfig(tensor_parallel_size=world)
     if config.world_size != world:
         raise ValueError(
-            f"parallel config needs dp*tp = {config.data_parallel_size}*{config.tensor_parallel_size}"
-            f" = {config.world_size} ranks, but WORLD_SIZE is {world}"
+            "parallel config needs dp*tp = "
+            f"{config.data_parallel_size}*{config.tensor_parallel_size} = {config.world_size} "
+            f"ranks, but WORLD_SIZE is {world}"
         )
     if device == "cuda":
         if not torch.cuda.is_available():
@@ -142,15 +146,16 @@ def init_distributed(
             reason = enable_one_shot(group, dev) if dist.get_world_size(group) > 1 else None
             if reason and rank == 0:
                 print(
-                    f"spmoe: one-shot collectives unavailable on the {name} group, NCCL runs them all: {reason}",
+                    f"spmoe: one-shot collectives unavailable on the {name} group, NCCL runs "
+                    f"them all: {reason}",
                     flush=True,
                 )
     return _STATE
 
 
 def _simulated_state(config: ParallelConfig, device: str) -> ParallelState:
-    """Rank 0 of `config`'s layout, alone: TP and EP groups of the layout's sizes, simulated; a control plane
-    of one rank (DP 1: the rank serves its DP group's share itself)."""
+    """Rank 0 of `config`'s layout, alone: TP and EP groups of the layout's sizes, simulated; a
+    control plane of one rank (DP 1: the rank serves its DP group's share itself)."""
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' was requested but torch.cuda.is_available() is False")
@@ -172,9 +177,10 @@ def _simulated_state(config: ParallelConfig, device: str) -> ParallelState:
 
 
 def _loopback_store(rank: int, world: int, timeout_s: float) -> dist.TCPStore | None:
-    """The rendezvous store when every rank is on this machine (MASTER_ADDR is a loopback address): rank 0
-    listens on that address only, where torch's own store would listen on every interface. None (torch makes
-    its store from the environment) for ranks on several machines, or under torchrun's agent store."""
+    """The rendezvous store when every rank is on this machine (MASTER_ADDR is a loopback address):
+    rank 0 listens on that address only, where torch's own store would listen on every interface.
+    None (torch makes its store from the environment) for ranks on several machines, or under
+    torchrun's agent store."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not _is_loopback(host):
         return None

@@ -1,22 +1,23 @@
 """Run a function on N local ranks and collect what each returns.
 
-`spawn(fn, world_size, *args)` starts `world_size` fresh processes, sets the torchrun environment in each,
-initialises the process groups, calls `fn(*args)` and returns the list of per-rank results (rank order).
-If a rank raises, or dies without a result, the other ranks are killed at once and `RankFailed` carries that
-rank's traceback to the caller. It never waits on a dead rank.
+`spawn(fn, world_size, *args)` starts `world_size` fresh processes, sets the torchrun environment in
+each, initialises the process groups, calls `fn(*args)` and returns the list of per-rank results
+(rank order). If a rank raises, or dies without a result, the other ranks are killed at once and
+`RankFailed` carries that rank's traceback to the caller. It never waits on a dead rank.
 
 No rank outlives the process that spawned it:
-- a rank asks Linux to SIGKILL it when the thread that spawned it ends (`PR_SET_PDEATHSIG`; the parent's
-  death included), and a watchdog thread in the rank polls its parent's pid as well (for a parent that died
-  before the request took effect, and on systems without it);
-- while `spawn` waits, SIGTERM and SIGINT in the parent raise `Stopped`: every rank is killed before it
-  propagates. The ranks ignore SIGINT, so a Ctrl-C (sent to the whole process group) reaches the parent only.
-  With `drain_s` a first SIGTERM is passed on to rank 0 instead (a server drains its requests), and the ranks
-  get `drain_s` seconds to return before they are killed; a second signal kills them at once.
+- a rank asks Linux to SIGKILL it when the thread that spawned it ends (`PR_SET_PDEATHSIG`; the
+  parent's death included), and a watchdog thread in the rank polls its parent's pid as well (for a
+  parent that died before the request took effect, and on systems without it);
+- while `spawn` waits, SIGTERM and SIGINT in the parent raise `Stopped`: every rank is killed before
+  it propagates. The ranks ignore SIGINT, so a Ctrl-C (sent to the whole process group) reaches the
+  parent only. With `drain_s` a first SIGTERM is passed on to rank 0 instead (a server drains its
+  requests), and the ranks get `drain_s` seconds to return before they are killed; a second signal
+  kills them at once.
 
-`launch(fn, world_size, *args)` is what the command line uses: under torchrun (one process per rank, on one
-or many machines) it runs `fn` in this process, with torchrun's signal handling left as it is (its agent
-sends SIGTERM, then SIGKILL, to its workers); otherwise it spawns local ranks.
+`launch(fn, world_size, *args)` is what the command line uses: under torchrun (one process per rank,
+on one or many machines) it runs `fn` in this process, with torchrun's signal handling left as it is
+(its agent sends SIGTERM, then SIGKILL, to its workers); otherwise it spawns local ranks.
 """
 
 import ctypes
@@ -46,8 +47,9 @@ class RankFailed(RuntimeError):
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGINT reached the parent while its ranks ran; every rank was killed. A KeyboardInterrupt, so
-    that no `except Exception` on the way swallows it and whatever stops on Ctrl-C (pytest) stops on it."""
+    """SIGTERM or SIGINT reached the parent while its ranks ran; every rank was killed. A
+    KeyboardInterrupt, so that no `except Exception` on the way swallows it and whatever stops on
+    Ctrl-C (pytest) stops on it."""
 
     def __init__(self, signum: int):
         self.signum = signum
@@ -109,9 +111,9 @@ def spawn(
 ) -> list:
     """Run `fn(*args)` on `world_size` local ranks; return each rank's result, rank 0 first.
 
-    `fn` must be importable by name (a module-level function). `config` defaults to TP over all ranks.
-    `timeout_s` bounds every collective inside `fn`. `drain_s`: a SIGTERM goes to rank 0, which (with the
-    others) then has that long to return; None: a SIGTERM kills every rank at once.
+    `fn` must be importable by name (a module-level function). `config` defaults to TP over all
+    ranks. `timeout_s` bounds every collective inside `fn`. `drain_s`: a SIGTERM goes to rank 0,
+    which (with the others) then has that long to return; None: a SIGTERM kills every rank at once.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -136,7 +138,8 @@ class _Drain:
         self.rank0, self.seconds, self.deadline = rank0, seconds, None
 
     def begin(self) -> bool:
-        """-> True if the SIGTERM was passed on to rank 0 (the first one, with `seconds` set, rank 0 running)."""
+        """-> True if the SIGTERM was passed on to rank 0 (the first one, with `seconds` set,
+        rank 0 running)."""
         if self.seconds is None or self.deadline is not None or self.rank0.pid is None:
             return False
         os.kill(self.rank0.pid, signal.SIGTERM)
@@ -144,7 +147,8 @@ class _Drain:
         return True
 
     def check(self) -> None:
-        """During a drain: raise `Stopped` once its time is over, or when rank 0 has died of the SIGTERM."""
+        """During a drain: raise `Stopped` once its time is over, or when rank 0 has died of
+        the SIGTERM."""
         if self.deadline is None:
             return
         if time.monotonic() > self.deadline or self.rank0.exitcode == -signal.SIGTERM:
@@ -152,7 +156,8 @@ class _Drain:
 
 
 def _run(procs, results, world_size: int, drain: _Drain) -> list:
-    """Start the ranks, collect their results; kill every rank still alive on the way out, however it ends."""
+    """Start the ranks, collect their results; kill every rank still alive on the way out,
+    however it ends."""
     outputs: dict[int, object] = {}
     errors: dict[int, str] = {}  # rank -> traceback, or how it died (`_death`)
     died: set[int] = set()  # ranks that ended without reporting
@@ -186,9 +191,9 @@ def _run(procs, results, world_size: int, drain: _Drain) -> list:
 
 @contextmanager
 def _stop_on_signals(drain: _Drain):
-    """SIGTERM and SIGINT raise `Stopped` once (a second signal during the cleanup is absorbed), except a first
-    SIGTERM that `drain` passes on to rank 0; the previous handlers come back afterwards. Only the main thread
-    may set handlers; elsewhere this does nothing."""
+    """SIGTERM and SIGINT raise `Stopped` once (a second signal during the cleanup is absorbed),
+    except a first SIGTERM that `drain` passes on to rank 0; the previous handlers come back
+    afterwards. Only the main thread may set handlers; elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -210,8 +215,8 @@ def _stop_on_signals(drain: _Drain):
 
 
 def _settle(procs, results, outputs, errors, died, grace_s: float = 1.0):
-    """After a first failure, wait briefly for the other ranks' reports: a rank that died often makes its
-    peers fail too, and the dead rank is the one to blame."""
+    """After a first failure, wait briefly for the other ranks' reports: a rank that died often
+    makes its peers fail too, and the dead rank is the one to blame."""
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and len(outputs) + len(errors) < len(procs):
         try:
@@ -226,8 +231,9 @@ def _settle(procs, results, outputs, errors, died, grace_s: float = 1.0):
 
 
 def _death(exitcode: int) -> str:
-    """How a rank that reported nothing ended: its exit code, or the signal that killed it (multiprocessing
-    gives -N for signal N). The kernel's OOM killer sends SIGKILL, hence the hint."""
+    """How a rank that reported nothing ended: its exit code, or the signal that killed it
+    (multiprocessing gives -N for signal N). The kernel's OOM killer sends SIGKILL,
+    hence the hint."""
     if exitcode >= 0:
         return f"exited with code {exitcode} without returning a result"
     try:
@@ -239,9 +245,10 @@ def _death(exitcode: int) -> str:
 
 
 def _describe(errors: dict[int, str], died: set[int], world_size: int) -> str:
-    """First line: the root cause in one line: a rank that died (`rank 1 of 2 was killed by SIGKILL ...`), else
-    the first rank to report an error (`rank 1 of 2 failed: ValueError: ...`; its peers usually fail after it,
-    with connection errors)."""
+    """First line: the root cause in one line: a rank that died
+    (`rank 1 of 2 was killed by SIGKILL ...`), else the first rank to report an error
+    (`rank 1 of 2 failed: ValueError: ...`; its peers usually fail after it, with
+    connection errors)."""
     dead = [r for r in errors if r in died]
     first = dead[0] if dead else next(iter(errors))
     reason = errors[first].strip().splitlines()[-1]
@@ -259,16 +266,18 @@ def launch(
     device: str = "cpu",
     drain_s: float | None = None,
 ):
-    """Run `fn(*args)` on every rank; return rank 0's result (None on the other ranks under torchrun).
-    `drain_s`: see `spawn` (under torchrun the agent's SIGTERM reaches every rank itself). A
-    `config.simulate_rank` runs rank 0 alone, in one process (`spmoe.distributed.simulated`)."""
+    """Run `fn(*args)` on every rank; return rank 0's result (None on the other ranks under
+    torchrun). `drain_s`: see `spawn` (under torchrun the agent's SIGTERM reaches every rank
+    itself). A `config.simulate_rank` runs rank 0 alone, in one process
+    (`spmoe.distributed.simulated`)."""
     if config is not None and config.simulate_rank:
         world_size = 1
     if "WORLD_SIZE" not in os.environ:
         return spawn(fn, world_size, *args, config=config, device=device, drain_s=drain_s)[0]
     if int(os.environ["WORLD_SIZE"]) != world_size:
         raise ValueError(
-            f"torchrun started {os.environ['WORLD_SIZE']} processes; the parallel config needs {world_size}"
+            f"torchrun started {os.environ['WORLD_SIZE']} processes; the parallel config "
+            f"needs {world_size}"
         )
     init_distributed(config, device=device)
     try:

@@ -1,22 +1,26 @@
 """The layer plan: the token layout at every boundary of every layer, decided once from the configs.
 
-Notation: N tokens, t TP ranks, n = ceil(N/t). Attention always takes FULL `[N, H]` rows and returns a
-PARTIAL sum; what changes from layer to layer is recorded in one `LayerPlan` per decoder layer and per MTP
-layer:
+Notation: N tokens, t TP ranks, n = ceil(N/t). Attention always takes FULL `[N, H]` rows and returns
+a PARTIAL sum; what changes from layer to layer is recorded in one `LayerPlan` per decoder layer
+and per MTP layer:
 
-| field        | values                        | meaning                                                        |
-|--------------|-------------------------------|----------------------------------------------------------------|
-| `input`      | PARTIAL, FULL, SHARDED        | (hidden, residual) as the layer receives them, before the      |
-|              |                               | attention norm                                                 |
-| `mlp_input`  | FULL, SHARDED                 | the rows the post-attention norm and the MLP / MoE run on      |
-| `output`     | PARTIAL, SHARDED              | the MLP output: a TP partial sum of all N rows, or this rank's |
-|              |                               | n complete rows; the residual travels FULL or SHARDED with it  |
-| `moe_output` | PARTIAL, FULL, SHARDED, None  | the routed experts' output: a partial sum over this rank's     |
-|              |                               | experts; complete rows, the same on every TP rank (dispatched  |
-|              |                               | over DP groups); complete rows of the shard; None: dense layer |
+| field        | values                       | meaning                                            |
+|--------------|------------------------------|----------------------------------------------------|
+| `input`      | PARTIAL, FULL, SHARDED       | (hidden, residual) as the layer receives them,     |
+|              |                              | before the attention norm                          |
+| `mlp_input`  | FULL, SHARDED                | the rows the post-attention norm and the MLP / MoE |
+|              |                              | run on                                             |
+| `output`     | PARTIAL, SHARDED             | the MLP output: a TP partial sum of all N rows, or |
+|              |                              | this rank's n complete rows; the residual travels  |
+|              |                              | FULL or SHARDED with it                            |
+| `moe_output` | PARTIAL, FULL, SHARDED, None | the routed experts' output: a partial sum over     |
+|              |                              | this rank's experts; complete rows, the same on    |
+|              |                              | every TP rank (dispatched over DP groups);         |
+|              |                              | complete rows of the shard; None: dense layer      |
 
-A layer is sequence-parallel (`use_sequence_parallel_moe`) when its MLP input is SHARDED: the MoE layers
-when SP is on, every layer with `sp_scope="all"`. `spmoe.distributed.communicator` applies the transitions.
+A layer is sequence-parallel (`use_sequence_parallel_moe`) when its MLP input is SHARDED: the MoE
+layers when SP is on, every layer with `sp_scope="all"`. `spmoe.distributed.communicator` applies
+the transitions.
 """
 
 from dataclasses import dataclass
@@ -53,7 +57,8 @@ class ModelPlan:
         return self.layers[-1].output
 
     def table(self) -> str:
-        """The plan as a Markdown table; consecutive decoder layers with the same layouts share a row."""
+        """The plan as a Markdown table; consecutive decoder layers with the same layouts
+        share a row."""
         groups: list[list] = []  # [first index, last index, cells]
         for i, plan in enumerate(self.layers):
             if groups and groups[-1][2] == _cells(plan):
@@ -79,10 +84,10 @@ def _cells(plan: LayerPlan) -> tuple[str, ...]:
 def build_layer_plan(cfg: ModelConfig, parallel: ParallelConfig) -> ModelPlan:
     """The plan of every decoder layer and MTP layer of `cfg` under `parallel`.
 
-    Layer 0 takes the embedding's PARTIAL sum: reduce-scattered into SHARDED rows when it is SP, else reduced
-    by its first norm. Every later layer takes its predecessor's output as it is; a non-SP layer after an SP
-    one therefore takes SHARDED rows and gathers them (hidden and residual in one all-gather). An MTP layer
-    takes complete rows: SHARDED when it is SP, else FULL.
+    Layer 0 takes the embedding's PARTIAL sum: reduce-scattered into SHARDED rows when it is SP,
+    else reduced by its first norm. Every later layer takes its predecessor's output as it is; a
+    non-SP layer after an SP one therefore takes SHARDED rows and gathers them (hidden and residual
+    in one all-gather). An MTP layer takes complete rows: SHARDED when it is SP, else FULL.
     """
 
     def sp(idx: int) -> bool:

@@ -3,13 +3,15 @@
 Every tensor that crosses a layer boundary has a declared `Layout`:
 
 - `FULL`     `[N, H]`: all N tokens, identical on every TP rank.
-- `SHARDED`  `[n, H]` with `n = ceil(N/t)`: rank r owns rows `[r*n, (r+1)*n)` of the sequence zero-padded to
-             `n*t` rows. Pad rows sit at the tail and are exactly zero.
-- `PARTIAL`  `[N, H]`: this rank's partial sum (row-parallel output); it must be reduced exactly once.
+- `SHARDED`  `[n, H]` with `n = ceil(N/t)`: rank r owns rows `[r*n, (r+1)*n)` of the sequence
+             zero-padded to `n*t` rows. Pad rows sit at the tail and are exactly zero.
+- `PARTIAL`  `[N, H]`: this rank's partial sum (row-parallel output); it must be reduced
+             exactly once.
 
-The layout is always passed in by the caller, never inferred from a shape: at N <= 1 a shard and a full tensor
-have the same number of rows, which is the upstream N=1 bug (vLLM #50154, #50691). Instead each primitive
-checks that the rows it gets are the rows the declared layout implies, and raises naming both shapes.
+The layout is always passed in by the caller, never inferred from a shape: at N <= 1 a shard and a
+full tensor have the same number of rows, which is the upstream N=1 bug (vLLM #50154, #50691).
+Instead each primitive checks that the rows it gets are the rows the declared layout implies, and
+raises naming both shapes.
 
 All primitives run over the TP group of `get_parallel_state()`.
 """
@@ -45,8 +47,8 @@ def check_rows(x: torch.Tensor, rows: int, what: str) -> None:
 def sp_shard(x: torch.Tensor) -> torch.Tensor:
     """FULL `[N, H]` -> SHARDED `[n, H]`, locally (no communication); this rank's rows, zero-padded.
 
-    Used for the residual when entering a sharded region. Returns a view of `x` when this rank's rows need no
-    padding, otherwise a new tensor.
+    Used for the residual when entering a sharded region. Returns a view of `x` when this rank's
+    rows need no padding, otherwise a new tensor.
     """
     if x.dim() != 2:
         raise ValueError(f"sp_shard: expected a 2-D [N, H] tensor, got shape {tuple(x.shape)}")
@@ -61,7 +63,8 @@ def sp_shard(x: torch.Tensor) -> torch.Tensor:
 
 
 def sp_all_gather(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """SHARDED `[n, H]` -> FULL `[N, H]`: one all-gather over the TP group, then drop the tail pad rows."""
+    """SHARDED `[n, H]` -> FULL `[N, H]`: one all-gather over the TP group, then drop the
+    tail pad rows."""
     check_rows(
         x, shard_rows(num_tokens, get_parallel_state().tp_size), f"sp_all_gather (N={num_tokens})"
     )
@@ -69,13 +72,15 @@ def sp_all_gather(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 def sp_reduce_scatter(partial: torch.Tensor) -> torch.Tensor:
-    """PARTIAL `[N, H]` -> SHARDED `[n, H]`: zero-pad to `n*t` rows, reduce-scatter over the TP group.
+    """PARTIAL `[N, H]` -> SHARDED `[n, H]`: zero-pad to `n*t` rows, reduce-scatter
+    over the TP group.
 
     A pad row of the result is a sum of zeros, so it is exactly zero.
     """
     if partial.dim() != 2:
         raise ValueError(
-            f"sp_reduce_scatter: expected a 2-D [N, H] partial sum, got shape {tuple(partial.shape)}"
+            "sp_reduce_scatter: expected a 2-D [N, H] partial sum, got shape "
+            f"{tuple(partial.shape)}"
         )
     t = get_parallel_state().tp_size
     pad = shard_rows(partial.shape[0], t) * t - partial.shape[0]
@@ -87,11 +92,12 @@ def sp_reduce_scatter(partial: torch.Tensor) -> torch.Tensor:
 def _all_gather_sp_states(
     hidden: torch.Tensor, residual: torch.Tensor, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SHARDED (hidden, residual), each `[n, H]` -> FULL, each `[N, H]`, with ONE all-gather of `[n, 2H]`.
+    """SHARDED (hidden, residual), each `[n, H]` -> FULL, each `[N, H]`, with ONE
+    all-gather of `[n, 2H]`.
 
-    The pair is joined along the hidden dim so a row keeps its hidden and residual together through one
-    collective and one trim. The returned residual is contiguous (an in-place fused add-norm may write it);
-    the hidden is a strided view.
+    The pair is joined along the hidden dim so a row keeps its hidden and residual together through
+    one collective and one trim. The returned residual is contiguous (an in-place fused add-norm may
+    write it); the hidden is a strided view.
     """
     n = shard_rows(num_tokens, get_parallel_state().tp_size)
     check_rows(hidden, n, f"_all_gather_sp_states hidden (N={num_tokens})")
@@ -108,8 +114,9 @@ def _all_gather_sp_states(
 def _restore_full_token_layout_if_needed(
     hidden: torch.Tensor, residual: torch.Tensor, num_tokens: int, is_sequence_parallel: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden, residual) -> FULL `[N, H]` each. The caller says whether they are SHARDED `[n, H]` (then one
-    fused gather, `_all_gather_sp_states`) or already in a token-complete layout (returned unchanged)."""
+    """(hidden, residual) -> FULL `[N, H]` each. The caller says whether they are SHARDED `[n, H]`
+    (then one fused gather, `_all_gather_sp_states`) or already in a token-complete layout
+    (returned unchanged)."""
     if is_sequence_parallel:
         return _all_gather_sp_states(hidden, residual, num_tokens)
     return hidden, residual

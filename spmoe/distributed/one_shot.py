@@ -1,24 +1,27 @@
-"""One-shot collectives for small messages between GPUs that reach each other over NVLink: one Triton kernel
-per call on a torch symmetric-memory buffer, capturable in a CUDA graph. NCCL does everything else.
+"""One-shot collectives for small messages between GPUs that reach each other over NVLink: one
+Triton kernel per call on a torch symmetric-memory buffer, capturable in a CUDA graph. NCCL does
+everything else.
 
-Every rank of a group allocates the same buffer and signal pad (torch symmetric memory maps every peer's
-buffer into each rank's address space). One call is one kernel of P programs on every rank:
+Every rank of a group allocates the same buffer and signal pad (torch symmetric memory maps every
+peer's buffer into each rank's address space). One call is one kernel of P programs on every rank:
 
-1. push: program p writes its chunks of what rank j needs (all-gather, all-reduce: the input; reduce-scatter:
-   block j of it) into row `rank` of rank j's buffer, for every j, over NVLink;
-2. barrier: program p flags program p of every peer that its chunks are there, then waits for theirs;
-3. combine, from local memory: program p writes its chunks of the output (all-gather: the WORLD rows in
-   place; reduce-scatter and all-reduce: their float32 sum in rank order, so every rank gets the same bits);
+1. push: program p writes its chunks of what rank j needs (all-gather, all-reduce: the input;
+   reduce-scatter: block j of it) into row `rank` of rank j's buffer, for every j, over NVLink;
+2. barrier: program p flags program p of every peer that its chunks are there, then
+   waits for theirs;
+3. combine, from local memory: program p writes its chunks of the output (all-gather: the WORLD rows
+   in place; reduce-scatter and all-reduce: their float32 sum in rank order, so every rank gets
+   the same bits);
 4. barrier again, so that no rank pushes the next call's rows while a peer still reads this call's.
 
-`OneShot.add_rms_norm` fuses a collective with the residual add and RMSNorm that follow or precede it, so that
-a layout transition of the layer plan is one kernel (program p owns rows p, p + P, ... of its rank's block):
-all-reduce and reduce-scatter norm the summed rows in step 3; all-gather norms this rank's rows before step 1
-and pushes the normed rows.
+`OneShot.add_rms_norm` fuses a collective with the residual add and RMSNorm that follow or precede
+it, so that a layout transition of the layer plan is one kernel (program p owns rows p, p + P, ...
+of its rank's block): all-reduce and reduce-scatter norm the summed rows in step 3; all-gather norms
+this rank's rows before step 1 and pushes the normed rows.
 
-Program p only waits for program p of a peer, and P is at most the number of SMs, so every program is
-resident and the waits always end. The waiter resets each flag, so the pad is clean after every call, graph
-replays included. NVLink multicast is never used.
+Program p only waits for program p of a peer, and P is at most the number of SMs, so every program
+is resident and the waits always end. The waiter resets each flag, so the pad is clean after every
+call, graph replays included. NVLink multicast is never used.
 
 Offsets stay 32-bit on purpose: `run` and `add_rms_norm` refuse any call whose WORLD blocks exceed
 `BUFFER_BYTES` (8 MiB), so no index into x, out or a buffer reaches 2**31.
@@ -47,7 +50,8 @@ if triton is not None:
         WORLD: tl.constexpr,
         PROGRAMS: tl.constexpr,
     ):
-        """Program `pid` of every rank meets program `pid` of every other rank (PROGRAMS flag slots per phase)."""
+        """Program `pid` of every rank meets program `pid` of every other rank (PROGRAMS flag
+        slots per phase)."""
         tl.debug_barrier()  # this program's threads are done with their loads and stores
         slot = (phase * PROGRAMS + pid) * WORLD
         for peer in tl.static_range(WORLD):
@@ -75,9 +79,10 @@ if triton is not None:
         BLOCK: tl.constexpr,
         PROGRAMS: tl.constexpr,
     ):
-        """KIND 0 all-gather: x `[numel]` -> out `[WORLD * numel]`; 1 reduce-scatter: x `[WORLD * numel]` ->
-        out `[numel]`, block RANK of the sum; 2 all-reduce: x `[numel]` -> out `[numel]`, the sum.
-        Every rank's buffer holds `[WORLD, numel]`: row j is what rank j sent it."""
+        """KIND 0 all-gather: x `[numel]` -> out `[WORLD * numel]`; 1 reduce-scatter: x
+        `[WORLD * numel]` -> out `[numel]`, block RANK of the sum; 2 all-reduce: x `[numel]` -> out
+        `[numel]`, the sum. Every rank's buffer holds `[WORLD, numel]`: row j is what
+        rank j sent it."""
         pid, step = tl.program_id(0), tl.num_programs(0) * BLOCK
         dtype = x_ptr.dtype.element_ty
         # push this rank's rows into every rank's buffer
@@ -126,8 +131,9 @@ if triton is not None:
         eps,
         HAS_RESIDUAL: tl.constexpr,
     ):
-        """One row x `[BLOCK]` (the tensor dtype): res_out[row] = x + res[row], out[row] = RMSNorm(that) * w
-        (where `out_mask`), rounded as `RMSNorm.add_norm`. Returns the normed row (out's dtype)."""
+        """One row x `[BLOCK]` (the tensor dtype): res_out[row] = x + res[row], out[row] =
+        RMSNorm(that) * w (where `out_mask`), rounded as `RMSNorm.add_norm`. Returns the normed row
+        (out's dtype)."""
         dtype = x.dtype
         if HAS_RESIDUAL:
             x = x.to(tl.float32) + tl.load(res_ptr + row * size + cols, mask=mask, other=0.0).to(
@@ -161,12 +167,15 @@ if triton is not None:
         BLOCK: tl.constexpr,
         PROGRAMS: tl.constexpr,
     ):
-        """A collective fused with the residual add and RMSNorm; `rows` are the rows each rank norms:
+        """A collective fused with the residual add and RMSNorm; `rows` are the rows
+        each rank norms:
 
-        KIND 2 all-reduce: x `[rows, size]` partial sum -> res_out = sum + res, out = norm(res_out), `[rows, size]`.
-        KIND 1 reduce-scatter: x `[valid, size]` partial sum (rows `valid .. WORLD * rows` are zero pad) -> block
+        KIND 2 all-reduce: x `[rows, size]` partial sum -> res_out = sum + res, out = norm(res_out),
+        `[rows, size]`. KIND 1 reduce-scatter: x `[valid, size]` partial sum (rows
+        `valid .. WORLD * rows` are zero pad) -> block
             RANK of the sum + res, and its norm, `[rows, size]`.
-        KIND 0 all-gather: x, res `[rows, size]` this rank's shard -> res_out = x + res `[rows, size]`, and out
+        KIND 0 all-gather: x, res `[rows, size]` this rank's shard -> res_out = x + res
+        `[rows, size]`, and out
             `[valid, size]`: the first `valid` of every rank's normed rows, in rank order.
         Every rank's buffer holds `[WORLD, block]`: row j is what rank j sent it."""
         pid, programs = tl.program_id(0), tl.num_programs(0)
@@ -265,7 +274,8 @@ class OneShot:
         return x.numel() * x.element_size() * (1 if kind == "reduce_scatter" else self.world)
 
     def fits(self, kind: str, x: torch.Tensor, max_bytes: int = BUFFER_BYTES) -> bool:
-        """Whether a `kind` call may take `x`: on a GPU, a dtype it sums, and within `max_bytes` of buffer."""
+        """Whether a `kind` call may take `x`: on a GPU, a dtype it sums, and within
+        `max_bytes` of buffer."""
         return (
             x.dtype in DTYPES
             and x.is_cuda
@@ -297,7 +307,8 @@ class OneShot:
         return out
 
     def norm_rows(self, kind: str, num_tokens: int) -> int:
-        """Rows each rank norms in an `add_rms_norm` of N = num_tokens: N for all_reduce, else ceil(N / WORLD)."""
+        """Rows each rank norms in an `add_rms_norm` of N = num_tokens: N for all_reduce, else
+        ceil(N / WORLD)."""
         return num_tokens if kind == "all_reduce" else -(-num_tokens // self.world)
 
     def add_rms_norm(
@@ -309,12 +320,14 @@ class OneShot:
         eps: float,
         num_tokens: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `kind` collective fused with `RMSNorm.add_norm` (weight `[H]`) -> (normed, new residual), N tokens,
-        n = ceil(N / WORLD) rows per rank:
+        """The `kind` collective fused with `RMSNorm.add_norm` (weight `[H]`) -> (normed, new
+        residual), N tokens, n = ceil(N / WORLD) rows per rank:
 
         - all_reduce: x `[N, H]` partial sum, residual `[N, H]` -> both `[N, H]`;
-        - reduce_scatter: x `[N, H]` partial sum, residual `[n, H]` (this rank's rows) -> both `[n, H]`;
-        - all_gather: x, residual `[n, H]` this rank's rows -> normed `[N, H]` (all ranks'), new residual `[n, H]`.
+        - reduce_scatter: x `[N, H]` partial sum, residual `[n, H]` (this rank's rows)
+          -> both `[n, H]`;
+        - all_gather: x, residual `[n, H]` this rank's rows -> normed `[N, H]` (all ranks'), new
+          residual `[n, H]`.
         A missing residual counts as zero. The normed rows are in the dtype of weight * x."""
         rows, size = self.norm_rows(kind, num_tokens), x.shape[1]
         out_dtype = torch.promote_types(weight.dtype, x.dtype)
@@ -323,8 +336,8 @@ class OneShot:
         )
         if needed > BUFFER_BYTES:
             raise ValueError(
-                f"one-shot {kind} + RMSNorm of {tuple(x.shape)} {x.dtype} needs {needed} buffer bytes "
-                f"per rank, the buffer has {BUFFER_BYTES}"
+                f"one-shot {kind} + RMSNorm of {tuple(x.shape)} {x.dtype} needs {needed} buffer "
+                f"bytes per rank, the buffer has {BUFFER_BYTES}"
             )
         x = x.contiguous()
         residual = residual.contiguous() if residual is not None else None

@@ -1,7 +1,7 @@
 """Layout self-check: run every SP primitive on real ranks and compare with a single-process answer.
 
-Each rank builds the same deterministic full tensors, so the expected result of every collective is known
-locally. Returns one row per (N, dtype) with the worst error and the collectives that ran.
+Each rank builds the same deterministic full tensors, so the expected result of every collective is
+known locally. Returns one row per (N, dtype) with the worst error and the collectives that ran.
 """
 
 import torch

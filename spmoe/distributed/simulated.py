@@ -1,19 +1,20 @@
-"""The simulated rank: rank 0 of a TP x DP x EP deployment run for real in one process, the other ranks
-simulated (`ParallelConfig.simulate_rank`, the CLI's `--simulate-rank`; a measurement mode only).
+"""The simulated rank: rank 0 of a TP x DP x EP deployment run for real in one process, the other
+ranks simulated (`ParallelConfig.simulate_rank`, the CLI's `--simulate-rank`; a
+measurement mode only).
 
-- The process groups are `SimulatedGroup`s. The counted collectives of `comm.py` see one and move no data:
-  they return finite, deterministic tensors of the real shapes (an all-gather repeats this rank's block, or
-  fills each peer's block as its caller says; a reduce-scatter keeps this rank's block; an all-reduce leaves
-  its input), and count each call on the path the real group would take at its size
-  (`comm.node_path`).
+- The process groups are `SimulatedGroup`s. The counted collectives of `comm.py` see one and move no
+  data: they return finite, deterministic tensors of the real shapes (an all-gather repeats this
+  rank's block, or fills each peer's block as its caller says; a reduce-scatter keeps this rank's
+  block; an all-reduce leaves its input), and count each call on the path the real group would take
+  at its size (`comm.node_path`).
 - The routers' top-k is a seeded function of (layer, global token) with k distinct experts
-  (`seeded_routing`), so the blocks of the other ranks hold exactly the rows the real node would send this
-  rank; `ParallelConfig.routing_seed` turns the same routing on in a real multi-rank run, which is how the
-  tests compare the two. With `simulated_load="busiest"` each layer's expert ids are rotated so that this
-  rank holds the experts of the layer's busiest EP rank.
-- The control plane (step plans, the DP output gather) runs as a world of one: with DP > 1 this rank serves
-  the requests it is given as its DP group's share, and assumes every other DP group runs a batch of the
-  same size.
+  (`seeded_routing`), so the blocks of the other ranks hold exactly the rows the real node would
+  send this rank; `ParallelConfig.routing_seed` turns the same routing on in a real multi-rank run,
+  which is how the tests compare the two. With `simulated_load="busiest"` each layer's expert ids
+  are rotated so that this rank holds the experts of the layer's busiest EP rank.
+- The control plane (step plans, the DP output gather) runs as a world of one: with DP > 1 this rank
+  serves the requests it is given as its DP group's share, and assumes every other DP group runs a
+  batch of the same size.
 """
 
 from dataclasses import dataclass
@@ -58,10 +59,10 @@ def seeded_routing(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-k of B blocks of `rows` rows: block b's first `valid[b]` rows are the global tokens
-    `first_tokens[b]`, `first_tokens[b] + 1`, ... (int64 `[B]` each) -> (ids `[B * rows, k]` int64: k
-    distinct experts of `experts`, a seeded function of (seed, layer, token); weights `[B * rows, k]` float32,
-    `scale / k` each). Pad rows (from `valid[b]` on) get id -1 and weight 0. No host sync: it can run inside
-    a CUDA graph."""
+    `first_tokens[b]`, `first_tokens[b] + 1`, ... (int64 `[B]` each) -> (ids `[B * rows, k]` int64:
+    k distinct experts of `experts`, a seeded function of (seed, layer, token); weights
+    `[B * rows, k]` float32, `scale / k` each). Pad rows (from `valid[b]` on) get id -1 and weight
+    0. No host sync: it can run inside a CUDA graph."""
     device = first_tokens.device
     offsets = torch.arange(rows, device=device, dtype=torch.int64)
     tokens = (first_tokens[:, None] + offsets).reshape(-1)  # [B * rows]
@@ -77,12 +78,12 @@ def seeded_routing(
 def block_tokens(
     tokens: int, sharded: bool, tp_size: int, ep_size: int, dp_rank: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks of the EP group's ranks in one MoE call, for `seeded_routing` -> (first global token
-    `[ep_size]`, valid rows `[ep_size]`), int64. EP rank j is TP rank j % tp_size of DP group j // tp_size;
-    its block is its SP shard of its DP group's `tokens` rows (`sharded`) or all of them. A real run knows
-    only its own DP group's row count: the ranks of other DP groups are given the same one (on a simulated
-    rank, that is the assumption; a real rank reads its own block only). Without a dispatch (`ep_size` 1)
-    the one block is DP group `dp_rank`'s."""
+    """The blocks of the EP group's ranks in one MoE call, for `seeded_routing` -> (first global
+    token `[ep_size]`, valid rows `[ep_size]`), int64. EP rank j is TP rank j % tp_size of DP group
+    j // tp_size; its block is its SP shard of its DP group's `tokens` rows (`sharded`) or all of
+    them. A real run knows only its own DP group's row count: the ranks of other DP groups are given
+    the same one (on a simulated rank, that is the assumption; a real rank reads its own block
+    only). Without a dispatch (`ep_size` 1) the one block is DP group `dp_rank`'s."""
     j = torch.arange(ep_size, device=device, dtype=torch.int64)
     dp = j // tp_size if ep_size > 1 else torch.full_like(j, dp_rank)
     if not sharded:
@@ -93,9 +94,9 @@ def block_tokens(
 
 
 def rotate_to_busiest(ids: torch.Tensor, ep_size: int, experts: int) -> torch.Tensor:
-    """Expert ids `[R, k]` of every row the EP group routes in one layer (pad -1), relabelled so that EP rank 0
-    holds the experts of the rank that gets the most (row, expert) pairs: ids move down by that rank's first
-    expert, modulo `experts`. Device-side, no host sync."""
+    """Expert ids `[R, k]` of every row the EP group routes in one layer (pad -1), relabelled so
+    that EP rank 0 holds the experts of the rank that gets the most (row, expert) pairs: ids move
+    down by that rank's first expert, modulo `experts`. Device-side, no host sync."""
     per_rank = experts // ep_size
     owner = torch.where(ids >= 0, ids // per_rank, ep_size).reshape(-1)
     load = torch.zeros(ep_size + 1, dtype=torch.int64, device=ids.device)
@@ -107,8 +108,8 @@ def rotate_to_busiest(ids: torch.Tensor, ep_size: int, experts: int) -> torch.Te
 def banner(config) -> str:
     """The line a simulated job (`config.simulate_rank`) prints first."""
     return (
-        f"SIMULATED RANK: rank 0 of tp={config.tensor_parallel_size} x dp={config.data_parallel_size} "
-        f"(EP {config.world_size}) runs here; the other {config.world_size - 1} ranks are simulated: "
-        f"collectives move no data, routing is seeded (load: {config.simulated_load}). Outputs are "
-        f"not the model's; measurement only."
+        f"SIMULATED RANK: rank 0 of tp={config.tensor_parallel_size} x "
+        f"dp={config.data_parallel_size} (EP {config.world_size}) runs here; the other "
+        f"{config.world_size - 1} ranks are simulated: collectives move no data, routing is seeded "
+        f"(load: {config.simulated_load}). Outputs are not the model's; measurement only."
     )

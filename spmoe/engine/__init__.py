@@ -1,1 +1,2 @@
-"""The serving engine: requests, the scheduler, the model runner, the KV cache, sampling and MTP speculation."""
+"""The serving engine: requests, the scheduler, the model runner, the KV cache, sampling and MTP
+speculation."""

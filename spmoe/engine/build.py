@@ -32,7 +32,8 @@ def describe(args: EngineArgs, parallel: ParallelConfig) -> str:
 
 
 def drafting(speculation: Speculation) -> str:
-    """`MTP with 3 drafts, `, `ngram with 8 drafts, `, `MTP + suffix with 8 drafts, `, or nothing."""
+    """`MTP with 3 drafts, `, `ngram with 8 drafts, `, `MTP + suffix with 8 drafts,
+    `, or nothing."""
     if not speculation.num_speculative_tokens:
         return ""
     sources = [s for s in ("MTP" if speculation.mtp else None, speculation.lookup_name) if s]
@@ -57,8 +58,8 @@ def build_kv_cache(
     args: EngineArgs, model, max_num_seqs: int, max_len: int
 ) -> KVCache | PagedKVCache:
     """Dense: one slot of `max_len` positions for each of `max_num_seqs` sequences; or paged
-    (`build_paged_cache`: on CPU without a size, room for `max_num_seqs` x `max_len` tokens; on CUDA,
-    room for at least one sequence of `max_len`)."""
+    (`build_paged_cache`: on CPU without a size, room for `max_num_seqs` x `max_len` tokens; on
+    CUDA, room for at least one sequence of `max_len`)."""
     if args.kv_cache == "dense":
         return KVCache.for_model(model, max_num_seqs, max_len)
     return build_paged_cache(
@@ -72,7 +73,8 @@ def build_kv_cache(
 
 
 def cache_room(cache: KVCache | PagedKVCache, longest: int) -> float:
-    """How many sequences of `longest` positions `cache` holds at once (vLLM's "maximum concurrency")."""
+    """How many sequences of `longest` positions `cache` holds at once (vLLM's "maximum
+    concurrency")."""
     if isinstance(cache, KVCache):
         return cache.max_seqs if longest <= cache.max_len else 0
     return cache.capacity_tokens / longest
@@ -86,11 +88,11 @@ def build_engine(
     grammars: GrammarCompiler | None = None,
     log=None,
 ) -> Engine:
-    """The engine over a new KV cache for `max_num_seqs` sequences of `cache_len` positions (the dense
-    cache's slots; the paged cache's default room on CPU; without --max-model-len, the longest sequence,
-    which sets the width of the graphs' block tables), its CUDA graphs captured (`log(line)`: progress),
-    keeping in step with the other ranks; `grammars`: for structured-output requests. `warmup.warm_up` then
-    makes it ready."""
+    """The engine over a new KV cache for `max_num_seqs` sequences of `cache_len` positions (the
+    dense cache's slots; the paged cache's default room on CPU; without --max-model-len, the longest
+    sequence, which sets the width of the graphs' block tables), its CUDA graphs captured
+    (`log(line)`: progress), keeping in step with the other ranks; `grammars`: for structured-output
+    requests. `warmup.warm_up` then makes it ready."""
     cache = build_kv_cache(args, model, max_num_seqs, cache_len)
     if log is not None:
         longest = args.max_model_len or cache_len

@@ -53,7 +53,8 @@ def check_positions(longest: int, max_position_embeddings: int | None, what: str
     states it)."""
     if max_position_embeddings is not None and longest > max_position_embeddings:
         raise ValueError(
-            f"{what}: {longest} positions, more than the model's max_position_embeddings = {max_position_embeddings}"
+            f"{what}: {longest} positions, more than the model's max_position_embeddings = "
+            f"{max_position_embeddings}"
         )
 
 
@@ -131,7 +132,8 @@ class Engine:
         )
         if mtp_drafts and not model.num_draft_layers:
             raise ValueError(
-                "speculative decoding with MTP needs the MTP layer: load the model with with_mtp=True"
+                "speculative decoding with MTP needs the MTP layer: load the model "
+                "with with_mtp=True"
             )
         self.model, self.cache, self.k, self.grammars, self.log = (
             model,

@@ -1,8 +1,8 @@
 """The KV caches as room for tokens, through one small interface the scheduler asks (`fits`,
 `cached_prefix`, `can_allocate`, `allocate`, `can_grow`, `grow`, `forks`, `can_fork`, `fork`,
-`cache_written`, `free`, `location`, `usage`, `prefix_cache_counts`): `SlotRoom` over the slot `KVCache`
-(the dense reference), `BlockRoom` over the paged cache's blocks (`cache/blocks.py`: reference counts, the
-prefix cache's hash chain, forks sharing a prompt's full blocks).
+`cache_written`, `free`, `location`, `usage`, `prefix_cache_counts`): `SlotRoom` over the slot
+`KVCache` (the dense reference), `BlockRoom` over the paged cache's blocks (`cache/blocks.py`:
+reference counts, the prefix cache's hash chain, forks sharing a prompt's full blocks).
 """
 
 from spmoe.engine.cache.blocks import BlockManager
@@ -12,7 +12,8 @@ from spmoe.engine.sequence import Sequence
 
 
 class SlotRoom:
-    """The slot KV cache as room for tokens: a sequence gets one slot of `max_len` positions for its life."""
+    """The slot KV cache as room for tokens: a sequence gets one slot of `max_len` positions
+    for its life."""
 
     def __init__(self, cache: KVCache):
         self.cache = cache
@@ -27,7 +28,8 @@ class SlotRoom:
         return self.cache.max_len
 
     def cached_prefix(self, seq: Sequence) -> int:
-        """The slot cache keeps nothing past a sequence's life: no token is ever cached for a new one."""
+        """The slot cache keeps nothing past a sequence's life: no token is ever cached
+        for a new one."""
         return 0
 
     @property
@@ -35,15 +37,16 @@ class SlotRoom:
         """No prefix cache: nothing is shared."""
         return None
 
-    forks = False  # a slot holds one sequence's rows: the n choices of a request compute their prompts each
+    # a slot holds one sequence's rows: the n choices of a request compute their prompts each
+    forks = False
 
     def can_allocate(self, num_tokens: int, seq: Sequence) -> bool:
         """Whether a new sequence of up to `num_tokens` tokens can get room now."""
         return self.cache.free_slots > 0 and self.fits(num_tokens)
 
     def allocate(self, seq: Sequence, num_tokens: int, reuse: int | None = None) -> int:
-        """A slot for `seq` (`reuse`: what the deciding rank found cached, 0 here). -> 0: nothing of it is
-        cached."""
+        """A slot for `seq` (`reuse`: what the deciding rank found cached, 0 here). -> 0: nothing of
+        it is cached."""
         if reuse:
             raise ValueError(
                 f"the slot cache keeps no prefix; the deciding rank reuses {reuse} tokens"
@@ -52,7 +55,8 @@ class SlotRoom:
         return 0
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether `seq` can hold `num_tokens` tokens in all (a slot holds `max_len` from the start)."""
+        """Whether `seq` can hold `num_tokens` tokens in all (a slot holds `max_len`
+        from the start)."""
         return self.fits(num_tokens)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
@@ -91,11 +95,11 @@ class SlotRoom:
 
 
 class BlockRoom:
-    """The paged KV cache's blocks as room for tokens: a sequence holds blocks for what it has fed (and its
-    reserve), and grows them as it goes; up to `max_num_seqs` sequences at once, each of up to
-    `max_model_len` tokens (None: the whole cache). `enable_prefix_caching`: full blocks stay cached for later
-    sequences; `lookahead`: the tokens past a block that its rows depend on (1 when the engine drafts with MTP,
-    whose row at a position embeds the next token)."""
+    """The paged KV cache's blocks as room for tokens: a sequence holds blocks for what it has fed
+    (and its reserve), and grows them as it goes; up to `max_num_seqs` sequences at once, each of up
+    to `max_model_len` tokens (None: the whole cache). `enable_prefix_caching`: full blocks stay
+    cached for later sequences; `lookahead`: the tokens past a block that its rows depend on (1 when
+    the engine drafts with MTP, whose row at a position embeds the next token)."""
 
     def __init__(
         self,
@@ -122,27 +126,33 @@ class BlockRoom:
         return self.max_model_len
 
     def cached_prefix(self, seq: Sequence) -> int:
-        """Tokens at the head of what a waiting sequence feeds (`pending`) that cached blocks hold."""
+        """Tokens at the head of what a waiting sequence feeds (`pending`) that cached
+        blocks hold."""
         return self.blocks.cached_prefix(self._lookup(seq), seq.block_hashes)
 
     @property
     def shared_block(self) -> int | None:
-        """The tokens of a block sequences can share through the prefix cache (None: caching off)."""
+        """The tokens of a block sequences can share through the prefix cache (None:
+        caching off)."""
         return self.blocks.block_size if self.blocks.enable_caching else None
 
     def can_allocate(self, num_tokens: int, seq: Sequence) -> bool:
-        """Whether waiting `seq` fits now with room for `num_tokens` tokens in all, its cached prefix included."""
+        """Whether waiting `seq` fits now with room for `num_tokens` tokens in all, its cached
+        prefix included."""
         return self.blocks.can_allocate(num_tokens, self._lookup(seq), seq.block_hashes)
 
-    forks = True  # sequences with the same prompt share its full blocks (`fork`), with prefix caching or not
+    # sequences with the same prompt share its full blocks (`fork`), with prefix caching or not
+    forks = True
 
     def can_fork(self, seq: Sequence) -> bool:
-        """Whether waiting `seq` can fork from a sequence with its prompt now (the blocks it needs are free)."""
+        """Whether waiting `seq` can fork from a sequence with its prompt now (the blocks it
+        needs are free)."""
         return self.blocks.can_fork(len(seq.request.prompt))
 
     def fork(self, source: Sequence, seq: Sequence) -> int:
-        """Room for waiting `seq`'s prompt, which running `source` has (or writes this step): it shares the
-        source's full blocks (`BlockManager.fork`). -> the prompt tokens shared: it computes the rest."""
+        """Room for waiting `seq`'s prompt, which running `source` has (or writes this step): it
+        shares the source's full blocks (`BlockManager.fork`). -> the prompt tokens shared: it
+        computes the rest."""
         seq.cache_id, self._next_id = self._next_id, self._next_id + 1
         shared = self.blocks.fork(source.cache_id, seq.cache_id, len(seq.request.prompt))
         self._note_peak()
@@ -150,14 +160,15 @@ class BlockRoom:
 
     @staticmethod
     def _lookup(seq: Sequence) -> list[int]:
-        """What to look up in the prefix cache for `seq`: what it feeds, or nothing when it wants its prompt's
-        logprobs (they come from the forward over the prompt: a cached block would skip them)."""
+        """What to look up in the prefix cache for `seq`: what it feeds, or nothing when it wants
+        its prompt's logprobs (they come from the forward over the prompt: a cached block
+        would skip them)."""
         return [] if seq.wants_prompt_logprobs else seq.pending
 
     def allocate(self, seq: Sequence, num_tokens: int, reuse: int | None = None) -> int:
-        """Room for `num_tokens` tokens of a new sequence, its cached prefix included: the longest one cached,
-        or the `reuse` tokens the deciding rank found (RuntimeError if this cache lacks them). -> the tokens of
-        what it feeds (`pending`) already cached."""
+        """Room for `num_tokens` tokens of a new sequence, its cached prefix included: the longest
+        one cached, or the `reuse` tokens the deciding rank found (RuntimeError if this cache lacks
+        them). -> the tokens of what it feeds (`pending`) already cached."""
         seq.cache_id, self._next_id = self._next_id, self._next_id + 1
         cached = self.blocks.allocate(
             seq.cache_id, num_tokens, self._lookup(seq), seq.block_hashes, reuse
@@ -176,8 +187,9 @@ class BlockRoom:
         self._note_peak()
 
     def cache_written(self, seq: Sequence, num_written: int) -> None:
-        """`seq`'s first `num_written` positions hold all their rows: its full blocks among them become cached.
-        The token list is built only when a block may be completed (once per block, not per step)."""
+        """`seq`'s first `num_written` positions hold all their rows: its full blocks among them
+        become cached. The token list is built only when a block may be completed (once per block,
+        not per step)."""
         known = len(seq.request.prompt) + len(seq.output)
         if self.blocks.would_cache(seq.cache_id, num_written, known):
             self.blocks.cache_blocks(seq.cache_id, seq.request.prompt + seq.output, num_written)

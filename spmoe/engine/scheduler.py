@@ -1,52 +1,55 @@
-"""Which sequences run each step, and how many tokens each feeds: a waiting queue, a running batch, admission
-while the KV cache has room, chunked prefill under a token budget, and preemption when the cache runs out.
+"""Which sequences run each step, and how many tokens each feeds: a waiting queue, a running batch,
+admission while the KV cache has room, chunked prefill under a token budget, and preemption when the
+cache runs out.
 
 A request becomes a `Sequence` when it is added and waits in arrival order. Each step (`schedule`):
 1. every running sequence that decodes feeds its pending tokens (its last token and any drafts);
-2. the token budget left (`max_num_batched_tokens` minus those) goes to prompts in chunks: first the running
-   sequences still prefilling, in admission order, then waiting sequences, admitted first come first served
-   while the cache has room for their first chunk and fewer than `max_num_seqs` run. A prompt may thus span
-   several steps; it samples only after its last chunk.
-3. each sequence that feeds this step first grows its cache room to hold what it feeds plus `reserve_tokens`
-   (the MTP drafts written after it). If the cache cannot grow, the most recently admitted running sequence
-   is preempted: its room is freed and it goes back to the front of the waiting queue, to be recomputed
-   later from its prompt and the tokens it has generated so far.
-A finished or aborted sequence leaves the batch and frees its room at once. A running sequence also holds a
-row of the engine's `Sampler` (its sampling settings and output-token counts on the device): taken at
-admission (a preempted sequence's output counted again), given back when it finishes or is preempted.
+2. the token budget left (`max_num_batched_tokens` minus those) goes to prompts in chunks: first the
+   running sequences still prefilling, in admission order, then waiting sequences, admitted first
+   come first served while the cache has room for their first chunk and fewer than `max_num_seqs`
+   run. A prompt may thus span several steps; it samples only after its last chunk.
+3. each sequence that feeds this step first grows its cache room to hold what it feeds plus
+   `reserve_tokens` (the MTP drafts written after it). If the cache cannot grow, the most recently
+   admitted running sequence is preempted: its room is freed and it goes back to the front of the
+   waiting queue, to be recomputed later from its prompt and the tokens it has generated so far.
+A finished or aborted sequence leaves the batch and frees its room at once. A running sequence also
+holds a row of the engine's `Sampler` (its sampling settings and output-token counts on the device):
+taken at admission (a preempted sequence's output counted again), given back when it finishes
+or is preempted.
 
-Each sequence commits what the forward drew for it (`Sequence.commit`); then `update` does the bookkeeping:
-a finished sequence leaves the batch and frees its room, one that goes on feeds its last token and its next
-drafts, the rows written are cached (`cache_written`), and the committed tokens are counted in the
-sampler's rows in one scatter per step.
+Each sequence commits what the forward drew for it (`Sequence.commit`); then `update` does the
+bookkeeping: a finished sequence leaves the batch and frees its room, one that goes on feeds its
+last token and its next drafts, the rows written are cached (`cache_written`), and the committed
+tokens are counted in the sampler's rows in one scatter per step.
 
-Forks: prefill once, then fork (`BlockRoom` only, with prefix caching or without). A waiting sequence whose
-prompt equals the one a running sequence is computing for the first time (the n choices of a request) waits
-for it. In the step that completes that prompt, it joins the batch as a fork (a part of role `Role.FORK`): it
-feeds nothing, draws its first token from the prompt's last logits row with its own sampling row, seed and
-output index, and holds the source's full prompt blocks (`BlockManager.fork`). A partly filled last block
-cannot be shared (each choice writes its own tokens after the prompt), nor with MTP the block of the last
-prompt token (its MTP row embeds the choice's first token): the fork recomputes those positions in its next
-step, fed with its first token (at most a block's positions). From then on a fork is a sequence like any
-other (preempted, aborted, finished alone).
+Forks: prefill once, then fork (`BlockRoom` only, with prefix caching or without). A waiting
+sequence whose prompt equals the one a running sequence is computing for the first time (the n
+choices of a request) waits for it. In the step that completes that prompt, it joins the batch as a
+fork (a part of role `Role.FORK`): it feeds nothing, draws its first token from the prompt's last
+logits row with its own sampling row, seed and output index, and holds the source's full prompt
+blocks (`BlockManager.fork`). A partly filled last block cannot be shared (each choice writes its
+own tokens after the prompt), nor with MTP the block of the last prompt token (its MTP row embeds
+the choice's first token): the fork recomputes those positions in its next step, fed with its first
+token (at most a block's positions). From then on a fork is a sequence like any other (preempted,
+aborted, finished alone).
 
 The scheduler asks the cache about room in tokens, through a room (`rooms.py`).
 
-Prefix caching (`BlockRoom` with `enable_prefix_caching`; see `cache/blocks.py`). A waiting sequence is
-admitted with the longest chain of cached full blocks that matches what it feeds (its prompt, or after a
-preemption its prompt and output): its `cached` count starts there and its prompt chunks continue from it.
-A waiting sequence whose first block of prompt a running sequence is still prefilling waits for it (prompts
-that begin alike: the shared blocks are computed and held once).
-After each step `update` tells the room how many leading positions of each sequence have all their rows
-written (`cache_written`), so that its full blocks become cached: with MTP a position's rows are
-complete once the drafter has caught up on it, which it does in the step that verifies it, except for a
-sequence that finishes there, or later when the lookup alone drafted that step (`Sequence.written`).
-Preemption and finishing free a sequence's references; its cached blocks stay for later requests until a
-new block needs their room. Every rank of a DP group runs this scheduler on the same plans and the same
-sampled tokens, but only the group's TP rank 0 decides admissions (which waiting sequences join, each
-with how many cached tokens, or as a fork: the batch's `admissions`); the other ranks follow them
-(`schedule(admissions)`), never looking a prompt up themselves, and raise if they cannot (`ranks.py`
-carries the decisions).
+Prefix caching (`BlockRoom` with `enable_prefix_caching`; see `cache/blocks.py`). A waiting sequence
+is admitted with the longest chain of cached full blocks that matches what it feeds (its prompt, or
+after a preemption its prompt and output): its `cached` count starts there and its prompt chunks
+continue from it. A waiting sequence whose first block of prompt a running sequence is still
+prefilling waits for it (prompts that begin alike: the shared blocks are computed and held once).
+After each step `update` tells the room how many leading positions of each sequence have all their
+rows written (`cache_written`), so that its full blocks become cached: with MTP a position's rows
+are complete once the drafter has caught up on it, which it does in the step that verifies it,
+except for a sequence that finishes there, or later when the lookup alone drafted that step
+(`Sequence.written`). Preemption and finishing free a sequence's references; its cached blocks stay
+for later requests until a new block needs their room. Every rank of a DP group runs this scheduler
+on the same plans and the same sampled tokens, but only the group's TP rank 0 decides admissions
+(which waiting sequences join, each with how many cached tokens, or as a fork: the batch's
+`admissions`); the other ranks follow them (`schedule(admissions)`), never looking a prompt up
+themselves, and raise if they cannot (`ranks.py` carries the decisions).
 """
 
 import time
@@ -77,10 +80,10 @@ class Scheduler:
         keep_in_step: bool = False,
     ):
         """`sampler`: where a running sequence holds its sampling row (`max_rows` >= the room's
-        `max_num_seqs`); `reserve_tokens`: room a sequence needs beyond what it feeds (the drafts MTP
-        writes after it); `max_num_batched_tokens`: the tokens one step feeds (decode tokens first, then
-        prompt chunks); `keep_in_step`: schedule a step even with nothing to run (under DP every rank runs
-        every step)."""
+        `max_num_seqs`); `reserve_tokens`: room a sequence needs beyond what it feeds (the drafts
+        MTP writes after it); `max_num_batched_tokens`: the tokens one step feeds (decode tokens
+        first, then prompt chunks); `keep_in_step`: schedule a step even with nothing to run (under
+        DP every rank runs every step)."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.room, self.sampler = room, sampler
@@ -114,14 +117,14 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self, admissions: list[Admission] | None = None) -> Batch | None:
-        """-> the step's parts: the running sequences that feed, in admission order, each with the tokens
-        it feeds from the head of its `pending` (it draws iff it feeds all of them), then the forks. None:
-        nothing to run (unless `keep_in_step`: then an empty batch).
+        """-> the step's parts: the running sequences that feed, in admission order, each with the
+        tokens it feeds from the head of its `pending` (it draws iff it feeds all of them), then the
+        forks. None: nothing to run (unless `keep_in_step`: then an empty batch).
 
-        `admissions`: None: this scheduler decides which waiting sequences join and what they reuse from
-        the prefix cache (the batch's `admissions` say so). Else the deciding rank's decisions, in order,
-        which this scheduler follows: it admits exactly those, and raises RuntimeError where it cannot
-        (the ranks diverged)."""
+        `admissions`: None: this scheduler decides which waiting sequences join and what they reuse
+        from the prefix cache (the batch's `admissions` say so). Else the deciding rank's decisions,
+        in order, which this scheduler follows: it admits exactly those, and raises RuntimeError
+        where it cannot (the ranks diverged)."""
         budget = self.max_num_batched_tokens - sum(
             len(s.pending) for s in self.running if not s.prefilling
         )
@@ -162,9 +165,10 @@ class Scheduler:
         )
 
     def _decide_admissions(self, budget: int, work: list[Part], forks: list[Part]) -> list:
-        """Admit waiting sequences, first come first served, while the budget, `max_num_seqs` and the
-        cache allow, each with its longest cached prefix (its first chunk joins `work`), or forked from
-        the sequence whose prompt it shares, in the step that completes that prompt (it joins `forks`).
+        """Admit waiting sequences, first come first served, while the budget, `max_num_seqs` and
+        the cache allow, each with its longest cached prefix (its first chunk joins `work`), or
+        forked from the sequence whose prompt it shares, in the step that completes that prompt (it
+        joins `forks`).
         -> the admissions, in order."""
         admitted = []
         while self.waiting and len(self.running) < self.room.max_num_seqs:
@@ -210,9 +214,9 @@ class Scheduler:
                 how = "as a fork" if admission.fork else f"with {admission.cached} cached tokens"
                 raise RuntimeError(
                     f"the deciding rank admits request {admission.request_id!r} {how}, but this "
-                    f"rank's next waiting request is {seq and seq.request_id!r}, with {budget} tokens "
-                    f"of budget and {len(self.running)} of {self.room.max_num_seqs} sequences "
-                    "running: the ranks diverged"
+                    f"rank's next waiting request is {seq and seq.request_id!r}, with {budget} "
+                    f"tokens of budget and {len(self.running)} of {self.room.max_num_seqs} "
+                    "sequences running: the ranks diverged"
                 )
             if admission.fork:
                 forks.append(self._fork(seq, part))
@@ -228,9 +232,9 @@ class Scheduler:
     def _admit(
         self, seq: Sequence, count: int, cached: int, reuse: int | None, work: list[Part]
     ) -> int:
-        """Move the first waiting sequence `seq` to the running batch with room for its `cached` tokens
-        and a first chunk of `count` (`reuse`: the cached tokens as the deciding rank found them, None:
-        look them up); its part joins `work`. -> `count`."""
+        """Move the first waiting sequence `seq` to the running batch with room for its `cached`
+        tokens and a first chunk of `count` (`reuse`: the cached tokens as the deciding rank found
+        them, None: look them up); its part joins `work`. -> `count`."""
         self.waiting.popleft()
         seq.cached = self.room.allocate(seq, self._room_for(seq, cached + count), reuse)
         seq.pending = seq.pending[seq.cached :]
@@ -239,8 +243,8 @@ class Scheduler:
         return count
 
     def _fork(self, seq: Sequence, source: Part) -> Part:
-        """Move the first waiting sequence `seq` to the running batch as a fork of `source`'s sequence:
-        it holds the full blocks of their prompt. -> its part."""
+        """Move the first waiting sequence `seq` to the running batch as a fork of `source`'s
+        sequence: it holds the full blocks of their prompt. -> its part."""
         self.waiting.popleft()
         seq.cached = self.room.fork(source.seq, seq)
         self._start(seq)
@@ -267,9 +271,9 @@ class Scheduler:
     def update(
         self, results: list[PartResult], drafts: dict[Sequence, Draft]
     ) -> list[RequestOutput]:
-        """The bookkeeping after every part's commit (`Sequence.commit`): a finished sequence leaves and
-        frees its room, one that goes on feeds its `drafts` after its last token, the rows written are
-        cached. -> the commits' outputs (none for a prompt chunk)."""
+        """The bookkeeping after every part's commit (`Sequence.commit`): a finished sequence leaves
+        and frees its room, one that goes on feeds its `drafts` after its last token, the rows
+        written are cached. -> the commits' outputs (none for a prompt chunk)."""
         outputs, counted_rows, counted_tokens = [], [], []
         for result in results:
             part, seq, output = result.part, result.part.seq, result.output
@@ -294,11 +298,12 @@ class Scheduler:
         return outputs
 
     def _fork_source(self, seq: Sequence) -> Sequence | None:
-        """The running sequence that waiting `seq` forks from: the first one computing the same prompt for the
-        first time (the n choices of a request, the same prompt sent twice). `seq` waits for it to complete the
-        prompt, then takes its first token from that prompt's last logits row and shares its full blocks. None:
-        `seq` computes its own prompt (no such sequence, no blocks to share, it resumes after a preemption
-        with tokens of its own, or it wants its prompt's logprobs, which come from its own forward)."""
+        """The running sequence that waiting `seq` forks from: the first one computing the same
+        prompt for the first time (the n choices of a request, the same prompt sent twice). `seq`
+        waits for it to complete the prompt, then takes its first token from that prompt's last
+        logits row and shares its full blocks. None: `seq` computes its own prompt (no such
+        sequence, no blocks to share, it resumes after a preemption with tokens of its own, or it
+        wants its prompt's logprobs, which come from its own forward)."""
         if not self.room.forks or seq.output or seq.wants_prompt_logprobs:
             return None
         prompt = seq.request.prompt
@@ -312,12 +317,12 @@ class Scheduler:
         )
 
     def _twin_prefilling(self, seq: Sequence, cached: int) -> bool:
-        """Whether a running sequence still prefilling will write more full blocks that waiting `seq` begins
-        with than the `cached` tokens it finds now (prompts that begin alike: a system prompt, a conversation
-        that goes on; an equal prompt forks instead: `_fork_source`).
-        It then waits (and those behind it) until those blocks are written, to share them from the prefix cache
-        instead of computing and holding its own copy. Not with caching off, nor for a sequence that wants its
-        prompt's logprobs."""
+        """Whether a running sequence still prefilling will write more full blocks that waiting
+        `seq` begins with than the `cached` tokens it finds now (prompts that begin alike: a system
+        prompt, a conversation that goes on; an equal prompt forks instead: `_fork_source`).
+        It then waits (and those behind it) until those blocks are written, to share them from the
+        prefix cache instead of computing and holding its own copy. Not with caching off, nor for a
+        sequence that wants its prompt's logprobs."""
         size = self.room.shared_block
         if size is None or len(seq.pending) <= size or seq.wants_prompt_logprobs:
             return False
@@ -334,13 +339,14 @@ class Scheduler:
         return False
 
     def _room_for(self, seq: Sequence, fed: int) -> int:
-        """The room `seq` needs once it holds `fed` tokens: those and the reserve, but never more than its
-        request can occupy (the drafts' rows past that are never written: it finishes first)."""
+        """The room `seq` needs once it holds `fed` tokens: those and the reserve, but never more
+        than its request can occupy (the drafts' rows past that are never written: it
+        finishes first)."""
         return min(fed + self.reserve_tokens, self.tokens_needed(seq.request))
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow `seq` to `num_tokens` tokens, preempting the latest admitted sequences (maybe `seq` itself)
-        until it fits. -> whether `seq` still runs."""
+        """Grow `seq` to `num_tokens` tokens, preempting the latest admitted sequences (maybe `seq`
+        itself) until it fits. -> whether `seq` still runs."""
         while not self.room.can_grow(seq, num_tokens):
             victim = self.running[-1]
             self.preempt(victim)
@@ -350,7 +356,8 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's room and queue it first, to recompute its prompt and output later."""
+        """Free a running sequence's room and queue it first, to recompute its prompt and
+        output later."""
         self._leave(seq)
         seq.cached, seq.drafts, seq.lookup_drafts = 0, [], 0
         seq.prefilling, seq.status = True, Status.WAITING
@@ -371,7 +378,8 @@ class Scheduler:
         seq.sample_row = -1
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a running sequence out of the batch with finish reason `reason` and free its room."""
+        """Take a running sequence out of the batch with finish reason `reason` and
+        free its room."""
         seq.status = Status(reason)
         self._leave(seq)
         del self.requests[seq.request_id]

@@ -1,5 +1,5 @@
-"""A request inside the engine (`Sequence`, with its one `commit`) and the records of a step, keyed by
-sequence: `Part` (what one sequence does in a step, its `Role`), `Draft` (its next drafts),
+"""A request inside the engine (`Sequence`, with its one `commit`) and the records of a step, keyed
+by sequence: `Part` (what one sequence does in a step, its `Role`), `Draft` (its next drafts),
 `Admission` (a waiting sequence that joins), `Batch` (the step's parts), `PartResult` (what the
 forward drew for one part); and `Owed`, the MTP rows a sequence's drafter has deferred.
 
@@ -45,8 +45,8 @@ class Role(Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """A request inside the engine: its cache room, what the next forwards feed, what it generated, its
-    status. Compared by identity (one request's life in the engine; list lookups stay cheap)."""
+    """A request inside the engine: its cache room, what the next forwards feed, what it generated,
+    its status. Compared by identity (one request's life in the engine; list lookups stay cheap)."""
 
     request: Request
     record_logits: bool = False  # keep the logits row `[V]` behind every generated token
@@ -93,10 +93,11 @@ class Sequence:
         return self.request.sampling.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     def commit(self, result: "PartResult", step: int) -> None:
-        """Commit what step number `step` drew for this sequence's part: the one place where its eos and
-        stop ids, its length, its grammar's end and a non-finite row are decided (`decide_stop`), and the
-        one place its grammar walks committed tokens. Sets `result.output` (None for a prompt
-        chunk), with its queue and prefill seconds when it brings the first tokens."""
+        """Commit what step number `step` drew for this sequence's part: the one place where its eos
+        and stop ids, its length, its grammar's end and a non-finite row are decided
+        (`decide_stop`), and the one place its grammar walks committed tokens. Sets `result.output`
+        (None for a prompt chunk), with its queue and prefill seconds when it brings the
+        first tokens."""
         part = result.part
         if result.prompt_logprobs is not None:
             self.prompt_logprobs += result.prompt_logprobs
@@ -136,8 +137,8 @@ class Sequence:
         result.output = output
 
     def decide_stop(self, candidates: list[int]) -> tuple[list[int], Status, int | None]:
-        """The tokens drawn for it, in order -> (those it commits, its status after them, the eos or stop
-        id that ended it or None). Walks its grammar over the committed tokens."""
+        """The tokens drawn for it, in order -> (those it commits, its status after them, the eos or
+        stop id that ended it or None). Walks its grammar over the committed tokens."""
         request, grammar = self.request, self.grammar
         for j, token in enumerate(candidates):
             kept = candidates[: j + 1]
@@ -167,10 +168,10 @@ class Sequence:
 
 @dataclass(eq=False, kw_only=True)
 class Part:
-    """One sequence's part of a step: it feeds `tokens` (the head of its `pending`) from position `start`
-    (its cached length) into its cache room `location` (a slot, or a block table); `drafts`: the
-    drafts among them (their tail), the first `lookup_drafts` of them the context lookup's, the rest
-    MTP's. A fork feeds nothing and draws from `source`'s last row."""
+    """One sequence's part of a step: it feeds `tokens` (the head of its `pending`) from position
+    `start` (its cached length) into its cache room `location` (a slot, or a block table); `drafts`:
+    the drafts among them (their tail), the first `lookup_drafts` of them the context lookup's, the
+    rest MTP's. A fork feeds nothing and draws from `source`'s last row."""
 
     seq: Sequence
     role: Role
@@ -198,9 +199,10 @@ class Draft:
 
 @dataclass(kw_only=True)
 class Owed:
-    """The MTP layer's rows of a sequence's verified positions `start` .. `start + len(next_ids) - 1`,
-    not written yet (steps whose drafts the lookup made alone, `drafter.py`): per position the token
-    after it and, per such step, the target's post-norm hidden `[n, H]` of its positions."""
+    """The MTP layer's rows of a sequence's verified positions `start` ..
+    `start + len(next_ids) - 1`, not written yet (steps whose drafts the lookup made alone,
+    `drafter.py`): per position the token after it and, per such step, the target's post-norm hidden
+    `[n, H]` of its positions."""
 
     start: int
     next_ids: list[int] = field(default_factory=list)
@@ -209,8 +211,9 @@ class Owed:
 
 @dataclass(kw_only=True)
 class Admission:
-    """A waiting sequence that joins a step, as the deciding rank sends it to the others: with the prompt
-    tokens it reuses from the prefix cache, or as a fork of the sequence computing its prompt."""
+    """A waiting sequence that joins a step, as the deciding rank sends it to the others: with the
+    prompt tokens it reuses from the prefix cache, or as a fork of the sequence
+    computing its prompt."""
 
     request_id: str
     cached: int = 0
@@ -219,9 +222,9 @@ class Admission:
 
 @dataclass(kw_only=True)
 class Batch:
-    """A step: its parts (the sequences that feed, in admission order, then the forks), its number since
-    the statistics were reset (for error messages), and the admissions it made. No parts: an empty step
-    that keeps the DP ranks in step."""
+    """A step: its parts (the sequences that feed, in admission order, then the forks), its number
+    since the statistics were reset (for error messages), and the admissions it made. No parts: an
+    empty step that keeps the DP ranks in step."""
 
     parts: list[Part]
     step: int
@@ -240,12 +243,13 @@ class Batch:
 
 @dataclass(kw_only=True)
 class PartResult:
-    """What the forward drew for one part. `tokens`: the accepted drafts and the target's draw after them
-    (before the stop decision; none for a prompt chunk); `accepted`: the drafts the target kept; `finite`:
-    every row it draws from was finite; `logit_rows`: `[V]` float32 on the host behind each token, when its
-    sequence records them; `logprobs`: per token, when asked; `prompt_logprobs`: for the prompt tokens it
-    fed, each but the prompt's first one's under the model at the position before (the first: None), when
-    asked. `output`: what its commit made (None for a prompt chunk)."""
+    """What the forward drew for one part. `tokens`: the accepted drafts and the target's draw after
+    them (before the stop decision; none for a prompt chunk); `accepted`: the drafts the target
+    kept; `finite`: every row it draws from was finite; `logit_rows`: `[V]` float32 on the host
+    behind each token, when its sequence records them; `logprobs`: per token, when asked;
+    `prompt_logprobs`: for the prompt tokens it fed, each but the prompt's first one's under the
+    model at the position before (the first: None), when asked. `output`: what its commit made (None
+    for a prompt chunk)."""
 
     part: Part
     tokens: list[int] = field(default_factory=list)

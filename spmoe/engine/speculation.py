@@ -52,7 +52,8 @@ class SuffixConfig:
         for name, good, expected in checks:
             if not good:
                 raise ValueError(
-                    f"suffix: suffix_decoding_{name} must be {expected}, got {getattr(self, name)!r}"
+                    f"suffix: suffix_decoding_{name} must be {expected}, got "
+                    f"{getattr(self, name)!r}"
                 )
 
 
@@ -66,8 +67,9 @@ def _is_number(value) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class Speculation:
-    """What drafts: `num_speculative_tokens` slots per sequence and step (0: no speculation), by the MTP
-    layer (`mtp`), by a context lookup (`lookup`: an `NgramConfig` or a `SuffixConfig`), or both."""
+    """What drafts: `num_speculative_tokens` slots per sequence and step (0: no speculation), by the
+    MTP layer (`mtp`), by a context lookup (`lookup`: an `NgramConfig` or a
+    `SuffixConfig`), or both."""
 
     num_speculative_tokens: int = 0
     mtp: bool = True

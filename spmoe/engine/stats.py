@@ -1,8 +1,8 @@
-"""What the engine counts per phase of a step: target forwards over prompts ("prefill") and decode tokens
-("decode"), MTP forwards ("draft"): forwards, tokens fed and committed, seconds and collectives; the
-acceptance of drafts per draft position, in all and by draft source, and the source each draft was led
-by; and the counters since start that the server's metrics report, the Triton kernel variants loaded in
-the process (`KernelCompiles`) among them."""
+"""What the engine counts per phase of a step: target forwards over prompts ("prefill") and decode
+tokens ("decode"), MTP forwards ("draft"): forwards, tokens fed and committed, seconds and
+collectives; the acceptance of drafts per draft position, in all and by draft source, and the source
+each draft was led by; and the counters since start that the server's metrics report, the Triton
+kernel variants loaded in the process (`KernelCompiles`) among them."""
 
 import time
 from contextlib import contextmanager
@@ -45,10 +45,10 @@ class Phase:
 
 
 class KernelCompiles:
-    """The process's Triton kernel variants loaded (compiled, or read from Triton's disk cache), by Triton's
-    post-compile hook: one hook for the process, chained to any that was there before. `names`: each as Triton
-    describes it (the kernel, its launch options and argument specialisations), in load order; empty without
-    Triton (CPU)."""
+    """The process's Triton kernel variants loaded (compiled, or read from Triton's disk cache), by
+    Triton's post-compile hook: one hook for the process, chained to any that was there before.
+    `names`: each as Triton describes it (the kernel, its launch options and argument
+    specialisations), in load order; empty without Triton (CPU)."""
 
     names: list[str] = []
     _installed = False
@@ -98,8 +98,8 @@ class StepStats:
         return self.phases["decode" if batch.decode else "prefill"]
 
     def record(self, batch: Batch, results: list[PartResult]) -> None:
-        """Count the step's committed tokens (in the phase of its target forward too) and the drafts it
-        verified."""
+        """Count the step's committed tokens (in the phase of its target forward too) and the drafts
+        it verified."""
         self.record_drafts(results)
         committed = sum(len(r.output.new_token_ids) for r in results if r.output is not None)
         self.totals.generated_tokens += committed

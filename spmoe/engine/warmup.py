@@ -1,25 +1,27 @@
-"""Warm before ready: what the engine compiles and captures before it takes requests, and the counters that
-show nothing more is compiled or captured afterwards.
+"""Warm before ready: what the engine compiles and captures before it takes requests, and the
+counters that show nothing more is compiled or captured afterwards.
 
-- `stats.KernelCompiles`: Triton kernel variants loaded in this process (a new specialisation compiled, or
-  read from Triton's disk cache: either way a pause of milliseconds to seconds in the step that meets it).
-- CUDA graphs are captured when the engine is built (`StepGraphs`: one per padded batch size of a decode
-  step, one per padded token count of any other step up to 512); its `captures` counts them.
-- `warm_up(engine)`: runs the engine over a few synthetic requests of lengths that take the step's kernels
-  through the shapes serving meets (one-token and odd-length prompts, a prompt chunked by the token budget,
-  decode steps of up to that many sequences, greedy and sampled), then steps of every size class on their
-  own (`warmup_step_sizes`), then resets the engine's statistics. Whatever it compiles is not
-  compiled again; what it cannot foresee is counted.
+- `stats.KernelCompiles`: Triton kernel variants loaded in this process (a new specialisation
+  compiled, or read from Triton's disk cache: either way a pause of milliseconds to seconds in the
+  step that meets it).
+- CUDA graphs are captured when the engine is built (`StepGraphs`: one per padded batch size of a
+  decode step, one per padded token count of any other step up to 512); its `captures` counts them.
+- `warm_up(engine)`: runs the engine over a few synthetic requests of lengths that take the step's
+  kernels through the shapes serving meets (one-token and odd-length prompts, a prompt chunked by
+  the token budget, decode steps of up to that many sequences, greedy and sampled), then steps of
+  every size class on their own (`warmup_step_sizes`), then resets the engine's statistics. Whatever
+  it compiles is not compiled again; what it cannot foresee is counted.
 
-Why the step sizes: a step that replays no graph (without graphs, or longer than the largest mixed-step
-graph) runs its kernels eagerly over its N tokens, and
-Triton compiles a kernel again for each new value of a `tl.constexpr` argument and for an integer argument
-that becomes 1 or a multiple of 16 (its specialisation). The constexprs that vary between steps are derived
-from N (and the step's block-table width, which grows with the longest context) by `next_power_of_2` or by
-thresholds at powers of two: the MoE alignment's and router's blocks, the expert tiles by pairs per expert,
-the indexer's and sparse MLA's decode or prefill tiles and split counts. A serving step's N is a prompt chunk
-plus the decoding sequences, any number up to the token budget: the first requests under load brought N the
-warm-up's batch had not (a 128-token prompt alone, 63 of them with one decode token), and compiled then.
+Why the step sizes: a step that replays no graph (without graphs, or longer than the largest
+mixed-step graph) runs its kernels eagerly over its N tokens, and Triton compiles a kernel again for
+each new value of a `tl.constexpr` argument and for an integer argument that becomes 1 or a multiple
+of 16 (its specialisation). The constexprs that vary between steps are derived from N (and the
+step's block-table width, which grows with the longest context) by `next_power_of_2` or by
+thresholds at powers of two: the MoE alignment's and router's blocks, the expert tiles by pairs per
+expert, the indexer's and sparse MLA's decode or prefill tiles and split counts. A serving step's N
+is a prompt chunk plus the decoding sequences, any number up to the token budget: the first requests
+under load brought N the warm-up's batch had not (a 128-token prompt alone, 63 of them with one
+decode token), and compiled then.
 """
 
 import time
@@ -35,16 +37,17 @@ MAX_WARMUP_REQUESTS = 64
 
 
 def warmup_prompt_lengths(max_num_batched_tokens: int, longest: int, count: int) -> list[int]:
-    """Prompt lengths of the warm-up requests (`count` of them, at least 3): one token, an odd length, one
-    longer than the step's token budget (chunked), the rest short and distinct; none longer than `longest`."""
+    """Prompt lengths of the warm-up requests (`count` of them, at least 3): one token, an odd
+    length, one longer than the step's token budget (chunked), the rest short and distinct; none
+    longer than `longest`."""
     lengths = [1, 17, max_num_batched_tokens + 33] + [5 + 2 * i for i in range(max(0, count - 3))]
     return [min(n, longest) for n in lengths[: max(3, count)]]
 
 
 def warmup_step_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Token counts of the warm-up's steps of their own: 2**k - 1, 2**k and 2**k + 1 for every 2**k up to the
-    token budget (so each power-of-two bucket of N meets a multiple of 16 and an odd count, and N = 1 runs),
-    none above the budget."""
+    """Token counts of the warm-up's steps of their own: 2**k - 1, 2**k and 2**k + 1 for every 2**k
+    up to the token budget (so each power-of-two bucket of N meets a multiple of 16 and an odd
+    count, and N = 1 runs), none above the budget."""
     sizes, power = set(), 1
     while power <= max_num_batched_tokens:
         sizes.update((power - 1, power, power + 1))
@@ -53,16 +56,17 @@ def warmup_step_sizes(max_num_batched_tokens: int) -> list[int]:
 
 
 def warmup_step_prompts(tokens: int, longest: int) -> list[int]:
-    """Prompt lengths that make one step of `tokens` tokens: as few prompts as fit `longest` each."""
+    """Prompt lengths that make one step of `tokens` tokens: as few prompts as fit
+    `longest` each."""
     return [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else [])
 
 
 def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
-    """Run the warm-up requests through `engine` (on every rank of the job alike; `run_requests` None: only
-    on CUDA, where there is something to compile), then mark it ready (its step statistics start afresh).
-    `log(line)`: progress output. -> {"seconds", "steps", "generated_tokens"} of warming up, and
-    {"kernel_compiles", "graph_captures"}: the counts once warm (graphs included, as they were captured when
-    the engine was built)."""
+    """Run the warm-up requests through `engine` (on every rank of the job alike; `run_requests`
+    None: only on CUDA, where there is something to compile), then mark it ready (its step
+    statistics start afresh). `log(line)`: progress output. -> {"seconds", "steps",
+    "generated_tokens"} of warming up, and {"kernel_compiles", "graph_captures"}: the counts once
+    warm (graphs included, as they were captured when the engine was built)."""
     began = time.perf_counter()
     room = engine.scheduler.room
     new_tokens = min(WARMUP_NEW_TOKENS, room.max_tokens_per_sequence - 1 - engine.k)
@@ -83,8 +87,9 @@ def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
         steps = [prompts for prompts in steps if len(prompts) <= room.max_num_seqs]  # each one step
         if log is not None:
             log(
-                f"warming up: {len(lengths)} requests of {min(lengths)}-{max(lengths)} prompt tokens, then "
-                f"{len(steps)} steps of their own ({sum(steps[0])}-{sum(steps[-1])} tokens)"
+                f"warming up: {len(lengths)} requests of {min(lengths)}-{max(lengths)} prompt "
+                f"tokens, then {len(steps)} steps of their own ({sum(steps[0])}-{sum(steps[-1])} "
+                "tokens)"
             )
         vocab = engine.model.cfg.vocab_size
 
@@ -118,7 +123,7 @@ def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
     }
     if log is not None:
         log(
-            f"warm: {done['kernel_compiles']} kernel variants compiled, {done['graph_captures']} CUDA graphs "
-            f"captured; warm-up requests took {seconds:.1f} s"
+            f"warm: {done['kernel_compiles']} kernel variants compiled, {done['graph_captures']} "
+            f"CUDA graphs captured; warm-up requests took {seconds:.1f} s"
         )
     return done

@@ -57,9 +57,10 @@ def cmd_forward(args) -> int:
         {"--save-logits": args.save_logits, **({"--stats": args.stats} if args.stats else {})},
     )
     print(
-        f"spmoe forward: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, tp={args.tp}, dp={args.dp}, "
-        f"sequence-parallel MoE {'on' if parallel.use_sequence_parallel_moe else 'off'} "
-        f"(--sp {args.sp}, scope {args.sp_scope}), {engine_args.dtype} on {engine_args.device}",
+        f"spmoe forward: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, tp={args.tp}, "
+        f"dp={args.dp}, sequence-parallel MoE "
+        f"{'on' if parallel.use_sequence_parallel_moe else 'off'} (--sp {args.sp}, scope "
+        f"{args.sp_scope}), {engine_args.dtype} on {engine_args.device}",
         file=sys.stderr,
         flush=True,
     )
@@ -114,9 +115,11 @@ def cmd_generate(args) -> int:
     write_atomically(args.output, lambda path: path.write_text(result))
     spec = gen.stats.get("speculative")
     print(
-        f"wrote {gen.stats['generated_tokens']} tokens to {args.output}: {gen.stats['tokens_per_s']:.1f} tokens/s"
+        f"wrote {gen.stats['generated_tokens']} tokens to {args.output}: "
+        f"{gen.stats['tokens_per_s']:.1f} tokens/s"
         + (
-            f", draft acceptance {spec['acceptance_rate']:.1%}, mean accepted length {spec['mean_accepted_length']:.2f}"
+            f", draft acceptance {spec['acceptance_rate']:.1%}, mean accepted length "
+            f"{spec['mean_accepted_length']:.2f}"
             if spec
             else ""
         ),

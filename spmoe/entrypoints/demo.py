@@ -1,10 +1,11 @@
-"""`spmoe demo`: generate with a tiny GLM-5.2-shaped model on 2 local ranks, with sequence-parallel MoE off and
-on (and with MTP speculation), and show that every mode produces the same tokens; then start `spmoe serve` on
-the same checkpoint, send it one chat request and stop it.
+"""`spmoe demo`: generate with a tiny GLM-5.2-shaped model on 2 local ranks, with sequence-parallel
+MoE off and on (and with MTP speculation), and show that every mode produces the same tokens; then
+start `spmoe serve` on the same checkpoint, send it one chat request and stop it.
 
-The checkpoint ships with spmoe (`CHECKPOINT`): a model in the GLM-5.2 layout (MLA + DSA indexer with IndexShare,
-a dense layer then MoE layers with a shared expert, one MTP layer) trained on the Python standard library's
-source by `benchmarks/train_checkpoint.py`, with a byte-level tokenizer and a GLM chat template.
+The checkpoint ships with spmoe (`CHECKPOINT`): a model in the GLM-5.2 layout (MLA + DSA indexer
+with IndexShare, a dense layer then MoE layers with a shared expert, one MTP layer) trained on the
+Python standard library's source by `benchmarks/train_checkpoint.py`, with a byte-level tokenizer
+and a GLM chat template.
 """
 
 import json
@@ -55,32 +56,28 @@ SPECIAL_TOKENS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|obser
 # value raw, any other as JSON; the server hands the template each call's arguments as an object);
 # tool results come back in an <|observation|> turn.
 CHAT_TEMPLATE = (
-    "{% set thinking = enable_thinking if enable_thinking is defined"
-    " else (thinking if thinking is defined else true) %}"
-    "{% if tools %}<|system|>You may call these functions:\n<tools>\n"
-    "{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}\n{% endfor %}"
-    "</tools>\nTo call one, write <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value></tool_call>,"
-    " a string value as it is, any other value as JSON.<|end|>{% endif %}"
-    "{% for m in messages %}"
-    "{% if m.role == 'tool' %}<|observation|><tool_response>{{ m.content }}</tool_response><|end|>"
-    "{% elif m.role == 'assistant' %}<|assistant|>"
-    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% else %}</think>{% endif %}"
-    "{{ m.content or '' }}"
-    "{% for call in m.tool_calls or [] %}<tool_call>{{ call.function.name }}"
-    "{% for key, value in call.function.arguments.items() %}<arg_key>{{ key }}</arg_key>"
-    "<arg_value>{{ value if value is string else value | tojson }}</arg_value>{% endfor %}</tool_call>{% endfor %}"
-    "<|end|>"
-    "{% else %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{{ '<think>' if thinking else '</think>' }}{% endif %}"
+    "{% set thinking = enable_thinking if enable_thinking is defined else (thinking if thinking is "
+    "defined else true) %}{% if tools %}<|system|>You may call these functions:\n<tools>\n{% for "
+    "tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}\n{% "
+    "endfor %}</tools>\nTo call one, write "
+    "<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value></tool_call>, a string value "
+    "as it is, any other value as JSON.<|end|>{% endif %}{% for m in messages %}{% if m.role == "
+    "'tool' %}<|observation|><tool_response>{{ m.content }}</tool_response><|end|>{% elif m.role "
+    "== 'assistant' %}<|assistant|>{% if m.reasoning_content %}<think>{{ m.reasoning_content "
+    "}}</think>{% else %}</think>{% endif %}{{ m.content or '' }}{% for call in m.tool_calls or [] "
+    "%}<tool_call>{{ call.function.name }}{% for key, value in call.function.arguments.items() "
+    "%}<arg_key>{{ key }}</arg_key><arg_value>{{ value if value is string else value | tojson "
+    "}}</arg_value>{% endfor %}</tool_call>{% endfor %}<|end|>{% else %}<|{{ m.role }}|>{{ "
+    "m.content }}<|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{{ "
+    "'<think>' if thinking else '</think>' }}{% endif %}"
 )
 
 
 def write_demo_tokenizer(folder: Path, model_max_length: int = 4096) -> None:
-    """A byte-level tokenizer: token b < 256 is byte b (so any text encodes and a character may span several
-    tokens), then SPECIAL_TOKENS from id 256; `<|end|>` ends a chat turn and is the eos token. The thinking and
-    tool-call tags are plain text (bytes). Written with
-    the `tokenizers` library as `tokenizer.json` + `tokenizer_config.json` (with the chat template)."""
+    """A byte-level tokenizer: token b < 256 is byte b (so any text encodes and a character may span
+    several tokens), then SPECIAL_TOKENS from id 256; `<|end|>` ends a chat turn and is the eos
+    token. The thinking and tool-call tags are plain text (bytes). Written with the `tokenizers`
+    library as `tokenizer.json` + `tokenizer_config.json` (with the chat template)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     printable = [
@@ -92,8 +89,9 @@ def write_demo_tokenizer(folder: Path, model_max_length: int = 4096) -> None:
     others = iter(range(256, 512))
     byte_chars = [chr(b) if b in printable else chr(next(others)) for b in range(256)]
     tokenizer = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(byte_chars)}, merges=[]))
-    # text split into words as GPT-2's byte-level tokenizers split it: the same tokens (every byte is
-    # one), but the BPE model caches each piece it encodes (up to 10,000), a word and not a whole prompt
+    # text split into words as GPT-2's byte-level tokenizers split it: the same tokens (every byte
+    # is one), but the BPE model caches each piece it encodes (up to 10,000), a word and not a
+    # whole prompt
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(
@@ -115,7 +113,8 @@ def write_demo_tokenizer(folder: Path, model_max_length: int = 4096) -> None:
 
 
 def _rank_demo(folder: str, dp: int, device: str) -> dict | None:
-    """Every mode, one after the other, on the ranks of one launch -> {label: Generation} on rank 0."""
+    """Every mode, one after the other, on the ranks of one launch -> {label: Generation}
+    on rank 0."""
     runs = {}
     for label, opts in _modes(dp, device):
         runs[label] = rank_generate(folder, PROMPTS, opts)
@@ -153,16 +152,16 @@ def run_demo(device: str = "cpu", dp: int = 1) -> int:
     for _, opts in _modes(dp, device):
         check_generate(cfg, PROMPTS, opts)
     print(
-        f"spmoe demo: tiny GLM-5.2-shaped model trained on Python's standard library: "
-        f"{cfg.num_hidden_layers} layers (1 dense + {cfg.num_hidden_layers - 1} MoE, {cfg.n_routed_experts} "
-        f"experts top-{cfg.num_experts_per_tok} + 1 shared), MLA + DSA indexer (top-{cfg.index_topk}), "
-        f"1 MTP layer, byte tokens"
+        "spmoe demo: tiny GLM-5.2-shaped model trained on Python's standard library: "
+        f"{cfg.num_hidden_layers} layers (1 dense + {cfg.num_hidden_layers - 1} MoE, "
+        f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok} + 1 shared), MLA + DSA "
+        f"indexer (top-{cfg.index_topk}), 1 MTP layer, byte tokens"
     )
     print(f"checkpoint: {folder}")
     print(
-        f"generating {MAX_NEW_TOKENS} tokens after {len(PROMPTS)} prompts of {[len(p) for p in PROMPTS]} tokens "
-        f"on {TP * dp} local ranks (TP {TP} x DP {dp}, {'gloo, CPU' if device == 'cpu' else 'NCCL, CUDA'}), greedy, "
-        f"float32",
+        f"generating {MAX_NEW_TOKENS} tokens after {len(PROMPTS)} prompts of "
+        f"{[len(p) for p in PROMPTS]} tokens on {TP * dp} local ranks (TP {TP} x DP {dp}, "
+        f"{'gloo, CPU' if device == 'cpu' else 'NCCL, CUDA'}), greedy, float32",
         flush=True,
     )
     runs = launch(
@@ -186,7 +185,8 @@ def run_demo(device: str = "cpu", dp: int = 1) -> int:
     for label, gen in runs.items():
         decode = gen.stats["phases"]["decode"]
         cells = "".join(
-            f"{c['count'] / decode['forwards']:>{w - 7}.0f}/{c['bytes'] / decode['forwards'] / 1024:<6.1f}"
+            f"{c['count'] / decode['forwards']:>{w - 7}.0f}/"
+            f"{c['bytes'] / decode['forwards'] / 1024:<6.1f}"
             for c, w in zip(
                 (decode["collectives"][k] for k in ("all_reduce", "all_gather", "reduce_scatter")),
                 (12, 14, 16),
@@ -202,8 +202,9 @@ def run_demo(device: str = "cpu", dp: int = 1) -> int:
             f"{'identical' if same else 'DIFFERENT'}"
         )
     print(
-        f"\nA decode forward runs {CONFIG['num_hidden_layers']} decoder layers, the embedding and the LM head; with "
-        f"MTP it verifies\n1 + 2 tokens per sequence. max|dlogit|: against SP off. Tokens (SP off):"
+        f"\nA decode forward runs {CONFIG['num_hidden_layers']} decoder layers, the embedding and "
+        "the LM head; with MTP it verifies\n1 + 2 tokens per sequence. max|dlogit|: against SP "
+        "off. Tokens (SP off):"
     )
     for prompt, out in zip(TEXT_PROMPTS, reference.outputs):
         print(f"  {json.dumps(prompt)} -> {json.dumps(bytes(out).decode(errors='replace'))}")
@@ -215,8 +216,8 @@ def run_demo(device: str = "cpu", dp: int = 1) -> int:
 
 
 def show_server(device: str, dp: int) -> int:
-    """Start `spmoe serve` on the demo checkpoint, send it one chat request, print the reply, stop it with
-    SIGTERM."""
+    """Start `spmoe serve` on the demo checkpoint, send it one chat request, print the reply, stop
+    it with SIGTERM."""
     port = free_port()
     command = [
         "spmoe",
@@ -263,9 +264,9 @@ def show_server(device: str, dp: int) -> int:
             reply = json.load(response)
         choice, usage = reply["choices"][0], reply["usage"]
         print(
-            f"reply ({time.perf_counter() - began:.1f} s; a model of Python source, so Python-like text): "
-            f"{json.dumps(choice['message']['content'], ensure_ascii=False)}\n"
-            f"usage: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens, "
+            f"reply ({time.perf_counter() - began:.1f} s; a model of Python source, so Python-like "
+            f"text): {json.dumps(choice['message']['content'], ensure_ascii=False)}\nusage: "
+            f"{usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens, "
             f"finish_reason {choice['finish_reason']}",
             flush=True,
         )
@@ -290,8 +291,8 @@ def _stop(server: subprocess.Popen, grace_s: float = 30.0) -> tuple[bool, str]:
 
 
 def _echo_until_ready(server: subprocess.Popen) -> str | None:
-    """Print the server's stderr lines (a progress line: its last state) until it says it is ready. -> its
-    base URL; None if it ended first."""
+    """Print the server's stderr lines (a progress line: its last state) until it says it is ready.
+    -> its base URL; None if it ended first."""
     for raw in server.stderr:
         line = raw.decode(errors="replace").rstrip().rsplit("\r", 1)[-1]
         print(f"  | {line}", flush=True)

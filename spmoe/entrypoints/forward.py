@@ -32,8 +32,8 @@ def check_forward(
     device: str,
     outputs: dict[str, str] | None = None,
 ) -> None:
-    """Every check of a forward job, before any rank starts. `outputs`: option name -> path the caller will
-    write."""
+    """Every check of a forward job, before any rank starts. `outputs`: option name -> path the
+    caller will write."""
     cfg.check_parallel(parallel)
     check_device(device, parallel.world_size)
     for option, path in (outputs or {}).items():
@@ -48,9 +48,9 @@ def run_forward(
     dtype: str = "float32",
     device: str = "cpu",
 ) -> tuple[torch.Tensor, dict]:
-    """-> (logits `[total tokens, vocab]` float32, rank 0's collective counts) on rank 0; None on the other
-    ranks under torchrun. seqs: valid token ids (`jobs.read_input_ids` checks a file's). Validates before
-    starting any rank."""
+    """-> (logits `[total tokens, vocab]` float32, rank 0's collective counts) on rank 0; None on
+    the other ranks under torchrun. seqs: valid token ids (`jobs.read_input_ids` checks a file's).
+    Validates before starting any rank."""
     check_forward(ModelConfig.from_file(model_dir), parallel, seqs, device)
     return launch(
         _rank_forward,

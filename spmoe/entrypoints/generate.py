@@ -135,11 +135,12 @@ def check_generate(
     check_positions(
         longest,
         cfg.max_position_embeddings,
-        f"the longest prompt ({max(map(len, prompts))} tokens) with {opts.max_new_tokens} new tokens "
-        f"and {drafts} speculative tokens",
+        f"the longest prompt ({max(map(len, prompts))} tokens) with {opts.max_new_tokens} new "
+        f"tokens and {drafts} speculative tokens",
     )
     if args.kv_cache == "paged" and (args.device == "cuda" or args.kv_cache_memory is not None):
-        return  # sized from the free GPU memory, or a budget the user chose (checked by `EngineArgs.check`)
+        # sized from the free GPU memory, or a budget the user chose (checked by `EngineArgs.check`)
+        return
     # the dense cache, and on CPU the default paged cache, which holds what the slot cache would
     slots = opts.cache_slots(math.ceil(len(prompts) / args.dp))
     check_kv_cache_memory(
@@ -202,9 +203,9 @@ def check_kv_cache_memory(
     if per_rank * ranks > available:
         raise ValueError(
             f"the KV cache needs {per_rank * ranks / 2**30:.1f} GiB ({ranks} rank(s) x {slots + 1} "
-            f"slots, 1 of them scratch, x {max_len} positions x {per_rank // ((slots + 1) * max_len)} B "
-            f"per token), more than {where}, {available / 2**30:.1f} GiB: lower --max-model-len or "
-            f"--max-num-seqs"
+            f"slots, 1 of them scratch, x {max_len} positions x "
+            f"{per_rank // ((slots + 1) * max_len)} B per token), more than {where}, "
+            f"{available / 2**30:.1f} GiB: lower --max-model-len or --max-num-seqs"
         )
 
 

@@ -2,9 +2,9 @@
 `generation_config.json` gives `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, and
 `max_new_tokens` as the default `max_tokens`, for every field a request leaves out.
 
-`--generation-config auto` (the default) reads the file from the model folder, `vllm` ignores it (the OpenAI
-defaults), a folder path reads it from that folder. `--override-generation-config '{...}'` sets fields over
-the file's.
+`--generation-config auto` (the default) reads the file from the model folder, `vllm` ignores it
+(the OpenAI defaults), a folder path reads it from that folder.
+`--override-generation-config '{...}'` sets fields over the file's.
 """
 
 import json
@@ -33,8 +33,9 @@ class GenerationDefaults:
     def load(
         cls, mode: str, model_dir: str | Path, overrides: dict | None = None
     ) -> "GenerationDefaults":
-        """`mode`: "auto" (the model folder's file, if it has one), "vllm" (no file), or a folder that must
-        hold generation_config.json. `overrides`: generation_config.json names set over the file's."""
+        """`mode`: "auto" (the model folder's file, if it has one), "vllm" (no file), or a folder
+        that must hold generation_config.json. `overrides`: generation_config.json names set
+        over the file's."""
         raw, source = {}, "none"
         if mode != "vllm":
             folder = Path(model_dir if mode == "auto" else mode)
@@ -43,7 +44,8 @@ class GenerationDefaults:
                 raw, source = _read(path), str(path)
             elif mode != "auto":
                 raise ValueError(
-                    f"--generation-config {mode}: expected a folder with generation_config.json, found none"
+                    f"--generation-config {mode}: expected a folder with "
+                    "generation_config.json, found none"
                 )
         if overrides:
             unknown = [key for key in overrides if key not in FIELDS]
@@ -63,8 +65,8 @@ class GenerationDefaults:
         return cls(values, source)
 
     def apply(self, request: dict, given: set[str]) -> dict:
-        """`request` (field -> value) with this model's default for every field not in `given` (the fields
-        the client sent)."""
+        """`request` (field -> value) with this model's default for every field not in `given` (the
+        fields the client sent)."""
         return {
             **request,
             **{name: value for name, value in self.values.items() if name not in given},

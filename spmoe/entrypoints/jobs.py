@@ -1,6 +1,7 @@
-"""What the jobs share: reading token-id input and checking its ids, checking output paths before any rank
-starts, writing an output file atomically, the flat batch, splitting a batch over the data-parallel ranks and
-gathering it back. (The dtypes by name and the device check are engine options: `spmoe.engine.args`.)"""
+"""What the jobs share: reading token-id input and checking its ids, checking output paths before
+any rank starts, writing an output file atomically, the flat batch, splitting a batch over the
+data-parallel ranks and gathering it back. (The dtypes by name and the device check are engine
+options: `spmoe.engine.args`.)"""
 
 import json
 import os
@@ -24,7 +25,8 @@ def read_input_ids(path: str | Path, vocab_size: int) -> list[list[int]]:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(seqs, list) or not seqs:
         raise ValueError(
-            f"{path}: expected a non-empty JSON list of token-id lists, got {type(seqs).__name__} {str(seqs)[:40]}"
+            f"{path}: expected a non-empty JSON list of token-id lists, got {type(seqs).__name__} "
+            f"{str(seqs)[:40]}"
         )
     for i, seq in enumerate(seqs):
         if not isinstance(seq, list) or not seq:
@@ -34,15 +36,16 @@ def read_input_ids(path: str | Path, vocab_size: int) -> list[list[int]]:
         for tok in seq:
             if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab_size:
                 raise ValueError(
-                    f"{path}: sequence {i} has token id {tok!r}, expected an int in [0, {vocab_size})"
+                    f"{path}: sequence {i} has token id {tok!r}, expected an int in "
+                    f"[0, {vocab_size})"
                 )
     return seqs
 
 
 def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
-    """`write(temporary)` writes the whole file at a temporary path in the same folder, which then replaces
-    `path` in one rename: a run stopped while writing leaves the previous file (or none), never a truncated one.
-    A device or pipe (/dev/stdout) is written in place."""
+    """`write(temporary)` writes the whole file at a temporary path in the same folder, which then
+    replaces `path` in one rename: a run stopped while writing leaves the previous file (or none),
+    never a truncated one. A device or pipe (/dev/stdout) is written in place."""
     path = Path(path)
     if path.exists() and not path.is_file():
         write(path)
@@ -62,9 +65,9 @@ def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
 
 
 def check_writable(path: str | Path, option: str) -> None:
-    """Raise unless `path` can be written as a file: not a folder, in an existing folder where a file can be
-    created (probed with a temporary file), and writable if it exists. A device or pipe (/dev/stdout) only
-    needs to be writable."""
+    """Raise unless `path` can be written as a file: not a folder, in an existing folder where a
+    file can be created (probed with a temporary file), and writable if it exists. A device or pipe
+    (/dev/stdout) only needs to be writable."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{option} {path} is a folder; expected a file path")
@@ -79,14 +82,16 @@ def check_writable(path: str | Path, option: str) -> None:
             pass
     except OSError as e:
         raise ValueError(
-            f"{option} {path} cannot be written: creating a file in {path.parent} failed ({e.strerror})"
+            f"{option} {path} cannot be written: creating a file in {path.parent} "
+            f"failed ({e.strerror})"
         ) from None
     if path.exists() and not os.access(path, os.W_OK):
         raise ValueError(f"{option} {path} cannot be written: permission denied")
 
 
 def flatten(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """-> input_ids `[N]`, positions `[N]` (restarting at 0 per sequence), seq_lens. No sequences: N = 0."""
+    """-> input_ids `[N]`, positions `[N]` (restarting at 0 per sequence), seq_lens. No sequences:
+    N = 0."""
     ids = torch.tensor([tok for seq in seqs for tok in seq], dtype=torch.long, device=device)
     positions = torch.cat(
         [torch.zeros(0, dtype=torch.long, device=device)]
@@ -101,8 +106,9 @@ def split_for_dp(items: list, dp_rank: int, dp_size: int) -> list:
 
 
 def gather_from_dp(mine: list, dp_size: int) -> list | None:
-    """Every DP rank's `split_for_dp` share -> the whole batch in its original order, on rank 0 (None on the
-    other ranks). Host objects over the control group, outside the counted collectives."""
+    """Every DP rank's `split_for_dp` share -> the whole batch in its original order, on rank 0
+    (None on the other ranks). Host objects over the control group, outside the counted
+    collectives."""
     state = get_parallel_state()
     if dp_size == 1:
         return mine

@@ -1,10 +1,10 @@
-"""Where a model comes from: a local checkpoint folder, or a Hugging Face model id (`zai-org/GLM-5.2`) found in
-the local Hugging Face cache or downloaded into it.
+"""Where a model comes from: a local checkpoint folder, or a Hugging Face model id
+(`zai-org/GLM-5.2`) found in the local Hugging Face cache or downloaded into it.
 
-The cache is looked at first, without any network access: a complete snapshot there is used as it is. Only
-when it is missing or incomplete, and `HF_HUB_OFFLINE` is not set, are the files downloaded (`huggingface_hub`,
-whose cache folder follows `HF_HOME` / `HF_HUB_CACHE`). `download_dir` (vLLM's `--download-dir`) replaces the
-cache folder.
+The cache is looked at first, without any network access: a complete snapshot there is used as it
+is. Only when it is missing or incomplete, and `HF_HUB_OFFLINE` is not set, are the files downloaded
+(`huggingface_hub`, whose cache folder follows `HF_HOME` / `HF_HUB_CACHE`). `download_dir` (vLLM's
+`--download-dir`) replaces the cache folder.
 """
 
 from pathlib import Path
@@ -28,9 +28,9 @@ def resolve_model(
     tokenizer: bool = True,
     option: str = "--model",
 ) -> Path:
-    """A local folder as it is, or the snapshot folder of the Hugging Face model id `name` at `revision`
-    (default: the main branch) holding its config, and its weights and tokenizer if asked. Raises ValueError
-    with one line naming `name` when it is neither."""
+    """A local folder as it is, or the snapshot folder of the Hugging Face model id `name` at
+    `revision` (default: the main branch) holding its config, and its weights and tokenizer if
+    asked. Raises ValueError with one line naming `name` when it is neither."""
     folder = Path(name).expanduser()
     if folder.is_dir():
         return folder
@@ -87,14 +87,15 @@ def _snapshot(
             return cached
     except HFValidationError as e:
         raise ValueError(
-            f"{option} {name}: no such folder, and not a valid Hugging Face model id ({_first_line(e)})"
+            f"{option} {name}: no such folder, and not a valid Hugging Face model id "
+            f"({_first_line(e)})"
         ) from None
     except LocalEntryNotFoundError:
         pass
     if constants.HF_HUB_OFFLINE:
         raise ValueError(
-            f"{option} {name}{at}: no such folder, and the Hugging Face cache {cache} lacks {missing[0]}; "
-            f"HF_HUB_OFFLINE is set, so nothing is downloaded"
+            f"{option} {name}{at}: no such folder, and the Hugging Face cache {cache} lacks "
+            f"{missing[0]}; HF_HUB_OFFLINE is set, so nothing is downloaded"
         )
     try:
         folder = Path(

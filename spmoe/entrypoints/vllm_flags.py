@@ -344,8 +344,8 @@ VLLM_FLAGS = (
     VllmFlag(
         _all_of("--api-server-count"),
         "noted",
-        "N HTTP front end processes share the port; each one's /metrics has the engine's counters and "
-        "every front end's request metrics, totalled",
+        "N HTTP front end processes share the port; each one's /metrics has the engine's counters "
+        "and every front end's request metrics, totalled",
     ),
     VllmFlag(
         ("--moe-backend",),

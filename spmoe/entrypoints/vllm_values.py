@@ -27,7 +27,8 @@ def parse_length(text: str, option: str = "--max-model-len") -> int:
     match = _LENGTH.fullmatch(text.strip())
     if match is None:
         raise ValueError(
-            f"{option}: expected an integer, optionally with a suffix k/m/g (x1000) or K/M/G (x1024), got {text!r}"
+            f"{option}: expected an integer, optionally with a suffix k/m/g (x1000) or K/M/G "
+            f"(x1024), got {text!r}"
         )
     number, suffix = match.groups()
     if "." in number and suffix not in DECIMAL_SUFFIXES:
@@ -156,7 +157,8 @@ class SpeculativeConfig:
         unknown = [key for key in config if key not in known]
         if unknown:
             raise ValueError(
-                f"{option}: spmoe does not support the key {unknown[0]!r}; it takes {', '.join(known)}"
+                f"{option}: spmoe does not support the key {unknown[0]!r}; it takes "
+                f"{', '.join(known)}"
             )
         method = config.get("method")
         if method not in SPECULATIVE_METHODS:
@@ -175,8 +177,9 @@ class SpeculativeConfig:
         model = config.get("model")
         if model is not None and model != target_model:
             raise ValueError(
-                f"{option}: model {model!r} is a separate draft model, which spmoe does not support; "
-                "MTP drafts with the served model's own layer, a lookup with none (leave model out)"
+                f"{option}: model {model!r} is a separate draft model, which spmoe does not "
+                "support; MTP drafts with the served model's own layer, a lookup with none "
+                "(leave model out)"
             )
         try:
             lookup_config = _lookup_config(lookup, config)
@@ -310,8 +313,9 @@ def check_quantization(method: str | None, raw_config: dict) -> None:
     if method != declared:
         stated = f"declares {declared}" if declared else "is not quantized"
         raise ValueError(
-            f"--quantization {method}: spmoe does not quantize at load time and the checkpoint {stated}; "
-            f"leave the flag out{', or use a checkpoint stored in ' + method if method == 'fp8' else ''}"
+            f"--quantization {method}: spmoe does not quantize at load time and the checkpoint "
+            f"{stated}; leave the flag "
+            f"out{', or use a checkpoint stored in ' + method if method == 'fp8' else ''}"
         )
 
 

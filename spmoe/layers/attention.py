@@ -1,20 +1,20 @@
 """MLA attention with the DSA lightning indexer, heads split over the TP group.
 
-Runs over the N new tokens of a flat batch of sequences (FULL layout), which attend K keys: their own
-sequences' cached tokens and themselves. q_a / kv_a projections, their norms and the indexer are replicated
-(the four projections of the input, q_a, kv_a and the indexer's wk and weights_proj, run as one GEMM,
-`x_proj`; the checkpoint keeps them apart);
-q_b and kv_b are column-parallel over heads; o_proj is row-parallel and the output is this rank's PARTIAL sum
-`[N, H]`. Per token and layer the cache keeps MLA's compressed latent with its rotated rope key, and the
-indexer's key.
+Runs over the N new tokens of a flat batch of sequences (FULL layout), which attend K keys: their
+own sequences' cached tokens and themselves. q_a / kv_a projections, their norms and the indexer are
+replicated (the four projections of the input, q_a, kv_a and the indexer's wk and weights_proj, run
+as one GEMM, `x_proj`; the checkpoint keeps them apart); q_b and kv_b are column-parallel over
+heads; o_proj is row-parallel and the output is this rank's PARTIAL sum `[N, H]`. Per token and
+layer the cache keeps MLA's compressed latent with its rotated rope key, and the indexer's key.
 
 Two paths, chosen by the cache the batch carries:
-- dense (no cache, or `KeyStore`): every key decompressed through kv_b_proj, scores `[heads, N, K]`, the
-  indexer's top-k applied as a mask. The reference (what the transformers oracle checks). The scores (and the
-  indexer's) are computed for chunks of queries (`query_chunks`), so their memory stays within a fixed budget
-  however many tokens a forward holds.
+- dense (no cache, or `KeyStore`): every key decompressed through kv_b_proj, scores `[heads, N, K]`,
+  the indexer's top-k applied as a mask. The reference (what the transformers oracle checks). The
+  scores (and the indexer's) are computed for chunks of queries (`query_chunks`), so their memory
+  stays within a fixed budget however many tokens a forward holds.
 - paged (`PagedKeyStore`): the indexer picks cache rows, and absorbed MLA attends only those
-  (`sparse_attention`); for contexts of at most index_topk tokens this is exactly dense causal attention.
+  (`sparse_attention`); for contexts of at most index_topk tokens this is exactly dense
+  causal attention.
 """
 
 from dataclasses import dataclass
@@ -58,8 +58,8 @@ class KeyStore(Protocol):
 class AttentionBatch:
     """What attention needs to know about one forward: N new tokens attending K keys.
 
-    rotary: cos/sin at the N query positions. allowed `[N, K]` bool: query i may attend key j (same sequence,
-    j not after i). cache: None when the keys are just this forward's N tokens (K = N).
+    rotary: cos/sin at the N query positions. allowed `[N, K]` bool: query i may attend key j (same
+    sequence, j not after i). cache: None when the keys are just this forward's N tokens (K = N).
     """
 
     rotary: Rotary
@@ -71,15 +71,16 @@ class AttentionBatch:
         return self.allowed.shape[0]
 
     def keys(self, layer: int, kind: str, new: torch.Tensor) -> torch.Tensor:
-        """This forward's rows `[N, w]` of one kind of key -> all keys the batch attends `[K, w]`."""
+        """This forward's rows `[N, w]` of one kind of key -> all keys the batch
+        attends `[K, w]`."""
         return new if self.cache is None else self.cache.store_and_read(layer, kind, new)
 
 
 class Indexer(nn.Module):
     """DSA lightning indexer: scores every allowed key per query and keeps the top `index_topk`.
 
-    Its projections of the layer input, `wk` `[d, H]` and `weights_proj` `[h, H]`, live in the attention's
-    merged `x_proj`; the indexer gets their outputs."""
+    Its projections of the layer input, `wk` `[d, H]` and `weights_proj` `[h, H]`, live in the
+    attention's merged `x_proj`; the indexer gets their outputs."""
 
     PROJECTIONS = ("indexer.wk", "indexer.weights_proj")  # their names in MLAttention.x_proj
 
@@ -96,9 +97,9 @@ class Indexer(nn.Module):
         q_latent: torch.Tensor,
         batch: AttentionBatch,
     ) -> torch.Tensor:
-        """wk_x `[N, d]` (wk of the input), head_weights `[N, h]` (weights_proj of the input), q_latent
-        `[N, q_lora]` -> selected `[N, K]` bool (top-k allowed keys per query); over a paged cache, the selected
-        cache rows `[N, k]` int64 (-1 = none; `_paged_rows`)."""
+        """wk_x `[N, d]` (wk of the input), head_weights `[N, h]` (weights_proj of the input),
+        q_latent `[N, q_lora]` -> selected `[N, K]` bool (top-k allowed keys per query); over a
+        paged cache, the selected cache rows `[N, k]` int64 (-1 = none; `_paged_rows`)."""
         cfg = self.cfg
         if isinstance(batch.cache, PagedKeyStore):
             return self._paged_rows(wk_x, head_weights, q_latent, batch.rotary, batch.cache)
@@ -139,11 +140,12 @@ class Indexer(nn.Module):
         rotary: Rotary,
         cache: PagedKeyStore,
     ) -> torch.Tensor:
-        """-> the selected cache rows `[N, k]`, after this forward's keys are written. When the block tables span
-        at most index_topk positions every visible row is selected, and nothing is scored. Else the dense path's
-        scores, without its two constant scales (a positive factor common to every score ranks alike, up to
-        rounding); FP8 caches score FP8 queries against FP8 keys, both Hadamard-rotated first
-        (`hadamard_rotate`: q . k unchanged, less FP8 rounding), the queries' scales in the head weights."""
+        """-> the selected cache rows `[N, k]`, after this forward's keys are written. When the
+        block tables span at most index_topk positions every visible row is selected, and nothing is
+        scored. Else the dense path's scores, without its two constant scales (a positive factor
+        common to every score ranks alike, up to rounding); FP8 caches score FP8 queries against FP8
+        keys, both Hadamard-rotated first (`hadamard_rotate`: q . k unchanged, less FP8 rounding),
+        the queries' scales in the head weights."""
         cfg = self.cfg
         self._write_key(wk_x, rotary, cache)
         if cache.block_tables.shape[1] * cache.block_size <= cfg.index_topk:
@@ -166,8 +168,9 @@ class Indexer(nn.Module):
         )
 
     def _write_key(self, wk_x: torch.Tensor, rotary: Rotary, cache: PagedKeyStore) -> None:
-        """wk_x `[N, d]` -> this forward's keys (`_key`) in their cache rows, Hadamard-rotated in an FP8 cache; on
-        CUDA one Triton kernel (`fused_triton.index_key_to_cache`) norms, rotates, quantises and writes them."""
+        """wk_x `[N, d]` -> this forward's keys (`_key`) in their cache rows, Hadamard-rotated in an
+        FP8 cache; on CUDA one Triton kernel (`fused_triton.index_key_to_cache`) norms, rotates,
+        quantises and writes them."""
         rows = cache.layer(self.layer_idx)
         fp8 = rows.index_scale is not None
         if not use_fused(wk_x):
@@ -193,9 +196,10 @@ class Indexer(nn.Module):
 
 @dataclass(frozen=True)
 class CacheNeeds:
-    """What one attention layer keeps per token in the KV cache: its layer index (the MTP layer's follow the
-    main layers'), the widths of the latent, the rope key and the indexer key (0: no indexer), in `dtype` on
-    `device`. The model hands these to the engine, which sizes the cache from them."""
+    """What one attention layer keeps per token in the KV cache: its layer index (the MTP layer's
+    follow the main layers'), the widths of the latent, the rope key and the indexer key (0: no
+    indexer), in `dtype` on `device`. The model hands these to the engine, which sizes the
+    cache from them."""
 
     layer: int
     latent: int
@@ -243,7 +247,8 @@ class MLAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, selected: torch.Tensor | None):
-        """x FULL `[N, H]` -> (PARTIAL `[N, H]`, selected `[N, K]`; over a paged cache, cache rows `[N, k]`).
+        """x FULL `[N, H]` -> (PARTIAL `[N, H]`, selected `[N, K]`; over a paged cache, cache
+        rows `[N, k]`).
 
         `selected` comes from the previous "full" layer on an IndexShare "shared" layer, else None.
         """
@@ -294,12 +299,13 @@ class MLAttention(nn.Module):
     def _sparse_absorbed(
         self, q: torch.Tensor, cache: PagedKeyStore, selected: torch.Tensor
     ) -> torch.Tensor:
-        """Absorbed MLA over the selected cache rows (this forward's rows already written): q `[N, h, qk_head]`,
-        selected rows `[N, k]` -> `[N, h * v]`.
+        """Absorbed MLA over the selected cache rows (this forward's rows already written): q
+        `[N, h, qk_head]`, selected rows `[N, k]` -> `[N, h * v]`.
 
-        W_UK `[h, nope, c]` and W_UV `[h, v, c]` are views of kv_b_proj's weight: q_nope @ W_UK puts the query
-        in latent space, and the weighted latent goes back through W_UV. An FP8 kv_b_proj is used as stored
-        (`fp8_head_matmul`: each head's 448 rows need not start on a 128-row block)."""
+        W_UK `[h, nope, c]` and W_UV `[h, v, c]` are views of kv_b_proj's weight: q_nope @ W_UK puts
+        the query in latent space, and the weighted latent goes back through W_UV. An FP8 kv_b_proj
+        is used as stored (`fp8_head_matmul`: each head's 448 rows need not start on a
+        128-row block)."""
         cfg, heads, nope = self.cfg, self.local_heads, self.cfg.qk_nope_head_dim
         rows, kv_b = nope + cfg.v_head_dim, self.kv_b_proj
         if kv_b.is_fp8:

@@ -1,37 +1,40 @@
-"""Fused Triton kernels for the small per-token work of a decode step, each one launch where the torch reference
-takes several (the references, which these match, are `RMSNorm`, `Rotary`, `Router`, `PagedCacheView`'s latent
-write, `mlp.silu_mul` and the indexer's key path: `nn.LayerNorm`, `Rotary`, `paged_rows.write_index_key`;
-`fused.use_fused` picks):
+"""Fused Triton kernels for the small per-token work of a decode step, each one launch where the
+torch reference takes several (the references, which these match, are `RMSNorm`, `Rotary`, `Router`,
+`PagedCacheView`'s latent write, `mlp.silu_mul` and the indexer's key path: `nn.LayerNorm`,
+`Rotary`, `paged_rows.write_index_key`; `fused.use_fused` picks):
 
-- `add_rms_norm`: residual add + RMSNorm, one program per row: reads x (and the residual), writes the normed
-  row (and the new residual). The torch rounding is kept: the sum and the normed row are rounded to the input
-  dtype before the weight multiplies them.
-- `rope_`: rotates the rope part of q or k in place, one program per (token, block of heads). Interleaved
-  pairs (x0, x1), (x2, x3)... land as the rotated evens then the rotated odds, as `Rotary.interleaved` does;
-  half-split pairs (x_i, x_{i+d/2}) stay where they are. Products and sums are rounded to the dtype as torch
-  rounds them (`_rotated`; on an H200, bf16, equal to torch in every element of 256 tokens x 4 heads).
-- `index_key_to_cache`: the indexer's key, one program per token: LayerNorm (weight and bias), rope on its rope
-  part (the pairs read from the row and normed where they are needed, so nothing is written twice), and the
-  store into the token's paged-cache row; FP8 caches get the key times the Hadamard matrix (32 of its rows at a
-  time) in e4m3 with one scale per key. Rounded as torch: the normed row to the dtype, then each rope product
-  and sum; FP8 divides exactly (`div_rn`), as torch does. On an H200, bf16, 256 keys: every value equal to
-  torch's, FP8 values too; the FP8 scales a last bit apart in 80-86% of keys (the Hadamard sum's order).
-- `route`: the router after its logits GEMM, one program per row: sigmoid, + the correction bias, group
-  top-k (top-2 sum per group, `topk_group` groups kept), top-k experts, the raw scores gathered, normalised and
-  scaled; pad rows get id -1 and weight 0. Ties go to the lowest index (group or expert). It takes the logits
-  as S partial sums `[m, S, E]` and adds them up first.
-- `router_logit_sums`: the router's logits GEMM in float32 from 16-bit rows, for a few rows a Triton GEMV that
-  leaves S partial sums over K-slices (many programs stream the float32 weight; `route` finishes the sum, so
-  no reduction kernel and no float32 copy of x), else cuBLAS (S = 1).
-- `write_mla_cache`: one program per token writes its MLA cache row from the kv_a projection: RMSNorm of the
-  latent (`add_rms_norm`'s rounding), FP8 with one scale per 128 values when the cache is FP8, and the rope
-  key rotated (interleaved, `rope_`'s rounding), at the token's slot.
+- `add_rms_norm`: residual add + RMSNorm, one program per row: reads x (and the residual), writes
+  the normed row (and the new residual). The torch rounding is kept: the sum and the normed row are
+  rounded to the input dtype before the weight multiplies them.
+- `rope_`: rotates the rope part of q or k in place, one program per (token, block of heads).
+  Interleaved pairs (x0, x1), (x2, x3)... land as the rotated evens then the rotated odds, as
+  `Rotary.interleaved` does; half-split pairs (x_i, x_{i+d/2}) stay where they are. Products and
+  sums are rounded to the dtype as torch rounds them (`_rotated`; on an H200, bf16, equal to torch
+  in every element of 256 tokens x 4 heads).
+- `index_key_to_cache`: the indexer's key, one program per token: LayerNorm (weight and bias), rope
+  on its rope part (the pairs read from the row and normed where they are needed, so nothing is
+  written twice), and the store into the token's paged-cache row; FP8 caches get the key times the
+  Hadamard matrix (32 of its rows at a time) in e4m3 with one scale per key. Rounded as torch: the
+  normed row to the dtype, then each rope product and sum; FP8 divides exactly (`div_rn`), as torch
+  does. On an H200, bf16, 256 keys: every value equal to torch's, FP8 values too; the FP8 scales a
+  last bit apart in 80-86% of keys (the Hadamard sum's order).
+- `route`: the router after its logits GEMM, one program per row: sigmoid, + the correction bias,
+  group top-k (top-2 sum per group, `topk_group` groups kept), top-k experts, the raw scores
+  gathered, normalised and scaled; pad rows get id -1 and weight 0. Ties go to the lowest index
+  (group or expert). It takes the logits as S partial sums `[m, S, E]` and adds them up first.
+- `router_logit_sums`: the router's logits GEMM in float32 from 16-bit rows, for a few rows a Triton
+  GEMV that leaves S partial sums over K-slices (many programs stream the float32 weight; `route`
+  finishes the sum, so no reduction kernel and no float32 copy of x), else cuBLAS (S = 1).
+- `write_mla_cache`: one program per token writes its MLA cache row from the kv_a projection:
+  RMSNorm of the latent (`add_rms_norm`'s rounding), FP8 with one scale per 128 values when the
+  cache is FP8, and the rope key rotated (interleaved, `rope_`'s rounding), at the token's slot.
 - `silu_mul`: `silu(gate) * up`, each rounded to the dtype as torch rounds `F.silu(gate) * up`.
 
-Row offsets (token, slot and cache row times a stride) are int64, so no tensor size reaches a 32-bit limit.
+Row offsets (token, slot and cache row times a stride) are int64, so no tensor size reaches
+a 32-bit limit.
 
-Shapes depend only on the inputs' shapes and nothing is read back to the host, so each can be captured in a
-CUDA graph.
+Shapes depend only on the inputs' shapes and nothing is read back to the host, so each can be
+captured in a CUDA graph.
 """
 
 import torch
@@ -43,8 +46,8 @@ from spmoe.layers.quantization.fp8 import FP8_GROUP, FP8_MAX
 
 @triton.jit
 def _rms_normed(x, w_ptr, cols, mask, size, eps):
-    """RMSNorm of the row x (masked lanes 0) times the weight, float32; x * rstd is rounded to x's dtype first,
-    as torch rounds it."""
+    """RMSNorm of the row x (masked lanes 0) times the weight, float32; x * rstd is rounded to x's
+    dtype first, as torch rounds it."""
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / size + eps)
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
@@ -82,9 +85,9 @@ def _add_rms_norm_kernel(
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x `[m, size]` (rows may be strided), residual `[m, size]` or None, weight `[size]` ->
-    (norm(x + residual) `[m, size]` in the dtype of weight * x, x + residual `[m, size]`; x itself when there
-    is no residual)."""
+    """x `[m, size]` (rows may be strided), residual `[m, size]` or None, weight `[size]` -> (norm(x
+    + residual) `[m, size]` in the dtype of weight * x, x + residual `[m, size]`; x itself when
+    there is no residual)."""
     m, size = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(m, size, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
@@ -115,11 +118,12 @@ def add_rms_norm(
 
 @triton.jit
 def _rotated(own, partner, cos, signed_sin, dtype: tl.constexpr):
-    """One rope output from float32 values: `own * cos + partner * signed_sin` (first halves: partner = the
-    second, signed_sin = -sin; second halves: partner = the first, + sin), in `dtype`. torch rounds every product
-    and every sum to the tensor dtype, and so does this, in kernels launched with `enable_fp_fusion=False`: else
-    the compiler, which does the rounded 16-bit products in 16 bits, fuses one with the sum into an FMA that
-    rounds once (measured on an H200: 14% of an indexer key's values a bf16 step off torch's)."""
+    """One rope output from float32 values: `own * cos + partner * signed_sin` (first halves:
+    partner = the second, signed_sin = -sin; second halves: partner = the first, + sin), in `dtype`.
+    torch rounds every product and every sum to the tensor dtype, and so does this, in kernels
+    launched with `enable_fp_fusion=False`: else the compiler, which does the rounded 16-bit
+    products in 16 bits, fuses one with the sum into an FMA that rounds once (measured on an H200:
+    14% of an indexer key's values a bf16 step off torch's)."""
     return (
         (own * cos).to(dtype).to(tl.float32) + (partner * signed_sin).to(dtype).to(tl.float32)
     ).to(dtype)
@@ -154,14 +158,15 @@ def _rope_kernel(
         second = tl.load(base + j + HALF, mask=mask).to(tl.float32)
     out_first = _rotated(first, second, cos, -sin, dtype)
     out_second = _rotated(second, first, cos, sin, dtype)
-    tl.debug_barrier()  # every thread has read its pairs before any overwrites a position another still reads
+    # every thread has read its pairs before any overwrites a position another still reads
+    tl.debug_barrier()
     tl.store(base + j, out_first, mask=mask)
     tl.store(base + j + HALF, out_second, mask=mask)
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> None:
-    """Rotates x `[N, heads, d]` (a view: the rope part of q or k; last dim contiguous) in place with cos / sin
-    `[N, d / 2]`."""
+    """Rotates x `[N, heads, d]` (a view: the rope part of q or k; last dim contiguous) in place
+    with cos / sin `[N, d / 2]`."""
     n_tok, heads, dim = x.shape
     if x.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
         raise ValueError(
@@ -190,8 +195,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bo
 
 @triton.jit
 def _layer_norm_at(row_ptr, w_ptr, b_ptr, index, mean, rstd, dtype: tl.constexpr):
-    """LayerNorm's output at `index` of a row whose mean and rstd are known, rounded to `dtype` as torch's output
-    is, as float32."""
+    """LayerNorm's output at `index` of a row whose mean and rstd are known, rounded to `dtype` as
+    torch's output is, as float32."""
     x = tl.load(row_ptr + index).to(tl.float32)
     w = tl.load(w_ptr + index).to(tl.float32)
     b = tl.load(b_ptr + index).to(tl.float32)
@@ -212,9 +217,9 @@ def _index_key_at(
     INTERLEAVED: tl.constexpr,
     dtype: tl.constexpr,
 ):
-    """The indexer key's values at indices i (int32) of a row whose LayerNorm mean and rstd are known, in
-    `dtype`: output i < ROPE is rope(own, partner) at frequency j of cos / sin (`[rope / 2]` of this token);
-    output i >= ROPE is its own normed value."""
+    """The indexer key's values at indices i (int32) of a row whose LayerNorm mean and rstd are
+    known, in `dtype`: output i < ROPE is rope(own, partner) at frequency j of cos / sin
+    (`[rope / 2]` of this token); output i >= ROPE is its own normed value."""
     HALF: tl.constexpr = ROPE // 2
     rotated = i < ROPE
     second = (i >= HALF).to(tl.int32)  # in the rope part: the second half of the outputs
@@ -303,11 +308,12 @@ def index_key_to_cache(
     scales: torch.Tensor | None,
     hadamard: torch.Tensor | None,
 ) -> None:
-    """The indexer's key of each new token, normed, rotated and written to its cache row in one launch: x `[N, d]`
-    (wk of the input; rows may be strided), LayerNorm weight and bias `[d]`, cos / sin `[N, rope / 2]` (the rope
-    part is the key's first `rope` values), slots `[N]` int64 -> `keys[slots[i]]` of keys `[R, d]`. An FP8 cache
-    (`scales` `[R, 1]` float32 and `hadamard` `[d, d]` float32, else both None) takes the key times `hadamard`,
-    quantised to e4m3 with one scale per key: `quantize_fp8_vectors(hadamard_rotate(key))`."""
+    """The indexer's key of each new token, normed, rotated and written to its cache row in one
+    launch: x `[N, d]` (wk of the input; rows may be strided), LayerNorm weight and bias `[d]`, cos
+    / sin `[N, rope / 2]` (the rope part is the key's first `rope` values), slots `[N]` int64 ->
+    `keys[slots[i]]` of keys `[R, d]`. An FP8 cache (`scales` `[R, 1]` float32 and `hadamard`
+    `[d, d]` float32, else both None) takes the key times `hadamard`, quantised to e4m3 with one
+    scale per key: `quantize_fp8_vectors(hadamard_rotate(key))`."""
     n_tok, dim = x.shape
     rope = 2 * cos.shape[1]
     if (
@@ -321,10 +327,11 @@ def index_key_to_cache(
         or (hadamard is not None and hadamard.stride() != (dim, 1))
     ):
         raise ValueError(
-            f"index_key_to_cache needs unit-stride rows of a power-of-2 width d holding the rope part, "
-            f"cos / sin of one layout, and FP8 scales with a contiguous [d, d] hadamard or neither; got "
-            f"x {tuple(x.shape)} strides {x.stride()}, cache rows strides {keys.stride()}, rope {rope}, "
-            f"cos strides {cos.stride()}, sin {sin.stride()}, scales {scales is not None}, hadamard "
+            "index_key_to_cache needs unit-stride rows of a power-of-2 width d holding the rope "
+            "part, cos / sin of one layout, and FP8 scales with a contiguous [d, d] hadamard or "
+            f"neither; got x {tuple(x.shape)} strides {x.stride()}, cache rows strides "
+            f"{keys.stride()}, rope {rope}, cos strides {cos.stride()}, sin {sin.stride()}, scales "
+            f"{scales is not None}, hadamard "
             f"{None if hadamard is None else (tuple(hadamard.shape), hadamard.stride())}"
         )
     if n_tok == 0:
@@ -436,8 +443,9 @@ def route(
     norm_topk_prob: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits as S partial sums `[m, S, E]` float32 (`router_logit_sums`), correction bias `[E]` ->
-    (ids `[m, top_k]` int64, weights `[m, top_k]` float32); rows from `valid_rows` on get id -1 and weight 0."""
+    """Router logits as S partial sums `[m, S, E]` float32 (`router_logit_sums`), correction bias
+    `[E]` -> (ids `[m, top_k]` int64, weights `[m, top_k]` float32); rows from `valid_rows` on get
+    id -1 and weight 0."""
     m, splits, experts = sums.shape
     sums = sums if sums.stride(2) == 1 else sums.contiguous()
     ids = torch.empty(m, top_k, dtype=torch.int64, device=sums.device)
@@ -510,9 +518,9 @@ def _router_gemv_kernel(
 
 
 def router_logit_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x `[m, H]` (16-bit or float32), the router weight `[E, H]` float32 -> the float32 logits x @ weight.T as S
-    partial sums `[m, S, E]`, each over a K-slice of `GEMV_SLICE` (a Triton GEMV, for at most `GEMV_ROWS` rows),
-    or S = 1 (a cuBLAS GEMM of x in float32)."""
+    """x `[m, H]` (16-bit or float32), the router weight `[E, H]` float32 -> the float32 logits x @
+    weight.T as S partial sums `[m, S, E]`, each over a K-slice of `GEMV_SLICE` (a Triton GEMV, for
+    at most `GEMV_ROWS` rows), or S = 1 (a cuBLAS GEMM of x in float32)."""
     (m, hidden), experts = x.shape, weight.shape[0]
     if m > GEMV_ROWS:
         return torch.nn.functional.linear(x.float(), weight.float()).unsqueeze(1)
@@ -612,10 +620,11 @@ def write_mla_cache(
     latent_scale: torch.Tensor | None,
     rope: torch.Tensor,
 ) -> None:
-    """One token's MLA cache row per program. kv_a `[N, c + r]` (the kv_a projection: the latent, then the rope
-    key; rows may be strided), the latent norm's weight `[c]` and eps, cos / sin `[N, r / 2]`, slots `[N]`
-    int64 -> rows `slots` of latent `[R, c]` (the normed latent; FP8: its values, their scales in latent_scale
-    `[R, c / 128]`) and rope `[R, r]` (the rope key rotated, interleaved pairs), in place."""
+    """One token's MLA cache row per program. kv_a `[N, c + r]` (the kv_a projection: the latent,
+    then the rope key; rows may be strided), the latent norm's weight `[c]` and eps, cos / sin
+    `[N, r / 2]`, slots `[N]` int64 -> rows `slots` of latent `[R, c]` (the normed latent; FP8: its
+    values, their scales in latent_scale `[R, c / 128]`) and rope `[R, r]` (the rope key rotated,
+    interleaved pairs), in place."""
     n_tok, c, r = kv_a.shape[0], latent.shape[1], rope.shape[1]
     if (
         kv_a.stride(1) != 1
@@ -624,9 +633,9 @@ def write_mla_cache(
         or kv_a.shape[1] != c + r
     ):
         raise ValueError(
-            f"write_mla_cache needs kv_a [N, {c} + {r}] with a contiguous last dim and cos / sin of one "
-            f"layout; got kv_a {tuple(kv_a.shape)} strides {kv_a.stride()}, cos {cos.stride()}, "
-            f"sin {sin.stride()}"
+            f"write_mla_cache needs kv_a [N, {c} + {r}] with a contiguous last dim and cos / sin "
+            f"of one layout; got kv_a {tuple(kv_a.shape)} strides {kv_a.stride()}, cos "
+            f"{cos.stride()}, sin {sin.stride()}"
         )
     if n_tok == 0:
         return

@@ -1,7 +1,8 @@
 """RMSNorm with the fused residual add. Norms never communicate: a partial sum is reduced by the
 communicator (`spmoe.distributed.communicator.fused_allreduce_rms_norm`) before it is normed.
 
-On CUDA both run as one Triton kernel (`fused_triton.add_rms_norm`); the torch code here is the reference."""
+On CUDA both run as one Triton kernel (`fused_triton.add_rms_norm`); the torch code here is
+the reference."""
 
 import torch
 from torch import nn
@@ -27,7 +28,8 @@ class RMSNorm(nn.Module):
         )
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None):
-        """Fused residual add: `(norm(x + residual), x + residual)`; with no residual yet, `(norm(x), x)`."""
+        """Fused residual add: `(norm(x + residual), x + residual)`; with no residual yet,
+        `(norm(x), x)`."""
         if use_fused(x) and x.dim() == 2:
             from spmoe.layers.fused_triton import add_rms_norm
 

@@ -1,33 +1,38 @@
-"""DSA sparse attention over a paged MLA cache: the indexer's top-k and absorbed MLA over the selected rows.
+"""DSA sparse attention over a paged MLA cache: the indexer's top-k and absorbed MLA over
+the selected rows.
 
-The cache is paged: rows `[R, w]` grouped in blocks of `block_size` rows; a sequence's logical position p lives
-in row `block_tables[s, p // block_size] * block_size + p % block_size`. Per row one attention layer keeps
-(`PagedLayerCache`) the normed latent `[c]` and the rotated rope key `[r]`, and on indexer layers the indexer
-key `[d]`. In FP8 the latent is e4m3 with one float32 scale per 128 values, the indexer key e4m3 with one
-scale per key, Hadamard-rotated (`hadamard_rotate`) as the FP8 queries are; the rope key stays in the model
-dtype.
+The cache is paged: rows `[R, w]` grouped in blocks of `block_size` rows; a sequence's logical
+position p lives in row `block_tables[s, p // block_size] * block_size + p % block_size`. Per row
+one attention layer keeps (`PagedLayerCache`) the normed latent `[c]` and the rotated rope key
+`[r]`, and on indexer layers the indexer key `[d]`. In FP8 the latent is e4m3 with one float32 scale
+per 128 values, the indexer key e4m3 with one scale per key, Hadamard-rotated (`hadamard_rotate`) as
+the FP8 queries are; the rope key stays in the model dtype.
 
-A step has N new tokens of S sequences; token i belongs to sequence `seq_index[i]`, sits at `positions[i]`,
-and (its own row already written) attends that sequence's positions `<= positions[i]`.
+A step has N new tokens of S sequences; token i belongs to sequence `seq_index[i]`, sits at
+`positions[i]`, and (its own row already written) attends that sequence's positions
+`<= positions[i]`.
 
-- `indexer_topk`: per token, `index[p] = k_scale[p] * sum_h weights[h] * relu(q[h] . k[p])` over its visible
-  positions; the `topk` best, ties to the earliest position -> cache rows `[N, k]`, -1 where fewer exist. The
-  rows come in no particular order: attention sums over them and an IndexShare layer reuses them as a set.
-- `visible_rows`: every position a token sees -> cache rows; the selection itself when the block tables span at
-  most `topk` positions, whatever the scores.
+- `indexer_topk`: per token, `index[p] = k_scale[p] * sum_h weights[h] * relu(q[h] . k[p])` over its
+  visible positions; the `topk` best, ties to the earliest position -> cache rows `[N, k]`, -1 where
+  fewer exist. The rows come in no particular order: attention sums over them and an IndexShare
+  layer reuses them as a set.
+- `visible_rows`: every position a token sees -> cache rows; the selection itself when the block
+  tables span at most `topk` positions, whatever the scores.
 - `sparse_mla`: absorbed MLA. The query is already in latent space (`q_nope @ W_UK`); scores
-  `scale * (q_latent . latent[row] + q_rope . rope[row])` over the selected rows only; softmax; the weighted
-  sum of the latents `[N, h, c]` (the caller applies `W_UV`). Keys `[K, heads, qk_head]` are never formed.
-- `head_matmul`: the per-head projections around it, `[N, h, k] x [h, k, m] -> [N, h, m]` (`q_nope @ W_UK`,
-  the weighted latent @ `W_UV^T`): a batched GEMM; for a decode step's few tokens, with the fused kernels on,
-  a Triton kernel that reads each head's weight once at full bandwidth.
+  `scale * (q_latent . latent[row] + q_rope . rope[row])` over the selected rows only; softmax; the
+  weighted sum of the latents `[N, h, c]` (the caller applies `W_UV`). Keys `[K, heads, qk_head]`
+  are never formed.
+- `head_matmul`: the per-head projections around it, `[N, h, k] x [h, k, m] -> [N, h, m]`
+  (`q_nope @ W_UK`, the weighted latent @ `W_UV^T`): a batched GEMM; for a decode step's few tokens,
+  with the fused kernels on, a Triton kernel that reads each head's weight once at full bandwidth.
 
-The dispatchers run the torch versions over chunks of queries (`query_chunks`, `TORCH_CHUNK_ELEMENTS`), so a
-CPU forward's working memory does not grow with its number of tokens beyond that budget.
+The dispatchers run the torch versions over chunks of queries (`query_chunks`,
+`TORCH_CHUNK_ELEMENTS`), so a CPU forward's working memory does not grow with its number of tokens
+beyond that budget.
 
 Each has a torch version (the reference; CPU and any device) and a Triton version on CUDA
-(`sparse_attention_triton`, imported only when used), with the same signature; so has `cache_rows`, the
-lookup of logical positions in the block tables behind `rows_of_best` and `visible_rows`.
+(`sparse_attention_triton`, imported only when used), with the same signature; so has `cache_rows`,
+the lookup of logical positions in the block tables behind `rows_of_best` and `visible_rows`.
 """
 
 import torch
@@ -47,8 +52,8 @@ TORCH_CHUNK_ELEMENTS = 1 << 26
 
 # The Triton indexer of a prompt chunk (more tokens than `topk_rows` takes) writes every token's
 # ordering key for every position of its table, int64, then takes their top-k: it goes over the
-# queries in chunks of at most this many keys (512 MiB), as a chunk of 8,192 tokens at 128k positions
-# would otherwise hold 8 GiB of keys.
+# queries in chunks of at most this many keys (512 MiB), as a chunk of 8,192 tokens at 128k
+# positions would otherwise hold 8 GiB of keys.
 TRITON_CHUNK_KEYS = 1 << 26
 
 
@@ -61,16 +66,16 @@ def query_chunks(n: int, per_query: int, budget: int | None = None):
 
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Cache rows `[R, w]` at `index` `[...]` -> `[..., w]` (FP8 rows are gathered as bytes, as CPU torch
-    cannot index FP8 tensors)."""
+    """Cache rows `[R, w]` at `index` `[...]` -> `[..., w]` (FP8 rows are gathered as bytes, as CPU
+    torch cannot index FP8 tensors)."""
     if rows.dtype == torch.float8_e4m3fn:
         return rows.view(torch.uint8)[index].view(rows.dtype)
     return rows[index]
 
 
 def use_triton(t: torch.Tensor, *dims: int) -> bool:
-    """Whether the Triton kernels take `t` (on CUDA, 16-bit or FP8) with these widths (powers of 2, >= 16; an
-    FP8 dot product needs >= 32)."""
+    """Whether the Triton kernels take `t` (on CUDA, 16-bit or FP8) with these widths (powers of 2,
+    >= 16; an FP8 dot product needs >= 32)."""
     least = 32 if t.dtype == torch.float8_e4m3fn else 16
     return (
         t.is_cuda
@@ -93,12 +98,13 @@ def indexer_topk(
     topk: int,
     block_size: int,
 ) -> torch.Tensor:
-    """q `[N, h, d]` (FP8 e4m3 when the cache is, else its dtype), weights `[N, h]` (float32 or q's 16-bit
-    dtype; unit stride over heads; every scale that differs between heads folded in, a positive factor common
-    to all heads may be left out: it ranks the positions alike, up to rounding) -> selected cache rows
-    `[N, min(topk, L)]` int64 (`rows_of_best`, in no particular order), -1 past the visible positions;
-    L = max_blocks * block_size. On CUDA, for up to `TOPK_ROWS_MAX_TOKENS` tokens, the same rows from
-    `topk_rows`, whose work follows each token's position, not L."""
+    """q `[N, h, d]` (FP8 e4m3 when the cache is, else its dtype), weights `[N, h]` (float32 or q's
+    16-bit dtype; unit stride over heads; every scale that differs between heads folded in, a
+    positive factor common to all heads may be left out: it ranks the positions alike, up to
+    rounding) -> selected cache rows `[N, min(topk, L)]` int64 (`rows_of_best`, in no particular
+    order), -1 past the visible positions; L = max_blocks * block_size. On CUDA, for up to
+    `TOPK_ROWS_MAX_TOKENS` tokens, the same rows from `topk_rows`, whose work follows each token's
+    position, not L."""
     if use_triton(q, q.shape[2], block_size):
         from spmoe.layers.sparse_attention_triton import (
             TOPK_ROWS_MAX_TOKENS,
@@ -147,7 +153,8 @@ def indexer_topk(
 def indexer_order_keys_torch(
     q, weights, cache: PagedLayerCache, block_tables, seq_index, positions, block_size: int
 ) -> torch.Tensor:
-    """The reference indexer: -> ordering keys `[N, L]` int64 (`order_keys`) of every logical position."""
+    """The reference indexer: -> ordering keys `[N, L]` int64 (`order_keys`) of every
+    logical position."""
     rows = logical_rows(block_tables, block_size)[seq_index]  # [N, L]
     keys = gather_rows(cache.index_key, rows).float()  # [N, L, d]
     scores = torch.relu(torch.einsum("nhd,nld->nhl", q.float(), keys))
@@ -159,18 +166,20 @@ def indexer_order_keys_torch(
 
 
 def logical_rows(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`[S, max_blocks]` -> the cache row of every logical position `[S, max_blocks * block_size]` int64."""
+    """`[S, max_blocks]` -> the cache row of every logical position `[S, max_blocks *
+    block_size]` int64."""
     offsets = torch.arange(block_size, device=block_tables.device)
     return (block_tables.long()[:, :, None] * block_size + offsets).flatten(1)
 
 
 def order_keys(scores: torch.Tensor) -> torch.Tensor:
-    """float32 scores `[N, L]` -> int64 keys `[N, L]`, ordered as (score, then the earlier position) are.
+    """float32 scores `[N, L]` -> int64 keys `[N, L]`, ordered as (score, then the
+    earlier position) are.
 
-    The score's bits map to an int32 with the same order (negative floats: flip every bit but the sign; -0.0
-    first becomes +0.0 so that it ties with it), shifted to the high half; the low half is
-    `2**31 - 1 - position`. torch.topk of the keys is then an exact top-k with ties to the earliest position,
-    with no stable sort.
+    The score's bits map to an int32 with the same order (negative floats: flip every bit but the
+    sign; -0.0 first becomes +0.0 so that it ties with it), shifted to the high half; the low half
+    is `2**31 - 1 - position`. torch.topk of the keys is then an exact top-k with ties to the
+    earliest position, with no stable sort.
     """
     bits = torch.where(scores == 0, 0.0, scores).view(torch.int32)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
@@ -189,9 +198,9 @@ def rows_of_best(
     seq_index: torch.Tensor,
     block_size: int,
 ) -> torch.Tensor:
-    """Ordering keys `[N, L]` -> cache rows `[N, min(topk, L)]` of the best positions in no particular order
-    (the top-k is not sorted), -1 where the score was -inf (not visible). When L <= topk every position is
-    kept, in position order (no top-k)."""
+    """Ordering keys `[N, L]` -> cache rows `[N, min(topk, L)]` of the best positions in no
+    particular order (the top-k is not sorted), -1 where the score was -inf (not visible). When L <=
+    topk every position is kept, in position order (no top-k)."""
     best = keys if keys.shape[-1] <= topk else keys.topk(topk, dim=-1, sorted=False).values
     return cache_rows(best, block_tables, seq_index, None, block_size)
 
@@ -199,8 +208,9 @@ def rows_of_best(
 def visible_rows(
     block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    """The cache rows of every position `[N, max_blocks * block_size]` int64, -1 past each token's own position:
-    what `rows_of_best` picks when the block tables span at most `topk` positions, with no scores at all."""
+    """The cache rows of every position `[N, max_blocks * block_size]` int64, -1 past each token's
+    own position: what `rows_of_best` picks when the block tables span at most `topk` positions,
+    with no scores at all."""
     return cache_rows(None, block_tables, seq_index, positions, block_size)
 
 
@@ -211,8 +221,9 @@ def cache_rows(
     positions: torch.Tensor | None,
     block_size: int,
 ) -> torch.Tensor:
-    """Logical positions -> cache rows int64, -1 for none: of the ordering keys best `[N, k]` (-1 where the
-    score is -inf) -> `[N, k]`; best None: of every position, -1 past `positions` `[N]` -> `[N, L]`."""
+    """Logical positions -> cache rows int64, -1 for none: of the ordering keys best `[N, k]` (-1
+    where the score is -inf) -> `[N, k]`; best None: of every position, -1 past `positions` `[N]`
+    -> `[N, L]`."""
     if block_tables.is_cuda and TRITON_INSTALLED:
         from spmoe.layers.sparse_attention_triton import cache_rows as triton_cache_rows
 
@@ -242,8 +253,9 @@ def sparse_mla(
     rows: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q_latent `[N, h, c]`, q_rope `[N, h, r]`, rows `[N, k]` (cache rows, -1 = none) -> the softmax-weighted
-    sum of the selected latents `[N, h, c]` in q's dtype (zero for a token with no row)."""
+    """q_latent `[N, h, c]`, q_rope `[N, h, r]`, rows `[N, k]` (cache rows, -1 = none) -> the
+    softmax-weighted sum of the selected latents `[N, h, c]` in q's dtype (zero for a token
+    with no row)."""
     if use_triton(q_latent, q_latent.shape[2], q_rope.shape[2]):
         from spmoe.layers.sparse_attention_triton import sparse_mla as triton_sparse_mla
 
@@ -260,8 +272,9 @@ def sparse_mla(
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x `[N, h, k]`, w `[h, k, m]` (views of a weight) -> `[N, h, m]`: x[:, i] @ w[i] for every head i, in x's
-    dtype. Up to `HEAD_MATMUL_TOKENS` 16-bit tokens on CUDA with the fused kernels on: the Triton kernel."""
+    """x `[N, h, k]`, w `[h, k, m]` (views of a weight) -> `[N, h, m]`: x[:, i] @ w[i] for every
+    head i, in x's dtype. Up to `HEAD_MATMUL_TOKENS` 16-bit tokens on CUDA with the fused kernels
+    on: the Triton kernel."""
     if use_fused(x) and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
         from spmoe.layers.sparse_attention_triton import HEAD_MATMUL_TOKENS
         from spmoe.layers.sparse_attention_triton import head_matmul as triton_head_matmul

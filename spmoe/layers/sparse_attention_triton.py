@@ -1,39 +1,44 @@
-"""Triton kernels for DSA sparse attention over the paged cache (see `sparse_attention` for the math and the
-cache layout); each matches its torch reference there.
+"""Triton kernels for DSA sparse attention over the paged cache (see `sparse_attention` for the math
+and the cache layout); each matches its torch reference there.
 
-- `indexer_order_keys`: tiles of (consecutive tokens, a run of cache blocks). Per block it reads the block's
-  64 indexer keys straight from the cache (FP8 or bf16), scores them against the query heads of every token
-  of the tile with one `tl.dot` (`[64, d] x [d, tokens * heads]`), relu, weighted sum over each token's
-  heads, times the key's scale, and writes the ordering keys (`order_keys`) of its 64 positions for each
-  token, -inf past the token's position. Blocks past every token of the tile are written -inf without a
-  load, or (`fill_past=False`) not at all. A tile whose tokens belong to several sequences (other block
-  tables) goes token by token. Decode steps take tiles of one token and one block; prefill chunks share each
-  key load among 4 tokens (`INDEXER_PREFILL_TILES`). Program (token tile, j) takes the block tiles j, j + P,
-  j + 2P, ... (P by the shape, `indexer_programs`): up to the table's end, or without `fill_past` up to its
-  tokens' largest position, so tables as wide as max_model_len (CUDA graphs) cost programs by the GPU's
-  size, not by the table's width.
-- `topk_rows`: the indexer's top-k for a few tokens (decode), bounded by each token's own position, not by the
-  block tables' width: one program per token. Up to k visible positions it writes their rows at once; past
-  that, a radix select over the visible keys' 8 bytes (a 256-bin histogram per byte, from the top) finds the
-  k-th largest key, and one more pass writes the rows of the keys at or above it. Keys past the position are
-  never read, so the indexer need not write them (`indexer_order_keys(fill_past=False)`).
-- `cache_rows`: one program per (token, 1024 columns): logical positions (decoded from the selected ordering
-  keys, or every position up to the token's own) looked up in the block tables -> cache rows, -1 for none.
-- `sparse_mla`: split-K flash decoding. Program (token, head block, split) walks its share of the token's
-  selected rows in tiles: gathers the latent rows (dequantising FP8 per 128 values in registers) and the rope
-  keys, scores `q_latent . latent + q_rope . rope`, keeps an online softmax, and accumulates the weighted
-  latents; a second kernel merges the splits (with one split, as in a prefill, the kernel normalises and
-  writes the output itself). The keys `[K, heads, 256]` are never formed.
-- `head_matmul`: absorbed MLA's per-head projections of a few tokens (`q_nope @ W_UK`, the weighted latent @
-  `W_UV^T`). Program (head, block of output columns) streams its slice of the head's weight once, through
-  `tl.dot` against all the tokens (padded to 16), float32 accumulation; enough column blocks to give every
-  multiprocessor two programs, so the weights are read at full bandwidth and in one pass (no split-K).
+- `indexer_order_keys`: tiles of (consecutive tokens, a run of cache blocks). Per block it reads the
+  block's 64 indexer keys straight from the cache (FP8 or bf16), scores them against the query heads
+  of every token of the tile with one `tl.dot` (`[64, d] x [d, tokens * heads]`), relu, weighted sum
+  over each token's heads, times the key's scale, and writes the ordering keys (`order_keys`) of its
+  64 positions for each token, -inf past the token's position. Blocks past every token of the tile
+  are written -inf without a load, or (`fill_past=False`) not at all. A tile whose tokens belong to
+  several sequences (other block tables) goes token by token. Decode steps take tiles of one token
+  and one block; prefill chunks share each key load among 4 tokens (`INDEXER_PREFILL_TILES`).
+  Program (token tile, j) takes the block tiles j, j + P, j + 2P, ... (P by the shape,
+  `indexer_programs`): up to the table's end, or without `fill_past` up to its tokens' largest
+  position, so tables as wide as max_model_len (CUDA graphs) cost programs by the GPU's size, not by
+  the table's width.
+- `topk_rows`: the indexer's top-k for a few tokens (decode), bounded by each token's own position,
+  not by the block tables' width: one program per token. Up to k visible positions it writes their
+  rows at once; past that, a radix select over the visible keys' 8 bytes (a 256-bin histogram per
+  byte, from the top) finds the k-th largest key, and one more pass writes the rows of the keys at
+  or above it. Keys past the position are never read, so the indexer need not write them
+  (`indexer_order_keys(fill_past=False)`).
+- `cache_rows`: one program per (token, 1024 columns): logical positions (decoded from the selected
+  ordering keys, or every position up to the token's own) looked up in the block tables -> cache
+  rows, -1 for none.
+- `sparse_mla`: split-K flash decoding. Program (token, head block, split) walks its share of the
+  token's selected rows in tiles: gathers the latent rows (dequantising FP8 per 128 values in
+  registers) and the rope keys, scores `q_latent . latent + q_rope . rope`, keeps an online softmax,
+  and accumulates the weighted latents; a second kernel merges the splits (with one split, as in a
+  prefill, the kernel normalises and writes the output itself). The keys `[K, heads, 256]`
+  are never formed.
+- `head_matmul`: absorbed MLA's per-head projections of a few tokens (`q_nope @ W_UK`, the weighted
+  latent @ `W_UV^T`). Program (head, block of output columns) streams its slice of the head's weight
+  once, through `tl.dot` against all the tokens (padded to 16), float32 accumulation; enough column
+  blocks to give every multiprocessor two programs, so the weights are read at full bandwidth and in
+  one pass (no split-K).
 
-Every offset that multiplies a token, sequence, head or cache-row index by a size is int64 (256 tokens x a
-32k context of int64 ordering keys, or a cache of millions of rows, pass 2**31 elements).
+Every offset that multiplies a token, sequence, head or cache-row index by a size is int64 (256
+tokens x a 32k context of int64 ordering keys, or a cache of millions of rows, pass 2**31 elements).
 
-Shapes depend only on the inputs' shapes and nothing is read back to the host, so all can be captured in
-a CUDA graph.
+Shapes depend only on the inputs' shapes and nothing is read back to the host, so all can be
+captured in a CUDA graph.
 """
 
 import torch
@@ -92,10 +97,11 @@ def _index_block(
     TOKENS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """Ordering keys `[BLOCK, TOKENS]` of logical block `block` of one sequence (its block table row at
-    `table_ptr`) for TOKENS of its tokens: q `[TOKENS * BLOCK_H, DIM]` (row t * BLOCK_H + h: token t's head h,
-    zero for padded heads), weights `[TOKENS * BLOCK_H]`, positions `[TOKENS]`. Rows past every position are
-    masked loads (they read nothing); each token's positions past its own get -inf."""
+    """Ordering keys `[BLOCK, TOKENS]` of logical block `block` of one sequence (its block table row
+    at `table_ptr`) for TOKENS of its tokens: q `[TOKENS * BLOCK_H, DIM]` (row t * BLOCK_H + h:
+    token t's head h, zero for padded heads), weights `[TOKENS * BLOCK_H]`, positions `[TOKENS]`.
+    Rows past every position are masked loads (they read nothing); each token's positions past its
+    own get -inf."""
     offsets = block * BLOCK + tl.arange(0, BLOCK)  # logical positions of this block
     seen = offsets <= tl.max(position)
     physical = tl.load(table_ptr + block).to(tl.int64)
@@ -134,9 +140,9 @@ def _index_tokens(
     BLOCK_H: tl.constexpr,
     FILL_PAST: tl.constexpr,
 ):
-    """Writes the ordering keys of blocks first_block .. end_block - 1 for TOKENS tokens `[TOKENS]` of one
-    sequence (those where `write`), as `_index_block`; blocks past every position are -inf without a load
-    (FILL_PAST), or not written at all."""
+    """Writes the ordering keys of blocks first_block .. end_block - 1 for TOKENS tokens `[TOKENS]`
+    of one sequence (those where `write`), as `_index_block`; blocks past every position are -inf
+    without a load (FILL_PAST), or not written at all."""
     live_end = tl.minimum(end_block, tl.max(position) // BLOCK + 1)
     for block in range(first_block, live_end):
         keys = _index_block(
@@ -193,9 +199,10 @@ def _index_tiles(
     BLOCK_H: tl.constexpr,
     FILL_PAST: tl.constexpr,
 ):
-    """`_index_tokens` over the tiles of BLOCKS blocks first_tile, first_tile + tile_step, ...: up to the table's
-    last (FILL_PAST), or to the tile holding the largest of the tokens' positions (the loop's bound is read
-    from device memory, so a program past every position runs no iteration and nothing goes to the host)."""
+    """`_index_tokens` over the tiles of BLOCKS blocks first_tile, first_tile + tile_step, ...: up
+    to the table's last (FILL_PAST), or to the tile holding the largest of the tokens' positions
+    (the loop's bound is read from device memory, so a program past every position runs no iteration
+    and nothing goes to the host)."""
     end_tile = tl.cdiv(max_blocks, BLOCKS)
     if not FILL_PAST:
         end_tile = tl.minimum(end_tile, (tl.max(position) // (BLOCK * BLOCKS) + 1).to(tl.int32))
@@ -338,9 +345,9 @@ def _indexer_kernel(
 
 
 def indexer_tiles(n: int, max_blocks: int) -> tuple[int, int, int, int]:
-    """The indexer's tiles for n tokens over tables of max_blocks blocks: `INDEXER_DECODE_TILES` below
-    `INDEXER_TILE_MIN_TOKENS` tokens, else `INDEXER_PREFILL_TILES` (with one block per tile while that leaves
-    fewer than `INDEXER_MIN_PROGRAMS` tiles)."""
+    """The indexer's tiles for n tokens over tables of max_blocks blocks: `INDEXER_DECODE_TILES`
+    below `INDEXER_TILE_MIN_TOKENS` tokens, else `INDEXER_PREFILL_TILES` (with one block per tile
+    while that leaves fewer than `INDEXER_MIN_PROGRAMS` tiles)."""
     tiles = INDEXER_DECODE_TILES if n < INDEXER_TILE_MIN_TOKENS else INDEXER_PREFILL_TILES
     tokens, blocks = tiles[:2]
     if triton.cdiv(n, tokens) * triton.cdiv(max_blocks, blocks) < INDEXER_MIN_PROGRAMS:
@@ -349,18 +356,20 @@ def indexer_tiles(n: int, max_blocks: int) -> tuple[int, int, int, int]:
 
 
 def indexer_programs(token_tiles: int, block_tiles: int) -> int:
-    """The indexer's programs per tile of tokens (the grid's second dimension) for `token_tiles` tiles of
-    tokens over tables of `block_tiles` tiles of blocks: at least `NUM_SMS_TARGET`, so that one sequence much
-    longer than the others of its step still spreads its keys over every multiprocessor (at 128k positions
-    each of its programs takes 8 decode tiles), and at least `INDEXER_MIN_PROGRAMS` in all; never more than
-    the tiles there are (so up to NUM_SMS_TARGET tiles, one program per tile, the loop taken once).
+    """The indexer's programs per tile of tokens (the grid's second dimension) for `token_tiles`
+    tiles of tokens over tables of `block_tiles` tiles of blocks: at least `NUM_SMS_TARGET`, so that
+    one sequence much longer than the others of its step still spreads its keys over every
+    multiprocessor (at 128k positions each of its programs takes 8 decode tiles), and at least
+    `INDEXER_MIN_PROGRAMS` in all; never more than the tiles there are (so up to NUM_SMS_TARGET
+    tiles, one program per tile, the loop taken once).
 
-    A function of the shapes alone, never of the positions: the tiles a step needs follow its positions,
-    which live on the device; reading them would stall the host at every layer and could not be captured, and
-    a CUDA graph replays the grid of its capture at every context (the engine's graphs take tables as wide as
-    max_model_len). Each program instead walks its tiles up to its tokens' largest position, a bound it loads
-    itself, and the programs past every position return at once. 32 decode tokens take 8,448 programs at
-    any width, where a program per tile of the table took 65,536 at 128k positions and 762,592 at 1.5 M."""
+    A function of the shapes alone, never of the positions: the tiles a step needs follow its
+    positions, which live on the device; reading them would stall the host at every layer and could
+    not be captured, and a CUDA graph replays the grid of its capture at every context (the engine's
+    graphs take tables as wide as max_model_len). Each program instead walks its tiles up to its
+    tokens' largest position, a bound it loads itself, and the programs past every position return
+    at once. 32 decode tokens take 8,448 programs at any width, where a program per tile of the
+    table took 65,536 at 128k positions and 762,592 at 1.5 M."""
     return min(block_tiles, max(NUM_SMS_TARGET, triton.cdiv(INDEXER_MIN_PROGRAMS, token_tiles)))
 
 
@@ -376,11 +385,11 @@ def indexer_order_keys(
     fill_past: bool = True,
     programs: int | None = None,
 ) -> torch.Tensor:
-    """As `indexer_order_keys_torch`: q `[N, h, d]`, weights `[N, h]` float32 -> keys `[N, max_blocks * B]`
-    (not `fill_past`: the keys past each token's position are left unwritten, for `topk_rows`).
-    tiles: (tokens per tile, cache blocks per tile, num_warps, num_stages), by default `indexer_tiles`.
-    programs: programs per tile of tokens, each taking every programs-th tile of blocks; by default
-    `indexer_programs` of the shape."""
+    """As `indexer_order_keys_torch`: q `[N, h, d]`, weights `[N, h]` float32 -> keys
+    `[N, max_blocks * B]` (not `fill_past`: the keys past each token's position are left unwritten,
+    for `topk_rows`). tiles: (tokens per tile, cache blocks per tile, num_warps, num_stages), by
+    default `indexer_tiles`. programs: programs per tile of tokens, each taking every programs-th
+    tile of blocks; by default `indexer_programs` of the shape."""
     n, heads, dim = q.shape
     max_blocks = block_tables.shape[1]
     out = torch.empty(n, max_blocks * block_size, dtype=torch.int64, device=q.device)
@@ -517,9 +526,10 @@ def topk_rows(
     positions: torch.Tensor,
     block_size: int,
 ) -> torch.Tensor:
-    """As `rows_of_best(keys, topk, ...)` for keys `[N, L]` (L > topk) of which only those up to each token's
-    position are read -> cache rows `[N, topk]` int64 in no particular order, -1 past the visible positions
-    (and for keys of -inf scores). Work per token grows with its position, not with L."""
+    """As `rows_of_best(keys, topk, ...)` for keys `[N, L]` (L > topk) of which only those up to
+    each token's position are read -> cache rows `[N, topk]` int64 in no particular order, -1 past
+    the visible positions (and for keys of -inf scores). Work per token grows with its
+    position, not with L."""
     n, width = keys.shape
     if width <= topk or keys.stride(1) != 1:
         raise ValueError(
@@ -588,8 +598,8 @@ def cache_rows(
     positions: torch.Tensor | None,
     block_size: int,
 ) -> torch.Tensor:
-    """As `cache_rows_torch`, in one launch: best `[N, k]` int64 ordering keys (or None: every position) ->
-    cache rows `[N, k]` (`[N, max_blocks * B]`) int64."""
+    """As `cache_rows_torch`, in one launch: best `[N, k]` int64 ordering keys (or None: every
+    position) -> cache rows `[N, k]` (`[N, max_blocks * B]`) int64."""
     n = seq_index.shape[0]
     width = block_tables.shape[1] * block_size if best is None else best.shape[1]
     out = torch.empty(n, width, dtype=torch.int64, device=seq_index.device)
@@ -750,10 +760,12 @@ def sparse_mla(
     scale: float,
     tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """As `sparse_mla_torch`: q_latent `[N, h, c]`, q_rope `[N, h, r]` (bf16 / fp16), rows `[N, k]` int64
-    -> `[N, h, c]` in q's dtype. tiles: (heads per tile, rows per tile, num_warps, num_stages), by default
-    chosen by the shape: `DECODE_TILES` while the decode tiles leave programs to fill with splits of the rows
-    (N * ceil(h / 16) < NUM_SMS_TARGET), else `PREFILL_TILES`; see those for the measured numbers."""
+    """As `sparse_mla_torch`: q_latent `[N, h, c]`, q_rope `[N, h, r]` (bf16 / fp16),
+    rows `[N, k]` int64
+    -> `[N, h, c]` in q's dtype. tiles: (heads per tile, rows per tile, num_warps, num_stages), by
+    default chosen by the shape: `DECODE_TILES` while the decode tiles leave programs to fill with
+    splits of the rows (N * ceil(h / 16) < NUM_SMS_TARGET), else `PREFILL_TILES`; see those for the
+    measured numbers."""
     n, heads, latent_dim = q_latent.shape
     rope_dim, topk = q_rope.shape[2], rows.shape[1]
     if tiles is None:
@@ -883,9 +895,10 @@ def _head_matmul_kernel(
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """As `head_matmul_torch`: x `[N, h, k]` (N <= `HEAD_MATMUL_TOKENS`, unit-stride last dim), w `[h, k, m]` (any
-    strides: a view of kv_b_proj's weight, transposed or not), both bf16 / fp16 -> `[N, h, m]` contiguous in x's
-    dtype. Column blocks of 64, 32 or 16: the widest that still makes `NUM_SMS_TARGET` programs."""
+    """As `head_matmul_torch`: x `[N, h, k]` (N <= `HEAD_MATMUL_TOKENS`, unit-stride last dim), w
+    `[h, k, m]` (any strides: a view of kv_b_proj's weight, transposed or not), both bf16 / fp16 ->
+    `[N, h, m]` contiguous in x's dtype. Column blocks of 64, 32 or 16: the widest that still makes
+    `NUM_SMS_TARGET` programs."""
     n, heads, depth = x.shape
     width = w.shape[2]
     if (
@@ -895,9 +908,9 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         or w.dtype != x.dtype
     ):
         raise ValueError(
-            f"head_matmul needs x [N <= {HEAD_MATMUL_TOKENS}, h, k] with a unit-stride last dim and w "
-            f"[h, k, m] of its dtype; got x {tuple(x.shape)} strides {x.stride()} {x.dtype}, w "
-            f"{tuple(w.shape)} {w.dtype}"
+            f"head_matmul needs x [N <= {HEAD_MATMUL_TOKENS}, h, k] with a unit-stride last dim "
+            f"and w [h, k, m] of its dtype; got x {tuple(x.shape)} strides {x.stride()} {x.dtype}, "
+            f"w {tuple(w.shape)} {w.dtype}"
         )
     out = torch.empty(n, heads, width, dtype=x.dtype, device=x.device)
     if n == 0:

@@ -1,18 +1,18 @@
-"""The paged KV cache's tensors: one pool of blocks per attention layer (the MTP layer's included), sized from
-a byte budget, and the per-step view that attention reads and writes (`PagedCacheView`: the cache stores
-and hands out rows; attention's own code writes them, `layers/paged_rows.py`).
+"""The paged KV cache's tensors: one pool of blocks per attention layer (the MTP layer's included),
+sized from a byte budget, and the per-step view that attention reads and writes (`PagedCacheView`:
+the cache stores and hands out rows; attention's own code writes them, `layers/paged_rows.py`).
 
 Per token and attention layer (R rows = (num_blocks + 1) * BLOCK_SIZE; see `PagedLayerCache`):
 
     kv_cache_dtype "auto": latent [c] + rope key [r] in the model dtype; indexer key [d] likewise
     kv_cache_dtype "fp8":  latent [c] e4m3 + c/128 float32 scales, rope key [r] in the model dtype,
-                           indexer key [d] e4m3 + 1 float32 scale (Hadamard-rotated by the indexer, as
-                           its FP8 queries are: `hadamard_rotate`)
+                           indexer key [d] e4m3 + 1 float32 scale (Hadamard-rotated by the
+                           indexer, as its FP8 queries are: `hadamard_rotate`)
     (GLM-5.2 in bf16 with fp8: 512 + 4 * 4 + 64 * 2 = 656 B, plus 128 + 4 B on indexer layers)
 
-The block manager hands out blocks 0 .. num_blocks - 1. The extra last block, `scratch_block`, belongs to no
-sequence: the pad rows of a CUDA-graph step write there and pad block-table entries point there, so every
-index is a valid row and no kernel needs a bounds check or a host sync.
+The block manager hands out blocks 0 .. num_blocks - 1. The extra last block, `scratch_block`,
+belongs to no sequence: the pad rows of a CUDA-graph step write there and pad block-table entries
+point there, so every index is a valid row and no kernel needs a bounds check or a host sync.
 """
 
 from dataclasses import dataclass
@@ -32,7 +32,8 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.8  # of the free GPU memory once the weights 
 def cache_budget_bytes(
     device: torch.device | str, gib: float | None = None, memory_fraction: float | None = None
 ) -> int:
-    """The cache's byte budget: `gib` GiB, or `memory_fraction` of the device's free memory (CUDA only)."""
+    """The cache's byte budget: `gib` GiB, or `memory_fraction` of the device's free memory
+    (CUDA only)."""
     if (gib is None) == (memory_fraction is None):
         raise ValueError(
             f"give the KV cache budget as exactly one of GiB or a fraction of free memory, got "
@@ -72,7 +73,8 @@ def field_widths(
 def token_bytes(
     cfg: ModelConfig, layers: dict[int, bool], dtype: torch.dtype, kv_cache_dtype: str
 ) -> int:
-    """Cache bytes one token takes over `layers` (attention layer index -> whether it runs the indexer)."""
+    """Cache bytes one token takes over `layers` (attention layer index -> whether it runs
+    the indexer)."""
     return sum(
         width * field_dtype.itemsize
         for has_indexer in layers.values()
@@ -98,9 +100,9 @@ def check_paged_budget(
     device: str,
     longest: int,
 ) -> None:
-    """Before anything is allocated: a one-line error unless the options make a valid budget, the budget holds
-    a block of every layer, and (a budget in GiB) the longest sequence (`longest` tokens with its new tokens
-    and drafts) fits the whole cache."""
+    """Before anything is allocated: a one-line error unless the options make a valid budget, the
+    budget holds a block of every layer, and (a budget in GiB) the longest sequence (`longest`
+    tokens with its new tokens and drafts) fits the whole cache."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
             f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
@@ -115,7 +117,8 @@ def check_paged_budget(
         )
     if memory_fraction is not None and (device != "cuda" or not 0 < memory_fraction <= 1):
         raise ValueError(
-            f"--gpu-memory-utilization needs --device cuda and a fraction in (0, 1], got {memory_fraction} on {device}"
+            "--gpu-memory-utilization needs --device cuda and a fraction in (0, 1], got "
+            f"{memory_fraction} on {device}"
         )
     if gib is None:
         return
@@ -125,8 +128,9 @@ def check_paged_budget(
     blocks = int(gib * 2**30) // (per_token * BLOCK_SIZE)
     if blocks < 1:
         raise ValueError(
-            f"--kv-cache-memory {gib} GiB holds no block: one block of {BLOCK_SIZE} tokens in each of "
-            f"the {len(model_layers(cfg, with_mtp))} attention layers takes {per_token * BLOCK_SIZE} B"
+            f"--kv-cache-memory {gib} GiB holds no block: one block of {BLOCK_SIZE} tokens in each "
+            f"of the {len(model_layers(cfg, with_mtp))} attention layers takes "
+            f"{per_token * BLOCK_SIZE} B"
         )
     check_sequence_fits(
         longest, blocks * BLOCK_SIZE, f"--kv-cache-memory {gib} GiB", "--kv-cache-memory"
@@ -150,12 +154,13 @@ def check_fp8_widths(cfg: ModelConfig, with_indexer: bool) -> None:
 
 
 def check_sequence_fits(longest: int, capacity_tokens: int, budget: str, flag: str) -> None:
-    """Raise unless a sequence of `longest` positions fits a cache of `capacity_tokens` tokens in all, sized by
-    `budget` (what the message says of it) from option `flag`."""
+    """Raise unless a sequence of `longest` positions fits a cache of `capacity_tokens` tokens in
+    all, sized by `budget` (what the message says of it) from option `flag`."""
     if longest > capacity_tokens:
         raise ValueError(
-            f"a sequence needs {longest} KV cache positions (prompt, new tokens and drafts); {budget} holds "
-            f"{capacity_tokens} tokens in all: raise {flag} or ask for fewer positions with --max-model-len"
+            f"a sequence needs {longest} KV cache positions (prompt, new tokens and drafts); "
+            f"{budget} holds {capacity_tokens} tokens in all: raise {flag} or ask for fewer "
+            "positions with --max-model-len"
         )
 
 
@@ -167,10 +172,11 @@ def build_paged_cache(
     default_seqs: int,
     longest: int,
 ) -> "PagedKVCache":
-    """The paged cache sized from `gib` GiB, else `memory_fraction` of the free GPU memory; with neither, on
-    CUDA `DEFAULT_GPU_MEMORY_UTILIZATION` of it, on CPU room for `default_seqs` sequences of `longest`
-    tokens, each in its own blocks. A share of the free memory, known only now, must hold a sequence of
-    `longest` positions (`check_paged_budget` checked the other budgets before any rank started)."""
+    """The paged cache sized from `gib` GiB, else `memory_fraction` of the free GPU memory; with
+    neither, on CUDA `DEFAULT_GPU_MEMORY_UTILIZATION` of it, on CPU room for `default_seqs`
+    sequences of `longest` tokens, each in its own blocks. A share of the free memory, known only
+    now, must hold a sequence of `longest` positions (`check_paged_budget` checked the other budgets
+    before any rank started)."""
     cfg, layers, dtype, device = cache_layout(model)
     if gib is None and memory_fraction is None:
         if device.type == "cuda":
@@ -182,18 +188,22 @@ def build_paged_cache(
     budget = cache_budget_bytes(device, gib, memory_fraction)
     cache = PagedKVCache(cfg, layers, budget, dtype, device, kv_cache_dtype)
     if gib is None:
-        said = f"--gpu-memory-utilization {memory_fraction} ({budget / 2**30:.2f} GiB of this GPU's free memory)"
+        said = (
+            f"--gpu-memory-utilization {memory_fraction} ({budget / 2**30:.2f} GiB of this "
+            "GPU's free memory)"
+        )
         check_sequence_fits(longest, cache.capacity_tokens, said, "--gpu-memory-utilization")
     return cache
 
 
 def check_room(block_tables: list[list[int]], starts: list[int], lens: list[int]) -> None:
-    """Raise unless each sequence's blocks hold the `lens[i]` positions it writes from `starts[i]` (past them a
-    kernel would write through a padded or stale table entry)."""
+    """Raise unless each sequence's blocks hold the `lens[i]` positions it writes from `starts[i]`
+    (past them a kernel would write through a padded or stale table entry)."""
     for i, (table, start, n) in enumerate(zip(block_tables, starts, lens)):
         if start + n > len(table) * BLOCK_SIZE:
             raise ValueError(
-                f"sequence {i} needs {start + n} positions; its {len(table)} blocks hold {len(table) * BLOCK_SIZE}"
+                f"sequence {i} needs {start + n} positions; its {len(table)} blocks hold "
+                f"{len(table) * BLOCK_SIZE}"
             )
 
 
@@ -207,8 +217,8 @@ class PagedKVCache:
         device: torch.device | str,
         kv_cache_dtype: str = "auto",
     ):
-        """layers: attention layer index -> whether it runs the indexer. As many blocks as `budget_bytes`
-        holds (the scratch block comes on top)."""
+        """layers: attention layer index -> whether it runs the indexer. As many blocks as
+        `budget_bytes` holds (the scratch block comes on top)."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
@@ -222,8 +232,8 @@ class PagedKVCache:
         block_bytes = self.bytes_per_token * BLOCK_SIZE
         if budget_bytes < block_bytes:
             raise ValueError(
-                f"the KV cache needs at least {block_bytes} bytes for one block of each of {len(layers)} "
-                f"layers, got {budget_bytes}"
+                f"the KV cache needs at least {block_bytes} bytes for one block of each of "
+                f"{len(layers)} layers, got {budget_bytes}"
             )
         self.num_blocks = budget_bytes // block_bytes
         self.scratch_block = self.num_blocks
@@ -236,7 +246,8 @@ class PagedKVCache:
     def for_model(
         cls, model: nn.Module, budget_bytes: int, kv_cache_dtype: str = "auto"
     ) -> "PagedKVCache":
-        """A cache for every attention layer in `model` (the MTP layer's included), in the model's dtype."""
+        """A cache for every attention layer in `model` (the MTP layer's included), in the
+        model's dtype."""
         cfg, layers, dtype, device = cache_layout(model)
         return cls(cfg, layers, budget_bytes, dtype, device, kv_cache_dtype)
 
@@ -291,8 +302,8 @@ class PagedKVCache:
     def view(
         self, block_tables: list[list[int]], starts: list[int], lens: list[int]
     ) -> "PagedCacheView":
-        """One forward in which sequence i (blocks `block_tables[i]`, `starts[i]` tokens already cached) adds
-        `lens[i]` new tokens at positions `starts[i] ...`, laid end to end."""
+        """One forward in which sequence i (blocks `block_tables[i]`, `starts[i]` tokens already
+        cached) adds `lens[i]` new tokens at positions `starts[i] ...`, laid end to end."""
         check_room(block_tables, starts, lens)
         # an empty batch (a DP rank in step): [0, 1]
         width = max((len(t) for t in block_tables), default=1)
@@ -301,8 +312,9 @@ class PagedKVCache:
         ).view(len(block_tables), width)
         if tables.numel() and not (0 <= tables.min() and tables.max() <= self.scratch_block):
             raise ValueError(  # a kernel would read or write outside the cache
-                f"block ids must be in [0, {self.scratch_block}] (the cache's {self.num_blocks} blocks and its "
-                f"scratch block), got {tables.min().item()} .. {tables.max().item()}"
+                f"block ids must be in [0, {self.scratch_block}] (the cache's {self.num_blocks} "
+                f"blocks and its scratch block), got {tables.min().item()} .. "
+                f"{tables.max().item()}"
             )
         seq_index = torch.repeat_interleave(
             torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long)
@@ -318,10 +330,10 @@ class PagedKVCache:
     def decode_view(
         self, block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor
     ) -> "PagedCacheView":
-        """A view built on the device from block_tables `[S, max_blocks]` int32 (pad entries: `scratch_block`),
-        seq_index and positions `[N]` int64. Shapes depend on N, S and max_blocks alone and nothing is read back
-        to the host, so a CUDA graph can capture it. A pad row: a sequence whose table is all `scratch_block`,
-        at position 0."""
+        """A view built on the device from block_tables `[S, max_blocks]` int32 (pad entries:
+        `scratch_block`), seq_index and positions `[N]` int64. Shapes depend on N, S and max_blocks
+        alone and nothing is read back to the host, so a CUDA graph can capture it. A pad row: a
+        sequence whose table is all `scratch_block`, at position 0."""
         blocks = (
             block_tables.long()[seq_index].gather(1, (positions // BLOCK_SIZE)[:, None]).squeeze(1)
         )

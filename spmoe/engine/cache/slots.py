@@ -2,12 +2,14 @@
 
 Per token and attention layer it keeps what attention reads back on later steps:
 
-- "mla": the normed compressed latent with the rotated rope key, `kv_lora_rank + qk_rope_head_dim` values;
+- "mla": the normed compressed latent with the rotated rope key, `kv_lora_rank +
+  qk_rope_head_dim` values;
 - "indexer": on layers that run the DSA indexer, the indexer's key, `index_head_dim` values.
 
-Both are replicated on every TP rank (MLA's latent is shared by all heads, the indexer is replicated).
-Buffers are flat `[(max_seqs + 1) * max_len, width]`; slot s owns rows `[s * max_len, (s + 1) * max_len)`.
-The extra slot, `scratch_slot`, is never allocated: the pad rows of a CUDA-graph decode step write there.
+Both are replicated on every TP rank (MLA's latent is shared by all heads, the indexer is
+replicated). Buffers are flat `[(max_seqs + 1) * max_len, width]`; slot s owns rows
+`[s * max_len, (s + 1) * max_len)`. The extra slot, `scratch_slot`, is never allocated: the pad rows
+of a CUDA-graph decode step write there.
 """
 
 from dataclasses import dataclass
@@ -28,8 +30,9 @@ def _kinds(has_indexer: bool) -> tuple[str, ...]:
 
 @dataclass
 class CacheView:
-    """The cache as one forward sees it: N new tokens (written at `write_index` `[N]`) attend K keys (read
-    at `read_index` `[K]`). `positions` `[N]` are the new tokens' positions, `allowed` `[N, K]` bool."""
+    """The cache as one forward sees it: N new tokens (written at `write_index` `[N]`) attend K keys
+    (read at `read_index` `[K]`). `positions` `[N]` are the new tokens' positions, `allowed`
+    `[N, K]` bool."""
 
     buffers: dict[int, dict[str, torch.Tensor]]
     write_index: torch.Tensor
@@ -38,7 +41,8 @@ class CacheView:
     allowed: torch.Tensor
 
     def store_and_read(self, layer: int, kind: str, new: torch.Tensor) -> torch.Tensor:
-        """new `[N, w]` -> `[K, w]`: write this forward's rows, then read every key the batch attends."""
+        """new `[N, w]` -> `[K, w]`: write this forward's rows, then read every key the
+        batch attends."""
         buffer = self.buffers[layer][kind]
         buffer.index_copy_(0, self.write_index, new)
         return buffer[self.read_index]
@@ -54,8 +58,8 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        """layers: attention layer index -> whether it runs the indexer. Room for `max_seqs` sequences of up
-        to `max_len` tokens each."""
+        """layers: attention layer index -> whether it runs the indexer. Room for `max_seqs`
+        sequences of up to `max_len` tokens each."""
         if max_seqs < 1 or max_len < 1:
             raise ValueError(
                 f"the KV cache needs max_seqs >= 1 and max_len >= 1, got {max_seqs} and {max_len}"
@@ -83,8 +87,8 @@ class KVCache:
     def size_bytes(
         cfg: ModelConfig, layers: dict[int, bool], max_seqs: int, max_len: int, dtype: torch.dtype
     ) -> int:
-        """The bytes a cache with these arguments allocates on each rank (scratch slot included), computed
-        without allocating."""
+        """The bytes a cache with these arguments allocates on each rank (scratch slot included),
+        computed without allocating."""
         widths = _widths(cfg)
         per_token = sum(
             widths[kind] for has_indexer in layers.values() for kind in _kinds(has_indexer)
@@ -104,7 +108,8 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model: nn.Module, max_seqs: int, max_len: int) -> "KVCache":
-        """A cache for every attention layer in `model` (the MTP layer's included), in the model's dtype."""
+        """A cache for every attention layer in `model` (the MTP layer's included), in the
+        model's dtype."""
         cfg, layers, dtype, device = cache_layout(model)
         return cls(cfg, layers, max_seqs, max_len, dtype, device)
 
@@ -128,8 +133,8 @@ class KVCache:
         self._free.append(slot)
 
     def view(self, slots: list[int], starts: list[int], lens: list[int]) -> CacheView:
-        """One forward in which sequence i (slot `slots[i]`, `starts[i]` tokens already cached) adds `lens[i]`
-        new tokens at positions `starts[i] ...`."""
+        """One forward in which sequence i (slot `slots[i]`, `starts[i]` tokens already cached) adds
+        `lens[i]` new tokens at positions `starts[i] ...`."""
         device = self.device
         for slot, start, n in zip(slots, starts, lens):
             if start + n > self.max_len:
@@ -162,10 +167,11 @@ class KVCache:
         )
 
     def decode_view(self, slots: torch.Tensor, positions: torch.Tensor) -> CacheView:
-        """One decode step built on the device from `slots` and `positions` `[B]` (int64): row i adds the token
-        at `positions[i]` to the sequence in slot `slots[i]`. Every shape depends on B alone and nothing is
-        read back to the host, so a CUDA graph can capture it; each row reads all `max_len` rows of its slot
-        (K = B * max_len) and `allowed` keeps positions <= its own."""
+        """One decode step built on the device from `slots` and `positions` `[B]` (int64): row i
+        adds the token at `positions[i]` to the sequence in slot `slots[i]`. Every shape depends on
+        B alone and nothing is read back to the host, so a CUDA graph can capture it; each row reads
+        all `max_len` rows of its slot (K = B * max_len) and `allowed` keeps
+        positions <= its own."""
         b, length = slots.shape[0], self.max_len
         offsets = torch.arange(length, device=slots.device)
         rows = torch.arange(b, device=slots.device)
@@ -181,7 +187,7 @@ class KVCache:
 def cache_layout(
     model: nn.Module,
 ) -> tuple[ModelConfig, dict[int, bool], torch.dtype, torch.device]:
-    """(config, attention layer index -> whether it runs the indexer, dtype, device) of the attention layers
-    `model` declares (`kv_cache_needs`: the MTP layer's included)."""
+    """(config, attention layer index -> whether it runs the indexer, dtype, device) of the
+    attention layers `model` declares (`kv_cache_needs`: the MTP layer's included)."""
     needs = model.kv_cache_needs()
     return model.cfg, {n.layer: n.index_key > 0 for n in needs}, needs[0].dtype, needs[0].device

@@ -1,1 +1,2 @@
-"""The forward on the model, eager or replayed from CUDA graphs, the choice of tokens, the drafter."""
+"""The forward on the model, eager or replayed from CUDA graphs, the choice of tokens,
+the drafter."""

@@ -2,27 +2,32 @@
 
 Per sequence and step:
 
-    target forward over [t, d1 .. dk] at positions p .. p+k  -> the target's draws y0 .. yk (`rejection.py`)
+    target forward over [t, d1 .. dk] at positions p .. p+k
+        -> the target's draws y0 .. yk (`rejection.py`)
     accept d1 .. da while d_j == y_(j-1); commit d1 .. da and y_a (a + 1 tokens)
-    MTP catch-up over the a + 1 verified positions, fed (next token, target post-norm hidden) -> draft d1'
-    k - 1 more MTP steps, each fed (the last slot's draft, its own post-norm hidden)    -> d2' .. dk'
+    MTP catch-up over the a + 1 verified positions, fed (next token, target post-norm hidden)
+        -> draft d1'
+    k - 1 more MTP steps, each fed (the last slot's draft, its own post-norm hidden)
+        -> d2' .. dk'
 
-A slot's draft is the MTP layer's own choice unless the context lookup leads it (`forced`): the chain
-then goes on from the lookup's token, so MTP's drafts extend the lookup's.
+A slot's draft is the MTP layer's own choice unless the context lookup leads it (`forced`): the
+chain then goes on from the lookup's token, so MTP's drafts extend the lookup's.
 
-A step whose drafts the context lookup makes alone (`speculator.py`) runs no MTP forward: the MTP rows
-of the positions it verified are owed to each sequence (`Owed`: the tokens after them and the target's
-hidden there, kept on the device), and written by one catch-up forward over all of them before the MTP
-layer next drafts for it, or when it ends, so that its next draft reads the same rows as if it had
-drafted every step (and its blocks join the prefix cache whole: `Sequence.written`). The rows owed in a
-step stay within the engine's token budget (`max_owed`), beyond which the MTP layer drafts that step.
+A step whose drafts the context lookup makes alone (`speculator.py`) runs no MTP forward: the MTP
+rows of the positions it verified are owed to each sequence (`Owed`: the tokens after them and the
+target's hidden there, kept on the device), and written by one catch-up forward over all of them
+before the MTP layer next drafts for it, or when it ends, so that its next draft reads the same rows
+as if it had drafted every step (and its blocks join the prefix cache whole: `Sequence.written`).
+The rows owed in a step stay within the engine's token budget (`max_owed`), beyond which the MTP
+layer drafts that step.
 
-Rejected positions need no rollback: a sequence's cached length only advances over verified tokens, and
-later writes overwrite the stale cache rows. Drafts are greedy (the drafter's q is one-hot); a sequence
-with a grammar drafts among the tokens its grammar allows (its grammar walks the drafts, then rolls
-back). After a replayed decode step without grammars (on every DP rank: `StepShape.draft_graph`) the
-drafter's CUDA graph runs; otherwise the eager drafter. Under DP every rank runs the draft step,
-even an empty one, and no rows are owed (the ranks would have to agree on skipping the MTP layer).
+Rejected positions need no rollback: a sequence's cached length only advances over verified tokens,
+and later writes overwrite the stale cache rows. Drafts are greedy (the drafter's q is one-hot); a
+sequence with a grammar drafts among the tokens its grammar allows (its grammar walks the drafts,
+then rolls back). After a replayed decode step without grammars (on every DP rank:
+`StepShape.draft_graph`) the drafter's CUDA graph runs; otherwise the eager drafter. Under DP every
+rank runs the draft step, even an empty one, and no rows are owed (the ranks would have to agree on
+skipping the MTP layer).
 """
 
 import torch
@@ -40,9 +45,9 @@ from spmoe.models.deepseek_v32.model import DeepseekV32ForCausalLM
 class MtpDrafter:
     """Drafts `k` tokens per sequence with the model's MTP layer.
     Its KV cache rows live in the engine's cache, under the MTP layer's index, in the same slots (or
-    blocks) as the target's. `graphs`: the engine's CUDA graphs (None: eager only); `keep_in_step`: run
-    the draft step even with nothing to draft (DP); `max_owed`: the most MTP rows the sequences of a
-    step may be owed (`defer`; 0: none)."""
+    blocks) as the target's. `graphs`: the engine's CUDA graphs (None: eager only); `keep_in_step`:
+    run the draft step even with nothing to draft (DP); `max_owed`: the most MTP rows the sequences
+    of a step may be owed (`defer`; 0: none)."""
 
     def __init__(
         self,
@@ -66,12 +71,12 @@ class MtpDrafter:
         results: list[PartResult],
         forced: dict[Sequence, list[int]],
     ) -> dict[Sequence, list[int]]:
-        """The MTP layer catches up on every position the target fed and kept: a prompt chunk only fills
-        its cache rows; a sequence that committed tokens and goes on gets its next drafts; one that ended
-        in the step its forks took its prompt's blocks fills the rows of its prompt (but the last
-        token's). `forced`: per sequence the lookup's drafts that lead its first slots. -> per sequence
-        that goes on (a fork: after it has fed), the MTP layer's own choice at each of its k slots.
-        The rows owed to the sequences that fed are written first."""
+        """The MTP layer catches up on every position the target fed and kept: a prompt chunk only
+        fills its cache rows; a sequence that committed tokens and goes on gets its next drafts; one
+        that ended in the step its forks took its prompt's blocks fills the rows of its prompt (but
+        the last token's). `forced`: per sequence the lookup's drafts that lead its first slots. ->
+        per sequence that goes on (a fork: after it has fed), the MTP layer's own choice at each of
+        its k slots. The rows owed to the sequences that fed are written first."""
         fed = [r for r in results if r.part.role is not Role.FORK]
         self._pay(fed)
         if forward.draft_graph:
@@ -125,9 +130,9 @@ class MtpDrafter:
         return rows <= self.max_owed
 
     def defer(self, forward: Forward, results: list[PartResult]) -> None:
-        """The step's drafts are the lookup's alone (`can_defer`): no MTP forward, but the rows of the
-        positions each sequence that goes on verified are owed to it (`Owed`, its hidden rows copied
-        out of `forward`); a sequence that ends is paid what it was owed before this step."""
+        """The step's drafts are the lookup's alone (`can_defer`): no MTP forward, but the rows of
+        the positions each sequence that goes on verified are owed to it (`Owed`, its hidden rows
+        copied out of `forward`); a sequence that ends is paid what it was owed before this step."""
         row = 0
         for result in results:
             seq = result.part.seq
@@ -160,7 +165,8 @@ class MtpDrafter:
 
     @staticmethod
     def _walks(result: PartResult) -> SequenceGrammar | None:
-        """The grammar that masks a sequence's drafts: that of one that drew and goes on, if it has one."""
+        """The grammar that masks a sequence's drafts: that of one that drew and goes on,
+        if it has one."""
         seq = result.part.seq
         drafting = result.part.draws and seq.status is Status.RUNNING
         return seq.grammar if drafting and seq.grammar is not None else None
@@ -169,8 +175,9 @@ class MtpDrafter:
         self, fed: list[PartResult], forced: dict[Sequence, list[int]]
     ) -> dict[Sequence, list[int]]:
         """The draft step after a replayed target step: the drafter's graph catches up on every fed
-        position (a sequence's committed tokens are the tokens after its verified ones) and drafts from
-        its last verified one; a sequence that stops gets none (its steps write the scratch room)."""
+        position (a sequence's committed tokens are the tokens after its verified ones) and drafts
+        from its last verified one; a sequence that stops gets none (its steps write the
+        scratch room)."""
         k, per_seq = self.k, 1 + self.k
         next_ids, last, starts = [], [], []
         for result in fed:
@@ -206,12 +213,12 @@ class MtpDrafter:
     ) -> list[list[int]]:
         """Catch up on the verified positions of each sequence, then draft.
 
-        Sequence i (cache room `locations[i]`: a slot, or a block table) has `len(next_ids[i])` verified
-        positions from `starts[i]` on; `next_ids[i]` holds the token after each of them and `hidden`
-        `[sum of lengths, H]` the target's post-norm hidden at each. `grammars`: per sequence the grammar
-        its drafts follow, or None (each grammar walks the drafts and is rolled back); `forced`: per
-        sequence the drafts of its first slots that the lookup leads (None: none). -> the MTP layer's
-        own choice at each of the k slots of each sequence."""
+        Sequence i (cache room `locations[i]`: a slot, or a block table) has `len(next_ids[i])`
+        verified positions from `starts[i]` on; `next_ids[i]` holds the token after each of them and
+        `hidden` `[sum of lengths, H]` the target's post-norm hidden at each. `grammars`: per
+        sequence the grammar its drafts follow, or None (each grammar walks the drafts and is rolled
+        back); `forced`: per sequence the drafts of its first slots that the lookup leads (None:
+        none). -> the MTP layer's own choice at each of the k slots of each sequence."""
         walk = _DraftWalk(grammars) if grammars is not None else None
         leads = torch.full((len(next_ids), self.k), -1, dtype=torch.long)
         for i, tokens in enumerate(forced or []):
@@ -248,8 +255,8 @@ class MtpDrafter:
         return torch.stack(own, dim=1).tolist()  # [S, k]: read back once
 
     def best(self, h: torch.Tensor, walk: "_DraftWalk | None") -> torch.Tensor:
-        """MTP post-norm hidden `[S, H]` -> each sequence's own choice `[S]`: the argmax of its draft
-        logits, among the tokens its grammar allows when it has one."""
+        """MTP post-norm hidden `[S, H]` -> each sequence's own choice `[S]`: the argmax of its
+        draft logits, among the tokens its grammar allows when it has one."""
         logits = self.model.compute_draft_logits(h)
         if walk is not None:
             walk.mask(logits)
@@ -257,8 +264,8 @@ class MtpDrafter:
 
     @staticmethod
     def _chosen(own: torch.Tensor, leads: torch.Tensor, walk: "_DraftWalk | None") -> torch.Tensor:
-        """A slot's drafts `[S]`: the lookup's where it leads (`leads` >= 0), else MTP's own choice; the
-        grammars walk over them."""
+        """A slot's drafts `[S]`: the lookup's where it leads (`leads` >= 0), else MTP's own choice;
+        the grammars walk over them."""
         tokens = torch.where(leads >= 0, leads, own)
         if walk is not None:
             walk.advance(tokens.tolist())
@@ -274,9 +281,9 @@ def _verified(result: PartResult) -> list[int]:
 
 
 class _DraftWalk:
-    """The grammars of the drafted sequences (None: no grammar) walked over each new draft, so that every
-    draft is the drafter's best among the tokens its grammar allows; `rewind` puts them back. A grammar
-    that refuses a draft (its row allowed nothing) or ends with one stops walking."""
+    """The grammars of the drafted sequences (None: no grammar) walked over each new draft, so that
+    every draft is the drafter's best among the tokens its grammar allows; `rewind` puts them back.
+    A grammar that refuses a draft (its row allowed nothing) or ends with one stops walking."""
 
     def __init__(self, grammars: list[SequenceGrammar | None]):
         self.grammars = grammars

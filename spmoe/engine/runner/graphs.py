@@ -1,46 +1,50 @@
-"""CUDA graphs for the decode step (one new token per live sequence, or with MTP speculation its token and its
-k drafts) and for any other step of up to 512 tokens (paged cache), SP on or off.
+"""CUDA graphs for the decode step (one new token per live sequence, or with MTP speculation its
+token and its k drafts) and for any other step of up to 512 tokens (paged cache), SP on or off.
 
-Launching a decode step's few hundred small kernels and collectives one by one costs more than running them
-at small batches. Instead the step (the model, then the LM head) is captured once per padded batch size B in
-`static_step.BATCH_SIZES` up to the engine's sequence count, and each decode step replays the smallest graph that fits.
-Pad sequences get token 0 at positions 0 .. T - 1 in the cache's scratch slot or block; they attend only
-themselves and their logits are dropped.
+Launching a decode step's few hundred small kernels and collectives one by one costs more than
+running them at small batches. Instead the step (the model, then the LM head) is captured once per
+padded batch size B in `static_step.BATCH_SIZES` up to the engine's sequence count, and each decode
+step replays the smallest graph that fits. Pad sequences get token 0 at positions 0 .. T - 1 in the
+cache's scratch slot or block; they attend only themselves and their logits are dropped.
 
-With speculation (k drafts) each sequence feeds T = 1 + k tokens at positions p .. p + k, laid out in
-sequence order (row b * T + j), and a second graph per B holds the MTP drafter's step (`draft_tokens`;
-`drafter.MtpDrafter` is its eager form): the catch-up over all B * T fed rows (a row past a sequence's
-last verified position writes an MTP cache row that a later write replaces before anything reads it, as the
-target's rejected rows do), then its k - 1 one-token steps, each fed the slot's draft: the context
-lookup's where it leads the sequence's draft (an input, -1 elsewhere), else the MTP layer's own choice.
-The host's work between the two replays is the choice of tokens (the sampler and the acceptance rule),
-which also says which row is each sequence's last verified one, and the lookup. Speculation by the
-lookup alone has no drafter graph: its decode graphs feed one token per sequence, and a step whose
-sequences have drafts (of varying counts) replays a mixed graph.
+With speculation (k drafts) each sequence feeds T = 1 + k tokens at positions p .. p + k, laid out
+in sequence order (row b * T + j), and a second graph per B holds the MTP drafter's step
+(`draft_tokens`; `drafter.MtpDrafter` is its eager form): the catch-up over all B * T fed rows (a
+row past a sequence's last verified position writes an MTP cache row that a later write replaces
+before anything reads it, as the target's rejected rows do), then its k - 1 one-token steps, each
+fed the slot's draft: the context lookup's where it leads the sequence's draft (an input, -1
+elsewhere), else the MTP layer's own choice. The host's work between the two replays is the choice
+of tokens (the sampler and the acceptance rule), which also says which row is each sequence's last
+verified one, and the lookup. Speculation by the lookup alone has no drafter graph: its decode
+graphs feed one token per sequence, and a step whose sequences have drafts (of varying counts)
+replays a mixed graph.
 
-Paged cache: any other step of N <= 512 fed tokens (a prompt chunk beside the decoding sequences, the next
-turn of a conversation whose history is cached, a speculative step whose sequences feed different counts)
-replays the mixed graph of the smallest captured size R >= N in `static_step.MIXED_TOKENS`. Its rows are laid end to
-end as the eager step lays them (sequence i's tokens at their positions, each row naming table row i), then
-R - N pad rows name the all-scratch table row, at positions within the scratch block. The graph holds the
-model only: the model runner computes the logits of the rows the step commits from after the replay, as it
-does after an eager step (a `[rows, V]` float32 output per graph would hold gigabytes across the sizes). Each
-row reads the cache by its own position and table, so it computes what the eager step computes. Longer steps
-run eagerly, as every step but decode does on the slot cache (its graph rows each read a whole slot).
+Paged cache: any other step of N <= 512 fed tokens (a prompt chunk beside the decoding sequences,
+the next turn of a conversation whose history is cached, a speculative step whose sequences feed
+different counts) replays the mixed graph of the smallest captured size R >= N in
+`static_step.MIXED_TOKENS`. Its rows are laid end to end as the eager step lays them (sequence i's
+tokens at their positions, each row naming table row i), then R - N pad rows name the all-scratch
+table row, at positions within the scratch block. The graph holds the model only: the model runner
+computes the logits of the rows the step commits from after the replay, as it does after an eager
+step (a `[rows, V]` float32 output per graph would hold gigabytes across the sizes). Each row reads
+the cache by its own position and table, so it computes what the eager step computes. Longer steps
+run eagerly, as every step but decode does on the slot cache (its graph rows each
+read a whole slot).
 
-Every graph is captured at start-up (largest first, the others share its memory pool), on every rank in the same
-order, so nothing is captured while serving; `captures` counts them.
+Every graph is captured at start-up (largest first, the others share its memory pool), on every rank
+in the same order, so nothing is captured while serving; `captures` counts them.
 
 - Slot cache: a row reads its slot's `max_len` positions.
-- Paged cache: the block tables are as wide as the longest sequence may need (`max_model_len` positions, at
-  most the whole cache), padded with the scratch block, so one graph serves every context length. The
-  kernels read each row's real position and table from device memory: the indexer loads and scores only the
-  blocks up to the row's position (the rest of its row are -inf keys, written without a load), `cache_rows`
-  and sparse MLA look up only the selected positions. Each step copies only the table columns its longest
-  sequence uses; stale entries beyond a row's own length are never read (every kernel masks positions past
-  the row's position), and a pad row's first entry is always the scratch block, where it writes. The
-  tables have one more row than sequences, all scratch: the drafter's steps of a sequence that stops this
-  step write there (its own table may hold no room past its last token).
+- Paged cache: the block tables are as wide as the longest sequence may need (`max_model_len`
+  positions, at most the whole cache), padded with the scratch block, so one graph serves every
+  context length. The kernels read each row's real position and table from device memory: the
+  indexer loads and scores only the blocks up to the row's position (the rest of its row are -inf
+  keys, written without a load), `cache_rows` and sparse MLA look up only the selected positions.
+  Each step copies only the table columns its longest sequence uses; stale entries beyond a row's
+  own length are never read (every kernel masks positions past the row's position), and a pad row's
+  first entry is always the scratch block, where it writes. The tables have one more row than
+  sequences, all scratch: the drafter's steps of a sequence that stops this step write there (its
+  own table may hold no room past its last token).
 
 Under DP every rank replays the same graph each step, since the expert dispatch spans them all:
 before any replay the ranks agree on the step's kind (decode, mixed or eager), its size and whether
@@ -116,10 +120,11 @@ class CapturedDraft:
 
 @dataclass
 class CapturedStep:
-    """A decode step of B sequences feeding T tokens each (N = B * T rows), or a mixed step of N rows over up to
-    B sequences."""
+    """A decode step of B sequences feeding T tokens each (N = B * T rows), or a mixed step of N
+    rows over up to B sequences."""
 
-    size: int  # B, the sequences it runs (pads included), or a mixed step's table rows but the scratch one
+    # B, the sequences it runs (pads included), or a mixed step's table rows but the scratch one
+    size: int
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [3, N] int64: token ids, where (slot cache: the row's slot; paged: its
     # sequence's row of block_tables), positions
@@ -144,17 +149,19 @@ class StepGraphs:
         drafts: int = 0,
         max_num_batched_tokens: int = 0,
     ):
-        """Captures one graph per size in `graph_sizes(max_num_seqs)` now (with `drafts` > 0 speculative
-        steps: each sequence feeds 1 + drafts tokens, and a drafter's graph per size too), then, paged, a mixed
-        step's per size in `mixed_sizes(max_num_batched_tokens)` (0: none), on every rank in the same order.
-        Paged cache: block tables of `table_width(cache, max_model_len)` blocks (None: the whole cache).
-        `on_capture(kind, size, index, count)` is called before each capture (progress output): kind "decode"
-        (size: B) or "mixed" (size: tokens), the index-th of count."""
+        """Captures one graph per size in `graph_sizes(max_num_seqs)` now (with `drafts` > 0
+        speculative steps: each sequence feeds 1 + drafts tokens, and a drafter's graph per size
+        too), then, paged, a mixed step's per size in `mixed_sizes(max_num_batched_tokens)` (0:
+        none), on every rank in the same order. Paged cache: block tables of
+        `table_width(cache, max_model_len)` blocks (None: the whole cache).
+        `on_capture(kind, size, index, count)` is called before each capture (progress output): kind
+        "decode" (size: B) or "mixed" (size: tokens), the index-th of count."""
         problems = deployment_problems(cache.device.type, model.parallel.ep_backend)
         capturable, experts = model.graph_capturable
         if not capturable:
             problems.append(
-                f"experts that never sync the host (got moe backend {experts!r}; bfloat16 on a GPU picks triton)"
+                f"experts that never sync the host (got moe backend {experts!r}; bfloat16 on a "
+                "GPU picks triton)"
             )
         if problems:
             raise ValueError("CUDA graphs for decode need " + "; ".join(problems))
@@ -195,8 +202,8 @@ class StepGraphs:
         )
 
     def fits_mixed(self, num_tokens: list[int]) -> bool:
-        """Whether a step whose sequences feed `num_tokens` each can replay a mixed graph: at most the largest
-        size's tokens over at most `max_num_seqs` sequences."""
+        """Whether a step whose sequences feed `num_tokens` each can replay a mixed graph: at most
+        the largest size's tokens over at most `max_num_seqs` sequences."""
         return 0 < len(num_tokens) <= self.max_num_seqs and 0 < sum(num_tokens) <= max(
             self.mixed, default=0
         )
@@ -268,8 +275,8 @@ class StepGraphs:
         )
 
     def _capture_mixed(self, tokens: int) -> None:
-        """The graph of a mixed step of up to `tokens` rows over up to min(tokens, max_num_seqs) sequences
-        (paged cache), captured with every row a pad row: the model, not the LM head."""
+        """The graph of a mixed step of up to `tokens` rows over up to min(tokens, max_num_seqs)
+        sequences (paged cache), captured with every row a pad row: the model, not the LM head."""
         device, count = self.cache.device, min(tokens, self.max_num_seqs)
         inputs = torch.tensor(mixed_rows([], [], tokens, count), device=device)
         tables = torch.full(
@@ -286,8 +293,8 @@ class StepGraphs:
         )
 
     def _warm(self, run) -> None:
-        """Run `run` once eagerly on a side stream before capturing it: compiles its kernels, sets up the
-        communicators."""
+        """Run `run` once eagerly on a side stream before capturing it: compiles its kernels, sets
+        up the communicators."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(side):
@@ -295,8 +302,9 @@ class StepGraphs:
         torch.cuda.current_stream().wait_stream(side)
 
     def _record(self, run) -> tuple[torch.cuda.CUDAGraph, object, CommStats]:
-        """Capture `run` into the memory pool all graphs share (one replays at a time) -> (the graph, what `run`
-        returned: its tensors are the graph's outputs, the collectives of one replay)."""
+        """Capture `run` into the memory pool all graphs share (one replays at a time) -> (the
+        graph, what `run` returned: its tensors are the graph's outputs, the collectives of
+        one replay)."""
         graph = torch.cuda.CUDAGraph()
         with (
             torch.no_grad(),
@@ -335,7 +343,8 @@ class StepGraphs:
         if not self.paged:
             if any(s + per_seq > self.cache.max_len for s in starts):
                 raise ValueError(
-                    f"a decode position reaches {max(starts) + per_seq - 1}; the cache holds {self.cache.max_len}"
+                    f"a decode position reaches {max(starts) + per_seq - 1}; the cache holds "
+                    f"{self.cache.max_len}"
                 )
             where = [slot for slot in locations for _ in range(per_seq)] + [
                 self.cache.scratch_slot
@@ -387,7 +396,8 @@ class StepGraphs:
         used = max((len(table) for table in tables), default=1)
         if used > self.width:
             raise ValueError(
-                f"a block table of {used} blocks in a step; graphs were captured for {self.width} (max_model_len)"
+                f"a block table of {used} blocks in a step; graphs were captured for {self.width} "
+                "(max_model_len)"
             )
         captured.block_tables[:rows, :used].copy_(
             torch.from_numpy(padded_tables(tables, rows, used, self.cache.scratch_block))
@@ -402,13 +412,13 @@ class StepGraphs:
         stats: CommStats,
         forced: list[list[int]],
     ) -> list[list[int]]:
-        """The drafter's step after the target's `step`, for its sequences (`locations`: as given to `step`):
-        `next_ids[i]`: the token after each of sequence i's T fed positions (past its last verified one:
-        anything); `last[i]`: the index (< T) of its last verified position; `starts[i]`: the position of its
-        first one-token step (after its last verified position), or None for a sequence that stops this step
-        (its steps write the scratch room: its own may end at its last token); `forced[i]`: the lookup's
-        drafts that lead its slots (`draft_tokens`). -> the MTP layer's own k choices per sequence. Adds
-        the replayed collectives to `stats`."""
+        """The drafter's step after the target's `step`, for its sequences (`locations`: as given to
+        `step`): `next_ids[i]`: the token after each of sequence i's T fed positions (past its last
+        verified one: anything); `last[i]`: the index (< T) of its last verified position;
+        `starts[i]`: the position of its first one-token step (after its last verified position), or
+        None for a sequence that stops this step (its steps write the scratch room: its own may end
+        at its last token); `forced[i]`: the lookup's drafts that lead its slots (`draft_tokens`).
+        -> the MTP layer's own k choices per sequence. Adds the replayed collectives to `stats`."""
         captured, per_seq = self.replayed, self.tokens_per_seq
         if captured is None or captured.draft is None:
             raise RuntimeError("the drafter's graph runs after a replayed speculative target step")
@@ -431,8 +441,8 @@ class StepGraphs:
         return captured.draft.drafts[:count].tolist()
 
     def _pad_draft_inputs(self, inputs: torch.Tensor, size: int, count: int) -> None:
-        """Pad sequences count .. size - 1 of a drafter's inputs: last row their first, their one-token steps in
-        the scratch room from position 0, no forced drafts."""
+        """Pad sequences count .. size - 1 of a drafter's inputs: last row their first, their
+        one-token steps in the scratch room from position 0, no forced drafts."""
         _, rows, where, first, forced = self._split(inputs, size)
         rows[count:] = torch.arange(count, size, device=inputs.device) * self.tokens_per_seq
         where[count:] = size if self.paged else self.cache.scratch_slot
@@ -440,7 +450,7 @@ class StepGraphs:
         forced[count * self.drafts :] = -1
 
     def _split(self, inputs: torch.Tensor, size: int) -> list[torch.Tensor]:
-        """A drafter's flat inputs -> (next ids `[B * T]`, last rows `[B]`, where `[B]`, first positions
-        `[B]`, forced drafts `[B * k]`)."""
+        """A drafter's flat inputs -> (next ids `[B * T]`, last rows `[B]`, where `[B]`, first
+        positions `[B]`, forced drafts `[B * k]`)."""
         sizes = [size * self.tokens_per_seq, size, size, size, size * self.drafts]
         return list(inputs.split(sizes))

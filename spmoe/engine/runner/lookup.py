@@ -1,23 +1,25 @@
 """Drafts found in the context, on the host: vLLM's `ngram` and `suffix` speculative methods.
 
-Both look for earlier occurrences of the sequence's last tokens and propose what followed them. A draft
-is a deterministic proposal (its q is one-hot), so the target keeps it by the one-hot rule
-(`sampling/rejection.py`): greedy output stays the target's own, sampled output keeps its distribution.
+Both look for earlier occurrences of the sequence's last tokens and propose what followed them. A
+draft is a deterministic proposal (its q is one-hot), so the target keeps it by the one-hot rule
+(`sampling/rejection.py`): greedy output stays the target's own, sampled output keeps
+its distribution.
 
-- `NgramLookup` (`prompt_lookup_min`, `prompt_lookup_max`, as vLLM names them): the longest n-gram, n
-  in [min, max], that ends the sequence's tokens (prompt and output) and occurred earlier in them; the
-  tokens after its most recent earlier occurrence are the drafts.
+- `NgramLookup` (`prompt_lookup_min`, `prompt_lookup_max`, as vLLM names them): the longest n-gram,
+  n in [min, max], that ends the sequence's tokens (prompt and output) and occurred earlier in them;
+  the tokens after its most recent earlier occurrence are the drafts.
 - `SuffixLookup` (suffix decoding, Oliaro et al. 2024, arXiv:2411.04975; vLLM's `suffix_decoding_*`
-  keys): the longest suffix of the sequence's tokens that occurs in its own tokens or in the outputs of
-  the `max_cached_requests` most recently finished requests (oldest out first); among the occurrences
-  that match it, the continuation is the most frequent next token, step by step, while its share of
-  the occurrences that still agree is at least `min_token_prob`. The match counts up to
-  `max_tree_depth / (1 + max_spec_factor)` tokens, and the draft is at most `max_spec_factor` times the
-  match long, and match and draft together at most `max_tree_depth` tokens: the bounds vLLM's keys set.
+  keys): the longest suffix of the sequence's tokens that occurs in its own tokens or in the outputs
+  of the `max_cached_requests` most recently finished requests (oldest out first); among the
+  occurrences that match it, the continuation is the most frequent next token, step by step, while
+  its share of the occurrences that still agree is at least `min_token_prob`. The match counts up to
+  `max_tree_depth / (1 + max_spec_factor)` tokens, and the draft is at most `max_spec_factor` times
+  the match long, and match and draft together at most `max_tree_depth` tokens: the bounds
+  vLLM's keys set.
 
 Both read one index (`Corpus`): for each anchor length a, where each a-gram of the indexed texts
-occurred (only occurrences followed by a token). State is kept per sequence (its own tokens, indexed as
-they are committed) and dropped with the sequence.
+occurred (only occurrences followed by a token). State is kept per sequence (its own tokens, indexed
+as they are committed) and dropped with the sequence.
 """
 
 import weakref
@@ -40,7 +42,8 @@ class Corpus:
         self.after: dict[tuple[int, ...], list[tuple[int, int]]] = {}
 
     def extend(self, serial: int, tokens: list[int]) -> None:
-        """Append `tokens` to text `serial` (a new one if unknown) and index the anchors they end."""
+        """Append `tokens` to text `serial` (a new one if unknown) and index the
+        anchors they end."""
         text = self.texts.setdefault(serial, [])
         old = len(text)
         text += tokens

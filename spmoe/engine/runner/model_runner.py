@@ -1,8 +1,9 @@
-"""The target model's side of a step: `forward(batch)` (one forward over every fed part's tokens, laid
-end to end, eager or replayed from a CUDA graph: `graphs.py`) and `choose(batch, forward)` (every row a
-part draws from through the batched `Sampler` at once, after its grammar's mask; the lossless acceptance
-of drafts, `rejection.py`; a fork draws from a copy of its source's last row; prompt logprobs when asked).
-It reads the sequences and changes none of them: each commits its `PartResult` (`Sequence.commit`).
+"""The target model's side of a step: `forward(batch)` (one forward over every fed part's tokens,
+laid end to end, eager or replayed from a CUDA graph: `graphs.py`) and `choose(batch, forward)`
+(every row a part draws from through the batched `Sampler` at once, after its grammar's mask; the
+lossless acceptance of drafts, `rejection.py`; a fork draws from a copy of its source's last row;
+prompt logprobs when asked). It reads the sequences and changes none of them: each commits its
+`PartResult` (`Sequence.commit`).
 """
 
 from collections.abc import Callable
@@ -86,8 +87,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> Forward:
-        """The target forward over every fed part (see `Forward`). No parts: an empty forward (a DP rank
-        that must keep in step)."""
+        """The target forward over every fed part (see `Forward`). No parts: an empty forward (a DP
+        rank that must keep in step)."""
         phase = self.stats.target_phase(batch)
         with phase.measure():
             shape = self.shape(batch)
@@ -137,9 +138,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def choose(self, batch: Batch, forward: Forward) -> list[PartResult]:
-        """-> each part's result. Every row goes through the sampler in one call: row j of a part that fed
-        d drafts chooses its sequence's (len(output) + j)-th token, after the first j drafts; a fork
-        chooses its first token from a copy of its source's row (a grammar masks the copy only)."""
+        """-> each part's result. Every row goes through the sampler in one call: row j of a part
+        that fed d drafts chooses its sequence's (len(output) + j)-th token, after the first j
+        drafts; a fork chooses its first token from a copy of its source's row (a grammar masks
+        the copy only)."""
         with forward.phase.measure():
             return self._choose(batch, forward)
 
@@ -189,8 +191,9 @@ class ModelRunner:
 
     @staticmethod
     def _accepted(drawing: list[Part], choices: list[int], spans: dict) -> dict[Part, int]:
-        """The step's choices (row j of a part: the target's draw after its first j drafts) -> per part
-        that fed drafts the number it keeps (`rejection.accept_drafts`, for the batch at once)."""
+        """The step's choices (row j of a part: the target's draw after its first j drafts) -> per
+        part that fed drafts the number it keeps (`rejection.accept_drafts`, for the
+        batch at once)."""
         verifying = [part for part in drawing if part.drafts]
         width = max(len(part.drafts) for part in verifying)
         draft_ids = [p.drafts + [-1] * (width - len(p.drafts)) for p in verifying]  # -1: padding
@@ -203,8 +206,8 @@ class ModelRunner:
         return dict(zip(verifying, accepted.tolist()))
 
     def prompt_logprobs(self, batch: Batch, part: Part, hidden: torch.Tensor) -> list | None:
-        """The hidden `[N, H]` of every fed token -> the logprobs of the prompt tokens `part` fed (see
-        `PartResult.prompt_logprobs`), or None when it fed none."""
+        """The hidden `[N, H]` of every fed token -> the logprobs of the prompt tokens `part` fed
+        (see `PartResult.prompt_logprobs`), or None when it fed none."""
         prompt, start, n = part.seq.request.prompt, part.start, len(part.tokens)
         if start >= len(prompt):
             return None
@@ -230,11 +233,12 @@ class ModelRunner:
 
 
 def mask_by_grammars(drawing: list[Part], logits: torch.Tensor) -> list[int]:
-    """logits `[R, V]`, 1 + len(drafts) rows per drawing part -> in place, the tokens each sequence's
-    grammar does not allow at each row (row j: after its first j drafts, `grammar.fill_bitmask`) at the
-    dtype's lowest finite value (not -inf: the non-finite check is for the model's NaN / inf). Rows
-    without a grammar are untouched. -> per part the most rows it can draw from (fewer than 1 + its drafts
-    when its grammar ends at one of them: the rows after are not masked)."""
+    """logits `[R, V]`, 1 + len(drafts) rows per drawing part -> in place, the tokens each
+    sequence's grammar does not allow at each row (row j: after its first j drafts,
+    `grammar.fill_bitmask`) at the dtype's lowest finite value (not -inf: the non-finite check is
+    for the model's NaN / inf). Rows without a grammar are untouched. -> per part the most rows it
+    can draw from (fewer than 1 + its drafts when its grammar ends at one of them: the rows after
+    are not masked)."""
     drafts = [part.drafts if part.role is not Role.FORK else [] for part in drawing]
     masks = fill_bitmask([p.seq.grammar for p in drawing], logits.shape[-1], drafts)
     if masks is None:

@@ -1,4 +1,5 @@
-"""The draft step: which source drafts each sequence's next slots, and the drafts (after the commits).
+"""The draft step: which source drafts each sequence's next slots, and the drafts
+(after the commits).
 
 Sources: the MTP layer (`drafter.py`) and a lookup in the context (`lookup.py`: vLLM's `ngram` or
 `suffix`). `Speculation` says which, and k, the draft slots a sequence verifies per step:
@@ -9,10 +10,10 @@ Sources: the MTP layer (`drafter.py`) and a lookup in the context (`lookup.py`: 
   at least as often per draft as MTP (`SourceChoice`: a tie goes to the lookup, which costs no GPU
   time). Its L drafts fill the first slots; MTP's chain is fed them and fills the other k - L (MTP's
   drafts extend the lookup's). Otherwise MTP fills all k. Every sequence thus has k drafts, whatever
-  their sources, and one target forward verifies them all (the decode and drafter CUDA graphs run it).
-  When the lookup leads every sequence of the step with all k slots, the MTP layer runs no forward
-  that step (`MtpDrafter.defer`: the rows it owes are written before it next drafts): the step costs
-  what the lookup alone costs.
+  their sources, and one target forward verifies them all (the decode and drafter CUDA graphs run
+  it). When the lookup leads every sequence of the step with all k slots, the MTP layer runs no
+  forward that step (`MtpDrafter.defer`: the rows it owes are written before it next drafts): the
+  step costs what the lookup alone costs.
 
 Every draft is a deterministic proposal, so the one-hot rule keeps the output lossless whatever the
 source (`sampling/rejection.py`), and every rank drafts the same from the same committed tokens.
@@ -36,14 +37,15 @@ PRIORS = {"lookup": (1.5, 2.0), "mtp": (1.0, 2.0)}
 
 
 class SourceChoice:
-    """Per sequence, whether the lookup leads its next draft. Each step where the lookup proposed, both
-    sources are scored against the committed tokens, slot by slot, where their proposal was made under
-    the committed prefix: MTP's own choice at slot i while the drafts before it were accepted (its chain
-    was fed them), the lookup's token at slot i while its tokens before it were right. A rate is hits /
-    tries, each step's counts added to the earlier ones decayed by DECAY, from PRIORS; a step where the
-    MTP layer did not draft (the lookup filled every slot) scores the lookup alone. The lookup leads
-    when its rate is at least MTP's: with per-draft rates a >= b, a draft of L lookup tokens then
-    MTP's expects at least as many accepted tokens as MTP's alone, for every L, at less GPU time."""
+    """Per sequence, whether the lookup leads its next draft. Each step where the lookup proposed,
+    both sources are scored against the committed tokens, slot by slot, where their proposal was
+    made under the committed prefix: MTP's own choice at slot i while the drafts before it were
+    accepted (its chain was fed them), the lookup's token at slot i while its tokens before it were
+    right. A rate is hits / tries, each step's counts added to the earlier ones decayed by DECAY,
+    from PRIORS; a step where the MTP layer did not draft (the lookup filled every slot) scores the
+    lookup alone. The lookup leads when its rate is at least MTP's: with per-draft rates a >= b, a
+    draft of L lookup tokens then MTP's expects at least as many accepted tokens as MTP's alone, for
+    every L, at less GPU time."""
 
     def __init__(self):
         self.state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -91,8 +93,8 @@ def _add(counts: list[float], seen: list[bool]) -> None:
 
 
 class Speculator:
-    """The draft step of an engine speculating as `speculation` says (see the module); `drafter`: the
-    MTP layer's (None when it does not draft); `stats`: where the chosen sources are counted."""
+    """The draft step of an engine speculating as `speculation` says (see the module); `drafter`:
+    the MTP layer's (None when it does not draft); `stats`: where the chosen sources are counted."""
 
     def __init__(self, speculation: Speculation, drafter: MtpDrafter | None, stats: StepStats):
         self.k, self.drafter, self.stats = speculation.num_speculative_tokens, drafter, stats

@@ -1,7 +1,7 @@
-"""The step a CUDA graph captures, as plain functions of static-shape inputs (run eagerly too: the tests
-compare them with the engine's own step): the decode or mixed step's hidden and logits, the drafter's step,
-their inputs (padded block tables, mixed rows), the sizes captured, and what a deployment lacks for graphs
-(`graphs.py` captures and replays them)."""
+"""The step a CUDA graph captures, as plain functions of static-shape inputs (run eagerly too: the
+tests compare them with the engine's own step): the decode or mixed step's hidden and logits, the
+drafter's step, their inputs (padded block tables, mixed rows), the sizes captured, and what a
+deployment lacks for graphs (`graphs.py` captures and replays them)."""
 
 import numpy as np
 import torch
@@ -27,8 +27,8 @@ MIXED_TOKENS = (16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 def deployment_problems(device_type: str, ep_backend: str) -> list[str]:
-    """What the deployment lacks for captured decode steps (empty if nothing), known before any rank starts.
-    Whether the experts can be captured is known only once they are built."""
+    """What the deployment lacks for captured decode steps (empty if nothing), known before any rank
+    starts. Whether the experts can be captured is known only once they are built."""
     problems = []
     if device_type != "cuda":
         problems.append(f"a CUDA device (the model is on {device_type})")
@@ -43,19 +43,21 @@ def graph_sizes(max_batch: int) -> list[int]:
 
 
 def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
-    """The padded sizes of the mixed-step graphs for a step token budget of `max_num_batched_tokens`."""
+    """The padded sizes of the mixed-step graphs for a step token budget of
+    `max_num_batched_tokens`."""
     most = min(max_num_batched_tokens, MIXED_TOKENS[-1])
     return [n for n in MIXED_TOKENS if n < most] + [most]
 
 
 def table_width(cache: PagedKVCache, max_model_len: int) -> int:
-    """Blocks in a captured step's block tables: enough for `max_model_len` positions, at most the cache's."""
+    """Blocks in a captured step's block tables: enough for `max_model_len` positions, at most
+    the cache's."""
     return min(-(-max_model_len // cache.block_size), cache.num_blocks)
 
 
 def padded_tables(tables: list[list[int]], rows: int, width: int, scratch: int) -> np.ndarray:
-    """Block tables of a decode step -> `[rows, width]` int32, each padded with `scratch`, then pad rows of
-    `scratch` alone (a pad row writes its one token to the scratch block)."""
+    """Block tables of a decode step -> `[rows, width]` int32, each padded with `scratch`, then pad
+    rows of `scratch` alone (a pad row writes its one token to the scratch block)."""
     out = np.full((rows, width), scratch, dtype=np.int32)
     for row, table in enumerate(tables):
         out[row, : len(table)] = table
@@ -65,9 +67,9 @@ def padded_tables(tables: list[list[int]], rows: int, width: int, scratch: int) 
 def mixed_rows(
     tokens: list[list[int]], starts: list[int], size: int, pad_where: int
 ) -> list[list[int]]:
-    """The inputs `[3, size]` (ids, where, positions; see `step_view`) of a mixed-step graph: sequence i's
-    `tokens[i]` at positions `starts[i]` .. in table row i, laid end to end, then pad rows of token 0 in table
-    row `pad_where`, at positions within its first block (`BLOCK_SIZE`)."""
+    """The inputs `[3, size]` (ids, where, positions; see `step_view`) of a mixed-step graph:
+    sequence i's `tokens[i]` at positions `starts[i]` .. in table row i, laid end to end, then pad
+    rows of token 0 in table row `pad_where`, at positions within its first block (`BLOCK_SIZE`)."""
     ids = [t for seq in tokens for t in seq]
     where = [i for i, seq in enumerate(tokens) for _ in seq]
     positions = [start + j for seq, start in zip(tokens, starts) for j in range(len(seq))]
@@ -82,8 +84,8 @@ def mixed_rows(
 def step_view(
     cache: KVCache | PagedKVCache, where: torch.Tensor, positions: torch.Tensor, block_tables
 ):
-    """The cache view of rows `[N]` at `positions` `[N]`: `where` is each row's slot (slot cache) or its
-    sequence's row of block_tables `[S, W]` (paged cache)."""
+    """The cache view of rows `[N]` at `positions` `[N]`: `where` is each row's slot (slot cache) or
+    its sequence's row of block_tables `[S, W]` (paged cache)."""
     if block_tables is None:
         return cache.decode_view(where, positions)
     return cache.decode_view(block_tables, where, positions)
@@ -114,17 +116,18 @@ def draft_tokens(
     first: torch.Tensor,
     forced: torch.Tensor,
 ) -> torch.Tensor:
-    """The drafter's step a graph captures, run eagerly, after a target step over S sequences of T fed rows:
-    inputs `[3, S * T]` and block_tables as that step's, hidden `[S * T, H]` its post-norm hidden; next_ids
-    `[S * T]` the token after each fed row; per sequence `[S]`: last, its last verified row; where and first,
-    the room (see `step_view`) and first position of its k - 1 one-token steps; forced `[S, k]` the
-    lookup's draft at each slot (-1: none) -> the MTP layer's own choice at each slot `[S, k]` int64.
+    """The drafter's step a graph captures, run eagerly, after a target step over S sequences of T
+    fed rows: inputs `[3, S * T]` and block_tables as that step's, hidden `[S * T, H]` its post-norm
+    hidden; next_ids `[S * T]` the token after each fed row; per sequence `[S]`: last, its last
+    verified row; where and first, the room (see `step_view`) and first position of its k - 1
+    one-token steps; forced `[S, k]` the lookup's draft at each slot (-1: none) -> the MTP layer's
+    own choice at each slot `[S, k]` int64.
 
-    The MTP layer catches up on every fed row (rows past a sequence's last verified one write cache rows that
-    are rewritten before they are read), its choice for slot 1 comes from the last verified row, and each
-    next one from a one-token step fed the previous slot's draft (the forced token where there is one,
-    else its own choice) and the MTP layer's own post-norm hidden. As in `decode_hidden`, each forward's
-    rows are the largest DP batch."""
+    The MTP layer catches up on every fed row (rows past a sequence's last verified one write cache
+    rows that are rewritten before they are read), its choice for slot 1 comes from the last
+    verified row, and each next one from a one-token step fed the previous slot's draft (the forced
+    token where there is one, else its own choice) and the MTP layer's own post-norm hidden. As in
+    `decode_hidden`, each forward's rows are the largest DP batch."""
     _, rows_where, positions = inputs
     view = step_view(cache, rows_where, positions, block_tables)
     rows = next_ids.shape[0]

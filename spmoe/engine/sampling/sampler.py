@@ -1,36 +1,39 @@
-"""Choosing the next token for a whole batch at once: each row's logits processed by its request's settings,
-then greedy rows take the argmax and sampled rows one batched seeded draw; logprobs on request.
+"""Choosing the next token for a whole batch at once: each row's logits processed by its request's
+settings, then greedy rows take the argmax and sampled rows one batched seeded draw;
+logprobs on request.
 
-Per-row state lives on the device, in `Sampler`: each sequence holds a row (`add` / `release`) with its
-parameters as tensors and the count of every token it generated (`commit` adds the tokens a step committed by
-a scatter, so the penalties never rebuild anything from Python lists). `sample(logits, rows, generated)`
-processes and chooses for every row of a step in one pass: no Python loop over rows or the vocabulary, and one
-host transfer (the chosen ids and finite flags, with the logprobs when a row asked for them).
+Per-row state lives on the device, in `Sampler`: each sequence holds a row (`add` / `release`) with
+its parameters as tensors and the count of every token it generated (`commit` adds the tokens a step
+committed by a scatter, so the penalties never rebuild anything from Python lists).
+`sample(logits, rows, generated)` processes and chooses for every row of a step in one pass: no
+Python loop over rows or the vocabulary, and one host transfer (the chosen ids and finite flags,
+with the logprobs when a row asked for them).
 
-**Reproducible draws without per-row generators.** A sampled row draws its token by an exponential race:
-token = argmax_i p_i / E_i with E_i ~ Exp(1) independent, which picks token i with probability exactly p_i.
-The E_i are not read from a stateful generator but computed from (the request's seed, the index of the token
-being chosen in its output, i) by an integer hash (`exponential_noise`). So a request's tokens depend on its
-seed and logits only: not on the other rows of the batch, not on how many steps it waited or was preempted,
-and every TP rank, holding the same logits, draws the same token without communicating. The same noise at
-the same index also serves a verification step that chooses several tokens of one sequence at once. On CUDA
-one Triton kernel hashes the noise in registers and races in the same pass (`draw_tokens`), the same draw
-without the `[rows, V]` noise.
+**Reproducible draws without per-row generators.** A sampled row draws its token by an exponential
+race: token = argmax_i p_i / E_i with E_i ~ Exp(1) independent, which picks token i with probability
+exactly p_i. The E_i are not read from a stateful generator but computed from (the request's seed,
+the index of the token being chosen in its output, i) by an integer hash (`exponential_noise`). So a
+request's tokens depend on its seed and logits only: not on the other rows of the batch, not on how
+many steps it waited or was preempted, and every TP rank, holding the same logits, draws the same
+token without communicating. The same noise at the same index also serves a verification step that
+chooses several tokens of one sequence at once. On CUDA one Triton kernel hashes the noise in
+registers and races in the same pass (`draw_tokens`), the same draw without the `[rows, V]` noise.
 
-**Greedy is exact:** a greedy row (temperature 0) takes the argmax of its logits after the processors that
-change which token is best (grammar mask, min_tokens, logit_bias, penalties); with none of them set it is
-`logits.argmax(-1)` of the model's logits, bit for bit.
+**Greedy is exact:** a greedy row (temperature 0) takes the argmax of its logits after the
+processors that change which token is best (grammar mask, min_tokens, logit_bias, penalties); with
+none of them set it is `logits.argmax(-1)` of the model's logits, bit for bit.
 
-**Logprobs** are those of the distribution the token is drawn from: log_softmax of the logits after every
-processor (grammar mask, min_tokens, logit_bias, penalties, temperature, min_p, top_k, top_p); a greedy row's
-are computed the same way with temperature 1. Tokens the processors excluded have logprob -inf. A request
-with default settings (temperature 1, nothing else) thus gets the model's own log-probabilities. Prompt
-logprobs (`prompt_logprobs`) are the model's raw log-probabilities of the prompt's tokens: no processor
-applies to tokens that were given rather than generated.
+**Logprobs** are those of the distribution the token is drawn from: log_softmax of the logits after
+every processor (grammar mask, min_tokens, logit_bias, penalties, temperature, min_p, top_k, top_p);
+a greedy row's are computed the same way with temperature 1. Tokens the processors excluded have
+logprob -inf. A request with default settings (temperature 1, nothing else) thus gets the model's
+own log-probabilities. Prompt logprobs (`prompt_logprobs`) are the model's raw log-probabilities of
+the prompt's tokens: no processor applies to tokens that were given rather than generated.
 
-A logits row with a NaN or an infinity has no next token (torch's argmax would answer the first NaN's index).
-Every choice comes with a per-row finite flag, read back in the same host transfer as the token ids; a row
-whose processors exclude every token (a grammar that allows nothing) is flagged the same way.
+A logits row with a NaN or an infinity has no next token (torch's argmax would answer the first
+NaN's index). Every choice comes with a per-row finite flag, read back in the same host transfer as
+the token ids; a row whose processors exclude every token (a grammar that allows nothing) is
+flagged the same way.
 """
 
 from dataclasses import dataclass
@@ -53,9 +56,10 @@ from spmoe.engine.sampling.processors import (
 
 @dataclass
 class SampledTokens:
-    """What `Sampler.sample` chose for each of its m rows, on the host. `logprobs[r]` (the chosen token's) and
-    `top_logprobs[r]` (the row's `params.logprobs` most likely (token id, logprob), most likely first) are
-    None for a row that did not ask. `token_ids` of a row that is not finite mean nothing."""
+    """What `Sampler.sample` chose for each of its m rows, on the host. `logprobs[r]` (the chosen
+    token's) and `top_logprobs[r]` (the row's `params.logprobs` most likely (token id, logprob),
+    most likely first) are None for a row that did not ask. `token_ids` of a row that is not finite
+    mean nothing."""
 
     token_ids: list[int]
     finite: list[bool]
@@ -64,7 +68,8 @@ class SampledTokens:
 
 
 class Sampler:
-    """The sampling state of up to `max_rows` sequences on `device`, and the batched choice of their tokens."""
+    """The sampling state of up to `max_rows` sequences on `device`, and the batched choice of
+    their tokens."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str = "cpu"):
         if max_rows < 1 or vocab_size < 1:
@@ -102,8 +107,9 @@ class Sampler:
         stop_ids: tuple[int, ...] = (),
         output: list[int] = (),
     ) -> int:
-        """Take a row for a sequence with these settings. `stop_ids`: the ids `min_tokens` holds back (its eos
-        and stop token ids); `output`: the tokens it already generated (a preempted sequence coming back).
+        """Take a row for a sequence with these settings. `stop_ids`: the ids `min_tokens` holds
+        back (its eos and stop token ids); `output`: the tokens it already generated (a preempted
+        sequence coming back).
         -> the row."""
         if not self._free:
             raise RuntimeError(f"the sampler's {self.max_rows} rows are all taken")
@@ -158,8 +164,9 @@ class Sampler:
         self._free.append(row)
 
     def commit(self, rows: list[int], tokens: list[int]) -> None:
-        """Sequences committed tokens: `tokens[j]` to row `rows[j]` (a row may repeat: accepted drafts).
-        Counts them for the penalties (a scatter on the device; nothing to do while no row has a penalty)."""
+        """Sequences committed tokens: `tokens[j]` to row `rows[j]` (a row may repeat: accepted
+        drafts). Counts them for the penalties (a scatter on the device; nothing to do while no row
+        has a penalty)."""
         if self.output_counts is None or not rows:
             return
         index = torch.tensor([rows, tokens], dtype=torch.int64).to(self.device, non_blocking=True)
@@ -175,14 +182,16 @@ class Sampler:
         generated: list[int],
         preceding: list[list[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """logits `[m, V]`: row j chooses a token for the sequence in sampler row `rows[j]`, which had generated
-        `generated[j]` tokens before it, the last `len(preceding[j])` of them (drafts being verified) not yet
-        committed. (A grammar's mask is applied to `logits` before: `model_runner.mask_by_grammars`.)
+        """logits `[m, V]`: row j chooses a token for the sequence in sampler row `rows[j]`, which
+        had generated `generated[j]` tokens before it, the last `len(preceding[j])` of them (drafts
+        being verified) not yet committed. (A grammar's mask is applied to `logits` before:
+        `model_runner.mask_by_grammars`.)
 
-        -> (the processed logits `[m, V]` float32 before temperature: what greedy rows take the argmax of,
-        the processed logits after temperature, min_p, top_k and top_p: what sampled rows draw from and logprobs
-        are computed from, and `finite` `[m]` bool). Rows that are not finite are processed as zeros. The
-        second tensor is the first one when no row changes it further."""
+        -> (the processed logits `[m, V]` float32 before temperature: what greedy rows take the
+        argmax of, the processed logits after temperature, min_p, top_k and top_p: what sampled rows
+        draw from and logprobs are computed from, and `finite` `[m]` bool). Rows that are not finite
+        are processed as zeros. The second tensor is the first one when no row
+        changes it further."""
         params = self._params_of(rows)
         index = torch.tensor([rows, generated], dtype=torch.int64).to(
             self.device, non_blocking=True
@@ -233,8 +242,8 @@ class Sampler:
         generated: list[int],
         preceding: list[list[int]] | None = None,
     ) -> SampledTokens:
-        """Choose a token for each row of `logits` `[m, V]` (the arguments as for `process`). -> the choices,
-        read back to the host in one transfer."""
+        """Choose a token for each row of `logits` `[m, V]` (the arguments as for `process`). -> the
+        choices, read back to the host in one transfer."""
         params = self._params_of(rows)
         if len(rows) != logits.shape[0] or len(generated) != len(rows):
             raise ValueError(
@@ -250,7 +259,8 @@ class Sampler:
         best, drawn, finite = self.process(logits, rows, generated, preceding)
         ids = best.argmax(-1)
         sampled = [j for j, p in enumerate(params) if not p.greedy]
-        if sampled:  # the sampled rows only: the reference's noise, `[rows, V]`, is the step's largest temporary
+        # the sampled rows only: the reference's noise, `[rows, V]`, is the step's largest temporary
+        if sampled:
             # one transfer; each list padded to an even length, so that every one starts 16-byte
             # aligned whatever the count (Triton compiles a kernel per alignment of its pointers: no
             # new compile after warm-up)
@@ -329,9 +339,9 @@ def _without_logprobs(ids: torch.Tensor, finite: torch.Tensor) -> SampledTokens:
 def prompt_logprobs(
     logits: torch.Tensor, next_ids: torch.Tensor, k: int
 ) -> list[tuple[float, list]]:
-    """logits `[n, V]` at n prompt positions, next_ids `[n]` the prompt token that follows each -> per
-    position (logprob of that token, its k most likely (token id, logprob)), the model's raw distribution,
-    in one host transfer."""
+    """logits `[n, V]` at n prompt positions, next_ids `[n]` the prompt token that follows each ->
+    per position (logprob of that token, its k most likely (token id, logprob)), the model's raw
+    distribution, in one host transfer."""
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
     columns = [logprobs.gather(1, next_ids[:, None]).double()]
     if k:

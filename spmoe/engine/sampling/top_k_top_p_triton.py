@@ -1,31 +1,34 @@
-"""The threshold of `logits_processors.apply_top_k_top_p` without a sort: one Triton kernel, one program per row.
+"""The threshold of `logits_processors.apply_top_k_top_p` without a sort: one Triton kernel, one
+program per row.
 
-The rule's result is a threshold: every token whose logit is at least the last kept logit stays (ties included),
-everything else goes. Both halves of the rule are "the largest value v of the row such that the tokens >= v
-weigh at least a target": top_k counts tokens (target k), top_p sums exp(x - row max) over the tokens top_k
-left (target top_p x their sum). That weight only falls as v rises, so the largest passing v is found by
-bisection over the int32 bit patterns of the float32 values, whose integer order is the float order once the
-negative ones have their 31 low bits flipped (`_order_key`; both zeros share key 0).
+The rule's result is a threshold: every token whose logit is at least the last kept logit stays
+(ties included), everything else goes. Both halves of the rule are "the largest value v of the row
+such that the tokens >= v weigh at least a target": top_k counts tokens (target k), top_p sums exp(x
+- row max) over the tokens top_k left (target top_p x their sum). That weight only falls as v rises,
+so the largest passing v is found by bisection over the int32 bit patterns of the float32 values,
+whose integer order is the float order once the negative ones have their 31 low bits flipped
+(`_order_key`; both zeros share key 0).
 
-A search step reads the row once (620 KB at 154880 tokens, from L2) and tallies, for its pivot t, the weight and
-the count of the tokens >= t, the smallest of them and the largest token below t. The next interval's ends are
-those two tokens, not the pivot: the interval is always bounded by values of the row, so a step whose pivot falls
-in a gap between two values ends the search at once. Each step at least halves the interval of keys (at most 32
-full steps); once at most `CAP` tokens lie in it, one more pass gathers them into a scratch row and the search
-ends in registers, over those tokens only. The steps before the search: one pass for the row's max and min, and
-for top_p one pass for the sum the target is a fraction of.
+A search step reads the row once (620 KB at 154880 tokens, from L2) and tallies, for its pivot t,
+the weight and the count of the tokens >= t, the smallest of them and the largest token below t. The
+next interval's ends are those two tokens, not the pivot: the interval is always bounded by values
+of the row, so a step whose pivot falls in a gap between two values ends the search at once. Each
+step at least halves the interval of keys (at most 32 full steps); once at most `CAP` tokens lie in
+it, one more pass gathers them into a scratch row and the search ends in registers, over those
+tokens only. The steps before the search: one pass for the row's max and min, and for top_p one pass
+for the sum the target is a fraction of.
 
-Masses: each token's weight is exp(x - row max) in float32 (the softmax's own terms, each a few float32
-roundings off the exact value: relative 1e-7 x (1 + |x - max|) or so), the weights are added in float64 (four at
-a time in float32 first), and the target is top_p x the weight of the tokens top_k left, in float64 too. The
-kept set is thus the rule's up to the rounding of the weights alone; the sort path adds the float32 rounding of a
-cumulative sum over the sorted row. Where the mass of the tokens above the crossing one lies within those
-roundings of top_p, the two paths can keep one group of equal tokens more or less; elsewhere they keep the same
-tokens.
+Masses: each token's weight is exp(x - row max) in float32 (the softmax's own terms, each a few
+float32 roundings off the exact value: relative 1e-7 x (1 + |x - max|) or so), the weights are added
+in float64 (four at a time in float32 first), and the target is top_p x the weight of the tokens
+top_k left, in float64 too. The kept set is thus the rule's up to the rounding of the weights alone;
+the sort path adds the float32 rounding of a cumulative sum over the sorted row. Where the mass of
+the tokens above the crossing one lies within those roundings of top_p, the two paths can keep one
+group of equal tokens more or less; elsewhere they keep the same tokens.
 
-Rows must hold no NaN and no +inf (`Sampler.process` zeroes rows that are not finite; -inf from masks is fine).
-On such a row the threshold means nothing, but the search still ends and writes only inside its own rows.
-Nothing is read back to the host.
+Rows must hold no NaN and no +inf (`Sampler.process` zeroes rows that are not finite; -inf from
+masks is fine). On such a row the threshold means nothing, but the search still ends and writes only
+inside its own rows. Nothing is read back to the host.
 """
 
 import torch
@@ -45,7 +48,8 @@ NUM_WARPS = 16
 
 @triton.jit
 def _order_key(x):
-    """float32 -> int64 in the same order (-0.0 and +0.0 both 0, so that equal values share a key)."""
+    """float32 -> int64 in the same order (-0.0 and +0.0 both 0, so that equal values
+    share a key)."""
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     return tl.where(x == 0.0, 0, key).to(tl.int64)
@@ -74,8 +78,9 @@ def _extremes(row_ptr, vocab):
 
 @triton.jit
 def _tally_row(row_ptr, vocab, t, row_max, BY_MASS: tl.constexpr):
-    """Of the row's tokens >= t: (their weight, float64: exp(x - row_max) each when BY_MASS, else 1 each; their
-    count; the smallest of them) and the largest token < t (+inf / -inf where there is none)."""
+    """Of the row's tokens >= t: (their weight, float64: exp(x - row_max) each when BY_MASS, else 1
+    each; their count; the smallest of them) and the largest token < t (+inf / -inf where
+    there is none)."""
     cols = tl.arange(0, BLOCK // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     weight = tl.zeros([BLOCK // GROUP], tl.float64)
     count = tl.zeros([BLOCK // GROUP, GROUP], tl.int32)
@@ -110,8 +115,9 @@ def _largest_passing(
     row_max,
     BY_MASS: tl.constexpr,
 ):
-    """The largest value v of the row in [lo_value, hi_value] (both values of the row, hi_value its max) whose
-    tokens >= v weigh at least `target` (those >= lo_value do; `count_from_lo` of them)."""
+    """The largest value v of the row in [lo_value, hi_value] (both values of the row, hi_value its
+    max) whose tokens >= v weigh at least `target` (those >= lo_value do;
+    `count_from_lo` of them)."""
     lo = _order_key(lo_value)
     hi = _order_key(hi_value)
     count_lo = count_from_lo.to(tl.int32)  # tokens >= lo
@@ -140,7 +146,8 @@ def _largest_passing(
             # slot < CAP: NaN rows stay inside
             tl.store(scratch_ptr + slot, x, mask=(inside > 0) & (slot < CAP))
             filled += tl.sum(inside)
-        tl.debug_barrier()  # the gathered tokens, written by every thread, read back by every thread
+        # the gathered tokens, written by every thread, read back by every thread
+        tl.debug_barrier()
         index = tl.arange(0, CAP)
         held = index < count_lo - count_above_hi
         tokens = tl.load(scratch_ptr + index, mask=held, other=float("-inf"))
@@ -206,20 +213,21 @@ def _threshold_kernel(
 def top_k_top_p_threshold(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """logits `[m, V]` float32 (rows may be strided, tokens contiguous); top_k `[m]` (0: off); top_p `[m]` in
-    (0, 1] (1: off) -> `[m, 1]` float32: per row the smallest logit `apply_top_k_top_p` keeps (-inf where the
-    row keeps everything)."""
+    """logits `[m, V]` float32 (rows may be strided, tokens contiguous); top_k `[m]` (0: off); top_p
+    `[m]` in (0, 1] (1: off) -> `[m, 1]` float32: per row the smallest logit `apply_top_k_top_p`
+    keeps (-inf where the row keeps everything)."""
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(
-            f"top_k_top_p_threshold takes float32 logits [m, V] with contiguous rows, got {logits.dtype} "
-            f"{tuple(logits.shape)} strides {logits.stride()}"
+            "top_k_top_p_threshold takes float32 logits [m, V] with contiguous rows, got "
+            f"{logits.dtype} {tuple(logits.shape)} strides {logits.stride()}"
         )
     m, vocab = logits.shape
     top_k = top_k.to(torch.int64).contiguous()
     top_p = top_p.to(torch.float32).contiguous()
     if top_k.shape != (m,) or top_p.shape != (m,):
         raise ValueError(
-            f"top_k and top_p need {m} values each, got {tuple(top_k.shape)} and {tuple(top_p.shape)}"
+            f"top_k and top_p need {m} values each, got {tuple(top_k.shape)} and "
+            f"{tuple(top_p.shape)}"
         )
     out = torch.empty(m, 1, dtype=torch.float32, device=logits.device)
     if m:

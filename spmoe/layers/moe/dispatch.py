@@ -1,12 +1,12 @@
-"""EP dispatch and combine: each EP rank holds its own block of token rows (its SP shard, or with DP > 1 its
-DP group's tokens) and gets back the complete routed output of those rows. Blocks may differ in size across
-ranks (DP ranks have different batches); `rows_max`, the largest block, is agreed once per step. Two
-backends, same result:
+"""EP dispatch and combine: each EP rank holds its own block of token rows (its SP shard, or with DP
+> 1 its DP group's tokens) and gets back the complete routed output of those rows. Blocks may differ
+in size across ranks (DP ranks have different batches); `rows_max`, the largest block, is agreed
+once per step. Two backends, same result:
 
-- `allgather_reducescatter`: gather every rank's block (hidden with its routing, in one all-gather) so each
-  rank runs its local experts on all `n * P` rows; reduce-scatter the partial outputs back.
-- `all_to_all`: send each row only to the ranks that own one of its experts, once per rank however many of
-  its experts live there; compute there; send the partial outputs back and sum them per row.
+- `allgather_reducescatter`: gather every rank's block (hidden with its routing, in one all-gather)
+  so each rank runs its local experts on all `n * P` rows; reduce-scatter the partial outputs back.
+- `all_to_all`: send each row only to the ranks that own one of its experts, once per rank however
+  many of its experts live there; compute there; send the partial outputs back and sum them per row.
 """
 
 import torch
@@ -25,11 +25,12 @@ def allgather_reducescatter(
     rows_max: int,
     node: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows, complete.
-    Blocks are padded to `rows_max` rows with id -1, so every rank gathers the same shape. The routing rides
-    behind the hidden columns (its float32 bytes viewed in x's dtype): one all-gather, not two. `node`: on a
-    simulated group, every rank's ids and weights `[P * rows_max, k]`, which the simulated all-gather
-    returns behind copies of this rank's hidden rows."""
+    """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows,
+    complete. Blocks are padded to `rows_max` rows with id -1, so every rank gathers the same shape.
+    The routing rides behind the hidden columns (its float32 bytes viewed in x's dtype): one
+    all-gather, not two. `node`: on a simulated group, every rank's ids and weights
+    `[P * rows_max, k]`, which the simulated all-gather returns behind copies of this rank's
+    hidden rows."""
     (n, k), pad, size = ids.shape, rows_max - ids.shape[0], x.shape[1]
     if pad:
         x = torch.cat([x, x.new_zeros(pad, size)])
@@ -58,11 +59,13 @@ def all_to_all(
     rows_max: int,
     node: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows, complete.
-    Uneven blocks need no padding here (`rows_max` is unused); `node` must be None (no simulated group).
+    """x `[n, H]`, ids / weights `[n, k]` -> `[n, H]`: the routed output of this rank's rows,
+    complete. Uneven blocks need no padding here (`rows_max` is unused); `node` must be None (no
+    simulated group).
 
-    Three all-to-alls: the row counts, the rows with their routing packed behind the hidden columns, and the
-    partial outputs back. Experts are split evenly: rank r owns ids `[r * E_r, (r + 1) * E_r)`.
+    Three all-to-alls: the row counts, the rows with their routing packed behind the hidden columns,
+    and the partial outputs back. Experts are split evenly: rank r owns ids
+    `[r * E_r, (r + 1) * E_r)`.
     """
     world, (n, k), size = group_size(group), ids.shape, x.shape[1]
     owner = torch.where(ids >= 0, ids // experts.count, world)  # [n, k]; world = nowhere (pad rows)

@@ -21,21 +21,23 @@ from spmoe.layers.moe.work import record_dispatched, run_experts
 
 
 class MoE(nn.Module):
-    """Routed experts are split over the EP group (all DP x TP ranks). The layer plan fixes the layout at build
-    time (N: this DP rank's tokens, t: the TP size, n = ceil(N/t)):
+    """Routed experts are split over the EP group (all DP x TP ranks). The layer plan fixes the
+    layout at build time (N: this DP rank's tokens, t: the TP size, n = ceil(N/t)):
 
-    - SP (`plan.use_sequence_parallel_moe`): input SHARDED `[n, H]`; pad rows get no experts; dispatch and
-      combine over the EP group with `ep_backend`, so each token is dispatched once; the shared expert is
-      replicated; output complete SHARDED `[n, H]`.
-    - not SP, DP = 1: input FULL `[N, H]`, the same on every rank, and the EP group is the TP group: each rank
-      runs its experts on all N tokens, no dispatch; with the TP-sharded shared expert, output PARTIAL.
-    - not SP, DP > 1: the experts live across DP groups, so every TP rank dispatches its group's N tokens (the
-      same tokens t times: the duplication SP removes) and gets the complete routed output back; one TP rank
-      keeps it (`ExpertRows.keep_output`), so the output is again PARTIAL.
+    - SP (`plan.use_sequence_parallel_moe`): input SHARDED `[n, H]`; pad rows get no experts;
+      dispatch and combine over the EP group with `ep_backend`, so each token is dispatched once;
+      the shared expert is replicated; output complete SHARDED `[n, H]`.
+    - not SP, DP = 1: input FULL `[N, H]`, the same on every rank, and the EP group is the TP group:
+      each rank runs its experts on all N tokens, no dispatch; with the TP-sharded shared expert,
+      output PARTIAL.
+    - not SP, DP > 1: the experts live across DP groups, so every TP rank dispatches its group's N
+      tokens (the same tokens t times: the duplication SP removes) and gets the complete routed
+      output back; one TP rank keeps it (`ExpertRows.keep_output`), so the output is again PARTIAL.
 
-    With the parallel config's `seeded_routing` (the simulated rank; tests) the gate is not used: the top-k is a seeded
-    function of (layer, global token) (`simulated.seeded_routing`). On a simulated EP group the dispatch gets
-    every rank's block of routing, the rows the real node would gather.
+    With the parallel config's `seeded_routing` (the simulated rank; tests) the gate is not used:
+    the top-k is a seeded function of (layer, global token) (`simulated.seeded_routing`). On a
+    simulated EP group the dispatch gets every rank's block of routing, the rows the real
+    node would gather.
     """
 
     def __init__(self, cfg: ModelConfig, plan: LayerPlan, experts: type[Experts], ep_backend: str):
@@ -45,7 +47,8 @@ class MoE(nn.Module):
         per_rank = cfg.n_routed_experts // state.ep_size
         if plan.use_sequence_parallel_moe and experts.routes_internally:
             raise ValueError(
-                f"experts backend {experts.name} routes inside its kernel, which SP layers cannot use"
+                f"experts backend {experts.name} routes inside its kernel, which SP "
+                "layers cannot use"
             )
         if routing_seed is not None and experts.routes_internally:
             raise ValueError(
@@ -65,8 +68,8 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
-        """x SHARDED `[n, H]` (SP) or FULL `[N, H]` -> `[n, H]` complete or `[N, H]` PARTIAL; `rows` from the
-        layer's communicator."""
+        """x SHARDED `[n, H]` (SP) or FULL `[N, H]` -> `[n, H]` complete or `[N, H]` PARTIAL; `rows`
+        from the layer's communicator."""
         if self.experts.routes_internally:
             out = self.experts(x, self.gate)
         else:
@@ -86,8 +89,8 @@ class MoE(nn.Module):
         return out if self.shared_experts is None else self.shared_experts(x, out=out)
 
     def _seeded(self, x: torch.Tensor, rows: ExpertRows):
-        """Seeded routing of every EP rank's block -> (this rank's ids, weights `[m, k]`; on a simulated EP
-        group every block's ids and weights `[P * rows_max, k]`, else None)."""
+        """Seeded routing of every EP rank's block -> (this rank's ids, weights `[m, k]`; on a
+        simulated EP group every block's ids and weights `[P * rows_max, k]`, else None)."""
         state, cfg = get_parallel_state(), self.gate.cfg
         ep = 1 if rows.group is None else state.ep_size
         starts, valid = block_tokens(

@@ -1,8 +1,10 @@
-"""The DeepSeek router: sigmoid scores, bias-corrected (grouped) top-k selection, renormalised weights.
+"""The DeepSeek router: sigmoid scores, bias-corrected (grouped) top-k selection,
+renormalised weights.
 
-On CUDA the float32 logits come from a Triton GEMV for a few rows (`fused_triton.router_logit_sums`) and
-everything after them runs as one Triton kernel (`fused_triton.route`); the torch code here is the reference.
-Where tied choice scores straddle the k-th place, the kernel keeps the lowest expert ids."""
+On CUDA the float32 logits come from a Triton GEMV for a few rows (`fused_triton.router_logit_sums`)
+and everything after them runs as one Triton kernel (`fused_triton.route`); the torch code here is
+the reference. Where tied choice scores straddle the k-th place, the kernel keeps the
+lowest expert ids."""
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +26,12 @@ class Router(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, valid_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[m, H]`, of which the first `valid_rows` are tokens -> (ids `[m, k]` int64, weights `[m, k]`
-        float32).
+        """x `[m, H]`, of which the first `valid_rows` are tokens -> (ids `[m, k]` int64, weights
+        `[m, k]` float32).
 
-        The correction bias only chooses experts; the weights are the raw sigmoid scores. The rows after
-        `valid_rows` (SP pad rows, always at the tail) get id -1 and weight 0: no expert ever sees them.
+        The correction bias only chooses experts; the weights are the raw sigmoid scores. The rows
+        after `valid_rows` (SP pad rows, always at the tail) get id -1 and weight 0: no expert
+        ever sees them.
         """
         cfg = self.cfg
         if use_fused(x):

@@ -1,11 +1,13 @@
-"""MoE work counters: rows each rank hands to the expert dispatch and rows each local expert computes.
+"""MoE work counters: rows each rank hands to the expert dispatch and rows each local
+expert computes.
 
-Without SP, with DP > 1, every TP rank of a DP group dispatches the same tokens, so the experts compute each
-token t times; with SP each token is dispatched once. These counters make that visible:
+Without SP, with DP > 1, every TP rank of a DP group dispatches the same tokens, so the experts
+compute each token t times; with SP each token is dispatched once. These counters make that visible:
 
     with count_moe_work() as work:
         model(...)
-    work.rows_dispatched, work.expert_rows  # this rank: real rows dispatched; rows per local expert `[E_r]`
+    # this rank: real rows dispatched; rows per local expert `[E_r]`
+    work.rows_dispatched, work.expert_rows
     work.calls  # rows per local expert `[E_r]` of each MoE call (layer), in call order
 """
 
@@ -51,8 +53,8 @@ def record_dispatched(rows: int) -> None:
 
 
 def run_experts(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`experts(x, ids, weights)`, counting the pairs each local expert computes while a block is active (the
-    count costs a host sync, so only then)."""
+    """`experts(x, ids, weights)`, counting the pairs each local expert computes while a block is
+    active (the count costs a host sync, so only then)."""
     if _ACTIVE:
         local = experts.local_ids(ids)
         rows = torch.bincount(local[local >= 0], minlength=experts.count).cpu()

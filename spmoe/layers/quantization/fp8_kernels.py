@@ -1,29 +1,35 @@
-"""Triton kernels for FP8 linears with 128 x 128 block-scaled e4m3 weights (see `fp8_linear` for the math and
-the torch references each matches).
+"""Triton kernels for FP8 linears with 128 x 128 block-scaled e4m3 weights (see `fp8_linear` for the
+math and the torch references each matches).
 
-- `fp8_matmul`: `out [m, n] = x [m, k] @ W^T`, W `[n, k]` e4m3 with one float32 scale per 128 x 128 block, the
-  activations e4m3 with one scale per token and 128 channels. Program (BLOCK_M rows, BLOCK_N columns, split s)
-  walks its share of k in steps of 128: an FP8 `tl.dot` per step, scaled by the row's activation scale times the
-  block's weight scale, float32 accumulation. The launch shape comes from `matmul_config`: a table of the shapes
-  GLM-5.2 runs, keyed by (m bucket, n, k), else a rule from the same reasoning:
-  * m <= `QUANTIZE_INSIDE_ROWS`: the kernel reads the 16-bit activations and quantises each 128-channel group
-    itself (one launch, not two; every program repeats it, which costs little next to its weight tile; on
-    sm_90 Triton runs this 16-row dot as an f16 MMA, e4m3 -> f16 being exact);
-  * more rows (decode at m 17-64 and prefill): the activations are quantised once by the experts' kernel
-    (`triton_kernels.quantize_fp8`);
-  * split-K: at decode a layer's weight is all the work, so every multiprocessor must stream a share of it; a
-    narrow layer (q_a + kv_a: 2816 rows, 22 tiles of 128 columns; o_proj: 48 for 132 SMs) has too few column
-    tiles, so k is cut into `split_k` ranges, each program writes float32 partial sums and `_sum_splits_kernel`
-    adds them in a fixed order (deterministic, no atomics, no counters to reset: graph-safe).
-  Optionally the product is added to `out` (the MLP's down projection adds to the routed experts' output).
-- `fp8_head_matmul`: absorbed MLA's per-head products with kv_b_proj's FP8 weight (`q_nope @ W_UK`, the
-  weighted latent @ `W_UV^T`), 16-bit activations: program (head, BLOCK_M output columns, BLOCK_N tokens)
-  streams its slice of the head's weight, e4m3 -> 16-bit in registers (exact: e4m3 values fit in bf16), the
-  block scales folded into the activations (where the depth runs along the weight's rows, W_UK) or into the
-  product (where the output does, W_UV); a head's rows need not start on a block (448 rows per GLM head).
+- `fp8_matmul`: `out [m, n] = x [m, k] @ W^T`, W `[n, k]` e4m3 with one float32 scale per 128 x 128
+  block, the activations e4m3 with one scale per token and 128 channels. Program (BLOCK_M rows,
+  BLOCK_N columns, split s) walks its share of k in steps of 128: an FP8 `tl.dot` per step, scaled
+  by the row's activation scale times the block's weight scale, float32 accumulation. The launch
+  shape comes from `matmul_config`: a table of the shapes GLM-5.2 runs, keyed by (m bucket, n, k),
+  else a rule from the same reasoning:
+  * m <= `QUANTIZE_INSIDE_ROWS`: the kernel reads the 16-bit activations and quantises each
+    128-channel group itself (one launch, not two; every program repeats it, which costs little next
+    to its weight tile; on sm_90 Triton runs this 16-row dot as an f16 MMA, e4m3 ->
+    f16 being exact);
+  * more rows (decode at m 17-64 and prefill): the activations are quantised once by the experts'
+    kernel (`triton_kernels.quantize_fp8`);
+  * split-K: at decode a layer's weight is all the work, so every multiprocessor must stream a share
+    of it; a narrow layer (q_a + kv_a: 2816 rows, 22 tiles of 128 columns; o_proj: 48 for 132 SMs)
+    has too few column tiles, so k is cut into `split_k` ranges, each program writes float32 partial
+    sums and `_sum_splits_kernel` adds them in a fixed order (deterministic, no atomics, no counters
+    to reset: graph-safe).
+  Optionally the product is added to `out` (the MLP's down projection adds to the routed
+  experts' output).
+- `fp8_head_matmul`: absorbed MLA's per-head products with kv_b_proj's FP8 weight (`q_nope @ W_UK`,
+  the weighted latent @ `W_UV^T`), 16-bit activations: program (head, BLOCK_M output columns,
+  BLOCK_N tokens) streams its slice of the head's weight, e4m3 -> 16-bit in registers (exact: e4m3
+  values fit in bf16), the block scales folded into the activations (where the depth runs along the
+  weight's rows, W_UK) or into the product (where the output does, W_UV); a head's rows need not
+  start on a block (448 rows per GLM head).
 
-Shapes depend only on the inputs' shapes and nothing is read back to the host: CUDA-graph capturable. Offsets
-that multiply a row index by a stride are computed in 64 bits (m * k passes 2**31 at long prefills).
+Shapes depend only on the inputs' shapes and nothing is read back to the host: CUDA-graph
+capturable. Offsets that multiply a row index by a stride are computed in 64 bits (m * k passes
+2**31 at long prefills).
 """
 
 from typing import NamedTuple
@@ -41,8 +47,9 @@ QUANTIZE_INSIDE_ROWS = 16  # up to this many rows the GEMM quantises its activat
 
 
 class MatmulConfig(NamedTuple):
-    """One launch shape of `fp8_matmul`. block_n divides 128 (a tile's columns share one weight-scale row);
-    split_k: how many k ranges (of whole 128-blocks) the columns' work is cut into."""
+    """One launch shape of `fp8_matmul`. block_n divides 128 (a tile's columns share one
+    weight-scale row); split_k: how many k ranges (of whole 128-blocks) the columns' work
+    is cut into."""
 
     block_m: int
     block_n: int
@@ -115,9 +122,10 @@ def m_bucket(m: int) -> int:
 
 
 def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
-    """The launch shape for `m` rows, `n` output columns and depth `k`: `MATMUL_CONFIGS` if it lists (bucket, n,
-    k), else decode: one tile of all rows (16, 32 or 64), 128 columns at m <= 16 and 64 above, and as many k
-    splits as bring the programs near `NUM_SMS_TARGET` (`decode_split`); prefill: 128 x 128 tiles."""
+    """The launch shape for `m` rows, `n` output columns and depth `k`: `MATMUL_CONFIGS` if it lists
+    (bucket, n, k), else decode: one tile of all rows (16, 32 or 64), 128 columns at m <= 16 and 64
+    above, and as many k splits as bring the programs near `NUM_SMS_TARGET` (`decode_split`);
+    prefill: 128 x 128 tiles."""
     bucket = m_bucket(m)
     if (bucket, n, k) in MATMUL_CONFIGS:
         return MATMUL_CONFIGS[(bucket, n, k)]
@@ -128,8 +136,8 @@ def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
 
 
 def decode_split(tiles: int, k: int) -> int:
-    """The k splits that bring `tiles` output tiles nearest `NUM_SMS_TARGET` programs, each split at least 2
-    blocks of 128 deep."""
+    """The k splits that bring `tiles` output tiles nearest `NUM_SMS_TARGET` programs, each split at
+    least 2 blocks of 128 deep."""
     return max(1, min(round(NUM_SMS_TARGET / tiles), triton.cdiv(k, BLOCK) // 2))
 
 
@@ -157,8 +165,8 @@ def _fp8_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out: the `[m, n]` output, or with split-K the float32 partials `[splits, m, n]` (stride_os apart; 0
-    without split-K)."""
+    """out: the `[m, n]` output, or with split-K the float32 partials `[splits, m, n]` (stride_os
+    apart; 0 without split-K)."""
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -207,8 +215,8 @@ def _sum_splits_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """out `[m, n]` (+)= the sum over s of part `[splits, m, n]` float32 (rows of n, splits stride_ps = m * n
-    apart), s in order."""
+    """out `[m, n]` (+)= the sum over s of part `[splits, m, n]` float32 (rows of n, splits
+    stride_ps = m * n apart), s in order."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask = (rows < m)[:, None] & (cols < n)[None, :]
@@ -230,16 +238,18 @@ def fp8_matmul(
     out: torch.Tensor | None = None,
     config: MatmulConfig | None = None,
 ) -> torch.Tensor:
-    """As `fp8_linear.fp8_linear_torch`: x `[m, k]` bf16 / fp16 (unit stride along k), weight `[n, k]` e4m3
-    (contiguous rows), scale `[ceil(n / 128), ceil(k / 128)]` float32 -> `[m, n]` in x's dtype; given `out`
-    `[m, n]` (unit stride along n), the product is added to it in place and `out` returned. config: the launch
-    shape, `matmul_config` by default (block_n must divide 128)."""
+    """As `fp8_linear.fp8_linear_torch`: x `[m, k]` bf16 / fp16 (unit stride along k), weight
+    `[n, k]` e4m3 (contiguous rows), scale `[ceil(n / 128), ceil(k / 128)]` float32 -> `[m, n]` in
+    x's dtype; given `out` `[m, n]` (unit stride along n), the product is added to it in place and
+    `out` returned. config: the launch shape, `matmul_config` by default (block_n must
+    divide 128)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != k:
         raise ValueError(
-            f"fp8_matmul needs x [m, k] and weight [n, k] with unit-stride rows; got x {tuple(x.shape)} strides "
-            f"{x.stride()}, weight {tuple(weight.shape)} strides {weight.stride()}"
+            "fp8_matmul needs x [m, k] and weight [n, k] with unit-stride rows; got x "
+            f"{tuple(x.shape)} strides {x.stride()}, weight {tuple(weight.shape)} strides "
+            f"{weight.stride()}"
         )
     accumulate = out is not None
     if out is None:
@@ -379,15 +389,16 @@ def fp8_head_matmul(
     width: int,
     depth_along_rows: bool,
 ) -> torch.Tensor:
-    """As `fp8_linear.fp8_head_matmul_torch`: x `[N, h, k]` bf16 / fp16 (unit-stride last dim), weight `[R, C]`
-    e4m3 (contiguous), scale `[ceil(R / 128), ceil(C / 128)]` -> `[N, h, width]` in x's dtype. Head i multiplies
-    by `w[i] [k, width]`, the part of W that starts at row `i * rows_per_head + first_row`: with
-    `depth_along_rows`, `w[i][j, c] = W[row + j, c]` (W_UK, width = C), else `w[i][c, j] = W[row + j, c]`
-    (W_UV^T, k = C)."""
+    """As `fp8_linear.fp8_head_matmul_torch`: x `[N, h, k]` bf16 / fp16 (unit-stride last dim),
+    weight `[R, C]` e4m3 (contiguous), scale `[ceil(R / 128), ceil(C / 128)]` -> `[N, h, width]` in
+    x's dtype. Head i multiplies by `w[i] [k, width]`, the part of W that starts at row
+    `i * rows_per_head + first_row`: with `depth_along_rows`, `w[i][j, c] = W[row + j, c]` (W_UK,
+    width = C), else `w[i][c, j] = W[row + j, c]` (W_UV^T, k = C)."""
     n, heads, depth = x.shape
     if x.stride(2) != 1 or weight.stride(1) != 1:
         raise ValueError(
-            f"fp8_head_matmul needs unit-stride rows: x strides {x.stride()}, weight strides {weight.stride()}"
+            f"fp8_head_matmul needs unit-stride rows: x strides {x.stride()}, weight strides "
+            f"{weight.stride()}"
         )
     out = torch.empty(n, heads, width, dtype=x.dtype, device=x.device)
     if n == 0:

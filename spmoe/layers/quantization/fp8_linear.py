@@ -1,15 +1,16 @@
-"""The math of FP8 linears: weights as the checkpoints store them (e4m3 with one float32 scale per 128 x 128 block,
-value = stored * scale), activations quantised on the fly to e4m3 with one scale per token and 128 channels (as
-the FP8 experts do), float32 accumulation.
+"""The math of FP8 linears: weights as the checkpoints store them (e4m3 with one float32 scale per
+128 x 128 block, value = stored * scale), activations quantised on the fly to e4m3 with one scale
+per token and 128 channels (as the FP8 experts do), float32 accumulation.
 
-Each operation has a torch reference (any device; the definition of the math, and what CPU runs) and a Triton
-path on CUDA (`fp8_kernels`, imported only when used; `fused.use_fused` decides, as for the other kernels):
+Each operation has a torch reference (any device; the definition of the math, and what CPU runs) and
+a Triton path on CUDA (`fp8_kernels`, imported only when used; `fused.use_fused` decides, as for the
+other kernels):
 
 - `fp8_linear`: `x [m, k] @ W^T` -> `[m, n]`, optionally added to an output;
-- `fp8_head_matmul`: absorbed MLA's per-head products with kv_b_proj's FP8 weight (W_UK, W_UV), 16-bit
-  activations (the weight dequantised in registers);
-- `quantize_blocks` / `dequantize_blocks`: a weight to its FP8 twin and back (benchmarks and tests write FP8
-  checkpoints with it; the loader's dequantising path is its inverse).
+- `fp8_head_matmul`: absorbed MLA's per-head products with kv_b_proj's FP8 weight (W_UK, W_UV),
+  16-bit activations (the weight dequantised in registers);
+- `quantize_blocks` / `dequantize_blocks`: a weight to its FP8 twin and back (benchmarks and tests
+  write FP8 checkpoints with it; the loader's dequantising path is its inverse).
 """
 
 import torch
@@ -41,8 +42,8 @@ def dequantize_blocks(
 def quantize_blocks(
     w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[R, C]` -> (e4m3 `[R, C]`, float32 scales `[ceil(R / b0), ceil(C / b1)]`): each block scaled so that its
-    largest value is the largest e4m3 value (an all-zero block gets scale 1)."""
+    """`[R, C]` -> (e4m3 `[R, C]`, float32 scales `[ceil(R / b0), ceil(C / b1)]`): each block scaled
+    so that its largest value is the largest e4m3 value (an all-zero block gets scale 1)."""
     rows, cols = block_grid(*w.shape, block)
     padded = w.new_zeros(rows * block[0], cols * block[1], dtype=torch.float32)
     padded[: w.shape[0], : w.shape[1]] = w.float()
@@ -56,9 +57,10 @@ def quantize_blocks(
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x `[..., k]`, weight `[n, k]` e4m3, scale `[ceil(n / 128), ceil(k / 128)]` float32 -> `[..., n]` in x's
-    dtype; given `out` `[m, n]` (x 2-D), the product is added to it in place. On CUDA with 16-bit x: the Triton
-    GEMV / GEMM (`fp8_kernels.fp8_matmul`); else `fp8_linear_torch`."""
+    """x `[..., k]`, weight `[n, k]` e4m3, scale `[ceil(n / 128), ceil(k / 128)]` float32 ->
+    `[..., n]` in x's dtype; given `out` `[m, n]` (x 2-D), the product is added to it in place. On
+    CUDA with 16-bit x: the Triton GEMV / GEMM (`fp8_kernels.fp8_matmul`); else
+    `fp8_linear_torch`."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if use_fused(x2) and x2.dtype in (torch.bfloat16, torch.float16):
@@ -75,8 +77,8 @@ def fp8_linear(
 def fp8_linear_torch(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The reference `fp8_linear` (x `[m, k]`): x quantised as the kernel quantises it, both dequantised to
-    float32, one matmul, the result in x's dtype."""
+    """The reference `fp8_linear` (x `[m, k]`): x quantised as the kernel quantises it, both
+    dequantised to float32, one matmul, the result in x's dtype."""
     k = x.shape[1]
     xq, x_scale = quantize_fp8_groups(F.pad(x, (0, -k % FP8_GROUP)))
     y = dequantize(xq, x_scale)[:, :k] @ dequantize_blocks(weight, scale).t()
@@ -94,10 +96,11 @@ def fp8_head_matmul(
     width: int,
     depth_along_rows: bool,
 ) -> torch.Tensor:
-    """x `[N, h, k]` 16-bit or float32, weight `[h * rows_per_head, C]` e4m3 with its block scales -> `[N, h,
-    width]` in x's dtype: x[:, i] @ w[i] per head, w[i] the part of W from row `i * rows_per_head + first_row`:
-    `w[i][j, c] = W[row + j, c]` with `depth_along_rows` (W_UK: k rows, width = C), else `w[i][c, j] = W[row +
-    j, c]` (W_UV^T: k = C, width rows). On CUDA with 16-bit x: `fp8_kernels.fp8_head_matmul`."""
+    """x `[N, h, k]` 16-bit or float32, weight `[h * rows_per_head, C]` e4m3 with its block scales
+    -> `[N, h, width]` in x's dtype: x[:, i] @ w[i] per head, w[i] the part of W from row
+    `i * rows_per_head + first_row`: `w[i][j, c] = W[row + j, c]` with `depth_along_rows` (W_UK: k
+    rows, width = C), else `w[i][c, j] = W[row + j, c]` (W_UV^T: k = C, width rows). On CUDA with
+    16-bit x: `fp8_kernels.fp8_head_matmul`."""
     if use_fused(x) and x.dtype in (torch.bfloat16, torch.float16):
         from spmoe.layers.quantization.fp8_kernels import fp8_head_matmul as triton_fp8_head_matmul
 
@@ -114,7 +117,8 @@ def fp8_head_matmul(
 def fp8_head_matmul_torch(
     x, weight, scale, rows_per_head: int, first_row: int, width: int, depth_along_rows: bool
 ):
-    """The reference `fp8_head_matmul`: the weight dequantised to float32, one batched GEMM over the heads."""
+    """The reference `fp8_head_matmul`: the weight dequantised to float32, one batched GEMM
+    over the heads."""
     heads, depth = x.shape[1], x.shape[2]
     per_head = dequantize_blocks(weight, scale).view(heads, rows_per_head, weight.shape[1])
     if depth_along_rows:

@@ -2,10 +2,11 @@
 
 Notation: N tokens in the flat batch, t = TP size, n = ceil(N/t) rows per rank, H = hidden size.
 
-The layer's `LayerPlan` (`spmoe.distributed.layer_plan`) declares, when the model is built, the layout its
-input arrives in and whether its norms and MLP run on the token shard (`use_sequence_parallel_moe`); its
-`LayerCommunicator` performs every layout change. The forward never looks at a shape to decide a layout:
-the communicator checks the shape against the declared layout and raises on a mismatch.
+The layer's `LayerPlan` (`spmoe.distributed.layer_plan`) declares, when the model is built, the
+layout its input arrives in and whether its norms and MLP run on the token shard
+(`use_sequence_parallel_moe`); its `LayerCommunicator` performs every layout change. The forward
+never looks at a shape to decide a layout: the communicator checks the shape against the declared
+layout and raises on a mismatch.
 
     norm (+ transition to FULL)  -> attention FULL [N, H] -> PARTIAL [N, H]
     transition (+ norm)          -> MLP / MoE on SHARDED [n, H] (SP) or FULL [N, H] rows
@@ -29,8 +30,8 @@ from spmoe.layers.rotary import Rotary, RotaryTable
 
 class DeepseekV32DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: LayerPlan, experts: type[Experts], ep_backend: str):
-        """plan: this layer's entry of the layer plan; experts, ep_backend: the routed-expert backend and the SP
-        dispatch, used if this is an MoE layer."""
+        """plan: this layer's entry of the layer plan; experts, ep_backend: the routed-expert
+        backend and the SP dispatch, used if this is an MoE layer."""
         super().__init__()
         self.layer_idx = layer_idx = plan.layer_idx
         self.tp_size = get_parallel_state().tp_size
@@ -56,9 +57,9 @@ class DeepseekV32DecoderLayer(nn.Module):
         selected: torch.Tensor | None,
         max_tokens: int,
     ):
-        """(hidden, residual) in the plan's `input` layout -> (MLP output, residual) in its `output` layout, and
-        the indexer's selection for the next layer. max_tokens: the largest N over the DP ranks
-        (`largest_dp_batch`), for the MoE dispatch."""
+        """(hidden, residual) in the plan's `input` layout -> (MLP output, residual) in its `output`
+        layout, and the indexer's selection for the next layer. max_tokens: the largest N over the
+        DP ranks (`largest_dp_batch`), for the MoE dispatch."""
         h, residual = self.comm.before_attention(
             hidden, residual, self.input_layernorm, batch.num_tokens
         )
@@ -82,9 +83,9 @@ def attention_batch(
     dtype: torch.dtype,
     rotary_table: RotaryTable | None = None,
 ) -> AttentionBatch:
-    """Check the flat batch and describe it to attention. Without a cache each sequence attends only its own
-    new tokens (causally); with one, the cache says which keys each token attends. rotary_table: the model's
-    cos/sin of every position (`RotaryTable.for_model`), or None."""
+    """Check the flat batch and describe it to attention. Without a cache each sequence attends only
+    its own new tokens (causally); with one, the cache says which keys each token attends.
+    rotary_table: the model's cos/sin of every position (`RotaryTable.for_model`), or None."""
     num_tokens = input_ids.shape[0]
     if input_ids.dim() != 1 or positions.shape != input_ids.shape or sum(seq_lens) != num_tokens:
         raise ValueError(
@@ -98,7 +99,8 @@ def attention_batch(
         allowed = cache.allowed
         if allowed.shape[0] != num_tokens:
             raise ValueError(
-                f"the KV cache view is for {allowed.shape[0]} new tokens, the batch has {num_tokens}"
+                f"the KV cache view is for {allowed.shape[0]} new tokens, the batch "
+                f"has {num_tokens}"
             )
     return AttentionBatch(Rotary(cfg, positions, dtype, rotary_table), allowed, cache)
 

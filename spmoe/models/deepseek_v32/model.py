@@ -1,14 +1,15 @@
-"""DeepSeek-V3.2 / GLM-5.2 (glm_moe_dsa) with TP attention, EP experts and sequence-parallel MoE: the layer
-loop, the final norm and the LM head, and the causal LM's API for the engine.
+"""DeepSeek-V3.2 / GLM-5.2 (glm_moe_dsa) with TP attention, EP experts and sequence-parallel MoE:
+the layer loop, the final norm and the LM head, and the causal LM's API for the engine.
 
 Notation: N tokens in the flat batch, t = TP size, n = ceil(N/t) rows per rank, H = hidden size.
 
-The layer plan (`spmoe.distributed.layer_plan`), built once from the model and parallel configs, declares
-every layer's layouts; the communicator (`spmoe.distributed.communicator`) applies every transition: the
-embedding's PARTIAL sum into layer 0's input layout, the transitions inside each layer, and the exit. The
-loop itself hands each layer's output to the next unchanged.
+The layer plan (`spmoe.distributed.layer_plan`), built once from the model and parallel configs,
+declares every layer's layouts; the communicator (`spmoe.distributed.communicator`) applies every
+transition: the embedding's PARTIAL sum into layer 0's input layout, the transitions inside each
+layer, and the exit. The loop itself hands each layer's output to the next unchanged.
 
-With a KV cache (`cache`, from the engine) the N new tokens attend their sequences' cached keys as well.
+With a KV cache (`cache`, from the engine) the N new tokens attend their sequences'
+cached keys as well.
 """
 
 from contextlib import contextmanager
@@ -39,7 +40,8 @@ class DeepseekV32Model(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        """dtype and device decide the expert backend (every MoE layer has the same SP decision, so one choice)."""
+        """dtype and device decide the expert backend (every MoE layer has the same SP decision, so
+        one choice)."""
         super().__init__()
         state = get_parallel_state()
         if parallel.tensor_parallel_size != state.tp_size:
@@ -104,8 +106,9 @@ class DeepseekV32ForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         mtp_own_weights: tuple[tuple[bool, bool], ...] = (),
     ):
-        """Built in `dtype` on `device` (FP8 expert weights and router weights keep their own dtypes).
-        mtp_own_weights: one (own embedding, own head) pair per MTP layer to build, none by default."""
+        """Built in `dtype` on `device` (FP8 expert weights and router weights keep their own
+        dtypes). mtp_own_weights: one (own embedding, own head) pair per MTP layer to build,
+        none by default."""
         super().__init__()
         self.cfg, self.parallel = cfg, parallel
         with torch.device(device), _default_dtype(dtype):
@@ -146,8 +149,9 @@ class DeepseekV32ForCausalLM(nn.Module):
         cache: KeyStore | None = None,
         max_tokens: int | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions `[N]`; seq_lens: new tokens per sequence, end to end -> FULL `[N, H]` post-norm
-        hidden, identical on every TP rank. max_tokens: see `DeepseekV32Model.forward`."""
+        """input_ids, positions `[N]`; seq_lens: new tokens per sequence, end to end -> FULL
+        `[N, H]` post-norm hidden, identical on every TP rank. max_tokens: see
+        `DeepseekV32Model.forward`."""
         return self.model(input_ids, positions, seq_lens, cache, max_tokens)
 
     def compute_logits(
@@ -166,8 +170,8 @@ class DeepseekV32ForCausalLM(nn.Module):
         return len(self.mtp)
 
     def kv_cache_needs(self) -> list[CacheNeeds]:
-        """What each attention layer keeps per token in the KV cache, the MTP layers' included (the engine
-        sizes its cache from this)."""
+        """What each attention layer keeps per token in the KV cache, the MTP layers' included (the
+        engine sizes its cache from this)."""
         blocks = [*self.model.layers, *(mtp.mtp_block for mtp in self.mtp)]
         return [block.self_attn.cache_needs() for block in blocks]
 
@@ -180,8 +184,9 @@ class DeepseekV32ForCausalLM(nn.Module):
         cache: KeyStore | None = None,
         max_tokens: int | None = None,
     ) -> torch.Tensor:
-        """MTP layer 0: input_ids `[N]` (the token after each position), positions `[N]`, previous_hidden FULL
-        `[N, H]` post-norm -> FULL `[N, H]` post-norm hidden. max_tokens: as `forward_hidden`'s."""
+        """MTP layer 0: input_ids `[N]` (the token after each position), positions `[N]`,
+        previous_hidden FULL `[N, H]` post-norm -> FULL `[N, H]` post-norm hidden. max_tokens: as
+        `forward_hidden`'s."""
         return self.mtp[0](input_ids, positions, previous_hidden, seq_lens, cache, max_tokens)
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -190,7 +195,8 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     @property
     def graph_capturable(self) -> tuple[bool, str]:
-        """(whether a forward can be captured in a CUDA graph as far as the expert kernels go, which backend)."""
+        """(whether a forward can be captured in a CUDA graph as far as the expert kernels go,
+        which backend)."""
         backend = self.model.experts_backend
         return not backend.syncs_host, backend.name
 

@@ -1,26 +1,27 @@
 """Multi-token prediction (MTP): the layer after the last decoder layer that drafts one more token.
 
-MTP layer i sits at checkpoint layer index `num_hidden_layers + i`. At position p it takes the token at
-p + 1 and a post-norm hidden state at p, and predicts the token at p + 2:
+MTP layer i sits at checkpoint layer index `num_hidden_layers + i`. At position p it takes the token
+at p + 1 and a post-norm hidden state at p, and predicts the token at p + 2:
 
     e = enorm(embed(next token)), zero where p == 0    [N, H]
-    h = hnorm(previous hidden)                         [N, H]  the target's post-norm hidden on the first
-                                                               draft step, this layer's own output after that
+    h = hnorm(previous hidden)                         [N, H]  the target's post-norm hidden on
+                                                               the first draft step, this layer's
+                                                               own output after that
     x = eh_proj([e | h])                               [N, H]  (SP: on this rank's n rows only)
     out, residual = decoder block(x, residual=None)            own attention + indexer, MoE
     hidden = shared_head.norm(out + residual)          FULL [N, H]
 
-`hidden` serves both the draft logits (the LM head alone, no second norm) and the next draft step: the
-recycled state is the post-norm one, which is what `hnorm` was trained on (upstream's pre-norm recycle
-lowered acceptance, `docs/upstream-bugs.md` item 8).
+`hidden` serves both the draft logits (the LM head alone, no second norm) and the next draft step:
+the recycled state is the post-norm one, which is what `hnorm` was trained on (upstream's pre-norm
+recycle lowered acceptance, `docs/upstream-bugs.md` item 8).
 
-Layout, fixed at build time by the layer plan (`use_sequence_parallel_moe`: the decision for an MoE layer);
-the communicator performs every transition:
-- SP: the embedding's partial sum is reduce-scattered straight into shards, the previous hidden is chunked
-  locally, the block takes SHARDED `[n, H]` rows and its MoE output is complete, so the exit norms on the
-  shard and gathers H once. The step has no all-reduce.
-- not SP: the embedding is all-reduced, the block takes FULL rows and returns a PARTIAL sum, which the exit
-  reduces exactly once, with the norm.
+Layout, fixed at build time by the layer plan (`use_sequence_parallel_moe`: the decision for an MoE
+layer); the communicator performs every transition:
+- SP: the embedding's partial sum is reduce-scattered straight into shards, the previous hidden is
+  chunked locally, the block takes SHARDED `[n, H]` rows and its MoE output is complete, so the exit
+  norms on the shard and gathers H once. The step has no all-reduce.
+- not SP: the embedding is all-reduced, the block takes FULL rows and returns a PARTIAL sum, which
+  the exit reduces exactly once, with the norm.
 """
 
 import torch
@@ -57,9 +58,10 @@ class DeepseekV32MultiTokenPredictorLayer(nn.Module):
         ep_backend: str,
         rotary_table: RotaryTable | None,
     ):
-        """plan: this MTP layer's entry of the layer plan; `embed_tokens` and `head`: the layer's own (when the
-        checkpoint has them) or the main model's; `experts`, `ep_backend`: the main model's expert backend and
-        dispatch; `rotary_table`: the main model's cos/sin table, or None."""
+        """plan: this MTP layer's entry of the layer plan; `embed_tokens` and `head`: the layer's
+        own (when the checkpoint has them) or the main model's; `experts`, `ep_backend`: the main
+        model's expert backend and dispatch; `rotary_table`: the main model's cos/sin
+        table, or None."""
         super().__init__()
         self.cfg, self.plan = cfg, plan
         self.use_sequence_parallel_moe = plan.use_sequence_parallel_moe

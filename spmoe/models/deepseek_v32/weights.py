@@ -3,19 +3,20 @@
 Each rank reads only its slice of every TP-sharded tensor and only its own experts. Missing tensors,
 unexpected tensors and wrong shapes are errors that name the tensor.
 
-FP8 checkpoints (e4m3 weights with one scale per block: DeepSeek / GLM `weight_scale_inv`, compressed-tensors
-`weight_scale`): on the GPU with 128 x 128 blocks every FP8 linear keeps the stored values and scales (the
-experts, `Linear`, the FP8 parts of a `MergedLinear`), so the weights take the checkpoint's bytes; on the CPU,
-with other blocks, or when asked (`keep_fp8=False`: the reference the FP8 path is measured against) they are
-dequantised into the model dtype. Which linears are FP8 is what the checkpoint stores, checked against the
-quantization config: a linear it leaves unquantised (`modules_to_not_convert` / `ignore`) must not be FP8, a
-compressed-tensors linear outside `ignore` must be, and an FP8 weight needs its scales, of its block grid's
-shape; each is a one-line error naming the layer.
+FP8 checkpoints (e4m3 weights with one scale per block: DeepSeek / GLM `weight_scale_inv`,
+compressed-tensors `weight_scale`): on the GPU with 128 x 128 blocks every FP8 linear keeps the
+stored values and scales (the experts, `Linear`, the FP8 parts of a `MergedLinear`), so the weights
+take the checkpoint's bytes; on the CPU, with other blocks, or when asked (`keep_fp8=False`: the
+reference the FP8 path is measured against) they are dequantised into the model dtype. Which linears
+are FP8 is what the checkpoint stores, checked against the quantization config: a linear it leaves
+unquantised (`modules_to_not_convert` / `ignore`) must not be FP8, a compressed-tensors linear
+outside `ignore` must be, and an FP8 weight needs its scales, of its block grid's shape; each is a
+one-line error naming the layer.
 
-MTP layers follow the DeepSeek-V3 / GLM convention: checkpoint layer `num_hidden_layers + i` holds `enorm`,
-`hnorm`, `eh_proj`, `shared_head.norm`, the block's attention and MoE, and optionally its own
-`shared_head.head` and `embed_tokens` (otherwise the main model's are used). They are loaded with
-`with_mtp=True` and skipped otherwise.
+MTP layers follow the DeepSeek-V3 / GLM convention: checkpoint layer `num_hidden_layers + i` holds
+`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, the block's attention and MoE, and optionally its
+own `shared_head.head` and `embed_tokens` (otherwise the main model's are used). They are loaded
+with `with_mtp=True` and skipped otherwise.
 """
 
 import dataclasses
@@ -58,11 +59,11 @@ def load_model(
     overrides: dict | None = None,
     keep_fp8: bool | None = None,
 ) -> DeepseekV32ForCausalLM:
-    """Build the model for this rank (with its MTP layers in `model.mtp` if asked) and fill it from the
-    checkpoint in `model_dir`, or (`load_format` "dummy") with random weights from its config alone.
-    `overrides`: merged into the config (`ModelConfig.from_file`). keep_fp8: whether an FP8 checkpoint's
-    linears stay FP8 (None: where they can, `fp8_stays_fp8`; False: dequantised, the reference). Prints the
-    weights' size on rank 0."""
+    """Build the model for this rank (with its MTP layers in `model.mtp` if asked) and fill it from
+    the checkpoint in `model_dir`, or (`load_format` "dummy") with random weights from its config
+    alone. `overrides`: merged into the config (`ModelConfig.from_file`). keep_fp8: whether an FP8
+    checkpoint's linears stay FP8 (None: where they can, `fp8_stays_fp8`; False: dequantised, the
+    reference). Prints the weights' size on rank 0."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {load_format!r}")
     cfg = ModelConfig.from_file(model_dir, overrides)
@@ -87,7 +88,8 @@ def _keeps_fp8(cfg: ModelConfig, dtype, device, keep_fp8: bool | None) -> bool:
     """Whether the FP8 linears of `cfg` stay FP8 (`load_model`'s keep_fp8)."""
     if keep_fp8 and cfg.fp8_block_size not in (None, FP8_BLOCK):
         raise ValueError(
-            f"FP8 linears can stay FP8 with {FP8_BLOCK} blocks only, the checkpoint has {cfg.fp8_block_size}"
+            f"FP8 linears can stay FP8 with {FP8_BLOCK} blocks only, the checkpoint has "
+            f"{cfg.fp8_block_size}"
         )
     if keep_fp8 is None:
         return fp8_stays_fp8(cfg, dtype, device)
@@ -110,8 +112,9 @@ def _load_checkpoint(
 
 
 def fp8_stays_fp8(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> bool:
-    """Whether an FP8 checkpoint's linears keep their FP8 weights: 128 x 128 blocks, 16-bit activations, on CUDA
-    with Triton (the kernels that compute them); elsewhere they are dequantised."""
+    """Whether an FP8 checkpoint's linears keep their FP8 weights: 128 x 128 blocks, 16-bit
+    activations, on CUDA with Triton (the kernels that compute them); elsewhere they are
+    dequantised."""
     return (
         cfg.fp8_block_size == FP8_BLOCK
         and dtype in (torch.bfloat16, torch.float16)
@@ -121,8 +124,8 @@ def fp8_stays_fp8(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.devi
 
 
 def _linear_parts(model: torch.nn.Module):
-    """-> (checkpoint module name, module, part name or None) of every `Linear` and every part of every
-    `MergedLinear` of `model`, checkpoint names as in `_plan`."""
+    """-> (checkpoint module name, module, part name or None) of every `Linear` and every part of
+    every `MergedLinear` of `model`, checkpoint names as in `_plan`."""
     for module_name, module in _named_modules(model):
         if isinstance(module, Linear):
             yield module_name, module, None
@@ -133,8 +136,8 @@ def _linear_parts(model: torch.nn.Module):
 
 
 def fp8_linears(model: DeepseekV32ForCausalLM, cfg: ModelConfig, ckpt: "Checkpoint") -> set[str]:
-    """The checkpoint names of `model`'s linears that the checkpoint stores in FP8, checked against the
-    quantization config of `cfg` (see the module docstring); raises naming the first misfit."""
+    """The checkpoint names of `model`'s linears that the checkpoint stores in FP8, checked against
+    the quantization config of `cfg` (see the module docstring); raises naming the first misfit."""
     if cfg.fp8_block_size is None:
         return set()
     found = set()
@@ -150,7 +153,8 @@ def fp8_linears(model: DeepseekV32ForCausalLM, cfg: ModelConfig, ckpt: "Checkpoi
             )
         if not stored and expected:
             raise ValueError(
-                f"layer {name}: FP8 by the quantization config (not in its ignore list), but {key} is {ckpt.dtype(key)}"
+                f"layer {name}: FP8 by the quantization config (not in its ignore list), but {key} "
+                f"is {ckpt.dtype(key)}"
             )
         if stored:
             scale_key = f"{name}.{cfg.fp8_scale_suffix}"
@@ -163,8 +167,8 @@ def fp8_linears(model: DeepseekV32ForCausalLM, cfg: ModelConfig, ckpt: "Checkpoi
 
 
 def keep_fp8_linears(model: DeepseekV32ForCausalLM, fp8: set[str]) -> None:
-    """Switch the linears named in `fp8` (checkpoint names) to FP8 weights; raises naming a layer whose TP shard
-    cuts through a block."""
+    """Switch the linears named in `fp8` (checkpoint names) to FP8 weights; raises naming a layer
+    whose TP shard cuts through a block."""
     merged: dict[int, tuple[str, MergedLinear, set[str]]] = {}
     for name, module, part in _linear_parts(model):
         if name not in fp8:
@@ -191,8 +195,8 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> DeepseekV32ForCausalLM:
-    """The model with uninitialised weights; an MTP layer gets its own embedding / head only where the
-    checkpoint has them."""
+    """The model with uninitialised weights; an MTP layer gets its own embedding / head only where
+    the checkpoint has them."""
     if with_mtp and not cfg.num_nextn_predict_layers:
         raise ValueError(
             "the checkpoint has no MTP layer (num_nextn_predict_layers is 0 or missing)"
@@ -208,8 +212,8 @@ def build_model(
 
 
 def write_random_checkpoint(raw_config: dict, folder: Path, seed: int) -> None:
-    """Write `config.json` and a `model.safetensors` of deterministic random weights (main and MTP layers) in
-    the Hugging Face layout, for the demo and tests. Runs on one rank (TP = 1)."""
+    """Write `config.json` and a `model.safetensors` of deterministic random weights (main and MTP
+    layers) in the Hugging Face layout, for the demo and tests. Runs on one rank (TP = 1)."""
     cfg = ModelConfig.from_dict(raw_config)
     model = build_model(
         cfg,
@@ -233,8 +237,9 @@ def write_random_checkpoint(raw_config: dict, folder: Path, seed: int) -> None:
 
 
 def random_init(key: str, noise: torch.Tensor, hidden_size: int) -> torch.Tensor:
-    """The random value of the whole checkpoint tensor `key` from standard normal `noise` of its shape: norms
-    near 1, small biases, linears scaled by 1/sqrt(fan-in), an MTP eh_proj that passes the embedding through."""
+    """The random value of the whole checkpoint tensor `key` from standard normal `noise` of its
+    shape: norms near 1, small biases, linears scaled by 1/sqrt(fan-in), an MTP eh_proj that passes
+    the embedding through."""
     if key.endswith("norm.weight"):
         return 1.0 + 0.2 * noise
     if noise.dim() == 1:  # biases: the router's score correction, the indexer's k_norm
@@ -254,15 +259,15 @@ def random_model(
     seed: int = 0,
     keep_fp8: bool | None = None,
 ) -> DeepseekV32ForCausalLM:
-    """This rank's model with random weights from the config alone (`--load-format dummy`): no file is read.
-    Every tensor is drawn whole on this rank's device from a generator seeded by `seed` and its checkpoint
-    key (`random_init`), and this rank keeps its slice, so TP ranks hold the slices of one tensor and the
-    weights do not depend on the number of ranks.
+    """This rank's model with random weights from the config alone (`--load-format dummy`): no file
+    is read. Every tensor is drawn whole on this rank's device from a generator seeded by `seed` and
+    its checkpoint key (`random_init`), and this rank keeps its slice, so TP ranks hold the slices
+    of one tensor and the weights do not depend on the number of ranks.
 
-    An FP8 config builds the modules and dtypes its checkpoint would (`keep_fp8` as in `load_model`): kept
-    FP8, every linear the DeepSeek / GLM FP8 checkpoints store in FP8 (all but `BF16_IN_FP8_CHECKPOINTS` and
-    those the quantization config leaves unquantised) holds e4m3 weights with scales of 1; otherwise the
-    dequantised model."""
+    An FP8 config builds the modules and dtypes its checkpoint would (`keep_fp8` as in
+    `load_model`): kept FP8, every linear the DeepSeek / GLM FP8 checkpoints store in FP8 (all but
+    `BF16_IN_FP8_CHECKPOINTS` and those the quantization config leaves unquantised) holds e4m3
+    weights with scales of 1; otherwise the dequantised model."""
     keep = _keeps_fp8(cfg, dtype, device, keep_fp8)
     build_cfg = cfg if keep else dataclasses.replace(cfg, fp8_block_size=None)
     model = build_model(build_cfg, parallel, with_mtp, set(), dtype, device)
@@ -310,11 +315,12 @@ def write_fp8_checkpoint(
     scheme: str = "fp8",
     unquantized: tuple[str, ...] = BF16_IN_FP8_CHECKPOINTS,
 ) -> None:
-    """Write the FP8 twin of a TP 1 `model`'s weights to `folder` (with `raw_config`, its config.json, plus the
-    quantization config): every linear (the experts', `Linear`s, `MergedLinear` parts) as e4m3 with 128 x 128
-    block scales, but those whose name ends with one of `unquantized` (listed in the config); everything else
-    as it is. scheme "fp8": DeepSeek / GLM (`weight_scale_inv`); "compressed-tensors": llm-compressor's FP8
-    block (`weight_scale`, an `ignore` list)."""
+    """Write the FP8 twin of a TP 1 `model`'s weights to `folder` (with `raw_config`, its
+    config.json, plus the quantization config): every linear (the experts', `Linear`s,
+    `MergedLinear` parts) as e4m3 with 128 x 128 block scales, but those whose name ends with one of
+    `unquantized` (listed in the config); everything else as it is. scheme "fp8": DeepSeek / GLM
+    (`weight_scale_inv`); "compressed-tensors": llm-compressor's FP8 block (`weight_scale`, an
+    `ignore` list)."""
     if scheme not in FP8_SCHEMES:
         raise ValueError(f"scheme must be one of {FP8_SCHEMES}, got {scheme!r}")
     plan = _plan(model)
@@ -368,8 +374,8 @@ def write_fp8_checkpoint(
 
 
 class Checkpoint:
-    """The tensors of a checkpoint folder: one `model.safetensors`, or shards listed in the index file. FP8
-    weights' scales are `{module}.{scale_suffix}`, one per `block`."""
+    """The tensors of a checkpoint folder: one `model.safetensors`, or shards listed in the index
+    file. FP8 weights' scales are `{module}.{scale_suffix}`, one per `block`."""
 
     def __init__(
         self,
@@ -410,8 +416,8 @@ class Checkpoint:
     def read(
         self, key: str, dim: int | None, start: int, stop: int, raw: bool = False
     ) -> torch.Tensor:
-        """Rows (dim 0) or columns (dim 1) `[start, stop)` of a tensor, or all of it (dim None); FP8 weights
-        are dequantised with their block scales unless `raw`."""
+        """Rows (dim 0) or columns (dim 1) `[start, stop)` of a tensor, or all of it (dim None); FP8
+        weights are dequantised with their block scales unless `raw`."""
         view = self._slice(key)
         index = (slice(None),) if dim is None else (slice(None),) * dim + (slice(start, stop),)
         tensor = view[index]
@@ -420,12 +426,14 @@ class Checkpoint:
         scale_key, block = key.removesuffix("weight") + self.scale_suffix, self.block
         if block is None or scale_key not in self.weight_map:
             raise ValueError(
-                f"{key} is FP8 but the checkpoint has no {scale_key} / quantization_config block size"
+                f"{key} is FP8 but the checkpoint has no {scale_key} / "
+                "quantization_config block size"
             )
         if self.shape(scale_key) != block_grid(*self.shape(key), block):
             raise ValueError(
-                f"tensor {scale_key}: checkpoint shape {self.shape(scale_key)} does not match the expected "
-                f"{block_grid(*self.shape(key), block)} (one scale per {block[0]} x {block[1]} block of {key})"
+                f"tensor {scale_key}: checkpoint shape {self.shape(scale_key)} does not match the "
+                f"expected {block_grid(*self.shape(key), block)} (one scale per {block[0]} x "
+                f"{block[1]} block of {key})"
             )
         row0, col0 = (start, 0) if dim == 0 else (0, start) if dim == 1 else (0, 0)
         scale = self._slice(scale_key)[
@@ -489,13 +497,15 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
             start = dest.shape[dim] * state.tp_rank
         if ckpt.shape(key) != tuple(full):
             raise ValueError(
-                f"tensor {key}: checkpoint shape {ckpt.shape(key)} does not match the expected {tuple(full)}"
+                f"tensor {key}: checkpoint shape {ckpt.shape(key)} does not match the "
+                f"expected {tuple(full)}"
             )
         dtype = ckpt.dtype(key)
         # copying would make integers weights
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(
-                f"tensor {key}: checkpoint dtype {dtype}; expected a floating-point tensor (F32, BF16, F16 or F8_E4M3)"
+                f"tensor {key}: checkpoint dtype {dtype}; expected a floating-point tensor (F32, "
+                "BF16, F16 or F8_E4M3)"
             )
         if raw and dest.dtype == torch.float8_e4m3fn and dtype != dest.dtype:
             raise ValueError(
@@ -515,7 +525,8 @@ def load_weights(model: DeepseekV32ForCausalLM, ckpt: Checkpoint) -> None:
 
 
 def _named_modules(model: DeepseekV32ForCausalLM):
-    """(checkpoint module name, module) of every module; shared modules appear once, under their first name."""
+    """(checkpoint module name, module) of every module; shared modules appear once, under
+    their first name."""
     for module_name, module in model.named_modules():
         yield (
             MTP_MODULE.sub(
@@ -527,7 +538,8 @@ def _named_modules(model: DeepseekV32ForCausalLM):
 
 
 def _plan(model: DeepseekV32ForCausalLM) -> dict:
-    """Checkpoint key -> (this rank's destination tensor, TP dim or None, raw: copy FP8 values as stored)."""
+    """Checkpoint key -> (this rank's destination tensor, TP dim or None, raw: copy FP8
+    values as stored)."""
     plan, suffix = {}, model.cfg.fp8_scale_suffix
     for module_name, module in _named_modules(model):
         # their checkpoint tensors are not their parameters

@@ -1,13 +1,15 @@
-"""The routed-experts interface shared by every backend, and the facts that decide which backend fits.
+"""The routed-experts interface shared by every backend, and the facts that decide
+which backend fits.
 
-A backend computes, for `[m, H]` rows and their routing (`ids` / `weights` `[m, k]`, global expert ids, -1 =
-none), the weighted sum over this rank's experts `[first, first + count)`; rows routed elsewhere, and ids of
--1 (SP pad rows), contribute nothing. A backend that routes inside its kernel takes the router's inputs
-instead (`routes_internally`), so it can never honour the -1 mask.
+A backend computes, for `[m, H]` rows and their routing (`ids` / `weights` `[m, k]`, global expert
+ids, -1 = none), the weighted sum over this rank's experts `[first, first + count)`; rows routed
+elsewhere, and ids of -1 (SP pad rows), contribute nothing. A backend that routes inside its kernel
+takes the router's inputs instead (`routes_internally`), so it can never honour the -1 mask.
 
-Weights are either dense in the model dtype (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`; FP8
-checkpoints are dequantised on load) or, for FP8 backends, the checkpoint's FP8 e4m3 weights with their
-per-block float32 scales (`w13` `[E, 2I, H]` + `w13_scale`, `w2` `[E, H, I]` + `w2_scale`).
+Weights are either dense in the model dtype (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`;
+FP8 checkpoints are dequantised on load) or, for FP8 backends, the checkpoint's FP8 e4m3 weights
+with their per-block float32 scales (`w13` `[E, 2I, H]` + `w13_scale`, `w2` `[E, H,
+I]` + `w2_scale`).
 """
 
 import importlib.util
@@ -22,8 +24,8 @@ from spmoe.config import ModelConfig, ParallelConfig
 
 @dataclass(frozen=True)
 class ExpertsDeployment:
-    """What decides whether an expert backend can run one MoE layer. Selection reads these fields and nothing
-    else, so the same deployment gets the same backend on every machine."""
+    """What decides whether an expert backend can run one MoE layer. Selection reads these fields
+    and nothing else, so the same deployment gets the same backend on every machine."""
 
     device: str  # "cpu" or "cuda"
     capability: tuple[int, int] | None  # CUDA compute capability; None on CPU
@@ -103,13 +105,14 @@ class Experts(nn.Module):
 
     @classmethod
     def unsupported_reason(cls, d: ExpertsDeployment) -> str | None:
-        """None when this backend can run `d`; otherwise why not. Checked in order: device, weights and
-        dtype, parallel config."""
+        """None when this backend can run `d`; otherwise why not. Checked in order: device, weights
+        and dtype, parallel config."""
         reason = cls._device_reason(d) or cls._weights_reason(d)
         if reason is None and not cls._supports_parallel_config(d):
             reason = (
-                f"the parallel config is not supported (sequence parallel: {d.use_sequence_parallel_moe}, "
-                f"DP: {d.data_parallel_size}, EPLB: {d.enable_eplb}, EP backend: {d.ep_backend})"
+                "the parallel config is not supported (sequence parallel: "
+                f"{d.use_sequence_parallel_moe}, DP: {d.data_parallel_size}, EPLB: "
+                f"{d.enable_eplb}, EP backend: {d.ep_backend})"
             )
         return reason
 
@@ -128,8 +131,9 @@ class Experts(nn.Module):
     # -- weights ----------------------------------------------------------------------------------
 
     def checkpoint_plan(self, prefix: str) -> dict[str, tuple[torch.Tensor, bool]]:
-        """Checkpoint key -> (destination view, raw) for this rank's experts. raw: copy the stored FP8 values
-        or scales as they are; otherwise the loader dequantises FP8 into the destination's dtype."""
+        """Checkpoint key -> (destination view, raw) for this rank's experts. raw: copy the stored
+        FP8 values or scales as they are; otherwise the loader dequantises FP8 into the
+        destination's dtype."""
         plan, inter = {}, self.cfg.moe_intermediate_size
         for e in range(self.count):
             key = f"{prefix}.{self.first + e}"
@@ -152,6 +156,7 @@ class Experts(nn.Module):
         return plan
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Global expert ids `[m, k]` -> this rank's expert index, or -1 where the expert lives elsewhere."""
+        """Global expert ids `[m, k]` -> this rank's expert index, or -1 where the expert
+        lives elsewhere."""
         local = ids - self.first
         return torch.where((local >= 0) & (local < self.count), local, -1)

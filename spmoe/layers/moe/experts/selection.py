@@ -3,12 +3,14 @@
 `auto` walks `PRIORITY` and takes the first backend whose `unsupported_reason` is None:
 
 1. `flashinfer_trtllm_monolithic`: Blackwell + FlashInfer, FP8 block-128, not SP, DP = 1, no EPLB;
-2. `flashinfer_trtllm_modular`: Blackwell + FlashInfer, FP8 block-128, no EPLB (SP allowed: external routing);
+2. `flashinfer_trtllm_modular`: Blackwell + FlashInfer, FP8 block-128, no EPLB (SP allowed:
+   external routing);
 3. `triton`: CUDA + Triton, bfloat16 / float16 or FP8 block-128;
 4. `torch`: anything (the reference; FP8 dequantised).
 
-An explicit request (`torch`, `triton`, `flashinfer_trtllm` = monolithic, else modular) that does not fit is
-an error that says why. The choice of `auto` is printed once per process and layer kind (SP or not), on rank 0.
+An explicit request (`torch`, `triton`, `flashinfer_trtllm` = monolithic, else modular) that does
+not fit is an error that says why. The choice of `auto` is printed once per process and layer kind
+(SP or not), on rank 0.
 """
 
 import sys

@@ -1,5 +1,5 @@
-"""Routed experts, reference torch implementation: a loop over this rank's experts. Any device; float32,
-bfloat16, and FP8 checkpoints dequantised on load."""
+"""Routed experts, reference torch implementation: a loop over this rank's experts. Any device;
+float32, bfloat16, and FP8 checkpoints dequantised on load."""
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,8 @@ class TorchExperts(Experts):
     syncs_host = True  # loops over the experts present in the batch
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x `[m, H]`, ids / weights `[m, k]` -> `[m, H]`, the weighted sum over this rank's experts."""
+        """x `[m, H]`, ids / weights `[m, k]` -> `[m, H]`, the weighted sum over this
+        rank's experts."""
         out = torch.zeros_like(x)
         local = self.local_ids(ids)
         for e in torch.unique(local[local >= 0]).tolist():

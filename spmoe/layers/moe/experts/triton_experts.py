@@ -1,6 +1,6 @@
-"""Fused MoE experts in Triton on CUDA: bfloat16 / float16, or FP8 e4m3 128 x 128 block-scaled weights with
-per-token 128-channel activation groups (the GLM-5.2 / DeepSeek-V3 FP8 checkpoints). Routing comes from
-outside, so SP pad rows (id -1) are skipped."""
+"""Fused MoE experts in Triton on CUDA: bfloat16 / float16, or FP8 e4m3 128 x 128 block-scaled
+weights with per-token 128-channel activation groups (the GLM-5.2 / DeepSeek-V3 FP8 checkpoints).
+Routing comes from outside, so SP pad rows (id -1) are skipped."""
 
 import torch
 
@@ -22,7 +22,10 @@ class TritonExperts(Experts):
             return "triton is not installed"
         needed = (8, 9) if d.fp8_block else (8, 0)
         if d.capability < needed:
-            return f"needs compute capability >= {needed} for {'FP8' if d.fp8_block else 'bf16'}, got {d.capability}"
+            return (
+                f"needs compute capability >= {needed} for {'FP8' if d.fp8_block else 'bf16'}, "
+                f"got {d.capability}"
+            )
         return None
 
     @classmethod
@@ -33,13 +36,14 @@ class TritonExperts(Experts):
             return f"FP8 weights need 128 x 128 blocks, got {d.fp8_block}"
         if d.hidden_size % 128 or d.intermediate_size % 128:
             return (
-                f"hidden size {d.hidden_size} and expert intermediate size {d.intermediate_size} must be "
-                f"multiples of 128"
+                f"hidden size {d.hidden_size} and expert intermediate size {d.intermediate_size} "
+                "must be multiples of 128"
             )
         return None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x `[m, H]`, ids / weights `[m, k]` -> `[m, H]`, the weighted sum over this rank's experts."""
+        """x `[m, H]`, ids / weights `[m, k]` -> `[m, H]`, the weighted sum over this
+        rank's experts."""
         from spmoe.layers.moe.experts.triton_kernels import fused_moe
 
         if self.keeps_fp8:

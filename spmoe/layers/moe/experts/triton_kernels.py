@@ -1,35 +1,39 @@
-"""Triton kernels for the fused MoE: grouped GEMMs over this rank's experts, gate/up with SiLU-and-mul fused,
-in bfloat16 or FP8 e4m3 with 128 x 128 weight blocks and per-token 128-channel activation groups.
+"""Triton kernels for the fused MoE: grouped GEMMs over this rank's experts, gate/up with
+SiLU-and-mul fused, in bfloat16 or FP8 e4m3 with 128 x 128 weight blocks and per-token 128-channel
+activation groups.
 
-Pipeline for m rows and k routes per row (P = m * k (row, route) pairs), 5 launches at decode (7 with FP8),
-9 (11) above `ONE_PROGRAM_PAIRS` pairs:
+Pipeline for m rows and k routes per row (P = m * k (row, route) pairs), 5 launches at decode (7
+with FP8), 9 (11) above `ONE_PROGRAM_PAIRS` pairs:
 
     align      count pairs per local expert; pad each expert's run to a multiple of BLOCK_M; place
-               each local pair in its expert's run (one program for a few pairs, else 3 kernels + 2 fills)
+               each local pair in its expert's run (one program for a few pairs, else 3 kernels +
+               2 fills)
     quantize   FP8 only: x to e4m3 with one scale per 128 channels of a row
-    gate_up    act[r, :] = silu(x[row] @ W_gate[e].T) * (x[row] @ W_up[e].T)                  [R, I]
+    gate_up    act[r, :] = silu(x[row] @ W_gate[e].T) * (x[row] @ W_up[e].T)      [R, I]
     quantize   FP8 only: act likewise
-    zero       y32 = 0                                                                            [m, H] float32
+    zero       y32 = 0                                                            [m, H] float32
     down       y32[row, :] += weight[pair] * act[r, :] @ W_down[e].T  (float32 atomic add)
-    cast       y = y32 in x's dtype                                                               [m, H]
+    cast       y = y32 in x's dtype                                               [m, H]
 
-(Quantising the activation tiles inside the GEMMs instead was measured slower: every column tile repeats it.)
+(Quantising the activation tiles inside the GEMMs instead was measured slower: every column
+tile repeats it.)
 
-The down projection adds each pair's output straight into its row of a float32 [m, H] sum, so no [P, H]
-buffer of every route's output exists (2 * m * k * H bytes: 4.8 GB at m = 49152, H 6144, top-8; the sum takes
-4 * m * H). Float32 atomic adds are commutative but not associative: with at most 2 local routes per row the
-result is the same on every run (0 + a is exact, a + b = b + a); with 3 or more, their order can change the
-float32 sum's last bit between runs, and so, rarely, the rounded output. A fixed order would need either that
-[P, H] buffer or one down pass per route slot (reading the expert weights up to k times); we chose the bounded
-memory.
+The down projection adds each pair's output straight into its row of a float32 [m, H] sum, so no
+[P, H] buffer of every route's output exists (2 * m * k * H bytes: 4.8 GB at m = 49152, H 6144,
+top-8; the sum takes 4 * m * H). Float32 atomic adds are commutative but not associative: with at
+most 2 local routes per row the result is the same on every run (0 + a is exact, a + b = b + a);
+with 3 or more, their order can change the float32 sum's last bit between runs, and so, rarely, the
+rounded output. A fixed order would need either that [P, H] buffer or one down pass per route slot
+(reading the expert weights up to k times); we chose the bounded memory.
 
-Every offset that is a product of a size by a row index (token, sorted row, expert) is computed in int64: at
-H 6144, top-8 and I 2048, m * H passes 2**31 at m = 349526, the sorted activations' R * I from m = 131072 (the
-[P, H] buffer passed it at m = 43691).
+Every offset that is a product of a size by a row index (token, sorted row, expert) is computed in
+int64: at H 6144, top-8 and I 2048, m * H passes 2**31 at m = 349526, the sorted activations' R * I
+from m = 131072 (the [P, H] buffer passed it at m = 43691).
 
-Shapes are static for a given m (R is an upper bound), there are no host syncs, so the path can be captured
-in a CUDA graph. Programs whose block holds no pairs exit at once. The order of pairs within an expert's run
-does not change any GEMM result: every row of a tile is computed independently.
+Shapes are static for a given m (R is an upper bound), there are no host syncs, so the path can be
+captured in a CUDA graph. Programs whose block holds no pairs exit at once. The order of pairs
+within an expert's run does not change any GEMM result: every row of a tile is
+computed independently.
 """
 
 import torch
@@ -137,7 +141,8 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """y `[m, H]` float32 += each pair's route weight * act @ W_down[e].T, by atomic add (see the module doc)."""
+    """y `[m, H]` float32 += each pair's route weight * act @ W_down[e].T, by atomic add (see the
+    module doc)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -198,7 +203,8 @@ def _blocks_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    """Each program recomputes the padded run ends (a few hundred experts) and labels BLOCK_B blocks."""
+    """Each program recomputes the padded run ends (a few hundred experts) and labels
+    BLOCK_B blocks."""
     experts = tl.arange(0, BLOCK_E)
     padded = (
         (tl.load(counts_ptr + experts, mask=experts < count, other=0) + BLOCK_M - 1)
@@ -226,8 +232,8 @@ def _place_kernel(
     tl.store(pairs_ptr + tl.load(start_ptr + expert, mask=local, other=0) + slot, offs, mask=local)
 
 
-# 128-channel groups a program of `quantize_fp8` takes (of one row): 4 KiB of 16-bit input, where one
-# group a program made 57,344 programs of 128 values for 1,024 rows of 7,168 channels
+# 128-channel groups a program of `quantize_fp8` takes (of one row): 4 KiB of 16-bit input, where
+# one group a program made 57,344 programs of 128 values for 1,024 rows of 7,168 channels
 QUANTIZE_GROUPS = 16
 
 
@@ -270,8 +276,9 @@ def _align_one_program_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    """`_count_kernel`, `_blocks_kernel` and `_place_kernel` in one program, for at most BLOCK_P pairs: the
-    counts and each pair's place in its expert's run come from comparison matrices, nothing needs zeroing."""
+    """`_count_kernel`, `_blocks_kernel` and `_place_kernel` in one program, for at most BLOCK_P
+    pairs: the counts and each pair's place in its expert's run come from comparison matrices,
+    nothing needs zeroing."""
     p = tl.arange(0, BLOCK_P)
     e = tl.arange(0, BLOCK_E)
     expert = (tl.load(ids_ptr + p, mask=p < num_pairs, other=-1) - first).to(tl.int32)
@@ -288,7 +295,8 @@ def _align_one_program_kernel(
     for r0 in range(0, num_rows, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         tl.store(pairs_ptr + r, num_pairs, mask=r < num_rows)
-    tl.debug_barrier()  # every pad written before any pair lands (one program: the barrier orders the stores)
+    # every pad written before any pair lands (one program: the barrier orders the stores)
+    tl.debug_barrier()
     tl.store(pairs_ptr + place, p, mask=local)
     for b0 in range(0, num_rows // BLOCK_M, BLOCK_B):
         b = b0 + tl.arange(0, BLOCK_B)
@@ -303,12 +311,13 @@ ONE_PROGRAM_PAIRS = 128  # up to this many (row, route) pairs, `align_pairs` run
 
 
 def align_pairs(ids: torch.Tensor, first: int, count: int, block_m: int):
-    """ids `[m, k]` global expert ids (-1 = none) -> (pairs `[R]`, block_expert `[R / block_m]`) for this
-    rank's experts `[first, first + count)`.
+    """ids `[m, k]` global expert ids (-1 = none) -> (pairs `[R]`, block_expert `[R / block_m]`) for
+    this rank's experts `[first, first + count)`.
 
-    `pairs[r]`: the (row, route) pair `row * k + route` computed at sorted position r, or `m * k` for a pad
-    position; each expert's pairs are contiguous and start at a multiple of `block_m`; `block_expert[b]` is the
-    local expert of block b, -1 past the last one. R is a static upper bound.
+    `pairs[r]`: the (row, route) pair `row * k + route` computed at sorted position r, or `m * k`
+    for a pad position; each expert's pairs are contiguous and start at a multiple of `block_m`;
+    `block_expert[b]` is the local expert of block b, -1 past the last one. R is a
+    static upper bound.
     """
     num_pairs, device = ids.numel(), ids.device
     rows_max = triton.cdiv(num_pairs + min(count, num_pairs) * (block_m - 1), block_m) * block_m
@@ -379,8 +388,8 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fused_moe(x, ids, weights, first, w13, w2, w13_scale=None, w2_scale=None, config=None):
     """x `[m, H]`, ids / weights `[m, k]` (global expert ids, -1 = none), this rank's experts
-    `[first, first + E)`: w13 `[E, 2I, H]`, w2 `[E, H, I]` (FP8 with scales, or x's dtype) -> `[m, H]` in x's
-    dtype. `config`: the tile sizes (`pick_config` by default)."""
+    `[first, first + E)`: w13 `[E, 2I, H]`, w2 `[E, H, I]` (FP8 with scales, or x's dtype) ->
+    `[m, H]` in x's dtype. `config`: the tile sizes (`pick_config` by default)."""
     (m, k), (count, two_inter, hidden) = ids.shape, w13.shape
     inter, fp8 = two_inter // 2, w13.dtype == torch.float8_e4m3fn
     # rows may be strided (a view of a packed gather)
@@ -450,9 +459,9 @@ def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
 
 
 def pick_config(num_pairs: int, num_experts: int, fp8: bool) -> dict:
-    """Tile sizes by the mean pairs per local expert, from `benchmarks/bench_experts.py --sweep` on an H200:
-    small blocks that stream the weights at decode, large ones that reuse them at prefill. FP8 needs
-    BLOCK_K = 128 (one activation scale per step) and BLOCK_N <= 128."""
+    """Tile sizes by the mean pairs per local expert, from `benchmarks/bench_experts.py --sweep` on
+    an H200: small blocks that stream the weights at decode, large ones that reuse them at prefill.
+    FP8 needs BLOCK_K = 128 (one activation scale per step) and BLOCK_N <= 128."""
     per_expert = num_pairs / num_experts
     if per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=32 if fp8 else 64, BLOCK_K=128, num_warps=4, num_stages=5)

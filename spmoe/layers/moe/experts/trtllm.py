@@ -2,14 +2,15 @@
 
 Two classes, as in the upstream change (the reasons: `docs/upstream-bugs.md`, item 7):
 
-- `TrtLlmFp8ExpertsMonolithic` routes inside the kernel from the router logits. It never sees our -1 ids,
-  so it cannot skip SP pad rows, and it would need the full logits dispatched; `_supports_parallel_config`
-  therefore refuses sequence parallelism (and EPLB, and any dispatch but all-gather / reduce-scatter).
-- `TrtLlmFp8ExpertsModular` takes our routing (ids and weights packed as the kernel wants), so pad rows carry
-  weight 0; it refuses only EPLB and dispatch backends the kernel was not built for.
+- `TrtLlmFp8ExpertsMonolithic` routes inside the kernel from the router logits. It never sees our -1
+  ids, so it cannot skip SP pad rows, and it would need the full logits dispatched;
+  `_supports_parallel_config` therefore refuses sequence parallelism (and EPLB, and any dispatch but
+  all-gather / reduce-scatter).
+- `TrtLlmFp8ExpertsModular` takes our routing (ids and weights packed as the kernel wants), so pad
+  rows carry weight 0; it refuses only EPLB and dispatch backends the kernel was not built for.
 
-Not run here: the kernels exist only on SM100 GPUs and FlashInfer is not installed on our machines. The
-calls follow FlashInfer's documented signatures; the selection rules are tested everywhere.
+Not run here: the kernels exist only on SM100 GPUs and FlashInfer is not installed on our machines.
+The calls follow FlashInfer's documented signatures; the selection rules are tested everywhere.
 """
 
 import torch
@@ -44,9 +45,10 @@ class TrtLlmFp8ExpertsBase(Experts):
 
     @classmethod
     def _supports_parallel_config(cls, d: ExpertsDeployment) -> bool:
-        """The monolithic kernel: only all-gather / reduce-scatter dispatch, and neither EPLB nor sequence
-        parallelism (its in-kernel routing would route SP pad rows as real tokens). spmoe also keeps it to
-        DP = 1: it takes router logits, not a dispatched batch, so it cannot reach experts of other DP groups."""
+        """The monolithic kernel: only all-gather / reduce-scatter dispatch, and neither EPLB nor
+        sequence parallelism (its in-kernel routing would route SP pad rows as real tokens). spmoe
+        also keeps it to DP = 1: it takes router logits, not a dispatched batch, so it cannot reach
+        experts of other DP groups."""
         return (
             d.ep_backend == "allgather_reducescatter"
             and not (d.enable_eplb or d.use_sequence_parallel_moe)
@@ -75,8 +77,8 @@ class TrtLlmFp8ExpertsMonolithic(TrtLlmFp8ExpertsBase):
     routes_internally = True
 
     def forward(self, x: torch.Tensor, router) -> torch.Tensor:
-        """x FULL `[m, H]` and the router module -> `[m, H]` over this rank's experts (DeepSeek-V3 routing:
-        sigmoid, bias-corrected grouped top-k, renormalised, scaled)."""
+        """x FULL `[m, H]` and the router module -> `[m, H]` over this rank's experts (DeepSeek-V3
+        routing: sigmoid, bias-corrected grouped top-k, renormalised, scaled)."""
         from flashinfer.fused_moe import RoutingMethodType, trtllm_fp8_block_scale_moe
 
         xq, scale = quantize_fp8_groups(x)
@@ -96,13 +98,13 @@ class TrtLlmFp8ExpertsModular(TrtLlmFp8ExpertsBase):
 
     @classmethod
     def _supports_parallel_config(cls, d: ExpertsDeployment) -> bool:
-        """Routing comes from outside, so SP pad rows are masked: only EPLB and dispatch backends other than
-        all-gather / reduce-scatter are refused."""
+        """Routing comes from outside, so SP pad rows are masked: only EPLB and dispatch backends
+        other than all-gather / reduce-scatter are refused."""
         return d.ep_backend == "allgather_reducescatter" and not d.enable_eplb
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x `[m, H]`, ids / weights `[m, k]` (already scaled; id -1 = none) -> `[m, H]` over this rank's
-        experts. A -1 route is sent to expert 0 with weight 0."""
+        """x `[m, H]`, ids / weights `[m, k]` (already scaled; id -1 = none) -> `[m, H]` over this
+        rank's experts. A -1 route is sent to expert 0 with weight 0."""
         from flashinfer.fused_moe import RoutingMethodType, trtllm_fp8_block_scale_routed_moe
 
         weights = (
