@@ -15,6 +15,7 @@ files=(
   tests/layers/test_fused_kernels_gpu.py tests/layers/test_fp8_kernels_gpu.py
   tests/layers/test_triton_experts.py tests/layers/test_sparse_attention_gpu.py
   tests/engine/test_top_k_top_p_gpu.py tests/engine/test_seeded_race_gpu.py
+  tests/layers/test_seeded_routing_gpu.py
   tests/engine/test_sampling_gpu.py tests/engine/test_grammar.py tests/engine/test_engine_grammar.py
   tests/models/deepseek_v32/test_fp8_gpu.py tests/models/deepseek_v32/test_oracle_gpu.py
 )

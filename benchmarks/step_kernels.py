@@ -14,6 +14,8 @@ from spmoe.layers.moe.moe import MoE
 
 # family -> kernel names (Triton kernels by their function's name, the rest by what the profiler calls them)
 FAMILIES = {
+    # the simulated rank's stand-in routing: a cost of the simulation that a real rank does not pay
+    "simulation": re.compile(r"_seeded_routing_kernel|_rotate_to_busiest_kernel"),
     "fp8_linear": re.compile(r"_fp8_matmul_kernel|_sum_splits_kernel"),
     "fp8_head": re.compile(r"_fp8_head_matmul_kernel"),
     "experts": re.compile(r"_gate_up_kernel|_down_kernel"),

@@ -11,7 +11,10 @@ measurement mode only).
   (`seeded_routing`), so the blocks of the other ranks hold exactly the rows the real node would
   send this rank; `ParallelConfig.routing_seed` turns the same routing on in a real multi-rank run,
   which is how the tests compare the two. With `simulated_load="busiest"` each layer's expert ids
-  are rotated so that this rank holds the experts of the layer's busiest EP rank.
+  are rotated so that this rank holds the experts of the layer's busiest EP rank. These torch
+  functions are the reference (and the CPU's path); on CUDA the MoE layer runs both in one Triton
+  launch, two when the rotation spans several programs (`layers/moe/seeded_triton.py`), where torch
+  takes about 30 small kernels.
 - The control plane (step plans, the DP output gather) runs as a world of one: with DP > 1 this rank
   serves the requests it is given as its DP group's share, and assumes every other DP group runs a
   batch of the same size.
@@ -25,7 +28,7 @@ import torch
 # group).
 DP_STRIDE = 1 << 24
 LOADS = ("rank0", "busiest")
-_MIX = (-7046029254386353131, -4658895280553007687, -49064778989728563)  # 64-bit odd multipliers
+MIX = (-7046029254386353131, -4658895280553007687, -49064778989728563)  # 64-bit odd multipliers
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,8 @@ def is_simulated(group) -> bool:
 
 def _mix(h: torch.Tensor) -> torch.Tensor:
     """A 64-bit integer hash (wrapping int64 arithmetic, the same on CPU and CUDA)."""
-    h = (h ^ (h >> 31)) * _MIX[1]
-    h = (h ^ (h >> 29)) * _MIX[2]
+    h = (h ^ (h >> 31)) * MIX[1]
+    h = (h ^ (h >> 29)) * MIX[2]
     return h ^ (h >> 32)
 
 
@@ -66,8 +69,8 @@ def seeded_routing(
     device = first_tokens.device
     offsets = torch.arange(rows, device=device, dtype=torch.int64)
     tokens = (first_tokens[:, None] + offsets).reshape(-1)  # [B * rows]
-    key = _mix(_mix(tokens * _MIX[0] + seed) + layer)
-    scores = _mix(key[:, None] + torch.arange(experts, device=device, dtype=torch.int64) * _MIX[2])
+    key = _mix(_mix(tokens * MIX[0] + seed) + layer)
+    scores = _mix(key[:, None] + torch.arange(experts, device=device, dtype=torch.int64) * MIX[2])
     ids = scores.topk(k, dim=1).indices
     pad = (offsets >= valid[:, None]).reshape(-1, 1)
     return ids.masked_fill(pad, -1), torch.full_like(ids, 0, dtype=torch.float32).masked_fill(

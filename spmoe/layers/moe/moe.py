@@ -13,6 +13,7 @@ from spmoe.distributed.simulated import (
     rotate_to_busiest,
     seeded_routing,
 )
+from spmoe.layers.fused import use_fused
 from spmoe.layers.mlp import MLP
 from spmoe.layers.moe.dispatch import DISPATCH
 from spmoe.layers.moe.experts.base import Experts
@@ -90,25 +91,26 @@ class MoE(nn.Module):
 
     def _seeded(self, x: torch.Tensor, rows: ExpertRows):
         """Seeded routing of every EP rank's block -> (this rank's ids, weights `[m, k]`; on a
-        simulated EP group every block's ids and weights `[P * rows_max, k]`, else None)."""
+        simulated EP group every block's ids and weights `[P * rows_max, k]`, else None). On CUDA
+        one or two Triton launches (`seeded_triton`), else the torch reference."""
         state, cfg = get_parallel_state(), self.gate.cfg
         ep = 1 if rows.group is None else state.ep_size
-        starts, valid = block_tokens(
-            rows.tokens, rows.sharded, state.tp_size, ep, state.dp_rank, x.device
-        )
+        blocks = (rows.tokens, rows.sharded, state.tp_size, ep, state.dp_rank)
         block = rows.rows_max if rows.group is not None else x.shape[0]
-        ids, weights = seeded_routing(
-            self.routing_seed,
-            self.layer_idx,
-            starts,
-            valid,
-            block,
-            cfg.n_routed_experts,
-            cfg.num_experts_per_tok,
-            cfg.routed_scaling_factor,
-        )
-        if self.busiest:
-            ids = rotate_to_busiest(ids, state.ep_size, cfg.n_routed_experts)
+        seed, layer = self.routing_seed, self.layer_idx
+        choice = (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        busiest_ep = state.ep_size if self.busiest else None
+        if use_fused(x):
+            from spmoe.layers.moe.seeded_triton import seeded_routing as seeded_routing_fused
+
+            ids, weights = seeded_routing_fused(
+                seed, layer, blocks, block, *choice, x.device, busiest_ep
+            )
+        else:
+            starts, valid = block_tokens(*blocks, x.device)
+            ids, weights = seeded_routing(seed, layer, starts, valid, block, *choice)
+            if busiest_ep is not None:
+                ids = rotate_to_busiest(ids, busiest_ep, cfg.n_routed_experts)
         own = (state.ep_rank if rows.group is not None else 0) * block
         node = (ids, weights) if is_simulated(rows.group) else None
         return ids[own : own + x.shape[0]], weights[own : own + x.shape[0]], node
