@@ -91,14 +91,15 @@ def run_serve(
     check_address(front.host, front.port)
     parallel = args.parallel_config()
     print(
-        f"spmoe serve: max_num_seqs {args.max_num_seqs} per DP group, max_model_len {args.max_model_len}, "
-        f"max_num_waiting {max_num_waiting} (on {args.device}, the defaults where no flag gives them)",
+        f"spmoe serve: max_num_seqs {args.max_num_seqs} per DP group, "
+        f"max_model_len {args.max_model_len}, max_num_waiting {max_num_waiting} "
+        f"(on {args.device}, the defaults where no flag gives them)",
         file=sys.stderr,
         flush=True,
     )
     print(
-        f"spmoe serve: {model_dir} on {parallel.world_size} local ranks ({describe(args, parallel)}); "
-        f"loading the weights",
+        f"spmoe serve: {model_dir} on {parallel.world_size} local ranks "
+        f"({describe(args, parallel)}); loading the weights",
         file=sys.stderr,
         flush=True,
     )
@@ -127,8 +128,8 @@ def add_serve_args(p) -> None:
         "model_tag",
         nargs="?",
         metavar="MODEL",
-        help="a checkpoint folder (config.json, *.safetensors, the tokenizer) or a Hugging Face model id, as in "
-        "`vllm serve MODEL` (default: the demo checkpoint shipped with spmoe)",
+        help="a checkpoint folder (config.json, *.safetensors, the tokenizer) or a Hugging Face "
+        "model id, as in `vllm serve MODEL` (default: the demo checkpoint shipped with spmoe)",
     )
     model.add_argument("--model", help="the same as MODEL")
     model.add_argument(
@@ -144,7 +145,8 @@ def add_serve_args(p) -> None:
         "--served-model-name",
         nargs="+",
         metavar="NAME",
-        help="the names clients may ask for; the first is reported in responses (default: MODEL as given)",
+        help="the names clients may ask for; the first is reported in responses "
+        "(default: MODEL as given)",
     )
     server.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
@@ -163,7 +165,8 @@ def add_serve_args(p) -> None:
     chat.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help='let the model decide when to call a tool (tool_choice "auto"); needs --tool-call-parser',
+        help='let the model decide when to call a tool (tool_choice "auto"); '
+        "needs --tool-call-parser",
     )
     server.add_argument(
         "--api-server-count",
@@ -186,7 +189,8 @@ def add_serve_args(p) -> None:
         "--max-request-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
-        help=f"a request body longer than this gets 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 32 MiB)",
+        help="a request body longer than this gets 413 "
+        f"(default {DEFAULT_MAX_REQUEST_BYTES}, 32 MiB)",
     )
     policy = StopPolicy()
     server.add_argument(
@@ -194,8 +198,8 @@ def add_serve_args(p) -> None:
         type=float,
         default=policy.engine_timeout_s,
         metavar="S",
-        help=f"an engine step (or idle heartbeat) that takes longer fails every request and stops the server "
-        f"with an error (default {policy.engine_timeout_s:g} s)",
+        help="an engine step (or idle heartbeat) that takes longer fails every request and stops "
+        f"the server with an error (default {policy.engine_timeout_s:g} s)",
     )
     server.add_argument(
         "--shutdown-timeout",
@@ -208,8 +212,8 @@ def add_serve_args(p) -> None:
     server.add_argument(
         "--max-num-waiting",
         type=int,
-        help=f"requests that may wait to start; one more gets 503 (default {WAITING_PER_RUNNING} x --max-num-seqs "
-        f"x --dp, at least {MIN_MAX_NUM_WAITING})",
+        help="requests that may wait to start; one more gets 503 "
+        f"(default {WAITING_PER_RUNNING} x --max-num-seqs x --dp, at least {MIN_MAX_NUM_WAITING})",
     )
     model.add_argument(
         "--seed",
@@ -246,7 +250,8 @@ def add_serve_args(p) -> None:
         "--chat-template-content-format",
         choices=CONTENT_FORMATS,
         default="auto",
-        help="message content as the template sees it: string (auto, default) or openai (a list of text parts)",
+        help="message content as the template sees it: string (auto, default) or openai "
+        "(a list of text parts)",
     )
     groups["logging"].add_argument(
         "--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="warning", help="default warning"
@@ -262,7 +267,8 @@ def check_speculative_model(draft: str | None, named: str | None, engine_args: E
         return
     if draft != named:
         raise ValueError(
-            f"--speculative-model {draft}: spmoe does not support a separate draft model; it drafts "
+            f"--speculative-model {draft}: spmoe does not support a separate draft model; "
+            "it drafts "
             f"with the checkpoint's own MTP layer: --num-speculative-tokens N, or "
             f'--speculative-config \'{{"method": "mtp", "num_speculative_tokens": N}}\''
         )
@@ -342,7 +348,8 @@ def cmd_serve(args) -> int:
         notes.append(f"device {engine_args.device}: {found} (--device overrides)")
     if engine_args.enable_expert_parallel:
         notes.append(
-            "--enable-expert-parallel: spmoe's routed experts are always expert-parallel over all ranks"
+            "--enable-expert-parallel: spmoe's routed experts are always expert-parallel "
+            "over all ranks"
         )
     notes.append(defaults.describe())
     for note in notes:

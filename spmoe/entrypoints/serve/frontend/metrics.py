@@ -124,7 +124,8 @@ class EngineCollector:
                 counter,
                 OWN,
                 "engine_exchange_seconds",
-                "Seconds the engine process spent on the front-end exchange (receive, decode, encode, send)",
+                "Seconds the engine process spent on the front-end exchange "
+                "(receive, decode, encode, send)",
                 self.client.exchange_s,
             ),
             (

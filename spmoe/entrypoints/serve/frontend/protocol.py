@@ -254,7 +254,8 @@ class FunctionCall(Strict):
             value = None
         if not isinstance(value, dict):
             raise ValueError(
-                f"a tool call's function.arguments must be a JSON object's text, got {self.arguments!r}"
+                "a tool call's function.arguments must be a JSON object's text, "
+                f"got {self.arguments!r}"
             )
         return value
 
@@ -303,7 +304,8 @@ class ChatMessage(Strict):
     def _content_or_calls(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(
-                f"a '{self.role}' message needs 'content' (only an assistant turn with tool_calls may omit it)"
+                f"a '{self.role}' message needs 'content' "
+                "(only an assistant turn with tool_calls may omit it)"
             )
         if self.tool_calls and self.role != "assistant":
             raise ValueError(
@@ -385,7 +387,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    chat_template_kwargs: dict = {}  # passed to the chat template (enable_thinking: GLM's thinking switch)
+    # passed to the chat template (enable_thinking: GLM's thinking switch)
+    chat_template_kwargs: dict = {}
 
     @field_validator("tool_choice", mode="before")
     @classmethod

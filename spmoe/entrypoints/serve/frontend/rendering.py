@@ -170,7 +170,8 @@ async def _choice_pieces(i: int, pieces, firsts, label: str):
             yield i, piece, False
     except ApiError as e:
         yield i, e, False
-    except Exception:  # noqa: BLE001 - the client gets the error chunk and [DONE], the log the details
+    # the client gets the error chunk and [DONE], the log the details
+    except Exception:  # noqa: BLE001
         yield i, internal_error(f"the stream of {label}"), False
 
 
@@ -240,5 +241,6 @@ async def events(
                 open_choices -= piece.finish_reason is not None
         if not open_choices and body.include_usage:
             total = usage(prompt_tokens, sum(g.completion_tokens for g in generations))
-            yield f"data: {json.dumps({**head, 'object': chunk_kind, 'choices': [], 'usage': total})}\n\n"
+            last = {**head, "object": chunk_kind, "choices": [], "usage": total}
+            yield f"data: {json.dumps(last)}\n\n"
     yield "data: [DONE]\n\n"

@@ -309,7 +309,8 @@ class RequestReader:
         if num_bytes > self.max_prompt_bytes:
             raise ApiError(
                 400,
-                f"the {param} text has {'more than ' if more_than else ''}{num_bytes} bytes; --max-model-len "
+                f"the {param} text has {'more than ' if more_than else ''}{num_bytes} bytes; "
+                "--max-model-len "
                 f"{self.client.max_model_len} tokens of at "
                 f"most {self.token_bytes} bytes each hold at most {self.max_prompt_bytes}",
                 param,

@@ -105,7 +105,8 @@ class TextGeneration:
                     )
                     raise ApiError(
                         500,
-                        f"the engine ended this request ({out.finish_reason}); the server's log says why",
+                        f"the engine ended this request ({out.finish_reason}); "
+                        "the server's log says why",
                     )
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs = out.prompt_logprobs

@@ -61,7 +61,8 @@ async def supervise(
         stalled = client.stalled_for()
         if stalled > policy.engine_timeout_s:
             reason = (
-                f"no engine step finished in {stalled:.0f} s (--engine-timeout {policy.engine_timeout_s:g}): "
+                f"no engine step finished in {stalled:.0f} s "
+                f"(--engine-timeout {policy.engine_timeout_s:g}): "
                 "a rank has stopped answering"
             )
             log.error("%s; failing every request and stopping", reason)

@@ -47,7 +47,8 @@ def chat_prompt_text(
     the assistant's turn opened. The template writes any special tokens it wants itself."""
     if not tokenizer.chat_template:
         raise ValueError(
-            "this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); use /v1/completions"
+            "this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); "
+            "use /v1/completions"
         )
     kwargs = dict(template_kwargs or {})
     reserved = sorted(SERVER_TEMPLATE_KWARGS & set(kwargs))
