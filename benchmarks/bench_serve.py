@@ -12,7 +12,15 @@ accepted length (tokens per verification: 1 + accepted / `...:spec_decode_num_dr
 
 Prompts are random token ids (`--input-len` of them, below `--token-id-limit`), so every prompt has exactly
 that length; `ignore_eos` makes every request generate `--output-len` tokens. The token counts come from the
-server's `usage`. No warm-up request is sent: the server warms itself before it reports ready.
+server's `usage`. No warm-up completion is sent: the server warms itself before it reports ready; each client
+process sends one `GET /models` before the clock starts, so that its own first request's set-up is not
+counted in the first TTFT.
+
+The client runs in `--client-processes` processes (`clients` column; default one per 32 streams, at most a
+quarter of the machine's cores), each with its share of the streams and the prompts, started together: one
+Python process parsing every SSE chunk is a ceiling of its own (7.8-55k chunks a second on the development
+machine, `bench_streaming.py --client-ceiling`), and a client that reads late inflates the TTFT and starts
+each next request late, which the server's figures would otherwise carry.
 
     spmoe serve --model DIR --tp 2 --device cuda --dtype bfloat16 &
     python benchmarks/bench_serve.py --concurrency 1 16 64 256 --request-rate 20 --input-len 1024 --output-len 128
@@ -36,10 +44,13 @@ for scripts (`bench_serve_vs_generate.py` reads it).
 import argparse
 import asyncio
 import json
+import math
+import multiprocessing
+import os
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import httpx
@@ -146,6 +157,9 @@ async def run_level(
     connections = concurrency or len(prompts)
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        # the client's own first request (its async HTTP stack's lazy imports and set-up: 0.1 s on
+        # the development machine) before the clock starts; no request of the engine's
+        (await client.get(base + "/models")).raise_for_status()
         gate = asyncio.Semaphore(connections)
         began = time.perf_counter()
 
@@ -156,6 +170,89 @@ async def run_level(
 
         results = await asyncio.gather(*(gated(p, at) for p, at in zip(prompts, arrivals)))
         return results, time.perf_counter() - began
+
+
+# Streams a client process keeps in flight, by default: one process (httpx, parsing each SSE chunk)
+# read 16-18k chunks a second at 16-64 streams and 7.8k at 256 on the 2-core development machine
+# under load, 38-39k unloaded (bench_streaming.py --client-ceiling), where 256 streams of the H100's
+# engine at GLM-5.2 widths make about 24k tokens a second; see docs/performance.md.
+STREAMS_PER_CLIENT_PROCESS = 32
+
+
+def default_client_processes(concurrency: int | None) -> int:
+    """One client process per `STREAMS_PER_CLIENT_PROCESS` streams (a request rate: one), at most
+    a quarter of the machine's cores, so that the server keeps most of them."""
+    wanted = math.ceil((concurrency or 1) / STREAMS_PER_CLIENT_PROCESS)
+    return max(1, min(wanted, (os.cpu_count() or 1) // 4))
+
+
+def client_process(
+    conn, barrier, base, model, prompts, output_len, concurrency, arrivals, sampling
+):
+    """One client process's share of a level, started when every process is ready (`barrier`);
+    sends back its results (as tuples), its CPU seconds and its start and end
+    (`time.perf_counter`, the same clock in every process)."""
+    try:
+        barrier.wait(timeout=300)
+        cpu = time.process_time()
+        results, seconds = asyncio.run(
+            run_level(base, model, prompts, output_len, concurrency, arrivals, sampling)
+        )
+        ended = time.perf_counter()
+        results = [astuple(r) for r in results]
+        conn.send((results, time.process_time() - cpu, ended - seconds, ended))
+    except BaseException as e:
+        barrier.abort()
+        conn.send(RuntimeError(f"a client process failed: {e!r}"))
+
+
+def run_level_split(
+    processes: int,
+    base: str,
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int | None,
+    arrivals: list[float],
+    sampling: str,
+) -> tuple[list[Result], float, float]:
+    """`run_level` spread over `processes` client processes (at most the streams and the prompts)
+    started together, so that the client's own CPU is not what is measured: process i takes prompts
+    i, i + processes, ... and its share of the streams. -> the results in the prompts' order, the
+    seconds from the first process's start to the last one's end, and the client's CPU seconds (all
+    its processes)."""
+    if processes == 1:
+        cpu = time.process_time()
+        results, seconds = asyncio.run(
+            run_level(base, model, prompts, output_len, concurrency, arrivals, sampling)
+        )
+        return results, seconds, time.process_time() - cpu
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(processes)
+    pipes, workers = [], []
+    for i in range(processes):
+        streams = concurrency and concurrency // processes + (i < concurrency % processes)
+        share = (prompts[i::processes], output_len, streams, arrivals[i::processes], sampling)
+        mine, theirs = context.Pipe()
+        worker = context.Process(target=client_process, args=(theirs, barrier, base, model, *share))
+        worker.start()
+        pipes.append(mine)
+        workers.append(worker)
+    try:
+        outcomes = [pipe.recv() for pipe in pipes]
+    finally:
+        for worker in workers:
+            worker.join(30)
+            if worker.is_alive():
+                worker.kill()
+    failed = [o for o in outcomes if isinstance(o, Exception)]
+    if failed:
+        raise failed[0]
+    results = [None] * len(prompts)
+    for i, (share, _, _, _) in enumerate(outcomes):
+        results[i::processes] = [Result(*r) for r in share]
+    seconds = max(o[3] for o in outcomes) - min(o[2] for o in outcomes)
+    return results, seconds, sum(o[1] for o in outcomes)
 
 
 COUNTERS = {  # counter -> how its name ends in /metrics (summed over label sets)
@@ -247,9 +344,17 @@ def main() -> None:
         help="with several --sampling settings: timed rounds per level, after an untimed warm-up (default 1)",
     )
     parser.add_argument(
+        "--client-processes",
+        type=int,
+        help="client processes a level's streams are spread over (default: one per "
+        f"{STREAMS_PER_CLIENT_PROCESS} streams, at most a quarter of the cores; see above)",
+    )
+    parser.add_argument(
         "--json", type=Path, help="also write every run's figures and the ratios there (JSON)"
     )
     args = parser.parse_args()
+    if args.client_processes is not None and args.client_processes < 1:
+        parser.error(f"--client-processes must be >= 1, got {args.client_processes}")
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     base = args.base_url.rstrip("/")
@@ -261,7 +366,7 @@ def main() -> None:
     print(
         f"{'level':>12}{'sampling':>10}{'round':>8}{'requests':>9}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}"
         f"{'TTFT p99':>10}{'1st TTFT':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'hit rate':>10}{'accept':>8}{'length':>8}"
-        f"{'steps':>7}{'compiling':>10}{'after ready':>12}  (ms)"
+        f"{'steps':>7}{'compiling':>10}{'after ready':>12}{'clients':>8}  (ms)"
     )
     runs, ratios = [], []
     levels = [(c, None) for c in args.concurrency] + [(None, r) for r in args.request_rate]
@@ -285,9 +390,11 @@ def main() -> None:
                 [rng.randrange(args.token_id_limit) for _ in range(args.input_len)]
                 for _ in range(count)
             ]
+            processes = args.client_processes or default_client_processes(concurrency)
+            processes = min(processes, concurrency or count, count)
             before = server_counters(base)
-            results, seconds = asyncio.run(
-                run_level(base, model, prompts, args.output_len, concurrency, arrivals, sampling)
+            results, seconds, client_cpu = run_level_split(
+                processes, base, model, prompts, args.output_len, concurrency, arrivals, sampling
             )
             after = server_counters(base)
             ttft = [r.ttft_s * 1e3 for r in results]
@@ -307,6 +414,8 @@ def main() -> None:
                 first_ttft_ms=ttft[0],
                 tpot_p50_ms=statistics.median(tpot),
                 tpot_p99_ms=percentile(tpot, 99),
+                client_processes=processes,
+                client_cpu_s=client_cpu,
                 counters={
                     k: after[k] - before[k] for k in after if k in before
                 },  # what the level added
@@ -315,7 +424,8 @@ def main() -> None:
             print(
                 f"{level:>12}{sampling:>10}{round_:>8}{count:>9}{run['req_per_s']:>8.2f}{run['out_tok_per_s']:>11.1f}"
                 f"{run['ttft_p50_ms']:>10.1f}{run['ttft_p99_ms']:>10.1f}{run['first_ttft_ms']:>10.1f}"
-                f"{run['tpot_p50_ms']:>10.2f}{run['tpot_p99_ms']:>10.2f}{counted(run['counters'], after)}",
+                f"{run['tpot_p50_ms']:>10.2f}{run['tpot_p99_ms']:>10.2f}{counted(run['counters'], after)}"
+                f"{processes:>8}",
                 flush=True,
             )
         if {"plain", "processed"} <= set(args.sampling):

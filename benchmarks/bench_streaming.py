@@ -16,7 +16,8 @@ widths, 2026-12-07: 2.53 / 3.54 / 7.16 ms a step at 16 / 64 / 256 sequences). `b
   the SSE events it sent: its own cost, whatever else runs on the machine;
 - `events/s` and `tok/ev`: the SSE events (chunks with a choice) the client read; `cl us/ev`: the
   client's CPU (this process's) per event;
-- the client's TTFT and TPOT (ms).
+- the client's TTFT and TPOT (ms), and `clients`: its processes (`--client-processes`, each count
+  a row of its own).
 The wall-clock columns need a core each for the engine, the front end and the client; on a machine with
 fewer free cores they measure the machine, and the CPU columns are the ones to compare.
 
@@ -32,6 +33,7 @@ the code before a change), alternating which goes first, the two side by side in
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing
 import os
@@ -46,7 +48,7 @@ from pathlib import Path
 import httpx
 import zmq
 from bench_front_end import hello_from, launch_here
-from bench_serve import percentile, run_level
+from bench_serve import percentile, run_level_split
 
 from spmoe.distributed.launcher import free_port
 from spmoe.engine.request import EngineMetrics, RequestOutput
@@ -189,12 +191,15 @@ def wait_healthy(base: str, seconds: float = 120) -> None:
     raise RuntimeError(f"{base} did not turn healthy in {seconds:.0f} s")
 
 
-def load(base: str, streams: int, requests: int, input_len: int, output_len: int) -> dict:
-    """`requests` streaming completions, `streams` at a time, through bench_serve's client."""
+def load(
+    base: str, streams: int, requests: int, input_len: int, output_len: int, processes: int
+) -> dict:
+    """`requests` streaming completions, `streams` at a time, through bench_serve's client in
+    `processes` processes."""
     prompts = [[(7 * i + j) % 256 for j in range(input_len)] for i in range(requests)]
-    cpu = time.process_time()
-    results, seconds = asyncio.run(
-        run_level(base + "/v1", "bench", prompts, output_len, streams, [0.0] * requests, "plain")
+    arrivals = [0.0] * requests
+    results, seconds, client_cpu = run_level_split(
+        processes, base + "/v1", "bench", prompts, output_len, streams, arrivals, "plain"
     )
     wrong = [r.output_tokens for r in results if r.output_tokens != output_len]
     if wrong:
@@ -207,15 +212,17 @@ def load(base: str, streams: int, requests: int, input_len: int, output_len: int
         "seconds": seconds,
         "tokens": tokens,
         "events": events,
-        "client_cpu_s": time.process_time() - cpu,
+        "client_cpu_s": client_cpu,
+        "client_processes": processes,
         "ttft_p50_ms": statistics.median(ttft),
         "ttft_p99_ms": percentile(ttft, 99),
         "tpot_p50_ms": statistics.median(tpot),
     }
 
 
-def one_level(args, streams: int, code: str) -> dict:
-    """A front end from `code` against the scripted engine, loaded at `streams`."""
+def one_level(args, streams: int, code: str, processes: int) -> dict:
+    """A front end from `code` against the scripted engine, loaded at `streams` by `processes`
+    client processes."""
     context = multiprocessing.get_context("spawn")
     conn, child = context.Pipe()
     port = free_port()
@@ -232,7 +239,7 @@ def one_level(args, streams: int, code: str) -> dict:
         conn.send("begin")
         try:
             requests = args.requests_per_stream * streams
-            got = load(base, streams, requests, args.input_len, args.output_len)
+            got = load(base, streams, requests, args.input_len, args.output_len, processes)
         except Exception as e:
             engine.join(1)
             state = "runs" if engine.is_alive() else f"exited with {engine.exitcode}"
@@ -257,6 +264,9 @@ async def canned_stream(reader, writer, chunk: bytes, output_len: int):
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError:  # the client closed the connection
             return
+        if head.startswith(b"GET "):  # the client's first request, before the clock starts
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+            continue
         length = next(
             int(line.split(b":")[1])
             for line in head.lower().split(b"\r\n")
@@ -302,7 +312,7 @@ def can_connect(port: int) -> bool:
         return False
 
 
-def client_ceiling(args, streams: int) -> dict:
+def client_ceiling(args, streams: int, processes: int) -> dict:
     port = free_port()
     server = multiprocessing.get_context("spawn").Process(
         target=canned_server, args=(port, args.output_len)
@@ -315,7 +325,8 @@ def client_ceiling(args, streams: int) -> dict:
                 raise RuntimeError("the canned server did not listen in 120 s")
             time.sleep(0.1)
         base = f"http://127.0.0.1:{port}"
-        return load(base, streams, args.requests_per_stream * streams, 4, args.output_len)
+        requests = args.requests_per_stream * streams
+        return load(base, streams, requests, 4, args.output_len, processes)
     finally:
         server.kill()
         server.join()
@@ -336,7 +347,7 @@ def row(name: str, streams: int, got: dict) -> str:
         f"{name:>13}{streams:>8}{ideal}{tokens / got['seconds']:>10.0f}{ratio}{engine}"
         f"{events / got['seconds']:>10.0f}{tokens / events:>7.2f}"
         f"{got['client_cpu_s'] / events * 1e6:>10.1f}{got['ttft_p50_ms']:>10.1f}"
-        f"{got['ttft_p99_ms']:>10.1f}{got['tpot_p50_ms']:>10.2f}"
+        f"{got['ttft_p99_ms']:>10.1f}{got['tpot_p50_ms']:>10.2f}{got['client_processes']:>8}"
     )
 
 
@@ -353,6 +364,13 @@ def main() -> None:
         "--step-ms-per-seq", type=float, default=0.0193, help="what each running request adds"
     )
     parser.add_argument("--client-ceiling", action="store_true")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="bench_serve's client in this many processes; several: each level once per count",
+    )
     parser.add_argument("--before", help="a checkout whose front end runs each level too")
     parser.add_argument("--json", type=Path, help="also write every level's figures there")
     args = parser.parse_args()
@@ -366,16 +384,16 @@ def main() -> None:
     print(
         f"{'front end':>13}{'streams':>8}{'ideal':>10}{'out tok/s':>10}{'/ ideal':>8}{'batch':>7}"
         f"{'idle s':>8}{'FE us/tok':>10}{'FE us/ev':>10}{'events/s':>10}{'tok/ev':>7}"
-        f"{'cl us/ev':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+        f"{'cl us/ev':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'clients':>8}"
     )
     figures = []
-    for streams in args.streams:
+    for streams, processes in itertools.product(args.streams, args.client_processes):
         if args.client_ceiling:
-            got = client_ceiling(args, streams)
+            got = client_ceiling(args, streams, processes)
             figures.append({"front_end": "canned", "streams": streams, **got})
             print(row("canned server", streams, got), flush=True)
         for name, code in codes if len(figures) % 2 == 0 else codes[::-1]:
-            got = one_level(args, streams, code)
+            got = one_level(args, streams, code, processes)
             figures.append({"front_end": name, "streams": streams, **got})
             print(row(name, streams, got), flush=True)
     if args.json is not None:
