@@ -44,11 +44,36 @@ class Phase:
         }
 
 
+def describe_compile(hook_kwargs: dict) -> str:
+    """A Triton kernel variant from the keywords Triton's post-compile hook is called with: the
+    kernel, then its constexpr arguments and those specialised on their value ("=") and the
+    arguments specialised on their alignment or divisibility (":"), by name, e.g.
+    `_cache_rows_kernel(BLOCK=128, width: tt.divisibility=16)`. Triton's own `repr` keyword
+    (triton 3.6) names no argument's specialisation, which is what tells one variant from
+    another; it is the fallback where the keywords lack what this reads."""
+    fn = hook_kwargs.get("fn")
+    name = getattr(fn, "name", None) or "a Triton kernel"
+    names = getattr(getattr(fn, "jit_function", None), "arg_names", None)
+    compiled = hook_kwargs.get("compile") or {}
+    constants, configs = compiled.get("constants"), compiled.get("configs")
+    if not names or not isinstance(constants, dict) or not configs:
+        return str(hook_kwargs.get("repr") or name)
+
+    def label(path) -> str:  # a tuple path of argument indices: (3,) is the 4th argument
+        path = path if isinstance(path, tuple) else (path,)
+        return names[path[0]] + "".join(f"[{i}]" for i in path[1:])
+
+    parts = [f"{label(k)}={v}" for k, v in constants.items()]
+    for path, attrs in configs[0].items():
+        parts += [f"{label(path)}: {attr}={value}" for attr, value in attrs]
+    return f"{name}({', '.join(parts)})"
+
+
 class KernelCompiles:
     """The process's Triton kernel variants loaded (compiled, or read from Triton's disk cache), by
     Triton's post-compile hook: one hook for the process, chained to any that was there before.
-    `names`: each as Triton describes it (the kernel, its launch options and argument
-    specialisations), in load order; empty without Triton (CPU)."""
+    `names`: each as `describe_compile` gives it (the kernel and its arguments' specialisations),
+    in load order; empty without Triton (CPU)."""
 
     names: list[str] = []
     _installed = False
@@ -62,9 +87,7 @@ class KernelCompiles:
         previous = triton.knobs.runtime.jit_post_compile_hook
 
         def counted(*args, **kwargs):
-            cls.names.append(
-                str(kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "a Triton kernel"))
-            )
+            cls.names.append(describe_compile(kwargs))
             if previous is not None:
                 return previous(*args, **kwargs)
             return None

@@ -3,7 +3,8 @@ the torch references): a decode step over block tables padded to the graphs' wid
 with pad rows gives the logits of the same step over tables as wide as its longest sequence, and
 writes no real block but its own rows; the engine counts the steps that compiled a kernel and what
 compiled after it was marked ready; warming up runs its requests to the end and leaves the engine
-empty; an engine built from the default options on CPU has no graphs."""
+empty; an engine built from the default options on CPU has no graphs; a kernel variant compiled is
+named by its specialisations."""
 
 import argparse
 
@@ -18,7 +19,7 @@ from spmoe.engine.engine import Engine
 from spmoe.engine.request import Request
 from spmoe.engine.runner.graphs import padded_tables, table_width
 from spmoe.engine.runner.static_step import decode_hidden
-from spmoe.engine.stats import KernelCompiles
+from spmoe.engine.stats import KernelCompiles, describe_compile
 from spmoe.engine.warmup import (
     warm_up,
     warmup_prompt_lengths,
@@ -223,3 +224,23 @@ def results(engine_checkpoint) -> dict:
 @pytest.mark.parametrize("case", [c.__name__ for c in CASES])
 def test_case(results, case):
     assert results[case] is None, results[case]
+
+
+def test_a_compiled_variant_is_named_by_its_specialisations():
+    """The log line of a kernel compiled after ready names its constexprs and its arguments'
+    specialisations (from the keywords Triton 3.6's post-compile hook passes: argument paths
+    into the kernel's parameters), not Triton's `repr`, which names none; without those
+    keywords, the `repr`."""
+    jit = argparse.Namespace(arg_names=["best_ptr", "width", "stride", "FROM_KEYS", "BLOCK"])
+    fn = argparse.Namespace(name="_cache_rows_kernel", jit_function=jit)
+    compiled = {
+        "constants": {(3,): True, (4,): 128, (2,): 1},
+        "configs": [{(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}],
+    }
+    got = describe_compile({"fn": fn, "compile": compiled, "repr": "_cache_rows_kernel[]("})
+    assert got == (
+        "_cache_rows_kernel(FROM_KEYS=True, BLOCK=128, stride=1, "
+        "best_ptr: tt.divisibility=16, width: tt.divisibility=16)"
+    )
+    assert describe_compile({"fn": fn, "repr": "kernel[num_warps=4]"}) == "kernel[num_warps=4]"
+    assert describe_compile({}) == "a Triton kernel"
