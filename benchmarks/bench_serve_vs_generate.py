@@ -42,6 +42,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -142,6 +143,12 @@ def engine_counters(base: str) -> dict[str, float]:
     return found
 
 
+def copy_lines(stream) -> None:
+    """Print every line of `stream` to our stderr until it ends."""
+    for line in stream:
+        print(line, end="", file=sys.stderr, flush=True)
+
+
 def run_serve(folder: Path, args, concurrency: int, rest: list[str]) -> tuple[float, dict]:
     """`spmoe serve` loaded by bench_serve at `concurrency` with `--sampling` -> the median output token rate
     of the timed runs of the first setting (bench_serve's JSON, not its printed table), and the engine's
@@ -159,6 +166,8 @@ def run_serve(folder: Path, args, concurrency: int, rest: list[str]) -> tuple[fl
             str(port),
             "--max-num-seqs",
             str(concurrency),
+            "--api-server-count",
+            str(args.api_server_count),
             *rest,
         ],
         stderr=subprocess.PIPE,
@@ -171,6 +180,9 @@ def run_serve(folder: Path, args, concurrency: int, rest: list[str]) -> tuple[fl
                 break
         else:
             raise RuntimeError(f"spmoe serve exited with {server.wait()} before it was ready")
+        # the server's log after ready (kernels compiled then, warnings) goes on to ours, and its
+        # pipe never fills
+        threading.Thread(target=copy_lines, args=(server.stderr,), daemon=True).start()
         before = engine_counters(f"http://127.0.0.1:{port}")
         bench = subprocess.run(
             [
@@ -192,6 +204,11 @@ def run_serve(folder: Path, args, concurrency: int, rest: list[str]) -> tuple[fl
                 *args.sampling,
                 "--rounds",
                 str(args.rounds),
+                *(
+                    ("--client-processes", str(args.client_processes))
+                    if args.client_processes
+                    else ()
+                ),
                 "--json",
                 str(folder / "bench_serve.json"),
             ],
@@ -249,6 +266,17 @@ def main() -> None:
         type=int,
         default=1,
         help="bench_serve --rounds: timed rounds of the --sampling settings",
+    )
+    parser.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="the server's front end processes (default 1)",
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        help="bench_serve --client-processes (default: bench_serve's, one per 32 streams)",
     )
     args, rest = parser.parse_known_args()
     rest = [a for a in rest if a != "--"]

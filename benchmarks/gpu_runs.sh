@@ -14,6 +14,7 @@
 #   serve78   spmoe serve as that rank (defaults, MTP 3, FP8 KV): ready time, memory, 64 / 256 streams
 #   rank128k  TP 8 SP off, 78 layers, batches 1 / 16, 128k context, MTP 0 / 3
 #   serve     bench_serve_vs_generate at GLM-5.2's widths: 16 / 64 / 256 streams, 128->256 and 1024->128
+#             (SERVE_SHAPES="128x256" for one; API_SERVER_COUNT=N front end processes, default 1)
 #   streaming bench_streaming on this machine's CPUs: the front end against a scripted engine, 16 / 64 /
 #             256 streams, and the bench client's own ceiling (no GPU used; a minute or two)
 #   spon      TP 8 SP on, 78 layers (as rank8k)
@@ -89,10 +90,13 @@ for stage in "$@"; do
         --contexts 131072 --mtp 0 3 \
         --prefill --max-model-len 132096 --timing-kv-gib 24 --out "$OUT/tp8_spoff_128k.json" ;;
     serve)
-      for shape in "128 256" "1024 128"; do
-        set -- $shape
+      # SERVE_SHAPES picks the shapes (both take more than one call's time), API_SERVER_COUNT the
+      # server's front end processes; bench_serve's client runs in a process per 32 streams
+      for shape in ${SERVE_SHAPES:-128x256 1024x128}; do
+        set -- ${shape/x/ }
         run "serve_${1}_$2" python3 benchmarks/bench_serve_vs_generate.py --folder /tmp/glm_widths \
           --widths glm --vocab-size 154880 --concurrency 16 64 256 --num-prompts 512 \
+          --api-server-count "${API_SERVER_COUNT:-1}" \
           --input-len "$1" --output-len "$2" -- --device cuda --dtype bfloat16 --cuda-graphs
       done ;;
     streaming)
