@@ -9,8 +9,9 @@ counters that show nothing more is compiled or captured afterwards.
 - `warm_up(engine)`: runs the engine over a few synthetic requests of lengths that take the step's
   kernels through the shapes serving meets (one-token and odd-length prompts, a prompt chunked by
   the token budget, decode steps of up to that many sequences, greedy and sampled), then steps of
-  every size class on their own (`warmup_step_sizes`), then resets the engine's statistics. Whatever
-  it compiles is not compiled again; what it cannot foresee is counted.
+  every size class on their own (`warmup_step_sizes`), then eager steps of many short prompts over
+  block tables of every width up to index_topk (`warmup_wide_steps`), then resets the engine's
+  statistics. Whatever it compiles is not compiled again; what it cannot foresee is counted.
 
 Why the step sizes: a step that replays no graph (without graphs, or longer than the largest
 mixed-step graph) runs its kernels eagerly over its N tokens, and Triton compiles a kernel again for
@@ -26,8 +27,10 @@ decode token), and compiled then.
 
 import time
 
+from spmoe.engine.cache.paged import BLOCK_SIZE
 from spmoe.engine.ranks import run_to_completion
 from spmoe.engine.request import Request, SamplingParams
+from spmoe.engine.runner.static_step import MIXED_TOKENS
 from spmoe.engine.stats import KernelCompiles
 
 WARMUP_NEW_TOKENS = 4  # tokens each warm-up request generates: enough for every request to decode
@@ -61,6 +64,31 @@ def warmup_step_prompts(tokens: int, longest: int) -> list[int]:
     return [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else [])
 
 
+def warmup_wide_steps(
+    max_num_batched_tokens: int, max_num_seqs: int, widest: int, reserve: int
+) -> list[list[int]]:
+    """Prompt lengths of the warm-up's steps of short prompts, one step for each width of the block
+    tables up to `widest` positions (w = 1, 2, ... blocks): prompts of w blocks less `reserve` (a
+    sequence's room beyond its prompt: the drafts), as many as make the step longer than the largest
+    mixed-step graph (so that it runs eagerly), within the token budget and `max_num_seqs`.
+
+    The steps of their own are one prompt each, so their tables span as many positions as they
+    have tokens; the first requests under load are many short prompts in one eager step (16 prompts
+    of 128 tokens: 2048 tokens over tables of 2 blocks), and the attention's kernels take constexprs
+    from the tables' width (the rows each program reads, while every position is selected: up to
+    index_topk) that no step of one prompt brings together with that many tokens."""
+    steps = []
+    for blocks in range(1, widest // BLOCK_SIZE + 1):
+        length = blocks * BLOCK_SIZE - reserve
+        if length < 1:
+            continue
+        eager = -(-(MIXED_TOKENS[-1] + 1) // length)  # prompts past the largest mixed graph
+        count = min(eager, max_num_seqs, max_num_batched_tokens // length)
+        if count >= 1:
+            steps.append([length] * count)
+    return steps
+
+
 def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
     """Run the warm-up requests through `engine` (on every rank of the job alike; `run_requests`
     None: only on CUDA, where there is something to compile), then mark it ready (its step
@@ -85,12 +113,19 @@ def warm_up(engine, log=None, run_requests: bool | None = None) -> dict:
             for n in warmup_step_sizes(engine.scheduler.max_num_batched_tokens)
         ]
         steps = [prompts for prompts in steps if len(prompts) <= room.max_num_seqs]  # each one step
+        # tables no wider than the dense window, and room for each prompt's one new token
+        widest = min(engine.model.cfg.index_topk, room.max_tokens_per_sequence - 1)
+        wide = warmup_wide_steps(
+            engine.scheduler.max_num_batched_tokens, room.max_num_seqs, widest, engine.k
+        )
         if log is not None:
             log(
                 f"warming up: {len(lengths)} requests of {min(lengths)}-{max(lengths)} prompt "
                 f"tokens, then {len(steps)} steps of their own ({sum(steps[0])}-{sum(steps[-1])} "
                 "tokens)"
+                + (f", then {len(wide)} of short prompts over 1-{len(wide)} blocks" if wide else "")
             )
+        steps += wide
         vocab = engine.model.cfg.vocab_size
 
         def request(i: int, n: int, max_new_tokens: int) -> Request:

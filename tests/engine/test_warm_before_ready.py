@@ -25,6 +25,7 @@ from spmoe.engine.warmup import (
     warmup_prompt_lengths,
     warmup_step_prompts,
     warmup_step_sizes,
+    warmup_wide_steps,
 )
 from spmoe.entrypoints.engine_flags import add_engine_args, engine_args_from_cli
 from spmoe.models.deepseek_v32.weights import load_model
@@ -244,3 +245,17 @@ def test_a_compiled_variant_is_named_by_its_specialisations():
     )
     assert describe_compile({"fn": fn, "repr": "kernel[num_warps=4]"}) == "kernel[num_warps=4]"
     assert describe_compile({}) == "a Triton kernel"
+
+
+def test_wide_steps_span_every_table_width_with_many_tokens():
+    """A step of short prompts for each width of the block tables up to the widest (w blocks: the
+    prompts and their reserve fill exactly w), past the largest mixed-step graph (512 tokens) where
+    max_num_seqs and the token budget allow it."""
+    steps = warmup_wide_steps(8192, 256, 2048, 0)
+    assert len(steps) == 32
+    assert steps[0] == [64] * 9 and steps[1] == [128] * 5  # 576 and 640 tokens
+    assert steps[7] == [512] * 2 and steps[8] == [576] and steps[31] == [2048]
+    assert warmup_wide_steps(8192, 256, 200, 3) == [[61] * 9, [125] * 5, [189] * 3]
+    assert warmup_wide_steps(8192, 4, 128, 0) == [[64] * 4, [128] * 4]  # at most 4 sequences
+    assert warmup_wide_steps(1000, 256, 640, 0)[7:] == [[512], [576], [640]]  # the budget
+    assert warmup_wide_steps(8192, 256, 63, 0) == []  # no whole block
