@@ -206,26 +206,16 @@ def client_process(
         conn.send(RuntimeError(f"a client process failed: {e!r}"))
 
 
-def run_level_split(
-    processes: int,
-    base: str,
-    model: str,
-    prompts: list[list[int]],
-    output_len: int,
-    concurrency: int | None,
-    arrivals: list[float],
-    sampling: str,
-) -> tuple[list[Result], float, float]:
-    """`run_level` spread over `processes` client processes (at most the streams and the prompts)
-    started together, so that the client's own CPU is not what is measured: process i takes prompts
-    i, i + processes, ... and its share of the streams. -> the results in the prompts' order, the
-    seconds from the first process's start to the last one's end, and the client's CPU seconds (all
-    its processes)."""
+def run_level_split(processes: int, *level) -> tuple[list[Result], float, float]:
+    """`run_level(*level)` spread over `processes` client processes (at most the streams and the
+    prompts) started together, so that the client's own CPU is not what is measured: process i takes
+    prompts i, i + processes, ... and its share of the streams. -> the results in the prompts' order,
+    the seconds from the first process's start to the last one's end, and the client's CPU seconds
+    (all its processes)."""
+    base, model, prompts, output_len, concurrency, arrivals, sampling = level
     if processes == 1:
         cpu = time.process_time()
-        results, seconds = asyncio.run(
-            run_level(base, model, prompts, output_len, concurrency, arrivals, sampling)
-        )
+        results, seconds = asyncio.run(run_level(*level))
         return results, seconds, time.process_time() - cpu
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(processes)
