@@ -56,16 +56,17 @@ def describe_compile(hook_kwargs: dict) -> str:
     names = getattr(getattr(fn, "jit_function", None), "arg_names", None)
     compiled = hook_kwargs.get("compile") or {}
     constants, configs = compiled.get("constants"), compiled.get("configs")
-    if not names or not isinstance(constants, dict) or not configs:
-        return str(hook_kwargs.get("repr") or name)
 
     def label(path) -> str:  # a tuple path of argument indices: (3,) is the 4th argument
         path = path if isinstance(path, tuple) else (path,)
         return names[path[0]] + "".join(f"[{i}]" for i in path[1:])
 
-    parts = [f"{label(k)}={v}" for k, v in constants.items()]
-    for path, attrs in configs[0].items():
-        parts += [f"{label(path)}: {attr}={value}" for attr, value in attrs]
+    try:  # inside Triton's launch: a keyword shaped otherwise falls back, never fails the launch
+        parts = [f"{label(k)}={v}" for k, v in constants.items()]
+        for path, attrs in configs[0].items():
+            parts += [f"{label(path)}: {attr}={value}" for attr, value in attrs]
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return str(hook_kwargs.get("repr") or name)
     return f"{name}({', '.join(parts)})"
 
 

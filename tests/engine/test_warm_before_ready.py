@@ -245,6 +245,8 @@ def test_a_compiled_variant_is_named_by_its_specialisations():
     )
     assert describe_compile({"fn": fn, "repr": "kernel[num_warps=4]"}) == "kernel[num_warps=4]"
     assert describe_compile({}) == "a Triton kernel"
+    odd = {"constants": {(9,): 1}, "configs": [{}]}  # an argument past the kernel's parameters
+    assert describe_compile({"fn": fn, "compile": odd, "repr": "k[]"}) == "k[]"
 
 
 def test_wide_steps_span_every_table_width_with_many_tokens():
