@@ -18,7 +18,7 @@ counted in the first TTFT.
 
 The client runs in `--client-processes` processes (`clients` column; default one per 32 streams, at most a
 quarter of the machine's cores), each with its share of the streams and the prompts, started together: one
-Python process parsing every SSE chunk is a ceiling of its own (7.8-55k chunks a second on the development
+Python process parsing every SSE chunk is a ceiling of its own (7.8-39k chunks a second on the development
 machine, `bench_streaming.py --client-ceiling`), and a client that reads late inflates the TTFT and starts
 each next request late, which the server's figures would otherwise carry.
 
