@@ -12,15 +12,16 @@ accepted length (tokens per verification: 1 + accepted / `...:spec_decode_num_dr
 
 Prompts are random token ids (`--input-len` of them, below `--token-id-limit`), so every prompt has exactly
 that length; `ignore_eos` makes every request generate `--output-len` tokens. The token counts come from the
-server's `usage`. No warm-up completion is sent: the server warms itself before it reports ready; each client
-process sends one `GET /models` before the clock starts, so that its own first request's set-up is not
-counted in the first TTFT.
+server's `usage`. No warm-up completion is sent: the server warms itself before it reports ready;
+each client process sends one `GET /models` before the clock starts, so that its own first
+request's set-up is not counted in the first TTFT.
 
-The client runs in `--client-processes` processes (`clients` column; default one per 32 streams, at most a
-quarter of the machine's cores), each with its share of the streams and the prompts, started together: one
-Python process parsing every SSE chunk is a ceiling of its own (7.8-39k chunks a second on the development
-machine, `bench_streaming.py --client-ceiling`), and a client that reads late inflates the TTFT and starts
-each next request late, which the server's figures would otherwise carry.
+The client runs in `--client-processes` processes (`clients` column; default one per 32 streams, at
+most a quarter of the machine's cores), each with its share of the streams and the prompts, started
+together: one Python process parsing every SSE chunk is a ceiling of its own (7.8-39k chunks a
+second on the development machine, `bench_streaming.py --client-ceiling`), and a client that reads
+late inflates the TTFT and starts each next request late, which the server's figures would
+otherwise carry.
 
     spmoe serve --model DIR --tp 2 --device cuda --dtype bfloat16 &
     python benchmarks/bench_serve.py --concurrency 1 16 64 256 --request-rate 20 --input-len 1024 --output-len 128
