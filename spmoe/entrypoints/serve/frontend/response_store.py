@@ -16,7 +16,9 @@ as it can: `benchmarks/bench_response_store.py --latency`), and the event loop m
 """
 
 import asyncio
+import fcntl
 import json
+import os
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 
@@ -49,10 +51,14 @@ class ResponseStore:
         self.db = sqlite3.connect(
             path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
         )
-        self.db.execute("PRAGMA journal_mode = WAL")
         self.db.execute("PRAGMA synchronous = OFF")
         self.db.execute(f"PRAGMA cache_size = -{CACHE_KIB}")
-        self.db.execute(SCHEMA)
+        # the front ends start at once: the database's set-up one at a time (switching it to WAL
+        # while another connection does may fail at once with "database is locked")
+        with open(f"{path}.lock" if path != ":memory:" else os.devnull, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.db.execute("PRAGMA journal_mode = WAL")
+            self.db.execute(SCHEMA)
 
     async def put(self, response: dict, conversation: list[dict]) -> None:
         """Keep `response` (its "id" the key) and `conversation` (the chat messages through it);

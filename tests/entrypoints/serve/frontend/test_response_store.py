@@ -84,3 +84,27 @@ def test_two_processes_putting_at_once_lose_nothing(tmp_path, capacity):
         conversation(last),
         response(last),
     )
+
+
+def open_store_here(path: str, start) -> None:
+    start.wait()
+    ResponseStore(path)
+
+
+def test_front_ends_starting_at_once_all_open_the_new_database(tmp_path):
+    """Processes opening one new database at the same moment (as the front ends of a server start):
+    each opens it (no "database is locked" from two connections switching it to WAL at once), and
+    it is in WAL mode with its table."""
+    path = str(tmp_path / "responses.sqlite")
+    spawn = multiprocessing.get_context("spawn")
+    start = spawn.Event()
+    openers = [spawn.Process(target=open_store_here, args=(path, start)) for _ in range(6)]
+    for opener in openers:
+        opener.start()
+    start.set()
+    for opener in openers:
+        opener.join(timeout=120)
+    assert [opener.exitcode for opener in openers] == [0] * 6
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert db.execute("SELECT COUNT(*) FROM responses").fetchone() == (0,)
